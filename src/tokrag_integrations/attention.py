@@ -1,0 +1,267 @@
+"""Reading a model's layers without eager attention.
+
+Tok-RAG needs, at a disagreement step, the residual stream of the last position after every
+layer (for the logit lens, Eq. 13) and the attention row of the last position of the RAG
+context at every layer (f(l) and Att, Eq. 14–15). Running the whole model with eager
+attention to get those rows would slow every prefill by about 50 %, so instead:
+
+* forward hooks copy the last position's residual state, attention input and rotary
+  embedding of every layer during the ordinary (SDPA) forward pass (a few KB per step);
+* at a disagreement step the attention row is recomputed from that attention input and
+  the keys already in the KV cache: one query projection and one ``q·K`` per layer.
+
+The recomputation follows the model's own attention module (q_norm where the model has it,
+its rotary function, its scaling, soft-capping and sliding window) and is tested against
+``output_attentions=True`` of an eager model to 1e-4.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ModelParts:
+    """Handles on the pieces of a decoder-only model that the signals read."""
+
+    layers: list[Any]
+    embed: Any
+    final_norm: Any
+    lm_head: Any
+    attn: list[Any]
+    rotary_fns: list[Any]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def embedding_matrix(self) -> torch.Tensor:
+        """A: the input embedding matrix, rows = token ids."""
+        return self.embed.weight
+
+
+def _find_backbone(model: Any) -> Any:
+    for name in ("model", "transformer", "language_model"):
+        sub = getattr(model, name, None)
+        if sub is not None and hasattr(sub, "layers"):
+            return sub
+        if sub is not None and hasattr(sub, "language_model"):
+            return sub.language_model
+    if hasattr(model, "layers"):
+        return model
+    return None
+
+
+def model_parts(model: Any) -> ModelParts:
+    """Locate layers, embeddings, final norm, LM head and attention modules.
+
+    Raises:
+        ValueError: the architecture does not expose what the signals read, with the fix.
+    """
+    cached = getattr(model, "_tokrag_parts", None)
+    if cached is not None:
+        return cached
+    backbone = _find_backbone(model)
+    why = None
+    if backbone is None:
+        why = "no decoder layer list (model.model.layers)"
+    else:
+        layers = list(backbone.layers)
+        attn = [getattr(layer, "self_attn", None) for layer in layers]
+        embed = getattr(backbone, "embed_tokens", None)
+        norm = getattr(backbone, "norm", None)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if any(a is None or not hasattr(a, "q_proj") for a in attn):
+            why = "attention modules without a separate q_proj (fused QKV projections)"
+        elif embed is None or norm is None or head is None:
+            why = "no embed_tokens / final norm / LM head"
+        else:
+            rot = [getattr(sys.modules[type(a).__module__], "apply_rotary_pos_emb", None) for a in attn]
+            if any(r is None for r in rot):
+                why = "attention without rotary position embeddings"
+    if why is not None:
+        raise ValueError(
+            f"{type(model).__name__}: the Tok-RAG signals cannot read this architecture ({why}). "
+            "Use a Llama-style decoder (Llama, SmolLM, Qwen2/3, Mistral, Gemma 2/3), or use the "
+            "'rag'/'llm' policies, which need no signals."
+        )
+    parts = ModelParts(
+        layers=layers, embed=embed, final_norm=norm, lm_head=head, attn=attn, rotary_fns=rot
+    )
+    try:
+        model._tokrag_parts = parts
+    except Exception:  # pragma: no cover - exotic module types
+        pass
+    return parts
+
+
+def check_supported(model: Any) -> None:
+    """Raise a ValueError naming the fix when the signals cannot read ``model``."""
+    model_parts(model)
+
+
+@dataclass
+class ProbeRecord:
+    """Last-position states of one forward pass.
+
+    Shapes (B = batch rows, L = layers, d = hidden size, hd = head dim):
+    ``resid`` [L+1, B, d] (h^0 = embeddings, h^l = output of layer l, before the final
+    norm); ``attn_in`` [L, B, d] (the normed input of each attention module); ``cos``/``sin``
+    lists of [B, hd] (each layer's rotary embedding of the last position).
+    """
+
+    resid: torch.Tensor
+    attn_in: torch.Tensor
+    cos: list[torch.Tensor]
+    sin: list[torch.Tensor]
+
+    def select(self, rows: torch.Tensor | list[int]) -> ProbeRecord:
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.resid.device)
+        return ProbeRecord(
+            resid=self.resid.index_select(1, idx),
+            attn_in=self.attn_in.index_select(1, idx),
+            cos=[c.index_select(0, idx) for c in self.cos],
+            sin=[s.index_select(0, idx) for s in self.sin],
+        )
+
+
+class Probe:
+    """Context manager that records last-position states during a forward pass."""
+
+    def __init__(self, model: Any):
+        self.parts = model_parts(model)
+        self._handles: list[Any] = []
+        self._resid: list[torch.Tensor | None] = []
+        self._attn_in: list[torch.Tensor | None] = []
+        self._cos: list[torch.Tensor | None] = []
+        self._sin: list[torch.Tensor | None] = []
+
+    def __enter__(self) -> Probe:
+        n = self.parts.num_layers
+        self._resid = [None] * (n + 1)
+        self._attn_in = [None] * n
+        self._cos = [None] * n
+        self._sin = [None] * n
+
+        def embed_hook(_m: Any, _inp: Any, out: Any) -> None:
+            self._resid[0] = out[:, -1].detach().clone()
+
+        self._handles.append(self.parts.embed.register_forward_hook(embed_hook))
+        for i, (layer, attn) in enumerate(zip(self.parts.layers, self.parts.attn, strict=True)):
+
+            def layer_hook(_m: Any, _inp: Any, out: Any, i: int = i) -> None:
+                h = out[0] if isinstance(out, (tuple, list)) else out
+                self._resid[i + 1] = h[:, -1].detach().clone()
+
+            def attn_pre_hook(_m: Any, args: Any, kwargs: Any, i: int = i) -> None:
+                hs = kwargs.get("hidden_states", args[0] if args else None)
+                self._attn_in[i] = hs[:, -1].detach().clone()
+                pe = kwargs.get("position_embeddings")
+                if pe is None and len(args) > 1:
+                    pe = args[1]
+                cos, sin = pe
+                self._cos[i] = cos[:, -1].detach().clone()
+                self._sin[i] = sin[:, -1].detach().clone()
+
+            self._handles.append(layer.register_forward_hook(layer_hook))
+            self._handles.append(attn.register_forward_pre_hook(attn_pre_hook, with_kwargs=True))
+        return self
+
+    def take(self) -> ProbeRecord:
+        """Return the states of the most recent forward pass."""
+        if any(r is None for r in self._resid) or any(a is None for a in self._attn_in):
+            raise RuntimeError("Probe.take() called before a forward pass")
+        cos, sin = list(self._cos), list(self._sin)
+        return ProbeRecord(
+            resid=torch.stack(self._resid),  # type: ignore[arg-type]
+            attn_in=torch.stack(self._attn_in),  # type: ignore[arg-type]
+            cos=cos,  # type: ignore[arg-type]
+            sin=sin,  # type: ignore[arg-type]
+        )
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def cached_keys(cache: Any, layer_idx: int) -> torch.Tensor:
+    """Keys of one layer from a transformers cache: [B, kv_heads, T_kept, hd]."""
+    if hasattr(cache, "layers"):
+        return cache.layers[layer_idx].keys
+    return cache.key_cache[layer_idx]  # pragma: no cover - transformers < 4.56
+
+
+def attention_row(
+    parts: ModelParts,
+    layer_idx: int,
+    record: ProbeRecord,
+    keys: torch.Tensor,
+    key_valid: torch.Tensor,
+    seen_len: int,
+) -> torch.Tensor:
+    """Head-wise attention probabilities of the last position at one layer.
+
+    Recomputed from the cached (already rotated) keys and the query of the last position, so
+    it equals the model's own attention without running eager attention.
+
+    Args:
+        parts: from :func:`model_parts`.
+        layer_idx: 0-based layer index (layer l of the paper is ``layer_idx = l - 1``).
+        record: probe record of the forward pass that produced the current position.
+        keys: [B, kv_heads, T_kept, hd] cached keys of that layer (the last ``T_kept`` of
+            ``seen_len`` positions when the layer uses a sliding window cache).
+        key_valid: [B, seen_len] bool, False at padding positions.
+        seen_len: number of positions the cache has seen (prompt + generated).
+
+    Returns:
+        [B, H, seen_len] attention probabilities (zeros at positions that are masked or no
+        longer in a sliding window cache).
+    """
+    attn = parts.attn[layer_idx]
+    bsz = keys.shape[0]
+    head_dim = attn.head_dim
+    x = record.attn_in[layer_idx].to(attn.q_proj.weight.dtype)  # [B, d]
+    q = attn.q_proj(x).view(bsz, -1, 1, head_dim)  # [B, H, 1, hd]
+    if hasattr(attn, "q_norm"):
+        q = attn.q_norm(q)
+    cos = record.cos[layer_idx].unsqueeze(1)  # [B, 1, hd]
+    sin = record.sin[layer_idx].unsqueeze(1)
+    q, _ = parts.rotary_fns[layer_idx](q, q, cos, sin)
+    n_heads = q.shape[1]
+    groups = n_heads // keys.shape[1]
+    k = keys.repeat_interleave(groups, dim=1) if groups > 1 else keys  # [B, H, T_kept, hd]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).squeeze(2) * attn.scaling
+    softcap = getattr(attn, "attn_logit_softcapping", None)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    kept = k.shape[2]
+    offset = seen_len - kept
+    valid = key_valid[:, offset:seen_len].clone()
+    window = getattr(attn, "sliding_window", None)
+    if window:
+        pos = torch.arange(offset, seen_len, device=valid.device)
+        valid &= (seen_len - 1 - pos) < window
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if offset:
+        probs = torch.nn.functional.pad(probs, (offset, 0))
+    return probs
+
+
+def logit_lens(parts: ModelParts, resid: torch.Tensor, *, final_norm: bool = True) -> torch.Tensor:
+    """phi(h): logits read off any layer's residual state.
+
+    ``final_norm=True`` applies the model's final norm before the LM head (the usual logit
+    lens); ``False`` applies the LM head directly, as the authors' released code does.
+    Input [..., d] -> output [..., V] (float32).
+    """
+    h = resid.to(parts.lm_head.weight.dtype)
+    if final_norm:
+        h = parts.final_norm(h)
+    return parts.lm_head(h).float()

@@ -1,0 +1,269 @@
+"""The one multi-context greedy loop.
+
+Every policy (``llm``, ``rag``, ``tokrag``, ``cad``...) is a rule over the same loop: each
+query owns one or more *contexts* (the pure prompt, the RAG prompt, one prompt per
+passage...), every context keeps its own KV cache, all contexts of a query share the
+generated suffix, and at each step the policy turns the contexts' next-token logits into one
+token. Contexts of the same role across a batch of queries are left-padded and run as one
+batch, so a step costs one forward pass per role.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .attention import ModelParts, Probe, ProbeRecord, attention_row, cached_keys, model_parts
+from .models import LoadedModel
+from .prompts import PromptPlan
+from .trace import Candidate, TraceStep
+
+
+@dataclass
+class ContextSpec:
+    """One context of one query: its prompt ids and which positions are retrieved tokens."""
+
+    ids: list[int]
+    rt_positions: list[int] = field(default_factory=list)
+    weight: float | None = None
+
+
+class ContextView:
+    """What a policy sees of one context at one step (one row of a role batch)."""
+
+    def __init__(self, batch: _RoleBatch, row: int, record: ProbeRecord | None):
+        self._batch = batch
+        self._row = row
+        self.record = record
+        self.logits: torch.Tensor = batch.logits[row]
+        self.spec: ContextSpec = batch.specs[row]
+        self._probs: torch.Tensor | None = None
+        self._attn: dict[int, torch.Tensor] = {}
+
+    @property
+    def probs(self) -> torch.Tensor:
+        if self._probs is None:
+            self._probs = torch.softmax(self.logits.float(), dim=-1)
+        return self._probs
+
+    @property
+    def rt_positions(self) -> torch.Tensor:
+        """Positions of retrieved tokens in cache coordinates (left padding included)."""
+        pad = self._batch.pad[self._row]
+        return torch.tensor([pad + p for p in self.spec.rt_positions], dtype=torch.long, device=self.logits.device)
+
+    @property
+    def rt_token_ids(self) -> torch.Tensor:
+        ids = self.spec.ids
+        return torch.tensor([ids[p] for p in self.spec.rt_positions], dtype=torch.long, device=self.logits.device)
+
+    def attention(self, layer_idx: int) -> torch.Tensor:
+        """[H, T] attention of the last position at 0-based layer ``layer_idx`` (recomputed)."""
+        if self.record is None:
+            raise RuntimeError("this policy did not ask for probe records of this context")
+        if layer_idx not in self._attn:
+            b = self._batch
+            keys = cached_keys(b.cache, layer_idx)[self._row : self._row + 1]
+            rec = self.record
+            self._attn[layer_idx] = attention_row(
+                b.parts, layer_idx, rec, keys, b.mask[self._row : self._row + 1].bool(), b.mask.shape[1]
+            )[0]
+        return self._attn[layer_idx]
+
+
+@dataclass
+class Choice:
+    """A policy's decision at one step."""
+
+    token_id: int
+    source: str
+    signals: dict[str, Any] = field(default_factory=dict)
+
+
+class Policy:
+    """A decoding rule over the multi-context loop.
+
+    Subclasses set ``name`` and ``roles`` and implement :meth:`choose`. ``probe_roles`` lists
+    the roles whose per-layer states the rule reads (hooks are installed only for those).
+    """
+
+    name: str = ""
+    roles: tuple[str, ...] = ()
+    probe_roles: frozenset[str] = frozenset()
+    #: Whether the rule needs passages at all (``llm`` does not).
+    uses_passages: bool = True
+
+    def contexts(self, plan: PromptPlan) -> dict[str, ContextSpec]:
+        """The contexts this rule decodes for one query (default: pure and RAG)."""
+        out: dict[str, ContextSpec] = {}
+        if "pure" in self.roles:
+            out["pure"] = ContextSpec(plan.pure_ids)
+        if "rag" in self.roles:
+            out["rag"] = ContextSpec(plan.rag_ids, plan.retrieved_positions)
+        return out
+
+    def prepare(self, lm: LoadedModel) -> None:
+        """Called once per decode with the model (cache embeddings etc.)."""
+
+    def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
+        raise NotImplementedError
+
+    def options(self) -> dict[str, Any]:
+        return {}
+
+
+class _RoleBatch:
+    """All contexts of one role across the batch of queries, with their KV cache."""
+
+    def __init__(self, role: str, members: list[tuple[int, ContextSpec]], lm: LoadedModel, probe: bool):
+        from transformers import DynamicCache
+
+        self.role = role
+        self.query_idx = [q for q, _ in members]
+        self.specs = [s for _, s in members]
+        self.lm = lm
+        self.probe = probe
+        self.parts: ModelParts | None = model_parts(lm.model) if probe else None
+        dev = lm.model.device
+        n = max(len(s.ids) for s in self.specs)
+        self.pad = [n - len(s.ids) for s in self.specs]
+        ids = torch.full((len(self.specs), n), lm.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(self.specs), n), dtype=torch.long)
+        for r, s in enumerate(self.specs):
+            ids[r, self.pad[r] :] = torch.tensor(s.ids, dtype=torch.long)
+            mask[r, self.pad[r] :] = 1
+        self.ids = ids.to(dev)
+        self.mask = mask.to(dev)
+        self.cache = DynamicCache(config=lm.model.config)
+        self.logits: torch.Tensor = torch.empty(0)
+        self.records: ProbeRecord | None = None
+
+    def forward(self, new_ids: torch.Tensor | None) -> None:
+        """Prefill (``new_ids`` None) or advance every row by one token ([B] long)."""
+        model = self.lm.model
+        if new_ids is None:
+            inp = self.ids
+            pos = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        else:
+            inp = new_ids.view(-1, 1).to(self.ids.device)
+            self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+            pos = (self.mask.sum(-1, keepdim=True) - 1).clamp(min=0)
+        kwargs = dict(
+            input_ids=inp,
+            attention_mask=self.mask,
+            position_ids=pos,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        if self.probe:
+            with Probe(model) as probe:
+                out = model(**kwargs)
+            self.records = probe.take()
+        else:
+            out = model(**kwargs)
+        self.cache = out.past_key_values
+        self.logits = out.logits[:, -1, :].float()
+
+
+@dataclass
+class StepEvent:
+    """A token chosen for query ``query_idx`` (yielded by :func:`decode_loop`)."""
+
+    query_idx: int
+    step: TraceStep
+    finished: bool = False
+    stop_reason: str = ""
+
+
+def decode_loop(
+    lm: LoadedModel,
+    plans: Sequence[PromptPlan],
+    policy: Policy,
+    *,
+    max_new_tokens: int = 64,
+    stop: Sequence[str] = (),
+    timings: dict[str, float] | None = None,
+) -> Iterator[StepEvent]:
+    """Greedy multi-context decoding of a batch of queries under one policy.
+
+    Yields one :class:`StepEvent` per chosen token as soon as it is chosen (the final event
+    of a query has ``finished=True`` and its ``stop_reason``: ``eos``, ``stop`` or
+    ``length``). EOS tokens end a query and are not yielded as text.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    tok = lm.tokenizer
+    eos = set(lm.eos_token_ids)
+    policy.prepare(lm)
+    per_query = [policy.contexts(p) for p in plans]
+    roles = [r for r in policy.roles if any(r in c for c in per_query)]
+    extra = sorted({r for c in per_query for r in c} - set(roles))
+    roles += extra
+    timings = timings if timings is not None else {}
+
+    t0 = time.perf_counter()
+    batches: dict[str, _RoleBatch] = {}
+    with torch.inference_mode():
+        for role in roles:
+            members = [(q, c[role]) for q, c in enumerate(per_query) if role in c]
+            b = _RoleBatch(role, members, lm, probe=role in policy.probe_roles)
+            b.forward(None)
+            batches[role] = b
+        timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
+        row_of = {role: {q: r for r, q in enumerate(b.query_idx)} for role, b in batches.items()}
+
+        generated: list[list[int]] = [[] for _ in plans]
+        done = [False] * len(plans)
+        t1 = time.perf_counter()
+        for step_i in range(max_new_tokens):
+            chosen = [lm.pad_token_id] * len(plans)
+            for q in range(len(plans)):
+                if done[q]:
+                    continue
+                views = {}
+                for role, rows in row_of.items():
+                    if q in rows:
+                        b = batches[role]
+                        r = rows[q]
+                        rec = b.records.select([r]) if b.records is not None else None
+                        views[role] = ContextView(b, r, rec)
+                choice = policy.choose(views, lm)
+                tid = int(choice.token_id)
+                chosen[q] = tid
+                cands = {}
+                for role, v in views.items():
+                    top = int(torch.argmax(v.logits).item())
+                    cands[role] = Candidate(top, tok.decode([top]), float(v.probs[top].item()))
+                step = TraceStep(
+                    index=step_i,
+                    token_id=tid,
+                    text="" if tid in eos else tok.decode([tid]),
+                    source=choice.source,
+                    candidates=cands,
+                    signals=choice.signals,
+                )
+                reason = ""
+                if tid in eos:
+                    reason = "eos"
+                else:
+                    generated[q].append(tid)
+                    if stop:
+                        text = tok.decode(generated[q], skip_special_tokens=True)
+                        if any(s in text for s in stop):
+                            reason = "stop"
+                if not reason and step_i == max_new_tokens - 1:
+                    reason = "length"
+                if reason:
+                    done[q] = True
+                yield StepEvent(q, step, finished=bool(reason), stop_reason=reason)
+            if all(done):
+                break
+            new = torch.tensor(chosen, dtype=torch.long)
+            for role, b in batches.items():
+                b.forward(new[b.query_idx])
+        timings["decode_s"] = timings.get("decode_s", 0.0) + time.perf_counter() - t1

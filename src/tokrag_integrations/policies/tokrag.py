@@ -1,0 +1,205 @@
+"""Tok-RAG (seed 000, Sections 3.1–3.2): keep the RAG token where benefit outweighs detriment.
+
+At every step the pure LLM proposes ``a`` and RAG proposes ``b``. Where they agree the token
+is taken at once (no signals: this is where most of the speed comes from). Where they differ,
+the policy estimates the distribution of the retrieved texts p_R from the model's own layers
+and attention (Eq. 13–16) and keeps ``b`` iff cos(w_RAG, w_IR) >= cos(w_RAG, w_LLM) (Eq. 19).
+
+``variant="reference"`` reproduces what the authors' released code does instead (spec §4):
+a fixed fusion layer, no WordSim / p_R but the best of the 3 most-attended retrieved windows,
+top-3 weighted embeddings, and a comparison at every step. Its known first-token bug (the
+attention row of the wrong query position) is not copied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import signals as S
+from ..attention import logit_lens, model_parts
+from ..decoding import Choice, ContextView, Policy
+from ..models import LoadedModel
+from ..trace import AGREE, FROM_LLM, FROM_RAG
+
+_LENS_CHUNK = 4
+
+
+class TokRAG(Policy):
+    """Tok-RAG decoding.
+
+    Args:
+        variant: ``"paper"`` (Eq. 13–19 as written) or ``"reference"`` (authors' code, §4).
+        pr_norm: ``"sum"`` (Att⊙WordSim divided by its sum) or ``"softmax"`` (Eq. 16 literal).
+        top_k: truncate w_RAG / w_LLM to the top-k tokens (None = full vocabulary).
+        min_fusion_layer: layers below it are not searched for l* (0 = the paper).
+        lens_norm: apply the final norm in the logit lens (False = the authors' code).
+        jsd_threshold: Eq. 14's a, per vocabulary entry.
+        fixed_layer: the reference variant's fusion layer (default round(20/32 · L)).
+        ref_positions / ref_window: the reference variant's most-attended retrieved positions
+            and the half-width of the token window embedded around each.
+    """
+
+    name = "tokrag"
+    roles = ("pure", "rag")
+    probe_roles = frozenset({"pure", "rag"})
+
+    def __init__(
+        self,
+        variant: str = "paper",
+        pr_norm: str = "sum",
+        top_k: int | None = None,
+        min_fusion_layer: int = 0,
+        lens_norm: bool = True,
+        jsd_threshold: float = S.DEFAULT_JSD_THRESHOLD,
+        fixed_layer: int | None = None,
+        ref_positions: int = 3,
+        ref_window: int = 2,
+    ):
+        if variant not in ("paper", "reference"):
+            raise ValueError(f"variant must be 'paper' or 'reference', got {variant!r}")
+        if pr_norm not in ("sum", "softmax"):
+            raise ValueError(f"pr_norm must be 'sum' or 'softmax', got {pr_norm!r}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        if min_fusion_layer < 0:
+            raise ValueError(f"min_fusion_layer must be >= 0, got {min_fusion_layer}")
+        if jsd_threshold < 0:
+            raise ValueError(f"jsd_threshold must be >= 0, got {jsd_threshold}")
+        self.variant = variant
+        self.pr_norm = pr_norm
+        self.top_k = top_k if variant == "paper" else (top_k or 3)
+        self.min_fusion_layer = int(min_fusion_layer)
+        self.lens_norm = bool(lens_norm) if variant == "paper" else False
+        self.jsd_threshold = float(jsd_threshold)
+        self.fixed_layer = fixed_layer
+        self.ref_positions = int(ref_positions)
+        self.ref_window = int(ref_window)
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "variant": self.variant,
+            "pr_norm": self.pr_norm,
+            "top_k": self.top_k,
+            "min_fusion_layer": self.min_fusion_layer,
+            "lens_norm": self.lens_norm,
+            "jsd_threshold": self.jsd_threshold,
+            **({"fixed_layer": self.fixed_layer} if self.variant == "reference" else {}),
+        }
+
+    def prepare(self, lm: LoadedModel) -> None:
+        self._parts = model_parts(lm.model)
+        self._A = self._parts.embedding_matrix.detach()
+        self._L = self._parts.num_layers
+        if self.min_fusion_layer > self._L:
+            raise ValueError(f"min_fusion_layer={self.min_fusion_layer} exceeds the model's {self._L} layers")
+        if self.variant == "reference":
+            fl = self.fixed_layer if self.fixed_layer is not None else round(20 / 32 * self._L)
+            if not 1 <= fl <= self._L:
+                raise ValueError(f"fixed_layer must be in [1, {self._L}], got {fl}")
+            self._fixed = fl
+        self._tok = lm.tokenizer
+
+    # ------------------------------------------------------------------ rule
+    def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
+        pure, rag = views["pure"], views["rag"]
+        a = int(torch.argmax(pure.logits).item())
+        b = int(torch.argmax(rag.logits).item())
+        if self.variant == "paper" and a == b:
+            return Choice(a, AGREE)
+        if rag.spec.rt_positions == []:
+            return Choice(a, AGREE if a == b else FROM_LLM, {"note": "no retrieved tokens"})
+        sig = self.reference_signals(pure, rag) if self.variant == "reference" else self.signals(pure, rag)
+        if a == b:
+            return Choice(a, AGREE, sig)
+        return Choice(b if sig["benefit"] else a, FROM_RAG if sig["benefit"] else FROM_LLM, sig)
+
+    def score(self, pure: ContextView, rag: ContextView) -> float:
+        """cos(w_RAG, w_IR) − cos(w_RAG, w_LLM): > 0 means benefit wins (token-level AUC)."""
+        sig = self.reference_signals(pure, rag) if self.variant == "reference" else self.signals(pure, rag)
+        return sig["cos_ir"] - sig["cos_llm"]
+
+    # ------------------------------------------------------------------ signals (Eq. 13–18)
+    def _lens_probs(self, resid: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logit_lens(self._parts, resid, final_norm=self.lens_norm), dim=-1)
+
+    def signals(self, pure: ContextView, rag: ContextView) -> dict[str, Any]:
+        L, A, parts = self._L, self._A, self._parts
+        rt = rag.rt_positions
+        rt_ids = rag.rt_token_ids
+        attn = torch.stack([rag.attention(i) for i in range(L)])  # [L, H, T]
+        f = S.retrieved_attention_mass(attn, rt)
+
+        # g(l), Eq. 13, computed lazily: only up to the first layer crossing the threshold.
+        lo = max(1, self.min_fusion_layer)
+        bound = self.jsd_threshold * A.shape[0]
+        h_pure = pure.record.resid[:, 0]  # [L+1, d]
+        h_rag = rag.record.resid[:, 0]
+        g = torch.full((L,), float("nan"))
+        prev_p = prev_r = None
+        crossing = None
+        for start in range(lo - 1, L, _LENS_CHUNK):
+            stop = min(start + _LENS_CHUNK, L)  # lens at layers start..stop
+            from_layer = start if prev_p is None else start + 1
+            pp = self._lens_probs(h_pure[from_layer : stop + 1])
+            pr = self._lens_probs(h_rag[from_layer : stop + 1])
+            if prev_p is not None:
+                pp = torch.cat([prev_p[None], pp])
+                pr = torch.cat([prev_r[None], pr])
+            gap = S.distribution_change_gap(S.layer_shift_jsd(pr), S.layer_shift_jsd(pp))
+            g[start:stop] = gap.float()
+            prev_p, prev_r = pp[-1], pr[-1]
+            crossing = S.first_crossing(g[:stop], bound, start_layer=lo)
+            if crossing is not None:
+                break
+        l_star, f_layer, g_layer = S.fusion_layer(
+            f, g, vocab_size=A.shape[0], threshold=self.jsd_threshold, min_fusion_layer=self.min_fusion_layer
+        )
+
+        # Eq. 15–16: Att ⊙ WordSim over the retrieved positions -> p_R -> w_IR.
+        att = S.renormalised_attention(attn[l_star - 1], rt)
+        lens_star = logit_lens(parts, h_rag[l_star], final_norm=self.lens_norm)
+        lens_final = logit_lens(parts, h_rag[L], final_norm=self.lens_norm)
+        x_rise = S.rising_token(lens_final, lens_star)
+        wordsim = S.word_similarity(A, x_rise, rt_ids)
+        p_r = S.retrieval_distribution(att, wordsim, pr_norm=self.pr_norm)
+        w_ir = S.retrieval_embedding(A, p_r, rt_ids)
+        w_rag = S.weighted_embedding(rag.probs, A, top_k=self.top_k)
+        w_llm = S.weighted_embedding(pure.probs, A, top_k=self.top_k)
+        cos_ir, cos_llm = S.cosine(w_rag, w_ir), S.cosine(w_rag, w_llm)
+        top = torch.topk(S.positions_to_vocab(p_r, rt_ids, A.shape[0]), k=min(3, rt_ids.numel()))
+        return {
+            "l_star": l_star,
+            "fusion_attn_layer": f_layer,
+            "fusion_jsd_layer": g_layer,
+            "cos_ir": cos_ir,
+            "cos_llm": cos_llm,
+            "benefit": S.benefit_wins(cos_ir, cos_llm),
+            "rising_token": self._tok.decode([x_rise]),
+            "p_r_top": [[self._tok.decode([int(i)]), round(float(v), 4)] for v, i in zip(top.values, top.indices, strict=True)],
+        }
+
+    def reference_signals(self, pure: ContextView, rag: ContextView) -> dict[str, Any]:
+        """The authors' released-code rule (spec §4)."""
+        A = self._A
+        rt = rag.rt_positions
+        rt_ids = rag.rt_token_ids
+        att = S.renormalised_attention(rag.attention(self._fixed - 1), rt)
+        k = min(self.ref_positions, att.numel())
+        top = torch.topk(att, k).indices.tolist()
+        w_rag = S.weighted_embedding(rag.probs, A, top_k=self.top_k)
+        w_llm = S.weighted_embedding(pure.probs, A, top_k=self.top_k)
+        best = -2.0
+        for j in top:
+            lo, hi = max(0, j - self.ref_window), min(rt_ids.numel(), j + self.ref_window + 1)
+            win = A[rt_ids[lo:hi]].float().mean(0)
+            best = max(best, S.cosine(w_rag, win))
+        cos_llm = S.cosine(w_rag, w_llm)
+        return {
+            "l_star": self._fixed,
+            "cos_ir": best,
+            "cos_llm": cos_llm,
+            "benefit": S.benefit_wins(best, cos_llm),
+            "attended": [self._tok.decode([int(rt_ids[j])]) for j in top],
+        }

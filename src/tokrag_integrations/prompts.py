@@ -1,0 +1,249 @@
+"""One prompt builder for the pure and the RAG context (spec §1).
+
+Both contexts come from the same template and end in the same assistant prefix; the RAG
+context inserts ``[Retrieved Passage]``-delimited passages before the question. Input ids are
+built segment by segment so the exact token positions of every passage are known (those are
+the "retrieved tokens" rt_1..rt_m of Eq. 15–16; delimiters and template tokens are not).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .trace import PassageRecord
+
+DELIMITER = "[Retrieved Passage]"
+DEFAULT_SYSTEM_PROMPT = "Answer the question with a short, factual answer."
+#: A passage cut to fit the window keeps at least this many tokens, otherwise it is dropped.
+MIN_CUT_TOKENS = 16
+_SENTINEL = "\u241eTOKRAG_USER_CONTENT\u241e"
+
+
+@dataclass
+class Passage:
+    """A retrieved passage: its text, the retriever's score (higher = better) and metadata."""
+
+    text: str
+    score: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+PassageLike = "str | Passage"
+
+
+def as_passages(items: Sequence[Any] | None) -> list[Passage]:
+    """Normalise strings / Passage objects / (text, score) pairs into Passage objects."""
+    out: list[Passage] = []
+    for i, it in enumerate(items or []):
+        if isinstance(it, Passage):
+            out.append(it)
+        elif isinstance(it, str):
+            out.append(Passage(it))
+        elif isinstance(it, tuple) and len(it) == 2 and isinstance(it[0], str):
+            out.append(Passage(it[0], None if it[1] is None else float(it[1])))
+        else:
+            raise TypeError(
+                f"passage {i} is a {type(it).__name__}; pass str, Passage or (text, score) tuples"
+            )
+    return out
+
+
+@dataclass
+class PromptPlan:
+    """Token ids of both contexts plus where every retrieved token sits.
+
+    ``rag_ids`` = head + Σ(delimiter + passage + separator) + question/tail;
+    ``passage_spans[j]`` = [start, end) of kept passage j inside ``rag_ids``.
+    """
+
+    query: str
+    pure_ids: list[int]
+    rag_ids: list[int]
+    passage_spans: list[tuple[int, int]]
+    passages: list[PassageRecord]
+    warnings: list[str]
+    head_ids: list[int] = field(default_factory=list, repr=False)
+    tail_ids: list[int] = field(default_factory=list, repr=False)
+    passage_segments: list[list[int]] = field(default_factory=list, repr=False)
+    kept_passages: list[Passage] = field(default_factory=list, repr=False)
+
+    @property
+    def retrieved_positions(self) -> list[int]:
+        return [p for s, e in self.passage_spans for p in range(s, e)]
+
+    @property
+    def has_passages(self) -> bool:
+        return bool(self.passage_spans)
+
+    def single_passage_context(self, j: int) -> tuple[list[int], list[int]]:
+        """(ids, retrieved positions) of a context holding only kept passage ``j`` (RAG-Token)."""
+        seg = self.passage_segments[j]
+        ids = list(self.head_ids)
+        start = len(ids) + self._delim_len
+        ids += seg
+        end = start + (self.passage_spans[j][1] - self.passage_spans[j][0])
+        ids += self.tail_ids
+        return ids, list(range(start, end))
+
+    _delim_len: int = field(default=0, repr=False)
+
+
+class PromptBuilder:
+    """Builds both contexts for a tokenizer (chat template when it has one, plain otherwise)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        context_window: int,
+        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        delimiter: str = DELIMITER,
+    ):
+        self.tokenizer = tokenizer
+        self.context_window = int(context_window)
+        self.system_prompt = system_prompt
+        self.delimiter = delimiter
+        self.use_chat = bool(getattr(tokenizer, "chat_template", None))
+
+    # ----------------------------------------------------------------- helpers
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def _frame(self, messages: list[dict[str, str]] | None) -> tuple[str, str]:
+        """Template text before and after the content of the final user turn."""
+        history = [dict(m) for m in (messages or [])]
+        if history and history[-1].get("role") == "user":
+            history = history[:-1]
+        if self.use_chat:
+            msgs: list[dict[str, str]] = []
+            if self.system_prompt and not any(m.get("role") == "system" for m in history):
+                msgs.append({"role": "system", "content": self.system_prompt})
+            msgs += history + [{"role": "user", "content": _SENTINEL}]
+            rendered = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            head, _, tail = rendered.partition(_SENTINEL)
+        else:
+            parts = [self.system_prompt] if self.system_prompt else []
+            for m in history:
+                parts.append(f"{m['role'].capitalize()}: {m['content']}")
+            head = "\n\n".join(parts) + ("\n\n" if parts else "")
+            tail = "\nAnswer:"
+            bos = getattr(self.tokenizer, "bos_token", None)
+            if bos and getattr(self.tokenizer, "add_bos_token", False) and not head.startswith(bos):
+                head = bos + head
+        return head, tail
+
+    # ----------------------------------------------------------------- build
+    def build(
+        self,
+        query: str,
+        passages: Sequence[Any] | None = None,
+        *,
+        max_new_tokens: int = 64,
+        messages: list[dict[str, str]] | None = None,
+        max_context_tokens: int | None = None,
+    ) -> PromptPlan:
+        """Build both contexts for ``query`` and ranked ``passages`` (best first).
+
+        Passages that would push the prompt past ``min(context_window, max_context_tokens)
+        - max_new_tokens`` are dropped from the lowest-ranked up; the last one that partly
+        fits is cut (at least ``MIN_CUT_TOKENS`` tokens kept). Each drop or cut emits a
+        warning that is also recorded in the plan (and so in the trace).
+
+        Raises:
+            ValueError: empty query, or a question that alone does not fit the window.
+        """
+        if query is None or not str(query).strip():
+            raise ValueError("The query is empty: pass a non-empty question.")
+        plist = as_passages(passages)
+        window = self.context_window if max_context_tokens is None else min(self.context_window, max_context_tokens)
+        budget = window - int(max_new_tokens)
+        notes: list[str] = []
+
+        head, tail = self._frame(messages)
+        head_ids = self._encode(head)
+        tail_ids = self._encode(f"Question: {query.strip()}" + tail)
+        delim_ids = self._encode(self.delimiter + "\n")
+        sep_ids = self._encode("\n\n")
+        pure_ids = head_ids + tail_ids
+        if len(pure_ids) > budget:
+            raise ValueError(
+                f"The question alone takes {len(pure_ids)} tokens, more than the {budget} available "
+                f"(context window {window} minus max_new_tokens {max_new_tokens}). Shorten the "
+                "question or lower max_new_tokens."
+            )
+
+        records: list[PassageRecord] = []
+        rag_ids = list(head_ids)
+        spans: list[tuple[int, int]] = []
+        segments: list[list[int]] = []
+        kept: list[Passage] = []
+        used = len(pure_ids)
+        full = False
+        for rank, p in enumerate(plist):
+            rec = PassageRecord(rank=rank, text=p.text, score=p.score, metadata=dict(p.metadata))
+            records.append(rec)
+            if not p.text or not p.text.strip():
+                rec.kept = False
+                notes.append(f"passage {rank} is empty and was skipped")
+                continue
+            body = self._encode(p.text.strip())
+            rec.n_tokens = len(body)
+            cost = len(delim_ids) + len(body) + len(sep_ids)
+            if full:
+                rec.kept = False
+                continue
+            if used + cost > budget:
+                room = budget - used - len(delim_ids) - len(sep_ids)
+                if room >= MIN_CUT_TOKENS:
+                    body = body[:room]
+                    rec.cut = True
+                    rec.n_tokens = len(body)
+                    cost = len(delim_ids) + len(body) + len(sep_ids)
+                else:
+                    rec.kept = False
+                full = True
+                if not rec.kept:
+                    continue
+            start = len(rag_ids) + len(delim_ids)
+            rag_ids += delim_ids + body + sep_ids
+            spans.append((start, start + len(body)))
+            segments.append(delim_ids + body + sep_ids)
+            kept.append(p)
+            used += cost
+        dropped = [r.rank for r in records if not r.kept and r.text.strip()]
+        cut = [r.rank for r in records if r.cut]
+        if dropped or cut:
+            msg = (
+                f"Passages do not fit the context window ({window} tokens, {max_new_tokens} reserved "
+                f"for the answer): "
+                + (f"cut passage {cut[0]} to {records[cut[0]].n_tokens} tokens" if cut else "")
+                + ("; " if cut and dropped else "")
+                + (f"dropped lowest-ranked passage(s) {dropped}" if dropped else "")
+                + "."
+            )
+            notes.append(msg)
+        if plist and not spans:
+            notes.append("No passage could be used: answering from the pure context.")
+        elif not plist:
+            notes.append("No passages given: answering from the pure context.")
+        rag_ids += tail_ids
+        for n in notes:
+            if "No passages given" not in n:
+                warnings.warn(n, stacklevel=3)
+        plan = PromptPlan(
+            query=query,
+            pure_ids=pure_ids,
+            rag_ids=rag_ids if spans else list(pure_ids),
+            passage_spans=spans,
+            passages=records,
+            warnings=notes,
+            head_ids=head_ids,
+            tail_ids=tail_ids,
+            passage_segments=segments,
+            kept_passages=kept,
+        )
+        plan._delim_len = len(delim_ids)
+        return plan

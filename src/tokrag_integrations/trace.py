@@ -1,0 +1,158 @@
+"""Per-token trace of a decode: which token came from which context, and why.
+
+The trace is the user's explanation of an answer (Tok-RAG paper, Fig. 5 case study). It is a
+plain, JSON-serialisable structure; renderers (HTML, terminal) live in :mod:`.render`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Source labels used by the two-context policies (spec §2). Other policies add their own
+#: labels (``mix`` for logit blends such as CAD, ``passage:<j>`` for single-passage picks).
+AGREE, FROM_RAG, FROM_LLM = "agree", "rag", "llm"
+
+
+@dataclass
+class Candidate:
+    """The top-1 token of one context at one step."""
+
+    token_id: int
+    text: str
+    prob: float
+
+
+@dataclass
+class TraceStep:
+    """One decoding step.
+
+    ``source`` names where the chosen token came from; ``candidates`` maps a context role
+    (``"pure"``, ``"rag"``, ``"passage:0"``...) to its top-1 token; ``signals`` holds the
+    numbers behind the decision (for Tok-RAG at a disagreement step: ``l_star``,
+    ``cos_ir`` = cos(w_RAG, w_IR), ``cos_llm`` = cos(w_RAG, w_LLM), ``fusion_attn_layer``,
+    ``fusion_jsd_layer``).
+    """
+
+    index: int
+    token_id: int
+    text: str
+    source: str
+    candidates: dict[str, Candidate] = field(default_factory=dict)
+    signals: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def disagreement(self) -> bool:
+        ids = {c.token_id for c in self.candidates.values()}
+        return len(ids) > 1
+
+
+@dataclass
+class PassageRecord:
+    """A passage as it entered (or failed to enter) the RAG context."""
+
+    rank: int
+    text: str
+    score: float | None = None
+    n_tokens: int = 0
+    kept: bool = True
+    cut: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Trace:
+    """Everything needed to explain one generated answer."""
+
+    query: str
+    policy: str
+    model: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    passages: list[PassageRecord] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    steps: list[TraceStep] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str = ""
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ summaries
+    def counts(self) -> dict[str, int]:
+        """Number of generated tokens per source label."""
+        out: dict[str, int] = {}
+        for s in self.steps:
+            out[s.source] = out.get(s.source, 0) + 1
+        return out
+
+    @property
+    def disagreement_steps(self) -> list[TraceStep]:
+        return [s for s in self.steps if s.disagreement]
+
+    # ------------------------------------------------------------------ export
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["counts"] = self.counts()
+        return d
+
+    def to_json(self, path: str | Path | None = None, *, indent: int | None = 2) -> str:
+        text = json.dumps(self.to_dict(), indent=indent, ensure_ascii=False, default=_json_default)
+        if path is not None:
+            Path(path).write_text(text, encoding="utf-8")
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trace:
+        d = dict(d)
+        d.pop("counts", None)
+        steps = [
+            TraceStep(
+                index=s["index"],
+                token_id=s["token_id"],
+                text=s["text"],
+                source=s["source"],
+                candidates={k: Candidate(**c) for k, c in s.get("candidates", {}).items()},
+                signals=dict(s.get("signals", {})),
+            )
+            for s in d.pop("steps", [])
+        ]
+        passages = [PassageRecord(**p) for p in d.pop("passages", [])]
+        return cls(steps=steps, passages=passages, **d)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> Trace:
+        p = Path(text_or_path) if not str(text_or_path).lstrip().startswith("{") else None
+        text = p.read_text(encoding="utf-8") if p is not None else str(text_or_path)
+        return cls.from_dict(json.loads(text))
+
+    # ------------------------------------------------------------------ rendering
+    def to_html(self, path: str | Path | None = None) -> str:
+        """A standalone HTML page colouring each token by its source (scores on hover)."""
+        from .render import trace_to_html
+
+        html = trace_to_html(self)
+        if path is not None:
+            Path(path).write_text(html, encoding="utf-8")
+        return html
+
+    def render(self, console: Any = None) -> None:
+        """Print the trace to the terminal with rich."""
+        from .render import render_trace
+
+        render_trace(self, console=console)
+
+
+def _json_default(o: Any) -> Any:
+    try:
+        import torch
+
+        if isinstance(o, torch.Tensor):
+            return o.tolist()
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        pass
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
