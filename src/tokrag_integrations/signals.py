@@ -157,15 +157,17 @@ def weighted_embedding(
 ) -> torch.Tensor:
     """w = Σ_v p(v)·A[v] / Σ_v p(v), optionally over the top-k tokens only (Sec. 3.2).
 
-    Args: probs [V] (non-negative); embeddings [V, d]; top_k None = full vocabulary.
+    Args: probs [V] or [N, V] (non-negative; N distributions share one read of A);
+    embeddings [V, d]; top_k None = full vocabulary. Returns [d] or [N, d].
     """
     if top_k is not None:
         if top_k < 1:
             raise ValueError(f"top_k must be a positive int or None, got {top_k}")
-        vals, idx = torch.topk(probs.float(), min(top_k, probs.shape[-1]))
-        return (vals @ embeddings[idx].float()) / vals.sum()
+        vals, idx = torch.topk(probs.float(), min(top_k, probs.shape[-1]), dim=-1)
+        emb = embeddings[idx].float()  # [..., k, d]
+        return (vals.unsqueeze(-2) @ emb).squeeze(-2) / vals.sum(-1, keepdim=True)
     p = probs.float()
-    return (p @ embeddings.float()) / p.sum()
+    return (p @ embeddings.float()) / p.sum(-1, keepdim=True)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

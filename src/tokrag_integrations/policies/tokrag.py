@@ -142,8 +142,10 @@ class TokRAG(Policy):
         for start in range(lo - 1, L, _LENS_CHUNK):
             stop = min(start + _LENS_CHUNK, L)  # lens at layers start..stop
             from_layer = start if prev_p is None else start + 1
-            pp = self._lens_probs(h_pure[from_layer : stop + 1])
-            pr = self._lens_probs(h_rag[from_layer : stop + 1])
+            # One LM-head matmul for both contexts: on CPU the head's weight read dominates.
+            n = stop + 1 - from_layer
+            both = self._lens_probs(torch.cat([h_pure[from_layer : stop + 1], h_rag[from_layer : stop + 1]]))
+            pp, pr = both[:n], both[n:]
             if prev_p is not None:
                 pp = torch.cat([prev_p[None], pp])
                 pr = torch.cat([prev_r[None], pr])
@@ -159,14 +161,16 @@ class TokRAG(Policy):
 
         # Eq. 15–16: Att ⊙ WordSim over the retrieved positions -> p_R -> w_IR.
         att = S.renormalised_attention(attn[l_star - 1], rt)
-        lens_star = logit_lens(parts, h_rag[l_star], final_norm=self.lens_norm)
-        lens_final = logit_lens(parts, h_rag[L], final_norm=self.lens_norm)
+        if self.lens_norm:  # phi(h~^L) with the final norm is the RAG context's own logits
+            lens_star = logit_lens(parts, h_rag[l_star], final_norm=True)
+            lens_final = rag.logits.float()
+        else:
+            lens_star, lens_final = logit_lens(parts, h_rag[[l_star, L]], final_norm=False)
         x_rise = S.rising_token(lens_final, lens_star)
         wordsim = S.word_similarity(A, x_rise, rt_ids)
         p_r = S.retrieval_distribution(att, wordsim, pr_norm=self.pr_norm)
         w_ir = S.retrieval_embedding(A, p_r, rt_ids)
-        w_rag = S.weighted_embedding(rag.probs, A, top_k=self.top_k)
-        w_llm = S.weighted_embedding(pure.probs, A, top_k=self.top_k)
+        w_rag, w_llm = S.weighted_embedding(torch.stack([rag.probs, pure.probs]), A, top_k=self.top_k)
         cos_ir, cos_llm = S.cosine(w_rag, w_ir), S.cosine(w_rag, w_llm)
         top = torch.topk(S.positions_to_vocab(p_r, rt_ids, A.shape[0]), k=min(3, rt_ids.numel()))
         return {
@@ -188,8 +192,7 @@ class TokRAG(Policy):
         att = S.renormalised_attention(rag.attention(self._fixed - 1), rt)
         k = min(self.ref_positions, att.numel())
         top = torch.topk(att, k).indices.tolist()
-        w_rag = S.weighted_embedding(rag.probs, A, top_k=self.top_k)
-        w_llm = S.weighted_embedding(pure.probs, A, top_k=self.top_k)
+        w_rag, w_llm = S.weighted_embedding(torch.stack([rag.probs, pure.probs]), A, top_k=self.top_k)
         best = -2.0
         for j in top:
             lo, hi = max(0, j - self.ref_window), min(rt_ids.numel(), j + self.ref_window + 1)

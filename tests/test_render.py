@@ -1,0 +1,220 @@
+"""Tests for the HTML and terminal renderers of a trace, on a hand-built trace."""
+
+from __future__ import annotations
+
+import html
+import re
+from html.parser import HTMLParser
+
+import pytest
+from rich.console import Console
+
+from tokrag_integrations.render import format_value, render_trace, trace_to_html
+from tokrag_integrations.trace import Candidate, PassageRecord, Trace, TraceStep
+
+
+def _step(
+    index: int,
+    text: str,
+    source: str,
+    rag: tuple[int, str, float],
+    pure: tuple[int, str, float],
+    signals: dict | None = None,
+) -> TraceStep:
+    cands = {"rag": Candidate(*rag), "pure": Candidate(*pure)}
+    chosen = cands["pure"] if source == "llm" else cands["rag"]
+    return TraceStep(index, chosen.token_id, text, source, cands, signals or {})
+
+
+@pytest.fixture
+def trace() -> Trace:
+    steps = [
+        _step(0, "Ottoline", "agree", (11, "Ottoline", 0.91), (11, "Ottoline", 0.40)),
+        _step(
+            1,
+            " Varga",
+            "rag",
+            (12, " Varga", 0.83),
+            (99, " Smith", 0.08),
+            {"l_star": 17, "cos_ir": 0.612345678, "cos_llm": 0.2, "fusion_jsd_layer": 21},
+        ),
+        _step(
+            2,
+            " <b>&",
+            "llm",
+            (13, " the", 0.31),
+            (14, " <b>&", 0.44),
+            {"l_star": 16, "cos_ir": 0.21, "cos_llm": 0.443321},
+        ),
+        _step(3, "\nend", "agree", (15, "\nend", 0.9), (15, "\nend", 0.8)),
+        _step(4, "©", "mix", (16, "©", 0.5), (17, "®", 0.4), {"alpha": 0.5}),
+        _step(5, ".", "passage:0", (18, ".", 0.9), (18, ".", 0.9)),
+    ]
+    return Trace(
+        query="Who founded <Quillfeather> & when?",
+        policy="tokrag",
+        model="SmolLM2-135M-Instruct",
+        options={"pr_norm": "softmax"},
+        passages=[
+            PassageRecord(0, "Founded by Ottoline Varga <i>in 2009</i>.", 0.7961, 12),
+            PassageRecord(1, "Code name Bramblewick.", 0.5, 7, kept=True, cut=True),
+            PassageRecord(2, "Leave is booked in Ledger.", None, 0, kept=False),
+        ],
+        warnings=["Passage 2 was dropped <too long>."],
+        steps=steps,
+        text="".join(s.text for s in steps),
+        stop_reason="eos",
+    )
+
+
+class _TokenCollector(HTMLParser):
+    """Collects each answer token span: its classes, its visible text and its tooltip text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: list[dict[str, str]] = []
+        self._depth = 0  # span depth inside the current token, 0 = outside a token
+        self._in_tip = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        cls = a.get("class") or ""
+        if tag == "span" and self._depth == 0 and cls.split()[:1] == ["tok"]:
+            self.tokens.append({"class": cls, "text": "", "tip": "", "source": a["data-source"]})
+            self._depth = 1
+        elif self._depth:
+            if tag == "span":
+                self._depth += 1
+            if "tip" in cls.split():
+                self._in_tip = True
+
+    def handle_endtag(self, tag: str) -> None:
+        if self._depth and tag == "span":
+            self._depth -= 1
+            if self._depth == 1:
+                self._in_tip = False
+
+    def handle_data(self, data: str) -> None:
+        if self._depth:
+            self.tokens[-1]["tip" if self._in_tip else "text"] += data
+
+
+def _tokens(page: str) -> list[dict[str, str]]:
+    parser = _TokenCollector()
+    parser.feed(page)
+    return parser.tokens
+
+
+def test_html_is_standalone(trace: Trace) -> None:
+    page = trace_to_html(trace)
+    assert page.startswith("<!DOCTYPE html>")
+    assert "<style>" in page
+    # nothing is loaded from elsewhere
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
+    assert "<link" not in page
+
+
+def test_html_escapes_every_trace_string(trace: Trace) -> None:
+    page = trace_to_html(trace)
+    assert "<Quillfeather>" not in page
+    assert html.escape("Who founded <Quillfeather> & when?") in page
+    assert "<b>&" not in page  # the token text
+    assert "<i>in 2009</i>" not in page  # passage text
+    assert "<too long>" not in page  # warning
+    assert "&lt;too long&gt;" in page
+
+
+def test_html_token_spans_coloured_by_source(trace: Trace) -> None:
+    tokens = _tokens(trace_to_html(trace))
+    assert [t["source"] for t in tokens] == ["agree", "rag", "llm", "agree", "mix", "passage:0"]
+    classes = [t["class"].split()[1] for t in tokens]
+    assert classes == ["src-agree", "src-rag", "src-llm", "src-agree", "src-other", "src-other"]
+    # disagreement steps are marked, agreement steps are not
+    assert ["dis" in t["class"].split() for t in tokens] == [
+        False, True, True, False, True, False,
+    ]  # fmt: skip
+    # the parsed (unescaped) token text is the original; the newline is shown as a mark
+    assert tokens[2]["text"] == " <b>&"
+    assert tokens[3]["text"] == "↵\nend"
+
+
+def test_html_colours_and_legend(trace: Trace) -> None:
+    page = trace_to_html(trace)
+    css = page[page.index("<style>") : page.index("</style>")]
+    for cls in ("src-agree", "src-rag", "src-llm", "src-other"):
+        assert f".tok.{cls}" in css
+    assert "from retrieval" in page and "from the model" in page
+    assert re.search(r'class="legend".*passage:0', page)
+
+
+def test_html_tooltip_shows_candidates_and_signals(trace: Trace) -> None:
+    tip = _tokens(trace_to_html(trace))[1]["tip"]
+    assert "RAG context" in tip and "LLM context" in tip
+    assert "␣Varga" in tip and "p=0.8300" in tip
+    assert "␣Smith" in tip and "p=0.0800" in tip
+    assert "l_star" in tip and "17" in tip
+    assert "cos_ir" in tip and "0.6123" in tip and "0.612345" not in tip
+    assert "cos_llm" in tip and "0.2000" in tip
+    assert "fusion_jsd_layer" in tip
+    # signal order: l_star, cos_ir, cos_llm first
+    assert tip.index("l_star") < tip.index("cos_ir") < tip.index("cos_llm")
+    # escaping inside the tooltip
+    assert "␣<b>&" in _tokens(trace_to_html(trace))[2]["tip"]
+
+
+def test_html_summary_passages_and_disagreements(trace: Trace) -> None:
+    page = trace_to_html(trace)
+    text = re.sub(r"<[^>]+>", " ", page)
+    assert "tokrag" in text and "SmolLM2-135M-Instruct" in text and "eos" in text
+    assert re.search(r"agree\s+2\b", text) and re.search(r"rag\s+1\b", text)
+    # passages: rank, score, status, token count
+    for status in ("kept", "cut", "dropped"):
+        assert f'class="badge {status}"' in page
+    assert "0.7961" in page
+    # one table row per disagreement step
+    rows = re.findall(r'<tr id="step-(\d+)">', page)
+    assert rows == ["1", "2", "4"]
+    assert "Disagreement steps (3)" in page
+
+
+def test_html_handles_empty_trace() -> None:
+    page = trace_to_html(Trace(query="q?", policy="llm", text="plain"))
+    assert "plain" in page
+    assert "No passages" in page
+    assert "agreed on every token" in page
+
+
+def test_format_value() -> None:
+    assert format_value(0.123456) == "0.1235"
+    assert format_value(3) == "3"
+    assert format_value(None) == "—"
+    assert format_value([0.5, 2]) == "[0.5000, 2]"
+    assert format_value(True) == "True"
+
+
+def test_rich_render(trace: Trace) -> None:
+    console = Console(record=True, width=140, color_system="truecolor")
+    render_trace(trace, console=console)
+    out = console.export_text(clear=False)
+    assert "Who founded <Quillfeather> & when?" in out
+    assert "Ottoline Varga <b>&" in out  # the answer, token by token (no markup parsing)
+    assert "Disagreement steps (3)" in out
+    for header in ("step", "rag candidate", "llm candidate", "chosen", "l*", "cos_ir", "cos_llm"):
+        assert header in out
+    assert "␣Varga (0.8300)" in out and "␣Smith (0.0800)" in out
+    assert "0.6123" in out and "0.4433" in out
+    assert "warning: Passage 2 was dropped <too long>." in out
+    assert "from retrieval" in out and "from the model" in out
+    # tokens carry their colours: rag green, llm blue
+    styled = console.export_text(styles=True)
+    assert re.search(r"\x1b\[[0-9;]*32m Varga", styled)
+    assert re.search(r"\x1b\[[0-9;]*34m <b>&", styled)
+
+
+def test_trace_methods_use_renderers(trace: Trace, tmp_path) -> None:
+    path = tmp_path / "t.html"
+    page = trace.to_html(path)
+    assert path.read_text(encoding="utf-8") == page
+    console = Console(record=True, width=120)
+    trace.render(console)
+    assert "Disagreement steps" in console.export_text()
