@@ -75,6 +75,27 @@ class ContextView:
         return self._attn[layer_idx]
 
 
+def distribution_stats(logits: torch.Tensor, token_id: int) -> dict[str, float]:
+    """Per-step summary of one next-token distribution, O(V), for the confidence metrics.
+
+    ``logits`` [V] -> ``{"logp": log p(y), "entropy": -sum p log p, "gini": sum p^2,
+    "mean_logp": (1/V) sum_v log p(v)}`` (float). DP (exp entropy) and Self-Certainty
+    (-log V - mean_logp) are derived from these (Confident RAG, Eq. 2-6). ``mean_logp``
+    uses log-probabilities clamped at -1e4 so a masked (-inf) logit cannot make it -inf.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    vals = torch.stack(
+        [
+            logp[int(token_id)],
+            -(p * logp.clamp(min=-1e4)).sum(),
+            (p * p).sum(),
+            logp.clamp(min=-1e4).mean(),
+        ]
+    ).tolist()
+    return dict(zip(("logp", "entropy", "gini", "mean_logp"), vals, strict=True))
+
+
 @dataclass
 class Choice:
     """A policy's decision at one step."""
@@ -236,9 +257,11 @@ def decode_loop(
                 tid = int(choice.token_id)
                 chosen[q] = tid
                 cands = {}
+                stats = {}
                 for role, v in views.items():
                     top = int(torch.argmax(v.logits).item())
                     cands[role] = Candidate(top, tok.decode([top]), float(v.probs[top].item()))
+                    stats[role] = distribution_stats(v.logits, tid)
                 step = TraceStep(
                     index=step_i,
                     token_id=tid,
@@ -246,6 +269,7 @@ def decode_loop(
                     source=choice.source,
                     candidates=cands,
                     signals=choice.signals,
+                    stats=stats,
                 )
                 reason = ""
                 if tid in eos:

@@ -33,7 +33,11 @@ class TraceStep:
     (``"pure"``, ``"rag"``, ``"passage:0"``...) to its top-1 token; ``signals`` holds the
     numbers behind the decision (for Tok-RAG at a disagreement step: ``l_star``,
     ``cos_ir`` = cos(w_RAG, w_IR), ``cos_llm`` = cos(w_RAG, w_LLM), ``fusion_attn_layer``,
-    ``fusion_jsd_layer``).
+    ``fusion_jsd_layer``). ``stats`` maps each context role to a cheap summary of its
+    next-token distribution at this step, evaluated at the chosen token (``logp``,
+    ``entropy``, ``gini``, ``mean_logp``; see :func:`..decoding.distribution_stats`); the
+    confidence metrics of :mod:`..gating.metrics` are computed from it without re-running
+    the model.
     """
 
     index: int
@@ -42,6 +46,7 @@ class TraceStep:
     source: str
     candidates: dict[str, Candidate] = field(default_factory=dict)
     signals: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def disagreement(self) -> bool:
@@ -114,6 +119,7 @@ class Trace:
                 source=s["source"],
                 candidates={k: Candidate(**c) for k, c in s.get("candidates", {}).items()},
                 signals=dict(s.get("signals", {})),
+                stats={k: dict(v) for k, v in s.get("stats", {}).items()},
             )
             for s in d.pop("steps", [])
         ]

@@ -1,0 +1,36 @@
+"""Retrieval gating: decide per query whether to retrieve, with the score behind the decision.
+
+Gates (all framework-free; the LlamaIndex / LangChain routers live in :mod:`.llama_index`
+and :mod:`.langchain` and import their frameworks lazily):
+
+* :class:`ConfidenceGate` - the five Confident-RAG metrics of a pure draft (seed 003);
+* :class:`GECEGate` - long-tail detection, Eq. 2 of seed 004 (``reference`` / ``self``);
+* :class:`CtrlAGate` - representation-based confidence monitoring (seed 002);
+* :func:`confident_rag` - several retrievers, one answer each, keep the most confident.
+"""
+
+from __future__ import annotations
+
+from .base import Gate, GateDecision
+from .confidence import ConfidenceGate
+from .confident_rag import ConfidentRAGResult, confident_rag
+from .ctrla import CtrlAGate
+from .gece import GECEGate
+from .metrics import METRICS, ConfidenceScores, metrics_from_probs, metrics_from_stats
+
+GATES = {"confidence": ConfidenceGate, "gece": GECEGate, "ctrla": CtrlAGate}
+
+__all__ = [
+    "GATES",
+    "METRICS",
+    "ConfidenceGate",
+    "ConfidenceScores",
+    "ConfidentRAGResult",
+    "CtrlAGate",
+    "GECEGate",
+    "Gate",
+    "GateDecision",
+    "confident_rag",
+    "metrics_from_probs",
+    "metrics_from_stats",
+]

@@ -1,0 +1,212 @@
+"""The gate contract: per query, "retrieve or not?", with the score behind the answer.
+
+A gate computes a *score* for a query (its own scale: a confidence, a GECE value...). Its
+``retrieve_when`` says which side of the threshold asks for retrieval (``"above"`` or
+``"below"``). The threshold is never hard-coded for a model: :meth:`Gate.calibrate` sets it
+as a percentile of the scores of a calibration set of queries, chosen so that
+``percentile`` % of the calibration queries are answered *without* retrieval (GECE's paper
+retrieves for the top 20 %: ``percentile=80``). :meth:`Gate.save` / :meth:`Gate.load` keep
+the calibration as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class GateDecision:
+    """One gate's verdict on one query.
+
+    ``retrieve``: whether to retrieve; ``score``: the gate's score; ``threshold``: the
+    calibrated threshold it was compared with (None before calibration, then the gate's
+    ``default_threshold`` is used); ``details``: the numbers behind the score (the draft
+    answer, the five confidence metrics, GECE terms, CtrlA per-token scores...).
+    """
+
+    retrieve: bool
+    score: float
+    threshold: float | None
+    gate: str = ""
+    retrieve_when: str = "below"
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(asdict(self))
+
+
+def _jsonable(o: Any) -> Any:
+    if isinstance(o, dict):
+        return {str(k): _jsonable(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_jsonable(v) for v in o]
+    if isinstance(o, float) and not math.isfinite(o):
+        return None if math.isnan(o) else (1e308 if o > 0 else -1e308)
+    if hasattr(o, "item") and not isinstance(o, (str, bytes)):
+        try:
+            return _jsonable(o.item())
+        except (ValueError, RuntimeError):
+            return _jsonable(o.tolist())
+    return o
+
+
+class Gate:
+    """Base class: subclasses set ``name``, ``retrieve_when`` and implement :meth:`score`."""
+
+    name: str = "gate"
+    #: "below": retrieve when score < threshold (confidences); "above": when score > it.
+    retrieve_when: str = "below"
+    #: Used before calibration (None: calibration required).
+    default_threshold: float | None = None
+    #: Default share (%) of calibration queries answered without retrieval.
+    default_percentile: float = 50.0
+
+    def __init__(self) -> None:
+        self.threshold: float | None = self.default_threshold
+        self.percentile: float | None = None
+        self.calibration: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ to implement
+    def score(self, query: str) -> tuple[float, dict[str, Any]]:
+        """The gate's score for ``query`` and the details behind it."""
+        raise NotImplementedError
+
+    def config(self) -> dict[str, Any]:
+        """Constructor arguments that :meth:`load` passes back (JSON-serialisable)."""
+        return {}
+
+    def state(self) -> dict[str, Any]:
+        """Calibrated state besides the threshold (e.g. GECE's mean gradient)."""
+        return {}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state`."""
+
+    def prepare_calibration(self, queries: Sequence[str], **kwargs: Any) -> None:
+        """Hook run by :meth:`calibrate` before scoring (GECE computes E(grad) here)."""
+
+    # ------------------------------------------------------------------ the contract
+    def retrieves(self, score: float, threshold: float | None = None) -> bool:
+        thr = self.threshold if threshold is None else threshold
+        if thr is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no threshold: call calibrate(queries) or load(path) "
+                "first, or pass threshold=... to the constructor."
+            )
+        if not math.isfinite(score):  # no answer / undefined score: be safe, retrieve
+            return True
+        return score < thr if self.retrieve_when == "below" else score > thr
+
+    def decide(self, query: str) -> GateDecision:
+        """Score ``query`` and compare with the calibrated threshold."""
+        s, details = self.score(query)
+        return GateDecision(
+            retrieve=self.retrieves(s),
+            score=float(s),
+            threshold=self.threshold,
+            gate=self.name,
+            retrieve_when=self.retrieve_when,
+            details=details,
+        )
+
+    def threshold_for(self, scores: Sequence[float], percentile: float) -> float:
+        """The threshold that leaves ``percentile`` % of ``scores`` un-retrieved."""
+        if not 0 <= percentile <= 100:
+            raise ValueError(f"percentile must be in [0, 100], got {percentile}")
+        arr = np.asarray([s for s in scores if math.isfinite(s)], dtype=float)
+        if arr.size == 0:
+            raise ValueError("no finite calibration scores: pass queries the model can answer.")
+        q = percentile if self.retrieve_when == "above" else 100.0 - percentile
+        return float(np.percentile(arr, q))
+
+    def calibrate(
+        self, queries: Sequence[str], percentile: float | None = None, **kwargs: Any
+    ) -> list[float]:
+        """Set the threshold from calibration ``queries``; returns their scores.
+
+        Args:
+            queries: representative user queries (no gold answers needed, except for GECE
+                ``reference`` mode, which takes ``references=`` through ``kwargs``).
+            percentile: share (%) of calibration queries answered without retrieval
+                (default: the gate's ``default_percentile``).
+        """
+        queries = list(queries)
+        if not queries:
+            raise ValueError("calibrate() needs at least one query.")
+        pct = self.default_percentile if percentile is None else float(percentile)
+        self.prepare_calibration(queries, **kwargs)
+        scores = [self.score(q)[0] for q in queries]
+        self.set_threshold_from_scores(scores, pct)
+        return scores
+
+    def set_threshold_from_scores(self, scores: Sequence[float], percentile: float) -> float:
+        self.threshold = self.threshold_for(scores, percentile)
+        self.percentile = float(percentile)
+        arr = np.asarray([s for s in scores if math.isfinite(s)], dtype=float)
+        self.calibration = {
+            "n": len(scores),
+            "mean": float(arr.mean()),
+            "std": float(arr.std()),
+            "min": float(arr.min()),
+            "max": float(arr.max()),
+        }
+        return self.threshold
+
+    # ------------------------------------------------------------------ persistence
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(
+            {
+                "gate": self.name,
+                "class": f"{type(self).__module__}:{type(self).__qualname__}",
+                "config": self.config(),
+                "retrieve_when": self.retrieve_when,
+                "threshold": self.threshold,
+                "percentile": self.percentile,
+                "calibration": self.calibration,
+                "state": self.state(),
+            }
+        )
+
+    def save(self, path: str | Path) -> Path:
+        """Write the calibration (threshold, percentile, config, state) as JSON."""
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=2), encoding="utf-8")
+        return path
+
+    def load_state(self, data: dict[str, Any]) -> None:
+        if data.get("gate") not in (None, self.name):
+            raise ValueError(
+                f"{data.get('gate')!r} calibration cannot be loaded into a {self.name!r} gate"
+            )
+        self.threshold = data.get("threshold")
+        self.percentile = data.get("percentile")
+        self.calibration = dict(data.get("calibration") or {})
+        self.set_state(dict(data.get("state") or {}))
+
+    @classmethod
+    def load(cls, path: str | Path, lm: Any = None, **kwargs: Any) -> Gate:
+        """Rebuild a gate from :meth:`save` output; ``lm`` and ``kwargs`` (e.g. a retriever)
+        are passed to the constructor together with the saved config."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"no gate calibration at {path}: run calibrate() and save() first."
+            )
+        data = json.loads(path.read_text(encoding="utf-8"))
+        target = cls
+        if cls is Gate:
+            import importlib
+
+            mod, qual = data["class"].split(":")
+            target = getattr(importlib.import_module(mod), qual)
+        args = {**data.get("config", {}), **kwargs}
+        gate = target(lm, **args) if lm is not None else target(**args)
+        gate.load_state(data)
+        return gate

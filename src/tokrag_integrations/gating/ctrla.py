@@ -1,0 +1,468 @@
+"""CtrlAGate: confidence monitoring from the model's own representations (seed 002, CtrlA).
+
+1. **Directions** (:func:`extract_directions`). For each statement s_i of a project-authored
+   set (:mod:`.statements`), two prompts "Pretend you're {a confident | an unconfident}
+   person making statements about the world." + s_i (and {an honest | a dishonest} for the
+   honesty direction) are run; the last-token residual state r^l after every layer l is
+   read (``attention.Probe``); v_i^l = r_i^{l,+} - r_i^{l,-}; the first principal component
+   of {v_i^l} per layer (pair signs randomly flipped before centring, as RepE does, so the
+   component is the contrast axis) is the direction, oriented so the mean of
+   v_i^l . v^l is positive (positive side = confident / honest), unit norm.
+2. **Monitoring** (:class:`CtrlAMonitorPolicy`). At every decoding step k the residual state
+   of the last position (the state that chooses token k) is projected on v_c^l and
+   mean-pooled over a band of layers: m~_k = meanpool_l(r_k^l . v_c^l). ``scale`` is a
+   z-score with the mean and standard deviation of m~ over the calibration answers' content
+   tokens (the paper's running min-max over a 5-token answer is degenerate), and
+   m_k = z_k - tau. A content token (not a stopword, not a word of the question) with
+   m_k < 0, or a refusal phrase ("I don't know"...), triggers retrieval, mid-answer: the
+   decode stops at that token.
+3. **CAQ**: the retrieval query is the original query plus the generated text with the
+   new, unconfident tokens (content tokens below tau that appear neither in the question nor
+   earlier in the answer) masked out.
+4. **Honesty steering** (optional, :func:`steering`): lambda * v_h^l is added to the output
+   of every layer of a control band (lambda = 0.3 in the paper's best run).
+
+Layer bands are relative to depth: the public CtrlA config reads layers -10..-24 and
+steers layers -5..-17 of Mistral-7B's 32, i.e. (0.28, 0.72) and (0.50, 0.88).
+On retrieval the answer is regenerated from the RAG context (CtrlA regenerates the current
+sentence with the retrieved contents; our short answers are one sentence).
+
+The gate's score is min_k z_k over content tokens (-inf on a refusal), retrieve when below
+tau = the calibrated threshold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..decoding import Choice, ContextView, Policy
+from ..models import LoadedModel
+from ..trace import FROM_LLM
+from .base import Gate
+from .statements import INSTRUCTION, PERSONAS, STATEMENTS
+
+#: A small English stopword list (function words, auxiliaries, common fillers).
+STOPWORDS = frozenset(
+    """a about above after again against all am an and any are as at be because been before
+    being below between both but by can could did do does doing down during each few for from
+    further had has have having he her here hers herself him himself his how i if in into is it
+    its itself just me more most my myself no nor not now of off on once only or other our ours
+    ourselves out over own same she should so some such than that the their theirs them
+    themselves then there these they this those through to too under until up very was we were
+    what when where which while who whom why will with would you your yours yourself
+    yourselves also answer question yes well one may might must shall like known called""".split()
+)
+
+REFUSALS = (
+    "i don't know",
+    "i do not know",
+    "i'm not sure",
+    "i am not sure",
+    "not sure",
+    "no information",
+    "i cannot",
+    "i can't",
+    "unknown",
+    "i'm sorry",
+    "i am sorry",
+)
+
+_WORD = re.compile(r"[A-Za-z0-9]+")
+
+
+def layer_band(num_layers: int, band: tuple[float, float]) -> list[int]:
+    """1-based layers l with band[0] <= l / L <= band[1] (at least one)."""
+    lo, hi = band
+    if not 0 <= lo <= hi <= 1:
+        raise ValueError(f"a layer band is (lo, hi) with 0 <= lo <= hi <= 1, got {band}")
+    out = [li for li in range(1, num_layers + 1) if lo <= li / num_layers <= hi]
+    return out or [max(1, round(hi * num_layers))]
+
+
+def _persona_prompt(lm: LoadedModel, persona: str, statement: str) -> list[int]:
+    tok = lm.tokenizer
+    instr = INSTRUCTION.format(persona=persona)
+    if getattr(tok, "chat_template", None):
+        head = tok.apply_chat_template(
+            [{"role": "user", "content": instr}], tokenize=False, add_generation_prompt=True
+        )
+        text = head + statement
+    else:
+        text = f"{instr}\n{statement}"
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def last_token_states(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """[L+1, d] residual states of the last position (h^0 = embeddings)."""
+    from ..attention import Probe
+
+    inp = torch.tensor([ids], dtype=torch.long, device=lm.model.device)
+    with lm.lock, torch.inference_mode(), Probe(lm.model) as probe:
+        lm.model(input_ids=inp, use_cache=False, logits_to_keep=1)
+        rec = probe.take()
+    return rec.resid[:, 0, :].float().cpu()
+
+
+def contrast_differences(
+    lm: LoadedModel, statements: Sequence[str], kind: str = "confidence"
+) -> torch.Tensor:
+    """[S, L+1, d]: r^+ - r^- per statement and layer."""
+    if kind not in PERSONAS:
+        raise ValueError(f"kind must be one of {sorted(PERSONAS)}, got {kind!r}")
+    pos, neg = PERSONAS[kind]
+    diffs = []
+    for s in statements:
+        a = last_token_states(lm, _persona_prompt(lm, pos, s))
+        b = last_token_states(lm, _persona_prompt(lm, neg, s))
+        diffs.append(a - b)
+    return torch.stack(diffs)
+
+
+def pca_directions(diffs: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """First principal component per layer of the differences, sign oriented, unit norm.
+
+    Args:
+        diffs: [S, L+1, d] pair differences (positive minus negative).
+
+    Returns:
+        [L+1, d] directions (row 0, the embeddings, is included for indexing convenience).
+    """
+    if diffs.ndim != 3 or diffs.shape[0] < 2:
+        raise ValueError(f"need [S >= 2, L+1, d] differences, got {tuple(diffs.shape)}")
+    g = torch.Generator().manual_seed(seed)
+    flips = (torch.randint(0, 2, (diffs.shape[0],), generator=g).float() * 2 - 1).view(-1, 1)
+    out = []
+    for li in range(diffs.shape[1]):
+        d = diffs[:, li, :].double()
+        x = d * flips.double()
+        x = x - x.mean(0, keepdim=True)
+        _, _, vh = torch.linalg.svd(x, full_matrices=False)
+        v = vh[0]
+        if (d @ v).mean() < 0:
+            v = -v
+        out.append((v / v.norm()).float())
+    return torch.stack(out)
+
+
+def extract_directions(
+    lm: LoadedModel, statements: Sequence[str] = STATEMENTS, kind: str = "confidence", seed: int = 0
+) -> torch.Tensor:
+    """[L+1, d] CtrlA directions of ``kind`` ("confidence" or "honesty")."""
+    return pca_directions(contrast_differences(lm, statements, kind), seed)
+
+
+@contextlib.contextmanager
+def steering(
+    lm: LoadedModel, direction: torch.Tensor, lam: float, layers: Sequence[int]
+) -> Iterator[None]:
+    """Add ``lam * direction[l]`` to the output of each 1-based layer l in ``layers``."""
+    from ..attention import model_parts
+
+    parts = model_parts(lm.model)
+    handles = []
+    for li in layers:
+        vec = (lam * direction[li]).to(lm.model.dtype).to(lm.model.device)
+
+        def hook(_m: Any, _inp: Any, out: Any, vec: torch.Tensor = vec) -> Any:
+            if isinstance(out, (tuple, list)):
+                return (out[0] + vec, *out[1:])
+            return out + vec
+
+        handles.append(parts.layers[li - 1].register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _is_content(token_text: str, question_words: set[str]) -> bool:
+    """A token carrying a word that is neither a stopword nor a word of the question."""
+    words = [w.lower() for w in _WORD.findall(token_text)]
+    return any(w not in STOPWORDS and w not in question_words for w in words)
+
+
+class CtrlAMonitorPolicy(Policy):
+    """Greedy decoding of the pure context that records CtrlA's per-token confidence.
+
+    Each step's ``signals`` carry ``ctrla_m`` (the pooled projection m~_k), ``ctrla_z``
+    (its z-score, when calibrated) and ``ctrla_content``. With ``stop_on_trigger`` the
+    decode ends (EOS) at the first content token whose z-score is below ``tau``.
+    """
+
+    name = "ctrla_monitor"
+    roles = ("pure",)
+    probe_roles = frozenset({"pure"})
+    uses_passages = False
+
+    def __init__(
+        self,
+        direction: torch.Tensor,
+        layers: Sequence[int],
+        question: str,
+        *,
+        mean: float | None = None,
+        std: float | None = None,
+        tau: float | None = None,
+        stop_on_trigger: bool = False,
+        eos_id: int = 0,
+    ):
+        self.direction = direction
+        self.layers = list(layers)
+        self.question_words = {w.lower() for w in _WORD.findall(question)}
+        self.mean, self.std, self.tau = mean, std, tau
+        self.stop_on_trigger = stop_on_trigger
+        self.eos_id = eos_id
+        self.triggered_at: int | None = None
+        self.tokens: list[dict[str, Any]] = []
+
+    def options(self) -> dict[str, Any]:
+        return {"layers": self.layers, "tau": self.tau}
+
+    def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
+        v = views["pure"]
+        tid = int(torch.argmax(v.logits).item())
+        resid = v.record.resid[self.layers, 0, :].float()  # [band, d]
+        dirs = self.direction[self.layers].to(resid.device)
+        m = float((resid * dirs).sum(-1).mean())
+        text = lm.tokenizer.decode([tid])
+        content = tid not in lm.eos_token_ids and _is_content(text, self.question_words)
+        z = (m - self.mean) / self.std if self.mean is not None and self.std else None
+        sig: dict[str, Any] = {"ctrla_m": m, "ctrla_content": content}
+        if z is not None:
+            sig["ctrla_z"] = z
+        self.tokens.append({"text": text, "m": m, "z": z, "content": content})
+        if (
+            self.stop_on_trigger
+            and self.triggered_at is None
+            and content
+            and z is not None
+            and self.tau is not None
+            and z < self.tau
+        ):
+            self.triggered_at = len(self.tokens) - 1
+            return Choice(self.eos_id, FROM_LLM, {**sig, "ctrla_trigger": True})
+        return Choice(tid, FROM_LLM, sig)
+
+
+def masked_query(query: str, tokens: Sequence[dict[str, Any]], tau: float, question: str) -> str:
+    """CAQ: ``query`` + the answer with new unconfident content tokens masked out."""
+    qwords = {w.lower() for w in _WORD.findall(question)}
+    seen: set[str] = set()
+    kept: list[str] = []
+    for t in tokens:
+        words = {w.lower() for w in _WORD.findall(t["text"])}
+        new = bool(words) and not (words <= qwords or words <= seen)
+        unconfident = t["content"] and t["z"] is not None and t["z"] < tau
+        if not (new and unconfident):
+            kept.append(t["text"])
+        seen |= words
+    masked = re.sub(r"\s+", " ", "".join(kept)).strip()
+    return f"{query.strip()} {masked}".strip()
+
+
+class CtrlAGate(Gate):
+    """Retrieve when the model's confidence representation drops on a content token.
+
+    Args:
+        lm: a ``LoadedModel``.
+        read_band / steer_band: relative layer bands (fractions of depth).
+        lam: honesty steering strength (0 = off; the paper's best: 0.3).
+        max_new_tokens: answer length while monitoring.
+        statements: the contrastive statement set (default: :data:`.statements.STATEMENTS`).
+        directions: precomputed ``{"confidence": [L+1, d], "honesty": [L+1, d]}``.
+    """
+
+    name = "ctrla"
+    retrieve_when = "below"
+    default_percentile = 50.0
+
+    def __init__(
+        self,
+        lm: Any,
+        *,
+        read_band: tuple[float, float] = (0.28, 0.72),
+        steer_band: tuple[float, float] = (0.50, 0.88),
+        lam: float = 0.0,
+        max_new_tokens: int = 16,
+        statements: Sequence[str] | None = None,
+        directions: dict[str, Any] | None = None,
+        seed: int = 0,
+        threshold: float | None = None,
+    ):
+        super().__init__()
+        self.lm = lm
+        self.read_band = tuple(read_band)
+        self.steer_band = tuple(steer_band)
+        self.read_layers = layer_band(lm.num_layers, self.read_band)
+        self.steer_layers = layer_band(lm.num_layers, self.steer_band)
+        self.lam = float(lam)
+        self.max_new_tokens = int(max_new_tokens)
+        self.statements = list(statements) if statements is not None else list(STATEMENTS)
+        self.seed = seed
+        self.directions: dict[str, torch.Tensor] = {}
+        if directions:
+            self.directions = {
+                k: torch.as_tensor(v, dtype=torch.float32) for k, v in directions.items()
+            }
+        self.mean: float | None = None
+        self.std: float | None = None
+        if threshold is not None:
+            self.threshold = float(threshold)
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "read_band": list(self.read_band),
+            "steer_band": list(self.steer_band),
+            "lam": self.lam,
+            "max_new_tokens": self.max_new_tokens,
+            "seed": self.seed,
+        }
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "mean": self.mean,
+            "std": self.std,
+            "directions": {k: v.tolist() for k, v in self.directions.items()},
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.mean = state.get("mean")
+        self.std = state.get("std")
+        for k, v in (state.get("directions") or {}).items():
+            self.directions[k] = torch.tensor(v, dtype=torch.float32)
+
+    # ------------------------------------------------------------------ directions
+    def fit_directions(self) -> dict[str, torch.Tensor]:
+        kinds = ["confidence"] + (["honesty"] if self.lam else [])
+        for k in kinds:
+            if k not in self.directions:
+                self.directions[k] = extract_directions(self.lm, self.statements, k, self.seed)
+        return self.directions
+
+    # ------------------------------------------------------------------ monitoring
+    def monitor(
+        self, query: str, *, stop_on_trigger: bool = False, max_new_tokens: int | None = None
+    ) -> tuple[Any, CtrlAMonitorPolicy]:
+        """One monitored greedy decode of the pure context (steered if ``lam``)."""
+        from ..api import generate
+
+        self.fit_directions()
+        pol = CtrlAMonitorPolicy(
+            self.directions["confidence"],
+            self.read_layers,
+            query,
+            mean=self.mean,
+            std=self.std,
+            tau=self.threshold,
+            stop_on_trigger=stop_on_trigger,
+            eos_id=self.lm.eos_token_ids[0],
+        )
+        ctx = (
+            steering(self.lm, self.directions["honesty"], self.lam, self.steer_layers)
+            if self.lam
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            r = generate(
+                self.lm,
+                query,
+                None,
+                policy=pol,
+                max_new_tokens=max_new_tokens or self.max_new_tokens,
+                stop=["\n"],
+            )
+        return r, pol
+
+    def score_tokens(self, text: str, tokens: Sequence[dict[str, Any]]) -> float:
+        low = text.lower()
+        if any(p in low for p in REFUSALS):
+            return -math.inf
+        zs = [t["z"] for t in tokens if t["content"] and t["z"] is not None]
+        return min(zs) if zs else math.inf
+
+    def score(self, query: str) -> tuple[float, dict[str, Any]]:
+        if self.mean is None:
+            raise RuntimeError(
+                "CtrlAGate needs calibration (token statistics): call calibrate(queries) or load(path)."
+            )
+        r, pol = self.monitor(query)
+        s = self.score_tokens(r.text, pol.tokens)
+        return s, {
+            "draft": r.text,
+            "tokens": pol.tokens,
+            "read_layers": self.read_layers,
+            "result": r,
+        }
+
+    def calibrate(
+        self, queries: Sequence[str], percentile: float | None = None, **kwargs: Any
+    ) -> list[float]:
+        queries = list(queries)
+        if not queries:
+            raise ValueError("calibrate() needs at least one query.")
+        runs = [self.monitor(q) for q in queries]
+        ms = [t["m"] for _, pol in runs for t in pol.tokens if t["content"]]
+        if len(ms) < 2:
+            ms = [t["m"] for _, pol in runs for t in pol.tokens]
+        t = torch.tensor(ms, dtype=torch.float64)
+        self.mean, self.std = float(t.mean()), float(t.std().clamp(min=1e-6))
+        scores = []
+        for r, pol in runs:
+            for tk in pol.tokens:
+                tk["z"] = (tk["m"] - self.mean) / self.std
+            scores.append(self.score_tokens(r.text, pol.tokens))
+        self.set_threshold_from_scores(
+            scores, self.default_percentile if percentile is None else percentile
+        )
+        return scores
+
+    # ------------------------------------------------------------------ the pipeline
+    def answer(
+        self,
+        query: str,
+        retriever: Any = None,
+        *,
+        top_k: int = 3,
+        policy: str = "rag",
+        max_new_tokens: int = 64,
+    ) -> dict[str, Any]:
+        """CtrlA inference: decode while monitoring; on a trigger stop, form the CAQ query,
+        retrieve and regenerate with the passages. Returns the answer, the decision and
+        (when it retrieved) the CAQ query and passages."""
+        from ..api import generate
+
+        if self.threshold is None or self.mean is None:
+            raise RuntimeError("CtrlAGate needs calibrate(queries) or load(path) before answer().")
+        r, pol = self.monitor(query, stop_on_trigger=True, max_new_tokens=max_new_tokens)
+        refusal = any(p in r.text.lower() for p in REFUSALS)
+        triggered = pol.triggered_at is not None or refusal
+        out: dict[str, Any] = {
+            "retrieve": triggered,
+            "trigger_step": pol.triggered_at,
+            "score": self.score_tokens(r.text, pol.tokens),
+            "threshold": self.threshold,
+            "draft": r.text,
+            "tokens": pol.tokens,
+        }
+        if not triggered:
+            out["text"], out["result"] = r.text, r
+            return out
+        caq = masked_query(query, pol.tokens, self.threshold, query)
+        out["query"] = caq
+        passages: list[Any] = []
+        if retriever is not None:
+            hits = retriever.retrieve(caq, top_k=top_k)
+            passages = [getattr(h, "text", h) for h in hits]
+        out["passages"] = passages
+        res = generate(
+            self.lm, query, passages, policy=policy, max_new_tokens=max_new_tokens, stop=["\n"]
+        )
+        out["text"], out["result"] = res.text, res
+        return out

@@ -1,0 +1,85 @@
+"""A project-authored set of short factual statements for CtrlA's contrastive prompts.
+
+Written for this project (no external data): plain, widely known facts about geography,
+science, history, everyday life and culture. CtrlA pairs each with a confident/unconfident
+(or honest/dishonest) persona instruction and reads the model's hidden states at its end.
+"""
+
+from __future__ import annotations
+
+STATEMENTS: tuple[str, ...] = (
+    "Water boils at 100 degrees Celsius at sea level.",
+    "The Earth orbits the Sun once a year.",
+    "Paris is the capital of France.",
+    "A week has seven days.",
+    "The Pacific is the largest ocean on Earth.",
+    "Spiders have eight legs.",
+    "The Moon orbits the Earth.",
+    "Ice is frozen water.",
+    "Tokyo is the capital of Japan.",
+    "Humans need oxygen to breathe.",
+    "A triangle has three sides.",
+    "The heart pumps blood through the body.",
+    "Mount Everest is the highest mountain above sea level.",
+    "Plants use sunlight to make food.",
+    "The Nile is a river in Africa.",
+    "A year usually has twelve months.",
+    "Bees make honey.",
+    "The Sun rises in the east.",
+    "Rome is the capital of Italy.",
+    "Fish breathe through gills.",
+    "Gold is a metal.",
+    "A square has four equal sides.",
+    "Penguins live mostly in the Southern Hemisphere.",
+    "Canberra is the capital of Australia.",
+    "Sound travels slower than light.",
+    "The Amazon rainforest is in South America.",
+    "Whales are mammals.",
+    "Shakespeare wrote Hamlet.",
+    "Salt dissolves in water.",
+    "Mars is often called the red planet.",
+    "An hour has sixty minutes.",
+    "Cows eat grass.",
+    "The Great Wall is in China.",
+    "Diamonds are made of carbon.",
+    "Berlin is the capital of Germany.",
+    "Snow is common in cold winters.",
+    "The human skeleton is made of bones.",
+    "Jupiter is the largest planet in the solar system.",
+    "Trees grow from seeds.",
+    "Madrid is the capital of Spain.",
+    "Lightning is a form of electricity.",
+    "Rain falls from clouds.",
+    "The alphabet of English has twenty-six letters.",
+    "Elephants are larger than mice.",
+    "Copper conducts electricity well.",
+    "Cairo is a city in Egypt.",
+    "Bread is baked in an oven.",
+    "The Atlantic Ocean lies between Europe and America.",
+    "Owls are mostly active at night.",
+    "Iron rusts when exposed to water and air.",
+    "Ottawa is the capital of Canada.",
+    "Zero degrees Celsius is the freezing point of water.",
+    "Bats can fly.",
+    "The violin is a string instrument.",
+    "Volcanoes can erupt lava.",
+    "Lisbon is the capital of Portugal.",
+    "Camels can live in deserts.",
+    "The Earth has one natural moon.",
+    "Chess is played on a board of sixty-four squares.",
+    "Leaves are usually green because of chlorophyll.",
+    "Athens is the capital of Greece.",
+    "Wool comes from sheep.",
+    "Saturn has rings.",
+    "Milk is produced by mammals.",
+    "The Thames flows through London.",
+    "Hydrogen is the lightest element.",
+)
+
+#: Persona instructions (CtrlA Prompt 3.1), positive side first.
+PERSONAS: dict[str, tuple[str, str]] = {
+    "confidence": ("a confident", "an unconfident"),
+    "honesty": ("an honest", "a dishonest"),
+}
+
+INSTRUCTION = "Pretend you're {persona} person making statements about the world."
