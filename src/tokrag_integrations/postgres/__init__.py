@@ -1,0 +1,53 @@
+"""Enterprise RAG over Postgres + pgvector.
+
+* :func:`ingest` — files into a pgvector table through LlamaIndex's ``PGVectorStore`` schema,
+  idempotently and one transaction per file (``tokrag ingest``).
+* :class:`PostgresKnowledgeBase` — the ingested table as a LlamaIndex retriever, a LangChain
+  (``langchain-postgres``) retriever, or plain :class:`RetrievedChunk` lists; answers with
+  any decoding policy.
+* :func:`answer_from_postgres` — one call for ``tokrag ask --store postgres``.
+* :func:`resolve_dsn` — ``--dsn``, ``$TOKRAG_PG_DSN``, or an embedded server from ``pgserver``
+  in a per-user data folder (see :mod:`.server` for the root-user caveat).
+
+Needs the ``postgres`` extra: ``pip install 'tokrag-integrations[postgres]'``. Importing this
+package is cheap; the database drivers and frameworks load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_EXPORTS = {
+    "ingest": "ingestion",
+    "IngestSummary": "ingestion",
+    "FileReport": "ingestion",
+    "ParseError": "ingestion",
+    "TableLayout": "ingestion",
+    "PostgresKnowledgeBase": "store",
+    "PostgresAnswer": "store",
+    "RetrievedChunk": "store",
+    "answer_from_postgres": "store",
+    "parse_filter_args": "store",
+    "validate_filter_key": "store",
+    "resolve_dsn": "server",
+    "mask_dsn": "server",
+    "default_data_dir": "server",
+    "start_embedded": "server",
+    "validate_table_name": "server",
+    "check_connection": "server",
+    "PostgresConnectionError": "server",
+    "PostgresSetupError": "server",
+    "DEFAULT_TABLE": "server",
+    "load_embedder": "embeddings",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

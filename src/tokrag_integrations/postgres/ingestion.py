@@ -1,0 +1,571 @@
+"""``tokrag ingest``: files into pgvector, idempotently, one transaction per file.
+
+For each file: parse (text, Markdown, reStructuredText, HTML; PDF when ``pypdf`` is
+installed), cut into chunks with :func:`tokrag_integrations.retrieval.chunk_text`, embed
+with the packaged MiniLM (or ``embed_model``), and write the chunks with their metadata:
+
+``source`` (absolute path), ``file_name``, ``chunk`` (number within the file, from 0),
+``content_hash`` (SHA-256 of the file's extracted text), ``chunk_hash``, ``chunker``
+(``"<max_chars>/<overlap>"``), ``embed_model``, ``format`` and ``title`` when found.
+
+**Idempotent.** A file whose stored chunks all carry the same ``content_hash``, ``chunker``
+and ``embed_model`` as now, and are as many as it has chunks now, is skipped before it is
+embedded. Otherwise its old chunks are deleted and the new ones inserted.
+
+**One transaction per file.** LlamaIndex's ``PGVectorStore`` runs ``delete(ref_doc_id)``
+and ``add(nodes)`` in two separate sessions and transactions, and offers no way to join
+them; a crash between the two would leave the file's chunks gone. So the table is *created*
+by ``PGVectorStore`` itself (its own schema: ``data_<table>`` with ``id``, ``text``,
+``metadata_`` JSONB, ``node_id``, ``embedding vector(dim)``, the ``ref_doc_id`` index and an
+HNSW index with ``vector_cosine_ops``) and each file's delete + insert is done here with
+psycopg in a single ``BEGIN ... COMMIT``, writing rows exactly as ``PGVectorStore.add`` does
+(``metadata_`` from LlamaIndex's own ``node_to_metadata_dict``, ``ref_doc_id`` = the source
+path). A transaction-scoped advisory lock on (table, source) keeps two concurrent ingests of
+the same file from interleaving. Readers never see a half-written file (MVCC), and a killed
+process leaves the previous version of the file in place.
+
+**LangChain layout** (``target="langchain"``). The LlamaIndex table is readable by
+``langchain-postgres`` as is (see :mod:`.store`); ``target="langchain"`` instead writes the
+native ``langchain-postgres`` v2 layout (table ``<table>`` created by
+``PGEngine.init_vectorstore_table``: ``langchain_id`` UUID, ``content``, ``embedding``,
+``langchain_metadata`` JSON) for applications that already expect LangChain's default
+columns. The same idempotence and transaction rules apply.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ..retrieval import SUPPORTED_SUFFIXES, Document, chunk_text, load_documents
+from .embeddings import Embedder, load_embedder
+from .server import (
+    DEFAULT_TABLE,
+    PostgresConnectionError,
+    ResolvedDatabase,
+    connect,
+    resolve_dsn,
+    validate_table_name,
+)
+
+__all__ = [
+    "INGEST_SUFFIXES",
+    "FileReport",
+    "IngestSummary",
+    "ParseError",
+    "TableLayout",
+    "discover_files",
+    "ingest",
+    "parse_file",
+]
+
+Target = Literal["llamaindex", "langchain"]
+
+#: Suffixes ``tokrag ingest`` reads (PDF needs ``pypdf``).
+INGEST_SUFFIXES: frozenset[str] = SUPPORTED_SUFFIXES | {".pdf"}
+
+# Namespace for deterministic chunk ids: the same file, text and chunk number give the same id.
+_ID_NAMESPACE = uuid.UUID("6f1d8a52-6c49-4d1b-9d0e-2f6c1b7a9e34")
+
+
+class ParseError(ValueError):
+    """A file could not be turned into text (reported and skipped by :func:`ingest`)."""
+
+
+# ============================================================================ table layouts
+@dataclass(frozen=True)
+class TableLayout:
+    """Physical table and column names of one of the two supported layouts."""
+
+    target: Target
+    table: str
+    """Physical table name (``data_<name>`` for LlamaIndex)."""
+    id_column: str
+    text_column: str
+    metadata_column: str
+    embedding_column: str = "embedding"
+
+    @classmethod
+    def for_target(cls, name: str, target: Target = "llamaindex") -> TableLayout:
+        """The layout for logical table ``name`` (validated, lower-cased)."""
+        name = validate_table_name(name)
+        if target == "llamaindex":
+            return cls("llamaindex", f"data_{name}", "node_id", "text", "metadata_")
+        if target == "langchain":
+            return cls("langchain", name, "langchain_id", "content", "langchain_metadata")
+        raise ValueError(f"Unknown target {target!r}; use 'llamaindex' or 'langchain'.")
+
+    @property
+    def source_expr(self) -> str:
+        """SQL for a row's source path (indexed: LlamaIndex's ``ref_doc_id`` index, or ours)."""
+        key = "ref_doc_id" if self.target == "llamaindex" else "source"
+        return f"({self.metadata_column}->>'{key}')"
+
+
+# ============================================================================ reports
+@dataclass
+class FileReport:
+    """What happened to one file."""
+
+    path: str
+    status: Literal["added", "replaced", "unchanged", "failed"]
+    chunks: int = 0
+    """Chunks written (added/replaced) or already stored (unchanged)."""
+    removed: int = 0
+    """Old chunks deleted (replaced)."""
+    reason: str = ""
+    """Why the file failed, or warnings raised while reading it."""
+
+
+@dataclass
+class IngestSummary:
+    """Totals of one :func:`ingest` run."""
+
+    table: str
+    target: str
+    database: str
+    """Masked connection string."""
+    files: list[FileReport] = field(default_factory=list)
+    seconds: float = 0.0
+    embed_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+    def _count(self, status: str) -> int:
+        return sum(1 for f in self.files if f.status == status)
+
+    @property
+    def added(self) -> int:
+        return self._count("added")
+
+    @property
+    def replaced(self) -> int:
+        return self._count("replaced")
+
+    @property
+    def unchanged(self) -> int:
+        return self._count("unchanged")
+
+    @property
+    def failed(self) -> list[FileReport]:
+        return [f for f in self.files if f.status == "failed"]
+
+    @property
+    def chunks_written(self) -> int:
+        return sum(f.chunks for f in self.files if f.status in ("added", "replaced"))
+
+    @property
+    def skipped(self) -> int:
+        """Files not written: unchanged plus failed."""
+        return self.unchanged + len(self.failed)
+
+    def to_text(self) -> str:
+        """A human summary (several lines when files failed)."""
+        lines = [
+            f"{len(self.files)} files into {self.table} ({self.target} layout) at {self.database}: "
+            f"{self.added} added, {self.replaced} replaced, {self.unchanged} unchanged, "
+            f"{len(self.failed)} failed; {self.chunks_written} chunks written in "
+            f"{self.seconds:.1f} s (embedding {self.embed_seconds:.1f} s, writing "
+            f"{self.write_seconds:.1f} s)."
+        ]
+        for f in self.failed:
+            lines.append(f"  skipped {f.path}: {f.reason}")
+        return "\n".join(lines)
+
+
+# ============================================================================ files
+def discover_files(paths: str | Path | Iterable[str | Path]) -> tuple[list[Path], list[FileReport]]:
+    """Files to ingest under ``paths`` and reports for named files of an unsupported type.
+
+    Folders are searched recursively in path order, hidden entries skipped; other suffixes
+    inside folders are ignored silently, but a file named explicitly with an unsupported
+    suffix is reported as failed.
+
+    Raises:
+        FileNotFoundError: A path does not exist.
+        ValueError: No path was given.
+    """
+    path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    if not path_list:
+        raise ValueError("No paths were given; pass at least one file or folder to ingest.")
+    files: list[Path] = []
+    rejected: list[FileReport] = []
+    seen: set[Path] = set()
+    for path in path_list:
+        if not path.exists():
+            raise FileNotFoundError(f"Path not found: {path}")
+        if path.is_dir():
+            candidates = [
+                p
+                for p in sorted(path.rglob("*"))
+                if p.is_file()
+                and p.suffix.lower() in INGEST_SUFFIXES
+                and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            ]
+        elif path.suffix.lower() in INGEST_SUFFIXES:
+            candidates = [path]
+        else:
+            supported = ", ".join(sorted(INGEST_SUFFIXES))
+            rejected.append(
+                FileReport(str(path.resolve()), "failed", reason=f"unsupported type (supported: {supported})")
+            )
+            continue
+        for p in candidates:
+            resolved = p.resolve()
+            if resolved not in seen:
+                seen.add(resolved)
+                files.append(resolved)
+    return files, rejected
+
+
+def _pdf_text(path: Path) -> str:
+    try:
+        import pypdf
+    except ImportError:
+        raise ParseError("PDF support needs the 'pypdf' package: pip install pypdf") from None
+    try:
+        reader = pypdf.PdfReader(str(path))
+        pages = [page.extract_text() or "" for page in reader.pages]
+    except Exception as exc:  # noqa: BLE001 - any parser failure means "cannot read this PDF"
+        raise ParseError(f"not a readable PDF ({type(exc).__name__}: {exc})") from None
+    return "\n\n".join(p.strip() for p in pages if p.strip())
+
+
+def parse_file(path: str | Path) -> tuple[Document, list[str]]:
+    """One file as a :class:`~tokrag_integrations.retrieval.Document`, plus warnings.
+
+    Text and HTML go through :func:`tokrag_integrations.retrieval.load_documents` (so the
+    ``title`` and ``format`` metadata match ``tokrag ask --docs``); PDFs through ``pypdf``.
+
+    Raises:
+        ParseError: The file is binary (NUL bytes in a text file), an unreadable PDF, empty,
+            or cannot be read.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    notes: list[str] = []
+    if suffix == ".pdf":
+        text = _pdf_text(path)
+        if not text.strip():
+            raise ParseError("the PDF contains no extractable text (scanned images need OCR)")
+        doc = Document(text=text, source=str(path), metadata={"file_name": path.name, "format": "pdf"})
+        return doc, notes
+    try:
+        head = path.read_bytes()[:8192]
+    except OSError as exc:
+        raise ParseError(f"cannot be read ({exc.strerror or exc})") from None
+    if b"\x00" in head:
+        raise ParseError(f"looks binary (NUL bytes), not a {suffix} text file")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            docs = load_documents([path])
+        except (ValueError, OSError) as exc:
+            reasons = "; ".join(str(w.message) for w in caught) or str(exc)
+            raise ParseError(reasons.replace(f"{path}: ", "")) from None
+    notes.extend(str(w.message) for w in caught)
+    doc = docs[0]
+    # Postgres text cannot hold NUL characters.
+    doc.text = doc.text.replace("\x00", "")
+    return doc, notes
+
+
+def _index_text(title: str, text: str) -> str:
+    """What a chunk is embedded as: its document's title, then the chunk (as ``retrieval`` does)."""
+    return f"{title}\n\n{text}" if title and title not in text else text
+
+
+# ============================================================================ writing
+@dataclass
+class _PreparedFile:
+    source: str
+    content_hash: str
+    chunker: str
+    chunks: list[str]
+    metadata: dict[str, Any]
+    index_texts: list[str]
+
+
+def _prepare(doc: Document, max_chars: int, overlap: int, embed_model: str) -> _PreparedFile:
+    chunks = chunk_text(doc.text, max_chars=max_chars, overlap=overlap)
+    title = str(doc.metadata.get("title", "")).strip()
+    return _PreparedFile(
+        source=doc.source,
+        content_hash=hashlib.sha256(doc.text.encode("utf-8")).hexdigest(),
+        chunker=f"{max_chars}/{overlap}",
+        chunks=chunks,
+        metadata={**doc.metadata, "embed_model": embed_model},
+        index_texts=[_index_text(title, c) for c in chunks],
+    )
+
+
+def _stored_state(conn: Any, layout: TableLayout, source: str) -> tuple[int, set[tuple[str, str, str]]]:
+    """How many chunks are stored for ``source`` and their distinct (hash, chunker, model)."""
+    m = layout.metadata_column
+    rows = conn.execute(
+        f"SELECT count(*), {m}->>'content_hash', {m}->>'chunker', {m}->>'embed_model' "
+        f"FROM {layout.table} WHERE {layout.source_expr} = %s GROUP BY 2, 3, 4",
+        (source,),
+    ).fetchall()
+    return sum(r[0] for r in rows), {(r[1], r[2], r[3]) for r in rows}
+
+
+def _is_unchanged(state: tuple[int, set[tuple[str, str, str]]], prep: _PreparedFile, model: str) -> bool:
+    count, keys = state
+    return count == len(prep.chunks) and keys == {(prep.content_hash, prep.chunker, model)}
+
+
+def _rows(layout: TableLayout, prep: _PreparedFile, embeddings: Any) -> list[tuple[Any, ...]]:
+    """Rows for ``layout``: LlamaIndex rows are built exactly as ``PGVectorStore.add`` builds them."""
+    import json
+
+    rows: list[tuple[Any, ...]] = []
+    for i, (text, vector) in enumerate(zip(prep.chunks, embeddings, strict=True)):
+        meta = {
+            **prep.metadata,
+            "source": prep.source,
+            "chunk": i,
+            "content_hash": prep.content_hash,
+            "chunk_hash": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            "chunker": prep.chunker,
+        }
+        node_id = str(uuid.uuid5(_ID_NAMESPACE, f"{prep.source}\x1f{prep.content_hash}\x1f{prep.chunker}\x1f{i}"))
+        if layout.target == "llamaindex":
+            from llama_index.core.schema import NodeRelationship, RelatedNodeInfo, TextNode
+            from llama_index.core.vector_stores.utils import node_to_metadata_dict
+
+            node = TextNode(
+                id_=node_id,
+                text=text,
+                metadata=meta,
+                # ref_doc_id = source path: PGVectorStore.delete(ref_doc_id=path) removes a file.
+                relationships={NodeRelationship.SOURCE: RelatedNodeInfo(node_id=prep.source)},
+                excluded_llm_metadata_keys=list(meta),
+                excluded_embed_metadata_keys=list(meta),
+            )
+            stored = node_to_metadata_dict(node, remove_text=True, flat_metadata=False)
+            rows.append((node_id, text, json.dumps(stored), vector))
+        else:
+            rows.append((node_id, text, json.dumps(meta), vector))
+    return rows
+
+
+def _write_file(
+    conn: Any, layout: TableLayout, prep: _PreparedFile, model: str, embeddings: Any
+) -> tuple[str, int]:
+    """Replace ``prep.source``'s chunks in one transaction; returns ``(status, removed)``.
+
+    The transaction takes an advisory lock on (table, source), re-checks the stored state
+    (another process may have written the file meanwhile), deletes the old chunks and
+    inserts the new ones. Any exception (or a killed process) rolls all of it back.
+    """
+    cols = f"{layout.id_column}, {layout.text_column}, {layout.metadata_column}, {layout.embedding_column}"
+    cast = "::uuid" if layout.target == "langchain" else ""
+    with conn.transaction():
+        conn.execute(
+            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+            (f"{layout.table}\x1f{prep.source}",),
+        )
+        state = _stored_state(conn, layout, prep.source)
+        if _is_unchanged(state, prep, model):
+            return "unchanged", 0
+        removed = conn.execute(
+            f"DELETE FROM {layout.table} WHERE {layout.source_expr} = %s", (prep.source,)
+        ).rowcount
+        rows = _rows(layout, prep, embeddings)
+        with conn.cursor() as cur:
+            cur.executemany(
+                f"INSERT INTO {layout.table} ({cols}) VALUES (%s{cast}, %s, %s, %s)", rows
+            )
+    return ("replaced" if state[0] else "added"), removed
+
+
+# ============================================================================ table setup
+def _vector_dim(conn: Any, layout: TableLayout) -> int | None:
+    row = conn.execute(
+        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
+        "WHERE attrelid = to_regclass(%s) AND attname = %s AND NOT attisdropped",
+        (layout.table, layout.embedding_column),
+    ).fetchone()
+    if not row:
+        return None
+    digits = "".join(ch for ch in str(row[0]) if ch.isdigit())
+    return int(digits) if digits else None
+
+
+def _stored_models(conn: Any, layout: TableLayout) -> set[str]:
+    rows = conn.execute(
+        f"SELECT DISTINCT {layout.metadata_column}->>'embed_model' FROM {layout.table}"
+    ).fetchall()
+    return {r[0] for r in rows if r[0] is not None}
+
+
+def ensure_table(db: ResolvedDatabase, layout: TableLayout, embedder: Embedder) -> None:
+    """Create the table (and its HNSW index) if missing; check an existing one fits.
+
+    Raises:
+        ValueError: The table exists with another embedding size or holds chunks embedded by
+            a different model (mixing models would make every similarity meaningless).
+    """
+    with connect(db.dsn, autocommit=True) as conn:
+        dim = _vector_dim(conn, layout)
+    if dim is None:
+        if layout.target == "llamaindex":
+            from .store import close_llamaindex_store, make_llamaindex_store
+
+            store = make_llamaindex_store(db, layout, embedder.dim, setup=True)
+            try:
+                store.add([])  # the public way to run PGVectorStore's table/index setup
+            finally:
+                close_llamaindex_store(store)
+        else:
+            _create_langchain_table(db, layout, embedder.dim)
+        with connect(db.dsn, autocommit=True) as conn:
+            dim = _vector_dim(conn, layout)
+    if dim != embedder.dim:
+        raise ValueError(
+            f"Table {layout.table} stores {dim}-dimensional embeddings but {embedder.name} "
+            f"makes {embedder.dim}-dimensional ones. Use the model the table was built with "
+            "(--embed-model), or another --table."
+        )
+    with connect(db.dsn, autocommit=True) as conn:
+        others = _stored_models(conn, layout) - {embedder.name}
+    if others:
+        raise ValueError(
+            f"Table {layout.table} holds chunks embedded with {sorted(others)}, not "
+            f"{embedder.name}; pass the same --embed-model, or use another --table."
+        )
+
+
+def _create_langchain_table(db: ResolvedDatabase, layout: TableLayout, dim: int) -> None:
+    from langchain_postgres import PGEngine
+
+    from .server import CONNECT_TIMEOUT_S, sqlalchemy_url
+
+    engine = PGEngine.from_connection_string(
+        sqlalchemy_url(db.dsn), connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
+    )
+    try:
+        engine.init_vectorstore_table(layout.table, dim)
+    finally:
+        engine._run_as_sync(engine._pool.dispose())
+    with connect(db.dsn, autocommit=True) as conn:
+        conn.execute(
+            f"CREATE INDEX IF NOT EXISTS {layout.table}_hnsw_idx ON {layout.table} "
+            f"USING hnsw ({layout.embedding_column} vector_cosine_ops) WITH (m = 16, ef_construction = 64)"
+        )
+        conn.execute(
+            f"CREATE INDEX IF NOT EXISTS {layout.table}_source_idx ON {layout.table} "
+            f"({layout.source_expr})"
+        )
+
+
+# ============================================================================ ingest
+def ingest(
+    paths: str | Path | Sequence[str | Path],
+    *,
+    dsn: str | None = None,
+    table: str = DEFAULT_TABLE,
+    embed_model: str | Path | None = None,
+    target: Target = "llamaindex",
+    max_chars: int = 800,
+    overlap: int = 100,
+    batch_size: int = 64,
+    progress: bool = True,
+    data_dir: str | Path | None = None,
+    on_file: Callable[[FileReport], None] | None = None,
+) -> IngestSummary:
+    """Ingest files and folders into pgvector; see the module docstring for the guarantees.
+
+    Args:
+        paths: Files and/or folders.
+        dsn: Connection URL; ``None`` uses ``$TOKRAG_PG_DSN`` or the embedded server.
+        table: Logical table name (LlamaIndex stores it as ``data_<table>``).
+        embed_model: Folder of a local sentence-transformers model; default packaged MiniLM.
+        target: ``"llamaindex"`` (default; also readable from LangChain) or ``"langchain"``
+            (native ``langchain-postgres`` layout).
+        max_chars / overlap: Chunking, see :func:`tokrag_integrations.retrieval.chunk_text`.
+        batch_size: Embedding batch size.
+        progress: Show a progress bar (``tqdm``, on stderr).
+        data_dir: Data folder of the embedded server.
+        on_file: Called with each file's :class:`FileReport` as soon as it is done.
+
+    Returns:
+        The :class:`IngestSummary`; files that fail to parse are reported there, not raised.
+
+    Raises:
+        FileNotFoundError: A path does not exist.
+        ValueError: Bad table name, target, or an embedding model that does not fit the table.
+        PostgresConnectionError: The database is unreachable (fails fast, password masked).
+    """
+    start = time.perf_counter()
+    layout = TableLayout.for_target(table, target)
+    files, rejected = discover_files(paths)
+    db = resolve_dsn(dsn, data_dir=data_dir)
+    embedder = load_embedder(embed_model)
+    ensure_table(db, layout, embedder)
+    summary = IngestSummary(table=layout.table, target=layout.target, database=db.masked)
+
+    def report(item: FileReport) -> None:
+        summary.files.append(item)
+        if on_file is not None:
+            on_file(item)
+
+    for item in rejected:
+        report(item)
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(files, unit="file", desc="ingest", disable=not progress, leave=False)
+    with connect(db.dsn, autocommit=True) as conn:
+        for path in bar:
+            bar.set_postfix_str(path.name[-30:], refresh=False)
+            try:
+                doc, notes = parse_file(path)
+            except ParseError as exc:
+                report(FileReport(str(path), "failed", reason=str(exc)))
+                continue
+            prep = _prepare(doc, max_chars, overlap, embedder.name)
+            if not prep.chunks:
+                report(FileReport(str(path), "failed", reason="no text after chunking"))
+                continue
+            if _is_unchanged(_stored_state(conn, layout, prep.source), prep, embedder.name):
+                report(FileReport(str(path), "unchanged", chunks=len(prep.chunks)))
+                continue
+            t0 = time.perf_counter()
+            embeddings = embedder.encode(prep.index_texts, batch_size=batch_size)
+            t1 = time.perf_counter()
+            try:
+                status, removed = _write_file(conn, layout, prep, embedder.name, embeddings)
+            except PostgresConnectionError:
+                raise
+            except Exception as exc:
+                import psycopg
+
+                if isinstance(exc, psycopg.OperationalError) and conn.closed:
+                    raise PostgresConnectionError(
+                        f"Lost the connection to {db.masked} while writing {path}; files written "
+                        "before it are committed, this one is unchanged. Re-run to continue."
+                    ) from None
+                raise
+            finally:
+                summary.embed_seconds += t1 - t0
+                summary.write_seconds += time.perf_counter() - t1
+            report(
+                FileReport(
+                    str(path),
+                    status,  # type: ignore[arg-type]
+                    chunks=len(prep.chunks),
+                    removed=removed,
+                    reason="; ".join(notes),
+                )
+            )
+    bar.close()
+    summary.seconds = time.perf_counter() - start
+    return summary
+
