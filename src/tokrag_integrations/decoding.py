@@ -218,6 +218,11 @@ def decode_loop(
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    # Sequence-level rules (RAG-Sequence) own their decoding and replay the chosen answer.
+    own_decode = getattr(policy, "decode", None)
+    if own_decode is not None:
+        yield from own_decode(lm, plans, max_new_tokens=max_new_tokens, stop=stop, timings=timings)
+        return
     tok = lm.tokenizer
     eos = set(lm.eos_token_ids)
     policy.prepare(lm)
@@ -291,3 +296,54 @@ def decode_loop(
             for role, b in batches.items():
                 b.forward(new[b.query_idx])
         timings["decode_s"] = timings.get("decode_s", 0.0) + time.perf_counter() - t1
+
+
+def teacher_force(
+    lm: LoadedModel,
+    plans: Sequence[PromptPlan],
+    policy: Policy,
+    targets: Sequence[Sequence[int]],
+) -> Iterator[tuple[int, int, dict[str, ContextView]]]:
+    """Walk every query's contexts along a fixed continuation (teacher forcing).
+
+    The same contexts, KV caches and probes as :func:`decode_loop`, but instead of letting
+    ``policy`` choose, token ``targets[q][i]`` is fed to all contexts of query ``q`` after step
+    ``i``. Yields ``(query_idx, i, views)`` where the views' logits predict ``targets[q][i]``;
+    consume the views before advancing the iterator (the next step overwrites them).
+    Used for gold-continuation scoring (token-level AUC) and RAG-Sequence's cross-scoring.
+    """
+    if len(plans) != len(targets):
+        raise ValueError(f"got {len(plans)} plans but {len(targets)} target sequences")
+    policy.prepare(lm)
+    per_query = [policy.contexts(p) for p in plans]
+    roles = [r for r in policy.roles if any(r in c for c in per_query)]
+    roles += sorted({r for c in per_query for r in c} - set(roles))
+    n_steps = max((len(t) for t in targets), default=0)
+    if n_steps == 0:
+        return
+    with torch.inference_mode():
+        batches: dict[str, _RoleBatch] = {}
+        for role in roles:
+            members = [(q, c[role]) for q, c in enumerate(per_query) if role in c]
+            b = _RoleBatch(role, members, lm, probe=role in policy.probe_roles)
+            b.forward(None)
+            batches[role] = b
+        row_of = {role: {q: r for r, q in enumerate(b.query_idx)} for role, b in batches.items()}
+        for i in range(n_steps):
+            for q in range(len(plans)):
+                if i >= len(targets[q]):
+                    continue
+                views = {}
+                for role, rows in row_of.items():
+                    if q in rows:
+                        b = batches[role]
+                        rec = b.records.select([rows[q]]) if b.records is not None else None
+                        views[role] = ContextView(b, rows[q], rec)
+                yield q, i, views
+            if i == n_steps - 1:
+                break
+            new = torch.tensor(
+                [int(t[i]) if i < len(t) else lm.pad_token_id for t in targets], dtype=torch.long
+            )
+            for b in batches.values():
+                b.forward(new[b.query_idx])

@@ -16,6 +16,12 @@ _REGISTRY: dict[str, str] = {
     "rag": "baselines:StandardRAG",
     "floor": "baselines:TwoContextFloor",
     "tokrag": "tokrag:TokRAG",
+    "logprob": "selection:LogprobSelection",
+    "entropy": "selection:EntropySelection",
+    "cad": "cad:CAD",
+    "adacad": "cad:AdaCAD",
+    "rag_token": "rag_token:RAGToken",
+    "rag_sequence": "rag_sequence:RAGSequence",
 }
 
 

@@ -1,0 +1,134 @@
+"""Evaluation items (``shared/data`` JSONL format) and deterministic passage mixing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_RATIOS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+DEFAULT_SEED = 20240917
+
+
+@dataclass
+class EvalItem:
+    """One question with its gold answers and candidate passages."""
+
+    id: str
+    question: str
+    answers: list[str]
+    positives: list[str] = field(default_factory=list)
+    negatives: list[str] = field(default_factory=list)
+    counterfactuals: list[str] = field(default_factory=list)
+    counterfactual_answers: list[str] = field(default_factory=list)
+    source: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+_REQUIRED = ("id", "question", "answers")
+
+
+def load_items(path: str | Path, limit: int | None = None) -> list[EvalItem]:
+    """Read a JSONL evaluation set; ``limit`` keeps the first n items (file order).
+
+    Raises:
+        FileNotFoundError / ValueError: missing file, bad JSON or a missing required field,
+        naming the line.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"Evaluation data not found: {p}. Pass a JSONL file (format: shared/data/README.md).")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    items: list[EvalItem] = []
+    with p.open(encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{n} is not valid JSON: {e}") from e
+            missing = [k for k in _REQUIRED if k not in d]
+            if missing:
+                raise ValueError(f"{p}:{n} lacks required field(s) {missing}")
+            items.append(
+                EvalItem(
+                    id=str(d["id"]),
+                    question=d["question"],
+                    answers=list(d["answers"]),
+                    positives=list(d.get("positives") or []),
+                    negatives=list(d.get("negatives") or []),
+                    counterfactuals=list(d.get("counterfactuals") or []),
+                    counterfactual_answers=list(d.get("counterfactual_answers") or []),
+                    source=d.get("source", ""),
+                    meta=d.get("meta") or {},
+                )
+            )
+            if limit is not None and len(items) >= limit:
+                break
+    return items
+
+
+def _rng(seed: int, *parts: Any) -> random.Random:
+    """A generator that depends only on (seed, parts): identical for every policy and run."""
+    key = "\x1f".join([str(seed), *map(str, parts)]).encode()
+    return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
+
+
+@dataclass
+class Mix:
+    """The passages of one (item, condition), ranked as given to every policy."""
+
+    passages: list[str]
+    kinds: list[str]  # "pos" | "neg" | "cf" per passage
+    wanted: dict[str, int]
+    short: bool  # the item lacked enough passages of some kind
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {k: self.kinds.count(k) for k in ("pos", "neg", "cf")}
+
+
+def _mix(item: EvalItem, want: dict[str, int], seed: int, condition: str) -> Mix:
+    rng = _rng(seed, item.id, condition)
+    pools = {"pos": item.positives, "neg": item.negatives, "cf": item.counterfactuals}
+    chosen: list[tuple[str, str]] = []
+    short = False
+    for kind in ("pos", "neg", "cf"):
+        n = want.get(kind, 0)
+        pool = pools[kind]
+        if n > len(pool):
+            short = True
+        take = rng.sample(range(len(pool)), min(n, len(pool)))
+        chosen += [(pool[i], kind) for i in take]
+    rng.shuffle(chosen)
+    return Mix([t for t, _ in chosen], [k for _, k in chosen], dict(want), short)
+
+
+def mix_passages(item: EvalItem, ratio: float, k: int = 5, seed: int = DEFAULT_SEED) -> Mix:
+    """Table 1 protocol: k passages, round((1 − ratio)·k) positives, the rest hard negatives.
+
+    Uses what the item has (fewer passages when a pool is too small; ``Mix.short`` says so),
+    sampled and shuffled with a generator seeded by (seed, item id, ratio), so every policy
+    and every run sees the same list.
+    """
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"noise ratio must be in [0, 1], got {ratio}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    n_pos = round((1 - ratio) * k)
+    return _mix(item, {"pos": n_pos, "neg": k - n_pos}, seed, f"noise={ratio:g}/k={k}")
+
+
+def mix_counterfactuals(item: EvalItem, cf_ratio: float, k: int = 2, seed: int = DEFAULT_SEED) -> Mix:
+    """Misleading passages: k passages, round(cf_ratio·k) counterfactuals, the rest positives."""
+    if not 0.0 <= cf_ratio <= 1.0:
+        raise ValueError(f"counterfactual ratio must be in [0, 1], got {cf_ratio}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    n_cf = round(cf_ratio * k)
+    return _mix(item, {"pos": k - n_cf, "cf": n_cf}, seed, f"cf={cf_ratio:g}/k={k}")

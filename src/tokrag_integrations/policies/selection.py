@@ -1,0 +1,61 @@
+"""Token-level selection baselines (seed 000, Table 3 / Appendix I.3): ``logprob`` and ``entropy``.
+
+Both decode the pure and the RAG context in parallel like Tok-RAG and, where their top-1
+tokens differ, keep the candidate of the context that looks more certain: the higher top-1
+log-probability (Kuhn et al., 2023) or the lower entropy (Malinin & Gales, 2020; for one
+token the length-normalised entropy is the entropy itself). The margins are also the
+scores of the token-level benefit/detriment classification (> 0 means "RAG wins").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import signals as S
+from ..decoding import Choice, ContextView, Policy
+from ..models import LoadedModel
+from ..trace import AGREE, FROM_LLM, FROM_RAG
+
+
+def logprob_margin(pure_probs: torch.Tensor, rag_probs: torch.Tensor) -> float:
+    """log max p_RAG − log max p_LLM (shapes [V]); >= 0 keeps the RAG token."""
+    return float(torch.log(rag_probs.max()).item() - torch.log(pure_probs.max()).item())
+
+
+def entropy_margin(pure_probs: torch.Tensor, rag_probs: torch.Tensor) -> float:
+    """H(p_LLM) − H(p_RAG) in nats (shapes [V]); >= 0 keeps the RAG token."""
+    return float(S.entropy(pure_probs).item() - S.entropy(rag_probs).item())
+
+
+class _MarginSelection(Policy):
+    roles = ("pure", "rag")
+
+    def margin(self, pure_probs: torch.Tensor, rag_probs: torch.Tensor) -> float:
+        raise NotImplementedError
+
+    def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
+        pure, rag = views["pure"], views["rag"]
+        a = int(torch.argmax(pure.logits).item())
+        b = int(torch.argmax(rag.logits).item())
+        if a == b:
+            return Choice(a, AGREE)
+        m = self.margin(pure.probs, rag.probs)
+        return Choice(b, FROM_RAG, {"margin": m}) if m >= 0 else Choice(a, FROM_LLM, {"margin": m})
+
+
+class LogprobSelection(_MarginSelection):
+    """Keep the candidate whose top-1 log-probability is higher (ties keep RAG)."""
+
+    name = "logprob"
+
+    def margin(self, pure_probs: torch.Tensor, rag_probs: torch.Tensor) -> float:
+        return logprob_margin(pure_probs, rag_probs)
+
+
+class EntropySelection(_MarginSelection):
+    """Keep the candidate whose context's next-token entropy is lower (ties keep RAG)."""
+
+    name = "entropy"
+
+    def margin(self, pure_probs: torch.Tensor, rag_probs: torch.Tensor) -> float:
+        return entropy_margin(pure_probs, rag_probs)
