@@ -168,7 +168,7 @@ h2 { font-size: 12px; text-transform: uppercase; letter-spacing: 0.06em; color: 
 .stats { display: grid; grid-template-columns: repeat(auto-fit, minmax(150px, 1fr)); gap: 12px; }
 .stat { border: 1px solid var(--line); border-radius: 8px; padding: 10px 12px; }
 .stat .k { font-size: 12px; color: var(--muted); }
-.stat .v { font-size: 15px; font-weight: 600; overflow-wrap: anywhere; }
+.stat .v { font-size: 15px; font-weight: 600; overflow-wrap: anywhere; white-space: pre-line; }
 .bar { display: flex; height: 10px; border-radius: 5px; overflow: hidden; margin: 14px 0 6px;
   background: var(--line); }
 .bar span { display: block; height: 100%; }
@@ -316,11 +316,11 @@ def _summary_html(trace: Trace) -> str:
     ]
     if trace.prompt_tokens:
         stats.append(
-            ("Prompt tokens", ", ".join(f"{k} {v}" for k, v in trace.prompt_tokens.items()))
+            ("Prompt tokens", "\n".join(f"{k} {v}" for k, v in trace.prompt_tokens.items()))
         )
     if trace.timings:
         stats.append(
-            ("Timings (s)", ", ".join(f"{k} {format_value(v)}" for k, v in trace.timings.items()))
+            ("Timings", "\n".join(f"{k} {format_value(v)}" for k, v in trace.timings.items()))
         )
     stat_html = "".join(
         f'<div class="stat"><div class="k">{_esc(k)}</div><div class="v">{_esc(v)}</div></div>'
@@ -399,7 +399,7 @@ def _disagreements_html(trace: Trace) -> str:
     for s in steps:
         cells = [
             f'<td class="num">{s.index}</td>',
-            f'<td>{_code(s.text)} <span class="badge {_source_class(s.source)}">'
+            f'<td style="white-space:nowrap">{_code(s.text)} <span class="badge {_source_class(s.source)}">'
             f"{_esc(s.source)}</span></td>",
         ]
         for role in roles:

@@ -127,6 +127,7 @@ class _HTMLTextExtractor(HTMLParser):
             "h1", "h2", "h3", "h4", "h5", "h6", "dt", "dd", "dl", "figcaption", "title",
         }
     )  # fmt: skip
+    _LINE = frozenset({"br", "li", "tr", "dt", "dd"})
 
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
@@ -141,15 +142,17 @@ class _HTMLTextExtractor(HTMLParser):
         elif tag in self._SKIP:
             self._skip_depth += 1
         if tag in self._BLOCK:
-            self._parts.append("\n\n" if tag not in {"br", "li", "tr", "dt", "dd"} else "\n")
+            self._parts.append("\n" if tag in self._LINE else "\n\n")
 
     def handle_endtag(self, tag: str) -> None:
         if tag == "title":
             self._in_title = False
         elif tag in self._SKIP and self._skip_depth:
             self._skip_depth -= 1
-        if tag in self._BLOCK:
-            self._parts.append("\n\n" if tag not in {"li", "tr", "dt", "dd"} else "\n")
+        # List items and table rows start on a new line; their ends add nothing, so items
+        # stay one per line inside one paragraph.
+        if tag in self._BLOCK and tag not in self._LINE:
+            self._parts.append("\n\n")
 
     def handle_data(self, data: str) -> None:
         if self._in_title:

@@ -1,0 +1,326 @@
+"""The ``tokrag`` command line.
+
+    tokrag ask "Who founded Quillfeather Aerospace?" --docs sample --explain --html trace.html
+
+Each subcommand is one ``add_*_parser(subparsers)`` function that adds its parser and sets
+``func`` (a ``(args) -> int`` handler) as a default; :data:`SUBCOMMANDS` lists them. A new
+subcommand (``bench``, ``eval``, ``ingest``...) is a new pair of functions added to that list,
+or registered from another module with :func:`register_subcommand`.
+
+Importing this module is cheap: torch, transformers and the retrievers load only when a
+command runs. User errors (``ValueError`` / ``FileNotFoundError`` from the library) end the
+command with a one-line message and exit status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from rich.console import Console
+
+__all__ = ["main", "build_parser", "register_subcommand", "SUBCOMMANDS", "parse_option"]
+
+#: Exit status for user errors (bad arguments, missing files), as argparse uses.
+EXIT_USAGE = 2
+
+#: Value of ``--docs`` that means the packaged sample documents.
+SAMPLE_DOCS = "sample"
+
+#: Styles for streamed tokens by source (unknown labels: amber), matching :mod:`.render`.
+_STREAM_STYLES = {"agree": "", "rag": "green", "llm": "blue"}
+
+AddParser = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+
+# ============================================================================ helpers
+def parse_option(text: str) -> tuple[str, Any]:
+    """Parse one ``--option key=value``; the value is read as JSON when it parses
+    (``3``, ``0.5``, ``true``, ``null``, ``[1, 2]``) and kept as a string otherwise."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    try:
+        value: Any = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.replace("-", "_"), value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _consoles() -> tuple[Console, Console]:
+    """(stdout console for the answer and the trace, stderr console for everything else)."""
+    from rich.console import Console
+
+    return Console(), Console(stderr=True)
+
+
+def _check_output_path(path: str | None, flag: str) -> None:
+    """Fail before the model loads when an output file could not be written."""
+    if path is None:
+        return
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"{flag} {path}: folder {parent} does not exist.")
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give a file name.")
+
+
+def _resolve_docs(paths: Sequence[str]) -> list[Path]:
+    from .retrieval import get_sample_docs_path
+
+    return [get_sample_docs_path() if p == SAMPLE_DOCS else Path(p).expanduser() for p in paths]
+
+
+def _short_source(source: str, roots: Sequence[Path]) -> str:
+    """``source`` relative to the parent of the ``--docs`` root it came from
+    (``sample_docs/products.md``), for compact listings."""
+    path = Path(source).resolve()
+    for root in roots:
+        root = root.resolve()
+        base = root.parent
+        if path == root or root in path.parents:
+            return str(path.relative_to(base))
+    return source
+
+
+def _print_warning(err: Console, message: str) -> None:
+    from rich.text import Text
+
+    err.print(Text.assemble(("warning: ", "bold yellow"), message))
+
+
+# ============================================================================ ask
+def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``tokrag ask``."""
+    p = subparsers.add_parser(
+        "ask",
+        help="answer a question with token-level provenance",
+        description=(
+            "Answer QUESTION with a local model, choosing each token from the retrieval-"
+            "augmented or the model's own context (Tok-RAG). Passages come from --passage "
+            "and/or from retrieval over --docs."
+        ),
+    )
+    p.add_argument("question", help="the question to answer")
+    p.add_argument(
+        "--passage",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a passage to give the model (repeatable; placed before retrieved ones)",
+    )
+    p.add_argument(
+        "--docs",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help=(
+            "a file or folder of .txt/.md/.rst/.html documents to retrieve from (repeatable); "
+            f"'{SAMPLE_DOCS}' means the packaged sample documents"
+        ),
+    )
+    p.add_argument(
+        "--retriever",
+        choices=("dense", "bm25"),
+        default="dense",
+        help="dense (MiniLM cosine, default) or bm25 keyword retrieval",
+    )
+    p.add_argument("--top-k", type=_positive_int, default=5, help="chunks to retrieve (default 5)")
+    p.add_argument("--policy", default="tokrag", help="decoding policy (default tokrag)")
+    p.add_argument(
+        "--model",
+        default="default",
+        help="'default' (packaged SmolLM2-135M-Instruct), a model folder or a .gguf file",
+    )
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="answer length limit")
+    p.add_argument(
+        "--device", default=None, help="torch device, e.g. cpu or cuda (default: CUDA if available)"
+    )
+    p.add_argument("--dtype", default=None, help="e.g. float32 or bfloat16 (default: by device)")
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        type=parse_option,
+        metavar="KEY=VALUE",
+        help="a policy option, e.g. --option pr_norm=softmax (repeatable; values parsed as JSON)",
+    )
+    p.add_argument(
+        "--explain", action="store_true", help="show the token-level trace after the answer"
+    )
+    p.add_argument("--html", metavar="FILE", help="write the trace as a standalone HTML page")
+    p.add_argument("--json", metavar="FILE", help="write the trace as JSON")
+    p.set_defaults(func=cmd_ask)
+
+
+def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
+    """Passages for ``args``: the ``--passage`` texts, then the chunks retrieved from
+    ``--docs`` (printed, dim, to stderr)."""
+    from rich.text import Text
+
+    from . import Passage
+
+    passages: list[Any] = [
+        Passage(text=t, metadata={"source": "--passage"}) for t in args.passage if t.strip()
+    ]
+    if not args.docs:
+        return passages
+
+    from .retrieval import build_retriever
+
+    roots = _resolve_docs(args.docs)
+    retriever = build_retriever(roots, kind=args.retriever, device="cpu")
+    hits = retriever.retrieve(args.question, top_k=args.top_k)
+    if not hits:
+        _print_warning(err, "no document chunk matched the question; answering without them.")
+    for hit in hits:
+        source = _short_source(hit.source, roots)
+        line = Text(f"  {hit.score:7.4f}  {source} #{hit.chunk.index}  ", style="dim")
+        line.append(" ".join(hit.text.split()), style="dim italic")
+        err.print(line, no_wrap=True, overflow="ellipsis")
+        passages.append(
+            Passage(
+                text=hit.text,
+                score=hit.score,
+                metadata={"source": hit.source, "chunk": hit.chunk.index, **hit.chunk.metadata},
+            )
+        )
+    return passages
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    """Run ``tokrag ask``: retrieve, stream the answer, then explain and export on request."""
+    from rich.text import Text
+
+    out, err = _consoles()
+    question = args.question.strip()
+    if not question:
+        raise ValueError("The question is empty; pass the question to answer as an argument.")
+    args.question = question
+    _check_output_path(args.html, "--html")
+    _check_output_path(args.json, "--json")
+    options = dict(args.option)
+
+    passages = _retrieve(args, err)
+
+    from transformers.utils import logging as hf_logging
+
+    from . import load_model, stream
+
+    hf_logging.disable_progress_bar()  # the status line below says what is happening
+    with err.status(f"Loading model {args.model}…"):
+        lm = load_model(name_or_path=args.model, device=args.device, dtype=args.dtype)
+
+    tokens = stream(
+        lm,
+        question,
+        passages,
+        policy=args.policy,
+        max_new_tokens=args.max_new_tokens,
+        **options,
+    )
+    for event in tokens:
+        style = _STREAM_STYLES.get(event.source, "dark_orange")
+        out.print(Text(event.text, style=style or ""), end="", soft_wrap=True)
+    out.print()
+    result = tokens.result
+
+    for message in result.trace.warnings:
+        _print_warning(err, message)
+    if args.explain:
+        result.trace.render(out)
+    if args.html:
+        result.trace.to_html(args.html)
+        err.print(Text(f"HTML trace written to {args.html}", style="dim"))
+    if args.json:
+        result.trace.to_json(args.json)
+        err.print(Text(f"JSON trace written to {args.json}", style="dim"))
+    return 0
+
+
+# ============================================================================ parser
+#: The subcommands, each an ``add_*_parser(subparsers)`` function. Append to add one.
+SUBCOMMANDS: list[AddParser] = [add_ask_parser]
+
+
+def register_subcommand(add_parser: AddParser) -> AddParser:
+    """Add a subcommand defined elsewhere; usable as a decorator.
+
+    ``add_parser(subparsers)`` must add its parser and ``set_defaults(func=handler)``, where
+    ``handler(args) -> int`` returns the exit status.
+    """
+    if add_parser not in SUBCOMMANDS:
+        SUBCOMMANDS.append(add_parser)
+    return add_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tokrag`` argument parser with every registered subcommand."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="tokrag",
+        description="Token-level benefit/detriment harmonisation for RAG on local models.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for add_parser in SUBCOMMANDS:
+        add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``tokrag`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
+
+    ``ValueError`` and ``FileNotFoundError`` raised while a command runs are user errors:
+    they print ``tokrag: error: <message>`` to stderr and return 2. Python warnings raised
+    meanwhile (e.g. a document that is not UTF-8) are printed as one-line warnings.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _, err = _consoles()
+    shown: set[str] = set()
+
+    def show(message: Warning | str, *_: Any, **__: Any) -> None:
+        text = str(message)
+        if text not in shown:
+            shown.add(text)
+            _print_warning(err, text)
+
+    previous = warnings.showwarning
+    warnings.showwarning = show  # type: ignore[assignment]
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        message = str(exc) or type(exc).__name__
+        if isinstance(exc, FileNotFoundError) and exc.filename and str(exc.filename) not in message:
+            message = f"{message}: {exc.filename}"
+        print(f"tokrag: error: {' '.join(message.split())}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("tokrag: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        warnings.showwarning = previous
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Tests for the ``tokrag`` command line: argument parsing and error paths with a fake
+engine, then one real run of ``tokrag ask`` on the packaged default model."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tokrag_integrations
+from tokrag_integrations import cli
+from tokrag_integrations.retrieval import get_sample_questions
+from tokrag_integrations.trace import Candidate, Trace, TraceStep
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """``tokrag argv`` in-process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exc:  # argparse errors and --help
+            code = int(exc.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+# ------------------------------------------------------------------------ fake engine
+@dataclass
+class _Event:
+    text: str
+    source: str
+
+
+@dataclass
+class _Result:
+    text: str
+    trace: Trace
+
+
+@dataclass
+class _FakeStream:
+    events: list[_Event]
+    result: _Result
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def __iter__(self):
+        return iter(self.events)
+
+
+@pytest.fixture
+def fake_engine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Replace load_model and stream with fakes; record what the CLI passed them."""
+    seen: dict[str, Any] = {}
+
+    def load_model(name_or_path: str = "default", *, device: Any = None, dtype: Any = None):
+        seen["load"] = {"name_or_path": name_or_path, "device": device, "dtype": dtype}
+        if name_or_path == "missing":
+            raise FileNotFoundError("No model found at missing")
+        return "LM"
+
+    def stream(lm: Any, query: str, passages: Any, **kw: Any) -> _FakeStream:
+        seen["stream"] = {"lm": lm, "query": query, "passages": passages, **kw}
+        if kw.get("policy") == "nope":
+            raise ValueError("Unknown policy 'nope'. Available policies: llm, rag, tokrag.")
+        steps = [
+            TraceStep(0, 1, "Ottoline", "agree", {"rag": Candidate(1, "Ottoline", 0.9)}),
+            TraceStep(
+                1,
+                2,
+                " Varga",
+                "rag",
+                {"rag": Candidate(2, " Varga", 0.8), "pure": Candidate(3, " Smith", 0.1)},
+                {"l_star": 17, "cos_ir": 0.61, "cos_llm": 0.2},
+            ),
+        ]
+        trace = Trace(
+            query=query,
+            policy=kw["policy"],
+            steps=steps,
+            text="Ottoline Varga",
+            warnings=["one passage was cut"],
+        )
+        return _FakeStream([_Event(s.text, s.source) for s in steps], _Result(trace.text, trace))
+
+    monkeypatch.setattr(tokrag_integrations, "load_model", load_model, raising=False)
+    monkeypatch.setattr(tokrag_integrations, "stream", stream, raising=False)
+    return seen
+
+
+# ------------------------------------------------------------------------ parsing
+def test_import_is_light() -> None:
+    code = (
+        "import sys, tokrag_integrations.cli as c; c.build_parser(); "
+        "print(sorted(m for m in ('torch', 'transformers', 'sentence_transformers', 'bm25s') "
+        "if m in sys.modules))"
+    )
+    src = str(Path(cli.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_parse_option() -> None:
+    assert cli.parse_option("pr_norm=softmax") == ("pr_norm", "softmax")
+    assert cli.parse_option("alpha=0.5") == ("alpha", 0.5)
+    assert cli.parse_option("layers=[1, 2]") == ("layers", [1, 2])
+    assert cli.parse_option("use-gate=true") == ("use_gate", True)
+    assert cli.parse_option("x=") == ("x", "")
+
+
+def test_ask_defaults_parse() -> None:
+    args = cli.build_parser().parse_args(["ask", "Who?"])
+    assert (args.question, args.policy, args.model, args.top_k) == ("Who?", "tokrag", "default", 5)
+    assert (args.retriever, args.max_new_tokens, args.explain) == ("dense", 64, False)
+    assert args.docs == [] and args.passage == [] and args.option == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "required: COMMAND"),
+        (["ask"], "required: question"),
+        (["ask", "q", "--option", "novalue"], "expected key=value"),
+        (["ask", "q", "--top-k", "0"], "must be at least 1"),
+        (["ask", "q", "--max-new-tokens", "many"], "expected a whole number"),
+        (["ask", "q", "--retriever", "sparse"], "invalid choice"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_usage_errors(argv: list[str], message: str) -> None:
+    code, out, err = run_cli(argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_version() -> None:
+    code, out, _ = run_cli(["--version"])
+    assert code == 0 and tokrag_integrations.__version__ in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ask", "   "], "The question is empty"),
+        (["ask", "q", "--docs", "/no/such/folder"], "Document path not found: /no/such/folder"),
+        (["ask", "q", "--html", "/no/such/dir/t.html"], "folder /no/such/dir does not exist"),
+        (["ask", "q", "--model", "missing"], "No model found at missing"),
+        (["ask", "q", "--policy", "nope"], "Unknown policy 'nope'"),
+    ],
+)
+def test_user_errors_exit_2_with_one_line(
+    argv: list[str], message: str, fake_engine: dict[str, Any]
+) -> None:
+    code, out, err = run_cli(argv)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"tokrag: error: {err.strip().removeprefix('tokrag: error: ')}"
+    ]
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_empty_docs_folder_is_a_user_error(tmp_path: Path, fake_engine: dict[str, Any]) -> None:
+    code, _, err = run_cli(["ask", "q", "--docs", str(tmp_path)])
+    assert code == 2
+    assert f"No documents found in {tmp_path}" in err
+
+
+def test_ask_streams_and_passes_arguments(tmp_path: Path, fake_engine: dict[str, Any]) -> None:
+    bad = tmp_path / "notes.txt"
+    bad.write_bytes(b"The founder is Ottoline Varga \xff\xfe of Quillfeather.\n")
+    html, js = tmp_path / "t.html", tmp_path / "t.json"
+    code, out, err = run_cli(
+        [
+            "ask", "Who founded Quillfeather?", "--passage", "Extra passage.",
+            "--docs", str(tmp_path), "--retriever", "bm25", "--top-k", "2",
+            "--policy", "rag", "--model", "some/model", "--device", "cpu",
+            "--max-new-tokens", "8", "--option", "alpha=0.25", "--option", "mode=fast",
+            "--explain", "--html", str(html), "--json", str(js),
+        ]
+    )  # fmt: skip
+    assert code == 0, err
+    assert out.splitlines()[0] == "Ottoline Varga"  # the streamed answer
+    assert "Disagreement steps (1)" in out  # --explain
+    assert "notes.txt" in err and "not valid UTF-8" in err  # the decode warning, once
+    assert err.count("not valid UTF-8") == 1
+    assert "warning: one passage was cut" in err
+    assert f"{tmp_path.name}/notes.txt #0" in err  # the retrieved chunk, before the answer
+    assert fake_engine["load"] == {"name_or_path": "some/model", "device": "cpu", "dtype": None}
+    call = fake_engine["stream"]
+    assert call["query"] == "Who founded Quillfeather?"
+    assert (call["policy"], call["max_new_tokens"]) == ("rag", 8)
+    assert (call["alpha"], call["mode"]) == (0.25, "fast")
+    texts = [p.text for p in call["passages"]]
+    assert texts[0] == "Extra passage."
+    assert "Ottoline Varga" in texts[1]
+    assert call["passages"][1].score > 0
+    assert call["passages"][1].metadata["source"] == str(bad)
+    assert "<!DOCTYPE html>" in html.read_text(encoding="utf-8")
+    assert json.loads(js.read_text(encoding="utf-8"))["text"] == "Ottoline Varga"
+
+
+def test_register_subcommand(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "SUBCOMMANDS", list(cli.SUBCOMMANDS))
+
+    @cli.register_subcommand
+    def add_hello_parser(subparsers: Any) -> None:
+        p = subparsers.add_parser("hello")
+        p.add_argument("--fail", action="store_true")
+
+        def run(args: Any) -> int:
+            if args.fail:
+                raise ValueError("hello failed")
+            print("hi")
+            return 0
+
+        p.set_defaults(func=run)
+
+    assert run_cli(["hello"])[:2] == (0, "hi\n")
+    code, _, err = run_cli(["hello", "--fail"])
+    assert code == 2 and err == "tokrag: error: hello failed\n"
+
+
+# ------------------------------------------------------------------------ real model
+QUESTION = next(q for q in get_sample_questions() if q["source"] == "company_overview.md")
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One real ``tokrag ask`` on the default model over the sample docs (slow: loads the
+    model and MiniLM, retrieves, decodes)."""
+    folder = tmp_path_factory.mktemp("cli")
+    html, js = folder / "trace.html", folder / "trace.json"
+    code, out, err = run_cli(
+        [
+            "ask", QUESTION["question"], "--docs", "sample", "--top-k", "3",
+            "--policy", "rag", "--max-new-tokens", "24", "--device", "cpu",
+            "--explain", "--html", str(html), "--json", str(js),
+        ]
+    )  # fmt: skip
+    return {"code": code, "out": out, "err": err, "html": html, "json": js}
+
+
+def test_real_ask_answers_from_sample_docs(real_run: dict[str, Any]) -> None:
+    assert real_run["code"] == 0, real_run["err"]
+    answer = real_run["out"].split("─")[0]  # the streamed answer, before the trace
+    assert QUESTION["answer"] in answer
+    assert "sample_docs/company_overview.md" in real_run["err"]  # retrieved chunks are listed
+
+
+def test_real_ask_writes_html_and_json(real_run: dict[str, Any]) -> None:
+    assert real_run["code"] == 0, real_run["err"]
+    page = real_run["html"].read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>") and 'class="tok ' in page
+    data = json.loads(real_run["json"].read_text(encoding="utf-8"))
+    assert data["query"] == QUESTION["question"]
+    assert QUESTION["answer"] in data["text"]
+    assert len(data["passages"]) == 3
+    assert "Tok-RAG trace" in real_run["out"]  # --explain rendered the trace
