@@ -132,6 +132,14 @@ def test_rag_token_single_passage_equals_rag(lm):
     assert {s.source for s in tok.trace.steps} == {"passage:0"}
     cad0 = generate(lm, Q, [P1], policy="cad", alpha=0.0, max_new_tokens=10)
     assert cad0.token_ids == rag.token_ids
+    # Shared prefill (evaluation harness): a copied KV cache decodes exactly like a fresh one.
+    from tokrag_integrations.decoding import shared_prefill
+
+    with shared_prefill() as store:
+        first = generate(lm, Q, [P1], policy="cad", alpha=0.0, max_new_tokens=10)
+        second = generate(lm, Q, [P1], policy="rag", max_new_tokens=10)
+        assert len(store) == 2  # pure and rag contexts, prefilled once
+    assert first.token_ids == second.token_ids == rag.token_ids
 
 
 def test_rag_sequence_picks_the_best_scored_candidate(lm):

@@ -10,6 +10,9 @@ batch, so a step costs one forward pass per role.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import copy
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -163,6 +166,16 @@ class _RoleBatch:
         self.logits: torch.Tensor = torch.empty(0)
         self.records: ProbeRecord | None = None
 
+    def fork(self, probe: bool) -> _RoleBatch:
+        """A copy that can advance independently (own KV cache; other tensors are rebound,
+        never written in place). ``probe=False`` drops the probes of a probed prefill."""
+        twin = object.__new__(_RoleBatch)
+        twin.__dict__.update(self.__dict__)
+        twin.cache = copy.deepcopy(self.cache)
+        if not probe:
+            twin.probe, twin.parts, twin.records = False, None, None
+        return twin
+
     def forward(self, new_ids: torch.Tensor | None) -> None:
         """Prefill (``new_ids`` None) or advance every row by one token ([B] long)."""
         model = self.lm.model
@@ -189,6 +202,42 @@ class _RoleBatch:
             out = model(**kwargs)
         self.cache = out.past_key_values
         self.logits = out.logits[:, -1, :].float()
+
+
+_SHARED_PREFILL: contextvars.ContextVar[dict[tuple[Any, ...], _RoleBatch] | None] = contextvars.ContextVar(
+    "tokrag_shared_prefill", default=None
+)
+
+
+@contextlib.contextmanager
+def shared_prefill() -> Iterator[dict[tuple[Any, ...], _RoleBatch]]:
+    """Within this block, decodes of identical contexts (same role, same ids, same batch) reuse
+    one prefill: the first decode keeps its prefilled role batch, later ones get a copy of its
+    KV cache. Used by the evaluation harness to run several policies on the same prompts."""
+    store: dict[tuple[Any, ...], _RoleBatch] = {}
+    token = _SHARED_PREFILL.set(store)
+    try:
+        yield store
+    finally:
+        _SHARED_PREFILL.reset(token)
+        store.clear()
+
+
+def _prefilled(role: str, members: list[tuple[int, ContextSpec]], lm: LoadedModel, probe: bool) -> _RoleBatch:
+    """A prefilled role batch, from the shared-prefill store when one is active."""
+    store = _SHARED_PREFILL.get()
+    if store is None:
+        b = _RoleBatch(role, members, lm, probe=probe)
+        b.forward(None)
+        return b
+    key = (id(lm.model), tuple((q, tuple(s.ids)) for q, s in members))
+    for p in ((True,) if probe else (False, True)):
+        if (key, p) in store:
+            return store[(key, p)].fork(probe)
+    b = _RoleBatch(role, members, lm, probe=probe)
+    b.forward(None)
+    store[(key, probe)] = b.fork(probe)
+    return b
 
 
 @dataclass
@@ -237,9 +286,7 @@ def decode_loop(
     with torch.inference_mode():
         for role in roles:
             members = [(q, c[role]) for q, c in enumerate(per_query) if role in c]
-            b = _RoleBatch(role, members, lm, probe=role in policy.probe_roles)
-            b.forward(None)
-            batches[role] = b
+            batches[role] = _prefilled(role, members, lm, role in policy.probe_roles)
         timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
         row_of = {role: {q: r for r, q in enumerate(b.query_idx)} for role, b in batches.items()}
 

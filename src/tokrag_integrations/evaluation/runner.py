@@ -6,10 +6,12 @@ soon as it is known and skips the keys already in the file, so a run that was in
 arguments.
 
 What is shared between policies: the passage mix of an (item, condition) (seeded, identical
-for every policy), the prompt plans, and the ``llm`` answer, which ignores passages and is
-decoded once per item and reused for every condition. The KV-cache prefill is *not* shared
-across policies: each policy's decode prefills its own contexts (on CPU the RAG prefill is
-about a third of a short answer's time, see docs/results.md).
+for every policy); the prompt prefill (inside :func:`..decoding.shared_prefill` every policy
+that decodes the same pure / RAG context of the same item batch gets a copy of one prefilled
+KV cache; the per-passage contexts of ``rag_token`` / ``rag_sequence`` are prefilled
+separately); and the ``llm`` answer, which ignores passages and is decoded once per item and
+reused for every condition. Because of that sharing, ``time_s`` in the records is not a cost
+measurement; :mod:`.cost` measures cost in isolation.
 """
 
 from __future__ import annotations
@@ -95,12 +97,6 @@ def _default_decode(lm: Any, queries: list[str], passages: list[list[str]], **kw
     return generate_batch(lm, queries, passages, **kw)
 
 
-def _uses_passages(policy: str, options: dict[str, Any]) -> bool:
-    from ..policies import get_policy
-
-    return get_policy(policy, **options).uses_passages
-
-
 def _run_generation(
     task: str,
     lm: Any,
@@ -120,54 +116,69 @@ def _run_generation(
     store = RecordStore(records_path)
     decode = decode or _default_decode
     policy_options = policy_options or {}
-    units: list[tuple[str, str, list[EvalItem], Callable[[EvalItem], Mix] | None]] = []
-    for policy in policies:
-        opts = policy_options.get(policy, {})
-        if not _uses_passages(policy, opts):
-            units.append((policy, NO_PASSAGES, list(items), None))
-            continue
-        for cond, mixer in conditions:
-            units.append((policy, cond, list(items), mixer))
-    total = sum(len(u[2]) for u in units)
-    done = sum(1 for p, c, its, _ in units for it in its if (it.id, c, p) in store)
+    from ..decoding import shared_prefill
+    from ..policies import get_policy
+
+    pols = {p: get_policy(p, **policy_options.get(p, {})) for p in policies}
+    # Probing policies first, so the prefill they leave behind serves every other policy.
+    order = sorted(policies, key=lambda p: not pols[p].probe_roles)
+    no_passages = [p for p in order if not pols[p].uses_passages]
+    with_passages = [p for p in order if pols[p].uses_passages]
+    total = len(items) * (len(no_passages) + len(with_passages) * len(conditions))
+    done = sum(1 for it in items for p in no_passages if (it.id, NO_PASSAGES, p) in store)
+    done += sum(1 for it in items for p in with_passages for c, _ in conditions if (it.id, c, p) in store)
     bar = _progress(total, done, f"{task} ({lm_name(lm)})", progress)
+
+    def run(policy: str, cond: str, batch: list[EvalItem], mixes: list[Mix]) -> None:
+        t0 = time.perf_counter()
+        results = decode(
+            lm,
+            [it.question for it in batch],
+            [m.passages for m in mixes],
+            policy=policy,
+            max_new_tokens=max_new_tokens,
+            stop=list(stop),
+            **policy_options.get(policy, {}),
+        )
+        elapsed = time.perf_counter() - t0
+        for it, mix, res in zip(batch, mixes, results, strict=True):
+            rec: dict[str, Any] = {
+                "task": task,
+                "item": it.id,
+                "condition": cond,
+                "policy": policy,
+                "text": res.text,
+                "correct": cover_em(res.text, it.answers),
+                "cf_repeat": cover_em(res.text, it.counterfactual_answers) if it.counterfactual_answers else None,
+                "passages": mix.counts,
+                "short": mix.short,
+                "counts": res.trace.counts(),
+                "stop_reason": res.stop_reason,
+                "time_s": elapsed / len(batch),
+                "batch": len(batch),
+            }
+            if keep_traces:
+                rec["trace"] = res.trace.to_dict()
+            store.add(rec)
+            bar.update(1)
+
     try:
-        for policy, cond, its, mixer in units:
-            todo = [it for it in its if (it.id, cond, policy) not in store]
+        for policy in no_passages:  # ignores passages: once per item, valid for every condition
+            todo = [it for it in items if (it.id, NO_PASSAGES, policy) not in store]
             for s in range(0, len(todo), batch_size):
                 batch = todo[s : s + batch_size]
-                mixes = [mixer(it) if mixer else Mix([], [], {}, False) for it in batch]
-                t0 = time.perf_counter()
-                results = decode(
-                    lm,
-                    [it.question for it in batch],
-                    [m.passages for m in mixes],
-                    policy=policy,
-                    max_new_tokens=max_new_tokens,
-                    stop=list(stop),
-                    **policy_options.get(policy, {}),
-                )
-                elapsed = time.perf_counter() - t0
-                for it, mix, res in zip(batch, mixes, results, strict=True):
-                    rec: dict[str, Any] = {
-                        "task": task,
-                        "item": it.id,
-                        "condition": cond,
-                        "policy": policy,
-                        "text": res.text,
-                        "correct": cover_em(res.text, it.answers),
-                        "cf_repeat": cover_em(res.text, it.counterfactual_answers) if it.counterfactual_answers else None,
-                        "passages": mix.counts,
-                        "short": mix.short,
-                        "counts": res.trace.counts(),
-                        "stop_reason": res.stop_reason,
-                        "time_s": elapsed / len(batch),
-                        "batch": len(batch),
-                    }
-                    if keep_traces:
-                        rec["trace"] = res.trace.to_dict()
-                    store.add(rec)
-                    bar.update(1)
+                run(policy, NO_PASSAGES, batch, [Mix([], [], {}, False) for _ in batch])
+        for cond, mixer in conditions:
+            todo = [it for it in items if any((it.id, cond, p) not in store for p in with_passages)]
+            for s in range(0, len(todo), batch_size):
+                batch = todo[s : s + batch_size]
+                mixes = [mixer(it) for it in batch]
+                # One prefill of each (item batch, condition) serves every policy.
+                with shared_prefill():
+                    for policy in with_passages:
+                        sub = [(it, m) for it, m in zip(batch, mixes, strict=True) if (it.id, cond, policy) not in store]
+                        if sub:
+                            run(policy, cond, [it for it, _ in sub], [m for _, m in sub])
     finally:
         bar.close()
     return store
