@@ -239,3 +239,15 @@ def test_token_level_on_the_real_model(lm, tmp_path):
     assert s["n_records"] == 2
     for smp in (x for r in rec for x in r["samples"]):
         assert smp["label"] in (0, 1) and set(smp["scores"]) == {"tokrag (default)", "logprob", "entropy"}
+
+
+def test_evidence_sentence_picks_the_answer_bearing_sentence():
+    from tokrag_integrations.evaluation.runner import evidence_sentence
+
+    it = _item()
+    it.positives = ["Lyon is big. The capital is Paris, of course. Other text.", "pos 2"]
+    assert evidence_sentence(it) == "The capital is Paris, of course."
+    it.answers = ["yes"]
+    assert evidence_sentence(it) == "Lyon is big."
+    it.positives = []
+    assert evidence_sentence(it) == "yes"

@@ -62,6 +62,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, help="stop string (default: newline)")
     p.add_argument("--batch-size", type=int, default=1, help="questions decoded together per policy")
     p.add_argument("--alpha", type=float, default=None, help="CAD's alpha (default 0.5)")
+    p.add_argument("--target", choices=("evidence", "answer"), default="evidence",
+                   help="token level: gold continuation = answer-bearing evidence sentence or bare answer")
     p.add_argument("--no-traces", action="store_true", help="do not keep traces in the records")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_eval)
@@ -69,7 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("task", "model", "ratios", "cf_ratios", "k", "seed", "max_new_tokens", "stop", "alpha")
+    keys = ("task", "model", "ratios", "cf_ratios", "k", "seed", "max_new_tokens", "stop", "alpha", "target")
     return {k: getattr(args, k) for k in keys} | {"data": str(Path(args.data).resolve())}
 
 
@@ -155,7 +157,7 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         summary = run_token_level(
             lm, items, records_path=records, ratios=args.ratios, cf_ratios=args.cf_ratios,
-            k=args.k or 5, seed=args.seed, progress=progress,
+            k=args.k or 5, seed=args.seed, target=args.target, progress=progress,
         )
         summary.update(model=lm.name, data=stem)
         files = report.write_token_report(summary, out, name, f"Token level: {stem}, {lm.name}", command)

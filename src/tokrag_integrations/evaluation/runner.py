@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -307,11 +308,37 @@ def summarize_accuracy(
 
 
 # --------------------------------------------------------------------------- token level
-def _gold_target(tokenizer: Any, answer: str) -> list[int]:
-    # The answer opens the assistant turn, so it starts with a capital like a reply would.
-    text = answer.strip()
+_SENTENCE = re.compile(r"(?<=[.!?])\s+")
+
+
+def evidence_sentence(item: EvalItem) -> str:
+    """The first sentence of a positive passage that contains a gold answer (case-insensitive),
+    else the first sentence of the first positive, else the first answer."""
+    answers = [a.lower() for a in item.answers if a.strip()]
+    sentences = [s.strip() for p in item.positives for s in _SENTENCE.split(p) if s.strip()]
+    for s in sentences:
+        if any(a in s.lower() for a in answers):
+            return s
+    if sentences:
+        return sentences[0]
+    return item.answers[0] if item.answers else ""
+
+
+def gold_target(tokenizer: Any, item: EvalItem, target: str = "evidence", max_tokens: int = 32) -> list[int]:
+    """Token ids of the gold continuation fed after the question.
+
+    ``"answer"``: the first gold answer (capitalised, as a reply would open); ``"evidence"``:
+    the answer-bearing sentence of a positive passage (the paper traverses gold sentences),
+    cut to ``max_tokens``.
+    """
+    if target == "answer":
+        text = item.answers[0].strip() if item.answers else ""
+    elif target == "evidence":
+        text = evidence_sentence(item)
+    else:
+        raise ValueError(f"target must be 'answer' or 'evidence', got {target!r}")
     text = text[:1].upper() + text[1:]
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])[:max_tokens] if text else []
 
 
 def run_token_level(
@@ -325,12 +352,15 @@ def run_token_level(
     cf_k: int = 2,
     seed: int = DEFAULT_SEED,
     tokrag_configs: dict[str, dict[str, Any]] | None = None,
+    target: str = "evidence",
+    max_target_tokens: int = 32,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Table 3 protocol on gold answers (seed 000, Section 4.1).
+    """Table 3 protocol on gold continuations (seed 000, Section 4.1).
 
-    For every (item, passage condition) the gold answer is fed token by token after the
-    question (teacher forcing) to both the pure and the RAG context. Where exactly one of
+    For every (item, passage condition) the gold continuation (:func:`gold_target`: the
+    answer-bearing evidence sentence by default, or the bare answer) is fed token by token
+    after the question (teacher forcing) to both the pure and the RAG context. Where exactly one of
     them predicts the gold next token there is a sample: label 1 if RAG is the one (benefit
     outweighs detriment), 0 if the pure LLM is. Each scorer gives a number that is > 0 when
     it would keep the RAG token: Tok-RAG's cos(w_RAG, w_IR) − cos(w_RAG, w_LLM) for each
@@ -340,6 +370,7 @@ def run_token_level(
     from ..policies.selection import entropy_margin, logprob_margin
     from ..policies.tokrag import TokRAG
 
+    target_kind = target
     configs = dict(TOKRAG_CONFIGS if tokrag_configs is None else tokrag_configs)
     scorers = {name: TokRAG(**opts) for name, opts in configs.items()}
     for s in scorers.values():
@@ -359,7 +390,7 @@ def run_token_level(
                 continue
             mix = mixer(it)
             rec: dict[str, Any] = {"task": "token", "item": it.id, "condition": cond, "policy": "token", "samples": []}
-            target = _gold_target(lm.tokenizer, it.answers[0]) if it.answers else []
+            target = gold_target(lm.tokenizer, it, target_kind, max_target_tokens)
             if mix.passages and target:
                 import warnings
 
@@ -380,6 +411,7 @@ def run_token_level(
                             scores["entropy"] = entropy_margin(pure.probs, rag.probs)
                             rec["samples"].append({"pos": i, "label": int(b == gold), "scores": scores})
             rec["n_target_tokens"] = len(target)
+            rec["target"] = target_kind
             store.add(rec)
             bar.update(1)
     finally:
