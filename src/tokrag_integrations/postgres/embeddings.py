@@ -93,9 +93,14 @@ def load_embedder(embed_model: str | Path | None = None, device: str = "cpu") ->
         else:
             from sentence_transformers import SentenceTransformer
 
-            model = SentenceTransformer(str(Path(embed_model).expanduser().resolve()), device=device)
+            model = SentenceTransformer(
+                str(Path(embed_model).expanduser().resolve()), device=device
+            )
             name = str(Path(embed_model).expanduser().resolve())
-        dim_fn = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+        dim_fn = (
+            getattr(model, "get_embedding_dimension", None)
+            or model.get_sentence_embedding_dimension
+        )
         embedder = Embedder(model=model, name=name, dim=int(dim_fn()))
         _CACHE[key] = embedder
         return embedder

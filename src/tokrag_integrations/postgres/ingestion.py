@@ -212,7 +212,11 @@ def discover_files(paths: str | Path | Iterable[str | Path]) -> tuple[list[Path]
         else:
             supported = ", ".join(sorted(INGEST_SUFFIXES))
             rejected.append(
-                FileReport(str(path.resolve()), "failed", reason=f"unsupported type (supported: {supported})")
+                FileReport(
+                    str(path.resolve()),
+                    "failed",
+                    reason=f"unsupported type (supported: {supported})",
+                )
             )
             continue
         for p in candidates:
@@ -253,7 +257,9 @@ def parse_file(path: str | Path) -> tuple[Document, list[str]]:
         text = _pdf_text(path)
         if not text.strip():
             raise ParseError("the PDF contains no extractable text (scanned images need OCR)")
-        doc = Document(text=text, source=str(path), metadata={"file_name": path.name, "format": "pdf"})
+        doc = Document(
+            text=text, source=str(path), metadata={"file_name": path.name, "format": "pdf"}
+        )
         return doc, notes
     try:
         head = path.read_bytes()[:8192]
@@ -304,7 +310,9 @@ def _prepare(doc: Document, max_chars: int, overlap: int, embed_model: str) -> _
     )
 
 
-def _stored_state(conn: Any, layout: TableLayout, source: str) -> tuple[int, set[tuple[str, str, str]]]:
+def _stored_state(
+    conn: Any, layout: TableLayout, source: str
+) -> tuple[int, set[tuple[str, str, str]]]:
     """How many chunks are stored for ``source`` and their distinct (hash, chunker, model)."""
     m = layout.metadata_column
     rows = conn.execute(
@@ -315,7 +323,9 @@ def _stored_state(conn: Any, layout: TableLayout, source: str) -> tuple[int, set
     return sum(r[0] for r in rows), {(r[1], r[2], r[3]) for r in rows}
 
 
-def _is_unchanged(state: tuple[int, set[tuple[str, str, str]]], prep: _PreparedFile, model: str) -> bool:
+def _is_unchanged(
+    state: tuple[int, set[tuple[str, str, str]]], prep: _PreparedFile, model: str
+) -> bool:
     count, keys = state
     return count == len(prep.chunks) and keys == {(prep.content_hash, prep.chunker, model)}
 
@@ -334,7 +344,11 @@ def _rows(layout: TableLayout, prep: _PreparedFile, embeddings: Any) -> list[tup
             "chunk_hash": hashlib.sha256(text.encode("utf-8")).hexdigest(),
             "chunker": prep.chunker,
         }
-        node_id = str(uuid.uuid5(_ID_NAMESPACE, f"{prep.source}\x1f{prep.content_hash}\x1f{prep.chunker}\x1f{i}"))
+        node_id = str(
+            uuid.uuid5(
+                _ID_NAMESPACE, f"{prep.source}\x1f{prep.content_hash}\x1f{prep.chunker}\x1f{i}"
+            )
+        )
         if layout.target == "llamaindex":
             from llama_index.core.schema import NodeRelationship, RelatedNodeInfo, TextNode
             from llama_index.core.vector_stores.utils import node_to_metadata_dict
@@ -568,4 +582,3 @@ def ingest(
     bar.close()
     summary.seconds = time.perf_counter() - start
     return summary
-

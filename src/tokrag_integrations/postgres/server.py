@@ -159,7 +159,9 @@ def default_data_dir() -> Path:
         return Path(env).expanduser() / "pg"
     if _is_root():
         return Path("/var/lib/tokrag/pg")
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "share"
+    )
     return Path(base) / "tokrag" / "pg"
 
 
@@ -268,7 +270,9 @@ def connect(dsn: str, **kwargs: Any) -> Any:
     try:
         conn = psycopg.connect(libpq_url(dsn), **kwargs)
     except psycopg.Error as exc:
-        reason = _scrub(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__, dsn)
+        reason = _scrub(
+            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__, dsn
+        )
         raise PostgresConnectionError(
             f"Cannot connect to Postgres at {mask_dsn(dsn)}: {reason}. Check the host, port, "
             f"user and password in --dsn / {DSN_ENV}, or leave both unset to use the embedded "

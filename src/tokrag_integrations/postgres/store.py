@@ -81,7 +81,9 @@ def parse_filter_args(args: Iterable[str]) -> dict[str, list[str]]:
     for arg in args:
         key, sep, value = str(arg).partition("=")
         if not sep:
-            raise ValueError(f"--filter {arg!r} is not key=value (e.g. --filter file_name=guide.md).")
+            raise ValueError(
+                f"--filter {arg!r} is not key=value (e.g. --filter file_name=guide.md)."
+            )
         out.setdefault(validate_filter_key(key.strip()), []).append(value)
     return out
 
@@ -186,7 +188,11 @@ def _safe_store_class() -> Any:
 
 
 def make_llamaindex_store(
-    db: ResolvedDatabase, layout: TableLayout, embed_dim: int, *, setup: bool = False,
+    db: ResolvedDatabase,
+    layout: TableLayout,
+    embed_dim: int,
+    *,
+    setup: bool = False,
     ef_search: int = 40,
 ) -> Any:
     """A LlamaIndex ``PGVectorStore`` (safe-filter subclass) over ``layout``'s table.
@@ -491,7 +497,9 @@ _KBS: dict[tuple[Any, ...], PostgresKnowledgeBase] = {}
 _KBS_LOCK = threading.Lock()
 
 
-def _knowledge_base(dsn: str | None, table: str, embed_model: Any, data_dir: Any) -> PostgresKnowledgeBase:
+def _knowledge_base(
+    dsn: str | None, table: str, embed_model: Any, data_dir: Any
+) -> PostgresKnowledgeBase:
     key = (dsn, validate_table_name(table), str(embed_model), str(data_dir))
     with _KBS_LOCK:
         kb = _KBS.get(key)

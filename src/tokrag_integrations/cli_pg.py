@@ -1,0 +1,153 @@
+"""``tokrag ingest`` and the Postgres side of ``tokrag ask --store postgres``.
+
+    tokrag ingest docs/ handbook.pdf --table handbook            # embedded Postgres
+    tokrag ingest docs/ --dsn postgresql://rag:...@db:5432/rag    # or TOKRAG_PG_DSN=...
+    tokrag ask "How many approvals?" --store postgres --table handbook --filter format=md
+
+For the lead's ``cli.py``: :func:`add_ingest_parser` registers ``ingest`` (pass it to
+``register_subcommand`` or append it to ``SUBCOMMANDS``); :func:`add_store_arguments` adds
+``--dsn``, ``--table``, ``--filter``, ``--embed-model`` and ``--data-dir`` to the ``ask``
+parser; :func:`retrieve_from_postgres` returns passages for ``ask`` to decode (stream or
+not), and :func:`tokrag_integrations.postgres.answer_from_postgres` does both steps.
+
+Exit status of ``ingest``: 0 when every file was ingested or unchanged, 1 when some file
+was skipped (each is listed with its reason), 2 for usage errors (bad table name, missing
+path), 3 when the database cannot be reached or started (the message never shows a
+password).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "EXIT_DATABASE",
+    "EXIT_PARTIAL",
+    "add_ingest_parser",
+    "add_store_arguments",
+    "cmd_ingest",
+    "retrieve_from_postgres",
+]
+
+#: Some files were skipped (listed in the summary).
+EXIT_PARTIAL = 1
+#: The database could not be reached or started.
+EXIT_DATABASE = 3
+
+
+def _database_errors() -> tuple[type[BaseException], ...]:
+    from .postgres.server import PostgresConnectionError, PostgresSetupError
+
+    return (PostgresConnectionError, PostgresSetupError, LookupError)
+
+
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--dsn``, ``--table``, ``--embed-model``, ``--data-dir`` (and nothing else)."""
+    from .postgres.server import DEFAULT_TABLE, DSN_ENV
+
+    parser.add_argument(
+        "--dsn",
+        metavar="URL",
+        help=f"Postgres with pgvector, e.g. postgresql://USER:PASSWORD@HOST:5432/DB (default: "
+        f"${DSN_ENV}, else an embedded server in the per-user data folder)",
+    )
+    parser.add_argument(
+        "--table",
+        default=DEFAULT_TABLE,
+        help=f"table name (LlamaIndex stores it as data_<table>; default {DEFAULT_TABLE})",
+    )
+    parser.add_argument(
+        "--embed-model",
+        metavar="FOLDER",
+        help="local sentence-transformers model folder (default: the packaged all-MiniLM-L6-v2)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        metavar="FOLDER",
+        help="data folder of the embedded server (default: $TOKRAG_DATA_DIR/pg or "
+        "~/.local/share/tokrag/pg; /var/lib/tokrag/pg as root)",
+    )
+
+
+def add_filter_argument(parser: argparse.ArgumentParser) -> None:
+    """Add the repeatable ``--filter key=value`` (for ``ask --store postgres``)."""
+    parser.add_argument(
+        "--filter",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="metadata filter (repeatable; the same key twice means either value), e.g. "
+        "--filter file_name=leave_policy.md",
+    )
+
+
+def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``tokrag ingest PATH... [--dsn] [--table] [--embed-model] [--target]``."""
+    p = subparsers.add_parser(
+        "ingest",
+        help="chunk, embed and store documents in Postgres + pgvector",
+        description="Chunk, embed and write files (text, Markdown, HTML, PDF with pypdf) into a "
+        "pgvector table. Unchanged files are skipped, changed files replace their chunks, and "
+        "each file is written in one transaction.",
+    )
+    p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders")
+    add_store_arguments(p)
+    p.add_argument(
+        "--target",
+        choices=("llamaindex", "langchain"),
+        default="llamaindex",
+        help="table layout: llamaindex (default; LangChain reads it too) or langchain "
+        "(langchain-postgres' own columns, LangChain only)",
+    )
+    p.add_argument("--chunk-size", type=int, default=800, help="max characters per chunk")
+    p.add_argument("--overlap", type=int, default=100, help="characters shared by chunks")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_ingest)
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    """Run ``tokrag ingest``; prints the summary to stdout, errors to stderr."""
+    from .postgres.ingestion import ingest
+
+    try:
+        summary = ingest(
+            [Path(p).expanduser() for p in args.paths],
+            dsn=args.dsn,
+            table=args.table,
+            embed_model=args.embed_model,
+            target=args.target,
+            max_chars=args.chunk_size,
+            overlap=args.overlap,
+            progress=not args.no_progress and sys.stderr.isatty(),
+            data_dir=args.data_dir,
+        )
+    except _database_errors() as exc:
+        print(f"tokrag: error: {exc}", file=sys.stderr)
+        return EXIT_DATABASE
+    print(summary.to_text())
+    return EXIT_PARTIAL if summary.failed else 0
+
+
+def retrieve_from_postgres(
+    question: str,
+    dsn: str | None = None,
+    table: str | None = None,
+    filters: Any = None,
+    top_k: int = 4,
+    *,
+    embed_model: str | None = None,
+    data_dir: str | None = None,
+) -> list[Any]:
+    """The ``top_k`` :class:`~tokrag_integrations.postgres.RetrievedChunk` for ``question``.
+
+    ``chunk.to_passage()`` gives the core :class:`~tokrag_integrations.Passage`. Filters are
+    ``["key=value", ...]`` (as ``--filter`` gives them) or a mapping.
+    """
+    from .postgres.server import DEFAULT_TABLE
+    from .postgres.store import _knowledge_base
+
+    kb = _knowledge_base(dsn, table or DEFAULT_TABLE, embed_model, data_dir)
+    return kb.retrieve(question, top_k=top_k, filters=filters)
