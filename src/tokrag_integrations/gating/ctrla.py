@@ -98,30 +98,49 @@ def _persona_prompt(lm: LoadedModel, persona: str, statement: str) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def last_token_states(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
-    """[L+1, d] residual states of the last position (h^0 = embeddings)."""
+def last_token_states(
+    lm: LoadedModel, prompts: Sequence[list[int]], batch_size: int = 16
+) -> torch.Tensor:
+    """[N, L+1, d] residual states of each prompt's last position (h^0 = embeddings).
+
+    Prompts are left-padded into batches; ``attention.Probe`` records the last position.
+    """
     from ..attention import Probe
 
-    inp = torch.tensor([ids], dtype=torch.long, device=lm.model.device)
-    with lm.lock, torch.inference_mode(), Probe(lm.model) as probe:
-        lm.model(input_ids=inp, use_cache=False, logits_to_keep=1)
-        rec = probe.take()
-    return rec.resid[:, 0, :].float().cpu()
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        n = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), n), lm.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), n), dtype=torch.long)
+        for r, p in enumerate(chunk):
+            ids[r, n - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[r, n - len(p) :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        dev = lm.model.device
+        with lm.lock, torch.inference_mode(), Probe(lm.model) as probe:
+            lm.model(
+                input_ids=ids.to(dev),
+                attention_mask=mask.to(dev),
+                position_ids=pos.to(dev),
+                use_cache=False,
+                logits_to_keep=1,
+            )
+            rec = probe.take()
+        out.append(rec.resid.float().cpu().transpose(0, 1))  # [B, L+1, d]
+    return torch.cat(out)
 
 
 def contrast_differences(
     lm: LoadedModel, statements: Sequence[str], kind: str = "confidence"
 ) -> torch.Tensor:
-    """[S, L+1, d]: r^+ - r^- per statement and layer."""
+    """[S, L+1, d]: r^+ - r^- per statement and layer (last token of each prompt)."""
     if kind not in PERSONAS:
         raise ValueError(f"kind must be one of {sorted(PERSONAS)}, got {kind!r}")
     pos, neg = PERSONAS[kind]
-    diffs = []
-    for s in statements:
-        a = last_token_states(lm, _persona_prompt(lm, pos, s))
-        b = last_token_states(lm, _persona_prompt(lm, neg, s))
-        diffs.append(a - b)
-    return torch.stack(diffs)
+    a = last_token_states(lm, [_persona_prompt(lm, pos, s) for s in statements])
+    b = last_token_states(lm, [_persona_prompt(lm, neg, s) for s in statements])
+    return a - b
 
 
 def pca_directions(diffs: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -398,7 +417,6 @@ class CtrlAGate(Gate):
             "draft": r.text,
             "tokens": pol.tokens,
             "read_layers": self.read_layers,
-            "result": r,
         }
 
     def calibrate(
