@@ -1,0 +1,72 @@
+"""Route between a direct-LLM engine and a RAG engine with a retrieval gate (LlamaIndex).
+
+python examples/router_llamaindex.py "Who founded Quillfeather Aerospace?"
+"""
+
+from __future__ import annotations
+
+import sys
+
+from llama_index.core.query_engine import RetrieverQueryEngine, RouterQueryEngine
+from llama_index.core.retrievers import BaseRetriever
+from llama_index.core.schema import NodeWithScore, TextNode
+from llama_index.core.tools import QueryEngineTool
+
+from tokrag_integrations import load_model
+from tokrag_integrations.gating import ConfidenceGate
+from tokrag_integrations.gating.llama_index import gate_selector, gated_query_engine
+from tokrag_integrations.llama_index import TokRAGSynthesizer
+from tokrag_integrations.retrieval import (
+    build_retriever,
+    get_sample_docs_path,
+    get_sample_questions,
+)
+
+
+class SampleDocsRetriever(BaseRetriever):
+    """The project's dense retriever over the packaged sample documents."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ret = build_retriever(get_sample_docs_path(), "dense")
+
+    def _retrieve(self, query_bundle):
+        hits = self._ret.retrieve(query_bundle.query_str, top_k=3)
+        return [NodeWithScore(node=TextNode(text=h.text), score=h.score) for h in hits]
+
+
+class NoRetriever(BaseRetriever):
+    def _retrieve(self, query_bundle):
+        return []
+
+
+def main() -> None:
+    question = sys.argv[1] if len(sys.argv) > 1 else "Who founded Quillfeather Aerospace?"
+    lm = load_model("default")
+    gate = ConfidenceGate(lm, metric="self_certainty")
+    gate.calibrate([q["question"] for q in get_sample_questions()], percentile=50)
+    synth = TokRAGSynthesizer(lm, policy="tokrag", max_new_tokens=48)
+    direct = RetrieverQueryEngine(retriever=NoRetriever(), response_synthesizer=synth)
+    rag = RetrieverQueryEngine(retriever=SampleDocsRetriever(), response_synthesizer=synth)
+    router = RouterQueryEngine(
+        selector=gate_selector(gate),
+        query_engine_tools=[
+            QueryEngineTool.from_defaults(direct, description="the model alone"),
+            QueryEngineTool.from_defaults(rag, description="retrieved passages"),
+        ],
+    )
+    resp = router.query(question)
+    print(resp.response)
+    print("router:", resp.metadata["selector_result"].selections[0].reason)
+    gated = gated_query_engine(gate, SampleDocsRetriever(), synth).query(question)
+    print(
+        gated.response,
+        "| route:",
+        gated.metadata["route"],
+        "| score:",
+        gated.metadata["gate"]["score"],
+    )
+
+
+if __name__ == "__main__":
+    main()
