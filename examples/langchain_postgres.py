@@ -45,7 +45,7 @@ def main() -> None:
             print(f"  retrieved {doc.metadata['file_name']} chunk {doc.metadata['chunk']}")
 
         lm = load_model("default")
-        chain = create_tokrag_chain(retriever, lm, policy=args.policy, max_new_tokens=48)
+        chain = create_tokrag_chain(retriever, lm, policy=args.policy, max_tokens=48)
         out = chain.invoke(args.question)
         answer = out if isinstance(out, str) else out.get("answer", out)
         print(f"\nQ: {args.question}\nA: {str(answer).strip()}")

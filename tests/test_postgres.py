@@ -414,11 +414,8 @@ def test_hostile_names_in_metadata_match_exactly(pg_dsn, tmp_path):
             [n.node for n in kb.llamaindex_retriever(5, {"file_name": odd}).retrieve("Quimby")],
             kb.langchain_retriever(5, {"file_name": odd}).invoke("Quimby gauge"),
         ):
-            assert (
-                len(hits) == 1
-                and "42 kPa" in getattr(hits[0], "text", None)
-                or "42 kPa" in (getattr(hits[0], "page_content", "") or hits[0].text)
-            )
+            texts = [getattr(h, "page_content", None) or h.text for h in hits]
+            assert len(texts) == 1 and "42 kPa" in texts[0]
     for name in HOSTILE_NAMES[:5]:
         with pytest.raises(ValueError, match="Invalid table name"):
             ingest([tmp_path], dsn=pg_dsn, table=name, progress=False)
@@ -470,7 +467,7 @@ def test_answer_through_llamaindex(sample_kb, lm):
 def test_answer_through_langchain(sample_kb, lm):
     langchain_mod = pytest.importorskip("tokrag_integrations.langchain")
     retriever = sample_kb.langchain_retriever(k=3)
-    chain = langchain_mod.create_tokrag_chain(retriever, lm, policy="rag", max_new_tokens=24)
+    chain = langchain_mod.create_tokrag_chain(retriever, lm, policy="rag", max_tokens=24)
     out = chain.invoke(WIFI_Q)
     text = out if isinstance(out, str) else out.get("answer", out.get("result", str(out)))
     assert WIFI_A in str(text)
@@ -499,19 +496,30 @@ def test_answer_from_postgres_function(sample_kb, lm):
 
 @pytest.mark.postgres
 def test_eight_threads_query_concurrently(sample_kb, lm):
+    """8 threads retrieve + generate at once; each gets chunks of the file holding its answer
+    and exactly the chunks and answer a sequential run gives (greedy decoding is deterministic, so any
+    cross-talk between threads would show)."""
     from tokrag_integrations.retrieval import get_sample_questions
 
     questions = get_sample_questions()[:8]
-    results: dict[int, tuple[list[str], str]] = {}
+
+    def ask(q):
+        answer = sample_kb.answer(q["question"], lm, policy="rag", top_k=3, max_new_tokens=12)
+        return (
+            [c.node_id for c in answer.chunks],
+            [c.text for c in answer.chunks],
+            answer.result.text,
+        )
+
+    sequential = [ask(q) for q in questions]
+    results: dict[int, tuple] = {}
     errors: list[BaseException] = []
     barrier = threading.Barrier(8)
 
     def worker(i: int) -> None:
         try:
-            q = questions[i]
             barrier.wait()
-            answer = sample_kb.answer(q["question"], lm, policy="rag", top_k=3, max_new_tokens=20)
-            results[i] = ([c.metadata["file_name"] for c in answer.chunks], answer.result.text)
+            results[i] = ask(questions[i])
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -522,7 +530,11 @@ def test_eight_threads_query_concurrently(sample_kb, lm):
         t.join(600)
     assert not errors, errors
     for i, q in enumerate(questions):
-        files, text = results[i]
+        ids, files, answer = results[i]
         assert q["source"] in files, (q["question"], files)
-        accepted = [q["answer"], *q["aliases"]]
-        assert any(a.lower() in text.lower() for a in accepted), (q["question"], text)
+        assert (ids, answer) == (sequential[i][0], sequential[i][2]), q["question"]
+    correct = sum(
+        any(a.lower() in results[i][2].lower() for a in [q["answer"], *q["aliases"]])
+        for i, q in enumerate(questions)
+    )
+    assert correct >= 5, [results[i][2] for i in range(8)]
