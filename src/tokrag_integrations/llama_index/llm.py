@@ -1,0 +1,266 @@
+"""TokRAGLLM: the local model as a LlamaIndex ``CustomLLM`` (pure model or a Tok-RAG policy)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+
+from ..api import GenerationResult, TokenEvent, agenerate, astream_with_result, generate, stream
+from ..models import LoadedModel, load_model
+from ._convert import jsonable, messages_to_turns, result_kwargs, to_passages
+
+
+class TokRAGLLM(CustomLLM):
+    """A local causal LM (default: the packaged SmolLM2-135M-Instruct) as a LlamaIndex LLM.
+
+    Without passages every method is the pure model (``policy="llm"``). Give
+    ``passages=[...]`` (nodes, strings, :class:`~tokrag_integrations.Passage` objects or
+    (text, score) pairs, best first) to any method to decode under ``policy`` instead.
+    Per-call ``policy=``, ``max_new_tokens=``, ``stop=``, ``max_context_tokens=`` and
+    ``policy_options=`` override the fields. The model runs in a worker thread in the async
+    methods. Responses carry provenance in ``additional_kwargs`` (policy, counts per source,
+    stop reason, warnings) and the full trace as a dict in ``raw``; streams end with one
+    empty-delta response carrying them.
+
+    Example:
+        >>> Settings.llm = TokRAGLLM(max_new_tokens=64)
+        >>> Settings.llm.complete("What is Quillfeather?", passages=["Quillfeather is ..."])
+    """
+
+    model: str = Field(
+        default="default",
+        description="Name or path given to load_model() when no LoadedModel is passed.",
+    )
+    max_new_tokens: int = Field(
+        default=256, gt=0, description="Answer budget in tokens (reported as num_output)."
+    )
+    policy: str = Field(
+        default="tokrag", description="Decoding policy used when passages are given."
+    )
+    stop: list[str] | None = Field(default=None, description="Stop strings (EOS always stops).")
+    max_context_tokens: int | None = Field(
+        default=None, description="A tighter context budget than the model's window."
+    )
+    policy_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options of the policy (e.g. {'pr_norm': 'softmax'})."
+    )
+    load_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for load_model() (device, dtype)."
+    )
+
+    _lm: LoadedModel = PrivateAttr()
+
+    def __init__(self, lm: LoadedModel | None = None, **kwargs: Any) -> None:
+        """Wrap ``lm`` (from :func:`tokrag_integrations.load_model`) or load ``model``."""
+        if lm is not None and not isinstance(lm, LoadedModel):
+            raise TypeError(
+                f"lm must be a LoadedModel from tokrag_integrations.load_model(), got "
+                f"{type(lm).__name__}; to load by name use TokRAGLLM(model=...)."
+            )
+        super().__init__(**kwargs)
+        self._lm = lm if lm is not None else load_model(self.model, **self.load_options)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "TokRAGLLM"
+
+    @property
+    def loaded_model(self) -> LoadedModel:
+        """The underlying :class:`~tokrag_integrations.models.LoadedModel`."""
+        return self._lm
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self._lm.context_window,
+            num_output=self.max_new_tokens,
+            is_chat_model=self._lm.is_chat,
+            model_name=self._lm.name,
+        )
+
+    # ------------------------------------------------------------------ argument plumbing
+    def _call_args(self, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """(passages for the core, keyword arguments for generate/stream)."""
+        passages = to_passages(kwargs.get("passages"))
+        opts = {**self.policy_options, **dict(kwargs.get("policy_options") or {})}
+        gen_kw: dict[str, Any] = {
+            "policy": kwargs.get("policy") or (self.policy if passages is not None else "llm"),
+            "max_new_tokens": int(kwargs.get("max_new_tokens") or self.max_new_tokens),
+            "stop": kwargs["stop"] if kwargs.get("stop") is not None else self.stop,
+            "max_context_tokens": kwargs.get("max_context_tokens", self.max_context_tokens),
+            **opts,
+        }
+        if self.system_prompt is not None:
+            gen_kw["system_prompt"] = self.system_prompt
+        return passages, gen_kw
+
+    def _prompt_args(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> tuple:
+        if not formatted and self.completion_to_prompt is not None:
+            prompt = self.completion_to_prompt(prompt)
+        passages, gen_kw = self._call_args(kwargs)
+        return prompt, passages, gen_kw
+
+    def _chat_args(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple:
+        history, query = messages_to_turns(messages)
+        passages, gen_kw = self._call_args(kwargs)
+        if history:
+            gen_kw["messages"] = history
+        return query, passages, gen_kw
+
+    # ------------------------------------------------------------------ response builders
+    @staticmethod
+    def _completion(result: GenerationResult) -> CompletionResponse:
+        return CompletionResponse(
+            text=result.text,
+            additional_kwargs=result_kwargs(result),
+            raw=jsonable(result.trace.to_dict()),
+        )
+
+    @staticmethod
+    def _chat(result: GenerationResult) -> ChatResponse:
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
+            additional_kwargs=result_kwargs(result),
+            raw=jsonable(result.trace.to_dict()),
+        )
+
+    @staticmethod
+    def _completion_stream(events: Iterator[TokenEvent], result: Any) -> CompletionResponseGen:
+        text = ""
+        for ev in events:
+            if ev.text:
+                text += ev.text
+                yield CompletionResponse(
+                    text=text, delta=ev.text, additional_kwargs={"source": ev.source}
+                )
+        final = result()
+        yield CompletionResponse(
+            text=text,
+            delta="",
+            additional_kwargs=result_kwargs(final),
+            raw=jsonable(final.trace.to_dict()),
+        )
+
+    # ------------------------------------------------------------------ completion
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        """Complete ``prompt`` (pure model, or ``policy`` over ``passages=``)."""
+        prompt, passages, gen_kw = self._prompt_args(prompt, formatted, kwargs)
+        return self._completion(generate(self._lm, prompt, passages, **gen_kw))
+
+    @llm_completion_callback()
+    def stream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseGen:
+        """Like :meth:`complete`, one response per chosen token (``delta`` = its text)."""
+        prompt, passages, gen_kw = self._prompt_args(prompt, formatted, kwargs)
+        s = stream(self._lm, prompt, passages, **gen_kw)
+        return self._completion_stream(s, lambda: s.result)
+
+    @llm_completion_callback()
+    async def acomplete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponse:
+        """Async :meth:`complete`; the model runs in a worker thread."""
+        prompt, passages, gen_kw = self._prompt_args(prompt, formatted, kwargs)
+        return self._completion(await agenerate(self._lm, prompt, passages, **gen_kw))
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        """Async :meth:`stream_complete`; tokens are produced in a worker thread."""
+        prompt, passages, gen_kw = self._prompt_args(prompt, formatted, kwargs)
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            async for item in astream_with_result(self._lm, prompt, passages, **gen_kw):
+                if isinstance(item, GenerationResult):
+                    yield CompletionResponse(
+                        text=text,
+                        delta="",
+                        additional_kwargs=result_kwargs(item),
+                        raw=jsonable(item.trace.to_dict()),
+                    )
+                elif item.text:
+                    text += item.text
+                    yield CompletionResponse(
+                        text=text, delta=item.text, additional_kwargs={"source": item.source}
+                    )
+
+        return gen()
+
+    # ------------------------------------------------------------------ chat
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Answer the last user message; earlier messages become the chat history."""
+        query, passages, gen_kw = self._chat_args(messages, kwargs)
+        return self._chat(generate(self._lm, query, passages, **gen_kw))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        """Like :meth:`chat`, one response per chosen token (``delta`` = its text)."""
+        query, passages, gen_kw = self._chat_args(messages, kwargs)
+        s = stream(self._lm, query, passages, **gen_kw)
+        return _chat_stream(self._completion_stream(s, lambda: s.result))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        """Async :meth:`chat`; the model runs in a worker thread."""
+        query, passages, gen_kw = self._chat_args(messages, kwargs)
+        return self._chat(await agenerate(self._lm, query, passages, **gen_kw))
+
+    @llm_chat_callback()
+    async def astream_chat(
+        self, messages: Sequence[ChatMessage], **kwargs: Any
+    ) -> ChatResponseAsyncGen:
+        """Async :meth:`stream_chat`; tokens are produced in a worker thread."""
+        query, passages, gen_kw = self._chat_args(messages, kwargs)
+
+        async def gen() -> ChatResponseAsyncGen:
+            text = ""
+            async for item in astream_with_result(self._lm, query, passages, **gen_kw):
+                if isinstance(item, GenerationResult):
+                    yield ChatResponse(
+                        message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
+                        delta="",
+                        additional_kwargs=result_kwargs(item),
+                        raw=jsonable(item.trace.to_dict()),
+                    )
+                elif item.text:
+                    text += item.text
+                    yield ChatResponse(
+                        message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
+                        delta=item.text,
+                        additional_kwargs={"source": item.source},
+                    )
+
+        return gen()
+
+
+def _chat_stream(completions: Iterator[CompletionResponse]) -> ChatResponseGen:
+    for c in completions:
+        yield ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=c.text),
+            delta=c.delta,
+            additional_kwargs=c.additional_kwargs,
+            raw=c.raw,
+        )
+
+
+__all__ = ["TokRAGLLM"]
