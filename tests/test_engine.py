@@ -1,0 +1,291 @@
+"""The decoding engine on the real default model (SmolLM2-135M-Instruct)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from tokrag_integrations import Passage, generate, generate_batch, stream
+from tokrag_integrations.attention import Probe, attention_row, cached_keys, model_parts
+from tokrag_integrations.prompts import PromptBuilder
+
+FICTION_Q = "What is the name of the cat owned by Zorbin Quell?"
+FICTION_P = ["Zorbin Quell owns a grey cat named Pistachio."]
+CONTRA_Q = "What is the capital of France?"
+CONTRA_P = ["The capital of France is Marseille."]
+
+
+def _plan(lm, q, ps, **kw):
+    return PromptBuilder(lm.tokenizer, context_window=lm.context_window).build(q, ps, **kw)
+
+
+def _hf_generate(lm, ids, n):
+    x = torch.tensor([ids])
+    out = lm.model.generate(
+        input_ids=x,
+        attention_mask=torch.ones_like(x),
+        do_sample=False,
+        max_new_tokens=n,
+        pad_token_id=lm.pad_token_id,
+        top_p=None,
+        top_k=None,
+        temperature=None,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def _strip_eos(lm, ids):
+    out = []
+    for i in ids:
+        if i in lm.eos_token_ids:
+            break
+        out.append(i)
+    return out
+
+
+@pytest.mark.parametrize("policy,ctx", [("llm", "pure_ids"), ("rag", "rag_ids")])
+def test_baselines_equal_model_generate(lm, policy, ctx):
+    for q, ps in [(FICTION_Q, FICTION_P), (CONTRA_Q, CONTRA_P)]:
+        plan = _plan(lm, q, ps, max_new_tokens=24)
+        want = _strip_eos(lm, _hf_generate(lm, getattr(plan, ctx), 24))
+        r = generate(lm, q, ps, policy=policy, max_new_tokens=24)
+        assert r.token_ids == want
+        assert r.text == lm.tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_recomputed_attention_matches_eager(lm):
+    """The rows Tok-RAG reads equal the model's own eager attention (RoPE included)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    eager = AutoModelForCausalLM.from_pretrained(lm.path, dtype=torch.float32, attn_implementation="eager")
+    eager.eval()
+    plan = _plan(lm, FICTION_Q, FICTION_P + ["Pistachio likes to sleep on the red sofa."])
+    ids = torch.tensor([plan.rag_ids])
+    with torch.inference_mode():
+        ref = eager(input_ids=ids, output_attentions=True).attentions  # L x [1, H, T, T]
+        cache = DynamicCache(config=lm.model.config)
+        with Probe(lm.model) as probe:
+            lm.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        rec = probe.take()
+        parts = model_parts(lm.model)
+        valid = torch.ones_like(ids, dtype=torch.bool)
+        for layer in range(parts.num_layers):
+            mine = attention_row(parts, layer, rec, cached_keys(cache, layer), valid, ids.shape[1])[0]
+            torch.testing.assert_close(mine, ref[layer][0, :, -1, :], atol=1e-4, rtol=0)
+
+
+def test_recomputed_attention_matches_eager_with_left_padding(lm):
+    """In a batch, padded rows read the same attention as unpadded ones."""
+    from transformers import DynamicCache
+
+    short = _plan(lm, CONTRA_Q, CONTRA_P).rag_ids
+    long = _plan(lm, FICTION_Q, FICTION_P + ["Pistachio likes to sleep on the red sofa."]).rag_ids
+    pad = len(long) - len(short)
+    ids = torch.tensor([[lm.pad_token_id] * pad + short, long])
+    mask = torch.tensor([[0] * pad + [1] * len(short), [1] * len(long)])
+    parts = model_parts(lm.model)
+    with torch.inference_mode():
+        cache = DynamicCache(config=lm.model.config)
+        with Probe(lm.model) as probe:
+            lm.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        rec = probe.take().select([0])
+        cache1 = DynamicCache(config=lm.model.config)
+        with Probe(lm.model) as probe1:
+            lm.model(input_ids=torch.tensor([short]), past_key_values=cache1, use_cache=True, logits_to_keep=1)
+        rec1 = probe1.take()
+        for layer in (0, parts.num_layers // 2, parts.num_layers - 1):
+            padded = attention_row(parts, layer, rec, cached_keys(cache, layer)[:1], mask[:1].bool(), ids.shape[1])[0]
+            alone = attention_row(parts, layer, rec1, cached_keys(cache1, layer), torch.ones(1, len(short), dtype=torch.bool), len(short))[0]
+            assert padded[:, :pad].abs().max().item() == 0.0
+            torch.testing.assert_close(padded[:, pad:], alone, atol=1e-4, rtol=0)
+
+
+def _check_trace(r):
+    for s in r.trace.steps:
+        cands = s.candidates
+        if s.source == "agree":
+            assert cands["pure"].token_id == cands["rag"].token_id == s.token_id
+        elif s.source == "rag":
+            assert cands["rag"].token_id == s.token_id != cands["pure"].token_id
+            assert s.signals["benefit"] is True
+            assert s.signals["cos_ir"] >= s.signals["cos_llm"]
+        elif s.source == "llm":
+            assert cands["pure"].token_id == s.token_id != cands["rag"].token_id
+            assert s.signals["benefit"] is False
+            assert s.signals["cos_ir"] < s.signals["cos_llm"]
+        else:
+            raise AssertionError(f"unexpected source {s.source}")
+        if s.disagreement:
+            L = 30
+            assert 1 <= s.signals["l_star"] <= L
+            assert s.signals["l_star"] == (s.signals["fusion_attn_layer"] + s.signals["fusion_jsd_layer"]) // 2
+
+
+def test_tokrag_trace_is_consistent_on_benefit_and_detriment(lm):
+    for q, ps in [(FICTION_Q, FICTION_P), (CONTRA_Q, CONTRA_P)]:
+        r = generate(lm, q, ps, policy="tokrag", max_new_tokens=24)
+        assert r.trace.steps, "no tokens generated"
+        assert r.trace.disagreement_steps, "expected the two contexts to disagree somewhere"
+        _check_trace(r)
+        json.loads(r.trace.to_json())  # serialisable
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"pr_norm": "softmax"},
+        {"top_k": 3},
+        {"min_fusion_layer": 10},
+        {"lens_norm": False},
+    ],
+)
+def test_tokrag_options_run_and_are_recorded(lm, options):
+    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag", max_new_tokens=12, **options)
+    _check_trace(r)
+    for k, v in options.items():
+        assert r.trace.options[k] == v
+    if "min_fusion_layer" in options:
+        for s in r.trace.disagreement_steps:
+            assert s.signals["fusion_attn_layer"] >= 10 and s.signals["fusion_jsd_layer"] >= 10
+
+
+def test_reference_variant_compares_at_every_step(lm):
+    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag", variant="reference", max_new_tokens=12)
+    assert r.trace.options["variant"] == "reference"
+    assert all("cos_ir" in s.signals for s in r.trace.steps)  # also at agreeing steps
+    assert all(s.signals["l_star"] == round(20 / 32 * 30) for s in r.trace.steps)
+
+
+def test_tokrag_equals_rag_when_contexts_agree_everywhere(lm):
+    q, ps = "What color is the sky on a clear day?", ["On a clear day the sky is blue."]
+    t = generate(lm, q, ps, policy="tokrag", max_new_tokens=10)
+    assert {s.source for s in t.trace.steps} == {"agree"}, t.trace.counts()
+    assert t.token_ids == generate(lm, q, ps, policy="rag", max_new_tokens=10).token_ids
+
+
+@pytest.mark.parametrize("policy", ["llm", "rag", "tokrag"])
+def test_streaming_equals_non_streaming(lm, policy):
+    r = generate(lm, CONTRA_Q, CONTRA_P, policy=policy, max_new_tokens=20)
+    s = stream(lm, CONTRA_Q, CONTRA_P, policy=policy, max_new_tokens=20)
+    events = list(s)
+    assert "".join(e.text for e in events) == r.text == s.result.text
+    assert [e.source for e in events] == [st.source for st in r.trace.steps]
+
+
+def test_stop_strings_stop_and_stream_without_the_stop(lm):
+    full = generate(lm, CONTRA_Q, CONTRA_P, policy="rag", max_new_tokens=24).text
+    word = full.split()[2]
+    s = stream(lm, CONTRA_Q, CONTRA_P, policy="rag", max_new_tokens=24, stop=[word])
+    streamed = "".join(e.text for e in s)
+    assert s.result.stop_reason == "stop"
+    assert word not in s.result.text and streamed == s.result.text
+    assert full.startswith(s.result.text)
+
+
+@pytest.mark.parametrize("policy", ["llm", "rag", "tokrag"])
+def test_batch_equals_one_at_a_time(lm, policy):
+    qs = [FICTION_Q, CONTRA_Q, "Who wrote Romeo and Juliet?"]
+    ps = [FICTION_P, CONTRA_P, ["Romeo and Juliet was written by William Shakespeare.", "It premiered in 1597."]]
+    batch = generate_batch(lm, qs, ps, policy=policy, max_new_tokens=16)
+    for q, p, b in zip(qs, ps, batch, strict=True):
+        one = generate(lm, q, p, policy=policy, max_new_tokens=16)
+        assert b.token_ids == one.token_ids
+        assert [s.source for s in b.trace.steps] == [s.source for s in one.trace.steps]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_empty_passages_fall_back_to_pure_context(lm):
+    r = generate(lm, CONTRA_Q, [], policy="tokrag", max_new_tokens=8)
+    assert any("pure context" in w for w in r.trace.warnings)
+    assert r.token_ids == generate(lm, CONTRA_Q, None, policy="llm", max_new_tokens=8).token_ids
+    with pytest.warns(UserWarning, match="empty"):
+        r2 = generate(lm, CONTRA_Q, ["   "], policy="rag", max_new_tokens=8)
+    assert r2.token_ids == r.token_ids
+
+
+def test_empty_query_and_unknown_policy_are_clear_errors(lm):
+    with pytest.raises(ValueError, match="query is empty"):
+        generate(lm, "  ", CONTRA_P)
+    with pytest.raises(ValueError, match="Unknown policy 'tokrog'.*tokrag"):
+        generate(lm, CONTRA_Q, CONTRA_P, policy="tokrog")
+    with pytest.raises(ValueError, match="pr_norm"):
+        generate(lm, CONTRA_Q, CONTRA_P, pr_norm="max")
+    with pytest.raises(ValueError, match="Bad options"):
+        generate(lm, CONTRA_Q, CONTRA_P, policy="rag", no_such_option=1)
+
+
+def test_passages_larger_than_the_window_are_dropped_lowest_first(lm):
+    filler = "The archive contains many unrelated records about shipping schedules. " * 40
+    ps = [Passage(FICTION_P[0], score=0.9), Passage(filler, score=0.5), Passage(filler, score=0.1)]
+    with pytest.warns(UserWarning, match="do not fit"):
+        r = generate(lm, FICTION_Q, ps, policy="rag", max_new_tokens=16, max_context_tokens=700)
+    kept = [p.kept for p in r.trace.passages]
+    assert kept[0] is True and kept[2] is False
+    assert r.trace.passages[1].cut or not r.trace.passages[1].kept
+    assert any("do not fit" in w for w in r.trace.warnings)
+    assert r.trace.prompt_tokens["rag"] <= 700 - 16
+    assert "Pistachio" in r.text
+
+
+def test_question_that_cannot_fit_is_a_clear_error(lm):
+    with pytest.raises(ValueError, match="question alone takes"):
+        generate(lm, "why " * 400, CONTRA_P, max_context_tokens=300)
+
+
+def test_prompt_positions_are_exact(lm):
+    ps = ["Alpha passage text.", "Beta passage, second."]
+    plan = _plan(lm, "Which passage?", ps)
+    tok = lm.tokenizer
+    for (s, e), p in zip(plan.passage_spans, ps, strict=True):
+        assert tok.decode(plan.rag_ids[s:e]) == p
+        assert tok.decode(plan.rag_ids[s - 3 : s]).endswith("Passage]\n")
+    # Both contexts end in the same question and assistant prefix.
+    n = len(plan.pure_ids) - len(plan.head_ids)
+    assert plan.rag_ids[-n:] == plan.pure_ids[-n:]
+    assert plan.rag_ids[: len(plan.head_ids)] == plan.pure_ids[: len(plan.head_ids)]
+
+
+def test_plain_prompt_fallback_without_chat_template(lm):
+    tok = lm.tokenizer
+    saved = tok.chat_template
+    try:
+        tok.chat_template = None
+        plan = PromptBuilder(tok, context_window=2048).build("Q?", ["P."])
+        text = tok.decode(plan.rag_ids)
+        assert "[Retrieved Passage]\nP." in text and text.endswith("Question: Q?\nAnswer:")
+        assert tok.decode(plan.pure_ids).endswith("Question: Q?\nAnswer:")
+    finally:
+        tok.chat_template = saved
+
+
+def test_chat_history_is_in_both_contexts(lm):
+    msgs = [{"role": "user", "content": "Hi, I am Ada."}, {"role": "assistant", "content": "Hello Ada!"}]
+    plan = _plan(lm, "What is my name?", ["Ada is a name."], messages=msgs)
+    for ids in (plan.pure_ids, plan.rag_ids):
+        assert "Hello Ada!" in lm.tokenizer.decode(ids)
+
+
+def test_async_and_batch_validation(lm):
+    import asyncio
+
+    from tokrag_integrations import agenerate
+
+    r = asyncio.run(agenerate(lm, CONTRA_Q, CONTRA_P, policy="rag", max_new_tokens=8))
+    assert r.token_ids == generate(lm, CONTRA_Q, CONTRA_P, policy="rag", max_new_tokens=8).token_ids
+    with pytest.raises(ValueError, match="passage lists"):
+        generate_batch(lm, ["a", "b"], [[]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert generate_batch(lm, [], []) == []
