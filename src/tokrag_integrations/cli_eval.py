@@ -71,8 +71,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("task", "model", "ratios", "cf_ratios", "k", "seed", "max_new_tokens", "stop", "alpha", "target")
-    return {k: getattr(args, k) for k in keys} | {"data": str(Path(args.data).resolve())}
+    keys = ("task", "model", "ratios", "cf_ratios", "k", "seed", "max_new_tokens", "stop", "alpha")
+    cfg = {k: getattr(args, k) for k in keys} | {"data": str(Path(args.data).resolve())}
+    if args.task == "token":
+        cfg["target"] = args.target
+    return cfg
 
 
 def _check_resume(records: Path, config: dict[str, Any]) -> None:

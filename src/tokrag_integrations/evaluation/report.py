@@ -120,14 +120,15 @@ def write_accuracy_report(summary: dict[str, Any], out_dir: str | Path, name: st
     if command:
         md += ["```", command, "```", ""]
     md += ["Accuracy (cover EM, %):", "", accuracy_table(summary), ""]
-    has_cf = any(not math.isnan(v) for p in summary["policies"] for v in summary["cf_repeat"][p].values())
+    # Repeat rates only mean something where counterfactual passages were given.
+    has_cf = any(summary.get("mean_passages", {}).get(c, {}).get("cf") for c in summary["conditions"])
     if has_cf:
         md += ["Answers repeating the counterfactual answer (%):", "", accuracy_table(summary, "cf_repeat"), ""]
     md += ["Passages given:", "", passages_table(summary), ""]
     md += ["Mean seconds per question: " + ", ".join(f"{p} {_fmt(summary['mean_time_s'][p], 2)}" for p in summary["policies"]), ""]
     (out / f"{name}.md").write_text("\n".join(md), encoding="utf-8")
     files.append(out / f"{name}.md")
-    files.append(plot_accuracy(summary, out / f"{name}.png", title))
+    files.append(plot_accuracy(summary, out / f"{name}.png", f"{title} (n = {summary['n_items']})"))
     if has_cf:
         files.append(plot_accuracy(summary, out / f"{name}_cf_repeat.png", title + " (counterfactual repeats)", key="cf_repeat"))
     return files
