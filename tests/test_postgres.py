@@ -507,7 +507,7 @@ def test_eight_threads_query_concurrently(sample_kb, lm):
         answer = sample_kb.answer(q["question"], lm, policy="rag", top_k=3, max_new_tokens=12)
         return (
             [c.node_id for c in answer.chunks],
-            [c.text for c in answer.chunks],
+            [c.metadata["file_name"] for c in answer.chunks],
             answer.result.text,
         )
 
