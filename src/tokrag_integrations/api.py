@@ -177,7 +177,7 @@ def _run(
     if len(queries) != len(passages):
         raise ValueError(f"got {len(queries)} queries but {len(passages)} passage lists")
     if not queries:
-        return
+        return iter(())
     pol = get_policy(policy, **options)
     stops = _stop_list(stop)
     plans = _plans(
@@ -214,35 +214,41 @@ def _run(
         for i in range(len(queries))
     ]
     trackers = [_TextTracker(lm.tokenizer, stops) for _ in queries]
-    with lm.lock:
-        for group, idx in groups.items():
-            use = llm_pol if group == "llm" else pol
-            timings: dict[str, float] = {}
-            t0 = time.perf_counter()
-            for ev in decode_loop(
-                lm,
-                [plans[i] for i in idx],
-                use,
-                max_new_tokens=max_new_tokens,
-                stop=stops,
-                timings=timings,
-            ):
-                q = idx[ev.query_idx]
-                tr = traces[q]
-                is_eos = ev.stop_reason == "eos"
-                if not is_eos:
-                    tr.steps.append(ev.step)
-                delta = trackers[q].push(None if is_eos else ev.step.token_id, ev.finished)
-                if ev.finished:
-                    tr.stop_reason = ev.stop_reason
-                if not is_eos or delta:
-                    yield TokenEvent(q, ev.step.index, ev.step.token_id, delta, ev.step.source, ev.step)
-            total = time.perf_counter() - t0
-            for i in idx:
-                traces[i].timings = {**timings, "total_s": total, "queries_in_batch": float(len(idx))}
-    for q, tr in enumerate(traces):
-        tr.text = trackers[q].final if trackers[q].final is not None else trackers[q].text()
-        holder.append(GenerationResult(text=tr.text, trace=tr, token_ids=list(trackers[q].ids)))
+
+    def events() -> Iterator[TokenEvent]:
+        # The model lock is taken on the first next(), not when the stream is created, so
+        # an unread stream never blocks other users of the model.
+        with lm.lock:
+            for group, idx in groups.items():
+                use = llm_pol if group == "llm" else pol
+                timings: dict[str, float] = {}
+                t0 = time.perf_counter()
+                for ev in decode_loop(
+                    lm,
+                    [plans[i] for i in idx],
+                    use,
+                    max_new_tokens=max_new_tokens,
+                    stop=stops,
+                    timings=timings,
+                ):
+                    q = idx[ev.query_idx]
+                    tr = traces[q]
+                    is_eos = ev.stop_reason == "eos"
+                    if not is_eos:
+                        tr.steps.append(ev.step)
+                    delta = trackers[q].push(None if is_eos else ev.step.token_id, ev.finished)
+                    if ev.finished:
+                        tr.stop_reason = ev.stop_reason
+                    if not is_eos or delta:
+                        yield TokenEvent(q, ev.step.index, ev.step.token_id, delta, ev.step.source, ev.step)
+                total = time.perf_counter() - t0
+                for i in idx:
+                    traces[i].timings = {**timings, "total_s": total, "queries_in_batch": float(len(idx))}
+        for q, tr in enumerate(traces):
+            tr.text = trackers[q].final if trackers[q].final is not None else trackers[q].text()
+            holder.append(GenerationResult(text=tr.text, trace=tr, token_ids=list(trackers[q].ids)))
+
+    return events()
 
 
 def generate(
@@ -321,21 +327,7 @@ def stream(
         holder=holder,
         options=options,
     )
-    return TokenStream(_eager_start(gen), holder)
-
-
-def _eager_start(gen: Iterator[TokenEvent]) -> Iterator[TokenEvent]:
-    """Run a generator up to its first event now, so argument errors raise immediately."""
-    try:
-        first = next(gen)
-    except StopIteration:
-        return iter(())
-
-    def rest() -> Iterator[TokenEvent]:
-        yield first
-        yield from gen
-
-    return rest()
+    return TokenStream(gen, holder)
 
 
 def generate_batch(
@@ -380,9 +372,8 @@ async def astream(
 ) -> AsyncIterator[TokenEvent]:
     """Async :func:`stream`: tokens are produced in a worker thread and handed to the loop.
 
-    The final :class:`GenerationResult` is available as ``event.step`` of each event and,
-    after the iteration, through the ``result`` attribute of the generator's last event's
-    stream; use :func:`astream_with_result` when you need it.
+    Yields only :class:`TokenEvent` objects; use :func:`astream_with_result` to also receive
+    the final :class:`GenerationResult`.
     """
     async for ev in astream_with_result(lm, query, passages, **kwargs):
         if isinstance(ev, TokenEvent):

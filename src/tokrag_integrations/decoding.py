@@ -340,7 +340,7 @@ def decode_loop(
             if all(done):
                 break
             new = torch.tensor(chosen, dtype=torch.long)
-            for role, b in batches.items():
+            for b in batches.values():
                 b.forward(new[b.query_idx])
         timings["decode_s"] = timings.get("decode_s", 0.0) + time.perf_counter() - t1
 
