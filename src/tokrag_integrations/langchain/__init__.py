@@ -1,0 +1,30 @@
+"""LangChain adapters for Tok-RAG: a chat model, a retrieval chain and a local embedding.
+
+These classes translate LangChain types into the core API (:mod:`tokrag_integrations.api`)
+and back; no decoding logic lives here.
+
+    >>> from tokrag_integrations.langchain import ChatTokRAG, create_tokrag_chain, local_embeddings
+    >>> from langchain_core.vectorstores import InMemoryVectorStore
+    >>> store = InMemoryVectorStore.from_documents(docs, local_embeddings())
+    >>> chain = create_tokrag_chain(store.as_retriever(), ChatTokRAG(model="default"))
+    >>> out = chain.invoke("Who founded Quillfeather Aerospace?")
+    >>> out["answer"], out["trace"]["counts"]
+
+Importing :mod:`tokrag_integrations` never imports LangChain; only this subpackage does.
+"""
+
+from __future__ import annotations
+
+try:
+    import langchain_core  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "tokrag_integrations.langchain needs LangChain, which is not installed. "
+        "Install it with: pip install 'tokrag-integrations[langchain]'"
+    ) from e
+
+from .chains import TokRAGChain, create_tokrag_chain
+from .chat_models import ChatTokRAG
+from .embeddings import local_embeddings
+
+__all__ = ["ChatTokRAG", "TokRAGChain", "create_tokrag_chain", "local_embeddings"]

@@ -1,0 +1,141 @@
+"""Type translation between LangChain objects and the core API (no logic beyond mapping)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from langchain_core.documents import Document
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+)
+
+from ..prompts import Passage
+from ..trace import Trace
+
+#: The core's stop reasons mapped onto LangChain's usual ``finish_reason`` values.
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def to_passage(item: Any) -> Any:
+    """A LangChain ``Document`` becomes a :class:`Passage`; anything else is left to the core.
+
+    ``Passage(text=page_content, score=metadata.get("score"), metadata=metadata)``; the
+    caller keeps the retriever's order (best first), which the core relies on when it has
+    to drop passages that do not fit.
+    """
+    if isinstance(item, Document):
+        score = item.metadata.get("score")
+        return Passage(
+            text=item.page_content or "",
+            score=float(score) if isinstance(score, (int, float)) else None,
+            metadata=dict(item.metadata),
+        )
+    return item
+
+
+def to_passages(items: Sequence[Any] | None) -> list[Any]:
+    """:func:`to_passage` over a sequence (``None`` -> ``[]``)."""
+    if items is None:
+        return []
+    if isinstance(items, (str, Document)):
+        raise TypeError(
+            "passages must be a list (of Documents, strings or Passage objects), "
+            f"not a single {type(items).__name__}"
+        )
+    return [to_passage(p) for p in items]
+
+
+def _text(message: BaseMessage) -> str:
+    """The text of a message; non-text content (images, audio, files) is refused."""
+    content = message.content
+    if isinstance(content, str):
+        return content
+    parts: list[str] = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, dict) and block.get("type") == "text":
+            parts.append(str(block.get("text", "")))
+        elif isinstance(message, AIMessage):
+            continue  # reasoning / tool-call blocks of earlier answers carry no prompt text
+        else:
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise ValueError(
+                f"ChatTokRAG reads text only, but a {message.type} message holds a {kind!r} "
+                "content block. Pass the text of the message instead."
+            )
+    return "".join(parts)
+
+
+def _role(message: BaseMessage) -> str:
+    if isinstance(message, HumanMessage):
+        return "user"
+    if isinstance(message, AIMessage):
+        return "assistant"
+    if isinstance(message, SystemMessage):
+        return "system"
+    if isinstance(message, ChatMessage):
+        return {"human": "user", "ai": "assistant"}.get(message.role, message.role)
+    raise ValueError(
+        f"ChatTokRAG has no tool calling and cannot take a {type(message).__name__}; pass "
+        "system, human and AI messages only."
+    )
+
+
+@dataclass
+class ChatPrompt:
+    """A conversation split the way the core API takes it."""
+
+    query: str
+    """The content of the final user turn (the question)."""
+    history: list[dict[str, str]]
+    """Earlier user/assistant turns as role/content dicts (``messages=`` of the core)."""
+    system_prompt: str | None
+    """The system messages' text joined by blank lines, or None to keep the core default."""
+
+
+def messages_to_prompt(messages: Sequence[BaseMessage]) -> ChatPrompt:
+    """System messages -> ``system_prompt``; the last human turn -> the query; the rest ->
+    history.
+
+    Consecutive human messages at the end are joined into one question (the core builds the
+    final user turn from the query alone).
+
+    Raises:
+        ValueError: no messages, or the conversation does not end with a human message.
+    """
+    if not messages:
+        raise ValueError("ChatTokRAG got no messages: pass at least one human message.")
+    system: list[str] = []
+    turns: list[dict[str, str]] = []
+    for m in messages:
+        role = _role(m)
+        text = _text(m)
+        if role == "system":
+            if text.strip():
+                system.append(text)
+        else:
+            turns.append({"role": role, "content": text})
+    if not turns or turns[-1]["role"] != "user":
+        last = turns[-1]["role"] if turns else "system"
+        raise ValueError(
+            f"The conversation ends with a {last} message; ChatTokRAG answers the last human "
+            "message, so end the list with a HumanMessage."
+        )
+    tail: list[str] = []
+    while turns and turns[-1]["role"] == "user":
+        tail.insert(0, turns.pop()["content"])
+    query = "\n\n".join(t for t in tail if t.strip())
+    return ChatPrompt(query=query, history=turns, system_prompt="\n\n".join(system) or None)
+
+
+def trace_dict(trace: Trace) -> dict[str, Any]:
+    """The trace as plain JSON data (tensors and numpy scalars converted)."""
+    return json.loads(trace.to_json(indent=None))

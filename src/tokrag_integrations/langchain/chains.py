@@ -1,0 +1,330 @@
+"""``create_tokrag_chain``: any LangChain retriever in front of a Tok-RAG decoded answer."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForChainRun, CallbackManagerForChainRun
+from langchain_core.documents import Document
+from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage
+from langchain_core.runnables import Runnable, RunnableConfig
+
+from ..models import LoadedModel
+from .chat_models import ChatTokRAG
+
+#: Keys of every output (``invoke``) and of the aggregated stream.
+OUTPUT_KEYS = ("answer", "context", "sources", "trace", "warnings", "retrieval_empty")
+
+
+def _runnable_name(obj: Any) -> str:
+    if isinstance(obj, Runnable):
+        return obj.get_name()
+    return type(obj).__name__
+
+
+class TokRAGChain(Runnable[Any, dict[str, Any]]):
+    """Retrieve with any retriever, then answer with :class:`ChatTokRAG` over the documents.
+
+    Built by :func:`create_tokrag_chain`; see there for the input and output shapes.
+    """
+
+    def __init__(
+        self,
+        retriever: Runnable[str, list[Document]],
+        model: ChatTokRAG,
+        *,
+        system_prompt: str | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.retriever = retriever
+        self.model = model
+        self.system_prompt = system_prompt
+        self.model_kwargs = dict(model_kwargs or {})
+        self.name = name or "TokRAGChain"
+
+    # ------------------------------------------------------------------ translation
+    @staticmethod
+    def _question(input_: Any) -> str:
+        if isinstance(input_, Mapping):
+            if "question" not in input_:
+                raise ValueError(
+                    f"The chain input has no 'question' key (keys: {sorted(input_)}); pass a "
+                    "string or {'question': ...}."
+                )
+            input_ = input_["question"]
+        if not isinstance(input_, str):
+            raise TypeError(
+                f"The question must be a string, not {type(input_).__name__}; pass a string or "
+                "{'question': ...}."
+            )
+        if not input_.strip():
+            raise ValueError("The question is empty: pass a non-empty question.")
+        return input_
+
+    def _retrieval_error(self, question: str, error: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"retriever {_runnable_name(self.retriever)} failed for question {question!r}: "
+            f"{type(error).__name__}: {error}"
+        )
+
+    def _check_docs(self, docs: Any) -> list[Document]:
+        if not isinstance(docs, Sequence) or not all(isinstance(d, Document) for d in docs):
+            raise TypeError(
+                f"retriever {_runnable_name(self.retriever)} returned {type(docs).__name__}; "
+                "a retriever must return a list of langchain_core Documents."
+            )
+        return list(docs)
+
+    def _retrieve(self, question: str, config: RunnableConfig) -> list[Document]:
+        try:
+            docs = self.retriever.invoke(question, config)
+        except Exception as e:
+            raise self._retrieval_error(question, e) from e
+        return self._check_docs(docs)
+
+    async def _aretrieve(self, question: str, config: RunnableConfig) -> list[Document]:
+        try:
+            docs = await self.retriever.ainvoke(question, config)
+        except Exception as e:
+            raise self._retrieval_error(question, e) from e
+        return self._check_docs(docs)
+
+    def _messages(self, question: str) -> list[BaseMessage]:
+        msgs: list[BaseMessage] = []
+        if self.system_prompt is not None:
+            msgs.append(SystemMessage(self.system_prompt))
+        msgs.append(HumanMessage(question))
+        return msgs
+
+    def _model_kwargs(self, docs: list[Document]) -> dict[str, Any]:
+        # Documents go in the retriever's order: the core drops the lowest-ranked first.
+        return {**self.model_kwargs, "passages": list(docs)}
+
+    def _empty_note(self, question: str, docs: list[Document]) -> list[str]:
+        if docs:
+            return []
+        msg = (
+            f"retriever {_runnable_name(self.retriever)} returned no documents for question "
+            f"{question!r}: answered from the pure context"
+        )
+        warnings.warn(msg, stacklevel=4)
+        return [msg]
+
+    @staticmethod
+    def _tail(metadata: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
+        return {"trace": metadata["trace"], "warnings": notes + list(metadata["warnings"])}
+
+    # ------------------------------------------------------------------ invoke
+    def invoke(
+        self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        return self._call_with_config(self._invoke, input, config, **kwargs)
+
+    def _invoke(
+        self, input_: Any, run_manager: CallbackManagerForChainRun, config: RunnableConfig
+    ) -> dict[str, Any]:
+        question = self._question(input_)
+        docs = self._retrieve(question, config)
+        notes = self._empty_note(question, docs)
+        msg = self.model.invoke(self._messages(question), config, **self._model_kwargs(docs))
+        return {
+            "answer": msg.text,
+            "context": docs,
+            "sources": list(msg.response_metadata["token_sources"]),
+            **self._tail(msg.response_metadata, notes),
+            "retrieval_empty": not docs,
+        }
+
+    async def ainvoke(
+        self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        return await self._acall_with_config(self._ainvoke, input, config, **kwargs)
+
+    async def _ainvoke(
+        self, input_: Any, run_manager: AsyncCallbackManagerForChainRun, config: RunnableConfig
+    ) -> dict[str, Any]:
+        question = self._question(input_)
+        docs = await self._aretrieve(question, config)
+        notes = self._empty_note(question, docs)
+        msg = await self.model.ainvoke(self._messages(question), config, **self._model_kwargs(docs))
+        return {
+            "answer": msg.text,
+            "context": docs,
+            "sources": list(msg.response_metadata["token_sources"]),
+            **self._tail(msg.response_metadata, notes),
+            "retrieval_empty": not docs,
+        }
+
+    # ------------------------------------------------------------------ stream
+    def stream(
+        self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Iterator[dict[str, Any]]:
+        yield from self._transform_stream_with_config(
+            iter([input]), self._transform, config, **kwargs
+        )
+
+    def transform(
+        self, input: Iterator[Any], config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Iterator[dict[str, Any]]:
+        yield from self._transform_stream_with_config(input, self._transform, config, **kwargs)
+
+    def _transform(
+        self,
+        inputs: Iterator[Any],
+        run_manager: CallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> Iterator[dict[str, Any]]:
+        question = self._question(_last(inputs))
+        docs = self._retrieve(question, config)
+        notes = self._empty_note(question, docs)
+        chunks = self.model.stream(self._messages(question), config, **self._model_kwargs(docs))
+        # Pull the first token before yielding anything, so a failing call (bad option,
+        # question too long...) raises with nothing half-written.
+        first = next(chunks, None)
+        yield {"context": docs, "retrieval_empty": not docs}
+        for chunk in _chain_first(first, chunks):
+            yield from self._stream_item(chunk, notes)
+
+    async def astream(
+        self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        async def one() -> AsyncIterator[Any]:
+            yield input
+
+        async for item in self._atransform_stream_with_config(
+            one(), self._atransform, config, **kwargs
+        ):
+            yield item
+
+    async def atransform(
+        self, input: AsyncIterator[Any], config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        async for item in self._atransform_stream_with_config(
+            input, self._atransform, config, **kwargs
+        ):
+            yield item
+
+    async def _atransform(
+        self,
+        inputs: AsyncIterator[Any],
+        run_manager: AsyncCallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> AsyncIterator[dict[str, Any]]:
+        last: Any = None
+        async for item in inputs:
+            last = item
+        question = self._question(last)
+        docs = await self._aretrieve(question, config)
+        notes = self._empty_note(question, docs)
+        chunks = self.model.astream(self._messages(question), config, **self._model_kwargs(docs))
+        first = await anext(chunks, None)
+        yield {"context": docs, "retrieval_empty": not docs}
+        if first is not None:
+            for out in self._stream_item(first, notes):
+                yield out
+        async for chunk in chunks:
+            for out in self._stream_item(chunk, notes):
+                yield out
+
+    def _stream_item(self, chunk: Any, notes: list[str]) -> Iterator[dict[str, Any]]:
+        meta = chunk.response_metadata
+        if "trace" in meta:
+            yield self._tail(meta, notes)
+            return
+        item: dict[str, Any] = {"answer": chunk.text}
+        if meta.get("token_sources"):
+            item["sources"] = list(meta["token_sources"])
+        if item["answer"] or "sources" in item:
+            yield item
+
+
+def _last(inputs: Iterator[Any]) -> Any:
+    last: Any = None
+    for item in inputs:
+        last = item
+    return last
+
+
+def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    if first is not None:
+        yield first
+    yield from rest
+
+
+def create_tokrag_chain(
+    retriever: Runnable[str, list[Document]],
+    model: ChatTokRAG | LoadedModel,
+    *,
+    policy: str | None = None,
+    system_prompt: str | None = None,
+    max_tokens: int | None = None,
+    stop: list[str] | None = None,
+    max_context_tokens: int | None = None,
+    **policy_options: Any,
+) -> TokRAGChain:
+    """A Runnable that retrieves documents for a question and answers from them with Tok-RAG.
+
+    The question and the documents reach the decoder separately: the documents become the
+    ranked passages of the RAG context, the question the final user turn (the pure context
+    sees only the question).
+
+    Args:
+        retriever: any LangChain retriever (or Runnable str -> list[Document]): vector-store
+            retrievers, BM25, ensembles, Postgres... Its order is the ranking (best first).
+        model: a :class:`ChatTokRAG` (its settings are the defaults) or a ``LoadedModel``.
+        policy: decoding policy; None keeps the model's (``"tokrag"`` for a LoadedModel).
+        system_prompt: a system message before the question (None: the core default).
+        max_tokens / stop / max_context_tokens: override the model's settings.
+        **policy_options: options of the policy (e.g. ``pr_norm="softmax"``).
+
+    Input: a question string, or ``{"question": ...}``.
+
+    ``invoke`` / ``ainvoke`` / ``batch`` / ``abatch`` return a dict::
+
+        {"answer": str,                # the generated answer
+         "context": list[Document],    # the retrieved documents, in retriever order
+         "sources": list[str],         # per generated token: "agree" | "rag" | "llm" | ...
+         "trace": dict,                # the full trace (Trace.to_dict() as JSON data)
+         "warnings": list[str],        # empty retrieval, skipped/dropped/cut passages...
+         "retrieval_empty": bool}      # True: no documents, answered from the pure context
+
+    ``stream`` / ``astream`` yield dict chunks, in this order:
+
+    1. ``{"context": docs, "retrieval_empty": bool}`` once retrieval succeeded and the first
+       token was chosen;
+    2. ``{"answer": delta, "sources": [source]}`` per chosen token, as it is chosen
+       (``delta`` may be ``""`` while a possible stop string is held back; a final
+       ``{"answer": delta}`` without sources may flush held-back text at end of sequence);
+    3. ``{"trace": dict, "warnings": [...]}`` last.
+
+    Adding the chunks with ``+`` gives the ``invoke`` output (up to the trace's timings).
+
+    Errors: a retriever that raises surfaces as ``RuntimeError("retriever <name> failed for
+    question ...")`` chained to the original error, before anything is yielded.
+    """
+    if not isinstance(retriever, Runnable):
+        raise TypeError(
+            f"retriever must be a LangChain retriever or Runnable, not {type(retriever).__name__}"
+        )
+    if isinstance(model, LoadedModel):
+        model = ChatTokRAG(model=model)
+    elif not isinstance(model, ChatTokRAG):
+        raise TypeError(
+            f"model must be a ChatTokRAG or a LoadedModel from load_model(), not "
+            f"{type(model).__name__}"
+        )
+    model_kwargs: dict[str, Any] = {}
+    if policy is not None:
+        model_kwargs["policy"] = policy
+    if max_tokens is not None:
+        model_kwargs["max_tokens"] = max_tokens
+    if stop is not None:
+        model_kwargs["stop"] = list(stop)
+    if max_context_tokens is not None:
+        model_kwargs["max_context_tokens"] = max_context_tokens
+    if policy_options:
+        model_kwargs["policy_options"] = dict(policy_options)
+    return TokRAGChain(retriever, model, system_prompt=system_prompt, model_kwargs=model_kwargs)

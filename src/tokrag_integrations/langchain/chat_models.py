@@ -1,0 +1,354 @@
+"""``ChatTokRAG``: a LangChain chat model over a local model decoded by the Tok-RAG core."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from .. import api
+from ..api import GenerationResult, TokenEvent
+from ..models import LoadedModel, load_model
+from ..policies import get_policy
+from ._convert import FINISH_REASONS, messages_to_prompt, to_passages, trace_dict
+
+#: Parameters of remote chat-model APIs that mean nothing for a local model. They are
+#: accepted (so ``ChatTokRAG`` drops into code written for hosted models) and ignored.
+_REMOTE_ONLY_PARAMS = ("api_key", "timeout", "max_retries")
+
+#: Per-call keyword arguments handled here; any other keyword is a policy option.
+_CALL_KWARGS = ("passages", "policy", "policy_options", "max_tokens", "max_context_tokens", "model")
+
+_MODEL_CACHE: dict[tuple[str, str | None], LoadedModel] = {}
+_MODEL_CACHE_LOCK = threading.Lock()
+
+
+def _load_cached(name: str, device: str | None) -> LoadedModel:
+    """Load a model by name or path once per process (later calls share it)."""
+    key = (name, device)
+    with _MODEL_CACHE_LOCK:
+        if key not in _MODEL_CACHE:
+            _MODEL_CACHE[key] = load_model(name, device=device)
+        return _MODEL_CACHE[key]
+
+
+@dataclass
+class _Call:
+    """One call, translated into the arguments of the core API."""
+
+    lm: LoadedModel
+    query: str
+    passages: list[Any]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def eos_ids(self) -> set[int]:
+        return set(self.lm.eos_token_ids)
+
+
+def _usage(result: GenerationResult) -> UsageMetadata:
+    """Input tokens: the prompt the answer is conditioned on (the RAG context when passages
+    were used, else the pure one); output tokens: one per decoding step."""
+    prompt = result.trace.prompt_tokens
+    n_in = int(prompt.get("rag") or prompt.get("pure") or 0)
+    n_out = len(result.trace.steps)
+    return UsageMetadata(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out)
+
+
+def _final_metadata(result: GenerationResult, lm: LoadedModel) -> dict[str, Any]:
+    """Response metadata of a whole answer, except the per-token lists."""
+    trace = result.trace
+    return {
+        "model_name": lm.name,
+        "model_provider": "tokrag",
+        "finish_reason": FINISH_REASONS.get(result.stop_reason, result.stop_reason),
+        "stop_reason": result.stop_reason,
+        "policy": trace.policy,
+        "counts": trace.counts(),
+        "prompt_tokens": dict(trace.prompt_tokens),
+        "warnings": list(trace.warnings),
+        "trace": trace_dict(trace),
+    }
+
+
+def _token_metadata(sources: list[str], token_ids: list[int]) -> dict[str, Any]:
+    # Lists, not scalars: LangChain adds streamed chunks by concatenating strings and summing
+    # ints, but lists concatenate cleanly, so an aggregated stream carries the same
+    # provenance as invoke().
+    return {"token_sources": sources, "token_ids": token_ids}
+
+
+class ChatTokRAG(BaseChatModel):
+    """Chat model over a local causal LM decoded with a Tok-RAG policy.
+
+    Messages are rendered with the model's chat template: system messages become the system
+    prompt, the last human message is the question, earlier turns are the history. With
+    ``passages`` (a constructor field, a keyword of ``invoke``/``stream``, or bound with
+    ``.bind(passages=[...])``) the answer is decoded under ``policy`` (default ``"tokrag"``);
+    without passages it is the pure model (policy ``"llm"``).
+
+    Provenance: ``response_metadata["token_sources"]`` lists, per generated token, where it
+    came from (``"agree"``, ``"rag"``, ``"llm"``...); ``response_metadata["trace"]`` is the
+    full trace as a dict. Streaming yields one ``AIMessageChunk`` per chosen token whose
+    ``response_metadata`` holds ``token_sources == [source]`` and ``token_ids == [id]``;
+    the last chunk (``chunk_position="last"``) carries usage and the trace.
+
+    Example:
+        .. code-block:: python
+
+            llm = ChatTokRAG(model="default", max_tokens=32)
+            llm.invoke("Who founded Quillfeather?", passages=["Quillfeather was founded by ..."])
+
+            lm = load_model("default")
+            ChatTokRAG(model=lm).bind(passages=docs).stream("Who founded Quillfeather?")
+    """
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
+
+    model_name: str = Field(default="default", alias="model")
+    """Model to load with :func:`tokrag_integrations.load_model` (``"default"``, a folder or
+    a ``.gguf`` path), loaded on first use and shared per process. Pass a ``LoadedModel`` as
+    ``model=`` to use an already loaded one."""
+    device: str | None = None
+    """Device used when the model is loaded by name (default: CUDA when available)."""
+    policy: str = "tokrag"
+    """Decoding policy used when passages are given (``"tokrag"``, ``"rag"``, ``"cad"``...)."""
+    policy_options: dict[str, Any] = Field(default_factory=dict)
+    """Options of the policy (e.g. ``{"pr_norm": "softmax"}``)."""
+    passages: list[Any] | None = None
+    """Default passages (Documents, strings or ``Passage`` objects), ranked best first."""
+    max_tokens: int = 64
+    """Maximum number of generated tokens."""
+    stop: list[str] | None = None
+    """Stop strings (cut from the answer); a call's ``stop`` replaces these."""
+    max_context_tokens: int | None = None
+    """A context budget tighter than the model's window (lowest-ranked passages drop first)."""
+    temperature: float | None = None
+    """Only ``None`` or ``0``: decoding is greedy (Tok-RAG compares greedy choices)."""
+    streaming: bool = False
+    """Whether ``invoke`` runs through the token stream (callbacks see every token)."""
+
+    _lm: LoadedModel | None = PrivateAttr(default=None)
+
+    def __init__(self, **kwargs: Any) -> None:
+        lm = kwargs.get("model", kwargs.get("model_name"))
+        if isinstance(lm, LoadedModel):
+            kwargs.pop("model_name", None)
+            kwargs["model"] = lm.name
+        super().__init__(**kwargs)
+        if isinstance(lm, LoadedModel):
+            self._lm = lm
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_remote_params(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            values = {k: v for k, v in values.items() if k not in _REMOTE_ONLY_PARAMS}
+        return values
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_only(cls, v: float | None) -> float | None:
+        if v not in (None, 0):
+            raise ValueError(
+                f"ChatTokRAG decodes greedily, so temperature must be 0 or None (got {v}); "
+                "Tok-RAG compares the greedy choices of the pure and the RAG context."
+            )
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {v}")
+        return v
+
+    # ------------------------------------------------------------------ LangChain hooks
+    @property
+    def _llm_type(self) -> str:
+        return "tokrag"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "policy": self.policy,
+            "policy_options": dict(self.policy_options),
+            "max_tokens": self.max_tokens,
+            "stop": self.stop,
+            "max_context_tokens": self.max_context_tokens,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        model = kwargs.get("model", self.model_name)
+        params = LangSmithParams(
+            ls_provider="tokrag",
+            ls_model_name=model.name if isinstance(model, LoadedModel) else str(model),
+            ls_model_type="chat",
+            ls_temperature=0.0,
+            ls_max_tokens=int(kwargs.get("max_tokens", self.max_tokens)),
+        )
+        stops = stop if stop is not None else self.stop
+        if stops:
+            params["ls_stop"] = list(stops)
+        return params
+
+    # ------------------------------------------------------------------ translation
+    @property
+    def loaded_model(self) -> LoadedModel:
+        """The model this instance decodes with (loaded by name on first access)."""
+        if self._lm is None:
+            self._lm = _load_cached(self.model_name, self.device)
+        return self._lm
+
+    def _resolve_model(self, model: Any) -> LoadedModel:
+        if model is None:
+            return self.loaded_model
+        if isinstance(model, LoadedModel):
+            return model
+        if isinstance(model, str):
+            if model == self.model_name:
+                return self.loaded_model
+            return _load_cached(model, self.device)
+        raise TypeError(
+            f"model must be a model name, a path or a LoadedModel, not {type(model).__name__}"
+        )
+
+    def _prepare(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> _Call:
+        """Messages and call options -> arguments of the core API (validated here)."""
+        kwargs = {
+            k: v for k, v in kwargs.items() if not k.startswith("ls_") and k not in ("stream",)
+        }
+        self._greedy_only(kwargs.pop("temperature", None))
+        call = {k: kwargs.pop(k) for k in _CALL_KWARGS if k in kwargs}
+        options = {**self.policy_options, **call.get("policy_options", {}), **kwargs}
+        policy = call.get("policy", self.policy)
+        get_policy(policy, **options)  # unknown policy or option: fail before loading anything
+        passages = to_passages(call.get("passages", self.passages))
+        max_tokens = self._positive(int(call.get("max_tokens", self.max_tokens)))
+        prompt = messages_to_prompt(messages)
+        lm = self._resolve_model(call.get("model"))
+        core: dict[str, Any] = {
+            # Without passages this is the pure model, not a policy falling back.
+            "policy": policy if passages else "llm",
+            "max_new_tokens": max_tokens,
+            "stop": list(stop if stop is not None else (self.stop or [])),
+            "messages": prompt.history or None,
+            "max_context_tokens": call.get("max_context_tokens", self.max_context_tokens),
+            **(options if passages else {}),
+        }
+        if prompt.system_prompt is not None:
+            core["system_prompt"] = prompt.system_prompt
+        return _Call(lm=lm, query=prompt.query, passages=passages, kwargs=core)
+
+    @staticmethod
+    def _result(result: GenerationResult, lm: LoadedModel) -> ChatResult:
+        steps = result.trace.steps
+        metadata = {
+            **_token_metadata([s.source for s in steps], [s.token_id for s in steps]),
+            **_final_metadata(result, lm),
+        }
+        message = AIMessage(
+            content=result.text, response_metadata=metadata, usage_metadata=_usage(result)
+        )
+        info = {"finish_reason": metadata["finish_reason"]}
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
+
+    @staticmethod
+    def _token_chunk(ev: TokenEvent, eos_ids: set[int]) -> ChatGenerationChunk:
+        # The EOS step is not part of the answer (nor of the trace); its event only flushes
+        # text held back while it could still have been the start of a stop string.
+        if ev.token_id in eos_ids:
+            return ChatGenerationChunk(message=AIMessageChunk(content=ev.text))
+        meta = _token_metadata([ev.source], [ev.token_id])
+        return ChatGenerationChunk(message=AIMessageChunk(content=ev.text, response_metadata=meta))
+
+    @staticmethod
+    def _last_chunk(result: GenerationResult, lm: LoadedModel) -> ChatGenerationChunk:
+        metadata = _final_metadata(result, lm)
+        message = AIMessageChunk(
+            content="",
+            response_metadata=metadata,
+            usage_metadata=_usage(result),
+            chunk_position="last",
+        )
+        return ChatGenerationChunk(
+            message=message, generation_info={"finish_reason": metadata["finish_reason"]}
+        )
+
+    # ------------------------------------------------------------------ sync
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        call = self._prepare(messages, stop, kwargs)
+        result = api.generate(call.lm, call.query, call.passages, **call.kwargs)
+        return self._result(result, call.lm)
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        call = self._prepare(messages, stop, kwargs)
+        tokens = api.stream(call.lm, call.query, call.passages, **call.kwargs)
+        eos = call.eos_ids()
+        for ev in tokens:
+            chunk = self._token_chunk(ev, eos)
+            if run_manager:
+                run_manager.on_llm_new_token(ev.text, chunk=chunk)
+            yield chunk
+        yield self._last_chunk(tokens.result, call.lm)
+
+    # ------------------------------------------------------------------ async
+    async def _aprepare(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> _Call:
+        # Resolving the model may load it (seconds): never on the event loop.
+        return await asyncio.to_thread(self._prepare, messages, stop, kwargs)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        call = await self._aprepare(messages, stop, kwargs)
+        result = await api.agenerate(call.lm, call.query, call.passages, **call.kwargs)
+        return self._result(result, call.lm)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        call = await self._aprepare(messages, stop, kwargs)
+        eos = call.eos_ids()
+        async for item in api.astream_with_result(
+            call.lm, call.query, call.passages, **call.kwargs
+        ):
+            if isinstance(item, GenerationResult):
+                yield self._last_chunk(item, call.lm)
+                continue
+            chunk = self._token_chunk(item, eos)
+            if run_manager:
+                await run_manager.on_llm_new_token(item.text, chunk=chunk)
+            yield chunk
