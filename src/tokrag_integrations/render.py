@@ -55,7 +55,10 @@ def format_value(value: Any) -> str:
     if isinstance(value, bool):
         return str(value)
     if isinstance(value, float):
-        return f"{value:.4f}" if math.isfinite(value) else str(value)
+        if not math.isfinite(value):
+            return str(value)
+        # Tiny thresholds (e.g. jsd_threshold 5e-7) would print as 0.0000.
+        return f"{value:.2e}" if value != 0 and abs(value) < 1e-3 else f"{value:.4f}"
     if isinstance(value, int):
         return str(value)
     if hasattr(value, "tolist"):  # torch / numpy scalars and arrays
