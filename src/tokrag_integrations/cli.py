@@ -143,6 +143,28 @@ def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         help="dense (MiniLM cosine, default) or bm25 keyword retrieval",
     )
     p.add_argument("--top-k", type=_positive_int, default=5, help="chunks to retrieve (default 5)")
+    p.add_argument(
+        "--store",
+        choices=("postgres",),
+        default=None,
+        help="retrieve from a Postgres + pgvector table filled by `tokrag ingest`",
+    )
+    from .cli_pg import add_filter_argument, add_store_arguments
+
+    add_store_arguments(p)
+    add_filter_argument(p)
+    p.add_argument(
+        "--gate",
+        choices=("confidence", "gece", "ctrla"),
+        default=None,
+        help="decide per question whether to retrieve at all (retrieval gating)",
+    )
+    p.add_argument(
+        "--gate-calibration",
+        metavar="FILE",
+        default=None,
+        help="saved gate calibration (JSON); created from the sample questions if missing",
+    )
     p.add_argument("--policy", default="tokrag", help="decoding policy (default tokrag)")
     p.add_argument(
         "--model",
@@ -180,6 +202,25 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
     passages: list[Any] = [
         Passage(text=t, metadata={"source": "--passage"}) for t in args.passage if t.strip()
     ]
+    if args.store == "postgres":
+        from .cli_pg import retrieve_from_postgres
+
+        chunks = retrieve_from_postgres(
+            args.question,
+            args.dsn,
+            args.table,
+            args.filter,
+            args.top_k,
+            embed_model=args.embed_model,
+            data_dir=args.data_dir,
+        )
+        if not chunks:
+            _print_warning(err, "the store returned no chunk for this question; answering without them.")
+        for c in chunks:
+            line = Text(f"  {c.score:7.4f}  {c.source} #{c.chunk}  ", style="dim")
+            line.append(" ".join(c.text.split()), style="dim italic")
+            err.print(line, no_wrap=True, overflow="ellipsis")
+            passages.append(c.to_passage())
     if not args.docs:
         return passages
 
@@ -218,15 +259,34 @@ def cmd_ask(args: argparse.Namespace) -> int:
     _check_output_path(args.json, "--json")
     options = dict(args.option)
 
-    passages = _retrieve(args, err)
-
     from transformers.utils import logging as hf_logging
 
     from . import load_model, stream
 
     hf_logging.disable_progress_bar()  # the status line below says what is happening
-    with err.status(f"Loading model {args.model}…"):
-        lm = load_model(name_or_path=args.model, device=args.device, dtype=args.dtype)
+    decision = None
+    if args.gate:
+        with err.status(f"Loading model {args.model}…"):
+            lm = load_model(name_or_path=args.model, device=args.device, dtype=args.dtype)
+        from .cli_gate import build_gate
+
+        with err.status(f"Gate {args.gate}: deciding whether to retrieve…"):
+            gate = build_gate(lm, args.gate, calibration=args.gate_calibration)
+            decision = gate.decide(question)
+        err.print(
+            Text(
+                f"gate {args.gate}: {'retrieve' if decision.retrieve else 'answer directly'} "
+                f"(score {decision.score:.4f}, threshold {decision.threshold})",
+                style="bold",
+            )
+        )
+    if decision is None or decision.retrieve:
+        passages = _retrieve(args, err)
+    else:
+        passages = []
+    if not args.gate:
+        with err.status(f"Loading model {args.model}…"):
+            lm = load_model(name_or_path=args.model, device=args.device, dtype=args.dtype)
 
     tokens = stream(
         lm,

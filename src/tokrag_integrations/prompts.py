@@ -112,10 +112,14 @@ class PromptBuilder:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
-    def _frame(self, messages: list[dict[str, str]] | None) -> tuple[str, str]:
-        """Template text before and after the content of the final user turn."""
+    def _frame(self, messages: list[dict[str, str]] | None, query: str = "") -> tuple[str, str]:
+        """Template text before and after the content of the final user turn.
+
+        ``messages`` are the earlier turns; if the caller passed the whole conversation (its
+        last turn is the user's ``query`` itself) that turn is not repeated.
+        """
         history = [dict(m) for m in (messages or [])]
-        if history and history[-1].get("role") == "user":
+        if history and history[-1].get("role") == "user" and history[-1].get("content", "").strip() == query.strip():
             history = history[:-1]
         if self.use_chat:
             msgs: list[dict[str, str]] = []
@@ -162,7 +166,7 @@ class PromptBuilder:
         budget = window - int(max_new_tokens)
         notes: list[str] = []
 
-        head, tail = self._frame(messages)
+        head, tail = self._frame(messages, query)
         head_ids = self._encode(head)
         tail_ids = self._encode(f"Question: {query.strip()}" + tail)
         delim_ids = self._encode(self.delimiter + "\n")
