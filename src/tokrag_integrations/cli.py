@@ -397,8 +397,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tokrag: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        # Database problems (unreachable server, missing pgvector, unknown table) are the
+        # user's to fix, not tracebacks; their messages never contain credentials.
+        if not _is_database_error(exc):
+            raise
+        print(f"tokrag: database error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 3
     finally:
         warnings.showwarning = previous
+
+
+def _is_database_error(exc: BaseException) -> bool:
+    if "tokrag_integrations.postgres.server" not in sys.modules:
+        return False
+    from .postgres.server import PostgresConnectionError, PostgresSetupError
+
+    return isinstance(exc, (PostgresConnectionError, PostgresSetupError, LookupError))
 
 
 if __name__ == "__main__":  # pragma: no cover
