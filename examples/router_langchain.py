@@ -1,11 +1,12 @@
 """Route a question to a direct chain or a RAG chain with a retrieval gate (LangChain).
 
 python examples/router_langchain.py "Who founded Quillfeather Aerospace?"
+python examples/router_langchain.py --max-new-tokens 12 --calibration 4 --statements 16  # quick
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 from langchain_core.documents import Document
 from langchain_core.runnables import RunnableLambda
@@ -13,6 +14,7 @@ from langchain_core.runnables import RunnableLambda
 from tokrag_integrations import load_model
 from tokrag_integrations.gating import CtrlAGate
 from tokrag_integrations.gating.langchain import gated_router
+from tokrag_integrations.gating.statements import STATEMENTS
 from tokrag_integrations.langchain import ChatTokRAG, create_tokrag_chain
 from tokrag_integrations.retrieval import (
     build_retriever,
@@ -22,18 +24,31 @@ from tokrag_integrations.retrieval import (
 
 
 def main() -> None:
-    question = sys.argv[1] if len(sys.argv) > 1 else "Who founded Quillfeather Aerospace?"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("question", nargs="?", default="Who founded Quillfeather Aerospace?")
+    ap.add_argument("--max-new-tokens", type=int, default=48, help="answer length")
+    ap.add_argument("--calibration", type=int, default=10, help="sample questions to calibrate")
+    ap.add_argument("--statements", type=int, default=len(STATEMENTS), help="CtrlA statements")
+    args = ap.parse_args()
+    question = args.question
     lm = load_model("default")
     ret = build_retriever(get_sample_docs_path(), "bm25")
     retriever = RunnableLambda(
         lambda q: [Document(page_content=h.text) for h in ret.retrieve(q, top_k=3)]
     )
-    gate = CtrlAGate(lm)  # confidence directions from the project's statement set
-    gate.calibrate([q["question"] for q in get_sample_questions()], percentile=50)
+    # confidence directions from the project's statement set
+    gate = CtrlAGate(
+        lm,
+        max_new_tokens=min(16, args.max_new_tokens),
+        statements=STATEMENTS[: args.statements],
+    )
+    calib = [q["question"] for q in get_sample_questions()][: args.calibration]
+    gate.calibrate(calib, percentile=50)
+    n = args.max_new_tokens
     router = gated_router(
         gate,
-        direct=ChatTokRAG(lm=lm, policy="llm", max_tokens=48),
-        rag=create_tokrag_chain(retriever, lm, policy="tokrag", max_tokens=48),
+        direct=ChatTokRAG(model=lm, policy="llm", max_tokens=n),
+        rag=create_tokrag_chain(retriever, lm, policy="tokrag", max_tokens=n),
     )
     out = router.invoke({"question": question})
     print(out["answer"])

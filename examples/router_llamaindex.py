@@ -1,11 +1,12 @@
 """Route between a direct-LLM engine and a RAG engine with a retrieval gate (LlamaIndex).
 
 python examples/router_llamaindex.py "Who founded Quillfeather Aerospace?"
+python examples/router_llamaindex.py --max-new-tokens 12 --calibration 4   # quick run
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 from llama_index.core.query_engine import RetrieverQueryEngine, RouterQueryEngine
 from llama_index.core.retrievers import BaseRetriever
@@ -15,7 +16,7 @@ from llama_index.core.tools import QueryEngineTool
 from tokrag_integrations import load_model
 from tokrag_integrations.gating import ConfidenceGate
 from tokrag_integrations.gating.llama_index import gate_selector, gated_query_engine
-from tokrag_integrations.llama_index import TokRAGSynthesizer
+from tokrag_integrations.llama_index import TokRAGLLM, TokRAGSynthesizer
 from tokrag_integrations.retrieval import (
     build_retriever,
     get_sample_docs_path,
@@ -41,15 +42,22 @@ class NoRetriever(BaseRetriever):
 
 
 def main() -> None:
-    question = sys.argv[1] if len(sys.argv) > 1 else "Who founded Quillfeather Aerospace?"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("question", nargs="?", default="Who founded Quillfeather Aerospace?")
+    ap.add_argument("--max-new-tokens", type=int, default=48, help="answer length")
+    ap.add_argument("--calibration", type=int, default=10, help="sample questions to calibrate")
+    args = ap.parse_args()
+    question = args.question
     lm = load_model("default")
-    gate = ConfidenceGate(lm, metric="self_certainty")
-    gate.calibrate([q["question"] for q in get_sample_questions()], percentile=50)
-    synth = TokRAGSynthesizer(lm, policy="tokrag", max_new_tokens=48)
+    gate = ConfidenceGate(lm, metric="self_certainty", max_new_tokens=min(16, args.max_new_tokens))
+    calib = [q["question"] for q in get_sample_questions()][: args.calibration]
+    gate.calibrate(calib, percentile=50)
+    synth = TokRAGSynthesizer(lm, policy="tokrag", max_new_tokens=args.max_new_tokens)
     direct = RetrieverQueryEngine(retriever=NoRetriever(), response_synthesizer=synth)
     rag = RetrieverQueryEngine(retriever=SampleDocsRetriever(), response_synthesizer=synth)
     router = RouterQueryEngine(
         selector=gate_selector(gate),
+        llm=TokRAGLLM(lm),  # else LlamaIndex resolves Settings.llm (OpenAI) at construction
         query_engine_tools=[
             QueryEngineTool.from_defaults(direct, description="the model alone"),
             QueryEngineTool.from_defaults(rag, description="retrieved passages"),

@@ -114,7 +114,7 @@ def test_ctrla_directions_separate_held_back_prompts(lm):
     from tokrag_integrations.gating.statements import STATEMENTS
 
     assert len(STATEMENTS) >= 60
-    fit, held = list(STATEMENTS[:24]), list(STATEMENTS[-12:])
+    fit, held = list(STATEMENTS[:12]), list(STATEMENTS[-8:])  # disjoint; small for CPU time
     v = pca_directions(contrast_differences(lm, fit))
     band = layer_band(lm.num_layers, (0.28, 0.72))
     d = contrast_differences(lm, held)  # r(confident) - r(unconfident), held-back statements
@@ -153,7 +153,7 @@ def test_langchain_router_routes_both_ways(lm, threshold, route):
         lambda q: [Document(page_content=h.text) for h in ret.retrieve(q, top_k=2)]
     )
     gate = ConfidenceGate(lm, "self_certainty", max_new_tokens=3, threshold=threshold)
-    chat = ChatTokRAG(lm=lm, policy="llm", max_tokens=6)
+    chat = ChatTokRAG(model=lm, policy="llm", max_tokens=6)
     router = gated_router(gate, chat, create_tokrag_chain(lc_ret, lm, policy="rag", max_tokens=6))
     out = router.invoke({"question": "Who founded Quillfeather Aerospace?"})
     assert out["route"] == route and out["gate"]["retrieve"] == (route == "rag")
@@ -170,7 +170,7 @@ def test_llamaindex_router_routes_both_ways(lm, threshold, route):
     from llama_index.core.tools import QueryEngineTool
 
     from tokrag_integrations.gating.llama_index import gate_selector, gated_query_engine
-    from tokrag_integrations.llama_index import TokRAGSynthesizer
+    from tokrag_integrations.llama_index import TokRAGLLM, TokRAGSynthesizer
 
     ret = _retriever()
 
@@ -193,6 +193,7 @@ def test_llamaindex_router_routes_both_ways(lm, threshold, route):
     rag = RetrieverQueryEngine(retriever=_R(), response_synthesizer=synth)
     router = RouterQueryEngine(
         selector=gate_selector(gate),
+        llm=TokRAGLLM(lm),  # else LlamaIndex resolves Settings.llm (OpenAI) at construction
         query_engine_tools=[
             QueryEngineTool.from_defaults(direct, description="answer from the model alone"),
             QueryEngineTool.from_defaults(rag, description="answer from retrieved passages"),
