@@ -233,14 +233,15 @@ def attention_row(
     cos = record.cos[layer_idx].unsqueeze(1)  # [B, 1, hd]
     sin = record.sin[layer_idx].unsqueeze(1)
     q, _ = parts.rotary_fns[layer_idx](q, q, cos, sin)
-    n_heads = q.shape[1]
-    groups = n_heads // keys.shape[1]
-    k = keys.repeat_interleave(groups, dim=1) if groups > 1 else keys  # [B, H, T_kept, hd]
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).squeeze(2) * attn.scaling
+    n_heads, n_kv = q.shape[1], keys.shape[1]
+    groups = n_heads // n_kv
+    # Grouped-query attention without materialising repeated keys: [B, kv, groups, hd] @ [B, kv, hd, T].
+    qg = q.view(bsz, n_kv, groups, head_dim).float()
+    scores = torch.matmul(qg, keys.float().transpose(-1, -2)).reshape(bsz, n_heads, -1) * attn.scaling
     softcap = getattr(attn, "attn_logit_softcapping", None)
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    kept = k.shape[2]
+    kept = keys.shape[2]
     offset = seen_len - kept
     valid = key_valid[:, offset:seen_len].clone()
     window = getattr(attn, "sliding_window", None)
