@@ -144,9 +144,9 @@ def test_tokrag_trace_is_consistent_on_benefit_and_detriment(lm):
     "options",
     [
         {"pr_norm": "softmax"},
-        {"top_k": 3},
+        {"top_k": None},
         {"min_fusion_layer": 10},
-        {"lens_norm": False},
+        {"lens_norm": True},
     ],
 )
 def test_tokrag_options_run_and_are_recorded(lm, options):

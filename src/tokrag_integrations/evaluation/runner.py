@@ -36,11 +36,12 @@ NO_PASSAGES = "none"
 #: Tok-RAG options measured at token level (min_fusion_layer 10 of 32 in the authors' code
 #: scales to 9 of SmolLM2's 30 layers).
 TOKRAG_CONFIGS: dict[str, dict[str, Any]] = {
-    "tokrag (default)": {},
+    "tokrag (default: top_k=3, lens_norm=False)": {},
+    "paper as written (top_k=None, lens_norm=True)": {"top_k": None, "lens_norm": True},
     "pr_norm=softmax": {"pr_norm": "softmax"},
-    "top_k=3": {"top_k": 3},
+    "top_k=None": {"top_k": None},
+    "lens_norm=True": {"lens_norm": True},
     "min_fusion_layer=9": {"min_fusion_layer": 9},
-    "lens_norm=False": {"lens_norm": False},
     "variant=reference": {"variant": "reference"},
 }
 
