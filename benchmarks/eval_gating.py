@@ -1,17 +1,17 @@
 """Evidence for retrieval gating (issue 6) on the dev sets in ../shared/data.
 
-PopQA (no passages): per query, one monitored greedy decode of the pure context gives the
-pure answer, the five confidence metrics (from the decoder's own distributions) and CtrlA's
-per-token scores; GECE (self and reference modes) adds samples and a gradient. Reported:
-AUROC of each score for predicting that the pure model is wrong (cover-EM), retrieval rate
-per popularity quintile at each gate's calibrated threshold, and a plot.
+PopQA (no passages), stratified by popularity quintile: per query, one greedy pure draft
+through ``ConfidenceGate`` gives the answer and the five confidence metrics (from the
+decoder's own distributions); GECE (``self`` and/or ``reference`` mode) on a stratified
+subset; CtrlA optionally (``--ctrla``). Reported: AUROC (with a 95 % bootstrap interval) of
+each score for predicting that the pure model is wrong (cover-EM), the retrieval rate per
+popularity quintile at the calibrated percentile threshold, and a plot.
 
-SQuAD / RGB / ConflictQA (with passages): accuracy and wall time of never / always retrieve
-and of the gated pipelines; Confident-RAG (dense + BM25 over the set's own passages) vs each
-single retriever.
+SQuAD (and optionally RGB / ConflictQA) with the items' own passages: accuracy and wall time
+of never / always retrieve and of the ConfidenceGate; Confident-RAG (``--parts crag``).
 
-    nice -n 10 python benchmarks/eval_gating.py --popqa-limit 40 --gece-limit 20 \
-        --qa-limit 10 --max-new-tokens 16 --out benchmarks/results/gating
+    nice -n 10 python benchmarks/eval_gating.py --popqa-limit 100 --gece-limit 30 \
+        --qa-limit 20 --max-new-tokens 12 --out benchmarks/results/gating
 """
 
 from __future__ import annotations
@@ -64,104 +64,140 @@ def load(name: str, limit: int, stratify: bool = False) -> list[dict]:
     return rows[:limit]
 
 
+def bootstrap_ci(scores: list[float], labels: list[int], n: int = 1000, seed: int = 0):
+    """95 % percentile-bootstrap interval of :func:`auroc` (items resampled)."""
+    rng = np.random.default_rng(seed)
+    s, y = np.asarray(scores, dtype=float), np.asarray(labels)
+    vals = []
+    for _ in range(n):
+        i = rng.integers(0, len(s), len(s))
+        v = auroc(list(s[i]), list(y[i]))
+        if math.isfinite(v):
+            vals.append(v)
+    if not vals:
+        return [float("nan"), float("nan")]
+    return [float(np.percentile(vals, 2.5)), float(np.percentile(vals, 97.5))]
+
+
+def _rates(decisions: list[bool], bins: list[int]) -> list[float]:
+    out = []
+    for b in range(5):
+        d = [x for x, bb in zip(decisions, bins, strict=True) if bb == b]
+        out.append(float(np.mean(d)) if d else float("nan"))
+    return out
+
+
 def popqa(lm, args, out: dict) -> None:
-    from tokrag_integrations.gating import CtrlAGate, GECEGate
-    from tokrag_integrations.gating.metrics import DIRECTION, METRICS, metrics_from_result
+    """One greedy pure draft per query through :class:`ConfidenceGate` (its details carry
+    all five metrics); GECE on a stratified subset; CtrlA optionally (a second decode)."""
+    from tokrag_integrations.gating import ConfidenceGate, CtrlAGate, GECEGate
+    from tokrag_integrations.gating.metrics import METRICS
 
     items = load("popqa", args.popqa_limit, stratify=True)
-    ctrla = CtrlAGate(lm, max_new_tokens=args.max_new_tokens)
-    t0 = time.perf_counter()
-    ctrla.fit_directions()
-    out["ctrla_fit_s"] = time.perf_counter() - t0
+    gate = ConfidenceGate(lm, "self_certainty", max_new_tokens=args.max_new_tokens)
     rows = []
     for it in items:
         t = time.perf_counter()
-        r, pol = ctrla.monitor(it["question"])
-        m = metrics_from_result(r, lm.vocab_size, role="pure")
+        s, det = gate.score(it["question"])
         rows.append(
             {
                 "id": it["id"],
+                "question": it["question"],
+                "answers": it["answers"],
                 "pop": it["popularity"],
                 "bin": it["meta"]["pop_bin"],
-                "pred": r.text,
-                "wrong": int(not cover_em(r.text, it["answers"])),
-                "conf": m.confidence,
-                "raw": m.raw,
-                "tokens": pol.tokens,
+                "pred": det["draft"],
+                "wrong": int(not cover_em(det["draft"], it["answers"])),
+                "conf": det["metrics"]["confidence"],
+                "raw": det["metrics"]["raw"],
+                "n_tokens": det["metrics"]["n_tokens"],
                 "s": time.perf_counter() - t,
             }
         )
-    # CtrlA token statistics + threshold from the sample itself (in-sample calibration).
-    ms = [tk["m"] for r in rows for tk in r["tokens"] if tk["content"]] or [0.0, 1.0]
-    ctrla.mean, ctrla.std = float(np.mean(ms)), float(np.std(ms) or 1.0)
-    for r in rows:
-        for tk in r["tokens"]:
-            tk["z"] = (tk["m"] - ctrla.mean) / ctrla.std
-        r["ctrla"] = ctrla.score_tokens(r["pred"], r["tokens"])
-    # GECE on the first gece_limit items (stratified order interleaved by bin).
-    gsub = sorted(range(len(items)), key=lambda i: (i % (len(items) // 5 or 1), i))[
-        : args.gece_limit
-    ]
-    for mode in ("self", "reference"):
+    labels = [r["wrong"] for r in rows]
+    bins = [r["bin"] for r in rows]
+    res: dict = {
+        "n": len(rows),
+        "n_per_quintile": [bins.count(b) for b in range(5)],
+        "pure_accuracy": 1 - float(np.mean(labels)),
+        "mean_draft_s": float(np.mean([r["s"] for r in rows])),
+    }
+    risks: dict[str, list[float]] = {}  # higher = more likely wrong
+    for k in METRICS:
+        risks[f"confidence:{k}"] = [-r["conf"][k] for r in rows]
+    risks["popularity_oracle"] = [-math.log(r["pop"] + 1) for r in rows]
+    rates: dict[str, list[float]] = {}
+    thresholds: dict[str, float] = {}
+    # ConfidenceGate per metric: threshold = calibrated percentile of the sample's own
+    # confidences (in-sample; no gold answers are used to set it).
+    for k in METRICS:
+        g = ConfidenceGate(lm, k, max_new_tokens=args.max_new_tokens)
+        sc = [r["conf"][k] for r in rows]
+        thresholds[f"confidence:{k}"] = g.set_threshold_from_scores(sc, args.percentile)
+        rates[f"confidence:{k}"] = _rates([g.retrieves(x) for x in sc], bins)
+    if args.ctrla:
+        ctrla = CtrlAGate(lm, max_new_tokens=args.max_new_tokens)
+        t0 = time.perf_counter()
+        ctrla.fit_directions()
+        out["ctrla_fit_s"] = time.perf_counter() - t0
+        toks = []
+        for r in rows:
+            rr, pol = ctrla.monitor(r["question"])
+            r["ctrla_pred"] = rr.text
+            toks.append(pol.tokens)
+        ms = [tk["m"] for tt in toks for tk in tt if tk["content"]] or [0.0, 1.0]
+        ctrla.mean, ctrla.std = float(np.mean(ms)), float(np.std(ms) or 1.0)
+        for r, tt in zip(rows, toks, strict=True):
+            for tk in tt:
+                tk["z"] = (tk["m"] - ctrla.mean) / ctrla.std
+            r["ctrla"] = ctrla.score_tokens(r["ctrla_pred"], tt)
+        sc = [r["ctrla"] for r in rows]
+        risks["ctrla"] = [-x for x in sc]
+        thresholds["ctrla"] = ctrla.set_threshold_from_scores(sc, args.percentile)
+        rates["ctrla"] = _rates([ctrla.retrieves(x) for x in sc], bins)
+    # GECE on the first gece_limit items of the stratified order interleaved by quintile.
+    per = len(items) // 5 or 1
+    gsub = sorted(range(len(items)), key=lambda i: (i % per, i))[: args.gece_limit]
+    for mode in args.gece_modes.split(",") if args.gece_limit else []:
         g = GECEGate(lm, mode, n_samples=args.gece_samples, max_new_tokens=args.max_new_tokens)
         q = [items[i]["question"] for i in gsub]
         refs = [items[i]["answers"] for i in gsub] if mode == "reference" else None
         t = time.perf_counter()
-        scores = g.calibrate(q, percentile=80, references=refs)
+        scores = g.calibrate(q, percentile=args.percentile, references=refs)
         out[f"gece_{mode}_s_per_query"] = (time.perf_counter() - t) / max(1, len(q))
+        thresholds[f"gece_{mode}"] = g.threshold
         for i, s in zip(gsub, scores, strict=True):
             rows[i][f"gece_{mode}"] = s
-    labels = [r["wrong"] for r in rows]
-    res: dict = {"n": len(rows), "pure_accuracy": 1 - float(np.mean(labels))}
-    au = {}
-    for k in METRICS:  # risk = -confidence
-        au[f"confidence:{k}"] = auroc([-r["conf"][k] for r in rows], labels)
-    au["ctrla"] = auroc([-r["ctrla"] for r in rows], labels)
-    au["popularity_oracle"] = auroc([-math.log(r["pop"] + 1) for r in rows], labels)
-    for mode in ("self", "reference"):
-        sub = [r for r in rows if f"gece_{mode}" in r]
-        au[f"gece_{mode}"] = auroc([r[f"gece_{mode}"] for r in sub], [r["wrong"] for r in sub])
-    res["auroc_wrong"] = au
-    res["gece_n"] = len(gsub)
-    sub = [r for r in rows if "gece_self" in r]
-    if len(sub) > 2:
-        res["gece_self_vs_reference_spearman"] = float(
-            np.corrcoef(
-                np.argsort(np.argsort([r["gece_self"] for r in sub])),
-                np.argsort(np.argsort([r["gece_reference"] for r in sub])),
-            )[0, 1]
-        )
-    # Retrieval rate per popularity quintile at the calibrated thresholds.
-    rates = {}
-    risks = {f"confidence:{k}": [-r["conf"][k] for r in rows] for k in ("self_certainty", "dp")}
-    risks["ctrla"] = [-r["ctrla"] for r in rows]
+        risks[f"gece_{mode}"] = [rows[i][f"gece_{mode}"] for i in gsub]
+        rates[f"gece_{mode}"] = _rates([g.retrieves(s) for s in scores], [bins[i] for i in gsub])
+    au, ci, n_of = {}, {}, {}
     for name, rk in risks.items():
-        thr = np.percentile([x for x in rk if math.isfinite(x)], 50)
-        rates[name + " (p50)"] = [
-            float(np.mean([rk[i] > thr for i in range(len(rows)) if rows[i]["bin"] == b]))
-            for b in range(5)
-        ]
-    for mode in ("self", "reference"):
-        idx = [i for i, r in enumerate(rows) if f"gece_{mode}" in r]
-        vals = [rows[i][f"gece_{mode}"] for i in idx]
-        thr = np.percentile(vals, 80)
-        rates[f"gece_{mode} (p80)"] = [
-            float(
-                np.mean(
-                    [rows[i][f"gece_{mode}"] > thr for i in idx if rows[i]["bin"] == b]
-                    or [float("nan")]
-                )
-            )
-            for b in range(5)
-        ]
+        lab = [labels[i] for i in gsub] if name.startswith("gece_") else labels
+        au[name] = auroc(rk, lab)
+        ci[name] = bootstrap_ci(rk, lab)
+        n_of[name] = len(lab)
+    res["auroc_wrong"] = au
+    res["auroc_ci95"] = ci
+    res["auroc_n"] = n_of
+    res["gece_n"] = len(gsub) if args.gece_limit else 0
+    if args.gece_limit:
+        res["gece_subset_pure_accuracy"] = 1 - float(np.mean([labels[i] for i in gsub]))
+        # the confidence metrics on the same subset, for a like-for-like comparison
+        res["auroc_on_gece_subset"] = {
+            k: auroc([risks[k][i] for i in gsub], [labels[i] for i in gsub])
+            for k in risks
+            if not k.startswith("gece_")
+        }
+    if "gece_self" in risks and "gece_reference" in risks and len(gsub) > 2:
+        a = np.argsort(np.argsort(risks["gece_self"]))
+        b = np.argsort(np.argsort(risks["gece_reference"]))
+        res["gece_self_vs_reference_spearman"] = float(np.corrcoef(a, b)[0, 1])
+    res["percentile"] = args.percentile
+    res["thresholds"] = thresholds
     res["retrieval_rate_by_quintile"] = rates
-    res["wrong_rate_by_quintile"] = [
-        float(np.mean([r["wrong"] for r in rows if r["bin"] == b])) for b in range(5)
-    ]
-    res["mean_decode_s"] = float(np.mean([r["s"] for r in rows]))
+    res["wrong_rate_by_quintile"] = _rates([bool(x) for x in labels], bins)
     out["popqa"] = res
-    out["popqa_rows"] = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
-    _ = DIRECTION
+    out["popqa_rows"] = rows
     _plot(res, Path(args.out))
 
 
@@ -173,14 +209,24 @@ def _plot(res: dict, out: Path) -> None:
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 4))
     names = list(res["auroc_wrong"])
-    ax[0].barh(names, [res["auroc_wrong"][n] for n in names])
+    vals = [res["auroc_wrong"][n] for n in names]
+    ci = res.get("auroc_ci95", {})
+    err = np.array(
+        [
+            [v - ci.get(n, [v, v])[0] for n, v in zip(names, vals, strict=True)],
+            [ci.get(n, [v, v])[1] - v for n, v in zip(names, vals, strict=True)],
+        ]
+    )
+    labels = [f"{n} (n={res.get('auroc_n', {}).get(n, '?')})" for n in names]
+    ax[0].barh(labels, vals, xerr=err, capsize=3)
     ax[0].axvline(0.5, color="k", ls="--")
-    ax[0].set_xlabel("AUROC (score predicts pure model wrong)")
+    ax[0].set_xlim(0, 1)
+    ax[0].set_xlabel("AUROC, 95% bootstrap CI (score predicts pure model wrong)")
     for name, r in res["retrieval_rate_by_quintile"].items():
         ax[1].plot(range(5), r, marker="o", label=name)
     ax[1].plot(range(5), res["wrong_rate_by_quintile"], "k--", label="pure model wrong")
     ax[1].set_xlabel("popularity quintile (0 = long tail)")
-    ax[1].set_ylabel("retrieval rate")
+    ax[1].set_ylabel(f"retrieval rate (threshold: p{res.get('percentile', 80):g})")
     ax[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "popqa_gating.png", dpi=110)
@@ -193,27 +239,21 @@ def passages_of(it: dict, k: int = 3) -> list[str]:
 
 
 def qa(lm, args, out: dict) -> None:
+    """Never / always retrieve vs the ConfidenceGate (the gate's pure draft doubles as the
+    never-retrieve answer; the RAG answer uses the item's own passages, so "always" time is
+    decoding only, no retriever). The gate's threshold is the calibrated percentile of the
+    set's own draft confidences (in-sample; no gold answers used)."""
     from tokrag_integrations import generate
-    from tokrag_integrations.gating import CtrlAGate
-    from tokrag_integrations.gating.metrics import metrics_from_result
+    from tokrag_integrations.gating import ConfidenceGate
 
-    ctrla = CtrlAGate(lm, max_new_tokens=args.max_new_tokens)
-    popq = [r["question"] for r in load("popqa", 10, stratify=True)]
-    ctrla.calibrate(popq, percentile=50)
-    cal_conf = []
-    for q in popq:
-        r, _ = ctrla.monitor(q)
-        cal_conf.append(metrics_from_result(r, lm.vocab_size).confidence["self_certainty"])
-    conf_thr = float(np.percentile(cal_conf, 50))
     table = {}
-    for name in ("squad", "rgb_en_fact", "conflictqa_strategyqa"):
+    for name in args.qa_sets.split(","):
         items = load(name, args.qa_limit)
-        acc = {k: [] for k in ("never", "always", "confidence:self_certainty", "ctrla")}
-        secs = {k: 0.0 for k in acc}
-        rate = {"confidence:self_certainty": [], "ctrla": []}
+        gate = ConfidenceGate(lm, args.qa_metric, max_new_tokens=args.max_new_tokens)
+        recs = []
         for it in items:
             t = time.perf_counter()
-            r, pol = ctrla.monitor(it["question"])
+            conf, det = gate.score(it["question"])
             t_pure = time.perf_counter() - t
             t = time.perf_counter()
             rr = generate(
@@ -225,25 +265,47 @@ def qa(lm, args, out: dict) -> None:
                 stop=["\n"],
             )
             t_rag = time.perf_counter() - t
-            ok_p, ok_r = cover_em(r.text, it["answers"]), cover_em(rr.text, it["answers"])
-            acc["never"].append(ok_p)
-            acc["always"].append(ok_r)
-            secs["never"] += t_pure
-            secs["always"] += t_rag
-            c = metrics_from_result(r, lm.vocab_size).confidence["self_certainty"]
-            dec = {
-                "confidence:self_certainty": c < conf_thr,
-                "ctrla": ctrla.retrieves(ctrla.score_tokens(r.text, pol.tokens)),
-            }
-            for g, ret in dec.items():
-                acc[g].append(ok_r if ret else ok_p)
-                secs[g] += t_pure + (t_rag if ret else 0.0)
-                rate[g].append(ret)
+            recs.append(
+                {
+                    "id": it["id"],
+                    "conf": conf,
+                    "ok_pure": cover_em(det["draft"], it["answers"]),
+                    "ok_rag": cover_em(rr.text, it["answers"]),
+                    "t_pure": t_pure,
+                    "t_rag": t_rag,
+                    "pure": det["draft"],
+                    "rag": rr.text,
+                }
+            )
+        acc = {
+            "never": float(np.mean([r["ok_pure"] for r in recs])),
+            "always": float(np.mean([r["ok_rag"] for r in recs])),
+        }
+        secs = {
+            "never": sum(r["t_pure"] for r in recs),
+            "always": sum(r["t_rag"] for r in recs),
+        }
+        rate = {}
+        confs = [r["conf"] for r in recs]
+        for pct in (50.0, 80.0):
+            key = f"confidence:{args.qa_metric}@p{int(pct)}"
+            gate.set_threshold_from_scores(confs, pct)
+            dec = [gate.retrieves(c) for c in confs]
+            acc[key] = float(
+                np.mean(
+                    [r["ok_rag"] if d else r["ok_pure"] for r, d in zip(recs, dec, strict=True)]
+                )
+            )
+            secs[key] = sum(
+                r["t_pure"] + (r["t_rag"] if d else 0.0) for r, d in zip(recs, dec, strict=True)
+            )
+            rate[key] = float(np.mean(dec))
         table[name] = {
             "n": len(items),
-            "accuracy": {k: float(np.mean(v)) for k, v in acc.items()},
+            "accuracy": acc,
             "seconds": secs,
-            "retrieval_rate": {k: float(np.mean(v)) for k, v in rate.items()},
+            "retrieval_rate": rate,
+            "rows": recs,
         }
     out["qa"] = table
 
@@ -287,15 +349,27 @@ def crag(lm, args, out: dict) -> None:
     }
 
 
+def _brief(out: dict) -> dict:
+    o = {k: v for k, v in out.items() if k != "popqa_rows"}
+    if "qa" in o:
+        o["qa"] = {n: {k: v for k, v in t.items() if k != "rows"} for n, t in o["qa"].items()}
+    return o
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--popqa-limit", type=int, default=40)
-    ap.add_argument("--gece-limit", type=int, default=20)
+    ap.add_argument("--popqa-limit", type=int, default=100, help="PopQA items (1/5 per quintile)")
+    ap.add_argument("--gece-limit", type=int, default=30, help="GECE subset (0: skip GECE)")
+    ap.add_argument("--gece-modes", default="self", help="comma list of self,reference")
     ap.add_argument("--gece-samples", type=int, default=2)
-    ap.add_argument("--qa-limit", type=int, default=10)
+    ap.add_argument("--ctrla", action="store_true", help="also run CtrlA (second decode)")
+    ap.add_argument("--percentile", type=float, default=80.0, help="%% answered w/o retrieval")
+    ap.add_argument("--qa-sets", default="squad", help="comma list: squad,rgb_en_fact,...")
+    ap.add_argument("--qa-limit", type=int, default=20)
+    ap.add_argument("--qa-metric", default="self_certainty")
     ap.add_argument("--crag-limit", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--parts", default="popqa,qa,crag")
+    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--parts", default="popqa,qa")
     ap.add_argument("--out", default="benchmarks/results/gating")
     args = ap.parse_args()
     from tokrag_integrations import load_model
@@ -309,7 +383,7 @@ def main() -> None:
         out[f"{part}_wall_s"] = time.perf_counter() - t
         (Path(args.out) / "results.json").write_text(json.dumps(out, indent=1, default=str))
         print(
-            json.dumps({k: v for k, v in out.items() if k != "popqa_rows"}, indent=1, default=str),
+            json.dumps(_brief(out), indent=1, default=str),
             flush=True,
         )
 
