@@ -21,7 +21,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 install: $(VENV)/.installed
 
 demo: install
+	@echo "== Tok-RAG (token-level choice between the pure model and RAG), with its explanation =="
 	$(VENV)/bin/tokrag ask "$(QUESTION)" --docs sample --explain --html tokrag-answer.html
+	@echo "== Standard RAG on the same passages, for comparison =="
+	$(VENV)/bin/tokrag ask "$(QUESTION)" --docs sample --policy rag
 
 test: install
 	$(PY) -m pytest -q
