@@ -103,7 +103,7 @@ def _short_source(source: str, roots: Sequence[Path]) -> str:
 def _print_warning(err: Console, message: str) -> None:
     from rich.text import Text
 
-    err.print(Text.assemble(("warning: ", "bold yellow"), message))
+    err.print(Text.assemble(("warning: ", "bold yellow"), message), soft_wrap=True)
 
 
 # ============================================================================ ask
