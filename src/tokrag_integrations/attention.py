@@ -148,25 +148,30 @@ class Probe:
         self._cos = [None] * n
         self._sin = [None] * n
 
+        def last(t: torch.Tensor) -> torch.Tensor:
+            # A decode step's tensors are [B, 1, ...]: a view keeps nothing large alive. A
+            # prefill's are [B, T, ...]: copy the last position so the rest can be freed.
+            return t[:, -1].detach() if t.shape[1] == 1 else t[:, -1].detach().clone()
+
         def embed_hook(_m: Any, _inp: Any, out: Any) -> None:
-            self._resid[0] = out[:, -1].detach().clone()
+            self._resid[0] = last(out)
 
         self._handles.append(self.parts.embed.register_forward_hook(embed_hook))
         for i, (layer, attn) in enumerate(zip(self.parts.layers, self.parts.attn, strict=True)):
 
             def layer_hook(_m: Any, _inp: Any, out: Any, i: int = i) -> None:
                 h = out[0] if isinstance(out, (tuple, list)) else out
-                self._resid[i + 1] = h[:, -1].detach().clone()
+                self._resid[i + 1] = last(h)
 
             def attn_pre_hook(_m: Any, args: Any, kwargs: Any, i: int = i) -> None:
                 hs = kwargs.get("hidden_states", args[0] if args else None)
-                self._attn_in[i] = hs[:, -1].detach().clone()
+                self._attn_in[i] = last(hs)
                 pe = kwargs.get("position_embeddings")
                 if pe is None and len(args) > 1:
                     pe = args[1]
                 cos, sin = pe
-                self._cos[i] = cos[:, -1].detach().clone()
-                self._sin[i] = sin[:, -1].detach().clone()
+                self._cos[i] = last(cos)
+                self._sin[i] = last(sin)
 
             self._handles.append(layer.register_forward_hook(layer_hook))
             self._handles.append(attn.register_forward_pre_hook(attn_pre_hook, with_kwargs=True))

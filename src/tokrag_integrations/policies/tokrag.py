@@ -140,14 +140,26 @@ class TokRAG(Policy):
         h_pure = pure.record.resid[:, 0]  # [L+1, d]
         h_rag = rag.record.resid[:, 0]
         g = torch.full((L,), float("nan"))
+        rag_logp: dict[int, torch.Tensor] = {}  # layer -> log phi(h~^l), reused for x^{l'-l*}
+        want_final = not self.lens_norm  # with the norm, phi(h~^L) is the RAG logits already
         prev_p = prev_r = None
         crossing = None
         for start in range(lo - 1, L, _LENS_CHUNK):
             stop = min(start + _LENS_CHUNK, L)  # lens at layers start..stop
             from_layer = start if prev_p is None else start + 1
-            # One LM-head matmul for both contexts: on CPU the head's weight read dominates.
+            # One LM-head matmul for both contexts (on CPU the head's weight read dominates);
+            # the first one also carries h~^L, needed below for x^{l'-l*}.
             n = stop + 1 - from_layer
-            both = self._lens_probs(torch.cat([h_pure[from_layer : stop + 1], h_rag[from_layer : stop + 1]]))
+            rows = [h_pure[from_layer : stop + 1], h_rag[from_layer : stop + 1]]
+            if want_final:
+                rows.append(h_rag[L : L + 1])
+            logp = torch.log_softmax(logit_lens(parts, torch.cat(rows), final_norm=self.lens_norm), dim=-1)
+            if want_final:
+                rag_logp[L] = logp[-1]
+                want_final = False
+            for j in range(n):
+                rag_logp[from_layer + j] = logp[n + j]
+            both = logp[: 2 * n].exp()
             pp, pr = both[:n], both[n:]
             if prev_p is not None:
                 pp = torch.cat([prev_p[None], pp])
@@ -164,11 +176,13 @@ class TokRAG(Policy):
 
         # Eq. 15–16: Att ⊙ WordSim over the retrieved positions -> p_R -> w_IR.
         att = S.renormalised_attention(attn[l_star - 1], rt)
-        if self.lens_norm:  # phi(h~^L) with the final norm is the RAG context's own logits
-            lens_star = logit_lens(parts, h_rag[l_star], final_norm=True)
-            lens_final = rag.logits.float()
+        # Log-probs differ from logits by a per-layer constant, so the argmax of the rise is
+        # the same; layers already lensed above are reused instead of re-reading the LM head.
+        lens_final = rag_logp[L] if L in rag_logp else rag.logits.float()
+        if l_star in rag_logp:
+            lens_star = rag_logp[l_star]
         else:
-            lens_star, lens_final = logit_lens(parts, h_rag[[l_star, L]], final_norm=False)
+            lens_star = logit_lens(parts, h_rag[l_star], final_norm=self.lens_norm)
         x_rise = S.rising_token(lens_final, lens_star)
         wordsim = S.word_similarity(A, x_rise, rt_ids)
         p_r = S.retrieval_distribution(att, wordsim, pr_norm=self.pr_norm)
