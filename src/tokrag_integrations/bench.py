@@ -7,8 +7,9 @@ with wall time per question, time per generated token, peak memory, and their ra
 
 Timing interleaves the policies question by question (rotating their order) so that drift in
 machine load affects all of them alike. Peak memory is measured in a fresh subprocess per
-policy: peak RSS on CPU (``ru_maxrss``), ``torch.cuda.max_memory_allocated`` on CUDA; both
-the total and the increment over the loaded model are reported.
+policy: on CPU the peak RSS while decoding (VmHWM reset after loading and a warm-up, so the
+loading spike is excluded), on CUDA ``torch.cuda.max_memory_allocated``; both the total and
+the increment over the loaded model are reported.
 """
 
 from __future__ import annotations
@@ -68,8 +69,33 @@ def _rss_mb() -> float:
     return float("nan")
 
 
+def _status_mb(field: str) -> float:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:  # pragma: no cover - non-Linux
+        pass
+    return float("nan")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) so loading the model does not count."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:  # pragma: no cover - non-Linux or not permitted
+        return False
+
+
 def _memory_child(args: argparse.Namespace) -> None:
-    """Run one policy on a few questions and print peak memory as JSON (subprocess mode)."""
+    """Run one policy on a few questions and print peak memory as JSON (subprocess mode).
+
+    On CPU the peak is VmHWM after a reset taken once the model is loaded and warmed up, so
+    it measures decoding, not the (larger, policy-independent) loading spike.
+    """
     import resource
 
     import torch
@@ -85,12 +111,16 @@ def _memory_child(args: argparse.Namespace) -> None:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() / 2**20
     else:
+        generate(lm, items[0][0], items[0][1], policy="llm", max_new_tokens=2)  # warm-up
+        reset = _reset_peak_rss()
         base = _rss_mb()
     for q, ps in items:
         generate(lm, q, ps, policy=args.policy, max_new_tokens=args.max_new_tokens)
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
+    elif reset:
+        peak = _status_mb("VmHWM")
+    else:  # pragma: no cover - includes the loading spike
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"policy": args.policy, "base_mb": base, "peak_mb": peak}))
 
