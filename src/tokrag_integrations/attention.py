@@ -87,8 +87,9 @@ def model_parts(model: Any) -> ModelParts:
     if why is not None:
         raise ValueError(
             f"{type(model).__name__}: the Tok-RAG signals cannot read this architecture ({why}). "
-            "Use a Llama-style decoder (Llama, SmolLM, Qwen2/3, Mistral, Gemma 2/3), or use the "
-            "'rag'/'llm' policies, which need no signals."
+            "Use a Llama-style decoder (Llama, SmolLM, Qwen2/3, Mistral, Gemma 2/3), or load it "
+            "with load_model(..., require_signals=False) for the 'rag'/'llm' policies, which "
+            "need no signals."
         )
     parts = ModelParts(
         layers=layers, embed=embed, final_norm=norm, lm_head=head, attn=attn, rotary_fns=rot

@@ -155,6 +155,7 @@ def load_model(
     *,
     device: str | None = None,
     dtype: Any = None,
+    require_signals: bool = True,
 ) -> LoadedModel:
     """Load a local causal LM for decoding.
 
@@ -164,6 +165,8 @@ def load_model(
             safetensors weights, a folder with one ``.gguf`` file, or a ``.gguf`` path.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
         dtype: torch dtype or its name; default float32 on CPU, bfloat16 on CUDA.
+        require_signals: check that Tok-RAG's signals can read the architecture (False loads
+            any causal LM for the policies that need no signals, e.g. ``rag``, ``llm``, ``cad``).
 
     Raises:
         FileNotFoundError: nothing loadable at ``name_or_path``.
@@ -207,9 +210,10 @@ def load_model(
         raise
     model.to(device)
     model.eval()
-    from .attention import check_supported
+    if require_signals:
+        from .attention import check_supported
 
-    check_supported(model)
+        check_supported(model)
     ctx = int(
         getattr(model.config, "max_position_embeddings", None)
         or getattr(tokenizer, "model_max_length", 2048)
