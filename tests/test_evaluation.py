@@ -27,6 +27,9 @@ from tokrag_integrations.evaluation.metrics import macro_f1
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 RGB = DATA / "rgb_en_fact_dev.jsonl"
+# The evaluation sets live beside the repository (shared/data, as in CI); a checkout
+# without them skips the tests that read them instead of failing on a missing file.
+needs_data = pytest.mark.skipif(not RGB.exists(), reason=f"evaluation data not found at {DATA}")
 
 
 def _item(i: int = 0, n_pos: int = 4, n_neg: int = 6, n_cf: int = 3) -> EvalItem:
@@ -125,6 +128,7 @@ def test_f1():
     assert macro_f1([1, 1, 0, 0], [1, 0, 1, 0]) == pytest.approx(0.5)
 
 
+@needs_data
 def test_load_items_reads_the_shared_format(tmp_path):
     items = load_items(RGB, limit=3)
     assert len(items) == 3 and items[0].answers and items[0].counterfactuals
@@ -209,6 +213,7 @@ def test_misleading_reports_counterfactual_repeats(tmp_path):
 
 
 # --------------------------------------------------------------------------- real model
+@needs_data
 def test_tiny_end_to_end_cli_and_resume(tmp_path, capsys):
     from tokrag_integrations.cli_eval import main
 
@@ -228,6 +233,7 @@ def test_tiny_end_to_end_cli_and_resume(tmp_path, capsys):
         main([*argv[:-1], "--max-new-tokens", "9", "--no-progress"])
 
 
+@needs_data
 def test_token_level_on_the_real_model(lm, tmp_path):
     from tokrag_integrations.evaluation import run_token_level
 
