@@ -124,9 +124,6 @@ class TokRAG(Policy):
         return sig["cos_ir"] - sig["cos_llm"]
 
     # ------------------------------------------------------------------ signals (Eq. 13–18)
-    def _lens_probs(self, resid: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(logit_lens(self._parts, resid, final_norm=self.lens_norm), dim=-1)
-
     def signals(self, pure: ContextView, rag: ContextView) -> dict[str, Any]:
         L, A, parts = self._L, self._A, self._parts
         rt = rag.rt_positions
