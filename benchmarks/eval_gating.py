@@ -7,11 +7,18 @@ subset; CtrlA optionally (``--ctrla``). Reported: AUROC (with a 95 % bootstrap i
 each score for predicting that the pure model is wrong (cover-EM), the retrieval rate per
 popularity quintile at the calibrated percentile threshold, and a plot.
 
-SQuAD (and optionally RGB / ConflictQA) with the items' own passages: accuracy and wall time
-of never / always retrieve and of the ConfidenceGate; Confident-RAG (``--parts crag``).
+``--parts qa``: SQuAD / RGB / ConflictQA with the items' own passages: accuracy and wall time
+of never / always retrieve and of each gate in ``--qa-gates`` (ConfidenceGate, CtrlA, GECE
+self mode) at the ``--qa-percentiles`` thresholds. Correctness: cover-EM, except yes/no items
+(ConflictQA), where the first "yes"/"no" word of the answer must equal the gold label.
 
-    nice -n 10 python benchmarks/eval_gating.py --popqa-limit 100 --gece-limit 30 \
-        --qa-limit 20 --max-new-tokens 12 --out benchmarks/results/gating
+``--parts crag``: Confident-RAG on SQuAD (dense MiniLM vs BM25 vs the answer picked by
+Self-Certainty or DP).
+
+    nice -n 10 python benchmarks/eval_gating.py --parts qa \
+        --qa-sets rgb_en_fact,conflictqa_strategyqa --qa-limit 50 \
+        --qa-gates confidence,ctrla,gece --shuffle-passages --max-new-tokens 32 \
+        --out benchmarks/results/gating/rgb_cqa50
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import math
 import re
 import string
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +48,30 @@ def cover_em(pred: str, answers: list[str]) -> bool:
     """A normalised gold answer occurs in the normalised prediction as whole words."""
     p = f" {norm(pred)} "
     return any(norm(a) and f" {norm(a)} " in p for a in answers)
+
+
+YESNO = frozenset({"yes", "no"})
+
+
+def is_yesno(answers: list[str]) -> bool:
+    """A yes/no item (ConflictQA / StrategyQA): every gold answer is "yes" or "no"."""
+    return bool(answers) and {norm(a) for a in answers} <= YESNO
+
+
+def yesno_of(pred: str) -> str | None:
+    """The first whole-word "yes" or "no" of the normalised prediction (None if neither)."""
+    for w in norm(pred).split():
+        if w in YESNO:
+            return w
+    return None
+
+
+def correct(pred: str, answers: list[str]) -> bool:
+    """Yes/no items: the prediction's first yes/no word equals the gold label (no yes/no
+    word = wrong). Other items: :func:`cover_em`."""
+    if is_yesno(answers):
+        return yesno_of(pred) == norm(answers[0])
+    return cover_em(pred, answers)
 
 
 def auroc(scores: list[float], labels: list[int]) -> float:
@@ -142,9 +174,12 @@ def popqa(lm, args, out: dict) -> None:
         out["ctrla_fit_s"] = time.perf_counter() - t0
         toks = []
         for r in rows:
+            t = time.perf_counter()
             rr, pol = ctrla.monitor(r["question"])
+            r["ctrla_s"] = time.perf_counter() - t
             r["ctrla_pred"] = rr.text
             toks.append(pol.tokens)
+        res["ctrla_mean_monitor_s"] = float(np.mean([r["ctrla_s"] for r in rows]))
         ms = [tk["m"] for tt in toks for tk in tt if tk["content"]] or [0.0, 1.0]
         ctrla.mean, ctrla.std = float(np.mean(ms)), float(np.std(ms) or 1.0)
         for r, tt in zip(rows, toks, strict=True):
@@ -232,34 +267,68 @@ def _plot(res: dict, out: Path) -> None:
     fig.savefig(out / "popqa_gating.png", dpi=110)
 
 
-def passages_of(it: dict, k: int = 3) -> list[str]:
+def passages_of(it: dict, k: int = 3, shuffle: bool = False) -> list[str]:
+    """The item's own passages: its first positive, first negative, first counterfactual,
+    then further negatives / positives, ``k`` at most (SQuAD: positive + 2 hard negatives;
+    RGB: positive + negative + counterfactual; ConflictQA: positive + counterfactual).
+    ``shuffle``: put them in an order drawn from the item's id (so the positive is not
+    always first: a small model's position bias would otherwise favour it)."""
     ps = it["positives"][:1] + it["negatives"][:1] + it["counterfactuals"][:1]
-    ps += it["negatives"][1:] + it["positives"][1:]
-    return ps[:k]
+    ps = (ps + it["negatives"][1:] + it["positives"][1:])[:k]
+    if shuffle:
+        rng = np.random.default_rng(zlib.crc32(str(it["id"]).encode()))
+        ps = [ps[i] for i in rng.permutation(len(ps))]
+    return ps
+
+
+def question_of(it: dict, suffix: str) -> str:
+    """The query text; yes/no items get ``suffix`` (e.g. " Answer yes or no.") appended."""
+    return it["question"] + (suffix if suffix and is_yesno(it["answers"]) else "")
+
+
+def _gate_rows(name, scores, gate, recs, t_gate, ok_never, percentiles, acc, secs, rate, thr):
+    """Rows of one gate at each percentile: the item is answered by the gate's own pure
+    draft (``ok_never``) unless the gate retrieves, then by the RAG answer; time = the gate's
+    own cost (``t_gate``, its draft included) + the RAG decode when it retrieves."""
+    for pct in percentiles:
+        key = f"{name}@p{pct:g}"
+        thr[key] = gate.set_threshold_from_scores(scores, pct)
+        dec = [gate.retrieves(x) for x in scores]
+        acc[key] = float(
+            np.mean([r["ok_rag"] if d else o for r, d, o in zip(recs, dec, ok_never, strict=True)])
+        )
+        secs[key] = sum(t_gate) + sum(r["t_rag"] for r, d in zip(recs, dec, strict=True) if d)
+        rate[key] = float(np.mean(dec))
 
 
 def qa(lm, args, out: dict) -> None:
-    """Never / always retrieve vs the ConfidenceGate (the gate's pure draft doubles as the
-    never-retrieve answer; the RAG answer uses the item's own passages, so "always" time is
-    decoding only, no retriever). The gate's threshold is the calibrated percentile of the
-    set's own draft confidences (in-sample; no gold answers used)."""
+    """Never / always retrieve vs each gate on sets with passages (the item's own passages:
+    no retriever, so "always" time is decoding only). ConfidenceGate: its pure draft is the
+    never-retrieve answer. CtrlA (``--qa-gates ...,ctrla``): its monitored greedy decode is
+    the answer when it does not retrieve. GECE (``...,gece``, self mode): its greedy draft is
+    the answer, its cost includes the samples and the gradient. Thresholds are the
+    calibrated percentiles of the set's own scores (in-sample; no gold answers used)."""
     from tokrag_integrations import generate
-    from tokrag_integrations.gating import ConfidenceGate
+    from tokrag_integrations.gating import ConfidenceGate, CtrlAGate, GECEGate
+    from tokrag_integrations.gating.metrics import METRICS
 
-    table = {}
+    gates = [g for g in args.qa_gates.split(",") if g]
+    pcts = [float(x) for x in args.qa_percentiles.split(",")]
+    table = out.setdefault("qa", {})
     for name in args.qa_sets.split(","):
         items = load(name, args.qa_limit)
         gate = ConfidenceGate(lm, args.qa_metric, max_new_tokens=args.max_new_tokens)
         recs = []
         for it in items:
+            q = question_of(it, args.yesno_suffix)
             t = time.perf_counter()
-            conf, det = gate.score(it["question"])
+            conf, det = gate.score(q)
             t_pure = time.perf_counter() - t
             t = time.perf_counter()
             rr = generate(
                 lm,
-                it["question"],
-                passages_of(it),
+                q,
+                passages_of(it, args.qa_passages, args.shuffle_passages),
                 policy="rag",
                 max_new_tokens=args.max_new_tokens,
                 stop=["\n"],
@@ -268,49 +337,128 @@ def qa(lm, args, out: dict) -> None:
             recs.append(
                 {
                     "id": it["id"],
+                    "question": q,
+                    "answers": it["answers"],
                     "conf": conf,
-                    "ok_pure": cover_em(det["draft"], it["answers"]),
-                    "ok_rag": cover_em(rr.text, it["answers"]),
+                    "confidences": det["metrics"]["confidence"],
+                    "ok_pure": correct(det["draft"], it["answers"]),
+                    "ok_rag": correct(rr.text, it["answers"]),
+                    # RGB: the RAG answer repeats a counterfactual passage's wrong answer
+                    "misled_rag": bool(it["counterfactual_answers"])
+                    and not is_yesno(it["answers"])
+                    and cover_em(rr.text, it["counterfactual_answers"]),
                     "t_pure": t_pure,
                     "t_rag": t_rag,
                     "pure": det["draft"],
                     "rag": rr.text,
                 }
             )
+        ok_pure = [r["ok_pure"] for r in recs]
         acc = {
-            "never": float(np.mean([r["ok_pure"] for r in recs])),
+            "never": float(np.mean(ok_pure)),
             "always": float(np.mean([r["ok_rag"] for r in recs])),
+            "oracle (retrieve iff pure wrong)": float(
+                np.mean([r["ok_pure"] or r["ok_rag"] for r in recs])
+            ),
         }
         secs = {
             "never": sum(r["t_pure"] for r in recs),
             "always": sum(r["t_rag"] for r in recs),
         }
-        rate = {}
-        confs = [r["conf"] for r in recs]
-        for pct in (50.0, 80.0):
-            key = f"confidence:{args.qa_metric}@p{int(pct)}"
-            gate.set_threshold_from_scores(confs, pct)
-            dec = [gate.retrieves(c) for c in confs]
-            acc[key] = float(
-                np.mean(
-                    [r["ok_rag"] if d else r["ok_pure"] for r, d in zip(recs, dec, strict=True)]
-                )
+        rate: dict[str, float] = {"never": 0.0, "always": 1.0}
+        thr: dict[str, float] = {}
+        wrong = [int(not o) for o in ok_pure]
+        au = {
+            f"confidence:{k}": auroc([-r["confidences"][k] for r in recs], wrong) for k in METRICS
+        }
+        extra: dict = {}
+        if "confidence" in gates:
+            _gate_rows(
+                f"confidence:{args.qa_metric}",
+                [r["conf"] for r in recs],
+                gate,
+                recs,
+                [r["t_pure"] for r in recs],
+                ok_pure,
+                pcts,
+                acc,
+                secs,
+                rate,
+                thr,
             )
-            secs[key] = sum(
-                r["t_pure"] + (r["t_rag"] if d else 0.0) for r, d in zip(recs, dec, strict=True)
+        if "ctrla" in gates:
+            ctrla = CtrlAGate(lm, max_new_tokens=args.max_new_tokens)
+            t0 = time.perf_counter()
+            ctrla.fit_directions()
+            extra["ctrla_fit_s"] = time.perf_counter() - t0
+            runs, t_c = [], []
+            for r in recs:
+                t = time.perf_counter()
+                runs.append(ctrla.monitor(r["question"]))
+                t_c.append(time.perf_counter() - t)
+            ms = [tk["m"] for _, pol in runs for tk in pol.tokens if tk["content"]] or [0.0, 1.0]
+            ctrla.mean, ctrla.std = float(np.mean(ms)), float(np.std(ms) or 1.0)
+            sc, ok_c = [], []
+            for r, (res, pol), t in zip(recs, runs, t_c, strict=True):
+                for tk in pol.tokens:
+                    tk["z"] = (tk["m"] - ctrla.mean) / ctrla.std
+                sc.append(ctrla.score_tokens(res.text, pol.tokens))
+                ok_c.append(correct(res.text, r["answers"]))
+                r.update(ctrla=sc[-1], ctrla_text=res.text, t_ctrla=t)
+            au["ctrla"] = auroc([-x for x in sc], wrong)
+            _gate_rows("ctrla", sc, ctrla, recs, t_c, ok_c, pcts, acc, secs, rate, thr)
+        if "gece" in gates:
+            g = GECEGate(
+                lm, "self", n_samples=args.gece_samples, max_new_tokens=args.max_new_tokens
             )
-            rate[key] = float(np.mean(dec))
+            t0 = time.perf_counter()
+            terms = g.fit_mean_gradient([r["question"] for r in recs])
+            t_g = (time.perf_counter() - t0) / len(recs)  # per query (E(grad) pass included)
+            sc = [g.gece(tm)[0] for tm in terms]
+            ok_g = [correct(tm["pred"], r["answers"]) for tm, r in zip(terms, recs, strict=True)]
+            for r, x, tm in zip(recs, sc, terms, strict=True):
+                r.update(gece_self=x, gece_pred=tm["pred"])
+            extra["gece_self_s_per_query"] = t_g
+            au["gece_self"] = auroc(sc, wrong)
+            _gate_rows(
+                "gece_self", sc, g, recs, [t_g] * len(recs), ok_g, pcts, acc, secs, rate, thr
+            )
         table[name] = {
             "n": len(items),
+            "yesno": all(is_yesno(r["answers"]) for r in recs),
             "accuracy": acc,
             "seconds": secs,
             "retrieval_rate": rate,
+            "thresholds": thr,
+            "auroc_pure_wrong": au,
+            "rag_repeats_counterfactual_rate": float(np.mean([r["misled_rag"] for r in recs])),
+            "pure_rag_crosstab": {
+                f"pure_{'ok' if a else 'wrong'}/rag_{'ok' if b else 'wrong'}": sum(
+                    (r["ok_pure"], r["ok_rag"]) == (a, b) for r in recs
+                )
+                for a in (True, False)
+                for b in (True, False)
+            },
+            **extra,
             "rows": recs,
         }
-    out["qa"] = table
+        if table[name]["yesno"]:
+            gold = [norm(r["answers"][0]) for r in recs]
+            table[name]["majority_label_accuracy"] = max(gold.count("yes"), gold.count("no")) / len(
+                gold
+            )
+            table[name]["no_yesno_word_rate"] = {
+                "pure": float(np.mean([yesno_of(r["pure"]) is None for r in recs])),
+                "rag": float(np.mean([yesno_of(r["rag"]) is None for r in recs])),
+            }
+        save(args, out)
 
 
 def crag(lm, args, out: dict) -> None:
+    """Confident-RAG on SQuAD dev: a corpus of every positive and hard negative of the first
+    300 dev items, dense (MiniLM) and BM25 retrievers, one RAG answer per retriever; the
+    answer picked by Self-Certainty and, from the same candidates, by DP. Seconds per
+    retriever = its retrieval + decode; Confident-RAG = both (sequential)."""
     from tokrag_integrations.gating import confident_rag
     from tokrag_integrations.retrieval import BM25Retriever, Chunk, DenseRetriever
 
@@ -318,9 +466,16 @@ def crag(lm, args, out: dict) -> None:
     pool = load("squad", 300)
     texts = sorted({p for it in pool for p in it["positives"] + it["negatives"]})
     chunks = [Chunk(t, "squad_dev", i) for i, t in enumerate(texts)]
+    t0 = time.perf_counter()
     rets = {"dense": DenseRetriever(chunks), "bm25": BM25Retriever(chunks)}
-    acc = {"dense": [], "bm25": [], "confident_rag:self_certainty": [], "confident_rag:dp": []}
+    index_s = time.perf_counter() - t0
+    picks = ("self_certainty", "dp")
+    acc: dict[str, list[bool]] = {n: [] for n in rets}
+    acc.update({f"confident_rag:{m}": [] for m in picks})
+    acc["oracle (either retriever right)"] = []
+    hit: dict[str, list[bool]] = {n: [] for n in rets}
     secs = dict.fromkeys(acc, 0.0)
+    rows = []
     for it in items:
         t = time.perf_counter()
         res = confident_rag(
@@ -328,49 +483,112 @@ def crag(lm, args, out: dict) -> None:
             it["question"],
             rets,
             metric="self_certainty",
-            top_k=2,
+            top_k=args.crag_top_k,
             max_new_tokens=args.max_new_tokens,
         )
         el = time.perf_counter() - t
         by = {c["retriever"]: c for c in res.candidates}
+        ok = {n: correct(by[n]["text"], it["answers"]) for n in rets}
         for n in rets:
-            acc[n].append(cover_em(by[n]["text"], it["answers"]))
+            acc[n].append(ok[n])
             secs[n] += by[n]["seconds"]
-        acc["confident_rag:self_certainty"].append(cover_em(res.text, it["answers"]))
-        secs["confident_rag:self_certainty"] += el
-        best_dp = max(res.candidates, key=lambda c: c["metrics"]["confidence"]["dp"])
-        acc["confident_rag:dp"].append(cover_em(best_dp["text"], it["answers"]))
-        secs["confident_rag:dp"] += el
+            hit[n].append(bool(set(by[n]["passages"]) & set(it["positives"])))
+        chosen = {
+            m: max(res.candidates, key=lambda c, m=m: c["metrics"]["confidence"][m])["retriever"]
+            for m in picks
+        }
+        for m in picks:
+            acc[f"confident_rag:{m}"].append(ok[chosen[m]])
+            secs[f"confident_rag:{m}"] += el
+        acc["oracle (either retriever right)"].append(any(ok.values()))
+        secs["oracle (either retriever right)"] += el
+        rows.append(
+            {
+                "id": it["id"],
+                "question": it["question"],
+                "answers": it["answers"],
+                "chosen": chosen,
+                **{
+                    n: {
+                        "text": by[n]["text"],
+                        "ok": ok[n],
+                        "gold_passage_retrieved": hit[n][-1],
+                        "confidence": {m: by[n]["metrics"]["confidence"][m] for m in picks},
+                        "seconds": by[n]["seconds"],
+                    }
+                    for n in rets
+                },
+            }
+        )
     out["confident_rag_squad"] = {
         "n": len(items),
+        "top_k": args.crag_top_k,
         "corpus_chunks": len(chunks),
+        "index_build_s": index_s,
         "accuracy": {k: float(np.mean(v)) for k, v in acc.items()},
+        "gold_passage_in_top_k": {n: float(np.mean(v)) for n, v in hit.items()},
+        "picked_dense_rate": {
+            m: float(np.mean([r["chosen"][m] == "dense" for r in rows])) for m in picks
+        },
         "seconds": secs,
+        "rows": rows,
     }
+
+
+def save(args, out: dict) -> None:
+    (Path(args.out) / "results.json").write_text(json.dumps(out, indent=1, default=str))
 
 
 def _brief(out: dict) -> dict:
     o = {k: v for k, v in out.items() if k != "popqa_rows"}
     if "qa" in o:
         o["qa"] = {n: {k: v for k, v in t.items() if k != "rows"} for n, t in o["qa"].items()}
+    if "confident_rag_squad" in o:
+        o["confident_rag_squad"] = {
+            k: v for k, v in o["confident_rag_squad"].items() if k != "rows"
+        }
     return o
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--popqa-limit", type=int, default=100, help="PopQA items (1/5 per quintile)")
-    ap.add_argument("--gece-limit", type=int, default=30, help="GECE subset (0: skip GECE)")
-    ap.add_argument("--gece-modes", default="self", help="comma list of self,reference")
-    ap.add_argument("--gece-samples", type=int, default=2)
-    ap.add_argument("--ctrla", action="store_true", help="also run CtrlA (second decode)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--parts", default="popqa,qa", help="comma list of popqa,qa,crag")
+    ap.add_argument("--out", default="benchmarks/results/gating", help="results folder")
+    ap.add_argument("--max-new-tokens", type=int, default=12, help="answer length, every part")
     ap.add_argument("--percentile", type=float, default=80.0, help="%% answered w/o retrieval")
-    ap.add_argument("--qa-sets", default="squad", help="comma list: squad,rgb_en_fact,...")
-    ap.add_argument("--qa-limit", type=int, default=20)
-    ap.add_argument("--qa-metric", default="self_certainty")
-    ap.add_argument("--crag-limit", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=12)
-    ap.add_argument("--parts", default="popqa,qa")
-    ap.add_argument("--out", default="benchmarks/results/gating")
+    g = ap.add_argument_group("popqa")
+    g.add_argument("--popqa-limit", type=int, default=100, help="PopQA items (1/5 per quintile)")
+    g.add_argument("--gece-limit", type=int, default=30, help="GECE subset (0: skip GECE)")
+    g.add_argument("--gece-modes", default="self", help="comma list of self,reference")
+    g.add_argument("--gece-samples", type=int, default=2, help="GECE self mode: sampled refs")
+    g.add_argument("--ctrla", action="store_true", help="also score CtrlA (second decode)")
+    g = ap.add_argument_group("qa (sets with passages)")
+    g.add_argument(
+        "--qa-sets", default="squad", help="comma list of squad,rgb_en_fact,conflictqa_strategyqa"
+    )
+    g.add_argument("--qa-limit", type=int, default=20, help="first N items of each set")
+    g.add_argument(
+        "--qa-gates", default="confidence", help="comma list of confidence,ctrla,gece (self mode)"
+    )
+    g.add_argument("--qa-metric", default="self_certainty", help="the ConfidenceGate's metric")
+    g.add_argument("--qa-percentiles", default="50,80", help="gate thresholds to report")
+    g.add_argument("--qa-passages", type=int, default=3, help="passages per RAG answer")
+    g.add_argument(
+        "--shuffle-passages",
+        action="store_true",
+        help="order each item's passages by a draw seeded with its id (else positive first)",
+    )
+    g.add_argument(
+        "--yesno-suffix",
+        default=" Answer yes or no.",
+        help="appended to yes/no questions (ConflictQA); '' for none",
+    )
+    g = ap.add_argument_group("crag (Confident-RAG on SQuAD)")
+    g.add_argument("--crag-limit", type=int, default=10, help="first N SQuAD dev items")
+    g.add_argument("--crag-top-k", type=int, default=2, help="passages per retriever")
     args = ap.parse_args()
     from tokrag_integrations import load_model
 
@@ -381,7 +599,7 @@ def main() -> None:
         t = time.perf_counter()
         {"popqa": popqa, "qa": qa, "crag": crag}[part](lm, args, out)
         out[f"{part}_wall_s"] = time.perf_counter() - t
-        (Path(args.out) / "results.json").write_text(json.dumps(out, indent=1, default=str))
+        save(args, out)
         print(
             json.dumps(_brief(out), indent=1, default=str),
             flush=True,
