@@ -1,9 +1,14 @@
 """``tokrag bench``: Tok-RAG's cost next to standard RAG and the two-context floor.
 
-Spec §6 / paper Table 6: the unavoidable cost of Tok-RAG is the second (pure) context; the
-signals must add little on top of it. This measures, side by side in one run and on the same
-questions: ``rag`` (one context), ``floor`` (both contexts decoded, no signals) and ``tokrag``,
-with wall time per question, time per generated token, peak memory, and their ratios.
+Spec §6 / paper Table 6: the unavoidable cost of step-by-step Tok-RAG is the second (pure)
+context; the signals must add little on top of it. Blockwise verification (issue 8) removes
+most of the second context's cost. This measures, side by side in one run and on the same
+questions: ``rag`` (one context), ``floor`` (both contexts decoded step by step, no
+signals), ``tokrag-step`` (the step-by-step loop) and ``tokrag`` (blockwise verification,
+the default), with wall time per question, time per generated token, peak memory, the
+blockwise counts (agreement rate, tokens per block, disagreement steps per answer), whether
+``tokrag`` gave exactly the tokens and decisions of ``tokrag-step``, and the ratios.
+``--throughput 1,4,16`` adds tokens/s with that many queries decoded as one batch.
 
 Timing interleaves the policies question by question (rotating their order) so that drift in
 machine load affects all of them alike. Peak memory is measured in a fresh subprocess per
@@ -25,7 +30,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_POLICIES = ("rag", "floor", "tokrag")
+#: Benchmark arms: name -> (policy, options). ``tokrag`` is the default decoder (blockwise
+#: verification, issue 8); ``tokrag-step`` the step-by-step loop it must equal.
+ARMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "rag": ("rag", {}),
+    "floor": ("floor", {}),
+    "tokrag-step": ("tokrag", {"speculative": False}),
+    "tokrag": ("tokrag", {}),
+    "llm": ("llm", {}),
+}
+DEFAULT_POLICIES = ("rag", "floor", "tokrag-step", "tokrag")
+SPEC_COUNTS = ("blocks", "drafted", "accepted", "verifier_wins", "stale")
+
+
+def arm(name: str) -> tuple[str, dict[str, Any]]:
+    """``(policy, options)`` of a benchmark arm; any policy name is its own arm."""
+    return ARMS.get(name, (name, {}))
 
 
 def default_data_path() -> Path | None:
@@ -38,7 +58,9 @@ def default_data_path() -> Path | None:
     return None
 
 
-def load_items(path: str | Path, n: int, n_passages: int = 5, seed: int = 0) -> list[tuple[str, list[str]]]:
+def load_items(
+    path: str | Path, n: int, n_passages: int = 5, seed: int = 0
+) -> list[tuple[str, list[str]]]:
     """Questions with ``n_passages`` passages: the positive first, then hard negatives,
     shuffled with a fixed seed (so the answer's rank varies)."""
     items = []
@@ -114,8 +136,9 @@ def _memory_child(args: argparse.Namespace) -> None:
         generate(lm, items[0][0], items[0][1], policy="llm", max_new_tokens=2)  # warm-up
         reset = _reset_peak_rss()
         base = _rss_mb()
+    pol, opts = arm(args.policy)
     for q, ps in items:
-        generate(lm, q, ps, policy=args.policy, max_new_tokens=args.max_new_tokens)
+        generate(lm, q, ps, policy=pol, max_new_tokens=args.max_new_tokens, **opts)
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20
     elif reset:
@@ -137,6 +160,7 @@ def run_bench(
     memory: bool = True,
     memory_questions: int = 3,
     progress: bool = True,
+    throughput: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """Run the benchmark and return its figures (see module docstring)."""
     from tqdm.auto import tqdm
@@ -150,28 +174,35 @@ def run_bench(
     lm = load_model(model, device=device)
     items = load_items(data, questions, passages)
     # Warm-up (allocator, kernels) so the first timed question is not an outlier.
-    for pol in policies:
-        generate(lm, items[0][0], items[0][1], policy=pol, max_new_tokens=4)
+    for name in policies:
+        pol, opts = arm(name)
+        generate(lm, items[0][0], items[0][1], policy=pol, max_new_tokens=4, **opts)
 
     rows: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    decisions: dict[str, list[Any]] = {p: [] for p in policies}
     prompt_tokens = []
     bar = tqdm(total=len(items) * len(policies), desc="bench", disable=not progress)
     for i, (q, ps) in enumerate(items):
         order = list(policies[i % len(policies) :] + policies[: i % len(policies)])
-        for pol in order:
+        for name in order:
+            pol, opts = arm(name)
             t0 = time.perf_counter()
-            r = generate(lm, q, ps, policy=pol, max_new_tokens=max_new_tokens)
+            r = generate(lm, q, ps, policy=pol, max_new_tokens=max_new_tokens, **opts)
             dt = time.perf_counter() - t0
             steps = r.trace.steps
-            rows[pol].append(
+            rows[name].append(
                 {
                     "seconds": dt,
-                    "tokens": len(r.token_ids) + (1 if r.stop_reason == "eos" else 0),
+                    "tokens": len(steps),
                     "disagreements": sum(1 for s in steps if s.disagreement),
                     "signal_steps": sum(1 for s in steps if "cos_ir" in s.signals),
+                    **{k: r.trace.timings.get(k, 0.0) for k in SPEC_COUNTS},
                 }
             )
-            if pol == "rag":
+            decisions[name].append(
+                [(s.token_id, s.source, s.signals.get("benefit")) for s in steps]
+            )
+            if name == "rag":
                 prompt_tokens.append(r.trace.prompt_tokens.get("rag", 0))
             bar.update(1)
     bar.close()
@@ -189,28 +220,97 @@ def run_bench(
     for pol, rs in rows.items():
         sec = [r["seconds"] for r in rs]
         tok = [r["tokens"] for r in rs]
-        out["policies"][pol] = {
+        d = {
             "s_per_question": statistics.mean(sec),
             "s_per_token": sum(sec) / max(1, sum(tok)),
             "tokens_per_question": statistics.mean(tok),
+            "agreement_rate": 1 - sum(r["disagreements"] for r in rs) / max(1, sum(tok)),
             "disagreements_per_question": statistics.mean(r["disagreements"] for r in rs),
             "signal_steps_per_question": statistics.mean(r["signal_steps"] for r in rs),
         }
+        blocks = sum(r["blocks"] for r in rs)
+        if blocks:
+            drafted = sum(r["drafted"] for r in rs)
+            d.update(
+                blocks_per_question=blocks / len(rs),
+                # Step 0 is read off the prefill; every other token comes out of a block.
+                tokens_per_block=(sum(tok) - len(rs)) / blocks,
+                draft_acceptance=sum(r["accepted"] for r in rs) / max(1, drafted),
+                stale_per_question=sum(r["stale"] for r in rs) / len(rs),
+            )
+        out["policies"][pol] = d
+    if "tokrag" in decisions and "tokrag-step" in decisions:
+        same = [a == b for a, b in zip(decisions["tokrag"], decisions["tokrag-step"], strict=True)]
+        out["identical_to_step"] = {"questions": len(same), "identical": sum(same)}
     if memory:
         for pol in policies:
             cmd = [
-                sys.executable, "-m", "tokrag_integrations.bench", "--memory-child", pol,
-                "--model", str(model), "--data", str(data), "--passages", str(passages),
-                "--max-new-tokens", str(max_new_tokens), "--memory-questions", str(memory_questions),
+                sys.executable,
+                "-m",
+                "tokrag_integrations.bench",
+                "--memory-child",
+                pol,
+                "--model",
+                str(model),
+                "--data",
+                str(data),
+                "--passages",
+                str(passages),
+                "--max-new-tokens",
+                str(max_new_tokens),
+                "--memory-questions",
+                str(memory_questions),
             ]
             if device:
                 cmd += ["--device", device]
-            res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            res = subprocess.run(
+                cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+            )
             if res.returncode != 0:
                 raise RuntimeError(f"memory measurement for {pol} failed:\n{res.stderr[-2000:]}")
             m = json.loads(res.stdout.strip().splitlines()[-1])
-            out["policies"][pol].update(peak_mb=m["peak_mb"], peak_over_model_mb=m["peak_mb"] - m["base_mb"])
+            out["policies"][pol].update(
+                peak_mb=m["peak_mb"], peak_over_model_mb=m["peak_mb"] - m["base_mb"]
+            )
+    if throughput:
+        out["throughput"] = _throughput(lm, items, throughput, max_new_tokens, policies, progress)
     return out
+
+
+def _throughput(
+    lm: Any,
+    items: list[tuple[str, list[str]]],
+    sizes: tuple[int, ...],
+    max_new_tokens: int,
+    policies: tuple[str, ...],
+    progress: bool,
+) -> dict[str, dict[str, float]]:
+    """Generated tokens per second with ``n`` queries decoded as one batch, per arm."""
+    from tqdm.auto import tqdm
+
+    from .api import generate_batch
+
+    res: dict[str, dict[str, float]] = {}
+    arms = [p for p in policies if p != "floor"]
+    bar = tqdm(total=len(arms) * len(sizes), desc="throughput", disable=not progress)
+    for n in sizes:
+        batch = [items[i % len(items)] for i in range(n)]
+        for name in arms:
+            pol, opts = arm(name)
+            t0 = time.perf_counter()
+            rs = generate_batch(
+                lm,
+                [q for q, _ in batch],
+                [ps for _, ps in batch],
+                policy=pol,
+                max_new_tokens=max_new_tokens,
+                **opts,
+            )
+            dt = time.perf_counter() - t0
+            res.setdefault(name, {})[str(n)] = sum(len(r.trace.steps) for r in rs) / dt
+            bar.update(1)
+    bar.close()
+    return res
 
 
 def format_report(res: dict[str, Any]) -> str:
@@ -221,14 +321,17 @@ def format_report(res: dict[str, Any]) -> str:
         f"{res['questions']} SQuAD dev questions, {res['passages']} passages "
         f"(mean RAG prompt {res['mean_prompt_tokens']:.0f} tokens), max_new_tokens {res['max_new_tokens']}",
         "",
-        "| policy | s / question | ms / token | tokens / question | disagreement steps / question | peak MB | peak over model MB |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| arm | s / question | ms / token | tokens / question | agreement rate | disagreement steps / question "
+        "| tokens / block | draft acceptance | peak MB | peak over model MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    nan = float("nan")
     for pol, p in P.items():
         lines.append(
             f"| {pol} | {p['s_per_question']:.3f} | {1000 * p['s_per_token']:.1f} | {p['tokens_per_question']:.1f} | "
-            f"{p['disagreements_per_question']:.1f} | {p.get('peak_mb', float('nan')):.0f} | "
-            f"{p.get('peak_over_model_mb', float('nan')):.0f} |"
+            f"{p['agreement_rate']:.3f} | {p['disagreements_per_question']:.1f} | "
+            f"{p.get('tokens_per_block', nan):.2f} | {p.get('draft_acceptance', nan):.2f} | "
+            f"{p.get('peak_mb', nan):.0f} | {p.get('peak_over_model_mb', nan):.0f} |"
         )
     lines.append("")
 
@@ -241,11 +344,36 @@ def format_report(res: dict[str, Any]) -> str:
         "| ratio | per question | per token | peak memory | peak over model |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for a, b in (("tokrag", "floor"), ("tokrag", "rag"), ("floor", "rag")):
-        lines.append(
-            f"| {a} / {b} | {ratio(a, b, 's_per_question')} | {ratio(a, b, 's_per_token')} | "
-            f"{ratio(a, b, 'peak_mb')} | {ratio(a, b, 'peak_over_model_mb')} |"
-        )
+    pairs = (
+        ("tokrag", "rag"),
+        ("tokrag", "tokrag-step"),
+        ("tokrag-step", "floor"),
+        ("tokrag-step", "rag"),
+        ("floor", "rag"),
+    )
+    for a, b in pairs:
+        if a in P and b in P:
+            lines.append(
+                f"| {a} / {b} | {ratio(a, b, 's_per_question')} | {ratio(a, b, 's_per_token')} | "
+                f"{ratio(a, b, 'peak_mb')} | {ratio(a, b, 'peak_over_model_mb')} |"
+            )
+    if "identical_to_step" in res:
+        ident = res["identical_to_step"]
+        lines += [
+            "",
+            f"tokrag (blockwise) = tokrag-step, tokens and decisions: {ident['identical']} / {ident['questions']} questions",
+        ]
+    if res.get("throughput"):
+        sizes = sorted({int(n) for v in res["throughput"].values() for n in v})
+        lines += [
+            "",
+            "| tokens / s | " + " | ".join(f"batch {n}" for n in sizes) + " |",
+            "| --- |" + " --- |" * len(sizes),
+        ]
+        for name, v in res["throughput"].items():
+            lines.append(
+                f"| {name} | " + " | ".join(f"{v.get(str(n), nan):.1f}" for n in sizes) + " |"
+            )
     return "\n".join(lines)
 
 
@@ -253,7 +381,7 @@ def add_parser(subparsers: Any) -> None:
     """Register ``tokrag bench``."""
     p = subparsers.add_parser(
         "bench",
-        help="time rag vs the two-context floor vs tokrag (spec §6, Table 6)",
+        help="time rag vs the two-context floor vs tokrag, step by step and blockwise (spec §6, Table 6)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -263,15 +391,22 @@ def add_parser(subparsers: Any) -> None:
 
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default")
-    p.add_argument("--data", default=None, help="SQuAD-format JSONL (default: shared/data/squad_dev.jsonl)")
+    p.add_argument(
+        "--data", default=None, help="SQuAD-format JSONL (default: shared/data/squad_dev.jsonl)"
+    )
     p.add_argument("--questions", type=int, default=20)
     p.add_argument("--passages", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     p.add_argument("--device", default=None)
-    p.add_argument("--no-memory", action="store_true", help="skip the per-policy memory subprocesses")
+    p.add_argument(
+        "--no-memory", action="store_true", help="skip the per-policy memory subprocesses"
+    )
     p.add_argument("--memory-questions", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument(
+        "--throughput", default="", help="comma list of batch sizes for tokens/s, e.g. 1,4,16"
+    )
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -285,6 +420,7 @@ def _cmd(args: argparse.Namespace) -> int:
         device=args.device,
         memory=not args.no_memory,
         memory_questions=args.memory_questions,
+        throughput=tuple(int(n) for n in args.throughput.split(",") if n.strip()),
     )
     print(format_report(res))
     if args.json:

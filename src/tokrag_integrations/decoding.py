@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import copy
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,16 +36,37 @@ class ContextSpec:
 
 
 class ContextView:
-    """What a policy sees of one context at one step (one row of a role batch)."""
+    """What a policy sees of one context at one step (one row of a role batch).
 
-    def __init__(self, batch: _RoleBatch, row: int, record: ProbeRecord | None):
+    ``record`` may be given as a zero-argument callable: it is then built on first access
+    (the blockwise loop builds per-layer states only at the steps whose rule reads them).
+    ``logits``/``seen_len`` override the batch's latest logits and cache length when the
+    view is of an earlier position of a block (the cache then holds later positions too).
+    """
+
+    def __init__(
+        self,
+        batch: _RoleBatch,
+        row: int,
+        record: ProbeRecord | Callable[[], ProbeRecord] | None,
+        *,
+        logits: torch.Tensor | None = None,
+        seen_len: int | None = None,
+    ):
         self._batch = batch
         self._row = row
-        self.record = record
-        self.logits: torch.Tensor = batch.logits[row]
+        self._record = record
+        self.logits: torch.Tensor = batch.logits[row] if logits is None else logits
         self.spec: ContextSpec = batch.specs[row]
+        self._seen = batch.mask.shape[1] if seen_len is None else seen_len
         self._probs: torch.Tensor | None = None
         self._attn: dict[int, torch.Tensor] = {}
+
+    @property
+    def record(self) -> ProbeRecord | None:
+        if callable(self._record):
+            self._record = self._record()
+        return self._record
 
     @property
     def probs(self) -> torch.Tensor:
@@ -57,24 +78,29 @@ class ContextView:
     def rt_positions(self) -> torch.Tensor:
         """Positions of retrieved tokens in cache coordinates (left padding included)."""
         pad = self._batch.pad[self._row]
-        return torch.tensor([pad + p for p in self.spec.rt_positions], dtype=torch.long, device=self.logits.device)
+        return torch.tensor(
+            [pad + p for p in self.spec.rt_positions], dtype=torch.long, device=self.logits.device
+        )
 
     @property
     def rt_token_ids(self) -> torch.Tensor:
         ids = self.spec.ids
-        return torch.tensor([ids[p] for p in self.spec.rt_positions], dtype=torch.long, device=self.logits.device)
+        return torch.tensor(
+            [ids[p] for p in self.spec.rt_positions], dtype=torch.long, device=self.logits.device
+        )
 
     def attention(self, layer_idx: int) -> torch.Tensor:
         """[H, T] attention of the last position at 0-based layer ``layer_idx`` (recomputed)."""
-        if self.record is None:
+        rec = self.record
+        if rec is None:
             raise RuntimeError("this policy did not ask for probe records of this context")
         if layer_idx not in self._attn:
-            b = self._batch
-            keys = cached_keys(b.cache, layer_idx)[self._row : self._row + 1]
-            rec = self.record
-            self._attn[layer_idx] = attention_row(
-                b.parts, layer_idx, rec, keys, b.mask[self._row : self._row + 1].bool(), b.mask.shape[1]
-            )[0]
+            b, r, seen = self._batch, self._row, self._seen
+            keys = cached_keys(b.cache, layer_idx)[r : r + 1]
+            if keys.shape[2] > seen:  # a full cache holding later positions of a block
+                keys = keys[:, :, :seen]
+            valid = b.mask[r : r + 1, :seen].bool()
+            self._attn[layer_idx] = attention_row(b.parts, layer_idx, rec, keys, valid, seen)[0]
         return self._attn[layer_idx]
 
 
@@ -143,7 +169,9 @@ class Policy:
 class _RoleBatch:
     """All contexts of one role across the batch of queries, with their KV cache."""
 
-    def __init__(self, role: str, members: list[tuple[int, ContextSpec]], lm: LoadedModel, probe: bool):
+    def __init__(
+        self, role: str, members: list[tuple[int, ContextSpec]], lm: LoadedModel, probe: bool
+    ):
         from transformers import DynamicCache
 
         self.role = role
@@ -203,9 +231,47 @@ class _RoleBatch:
         self.cache = out.past_key_values
         self.logits = out.logits[:, -1, :].float()
 
+    def extend(self, new_ids: torch.Tensor) -> torch.Tensor:
+        """Advance every row by ``k`` tokens ([B, k] long) in one forward pass, without
+        probes; returns the logits of all ``k`` positions, [B, k, V] float. With ``k = 1``
+        this is the same call as :meth:`forward` (the same numbers)."""
+        new_ids = new_ids.to(self.ids.device)
+        k = new_ids.shape[1]
+        base = self.mask.sum(-1, keepdim=True)
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1]).expand(-1, k)], dim=1)
+        pos = (base + torch.arange(k, device=base.device)).clamp(min=0)
+        out = self.lm.model(
+            input_ids=new_ids,
+            attention_mask=self.mask,
+            position_ids=pos,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=k,
+        )
+        self.cache = out.past_key_values
+        logits = out.logits.float()
+        self.logits = logits[:, -1, :]
+        self.records = None
+        return logits
 
-_SHARED_PREFILL: contextvars.ContextVar[dict[tuple[Any, ...], _RoleBatch] | None] = contextvars.ContextVar(
-    "tokrag_shared_prefill", default=None
+    def rollback(self, stale: Sequence[int]) -> None:
+        """Forget the last ``stale[r]`` positions of each row: the positions all rows share
+        are cropped from the KV cache; the rest are masked out (they stay in the cache as
+        holes that no later position attends to and that take no position id)."""
+        m = min(stale, default=0)
+        if m:
+            self.cache.crop(-m)
+            self.mask = self.mask[:, :-m]
+        if any(s > m for s in stale):
+            mask = self.mask.clone()
+            for r, s in enumerate(stale):
+                if s > m:
+                    mask[r, mask.shape[1] - (s - m) :] = 0
+            self.mask = mask
+
+
+_SHARED_PREFILL: contextvars.ContextVar[dict[tuple[Any, ...], _RoleBatch] | None] = (
+    contextvars.ContextVar("tokrag_shared_prefill", default=None)
 )
 
 
@@ -223,7 +289,9 @@ def shared_prefill() -> Iterator[dict[tuple[Any, ...], _RoleBatch]]:
         store.clear()
 
 
-def _prefilled(role: str, members: list[tuple[int, ContextSpec]], lm: LoadedModel, probe: bool) -> _RoleBatch:
+def _prefilled(
+    role: str, members: list[tuple[int, ContextSpec]], lm: LoadedModel, probe: bool
+) -> _RoleBatch:
     """A prefilled role batch, from the shared-prefill store when one is active."""
     store = _SHARED_PREFILL.get()
     if store is None:
@@ -231,7 +299,7 @@ def _prefilled(role: str, members: list[tuple[int, ContextSpec]], lm: LoadedMode
         b.forward(None)
         return b
     key = (id(lm.model), tuple((q, tuple(s.ids)) for q, s in members))
-    for p in ((True,) if probe else (False, True)):
+    for p in (True,) if probe else (False, True):
         if (key, p) in store:
             return store[(key, p)].fork(probe)
     b = _RoleBatch(role, members, lm, probe=probe)
@@ -248,6 +316,50 @@ class StepEvent:
     step: TraceStep
     finished: bool = False
     stop_reason: str = ""
+
+
+def step_event(
+    lm: LoadedModel,
+    q: int,
+    step_i: int,
+    choice: Choice,
+    views: dict[str, ContextView],
+    generated: list[int],
+    stop: Sequence[str],
+    max_new_tokens: int,
+) -> StepEvent:
+    """The trace step of one chosen token and whether it ends the query (``generated`` is
+    the query's token list so far; the token is appended unless it is EOS)."""
+    tok = lm.tokenizer
+    tid = int(choice.token_id)
+    is_eos = tid in lm.eos_token_ids
+    cands = {}
+    stats = {}
+    for role, v in views.items():
+        top = int(torch.argmax(v.logits).item())
+        cands[role] = Candidate(top, tok.decode([top]), float(v.probs[top].item()))
+        stats[role] = distribution_stats(v.logits, tid)
+    step = TraceStep(
+        index=step_i,
+        token_id=tid,
+        text="" if is_eos else tok.decode([tid]),
+        source=choice.source,
+        candidates=cands,
+        signals=choice.signals,
+        stats=stats,
+    )
+    reason = ""
+    if is_eos:
+        reason = "eos"
+    else:
+        generated.append(tid)
+        if stop:
+            text = tok.decode(generated, skip_special_tokens=True)
+            if any(s in text for s in stop):
+                reason = "stop"
+    if not reason and step_i == max_new_tokens - 1:
+        reason = "length"
+    return StepEvent(q, step, finished=bool(reason), stop_reason=reason)
 
 
 def decode_loop(
@@ -272,8 +384,15 @@ def decode_loop(
     if own_decode is not None:
         yield from own_decode(lm, plans, max_new_tokens=max_new_tokens, stop=stop, timings=timings)
         return
-    tok = lm.tokenizer
-    eos = set(lm.eos_token_ids)
+    # Two-context rules can verify one context's draft with the other in blocks (exact).
+    if getattr(policy, "speculative", False):
+        from .speculative import blockwise_loop, blockwise_supported
+
+        if blockwise_supported(lm, policy):
+            yield from blockwise_loop(
+                lm, plans, policy, max_new_tokens=max_new_tokens, stop=stop, timings=timings
+            )
+            return
     policy.prepare(lm)
     per_query = [policy.contexts(p) for p in plans]
     roles = [r for r in policy.roles if any(r in c for c in per_query)]
@@ -306,37 +425,10 @@ def decode_loop(
                         rec = b.records.select([r]) if b.records is not None else None
                         views[role] = ContextView(b, r, rec)
                 choice = policy.choose(views, lm)
-                tid = int(choice.token_id)
-                chosen[q] = tid
-                cands = {}
-                stats = {}
-                for role, v in views.items():
-                    top = int(torch.argmax(v.logits).item())
-                    cands[role] = Candidate(top, tok.decode([top]), float(v.probs[top].item()))
-                    stats[role] = distribution_stats(v.logits, tid)
-                step = TraceStep(
-                    index=step_i,
-                    token_id=tid,
-                    text="" if tid in eos else tok.decode([tid]),
-                    source=choice.source,
-                    candidates=cands,
-                    signals=choice.signals,
-                    stats=stats,
-                )
-                reason = ""
-                if tid in eos:
-                    reason = "eos"
-                else:
-                    generated[q].append(tid)
-                    if stop:
-                        text = tok.decode(generated[q], skip_special_tokens=True)
-                        if any(s in text for s in stop):
-                            reason = "stop"
-                if not reason and step_i == max_new_tokens - 1:
-                    reason = "length"
-                if reason:
-                    done[q] = True
-                yield StepEvent(q, step, finished=bool(reason), stop_reason=reason)
+                chosen[q] = int(choice.token_id)
+                ev = step_event(lm, q, step_i, choice, views, generated[q], stop, max_new_tokens)
+                done[q] = ev.finished
+                yield ev
             if all(done):
                 break
             new = torch.tensor(chosen, dtype=torch.long)

@@ -42,6 +42,12 @@ class TokRAG(Policy):
         fixed_layer: the reference variant's fusion layer (default round(20/32 · L)).
         ref_positions / ref_window: the reference variant's most-attended retrieved positions
             and the half-width of the token window embedded around each.
+        speculative: decode by blockwise verification (:mod:`..speculative`): one context
+            drafts a block, the other checks it in one forward pass; the same tokens and
+            decisions as the step-by-step loop (``False``), at close to one context's cost.
+        block: fixed block length for ``speculative`` (None = adaptive, 2-16).
+        drafter: which context drafts: ``"auto"`` (the one winning more disagreements),
+            ``"rag"`` or ``"pure"``.
     """
 
     name = "tokrag"
@@ -59,6 +65,9 @@ class TokRAG(Policy):
         fixed_layer: int | None = None,
         ref_positions: int = 3,
         ref_window: int = 2,
+        speculative: bool = True,
+        block: int | None = None,
+        drafter: str = "auto",
     ):
         if variant not in ("paper", "reference"):
             raise ValueError(f"variant must be 'paper' or 'reference', got {variant!r}")
@@ -79,6 +88,13 @@ class TokRAG(Policy):
         self.fixed_layer = fixed_layer
         self.ref_positions = int(ref_positions)
         self.ref_window = int(ref_window)
+        if block is not None and (not isinstance(block, int) or block < 1):
+            raise ValueError(f"block must be a positive int or None, got {block!r}")
+        if drafter not in ("auto", "pure", "rag"):
+            raise ValueError(f"drafter must be 'auto', 'pure' or 'rag', got {drafter!r}")
+        self.speculative = bool(speculative)
+        self.block = block
+        self.drafter = drafter
 
     def options(self) -> dict[str, Any]:
         return {
@@ -89,6 +105,8 @@ class TokRAG(Policy):
             "lens_norm": self.lens_norm,
             "jsd_threshold": self.jsd_threshold,
             **({"fixed_layer": self.fixed_layer} if self.variant == "reference" else {}),
+            "speculative": self.speculative,
+            **({"block": self.block, "drafter": self.drafter} if self.speculative else {}),
         }
 
     def prepare(self, lm: LoadedModel) -> None:
@@ -96,7 +114,9 @@ class TokRAG(Policy):
         self._A = self._parts.embedding_matrix.detach()
         self._L = self._parts.num_layers
         if self.min_fusion_layer > self._L:
-            raise ValueError(f"min_fusion_layer={self.min_fusion_layer} exceeds the model's {self._L} layers")
+            raise ValueError(
+                f"min_fusion_layer={self.min_fusion_layer} exceeds the model's {self._L} layers"
+            )
         if self.variant == "reference":
             fl = self.fixed_layer if self.fixed_layer is not None else round(20 / 32 * self._L)
             if not 1 <= fl <= self._L:
@@ -113,14 +133,22 @@ class TokRAG(Policy):
             return Choice(a, AGREE)
         if rag.spec.rt_positions == []:
             return Choice(a, AGREE if a == b else FROM_LLM, {"note": "no retrieved tokens"})
-        sig = self.reference_signals(pure, rag) if self.variant == "reference" else self.signals(pure, rag)
+        sig = (
+            self.reference_signals(pure, rag)
+            if self.variant == "reference"
+            else self.signals(pure, rag)
+        )
         if a == b:
             return Choice(a, AGREE, sig)
         return Choice(b if sig["benefit"] else a, FROM_RAG if sig["benefit"] else FROM_LLM, sig)
 
     def score(self, pure: ContextView, rag: ContextView) -> float:
         """cos(w_RAG, w_IR) − cos(w_RAG, w_LLM): > 0 means benefit wins (token-level AUC)."""
-        sig = self.reference_signals(pure, rag) if self.variant == "reference" else self.signals(pure, rag)
+        sig = (
+            self.reference_signals(pure, rag)
+            if self.variant == "reference"
+            else self.signals(pure, rag)
+        )
         return sig["cos_ir"] - sig["cos_llm"]
 
     # ------------------------------------------------------------------ signals (Eq. 13–18)
@@ -150,7 +178,9 @@ class TokRAG(Policy):
             rows = [h_pure[from_layer : stop + 1], h_rag[from_layer : stop + 1]]
             if want_final:
                 rows.append(h_rag[L : L + 1])
-            logp = torch.log_softmax(logit_lens(parts, torch.cat(rows), final_norm=self.lens_norm), dim=-1)
+            logp = torch.log_softmax(
+                logit_lens(parts, torch.cat(rows), final_norm=self.lens_norm), dim=-1
+            )
             if want_final:
                 rag_logp[L] = logp[-1]
                 want_final = False
@@ -168,7 +198,11 @@ class TokRAG(Policy):
             if crossing is not None:
                 break
         l_star, f_layer, g_layer = S.fusion_layer(
-            f, g, vocab_size=A.shape[0], threshold=self.jsd_threshold, min_fusion_layer=self.min_fusion_layer
+            f,
+            g,
+            vocab_size=A.shape[0],
+            threshold=self.jsd_threshold,
+            min_fusion_layer=self.min_fusion_layer,
         )
 
         # Eq. 15–16: Att ⊙ WordSim over the retrieved positions -> p_R -> w_IR.
@@ -184,7 +218,9 @@ class TokRAG(Policy):
         wordsim = S.word_similarity(A, x_rise, rt_ids)
         p_r = S.retrieval_distribution(att, wordsim, pr_norm=self.pr_norm)
         w_ir = S.retrieval_embedding(A, p_r, rt_ids)
-        w_rag, w_llm = S.weighted_embedding(torch.stack([rag.probs, pure.probs]), A, top_k=self.top_k)
+        w_rag, w_llm = S.weighted_embedding(
+            torch.stack([rag.probs, pure.probs]), A, top_k=self.top_k
+        )
         cos_ir, cos_llm = S.cosine(w_rag, w_ir), S.cosine(w_rag, w_llm)
         top = torch.topk(S.positions_to_vocab(p_r, rt_ids, A.shape[0]), k=min(3, rt_ids.numel()))
         return {
@@ -195,7 +231,10 @@ class TokRAG(Policy):
             "cos_llm": cos_llm,
             "benefit": S.benefit_wins(cos_ir, cos_llm),
             "rising_token": self._tok.decode([x_rise]),
-            "p_r_top": [[self._tok.decode([int(i)]), round(float(v), 4)] for v, i in zip(top.values, top.indices, strict=True)],
+            "p_r_top": [
+                [self._tok.decode([int(i)]), round(float(v), 4)]
+                for v, i in zip(top.values, top.indices, strict=True)
+            ],
         }
 
     def reference_signals(self, pure: ContextView, rag: ContextView) -> dict[str, Any]:
@@ -206,7 +245,9 @@ class TokRAG(Policy):
         att = S.renormalised_attention(rag.attention(self._fixed - 1), rt)
         k = min(self.ref_positions, att.numel())
         top = torch.topk(att, k).indices.tolist()
-        w_rag, w_llm = S.weighted_embedding(torch.stack([rag.probs, pure.probs]), A, top_k=self.top_k)
+        w_rag, w_llm = S.weighted_embedding(
+            torch.stack([rag.probs, pure.probs]), A, top_k=self.top_k
+        )
         best = -2.0
         for j in top:
             lo, hi = max(0, j - self.ref_window), min(rt_ids.numel(), j + self.ref_window + 1)
