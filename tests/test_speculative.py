@@ -91,11 +91,15 @@ def test_blockwise_is_the_default_and_equals_step_by_step(lm, cases):
         {"drafter": "rag", "block": 5},
         {"drafter": "pure", "block": 3},
         {"drafter": "pure"},
+        {"lens_norm": True, "top_k": None, "pr_norm": "softmax"},
+        {"variant": "reference"},
     ],
 )
-def test_drafter_and_block_length_do_not_change_the_result(lm, cases, options):
+def test_options_do_not_change_the_result(lm, cases, options):
+    """Drafter, block length and the signal options: blockwise = step by step."""
+    rule = {k: v for k, v in options.items() if k not in ("drafter", "block")}
     for q, ps in cases[:3]:
-        ref = generate(lm, q, ps, policy="tokrag", speculative=False, max_new_tokens=20)
+        ref = generate(lm, q, ps, policy="tokrag", speculative=False, max_new_tokens=20, **rule)
         fast = generate(lm, q, ps, policy="tokrag", max_new_tokens=20, **options)
         _assert_same(ref, fast)
 
