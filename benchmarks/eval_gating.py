@@ -286,19 +286,74 @@ def question_of(it: dict, suffix: str) -> str:
     return it["question"] + (suffix if suffix and is_yesno(it["answers"]) else "")
 
 
-def _gate_rows(name, scores, gate, recs, t_gate, ok_never, percentiles, acc, secs, rate, thr):
-    """Rows of one gate at each percentile: the item is answered by the gate's own pure
-    draft (``ok_never``) unless the gate retrieves, then by the RAG answer; time = the gate's
-    own cost (``t_gate``, its draft included) + the RAG decode when it retrieves."""
-    for pct in percentiles:
-        key = f"{name}@p{pct:g}"
-        thr[key] = gate.set_threshold_from_scores(scores, pct)
-        dec = [gate.retrieves(x) for x in scores]
-        acc[key] = float(
-            np.mean([r["ok_rag"] if d else o for r, d, o in zip(recs, dec, ok_never, strict=True)])
-        )
-        secs[key] = sum(t_gate) + sum(r["t_rag"] for r, d in zip(recs, dec, strict=True) if d)
-        rate[key] = float(np.mean(dec))
+#: The gates of the qa part: per-item score field, pure-answer field, time field (a number
+#: = a table key holding the per-query mean), and the side of the threshold that retrieves.
+QA_GATES = {
+    "confidence": ("conf", "pure", "t_pure", "below"),
+    "ctrla": ("ctrla", "ctrla_text", "t_ctrla", "below"),
+    "gece": ("gece_self", "gece_pred", "gece_self_s_per_query", "above"),
+}
+
+
+def summarise_qa(t: dict, metric: str, percentiles: list[float]) -> dict:
+    """Accuracy / seconds / retrieval rate / thresholds / AUROC of a qa table from its
+    per-item ``rows`` (no model: ``--rescore`` reruns this on a saved results.json).
+
+    A gated pipeline answers with the gate's own pure draft unless the gate retrieves, then
+    with the RAG answer; its time = the gate's cost (its draft included) + the RAG decode
+    when it retrieves. Thresholds: percentiles of the set's own scores (in-sample)."""
+    from tokrag_integrations.gating.base import Gate
+    from tokrag_integrations.gating.metrics import METRICS
+
+    recs = t["rows"]
+    acc = {
+        "never": float(np.mean([r["ok_pure"] for r in recs])),
+        "always": float(np.mean([r["ok_rag"] for r in recs])),
+        "oracle (retrieve iff pure wrong)": float(
+            np.mean([r["ok_pure"] or r["ok_rag"] for r in recs])
+        ),
+    }
+    secs = {
+        "never": sum(r["t_pure"] for r in recs),
+        "always": sum(r["t_rag"] for r in recs),
+        "oracle (retrieve iff pure wrong)": sum(
+            r["t_pure"] + (0.0 if r["ok_pure"] else r["t_rag"]) for r in recs
+        ),
+    }
+    rate = {
+        "never": 0.0,
+        "always": 1.0,
+        "oracle (retrieve iff pure wrong)": float(np.mean([not r["ok_pure"] for r in recs])),
+    }
+    wrong = [int(not r["ok_pure"]) for r in recs]
+    au = {f"confidence:{k}": auroc([-r["confidences"][k] for r in recs], wrong) for k in METRICS}
+    thr: dict[str, float] = {}
+    for gname, (sf, tf, timef, side) in QA_GATES.items():
+        if sf not in recs[0]:
+            continue
+        name = {"confidence": f"confidence:{metric}", "gece": "gece_self"}.get(gname, gname)
+        scores = [float(r[sf]) for r in recs]
+        ok = [correct(r[tf], r["answers"]) for r in recs]
+        cost = [t[timef]] * len(recs) if timef in t else [r[timef] for r in recs]
+        au[name] = auroc(scores if side == "above" else [-x for x in scores], wrong)
+        gate = Gate()
+        gate.retrieve_when = side
+        for pct in percentiles:
+            key = f"{name}@p{pct:g}"
+            thr[key] = gate.set_threshold_from_scores(scores, pct)
+            dec = [gate.retrieves(x) for x in scores]
+            acc[key] = float(
+                np.mean([r["ok_rag"] if d else o for r, d, o in zip(recs, dec, ok, strict=True)])
+            )
+            secs[key] = sum(cost) + sum(r["t_rag"] for r, d in zip(recs, dec, strict=True) if d)
+            rate[key] = float(np.mean(dec))
+    return {
+        "accuracy": acc,
+        "seconds": secs,
+        "retrieval_rate": rate,
+        "thresholds": thr,
+        "auroc_pure_wrong": au,
+    }
 
 
 def qa(lm, args, out: dict) -> None:
@@ -306,11 +361,9 @@ def qa(lm, args, out: dict) -> None:
     no retriever, so "always" time is decoding only). ConfidenceGate: its pure draft is the
     never-retrieve answer. CtrlA (``--qa-gates ...,ctrla``): its monitored greedy decode is
     the answer when it does not retrieve. GECE (``...,gece``, self mode): its greedy draft is
-    the answer, its cost includes the samples and the gradient. Thresholds are the
-    calibrated percentiles of the set's own scores (in-sample; no gold answers used)."""
+    the answer, its cost includes the samples and the gradient. Rows: :func:`summarise_qa`."""
     from tokrag_integrations import generate
     from tokrag_integrations.gating import ConfidenceGate, CtrlAGate, GECEGate
-    from tokrag_integrations.gating.metrics import METRICS
 
     gates = [g for g in args.qa_gates.split(",") if g]
     pcts = [float(x) for x in args.qa_percentiles.split(",")]
@@ -353,84 +406,40 @@ def qa(lm, args, out: dict) -> None:
                     "rag": rr.text,
                 }
             )
-        ok_pure = [r["ok_pure"] for r in recs]
-        acc = {
-            "never": float(np.mean(ok_pure)),
-            "always": float(np.mean([r["ok_rag"] for r in recs])),
-            "oracle (retrieve iff pure wrong)": float(
-                np.mean([r["ok_pure"] or r["ok_rag"] for r in recs])
-            ),
-        }
-        secs = {
-            "never": sum(r["t_pure"] for r in recs),
-            "always": sum(r["t_rag"] for r in recs),
-        }
-        rate: dict[str, float] = {"never": 0.0, "always": 1.0}
-        thr: dict[str, float] = {}
-        wrong = [int(not o) for o in ok_pure]
-        au = {
-            f"confidence:{k}": auroc([-r["confidences"][k] for r in recs], wrong) for k in METRICS
-        }
+        if "confidence" not in gates:
+            for r in recs:
+                del r["conf"]
         extra: dict = {}
-        if "confidence" in gates:
-            _gate_rows(
-                f"confidence:{args.qa_metric}",
-                [r["conf"] for r in recs],
-                gate,
-                recs,
-                [r["t_pure"] for r in recs],
-                ok_pure,
-                pcts,
-                acc,
-                secs,
-                rate,
-                thr,
-            )
         if "ctrla" in gates:
             ctrla = CtrlAGate(lm, max_new_tokens=args.max_new_tokens)
             t0 = time.perf_counter()
             ctrla.fit_directions()
             extra["ctrla_fit_s"] = time.perf_counter() - t0
-            runs, t_c = [], []
+            runs = []
             for r in recs:
                 t = time.perf_counter()
                 runs.append(ctrla.monitor(r["question"]))
-                t_c.append(time.perf_counter() - t)
+                r["t_ctrla"] = time.perf_counter() - t
+            # z-score statistics: the set's own content tokens (in-sample calibration)
             ms = [tk["m"] for _, pol in runs for tk in pol.tokens if tk["content"]] or [0.0, 1.0]
             ctrla.mean, ctrla.std = float(np.mean(ms)), float(np.std(ms) or 1.0)
-            sc, ok_c = [], []
-            for r, (res, pol), t in zip(recs, runs, t_c, strict=True):
+            for r, (res, pol) in zip(recs, runs, strict=True):
                 for tk in pol.tokens:
                     tk["z"] = (tk["m"] - ctrla.mean) / ctrla.std
-                sc.append(ctrla.score_tokens(res.text, pol.tokens))
-                ok_c.append(correct(res.text, r["answers"]))
-                r.update(ctrla=sc[-1], ctrla_text=res.text, t_ctrla=t)
-            au["ctrla"] = auroc([-x for x in sc], wrong)
-            _gate_rows("ctrla", sc, ctrla, recs, t_c, ok_c, pcts, acc, secs, rate, thr)
+                r.update(ctrla=ctrla.score_tokens(res.text, pol.tokens), ctrla_text=res.text)
         if "gece" in gates:
             g = GECEGate(
                 lm, "self", n_samples=args.gece_samples, max_new_tokens=args.max_new_tokens
             )
             t0 = time.perf_counter()
             terms = g.fit_mean_gradient([r["question"] for r in recs])
-            t_g = (time.perf_counter() - t0) / len(recs)  # per query (E(grad) pass included)
-            sc = [g.gece(tm)[0] for tm in terms]
-            ok_g = [correct(tm["pred"], r["answers"]) for tm, r in zip(terms, recs, strict=True)]
-            for r, x, tm in zip(recs, sc, terms, strict=True):
-                r.update(gece_self=x, gece_pred=tm["pred"])
-            extra["gece_self_s_per_query"] = t_g
-            au["gece_self"] = auroc(sc, wrong)
-            _gate_rows(
-                "gece_self", sc, g, recs, [t_g] * len(recs), ok_g, pcts, acc, secs, rate, thr
-            )
-        table[name] = {
+            # per query, E(grad) pass included (the scores reuse the calibration terms)
+            extra["gece_self_s_per_query"] = (time.perf_counter() - t0) / len(recs)
+            for r, tm in zip(recs, terms, strict=True):
+                r.update(gece_self=g.gece(tm)[0], gece_pred=tm["pred"])
+        tab = {
             "n": len(items),
             "yesno": all(is_yesno(r["answers"]) for r in recs),
-            "accuracy": acc,
-            "seconds": secs,
-            "retrieval_rate": rate,
-            "thresholds": thr,
-            "auroc_pure_wrong": au,
             "rag_repeats_counterfactual_rate": float(np.mean([r["misled_rag"] for r in recs])),
             "pure_rag_crosstab": {
                 f"pure_{'ok' if a else 'wrong'}/rag_{'ok' if b else 'wrong'}": sum(
@@ -442,15 +451,15 @@ def qa(lm, args, out: dict) -> None:
             **extra,
             "rows": recs,
         }
-        if table[name]["yesno"]:
+        if tab["yesno"]:
             gold = [norm(r["answers"][0]) for r in recs]
-            table[name]["majority_label_accuracy"] = max(gold.count("yes"), gold.count("no")) / len(
-                gold
-            )
-            table[name]["no_yesno_word_rate"] = {
+            tab["majority_label_accuracy"] = max(gold.count("yes"), gold.count("no")) / len(gold)
+            tab["no_yesno_word_rate"] = {
                 "pure": float(np.mean([yesno_of(r["pure"]) is None for r in recs])),
                 "rag": float(np.mean([yesno_of(r["rag"]) is None for r in recs])),
             }
+        tab.update(summarise_qa(tab, args.qa_metric, pcts))
+        table[name] = tab
         save(args, out)
 
 
@@ -586,10 +595,24 @@ def main() -> None:
         default=" Answer yes or no.",
         help="appended to yes/no questions (ConflictQA); '' for none",
     )
+    g.add_argument(
+        "--rescore",
+        action="store_true",
+        help="no model: recompute the qa tables of <out>/results.json from its saved rows",
+    )
     g = ap.add_argument_group("crag (Confident-RAG on SQuAD)")
     g.add_argument("--crag-limit", type=int, default=10, help="first N SQuAD dev items")
     g.add_argument("--crag-top-k", type=int, default=2, help="passages per retriever")
     args = ap.parse_args()
+    if args.rescore:
+        out = json.loads((Path(args.out) / "results.json").read_text())
+        pcts = [float(x) for x in args.qa_percentiles.split(",")]
+        for t in out.get("qa", {}).values():
+            t.update(summarise_qa(t, out["args"]["qa_metric"], pcts))
+        out["rescored_with"] = {"qa_percentiles": args.qa_percentiles}
+        save(args, out)
+        print(json.dumps(_brief(out), indent=1, default=str))
+        return
     from tokrag_integrations import load_model
 
     Path(args.out).mkdir(parents=True, exist_ok=True)

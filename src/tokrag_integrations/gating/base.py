@@ -100,8 +100,12 @@ class Gate:
                 f"{type(self).__name__} has no threshold: call calibrate(queries) or load(path) "
                 "first, or pass threshold=... to the constructor."
             )
-        if not math.isfinite(score):  # no answer / undefined score: be safe, retrieve
+        if math.isnan(score):  # no answer / undefined score: be safe, retrieve
             return True
+        if math.isinf(thr):  # a forced route: +inf "below" / -inf "above" always retrieves
+            return (thr > 0) == (self.retrieve_when == "below")
+        # +-inf scores compare as such (CtrlA: -inf = a refusal, retrieve; +inf = no content
+        # token to doubt, do not retrieve)
         return score < thr if self.retrieve_when == "below" else score > thr
 
     def decide(self, query: str) -> GateDecision:

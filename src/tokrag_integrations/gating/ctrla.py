@@ -27,8 +27,9 @@ steers layers -5..-17 of Mistral-7B's 32, i.e. (0.28, 0.72) and (0.50, 0.88).
 On retrieval the answer is regenerated from the RAG context (CtrlA regenerates the current
 sentence with the retrieved contents; our short answers are one sentence).
 
-The gate's score is min_k z_k over content tokens (-inf on a refusal), retrieve when below
-tau = the calibrated threshold.
+The gate's score is min_k z_k over content tokens (-inf on a refusal, +inf when the answer has
+no content token: nothing to doubt, no retrieval), retrieve when below tau = the calibrated
+threshold.
 """
 
 from __future__ import annotations
