@@ -61,7 +61,7 @@ def _assert_same(a, b):
         for u, v in zip(x[4:], y[4:], strict=True):
             assert (u is None) == (v is None)
             if u is not None:
-                assert math.isclose(u, v, abs_tol=1e-5)
+                assert math.isclose(u, v, abs_tol=1e-4)  # block passes round differently
 
 
 def test_blockwise_is_the_default_and_equals_step_by_step(lm, cases):
@@ -209,6 +209,8 @@ def test_block_length_follows_the_cost_model():
     for beta in (0.0, 0.15, 0.5):
         ks = [best_block(r, beta) for r in rates]
         assert all(MIN_BLOCK <= k <= MAX_BLOCK for k in ks)
-        assert ks == sorted(ks) and ks[0] < ks[-1] == MAX_BLOCK  # rarer verifier wins, longer blocks
+        assert (
+            ks == sorted(ks) and ks[0] < ks[-1] == MAX_BLOCK
+        )  # rarer verifier wins, longer blocks
     assert best_block(0.02, 0.5) < best_block(0.02, 0.0)  # a costlier verifier pass, shorter blocks
     assert best_block(0.3, 0.0) == 2
