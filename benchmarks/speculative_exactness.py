@@ -71,6 +71,9 @@ def main() -> None:
         "--batch", type=int, default=4, help="also decode blockwise in batches of N (0: skip)"
     )
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--full", action="store_true", help="also write every step of every decode to --json"
+    )
     args = ap.parse_args()
 
     from tokrag_integrations import generate, generate_batch, load_model
@@ -151,8 +154,13 @@ def main() -> None:
     }
     print(json.dumps(summary, indent=1))
     if args.json:
+        keep = (
+            rows
+            if args.full
+            else [{k: v for k, v in r.items() if k not in ("ref", "fast", "batched")} for r in rows]
+        )
         Path(args.json).write_text(
-            json.dumps({"summary": summary, "rows": rows}, indent=1), encoding="utf-8"
+            json.dumps({"summary": summary, "rows": keep}, indent=1), encoding="utf-8"
         )
 
 
