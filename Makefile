@@ -33,7 +33,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow and not postgres"
 
 bench: install
-	$(VENV)/bin/tokrag bench --questions 20
+	$(VENV)/bin/tokrag bench --questions 20 --throughput 1,4,16
 
 lint: install
 	$(VENV)/bin/ruff check src tests examples benchmarks
