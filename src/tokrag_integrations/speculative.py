@@ -214,6 +214,7 @@ def blockwise_loop(
 
         parts = model_parts(lm.model)
         walked, beta = 0, BETA_PRIOR
+        eos = torch.tensor(sorted(lm.eos_token_ids), dtype=torch.long)
         with _Recorder(parts) as rec:
             while not all(done):
                 active = [q for q in range(n_q) if not done[q]]
@@ -232,7 +233,6 @@ def blockwise_loop(
                 # The drafter: k ordinary one-token steps (the last draft is not fed yet).
                 feed = torch.tensor(pending, dtype=torch.long)[:, None]
                 d_logits, d_caps, drafts = [], [], []
-                eos = torch.tensor(sorted(lm.eos_token_ids), dtype=torch.long)
                 ended = torch.tensor(done)
                 t_d = time.perf_counter()
                 for _ in range(k):
