@@ -206,30 +206,13 @@ class _RoleBatch:
 
     def forward(self, new_ids: torch.Tensor | None) -> None:
         """Prefill (``new_ids`` None) or advance every row by one token ([B] long)."""
-        model = self.lm.model
         if new_ids is None:
             inp = self.ids
             pos = (self.mask.cumsum(-1) - 1).clamp(min=0)
         else:
             inp = new_ids.view(-1, 1).to(self.ids.device)
-            self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-            pos = (self.mask.sum(-1, keepdim=True) - 1).clamp(min=0)
-        kwargs = dict(
-            input_ids=inp,
-            attention_mask=self.mask,
-            position_ids=pos,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        if self.probe:
-            with Probe(model) as probe:
-                out = model(**kwargs)
-            self.records = probe.take()
-        else:
-            out = model(**kwargs)
-        self.cache = out.past_key_values
-        self.logits = out.logits[:, -1, :].float()
+            pos = self._append(inp.shape[1])
+        self._call(inp, pos, 1, probe=self.probe)
 
     def extend(self, new_ids: torch.Tensor) -> torch.Tensor:
         """Advance every row by ``k`` tokens ([B, k] long) in one forward pass, without
@@ -237,21 +220,38 @@ class _RoleBatch:
         this is the same call as :meth:`forward` (the same numbers)."""
         new_ids = new_ids.to(self.ids.device)
         k = new_ids.shape[1]
+        return self._call(new_ids, self._append(k), k, probe=False)
+
+    def _append(self, k: int) -> torch.Tensor:
+        """Extend every row's mask by ``k`` valid positions; their position ids, [B, k]."""
         base = self.mask.sum(-1, keepdim=True)
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1]).expand(-1, k)], dim=1)
-        pos = (base + torch.arange(k, device=base.device)).clamp(min=0)
-        out = self.lm.model(
-            input_ids=new_ids,
+        return (base + torch.arange(k, device=base.device)).clamp(min=0)
+
+    def _call(
+        self, inp: torch.Tensor, pos: torch.Tensor, keep: int, *, probe: bool
+    ) -> torch.Tensor:
+        """One forward pass over ``inp`` with the cache; keeps the last ``keep`` positions'
+        logits ([B, keep, V] float, returned; the last one also in ``self.logits``)."""
+        model = self.lm.model
+        kwargs = dict(
+            input_ids=inp,
             attention_mask=self.mask,
             position_ids=pos,
             past_key_values=self.cache,
             use_cache=True,
-            logits_to_keep=k,
+            logits_to_keep=keep,
         )
+        if probe:
+            with Probe(model) as p:
+                out = model(**kwargs)
+            self.records = p.take()
+        else:
+            out = model(**kwargs)
+            self.records = None
         self.cache = out.past_key_values
         logits = out.logits.float()
         self.logits = logits[:, -1, :]
-        self.records = None
         return logits
 
     def rollback(self, stale: Sequence[int]) -> None:
