@@ -119,10 +119,20 @@ def _rates(decisions: list[bool], bins: list[int]) -> list[float]:
     return out
 
 
+def _fitted_ctrla(lm, args) -> tuple:
+    """A CtrlAGate with its directions fitted, and the seconds the fit took."""
+    from tokrag_integrations.gating import CtrlAGate
+
+    gate = CtrlAGate(lm, max_new_tokens=args.max_new_tokens)
+    t0 = time.perf_counter()
+    gate.fit_directions()
+    return gate, time.perf_counter() - t0
+
+
 def popqa(lm, args, out: dict) -> None:
     """One greedy pure draft per query through :class:`ConfidenceGate` (its details carry
     all five metrics); GECE on a stratified subset; CtrlA optionally (a second decode)."""
-    from tokrag_integrations.gating import ConfidenceGate, CtrlAGate, GECEGate
+    from tokrag_integrations.gating import ConfidenceGate, GECEGate
     from tokrag_integrations.gating.metrics import METRICS
 
     items = load("popqa", args.popqa_limit, stratify=True)
@@ -168,10 +178,7 @@ def popqa(lm, args, out: dict) -> None:
         thresholds[f"confidence:{k}"] = g.set_threshold_from_scores(sc, args.percentile)
         rates[f"confidence:{k}"] = _rates([g.retrieves(x) for x in sc], bins)
     if args.ctrla:
-        ctrla = CtrlAGate(lm, max_new_tokens=args.max_new_tokens)
-        t0 = time.perf_counter()
-        ctrla.fit_directions()
-        out["ctrla_fit_s"] = time.perf_counter() - t0
+        ctrla, out["ctrla_fit_s"] = _fitted_ctrla(lm, args)
         toks = []
         for r in rows:
             t = time.perf_counter()
@@ -363,7 +370,7 @@ def qa(lm, args, out: dict) -> None:
     the answer when it does not retrieve. GECE (``...,gece``, self mode): its greedy draft is
     the answer, its cost includes the samples and the gradient. Rows: :func:`summarise_qa`."""
     from tokrag_integrations import generate
-    from tokrag_integrations.gating import ConfidenceGate, CtrlAGate, GECEGate
+    from tokrag_integrations.gating import ConfidenceGate, GECEGate
 
     gates = [g for g in args.qa_gates.split(",") if g]
     pcts = [float(x) for x in args.qa_percentiles.split(",")]
@@ -411,10 +418,7 @@ def qa(lm, args, out: dict) -> None:
                 del r["conf"]
         extra: dict = {}
         if "ctrla" in gates:
-            ctrla = CtrlAGate(lm, max_new_tokens=args.max_new_tokens)
-            t0 = time.perf_counter()
-            ctrla.fit_directions()
-            extra["ctrla_fit_s"] = time.perf_counter() - t0
+            ctrla, extra["ctrla_fit_s"] = _fitted_ctrla(lm, args)
             runs = []
             for r in recs:
                 t = time.perf_counter()
