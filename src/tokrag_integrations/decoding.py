@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -172,7 +173,7 @@ class _RoleBatch:
     def __init__(
         self, role: str, members: list[tuple[int, ContextSpec]], lm: LoadedModel, probe: bool
     ):
-        from transformers import DynamicCache
+        from .kv_cache import new_cache
 
         self.role = role
         self.query_idx = [q for q, _ in members]
@@ -190,7 +191,7 @@ class _RoleBatch:
             mask[r, self.pad[r] :] = 1
         self.ids = ids.to(dev)
         self.mask = mask.to(dev)
-        self.cache = DynamicCache(config=lm.model.config)
+        self.cache = new_cache(lm.model)
         self.logits: torch.Tensor = torch.empty(0)
         self.records: ProbeRecord | None = None
 
@@ -268,6 +269,66 @@ class _RoleBatch:
                 if s > m:
                     mask[r, mask.shape[1] - (s - m) :] = 0
             self.mask = mask
+
+
+def fuse_batches(batches: Sequence[_RoleBatch]) -> _RoleBatch | None:
+    """One batch holding the rows of several prefilled role batches, so that a decode step
+    is one forward pass instead of one per role.
+
+    Each batch is left-padded to the longest (padding positions are masked, hold zero keys
+    and take no position id), so every row computes what it computed alone, up to the
+    rounding of a different kernel. Returns None where rows cannot share a batch: caches
+    that are not full-attention (sliding windows), or roles probed differently.
+    """
+    from .attention import ProbeRecord
+    from .kv_cache import GrowableLayer, is_full_layer, new_cache
+
+    if len(batches) < 2 or len({b.probe for b in batches}) != 1:
+        return None
+    if any(not is_full_layer(layer) for b in batches for layer in b.cache.layers):
+        return None
+    if any(b.probe and b.records is None for b in batches):
+        return None
+    first = batches[0]
+    n = max(b.mask.shape[1] for b in batches)
+    fused = object.__new__(_RoleBatch)
+    fused.__dict__.update(first.__dict__)
+    fused.role = "+".join(b.role for b in batches)
+    fused.query_idx = [q for b in batches for q in b.query_idx]
+    fused.specs = [s for b in batches for s in b.specs]
+    fused.pad = [p + n - b.mask.shape[1] for b in batches for p in b.pad]
+
+    def left(x: torch.Tensor, extra: int, value: float, dim: int) -> torch.Tensor:
+        if not extra:
+            return x
+        shape = list(x.shape)
+        shape[dim] = extra
+        return torch.cat([x.new_full(shape, value), x], dim=dim)
+
+    fused.ids = torch.cat(
+        [left(b.ids, n - b.mask.shape[1], first.lm.pad_token_id, 1) for b in batches]
+    )
+    fused.mask = torch.cat([left(b.mask, n - b.mask.shape[1], 0, 1) for b in batches])
+    fused.logits = torch.cat([b.logits for b in batches])
+    cache = new_cache(first.lm.model)
+    for i, layer in enumerate(cache.layers):
+        ks = [left(b.cache.layers[i].keys, n - b.mask.shape[1], 0.0, 2) for b in batches]
+        vs = [left(b.cache.layers[i].values, n - b.mask.shape[1], 0.0, 2) for b in batches]
+        k, v = torch.cat(ks), torch.cat(vs)
+        if not isinstance(layer, GrowableLayer):  # pragma: no cover - guarded above
+            return None
+        layer.lazy_initialization(k, v)
+        layer._reindex(k, v)
+    fused.cache = cache
+    if first.probe:
+        recs = [b.records for b in batches]
+        fused.records = ProbeRecord(
+            resid=torch.cat([r.resid for r in recs], dim=1),  # type: ignore[union-attr]
+            attn_in=torch.cat([r.attn_in for r in recs], dim=1),  # type: ignore[union-attr]
+            cos=[torch.cat(c) for c in zip(*(r.cos for r in recs), strict=True)],  # type: ignore[union-attr]
+            sin=[torch.cat(c) for c in zip(*(r.sin for r in recs), strict=True)],  # type: ignore[union-attr]
+        )
+    return fused
 
 
 _SHARED_PREFILL: contextvars.ContextVar[dict[tuple[Any, ...], _RoleBatch] | None] = (
@@ -362,6 +423,12 @@ def step_event(
     return StepEvent(q, step, finished=bool(reason), stop_reason=reason)
 
 
+def fuse_contexts() -> bool:
+    """Whether multi-context rules decode all their contexts as one batch
+    (``TOKRAG_FUSE_CONTEXTS``, default on; ``0`` decodes one batch per role)."""
+    return os.environ.get("TOKRAG_FUSE_CONTEXTS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def decode_loop(
     lm: LoadedModel,
     plans: Sequence[PromptPlan],
@@ -406,8 +473,21 @@ def decode_loop(
         for role in roles:
             members = [(q, c[role]) for q, c in enumerate(per_query) if role in c]
             batches[role] = _prefilled(role, members, lm, role in policy.probe_roles)
+        # All roles in one batch: one forward pass per step (on a CPU a 2-row pass costs
+        # about what a 1-row pass does; the rows are the same computations).
+        fused = fuse_batches(list(batches.values())) if fuse_contexts() else None
+        row_of: dict[str, dict[int, tuple[_RoleBatch, int]]] = {}
+        start = 0
+        for role, b in batches.items():
+            row_of[role] = {
+                q: (fused, start + r) if fused is not None else (b, r)
+                for r, q in enumerate(b.query_idx)
+            }
+            start += len(b.query_idx)
+        if fused is not None:
+            batches = {fused.role: fused}
         timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
-        row_of = {role: {q: r for r, q in enumerate(b.query_idx)} for role, b in batches.items()}
+        timings["fused"] = float(fused is not None)
 
         generated: list[list[int]] = [[] for _ in plans]
         done = [False] * len(plans)
@@ -420,8 +500,7 @@ def decode_loop(
                 views = {}
                 for role, rows in row_of.items():
                     if q in rows:
-                        b = batches[role]
-                        r = rows[q]
+                        b, r = rows[q]
                         rec = b.records.select([r]) if b.records is not None else None
                         views[role] = ContextView(b, r, rec)
                 choice = policy.choose(views, lm)

@@ -210,6 +210,10 @@ def load_model(
         raise
     model.to(device)
     model.eval()
+    # Faster few-row linear layers and masked attention on CPU (measured, ``cpu_kernels``).
+    from .cpu_kernels import maybe_install
+
+    maybe_install(model)
     if require_signals:
         from .attention import check_supported
 

@@ -38,6 +38,32 @@ def jsd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (0.5 * kl_pm + 0.5 * kl_qm).clamp_min(0.0)
 
 
+def jsd_logp(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """:func:`jsd` from log-probabilities (finite, e.g. ``log_softmax`` of logits).
+
+    One logarithm per entry (of the mixture) instead of four: KL(p‖m) = Σ p·(log p − log m).
+    Shapes [..., V] -> [...].
+    """
+    _check_dist(logp, "logp")
+    if logp.shape != logq.shape:
+        raise ValueError(
+            f"logp and logq must have the same shape, got {tuple(logp.shape)} and {tuple(logq.shape)}"
+        )
+    logp, logq = logp.float(), logq.float()
+    p, q = logp.exp(), logq.exp()
+    # m > 0 wherever p or q is; the clamp only keeps 0·log 0 from becoming NaN.
+    logm = (0.5 * (p + q)).clamp_min_(torch.finfo(torch.float32).tiny).log_()
+    kl = (p * (logp - logm)).sum(-1) + (q * (logq - logm)).sum(-1)
+    return (0.5 * kl).clamp_min(0.0)
+
+
+def layer_shift_jsd_logp(lens_logp: torch.Tensor) -> torch.Tensor:
+    """:func:`layer_shift_jsd` from log-probabilities. Input [L+1, V] -> output [L]."""
+    if lens_logp.dim() != 2 or lens_logp.shape[0] < 2:
+        raise ValueError(f"lens_logp must be [L+1, V] with L >= 1, got {tuple(lens_logp.shape)}")
+    return jsd_logp(lens_logp[:-1], lens_logp[1:])
+
+
 def layer_shift_jsd(lens_probs: torch.Tensor) -> torch.Tensor:
     """JSD(phi(h^{l-1}), phi(h^l)) for l = 1..L. Input [L+1, V] -> output [L]."""
     if lens_probs.dim() != 2 or lens_probs.shape[0] < 2:

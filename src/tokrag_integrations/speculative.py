@@ -130,7 +130,7 @@ def blockwise_supported(lm: LoadedModel, policy: Policy) -> bool:
     """Whether :func:`blockwise_loop` can run ``policy`` on ``lm``: a rule over exactly the
     pure and RAG contexts, and a model whose KV cache keeps every position (rolling back a
     sliding-window cache is not possible)."""
-    from transformers import DynamicCache
+    from .kv_cache import is_full_layer, new_cache
 
     if tuple(sorted(policy.roles)) != ROLES or getattr(policy, "decode", None) is not None:
         return False
@@ -139,8 +139,7 @@ def blockwise_supported(lm: LoadedModel, policy: Policy) -> bool:
             model_parts(lm.model)
         except ValueError:
             return False
-    layers = DynamicCache(config=lm.model.config).layers
-    return all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+    return all(is_full_layer(layer) for layer in new_cache(lm.model).layers)
 
 
 def blockwise_loop(

@@ -23,7 +23,9 @@ from ..decoding import Choice, ContextView, Policy
 from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
 
-_LENS_CHUNK = 4
+#: Layers per logit-lens product: the first one (from layer 0) and the later ones.
+_LENS_FIRST = 3
+_LENS_CHUNK = 3
 
 
 class TokRAG(Policy):
@@ -159,44 +161,49 @@ class TokRAG(Policy):
         attn = torch.stack([rag.attention(i) for i in range(L)])  # [L, H, T]
         f = S.retrieved_attention_mass(attn, rt)
 
-        # g(l), Eq. 13, computed lazily: only up to the first layer crossing the threshold.
+        # g(l), Eq. 13, computed lazily: only up to the first layer crossing the threshold,
+        # a few layers per LM-head product (on CPU it costs ~1 ms per row beyond the
+        # weight read, and the crossing is at layer 2-4 for most steps).
         lo = max(1, self.min_fusion_layer)
         bound = self.jsd_threshold * A.shape[0]
         h_pure = pure.record.resid[:, 0]  # [L+1, d]
         h_rag = rag.record.resid[:, 0]
         g = torch.full((L,), float("nan"))
+        f_arg = max(1, self.min_fusion_layer) + int(torch.argmax(f[lo - 1 :]).item())
         rag_logp: dict[int, torch.Tensor] = {}  # layer -> log phi(h~^l), reused for x^{l'-l*}
-        want_final = not self.lens_norm  # with the norm, phi(h~^L) is the RAG logits already
         prev_p = prev_r = None
         crossing = None
-        for start in range(lo - 1, L, _LENS_CHUNK):
-            stop = min(start + _LENS_CHUNK, L)  # lens at layers start..stop
-            from_layer = start if prev_p is None else start + 1
-            # One LM-head matmul for both contexts (on CPU the head's weight read dominates);
-            # the first one also carries h~^L, needed below for x^{l'-l*}.
-            n = stop + 1 - from_layer
-            rows = [h_pure[from_layer : stop + 1], h_rag[from_layer : stop + 1]]
-            if want_final:
-                rows.append(h_rag[L : L + 1])
+        start, done_to = lo - 1, lo - 2  # lens rows of layers start..stop, then stop+1...
+        while done_to < L:
+            stop = min(start + (_LENS_FIRST if prev_p is None else _LENS_CHUNK) - 1, L)
+            layers = list(range(done_to + 1, stop + 1))
+            # Extra RAG rows for x^{l'-l*}: the final layer and every l* a crossing in this
+            # chunk would give (l* = (f_arg + g) // 2), so that no second head read is needed.
+            extra = [L] if not self.lens_norm else []
+            extra += [(f_arg + c) // 2 for c in range(max(start, lo), stop + 1)]
+            extra = sorted({x for x in extra if x not in rag_logp and x not in layers})
+            n = len(layers)
+            rows = [h_pure[layers], h_rag[layers], h_rag[extra]]
             logp = torch.log_softmax(
                 logit_lens(parts, torch.cat(rows), final_norm=self.lens_norm), dim=-1
             )
-            if want_final:
-                rag_logp[L] = logp[-1]
-                want_final = False
-            for j in range(n):
-                rag_logp[from_layer + j] = logp[n + j]
-            both = logp[: 2 * n].exp()
-            pp, pr = both[:n], both[n:]
+            for j, layer in enumerate(layers):
+                rag_logp[layer] = logp[n + j]
+            for j, layer in enumerate(extra):
+                rag_logp[layer] = logp[2 * n + j]
+            lp, lr = logp[:n], logp[n : 2 * n]
             if prev_p is not None:
-                pp = torch.cat([prev_p[None], pp])
-                pr = torch.cat([prev_r[None], pr])
-            gap = S.distribution_change_gap(S.layer_shift_jsd(pr), S.layer_shift_jsd(pp))
-            g[start:stop] = gap.float()
-            prev_p, prev_r = pp[-1], pr[-1]
+                lp = torch.cat([prev_p[None], lp])
+                lr = torch.cat([prev_r[None], lr])
+            gap = S.distribution_change_gap(S.layer_shift_jsd_logp(lr), S.layer_shift_jsd_logp(lp))
+            first = layers[0] + (1 if prev_p is None else 0)  # 1-based layer of gap[0]
+            g[first - 1 : stop] = gap.float()
+            prev_p, prev_r = lp[-1], lr[-1]
+            done_to = stop
             crossing = S.first_crossing(g[:stop], bound, start_layer=lo)
             if crossing is not None:
                 break
+            start = stop + 1
         l_star, f_layer, g_layer = S.fusion_layer(
             f,
             g,
