@@ -28,6 +28,32 @@ def test_jsd_rejects_shape_mismatch():
         S.jsd(torch.ones(3) / 3, torch.ones(4) / 4)
 
 
+def test_jsd_finite_with_subnormal_probabilities():
+    # Logit-lens distributions of peaked layers hold probabilities below 1e-45: half of one
+    # rounds to 0, which made log m = -inf and the JSD inf (then g(l) = |inf - inf| = NaN).
+    logits = torch.tensor([[0.0, -30.0, -103.3], [-5.0, 0.0, -300.0]])
+    logp = torch.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    assert p[0, 2].item() > 0 and (0.5 * (p[0, 2] + p[1, 2])).item() == 0.0  # rounds to 0
+    d = S.jsd(p[0], p[1])
+    assert torch.isfinite(d) and 0 < d.item() <= math.log(2)
+    assert S.jsd_logp(logp[0], logp[1]).item() == pytest.approx(d.item(), rel=1e-5)
+    shift = S.layer_shift_jsd_logp(logp)
+    assert torch.isfinite(shift).all()
+
+
+def test_jsd_logp_matches_jsd():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300) * 4
+    logp = torch.log_softmax(logits, dim=-1)
+    want = S.layer_shift_jsd(logp.exp())
+    got = S.layer_shift_jsd_logp(logp)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert S.jsd_logp(logp[0], logp[0]).item() == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="same shape"):
+        S.jsd_logp(logp[0], logp[0, :10])
+
+
 def test_layer_shift_and_gap():
     lens = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.5, 0.5]])
     shift = S.layer_shift_jsd(lens)

@@ -31,8 +31,10 @@ def jsd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
     p = p.float()
     q = q.float()
-    m = 0.5 * (p + q)
-    # KL(a||m) = Σ a·log a − a·log m; xlogy gives 0·log 0 = 0, and m > 0 wherever a > 0.
+    # KL(a||m) = Σ a·log a − a·log m; xlogy gives 0·log 0 = 0. m > 0 wherever a > 0, except
+    # that half a subnormal probability (< 1e-45, common in logit-lens distributions) rounds
+    # to 0, which made log m = -inf and the JSD inf/NaN; the clamp keeps m positive there.
+    m = (0.5 * (p + q)).clamp_min_(torch.finfo(torch.float32).tiny)
     kl_pm = (torch.xlogy(p, p) - torch.xlogy(p, m)).sum(-1)
     kl_qm = (torch.xlogy(q, q) - torch.xlogy(q, m)).sum(-1)
     return (0.5 * kl_pm + 0.5 * kl_qm).clamp_min(0.0)
