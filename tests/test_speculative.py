@@ -64,18 +64,25 @@ def _assert_same(a, b):
                 assert math.isclose(u, v, abs_tol=1e-4)  # block passes round differently
 
 
-def test_blockwise_is_the_default_and_equals_step_by_step(lm, cases):
+#: The step-by-step algorithm as written: one forward pass per context.
+STEP = {"speculative": False, "fuse": False}
+BLOCKWISE = {"speculative": True}
+
+
+def test_fused_default_and_blockwise_equal_step_by_step(lm, cases):
     totals = dict.fromkeys(("blocks", "verifier_wins", "stale", "accepted"), 0.0)
     disagreements = 0
     for q, ps in cases:
-        ref = generate(lm, q, ps, policy="tokrag", speculative=False, max_new_tokens=32)
-        fast = generate(lm, q, ps, policy="tokrag", max_new_tokens=32)
-        assert (
-            fast.trace.options["speculative"] is True and ref.trace.options["speculative"] is False
-        )
-        assert "blocks" not in ref.trace.timings
-        _assert_same(ref, fast)
-        assert fast.text == ref.text and fast.stop_reason == ref.stop_reason
+        ref = generate(lm, q, ps, policy="tokrag", max_new_tokens=32, **STEP)
+        fused = generate(lm, q, ps, policy="tokrag", max_new_tokens=32)
+        fast = generate(lm, q, ps, policy="tokrag", max_new_tokens=32, **BLOCKWISE)
+        assert fused.trace.options["speculative"] is False and fused.trace.options["fuse"] is True
+        assert fast.trace.options["speculative"] is True
+        assert fused.trace.timings["fused"] == 1.0 and ref.trace.timings["fused"] == 0.0
+        assert "blocks" not in ref.trace.timings and "blocks" not in fused.trace.timings
+        for other in (fused, fast):
+            _assert_same(ref, other)
+            assert other.text == ref.text and other.stop_reason == ref.stop_reason
         for k in totals:
             totals[k] += fast.trace.timings[k]
         disagreements += len(fast.trace.disagreement_steps)
@@ -99,26 +106,29 @@ def test_options_do_not_change_the_result(lm, cases, options):
     """Drafter, block length and the signal options: blockwise = step by step."""
     rule = {k: v for k, v in options.items() if k not in ("drafter", "block")}
     for q, ps in cases[:3]:
-        ref = generate(lm, q, ps, policy="tokrag", speculative=False, max_new_tokens=20, **rule)
-        fast = generate(lm, q, ps, policy="tokrag", max_new_tokens=20, **options)
+        ref = generate(lm, q, ps, policy="tokrag", max_new_tokens=20, **STEP, **rule)
+        fast = generate(lm, q, ps, policy="tokrag", max_new_tokens=20, **BLOCKWISE, **options)
         _assert_same(ref, fast)
+        _assert_same(ref, generate(lm, q, ps, policy="tokrag", max_new_tokens=20, **rule))
 
 
-def test_blockwise_batch_equals_step_by_step_one_at_a_time(lm, cases):
+@pytest.mark.parametrize("loop", [{}, BLOCKWISE], ids=["fused", "blockwise"])
+def test_batch_equals_step_by_step_one_at_a_time(lm, cases, loop):
     qs, ps = zip(*cases[:4], strict=True)
-    batch = generate_batch(lm, list(qs), list(ps), policy="tokrag", max_new_tokens=24)
+    batch = generate_batch(lm, list(qs), list(ps), policy="tokrag", max_new_tokens=24, **loop)
     for q, p, b in zip(qs, ps, batch, strict=True):
-        _assert_same(generate(lm, q, p, policy="tokrag", speculative=False, max_new_tokens=24), b)
+        _assert_same(generate(lm, q, p, policy="tokrag", max_new_tokens=24, **STEP), b)
 
 
 def test_blockwise_respects_stop_strings_and_max_tokens(lm):
     q, ps = CONTRA
-    ref = generate(lm, q, ps, policy="tokrag", speculative=False, max_new_tokens=24)
+    ref = generate(lm, q, ps, policy="tokrag", max_new_tokens=24, **STEP)
     word = ref.text.split()[2]
     for n in (1, 2, 7):
-        assert generate(lm, q, ps, policy="tokrag", max_new_tokens=n).token_ids == ref.token_ids[:n]
-    a = generate(lm, q, ps, policy="tokrag", max_new_tokens=24, stop=[word], speculative=False)
-    b = generate(lm, q, ps, policy="tokrag", max_new_tokens=24, stop=[word])
+        got = generate(lm, q, ps, policy="tokrag", max_new_tokens=n, **BLOCKWISE).token_ids
+        assert got == ref.token_ids[:n]
+    a = generate(lm, q, ps, policy="tokrag", max_new_tokens=24, stop=[word], **STEP)
+    b = generate(lm, q, ps, policy="tokrag", max_new_tokens=24, stop=[word], **BLOCKWISE)
     assert b.stop_reason == a.stop_reason == "stop" and b.text == a.text
 
 

@@ -147,6 +147,9 @@ class Policy:
     probe_roles: frozenset[str] = frozenset()
     #: Whether the rule needs passages at all (``llm`` does not).
     uses_passages: bool = True
+    #: Whether the loop may decode all contexts of the rule as one batch (see
+    #: :func:`fuse_batches`); ``False`` keeps one forward pass per role.
+    fuse: bool = True
 
     def contexts(self, plan: PromptPlan) -> dict[str, ContextSpec]:
         """The contexts this rule decodes for one query (default: pure and RAG)."""
@@ -475,7 +478,8 @@ def decode_loop(
             batches[role] = _prefilled(role, members, lm, role in policy.probe_roles)
         # All roles in one batch: one forward pass per step (on a CPU a 2-row pass costs
         # about what a 1-row pass does; the rows are the same computations).
-        fused = fuse_batches(list(batches.values())) if fuse_contexts() else None
+        fuse = fuse_contexts() and getattr(policy, "fuse", True)
+        fused = fuse_batches(list(batches.values())) if fuse else None
         row_of: dict[str, dict[int, tuple[_RoleBatch, int]]] = {}
         start = 0
         for role, b in batches.items():
