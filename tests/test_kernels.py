@@ -20,7 +20,7 @@ from tokrag_integrations.cpu_kernels import (
     uninstall,
 )
 from tokrag_integrations.decoding import ContextSpec, _RoleBatch, fuse_batches
-from tokrag_integrations.kv_cache import GrowableLayer, new_cache
+from tokrag_integrations.kv_cache import GrowableLayer
 
 CONTRA = ("What is the capital of France?", ["The capital of France is Marseille."])
 FICTION = (

@@ -30,17 +30,41 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: Benchmark arms: name -> (policy, options). ``tokrag`` is the default decoder (blockwise
-#: verification, issue 8); ``tokrag-step`` the step-by-step loop it must equal.
+#: Benchmark arms: name -> (policy, options). ``tokrag`` is the default decoder (the pure and
+#: RAG contexts fused into one batch, step by step); ``tokrag-step`` the step-by-step loop as
+#: written (one forward pass per context), which every fast path must equal;
+#: ``tokrag-blockwise`` blockwise verification (issue 8's idea). ``rag-stock`` is ``rag`` on
+#: the same model with transformers' stock CPU kernels (``TOKRAG_CPU_KERNELS=off``).
 ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "rag": ("rag", {}),
+    "rag-stock": ("rag", {}),
     "floor": ("floor", {}),
-    "tokrag-step": ("tokrag", {"speculative": False}),
+    "tokrag-step": ("tokrag", {"speculative": False, "fuse": False}),
+    "tokrag-blockwise": ("tokrag", {"speculative": True}),
     "tokrag": ("tokrag", {}),
     "llm": ("llm", {}),
 }
-DEFAULT_POLICIES = ("rag", "floor", "tokrag-step", "tokrag")
+#: Arms that run on a second copy of the model loaded with the stock kernels.
+STOCK_ARMS = frozenset({"rag-stock"})
+DEFAULT_POLICIES = ("rag", "floor", "tokrag-step", "tokrag-blockwise", "tokrag", "rag-stock")
 SPEC_COUNTS = ("blocks", "drafted", "accepted", "verifier_wins", "stale")
+#: Fast arms whose tokens and decisions must equal ``tokrag-step``'s.
+EXACT_ARMS = ("tokrag", "tokrag-blockwise")
+
+
+def _load_stock(model: str, device: str | None) -> Any:
+    """The model again, with transformers' stock kernels (for the ``rag-stock`` arm)."""
+    from .models import load_model
+
+    old = os.environ.get("TOKRAG_CPU_KERNELS")
+    os.environ["TOKRAG_CPU_KERNELS"] = "off"
+    try:
+        return load_model(model, device=device)
+    finally:
+        if old is None:
+            del os.environ["TOKRAG_CPU_KERNELS"]
+        else:
+            os.environ["TOKRAG_CPU_KERNELS"] = old
 
 
 def arm(name: str) -> tuple[str, dict[str, Any]]:
@@ -125,7 +149,11 @@ def _memory_child(args: argparse.Namespace) -> None:
     from .api import generate
     from .models import load_model
 
-    lm = load_model(args.model, device=args.device)
+    lm = (
+        _load_stock(args.model, args.device)
+        if args.policy in STOCK_ARMS
+        else load_model(args.model, device=args.device)
+    )
     items = load_items(args.data, args.memory_questions, args.passages)
     cuda = lm.device.type == "cuda"
     if cuda:
@@ -172,11 +200,16 @@ def run_bench(
     if data is None:
         raise FileNotFoundError("squad_dev.jsonl not found: pass --data PATH")
     lm = load_model(model, device=device)
+    stock = _load_stock(model, device) if STOCK_ARMS & set(policies) else None
+
+    def model_of(name: str) -> Any:
+        return stock if name in STOCK_ARMS else lm
+
     items = load_items(data, questions, passages)
     # Warm-up (allocator, kernels) so the first timed question is not an outlier.
     for name in policies:
         pol, opts = arm(name)
-        generate(lm, items[0][0], items[0][1], policy=pol, max_new_tokens=4, **opts)
+        generate(model_of(name), items[0][0], items[0][1], policy=pol, max_new_tokens=4, **opts)
 
     rows: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
     decisions: dict[str, list[Any]] = {p: [] for p in policies}
@@ -187,7 +220,7 @@ def run_bench(
         for name in order:
             pol, opts = arm(name)
             t0 = time.perf_counter()
-            r = generate(lm, q, ps, policy=pol, max_new_tokens=max_new_tokens, **opts)
+            r = generate(model_of(name), q, ps, policy=pol, max_new_tokens=max_new_tokens, **opts)
             dt = time.perf_counter() - t0
             steps = r.trace.steps
             rows[name].append(
@@ -239,9 +272,16 @@ def run_bench(
                 stale_per_question=sum(r["stale"] for r in rs) / len(rs),
             )
         out["policies"][pol] = d
-    if "tokrag" in decisions and "tokrag-step" in decisions:
-        same = [a == b for a, b in zip(decisions["tokrag"], decisions["tokrag-step"], strict=True)]
-        out["identical_to_step"] = {"questions": len(same), "identical": sum(same)}
+    if "tokrag-step" in decisions:
+        for name in EXACT_ARMS:
+            if name in decisions:
+                same = [
+                    a == b for a, b in zip(decisions[name], decisions["tokrag-step"], strict=True)
+                ]
+                out.setdefault("identical_to_step", {})[name] = {
+                    "questions": len(same),
+                    "identical": sum(same),
+                }
     if memory:
         for pol in policies:
             cmd = [
@@ -273,12 +313,14 @@ def run_bench(
                 peak_mb=m["peak_mb"], peak_over_model_mb=m["peak_mb"] - m["base_mb"]
             )
     if throughput:
-        out["throughput"] = _throughput(lm, items, throughput, max_new_tokens, policies, progress)
+        out["throughput"] = _throughput(
+            model_of, items, throughput, max_new_tokens, policies, progress
+        )
     return out
 
 
 def _throughput(
-    lm: Any,
+    model_of: Any,
     items: list[tuple[str, list[str]]],
     sizes: tuple[int, ...],
     max_new_tokens: int,
@@ -299,7 +341,7 @@ def _throughput(
             pol, opts = arm(name)
             t0 = time.perf_counter()
             rs = generate_batch(
-                lm,
+                model_of(name),
                 [q for q, _ in batch],
                 [ps for _, ps in batch],
                 policy=pol,
@@ -346,10 +388,14 @@ def format_report(res: dict[str, Any]) -> str:
     ]
     pairs = (
         ("tokrag", "rag"),
+        ("tokrag", "floor"),
         ("tokrag", "tokrag-step"),
-        ("tokrag-step", "floor"),
+        ("tokrag-blockwise", "rag"),
+        ("tokrag-blockwise", "tokrag-step"),
         ("tokrag-step", "rag"),
         ("floor", "rag"),
+        ("rag", "rag-stock"),
+        ("tokrag", "rag-stock"),
     )
     for a, b in pairs:
         if a in P and b in P:
@@ -357,11 +403,10 @@ def format_report(res: dict[str, Any]) -> str:
                 f"| {a} / {b} | {ratio(a, b, 's_per_question')} | {ratio(a, b, 's_per_token')} | "
                 f"{ratio(a, b, 'peak_mb')} | {ratio(a, b, 'peak_over_model_mb')} |"
             )
-    if "identical_to_step" in res:
-        ident = res["identical_to_step"]
+    for name, ident in (res.get("identical_to_step") or {}).items():
         lines += [
             "",
-            f"tokrag (blockwise) = tokrag-step, tokens and decisions: {ident['identical']} / {ident['questions']} questions",
+            f"{name} = tokrag-step, tokens and decisions: {ident['identical']} / {ident['questions']} questions",
         ]
     if res.get("throughput"):
         sizes = sorted({int(n) for v in res["throughput"].values() for n in v})

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
-#: Spare positions allocated beyond a prompt (one answer's worth) and the growth factor.
+#: Spare positions allocated beyond what is needed (one answer's worth), and the spare as a
+#: share of the length for long sequences (growth is geometric, so appends stay O(1)).
 MIN_SPARE = 128
-GROWTH = 1.5
+SPARE_SHARE = 0.25
 
 
 class GrowableLayer(DynamicLayer):
@@ -32,7 +33,7 @@ class GrowableLayer(DynamicLayer):
         self._n = 0
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
-        cap = max(need + MIN_SPARE, int(need * GROWTH))
+        cap = need + max(MIN_SPARE, int(need * SPARE_SHARE))
         kshape = (*key_states.shape[:-2], cap, key_states.shape[-1])
         vshape = (*value_states.shape[:-2], cap, value_states.shape[-1])
         kbuf = key_states.new_empty(kshape)
