@@ -196,3 +196,28 @@ def test_fused_and_unfused_loops_agree(lm, policy, monkeypatch):
         assert a.trace.timings.get("fused") == 1.0 and b.trace.timings.get("fused") == 0.0
         assert a.token_ids == b.token_ids
         assert [s.source for s in a.trace.steps] == [s.source for s in b.trace.steps]
+
+
+@torch.inference_mode()
+def test_attention_rows_of_all_layers_equal_the_per_layer_rows(lm):
+    from tokrag_integrations.attention import attention_row, attention_rows, cached_keys, model_parts
+
+    tok = lm.tokenizer
+    prompts = [tok.encode("Who wrote Hamlet?"), tok.encode("The play Hamlet was written by Shakespeare.")]
+    b = _RoleBatch("rag", list(enumerate(ContextSpec(ids) for ids in prompts)), lm, probe=True)
+    b.forward(None)
+    b.forward(torch.tensor([318, 318]))
+    parts = model_parts(lm.model)
+    seen = b.mask.shape[1]
+    for r in range(2):
+        rec = b.records.select([r])
+        valid = b.mask[r : r + 1].bool()
+        keys = [cached_keys(b.cache, i)[r : r + 1] for i in range(parts.num_layers)]
+        got = attention_rows(parts, rec, keys, valid, seen)
+        want = torch.stack(
+            [attention_row(parts, i, rec, keys[i], valid, seen)[0] for i in range(parts.num_layers)]
+        )
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, atol=1e-6)
+        assert torch.allclose(got.sum(-1), torch.ones(got.shape[:2]), atol=1e-5)
+        assert float(got[..., : b.pad[r]].abs().sum()) == 0.0  # padding gets no attention

@@ -261,6 +261,59 @@ def attention_row(
     return probs
 
 
+def attention_rows(
+    parts: ModelParts,
+    record: ProbeRecord,
+    keys: list[torch.Tensor],
+    key_valid: torch.Tensor,
+    seen_len: int,
+) -> torch.Tensor:
+    """:func:`attention_row` for every layer of one row at once: [L, H, seen_len].
+
+    The per-layer work is one query projection and one ``q·K``; scaling, masking and the
+    softmax run once over all layers. Only for models whose layers attend alike (full
+    attention, one rotary function, one scaling, no soft-capping, no q_norm); others go
+    layer by layer (:func:`attention_row`), with the same numbers.
+
+    Args: ``keys`` the cached keys of every layer, each [1, kv_heads, T, hd] with
+    ``T >= seen_len``; ``key_valid`` [1, seen_len] bool.
+    """
+    attn = parts.attn
+    first = attn[0]
+    uniform = (
+        all(not getattr(a, "sliding_window", None) for a in attn)
+        and all(not getattr(a, "attn_logit_softcapping", None) for a in attn)
+        and all(not hasattr(a, "q_norm") for a in attn)
+        and len({getattr(a, "scaling", None) for a in attn}) == 1
+        and len({id(f) for f in parts.rotary_fns}) == 1
+        and all(k.shape[0] == 1 and k.shape[2] >= seen_len for k in keys)
+    )
+    if not uniform:
+        return torch.stack(
+            [
+                attention_row(parts, i, record, keys[i][:, :, :seen_len], key_valid, seen_len)[0]
+                for i in range(len(attn))
+            ]
+        )
+    n_layers = len(attn)
+    head_dim = first.head_dim
+    x = record.attn_in[:, 0].to(first.q_proj.weight.dtype)  # [L, d]
+    q = torch.stack([attn[i].q_proj(x[i : i + 1])[0] for i in range(n_layers)])  # [L, H*hd]
+    q = q.view(n_layers, -1, 1, head_dim)  # [L, H, 1, hd]
+    cos = torch.stack([c[0] for c in record.cos])[:, None]  # [L, 1, hd]
+    sin = torch.stack([s_[0] for s_ in record.sin])[:, None]
+    q, _ = parts.rotary_fns[0](q, q, cos, sin)
+    n_heads, n_kv = q.shape[1], keys[0].shape[1]
+    groups = n_heads // n_kv
+    qg = q.view(n_layers, n_kv, groups, head_dim).float()
+    scores = torch.empty(n_layers, n_kv, groups, seen_len)
+    for i in range(n_layers):
+        torch.matmul(qg[i], keys[i][0, :, :seen_len].float().transpose(-1, -2), out=scores[i])
+    scores = scores.view(n_layers, n_heads, seen_len).mul_(first.scaling)
+    scores = scores.masked_fill_(~key_valid[:, None, :seen_len], float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
 def logit_lens(parts: ModelParts, resid: torch.Tensor, *, final_norm: bool = True) -> torch.Tensor:
     """phi(h): logits read off any layer's residual state.
 

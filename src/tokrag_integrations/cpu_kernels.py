@@ -25,8 +25,9 @@ With a KV cache and a mask (more than one new position, a left-padded batch, a c
 rolled-back holes), transformers' SDPA path repeats the key/value heads for grouped-query
 attention and torch falls back to its math kernel: on this CPU a 2-token pass then costs
 about twice a 1-token step. :func:`few_query_attention` computes the same attention for up
-to :data:`MAX_ROWS` query positions with the query heads grouped per key/value head (no
-repeated keys) and delegates everything else (prefill, no mask, CUDA, soft-capping, sinks)
+to :data:`MAX_ROWS` query positions without repeating keys (one query per row: torch's flash
+kernel with the mask and ``enable_gqa``; several: the query heads grouped per key/value
+head) and delegates everything else (prefill, no mask, CUDA, soft-capping, sinks)
 to transformers' SDPA function. It is registered as the attention implementation
 ``"tokrag_sdpa"`` (SDPA's boolean masks) and set by :func:`maybe_install` together with the
 linear path.
@@ -159,9 +160,16 @@ def few_query_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    scale = scaling if scaling is not None else hd**-0.5
+    if q == 1:
+        # One query per row (a decode step of a padded or fused batch): torch's CPU flash
+        # kernel takes the mask and the key/value heads as they are.
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous(), None
     g = h // hkv
     t = key.shape[2]
-    scale = scaling if scaling is not None else hd**-0.5
     # Query head i*g + j reads key/value head i: group the g query heads of each key head.
     qg = query.reshape(b, hkv, g * q, hd)
     scores = torch.matmul(qg, key.transpose(-1, -2)).mul_(scale).view(b, hkv, g, q, t)

@@ -105,6 +105,26 @@ class ContextView:
         return self._attn[layer_idx]
 
 
+    def attention_all(self) -> torch.Tensor:
+        """[L, H, T] attention of the last position at every layer (recomputed in one go)."""
+        from .attention import attention_rows
+        from .kv_cache import is_full_layer
+
+        rec = self.record
+        if rec is None:
+            raise RuntimeError("this policy did not ask for probe records of this context")
+        b, r, seen = self._batch, self._row, self._seen
+        n = len(b.cache.layers)
+        if any(not is_full_layer(b.cache.layers[i]) for i in range(n)):
+            return torch.stack([self.attention(i) for i in range(n)])
+        keys = [cached_keys(b.cache, i)[r : r + 1] for i in range(n)]
+        valid = b.mask[r : r + 1, :seen].bool()
+        out = attention_rows(b.parts, rec, keys, valid, seen)
+        for i in range(n):
+            self._attn.setdefault(i, out[i])
+        return out
+
+
 def distribution_stats(logits: torch.Tensor, token_id: int) -> dict[str, float]:
     """Per-step summary of one next-token distribution, O(V), for the confidence metrics.
 

@@ -165,7 +165,7 @@ class TokRAG(Policy):
         L, A, parts = self._L, self._A, self._parts
         rt = rag.rt_positions
         rt_ids = rag.rt_token_ids
-        attn = torch.stack([rag.attention(i) for i in range(L)])  # [L, H, T]
+        attn = rag.attention_all()  # [L, H, T]
         f = S.retrieved_attention_mass(attn, rt)
 
         # g(l), Eq. 13, computed lazily: only up to the first layer crossing the threshold,
