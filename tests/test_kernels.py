@@ -221,3 +221,62 @@ def test_attention_rows_of_all_layers_equal_the_per_layer_rows(lm):
         assert torch.allclose(got, want, atol=1e-6)
         assert torch.allclose(got.sum(-1), torch.ones(got.shape[:2]), atol=1e-5)
         assert float(got[..., : b.pad[r]].abs().sum()) == 0.0  # padding gets no attention
+
+
+def test_left_padding_rows_attend_row_by_row():
+    from tokrag_integrations.cpu_kernels import _left_pad_starts
+
+    torch.manual_seed(3)
+    b, h, hkv, t, hd = 2, 9, 3, 30, 16
+    q = torch.randn(b, h, 1, hd)
+    k = torch.randn(b, hkv, t, hd)
+    v = torch.randn(b, hkv, t, hd)
+    mask = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    mask[0, ..., :12] = False
+    assert _left_pad_starts(mask) == [12, 0]
+    holes = mask.clone()
+    holes[1, ..., 5] = False
+    assert _left_pad_starts(holes) is None  # not left padding: the masked path
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    for m in (mask, holes):
+        got, _ = few_query_attention(module, q, k, v, m, scaling=0.25)
+        assert torch.allclose(got, _sdpa_reference(q, k, v, m, 0.25), atol=1e-5)
+
+
+def test_lazy_chunked_signals_equal_a_full_computation(lm, monkeypatch):
+    """The lens is read a few layers at a time, with shared and extra rows; a plain
+    computation over every layer must give the same fusion layers, l* and rising token."""
+    from tokrag_integrations import signals as S
+    from tokrag_integrations.attention import logit_lens
+    from tokrag_integrations.policies.tokrag import TokRAG
+
+    seen = []
+    orig = TokRAG.signals
+
+    def checked(self, pure, rag):
+        out = orig(self, pure, rag)
+        parts, L = self._parts, self._L
+        attn = torch.stack([rag.attention(i) for i in range(L)])
+        f = S.retrieved_attention_mass(attn, rag.rt_positions)
+        lens = {
+            name: torch.log_softmax(
+                logit_lens(parts, v.record.resid[:, 0], final_norm=self.lens_norm), dim=-1
+            )
+            for name, v in (("pure", pure), ("rag", rag))
+        }
+        g = (S.layer_shift_jsd(lens["rag"].exp()) - S.layer_shift_jsd(lens["pure"].exp())).abs()
+        l_star, fa, gf = S.fusion_layer(f, g, vocab_size=self._A.shape[0], threshold=self.jsd_threshold)
+        final = lens["rag"][L] if not self.lens_norm else rag.logits.float()
+        rise = S.rising_token(final, lens["rag"][l_star])
+        seen.append((out["l_star"], out["fusion_attn_layer"], out["fusion_jsd_layer"], out["rising_token"]))
+        assert (out["l_star"], out["fusion_attn_layer"], out["fusion_jsd_layer"]) == (l_star, fa, gf)
+        assert out["rising_token"] == self._tok.decode([rise])
+        return out
+
+    monkeypatch.setattr(TokRAG, "signals", checked)
+    for q, ps in (CONTRA, FICTION):
+        for opts in ({}, {"lens_norm": True, "top_k": None}):
+            generate(lm, q, ps, policy="tokrag", max_new_tokens=24, **opts)
+    assert len(seen) >= 4
+    assert len({s[2] for s in seen}) > 1  # crossings in more than one lens chunk

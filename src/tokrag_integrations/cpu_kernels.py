@@ -124,6 +124,30 @@ def is_faster(weight: torch.Tensor, rows: tuple[int, ...] = (1, 3), reps: int = 
 
 
 ATTN_IMPLEMENTATION = "tokrag_sdpa"
+#: One-query batches up to this many rows attend row by row when the mask is left padding.
+MAX_SPLIT_ROWS = 4
+
+# (mask, starts) of the last mask seen; replaced as one tuple so threads never mix two.
+_pad_cache: tuple[torch.Tensor | None, list[int] | None] = (None, None)
+
+
+def _left_pad_starts(mask: torch.Tensor) -> list[int] | None:
+    """Per row, the first attended key of a [B, 1, 1, T] boolean mask that is left padding
+    only (False..False True..True), else None. Computed once per forward pass: every layer
+    gets the same mask tensor."""
+    global _pad_cache
+    if mask.dtype != torch.bool or mask.shape[1] != 1 or mask.shape[2] != 1:
+        return None
+    cached_mask, cached = _pad_cache
+    if cached_mask is mask:
+        return cached
+    m = mask[:, 0, 0, :]
+    starts_t = (~m).sum(-1)
+    expected = torch.arange(m.shape[-1], device=m.device)[None, :] >= starts_t[:, None]
+    ok = torch.equal(m, expected) and bool((starts_t < m.shape[-1]).all())
+    starts = [int(x) for x in starts_t] if ok else None
+    _pad_cache = (mask, starts)
+    return starts
 
 
 def few_query_attention(
@@ -161,6 +185,24 @@ def few_query_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     scale = scaling if scaling is not None else hd**-0.5
+    if q == 1 and b <= MAX_SPLIT_ROWS:
+        starts = _left_pad_starts(attention_mask)
+        if starts is not None:
+            # Left padding only (a fused pure+RAG batch): each row attends to its own keys,
+            # so a short row does not pay for the padding up to the longest one.
+            out = torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        query[r : r + 1],
+                        key[r : r + 1, :, s_:],
+                        value[r : r + 1, :, s_:],
+                        scale=scale,
+                        enable_gqa=True,
+                    )
+                    for r, s_ in enumerate(starts)
+                ]
+            )
+            return out.transpose(1, 2).contiguous(), None
     if q == 1:
         # One query per row (a decode step of a padded or fused batch): torch's CPU flash
         # kernel takes the mask and the key/value heads as they are.

@@ -190,15 +190,21 @@ class TokRAG(Policy):
             extra += [(f_arg + c) // 2 for c in range(max(start, lo), stop + 1)]
             extra = sorted({x for x in extra if x not in rag_logp and x not in layers})
             n = len(layers)
-            rows = [h_pure[layers], h_rag[layers], h_rag[extra]]
+            # Layer 0 is the embedding of the token both contexts were fed: one row for both.
+            share0 = layers[0] == 0 and torch.equal(h_pure[0], h_rag[0])
+            p_layers = layers[1:] if share0 else layers
+            n_p = len(p_layers)
+            rows = [h_pure[p_layers], h_rag[layers], h_rag[extra]]
             logp = torch.log_softmax(
                 logit_lens(parts, torch.cat(rows), final_norm=self.lens_norm), dim=-1
             )
+            lp, lr = logp[:n_p], logp[n_p : n_p + n]
+            if share0:
+                lp = torch.cat([lr[:1], lp])
             for j, layer in enumerate(layers):
-                rag_logp[layer] = logp[n + j]
+                rag_logp[layer] = lr[j]
             for j, layer in enumerate(extra):
-                rag_logp[layer] = logp[2 * n + j]
-            lp, lr = logp[:n], logp[n : 2 * n]
+                rag_logp[layer] = logp[n_p + n + j]
             if prev_p is not None:
                 lp = torch.cat([prev_p[None], lp])
                 lr = torch.cat([prev_r[None], lr])
