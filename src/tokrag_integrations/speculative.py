@@ -1,4 +1,8 @@
-"""Blockwise verification: a two-context rule at close to the cost of one context (issue 8).
+"""Blockwise verification of a two-context rule (issue 8; ``TokRAG(speculative=True)``).
+
+On the CPUs measured here the fused step-by-step loop (:func:`..decoding.fuse_batches`),
+the default, is faster; this loop is kept for machines where a multi-token verifier pass
+costs about one step and the second context is expensive (docs/results.md).
 
 The step-by-step loop (:func:`..decoding.decode_loop`) runs both contexts one token at a
 time. Most steps are agreements, where Tok-RAG takes the shared token without a signal, so
