@@ -10,16 +10,18 @@ import torch
 import torch.nn.functional as F
 
 from tokrag_integrations import generate, generate_batch
+from tokrag_integrations import cpu_kernels as K
 from tokrag_integrations.cpu_kernels import (
     ATTN_IMPLEMENTATION,
     few_query_attention,
+    few_row_linear,
     install,
     installed,
     maybe_install,
     skinny_linear,
     uninstall,
 )
-from tokrag_integrations.decoding import ContextSpec, _RoleBatch, fuse_batches
+from tokrag_integrations.decoding import ContextSpec, _RoleBatch, fuse_batches, prefill_roles
 from tokrag_integrations.kv_cache import GrowableLayer
 
 CONTRA = ("What is the capital of France?", ["The capital of France is Marseille."])
@@ -30,20 +32,60 @@ FICTION = (
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 64, 65, 200])
-@pytest.mark.parametrize("out_features", [192, 1536])
-def test_skinny_linear_equals_linear(rows, out_features):
+@pytest.mark.parametrize("out_features", [192, 1536, 4100])
+@pytest.mark.parametrize("strategy", K.STRATEGIES)
+def test_few_row_strategies_equal_linear(rows, out_features, strategy):
     torch.manual_seed(rows)
     w = torch.randn(out_features, 576)
     b = torch.randn(out_features)
     x = torch.randn(1, rows, 576)
     for bias in (None, b):
-        got = skinny_linear(x, w, bias)
+        got = few_row_linear(x, w, bias, strategy)
         want = F.linear(x, w, bias)
         assert got.shape == want.shape and got.is_contiguous()
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
     # A column-major input (what an elementwise op on a transposed output gives) too.
     xt = torch.randn(576, rows).t()[None]
+    assert torch.allclose(few_row_linear(xt, w, None, strategy), F.linear(xt, w), atol=1e-4, rtol=1e-5)
     assert torch.allclose(skinny_linear(xt, w, None), F.linear(xt, w), atol=1e-4, rtol=1e-5)
+
+
+def test_tiled_strategy_keeps_gradients():
+    w = torch.randn(4100, 8, requires_grad=True)
+    x = torch.randn(3, 8)
+    K.KERNELS["tiled"](x, w, None).sum().backward()
+    assert w.grad is not None and torch.allclose(w.grad, x.sum(0).expand_as(w))
+
+
+def test_plans_are_measured_per_shape_and_routed_by_row_count(monkeypatch):
+    w = torch.randn(4096, 64)
+    monkeypatch.setattr(K, "_PLANS", {})  # the model's measured plans stay as they were
+    calls = []
+    real = K._time
+    monkeypatch.setattr(K, "_time", lambda fn, reps: calls.append(reps) or real(fn, 1))
+    plan = K.plan_for(w)
+    assert len(plan) == len(K.BUCKETS) and set(plan) <= set(K.STRATEGIES)
+    assert "dup" not in plan[1:]  # duplication is a one-row strategy
+    n_calls = len(calls)
+    assert K.plan_for(w) is plan and len(calls) == n_calls  # cached for the process
+    table = K._route(("dup", "linear", "wxt", "tiled", "linear", "wxt"))
+    assert len(table) == K.MAX_ROWS + 1
+    assert table[1] is K._k_dup and table[2] is K._k_linear
+    assert table[3] is table[4] is K._k_wxt and table[5] is table[8] is K._k_tiled
+    assert table[16] is K._k_linear and table[17] is table[K.MAX_ROWS] is K._k_wxt
+    # A module routed by a plan computes what F.linear does at every row count.
+    lin = torch.nn.Linear(64, 4096, bias=True)
+    model = torch.nn.Sequential(lin)
+    K._PLANS[(4096, 64, torch.float32, torch.get_num_threads())] = ("dup", "wxt", "tiled", "tiled", "wxt", "linear")
+    assert install(model, "auto") == 1 and installed(model)
+    with torch.inference_mode():
+        for m in (1, 2, 3, 8, 16, 40, 70):
+            x = torch.randn(m, 64)
+            assert torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-4)
+    uninstall(model)
+    # A shape where F.linear wins everywhere keeps the stock forward.
+    K._PLANS[(4096, 64, torch.float32, torch.get_num_threads())] = ("linear",) * len(K.BUCKETS)
+    assert install(model, "auto") == 0 and not installed(model)
 
 
 def _sdpa_reference(q, k, v, mask, scale):
@@ -83,17 +125,25 @@ def test_few_query_attention_equals_sdpa_with_masks(q_len):
 
 
 def test_kernels_installed_on_the_default_cpu_model_and_reversible(lm, monkeypatch):
-    assert installed(lm.model) and lm.model.config._attn_implementation == ATTN_IMPLEMENTATION
+    # The attention path always; the linear plans as measured on this machine.
+    assert lm.model.config._attn_implementation == ATTN_IMPLEMENTATION
+    plans = K.model_plans(lm.model)
+    assert "49152x576" in plans and all(set(p) <= set(K.STRATEGIES) for p in plans.values())
+    had = installed(lm.model)
+    assert had == any(any(s != "linear" for s in p) for p in plans.values())
     x = torch.randn(1, 3, lm.model.config.hidden_size)
     head = lm.model.get_output_embeddings()
-    fast = head(x)
-    n = uninstall(lm.model)
+    before = head(x)
+    uninstall(lm.model)
     try:
-        assert n > 0 and not installed(lm.model)
-        assert torch.allclose(head(x), fast, atol=1e-3, rtol=1e-4)
+        assert not installed(lm.model)
+        assert torch.allclose(head(x), before, atol=1e-3, rtol=1e-4)
+        assert install(lm.model, "on") > 0 and installed(lm.model)  # forced transposed path
+        assert torch.allclose(head(x), before, atol=1e-3, rtol=1e-4)
     finally:
-        install(lm.model)
-    assert installed(lm.model)
+        uninstall(lm.model)
+        install(lm.model, "auto")
+    assert installed(lm.model) == had
     monkeypatch.setenv("TOKRAG_CPU_KERNELS", "sometimes")
     with pytest.raises(ValueError, match="TOKRAG_CPU_KERNELS"):
         maybe_install(lm.model)
@@ -116,7 +166,7 @@ def test_kernels_do_not_change_answers(lm):
             ]
         finally:
             if mode == "stock":
-                install(lm.model)
+                install(lm.model, "auto")
                 lm.model.set_attn_implementation(ATTN_IMPLEMENTATION)
     assert outs["fast"] == outs["stock"]
 
@@ -280,3 +330,52 @@ def test_lazy_chunked_signals_equal_a_full_computation(lm, monkeypatch):
             generate(lm, q, ps, policy="tokrag", max_new_tokens=24, **opts)
     assert len(seen) >= 4
     assert len({s[2] for s in seen}) > 1  # crossings in more than one lens chunk
+
+
+@torch.inference_mode()
+def test_shared_prompt_head_is_reused_from_the_longer_prefill(lm):
+    """The pure prompt (head + question) reuses the RAG prefill's head: same logits, cache
+    and probe records as prefilling it in full."""
+    from tokrag_integrations.decoding import MIN_SHARED_PREFIX
+    from tokrag_integrations.prompts import PromptBuilder
+    from tokrag_integrations.policies.tokrag import TokRAG
+
+    plan = PromptBuilder(lm.tokenizer, context_window=lm.context_window).build(*FICTION)
+    specs = TokRAG().contexts(plan)
+    assert len(plan.head_ids) >= MIN_SHARED_PREFIX
+    batches = prefill_roles(("pure", "rag"), [specs], lm, frozenset({"pure", "rag"}))
+    assert list(batches) == ["pure", "rag"]
+    reused, rag = batches["pure"], batches["rag"]
+    assert reused.shared_prefix(rag) == len(plan.head_ids)
+    full = _RoleBatch("pure", [(0, specs["pure"])], lm, probe=True)
+    full.forward(None)
+    assert reused.cache.get_seq_length() == full.cache.get_seq_length() == len(plan.pure_ids)
+    assert torch.allclose(reused.logits, full.logits, atol=1e-4)
+    for i in (0, 7, len(reused.cache.layers) - 1):
+        assert torch.allclose(reused.cache.layers[i].keys, full.cache.layers[i].keys, atol=1e-4)
+    assert torch.allclose(reused.records.resid, full.records.resid, atol=1e-4)
+    for tid in (464, 318):
+        reused.forward(torch.tensor([tid]))
+        full.forward(torch.tensor([tid]))
+        assert torch.allclose(reused.logits, full.logits, atol=1e-3)
+    # Nothing to reuse: a different head, or rows of unequal length.
+    other = _RoleBatch("rag", [(0, ContextSpec(lm.tokenizer.encode("Hello there, " * 6)))], lm, probe=False)
+    other.forward(None)
+    assert _RoleBatch("pure", [(0, specs["pure"])], lm, probe=False).shared_prefix(other) == 0
+    uneven = _RoleBatch(
+        "pure", [(0, specs["pure"]), (1, ContextSpec(specs["pure"].ids[:-3]))], lm, probe=False
+    )
+    assert uneven.shared_prefix(rag) == 0
+
+
+def test_left_padded_layer_holds_what_cat_gives():
+    a_k, a_v = torch.randn(1, 3, 5, 4), torch.randn(1, 3, 5, 4)
+    b_k, b_v = torch.randn(2, 3, 9, 4), torch.randn(2, 3, 9, 4)
+    layer = GrowableLayer()
+    layer.set_left_padded([a_k, b_k], [a_v, b_v])
+    want_k = torch.cat([torch.cat([torch.zeros(1, 3, 4, 4), a_k], 2), b_k])
+    want_v = torch.cat([torch.cat([torch.zeros(1, 3, 4, 4), a_v], 2), b_v])
+    assert torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v)
+    assert layer.get_seq_length() == 9
+    k, _ = layer.update(torch.ones(3, 3, 1, 4), torch.ones(3, 3, 1, 4))  # grows in place
+    assert k.shape == (3, 3, 10, 4) and torch.equal(k[:, :, :9], want_k)

@@ -52,6 +52,14 @@ def test_jsd_logp_matches_jsd():
     assert S.jsd_logp(logp[0], logp[0]).item() == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(ValueError, match="same shape"):
         S.jsd_logp(logp[0], logp[0, :10])
+    # Several contexts at once give each context's shifts, bit for bit.
+    other = torch.log_softmax(torch.randn(5, 300) * 2, dim=-1)
+    both = S.layer_shift_jsd_logp(torch.stack([logp, other]))
+    assert both.shape == (2, 4)
+    assert torch.equal(both[0], got) and torch.equal(both[1], S.layer_shift_jsd_logp(other))
+    assert torch.allclose(both[1], S.jsd_logp(other[:-1], other[1:]), atol=1e-7)
+    with pytest.raises(ValueError, match="L >= 1"):
+        S.layer_shift_jsd_logp(logp[:1])
 
 
 def test_layer_shift_and_gap():

@@ -3,19 +3,25 @@
 Linear layers
 -------------
 
-Decoding multiplies a few rows (one token per step, ``k`` tokens in a blockwise verifier
-pass, a few dozen rows in a logit lens) by every weight matrix of the model. On the CPUs
-measured here, torch's ``F.linear`` (``x @ W.T``, MKL sgemm with a transposed B) is slow for
-such shapes: at 1 row it streams the weights at about a third of the memory bandwidth, and at
-2 or 3 rows it is 1.5-2 times slower than at 1 row, while ``W @ x.T`` (the same product,
-transposed, so the weight is read row by row as stored) runs at close to the bandwidth for
-any row count from 2 on. One row is duplicated to take that path.
+Decoding multiplies a few rows (one token per step, two in a fused pure+RAG step, ``k``
+tokens in a blockwise verifier pass, a dozen rows in a logit lens) by every weight matrix of
+the model. BLAS libraries pick their kernel by shape, and for such skinny products the pick
+is often poor, in ways that differ from one CPU to the next. Measured on the two machines
+this project ran on (2-core Xeon VMs, MKL through torch): on one, ``F.linear`` at 2-3 rows
+was 1.5-2x slower than at 1 row while ``W @ x.T`` ran near memory bandwidth; on the other,
+``W @ x.T`` was 2-3x *slower* than ``F.linear``, a 1-row ``F.linear`` on the 49k-row LM head
+took twice as long as a 2-row one, and beyond 4 rows its cost grew by ~1.4 ms a row where a
+product tiled over the output features grows by ~0.3 ms.
 
-:func:`install` swaps the ``forward`` of a model's ``nn.Linear`` modules for one that takes
-the transposed product when a call has at most :data:`MAX_ROWS` rows, and ``F.linear``
-otherwise (prefill). It is applied by :func:`..models.load_model` to float32 models on CPU
-after checking, on the model's own LM head, that it is faster on this machine
-(``TOKRAG_CPU_KERNELS=auto|on|off`` overrides). The numbers are those of the same dot
+So nothing is assumed: :func:`plan_for` times, for each weight shape of the model and each
+bucket of row counts (1, 2, 3-4, 5-8, 9-16, 17-64), the strategies of :data:`STRATEGIES`
+(``linear``: ``F.linear``; ``dup``: one row duplicated, then ``F.linear``; ``wxt``: the
+transposed product ``W @ x.T``, one row duplicated; ``tiled``: ``F.linear`` on slices of
+:data:`TILE` output features) and keeps the fastest per bucket. :func:`install` routes each
+``nn.Linear`` call with at most :data:`MAX_ROWS` rows to its plan; shapes where ``F.linear``
+wins every bucket keep the stock ``forward``. It is applied by :func:`..models.load_model` to
+float32 models on CPU (``TOKRAG_CPU_KERNELS=auto`` (default) measures, ``on`` forces the
+transposed product, ``off`` keeps the stock paths). The numbers are those of the same dot
 products summed in a different order (differences in the last bits, as between any two BLAS
 kernels).
 
@@ -23,14 +29,14 @@ Attention
 ---------
 With a KV cache and a mask (more than one new position, a left-padded batch, a cache with
 rolled-back holes), transformers' SDPA path repeats the key/value heads for grouped-query
-attention and torch falls back to its math kernel: on this CPU a 2-token pass then costs
-about twice a 1-token step. :func:`few_query_attention` computes the same attention for up
-to :data:`MAX_ROWS` query positions without repeating keys (one query per row: torch's flash
-kernel with the mask and ``enable_gqa``; several: the query heads grouped per key/value
-head) and delegates everything else (prefill, no mask, CUDA, soft-capping, sinks)
-to transformers' SDPA function. It is registered as the attention implementation
-``"tokrag_sdpa"`` (SDPA's boolean masks) and set by :func:`maybe_install` together with the
-linear path.
+attention and torch falls back to its math kernel: a 2-token pass then costs about twice a
+1-token step. :func:`few_query_attention` computes the same attention for up to
+:data:`MAX_ROWS` query positions without repeating keys (one query per row: torch's flash
+kernel with the mask and ``enable_gqa``, and in a left-padded batch each row over its own
+keys only; several: the query heads grouped per key/value head) and delegates everything
+else (prefill, no mask, CUDA, soft-capping, sinks) to transformers' SDPA function. It is
+registered as the attention implementation ``"tokrag_sdpa"`` (SDPA's boolean masks) and set
+by :func:`maybe_install` on float32 CPU models unless ``TOKRAG_CPU_KERNELS=off``.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from __future__ import annotations
 import os
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,43 +52,143 @@ import torch.nn.functional as F
 
 #: Calls with more rows than this use ``F.linear`` (GEMM-shaped work, e.g. prefill).
 MAX_ROWS = 64
-#: Below this many output features a one-row call keeps ``F.linear`` (tiny matrices, where
-#: duplicating the row costs more than it saves).
-MIN_FEATURES_ONE_ROW = 512
+#: Output features per slice of the ``tiled`` strategy.
+TILE = 512
+#: Only matrices with at least this many output features are tried ``tiled``.
+MIN_TILED_FEATURES = 8 * TILE
+#: Row-count buckets: (representative row count timed, largest row count of the bucket).
+BUCKETS = ((1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (32, MAX_ROWS))
+STRATEGIES = ("linear", "dup", "wxt", "tiled")
 
 _ATTR = "_tokrag_skinny"
+_PLAN = "_tokrag_plan"
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+def _k_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+def _k_dup(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    if x.shape[0] != 1:
+        return F.linear(x, w, b)
+    return F.linear(torch.cat([x, x]), w, b)[:1]
+
+
+def _k_wxt(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    # Row-major rows in, row-major rows out: the weight is read row by row as stored.
+    m = x.shape[0]
+    x2 = torch.cat([x, x]) if m == 1 else x
+    out = torch.mm(w, x2.t())[:, :m].t().contiguous()
+    return out + b if b is not None else out
+
+
+def _k_tiled(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):
+        return F.linear(x, w, b)  # out= writes are not differentiable
+    n = w.shape[0]
+    x2 = torch.cat([x, x]) if x.shape[0] == 1 else x
+    out = x.new_empty((x2.shape[0], n))
+    for s in range(0, n, TILE):
+        e = min(s + TILE, n)
+        torch.mm(x2, w[s:e].t(), out=out[:, s:e])
+    out = out[: x.shape[0]]
+    return out + b if b is not None else out
+
+
+KERNELS: dict[str, Kernel] = {"linear": _k_linear, "dup": _k_dup, "wxt": _k_wxt, "tiled": _k_tiled}
+
+
+def few_row_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, strategy: str = "wxt"
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by one of :data:`STRATEGIES` (any leading shape)."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if m == 0 or m > MAX_ROWS:
+        return F.linear(x, weight, bias)
+    out = KERNELS[strategy](x.reshape(m, k).contiguous(), weight, bias)
+    return out.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed as ``(weight @ x.T).T`` for few rows."""
-    k = x.shape[-1]
-    n = weight.shape[0]
-    m = x.numel() // k if k else 0
-    if m == 0 or m > MAX_ROWS or (m == 1 and n < MIN_FEATURES_ONE_ROW):
-        return F.linear(x, weight, bias)
-    # Row-major rows in, row-major rows out: MKL's fast path here is W (as stored) times a
-    # transposed row-major block; a column-major operand takes a path ~5x slower.
-    x2 = x.reshape(m, k).contiguous()
-    if m == 1:
-        x2 = torch.cat([x2, x2])
-    out = torch.mm(weight, x2.t())[:, :m].t().contiguous()
-    if bias is not None:
-        out = out + bias
-    return out.view(*x.shape[:-1], n)
+    return few_row_linear(x, weight, bias, "wxt")
+
+
+def _time(fn: Any, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+#: Measured plans per (out features, in features, dtype, threads): one per process.
+_PLANS: dict[tuple[Any, ...], tuple[str, ...]] = {}
+
+
+def plan_for(weight: torch.Tensor, reps: int = 3) -> tuple[str, ...]:
+    """The fastest strategy for each of :data:`BUCKETS` on ``weight``'s shape, measured on
+    this machine (best of ``reps``; ~0.5 s for a 50k-row LM head, ms for the rest; cached
+    per shape and thread count for the process)."""
+    n, k = weight.shape
+    key = (n, k, weight.dtype, torch.get_num_threads())
+    if key in _PLANS:
+        return _PLANS[key]
+    w = weight.detach()
+    names = [s for s in STRATEGIES if s != "tiled" or n >= MIN_TILED_FEATURES]
+    plan = []
+    with torch.inference_mode():
+        for m, _ in BUCKETS:
+            x = torch.randn(m, k, dtype=weight.dtype)
+            t = {s: _time(lambda s=s: KERNELS[s](x, w, None), reps) for s in names if s != "dup" or m == 1}
+            plan.append(min(t, key=t.__getitem__))
+    _PLANS[key] = tuple(plan)
+    return _PLANS[key]
+
+
+def _route(plan: tuple[str, ...]) -> list[Kernel]:
+    """Row count (0..MAX_ROWS) -> kernel."""
+    table: list[Kernel] = [_k_linear]
+    lo = 1
+    for (_, hi), name in zip(BUCKETS, plan, strict=True):
+        table += [KERNELS[name]] * (hi - lo + 1)
+        lo = hi + 1
+    return table
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return skinny_linear(x, self.weight, self.bias)
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if m == 0 or m > MAX_ROWS:
+        return F.linear(x, self.weight, self.bias)
+    out = getattr(self, _PLAN)[m](x.reshape(m, k).contiguous(), self.weight, self.bias)
+    return out.contiguous().view(*x.shape[:-1], self.weight.shape[0])
 
 
-def install(model: torch.nn.Module) -> int:
-    """Use :func:`skinny_linear` in every ``nn.Linear`` of ``model``; returns how many."""
+def install(model: torch.nn.Module, mode: str = "on") -> int:
+    """Route few-row calls of ``model``'s ``nn.Linear`` modules to faster kernels; returns how
+    many modules were changed. ``mode="on"``: the transposed product for every few-row call;
+    ``"auto"``: each weight shape's measured plan (:func:`plan_for`), and modules whose plan
+    is ``F.linear`` throughout are left as they are."""
     n = 0
     for mod in model.modules():
-        if type(mod) is torch.nn.Linear and not getattr(mod, _ATTR, False):
-            mod.forward = types.MethodType(_forward, mod)
-            setattr(mod, _ATTR, True)
-            n += 1
+        if type(mod) is not torch.nn.Linear or getattr(mod, _ATTR, False):
+            continue
+        if mode == "auto":
+            plan = plan_for(mod.weight.detach())
+            if all(p == "linear" for p in plan):
+                continue
+        else:
+            plan = ("wxt",) * len(BUCKETS)
+        setattr(mod, _PLAN, _route(plan))
+        mod.forward = types.MethodType(_forward, mod)
+        setattr(mod, _ATTR, True)
+        n += 1
     return n
 
 
@@ -100,27 +207,16 @@ def installed(model: torch.nn.Module) -> bool:
     return any(getattr(m, _ATTR, False) for m in model.modules())
 
 
-def _time(fn: Any, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def is_faster(weight: torch.Tensor, rows: tuple[int, ...] = (1, 3), reps: int = 3) -> bool:
-    """Whether :func:`skinny_linear` beats ``F.linear`` on ``weight`` for these row counts
-    (best of ``reps`` timings each; about 0.1 s for a 50k-row LM head)."""
-    with torch.inference_mode():
-        gain = 0.0
-        for m in rows:
-            x = torch.randn(m, weight.shape[1], dtype=weight.dtype)
-            base = _time(lambda x=x: F.linear(x, weight), reps)
-            fast = _time(lambda x=x: skinny_linear(x, weight, None), reps)
-            gain += base - fast
-    return gain > 0
+def model_plans(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """The measured plan of each weight shape of ``model`` ("out x in" -> per bucket)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for mod in model.modules():
+        if type(mod) is torch.nn.Linear:
+            n, k = mod.weight.shape
+            key = (n, k, mod.weight.dtype, torch.get_num_threads())
+            if key in _PLANS:
+                out[f"{n}x{k}"] = _PLANS[key]
+    return out
 
 
 ATTN_IMPLEMENTATION = "tokrag_sdpa"
@@ -244,10 +340,11 @@ def install_attention(model: Any) -> bool:
 
 
 def maybe_install(model: Any) -> bool:
-    """Install both paths on a float32 CPU model when ``TOKRAG_CPU_KERNELS`` allows and the
-    linear path is faster here (the attention path goes with it).
+    """On a float32 CPU model: the few-query attention path and, per ``TOKRAG_CPU_KERNELS``,
+    the few-row linear plans. Returns whether any linear module was changed.
 
-    ``TOKRAG_CPU_KERNELS``: ``auto`` (default: measure on the LM head), ``on`` or ``off``.
+    ``TOKRAG_CPU_KERNELS``: ``auto`` (default: measured plans per weight shape), ``on`` (the
+    transposed product for every few-row call) or ``off`` (stock paths throughout).
     """
     mode = os.environ.get("TOKRAG_CPU_KERNELS", "auto").strip().lower()
     if mode not in ("auto", "on", "off"):
@@ -260,10 +357,5 @@ def maybe_install(model: Any) -> bool:
         return False
     if p.device.type != "cpu" or p.dtype != torch.float32:
         return False
-    if mode == "auto":
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        w = getattr(head, "weight", None)
-        if w is None or not is_faster(w.detach()):
-            return False
     install_attention(model)
-    return install(model) > 0
+    return install(model, mode) > 0

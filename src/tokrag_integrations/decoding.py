@@ -238,6 +238,52 @@ class _RoleBatch:
             pos = self._append(inp.shape[1])
         self._call(inp, pos, 1, probe=self.probe)
 
+    def shared_prefix(self, src: _RoleBatch) -> int:
+        """Length of the prompt head every row shares with its query's row in ``src`` (0
+        when it cannot be reused: rows of unequal length, a query missing from ``src``, a
+        cache kind other than full attention, or fewer than ``MIN_SHARED_PREFIX`` tokens)."""
+        from .kv_cache import is_full_layer
+
+        if any(self.pad) or src.lm is not self.lm or not src.cache.layers:
+            return 0
+        if any(not is_full_layer(layer) or not layer.is_initialized for layer in src.cache.layers):
+            return 0
+        rows = {q: r for r, q in enumerate(src.query_idx)}
+        if any(q not in rows for q in self.query_idx):
+            return 0
+        h = None
+        for q, spec in zip(self.query_idx, self.specs, strict=True):
+            other = src.specs[rows[q]].ids
+            n = 0
+            for a, b in zip(spec.ids, other, strict=False):
+                if a != b:
+                    break
+                n += 1
+            h = n if h is None else min(h, n)
+        # At least one token of this prompt must still be run (its logits start decoding).
+        h = min(h or 0, len(self.specs[0].ids) - 1)
+        return h if h >= MIN_SHARED_PREFIX else 0
+
+    def prefill_from(self, src: _RoleBatch, h: int) -> None:
+        """Prefill with the first ``h`` positions' keys and values copied from ``src`` (whose
+        rows' prompts start with the same ``h`` tokens), running only the remaining tokens.
+        The same numbers as :meth:`forward` up to the rounding of a different batch shape."""
+        from .kv_cache import new_cache
+
+        rows = {q: r for r, q in enumerate(src.query_idx)}
+        src_rows = [rows[q] for q in self.query_idx]
+        cache = new_cache(self.lm.model)
+        for layer, sl in zip(cache.layers, src.cache.layers, strict=True):
+            pieces = [(src.pad[r], sl.keys[r], sl.values[r]) for r in src_rows]
+            k = torch.stack([key[:, p : p + h] for p, key, _ in pieces])
+            v = torch.stack([val[:, p : p + h] for p, _, val in pieces])
+            layer.lazy_initialization(k, v)
+            layer._reindex(k, v)
+        self.cache = cache
+        n = self.ids.shape[1]
+        pos = torch.arange(h, n, device=self.ids.device).expand(self.ids.shape[0], -1)
+        self._call(self.ids[:, h:], pos, 1, probe=self.probe)
+
     def extend(self, new_ids: torch.Tensor) -> torch.Tensor:
         """Advance every row by ``k`` tokens ([B, k] long) in one forward pass, without
         probes; returns the logits of all ``k`` positions, [B, k, V] float. With ``k = 1``
@@ -335,13 +381,12 @@ def fuse_batches(batches: Sequence[_RoleBatch]) -> _RoleBatch | None:
     fused.logits = torch.cat([b.logits for b in batches])
     cache = new_cache(first.lm.model)
     for i, layer in enumerate(cache.layers):
-        ks = [left(b.cache.layers[i].keys, n - b.mask.shape[1], 0.0, 2) for b in batches]
-        vs = [left(b.cache.layers[i].values, n - b.mask.shape[1], 0.0, 2) for b in batches]
-        k, v = torch.cat(ks), torch.cat(vs)
         if not isinstance(layer, GrowableLayer):  # pragma: no cover - guarded above
             return None
-        layer.lazy_initialization(k, v)
-        layer._reindex(k, v)
+        # Each role's cache covers its mask (a fresh prefill: the mask's length).
+        layer.set_left_padded(
+            [b.cache.layers[i].keys for b in batches], [b.cache.layers[i].values for b in batches]
+        )
     fused.cache = cache
     if first.probe:
         recs = [b.records for b in batches]
@@ -373,23 +418,61 @@ def shared_prefill() -> Iterator[dict[tuple[Any, ...], _RoleBatch]]:
         store.clear()
 
 
+#: Shortest shared prompt head worth reusing from another context's prefill.
+MIN_SHARED_PREFIX = 8
+
+
 def _prefilled(
-    role: str, members: list[tuple[int, ContextSpec]], lm: LoadedModel, probe: bool
+    role: str,
+    members: list[tuple[int, ContextSpec]],
+    lm: LoadedModel,
+    probe: bool,
+    prefix_src: _RoleBatch | None = None,
 ) -> _RoleBatch:
-    """A prefilled role batch, from the shared-prefill store when one is active."""
+    """A prefilled role batch, from the shared-prefill store when one is active.
+
+    With ``prefix_src`` (an already prefilled batch of another role holding the same queries)
+    the prompt head both contexts share is taken from its KV cache and only the rest of this
+    role's prompt is run (:meth:`_RoleBatch.prefill_from`).
+    """
     store = _SHARED_PREFILL.get()
-    if store is None:
-        b = _RoleBatch(role, members, lm, probe=probe)
-        b.forward(None)
-        return b
     key = (id(lm.model), tuple((q, tuple(s.ids)) for q, s in members))
-    for p in (True,) if probe else (False, True):
-        if (key, p) in store:
-            return store[(key, p)].fork(probe)
+    if store is not None:
+        for p in (True,) if probe else (False, True):
+            if (key, p) in store:
+                return store[(key, p)].fork(probe)
     b = _RoleBatch(role, members, lm, probe=probe)
-    b.forward(None)
-    store[(key, probe)] = b.fork(probe)
+    h = b.shared_prefix(prefix_src) if prefix_src is not None else 0
+    if h:
+        b.prefill_from(prefix_src, h)  # type: ignore[arg-type]
+    else:
+        b.forward(None)
+    if store is not None:
+        store[(key, probe)] = b.fork(probe)
     return b
+
+
+def prefill_roles(
+    roles: Sequence[str],
+    per_query: Sequence[dict[str, ContextSpec]],
+    lm: LoadedModel,
+    probe_roles: frozenset[str] | set[str],
+) -> dict[str, _RoleBatch]:
+    """Prefill every role's batch (in ``roles`` order in the returned dict).
+
+    The longest context is run first; a context whose prompt starts with the same head as
+    it (the pure prompt is head + question, the RAG prompt head + passages + question)
+    reuses that head's keys and values instead of recomputing them.
+    """
+    members = {
+        role: [(q, c[role]) for q, c in enumerate(per_query) if role in c] for role in roles
+    }
+    order = sorted(roles, key=lambda r: -sum(len(s.ids) for _, s in members[r]))
+    done: dict[str, _RoleBatch] = {}
+    for role in order:
+        src = done[order[0]] if done else None
+        done[role] = _prefilled(role, members[role], lm, role in probe_roles, prefix_src=src)
+    return {role: done[role] for role in roles}
 
 
 @dataclass
@@ -493,9 +576,7 @@ def decode_loop(
     t0 = time.perf_counter()
     batches: dict[str, _RoleBatch] = {}
     with torch.inference_mode():
-        for role in roles:
-            members = [(q, c[role]) for q, c in enumerate(per_query) if role in c]
-            batches[role] = _prefilled(role, members, lm, role in policy.probe_roles)
+        batches = prefill_roles(roles, per_query, lm, policy.probe_roles)
         # All roles in one batch: one forward pass per step (on a CPU a 2-row pass costs
         # about what a 1-row pass does; the rows are the same computations).
         fuse = fuse_contexts() and getattr(policy, "fuse", True)
@@ -525,7 +606,12 @@ def decode_loop(
                 for role, rows in row_of.items():
                     if q in rows:
                         b, r = rows[q]
-                        rec = b.records.select([r]) if b.records is not None else None
+                        # Built only when the rule reads it (most steps never do).
+                        rec = (
+                            (lambda recs=b.records, r=r: recs.select([r]))
+                            if b.records is not None
+                            else None
+                        )
                         views[role] = ContextView(b, r, rec)
                 choice = policy.choose(views, lm)
                 chosen[q] = int(choice.token_id)

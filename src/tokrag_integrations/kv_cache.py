@@ -88,6 +88,29 @@ class GrowableLayer(DynamicLayer):
             self.keys = self._kbuf[..., : self._n, :]
             self.values = self._vbuf[..., : self._n, :]
 
+    def set_left_padded(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Hold the rows of several caches, each left-padded with zeros to the longest, in
+        one buffer (one copy of each; the layer must be fresh)."""
+        self.lazy_initialization(keys[0], values[0])
+        n = max(k.shape[-2] for k in keys)
+        rows = sum(k.shape[0] for k in keys)
+        cap = n + max(MIN_SPARE, int(n * SPARE_SHARE))
+        k0, v0 = keys[0], values[0]
+        kbuf = k0.new_empty((rows, *k0.shape[1:-2], cap, k0.shape[-1]))
+        vbuf = v0.new_empty((rows, *v0.shape[1:-2], cap, v0.shape[-1]))
+        r = 0
+        for k, v in zip(keys, values, strict=True):
+            b, extra = k.shape[0], n - k.shape[-2]
+            if extra:
+                kbuf[r : r + b, ..., :extra, :] = 0
+                vbuf[r : r + b, ..., :extra, :] = 0
+            kbuf[r : r + b, ..., extra:n, :] = k
+            vbuf[r : r + b, ..., extra:n, :] = v
+            r += b
+        self._kbuf, self._vbuf, self._n = kbuf, vbuf, n
+        self.keys = kbuf[..., :n, :]
+        self.values = vbuf[..., :n, :]
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.get_seq_length() > 0:
             self._reindex(

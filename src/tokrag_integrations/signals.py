@@ -60,10 +60,21 @@ def jsd_logp(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
 
 
 def layer_shift_jsd_logp(lens_logp: torch.Tensor) -> torch.Tensor:
-    """:func:`layer_shift_jsd` from log-probabilities. Input [L+1, V] -> output [L]."""
-    if lens_logp.dim() != 2 or lens_logp.shape[0] < 2:
-        raise ValueError(f"lens_logp must be [L+1, V] with L >= 1, got {tuple(lens_logp.shape)}")
-    return jsd_logp(lens_logp[:-1], lens_logp[1:])
+    """:func:`layer_shift_jsd` from log-probabilities. Input [..., L+1, V] -> output [..., L]
+    (leading dimensions: several contexts at once).
+
+    The same arithmetic as :func:`jsd_logp` of consecutive layers, with each layer's
+    probabilities exponentiated once instead of twice.
+    """
+    if lens_logp.dim() < 2 or lens_logp.shape[-2] < 2:
+        raise ValueError(f"lens_logp must be [..., L+1, V] with L >= 1, got {tuple(lens_logp.shape)}")
+    _check_dist(lens_logp, "lens_logp")
+    logp = lens_logp.float()
+    probs = logp.exp()
+    p, q = probs[..., :-1, :], probs[..., 1:, :]
+    logm = (0.5 * (p + q)).clamp_min_(torch.finfo(torch.float32).tiny).log_()
+    kl = (p * (logp[..., :-1, :] - logm)).sum(-1) + (q * (logp[..., 1:, :] - logm)).sum(-1)
+    return (0.5 * kl).clamp_min(0.0)
 
 
 def layer_shift_jsd(lens_probs: torch.Tensor) -> torch.Tensor:

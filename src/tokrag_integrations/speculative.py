@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from .attention import ModelParts, ProbeRecord, model_parts
-from .decoding import ContextView, Policy, StepEvent, _prefilled, step_event
+from .decoding import ContextView, Policy, StepEvent, prefill_roles, step_event
 from .models import LoadedModel
 from .prompts import PromptPlan
 
@@ -183,12 +183,7 @@ def blockwise_loop(
 
     t0 = time.perf_counter()
     with torch.inference_mode():
-        batches = {
-            role: _prefilled(
-                role, [(q, c[role]) for q, c in enumerate(per_query)], lm, role in probe
-            )
-            for role in ROLES
-        }
+        batches = prefill_roles(ROLES, per_query, lm, probe)
         timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
         t1 = time.perf_counter()
         generated: list[list[int]] = [[] for _ in plans]

@@ -208,7 +208,8 @@ class TokRAG(Policy):
             if prev_p is not None:
                 lp = torch.cat([prev_p[None], lp])
                 lr = torch.cat([prev_r[None], lr])
-            gap = S.distribution_change_gap(S.layer_shift_jsd_logp(lr), S.layer_shift_jsd_logp(lp))
+            shift = S.layer_shift_jsd_logp(torch.stack([lr, lp]))  # both contexts at once
+            gap = S.distribution_change_gap(shift[0], shift[1])
             first = layers[0] + (1 if prev_p is None else 0)  # 1-based layer of gap[0]
             g[first - 1 : stop] = gap.float()
             prev_p, prev_r = lp[-1], lr[-1]
