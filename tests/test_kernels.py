@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokrag_integrations import generate, generate_batch
 from tokrag_integrations import cpu_kernels as K
+from tokrag_integrations import generate, generate_batch
 from tokrag_integrations.cpu_kernels import (
     ATTN_IMPLEMENTATION,
     few_query_attention,
@@ -250,7 +250,12 @@ def test_fused_and_unfused_loops_agree(lm, policy, monkeypatch):
 
 @torch.inference_mode()
 def test_attention_rows_of_all_layers_equal_the_per_layer_rows(lm):
-    from tokrag_integrations.attention import attention_row, attention_rows, cached_keys, model_parts
+    from tokrag_integrations.attention import (
+        attention_row,
+        attention_rows,
+        cached_keys,
+        model_parts,
+    )
 
     tok = lm.tokenizer
     prompts = [tok.encode("Who wrote Hamlet?"), tok.encode("The play Hamlet was written by Shakespeare.")]
@@ -337,8 +342,8 @@ def test_shared_prompt_head_is_reused_from_the_longer_prefill(lm):
     """The pure prompt (head + question) reuses the RAG prefill's head: same logits, cache
     and probe records as prefilling it in full."""
     from tokrag_integrations.decoding import MIN_SHARED_PREFIX
-    from tokrag_integrations.prompts import PromptBuilder
     from tokrag_integrations.policies.tokrag import TokRAG
+    from tokrag_integrations.prompts import PromptBuilder
 
     plan = PromptBuilder(lm.tokenizer, context_window=lm.context_window).build(*FICTION)
     specs = TokRAG().contexts(plan)

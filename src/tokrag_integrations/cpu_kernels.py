@@ -102,16 +102,23 @@ def _k_tiled(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.
 KERNELS: dict[str, Kernel] = {"linear": _k_linear, "dup": _k_dup, "wxt": _k_wxt, "tiled": _k_tiled}
 
 
-def few_row_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, strategy: str = "wxt"
+def _few_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Callable[[int], Kernel]
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` by one of :data:`STRATEGIES` (any leading shape)."""
+    """``F.linear`` for any leading shape, by ``kernel(rows)`` when there are few rows."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     if m == 0 or m > MAX_ROWS:
         return F.linear(x, weight, bias)
-    out = KERNELS[strategy](x.reshape(m, k).contiguous(), weight, bias)
+    out = kernel(m)(x.reshape(m, k).contiguous(), weight, bias)
     return out.contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+def few_row_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, strategy: str = "wxt"
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` by one of :data:`STRATEGIES` (any leading shape)."""
+    return _few_rows(x, weight, bias, lambda _m: KERNELS[strategy])
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -175,12 +182,7 @@ def _route(plan: tuple[str, ...]) -> list[Kernel]:
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    k = x.shape[-1]
-    m = x.numel() // k if k else 0
-    if m == 0 or m > MAX_ROWS:
-        return F.linear(x, self.weight, self.bias)
-    out = getattr(self, _PLAN)[m](x.reshape(m, k).contiguous(), self.weight, self.bias)
-    return out.contiguous().view(*x.shape[:-1], self.weight.shape[0])
+    return _few_rows(x, self.weight, self.bias, getattr(self, _PLAN).__getitem__)
 
 
 def install(model: torch.nn.Module, mode: str = "on") -> int:

@@ -274,11 +274,11 @@ class _RoleBatch:
         src_rows = [rows[q] for q in self.query_idx]
         cache = new_cache(self.lm.model)
         for layer, sl in zip(cache.layers, src.cache.layers, strict=True):
-            pieces = [(src.pad[r], sl.keys[r], sl.values[r]) for r in src_rows]
-            k = torch.stack([key[:, p : p + h] for p, key, _ in pieces])
-            v = torch.stack([val[:, p : p + h] for p, _, val in pieces])
-            layer.lazy_initialization(k, v)
-            layer._reindex(k, v)
+            # Every row's head has the same length: rows side by side, no padding.
+            layer.set_left_padded(
+                [sl.keys[r : r + 1, :, src.pad[r] : src.pad[r] + h] for r in src_rows],
+                [sl.values[r : r + 1, :, src.pad[r] : src.pad[r] + h] for r in src_rows],
+            )
         self.cache = cache
         n = self.ids.shape[1]
         pos = torch.arange(h, n, device=self.ids.device).expand(self.ids.shape[0], -1)
@@ -574,7 +574,6 @@ def decode_loop(
     timings = timings if timings is not None else {}
 
     t0 = time.perf_counter()
-    batches: dict[str, _RoleBatch] = {}
     with torch.inference_mode():
         batches = prefill_roles(roles, per_query, lm, policy.probe_roles)
         # All roles in one batch: one forward pass per step (on a CPU a 2-row pass costs

@@ -52,7 +52,11 @@ def jsd_logp(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
             f"logp and logq must have the same shape, got {tuple(logp.shape)} and {tuple(logq.shape)}"
         )
     logp, logq = logp.float(), logq.float()
-    p, q = logp.exp(), logq.exp()
+    return _jsd_from(logp, logq, logp.exp(), logq.exp())
+
+
+def _jsd_from(logp: torch.Tensor, logq: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """JSD from float log-probabilities and their exponentials (p = exp(logp), q = exp(logq))."""
     # m > 0 wherever p or q is; the clamp only keeps 0·log 0 from becoming NaN.
     logm = (0.5 * (p + q)).clamp_min_(torch.finfo(torch.float32).tiny).log_()
     kl = (p * (logp - logm)).sum(-1) + (q * (logq - logm)).sum(-1)
@@ -71,10 +75,7 @@ def layer_shift_jsd_logp(lens_logp: torch.Tensor) -> torch.Tensor:
     _check_dist(lens_logp, "lens_logp")
     logp = lens_logp.float()
     probs = logp.exp()
-    p, q = probs[..., :-1, :], probs[..., 1:, :]
-    logm = (0.5 * (p + q)).clamp_min_(torch.finfo(torch.float32).tiny).log_()
-    kl = (p * (logp[..., :-1, :] - logm)).sum(-1) + (q * (logp[..., 1:, :] - logm)).sum(-1)
-    return (0.5 * kl).clamp_min(0.0)
+    return _jsd_from(logp[..., :-1, :], logp[..., 1:, :], probs[..., :-1, :], probs[..., 1:, :])
 
 
 def layer_shift_jsd(lens_probs: torch.Tensor) -> torch.Tensor:
