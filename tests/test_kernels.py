@@ -68,18 +68,22 @@ def test_plans_are_measured_per_shape_and_routed_by_row_count(monkeypatch):
     assert "dup" not in plan[1:]  # duplication is a one-row strategy
     n_calls = len(calls)
     assert K.plan_for(w) is plan and len(calls) == n_calls  # cached for the process
-    table = K._route(("dup", "linear", "wxt", "tiled", "linear", "wxt"))
+    table = K._route(("dup", "linear", "wxt", "tiled", "pad", "linear", "wxt"))
     assert len(table) == K.MAX_ROWS + 1
     assert table[1] is K._k_dup and table[2] is K._k_linear
     assert table[3] is table[4] is K._k_wxt and table[5] is table[8] is K._k_tiled
-    assert table[16] is K._k_linear and table[17] is table[K.MAX_ROWS] is K._k_wxt
+    # ``pad`` rounds the bucket (9-16) up to its top row count.
+    assert table[9] is table[16] and table[9].keywords == {"rows": 16}
+    assert table[17] is table[32] is K._k_linear and table[33] is table[K.MAX_ROWS] is K._k_wxt
     # A module routed by a plan computes what F.linear does at every row count.
     lin = torch.nn.Linear(64, 4096, bias=True)
     model = torch.nn.Sequential(lin)
-    K._PLANS[(4096, 64, torch.float32, torch.get_num_threads())] = ("dup", "wxt", "tiled", "tiled", "wxt", "linear")
+    K._PLANS[(4096, 64, torch.float32, torch.get_num_threads())] = (
+        "dup", "wxt", "tiled", "pad", "pad", "wxt", "linear"
+    )
     assert install(model, "auto") == 1 and installed(model)
     with torch.inference_mode():
-        for m in (1, 2, 3, 8, 16, 40, 70):
+        for m in (1, 2, 3, 5, 8, 11, 16, 30, 40, 70):
             x = torch.randn(m, 64)
             assert torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-4)
     uninstall(model)

@@ -17,6 +17,7 @@ its rotary function, its scaling, soft-capping and sliding window) and is tested
 
 from __future__ import annotations
 
+import contextvars
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -106,91 +107,223 @@ def check_supported(model: Any) -> None:
     model_parts(model)
 
 
-@dataclass
+#: Per layer, per batch row: (first attended key position, [H, T - start] probabilities).
+AttnTaps = list[list[tuple[int, torch.Tensor]]]
+
+
 class ProbeRecord:
     """Last-position states of one forward pass.
 
     Shapes (B = batch rows, L = layers, d = hidden size, hd = head dim):
     ``resid`` [L+1, B, d] (h^0 = embeddings, h^l = output of layer l, before the final
-    norm); ``attn_in`` [L, B, d] (the normed input of each attention module); ``cos``/``sin``
-    lists of [B, hd] (each layer's rotary embedding of the last position).
+    norm); ``attn_in`` [L, B, d] (the normed input of each attention module; derived from
+    ``resid`` on first access when the probe did not store it); ``cos``/``sin`` lists of
+    [B, hd] (each layer's rotary embedding of the last position); ``attn`` (optional) the
+    attention probabilities of the last position that the forward pass itself computed, per
+    layer and row (see :data:`AttnTaps`), so they need not be recomputed from the cache.
     """
 
-    resid: torch.Tensor
-    attn_in: torch.Tensor
-    cos: list[torch.Tensor]
-    sin: list[torch.Tensor]
+    def __init__(
+        self,
+        resid: torch.Tensor,
+        attn_in: torch.Tensor | None,
+        cos: list[torch.Tensor],
+        sin: list[torch.Tensor],
+        *,
+        norms: list[Any] | None = None,
+        attn: AttnTaps | None = None,
+    ):
+        if attn_in is None and norms is None:
+            raise ValueError("ProbeRecord needs attn_in or the layers' input norms to derive it")
+        self.resid = resid
+        self._attn_in = attn_in
+        self.cos = cos
+        self.sin = sin
+        self.norms = norms
+        self.attn = attn
+
+    @property
+    def attn_in(self) -> torch.Tensor:
+        if self._attn_in is None:
+            assert self.norms is not None
+            # Each attention module's input is its layer's input norm of the layer's input.
+            self._attn_in = torch.stack([norm(self.resid[i]) for i, norm in enumerate(self.norms)])
+        return self._attn_in
 
     def select(self, rows: torch.Tensor | list[int]) -> ProbeRecord:
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.resid.device)
+        keep = [int(r) for r in idx]
         return ProbeRecord(
             resid=self.resid.index_select(1, idx),
-            attn_in=self.attn_in.index_select(1, idx),
+            attn_in=None if self._attn_in is None else self._attn_in.index_select(1, idx),
             cos=[c.index_select(0, idx) for c in self.cos],
             sin=[s.index_select(0, idx) for s in self.sin],
+            norms=self.norms,
+            attn=None if self.attn is None else [[layer[r] for r in keep] for layer in self.attn],
         )
+
+    @staticmethod
+    def cat(records: list[ProbeRecord]) -> ProbeRecord:
+        """The rows of several records, in order (one record per fused role batch)."""
+        lazy = any(r._attn_in is None for r in records)
+        taps = None
+        if all(r.attn is not None for r in records):
+            taps = [[t for r in records for t in r.attn[i]] for i in range(len(records[0].attn))]  # type: ignore[index]
+        return ProbeRecord(
+            resid=torch.cat([r.resid for r in records], dim=1),
+            attn_in=None if lazy else torch.cat([r.attn_in for r in records], dim=1),
+            cos=[torch.cat(c) for c in zip(*(r.cos for r in records), strict=True)],
+            sin=[torch.cat(c) for c in zip(*(r.sin for r in records), strict=True)],
+            norms=records[0].norms,
+            attn=taps,
+        )
+
+    def attention_taps(self, layer_idx: int, row: int, seen_len: int) -> torch.Tensor | None:
+        """[H, seen_len] attention of ``row`` at one layer as the forward pass computed it
+        (zeros before the row's first key), or None when it was not tapped for that length."""
+        if self.attn is None:
+            return None
+        start, probs = self.attn[layer_idx][row]
+        if start + probs.shape[-1] != seen_len:
+            return None
+        return torch.nn.functional.pad(probs, (start, 0)) if start else probs
+
+
+class _Tap:
+    """Where the forward pass of an active :class:`Probe` leaves its last-position states."""
+
+    __slots__ = ("resid", "cos", "sin", "attn", "pe")
+
+    def __init__(self, n_layers: int):
+        self.pe: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.resid: list[torch.Tensor | None] = [None] * (n_layers + 1)
+        self.cos: list[torch.Tensor | None] = [None] * n_layers
+        self.sin: list[torch.Tensor | None] = [None] * n_layers
+        self.attn: list[list[tuple[int, torch.Tensor]] | None] = [None] * n_layers
+
+
+#: The tap of the probe active in this thread / task (None: no probe, nothing is kept).
+ACTIVE_TAP: contextvars.ContextVar[_Tap | None] = contextvars.ContextVar("tokrag_tap", default=None)
+
+
+def _last(t: torch.Tensor) -> torch.Tensor:
+    # A decode step's tensors are [B, 1, ...]: a view keeps nothing large alive. A prefill's
+    # are [B, T, ...]: copy the last position so the rest can be freed.
+    return t[:, -1].detach() if t.shape[1] == 1 else t[:, -1].detach().clone()
+
+
+def _tapped_forward(layer: Any, i: int) -> Any:
+    """``layer.forward`` that also leaves its input, output and rotary embedding in the active
+    tap. A plain function call instead of module hooks: with no probe active it costs one
+    context-variable read."""
+    inner = layer.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        out = inner(*args, **kwargs)
+        tap = ACTIVE_TAP.get()
+        if tap is not None:
+            if i == 0:
+                tap.resid[0] = _last(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+            h = out[0] if isinstance(out, (tuple, list)) else out
+            tap.resid[i + 1] = _last(h)
+            pe = kwargs.get("position_embeddings")
+            if pe is not None:
+                # Layers that share one rotary embedding (most models) share one slice.
+                if tap.pe is None or tap.pe[0] is not pe[0]:
+                    tap.pe = (pe[0], _last(pe[0]), _last(pe[1]))
+                tap.cos[i], tap.sin[i] = tap.pe[1], tap.pe[2]
+        return out
+
+    return forward
+
+
+def _install_taps(parts: ModelParts) -> bool:
+    """Wrap every decoder layer's forward once (idempotent); False where the layers do not
+    take ``position_embeddings`` or lack an input norm (the probe then uses hooks)."""
+    if all(getattr(layer, "_tokrag_tapped", False) for layer in parts.layers):
+        return True
+    if not all(hasattr(layer, "input_layernorm") for layer in parts.layers):
+        return False
+    for i, layer in enumerate(parts.layers):
+        if not getattr(layer, "_tokrag_tapped", False):
+            layer.forward = _tapped_forward(layer, i)
+            layer._tokrag_tapped = True
+    return True
 
 
 class Probe:
-    """Context manager that records last-position states during a forward pass."""
+    """Context manager that records last-position states during a forward pass.
+
+    The decoder layers' forwards leave their states in a context-local tap (installed once
+    per model, free when no probe is active); the attention function of
+    :mod:`.cpu_kernels` adds the attention probabilities it computed. Models whose layers
+    cannot be tapped that way are probed with module hooks.
+    """
 
     def __init__(self, model: Any):
         self.parts = model_parts(model)
         self._handles: list[Any] = []
-        self._resid: list[torch.Tensor | None] = []
+        self._tap: _Tap | None = None
+        self._token: Any = None
         self._attn_in: list[torch.Tensor | None] = []
-        self._cos: list[torch.Tensor | None] = []
-        self._sin: list[torch.Tensor | None] = []
 
     def __enter__(self) -> Probe:
         n = self.parts.num_layers
-        self._resid = [None] * (n + 1)
-        self._attn_in = [None] * n
-        self._cos = [None] * n
-        self._sin = [None] * n
+        self._tap = _Tap(n)
+        if not _install_taps(self.parts):
+            self._hook(self._tap)
+        self._token = ACTIVE_TAP.set(self._tap)
+        return self
 
-        def last(t: torch.Tensor) -> torch.Tensor:
-            # A decode step's tensors are [B, 1, ...]: a view keeps nothing large alive. A
-            # prefill's are [B, T, ...]: copy the last position so the rest can be freed.
-            return t[:, -1].detach() if t.shape[1] == 1 else t[:, -1].detach().clone()
+    def _hook(self, tap: _Tap) -> None:
+        n = self.parts.num_layers
+        self._attn_in = [None] * n
 
         def embed_hook(_m: Any, _inp: Any, out: Any) -> None:
-            self._resid[0] = last(out)
+            tap.resid[0] = _last(out)
 
         self._handles.append(self.parts.embed.register_forward_hook(embed_hook))
         for i, (layer, attn) in enumerate(zip(self.parts.layers, self.parts.attn, strict=True)):
 
             def layer_hook(_m: Any, _inp: Any, out: Any, i: int = i) -> None:
                 h = out[0] if isinstance(out, (tuple, list)) else out
-                self._resid[i + 1] = last(h)
+                tap.resid[i + 1] = _last(h)
 
             def attn_pre_hook(_m: Any, args: Any, kwargs: Any, i: int = i) -> None:
                 hs = kwargs.get("hidden_states", args[0] if args else None)
-                self._attn_in[i] = last(hs)
+                self._attn_in[i] = _last(hs)
                 pe = kwargs.get("position_embeddings")
                 if pe is None and len(args) > 1:
                     pe = args[1]
                 cos, sin = pe
-                self._cos[i] = last(cos)
-                self._sin[i] = last(sin)
+                tap.cos[i] = _last(cos)
+                tap.sin[i] = _last(sin)
 
             self._handles.append(layer.register_forward_hook(layer_hook))
             self._handles.append(attn.register_forward_pre_hook(attn_pre_hook, with_kwargs=True))
-        return self
 
     def take(self) -> ProbeRecord:
         """Return the states of the most recent forward pass."""
-        if any(r is None for r in self._resid) or any(a is None for a in self._attn_in):
+        tap = self._tap
+        if tap is None or any(r is None for r in tap.resid) or any(c is None for c in tap.cos):
             raise RuntimeError("Probe.take() called before a forward pass")
-        cos, sin = list(self._cos), list(self._sin)
+        hooked = bool(self._handles)
+        if hooked and any(a is None for a in self._attn_in):
+            raise RuntimeError("Probe.take() called before a forward pass")
+        attn = None if any(a is None for a in tap.attn) else list(tap.attn)
         return ProbeRecord(
-            resid=torch.stack(self._resid),  # type: ignore[arg-type]
-            attn_in=torch.stack(self._attn_in),  # type: ignore[arg-type]
-            cos=cos,  # type: ignore[arg-type]
-            sin=sin,  # type: ignore[arg-type]
+            resid=torch.stack(tap.resid),  # type: ignore[arg-type]
+            attn_in=torch.stack(self._attn_in) if hooked else None,  # type: ignore[arg-type]
+            cos=list(tap.cos),  # type: ignore[arg-type]
+            sin=list(tap.sin),  # type: ignore[arg-type]
+            norms=None if hooked else [layer.input_layernorm for layer in self.parts.layers],
+            attn=attn,  # type: ignore[arg-type]
         )
 
     def __exit__(self, *exc: Any) -> None:
+        if self._token is not None:
+            ACTIVE_TAP.reset(self._token)
+            self._token = None
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -41,6 +41,7 @@ by :func:`maybe_install` on float32 CPU models unless ``TOKRAG_CPU_KERNELS=off``
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import types
@@ -50,15 +51,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .attention import ACTIVE_TAP
+
 #: Calls with more rows than this use ``F.linear`` (GEMM-shaped work, e.g. prefill).
 MAX_ROWS = 64
 #: Output features per slice of the ``tiled`` strategy.
 TILE = 512
 #: Only matrices with at least this many output features are tried ``tiled``.
 MIN_TILED_FEATURES = 8 * TILE
-#: Row-count buckets: (representative row count timed, largest row count of the bucket).
-BUCKETS = ((1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (32, MAX_ROWS))
-STRATEGIES = ("linear", "dup", "wxt", "tiled")
+#: Row-count buckets: (row count timed, largest row count of the bucket). The timed count is
+#: inside the bucket, not at its top: BLAS kernels can be fast at 16 rows and twice as slow
+#: at 12, which the ``pad`` strategy turns into the cost at 16.
+BUCKETS = ((1, 1), (2, 2), (3, 4), (6, 8), (12, 16), (24, 32), (48, MAX_ROWS))
+STRATEGIES = ("linear", "dup", "wxt", "tiled", "pad")
 #: A strategy replaces ``F.linear`` in a bucket only below this share of its time.
 MIN_GAIN = 0.9
 
@@ -86,6 +91,15 @@ def _k_wxt(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
     return out + b if b is not None else out
 
 
+def _k_pad(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int) -> torch.Tensor:
+    # Zero rows up to ``rows`` (the top of the bucket), then F.linear; the extra rows are
+    # dropped. Each output row is the same dot products as without them.
+    m = x.shape[0]
+    if m >= rows:
+        return F.linear(x, w, b)
+    return F.linear(torch.cat([x, x.new_zeros(rows - m, x.shape[1])]), w, b)[:m]
+
+
 def _k_tiled(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     if torch.is_grad_enabled() and (w.requires_grad or x.requires_grad):
         return F.linear(x, w, b)  # out= writes are not differentiable
@@ -100,6 +114,13 @@ def _k_tiled(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.
 
 
 KERNELS: dict[str, Kernel] = {"linear": _k_linear, "dup": _k_dup, "wxt": _k_wxt, "tiled": _k_tiled}
+
+
+def kernel(name: str, hi: int = MAX_ROWS) -> Kernel:
+    """The kernel of strategy ``name`` for a bucket whose largest row count is ``hi``."""
+    if name == "pad":
+        return functools.partial(_k_pad, rows=hi)
+    return KERNELS[name]
 
 
 def _few_rows(
@@ -118,7 +139,9 @@ def few_row_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, strategy: str = "wxt"
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` by one of :data:`STRATEGIES` (any leading shape)."""
-    return _few_rows(x, weight, bias, lambda _m: KERNELS[strategy])
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    return _few_rows(x, weight, bias, lambda m: kernel(strategy, _bucket_top(m)))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -156,14 +179,16 @@ def plan_for(weights: torch.Tensor | list[torch.Tensor], reps: int = 1) -> tuple
     names = [s for s in STRATEGIES if s != "tiled" or n >= MIN_TILED_FEATURES]
     plan = []
     with torch.inference_mode():
-        for m, _ in BUCKETS:
+        for m, hi in BUCKETS:
             x = torch.randn(m, k, dtype=ws[0].dtype)
 
-            def run(s: str, x: torch.Tensor = x) -> None:
+            def run(s: str, x: torch.Tensor = x, hi: int = hi) -> None:
+                fn = kernel(s, hi)
                 for w in ws:
-                    KERNELS[s](x, w, None)
+                    fn(x, w, None)
 
-            t = {s: _time(lambda s=s: run(s), reps) for s in names if s != "dup" or m == 1}
+            tried = [s for s in names if (s != "dup" or m == 1) and (s != "pad" or m < hi)]
+            t = {s: _time(lambda s=s: run(s), reps) for s in tried}
             best = min(t, key=t.__getitem__)
             # Another strategy must be clearly faster than F.linear, not by timing noise.
             plan.append(best if t[best] < MIN_GAIN * t["linear"] else "linear")
@@ -176,9 +201,17 @@ def _route(plan: tuple[str, ...]) -> list[Kernel]:
     table: list[Kernel] = [_k_linear]
     lo = 1
     for (_, hi), name in zip(BUCKETS, plan, strict=True):
-        table += [KERNELS[name]] * (hi - lo + 1)
+        table += [kernel(name, hi)] * (hi - lo + 1)
         lo = hi + 1
     return table
+
+
+def _bucket_top(m: int) -> int:
+    """The largest row count of the bucket holding ``m`` rows."""
+    for _, hi in BUCKETS:
+        if m <= hi:
+            return hi
+    return m
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -283,6 +316,15 @@ def few_query_attention(
 
     b, h, q, hd = query.shape
     hkv = key.shape[1]
+    tap = ACTIVE_TAP.get()
+    if tap is not None and q == 1:
+        taps = _tapped_attention(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+        if taps is not None:
+            out, probs = taps
+            idx = getattr(module, "layer_idx", None)
+            if idx is not None and 0 <= idx < len(tap.attn):
+                tap.attn[idx] = probs
+            return out, None
     if (
         attention_mask is None
         or q > MAX_ROWS
@@ -337,6 +379,53 @@ def few_query_attention(
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs.view(b, hkv, g * q, t), value)  # [B, Hkv, g*q, hd]
     return out.view(b, h, q, hd).transpose(1, 2).contiguous(), None
+
+
+def _tapped_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]] | None:
+    """One query per row, computed explicitly so that its probabilities can be kept (for a
+    probed step: Tok-RAG's f(l) and Att then need no recomputation from the cache). Each row
+    attends to its own keys (no mask, or left padding only); None where that does not apply.
+    Returns the attention output [B, 1, H, hd] and, per row, (first key, [H, T - first])."""
+    b, h, _, hd = query.shape
+    hkv = key.shape[1]
+    if (
+        query.device.type != "cpu"
+        or dropout
+        or h % hkv
+        or kwargs.get("softcap") is not None
+        or kwargs.get("position_bias") is not None
+        or getattr(module, "sinks", None) is not None
+        or getattr(module, "sliding_window", None)
+    ):
+        return None
+    if attention_mask is None:
+        starts: list[int] | None = [0] * b
+    elif attention_mask.dim() == 4:
+        starts = _left_pad_starts(attention_mask)
+    else:
+        starts = None
+    if starts is None:
+        return None
+    scale = scaling if scaling is not None else hd**-0.5
+    g = h // hkv
+    out = query.new_empty((b, 1, h, hd))
+    rows = []
+    for r, s_ in enumerate(starts):
+        # Query head i*g + j reads key/value head i: [Hkv, g, hd] @ [Hkv, hd, T'].
+        scores = torch.matmul(query[r].reshape(hkv, g, hd), key[r, :, s_:].transpose(-1, -2))
+        probs = torch.softmax(scores.mul_(scale), dim=-1, dtype=torch.float32).to(value.dtype)
+        out[r, 0] = torch.matmul(probs, value[r, :, s_:]).view(h, hd)
+        rows.append((s_, probs.view(h, -1)))
+    return out, rows
 
 
 def _register_attention() -> None:

@@ -97,6 +97,10 @@ class ContextView:
             raise RuntimeError("this policy did not ask for probe records of this context")
         if layer_idx not in self._attn:
             b, r, seen = self._batch, self._row, self._seen
+            tapped = rec.attention_taps(layer_idx, 0, seen)
+            if tapped is not None:
+                self._attn[layer_idx] = tapped
+                return tapped
             keys = cached_keys(b.cache, layer_idx)[r : r + 1]
             if keys.shape[2] > seen:  # a full cache holding later positions of a block
                 keys = keys[:, :, :seen]
@@ -115,6 +119,14 @@ class ContextView:
             raise RuntimeError("this policy did not ask for probe records of this context")
         b, r, seen = self._batch, self._row, self._seen
         n = len(b.cache.layers)
+        if rec.attn is not None:
+            # The forward pass computed these rows already (a probed step on CPU).
+            tapped = [rec.attention_taps(i, 0, seen) for i in range(n)]
+            if all(t is not None for t in tapped):
+                out = torch.stack(tapped)  # type: ignore[arg-type]
+                for i in range(n):
+                    self._attn.setdefault(i, out[i])
+                return out
         if any(not is_full_layer(b.cache.layers[i]) for i in range(n)):
             return torch.stack([self.attention(i) for i in range(n)])
         keys = [cached_keys(b.cache, i)[r : r + 1] for i in range(n)]
@@ -389,13 +401,7 @@ def fuse_batches(batches: Sequence[_RoleBatch]) -> _RoleBatch | None:
         )
     fused.cache = cache
     if first.probe:
-        recs = [b.records for b in batches]
-        fused.records = ProbeRecord(
-            resid=torch.cat([r.resid for r in recs], dim=1),  # type: ignore[union-attr]
-            attn_in=torch.cat([r.attn_in for r in recs], dim=1),  # type: ignore[union-attr]
-            cos=[torch.cat(c) for c in zip(*(r.cos for r in recs), strict=True)],  # type: ignore[union-attr]
-            sin=[torch.cat(c) for c in zip(*(r.sin for r in recs), strict=True)],  # type: ignore[union-attr]
-        )
+        fused.records = ProbeRecord.cat([b.records for b in batches])  # type: ignore[misc]
     return fused
 
 
