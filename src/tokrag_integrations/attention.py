@@ -5,10 +5,17 @@ layer (for the logit lens, Eq. 13) and the attention row of the last position of
 context at every layer (f(l) and Att, Eq. 14–15). Running the whole model with eager
 attention to get those rows would slow every prefill by about 50 %, so instead:
 
-* forward hooks copy the last position's residual state, attention input and rotary
-  embedding of every layer during the ordinary (SDPA) forward pass (a few KB per step);
-* at a disagreement step the attention row is recomputed from that attention input and
-  the keys already in the KV cache: one query projection and one ``q·K`` per layer.
+* the decoder layers' forwards (wrapped once per model: a plain function call, not module
+  hooks, so an unprobed pass pays one context-variable read per layer) leave the last
+  position's residual state and rotary embedding of every layer in the active probe's tap
+  during the ordinary (SDPA) forward pass (a few KB per step); the attention input is
+  derived from the residual on demand (the layer's input norm);
+* on CPU, a probed one-query step computes its attention explicitly in
+  :func:`.cpu_kernels.few_query_attention` and keeps the probabilities, so f(l) and Att
+  read them as they are;
+* elsewhere, at a disagreement step the attention row is recomputed from that attention
+  input and the keys already in the KV cache: one query projection and one ``q·K`` per
+  layer.
 
 The recomputation follows the model's own attention module (q_norm where the model has it,
 its rotary function, its scaling, soft-capping and sliding window) and is tested against
@@ -202,8 +209,8 @@ class _Tap:
         self.attn: list[list[tuple[int, torch.Tensor]] | None] = [None] * n_layers
 
 
-#: The tap of the probe active in this thread / task (None: no probe, nothing is kept).
-ACTIVE_TAP: contextvars.ContextVar[_Tap | None] = contextvars.ContextVar("tokrag_tap", default=None)
+#: The taps of the probes active in this thread / task, innermost last (empty: nothing is kept).
+ACTIVE_TAP: contextvars.ContextVar[tuple[_Tap, ...]] = contextvars.ContextVar("tokrag_tap", default=())
 
 
 def _last(t: torch.Tensor) -> torch.Tensor:
@@ -220,8 +227,7 @@ def _tapped_forward(layer: Any, i: int) -> Any:
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         out = inner(*args, **kwargs)
-        tap = ACTIVE_TAP.get()
-        if tap is not None:
+        for tap in ACTIVE_TAP.get():
             if i == 0:
                 tap.resid[0] = _last(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
             h = out[0] if isinstance(out, (tuple, list)) else out
@@ -272,7 +278,7 @@ class Probe:
         self._tap = _Tap(n)
         if not _install_taps(self.parts):
             self._hook(self._tap)
-        self._token = ACTIVE_TAP.set(self._tap)
+        self._token = ACTIVE_TAP.set((*ACTIVE_TAP.get(), self._tap))
         return self
 
     def _hook(self, tap: _Tap) -> None:

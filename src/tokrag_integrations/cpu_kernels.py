@@ -11,13 +11,15 @@ this project ran on (2-core Xeon VMs, MKL through torch): on one, ``F.linear`` a
 was 1.5-2x slower than at 1 row while ``W @ x.T`` ran near memory bandwidth; on the other,
 ``W @ x.T`` was 2-3x *slower* than ``F.linear``, a 1-row ``F.linear`` on the 49k-row LM head
 took twice as long as a 2-row one, and beyond 4 rows its cost grew by ~1.4 ms a row where a
-product tiled over the output features grows by ~0.3 ms.
+product tiled over the output features grows by ~0.3 ms; and the cost is not monotone in
+the rows: on the LM head 9-15 rows took 1.5-2x as long as 16.
 
 So nothing is assumed: :func:`plan_for` times, for each weight shape of the model and each
-bucket of row counts (1, 2, 3-4, 5-8, 9-16, 17-64), the strategies of :data:`STRATEGIES`
-(``linear``: ``F.linear``; ``dup``: one row duplicated, then ``F.linear``; ``wxt``: the
-transposed product ``W @ x.T``, one row duplicated; ``tiled``: ``F.linear`` on slices of
-:data:`TILE` output features) and keeps the fastest per bucket. :func:`install` routes each
+bucket of row counts (1, 2, 3-4, 5-8, 9-16, 17-32, 33-64, each timed at a count inside it),
+the strategies of :data:`STRATEGIES` (``linear``: ``F.linear``; ``dup``: one row
+duplicated, then ``F.linear``; ``wxt``: the transposed product ``W @ x.T``, one row
+duplicated; ``tiled``: ``F.linear`` on slices of :data:`TILE` output features; ``pad``: zero
+rows up to the bucket's top, then ``F.linear``) and keeps the fastest per bucket. :func:`install` routes each
 ``nn.Linear`` call with at most :data:`MAX_ROWS` rows to its plan; shapes where ``F.linear``
 wins every bucket keep the stock ``forward``. It is applied by :func:`..models.load_model` to
 float32 models on CPU (``TOKRAG_CPU_KERNELS=auto`` (default) measures, ``on`` forces the
@@ -316,14 +318,15 @@ def few_query_attention(
 
     b, h, q, hd = query.shape
     hkv = key.shape[1]
-    tap = ACTIVE_TAP.get()
-    if tap is not None and q == 1:
-        taps = _tapped_attention(module, query, key, value, attention_mask, dropout, scaling, kwargs)
-        if taps is not None:
-            out, probs = taps
+    active = ACTIVE_TAP.get()
+    if active and q == 1:
+        got = _tapped_attention(module, query, key, value, attention_mask, dropout, scaling, kwargs)
+        if got is not None:
+            out, probs = got
             idx = getattr(module, "layer_idx", None)
-            if idx is not None and 0 <= idx < len(tap.attn):
-                tap.attn[idx] = probs
+            for tap in active:
+                if idx is not None and 0 <= idx < len(tap.attn):
+                    tap.attn[idx] = probs
             return out, None
     if (
         attention_mask is None
@@ -392,9 +395,11 @@ def _tapped_attention(
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]] | None:
     """One query per row, computed explicitly so that its probabilities can be kept (for a
-    probed step: Tok-RAG's f(l) and Att then need no recomputation from the cache). Each row
-    attends to its own keys (no mask, or left padding only); None where that does not apply.
-    Returns the attention output [B, 1, H, hd] and, per row, (first key, [H, T - first])."""
+    probed step: Tok-RAG's f(l) and Att then need no recomputation from the cache). Up to
+    :data:`MAX_SPLIT_ROWS` left-padded (or unmasked) rows attend each to its own keys; more
+    rows, or a mask with holes, go as one masked product. None where neither applies (then
+    the step runs as usual and the rows are recomputed when read). Returns the attention
+    output [B, 1, H, hd] and, per row, (first key, [H, T - first]) (masked keys: 0)."""
     b, h, _, hd = query.shape
     hkv = key.shape[1]
     if (
@@ -409,23 +414,36 @@ def _tapped_attention(
         return None
     if attention_mask is None:
         starts: list[int] | None = [0] * b
-    elif attention_mask.dim() == 4:
+    elif attention_mask.dim() == 4 and attention_mask.shape[2] == 1:
         starts = _left_pad_starts(attention_mask)
     else:
-        starts = None
-    if starts is None:
         return None
     scale = scaling if scaling is not None else hd**-0.5
     g = h // hkv
-    out = query.new_empty((b, 1, h, hd))
-    rows = []
-    for r, s_ in enumerate(starts):
-        # Query head i*g + j reads key/value head i: [Hkv, g, hd] @ [Hkv, hd, T'].
-        scores = torch.matmul(query[r].reshape(hkv, g, hd), key[r, :, s_:].transpose(-1, -2))
-        probs = torch.softmax(scores.mul_(scale), dim=-1, dtype=torch.float32).to(value.dtype)
-        out[r, 0] = torch.matmul(probs, value[r, :, s_:]).view(h, hd)
-        rows.append((s_, probs.view(h, -1)))
-    return out, rows
+    if starts is not None and b <= MAX_SPLIT_ROWS:
+        # Few rows: each attends to its own keys (no work on another row's padding).
+        out = query.new_empty((b, 1, h, hd))
+        rows = []
+        for r, s_ in enumerate(starts):
+            # Query head i*g + j reads key/value head i: [Hkv, g, hd] @ [Hkv, hd, T'].
+            scores = torch.matmul(query[r].reshape(hkv, g, hd), key[r, :, s_:].transpose(-1, -2))
+            probs = torch.softmax(scores.mul_(scale), dim=-1, dtype=torch.float32).to(value.dtype)
+            out[r, 0] = torch.matmul(probs, value[r, :, s_:]).view(h, hd)
+            rows.append((s_, probs.view(h, -1)))
+        return out, rows
+    # Many rows, or a mask with holes: one masked product (masked keys get probability 0).
+    t = key.shape[2]
+    scores = torch.matmul(query.reshape(b, hkv, g, hd), key.transpose(-1, -2)).mul_(scale)
+    if attention_mask is not None:
+        mask = attention_mask[:, :, -1:, :]  # [B or 1, 1, 1, T]: broadcast over the heads
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores.add_(mask)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    out = torch.matmul(probs, value).view(b, h, 1, hd).transpose(1, 2).contiguous()
+    flat = probs.view(b, h, t)
+    return out, [(0, flat[r]) for r in range(b)]
 
 
 def _register_attention() -> None:

@@ -171,7 +171,7 @@ class Policy:
     """A decoding rule over the multi-context loop.
 
     Subclasses set ``name`` and ``roles`` and implement :meth:`choose`. ``probe_roles`` lists
-    the roles whose per-layer states the rule reads (hooks are installed only for those).
+    the roles whose per-layer states the rule reads (only those are probed).
     """
 
     name: str = ""

@@ -27,9 +27,9 @@ def cache_dir() -> Path:
 class LoadedModel:
     """A causal LM with its tokenizer and the facts the decoder needs.
 
-    ``lock`` serialises decoding on this model: the decoder installs forward hooks while it
-    runs, so two threads must not decode on the same model at once (async wrappers and
-    framework adapters take the lock for you).
+    ``lock`` serialises decoding on this model: the blockwise decoder installs forward hooks
+    while it runs, so two threads must not decode on the same model at once (async wrappers
+    and framework adapters take the lock for you).
     """
 
     model: Any
