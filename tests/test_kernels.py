@@ -4,6 +4,7 @@ fused pure+RAG batch. Each must compute what the stock path computes (to roundin
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -60,6 +61,7 @@ def test_tiled_strategy_keeps_gradients():
 def test_plans_are_measured_per_shape_and_routed_by_row_count(monkeypatch):
     w = torch.randn(4096, 64)
     monkeypatch.setattr(K, "_PLANS", {})  # the model's measured plans stay as they were
+    monkeypatch.setenv("TOKRAG_KERNEL_PLAN_CACHE", "0")  # measured here, not read from disk
     calls = []
     real = K._time
     monkeypatch.setattr(K, "_time", lambda fn, reps: calls.append(reps) or real(fn, 1))
@@ -90,6 +92,50 @@ def test_plans_are_measured_per_shape_and_routed_by_row_count(monkeypatch):
     # A shape where F.linear wins everywhere keeps the stock forward.
     K._PLANS[(4096, 64, torch.float32, torch.get_num_threads())] = ("linear",) * len(K.BUCKETS)
     assert install(model, "auto") == 0 and not installed(model)
+
+
+def test_plans_persist_per_machine_on_disk(monkeypatch, tmp_path):
+    """A measured plan is written to the cache folder and read back by a later process
+    (simulated by clearing the in-process plans) without timing anything; a damaged file
+    or ``TOKRAG_KERNEL_PLAN_CACHE=0`` means measuring again."""
+    monkeypatch.setenv("TOKRAG_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TOKRAG_KERNEL_PLAN_CACHE", raising=False)
+    monkeypatch.setattr(K, "_PLANS", {})
+    w = torch.randn(1024, 32)
+    timed = []
+    real = K._time
+    monkeypatch.setattr(K, "_time", lambda fn, reps: timed.append(1) or real(fn, reps))
+    plan = K.plan_for(w)
+    path = K._plan_file()
+    assert path is not None and path.parent == tmp_path / "kernel_plans" and path.exists()
+    assert timed
+    stored = json.loads(path.read_text())
+    assert stored == {f"1024x32:float32:{torch.get_num_threads()}": list(plan)}
+
+    def no_timing(fn, reps):
+        raise AssertionError("a stored plan must not be measured again")
+
+    monkeypatch.setattr(K, "_time", no_timing)
+    monkeypatch.setattr(K, "_PLANS", {})
+    assert K.plan_for(w) == plan
+    # Another shape is added to the same file.
+    monkeypatch.setattr(K, "_time", lambda fn, reps: real(fn, reps))
+    K.plan_for(torch.randn(256, 32))
+    assert len(json.loads(path.read_text())) == 2
+    # A damaged file or an entry that is not a plan is measured again (and repaired).
+    path.write_text("{not json")
+    monkeypatch.setattr(K, "_PLANS", {})
+    timed.clear()
+    monkeypatch.setattr(K, "_time", lambda fn, reps: timed.append(1) or real(fn, reps))
+    assert len(K.plan_for(w)) == len(K.BUCKETS) and timed
+    assert f"1024x32:float32:{torch.get_num_threads()}" in json.loads(path.read_text())
+    path.write_text(json.dumps({f"1024x32:float32:{torch.get_num_threads()}": ["warp"] * len(K.BUCKETS)}))
+    monkeypatch.setattr(K, "_PLANS", {})
+    timed.clear()
+    assert set(K.plan_for(w)) <= set(K.STRATEGIES) and timed
+    # Switched off: nothing is read or written.
+    monkeypatch.setenv("TOKRAG_KERNEL_PLAN_CACHE", "0")
+    assert K._plan_file() is None
 
 
 def _sdpa_reference(q, k, v, mask, scale):

@@ -44,10 +44,13 @@ by :func:`maybe_install` on float32 CPU models unless ``TOKRAG_CPU_KERNELS=off``
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import time
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -165,18 +168,90 @@ def _time(fn: Any, reps: int) -> float:
 _PLANS: dict[tuple[Any, ...], tuple[str, ...]] = {}
 
 
+def _machine_id() -> str:
+    """What the plans depend on besides the shape: the CPU (model, cache, instruction set),
+    torch's version and the plan format. Hashed into the plan file's name."""
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                if line.split(":")[0].strip() in ("model name", "cache size", "flags", "cpu family", "model"):
+                    cpu += line.strip() + "\n"
+    except OSError:  # pragma: no cover - not Linux
+        import platform
+
+        cpu = platform.processor() + platform.machine()
+    fmt = f"{torch.__version__}|{BUCKETS}|{STRATEGIES}|{MIN_GAIN}|{TILE}|{MAX_ROWS}"
+    return hashlib.sha1((cpu + fmt).encode()).hexdigest()[:16]
+
+
+def _plan_file() -> Path | None:
+    """Where measured plans persist between processes (``$TOKRAG_CACHE_DIR/kernel_plans``),
+    or None when ``TOKRAG_KERNEL_PLAN_CACHE=0``."""
+    if os.environ.get("TOKRAG_KERNEL_PLAN_CACHE", "1").strip().lower() in ("0", "off", "false", "no"):
+        return None
+    from .models import cache_dir
+
+    return cache_dir() / "kernel_plans" / f"{_machine_id()}.json"
+
+
+def _disk_key(key: tuple[Any, ...]) -> str:
+    n, k, dtype, threads = key
+    return f"{n}x{k}:{str(dtype).removeprefix('torch.')}:{threads}"
+
+
+def _load_plans(path: Path) -> dict[str, tuple[str, ...]]:
+    """The plans in ``path``; entries that are not valid plans (or an unreadable file) are
+    ignored, so a damaged file only costs a new measurement."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {
+        k: tuple(v)
+        for k, v in raw.items()
+        if isinstance(v, list) and len(v) == len(BUCKETS) and all(x in STRATEGIES for x in v)
+    }
+
+
+def _save_plan(path: Path, key: str, plan: tuple[str, ...]) -> None:
+    """Add one plan to ``path`` (written to a temporary file, then renamed into place; a
+    read-only or full disk only means the next process measures again)."""
+    try:
+        plans = _load_plans(path)
+        plans[key] = plan
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({k: list(v) for k, v in sorted(plans.items())}), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def plan_for(weights: torch.Tensor | list[torch.Tensor], reps: int = 1) -> tuple[str, ...]:
     """The fastest strategy for each of :data:`BUCKETS` on a weight shape, measured on this
     machine: each timing runs the product over every weight given (all the model's matrices
     of that shape), so that, as in a decode step, they stream from memory rather than sit in
     cache. One warm-up and best of ``reps`` timed runs; a strategy other than ``F.linear`` is
-    kept only if it takes less than :data:`MIN_GAIN` of its time. About 1-2 s for
-    SmolLM2-135M; cached per shape and thread count for the process."""
+    kept only if it takes less than :data:`MIN_GAIN` of its time. About 2-3 s for
+    SmolLM2-135M; kept per shape and thread count for the process and, per machine (CPU,
+    torch version), in ``$TOKRAG_CACHE_DIR/kernel_plans`` for later processes
+    (``TOKRAG_KERNEL_PLAN_CACHE=0``: measure in every process)."""
     ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
     n, k = ws[0].shape
     key = (n, k, ws[0].dtype, torch.get_num_threads())
     if key in _PLANS:
         return _PLANS[key]
+    path = _plan_file()
+    if path is not None:
+        stored = _load_plans(path).get(_disk_key(key))
+        if stored is not None:
+            _PLANS[key] = stored
+            return stored
     ws = [w.detach() for w in ws]
     names = [s for s in STRATEGIES if s != "tiled" or n >= MIN_TILED_FEATURES]
     plan = []
@@ -195,6 +270,8 @@ def plan_for(weights: torch.Tensor | list[torch.Tensor], reps: int = 1) -> tuple
             # Another strategy must be clearly faster than F.linear, not by timing noise.
             plan.append(best if t[best] < MIN_GAIN * t["linear"] else "linear")
     _PLANS[key] = tuple(plan)
+    if path is not None:
+        _save_plan(path, _disk_key(key), _PLANS[key])
     return _PLANS[key]
 
 
