@@ -244,8 +244,8 @@ def _tapped_forward(layer: Any, i: int) -> Any:
 
 
 def _install_taps(parts: ModelParts) -> bool:
-    """Wrap every decoder layer's forward once (idempotent); False where the layers do not
-    take ``position_embeddings`` or lack an input norm (the probe then uses hooks)."""
+    """Wrap every decoder layer's forward once (idempotent); False where the layers lack an
+    input norm to derive the attention input from (the probe then uses hooks)."""
     if all(getattr(layer, "_tokrag_tapped", False) for layer in parts.layers):
         return True
     if not all(hasattr(layer, "input_layernorm") for layer in parts.layers):
@@ -311,8 +311,13 @@ class Probe:
     def take(self) -> ProbeRecord:
         """Return the states of the most recent forward pass."""
         tap = self._tap
-        if tap is None or any(r is None for r in tap.resid) or any(c is None for c in tap.cos):
+        if tap is None or any(r is None for r in tap.resid):
             raise RuntimeError("Probe.take() called before a forward pass")
+        if any(c is None for c in tap.cos):
+            raise RuntimeError(
+                f"{type(self.parts.layers[0]).__name__} did not receive position_embeddings as "
+                "a keyword argument: the probe cannot read its rotary embedding"
+            )
         hooked = bool(self._handles)
         if hooked and any(a is None for a in self._attn_in):
             raise RuntimeError("Probe.take() called before a forward pass")
