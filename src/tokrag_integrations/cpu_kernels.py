@@ -394,7 +394,6 @@ def few_query_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     b, h, q, hd = query.shape
-    hkv = key.shape[1]
     active = ACTIVE_TAP.get()
     if active and q == 1:
         got = _tapped_attention(module, query, key, value, attention_mask, dropout, scaling, kwargs)
@@ -408,12 +407,7 @@ def few_query_attention(
     if (
         attention_mask is None
         or q > MAX_ROWS
-        or query.device.type != "cpu"
-        or dropout
-        or h % hkv
-        or kwargs.get("softcap") is not None
-        or kwargs.get("position_bias") is not None
-        or getattr(module, "sinks", None) is not None
+        or not _plain_attention(module, query, key, dropout, kwargs)
         or attention_mask.dim() != 4
     ):
         return sdpa_attention_forward(
@@ -445,20 +439,52 @@ def few_query_attention(
             query, key, value, attn_mask=attention_mask, scale=scale, enable_gqa=True
         )
         return out.transpose(1, 2).contiguous(), None
+    return _grouped_attention(query, key, value, attention_mask, scale)[0], None
+
+
+def _plain_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict[str, Any]
+) -> bool:
+    """Whether this call is attention our CPU paths compute as written: on CPU, no dropout,
+    whole query groups per key/value head, no soft-capping, position bias or sinks."""
+    return not (
+        query.device.type != "cpu"
+        or dropout
+        or query.shape[1] % key.shape[1]
+        or kwargs.get("softcap") is not None
+        or kwargs.get("position_bias") is not None
+        or getattr(module, "sinks", None) is not None
+    )
+
+
+def _grouped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked attention with the query heads grouped per key/value head (no repeated keys).
+
+    ``query`` [B, H, q, hd], ``key``/``value`` [B, Hkv, T, hd], ``attention_mask`` None or
+    [B, 1, q, T] (bool or additive). Returns the output [B, q, H, hd] and the probabilities
+    [B, Hkv, g, q, T] (query head i*g + j is ``[:, i, j]``; masked keys get 0)."""
+    b, h, q, hd = query.shape
+    hkv, t = key.shape[1], key.shape[2]
     g = h // hkv
-    t = key.shape[2]
     # Query head i*g + j reads key/value head i: group the g query heads of each key head.
     qg = query.reshape(b, hkv, g * q, hd)
     scores = torch.matmul(qg, key.transpose(-1, -2)).mul_(scale).view(b, hkv, g, q, t)
-    mask = attention_mask[:, :, None]  # [B, 1, 1, q, T]
-    if mask.dtype == torch.bool:
-        # A row with no key at all (a padded query) gets finite scores, not NaN.
-        scores = scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
-    else:
-        scores = scores.add_(mask)
+    if attention_mask is not None:
+        mask = attention_mask[:, :, None]  # [B, 1, 1, q, T]
+        if mask.dtype == torch.bool:
+            # A row with no key at all (a padded query) gets finite scores, not NaN.
+            scores = scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores.add_(mask)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs.view(b, hkv, g * q, t), value)  # [B, Hkv, g*q, hd]
-    return out.view(b, h, q, hd).transpose(1, 2).contiguous(), None
+    return out.view(b, h, q, hd).transpose(1, 2).contiguous(), probs
 
 
 def _tapped_attention(
@@ -479,14 +505,8 @@ def _tapped_attention(
     output [B, 1, H, hd] and, per row, (first key, [H, T - first]) (masked keys: 0)."""
     b, h, _, hd = query.shape
     hkv = key.shape[1]
-    if (
-        query.device.type != "cpu"
-        or dropout
-        or h % hkv
-        or kwargs.get("softcap") is not None
-        or kwargs.get("position_bias") is not None
-        or getattr(module, "sinks", None) is not None
-        or getattr(module, "sliding_window", None)
+    if not _plain_attention(module, query, key, dropout, kwargs) or getattr(
+        module, "sliding_window", None
     ):
         return None
     if attention_mask is None:
@@ -509,17 +529,8 @@ def _tapped_attention(
             rows.append((s_, probs.view(h, -1)))
         return out, rows
     # Many rows, or a mask with holes: one masked product (masked keys get probability 0).
-    t = key.shape[2]
-    scores = torch.matmul(query.reshape(b, hkv, g, hd), key.transpose(-1, -2)).mul_(scale)
-    if attention_mask is not None:
-        mask = attention_mask[:, :, -1:, :]  # [B or 1, 1, 1, T]: broadcast over the heads
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores.add_(mask)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-    out = torch.matmul(probs, value).view(b, h, 1, hd).transpose(1, 2).contiguous()
-    flat = probs.view(b, h, t)
+    out, probs = _grouped_attention(query, key, value, attention_mask, scale)
+    flat = probs.view(b, h, key.shape[2])
     return out, [(0, flat[r]) for r in range(b)]
 
 
