@@ -199,9 +199,12 @@ class ProbeRecord:
 class _Tap:
     """Where the forward pass of an active :class:`Probe` leaves its last-position states."""
 
-    __slots__ = ("resid", "cos", "sin", "attn", "pe")
+    __slots__ = ("resid", "cos", "sin", "attn", "pe", "positions")
 
-    def __init__(self, n_layers: int):
+    def __init__(self, n_layers: int, positions: list[int] | None = None):
+        # Sequence positions to keep (each becomes a record row; batch 1 only), None = the
+        # last position of every batch row.
+        self.positions = positions
         self.pe: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.resid: list[torch.Tensor | None] = [None] * (n_layers + 1)
         self.cos: list[torch.Tensor | None] = [None] * n_layers
@@ -213,9 +216,12 @@ class _Tap:
 ACTIVE_TAP: contextvars.ContextVar[tuple[_Tap, ...]] = contextvars.ContextVar("tokrag_tap", default=())
 
 
-def _last(t: torch.Tensor) -> torch.Tensor:
+def _last(t: torch.Tensor, positions: list[int] | None = None) -> torch.Tensor:
     # A decode step's tensors are [B, 1, ...]: a view keeps nothing large alive. A prefill's
-    # are [B, T, ...]: copy the last position so the rest can be freed.
+    # are [B, T, ...]: copy the last position so the rest can be freed. With ``positions``
+    # (a packed batch-1 sequence holding several contexts) those positions become the rows.
+    if positions is not None:
+        return t[0, positions].detach()
     return t[:, -1].detach() if t.shape[1] == 1 else t[:, -1].detach().clone()
 
 
@@ -228,22 +234,23 @@ def _tapped_forward(layer: Any, i: int) -> Any:
     def forward(*args: Any, **kwargs: Any) -> Any:
         out = inner(*args, **kwargs)
         for tap in ACTIVE_TAP.get():
+            at = tap.positions
             if i == 0:
-                tap.resid[0] = _last(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+                tap.resid[0] = _last(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0], at)
             h = out[0] if isinstance(out, (tuple, list)) else out
-            tap.resid[i + 1] = _last(h)
+            tap.resid[i + 1] = _last(h, at)
             pe = kwargs.get("position_embeddings")
             if pe is not None:
                 # Layers that share one rotary embedding (most models) share one slice.
                 if tap.pe is None or tap.pe[0] is not pe[0]:
-                    tap.pe = (pe[0], _last(pe[0]), _last(pe[1]))
+                    tap.pe = (pe[0], _last(pe[0], at), _last(pe[1], at))
                 tap.cos[i], tap.sin[i] = tap.pe[1], tap.pe[2]
         return out
 
     return forward
 
 
-def _install_taps(parts: ModelParts) -> bool:
+def install_taps(parts: ModelParts) -> bool:
     """Wrap every decoder layer's forward once (idempotent); False where the layers lack an
     input norm to derive the attention input from (the probe then uses hooks)."""
     if all(getattr(layer, "_tokrag_tapped", False) for layer in parts.layers):
@@ -264,10 +271,14 @@ class Probe:
     per model, free when no probe is active); the attention function of
     :mod:`.cpu_kernels` adds the attention probabilities it computed. Models whose layers
     cannot be tapped that way are probed with module hooks.
+
+    ``positions`` (a batch of one sequence packing several contexts) records those sequence
+    positions instead of each row's last one: record row ``i`` is position ``positions[i]``.
     """
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, positions: list[int] | None = None):
         self.parts = model_parts(model)
+        self.positions = list(positions) if positions is not None else None
         self._handles: list[Any] = []
         self._tap: _Tap | None = None
         self._token: Any = None
@@ -275,8 +286,13 @@ class Probe:
 
     def __enter__(self) -> Probe:
         n = self.parts.num_layers
-        self._tap = _Tap(n)
-        if not _install_taps(self.parts):
+        self._tap = _Tap(n, self.positions)
+        if not install_taps(self.parts):
+            if self.positions is not None:
+                raise ValueError(
+                    f"{type(self.parts.layers[0]).__name__}: probing chosen positions needs "
+                    "decoder layers with an input_layernorm"
+                )
             self._hook(self._tap)
         self._token = ACTIVE_TAP.set((*ACTIVE_TAP.get(), self._tap))
         return self

@@ -39,10 +39,15 @@ keys only; several: the query heads grouped per key/value head) and delegates ev
 else (prefill, no mask, CUDA, soft-capping, sinks) to transformers' SDPA function. It is
 registered as the attention implementation ``"tokrag_sdpa"`` (SDPA's boolean masks) and set
 by :func:`maybe_install` on float32 CPU models unless ``TOKRAG_CPU_KERNELS=off``.
+
+A prefill that packs two contexts of one query into one sequence (the RAG prompt, then the
+part of the pure prompt after the head both share: :data:`PACKED_PREFILL`) attends as two
+causal products, one per context, instead of one product under a full mask.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import json
@@ -349,6 +354,14 @@ def model_plans(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 ATTN_IMPLEMENTATION = "tokrag_sdpa"
+
+#: Set around a packed prefill: ``(R, H)``, the sequence's first ``R`` positions are one
+#: causal context and the rest a second one that also sees the first ``H`` positions (the
+#: prompt head both share). The attention mask passed along says the same, so a path that
+#: does not know this layout still computes it (slowly, as one masked product).
+PACKED_PREFILL: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "tokrag_packed_prefill", default=None
+)
 #: One-query batches up to this many rows attend row by row when the mask is left padding.
 MAX_SPLIT_ROWS = 4
 
@@ -394,6 +407,11 @@ def few_query_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     b, h, q, hd = query.shape
+    packed = PACKED_PREFILL.get()
+    if packed is not None and b == 1 and q == key.shape[2] and q > packed[0]:
+        got = _packed_attention(module, query, key, value, dropout, scaling, kwargs, *packed)
+        if got is not None:
+            return got, None
     active = ACTIVE_TAP.get()
     if active and q == 1:
         got = _tapped_attention(module, query, key, value, attention_mask, dropout, scaling, kwargs)
@@ -440,6 +458,43 @@ def few_query_attention(
         )
         return out.transpose(1, 2).contiguous(), None
     return _grouped_attention(query, key, value, attention_mask, scale)[0], None
+
+
+def _packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+    r: int,
+    head: int,
+) -> torch.Tensor | None:
+    """Attention of a packed two-context prefill (see :data:`PACKED_PREFILL`): positions
+    ``< r`` causally over themselves, the rest over the first ``head`` positions and
+    causally over themselves. Returns [1, N, H, hd], or None where the module attends in a
+    way this does not compute (the caller then applies the mask as it is)."""
+    if not _plain_attention(module, query, key, dropout, kwargs) or getattr(
+        module, "sliding_window", None
+    ):
+        return None
+    hd = query.shape[-1]
+    scale = scaling if scaling is not None else hd**-0.5
+    n = query.shape[2]
+    first = F.scaled_dot_product_attention(
+        query[:, :, :r], key[:, :, :r], value[:, :, :r], is_causal=True, scale=scale, enable_gqa=True
+    )
+    tail = n - r
+    k2 = torch.cat([key[:, :, :head], key[:, :, r:]], dim=2)
+    v2 = torch.cat([value[:, :, :head], value[:, :, r:]], dim=2)
+    mask = torch.ones(tail, head + tail, dtype=torch.bool, device=query.device)
+    mask[:, head:] = torch.ones(tail, tail, dtype=torch.bool, device=query.device).tril_()
+    second = F.scaled_dot_product_attention(
+        query[:, :, r:], k2, v2, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    # [1, N, H, hd] in one copy (the flash kernel's outputs are [1, q, H, hd] in memory).
+    return torch.cat([first.transpose(1, 2), second.transpose(1, 2)], dim=1)
 
 
 def _plain_attention(

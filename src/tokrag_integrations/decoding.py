@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 
-from .attention import ModelParts, Probe, ProbeRecord, attention_row, cached_keys, model_parts
+from .attention import (
+    ModelParts,
+    Probe,
+    ProbeRecord,
+    attention_row,
+    cached_keys,
+    install_taps,
+    model_parts,
+)
 from .models import LoadedModel
 from .prompts import PromptPlan
 from .trace import Candidate, TraceStep
@@ -481,6 +489,111 @@ def prefill_roles(
     return {role: done[role] for role in roles}
 
 
+def packed_prefill_enabled() -> bool:
+    """Whether one query's two contexts are prefilled as one packed sequence
+    (``TOKRAG_PACKED_PREFILL``, default on; ``0`` prefills each context on its own)."""
+    return os.environ.get("TOKRAG_PACKED_PREFILL", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def prefill_packed(
+    roles: Sequence[str],
+    per_query: Sequence[dict[str, ContextSpec]],
+    lm: LoadedModel,
+    probe_roles: frozenset[str] | set[str],
+) -> _RoleBatch | None:
+    """Prefill one query's two contexts in one forward pass and return them as one fused,
+    left-padded batch (rows in ``roles`` order), ready to decode like :func:`fuse_batches`'.
+
+    The pure prompt is the RAG prompt's head plus the question, so the pass runs the longer
+    prompt followed by the shorter one's part after the head they share; positions restart
+    at the head for that part, and the attention keeps the two apart (a 4D mask, computed
+    as two causal products by :func:`.cpu_kernels.few_query_attention`). The keys and
+    values go straight into the fused batch's rows (:meth:`.kv_cache.GrowableLayer.
+    expect_packed`). Costs about what prefilling the longer prompt alone does: the short
+    part rides in a pass that is compute-bound, instead of a pass of its own that reads every
+    weight. Returns None where this does not apply (not one query with two contexts, a
+    shared-prefill store active, attention other than this package's CPU path, caches that
+    are not full attention, ``TOKRAG_PACKED_PREFILL=0``).
+    """
+    from .cpu_kernels import ATTN_IMPLEMENTATION, PACKED_PREFILL
+    from .kv_cache import GrowableLayer, new_cache
+
+    if len(per_query) != 1 or len(roles) != 2 or not packed_prefill_enabled():
+        return None
+    if _SHARED_PREFILL.get() is not None:
+        return None
+    if getattr(lm.model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        return None
+    specs = [per_query[0].get(r) for r in roles]
+    if any(s is None or not s.ids for s in specs):
+        return None
+    cache = new_cache(lm.model)
+    if not cache.layers or any(not isinstance(layer, GrowableLayer) for layer in cache.layers):
+        return None
+    ids = [list(s.ids) for s in specs]  # type: ignore[union-attr]
+    lo = 0 if len(ids[0]) >= len(ids[1]) else 1  # the longer prompt runs first
+    so = 1 - lo
+    long_ids, short_ids = ids[lo], ids[so]
+    h = 0
+    for a, b in zip(long_ids, short_ids, strict=False):
+        if a != b:
+            break
+        h += 1
+    h = min(h, len(short_ids) - 1)  # the short prompt's last token must run (its logits)
+    r = len(long_ids)
+    n_seq = r + len(short_ids) - h
+    segs = {lo: [(0, r)], so: ([(0, h)] if h else []) + [(r, n_seq)]}
+    for layer in cache.layers:
+        layer.expect_packed([segs[0], segs[1]])
+    last = {lo: r - 1, so: n_seq - 1}
+    keep = [last[0], last[1]]
+    dev = lm.model.device
+    seq = torch.tensor([long_ids + short_ids[h:]], dtype=torch.long, device=dev)
+    pos = torch.cat([torch.arange(r), torch.arange(h, len(short_ids))]).to(dev)[None]
+    mask = torch.ones(n_seq, n_seq, dtype=torch.bool, device=dev).tril_()
+    mask[r:, h:r] = False  # the short context sees the shared head, not the rest
+    kwargs = dict(
+        input_ids=seq,
+        position_ids=pos,
+        attention_mask=mask[None, None],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=torch.tensor(keep, device=dev),
+    )
+    probe = any(role in probe_roles for role in roles)
+    if probe and not install_taps(model_parts(lm.model)):
+        return None  # positions are probed through the layer taps only
+    token = PACKED_PREFILL.set((r, h))
+    try:
+        if probe:
+            with Probe(lm.model, positions=keep) as p:
+                out = lm.model(**kwargs)
+            records = p.take()
+        else:
+            out = lm.model(**kwargs)
+            records = None
+    finally:
+        PACKED_PREFILL.reset(token)
+    n = max(len(x) for x in ids)
+    fused = object.__new__(_RoleBatch)
+    fused.role = "+".join(roles)
+    fused.query_idx = [0, 0]
+    fused.specs = list(specs)  # type: ignore[arg-type]
+    fused.lm = lm
+    fused.probe = probe
+    fused.parts = model_parts(lm.model) if probe else None
+    fused.pad = [n - len(x) for x in ids]
+    fused.ids = torch.full((2, n), lm.pad_token_id, dtype=torch.long, device=dev)
+    fused.mask = torch.zeros((2, n), dtype=torch.long, device=dev)
+    for row, (x, p_) in enumerate(zip(ids, fused.pad, strict=True)):
+        fused.ids[row, p_:] = torch.tensor(x, dtype=torch.long)
+        fused.mask[row, p_:] = 1
+    fused.cache = out.past_key_values
+    fused.logits = out.logits[0].float()
+    fused.records = records
+    return fused
+
+
 @dataclass
 class StepEvent:
     """A token chosen for query ``query_idx`` (yielded by :func:`decode_loop`)."""
@@ -581,23 +694,31 @@ def decode_loop(
 
     t0 = time.perf_counter()
     with torch.inference_mode():
-        batches = prefill_roles(roles, per_query, lm, policy.probe_roles)
         # All roles in one batch: one forward pass per step (on a CPU a 2-row pass costs
         # about what a 1-row pass does; the rows are the same computations).
         fuse = fuse_contexts() and getattr(policy, "fuse", True)
-        fused = fuse_batches(list(batches.values())) if fuse else None
+        # One query's two contexts: one prefill pass over both (they share the prompt head).
+        fused = prefill_packed(roles, per_query, lm, policy.probe_roles) if fuse else None
+        packed = fused is not None
         row_of: dict[str, dict[int, tuple[_RoleBatch, int]]] = {}
-        start = 0
-        for role, b in batches.items():
-            row_of[role] = {
-                q: (fused, start + r) if fused is not None else (b, r)
-                for r, q in enumerate(b.query_idx)
-            }
-            start += len(b.query_idx)
         if fused is not None:
             batches = {fused.role: fused}
+            row_of = {role: {0: (fused, r)} for r, role in enumerate(roles)}
+        else:
+            batches = prefill_roles(roles, per_query, lm, policy.probe_roles)
+            fused = fuse_batches(list(batches.values())) if fuse else None
+            start = 0
+            for role, b in batches.items():
+                row_of[role] = {
+                    q: (fused, start + r) if fused is not None else (b, r)
+                    for r, q in enumerate(b.query_idx)
+                }
+                start += len(b.query_idx)
+            if fused is not None:
+                batches = {fused.role: fused}
         timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
         timings["fused"] = float(fused is not None)
+        timings["packed"] = float(packed)
 
         generated: list[list[int]] = [[] for _ in plans]
         done = [False] * len(plans)
