@@ -1,9 +1,9 @@
-"""The packed prefill: one query's pure and RAG prompts run as one sequence.
+"""The packed batch: one query's pure and RAG contexts as one sequence in one KV cache.
 
-The layout in the cache (tiny tensors), the two-context attention against the masked
-reference, and on the real default model: the same logits, cache rows and probe states as
-prefilling each context on its own and fusing them, the same decoded tokens and decisions,
-and the cases where it does not apply.
+The two-context prefill attention and the two-query decode attention against the masked
+reference (tiny tensors), and on the real default model: the same logits, probe states and
+attention rows as prefilling each context on its own and fusing them, steps and rollback,
+the same decoded tokens and decisions, and the cases where it does not apply.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from tokrag_integrations import cpu_kernels as K
 from tokrag_integrations.api import generate
 from tokrag_integrations.decoding import (
     ContextSpec,
+    ContextView,
     fuse_batches,
     prefill_packed,
     prefill_roles,
     shared_prefill,
 )
-from tokrag_integrations.kv_cache import GrowableLayer
 from tokrag_integrations.prompts import PromptBuilder
 
 FICTION = (
@@ -36,27 +36,6 @@ def _specs(lm, q, ps):
         "pure": ContextSpec(plan.pure_ids),
         "rag": ContextSpec(plan.rag_ids, plan.retrieved_positions),
     }
-
-
-def test_expect_packed_splits_one_sequence_into_left_padded_rows():
-    layer = GrowableLayer()
-    layer.expect_packed([[(0, 2), (5, 7)], [(0, 5)]])
-    k = torch.arange(7.0).view(1, 1, 7, 1).expand(1, 2, 7, 3).contiguous()
-    v = -k
-    got_k, got_v = layer.update(k, v)
-    assert got_k is k and got_v is v  # the packed pass attends within its own sequence
-    assert layer.keys.shape == (2, 2, 5, 3)
-    assert layer.keys[0, 0, :, 0].tolist() == [0.0, 0.0, 1.0, 5.0, 6.0]  # one zero of padding
-    assert layer.keys[1, 0, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
-    assert torch.equal(layer.values, -layer.keys)
-    assert layer.get_seq_length() == 5
-    # Later updates append to every row.
-    layer.update(torch.full((2, 2, 1, 3), 9.0), torch.full((2, 2, 1, 3), -9.0))
-    assert layer.keys.shape == (2, 2, 6, 3) and layer.keys[:, :, -1].eq(9.0).all()
-    with pytest.raises(RuntimeError, match="fresh"):
-        layer.expect_packed([[(0, 1)]])
-    with pytest.raises(ValueError, match="non-empty"):
-        GrowableLayer().expect_packed([[(0, 1)], []])
 
 
 class _Attn(torch.nn.Module):
@@ -84,37 +63,69 @@ def test_packed_attention_equals_the_masked_product(head):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+def test_two_queries_of_one_sequence_attend_under_an_additive_mask():
+    """A packed decode step (one sequence, two new positions, each context seeing its own
+    keys) takes the flash path with the mask and equals the masked reference."""
+    torch.manual_seed(1)
+    q = torch.randn(1, 6, 2, 8)
+    k = torch.randn(1, 2, 12, 8)
+    v = torch.randn(1, 2, 12, 8)
+    visible = torch.zeros(2, 12, dtype=torch.bool)
+    visible[0, :3] = True
+    visible[0, 9:11] = True
+    visible[1, :9] = True
+    visible[1, 11] = True
+    mask = torch.zeros(2, 12).masked_fill_(~visible, float("-inf"))[None, None]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True, scale=0.2)
+    got, _ = K.few_query_attention(_Attn(), q, k, v, mask, scaling=0.2)
+    torch.testing.assert_close(got, want.transpose(1, 2), atol=1e-5, rtol=0)
+
+
 def _packed_model(lm):
     if lm.model.config._attn_implementation != K.ATTN_IMPLEMENTATION:
         pytest.skip("model not on the few-query attention path")
 
 
-def test_packed_prefill_equals_separate_prefills_fused(lm):
+def test_packed_batch_equals_separate_prefills_fused(lm):
     _packed_model(lm)
-    specs = [_specs(lm, *FICTION)]
+    spec = _specs(lm, *FICTION)
     roles = ["pure", "rag"]
     probe = frozenset(roles)
     with torch.inference_mode():
-        sep = prefill_roles(roles, specs, lm, probe)
+        sep = prefill_roles(roles, [spec], lm, probe)
         want = fuse_batches([sep["pure"], sep["rag"]])
-        got = prefill_packed(roles, specs, lm, probe)
+        got = prefill_packed(roles, [spec], lm, probe)
         assert got is not None and want is not None
-        assert got.pad == want.pad and got.pad[0] > 0 and got.pad[1] == 0
-        assert torch.equal(got.mask, want.mask) and torch.equal(got.ids, want.ids)
+        n_pure, n_rag = len(spec["pure"].ids), len(spec["rag"].ids)
+        # One sequence: the RAG prompt, then the pure prompt after the head both share.
+        assert got.cache.layers[0].keys.shape[0] == 1
+        assert got.mask.shape == (2, got.cache.get_seq_length())
+        assert got.mask[1].sum().item() == n_rag and got.mask[0].sum().item() == n_pure
         torch.testing.assert_close(got.logits, want.logits, atol=2e-4, rtol=0)
-        for a, b in zip(got.cache.layers, want.cache.layers, strict=True):
-            assert a.keys.shape == b.keys.shape
-            torch.testing.assert_close(a.keys, b.keys, atol=2e-4, rtol=0)
-            torch.testing.assert_close(a.values, b.values, atol=2e-4, rtol=0)
-            assert a.keys[0, :, : got.pad[0]].abs().max().item() == 0.0
         # The probe keeps each context's last position, as separate prefills do.
         torch.testing.assert_close(got.records.resid, want.records.resid, atol=2e-3, rtol=1e-4)
         for c1, c2 in zip(got.records.cos, want.records.cos, strict=True):
             torch.testing.assert_close(c1, c2)
-        # And decoding goes on from it as from the fused batch.
+        for _ in range(2):  # the prefill's rows, then a step's
+            rows = {}
+            for name, b in (("got", got), ("want", want)):
+                view = ContextView(b, 1, b.records.select([1]))
+                att = view.attention_all()
+                seen = b.mask[1].bool()
+                rows[name] = att[..., seen]  # the keys the RAG context sees, in order
+            torch.testing.assert_close(rows["got"], rows["want"], atol=2e-4, rtol=0)
+            rt = ContextView(got, 1, None).rt_positions
+            assert torch.equal(rt, ContextView(want, 1, None).rt_positions)  # no padding
+            got.forward(torch.tensor([11, 11]))
+            want.forward(torch.tensor([11, 11]))
+            torch.testing.assert_close(got.logits, want.logits, atol=2e-4, rtol=0)
+        # Rolling both contexts back and replaying gives the same logits.
+        before = got.logits.clone()
+        got.rollback([1, 1])
         got.forward(torch.tensor([11, 11]))
-        want.forward(torch.tensor([11, 11]))
-        torch.testing.assert_close(got.logits, want.logits, atol=2e-4, rtol=0)
+        torch.testing.assert_close(got.logits, before, atol=1e-5, rtol=0)
+        with pytest.raises(ValueError, match="alike"):
+            got.rollback([1, 0])
 
 
 def test_packed_decoding_gives_the_same_answer(lm, monkeypatch):

@@ -1,9 +1,9 @@
 """The probe: last-position states read during the ordinary forward pass, without hooks.
 
 On the real default model: the tapped states equal what module hooks see, the attention
-input derived from the residuals equals the attention module's input, the attention rows a
-probed step keeps equal the rows recomputed from the cache (and the eager model's), and a
-forward pass outside a probe is untouched.
+input derived from the residuals equals the attention module's input, the attention rows
+computed from the rotated queries a probed step keeps equal the rows recomputed from the
+attention input, and a forward pass outside a probe is untouched.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from tokrag_integrations.attention import (
     ACTIVE_TAP,
     Probe,
     ProbeRecord,
+    attention_from_queries,
     attention_rows,
     cached_keys,
     model_parts,
@@ -115,10 +116,10 @@ def test_no_probe_no_tap_and_same_logits(lm):
         p.take()
 
 
-def test_tapped_attention_equals_recomputed_rows(lm):
-    """A probed decode step of a fused (left-padded) batch keeps each row's attention as the
-    forward pass computed it; it equals the rows recomputed from the cache, with zeros on the
-    padding."""
+def test_kept_queries_give_the_recomputed_rows(lm):
+    """A probed decode step of a fused (left-padded) batch keeps each row's rotated query;
+    the attention row computed from it equals the row recomputed from the attention input
+    (query projection, rotary), with zeros on the padding."""
     if lm.model.config._attn_implementation != K.ATTN_IMPLEMENTATION:
         pytest.skip("model not on the few-query attention path")
     parts = model_parts(lm.model)
@@ -128,26 +129,26 @@ def test_tapped_attention_equals_recomputed_rows(lm):
         a.forward(None)
         b.forward(None)
         fused = fuse_batches([a, b])
-        assert fused is not None and fused.records.attn is None  # a prefill keeps no rows
+        assert fused is not None and fused.records.query is not None  # the prefill's last one
         fused.forward(torch.tensor([11, 11]))
         rec = fused.records
-        assert rec.attn is not None and len(rec.attn) == parts.num_layers
+        assert rec.query is not None and len(rec.query) == parts.num_layers
+        assert rec.query[0].shape == (2, parts.attn[0].config.num_attention_heads, parts.attn[0].head_dim)
+        assert rec.query_scale == [parts.attn[0].scaling] * parts.num_layers
         seen = fused.mask.shape[1]
         pad = fused.pad[0]
         assert pad > 0 and fused.pad[1] == 0
         for row in (0, 1):
             one = rec.select([row])
-            tapped = torch.stack([one.attention_taps(i, 0, seen) for i in range(parts.num_layers)])
-            recomputed = ProbeRecord(one.resid, None, one.cos, one.sin, norms=one.norms)
             keys = [cached_keys(fused.cache, i)[row : row + 1] for i in range(parts.num_layers)]
             valid = fused.mask[row : row + 1].bool()
+            got = attention_from_queries([q[0] for q in one.query], one.query_scale, keys, valid, seen)
+            recomputed = ProbeRecord(one.resid, None, one.cos, one.sin, norms=one.norms)
             want = attention_rows(parts, recomputed, keys, valid, seen)
-            torch.testing.assert_close(tapped, want, atol=1e-5, rtol=0)
-            torch.testing.assert_close(tapped.sum(-1), torch.ones_like(tapped[..., 0]), atol=1e-5, rtol=0)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            torch.testing.assert_close(got.sum(-1), torch.ones_like(got[..., 0]), atol=1e-5, rtol=0)
             if row == 0:
-                assert tapped[..., :pad].abs().max().item() == 0.0
-        # Taps are only used for the length they were computed at.
-        assert rec.select([1]).attention_taps(0, 0, seen - 1) is None
+                assert got[..., :pad].abs().max().item() == 0.0
 
 
 class _Attn(torch.nn.Module):
@@ -159,9 +160,9 @@ class _Attn(torch.nn.Module):
 @pytest.mark.parametrize(
     "rows,mask_kind", [(1, "none"), (2, "left"), (3, "holes"), (6, "left"), (2, "float")]
 )
-def test_tapped_attention_function_equals_reference(rows, mask_kind):
+def test_attention_function_keeps_the_rotated_queries(rows, mask_kind):
     """Under a probe, the one-query attention computes the same output as without one and
-    keeps each row's probabilities (zero on masked keys)."""
+    leaves each row's query and the scaling in the tap."""
     from tokrag_integrations.attention import _Tap
 
     torch.manual_seed(rows)
@@ -192,10 +193,29 @@ def test_tapped_attention_function_equals_reference(rows, mask_kind):
         ACTIVE_TAP.reset(token)
     assert weights is None
     torch.testing.assert_close(got, want_out, atol=1e-5, rtol=1e-5)
-    plain, _ = K.few_query_attention(_Attn(), q, k, v, mask, scaling=0.3)
-    torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
-    assert tap.attn[0] is not None and len(tap.attn[0]) == rows
-    for r, (start, p) in enumerate(tap.attn[0]):
-        full = torch.nn.functional.pad(p, (start, 0))
-        torch.testing.assert_close(full, want_p[r], atol=1e-6, rtol=1e-5)
-        assert full[:, ~valid[r]].abs().max().item() == 0.0 if (~valid[r]).any() else True
+    assert torch.equal(tap.query[0], q[:, :, 0]) and tap.scale[0] == 0.3
+    # The kept query gives the reference probabilities, row by row.
+    for r in range(rows):
+        p = attention_from_queries([tap.query[0][r]], [0.3], [k[r : r + 1]], valid[r : r + 1], t)
+        torch.testing.assert_close(p[0], want_p[r], atol=1e-6, rtol=1e-5)
+
+
+def test_probe_positions_keep_those_positions():
+    """A probe on chosen positions of a one-sequence batch keeps those queries as rows."""
+    from tokrag_integrations.attention import _Tap
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 6, 3, 8)
+    k = torch.randn(1, 2, 5, 8)
+    v = torch.randn(1, 2, 5, 8)
+    mask = torch.zeros(1, 1, 3, 5)
+    mask[0, 0, 0, 4] = float("-inf")
+    for positions in ([2, 0], [1, 2]):
+        tap = _Tap(1, positions)
+        token = ACTIVE_TAP.set((tap,))
+        try:
+            K.few_query_attention(_Attn(), q, k, v, mask, scaling=0.5)
+        finally:
+            ACTIVE_TAP.reset(token)
+        want = q[0, :, positions].transpose(0, 1)
+        assert torch.equal(tap.query[0], want)

@@ -114,20 +114,17 @@ def check_supported(model: Any) -> None:
     model_parts(model)
 
 
-#: Per layer, per batch row: (first attended key position, [H, T - start] probabilities).
-AttnTaps = list[list[tuple[int, torch.Tensor]]]
-
-
 class ProbeRecord:
     """Last-position states of one forward pass.
 
-    Shapes (B = batch rows, L = layers, d = hidden size, hd = head dim):
+    Shapes (B = batch rows, L = layers, d = hidden size, H = heads, hd = head dim):
     ``resid`` [L+1, B, d] (h^0 = embeddings, h^l = output of layer l, before the final
     norm); ``attn_in`` [L, B, d] (the normed input of each attention module; derived from
     ``resid`` on first access when the probe did not store it); ``cos``/``sin`` lists of
-    [B, hd] (each layer's rotary embedding of the last position); ``attn`` (optional) the
-    attention probabilities of the last position that the forward pass itself computed, per
-    layer and row (see :data:`AttnTaps`), so they need not be recomputed from the cache.
+    [B, hd] (each layer's rotary embedding of the last position); ``query`` (optional) per
+    layer the rotated query of the last position, [B, H, hd], as the forward pass computed
+    it, with ``query_scale`` its attention scaling: an attention row is then one ``q·K`` away
+    (no projection to redo).
     """
 
     def __init__(
@@ -138,16 +135,20 @@ class ProbeRecord:
         sin: list[torch.Tensor],
         *,
         norms: list[Any] | None = None,
-        attn: AttnTaps | None = None,
+        query: list[torch.Tensor] | None = None,
+        query_scale: list[float] | None = None,
     ):
         if attn_in is None and norms is None:
             raise ValueError("ProbeRecord needs attn_in or the layers' input norms to derive it")
+        if (query is None) != (query_scale is None):
+            raise ValueError("ProbeRecord takes query and query_scale together")
         self.resid = resid
         self._attn_in = attn_in
         self.cos = cos
         self.sin = sin
         self.norms = norms
-        self.attn = attn
+        self.query = query
+        self.query_scale = query_scale
 
     @property
     def attn_in(self) -> torch.Tensor:
@@ -159,69 +160,74 @@ class ProbeRecord:
 
     def select(self, rows: torch.Tensor | list[int]) -> ProbeRecord:
         idx = torch.as_tensor(rows, dtype=torch.long, device=self.resid.device)
-        keep = [int(r) for r in idx]
         return ProbeRecord(
             resid=self.resid.index_select(1, idx),
             attn_in=None if self._attn_in is None else self._attn_in.index_select(1, idx),
             cos=[c.index_select(0, idx) for c in self.cos],
             sin=[s.index_select(0, idx) for s in self.sin],
             norms=self.norms,
-            attn=None if self.attn is None else [[layer[r] for r in keep] for layer in self.attn],
+            query=None if self.query is None else [q.index_select(0, idx) for q in self.query],
+            query_scale=self.query_scale,
         )
 
     @staticmethod
     def cat(records: list[ProbeRecord]) -> ProbeRecord:
         """The rows of several records, in order (one record per fused role batch)."""
         lazy = any(r._attn_in is None for r in records)
-        taps = None
-        if all(r.attn is not None for r in records):
-            taps = [[t for r in records for t in r.attn[i]] for i in range(len(records[0].attn))]  # type: ignore[index]
+        keep_q = all(r.query is not None for r in records) and all(
+            r.query_scale == records[0].query_scale for r in records
+        )
         return ProbeRecord(
             resid=torch.cat([r.resid for r in records], dim=1),
             attn_in=None if lazy else torch.cat([r.attn_in for r in records], dim=1),
             cos=[torch.cat(c) for c in zip(*(r.cos for r in records), strict=True)],
             sin=[torch.cat(c) for c in zip(*(r.sin for r in records), strict=True)],
             norms=records[0].norms,
-            attn=taps,
+            query=(
+                [torch.cat(q) for q in zip(*(r.query for r in records), strict=True)]  # type: ignore[arg-type]
+                if keep_q
+                else None
+            ),
+            query_scale=records[0].query_scale if keep_q else None,
         )
-
-    def attention_taps(self, layer_idx: int, row: int, seen_len: int) -> torch.Tensor | None:
-        """[H, seen_len] attention of ``row`` at one layer as the forward pass computed it
-        (zeros before the row's first key), or None when it was not tapped for that length."""
-        if self.attn is None:
-            return None
-        start, probs = self.attn[layer_idx][row]
-        if start + probs.shape[-1] != seen_len:
-            return None
-        return torch.nn.functional.pad(probs, (start, 0)) if start else probs
 
 
 class _Tap:
     """Where the forward pass of an active :class:`Probe` leaves its last-position states."""
 
-    __slots__ = ("resid", "cos", "sin", "attn", "pe", "positions")
+    __slots__ = ("resid", "cos", "sin", "query", "scale", "pe", "positions")
 
     def __init__(self, n_layers: int, positions: list[int] | None = None):
         # Sequence positions to keep (each becomes a record row; batch 1 only), None = the
-        # last position of every batch row.
-        self.positions = positions
+        # last position of every batch row. Consecutive positions index as a slice (views).
+        self.positions: slice | torch.Tensor | None = None
+        if positions is not None:
+            p0 = positions[0] if positions else 0
+            if positions == list(range(p0, p0 + len(positions))):
+                self.positions = slice(p0, p0 + len(positions))
+            else:
+                self.positions = torch.tensor(positions, dtype=torch.long)
         self.pe: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.resid: list[torch.Tensor | None] = [None] * (n_layers + 1)
         self.cos: list[torch.Tensor | None] = [None] * n_layers
         self.sin: list[torch.Tensor | None] = [None] * n_layers
-        self.attn: list[list[tuple[int, torch.Tensor]] | None] = [None] * n_layers
+        # Per layer: the rotated query of each record row [rows, H, hd] and its scaling, left
+        # by an attention function that knows them (:mod:`.cpu_kernels`).
+        self.query: list[torch.Tensor | None] = [None] * n_layers
+        self.scale: list[float | None] = [None] * n_layers
 
 
 #: The taps of the probes active in this thread / task, innermost last (empty: nothing is kept).
 ACTIVE_TAP: contextvars.ContextVar[tuple[_Tap, ...]] = contextvars.ContextVar("tokrag_tap", default=())
 
 
-def _last(t: torch.Tensor, positions: list[int] | None = None) -> torch.Tensor:
+def _last(t: torch.Tensor, positions: slice | torch.Tensor | None = None) -> torch.Tensor:
     # A decode step's tensors are [B, 1, ...]: a view keeps nothing large alive. A prefill's
     # are [B, T, ...]: copy the last position so the rest can be freed. With ``positions``
     # (a packed batch-1 sequence holding several contexts) those positions become the rows.
     if positions is not None:
-        return t[0, positions].detach()
+        out = t[0, positions].detach()  # a view for a slice, a copy for an index
+        return out.clone() if isinstance(positions, slice) and t.shape[1] > out.shape[0] else out
     return t[:, -1].detach() if t.shape[1] == 1 else t[:, -1].detach().clone()
 
 
@@ -337,14 +343,15 @@ class Probe:
         hooked = bool(self._handles)
         if hooked and any(a is None for a in self._attn_in):
             raise RuntimeError("Probe.take() called before a forward pass")
-        attn = None if any(a is None for a in tap.attn) else list(tap.attn)
+        kept = all(q is not None for q in tap.query)
         return ProbeRecord(
             resid=torch.stack(tap.resid),  # type: ignore[arg-type]
             attn_in=torch.stack(self._attn_in) if hooked else None,  # type: ignore[arg-type]
             cos=list(tap.cos),  # type: ignore[arg-type]
             sin=list(tap.sin),  # type: ignore[arg-type]
             norms=None if hooked else [layer.input_layernorm for layer in self.parts.layers],
-            attn=attn,  # type: ignore[arg-type]
+            query=list(tap.query) if kept else None,  # type: ignore[arg-type]
+            query_scale=list(tap.scale) if kept else None,  # type: ignore[arg-type]
         )
 
     def __exit__(self, *exc: Any) -> None:
@@ -463,15 +470,40 @@ def attention_rows(
     cos = torch.stack([c[0] for c in record.cos])[:, None]  # [L, 1, hd]
     sin = torch.stack([s_[0] for s_ in record.sin])[:, None]
     q, _ = parts.rotary_fns[0](q, q, cos, sin)
-    n_heads, n_kv = q.shape[1], keys[0].shape[1]
+    return attention_from_queries(q[:, :, 0], [first.scaling] * n_layers, keys, key_valid, seen_len)
+
+
+def attention_from_queries(
+    queries: torch.Tensor | list[torch.Tensor],
+    scales: list[float],
+    keys: list[torch.Tensor],
+    key_valid: torch.Tensor,
+    seen_len: int,
+) -> torch.Tensor:
+    """Attention probabilities of one position at every layer from its rotated queries
+    (``queries`` [L, H, hd], or a list of [H, hd]; ``scales`` each layer's scaling) and the
+    cached keys (each [1, kv_heads, T, hd], ``T >= seen_len``) over the valid keys
+    (``key_valid`` [1, seen_len] bool). Returns [L, H, seen_len] (zeros where not valid).
+    Full attention without soft-capping, as :func:`attention_rows` computes it."""
+    n_layers = len(keys)
+    valid = key_valid[0, :seen_len]
+    # Keys before the row's first valid one (left padding) are skipped, not just masked.
+    start = int(valid.int().argmax()) if bool(valid.any()) else 0
+    n_heads, head_dim = queries[0].shape
+    n_kv = keys[0].shape[1]
     groups = n_heads // n_kv
-    qg = q.view(n_layers, n_kv, groups, head_dim).float()
-    scores = torch.empty(n_layers, n_kv, groups, seen_len)
+    scores = torch.empty(n_layers, n_kv, groups, seen_len - start)
     for i in range(n_layers):
-        torch.matmul(qg[i], keys[i][0, :, :seen_len].float().transpose(-1, -2), out=scores[i])
-    scores = scores.view(n_layers, n_heads, seen_len).mul_(first.scaling)
-    scores = scores.masked_fill_(~key_valid[:, None, :seen_len], float("-inf"))
-    return torch.softmax(scores, dim=-1)
+        qg = queries[i].reshape(n_kv, groups, head_dim).float()
+        torch.matmul(qg, keys[i][0, :, start:seen_len].float().transpose(-1, -2), out=scores[i])
+    scores = scores.view(n_layers, n_heads, seen_len - start)
+    if len(set(scales)) == 1:
+        scores.mul_(scales[0])
+    else:
+        scores.mul_(torch.tensor(scales, dtype=scores.dtype)[:, None, None])
+    scores = scores.masked_fill_(~valid[None, None, start:], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.nn.functional.pad(probs, (start, 0)) if start else probs
 
 
 def logit_lens(parts: ModelParts, resid: torch.Tensor, *, final_norm: bool = True) -> torch.Tensor:

@@ -407,21 +407,14 @@ def few_query_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     b, h, q, hd = query.shape
+    active = ACTIVE_TAP.get()
+    if active:
+        _keep_queries(module, query, key, dropout, scaling, kwargs, active)
     packed = PACKED_PREFILL.get()
     if packed is not None and b == 1 and q == key.shape[2] and q > packed[0]:
         got = _packed_attention(module, query, key, value, dropout, scaling, kwargs, *packed)
         if got is not None:
             return got, None
-    active = ACTIVE_TAP.get()
-    if active and q == 1:
-        got = _tapped_attention(module, query, key, value, attention_mask, dropout, scaling, kwargs)
-        if got is not None:
-            out, probs = got
-            idx = getattr(module, "layer_idx", None)
-            for tap in active:
-                if idx is not None and 0 <= idx < len(tap.attn):
-                    tap.attn[idx] = probs
-            return out, None
     if (
         attention_mask is None
         or q > MAX_ROWS
@@ -450,9 +443,10 @@ def few_query_attention(
                 ]
             )
             return out.transpose(1, 2).contiguous(), None
-    if q == 1:
-        # One query per row (a decode step of a padded or fused batch): torch's CPU flash
-        # kernel takes the mask and the key/value heads as they are.
+    if q == 1 or (b == 1 and attention_mask.dtype != torch.bool):
+        # One query per row (a decode step of a padded or fused batch), or several queries of
+        # one sequence under an additive mask (a packed two-context step): torch's CPU flash
+        # kernel takes the mask and the key/value heads as they are, and reads each key once.
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=scale, enable_gqa=True
         )
@@ -542,51 +536,39 @@ def _grouped_attention(
     return out.view(b, h, q, hd).transpose(1, 2).contiguous(), probs
 
 
-def _tapped_attention(
+def _keep_queries(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
     dropout: float,
     scaling: float | None,
     kwargs: dict[str, Any],
-) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]] | None:
-    """One query per row, computed explicitly so that its probabilities can be kept (for a
-    probed step: Tok-RAG's f(l) and Att then need no recomputation from the cache). Up to
-    :data:`MAX_SPLIT_ROWS` left-padded (or unmasked) rows attend each to its own keys; more
-    rows, or a mask with holes, go as one masked product. None where neither applies (then
-    the step runs as usual and the rows are recomputed when read). Returns the attention
-    output [B, 1, H, hd] and, per row, (first key, [H, T - first]) (masked keys: 0)."""
-    b, h, _, hd = query.shape
-    hkv = key.shape[1]
-    if not _plain_attention(module, query, key, dropout, kwargs) or getattr(
-        module, "sliding_window", None
-    ):
-        return None
-    if attention_mask is None:
-        starts: list[int] | None = [0] * b
-    elif attention_mask.dim() == 4 and attention_mask.shape[2] == 1:
-        starts = _left_pad_starts(attention_mask)
-    else:
-        return None
-    scale = scaling if scaling is not None else hd**-0.5
-    g = h // hkv
-    if starts is not None and b <= MAX_SPLIT_ROWS:
-        # Few rows: each attends to its own keys (no work on another row's padding).
-        out = query.new_empty((b, 1, h, hd))
-        rows = []
-        for r, s_ in enumerate(starts):
-            # Query head i*g + j reads key/value head i: [Hkv, g, hd] @ [Hkv, hd, T'].
-            scores = torch.matmul(query[r].reshape(hkv, g, hd), key[r, :, s_:].transpose(-1, -2))
-            probs = torch.softmax(scores.mul_(scale), dim=-1, dtype=torch.float32).to(value.dtype)
-            out[r, 0] = torch.matmul(probs, value[r, :, s_:]).view(h, hd)
-            rows.append((s_, probs.view(h, -1)))
-        return out, rows
-    # Many rows, or a mask with holes: one masked product (masked keys get probability 0).
-    out, probs = _grouped_attention(query, key, value, attention_mask, scale)
-    flat = probs.view(b, h, key.shape[2])
-    return out, [(0, flat[r]) for r in range(b)]
+    taps: tuple[Any, ...],
+) -> None:
+    """Leave each active probe's rows of this layer's rotated query (and its scaling) in its
+    tap, so that an attention row read later is one ``q·K`` with the cached keys. Only for
+    attention the recomputation reproduces (:func:`_plain_attention`, no sliding window)."""
+    idx = getattr(module, "layer_idx", None)
+    if idx is None or getattr(module, "sliding_window", None):
+        return
+    if not _plain_attention(module, query, key, dropout, kwargs):
+        return
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    for tap in taps:
+        if not 0 <= idx < len(tap.query):
+            continue
+        if tap.positions is not None:
+            if query.shape[0] != 1:
+                continue
+            rows = query[0, :, tap.positions].transpose(0, 1)  # [rows, H, hd]
+            if query.shape[2] > rows.shape[0] and isinstance(tap.positions, slice):
+                rows = rows.clone()  # not a view keeping a whole prefill's queries alive
+        else:
+            rows = query[:, :, -1]
+            if query.shape[2] > 1:
+                rows = rows.clone()  # a prefill: keep the last position, not the whole pass
+        tap.query[idx] = rows.detach()
+        tap.scale[idx] = scale
 
 
 def _register_attention() -> None:

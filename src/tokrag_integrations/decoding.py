@@ -25,6 +25,7 @@ from .attention import (
     ModelParts,
     Probe,
     ProbeRecord,
+    attention_from_queries,
     attention_row,
     cached_keys,
     install_taps,
@@ -105,17 +106,18 @@ class ContextView:
             raise RuntimeError("this policy did not ask for probe records of this context")
         if layer_idx not in self._attn:
             b, r, seen = self._batch, self._row, self._seen
-            tapped = rec.attention_taps(layer_idx, 0, seen)
-            if tapped is not None:
-                self._attn[layer_idx] = tapped
-                return tapped
-            keys = cached_keys(b.cache, layer_idx)[r : r + 1]
+            keys = cached_keys(b.cache, layer_idx)[b.cache_row(r)][None]
             if keys.shape[2] > seen:  # a full cache holding later positions of a block
                 keys = keys[:, :, :seen]
             valid = b.mask[r : r + 1, :seen].bool()
-            self._attn[layer_idx] = attention_row(b.parts, layer_idx, rec, keys, valid, seen)[0]
+            if rec.query is not None and keys.shape[2] == seen:
+                got = attention_from_queries(
+                    [rec.query[layer_idx][0]], [rec.query_scale[layer_idx]], [keys], valid, seen  # type: ignore[index]
+                )[0]
+            else:
+                got = attention_row(b.parts, layer_idx, rec, keys, valid, seen)[0]
+            self._attn[layer_idx] = got
         return self._attn[layer_idx]
-
 
     def attention_all(self) -> torch.Tensor:
         """[L, H, T] attention of the last position at every layer (recomputed in one go)."""
@@ -127,19 +129,18 @@ class ContextView:
             raise RuntimeError("this policy did not ask for probe records of this context")
         b, r, seen = self._batch, self._row, self._seen
         n = len(b.cache.layers)
-        if rec.attn is not None:
-            # The forward pass computed these rows already (a probed step on CPU).
-            tapped = [rec.attention_taps(i, 0, seen) for i in range(n)]
-            if all(t is not None for t in tapped):
-                out = torch.stack(tapped)  # type: ignore[arg-type]
-                for i in range(n):
-                    self._attn.setdefault(i, out[i])
-                return out
         if any(not is_full_layer(b.cache.layers[i]) for i in range(n)):
             return torch.stack([self.attention(i) for i in range(n)])
-        keys = [cached_keys(b.cache, i)[r : r + 1] for i in range(n)]
+        cr = b.cache_row(r)
+        keys = [cached_keys(b.cache, i)[cr][None] for i in range(n)]
         valid = b.mask[r : r + 1, :seen].bool()
-        out = attention_rows(b.parts, rec, keys, valid, seen)
+        if rec.query is not None:
+            # The forward pass left this position's rotated queries: one q·K per layer.
+            out = attention_from_queries(
+                [q[0] for q in rec.query], rec.query_scale, keys, valid, seen  # type: ignore[arg-type]
+            )
+        else:
+            out = attention_rows(b.parts, rec, keys, valid, seen)
         for i in range(n):
             self._attn.setdefault(i, out[i])
         return out
@@ -237,6 +238,11 @@ class _RoleBatch:
         self.cache = new_cache(lm.model)
         self.logits: torch.Tensor = torch.empty(0)
         self.records: ProbeRecord | None = None
+
+    def cache_row(self, row: int) -> int:
+        """The KV-cache row holding ``row``'s keys (one per row here; a packed batch keeps
+        all its contexts in one)."""
+        return row
 
     def fork(self, probe: bool) -> _RoleBatch:
         """A copy that can advance independently (own KV cache; other tensors are rebound,
@@ -490,9 +496,88 @@ def prefill_roles(
 
 
 def packed_prefill_enabled() -> bool:
-    """Whether one query's two contexts are prefilled as one packed sequence
-    (``TOKRAG_PACKED_PREFILL``, default on; ``0`` prefills each context on its own)."""
+    """Whether one query's two contexts are decoded as one packed sequence
+    (``TOKRAG_PACKED_PREFILL``, default on; ``0`` prefills each context on its own and
+    decodes them as a fused two-row batch)."""
     return os.environ.get("TOKRAG_PACKED_PREFILL", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+class _PackedBatch(_RoleBatch):
+    """One query's two contexts in one sequence of one KV cache.
+
+    The sequence is the longer prompt, then the shorter prompt's part after the head both
+    share, then per step one token for each context (in row order). ``mask`` [2, T] says
+    which positions each context sees (its own prompt, the shared head, its own tokens), so
+    :class:`ContextView` reads a row as of any batch; every row lives in cache row 0. A step
+    is one forward pass of two query positions under that mask: the keys are read once for
+    both contexts (a fused two-row batch reads each row's own keys in a call of its own).
+    """
+
+    def cache_row(self, row: int) -> int:
+        return 0
+
+    def forward(self, new_ids: torch.Tensor | None) -> None:
+        """Advance both contexts by one token (``new_ids`` [2] long, in row order)."""
+        if new_ids is None:
+            raise RuntimeError("a packed batch is prefilled by prefill_packed")
+        dev = self.ids.device
+        t = self.mask.shape[1]
+        self.mask = torch.cat([self.mask, torch.eye(2, dtype=self.mask.dtype, device=dev)], dim=1)
+        pos = self._next[None].clone()
+        self._next = self._next + 1
+        self._step(new_ids.view(1, 2).to(dev), pos, t + 2)
+
+    def _step(self, inp: torch.Tensor, pos: torch.Tensor, n: int) -> None:
+        visible = self.mask[:, :n].bool()
+        # Additive: 0 where a context sees a key, -inf elsewhere (the CPU flash path).
+        mask = torch.zeros(visible.shape, dtype=self.lm.model.dtype, device=visible.device)
+        mask = mask.masked_fill_(~visible, float("-inf"))[None, None]
+        logits = self._run(inp, pos, mask, keep=inp.shape[1], positions=[0, 1])
+        self.logits = logits[0]
+
+    def _run(
+        self,
+        inp: torch.Tensor,
+        pos: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        keep: int | torch.Tensor,
+        positions: list[int],
+    ) -> torch.Tensor:
+        model = self.lm.model
+        kwargs = dict(
+            input_ids=inp,
+            attention_mask=mask,
+            position_ids=pos,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        if self.probe:
+            with Probe(model, positions=positions) as p:
+                out = model(**kwargs)
+            self.records = p.take()
+        else:
+            out = model(**kwargs)
+            self.records = None
+        self.cache = out.past_key_values
+        return out.logits.float()
+
+    def extend(self, new_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a packed batch advances one token per context at a time")
+
+    def fork(self, probe: bool) -> _RoleBatch:
+        raise RuntimeError("a packed batch is not shared")
+
+    def rollback(self, stale: Sequence[int]) -> None:
+        """Forget each context's last ``k`` tokens (the same ``k`` for both)."""
+        if len(set(stale)) != 1:
+            raise ValueError(f"a packed batch rolls both contexts back alike, got {list(stale)}")
+        k = int(stale[0])
+        if k:
+            self.cache.crop(-2 * k)
+            self.mask = self.mask[:, : -2 * k]
+            self._next = self._next - k
 
 
 def prefill_packed(
@@ -501,19 +586,18 @@ def prefill_packed(
     lm: LoadedModel,
     probe_roles: frozenset[str] | set[str],
 ) -> _RoleBatch | None:
-    """Prefill one query's two contexts in one forward pass and return them as one fused,
-    left-padded batch (rows in ``roles`` order), ready to decode like :func:`fuse_batches`'.
+    """Prefill one query's two contexts in one forward pass, as one packed sequence that is
+    then decoded in one pass per step (:class:`_PackedBatch`; rows in ``roles`` order).
 
     The pure prompt is the RAG prompt's head plus the question, so the pass runs the longer
     prompt followed by the shorter one's part after the head they share; positions restart
-    at the head for that part, and the attention keeps the two apart (a 4D mask, computed
-    as two causal products by :func:`.cpu_kernels.few_query_attention`). The keys and
-    values go straight into the fused batch's rows (:meth:`.kv_cache.GrowableLayer.
-    expect_packed`). Costs about what prefilling the longer prompt alone does: the short
-    part rides in a pass that is compute-bound, instead of a pass of its own that reads every
-    weight. Returns None where this does not apply (not one query with two contexts, a
-    shared-prefill store active, attention other than this package's CPU path, caches that
-    are not full attention, ``TOKRAG_PACKED_PREFILL=0``).
+    at the head for that part, and a 4D mask keeps the two apart (computed as two causal
+    products by :func:`.cpu_kernels.few_query_attention`). Costs about what prefilling the
+    longer prompt alone does: the short part rides in a pass that is compute-bound, instead
+    of a pass of its own that reads every weight. Returns None where this does not apply
+    (not one query with two contexts, a shared-prefill store active, attention other than
+    this package's CPU path, caches that are not full attention, retrieved positions in the
+    shorter prompt past the shared head, ``TOKRAG_PACKED_PREFILL=0``).
     """
     from .cpu_kernels import ATTN_IMPLEMENTATION, PACKED_PREFILL
     from .kv_cache import GrowableLayer, new_cache
@@ -540,58 +624,47 @@ def prefill_packed(
             break
         h += 1
     h = min(h, len(short_ids) - 1)  # the short prompt's last token must run (its logits)
-    r = len(long_ids)
-    n_seq = r + len(short_ids) - h
-    segs = {lo: [(0, r)], so: ([(0, h)] if h else []) + [(r, n_seq)]}
-    for layer in cache.layers:
-        layer.expect_packed([segs[0], segs[1]])
-    last = {lo: r - 1, so: n_seq - 1}
-    keep = [last[0], last[1]]
-    dev = lm.model.device
-    seq = torch.tensor([long_ids + short_ids[h:]], dtype=torch.long, device=dev)
-    pos = torch.cat([torch.arange(r), torch.arange(h, len(short_ids))]).to(dev)[None]
-    mask = torch.ones(n_seq, n_seq, dtype=torch.bool, device=dev).tril_()
-    mask[r:, h:r] = False  # the short context sees the shared head, not the rest
-    kwargs = dict(
-        input_ids=seq,
-        position_ids=pos,
-        attention_mask=mask[None, None],
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=torch.tensor(keep, device=dev),
-    )
+    if any(p >= h for p in specs[so].rt_positions):  # type: ignore[union-attr]
+        return None  # its retrieved positions would not be its cache positions
     probe = any(role in probe_roles for role in roles)
     if probe and not install_taps(model_parts(lm.model)):
         return None  # positions are probed through the layer taps only
+    r = len(long_ids)
+    n_seq = r + len(short_ids) - h
+    dev = lm.model.device
+    seq = torch.tensor([long_ids + short_ids[h:]], dtype=torch.long, device=dev)
+    pos = torch.cat([torch.arange(r), torch.arange(h, len(short_ids))]).to(dev)[None]
+    full = torch.ones(n_seq, n_seq, dtype=torch.bool, device=dev).tril_()
+    full[r:, h:r] = False  # the short context sees the shared head, not the rest
+    last = {lo: r - 1, so: n_seq - 1}
+    keep = [last[0], last[1]]
+    visible = torch.zeros((2, n_seq), dtype=torch.long, device=dev)
+    visible[lo, :r] = 1
+    visible[so, :h] = 1
+    visible[so, r:] = 1
+
+    batch = object.__new__(_PackedBatch)
+    batch.role = "+".join(roles)
+    batch.query_idx = [0, 0]
+    batch.specs = list(specs)  # type: ignore[arg-type]
+    batch.lm = lm
+    batch.probe = probe
+    batch.parts = model_parts(lm.model) if probe else None
+    batch.pad = [0, 0]
+    batch.ids = seq
+    batch.mask = visible
+    batch.cache = cache
+    batch.records = None
+    batch._next = torch.tensor([len(x) for x in ids], dtype=torch.long, device=dev)
     token = PACKED_PREFILL.set((r, h))
     try:
-        if probe:
-            with Probe(lm.model, positions=keep) as p:
-                out = lm.model(**kwargs)
-            records = p.take()
-        else:
-            out = lm.model(**kwargs)
-            records = None
+        logits = batch._run(
+            seq, pos, full[None, None], keep=torch.tensor(keep, device=dev), positions=keep
+        )
     finally:
         PACKED_PREFILL.reset(token)
-    n = max(len(x) for x in ids)
-    fused = object.__new__(_RoleBatch)
-    fused.role = "+".join(roles)
-    fused.query_idx = [0, 0]
-    fused.specs = list(specs)  # type: ignore[arg-type]
-    fused.lm = lm
-    fused.probe = probe
-    fused.parts = model_parts(lm.model) if probe else None
-    fused.pad = [n - len(x) for x in ids]
-    fused.ids = torch.full((2, n), lm.pad_token_id, dtype=torch.long, device=dev)
-    fused.mask = torch.zeros((2, n), dtype=torch.long, device=dev)
-    for row, (x, p_) in enumerate(zip(ids, fused.pad, strict=True)):
-        fused.ids[row, p_:] = torch.tensor(x, dtype=torch.long)
-        fused.mask[row, p_:] = 1
-    fused.cache = out.past_key_values
-    fused.logits = out.logits[0].float()
-    fused.records = records
-    return fused
+    batch.logits = logits[0]
+    return batch
 
 
 @dataclass

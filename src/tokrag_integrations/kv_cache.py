@@ -26,51 +26,11 @@ SPARE_SHARE = 0.25
 class GrowableLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys/values are views of a buffer with spare capacity."""
 
-    #: Set by :meth:`expect_packed`: how the first update's packed sequence becomes rows.
-    _layout: list[list[tuple[int, int]]] | None = None
-
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._kbuf: torch.Tensor | None = None
         self._vbuf: torch.Tensor | None = None
         self._n = 0
-
-    def expect_packed(self, layout: list[list[tuple[int, int]]]) -> None:
-        """The next update (on a fresh layer) is one sequence packing several contexts
-        ([1, kv_heads, N, hd]): keep it as ``len(layout)`` rows instead, row ``r`` being the
-        concatenation of the sequence ranges ``layout[r]`` (``(start, end)`` pairs),
-        left-padded with zeros to the longest row. That update returns the packed keys and
-        values as given (the packed pass attends within its own sequence); later updates
-        append to every row, as for any batch."""
-        if self.is_initialized:
-            raise RuntimeError("expect_packed needs a fresh cache layer")
-        if not layout or any(not segs for segs in layout):
-            raise ValueError("a packed layout needs at least one non-empty row")
-        self._layout = [[(int(a), int(b)) for a, b in segs] for segs in layout]
-
-    def _unpack(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        layout, self._layout = self._layout, None
-        assert layout is not None
-        if key_states.shape[0] != 1:
-            raise ValueError(f"a packed update has batch 1, got {key_states.shape[0]}")
-        lengths = [sum(b - a for a, b in segs) for segs in layout]
-        n = max(lengths)
-        cap = n + max(MIN_SPARE, int(n * SPARE_SHARE))
-        heads, hd, vd = key_states.shape[1], key_states.shape[-1], value_states.shape[-1]
-        kbuf = key_states.new_empty((len(layout), heads, cap, hd))
-        vbuf = value_states.new_empty((len(layout), value_states.shape[1], cap, vd))
-        for r, (segs, length) in enumerate(zip(layout, lengths, strict=True)):
-            o = n - length
-            if o:
-                kbuf[r, :, :o] = 0
-                vbuf[r, :, :o] = 0
-            for a, b in segs:
-                kbuf[r, :, o : o + b - a] = key_states[0, :, a:b]
-                vbuf[r, :, o : o + b - a] = value_states[0, :, a:b]
-                o += b - a
-        self._kbuf, self._vbuf, self._n = kbuf, vbuf, n
-        self.keys = kbuf[..., :n, :]
-        self.values = vbuf[..., :n, :]
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
         cap = need + max(MIN_SPARE, int(need * SPARE_SHARE))
@@ -88,9 +48,6 @@ class GrowableLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            if self._layout is not None:
-                self._unpack(key_states, value_states)
-                return key_states, value_states
         n, k = self._n, key_states.shape[-2]
         if (
             self._kbuf is None
@@ -166,7 +123,6 @@ class GrowableLayer(DynamicLayer):
             self._reindex(self.keys[indices, ...], self.values[indices, ...])
 
     def reset(self) -> None:
-        self._layout = None
         self._kbuf = self._vbuf = None
         self._n = 0
         super().reset()
