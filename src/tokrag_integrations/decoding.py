@@ -154,17 +154,28 @@ def distribution_stats(logits: torch.Tensor, token_id: int) -> dict[str, float]:
     (-log V - mean_logp) are derived from these (Confident RAG, Eq. 2-6). ``mean_logp``
     uses log-probabilities clamped at -1e4 so a masked (-inf) logit cannot make it -inf.
     """
+    return distribution_stats_rows(logits[None], token_id)[0][0]
+
+
+def distribution_stats_rows(
+    logits: torch.Tensor, token_id: int
+) -> tuple[list[dict[str, float]], torch.Tensor]:
+    """:func:`distribution_stats` of several distributions at once (``logits`` [N, V]); also
+    returns their probabilities [N, V] (the exponentials the statistics are made of)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     p = logp.exp()
+    clamped = logp.clamp(min=-1e4)
     vals = torch.stack(
         [
-            logp[int(token_id)],
-            -(p * logp.clamp(min=-1e4)).sum(),
-            (p * p).sum(),
-            logp.clamp(min=-1e4).mean(),
-        ]
+            logp[:, int(token_id)],
+            -(p * clamped).sum(-1),
+            (p * p).sum(-1),
+            clamped.mean(-1),
+        ],
+        dim=1,
     ).tolist()
-    return dict(zip(("logp", "entropy", "gini", "mean_logp"), vals, strict=True))
+    names = ("logp", "entropy", "gini", "mean_logp")
+    return [dict(zip(names, row, strict=True)) for row in vals], p
 
 
 @dataclass
@@ -694,10 +705,16 @@ def step_event(
     is_eos = tid in lm.eos_token_ids
     cands = {}
     stats = {}
-    for role, v in views.items():
-        top = int(torch.argmax(v.logits).item())
+    # Every context's statistics in one pass over its logits; its probabilities are kept for
+    # the view (a rule that read them already has them).
+    rows, probs = distribution_stats_rows(torch.stack([v.logits for v in views.values()]), tid)
+    tops = torch.argmax(probs, dim=-1).tolist()
+    for i, (role, v) in enumerate(views.items()):
+        if v._probs is None:
+            v._probs = probs[i]
+        top = int(tops[i])
         cands[role] = Candidate(top, tok.decode([top]), float(v.probs[top].item()))
-        stats[role] = distribution_stats(v.logits, tid)
+        stats[role] = rows[i]
     step = TraceStep(
         index=step_i,
         token_id=tid,
