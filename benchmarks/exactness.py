@@ -6,7 +6,10 @@ so the answer-bearing passage competes with hard negatives). The reference is ``
 step-by-step loop as written (``speculative=False, fuse=False``: one forward pass per
 context). Compared with it, one query at a time:
 
-* ``fused``: the default, both contexts in one batch per step;
+* ``fused``: the default: for one query, both contexts packed into one sequence (one
+  prefill pass, one pass of two positions per step);
+* ``unpacked``: the same with ``TOKRAG_PACKED_PREFILL=0`` (each context prefilled on its own,
+  then both as a two-row batch per step, as a batch of several queries decodes);
 * ``blockwise``: blockwise verification (``speculative=True``);
 * ``stock``: the step-by-step loop on the same model with transformers' stock CPU kernels
   (``TOKRAG_CPU_KERNELS=off``), to check that the few-row kernels change no decision;
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -77,7 +81,9 @@ def main() -> None:
         "--batch", type=int, default=4, help="also decode the fast paths in batches of N (0: skip)"
     )
     ap.add_argument(
-        "--arms", default="fused,blockwise,stock", help="comma list of fused, blockwise, stock"
+        "--arms",
+        default="fused,unpacked,blockwise,stock",
+        help="comma list of fused, unpacked, blockwise, stock",
     )
     ap.add_argument("--json", default=None)
     ap.add_argument(
@@ -99,13 +105,12 @@ def main() -> None:
 
     stock = None
     if "stock" in args.arms:
-        import os
-
         os.environ["TOKRAG_CPU_KERNELS"] = "off"
         stock = load_model("default", device="cpu")
         del os.environ["TOKRAG_CPU_KERNELS"]
     arms = {
         "fused": (lm, {}),
+        "unpacked": (lm, {}),
         "blockwise": (lm, {"speculative": True}),
         "stock": (stock, {"speculative": False, "fuse": False}),
     }
@@ -127,8 +132,13 @@ def main() -> None:
             "ref": a,
         }
         for name, (model, opts) in arms.items():
+            if name == "unpacked":
+                os.environ["TOKRAG_PACKED_PREFILL"] = "0"
             t0 = time.perf_counter()
-            r = generate(model, q, ps, policy="tokrag", max_new_tokens=args.max_new_tokens, **opts)
+            try:
+                r = generate(model, q, ps, policy="tokrag", max_new_tokens=args.max_new_tokens, **opts)
+            finally:
+                os.environ.pop("TOKRAG_PACKED_PREFILL", None)
             seconds[name] += time.perf_counter() - t0
             if name == "blockwise":
                 for k in counts:

@@ -10,12 +10,12 @@ attention to get those rows would slow every prefill by about 50 %, so instead:
   position's residual state and rotary embedding of every layer in the active probe's tap
   during the ordinary (SDPA) forward pass (a few KB per step); the attention input is
   derived from the residual on demand (the layer's input norm);
-* on CPU, a probed one-query step computes its attention explicitly in
-  :func:`.cpu_kernels.few_query_attention` and keeps the probabilities, so f(l) and Att
-  read them as they are;
-* elsewhere, at a disagreement step the attention row is recomputed from that attention
-  input and the keys already in the KV cache: one query projection and one ``q·K`` per
-  layer.
+* on CPU, the attention function (:func:`.cpu_kernels.few_query_attention`) also leaves
+  each probed row's rotated query in the tap, so at a disagreement step an attention row is
+  one ``q·K`` per layer with the keys already in the KV cache
+  (:func:`attention_from_queries`);
+* elsewhere, the attention row is recomputed from that attention input and the cached keys:
+  one query projection and one ``q·K`` per layer.
 
 The recomputation follows the model's own attention module (q_norm where the model has it,
 its rotary function, its scaling, soft-capping and sliding window) and is tested against
@@ -275,7 +275,7 @@ class Probe:
 
     The decoder layers' forwards leave their states in a context-local tap (installed once
     per model, free when no probe is active); the attention function of
-    :mod:`.cpu_kernels` adds the attention probabilities it computed. Models whose layers
+    :mod:`.cpu_kernels` adds the rotated queries. Models whose layers
     cannot be tapped that way are probed with module hooks.
 
     ``positions`` (a batch of one sequence packing several contexts) records those sequence
