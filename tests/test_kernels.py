@@ -434,3 +434,102 @@ def test_left_padded_layer_holds_what_cat_gives():
     assert layer.get_seq_length() == 9
     k, _ = layer.update(torch.ones(3, 3, 1, 4), torch.ones(3, 3, 1, 4))  # grows in place
     assert k.shape == (3, 3, 10, 4) and torch.equal(k[:, :, :9], want_k)
+
+
+def _head(n=2048, k=64, bias=False):
+    head = torch.nn.Linear(k, n, bias=bias)
+    setattr(head, K._HEAD_OK, True)
+    return head
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_head_computes_the_linear_product(monkeypatch, bias):
+    monkeypatch.setenv("TOKRAG_PACKED_HEAD", "on")
+    head = _head(bias=bias)
+    product = K.packed_head(head)
+    assert product is not None and K.packed_head(head) is product  # made once per module
+    with torch.inference_mode():
+        for rows in (1, K.HEAD_MIN_ROWS - 1, K.HEAD_MIN_ROWS, 16, 40):
+            x = torch.randn(rows, 64)
+            out = product(x)
+            assert out.shape == (rows, 2048)
+            assert torch.allclose(out, F.linear(x, head.weight, head.bias), atol=1e-4, rtol=1e-4)
+            if rows < K.HEAD_MIN_ROWS:  # a few rows keep the routed product itself
+                assert torch.equal(out, head(x))
+
+
+def test_packed_head_only_where_allowed_and_measured(monkeypatch, tmp_path):
+    """Off, a stock head (never set up by install) or a non-float32 head get no packed
+    product; in ``auto`` the measured choice is kept on disk and read back untimed."""
+    monkeypatch.setenv("TOKRAG_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TOKRAG_KERNEL_PLAN_CACHE", raising=False)
+    monkeypatch.setattr(K, "_HEAD_CHOICE", {})
+    monkeypatch.setenv("TOKRAG_PACKED_HEAD", "off")
+    assert K.packed_head(_head()) is None
+    monkeypatch.setenv("TOKRAG_PACKED_HEAD", "sometimes")
+    with pytest.raises(ValueError, match="TOKRAG_PACKED_HEAD"):
+        K.packed_head(_head())
+    monkeypatch.setenv("TOKRAG_PACKED_HEAD", "on")
+    assert K.packed_head(torch.nn.Linear(64, 2048)) is None  # not set up by install()
+    assert K.packed_head(_head().to(torch.float64)) is None
+    if not torch.backends.mkldnn.is_available():
+        return
+    monkeypatch.setenv("TOKRAG_PACKED_HEAD", "auto")
+    # Fake timings: the second timed function of each pair (the packed one) is the faster.
+    calls = []
+
+    def fake_time(fn, reps):
+        calls.append(1)
+        return 1.0 if len(calls) % 2 else 0.5
+
+    monkeypatch.setattr(K, "_time", fake_time)
+    head = _head()
+    assert K.packed_head(head) is not None and calls
+    stored = json.loads(K._head_file().read_text())
+    assert stored == {f"2048x64:{torch.get_num_threads()}": True}
+    # Read back in a "new process" without timing; a slower measurement is remembered too.
+    monkeypatch.setattr(K, "_HEAD_CHOICE", {})
+    monkeypatch.setattr(K, "_time", lambda fn, reps: pytest.fail("stored choice re-measured"))
+    assert K.packed_head(_head()) is not None
+    K._head_file().write_text(json.dumps({f"2048x64:{torch.get_num_threads()}": False}))
+    monkeypatch.setattr(K, "_HEAD_CHOICE", {})
+    slow = _head()
+    assert K.packed_head(slow) is None and getattr(slow, K._HEAD) is False
+
+
+def test_packed_head_changes_no_decision_on_the_real_model(lm, monkeypatch):
+    """The logit lens through the packed head equals the routed one to float rounding, and
+    tokrag gives the same tokens and decisions with it on and off (the trace's signals
+    come from the lens)."""
+    from tokrag_integrations.attention import logit_lens, model_parts
+
+    head = lm.model.get_output_embeddings()
+    parts = model_parts(lm.model)
+    rows = torch.randn(14, lm.model.config.hidden_size)
+    out = {}
+    traces = {}
+    saved = getattr(head, K._HEAD, None)
+    try:
+        for mode in ("off", "on"):
+            monkeypatch.setenv("TOKRAG_PACKED_HEAD", mode)
+            if hasattr(head, K._HEAD):
+                delattr(head, K._HEAD)
+            with torch.inference_mode():
+                out[mode] = logit_lens(parts, rows)
+            assert (K.packed_head(head) is not None) == (
+                mode == "on" and torch.backends.mkldnn.is_available()
+            )
+            r = generate(lm, *CONTRA, policy="tokrag", max_new_tokens=24)
+            traces[mode] = [
+                (s.token_id, s.source, s.signals.get("benefit"), s.signals.get("l_star"))
+                for s in r.trace.steps
+            ]
+    finally:
+        if hasattr(head, K._HEAD):
+            delattr(head, K._HEAD)
+        if saved is not None:
+            setattr(head, K._HEAD, saved)
+    assert torch.allclose(out["on"], out["off"], atol=1e-3, rtol=1e-4)
+    assert traces["on"] == traces["off"]
+    assert any(t[2] is not None for t in traces["on"])  # some steps ran the signals

@@ -511,9 +511,16 @@ def logit_lens(parts: ModelParts, resid: torch.Tensor, *, final_norm: bool = Tru
 
     ``final_norm=True`` applies the model's final norm before the LM head (the usual logit
     lens); ``False`` applies the LM head directly, as the authors' released code does.
-    Input [..., d] -> output [..., V] (float32).
+    Input [..., d] -> output [..., V] (float32). Many rows at once go through
+    :func:`.cpu_kernels.packed_head` where that is measured faster.
     """
     h = resid.to(parts.lm_head.weight.dtype)
     if final_norm:
         h = parts.final_norm(h)
+    if h.dim() == 2 and h.shape[0] > 1:
+        from .cpu_kernels import packed_head
+
+        product = packed_head(parts.lm_head)
+        if product is not None:  # falls back to the routed product below a few rows
+            return product(h).float()
     return parts.lm_head(h).float()

@@ -4,9 +4,10 @@ Spec §6 / paper Table 6: the unavoidable cost of step-by-step Tok-RAG is the se
 context; the signals must add little on top of it. Issue 8 asks for Tok-RAG within 1.15x of
 standard RAG. This measures, side by side in one run and on the same questions: ``rag`` (one
 context), ``rag-stock`` (the same on transformers' stock CPU kernels), ``floor`` (both
-contexts decoded as one batch, no signals), ``tokrag-step`` (the step-by-step loop, one
+contexts decoded together, no signals), ``tokrag-step`` (the step-by-step loop, one
 forward pass per context: the reference), ``tokrag-blockwise`` (blockwise verification) and
-``tokrag`` (the default: both contexts as one batch), with wall time per question, time per
+``tokrag`` (the default: for one query both contexts packed into one sequence, one pass of
+two positions per step; several queries as one batch), with wall time per question, time per
 generated token, peak memory, the counts (agreement rate, disagreement steps per answer,
 tokens per block), whether the fast arms gave exactly the tokens and decisions of
 ``tokrag-step``, and the ratios.
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 #: Benchmark arms: name -> (policy, options). ``tokrag`` is the default decoder (the pure and
-#: RAG contexts fused into one batch, step by step); ``tokrag-step`` the step-by-step loop as
+#: RAG contexts decoded together, step by step: packed into one sequence for one query); ``tokrag-step`` the step-by-step loop as
 #: written (one forward pass per context), which every fast path must equal;
 #: ``tokrag-blockwise`` blockwise verification (issue 8's idea). ``rag-stock`` is ``rag`` on
 #: the same model with transformers' stock CPU kernels (``TOKRAG_CPU_KERNELS=off``).
