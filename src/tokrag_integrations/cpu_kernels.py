@@ -228,14 +228,19 @@ def _load_plans(path: Path) -> dict[str, tuple[str, ...]]:
 
 
 def _save_plan(path: Path, key: str, plan: tuple[str, ...]) -> None:
-    """Add one plan to ``path`` (written to a temporary file, then renamed into place; a
-    read-only or full disk only means the next process measures again)."""
+    """Add one plan to ``path``."""
+    plans = _load_plans(path)
+    plans[key] = plan
+    _write_json(path, {k: list(v) for k, v in sorted(plans.items())})
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to a temporary file, then rename it into place; a read-only or full
+    disk only means the next process measures again."""
     try:
-        plans = _load_plans(path)
-        plans[key] = plan
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({k: list(v) for k, v in sorted(plans.items())}), encoding="utf-8")
+        tmp.write_text(json.dumps(data, sort_keys=True), encoding="utf-8")
         os.replace(tmp, path)
     except OSError:
         pass
@@ -653,14 +658,7 @@ def _head_choice(key: str, measure: Callable[[], bool]) -> bool:
         return stored[key]
     _HEAD_CHOICE[key] = choice = measure()
     if path is not None:
-        try:
-            stored[key] = choice
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(stored, sort_keys=True), encoding="utf-8")
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        _write_json(path, {**stored, key: choice})
     return choice
 
 
