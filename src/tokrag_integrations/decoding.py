@@ -340,26 +340,30 @@ class _RoleBatch:
     ) -> torch.Tensor:
         """One forward pass over ``inp`` with the cache; keeps the last ``keep`` positions'
         logits ([B, keep, V] float, returned; the last one also in ``self.logits``)."""
-        model = self.lm.model
-        kwargs = dict(
-            input_ids=inp,
-            attention_mask=self.mask,
-            position_ids=pos,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
+        logits = self._model_pass(
+            dict(input_ids=inp, attention_mask=self.mask, position_ids=pos, logits_to_keep=keep),
+            probe=probe,
         )
+        self.logits = logits[:, -1, :]
+        return logits
+
+    def _model_pass(
+        self, kwargs: dict[str, Any], *, probe: bool, positions: list[int] | None = None
+    ) -> torch.Tensor:
+        """The model over ``kwargs`` with this batch's cache (updated in place); under a probe
+        (the states of sequence ``positions``, default the last) its records go to
+        ``self.records``. Returns the kept logits as float."""
+        model = self.lm.model
+        kwargs = {**kwargs, "past_key_values": self.cache, "use_cache": True}
         if probe:
-            with Probe(model) as p:
+            with Probe(model, positions=positions) as p:
                 out = model(**kwargs)
             self.records = p.take()
         else:
             out = model(**kwargs)
             self.records = None
         self.cache = out.past_key_values
-        logits = out.logits.float()
-        self.logits = logits[:, -1, :]
-        return logits
+        return out.logits.float()
 
     def rollback(self, stale: Sequence[int]) -> None:
         """Forget the last ``stale[r]`` positions of each row: the positions all rows share
@@ -555,24 +559,11 @@ class _PackedBatch(_RoleBatch):
         keep: int | torch.Tensor,
         positions: list[int],
     ) -> torch.Tensor:
-        model = self.lm.model
-        kwargs = dict(
-            input_ids=inp,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
+        return self._model_pass(
+            dict(input_ids=inp, attention_mask=mask, position_ids=pos, logits_to_keep=keep),
+            probe=self.probe,
+            positions=positions,
         )
-        if self.probe:
-            with Probe(model, positions=positions) as p:
-                out = model(**kwargs)
-            self.records = p.take()
-        else:
-            out = model(**kwargs)
-            self.records = None
-        self.cache = out.past_key_values
-        return out.logits.float()
 
     def extend(self, new_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a packed batch advances one token per context at a time")
