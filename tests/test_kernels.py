@@ -495,6 +495,8 @@ def test_packed_head_only_where_allowed_and_measured(monkeypatch, tmp_path):
     K._head_file().write_text(json.dumps({f"2048x64:{torch.get_num_threads()}": False}))
     monkeypatch.setattr(K, "_HEAD_CHOICE", {})
     slow = _head()
+    # A stored "slower" makes no copy of the weight at all.
+    monkeypatch.setattr(torch.Tensor, "to_mkldnn", lambda *a, **k: pytest.fail("copied"))
     assert K.packed_head(slow) is None and getattr(slow, K._HEAD) is False
 
 

@@ -642,24 +642,32 @@ def _head_file() -> Path | None:
     return None if path is None else path.with_name(path.stem + ".head.json")
 
 
-def _head_choice(key: str, measure: Callable[[], bool]) -> bool:
-    if key in _HEAD_CHOICE:
-        return _HEAD_CHOICE[key]
+def _stored_head_choices() -> dict[str, Any]:
     path = _head_file()
-    stored: dict[str, Any] = {}
+    if path is None:
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _known_head_choice(key: str) -> bool | None:
+    """The choice measured for ``key`` in this process or kept on disk, or None."""
+    if key not in _HEAD_CHOICE:
+        stored = _stored_head_choices().get(key)
+        if not isinstance(stored, bool):
+            return None
+        _HEAD_CHOICE[key] = stored
+    return _HEAD_CHOICE[key]
+
+
+def _remember_head_choice(key: str, choice: bool) -> None:
+    _HEAD_CHOICE[key] = choice
+    path = _head_file()
     if path is not None:
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-            stored = raw if isinstance(raw, dict) else {}
-        except (OSError, ValueError):
-            stored = {}
-    if isinstance(stored.get(key), bool):
-        _HEAD_CHOICE[key] = stored[key]
-        return stored[key]
-    _HEAD_CHOICE[key] = choice = measure()
-    if path is not None:
-        _write_json(path, {**stored, key: choice})
-    return choice
+        _write_json(path, {**_stored_head_choices(), key: choice})
 
 
 def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -695,6 +703,11 @@ def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
     )
     if not usable:
         return None  # not cached: the environment variable may change between calls
+    key = f"{w.shape[0]}x{w.shape[1]}:{torch.get_num_threads()}"
+    known = _known_head_choice(key) if mode == "auto" else True
+    if known is False:  # measured slower on this machine: no copy at all
+        setattr(head, _HEAD, False)
+        return None
     with torch.inference_mode():
         packed = w.detach().to_mkldnn()
     bias = None if head.bias is None else head.bias.detach()
@@ -705,21 +718,17 @@ def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
         out = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
         return out + bias if bias is not None else out
 
-    if mode == "auto":
-        n, k = w.shape
-        key = f"{n}x{k}:{torch.get_num_threads()}"
-
-        def measure() -> bool:
-            x = torch.randn(HEAD_ROWS, k)
-            with torch.inference_mode():
-                routed = packed_t = float("inf")
-                head(x), product(x)  # warm-up
-                for _ in range(3):  # interleaved, best of three each
-                    routed = min(routed, _time(lambda: head(x), 1))
-                    packed_t = min(packed_t, _time(lambda: product(x), 1))
-            return packed_t < HEAD_GAIN * routed
-
-        if not _head_choice(key, measure):
+    if known is None:  # auto, not measured yet on this machine
+        x = torch.randn(HEAD_ROWS, w.shape[1])
+        with torch.inference_mode():
+            routed = packed_t = float("inf")
+            head(x), product(x)  # warm-up
+            for _ in range(3):  # interleaved, best of three each
+                routed = min(routed, _time(lambda: head(x), 1))
+                packed_t = min(packed_t, _time(lambda: product(x), 1))
+        faster = packed_t < HEAD_GAIN * routed
+        _remember_head_choice(key, faster)
+        if not faster:
             del packed
             setattr(head, _HEAD, False)
             return None
