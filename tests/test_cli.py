@@ -117,6 +117,8 @@ def test_parse_option() -> None:
     assert cli.parse_option("layers=[1, 2]") == ("layers", [1, 2])
     assert cli.parse_option("use-gate=true") == ("use_gate", True)
     assert cli.parse_option("x=") == ("x", "")
+    assert cli.parse_option("lens_norm=False") == ("lens_norm", False)
+    assert cli.parse_option("plausibility_alpha=None") == ("plausibility_alpha", None)
 
 
 def test_ask_defaults_parse() -> None:

@@ -124,10 +124,58 @@ def test_renormalised_attention_per_head_then_mean():
     assert att.sum().item() == pytest.approx(1.0)
 
 
-def test_rising_token():
+def test_rising_token_unconstrained_is_the_literal_argmax():
     final = torch.tensor([1.0, 5.0, 2.0])
     mid = torch.tensor([0.0, 4.5, -3.0])
-    assert S.rising_token(final, mid) == 2  # rises by 5
+    assert S.rising_token(final, mid, alpha=None) == 2  # rises by 5 over the whole vocabulary
+
+
+def test_rising_token_high_norm_token_outside_the_plausible_set_is_never_chosen():
+    # Token 3 is a junk token whose logit rises most (large embedding norm) but whose final
+    # probability is far below alpha * max: DoLa's constraint leaves it out.
+    final_logits = torch.tensor([8.0, 7.5, 0.0, 3.0])
+    mid_logits = torch.tensor([6.0, 4.0, 0.0, -20.0])
+    final, mid = torch.log_softmax(final_logits, 0), torch.log_softmax(mid_logits, 0)
+    assert S.rising_token(final, mid, alpha=None) == 3
+    # plausible: p >= 0.1 * max -> tokens 0 and 1; token 1 rises by 3.5 > 2.0.
+    assert S.plausible_tokens(final, 0.1).tolist() == [True, True, False, False]
+    assert S.rising_token(final, mid, alpha=0.1) == 1
+    # alpha = 1 keeps only the top token.
+    assert S.rising_token(final, mid, alpha=1.0) == 0
+    # Shift invariance: raw logits give the same answer as log-probabilities.
+    assert S.rising_token(final_logits, mid_logits, alpha=0.1) == 1
+    with pytest.raises(ValueError, match="alpha"):
+        S.rising_token(final, mid, alpha=0.0)
+
+
+def test_default_min_fusion_layer_is_ten_of_thirty_two():
+    assert S.default_min_fusion_layer(32) == 10
+    assert S.default_min_fusion_layer(30) == 9
+    assert S.default_min_fusion_layer(18) == 6
+    assert S.default_min_fusion_layer(2) == 1
+
+
+def test_fusion_layer_picks_the_middle_maximum_over_a_larger_shallow_peak():
+    # f peaks at layer 2 (shallow lexical stage), dips, then rises to a smaller middle
+    # maximum at layer 7; g crosses at layer 1 and again from layer 6.
+    f = torch.tensor([0.5, 0.9, 0.4, 0.2, 0.3, 0.5, 0.6, 0.3, 0.1, 0.05])
+    g = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    literal = S.fusion_layer(f, g, vocab_size=1, threshold=0.5, min_fusion_layer=0)
+    assert literal == ((2 + 1) // 2, 2, 1)
+    lo = S.default_min_fusion_layer(10)  # 3
+    assert S.fusion_layer(f, g, vocab_size=1, threshold=0.5, min_fusion_layer=lo) == ((7 + 6) // 2, 7, 6)
+
+
+def test_distribution_scores_follow_theorem_3():
+    p_rag = torch.tensor([0.6, 0.3, 0.05, 0.05])
+    p_llm = torch.tensor([0.05, 0.9, 0.03, 0.02])
+    near = torch.tensor([0.7, 0.2, 0.1, 0.0])  # p_R close to p_RAG: benefit
+    far = torch.tensor([0.0, 0.0, 0.0, 1.0])  # p_R on a token RAG barely wants: detriment
+    d_ir, d_llm = S.distribution_scores(p_rag, p_llm, near, support_k=4)
+    assert d_ir < d_llm
+    d_ir2, d_llm2 = S.distribution_scores(p_rag, p_llm, far, support_k=4)
+    assert d_ir2 > d_llm2 and d_llm2 == pytest.approx(d_llm)
+    assert d_ir == pytest.approx(S.jsd(p_rag, near).item())
 
 
 def test_word_similarity_is_softmax_of_dot_products():

@@ -42,15 +42,17 @@ AddParser = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], No
 # ============================================================================ helpers
 def parse_option(text: str) -> tuple[str, Any]:
     """Parse one ``--option key=value``; the value is read as JSON when it parses
-    (``3``, ``0.5``, ``true``, ``null``, ``[1, 2]``) and kept as a string otherwise."""
+    (``3``, ``0.5``, ``true``, ``null``, ``[1, 2]``; Python's ``True``/``False``/``None`` too)
+    and kept as a string otherwise."""
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    words = {"true": True, "false": False, "none": None, "null": None}
     try:
         value: Any = json.loads(raw)
     except json.JSONDecodeError:
-        value = raw
+        value = words.get(raw.strip().lower(), raw)
     return key.replace("-", "_"), value
 
 

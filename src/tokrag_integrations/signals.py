@@ -151,9 +151,37 @@ def renormalised_attention(attn_probs: torch.Tensor, rt_positions: torch.Tensor)
     return per_head.mean(0)
 
 
-def rising_token(final_logits: torch.Tensor, fusion_logits: torch.Tensor) -> int:
-    """x^{l'−l*}: the token whose logit rises most from layer l* to the final layer."""
-    return int(torch.argmax(final_logits - fusion_logits).item())
+def default_min_fusion_layer(num_layers: int) -> int:
+    """Start of the l* search (Eq. 14): the end of the shallow lexical stage, round(L·10/32).
+
+    The paper places the fusion point at "the third turning point", the middle-layer maximum
+    of f after the shallow peak (Sec. 3.1, Exp 1); the authors' code searches above layer 10
+    of 32. Spec §3.
+    """
+    return max(1, round(num_layers * 10 / 32))
+
+
+def plausible_tokens(final_logp: torch.Tensor, alpha: float) -> torch.Tensor:
+    """DoLa's adaptive plausibility set: p_final(v) >= alpha · max_v p_final(v). Returns [V] bool."""
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"plausibility alpha must be in (0, 1], got {alpha}")
+    return final_logp >= final_logp.max() + math.log(alpha)
+
+
+def rising_token(
+    final_logp: torch.Tensor, fusion_logp: torch.Tensor, *, alpha: float | None = 0.1
+) -> int:
+    """x^{l'−l*}: the token whose log-probability rises most from layer l* to the final layer.
+
+    Read as DoLa reads a layer contrast (spec §3): log φ(h~^L) − log φ(h~^{l*}) over the
+    tokens plausible under the final distribution (:func:`plausible_tokens`, ``alpha``).
+    ``alpha=None`` is the unconstrained argmax over the whole vocabulary (the literal
+    reading; for it log-probabilities and logits give the same argmax).
+    """
+    rise = final_logp.float() - fusion_logp.float()
+    if alpha is not None:
+        rise = rise.masked_fill(~plausible_tokens(final_logp.float(), alpha), float("-inf"))
+    return int(torch.argmax(rise).item())
 
 
 def word_similarity(embeddings: torch.Tensor, token_id: int, rt_token_ids: torch.Tensor) -> torch.Tensor:
@@ -217,6 +245,31 @@ def benefit_wins(cos_ir: float, cos_llm: float) -> bool:
     if math.isnan(cos_ir) or math.isnan(cos_llm):
         raise ValueError("cosine similarities must not be NaN")
     return cos_ir >= cos_llm
+
+
+def restricted_jsd(p: torch.Tensor, q: torch.Tensor, support: torch.Tensor) -> float:
+    """JSD of p and q restricted to the token ids ``support`` and renormalised there."""
+    ps, qs = p.float()[support], q.float()[support]
+    ps = ps / ps.sum().clamp_min(1e-30)
+    qs = qs / qs.sum().clamp_min(1e-30)
+    return float(jsd(ps, qs).item())
+
+
+def distribution_scores(
+    p_rag: torch.Tensor, p_llm: torch.Tensor, p_r_vocab: torch.Tensor, *, support_k: int = 10
+) -> tuple[float, float]:
+    """Theorem 3 on the distributions themselves (Eq. 12, spec §3 variant).
+
+    Benefit − detriment grows with Sim(p_RAG, p_R) − Sim(p_RAG, p_LLM). Similarity is read
+    as −JSD over the union of the three distributions' top-``support_k`` tokens (each
+    renormalised there). Returns (JSD(p_RAG, p_R), JSD(p_RAG, p_LLM)); benefit wins iff the
+    first is not larger.
+    """
+    k = min(support_k, p_rag.shape[-1])
+    support = torch.unique(
+        torch.cat([torch.topk(x.float(), k).indices for x in (p_rag, p_llm, p_r_vocab)])
+    )
+    return restricted_jsd(p_rag, p_r_vocab, support), restricted_jsd(p_rag, p_llm, support)
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:

@@ -35,16 +35,22 @@ class TokRAG(Policy):
     """Tok-RAG decoding.
 
     Args:
-        variant: ``"paper"`` (Eq. 13–19 as written) or ``"reference"`` (authors' code, §4).
+        variant: ``"paper"`` (Eq. 13–19, spec §3) or ``"reference"`` (authors' code, §4).
+        min_fusion_layer: first layer searched by both terms of Eq. 14 (None = the end of the
+            shallow stage, round(L·10/32), spec §3; 0 = the literal all-layer argmax).
+        fixed_layer: paper variant: use this l* instead of Eq. 14 (None = Eq. 14); reference
+            variant: its fusion layer (default round(20/32 · L)).
+        plausibility_alpha: x^{l'−l*} is searched among the tokens with p_final >= α·max
+            p_final (DoLa's constraint; None = the whole vocabulary, the literal reading).
+        lens_norm: apply the final norm in the logit lens of the middle layers (True = the
+            usual lens, the paper; False = the authors' code). The final layer is always the
+            model's own (normed) output distribution when ``plausibility_alpha`` is set.
         pr_norm: ``"sum"`` (Att⊙WordSim divided by its sum) or ``"softmax"`` (Eq. 16 literal).
-        top_k: truncate w_RAG / w_LLM to the top-k tokens (None = full vocabulary, the paper as
-            written; default 3, as the authors' code, chosen by the token-level measurement
-            in docs/results.md).
-        min_fusion_layer: layers below it are not searched for l* (0 = the paper).
-        lens_norm: apply the final norm in the logit lens (True = the usual lens; default
-            False, as the authors' code, chosen by the token-level measurement).
+        top_k: truncate w_RAG / w_LLM to the top-k tokens (None = full vocabulary).
+        scorer: ``"cosine"`` (Eq. 17-19: cos(w_RAG, w_IR) >= cos(w_RAG, w_LLM)) or
+            ``"distribution"`` (Theorem 3 on the distributions: JSD(p_RAG, p_R) <=
+            JSD(p_RAG, p_LLM), :func:`..signals.distribution_scores`).
         jsd_threshold: Eq. 14's a, per vocabulary entry.
-        fixed_layer: the reference variant's fusion layer (default round(20/32 · L)).
         ref_positions / ref_window: the reference variant's most-attended retrieved positions
             and the half-width of the token window embedded around each.
         speculative: decode by blockwise verification (:mod:`..speculative`): one context
@@ -68,8 +74,10 @@ class TokRAG(Policy):
         variant: str = "paper",
         pr_norm: str = "sum",
         top_k: int | None = 3,
-        min_fusion_layer: int = 0,
-        lens_norm: bool = False,
+        min_fusion_layer: int | None = None,
+        lens_norm: bool = True,
+        plausibility_alpha: float | None = 0.1,
+        scorer: str = "cosine",
         jsd_threshold: float = S.DEFAULT_JSD_THRESHOLD,
         fixed_layer: int | None = None,
         ref_positions: int = 3,
@@ -83,17 +91,29 @@ class TokRAG(Policy):
             raise ValueError(f"variant must be 'paper' or 'reference', got {variant!r}")
         if pr_norm not in ("sum", "softmax"):
             raise ValueError(f"pr_norm must be 'sum' or 'softmax', got {pr_norm!r}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        if scorer not in ("cosine", "distribution"):
+            raise ValueError(f"scorer must be 'cosine' or 'distribution', got {scorer!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-        if min_fusion_layer < 0:
-            raise ValueError(f"min_fusion_layer must be >= 0, got {min_fusion_layer}")
+        if min_fusion_layer is not None and (
+            isinstance(min_fusion_layer, bool) or not isinstance(min_fusion_layer, int) or min_fusion_layer < 0
+        ):
+            raise ValueError(f"min_fusion_layer must be an int >= 0 or None, got {min_fusion_layer!r}")
+        if plausibility_alpha is not None and not 0.0 < float(plausibility_alpha) <= 1.0:
+            raise ValueError(f"plausibility_alpha must be in (0, 1] or None, got {plausibility_alpha!r}")
+        if not isinstance(lens_norm, bool):
+            raise ValueError(f"lens_norm must be True or False, got {lens_norm!r}")
         if jsd_threshold < 0:
             raise ValueError(f"jsd_threshold must be >= 0, got {jsd_threshold}")
+        if fixed_layer is not None and (isinstance(fixed_layer, bool) or not isinstance(fixed_layer, int)):
+            raise ValueError(f"fixed_layer must be an int or None, got {fixed_layer!r}")
         self.variant = variant
         self.pr_norm = pr_norm
+        self.scorer = scorer
         self.top_k = top_k if variant == "paper" else (top_k or 3)
-        self.min_fusion_layer = int(min_fusion_layer)
-        self.lens_norm = bool(lens_norm) if variant == "paper" else False
+        self.min_fusion_layer = min_fusion_layer
+        self.lens_norm = lens_norm if variant == "paper" else False
+        self.plausibility_alpha = None if plausibility_alpha is None else float(plausibility_alpha)
         self.jsd_threshold = float(jsd_threshold)
         self.fixed_layer = fixed_layer
         self.ref_positions = int(ref_positions)
@@ -108,14 +128,22 @@ class TokRAG(Policy):
         self.drafter = drafter
 
     def options(self) -> dict[str, Any]:
+        paper = self.variant == "paper"
         return {
             "variant": self.variant,
-            "pr_norm": self.pr_norm,
+            **({"scorer": self.scorer, "pr_norm": self.pr_norm} if paper else {}),
             "top_k": self.top_k,
-            "min_fusion_layer": self.min_fusion_layer,
-            "lens_norm": self.lens_norm,
-            "jsd_threshold": self.jsd_threshold,
-            **({"fixed_layer": self.fixed_layer} if self.variant == "reference" else {}),
+            **(
+                {
+                    "min_fusion_layer": self.min_fusion_layer,
+                    "plausibility_alpha": self.plausibility_alpha,
+                    "lens_norm": self.lens_norm,
+                    "jsd_threshold": self.jsd_threshold,
+                }
+                if paper
+                else {}
+            ),
+            **({"fixed_layer": self.fixed_layer} if self.fixed_layer is not None or not paper else {}),
             "speculative": self.speculative,
             **({} if self.speculative else {"fuse": self.fuse}),
             **({"block": self.block, "drafter": self.drafter} if self.speculative else {}),
@@ -125,10 +153,15 @@ class TokRAG(Policy):
         self._parts = model_parts(lm.model)
         self._A = self._parts.embedding_matrix.detach()
         self._L = self._parts.num_layers
-        if self.min_fusion_layer > self._L:
+        self._lo = (
+            S.default_min_fusion_layer(self._L) if self.min_fusion_layer is None else self.min_fusion_layer
+        )
+        if self._lo > self._L:
             raise ValueError(
-                f"min_fusion_layer={self.min_fusion_layer} exceeds the model's {self._L} layers"
+                f"min_fusion_layer={self._lo} exceeds the model's {self._L} layers"
             )
+        if self.variant == "paper" and self.fixed_layer is not None and not 1 <= self.fixed_layer <= self._L:
+            raise ValueError(f"fixed_layer must be in [1, {self._L}], got {self.fixed_layer}")
         if self.variant == "reference":
             fl = self.fixed_layer if self.fixed_layer is not None else round(20 / 32 * self._L)
             if not 1 <= fl <= self._L:
@@ -155,12 +188,15 @@ class TokRAG(Policy):
         return Choice(b if sig["benefit"] else a, FROM_RAG if sig["benefit"] else FROM_LLM, sig)
 
     def score(self, pure: ContextView, rag: ContextView) -> float:
-        """cos(w_RAG, w_IR) − cos(w_RAG, w_LLM): > 0 means benefit wins (token-level AUC)."""
-        sig = (
-            self.reference_signals(pure, rag)
-            if self.variant == "reference"
-            else self.signals(pure, rag)
-        )
+        """A number > 0 where benefit wins (token-level AUC): cos(w_RAG, w_IR) − cos(w_RAG,
+        w_LLM) for the cosine scorer, JSD(p_RAG, p_LLM) − JSD(p_RAG, p_R) for the distribution
+        scorer."""
+        if self.variant == "reference":
+            sig = self.reference_signals(pure, rag)
+            return sig["cos_ir"] - sig["cos_llm"]
+        sig = self.signals(pure, rag)
+        if self.scorer == "distribution":
+            return sig["jsd_llm"] - sig["jsd_ir"]
         return sig["cos_ir"] - sig["cos_llm"]
 
     # ------------------------------------------------------------------ signals (Eq. 13–18)
@@ -168,27 +204,76 @@ class TokRAG(Policy):
         L, A, parts = self._L, self._A, self._parts
         rt = rag.rt_positions
         rt_ids = rag.rt_token_ids
-        attn = rag.attention_all()  # [L, H, T]
-        f = S.retrieved_attention_mass(attn, rt)
+        h_rag = rag.record.resid[:, 0]  # [L+1, d]
+        if self.fixed_layer is not None:
+            l_star, f_layer, g_layer, rag_logp = self.fixed_layer, None, None, {}
+            attn_star = rag.attention(l_star - 1)
+        else:
+            attn = rag.attention_all()  # [L, H, T]
+            l_star, f_layer, g_layer, rag_logp = self._fusion_layer(pure, rag, attn)
+            attn_star = attn[l_star - 1]
 
+        # Eq. 15–16: Att ⊙ WordSim over the retrieved positions -> p_R -> w_IR.
+        att = S.renormalised_attention(attn_star, rt)
+        if L not in rag_logp:  # the final layer: the model's own output unless lens_norm=False
+            final = rag.logits if self.lens_norm else logit_lens(parts, h_rag[L], final_norm=False)
+            rag_logp[L] = torch.log_softmax(final.float(), dim=-1)
+        if l_star not in rag_logp:
+            lens = logit_lens(parts, h_rag[l_star], final_norm=self.lens_norm)
+            rag_logp[l_star] = torch.log_softmax(lens, dim=-1)
+        x_rise = S.rising_token(rag_logp[L], rag_logp[l_star], alpha=self.plausibility_alpha)
+        wordsim = S.word_similarity(A, x_rise, rt_ids)
+        p_r = S.retrieval_distribution(att, wordsim, pr_norm=self.pr_norm)
+        w_ir = S.retrieval_embedding(A, p_r, rt_ids)
+        w_rag, w_llm = S.weighted_embedding(
+            torch.stack([rag.probs, pure.probs]), A, top_k=self.top_k
+        )
+        cos_ir, cos_llm = S.cosine(w_rag, w_ir), S.cosine(w_rag, w_llm)
+        p_r_vocab = S.positions_to_vocab(p_r, rt_ids, A.shape[0])
+        out: dict[str, Any] = {
+            "l_star": l_star,
+            "fusion_attn_layer": f_layer,
+            "fusion_jsd_layer": g_layer,
+            "cos_ir": cos_ir,
+            "cos_llm": cos_llm,
+        }
+        if self.scorer == "distribution":
+            jsd_ir, jsd_llm = S.distribution_scores(rag.probs, pure.probs, p_r_vocab)
+            out.update(jsd_ir=jsd_ir, jsd_llm=jsd_llm, benefit=jsd_ir <= jsd_llm)
+        else:
+            out["benefit"] = S.benefit_wins(cos_ir, cos_llm)
+        top = torch.topk(p_r_vocab, k=min(3, rt_ids.numel()))
+        out["rising_token"] = self._tok.decode([x_rise])
+        out["p_r_top"] = [
+            [self._tok.decode([int(i)]), round(float(v), 4)]
+            for v, i in zip(top.values, top.indices, strict=True)
+        ]
+        return out
+
+    def _fusion_layer(
+        self, pure: ContextView, rag: ContextView, attn: torch.Tensor
+    ) -> tuple[int, int, int, dict[int, torch.Tensor]]:
+        """l* of Eq. 14 searched from ``self._lo``; also returns the RAG context's lensed
+        log-probabilities computed on the way ({layer: [V]}), reused for x^{l'-l*}."""
+        L, A, parts = self._L, self._A, self._parts
+        f = S.retrieved_attention_mass(attn, rag.rt_positions)
         # g(l), Eq. 13, computed lazily: only up to the first layer crossing the threshold,
-        # a few layers per LM-head product (each product reads the 49k-row head once; rows
-        # beyond it cost ~0.5 ms each on CPU, and the crossing is at layer 2-5 for most steps).
-        lo = max(1, self.min_fusion_layer)
+        # a few layers per LM-head product (each product reads the LM head once).
+        lo = max(1, self._lo)
         bound = self.jsd_threshold * A.shape[0]
         h_pure = pure.record.resid[:, 0]  # [L+1, d]
         h_rag = rag.record.resid[:, 0]
         g = torch.full((L,), float("nan"))
-        f_arg = max(1, self.min_fusion_layer) + int(torch.argmax(f[lo - 1 :]).item())
-        rag_logp: dict[int, torch.Tensor] = {}  # layer -> log phi(h~^l), reused for x^{l'-l*}
+        f_arg = lo + int(torch.argmax(f[lo - 1 :]).item())
+        rag_logp: dict[int, torch.Tensor] = {}  # layer -> log phi(h~^l)
         prev_p = prev_r = None
-        crossing = None
         start, done_to = lo - 1, lo - 2  # lens rows of layers start..stop, then stop+1...
         while done_to < L:
             stop = min(start + (_LENS_FIRST if prev_p is None else _LENS_CHUNK) - 1, L)
             layers = list(range(done_to + 1, stop + 1))
-            # Extra RAG rows for x^{l'-l*}: the final layer and every l* a crossing in this
-            # chunk would give (l* = (f_arg + g) // 2), so that no second head read is needed.
+            # Extra RAG rows for x^{l'-l*}: the final layer (when it is not the model's own
+            # output) and every l* a crossing in this chunk would give, so that no second
+            # read of the LM head is needed.
             extra = [L] if not self.lens_norm else []
             extra += [(f_arg + c) // 2 for c in range(max(start, lo), stop + 1)]
             extra = sorted({x for x in extra if x not in rag_logp and x not in layers})
@@ -217,49 +302,13 @@ class TokRAG(Policy):
             g[first - 1 : stop] = gap.float()
             prev_p, prev_r = lp[-1], lr[-1]
             done_to = stop
-            crossing = S.first_crossing(g[:stop], bound, start_layer=lo)
-            if crossing is not None:
+            if S.first_crossing(g[:stop], bound, start_layer=lo) is not None:
                 break
             start = stop + 1
         l_star, f_layer, g_layer = S.fusion_layer(
-            f,
-            g,
-            vocab_size=A.shape[0],
-            threshold=self.jsd_threshold,
-            min_fusion_layer=self.min_fusion_layer,
+            f, g, vocab_size=A.shape[0], threshold=self.jsd_threshold, min_fusion_layer=self._lo
         )
-
-        # Eq. 15–16: Att ⊙ WordSim over the retrieved positions -> p_R -> w_IR.
-        att = S.renormalised_attention(attn[l_star - 1], rt)
-        # Log-probs differ from logits by a per-layer constant, so the argmax of the rise is
-        # the same; layers already lensed above are reused instead of re-reading the LM head.
-        lens_final = rag_logp[L] if L in rag_logp else rag.logits.float()
-        if l_star in rag_logp:
-            lens_star = rag_logp[l_star]
-        else:
-            lens_star = logit_lens(parts, h_rag[l_star], final_norm=self.lens_norm)
-        x_rise = S.rising_token(lens_final, lens_star)
-        wordsim = S.word_similarity(A, x_rise, rt_ids)
-        p_r = S.retrieval_distribution(att, wordsim, pr_norm=self.pr_norm)
-        w_ir = S.retrieval_embedding(A, p_r, rt_ids)
-        w_rag, w_llm = S.weighted_embedding(
-            torch.stack([rag.probs, pure.probs]), A, top_k=self.top_k
-        )
-        cos_ir, cos_llm = S.cosine(w_rag, w_ir), S.cosine(w_rag, w_llm)
-        top = torch.topk(S.positions_to_vocab(p_r, rt_ids, A.shape[0]), k=min(3, rt_ids.numel()))
-        return {
-            "l_star": l_star,
-            "fusion_attn_layer": f_layer,
-            "fusion_jsd_layer": g_layer,
-            "cos_ir": cos_ir,
-            "cos_llm": cos_llm,
-            "benefit": S.benefit_wins(cos_ir, cos_llm),
-            "rising_token": self._tok.decode([x_rise]),
-            "p_r_top": [
-                [self._tok.decode([int(i)]), round(float(v), 4)]
-                for v, i in zip(top.values, top.indices, strict=True)
-            ],
-        }
+        return l_star, f_layer, g_layer, rag_logp
 
     def reference_signals(self, pure: ContextView, rag: ContextView) -> dict[str, Any]:
         """The authors' released-code rule (spec §4)."""
