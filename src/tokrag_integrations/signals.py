@@ -240,11 +240,15 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).item())
 
 
-def benefit_wins(cos_ir: float, cos_llm: float) -> bool:
-    """Eq. 19: benefit wins iff cos(w_RAG, w_IR) >= cos(w_RAG, w_LLM)."""
+def benefit_wins(cos_ir: float, cos_llm: float, threshold: float = 0.0) -> bool:
+    """Eq. 19: benefit wins iff cos(w_RAG, w_IR) − cos(w_RAG, w_LLM) >= threshold (the paper: 0).
+
+    Theorem 2 only says the benefit-detriment gap is monotone in this score; a threshold
+    other than 0 is an explicit option fixed on dev data (spec §3).
+    """
     if math.isnan(cos_ir) or math.isnan(cos_llm):
         raise ValueError("cosine similarities must not be NaN")
-    return cos_ir >= cos_llm
+    return cos_ir - cos_llm >= threshold
 
 
 def restricted_jsd(p: torch.Tensor, q: torch.Tensor, support: torch.Tensor) -> float:

@@ -5,10 +5,11 @@ is taken at once (no signals: this is where most of the speed comes from). Where
 the policy estimates the distribution of the retrieved texts p_R from the model's own layers
 and attention (Eq. 13–16) and keeps ``b`` iff cos(w_RAG, w_IR) >= cos(w_RAG, w_LLM) (Eq. 19).
 
-``variant="reference"`` reproduces what the authors' released code does instead (spec §4):
-a fixed fusion layer, no WordSim / p_R but the best of the 3 most-attended retrieved windows,
-top-3 weighted embeddings, and a comparison at every step. Its known first-token bug (the
-attention row of the wrong query position) is not copied.
+``variant="reference"`` reproduces what the authors' released decoder does instead
+(:mod:`.tokrag_reference`, with file and line citations): RAG's token taken at once when it
+is a function word, else a fixed attention layer, no WordSim / p_R but the best single-token
+cosine around the 3 most-attended retrieved positions, and a comparison at every step. Its
+known first-token bug (the attention row of the wrong query position) is not copied.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..attention import logit_lens, model_parts
 from ..decoding import Choice, ContextView, Policy
 from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
+from . import tokrag_reference as REF
 
 #: Layers per logit-lens product: the first one (from layer 0) and the later ones. The first
 #: crossing of Eq. 14 is at layer 2-5 at ~90 % of disagreement steps on the dev data, so the
@@ -39,7 +41,8 @@ class TokRAG(Policy):
         min_fusion_layer: first layer searched by both terms of Eq. 14 (None = the end of the
             shallow stage, round(L·10/32), spec §3; 0 = the literal all-layer argmax).
         fixed_layer: paper variant: use this l* instead of Eq. 14 (None = Eq. 14); reference
-            variant: its fusion layer (default round(20/32 · L)).
+            variant: the 1-based layer whose attention it reads (default: their 0-based
+            layer 20 of 32 scaled to L, plus one).
         plausibility_alpha: x^{l'−l*} is searched among the tokens with p_final >= α·max
             p_final (DoLa's constraint; None = the whole vocabulary, the literal reading).
         lens_norm: apply the final norm in the logit lens of the middle layers (True = the
@@ -50,9 +53,9 @@ class TokRAG(Policy):
         scorer: ``"cosine"`` (Eq. 17-19: cos(w_RAG, w_IR) >= cos(w_RAG, w_LLM)) or
             ``"distribution"`` (Theorem 3 on the distributions: JSD(p_RAG, p_R) <=
             JSD(p_RAG, p_LLM), :func:`..signals.distribution_scores`).
+        threshold: benefit wins iff the scorer's margin is >= this (Eq. 19: 0). Theorem 2
+            only orders the margin; a value other than 0 is fixed on dev data (docs/results.md).
         jsd_threshold: Eq. 14's a, per vocabulary entry.
-        ref_positions / ref_window: the reference variant's most-attended retrieved positions
-            and the half-width of the token window embedded around each.
         speculative: decode by blockwise verification (:mod:`..speculative`): one context
             drafts a block, the other checks it in one forward pass; the same tokens and
             decisions as the step-by-step loop. Off by default: on the CPUs measured here the
@@ -78,10 +81,9 @@ class TokRAG(Policy):
         lens_norm: bool = True,
         plausibility_alpha: float | None = 0.1,
         scorer: str = "cosine",
+        threshold: float = 0.0,
         jsd_threshold: float = S.DEFAULT_JSD_THRESHOLD,
         fixed_layer: int | None = None,
-        ref_positions: int = 3,
-        ref_window: int = 2,
         speculative: bool = False,
         block: int | None = None,
         drafter: str = "auto",
@@ -110,14 +112,13 @@ class TokRAG(Policy):
         self.variant = variant
         self.pr_norm = pr_norm
         self.scorer = scorer
-        self.top_k = top_k if variant == "paper" else (top_k or 3)
+        self.threshold = float(threshold)
+        self.top_k = top_k if variant == "paper" else None  # the reference uses 2 and 3
         self.min_fusion_layer = min_fusion_layer
         self.lens_norm = lens_norm if variant == "paper" else False
         self.plausibility_alpha = None if plausibility_alpha is None else float(plausibility_alpha)
         self.jsd_threshold = float(jsd_threshold)
         self.fixed_layer = fixed_layer
-        self.ref_positions = int(ref_positions)
-        self.ref_window = int(ref_window)
         if block is not None and (not isinstance(block, int) or block < 1):
             raise ValueError(f"block must be a positive int or None, got {block!r}")
         if drafter not in ("auto", "pure", "rag"):
@@ -131,8 +132,8 @@ class TokRAG(Policy):
         paper = self.variant == "paper"
         return {
             "variant": self.variant,
-            **({"scorer": self.scorer, "pr_norm": self.pr_norm} if paper else {}),
-            "top_k": self.top_k,
+            **({"scorer": self.scorer, "threshold": self.threshold, "pr_norm": self.pr_norm} if paper else {}),
+            **({"top_k": self.top_k} if paper else {}),
             **(
                 {
                     "min_fusion_layer": self.min_fusion_layer,
@@ -163,10 +164,13 @@ class TokRAG(Policy):
         if self.variant == "paper" and self.fixed_layer is not None and not 1 <= self.fixed_layer <= self._L:
             raise ValueError(f"fixed_layer must be in [1, {self._L}], got {self.fixed_layer}")
         if self.variant == "reference":
-            fl = self.fixed_layer if self.fixed_layer is not None else round(20 / 32 * self._L)
+            fl = self.fixed_layer if self.fixed_layer is not None else REF.reference_layer(self._L) + 1
             if not 1 <= fl <= self._L:
                 raise ValueError(f"fixed_layer must be in [1, {self._L}], got {fl}")
             self._fixed = fl
+            V = self._A.shape[0]
+            self._skip = REF.skip_mask(lm.tokenizer, vocab_size=V)
+            self._gate = REF.gate_mask(lm.tokenizer, vocab_size=V)
         self._tok = lm.tokenizer
 
     # ------------------------------------------------------------------ rule
@@ -178,6 +182,8 @@ class TokRAG(Policy):
             return Choice(a, AGREE)
         if rag.spec.rt_positions == []:
             return Choice(a, AGREE if a == b else FROM_LLM, {"note": "no retrieved tokens"})
+        if self.variant == "reference" and bool(self._gate[b]):  # their function-word gate
+            return Choice(b, AGREE if a == b else FROM_RAG, {"note": "gated: function word"})
         sig = (
             self.reference_signals(pure, rag)
             if self.variant == "reference"
@@ -192,8 +198,7 @@ class TokRAG(Policy):
         w_LLM) for the cosine scorer, JSD(p_RAG, p_LLM) − JSD(p_RAG, p_R) for the distribution
         scorer."""
         if self.variant == "reference":
-            sig = self.reference_signals(pure, rag)
-            return sig["cos_ir"] - sig["cos_llm"]
+            return self.reference_signals(pure, rag)["margin"]
         sig = self.signals(pure, rag)
         if self.scorer == "distribution":
             return sig["jsd_llm"] - sig["jsd_ir"]
@@ -239,9 +244,9 @@ class TokRAG(Policy):
         }
         if self.scorer == "distribution":
             jsd_ir, jsd_llm = S.distribution_scores(rag.probs, pure.probs, p_r_vocab)
-            out.update(jsd_ir=jsd_ir, jsd_llm=jsd_llm, benefit=jsd_ir <= jsd_llm)
+            out.update(jsd_ir=jsd_ir, jsd_llm=jsd_llm, benefit=jsd_llm - jsd_ir >= self.threshold)
         else:
-            out["benefit"] = S.benefit_wins(cos_ir, cos_llm)
+            out["benefit"] = S.benefit_wins(cos_ir, cos_llm, self.threshold)
         top = torch.topk(p_r_vocab, k=min(3, rt_ids.numel()))
         out["rising_token"] = self._tok.decode([x_rise])
         out["p_r_top"] = [
@@ -311,26 +316,22 @@ class TokRAG(Policy):
         return l_star, f_layer, g_layer, rag_logp
 
     def reference_signals(self, pure: ContextView, rag: ContextView) -> dict[str, Any]:
-        """The authors' released-code rule (spec §4)."""
-        A = self._A
-        rt = rag.rt_positions
-        rt_ids = rag.rt_token_ids
-        att = S.renormalised_attention(rag.attention(self._fixed - 1), rt)
-        k = min(self.ref_positions, att.numel())
-        top = torch.topk(att, k).indices.tolist()
-        w_rag, w_llm = S.weighted_embedding(
-            torch.stack([rag.probs, pure.probs]), A, top_k=self.top_k
+        """The authors' released-code rule (spec §4, :mod:`.tokrag_reference`)."""
+        sig = REF.reference_signals(
+            rag.attention(self._fixed - 1),
+            rag.rt_positions,
+            rag.rt_token_ids,
+            rag.probs,
+            pure.probs,
+            self._A,
+            skip=self._skip,
+            **REF.preset_kwargs("generation"),
         )
-        best = -2.0
-        for j in top:
-            lo, hi = max(0, j - self.ref_window), min(rt_ids.numel(), j + self.ref_window + 1)
-            win = A[rt_ids[lo:hi]].float().mean(0)
-            best = max(best, S.cosine(w_rag, win))
-        cos_llm = S.cosine(w_rag, w_llm)
         return {
             "l_star": self._fixed,
-            "cos_ir": best,
-            "cos_llm": cos_llm,
-            "benefit": S.benefit_wins(best, cos_llm),
-            "attended": [self._tok.decode([int(rt_ids[j])]) for j in top],
+            "cos_ir": sig["cos_ir"],
+            "cos_llm": sig["cos_llm"],
+            "benefit": sig["benefit"],
+            "margin": sig["margin"],
+            "attended": [self._tok.decode([t]) for t in sig["attended"]],
         }

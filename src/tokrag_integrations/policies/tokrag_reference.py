@@ -1,0 +1,413 @@
+"""The Tok-RAG authors' released decision rule (public repo xsc1234/Tok-RAG, commit f78f1b3).
+
+A port, written from scratch, of what their code computes at one decoding step; the citations
+below name the file and lines each step follows. Three places in their repository implement
+the rule, with different settings (the presets in :data:`PRESETS`):
+
+``"generation"`` — the collaborative decoding loop
+    ``my_transformers/generation/utils.py``, ``dola_greedy_decode_multi_ids`` (2877-3190),
+    its comparison in ``get_predict_emb_contrastive`` (2822-2875). This is Tok-RAG as a
+    decoder, and the default here. (No released script reaches it: ``generate`` only
+    dispatches to it when ``no_rag_ids`` is passed (1600), and its ``rate`` has no default
+    (``None``, 1197), which would fail at line 2872.)
+``"odqa"`` — ``Open-domain-QA/Tok-RAG_for_ODQA.py`` (598-629 with 427-472): the same rule
+    applied once per question, at the first content token after "is", as a classifier.
+``"token_level"`` — ``Primary experiment/comparing_benefit_and_detriment.py`` (692-729): a
+    teacher-forced, every-token classifier with other settings.
+
+The steps (line numbers of the "generation" path; the ODQA script has the same steps at
+the lines in brackets):
+
+1. Gate (utils.py 3070-3073): decode the RAG argmax token; if the text is in their
+   ``filter_words`` list (utils.py 2960-2964; ODQA 400-402) RAG's token is taken with no
+   comparison. :func:`gate_mask`.
+2. Attention (utils.py 3083, 3086-3087 [ODQA 605-608]): the post-softmax attention
+   weights (``outputs.attentions``, one entry per decoder layer, modeling_llama.py 831-832,
+   softmax at 362) of the fixed 0-based decoder layer 20 of 32 (the ODQA script sweeps
+   layers 0-31 over the whole test set instead, 689/693/797), restricted to the retrieved
+   prefix, *averaged over heads without renormalisation*. :func:`head_mean_attention`.
+   (Their code reads query row 0 (``[0, :, 0, :]``): right once the KV cache holds the
+   prompt, but at the first generated token row 0 is the prompt's first token, a bug the
+   caller must not copy: pass the last position's row.)
+3. Ranking (utils.py 3088 [ODQA 609]): retrieved positions sorted by that attention,
+   the top 100 (ODQA: all of them).
+4. Selection (utils.py 2853-2858 [ODQA 452-456]): walk the ranking, skip a position whose
+   token piece (``convert_ids_to_tokens``) is one of ``skip_words`` (utils.py 2824-2825; ODQA
+   405): digits, ``.``, ``<s>``, ``'``, ``)``, ``-``, ``]:``, ``]``, ``}:``, ``:``, ``▁``,
+   ``▁[``; stop after 3 positions that were not skipped. :func:`skip_mask`,
+   :func:`select_attended`.
+5. w_IR candidates (utils.py 2859-2862 [ODQA 457-461]): for each chosen position i the
+   input embeddings (``model.model.embed_tokens``, ODQA 578) of the retrieved tokens at
+   i-2 ... i+1 (``right = idx + token_window - 1``: an asymmetric 4-token window, clipped to
+   the retrieved span; the neighbours are *not* checked against ``skip_words``).
+6. cos_IR (utils.py 2852, 2863-2866 [ODQA 451, 463-466]): the maximum, over those single
+   tokens, of cos(w_RAG, embedding); the running maximum starts at 0, so cos_IR >= 0.
+7. w_RAG (utils.py 3092, 2827-2832 [ODQA 613, 429-435]): Σ p·E over the top-**2** tokens of
+   the RAG *probabilities* (``temp['logits']`` is a softmax, 3064-3066), input embeddings.
+8. w_LLM, cos_LLM (utils.py 2838-2848 [ODQA 440-449]): the same over the top-**3** tokens of
+   the pure-LLM probabilities; cos_LLM = cos(w_RAG, w_LLM).
+9. Decision (utils.py 2872, 3102-3105 [ODQA 469]): keep RAG's distribution iff
+   ``rate * cos_IR > cos_LLM`` (strict; ODQA: rate 1), else the pure LLM's; the token is
+   the argmax of the kept one. Steps 2-9 run at every step not gated by step 1, whether or
+   not the two argmaxes differ (utils.py 3063-3101).
+
+Their token-level script differs (comparing_benefit_and_detriment.py): 0-based layer 16
+(701), head mean (702), top-10 positions (703), no skip list, single tokens (no window,
+704-706), w_RAG and w_LLM both over the top-3 probabilities (685, 690, 697-698, 707-711,
+718-722), the maximum over attention ranks 3-7 only (``cos_sim[2:7]``, 715-716, no 0
+floor), benefit iff that maximum > cos_LLM (726-729), at every answer token (696).
+
+Nothing here reads the model: the caller passes the step's tensors (see
+:func:`reference_signals`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+#: Their ``skip_words`` (utils.py 2824-2825, Tok-RAG_for_ODQA.py 405), SentencePiece spelling
+#: (``▁`` = U+2581 word boundary, ``<s>`` = BOS). The '' and ' ' entries can never equal a
+#: token piece; kept for the record.
+SKIP_PIECES: tuple[str, ...] = (
+    "1",
+    "2",
+    "3",
+    "4",
+    "5",
+    "6",
+    "7",
+    "8",
+    "9",
+    "0",
+    ".",
+    "<s>",
+    "'",
+    " ",
+    ")",
+    "-",
+    "]:",
+    "]",
+    "}:",
+    ":",
+    "",
+    "\u2581",
+    "\u2581[",
+)
+
+#: Their ``filter_words`` (utils.py 2960-2964, Tok-RAG_for_ODQA.py 400-402), compared with
+#: ``tokenizer.decode`` of the RAG argmax token: the entries spelled with ``▁`` never match a
+#: decoded text; kept for the record.
+FILTER_WORDS: tuple[str, ...] = (
+    " ",
+    ")",
+    "-",
+    "]:",
+    "]",
+    "}:",
+    ":",
+    "\u2581",
+    "\u2581[",
+    "\u2581the",
+    "the",
+    "a",
+    "an",
+    "The",
+    ".",
+    "[",
+    "'",
+    "Query",
+    "",
+    '\u2581"',
+    "<s>",
+    "for",
+    "in",
+    "on",
+    "at",
+)
+
+#: Settings of the three places the rule is implemented (see the module docstring).
+#: ``layer_fraction``: 0-based decoder layer / 32 (LLaMA-2-7B). ``max_ranked``: how many
+#: ranked positions are walked (None = all). ``rank_offset``: leading ranks dropped.
+PRESETS: dict[str, dict[str, Any]] = {
+    "generation": dict(
+        layer_fraction=20 / 32,
+        max_ranked=100,
+        rank_offset=0,
+        n_positions=3,
+        window=(2, 1),
+        use_skip=True,
+        top_k_rag=2,
+        top_k_llm=3,
+        floor=0.0,
+        gate=True,
+    ),
+    "odqa": dict(
+        layer_fraction=20 / 32,
+        max_ranked=None,
+        rank_offset=0,
+        n_positions=3,
+        window=(2, 1),
+        use_skip=True,
+        top_k_rag=2,
+        top_k_llm=3,
+        floor=0.0,
+        gate=True,
+    ),
+    "token_level": dict(
+        layer_fraction=16 / 32,
+        max_ranked=10,
+        rank_offset=2,
+        n_positions=5,
+        window=(0, 0),
+        use_skip=False,
+        top_k_rag=3,
+        top_k_llm=3,
+        floor=None,
+        gate=False,
+    ),
+}
+
+#: The keyword arguments of :func:`reference_signals` held by a preset.
+SIGNAL_KEYS = (
+    "max_ranked",
+    "rank_offset",
+    "n_positions",
+    "window",
+    "top_k_rag",
+    "top_k_llm",
+    "floor",
+)
+
+
+def preset_kwargs(preset: str = "generation") -> dict[str, Any]:
+    """The :func:`reference_signals` keyword arguments of a preset (``skip`` not included:
+    pass :func:`skip_mask` where ``PRESETS[preset]["use_skip"]``)."""
+    p = PRESETS[preset]
+    return {k: p[k] for k in SIGNAL_KEYS}
+
+
+def reference_layer(num_layers: int, preset: str = "generation") -> int:
+    """0-based decoder layer whose attention the rule reads: their layer 20 of 32 (utils.py
+    3083; 16 of 32 in the token-level script, 701) scaled to ``num_layers`` and clipped.
+
+    ``outputs.attentions[20]`` is the 21st decoder layer (one entry per layer,
+    modeling_llama.py 831-832): pass ``ContextView.attention(reference_layer(L))``, not
+    ``attention(round(20/32·L) - 1)``.
+    """
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    return min(num_layers - 1, max(0, round(PRESETS[preset]["layer_fraction"] * num_layers)))
+
+
+def _boundary_marker(tokenizer: Any) -> str:
+    """The word-boundary prefix of the tokenizer's pieces: ``▁`` (SentencePiece, their
+    LLaMA) or ``Ġ`` (byte-level BPE)."""
+    vocab = tokenizer.get_vocab()
+    n_sp = sum(1 for k in vocab if k.startswith("\u2581"))
+    n_bpe = sum(1 for k in vocab if k.startswith("\u0120"))
+    return "\u0120" if n_bpe > n_sp else "\u2581"
+
+
+def _ids(tokenizer: Any, vocab_size: int | None) -> tuple[int, int]:
+    n = len(tokenizer)
+    return n, max(n, vocab_size or 0)
+
+
+def skip_mask(
+    tokenizer: Any, *, vocab_size: int | None = None, all_special: bool = False
+) -> torch.Tensor:
+    """[V] bool: the token ids whose attended positions the rule skips (step 4).
+
+    Their test is exact membership of the token piece, ``convert_ids_to_tokens(id)``, in
+    ``skip_words`` (utils.py 2824-2825, 2855; ODQA 405, 453). For another tokenizer the list
+    is respelled: ``▁`` becomes the tokenizer's own boundary prefix (``Ġ`` for byte-level
+    BPE) and ``<s>`` its BOS token (the literal ``<s>`` is kept too). So single digits,
+    ``.``, ``'``, ``)``, ``-``, ``:``, ``]``, ``]:``, ``}:``, the bare boundary piece and the
+    boundary + ``[`` piece are skipped; ``,``, ``(``, ``"``, EOS or ``▁.`` are not (their
+    list does not name them). ``all_special=True`` also skips every special token (not in
+    their code). ``vocab_size``: length of the mask when the embedding matrix has more rows
+    than the tokenizer (the extra ids are not skipped).
+    """
+    n, V = _ids(tokenizer, vocab_size)
+    marker = _boundary_marker(tokenizer)
+    words = {w.replace("\u2581", marker) for w in SKIP_PIECES}
+    if tokenizer.bos_token:
+        words.add(tokenizer.bos_token)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(n)))
+    mask = torch.zeros(V, dtype=torch.bool)
+    mask[:n] = torch.tensor([p in words for p in pieces], dtype=torch.bool)
+    if all_special:
+        for i in tokenizer.all_special_ids:
+            if 0 <= i < V:
+                mask[i] = True
+    return mask
+
+
+def gate_mask(tokenizer: Any, *, vocab_size: int | None = None) -> torch.Tensor:
+    """[V] bool: RAG argmax tokens for which the rule takes RAG's token without comparing
+    (step 1, utils.py 3070-3073).
+
+    Their test is ``tokenizer.decode(token) in filter_words``. Decoding a lone LLaMA piece
+    drops its leading ``▁`` (SentencePiece), so ``▁the`` decodes to ``the``; here one leading
+    space of the decoded text is dropped likewise, which gives the same sets on a byte-level
+    tokenizer: ``the`` / `` the``, ``a``, ``an``, ``The``, ``for``, ``in``, ``on``, ``at``,
+    ``.``, ``[``, ``'``, ``:``, ``-``, ``)``, ``]``, ``]:``, ``}:``, ``Query``, the bare space,
+    and the BOS token.
+    """
+    n, V = _ids(tokenizer, vocab_size)
+    words = set(FILTER_WORDS)
+    if tokenizer.bos_token:
+        words.add(tokenizer.bos_token)
+    texts = tokenizer.batch_decode([[i] for i in range(n)])
+    mask = torch.zeros(V, dtype=torch.bool)
+    mask[:n] = torch.tensor(
+        [(t[1:] if t.startswith(" ") else t) in words for t in texts], dtype=torch.bool
+    )
+    return mask
+
+
+def head_mean_attention(attn_layer: torch.Tensor, rt_positions: torch.Tensor) -> torch.Tensor:
+    """Step 2: [H, T] post-softmax attention of the current query -> [m], the mean over heads
+    of the weights at the retrieved positions (no renormalisation over them, unlike
+    :func:`..signals.renormalised_attention`; utils.py 3086-3087)."""
+    if attn_layer.dim() != 2:
+        raise ValueError(f"attn_layer must be [H, T], got shape {tuple(attn_layer.shape)}")
+    return attn_layer.float().index_select(-1, rt_positions.to(attn_layer.device)).mean(0)
+
+
+def select_attended(
+    att: torch.Tensor,
+    rt_token_ids: torch.Tensor,
+    skip: torch.Tensor | None,
+    *,
+    n_positions: int = 3,
+    max_ranked: int | None = 100,
+    rank_offset: int = 0,
+) -> list[int]:
+    """Steps 3-4: indices into the retrieved span of the chosen positions, most attended
+    first: rank by ``att`` (ties: the earlier position first), keep the first ``max_ranked``,
+    drop the first ``rank_offset``, then take the first ``n_positions`` whose token is not in
+    ``skip`` (skipped ones do not count; utils.py 3088, 2853-2858)."""
+    m = int(att.numel())
+    order = torch.sort(att.float(), descending=True, stable=True).indices.tolist()
+    if max_ranked is not None:  # their topk(att, 100) fails for m < 100; here: min(100, m)
+        order = order[: min(max_ranked, m)]
+    order = order[rank_offset:]
+    chosen: list[int] = []
+    ids = rt_token_ids.tolist()
+    for j in order:
+        if len(chosen) == n_positions:
+            break
+        if skip is not None and 0 <= ids[j] < skip.numel() and bool(skip[ids[j]]):
+            continue
+        chosen.append(j)
+    return chosen
+
+
+def top_k_embedding(probs: torch.Tensor, embeddings: torch.Tensor, k: int) -> torch.Tensor:
+    """Steps 7-8: Σ_{v in top-k} p(v)·A[v] (their sum is not divided by Σp; cosine is
+    unaffected). ``probs`` are probabilities (their ``temp['logits']`` is a softmax)."""
+    if k < 1:
+        raise ValueError(f"top-k must be >= 1, got {k}")
+    vals, idx = torch.topk(probs.float(), min(k, probs.shape[-1]))
+    return vals.to(embeddings.device) @ embeddings[idx.to(embeddings.device)].float()
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+def reference_signals(
+    attn_layer: torch.Tensor,
+    rt_positions: torch.Tensor,
+    rt_token_ids: torch.Tensor,
+    rag_probs: torch.Tensor,
+    pure_probs: torch.Tensor,
+    embeddings: torch.Tensor,
+    *,
+    skip: torch.Tensor | None = None,
+    n_positions: int = 3,
+    window: tuple[int, int] = (2, 1),
+    top_k_rag: int = 2,
+    top_k_llm: int = 3,
+    max_ranked: int | None = 100,
+    rank_offset: int = 0,
+    floor: float | None = 0.0,
+    rate: float = 1.0,
+) -> dict[str, Any]:
+    """One step of the authors' rule (steps 2-9 of the module docstring; step 1, the gate,
+    is the caller's: :func:`gate_mask`). Defaults = the "generation" preset (utils.py); see
+    :func:`preset_kwargs` for the others.
+
+    Args:
+        attn_layer: [H, T] post-softmax attention of the *current* (last) query position at
+            the layer :func:`reference_layer` names (not row 0 at the first step: their bug).
+        rt_positions: [m] long, positions of the retrieved tokens in ``attn_layer``'s key
+            axis, in text order (windows run over this order).
+        rt_token_ids: [m] long, their token ids.
+        rag_probs / pure_probs: [V] next-token probabilities with / without retrieval.
+        embeddings: [V, d] the *input* embedding matrix.
+        skip: [V] bool from :func:`skip_mask` (None = skip nothing, the token-level script).
+        n_positions: non-skipped positions used (3; 5 in the token-level script).
+        window: (left, right) neighbours embedded around each chosen position: (2, 1) is
+            their i-2 ... i+1 (utils.py 2859-2861); (0, 0) = the single token.
+        top_k_rag / top_k_llm: tokens in w_RAG (2) and w_LLM (3).
+        max_ranked: ranked positions walked (100; None = all, the ODQA script).
+        rank_offset: leading ranks dropped (2 in the token-level script's ``cos_sim[2:7]``).
+        floor: start value of the running maximum (0.0, utils.py 2852; None = no floor, and
+            -1.0 when no position is chosen).
+        rate: benefit iff ``rate * cos_ir > cos_llm`` (utils.py 2872; 1 in the ODQA script).
+
+    Returns a dict: ``cos_ir``, ``cos_llm`` (floats), ``benefit`` (bool: keep RAG's token),
+    ``margin`` (``rate * cos_ir - cos_llm``, > 0 where benefit wins), ``attended`` (token ids
+    of the chosen positions, most attended first), ``attended_index`` (their indices in the
+    retrieved span), ``best_token`` (token id giving cos_ir, None when the floor wins).
+    """
+    if rt_positions.numel() != rt_token_ids.numel():
+        raise ValueError("rt_positions and rt_token_ids must have the same length")
+    wl, wr = window
+    if wl < 0 or wr < 0:
+        raise ValueError(f"window must be two ints >= 0, got {window!r}")
+    m = int(rt_token_ids.numel())
+    A = embeddings
+    w_rag = top_k_embedding(rag_probs, A, top_k_rag)
+    w_llm = top_k_embedding(pure_probs, A, top_k_llm)
+    cos_llm = float(_cos(w_rag, w_llm).item())
+
+    chosen: list[int] = []
+    best, best_token = (floor if floor is not None else -math.inf), None
+    if m:
+        att = head_mean_attention(attn_layer, rt_positions)
+        chosen = select_attended(
+            att,
+            rt_token_ids,
+            skip,
+            n_positions=n_positions,
+            max_ranked=max_ranked,
+            rank_offset=rank_offset,
+        )
+    if chosen:
+        ids = rt_token_ids.to(A.device)
+        cand = sorted({c for j in chosen for c in range(max(0, j - wl), min(m - 1, j + wr) + 1)})
+        cand_ids = ids[torch.tensor(cand, dtype=torch.long, device=A.device)]
+        cos = _cos(w_rag[None], A[cand_ids].float())  # one cosine per single token
+        k = int(torch.argmax(cos).item())
+        if float(cos[k]) > best:  # their running max: strictly greater replaces
+            best, best_token = float(cos[k]), int(cand_ids[k])
+    if best == -math.inf:
+        best = -1.0
+    if math.isnan(best) or math.isnan(cos_llm):
+        raise ValueError("cosine similarities must not be NaN")
+    margin = rate * best - cos_llm
+    return {
+        "cos_ir": best,
+        "cos_llm": cos_llm,
+        "benefit": rate * best > cos_llm,
+        "margin": margin,
+        "attended": [int(rt_token_ids[j]) for j in chosen],
+        "attended_index": chosen,
+        "best_token": best_token,
+    }
