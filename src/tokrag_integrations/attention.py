@@ -42,6 +42,9 @@ class ModelParts:
     lm_head: Any
     attn: list[Any]
     rotary_fns: list[Any]
+    #: ``config.final_logit_softcapping`` (Gemma 2; None for most models): the model's logits
+    #: are ``tanh(head(h) / c) * c``, and so are the logit lens's.
+    final_logit_softcap: float | None = None
 
     @property
     def num_layers(self) -> int:
@@ -99,8 +102,17 @@ def model_parts(model: Any) -> ModelParts:
             "with load_model(..., require_signals=False) for the 'rag'/'llm' policies, which "
             "need no signals."
         )
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    softcap = getattr(cfg, "final_logit_softcapping", None)
     parts = ModelParts(
-        layers=layers, embed=embed, final_norm=norm, lm_head=head, attn=attn, rotary_fns=rot
+        layers=layers,
+        embed=embed,
+        final_norm=norm,
+        lm_head=head,
+        attn=attn,
+        rotary_fns=rot,
+        final_logit_softcap=float(softcap) if softcap else None,
     )
     try:
         model._tokrag_parts = parts
@@ -517,10 +529,16 @@ def logit_lens(parts: ModelParts, resid: torch.Tensor, *, final_norm: bool = Tru
     h = resid.to(parts.lm_head.weight.dtype)
     if final_norm:
         h = parts.final_norm(h)
+    logits = None
     if h.dim() == 2 and h.shape[0] > 1:
         from .cpu_kernels import packed_head
 
         product = packed_head(parts.lm_head)
         if product is not None:  # falls back to the routed product below a few rows
-            return product(h).float()
-    return parts.lm_head(h).float()
+            logits = product(h).float()
+    if logits is None:
+        logits = parts.lm_head(h).float()
+    cap = parts.final_logit_softcap
+    if cap:  # as the model's own head (Gemma 2): the lens of the last layer is its logits
+        logits = torch.tanh(logits / cap) * cap
+    return logits

@@ -171,7 +171,8 @@ def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument(
         "--model",
         default="default",
-        help="'default' (packaged SmolLM2-135M-Instruct), a model folder or a .gguf file",
+        help="'default' (packaged SmolLM2-135M-Instruct), 'gemma3-270m' (the gemma extra), "
+        "a model folder or a .gguf file",
     )
     p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="answer length limit")
     p.add_argument(

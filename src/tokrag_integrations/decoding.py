@@ -598,11 +598,12 @@ def prefill_packed(
     longer prompt alone does: the short part rides in a pass that is compute-bound, instead
     of a pass of its own that reads every weight. Returns None where this does not apply
     (not one query with two contexts, a shared-prefill store active, attention other than
-    this package's CPU path, caches that are not full attention, retrieved positions in the
+    this package's CPU path, caches that are not full attention, sliding-window layers,
+    retrieved positions in the
     shorter prompt past the shared head, ``TOKRAG_PACKED_PREFILL=0``).
     """
     from .cpu_kernels import ATTN_IMPLEMENTATION, PACKED_PREFILL
-    from .kv_cache import GrowableLayer, new_cache
+    from .kv_cache import GrowableLayer, has_sliding_window, new_cache
 
     if len(per_query) != 1 or len(roles) != 2 or not packed_prefill_enabled():
         return None
@@ -613,6 +614,8 @@ def prefill_packed(
     specs = [per_query[0].get(r) for r in roles]
     if any(s is None or not s.ids for s in specs):
         return None
+    if has_sliding_window(lm.model):
+        return None  # the 4D mask below would replace the sliding-window mask of those layers
     cache = new_cache(lm.model)
     if not cache.layers or any(not isinstance(layer, GrowableLayer) for layer in cache.layers):
         return None

@@ -129,13 +129,42 @@ class GrowableLayer(DynamicLayer):
 
 
 def new_cache(model: Any) -> Any:
-    """A ``DynamicCache`` for ``model`` whose full-attention layers grow in place (sliding-
-    window layers and other kinds are kept as transformers builds them)."""
+    """A ``DynamicCache`` for ``model`` whose layers grow in place and keep every position.
+
+    Sliding-window layers (Gemma 2/3, Mistral...) get a full layer too: transformers'
+    ``DynamicSlidingWindowLayer`` keeps only the last ``window - 1`` positions, so the keys an
+    attention row is recomputed from after a step would lack the oldest one the step attended
+    to, and it cannot be rolled back (``crop``) past the window. The window itself is still
+    applied, by the sliding-window mask transformers builds from the config (over cache
+    positions, as the model's own attention; read by :func:`.attention.attention_row`).
+    The cost is the keys/values outside the window (a few MB for the packaged models).
+    Other layer kinds (quantised, offloaded...) are kept as transformers builds them."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
 
     cache = DynamicCache(config=model.config)
-    cache.layers = [GrowableLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [
+        GrowableLayer() if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
+        for layer in cache.layers
+    ]
     return cache
+
+
+def has_sliding_window(model: Any) -> bool:
+    """Whether some attention layer of ``model`` attends over a sliding window (its cache
+    keeps every position, see :func:`new_cache`, but a custom 4D mask would bypass the
+    window: the packed two-context prefill does not apply to it)."""
+    cfg = getattr(model, "config", None)
+    types_ = getattr(cfg, "layer_types", None) or []
+    if any("sliding" in str(t) for t in types_):
+        return True
+    from .attention import model_parts
+
+    try:
+        attn = model_parts(model).attn
+    except ValueError:
+        return bool(getattr(cfg, "sliding_window", None))
+    return any(getattr(a, "sliding_window", None) for a in attn)
 
 
 def is_full_layer(layer: Any) -> bool:

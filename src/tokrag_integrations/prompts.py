@@ -22,6 +22,23 @@ MIN_CUT_TOKENS = 16
 _SENTINEL = "\u241eTOKRAG_USER_CONTENT\u241e"
 
 
+def _adds_bos(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` starts an encoded text with its BOS token (the prompt is encoded
+    segment by segment without special tokens, so a plain prompt adds it itself). Read off
+    an encoding: fast tokenizers (Gemma's among them) may add it by their post-processor
+    while their ``add_bos_token`` attribute says False."""
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if bos_id is None:
+        return False
+    if getattr(tokenizer, "add_bos_token", False):
+        return True
+    try:
+        ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    except Exception:  # pragma: no cover - exotic tokenizers
+        return False
+    return bool(ids) and int(ids[0]) == int(bos_id)
+
+
 @dataclass
 class Passage:
     """A retrieved passage: its text, the retriever's score (higher = better) and metadata."""
@@ -135,7 +152,7 @@ class PromptBuilder:
             head = "\n\n".join(parts) + ("\n\n" if parts else "")
             tail = "\nAnswer:"
             bos = getattr(self.tokenizer, "bos_token", None)
-            if bos and getattr(self.tokenizer, "add_bos_token", False) and not head.startswith(bos):
+            if bos and _adds_bos(self.tokenizer) and not head.startswith(bos):
                 head = bos + head
         return head, tail
 
