@@ -11,6 +11,7 @@ import torch
 from tokrag_integrations import Passage, generate, generate_batch, stream
 from tokrag_integrations.attention import Probe, attention_row, cached_keys, model_parts
 from tokrag_integrations.prompts import PromptBuilder
+from tokrag_integrations.models import cache_argument
 
 FICTION_Q = "What is the name of the cat owned by Zorbin Quell?"
 FICTION_P = ["Zorbin Quell owns a grey cat named Pistachio."]
@@ -68,7 +69,7 @@ def test_recomputed_attention_matches_eager(lm):
         ref = eager(input_ids=ids, output_attentions=True).attentions  # L x [1, H, T, T]
         cache = DynamicCache(config=lm.model.config)
         with Probe(lm.model) as probe:
-            lm.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            lm.model(input_ids=ids, **{cache_argument(lm.model): cache}, use_cache=True, logits_to_keep=1)
         rec = probe.take()
         parts = model_parts(lm.model)
         valid = torch.ones_like(ids, dtype=torch.bool)
@@ -94,14 +95,14 @@ def test_recomputed_attention_matches_eager_with_left_padding(lm):
                 input_ids=ids,
                 attention_mask=mask,
                 position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                past_key_values=cache,
+                **{cache_argument(lm.model): cache},
                 use_cache=True,
                 logits_to_keep=1,
             )
         rec = probe.take().select([0])
         cache1 = DynamicCache(config=lm.model.config)
         with Probe(lm.model) as probe1:
-            lm.model(input_ids=torch.tensor([short]), past_key_values=cache1, use_cache=True, logits_to_keep=1)
+            lm.model(input_ids=torch.tensor([short]), **{cache_argument(lm.model): cache1}, use_cache=True, logits_to_keep=1)
         rec1 = probe1.take()
         for layer in (0, parts.num_layers // 2, parts.num_layers - 1):
             padded = attention_row(parts, layer, rec, cached_keys(cache, layer)[:1], mask[:1].bool(), ids.shape[1])[0]

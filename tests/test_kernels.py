@@ -371,9 +371,11 @@ def test_lazy_chunked_signals_equal_a_full_computation(lm, monkeypatch):
             for name, v in (("pure", pure), ("rag", rag))
         }
         g = (S.layer_shift_jsd(lens["rag"].exp()) - S.layer_shift_jsd(lens["pure"].exp())).abs()
-        l_star, fa, gf = S.fusion_layer(f, g, vocab_size=self._A.shape[0], threshold=self.jsd_threshold)
-        final = lens["rag"][L] if not self.lens_norm else rag.logits.float()
-        rise = S.rising_token(final, lens["rag"][l_star])
+        l_star, fa, gf = S.fusion_layer(
+            f, g, vocab_size=self._A.shape[0], threshold=self.jsd_threshold, min_fusion_layer=self._lo
+        )
+        final = lens["rag"][L] if not self.lens_norm else torch.log_softmax(rag.logits.float(), -1)
+        rise = S.rising_token(final, lens["rag"][l_star], alpha=self.plausibility_alpha)
         seen.append((out["l_star"], out["fusion_attn_layer"], out["fusion_jsd_layer"], out["rising_token"]))
         assert (out["l_star"], out["fusion_attn_layer"], out["fusion_jsd_layer"]) == (l_star, fa, gf)
         assert out["rising_token"] == self._tok.decode([rise])
@@ -381,7 +383,8 @@ def test_lazy_chunked_signals_equal_a_full_computation(lm, monkeypatch):
 
     monkeypatch.setattr(TokRAG, "signals", checked)
     for q, ps in (CONTRA, FICTION):
-        for opts in ({}, {"lens_norm": True, "top_k": None}):
+        literal = {"lens_norm": False, "top_k": None, "min_fusion_layer": 0, "plausibility_alpha": None}
+        for opts in ({}, literal):
             generate(lm, q, ps, policy="tokrag", max_new_tokens=24, **opts)
     assert len(seen) >= 4
     assert len({s[2] for s in seen}) > 1  # crossings in more than one lens chunk

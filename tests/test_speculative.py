@@ -54,9 +54,16 @@ def _decisions(r):
     ]
 
 
+def _tie(x) -> bool:
+    """cos_ir and cos_llm equal to float rounding (both candidates near one-hot on the same
+    token, cosines 1 - 1e-7): the rule's flag is rounding noise there, the token is not."""
+    return x[4] is not None and x[5] is not None and abs(x[4] - x[5]) < 1e-5
+
+
 def _assert_same(a, b):
     da, db = _decisions(a), _decisions(b)
-    assert [x[:4] for x in da] == [x[:4] for x in db]
+    assert [(x[0], x[1], x[3]) for x in da] == [(x[0], x[1], x[3]) for x in db]
+    assert [x[2] for x in da if not _tie(x)] == [x[2] for x in db if not _tie(x)]
     for x, y in zip(da, db, strict=True):
         for u, v in zip(x[4:], y[4:], strict=True):
             assert (u is None) == (v is None)

