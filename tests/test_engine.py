@@ -111,6 +111,14 @@ def test_recomputed_attention_matches_eager_with_left_padding(lm):
             torch.testing.assert_close(padded[:, pad:], alone, atol=1e-4, rtol=0)
 
 
+def _margin(r, s):
+    """The rule's margin at a step: cosine scorer cos_ir - cos_llm, distribution scorer
+    JSD(p_RAG, p_LLM) - JSD(p_RAG, p_R), less the threshold (benefit iff >= 0)."""
+    sig, opts = s.signals, r.trace.options
+    m = sig["jsd_llm"] - sig["jsd_ir"] if opts.get("scorer") == "distribution" else sig["cos_ir"] - sig["cos_llm"]
+    return m - opts.get("threshold", 0.0)
+
+
 def _check_trace(r):
     for s in r.trace.steps:
         cands = s.candidates
@@ -119,17 +127,18 @@ def _check_trace(r):
         elif s.source == "rag":
             assert cands["rag"].token_id == s.token_id != cands["pure"].token_id
             assert s.signals["benefit"] is True
-            assert s.signals["cos_ir"] >= s.signals["cos_llm"]
+            assert _margin(r, s) >= 0
         elif s.source == "llm":
             assert cands["pure"].token_id == s.token_id != cands["rag"].token_id
             assert s.signals["benefit"] is False
-            assert s.signals["cos_ir"] < s.signals["cos_llm"]
+            assert _margin(r, s) < 0
         else:
             raise AssertionError(f"unexpected source {s.source}")
         if s.disagreement:
             L = 30
             assert 1 <= s.signals["l_star"] <= L
-            assert s.signals["l_star"] == (s.signals["fusion_attn_layer"] + s.signals["fusion_jsd_layer"]) // 2
+            if r.trace.options.get("fixed_layer") is None:
+                assert s.signals["l_star"] == (s.signals["fusion_attn_layer"] + s.signals["fusion_jsd_layer"]) // 2
 
 
 def test_tokrag_trace_is_consistent_on_benefit_and_detriment(lm):
@@ -141,13 +150,53 @@ def test_tokrag_trace_is_consistent_on_benefit_and_detriment(lm):
         json.loads(r.trace.to_json())  # serialisable
 
 
+#: Facts only the passage has (the pure model cannot know them): README's "benefit" rows.
+BENEFIT_CASES = [
+    (FICTION_Q, FICTION_P[0], "Pistachio"),
+    ("What is the capital of Drelmoria?", "Drelmoria is a small island nation. Its capital is Vostrany.", "Vostrany"),
+    ("Who founded Quillfeather Aerospace?",
+     "Quillfeather Aerospace was founded in 1994 by Ottoline Varga, a former propulsion engineer.", "Ottoline Varga"),
+    ("In which year did the Veltrano Bridge open?", "The Veltrano Bridge opened to traffic in 1873.", "1873"),
+]
+
+
+@pytest.mark.parametrize("question,passage,fact", BENEFIT_CASES, ids=["cat", "capital", "founder", "year"])
+def test_tokrag_default_answers_passage_only_facts_from_the_passage(lm, question, passage, fact):
+    r = generate(lm, question, [passage], policy="tokrag", max_new_tokens=24)
+    assert fact in r.text, r.text
+    assert any(s.source == "rag" for s in r.trace.disagreement_steps)
+
+
+def test_tokrag_default_keeps_the_known_fact_against_a_contradicting_passage(lm):
+    assert "Marseille" in generate(lm, CONTRA_Q, CONTRA_P, policy="rag", max_new_tokens=12).text
+    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag", max_new_tokens=12)
+    assert "Paris" in r.text and "Marseille" not in r.text, r.text
+    paris = [s for s in r.trace.disagreement_steps if s.source == "llm"]
+    assert paris and paris[0].signals["benefit"] is False
+
+
+def test_literal_reading_stays_reachable_and_misses_the_passage_fact(lm):
+    """The old all-layer, unconstrained, un-normed reading (spec §3) as options: it answers the
+    Drelmoria case from the pure model's hallucination, the reason it is not the default."""
+    literal = {"min_fusion_layer": 0, "plausibility_alpha": None, "lens_norm": False}
+    q, p, fact = BENEFIT_CASES[1]
+    r = generate(lm, q, [p], policy="tokrag", max_new_tokens=24, **literal)
+    assert fact not in r.text
+    assert all(r.trace.options[k] == v for k, v in literal.items())
+    assert all(s.signals["fusion_attn_layer"] < 15 or s.signals["fusion_jsd_layer"] < 15
+               for s in r.trace.disagreement_steps)
+
+
 @pytest.mark.parametrize(
     "options",
     [
         {"pr_norm": "softmax"},
         {"top_k": None},
         {"min_fusion_layer": 10},
-        {"lens_norm": True},
+        {"min_fusion_layer": 0.3125},
+        {"lens_norm": False},
+        {"scorer": "distribution"},
+        {"fixed_layer": 15},
     ],
 )
 def test_tokrag_options_run_and_are_recorded(lm, options):
@@ -156,8 +205,11 @@ def test_tokrag_options_run_and_are_recorded(lm, options):
     for k, v in options.items():
         assert r.trace.options[k] == v
     if "min_fusion_layer" in options:
+        lo = 10 if options["min_fusion_layer"] == 10 else round(30 * 10 / 32)  # 0.3125 of 30 layers: 9
         for s in r.trace.disagreement_steps:
-            assert s.signals["fusion_attn_layer"] >= 10 and s.signals["fusion_jsd_layer"] >= 10
+            assert s.signals["fusion_attn_layer"] >= lo and s.signals["fusion_jsd_layer"] >= lo
+    if "fixed_layer" in options:
+        assert all(s.signals["l_star"] == 15 for s in r.trace.disagreement_steps)
 
 
 def test_reference_variant_compares_at_every_step(lm):

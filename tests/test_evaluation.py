@@ -146,12 +146,19 @@ class FakeDecode:
 
     def __init__(self, fail_after: int | None = None):
         self.calls: list[tuple[str, list[str], list[list[str]]]] = []
+        self.options: list[dict] = []  # the policy options of each call (max_new_tokens, stop dropped)
+        self.prefill: list[int | None] = []  # id of the active shared-prefill store of each call
         self.fail_after = fail_after
 
     def __call__(self, lm, queries, passages, *, policy, **kw):
+        from tokrag_integrations.decoding import _SHARED_PREFILL
+
         if self.fail_after is not None and len(self.calls) >= self.fail_after:
             raise KeyboardInterrupt
         self.calls.append((policy, list(queries), [list(p) for p in passages]))
+        self.options.append({k: v for k, v in kw.items() if k not in ("max_new_tokens", "stop")})
+        store = _SHARED_PREFILL.get()
+        self.prefill.append(None if store is None else id(store))
         out = []
         for ps in passages:
             text = "Paris" if any(p.startswith("pos") for p in ps) else "Lyon"
@@ -257,3 +264,293 @@ def test_evidence_sentence_picks_the_answer_bearing_sentence():
     assert evidence_sentence(it) == "Lyon is big."
     it.positives = []
     assert evidence_sentence(it) == "yes"
+
+
+# --------------------------------------------------------------------------- policy specs
+def test_spec_parsing_and_normalisation():
+    from tokrag_integrations.evaluation.specs import (
+        parse_spec,
+        parse_specs,
+        parse_value,
+        split_specs,
+    )
+
+    assert split_specs("llm, rag,tokrag[min_fusion_layer=0,lens_norm=false],adacad") == [
+        "llm", "rag", "tokrag[min_fusion_layer=0,lens_norm=false]", "adacad"]
+    s = parse_spec("tokrag[min_fusion_layer=0, lens_norm=FALSE, rise=logit, alpha=0.1, top_k=None, x='1']")
+    assert s.name == "tokrag"
+    assert s.options == {"min_fusion_layer": 0, "lens_norm": False, "rise": "logit", "alpha": 0.1, "top_k": None, "x": "1"}
+    assert str(s) == "tokrag[alpha=0.1,lens_norm=False,min_fusion_layer=0,rise=logit,top_k=None,x='1']"
+    assert parse_spec(str(s)) == s  # the label reads back as the same spec
+    assert [parse_value(v) for v in ("3", "-2.5", "True", "none", "abc")] == [3, -2.5, True, None, "abc"]
+    assert [str(x) for x in parse_specs("tokrag,tokrag[]")] == ["tokrag"]  # duplicates dropped
+    for bad in ("tokrag[min_fusion_layer=0", "tokrag]", "tokrag[x]", "tokrag[x=1,x=2]", "[x=1]"):
+        with pytest.raises(ValueError):
+            parse_specs(bad)
+
+
+def test_cli_validates_specs_before_loading_a_model(monkeypatch, tmp_path, capsys):
+    import tokrag_integrations.models as models
+    from tokrag_integrations.cli_eval import main
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    base = ["noise", "--data", str(tmp_path / "none.jsonl"), "--records", str(tmp_path), "--no-progress"]
+    with pytest.raises(SystemExit, match=r"Unknown policy 'tokrog'.*available: .*tokrag"):
+        main([*base, "--policies", "rag,tokrog[top_k=3]"])
+    with pytest.raises(SystemExit, match=r"Bad options in 'tokrag\[no_such_option=1\]'"):
+        main([*base, "--policies", "rag,tokrag[no_such_option=1]"])
+    with pytest.raises(SystemExit, match=r"Bad options in 'tokrag\[pr_norm=bad\]'.*pr_norm"):
+        main([*base, "--policies", "tokrag[pr_norm=bad]"])
+    with pytest.raises(SystemExit):
+        main([*base, "--policies", "tokrag[pr_norm=sum"])
+    assert "unclosed '['" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="Bad options"):
+        main(["token", *base[1:], "--scorers", "tokrag[no_such_option=1]"])
+    with pytest.raises(SystemExit, match="Unknown policy 'rag'"):
+        main(["token", *base[1:], "--scorers", "tokrag,rag"])
+
+
+def test_specs_in_the_runner_share_the_prefill_and_pass_options(tmp_path):
+    items = [_item(i) for i in range(3)]
+    dec = FakeDecode()
+    specs = ["cad", "tokrag[min_fusion_layer=0,lens_norm=false]", "tokrag", "llm"]
+    s = run_noise_sweep(LM, items, records_path=tmp_path / "r.jsonl", policies=specs, ratios=[0.0, 1.0],
+                        batch_size=3, progress=False, decode=dec, policy_options={"cad": {"alpha": 0.3}})
+    label = "tokrag[lens_norm=False,min_fusion_layer=0]"
+    assert s["policies"] == ["cad", label, "tokrag", "llm"]
+    assert set(s["accuracy"]) == set(s["policies"]) and s["accuracy"][label] == {"0": 100.0, "1": 0.0}
+    assert {r["policy"] for r in RecordStore(tmp_path / "r.jsonl").values()} == set(s["policies"])
+    with_passages = [(c[0], o, pf) for c, o, pf in zip(dec.calls, dec.options, dec.prefill, strict=True) if c[0] != "llm"]
+    # Per (batch, condition): both tokrag specs (probing) first, then rag, all in one shared prefill.
+    for cond in range(2):
+        group = with_passages[3 * cond : 3 * cond + 3]
+        assert [(p, o) for p, o, _ in group] == [
+            ("tokrag", {"min_fusion_layer": 0, "lens_norm": False}), ("tokrag", {}), ("cad", {"alpha": 0.3})]
+        assert len({pf for _, _, pf in group}) == 1 and group[0][2] is not None
+    # Resume keys on the normalised label: the same specs written differently decode nothing.
+    dec2 = FakeDecode()
+    run_noise_sweep(LM, items, records_path=tmp_path / "r.jsonl", ratios=[0.0, 1.0], progress=False, decode=dec2,
+                    policies=["cad", "tokrag[lens_norm=false, min_fusion_layer=0]", "tokrag", "llm"])
+    assert dec2.calls == []
+
+
+# --------------------------------------------------------------------------- intervals
+def _rows(n: int, p: float, seed: int, conds: int = 3) -> list[list[float]]:
+    rng = random.Random(seed)
+    return [[100.0 * (rng.random() < p) for _ in range(conds)] for _ in range(n)]
+
+
+def test_bootstrap_ci_contains_the_mean_and_narrows_with_more_items():
+    from tokrag_integrations.evaluation.metrics import bootstrap_ci, mean_over_conditions
+
+    small, large = _rows(20, 0.4, 1), _rows(400, 0.4, 1)
+    for m in (small, large):
+        lo, hi = bootstrap_ci(m)
+        assert lo <= mean_over_conditions(m) <= hi
+    assert bootstrap_ci(small) == bootstrap_ci(small)  # fixed seed
+    assert (lambda c: c[1] - c[0])(bootstrap_ci(large)) < 0.5 * (lambda c: c[1] - c[0])(bootstrap_ci(small))
+    assert bootstrap_ci([[100.0, 0.0]] * 5) == (50.0, 50.0)
+    # NaN cells are skipped, like a condition without a record.
+    assert mean_over_conditions([[100.0, math.nan], [0.0, 100.0]]) == pytest.approx(75.0)
+
+
+def test_paired_difference():
+    from tokrag_integrations.evaluation.metrics import paired_bootstrap_diff
+
+    a = _rows(60, 0.5, 2)
+    same = paired_bootstrap_diff(a, a)
+    assert same["diff"] == 0.0 and same["ci"] == [0.0, 0.0]
+    better = [[min(100.0, v + 100.0 * (i % 4 == 0)) for v in row] for i, row in enumerate(a)]
+    d = paired_bootstrap_diff(better, a)
+    assert d["diff"] > 0 and 0 < d["ci"][0] <= d["diff"] <= d["ci"][1]
+    # Pairing: a policy equal to the other on every item but one has a narrow interval.
+    with pytest.raises(ValueError, match="same items"):
+        paired_bootstrap_diff(a, a[:-1])
+
+
+def test_summary_has_intervals_and_paired_table(tmp_path):
+    from tokrag_integrations.evaluation.report import (
+        accuracy_table,
+        paired_table,
+        write_accuracy_report,
+    )
+
+    items = [_item(i, n_pos=1 + i % 2) for i in range(12)]
+
+    class Half(FakeDecode):  # "cad" loses the odd items' right answers
+        def __call__(self, lm, queries, passages, *, policy, **kw):
+            out = super().__call__(lm, queries, passages, policy=policy, **kw)
+            if policy == "cad":
+                for q, r in zip(queries, out, strict=True):
+                    r.text = r.text if int(q.split()[1][:-1]) % 2 == 0 else "Lyon"
+            return out
+
+    s = run_misleading(LM, items, records_path=tmp_path / "m.jsonl", policies=["rag", "cad", "llm"],
+                       cf_ratios=[0.0, 1.0], progress=False, decode=Half())
+    assert s["accuracy_mean"]["rag"] == 50.0 and s["accuracy_ci"]["rag"]["cf=0"] == [100.0, 100.0]
+    lo, hi = s["accuracy_mean_ci"]["cad"]
+    assert lo < s["accuracy_mean"]["cad"] == 25.0 < hi
+    assert s["cf_repeat_mean_ci"]["rag"] == [50.0, 50.0]
+    d = s["paired"]["cad"]["accuracy"]
+    assert d["diff"] == -25.0 and d["ci"][1] < 0
+    assert s["paired"]["llm"]["accuracy"]["diff"] == -50.0 and "rag" not in s["paired"]
+    table = accuracy_table(s)
+    assert "| cad | 50.0 [" in table and "| 25.0 [" in table
+    assert "| cad | -25.0 [" in paired_table(s) and "below rag" in paired_table(s)
+    files = write_accuracy_report(s, tmp_path / "res", "m", "misleading")
+    md = (tmp_path / "res" / "m.md").read_text()
+    assert "Paired differences to rag" in md and all(f.exists() for f in files)
+    assert json.loads((tmp_path / "res" / "m.json").read_text())["paired"]["cad"]["accuracy"]["diff"] == -25.0
+
+
+# --------------------------------------------------------------------------- token level
+def _popqa_item(i: int, prop: str, subj: str, answers: list[str], pop: float, pop_bin: int) -> EvalItem:
+    return EvalItem(id=f"popqa_{i}", question=f"q {subj}?", answers=answers, source="popqa", popularity=pop,
+                    meta={"prop": prop, "subj": subj, "pop_bin": pop_bin})
+
+
+def test_synthetic_popqa_passages():
+    from tokrag_integrations.evaluation.data import is_popqa, select_popular, synthesize_popqa
+
+    items = [
+        _popqa_item(0, "capital", "Belarus", ["Minsk", "Мінск"], 5e4, 4),
+        _popqa_item(1, "capital", "Canada", ["Ottawa"], 8e5, 4),
+        _popqa_item(2, "capital", "Texas", ["Austin"], 10.0, 0),
+        _popqa_item(3, "capital", "Georgia", ["Atlanta, Georgia"], 100.0, 1),
+        _popqa_item(4, "director", "Spy", ["Paul Feig"], 9e4, 4),
+        _popqa_item(5, "no such relation", "X", ["Y"], 1.0, 4),
+    ]
+    assert is_popqa(items) and not is_popqa([_item()])
+    syn = {it.id: it for it in synthesize_popqa(items)}
+    be = syn["popqa_0"]
+    assert be.positives == ["The capital of Belarus is Minsk."]
+    assert be.counterfactual_answers[0] in {"Ottawa", "Austin", "Atlanta, Georgia"}
+    assert be.counterfactuals == [f"The capital of Belarus is {be.counterfactual_answers[0]}."]
+    assert not cover_em(be.counterfactuals[0], be.answers) and cover_em(be.counterfactuals[0], be.counterfactual_answers)
+    assert syn["popqa_4"].positives == ["Spy was directed by Paul Feig."]
+    assert syn["popqa_4"].counterfactuals == []  # no other director to borrow
+    assert syn["popqa_5"].positives == ['The answer to "q X?" is Y.']
+    assert synthesize_popqa(items)[0].counterfactuals == be.counterfactuals  # seeded
+    assert [it.id for it in select_popular(list(syn.values()))] == ["popqa_1", "popqa_4", "popqa_0", "popqa_5"]
+    assert [it.id for it in select_popular(items, min_pop_bin=1)] == ["popqa_1", "popqa_4", "popqa_0", "popqa_3", "popqa_5"]
+    m = mix_counterfactuals(be, 0.5, k=2)
+    assert m.counts == {"pos": 1, "neg": 0, "cf": 1}
+
+
+@needs_data
+def test_synthetic_popqa_on_the_dev_file():
+    from tokrag_integrations.evaluation.data import select_popular, synthesize_popqa
+
+    every = load_items(DATA / "popqa_dev.jsonl")
+    top = select_popular(synthesize_popqa(every), 4)
+    assert len(top) == 120 and top[0].popularity >= top[-1].popularity
+    with_cf = [it for it in top if it.counterfactuals]
+    assert len(with_cf) >= 110
+    for it in with_cf:
+        assert cover_em(it.positives[0], it.answers) and not cover_em(it.counterfactuals[0], it.answers)
+
+
+def test_target_kind_and_evidence_for_yes_no():
+    from tokrag_integrations.evaluation.runner import evidence_sentence, target_kind
+
+    yn = _item()
+    yn.answers, yn.positives = ["yes"], ["His eyes are blue. Yes, it is."]
+    assert evidence_sentence(yn) == "His eyes are blue."
+    assert target_kind(yn) == "answer" and target_kind(_item()) == "evidence"
+    assert target_kind(_item(), "answer") == "answer"
+    pop = _item()
+    pop.meta = {"synthetic_passages": True}
+    assert target_kind(pop) == "answer"
+    with pytest.raises(ValueError, match="target must be one of"):
+        target_kind(yn, "sentence")
+
+
+def _token_records(source: str, n_items: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    recs = []
+    for i in range(n_items):
+        samples = []
+        for pos in range(3):
+            label = int(rng.random() < 0.6)
+            x = rng.gauss(0.5 if label else -0.5, 1.0)
+            samples.append({"pos": pos, "label": label, "scores": {"tokrag": x, "logprob": -x, "entropy": 0.0}})
+        recs.append({"task": "token", "item": f"{source}_{i}", "condition": "cf=1", "policy": "token", "samples": samples})
+    return recs
+
+
+def test_token_summary_counts_labels_per_source_and_pooled(tmp_path):
+    from tokrag_integrations.cli_eval import main
+    from tokrag_integrations.evaluation import pool_token_records, summarize_token_level
+
+    paths = []
+    for src, seed in (("rgb", 1), ("popqa", 2)):
+        paths.append(tmp_path / f"token_{src}.jsonl")
+        store = RecordStore(paths[-1])
+        for r in _token_records(src, 30, seed):
+            store.add({**r, "source": src} if src == "popqa" else r)  # rgb: an older run without source
+    recs = pool_token_records(paths)
+    assert {r["source"] for r in recs} == {"token_rgb", "popqa"} and len(recs) == 60
+    s = summarize_token_level(recs)
+    assert set(s["sources"]) == {"token_rgb", "popqa"}
+    assert s["n_label1"] + s["n_label0"] == s["n_samples"] == 180
+    assert s["n_label1"] == sum(src["n_label1"] for src in s["sources"].values())
+    t = s["scorers"]["tokrag"]
+    assert t["n_label1"] == s["n_label1"] and t["n_label0"] == s["n_label0"]
+    assert t["auc_ci"][0] <= t["auc"] <= t["auc_ci"][1] and t["auc"] > 60
+    assert s["scorers"]["logprob"]["auc"] == pytest.approx(100 - t["auc"])
+    assert s["scorers"]["entropy"]["auc"] == 50.0
+    # The CLI pools the same files into one table.
+    argv = ["token-pool", "--records", *map(str, paths), "--out", str(tmp_path / "res"), "--name", "pool"]
+    assert main(argv) == 0
+    md = (tmp_path / "res" / "pool.md").read_text()
+    assert "| source | label 1 | label 0 |" in md and "| popqa |" in md and "| pooled |" in md
+    assert f"| tokrag | {t['auc']:.1f} [{t['auc_ci'][0]:.1f}, {t['auc_ci'][1]:.1f}]" in md
+    with pytest.raises(SystemExit, match="not found"):
+        main(["token-pool", "--records", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "res")])
+
+
+def test_auc_interval_groups_samples_by_item():
+    from tokrag_integrations.evaluation.metrics import bootstrap_auc_ci
+
+    rng = random.Random(3)
+    ys = [rng.randint(0, 1) for _ in range(300)]
+    xs = [rng.gauss(y, 1.0) for y in ys]
+    a = auc(xs, ys)
+    lo, hi = bootstrap_auc_ci(xs, ys)
+    assert lo <= a <= hi
+    # The same samples repeated 5 times per item: as independent samples the interval would
+    # shrink; grouped by item it stays as wide as one copy's.
+    lo5, hi5 = bootstrap_auc_ci(xs * 5, ys * 5, list(range(300)) * 5)
+    assert (hi5 - lo5) == pytest.approx(hi - lo, rel=0.25)
+    lo_ind, hi_ind = bootstrap_auc_ci(xs * 5, ys * 5)
+    assert (hi_ind - lo_ind) < 0.7 * (hi - lo)
+    assert all(math.isnan(v) for v in bootstrap_auc_ci([1.0, 2.0], [1, 1]))
+
+
+def test_scorer_configs():
+    from tokrag_integrations.evaluation.runner import TOKRAG_CONFIGS, scorer_configs
+
+    assert scorer_configs(None) == TOKRAG_CONFIGS
+    # The built-in labels are the specs that reproduce them.
+    assert scorer_configs(list(TOKRAG_CONFIGS)) == TOKRAG_CONFIGS
+    cfg = scorer_configs("tokrag,tokrag[min_fusion_layer=0,lens_norm=false]")
+    assert cfg == {"tokrag": {}, "tokrag[lens_norm=False,min_fusion_layer=0]": {"min_fusion_layer": 0, "lens_norm": False}}
+    with pytest.raises(ValueError, match="Bad options"):
+        scorer_configs("tokrag[pr_norm=nope]")
+
+
+def test_token_level_popqa_on_the_real_model(lm, tmp_path):
+    from tokrag_integrations.evaluation import run_token_level, scorer_configs, synthesize_popqa
+
+    items = synthesize_popqa([
+        _popqa_item(0, "capital", "France", ["Paris"], 1e6, 4),
+        _popqa_item(1, "capital", "Italy", ["Rome"], 1e6, 4),
+    ])
+    s = run_token_level(lm, items[:1], records_path=tmp_path / "t.jsonl", ratios=[0.0], cf_ratios=[1.0],
+                        target="auto", tokrag_configs=scorer_configs("tokrag[min_fusion_layer=0]"), progress=False)
+    rec = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert {(r["condition"], r["source"], r["target"]) for r in rec} == {("0", "popqa", "answer"), ("cf=1", "popqa", "answer")}
+    assert rec[1]["passages"] == {"pos": 0, "neg": 0, "cf": 1}
+    assert s["n_label1"] + s["n_label0"] == s["n_samples"] and set(s["sources"]) == {"popqa"}
+    for smp in (x for r in rec for x in r["samples"]):
+        assert set(smp["scores"]) == {"tokrag[min_fusion_layer=0]", "logprob", "entropy"}

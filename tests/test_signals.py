@@ -148,11 +148,15 @@ def test_rising_token_high_norm_token_outside_the_plausible_set_is_never_chosen(
         S.rising_token(final, mid, alpha=0.0)
 
 
-def test_default_min_fusion_layer_is_ten_of_thirty_two():
-    assert S.default_min_fusion_layer(32) == 10
-    assert S.default_min_fusion_layer(30) == 9
-    assert S.default_min_fusion_layer(18) == 6
-    assert S.default_min_fusion_layer(2) == 1
+def test_default_min_fusion_layer_is_mid_depth_and_the_spec_start_stays_reachable():
+    assert S.default_min_fusion_layer(30) == 15
+    assert S.default_min_fusion_layer(18) == 9
+    assert S.default_min_fusion_layer(1) == 1
+    assert S.default_min_fusion_layer(32, S.SHALLOW_STAGE_FRACTION) == 10
+    assert S.default_min_fusion_layer(30, S.SHALLOW_STAGE_FRACTION) == 9
+    assert S.default_min_fusion_layer(2, S.SHALLOW_STAGE_FRACTION) == 1
+    with pytest.raises(ValueError, match="fraction"):
+        S.default_min_fusion_layer(30, 0.0)
 
 
 def test_fusion_layer_picks_the_middle_maximum_over_a_larger_shallow_peak():
@@ -162,7 +166,7 @@ def test_fusion_layer_picks_the_middle_maximum_over_a_larger_shallow_peak():
     g = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     literal = S.fusion_layer(f, g, vocab_size=1, threshold=0.5, min_fusion_layer=0)
     assert literal == ((2 + 1) // 2, 2, 1)
-    lo = S.default_min_fusion_layer(10)  # 3
+    lo = S.default_min_fusion_layer(10, S.SHALLOW_STAGE_FRACTION)  # 3
     assert S.fusion_layer(f, g, vocab_size=1, threshold=0.5, min_fusion_layer=lo) == ((7 + 6) // 2, 7, 6)
 
 
@@ -235,3 +239,11 @@ def test_rule_eq19():
 def test_cosine_and_entropy():
     assert S.cosine(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])) == pytest.approx(0.0)
     assert S.entropy(torch.tensor([0.5, 0.5])).item() == pytest.approx(math.log(2))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, 0.0, True, "15"])
+def test_tokrag_rejects_a_bad_min_fusion_layer(bad):
+    from tokrag_integrations.policies.tokrag import TokRAG
+
+    with pytest.raises(ValueError, match="min_fusion_layer"):
+        TokRAG(min_fusion_layer=bad)

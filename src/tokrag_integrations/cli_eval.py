@@ -2,12 +2,25 @@
 
     tokrag eval noise --data shared/data/squad_dev.jsonl --limit 40 --policies rag,tokrag,cad
     tokrag eval misleading --data shared/data/rgb_en_fact_dev.jsonl
+    tokrag eval noise --data shared/data/squad_dev.jsonl --policies "rag,tokrag,tokrag[min_fusion_layer=0]"
     tokrag eval token --data shared/data/squad_dev.jsonl --limit 50
+    tokrag eval token --data shared/data/popqa_dev.jsonl --limit 40 --scorers "tokrag,tokrag[lens_norm=false]"
+    tokrag eval token-pool --records runs/token_rgb_en_fact_dev.jsonl runs/token_popqa_dev.jsonl
     tokrag eval cost --data shared/data/squad_dev.jsonl --limit 3
 
-Summaries (JSON, Markdown, PNG) go to ``--out`` (default ``results/``); per-item records with
-traces go to ``--records`` (default ``runs/``) as ``<name>.jsonl``. Re-running the same
-command resumes: items already in the records file are skipped.
+Policies (and token scorers) are specs: a name or name[key=value,...]; the list is split on
+the commas outside brackets. Values are read as int, float, true/false, none or text. The
+normalised spec (keys sorted) labels the policy in records and tables.
+
+Summaries (JSON, Markdown, PNG; accuracy and AUC with 95 % bootstrap intervals over items) go
+to ``--out`` (default ``results/``); per-item records with traces go to ``--records`` (default
+``runs/``) as ``<name>.jsonl``. Re-running the same command resumes: items already in the
+records file are skipped. ``token-pool`` reads several token records files (``--records
+A.jsonl B.jsonl ...``) into one table, per source and pooled.
+
+Token level on PopQA (no passages in the data): the most popular items (``--min-pop-bin``,
+default the top quintile) get synthetic supporting / counterfactual passages
+(``evaluation.data.synthesize_popqa``); ``--limit`` applies after that selection.
 """
 
 from __future__ import annotations
@@ -20,7 +33,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-TASKS = ("noise", "misleading", "token", "cost")
+TASKS = ("noise", "misleading", "token", "token-pool", "cost")
 
 
 def _floats(text: str) -> list[float]:
@@ -32,6 +45,16 @@ def _floats(text: str) -> list[float]:
 
 def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _specs(text: str) -> list[str]:
+    """``--policies`` / ``--scorers``: normalised spec strings (``tokrag[lens_norm=False]``)."""
+    from .evaluation.specs import parse_specs
+
+    try:
+        return [str(s) for s in parse_specs(text)]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -46,13 +69,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("task", nargs="?", default="noise", choices=TASKS, help="what to measure (default: noise)")
-    p.add_argument("--data", required=True, help="JSONL evaluation set (format: shared/data/README.md)")
+    p.add_argument("--data", default=None, help="JSONL evaluation set (format: shared/data/README.md); all tasks but token-pool")
     p.add_argument("--limit", type=int, default=None, help="use the first N items")
-    p.add_argument("--policies", type=_names, default=list(DEFAULT_POLICIES), help="comma-separated policy names")
+    p.add_argument("--policies", type=_specs, default=list(DEFAULT_POLICIES),
+                   help="comma-separated policy specs: name or name[key=value,...], e.g. 'rag,tokrag[min_fusion_layer=0]'")
+    p.add_argument("--scorers", type=_specs, default=None,
+                   help="token level: Tok-RAG scorer specs, e.g. 'tokrag,tokrag[lens_norm=false]' "
+                        "(default: the built-in option sets); logprob and entropy are always added")
     p.add_argument("--model", default="default", help="'default', a model folder or a .gguf file")
     p.add_argument("--device", default=None, help="torch device (default: the loader's choice)")
     p.add_argument("--out", default="results", help="folder for JSON / Markdown / PNG summaries")
-    p.add_argument("--records", default="runs", help="folder for per-item JSONL records (resume state)")
+    p.add_argument("--records", nargs="+", default=["runs"],
+                   help="folder for per-item JSONL records (resume state); token-pool: the records files to pool")
     p.add_argument("--name", default=None, help="output name (default: <task>_<data file stem>)")
     p.add_argument("--ratios", type=_floats, default=list(DEFAULT_RATIOS), help="noise ratios (noise, token)")
     p.add_argument("--cf-ratios", type=_floats, default=list(DEFAULT_CF_RATIOS), help="counterfactual ratios (misleading)")
@@ -62,8 +90,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=None, help="stop string (default: newline)")
     p.add_argument("--batch-size", type=int, default=1, help="questions decoded together per policy")
     p.add_argument("--alpha", type=float, default=None, help="CAD's alpha (default 0.5)")
-    p.add_argument("--target", choices=("evidence", "answer"), default="evidence",
-                   help="token level: gold continuation = answer-bearing evidence sentence or bare answer")
+    p.add_argument("--target", choices=("auto", "evidence", "answer"), default="auto",
+                   help="token level: gold continuation = answer-bearing evidence sentence, bare answer, or auto "
+                        "(bare answer for yes/no and PopQA items, else the evidence sentence)")
+    p.add_argument("--min-pop-bin", type=int, default=4,
+                   help="token level on PopQA: keep items of popularity quintile >= this (0-4), most popular first")
     p.add_argument("--no-traces", action="store_true", help="do not keep traces in the records")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_eval)
@@ -75,6 +106,10 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     cfg = {k: getattr(args, k) for k in keys} | {"data": str(Path(args.data).resolve())}
     if args.task == "token":
         cfg["target"] = args.target
+        if args.scorers is not None:
+            cfg["scorers"] = args.scorers
+        if args.popqa:
+            cfg["min_pop_bin"] = args.min_pop_bin
     return cfg
 
 
@@ -93,30 +128,82 @@ def _check_resume(records: Path, config: dict[str, Any]) -> None:
         side.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def run_eval(args: argparse.Namespace) -> int:
-    """Run one evaluation task; prints the Markdown table and the files written."""
-    from .evaluation import report
-    from .evaluation.data import load_items
-    from .evaluation.runner import run_misleading, run_noise_sweep, run_token_level
+def _command(args: argparse.Namespace) -> str:
+    argv = getattr(args, "argv", None)
+    if argv is not None:
+        return "tokrag eval " + " ".join(shlex.quote(a) for a in argv)
+    return "tokrag " + " ".join(shlex.quote(a) for a in sys.argv[1:])  # wired into the main ``tokrag`` parser
+
+
+def _validate(args: argparse.Namespace) -> None:
+    """Every argument checked before any model is loaded (SystemExit with one sentence)."""
+    from .evaluation.runner import scorer_configs
+    from .evaluation.specs import parse_specs, validate_specs
+    from .policies import available_policies, get_policy
 
     if args.limit is not None and args.limit < 1:
         raise SystemExit(f"--limit must be >= 1, got {args.limit}")
     if args.batch_size < 1:
         raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
-    from .policies import available_policies
+    if args.task != "token-pool" and not args.data:
+        raise SystemExit(f"tokrag eval {args.task} needs --data (a JSONL evaluation set).")
+    if args.task != "token-pool" and len(args.records) != 1:
+        raise SystemExit(f"--records takes one folder for {args.task}, got {len(args.records)} paths.")
+    try:
+        if args.task in ("noise", "misleading", "cost"):
+            validate_specs(parse_specs(args.policies), available_policies(), get_policy)
+        if args.task == "token" and args.scorers is not None:
+            scorer_configs(args.scorers)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
 
-    unknown = [p for p in args.policies if p not in available_policies()]
-    if unknown:
-        raise SystemExit(f"Unknown policies {unknown}. Available: {', '.join(available_policies())}.")
-    items = load_items(args.data, limit=args.limit)
+
+def _token_items(args: argparse.Namespace) -> list[Any]:
+    """The token-level items; PopQA (no passages): the popular ones with synthetic passages."""
+    from .evaluation.data import is_popqa, load_items, select_popular, synthesize_popqa
+
+    args.popqa = is_popqa(load_items(args.data, limit=1))
+    if not args.popqa:
+        return load_items(args.data, limit=args.limit)
+    every = load_items(args.data)
+    chosen = select_popular(synthesize_popqa(every, pool=every, seed=args.seed), args.min_pop_bin)
+    return chosen[: args.limit] if args.limit else chosen
+
+
+def _run_pool(args: argparse.Namespace, out: Path, command: str) -> int:
+    from .evaluation import report
+    from .evaluation.runner import pool_token_records, summarize_token_level
+
+    try:
+        records = pool_token_records(args.records)
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from e
+    name = args.name or "token_pool"
+    summary = summarize_token_level(records)
+    summary.update(runs=[str(p) for p in args.records])
+    runs = " + ".join(Path(p).stem for p in args.records)
+    files = report.write_token_report(summary, out, name, f"Token level pooled: {runs}", command)
+    print(report.token_table(summary))
+    print(report.token_sources_table(summary))
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Run one evaluation task; prints the Markdown table and the files written."""
+    from .evaluation import report
+    from .evaluation.data import load_items
+    from .evaluation.runner import run_misleading, run_noise_sweep, run_token_level, scorer_configs
+
+    _validate(args)
+    out = Path(args.out)
+    command = _command(args)
+    if args.task == "token-pool":
+        return _run_pool(args, out, command)
+    args.popqa = False
+    items = _token_items(args) if args.task == "token" else load_items(args.data, limit=args.limit)
     stem = Path(args.data).stem
     name = args.name or f"{args.task}_{stem}"
-    out = Path(args.out)
-    argv = getattr(args, "argv", None)
-    if argv is not None:
-        command = "tokrag eval " + " ".join(shlex.quote(a) for a in argv)
-    else:  # wired into the main ``tokrag`` parser
-        command = "tokrag " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     stop = args.stop if args.stop is not None else ["\n"]
     progress = not args.no_progress
 
@@ -136,7 +223,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from .models import load_model
 
-    records = Path(args.records) / f"{name}.jsonl"
+    records = Path(args.records[0]) / f"{name}.jsonl"
     _check_resume(records, _config(args))
     warnings.simplefilter("ignore", UserWarning)
     lm = load_model(args.model, device=args.device) if args.device else load_model(args.model)
@@ -161,10 +248,13 @@ def run_eval(args: argparse.Namespace) -> int:
         summary = run_token_level(
             lm, items, records_path=records, ratios=args.ratios, cf_ratios=args.cf_ratios,
             k=args.k or 5, seed=args.seed, target=args.target, progress=progress,
+            tokrag_configs=scorer_configs(args.scorers),
         )
         summary.update(model=lm.name, data=stem)
         files = report.write_token_report(summary, out, name, f"Token level: {stem}, {lm.name}", command)
         print(report.token_table(summary))
+    if args.task != "token" and summary.get("paired"):
+        print(report.paired_table(summary))
     print("wrote " + ", ".join(str(f) for f in files) + f"; records in {records}")
     return 0
 

@@ -7,35 +7,66 @@ benefit/detriment classification (Table 3) and cost (Table 6) over JSONL evaluat
 
 Data format: ``shared/data/README.md``. Every runner appends one JSON line per
 (item id, condition, policy) to a records file and skips the keys already there, so an
-interrupted run continues where it stopped.
+interrupted run continues where it stopped. Policies are specs (``tokrag[min_fusion_layer=0]``,
+:mod:`.specs`); accuracy and AUC come with 95 % bootstrap intervals over items.
 """
 
 from __future__ import annotations
 
-from .data import EvalItem, load_items, mix_counterfactuals, mix_passages
-from .metrics import auc, cover_em, f1_score, normalize_answer
+from .data import (
+    EvalItem,
+    load_items,
+    mix_counterfactuals,
+    mix_passages,
+    select_popular,
+    synthesize_popqa,
+)
+from .metrics import (
+    auc,
+    bootstrap_auc_ci,
+    bootstrap_ci,
+    cover_em,
+    f1_score,
+    normalize_answer,
+    paired_bootstrap_diff,
+)
 from .runner import (
     RecordStore,
+    compare_policies,
+    pool_token_records,
     run_misleading,
     run_noise_sweep,
     run_token_level,
+    scorer_configs,
     summarize_accuracy,
     summarize_token_level,
 )
+from .specs import PolicySpec, parse_spec, parse_specs
 
 __all__ = [
     "EvalItem",
+    "PolicySpec",
     "RecordStore",
     "auc",
+    "bootstrap_auc_ci",
+    "bootstrap_ci",
+    "compare_policies",
     "cover_em",
     "f1_score",
     "load_items",
     "mix_counterfactuals",
     "mix_passages",
     "normalize_answer",
+    "paired_bootstrap_diff",
+    "parse_spec",
+    "parse_specs",
+    "pool_token_records",
     "run_misleading",
     "run_noise_sweep",
     "run_token_level",
+    "scorer_configs",
+    "select_popular",
     "summarize_accuracy",
     "summarize_token_level",
+    "synthesize_popqa",
 ]

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .data import DEFAULT_SEED, load_items, mix_passages
+from .specs import parse_spec
 
 
 def _measure(model: str, data: str, policy: str, limit: int, k: int, ratio: float, max_new_tokens: int, device: str | None) -> dict[str, Any]:
@@ -32,6 +33,7 @@ def _measure(model: str, data: str, policy: str, limit: int, k: int, ratio: floa
     from ..models import load_model
 
     warnings.simplefilter("ignore")
+    spec = parse_spec(policy)  # a name or name[key=value,...]
     lm = load_model(model, device=device) if device else load_model(model)
     items = load_items(data, limit=limit)
     mixes = [mix_passages(it, ratio, k=k, seed=DEFAULT_SEED).passages for it in items]
@@ -45,7 +47,7 @@ def _measure(model: str, data: str, policy: str, limit: int, k: int, ratio: floa
     times, tokens, prefill = [], [], []
     for it, ps in zip(items, mixes, strict=True):
         t0 = time.perf_counter()
-        r = generate(lm, it.question, ps, policy=policy, max_new_tokens=max_new_tokens, stop=["\n"])
+        r = generate(lm, it.question, ps, policy=spec.name, max_new_tokens=max_new_tokens, stop=["\n"], **spec.options)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -122,7 +124,7 @@ def cost_table(summary: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--policy", required=True)
+    ap.add_argument("--policy", required=True, help="policy spec: name or name[key=value,...]")
     ap.add_argument("--data", required=True)
     ap.add_argument("--model", default="default")
     ap.add_argument("--limit", type=int, default=3)

@@ -26,6 +26,7 @@ class EvalItem:
     counterfactual_answers: list[str] = field(default_factory=list)
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    popularity: float | None = None
 
 
 _REQUIRED = ("id", "question", "answers")
@@ -66,6 +67,7 @@ def load_items(path: str | Path, limit: int | None = None) -> list[EvalItem]:
                     counterfactual_answers=list(d.get("counterfactual_answers") or []),
                     source=d.get("source", ""),
                     meta=d.get("meta") or {},
+                    popularity=d.get("popularity"),
                 )
             )
             if limit is not None and len(items) >= limit:
@@ -132,3 +134,98 @@ def mix_counterfactuals(item: EvalItem, cf_ratio: float, k: int = 2, seed: int =
         raise ValueError(f"k must be >= 1, got {k}")
     n_cf = round(cf_ratio * k)
     return _mix(item, {"pos": k - n_cf, "cf": n_cf}, seed, f"cf={cf_ratio:g}/k={k}")
+
+
+# --------------------------------------------------------------------------- PopQA passages
+#: One sentence per PopQA relation (``meta.prop``); {s} = subject, {o} = object (answer).
+POPQA_TEMPLATES: dict[str, str] = {
+    "author": "{s} was written by {o}.",
+    "screenwriter": "The screenwriter of {s} was {o}.",
+    "mother": "The mother of {s} is {o}.",
+    "producer": "{s} was produced by {o}.",
+    "place of birth": "{s} was born in {o}.",
+    "genre": "The genre of {s} is {o}.",
+    "father": "The father of {s} is {o}.",
+    "sport": "{s} plays {o}.",
+    "composer": "The composer of {s} was {o}.",
+    "country": "{s} is located in {o}.",
+    "director": "{s} was directed by {o}.",
+    "religion": "The religion of {s} is {o}.",
+    "occupation": "The occupation of {s} is {o}.",
+    "capital of": "{s} is the capital of {o}.",
+    "capital": "The capital of {s} is {o}.",
+    "color": "The color of {s} is {o}.",
+}
+
+
+def popqa_passage(item: EvalItem, answer: str) -> str:
+    """The template sentence of the item's relation stating ``answer`` (a relation without a
+    template: 'The answer to "<question>" is <answer>.')."""
+    template = POPQA_TEMPLATES.get(str(item.meta.get("prop", "")))
+    subj = str(item.meta.get("subj") or "")
+    if template is None or not subj:
+        return f'The answer to "{item.question}" is {answer}.'
+    text = template.format(s=subj, o=answer)
+    return text[:1].upper() + text[1:]
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def _wrong_answer(item: EvalItem, pool: list[EvalItem], seed: int) -> str | None:
+    """Another item's first answer of the same relation that is none of this item's answers
+    (neither contains nor is contained in one, and the counterfactual sentence built with it
+    covers no gold answer: "The mother of Jesus is X." covers the alias "Mother of Jesus"),
+    drawn with a generator seeded by (seed, item id); None when there is no such answer."""
+    from .metrics import cover_em
+
+    gold = [_norm(a) for a in item.answers if a.strip()]
+    prop = item.meta.get("prop")
+    cands = sorted({o.answers[0] for o in pool if o.id != item.id and o.meta.get("prop") == prop and o.answers})
+    cands = [c for c in cands if c.strip() and not any(g in _norm(c) or _norm(c) in g for g in gold)]
+    cands = [c for c in cands if not cover_em(popqa_passage(item, c), item.answers)]
+    return _rng(seed, item.id, "popqa-counterfactual").choice(cands) if cands else None
+
+
+def synthesize_popqa(items: list[EvalItem], *, pool: list[EvalItem] | None = None, seed: int = DEFAULT_SEED) -> list[EvalItem]:
+    """PopQA items (no passages) with synthetic passages for the token-level protocol.
+
+    For each item: ``positives`` = [the relation's template sentence with the first gold
+    answer] (e.g. "The capital of Belarus is Minsk."); ``counterfactuals`` = [the same
+    sentence with another item's first answer of the same relation], drawn from ``pool``
+    (default: ``items``) by :func:`_wrong_answer`; ``counterfactual_answers`` = [that answer].
+    Negatives stay empty. Items with no usable other answer get no counterfactual (and so
+    no ``cf=`` condition).
+    """
+    pool = items if pool is None else pool
+    out = []
+    for it in items:
+        if not it.answers:
+            continue
+        wrong = _wrong_answer(it, pool, seed)
+        out.append(
+            EvalItem(
+                id=it.id, question=it.question, answers=list(it.answers),
+                positives=[popqa_passage(it, it.answers[0])],
+                negatives=[],
+                counterfactuals=[popqa_passage(it, wrong)] if wrong else [],
+                counterfactual_answers=[wrong] if wrong else [],
+                source=it.source, meta={**it.meta, "synthetic_passages": True}, popularity=it.popularity,
+            )
+        )
+    return out
+
+
+def select_popular(items: list[EvalItem], min_pop_bin: int = 4) -> list[EvalItem]:
+    """Items whose ``meta.pop_bin`` (popularity quintile 0–4) is at least ``min_pop_bin``,
+    most popular (``popularity``) first; items without a bin count as bin 0."""
+    keep = [it for it in items if int(it.meta.get("pop_bin") or 0) >= min_pop_bin]
+    return sorted(keep, key=lambda it: -(it.popularity or 0.0))
+
+
+def is_popqa(items: list[EvalItem]) -> bool:
+    """PopQA-style items: no passages at all, each with a relation in ``meta.prop``."""
+    return bool(items) and all(
+        not (it.positives or it.negatives or it.counterfactuals) and "prop" in it.meta for it in items
+    )

@@ -16,15 +16,57 @@ def _fmt(x: Any, nd: int = 1) -> str:
     return str(x)
 
 
+def _ci(ci: Any, nd: int = 1) -> str:
+    if not ci or any(v is None or math.isnan(v) for v in ci):
+        return ""
+    return f" [{ci[0]:.{nd}f}, {ci[1]:.{nd}f}]"
+
+
+def _with_ci(x: Any, ci: Any) -> str:
+    return _fmt(x) + (_ci(ci) if x is not None and not (isinstance(x, float) and math.isnan(x)) else "")
+
+
 def accuracy_table(summary: dict[str, Any], key: str = "accuracy", label: str = "policy") -> str:
-    """Markdown table: rows = policies, columns = conditions, cells = ``summary[key]``."""
+    """Markdown table: rows = policies, columns = conditions, cells = ``summary[key]`` with
+    the 95 % bootstrap interval where the summary has one (``41.3 [33.0, 49.7]``)."""
     conds = summary["conditions"]
+    cis = summary.get(f"{key}_ci", {})
     lines = [f"| {label} | " + " | ".join(conds) + " | mean |", "|---" * (len(conds) + 2) + "|"]
     for p in summary["policies"]:
         vals = [summary[key][p].get(c, math.nan) for c in conds]
         ok = [v for v in vals if not math.isnan(v)]
-        mean = sum(ok) / len(ok) if ok else math.nan
-        lines.append(f"| {p} | " + " | ".join(_fmt(v) for v in vals) + f" | {_fmt(mean)} |")
+        mean = summary.get(f"{key}_mean", {}).get(p, sum(ok) / len(ok) if ok else math.nan)
+        cells = [_with_ci(v, cis.get(p, {}).get(c)) for v, c in zip(vals, conds, strict=True)]
+        cells.append(_with_ci(mean, summary.get(f"{key}_mean_ci", {}).get(p)))
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _verdict(ci: Any, baseline: str) -> str:
+    if not ci or any(math.isnan(v) for v in ci):
+        return "–"
+    if ci[0] > 0:
+        return f"above {baseline}"
+    if ci[1] < 0:
+        return f"below {baseline}"
+    return f"not distinguishable from {baseline}"
+
+
+def paired_table(summary: dict[str, Any]) -> str:
+    """Markdown table: each policy − the baseline (``rag``) of the mean over conditions, with
+    the paired bootstrap 95 % interval (same items resampled for both)."""
+    base = summary.get("paired_baseline", "rag")
+    paired = summary.get("paired", {})
+    has_cf = any(not math.isnan(d.get("cf_repeat", {}).get("diff", math.nan)) for d in paired.values())
+    head = f"| policy | accuracy − {base} | 95% interval says |"
+    head += f" cf-repeat − {base} |" if has_cf else ""
+    lines = [head, "|---" * (4 if has_cf else 3) + "|"]
+    for p, d in paired.items():
+        acc = d["accuracy"]
+        row = f"| {p} | {_fmt(acc['diff'])}{_ci(acc['ci'])} | {_verdict(acc['ci'], base)} |"
+        if has_cf:
+            row += f" {_fmt(d['cf_repeat']['diff'])}{_ci(d['cf_repeat']['ci'])} |"
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -40,9 +82,27 @@ def passages_table(summary: dict[str, Any]) -> str:
 
 
 def token_table(summary: dict[str, Any]) -> str:
-    lines = ["| scorer | AUC | F1 | macro-F1 | samples |", "|---|---|---|---|---|"]
+    """Markdown table per scorer: AUC with its 95 % interval, F1, macro-F1 and label counts."""
+    lines = ["| scorer | AUC [95% CI] | F1 | macro-F1 | samples | label 1 | label 0 |", "|---" * 7 + "|"]
     for name, s in summary["scorers"].items():
-        lines.append(f"| {name} | {_fmt(s['auc'])} | {_fmt(s['f1'])} | {_fmt(s['macro_f1'])} | {s['n']} |")
+        lines.append(
+            f"| {name} | {_fmt(s['auc'])}{_ci(s.get('auc_ci'))} | {_fmt(s['f1'])} | {_fmt(s['macro_f1'])} | {s['n']} | "
+            f"{s.get('n_label1', '–')} | {s.get('n_label0', '–')} |"
+        )
+    return "\n".join(lines)
+
+
+def token_sources_table(summary: dict[str, Any]) -> str:
+    """Markdown table: label counts and each scorer's AUC [95% CI] per source and pooled."""
+    names = list(summary["scorers"])
+    rows = [*summary.get("sources", {}).items(), ("pooled", summary)]
+    lines = ["| source | label 1 | label 0 | " + " | ".join(names) + " |", "|---" * (len(names) + 3) + "|"]
+    for src, s in rows:
+        cells = []
+        for n in names:
+            f = s["scorers"].get(n)
+            cells.append(f"{_fmt(f['auc'])}{_ci(f.get('auc_ci'))}" if f else "–")
+        lines.append(f"| {src} | {s['n_label1']} | {s['n_label0']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -70,10 +130,13 @@ def plot_accuracy(summary: dict[str, Any], path: str | Path, title: str = "", ke
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
     conds = summary["conditions"]
     x = list(range(len(conds)))
+    cis = summary.get(f"{key}_ci", {})
     for p in summary["policies"]:
         ys = [summary[key][p].get(c, math.nan) for c in conds]
         style = {"linewidth": 2.6, "color": "black"} if p == "tokrag" else {"linewidth": 1.3}
-        ax.plot(x, ys, marker="o", label=p, **style)
+        ci = [cis.get(p, {}).get(c) or [y, y] for c, y in zip(conds, ys, strict=True)]
+        err = [[max(y - lo, 0) for y, (lo, _) in zip(ys, ci, strict=True)], [max(hi - y, 0) for y, (_, hi) in zip(ys, ci, strict=True)]]
+        ax.errorbar(x, ys, yerr=err, marker="o", label=p, capsize=2, elinewidth=0.8, **style)
     ax.set_xticks(x, conds)
     ax.set_xlabel("noise ratio" if key == "accuracy" and not conds[0].startswith("cf") else "condition")
     ax.set_ylabel("cover EM (%)" if key == "accuracy" else "counterfactual repeat (%)")
@@ -93,9 +156,12 @@ def plot_auc(summary: dict[str, Any], path: str | Path, title: str = "") -> Path
     plt = _plt()
     names = list(summary["scorers"])
     vals = [summary["scorers"][n]["auc"] for n in names]
+    cis = [summary["scorers"][n].get("auc_ci") or [v, v] for n, v in zip(names, vals, strict=True)]
+    err = [[0 if math.isnan(v - lo) else max(v - lo, 0) for v, (lo, _) in zip(vals, cis, strict=True)],
+           [0 if math.isnan(hi - v) else max(hi - v, 0) for v, (_, hi) in zip(vals, cis, strict=True)]]
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
     colors = ["#c44" if n in ("logprob", "entropy") else "#468" for n in names]
-    ax.barh(names, vals, color=colors)
+    ax.barh(names, vals, xerr=err, color=colors, capsize=2)
     ax.axvline(50, color="gray", linestyle="--", linewidth=1)
     for i, v in enumerate(vals):
         if not math.isnan(v):
@@ -103,7 +169,7 @@ def plot_auc(summary: dict[str, Any], path: str | Path, title: str = "") -> Path
     ax.set_xlabel("AUC (%)")
     ax.set_xlim(0, 100)
     ax.invert_yaxis()
-    ax.set_title(title or f"token level: {summary['n_samples']} samples ({summary['n_benefit']} benefit)")
+    ax.set_title(title or f"token level: {summary['n_samples']} samples ({summary['n_benefit']} benefit)", fontsize=9)
     fig.tight_layout()
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -119,11 +185,14 @@ def write_accuracy_report(summary: dict[str, Any], out_dir: str | Path, name: st
     md = [f"## {title}", ""]
     if command:
         md += ["```", command, "```", ""]
-    md += ["Accuracy (cover EM, %):", "", accuracy_table(summary), ""]
+    md += ["Accuracy (cover EM, %; [95% bootstrap interval over items]):", "", accuracy_table(summary), ""]
     # Repeat rates only mean something where counterfactual passages were given.
     has_cf = any(summary.get("mean_passages", {}).get(c, {}).get("cf") for c in summary["conditions"])
     if has_cf:
         md += ["Answers repeating the counterfactual answer (%):", "", accuracy_table(summary, "cf_repeat"), ""]
+    if summary.get("paired"):
+        md += [f"Paired differences to {summary.get('paired_baseline', 'rag')} (mean over conditions, "
+               "percentage points, 95% bootstrap interval over items):", "", paired_table(summary), ""]
     md += ["Passages given:", "", passages_table(summary), ""]
     md += ["Mean seconds per question: " + ", ".join(f"{p} {_fmt(summary['mean_time_s'][p], 2)}" for p in summary["policies"]), ""]
     (out / f"{name}.md").write_text("\n".join(md), encoding="utf-8")
@@ -141,11 +210,15 @@ def write_token_report(summary: dict[str, Any], out_dir: str | Path, name: str, 
     if command:
         md += ["```", command, "```", ""]
     md += [
-        f"{summary['n_samples']} labelled positions ({summary['n_benefit']} where only RAG predicts the gold token).",
+        f"{summary['n_samples']} labelled positions: {summary['n_benefit']} label 1 (only RAG predicts the gold "
+        f"token), {summary['n_samples'] - summary['n_benefit']} label 0 (only the pure LLM does). AUC in %, 95% "
+        "bootstrap interval over items.",
         "",
         token_table(summary),
         "",
     ]
+    if summary.get("sources"):
+        md += ["Per source (AUC [95% CI]; pooled = all samples):", "", token_sources_table(summary), ""]
     (out / f"{name}.md").write_text("\n".join(md), encoding="utf-8")
     files.append(out / f"{name}.md")
     files.append(plot_auc(summary, out / f"{name}.png", title))

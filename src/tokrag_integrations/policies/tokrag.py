@@ -38,8 +38,10 @@ class TokRAG(Policy):
 
     Args:
         variant: ``"paper"`` (Eq. 13–19, spec §3) or ``"reference"`` (authors' code, §4).
-        min_fusion_layer: first layer searched by both terms of Eq. 14 (None = the end of the
-            shallow stage, round(L·10/32), spec §3; 0 = the literal all-layer argmax).
+        min_fusion_layer: first layer searched by both terms of Eq. 14: an int is a layer
+            (0 = the literal all-layer argmax), a float in (0, 1) a fraction of the depth L
+            (0.3125 = round(L·10/32), the spec's end of the shallow stage), None = L/2, the
+            start that measured best on dev (:data:`..signals.DEFAULT_FUSION_FRACTION`).
         fixed_layer: paper variant: use this l* instead of Eq. 14 (None = Eq. 14); reference
             variant: the 1-based layer whose attention it reads (default: their 0-based
             layer 20 of 32 scaled to L, plus one).
@@ -77,7 +79,7 @@ class TokRAG(Policy):
         variant: str = "paper",
         pr_norm: str = "sum",
         top_k: int | None = 3,
-        min_fusion_layer: int | None = None,
+        min_fusion_layer: int | float | None = None,
         lens_norm: bool = True,
         plausibility_alpha: float | None = 0.1,
         scorer: str = "cosine",
@@ -98,9 +100,15 @@ class TokRAG(Policy):
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
         if min_fusion_layer is not None and (
-            isinstance(min_fusion_layer, bool) or not isinstance(min_fusion_layer, int) or min_fusion_layer < 0
+            isinstance(min_fusion_layer, bool)
+            or not isinstance(min_fusion_layer, int | float)
+            or min_fusion_layer < 0
+            or (isinstance(min_fusion_layer, float) and not 0.0 < min_fusion_layer < 1.0)
         ):
-            raise ValueError(f"min_fusion_layer must be an int >= 0 or None, got {min_fusion_layer!r}")
+            raise ValueError(
+                "min_fusion_layer must be a layer (int >= 0), a fraction of the depth (float in "
+                f"(0, 1)) or None, got {min_fusion_layer!r}"
+            )
         if plausibility_alpha is not None and not 0.0 < float(plausibility_alpha) <= 1.0:
             raise ValueError(f"plausibility_alpha must be in (0, 1] or None, got {plausibility_alpha!r}")
         if not isinstance(lens_norm, bool):
@@ -154,9 +162,13 @@ class TokRAG(Policy):
         self._parts = model_parts(lm.model)
         self._A = self._parts.embedding_matrix.detach()
         self._L = self._parts.num_layers
-        self._lo = (
-            S.default_min_fusion_layer(self._L) if self.min_fusion_layer is None else self.min_fusion_layer
-        )
+        m = self.min_fusion_layer
+        if m is None:
+            self._lo = S.default_min_fusion_layer(self._L)
+        elif isinstance(m, float):
+            self._lo = S.default_min_fusion_layer(self._L, m)
+        else:
+            self._lo = m
         if self._lo > self._L:
             raise ValueError(
                 f"min_fusion_layer={self._lo} exceeds the model's {self._L} layers"
