@@ -10,8 +10,8 @@ import torch
 
 from tokrag_integrations import Passage, generate, generate_batch, stream
 from tokrag_integrations.attention import Probe, attention_row, cached_keys, model_parts
-from tokrag_integrations.prompts import PromptBuilder
 from tokrag_integrations.models import cache_argument
+from tokrag_integrations.prompts import PromptBuilder
 
 FICTION_Q = "What is the name of the cat owned by Zorbin Quell?"
 FICTION_P = ["Zorbin Quell owns a grey cat named Pistachio."]
