@@ -126,6 +126,9 @@ def _check_trace(r):
             assert cands["pure"].token_id == cands["rag"].token_id == s.token_id
         elif s.source == "rag":
             assert cands["rag"].token_id == s.token_id != cands["pure"].token_id
+            if s.signals.get("note") == "gated: function word":  # kept without comparing
+                assert r.trace.options.get("function_word_gate") is True
+                continue
             assert s.signals["benefit"] is True
             assert _margin(r, s) >= 0
         elif s.source == "llm":
@@ -197,6 +200,7 @@ def test_literal_reading_stays_reachable_and_misses_the_passage_fact(lm):
         {"lens_norm": False},
         {"scorer": "distribution"},
         {"fixed_layer": 15},
+        {"function_word_gate": True},
     ],
 )
 def test_tokrag_options_run_and_are_recorded(lm, options):
@@ -210,6 +214,12 @@ def test_tokrag_options_run_and_are_recorded(lm, options):
             assert s.signals["fusion_attn_layer"] >= lo and s.signals["fusion_jsd_layer"] >= lo
     if "fixed_layer" in options:
         assert all(s.signals["l_star"] == 15 for s in r.trace.disagreement_steps)
+    if options.get("function_word_gate"):
+        from tokrag_integrations.policies.tokrag_reference import gate_mask
+
+        gate = gate_mask(lm.tokenizer)
+        for s in r.trace.disagreement_steps:
+            assert bool(gate[s.candidates["rag"].token_id]) == (s.signals.get("note") == "gated: function word")
 
 
 def test_reference_variant_compares_at_every_step(lm):

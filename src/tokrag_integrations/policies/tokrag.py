@@ -58,6 +58,10 @@ class TokRAG(Policy):
         threshold: benefit wins iff the scorer's margin is >= this (Eq. 19: 0). Theorem 2
             only orders the margin; a value other than 0 is fixed on dev data (docs/results.md).
         jsd_threshold: Eq. 14's a, per vocabulary entry.
+        function_word_gate: paper variant: where RAG's token is a function word (the authors'
+            list, :func:`.tokrag_reference.gate_mask`) keep it without comparing, as their
+            released decoder does (its step 1); the comparison of Eq. 19 is then made only
+            where the candidates differ in content. Off: Eq. 19 at every disagreement.
         speculative: decode by blockwise verification (:mod:`..speculative`): one context
             drafts a block, the other checks it in one forward pass; the same tokens and
             decisions as the step-by-step loop. Off by default: on the CPUs measured here the
@@ -86,6 +90,7 @@ class TokRAG(Policy):
         threshold: float = 0.0,
         jsd_threshold: float = S.DEFAULT_JSD_THRESHOLD,
         fixed_layer: int | None = None,
+        function_word_gate: bool = False,
         speculative: bool = False,
         block: int | None = None,
         drafter: str = "auto",
@@ -111,6 +116,8 @@ class TokRAG(Policy):
             )
         if plausibility_alpha is not None and not 0.0 < float(plausibility_alpha) <= 1.0:
             raise ValueError(f"plausibility_alpha must be in (0, 1] or None, got {plausibility_alpha!r}")
+        if not isinstance(function_word_gate, bool):
+            raise ValueError(f"function_word_gate must be True or False, got {function_word_gate!r}")
         if not isinstance(lens_norm, bool):
             raise ValueError(f"lens_norm must be True or False, got {lens_norm!r}")
         if jsd_threshold < 0:
@@ -127,6 +134,7 @@ class TokRAG(Policy):
         self.plausibility_alpha = None if plausibility_alpha is None else float(plausibility_alpha)
         self.jsd_threshold = float(jsd_threshold)
         self.fixed_layer = fixed_layer
+        self.function_word_gate = function_word_gate if variant == "paper" else True
         if block is not None and (not isinstance(block, int) or block < 1):
             raise ValueError(f"block must be a positive int or None, got {block!r}")
         if drafter not in ("auto", "pure", "rag"):
@@ -148,6 +156,7 @@ class TokRAG(Policy):
                     "plausibility_alpha": self.plausibility_alpha,
                     "lens_norm": self.lens_norm,
                     "jsd_threshold": self.jsd_threshold,
+                    "function_word_gate": self.function_word_gate,
                 }
                 if paper
                 else {}
@@ -182,7 +191,8 @@ class TokRAG(Policy):
             self._fixed = fl
             V = self._A.shape[0]
             self._skip = REF.skip_mask(lm.tokenizer, vocab_size=V)
-            self._gate = REF.gate_mask(lm.tokenizer, vocab_size=V)
+        if self.function_word_gate:
+            self._gate = REF.gate_mask(lm.tokenizer, vocab_size=self._A.shape[0])
         self._tok = lm.tokenizer
 
     # ------------------------------------------------------------------ rule
@@ -194,7 +204,7 @@ class TokRAG(Policy):
             return Choice(a, AGREE)
         if rag.spec.rt_positions == []:
             return Choice(a, AGREE if a == b else FROM_LLM, {"note": "no retrieved tokens"})
-        if self.variant == "reference" and bool(self._gate[b]):  # their function-word gate
+        if self.function_word_gate and bool(self._gate[b]):  # the authors' function-word gate
             return Choice(b, AGREE if a == b else FROM_RAG, {"note": "gated: function word"})
         sig = (
             self.reference_signals(pure, rag)
