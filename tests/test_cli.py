@@ -188,8 +188,8 @@ def test_ask_streams_and_passes_arguments(tmp_path: Path, fake_engine: dict[str,
         [
             "ask", "Who founded Quillfeather?", "--passage", "Extra passage.",
             "--docs", str(tmp_path), "--retriever", "bm25", "--top-k", "2",
-            "--policy", "rag", "--model", "some/model", "--device", "cpu",
-            "--max-new-tokens", "8", "--option", "alpha=0.25", "--option", "mode=fast",
+            "--policy", "cad", "--model", "some/model", "--device", "cpu",
+            "--max-new-tokens", "8", "--option", "alpha=0.25",
             "--explain", "--html", str(html), "--json", str(js),
         ]
     )  # fmt: skip
@@ -203,8 +203,8 @@ def test_ask_streams_and_passes_arguments(tmp_path: Path, fake_engine: dict[str,
     assert fake_engine["load"] == {"name_or_path": "some/model", "device": "cpu", "dtype": None}
     call = fake_engine["stream"]
     assert call["query"] == "Who founded Quillfeather?"
-    assert (call["policy"], call["max_new_tokens"]) == ("rag", 8)
-    assert (call["alpha"], call["mode"]) == (0.25, "fast")
+    assert (call["policy"], call["max_new_tokens"]) == ("cad", 8)
+    assert call["alpha"] == 0.25
     texts = [p.text for p in call["passages"]]
     assert texts[0] == "Extra passage."
     assert "Ottoline Varga" in texts[1]

@@ -167,7 +167,13 @@ def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         default=None,
         help="saved gate calibration (JSON); created from the sample questions if missing",
     )
-    p.add_argument("--policy", default="tokrag", help="decoding policy (default tokrag)")
+    from .policies import available_policies
+
+    p.add_argument(
+        "--policy",
+        default="tokrag",
+        help=f"decoding policy: one of {', '.join(available_policies())} (default tokrag)",
+    )
     p.add_argument(
         "--model",
         default="default",
@@ -249,6 +255,16 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
     return passages
 
 
+def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> None:
+    """Fail on a bad policy, option, device or dtype before retrieval and the model load:
+    the policy is built once here with the given options and thrown away."""
+    from .models import check_device_and_dtype
+    from .policies import get_policy
+
+    get_policy(args.policy, **options)
+    check_device_and_dtype(args.device, args.dtype)
+
+
 def cmd_ask(args: argparse.Namespace) -> int:
     """Run ``tokrag ask``: retrieve, stream the answer, then explain and export on request."""
     from rich.text import Text
@@ -261,6 +277,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     _check_output_path(args.html, "--html")
     _check_output_path(args.json, "--json")
     options = dict(args.option)
+    _check_before_loading(args, options)
 
     from transformers.utils import logging as hf_logging
 

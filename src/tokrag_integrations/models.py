@@ -33,8 +33,11 @@ class LoadedModel:
     """A causal LM with its tokenizer and the facts the decoder needs.
 
     ``lock`` serialises decoding on this model: the blockwise decoder installs forward hooks
-    while it runs, so two threads must not decode on the same model at once (async wrappers
-    and framework adapters take the lock for you).
+    while it runs, so two threads must not decode on the same model at once. Every entry
+    point (``generate``, ``stream``, the async forms, the framework adapters) takes it for
+    you, so one handle may be shared by any number of threads: ``generate`` holds it for the
+    call, a stream from its first token until it is exhausted, closed, garbage collected or
+    left unread for its idle timeout (``$TOKRAG_STREAM_IDLE_TIMEOUT``, default 30 s).
     """
 
     model: Any
@@ -213,6 +216,61 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> tuple[Path, str | None, st
     )
 
 
+#: Floating-point dtypes a model can be loaded in, by name.
+_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def check_device_and_dtype(device: Any, dtype: Any) -> tuple[str | None, Any]:
+    """Validate a ``device`` and ``dtype`` before anything is loaded; returns ``(device,
+    torch dtype or None)``.
+
+    Raises:
+        ValueError: an unknown device, a device this machine lacks (``cuda`` without CUDA,
+            ``cuda:3`` with one GPU, ``mps`` off Apple silicon) or an unknown dtype, each in
+            one sentence.
+    """
+    import torch
+
+    if device is not None:
+        name = str(device).strip()
+        try:
+            dev = torch.device(name)
+        except (RuntimeError, ValueError, TypeError):
+            raise ValueError(
+                f"unknown device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'"
+            ) from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"device {name!r} was requested but CUDA is not available on this machine; "
+                    "use device 'cpu'"
+                )
+            count = torch.cuda.device_count()
+            if dev.index is not None and dev.index >= count:
+                raise ValueError(
+                    f"device {name!r} was requested but this machine has {count} CUDA device(s)"
+                )
+        elif dev.type == "mps" and not (
+            getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+        ):
+            raise ValueError(
+                f"device {name!r} was requested but MPS is not available on this machine; "
+                "use device 'cpu'"
+            )
+        elif dev.type not in ("cpu", "cuda", "mps"):
+            raise ValueError(f"unsupported device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'")
+        device = name
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        name = str(dtype).strip().removeprefix("torch.")
+        value = getattr(torch, name, None) if name in _DTYPES else None
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"unknown dtype {str(dtype)!r}; use one of {', '.join(_DTYPES)}")
+        dtype = value
+    elif dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype {dtype} is not a floating-point type; use one of {', '.join(_DTYPES)}")
+    return device, dtype
+
+
 def load_model(
     name_or_path: str | os.PathLike[str] = "default",
     *,
@@ -235,18 +293,18 @@ def load_model(
 
     Raises:
         FileNotFoundError: nothing loadable at ``name_or_path``.
-        ValueError: the model is not a causal LM, or its architecture cannot expose the
+        ValueError: an unknown or unavailable ``device`` (e.g. ``cuda`` without CUDA), an
+            unknown ``dtype``, the model is not a causal LM, or its architecture cannot expose the
             signals Tok-RAG reads (per-layer attention projections and rotary embeddings).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    device, dtype = check_device_and_dtype(device, dtype)
     folder, gguf, display = _resolve(name_or_path)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
     if dtype is None:
         dtype = torch.float32 if str(device).startswith("cpu") else torch.bfloat16
 

@@ -8,6 +8,7 @@ the "retrieved tokens" rt_1..rt_m of Eq. 15–16; delimiters and template tokens
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,13 +40,46 @@ def _adds_bos(tokenizer: Any) -> bool:
     return bool(ids) and int(ids[0]) == int(bos_id)
 
 
+def clean_text(text: str, what: str, stacklevel: int = 3) -> str:
+    """``text`` with lone surrogates (text that is not valid Unicode, e.g. from
+    ``surrogateescape``-decoded bytes) replaced by U+FFFD, with a warning naming ``what``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        n = sum(1 for c in text if "\ud800" <= c <= "\udfff")
+        warnings.warn(
+            f"{what} contains {n} lone surrogate character(s) (not valid Unicode); "
+            "they were replaced with U+FFFD",
+            stacklevel=stacklevel,
+        )
+        return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+    return text
+
+
 @dataclass
 class Passage:
-    """A retrieved passage: its text, the retriever's score (higher = better) and metadata."""
+    """A retrieved passage: its text, the retriever's score (higher = better) and metadata.
+
+    ``text`` must be a string (lone surrogates are replaced by U+FFFD with a warning);
+    ``score`` a number or None.
+    """
 
     text: str
     score: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise TypeError(f"Passage text must be a string, got {type(self.text).__name__}")
+        self.text = clean_text(self.text, "a passage", stacklevel=5)
+        if self.score is not None and (
+            isinstance(self.score, bool) or not isinstance(self.score, numbers.Real)
+        ):
+            raise TypeError(f"Passage score must be a number or None, got {type(self.score).__name__}")
+        if self.metadata is None:
+            self.metadata = {}
+        elif not isinstance(self.metadata, dict):
+            raise TypeError(f"Passage metadata must be a dict, got {type(self.metadata).__name__}")
 
 
 PassageLike = "str | Passage"

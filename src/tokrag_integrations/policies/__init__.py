@@ -6,9 +6,14 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import inspect
+from typing import TYPE_CHECKING, Any
 
-from ..decoding import Policy
+if TYPE_CHECKING:  # importing this package stays cheap (the CLI lists names without torch)
+    from ..decoding import Policy
+
+#: Strings accepted for a bool option (case-insensitive), e.g. from ``--option fuse=false``.
+_BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
 
 #: name -> "module:Class". A new policy is a new small module plus one line here.
 _REGISTRY: dict[str, str] = {
@@ -40,18 +45,68 @@ def get_policy(name: str | Policy, **options: Any) -> Policy:
     Raises:
         ValueError: unknown name (the message lists the known ones) or bad options.
     """
+    from ..decoding import Policy
+
     if isinstance(name, Policy):
         if options:
             raise ValueError("options cannot be given together with a Policy instance")
         return name
-    if name not in _REGISTRY:
+    if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(
             f"Unknown policy {name!r}. Available policies: {', '.join(available_policies())}."
         )
     mod_name, cls_name = _REGISTRY[name].split(":")
     mod = importlib.import_module(mod_name if "." in mod_name and not mod_name.startswith(".") else f"{__name__}.{mod_name}")
     cls = getattr(mod, cls_name)
+    options = _checked_options(name, cls, options)
     try:
         return cls(**options)
     except TypeError as e:
         raise ValueError(f"Bad options for policy {name!r}: {e}") from e
+
+
+def policy_options(cls: type) -> dict[str, inspect.Parameter] | None:
+    """The keyword options a policy class takes (None when it accepts any ``**kwargs``)."""
+    if cls.__init__ is object.__init__:
+        return {}
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {
+        p.name: p
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+
+
+def _checked_options(name: str, cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    """Refuse unknown options and read bool options strictly (True/False, 1/0 or the strings
+    ``true``/``false``/``1``/``0``; anything else, e.g. ``"yes"`` or ``"False!"``, is an error)."""
+    known = policy_options(cls)
+    if known is None:
+        return options
+    out = dict(options)
+    for key, value in options.items():
+        if key not in known:
+            listed = ", ".join(known) if known else "none"
+            raise ValueError(
+                f"Bad options for policy {name!r}: unknown option {key!r}; options: {listed}"
+            )
+        param = known[key]
+        if param.annotation in (bool, "bool") or (
+            param.annotation is inspect.Parameter.empty and isinstance(param.default, bool)
+        ):
+            out[key] = _as_bool(name, key, value)
+    return out
+
+
+def _as_bool(policy: str, key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[value.strip().lower()]
+    raise ValueError(
+        f"option {key!r} of policy {policy!r} must be true or false (or 1/0), got {value!r}"
+    )

@@ -1,0 +1,395 @@
+"""Hostile and careless use of one shared model (issue 18, points 1, 6 and 7).
+
+Point 1: one model handle shared by threads and asyncio tasks; a stream that is held, closed,
+dropped in another thread, read from two threads, and cancelled ``agenerate``/``astream`` calls
+must all leave the model usable. Every wait has a timeout, so a regression fails instead of
+hanging. Points 6 and 7: wrong inputs are refused up front with one-sentence errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import io
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import tokrag_integrations
+from tokrag_integrations import Passage, agenerate, astream, generate, generate_batch, stream
+from tokrag_integrations.api import StreamAbandoned
+from tokrag_integrations.policies import get_policy
+
+#: A question SmolLM2 answers at length (it runs to any max_new_tokens up to 200).
+LONG_Q = "List the numbers from 1 to 100, one per line."
+SHORT_Q = "Who founded Quillfeather Aerospace?"
+PASSAGE = "Quillfeather Aerospace was founded in 2011 by Ottoline Varga in Tromsø."
+#: Generous bound for one short decode on a busy 2-core machine (never a performance check:
+#: only a model that stays locked runs into it).
+WAIT_S = float(os.environ.get("TOKRAG_TEST_WAIT_S", "120"))
+
+
+def _in_thread(fn: Callable[[], Any], timeout: float = WAIT_S) -> Any:
+    """Run ``fn`` in a fresh daemon thread; fail (not hang) when it does not finish in time."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised in the test's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{getattr(fn, '__name__', 'call')} did not finish in {timeout} s"
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def _model_is_free(lm: Any) -> bool:
+    """Whether another thread could take the model lock right now."""
+
+    def probe() -> bool:
+        if lm.lock.acquire(timeout=5):
+            lm.lock.release()
+            return True
+        return False
+
+    return bool(_in_thread(probe, timeout=30))
+
+
+def _short_generate(lm: Any) -> Callable[[], str]:
+    def short_generate() -> str:
+        return generate(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=3).text
+
+    return short_generate
+
+
+@contextlib.contextmanager
+def _counting_forwards(lm: Any) -> Iterator[list[int]]:
+    """Counts forward passes (every decode path embeds its input ids once per pass)."""
+    calls = [0]
+
+    def hook(*_: Any) -> None:
+        calls[0] += 1
+
+    handle = lm.model.get_input_embeddings().register_forward_hook(hook)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+# ============================================================================ point 1
+def test_unread_stream_is_abandoned_after_its_idle_timeout(lm):
+    s = stream(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=20, idle_timeout=0.5)
+    next(s)  # the stream now holds the model, and its reader walks away (keeping it)
+    assert _in_thread(_short_generate(lm))
+    with pytest.raises(StreamAbandoned, match="not read for 0.5 s"):
+        next(s)
+    with pytest.raises(StreamAbandoned):
+        next(s)
+    assert _model_is_free(lm)
+
+
+def test_idle_timeout_comes_from_the_environment(lm, monkeypatch):
+    monkeypatch.setenv("TOKRAG_STREAM_IDLE_TIMEOUT", "0.5")
+    s = stream(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=20)
+    next(s)
+    assert _in_thread(_short_generate(lm))
+    with pytest.raises(StreamAbandoned):
+        next(s)
+    monkeypatch.setenv("TOKRAG_STREAM_IDLE_TIMEOUT", "5s")
+    with pytest.raises(ValueError, match=r"TOKRAG_STREAM_IDLE_TIMEOUT must be a number of seconds, got '5s'"):
+        stream(lm, SHORT_Q)
+    with pytest.raises(ValueError, match="idle_timeout must be a number of seconds > 0"):
+        stream(lm, SHORT_Q, idle_timeout=0)
+
+
+def test_closed_stream_frees_the_model_from_any_thread(lm):
+    s = stream(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=20, idle_timeout=600)
+    next(s)
+    _in_thread(s.close)  # closed by another thread than the one that read it
+    assert _in_thread(_short_generate(lm))
+    with pytest.raises(StopIteration):
+        next(s)
+    with pytest.raises(RuntimeError, match="closed before its end"):
+        s.result  # noqa: B018
+    with stream(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=20, idle_timeout=600) as s2:
+        next(s2)
+    assert _model_is_free(lm)
+
+
+def test_stream_dropped_in_another_thread_frees_the_model(lm):
+    held: list[Any] = []
+
+    def start() -> None:
+        s = stream(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=20, idle_timeout=600)
+        next(s)
+        held.append(s)
+
+    _in_thread(start)
+    held.clear()  # the last reference goes away in this thread
+    gc.collect()
+    assert _in_thread(_short_generate(lm))
+    assert _model_is_free(lm)
+
+
+def test_stream_started_in_one_thread_finishes_in_another(lm):
+    expected = generate(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=12)
+    s = stream(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=12, idle_timeout=600)
+    first = _in_thread(lambda: next(s))
+    rest = _in_thread(lambda: list(s))
+    assert "".join(ev.text for ev in [first, *rest]) == expected.text
+    assert s.result.token_ids == expected.token_ids
+    assert _model_is_free(lm)
+
+
+def test_two_threads_advance_one_stream(lm):
+    expected = generate(lm, SHORT_Q, [PASSAGE], max_new_tokens=16)  # tokrag, the default
+    s = stream(lm, SHORT_Q, [PASSAGE], max_new_tokens=16, idle_timeout=600)
+    got: list[Any] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def reader() -> None:
+        start.wait()
+        try:
+            for ev in s:
+                got.append(ev)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert not any(t.is_alive() for t in threads), "a reader of the shared stream hung"
+    assert errors == []
+    ordered = sorted(got, key=lambda ev: ev.index)
+    assert len({ev.index for ev in got}) == len(got)  # each event went to exactly one reader
+    assert "".join(ev.text for ev in ordered) == expected.text
+    assert s.result.token_ids == expected.token_ids
+    assert _in_thread(_short_generate(lm))  # a fresh thread still gets the model
+
+
+def test_cancelled_agenerate_stops_decoding(lm):
+    async def scenario(calls: list[int]) -> int:
+        task = asyncio.create_task(agenerate(lm, LONG_Q, policy="llm", max_new_tokens=200))
+        for _ in range(int(WAIT_S * 20)):
+            if calls[0] >= 3:
+                break
+            await asyncio.sleep(0.05)
+        assert calls[0] >= 3, "the decode never started"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, WAIT_S)
+        stopped_at = calls[0]
+        await asyncio.sleep(0.5)
+        assert calls[0] == stopped_at, "the cancelled decode went on in its worker thread"
+        return stopped_at
+
+    with _counting_forwards(lm) as calls:
+        stopped_at = asyncio.run(scenario(calls))
+    assert stopped_at < 200
+    assert _model_is_free(lm)
+
+
+def test_cancelled_astream_stops_decoding(lm):
+    async def scenario(calls: list[int]) -> tuple[int, int]:
+        seen: list[Any] = []
+        two = asyncio.Event()
+
+        async def consume() -> None:
+            async for ev in astream(lm, LONG_Q, [PASSAGE], max_new_tokens=200, idle_timeout=600):
+                seen.append(ev)
+                if len(seen) == 2:
+                    two.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(two.wait(), WAIT_S)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, WAIT_S)
+        stopped_at = calls[0]
+        await asyncio.sleep(0.5)
+        return stopped_at, calls[0]
+
+    with _counting_forwards(lm) as calls:
+        stopped_at, later = asyncio.run(scenario(calls))
+    assert later == stopped_at, "the cancelled stream went on decoding"
+    assert stopped_at < 200
+    assert _model_is_free(lm)
+
+
+def test_agenerate_cancelled_while_waiting_for_the_model_never_decodes(lm):
+    async def scenario(calls: list[int]) -> int:
+        holder = stream(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=20, idle_timeout=600)
+        await asyncio.to_thread(next, holder)  # the model is now taken by this stream
+        before = calls[0]
+        task = asyncio.create_task(agenerate(lm, LONG_Q, policy="llm", max_new_tokens=200))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, WAIT_S)
+        holder.close()
+        await asyncio.to_thread(holder._worker.join, WAIT_S)
+        await asyncio.sleep(0.5)
+        return calls[0] - before
+
+    with _counting_forwards(lm) as calls:
+        extra = asyncio.run(scenario(calls))
+    assert extra <= 1  # at most the holder's own look-ahead step, never the cancelled call
+    assert _model_is_free(lm)
+
+
+# ============================================================================ point 6
+def test_generate_batch_refuses_a_string_of_queries(lm):
+    with pytest.raises(TypeError, match="queries must be a list of strings, got a str"):
+        generate_batch(lm, "Who?")
+    with pytest.raises(TypeError, match="one list of passages per query"):
+        generate_batch(lm, ["Who?"], "a passage")
+
+
+def test_a_single_string_of_passages_is_refused(lm):
+    with pytest.raises(TypeError, match="passages must be a list of passages, not a single str"):
+        generate(lm, SHORT_Q, PASSAGE, policy="rag", max_new_tokens=2)
+    with pytest.raises(TypeError, match="query must be a string, got int"):
+        generate(lm, 42, [PASSAGE], policy="rag", max_new_tokens=2)
+
+
+@pytest.mark.parametrize("bad", [2.5, 0, -1, True, "3", None])
+def test_max_new_tokens_is_checked_before_the_prefill(lm, bad):
+    with _counting_forwards(lm) as calls:
+        with pytest.raises(ValueError, match=r"^max_new_tokens must be a whole number >= 1, got "):
+            generate(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=bad)
+        with pytest.raises(ValueError, match="max_new_tokens must be a whole number"):
+            stream(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=bad)
+    assert calls[0] == 0
+
+
+def test_passage_text_and_score_are_checked():
+    with pytest.raises(TypeError, match="Passage text must be a string, got NoneType"):
+        Passage(text=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Passage score must be a number or None, got str"):
+        Passage("text", score="high")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Passage metadata must be a dict"):
+        Passage("text", metadata=["source"])  # type: ignore[arg-type]
+
+
+def test_lone_surrogates_are_replaced_with_a_warning(lm):
+    with pytest.warns(UserWarning, match="lone surrogate"):
+        p = Passage("Quillfeather\ud800 Aerospace was founded by Ottoline Varga.")
+    assert p.text == "Quillfeather\ufffd Aerospace was founded by Ottoline Varga."
+    with pytest.warns(UserWarning, match="query contains 1 lone surrogate"), pytest.warns(
+        UserWarning, match="a passage contains 1 lone surrogate"
+    ):
+        r = generate(lm, "Who founded \udcffQuillfeather?", [PASSAGE + "\udc80"], policy="rag", max_new_tokens=3)
+    assert r.trace.query == "Who founded \ufffdQuillfeather?"
+    assert r.trace.passages[0].text.endswith("\ufffd")
+    assert r.token_ids
+
+
+def test_bool_policy_options_are_parsed_strictly():
+    for text, value in [("False", False), ("false", False), ("0", False), (0, False), ("TRUE", True), ("1", True), (True, True)]:
+        assert get_policy("tokrag", lens_norm=text).lens_norm is value, text
+        assert get_policy("tokrag", fuse=text).fuse is value, text
+    for bad in ["yes", "False!", "", 2, 0.0, None]:
+        with pytest.raises(ValueError, match="option 'lens_norm' of policy 'tokrag' must be true or false"):
+            get_policy("tokrag", lens_norm=bad)
+
+
+def test_unknown_policy_options_name_the_policy_and_list_its_options():
+    with pytest.raises(ValueError, match=r"unknown option 'nonsense'; options: variant, pr_norm, top_k"):
+        get_policy("tokrag", nonsense=1)
+    with pytest.raises(ValueError, match=r"policy 'rag': unknown option 'alpha'; options: none"):
+        get_policy("rag", alpha=0.5)
+
+
+# ============================================================================ point 7 (CLI)
+def _run_cli(argv: list[str]) -> tuple[int, str, str]:
+    from tokrag_integrations import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch) -> list[str]:
+    """Record (and refuse) retrieval and model loads: the checks must come first."""
+    from tokrag_integrations import cli
+
+    calls: list[str] = []
+
+    def load_model(*_: Any, **__: Any) -> Any:
+        calls.append("load_model")
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    def retrieve(*_: Any, **__: Any) -> Any:
+        calls.append("retrieve")
+        raise AssertionError("retrieval ran before the arguments were checked")
+
+    monkeypatch.setattr(tokrag_integrations, "load_model", load_model, raising=False)
+    monkeypatch.setattr(cli, "_retrieve", retrieve)
+    return calls
+
+
+def _one_line_error(code: int, err: str) -> str:
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tokrag: error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--device", "cuda"], "device 'cuda' was requested but CUDA is not available on this machine"),
+        (["--device", "gpu0"], "unknown device 'gpu0'"),
+        (["--dtype", "float99"], "unknown dtype 'float99'; use one of float32, float16, bfloat16"),
+        (["--policy", "tokrog"], "Unknown policy 'tokrog'. Available policies: adacad"),
+        (["--option", "nonsense=1"], "unknown option 'nonsense'; options: variant, pr_norm"),
+        (["--option", "lens_norm=maybe"], "option 'lens_norm' of policy 'tokrag' must be true or false"),
+        (["--policy", "rag", "--option", "alpha=0.5"], "policy 'rag': unknown option 'alpha'; options: none"),
+        (["--gate", "confidence", "--option", "nonsense=1"], "unknown option 'nonsense'"),
+    ],
+)
+def test_cli_rejects_bad_arguments_before_retrieval_and_model_load(argv, message, nothing_loads, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = _run_cli(["ask", "Who?", "--docs", "sample", *argv])
+    assert message in _one_line_error(code, err)
+    assert nothing_loads == []
+
+
+def test_load_model_refuses_unavailable_devices_and_unknown_dtypes(monkeypatch):
+    import torch
+
+    from tokrag_integrations import load_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="CUDA is not available on this machine; use device 'cpu'"):
+        load_model(device="cuda")
+    with pytest.raises(ValueError, match="unknown dtype 'float99'"):
+        load_model(device="cpu", dtype="float99")
+
+
+def test_cli_help_lists_the_policy_names():
+    code, out, _ = _run_cli(["ask", "--help"])
+    assert code == 0
+    text = " ".join(out.split())
+    assert "one of adacad, cad, entropy, floor, llm, logprob, rag, rag_sequence, rag_token, tokrag" in text
