@@ -236,7 +236,7 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
     from .retrieval import build_retriever
 
     roots = _resolve_docs(args.docs)
-    retriever = build_retriever(roots, kind=args.retriever, device="cpu")
+    retriever = build_retriever(roots, kind=args.retriever, device="cpu", progress=True)
     hits = retriever.retrieve(args.question, top_k=args.top_k)
     if not hits:
         _print_warning(err, "no document chunk matched the question; answering without them.")

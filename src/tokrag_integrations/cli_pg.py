@@ -12,8 +12,10 @@ not), and :func:`tokrag_integrations.postgres.answer_from_postgres` does both st
 
 Exit status of ``ingest``: 0 when every file was ingested or unchanged, 1 when some file
 was skipped (each is listed with its reason), 2 for usage errors (bad table name, missing
-path), 3 when the database cannot be reached or started (the message never shows a
-password).
+path), 3 when the database cannot be reached, started or used (a missing privilege, a table
+of that name that is not tokrag's, a bad ``TOKRAG_PG_CONNECT_TIMEOUT``; one sentence, never
+a password). Files deleted from an ingested folder keep their chunks unless ``--prune`` is
+given; the summary counts them as stale (or pruned).
 """
 
 from __future__ import annotations
@@ -105,6 +107,12 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     p.add_argument("--chunk-size", type=int, default=800, help="max characters per chunk")
     p.add_argument("--overlap", type=int, default=100, help="characters shared by chunks")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--prune",
+        action="store_true",
+        help="delete the chunks of files that are stored from the given folders but no longer "
+        "exist there (default: keep them, still retrievable, and count them as stale)",
+    )
     p.set_defaults(func=cmd_ingest)
 
 
@@ -123,6 +131,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             overlap=args.overlap,
             progress=not args.no_progress and sys.stderr.isatty(),
             data_dir=args.data_dir,
+            prune=args.prune,
         )
     except _database_errors() as exc:
         print(f"tokrag: error: {exc}", file=sys.stderr)

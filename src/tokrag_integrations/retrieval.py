@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
@@ -41,6 +42,7 @@ __all__ = [
     "Retriever",
     "DenseRetriever",
     "BM25Retriever",
+    "binary_reason",
     "load_documents",
     "chunk_text",
     "chunk_documents",
@@ -179,6 +181,35 @@ def html_to_text(html: str) -> tuple[str, str]:
     return parser.text(), re.sub(r"\s+", " ", parser.title).strip()
 
 
+#: Share of undecodable bytes above which a file is taken for binary data, not text.
+BINARY_UNDECODABLE_SHARE = 0.05
+
+
+def binary_reason(data: bytes) -> str | None:
+    """Why ``data`` is not a text file (NUL bytes, mostly invalid UTF-8), or ``None``.
+
+    A NUL byte anywhere means binary (or UTF-16) data: Postgres text cannot hold it and
+    the embedder would index noise. Text that is valid UTF-8 except for a few bytes (a
+    Latin-1 accent) is still text; it is decoded with replacement characters and a warning.
+    """
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        return f"contains NUL bytes (first at offset {nul}): binary data or UTF-16, not UTF-8 text"
+    try:
+        data.decode("utf-8")
+        return None
+    except UnicodeDecodeError:
+        pass
+    text = data.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd")
+    if bad > BINARY_UNDECODABLE_SHARE * max(len(text), 1):
+        return (
+            f"not text: {bad} of {len(text)} characters are not valid UTF-8 "
+            "(binary data, or another encoding: re-save it as UTF-8)"
+        )
+    return None
+
+
 def _decode(data: bytes, path: Path) -> tuple[str, bool]:
     """UTF-8 text of ``data``; on failure, decoded with U+FFFD replacements and a warning."""
     try:
@@ -204,6 +235,10 @@ def _read_document(path: Path) -> Document | None:
         data = path.read_bytes()
     except OSError as exc:
         warnings.warn(f"{path}: could not be read ({exc.strerror or exc}); skipped.", stacklevel=3)
+        return None
+    reason = binary_reason(data)
+    if reason is not None:
+        warnings.warn(f"{path}: {reason}; skipped.", stacklevel=3)
         return None
     text, had_errors = _decode(data, path)
     suffix = path.suffix.lower()
@@ -232,6 +267,32 @@ def _iter_files(root: Path) -> Iterable[Path]:
             yield path
 
 
+#: Total input size above which :func:`load_documents` warns that in-memory indexing is slow.
+LARGE_INPUT_BYTES = 10 * 1024 * 1024
+
+
+def _warn_if_large(files: Sequence[Path]) -> None:
+    """One warning when the files add up to more than :data:`LARGE_INPUT_BYTES`."""
+    sizes = []
+    for file in files:
+        try:
+            sizes.append((file.stat().st_size, file))
+        except OSError:
+            continue
+    total = sum(size for size, _ in sizes)
+    if total <= LARGE_INPUT_BYTES:
+        return
+    size, biggest = max(sizes, key=lambda item: item[0])
+    warnings.warn(
+        f"{len(sizes)} document file(s) hold {total / 2**20:.1f} MB (largest: {biggest}, "
+        f"{size / 2**20:.1f} MB); indexing them in memory embeds every chunk on each run and "
+        "can take many minutes and gigabytes of memory. For large collections use "
+        "`tokrag ingest` once and `tokrag ask --store postgres`.",
+        ResourceWarning,
+        stacklevel=3,
+    )
+
+
 def load_documents(paths: str | Path | Iterable[str | Path]) -> list[Document]:
     """Load text, Markdown, reStructuredText and HTML files from files and folders.
 
@@ -251,28 +312,32 @@ def load_documents(paths: str | Path | Iterable[str | Path]) -> list[Document]:
 
     Warns:
         UnicodeWarning: A file is not valid UTF-8 (it is loaded with replacement characters).
-        UserWarning: A file cannot be read or is empty (it is skipped).
+        UserWarning: A file cannot be read, is empty or binary (NUL bytes, mostly invalid
+            UTF-8; see :func:`binary_reason`): it is skipped.
+        ResourceWarning: The files add up to more than :data:`LARGE_INPUT_BYTES`.
     """
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     if not path_list:
         raise ValueError("No document paths were given; pass at least one file or folder.")
     documents: list[Document] = []
+    files: list[Path] = []
     for path in path_list:
         if not path.exists():
             raise FileNotFoundError(f"Document path not found: {path}")
         if path.is_dir():
-            files = list(_iter_files(path))
+            files.extend(_iter_files(path))
         elif path.suffix.lower() in SUPPORTED_SUFFIXES:
-            files = [path]
+            files.append(path)
         else:
             supported = ", ".join(sorted(SUPPORTED_SUFFIXES))
             raise ValueError(
                 f"Unsupported document type: {path} (supported suffixes: {supported})."
             )
-        for file in files:
-            doc = _read_document(file)
-            if doc is not None:
-                documents.append(doc)
+    _warn_if_large(files)
+    for file in files:
+        doc = _read_document(file)
+        if doc is not None:
+            documents.append(doc)
     if not documents:
         names = ", ".join(str(p) for p in path_list)
         supported = ", ".join(sorted(SUPPORTED_SUFFIXES))
@@ -474,8 +539,16 @@ class DenseRetriever:
     score of a chunk is the cosine similarity of its embedding with the query's.
     """
 
-    def __init__(self, chunks: Sequence[Chunk], *, device: str = "cpu", batch_size: int = 64):
-        """Embed ``chunks`` (raises ``ValueError`` when there are none)."""
+    def __init__(
+        self,
+        chunks: Sequence[Chunk],
+        *,
+        device: str = "cpu",
+        batch_size: int = 64,
+        progress: bool = False,
+    ):
+        """Embed ``chunks`` (raises ``ValueError`` when there are none); ``progress`` shows
+        a progress bar on stderr."""
         self.chunks = _check_chunks(chunks)
         self.device = device
         self._model = get_embedder(device)
@@ -484,7 +557,7 @@ class DenseRetriever:
             batch_size=batch_size,
             normalize_embeddings=True,
             convert_to_numpy=True,
-            show_progress_bar=False,
+            show_progress_bar=progress,
         )
 
     def retrieve(self, query: str, top_k: int = 5) -> list[ScoredChunk]:
@@ -548,6 +621,7 @@ def build_retriever(
     max_chars: int = 800,
     overlap: int = 100,
     device: str = "cpu",
+    progress: bool = False,
 ) -> DenseRetriever | BM25Retriever:
     """Load, chunk and index in one call.
 
@@ -558,6 +632,7 @@ def build_retriever(
         max_chars: Chunk size, see :func:`chunk_text`.
         overlap: Chunk overlap, see :func:`chunk_text`.
         device: Torch device for the dense embedder.
+        progress: Say on stderr what is being indexed, with a progress bar while embedding.
 
     Raises:
         ValueError: Unknown ``kind``, or nothing to index.
@@ -573,9 +648,18 @@ def build_retriever(
     elif items and all(isinstance(i, Document) for i in items):
         chunks = chunk_documents(items, max_chars=max_chars, overlap=overlap)
     else:
+        if progress:
+            print("Reading documents…", file=sys.stderr, flush=True)
         chunks = chunk_documents(load_documents(items), max_chars=max_chars, overlap=overlap)
+    if progress:
+        n_docs = len({c.source for c in chunks})
+        print(
+            f"Indexing {len(chunks)} chunks from {n_docs} document(s) ({kind})…",
+            file=sys.stderr,
+            flush=True,
+        )
     if kind == "dense":
-        return DenseRetriever(chunks, device=device)
+        return DenseRetriever(chunks, device=device, progress=progress)
     return BM25Retriever(chunks)
 
 

@@ -35,6 +35,7 @@ columns. The same idempotence and transaction rules apply.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 import uuid
 import warnings
@@ -43,13 +44,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..retrieval import SUPPORTED_SUFFIXES, Document, chunk_text, load_documents
+from ..retrieval import SUPPORTED_SUFFIXES, Document, binary_reason, chunk_text, load_documents
 from .embeddings import Embedder, load_embedder
 from .server import (
     DEFAULT_TABLE,
     PostgresConnectionError,
+    PostgresQueryError,
     ResolvedDatabase,
     connect,
+    database_errors,
     resolve_dsn,
     validate_table_name,
 )
@@ -114,11 +117,13 @@ class FileReport:
     """What happened to one file."""
 
     path: str
-    status: Literal["added", "replaced", "unchanged", "failed"]
+    """The file's absolute path (undecodable bytes of a file name shown as ``\\xNN``)."""
+    status: Literal["added", "replaced", "unchanged", "failed", "pruned", "stale"]
     chunks: int = 0
-    """Chunks written (added/replaced) or already stored (unchanged)."""
+    """Chunks written (added/replaced), already stored (unchanged), or stored for a file
+    that no longer exists (stale, pruned)."""
     removed: int = 0
-    """Old chunks deleted (replaced)."""
+    """Old chunks deleted (replaced, pruned)."""
     reason: str = ""
     """Why the file failed, or warnings raised while reading it."""
 
@@ -132,6 +137,9 @@ class IngestSummary:
     database: str
     """Masked connection string."""
     files: list[FileReport] = field(default_factory=list)
+    gone: list[FileReport] = field(default_factory=list)
+    """Stored files under an ingested folder that no longer exist there: ``"pruned"`` (their
+    chunks deleted, ``prune=True``) or ``"stale"`` (still stored and retrieved)."""
     seconds: float = 0.0
     embed_seconds: float = 0.0
     write_seconds: float = 0.0
@@ -160,6 +168,16 @@ class IngestSummary:
         return sum(f.chunks for f in self.files if f.status in ("added", "replaced"))
 
     @property
+    def pruned(self) -> int:
+        """Files whose chunks were deleted because the file no longer exists."""
+        return sum(1 for f in self.gone if f.status == "pruned")
+
+    @property
+    def stale(self) -> int:
+        """Files no longer present whose chunks are still stored (not pruned)."""
+        return sum(1 for f in self.gone if f.status == "stale")
+
+    @property
     def skipped(self) -> int:
         """Files not written: unchanged plus failed."""
         return self.unchanged + len(self.failed)
@@ -169,13 +187,26 @@ class IngestSummary:
         lines = [
             f"{len(self.files)} files into {self.table} ({self.target} layout) at {self.database}: "
             f"{self.added} added, {self.replaced} replaced, {self.unchanged} unchanged, "
-            f"{len(self.failed)} failed; {self.chunks_written} chunks written in "
+            f"{len(self.failed)} failed, {self._gone_text()}; {self.chunks_written} chunks written in "
             f"{self.seconds:.1f} s (embedding {self.embed_seconds:.1f} s, writing "
             f"{self.write_seconds:.1f} s)."
         ]
         for f in self.failed:
-            lines.append(f"  skipped {f.path}: {f.reason}")
+            lines.append(f"  skipped {_display(f.path)}: {f.reason}")
+        for f in self.files:
+            if f.status != "failed" and f.reason:
+                lines.append(f"  note {_display(f.path)}: {f.reason}")
+        for f in self.gone:
+            verb = "pruned" if f.status == "pruned" else "stale (no longer present)"
+            lines.append(f"  {verb} {_display(f.path)}: {f.chunks} chunks")
+        if self.stale:
+            lines.append(
+                "  Stale files are still retrieved; re-run with --prune to delete their chunks."
+            )
         return "\n".join(lines)
+
+    def _gone_text(self) -> str:
+        return f"{self.pruned} pruned" if self.pruned else f"{self.stale} stale"
 
 
 # ============================================================================ files
@@ -237,7 +268,7 @@ def _pdf_text(path: Path) -> str:
         pages = [page.extract_text() or "" for page in reader.pages]
     except Exception as exc:  # noqa: BLE001 - any parser failure means "cannot read this PDF"
         raise ParseError(f"not a readable PDF ({type(exc).__name__}: {exc})") from None
-    return "\n\n".join(p.strip() for p in pages if p.strip())
+    return "\n\n".join(p.strip() for p in pages if p.strip()).replace("\x00", "")
 
 
 def parse_file(path: str | Path) -> tuple[Document, list[str]]:
@@ -247,7 +278,8 @@ def parse_file(path: str | Path) -> tuple[Document, list[str]]:
     ``title`` and ``format`` metadata match ``tokrag ask --docs``); PDFs through ``pypdf``.
 
     Raises:
-        ParseError: The file is binary (NUL bytes in a text file), an unreadable PDF, empty,
+        ParseError: The file is binary (a NUL byte anywhere, or mostly invalid UTF-8; see
+            :func:`~tokrag_integrations.retrieval.binary_reason`), an unreadable PDF, empty,
             or cannot be read.
     """
     path = Path(path)
@@ -262,11 +294,13 @@ def parse_file(path: str | Path) -> tuple[Document, list[str]]:
         )
         return doc, notes
     try:
-        head = path.read_bytes()[:8192]
+        data = path.read_bytes()
     except OSError as exc:
         raise ParseError(f"cannot be read ({exc.strerror or exc})") from None
-    if b"\x00" in head:
-        raise ParseError(f"looks binary (NUL bytes), not a {suffix} text file")
+    reason = binary_reason(data)
+    if reason is not None:
+        raise ParseError(f"looks binary, not a {suffix} text file: {reason}")
+    del data
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -274,10 +308,18 @@ def parse_file(path: str | Path) -> tuple[Document, list[str]]:
         except (ValueError, OSError) as exc:
             reasons = "; ".join(str(w.message) for w in caught) or str(exc)
             raise ParseError(reasons.replace(f"{path}: ", "")) from None
-    notes.extend(str(w.message) for w in caught)
+    notes.extend(
+        str(w.message).replace(f"{path}: ", "")
+        for w in caught
+        if not issubclass(w.category, ResourceWarning)  # the --docs size advice
+    )
     doc = docs[0]
-    # Postgres text cannot hold NUL characters.
+    # Postgres text cannot hold NUL characters (a PDF's text layer or an HTML entity can
+    # still produce one); strip them from the text and every metadata string.
     doc.text = doc.text.replace("\x00", "")
+    doc.metadata = {
+        k: v.replace("\x00", "") if isinstance(v, str) else v for k, v in doc.metadata.items()
+    }
     return doc, notes
 
 
@@ -419,36 +461,73 @@ def _stored_models(conn: Any, layout: TableLayout) -> set[str]:
     return {r[0] for r in rows if r[0] is not None}
 
 
+def table_columns(conn: Any, table: str) -> set[str] | None:
+    """Column names of ``table`` (on the search path), or ``None`` when there is no such table."""
+    row = conn.execute("SELECT to_regclass(%s)::oid", (table,)).fetchone()
+    if not row or row[0] is None:
+        return None
+    rows = conn.execute(
+        "SELECT attname FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped",
+        (row[0],),
+    ).fetchall()
+    return {r[0] for r in rows}
+
+
+def check_layout(conn: Any, layout: TableLayout, where: str) -> bool:
+    """Whether ``layout``'s table exists; raises when a table of that name is not tokrag's.
+
+    Raises:
+        PostgresQueryError: A table with that name exists without the layout's columns
+            (another application's table): it is neither written to nor read.
+    """
+    columns = table_columns(conn, layout.table)
+    if columns is None:
+        return False
+    needed = [layout.id_column, layout.text_column, layout.metadata_column, layout.embedding_column]
+    missing = [c for c in needed if c not in columns]
+    if missing:
+        raise PostgresQueryError(
+            f"Table {layout.table} at {where} exists but is not a tokrag {layout.target} table "
+            f"(it has no {', '.join(missing)} column{'s' if len(missing) > 1 else ''}); pass "
+            "another --table, or rename or drop that table if it is not needed."
+        )
+    return True
+
+
 def ensure_table(db: ResolvedDatabase, layout: TableLayout, embedder: Embedder) -> None:
     """Create the table (and its HNSW index) if missing; check an existing one fits.
+
+    Creation runs under a session-level advisory lock on the table name, so concurrent
+    first ingests into a new table create it once (without the lock, ``CREATE TABLE IF NOT
+    EXISTS`` races on ``pg_class_relname_nsp_index``); the others wait, then find it.
 
     Raises:
         ValueError: The table exists with another embedding size or holds chunks embedded by
             a different model (mixing models would make every similarity meaningless).
+        PostgresQueryError: A table of that name exists but is not a tokrag table, or the
+            database user may not create or read it.
     """
-    with connect(db.dsn, autocommit=True) as conn:
-        dim = _vector_dim(conn, layout)
-    if dim is None:
-        if layout.target == "llamaindex":
-            from .store import close_llamaindex_store, make_llamaindex_store
-
-            store = make_llamaindex_store(db, layout, embedder.dim, setup=True)
-            try:
-                store.add([])  # the public way to run PGVectorStore's table/index setup
-            finally:
-                close_llamaindex_store(store)
-        else:
-            _create_langchain_table(db, layout, embedder.dim)
+    with database_errors(db.dsn, f"prepare table {layout.table}"):
         with connect(db.dsn, autocommit=True) as conn:
-            dim = _vector_dim(conn, layout)
-    if dim != embedder.dim:
-        raise ValueError(
-            f"Table {layout.table} stores {dim}-dimensional embeddings but {embedder.name} "
-            f"makes {embedder.dim}-dimensional ones. Use the model the table was built with "
-            "(--embed-model), or another --table."
-        )
-    with connect(db.dsn, autocommit=True) as conn:
-        others = _stored_models(conn, layout) - {embedder.name}
+            conn.execute(
+                "SELECT pg_advisory_lock(hashtextextended(%s, 0))", (f"tokrag:create:{layout.table}",)
+            )
+            try:
+                if not check_layout(conn, layout, db.masked):
+                    _create_table(db, layout, embedder.dim)
+                dim = _vector_dim(conn, layout)
+            finally:
+                conn.execute(
+                    "SELECT pg_advisory_unlock(hashtextextended(%s, 0))",
+                    (f"tokrag:create:{layout.table}",),
+                )
+            if dim != embedder.dim:
+                raise ValueError(
+                    f"Table {layout.table} stores {dim}-dimensional embeddings but "
+                    f"{embedder.name} makes {embedder.dim}-dimensional ones. Use the model the "
+                    "table was built with (--embed-model), or another --table."
+                )
+            others = _stored_models(conn, layout) - {embedder.name}
     if others:
         raise ValueError(
             f"Table {layout.table} holds chunks embedded with {sorted(others)}, not "
@@ -456,13 +535,26 @@ def ensure_table(db: ResolvedDatabase, layout: TableLayout, embedder: Embedder) 
         )
 
 
+def _create_table(db: ResolvedDatabase, layout: TableLayout, dim: int) -> None:
+    if layout.target == "llamaindex":
+        from .store import close_llamaindex_store, make_llamaindex_store
+
+        store = make_llamaindex_store(db, layout, dim, setup=True)
+        try:
+            store.add([])  # the public way to run PGVectorStore's table/index setup
+        finally:
+            close_llamaindex_store(store)
+    else:
+        _create_langchain_table(db, layout, dim)
+
+
 def _create_langchain_table(db: ResolvedDatabase, layout: TableLayout, dim: int) -> None:
     from langchain_postgres import PGEngine
 
-    from .server import CONNECT_TIMEOUT_S, sqlalchemy_url
+    from .server import connect_timeout, sqlalchemy_url
 
     engine = PGEngine.from_connection_string(
-        sqlalchemy_url(db.dsn), connect_args={"connect_timeout": CONNECT_TIMEOUT_S}
+        sqlalchemy_url(db.dsn), connect_args={"connect_timeout": connect_timeout()}
     )
     try:
         engine.init_vectorstore_table(layout.table, dim)
@@ -480,6 +572,65 @@ def _create_langchain_table(db: ResolvedDatabase, layout: TableLayout, dim: int)
 
 
 # ============================================================================ ingest
+def _display(path: str | Path) -> str:
+    """``path`` as printable text: bytes of a non-UTF-8 file name shown as ``\\xNN``."""
+    return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
+
+
+def _name_is_utf8(path: str | Path) -> bool:
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:  # os.fsdecode turned undecodable bytes into lone surrogates
+        return False
+    return True
+
+
+def _rejected_by_postgres(exc: BaseException) -> bool:
+    """A write failed because of this file's content (not the connection or a bug)."""
+    import psycopg
+
+    return isinstance(exc, (psycopg.DataError, psycopg.errors.ProgramLimitExceeded))
+
+
+def _gone_files(
+    conn: Any, layout: TableLayout, roots: Sequence[Path], prune: bool
+) -> list[FileReport]:
+    """Stored files under ``roots`` that no longer exist; deleted when ``prune``.
+
+    Each deletion is its own transaction under the same (table, source) advisory lock as a
+    write, and re-checks that the file is still missing, so a concurrent ingest that puts
+    it back is never undone.
+    """
+    reports: list[FileReport] = []
+    seen: set[str] = set()
+    for root in roots:
+        prefix = str(root).rstrip(os.sep) + os.sep
+        rows = conn.execute(
+            f"SELECT {layout.source_expr}, count(*) FROM {layout.table} "
+            f"WHERE starts_with({layout.source_expr}, %s) GROUP BY 1 ORDER BY 1",
+            (prefix,),
+        ).fetchall()
+        for source, count in rows:
+            if source in seen or Path(source).exists():
+                continue
+            seen.add(source)
+            if not prune:
+                reports.append(FileReport(source, "stale", chunks=int(count)))
+                continue
+            with conn.transaction():
+                conn.execute(
+                    "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                    (f"{layout.table}\x1f{source}",),
+                )
+                if Path(source).exists():
+                    continue
+                removed = conn.execute(
+                    f"DELETE FROM {layout.table} WHERE {layout.source_expr} = %s", (source,)
+                ).rowcount
+            reports.append(FileReport(source, "pruned", chunks=removed, removed=removed))
+    return reports
+
+
 def ingest(
     paths: str | Path | Sequence[str | Path],
     *,
@@ -493,6 +644,7 @@ def ingest(
     progress: bool = True,
     data_dir: str | Path | None = None,
     on_file: Callable[[FileReport], None] | None = None,
+    prune: bool = False,
 ) -> IngestSummary:
     """Ingest files and folders into pgvector; see the module docstring for the guarantees.
 
@@ -508,18 +660,29 @@ def ingest(
         progress: Show a progress bar (``tqdm``, on stderr).
         data_dir: Data folder of the embedded server.
         on_file: Called with each file's :class:`FileReport` as soon as it is done.
+        prune: Delete the chunks of stored files under the given *folders* that no longer
+            exist. Without it they are kept (and still retrieved) and counted as stale in
+            the summary.
 
     Returns:
-        The :class:`IngestSummary`; files that fail to parse are reported there, not raised.
+        The :class:`IngestSummary`. A file that cannot be used (unreadable, binary, NUL
+        bytes, not UTF-8, a file name that is not UTF-8, content Postgres rejects) is
+        reported there as failed and skipped; the other files are still ingested.
 
     Raises:
         FileNotFoundError: A path does not exist.
-        ValueError: Bad table name, target, or an embedding model that does not fit the table.
-        PostgresConnectionError: The database is unreachable (fails fast, password masked).
+        ValueError: Bad table name, target, chunking, or an embedding model that does not
+            fit the table.
+        PostgresConnectionError: The database is unreachable (fails fast, password masked),
+            or refused an operation (:class:`PostgresQueryError`: privileges, a table of that
+            name that is not tokrag's).
     """
     start = time.perf_counter()
     layout = TableLayout.for_target(table, target)
-    files, rejected = discover_files(paths)
+    chunk_text("check", max_chars=max_chars, overlap=overlap)  # bad chunking fails here, once
+    path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    files, rejected = discover_files(path_list)
+    roots = [p.resolve() for p in path_list if p.is_dir()]
     db = resolve_dsn(dsn, data_dir=data_dir)
     embedder = load_embedder(embed_model)
     ensure_table(db, layout, embedder)
@@ -536,12 +699,26 @@ def ingest(
     from tqdm.auto import tqdm
 
     bar = tqdm(files, unit="file", desc="ingest", disable=not progress, leave=False)
-    with connect(db.dsn, autocommit=True) as conn:
+    with (
+        database_errors(db.dsn, f"ingest into {layout.table}"),
+        connect(db.dsn, autocommit=True) as conn,
+    ):
         for path in bar:
-            bar.set_postfix_str(path.name[-30:], refresh=False)
+            shown = _display(path)
+            bar.set_postfix_str(shown[-30:], refresh=False)
+            if not _name_is_utf8(path):
+                report(
+                    FileReport(
+                        shown,
+                        "failed",
+                        reason="the file name is not valid UTF-8 (Postgres stores paths as "
+                        "UTF-8 text); rename the file",
+                    )
+                )
+                continue
             try:
                 doc, notes = parse_file(path)
-            except ParseError as exc:
+            except (ParseError, OSError, UnicodeError) as exc:
                 report(FileReport(str(path), "failed", reason=str(exc)))
                 continue
             prep = _prepare(doc, max_chars, overlap, embedder.name)
@@ -563,10 +740,22 @@ def ingest(
 
                 if isinstance(exc, psycopg.OperationalError) and conn.closed:
                     raise PostgresConnectionError(
-                        f"Lost the connection to {db.masked} while writing {path}; files written "
-                        "before it are committed, this one is unchanged. Re-run to continue."
+                        f"Lost the connection to {db.masked} while writing {shown}; files "
+                        "written before it are committed, this one is unchanged. Re-run to "
+                        "continue."
                     ) from None
-                raise
+                if not _rejected_by_postgres(exc):
+                    raise
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                report(
+                    FileReport(
+                        str(path),
+                        "failed",
+                        reason=f"Postgres rejected its content ({first}); its stored chunks, "
+                        "if any, are unchanged",
+                    )
+                )
+                continue
             finally:
                 summary.embed_seconds += t1 - t0
                 summary.write_seconds += time.perf_counter() - t1
@@ -579,6 +768,7 @@ def ingest(
                     reason="; ".join(notes),
                 )
             )
-    bar.close()
+        bar.close()
+        summary.gone = _gone_files(conn, layout, roots, prune)
     summary.seconds = time.perf_counter() - start
     return summary

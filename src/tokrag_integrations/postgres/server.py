@@ -5,8 +5,9 @@ Resolution order (:func:`resolve_dsn`):
 1. an explicit ``dsn`` argument (the CLI's ``--dsn``);
 2. the environment variable ``TOKRAG_PG_DSN``;
 3. otherwise an embedded PostgreSQL 16 + pgvector from the ``pgserver`` package, started on
-   first use in a per-user data folder and stopped when the process exits (the data stays,
-   so the next run reuses it).
+   first use in a per-user data folder and stopped when the last process using it exits
+   normally (the data stays, so the next run reuses it). A killed process leaves it running
+   until the next process using the folder exits (see :func:`prune_stale_handles`).
 
 With 1 or 2 nothing is started. Connection strings are only ever shown through
 :func:`mask_dsn` (``postgresql://alice:***@db:5432/rag``), and errors raised here are
@@ -23,9 +24,12 @@ data folder inside the root user's home is refused with an error naming the fix.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,11 +37,15 @@ from typing import Any
 __all__ = [
     "DEFAULT_TABLE",
     "PostgresConnectionError",
+    "PostgresQueryError",
     "PostgresSetupError",
     "ResolvedDatabase",
     "check_connection",
+    "connect_timeout",
     "default_data_dir",
+    "dsn_params",
     "mask_dsn",
+    "prune_stale_handles",
     "resolve_dsn",
     "sqlalchemy_url",
     "start_embedded",
@@ -50,8 +58,9 @@ DEFAULT_TABLE = "tokrag_docs"
 DSN_ENV = "TOKRAG_PG_DSN"
 #: Environment variable overriding the per-user data folder.
 DATA_DIR_ENV = "TOKRAG_DATA_DIR"
-#: Seconds to wait for a TCP connection before giving up (fail fast on a wrong host).
-CONNECT_TIMEOUT_S = int(os.environ.get("TOKRAG_PG_CONNECT_TIMEOUT", "5"))
+#: Environment variable: seconds to wait for a connection (fail fast on a wrong host).
+CONNECT_TIMEOUT_ENV = "TOKRAG_PG_CONNECT_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT_S = 5
 
 # LlamaIndex creates ``data_<name>`` and indexes ``data_<name>_embedding_idx``; Postgres
 # silently truncates identifiers past 63 bytes, so the name is kept well under that.
@@ -62,72 +71,273 @@ class PostgresConnectionError(ConnectionError):
     """The database cannot be reached or used; the message never contains a password."""
 
 
+class PostgresQueryError(PostgresConnectionError):
+    """Postgres refused an operation (a missing privilege, a table that is not tokrag's...).
+
+    A :class:`PostgresConnectionError` ("the database cannot be used"), so the CLI reports
+    it in one sentence with exit status 3; the message never contains a password.
+    """
+
+
 class PostgresSetupError(RuntimeError):
     """The embedded server cannot be started (or would be started in an unsafe place)."""
 
 
-# ============================================================================ DSN helpers
-def mask_dsn(dsn: str) -> str:
-    """``dsn`` with its password replaced by ``***`` (URL and ``key=value`` forms).
-
-    >>> mask_dsn("postgresql://alice:s3cret@db.example:5432/rag")
-    'postgresql://alice:***@db.example:5432/rag'
-    """
-    masked = re.sub(r"(://[^:/?#@]*:)[^@/?#]*@", r"\1***@", dsn)
-    masked = re.sub(r"(?i)(password\s*=\s*)('[^']*'|[^\s&]*)", r"\1***", masked)
-    return masked
-
-
-def _password_of(dsn: str) -> str | None:
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(dsn).password or None
-    except Exception:  # noqa: BLE001 - a DSN we cannot parse has no password we can find
-        match = re.search(r"://[^:/?#@]*:([^@/?#]*)@", dsn)
-        return match.group(1) if match else None
+# SQLSTATE class or code -> what to do about it (https://www.postgresql.org/docs/16/errcodes-appendix.html).
+_SQLSTATE_HINTS = {
+    "42501": "grant the database user the privilege it lacks (e.g. GRANT CREATE ON SCHEMA public, "
+    "or SELECT, INSERT and DELETE on the table), or connect as a user that has it",
+    "42P01": "run `tokrag ingest` into that table first",
+    "08": "check that the server is running and reachable, then re-run",
+    "53": "the server is out of disk, memory or connections; free some and re-run",
+    "57": "the server cancelled the operation or is shutting down; re-run when it is back",
+    "40": "the transaction was rolled back because of a concurrent one; re-run",
+}
 
 
-def _scrub(message: str, dsn: str) -> str:
-    """``message`` with the DSN's password (plain and URL-quoted) blanked out."""
-    from urllib.parse import quote, unquote
-
-    password = _password_of(dsn)
-    out = message.replace(dsn, mask_dsn(dsn))
-    if password:
-        for form in {password, quote(password, safe=""), unquote(password)}:
-            if form:
-                out = out.replace(form, "***")
-    return out
+def sqlstate_of(exc: BaseException) -> str | None:
+    """The SQLSTATE code of a psycopg / psycopg2 error, or of the one a SQLAlchemy error wraps."""
+    for err in (exc, getattr(exc, "orig", None)):
+        code = getattr(err, "sqlstate", None) or getattr(err, "pgcode", None)
+        if code:
+            return str(code)
+    return None
 
 
-def sqlalchemy_url(dsn: str, driver: str = "psycopg") -> str:
-    """``dsn`` rewritten for SQLAlchemy with the given driver (``postgresql+psycopg://``).
+def is_driver_error(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from the database stack (psycopg, psycopg2, SQLAlchemy, asyncpg)."""
+    root = type(exc).__module__.split(".", 1)[0]
+    return root in {"psycopg", "psycopg2", "sqlalchemy", "asyncpg"}
 
-    Accepts ``postgresql://``, ``postgres://`` and ``postgresql+<driver>://`` URLs.
-    """
-    from sqlalchemy.engine import make_url
 
-    try:
-        url = make_url(dsn)
-    except Exception:  # noqa: BLE001 - the parser's message would echo the DSN
-        raise PostgresConnectionError(
-            f"Not a Postgres connection URL: {mask_dsn(dsn)!r}. Use the form "
-            "postgresql://USER:PASSWORD@HOST:PORT/DATABASE."
-        ) from None
-    if url.get_backend_name() not in ("postgresql", "postgres"):
-        raise PostgresConnectionError(
-            f"Not a Postgres connection URL: {mask_dsn(dsn)!r} (scheme {url.drivername!r}). "
-            "Use the form postgresql://USER:PASSWORD@HOST:PORT/DATABASE."
-        )
-    return url.set(drivername=f"postgresql+{driver}" if driver else "postgresql").render_as_string(
-        hide_password=False
+def query_error(exc: BaseException, dsn: str, action: str) -> PostgresQueryError:
+    """One sentence for a driver error while doing ``action`` (password scrubbed)."""
+    base = getattr(exc, "orig", None) or exc
+    lines = [line.strip() for line in str(base).strip().splitlines() if line.strip()]
+    reason = _scrub(lines[0] if lines else type(base).__name__, dsn).rstrip(".")
+    code = sqlstate_of(exc) or ""
+    hint = _SQLSTATE_HINTS.get(code) or _SQLSTATE_HINTS.get(code[:2])
+    hint = hint or f"see the server log for details (SQLSTATE {code or 'unknown'})"
+    return PostgresQueryError(
+        f"Postgres at {mask_dsn(dsn)} refused to {action}: {reason}; {hint}."
     )
 
 
-def libpq_url(dsn: str) -> str:
-    """``dsn`` as a plain ``postgresql://`` URL that psycopg/libpq accept."""
-    return sqlalchemy_url(dsn, driver="")
+@contextmanager
+def database_errors(dsn: str, action: str) -> Iterator[None]:
+    """Turn driver errors raised inside the block into one-sentence :class:`PostgresQueryError`\ s."""
+    try:
+        yield
+    except (PostgresConnectionError, PostgresSetupError):
+        raise
+    except Exception as exc:
+        if not is_driver_error(exc):
+            raise
+        raise query_error(exc, dsn, action) from None
+
+
+# ============================================================================ DSN helpers
+#: Connection parameters whose values are secrets (never shown).
+_SECRET_KEYS = frozenset({"password", "sslpassword"})
+_URL_SCHEMES = ("postgresql", "postgres")
+
+
+def connect_timeout() -> int:
+    """Seconds to wait for a connection: ``$TOKRAG_PG_CONNECT_TIMEOUT`` (default 5).
+
+    Read when a connection is made, so a bad value fails the database commands with a
+    sentence instead of breaking every command at import.
+
+    Raises:
+        PostgresSetupError: The value is not a positive number of seconds.
+    """
+    raw = os.environ.get(CONNECT_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CONNECT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise PostgresSetupError(
+            f"{CONNECT_TIMEOUT_ENV}={raw!r} is not a number of seconds; set it to a positive "
+            f"number such as 5 (or unset it for the default of {DEFAULT_CONNECT_TIMEOUT_S})."
+        )
+    return max(1, math.ceil(value))
+
+
+def _url_parts(dsn: str) -> tuple[str, str | None] | None:
+    """``(scheme, rest)`` when ``dsn`` is a URL (``scheme://rest``), else ``None``."""
+    scheme, sep, rest = dsn.partition("://")
+    if not sep or not scheme or not all(c.isascii() and (c.isalnum() or c in "+-.") for c in scheme):
+        return None
+    return scheme, rest
+
+
+def _parse(dsn: str) -> tuple[dict[str, str], bool, bool]:
+    """libpq's reading of ``dsn``: ``(parameters, is_url, has_password_field)``.
+
+    Key=value strings go to libpq's parser (``psycopg.conninfo.conninfo_to_dict``) as they
+    are. In a URL the user name and password are everything between ``://`` and the *last*
+    ``@`` (host names never contain one), split at the first ``:``; they are percent-decoded
+    and re-encoded, so a password may hold ``/ ? # @ : %XX`` or spaces written as they are,
+    and libpq parses the result. Nothing here ever echoes the string in an error.
+
+    Raises:
+        PostgresConnectionError: Not a Postgres URL, or libpq cannot parse it.
+    """
+    from urllib.parse import quote, unquote
+
+    from psycopg.conninfo import conninfo_to_dict
+
+    if not isinstance(dsn, str) or not dsn.strip():
+        raise PostgresConnectionError(
+            "The connection string is empty; use postgresql://USER:PASSWORD@HOST:PORT/DATABASE."
+        )
+    url = _url_parts(dsn)
+    has_password = False
+    if url is None:
+        text = dsn
+    else:
+        scheme, rest = url
+        backend = scheme.lower().split("+", 1)[0]
+        if backend not in _URL_SCHEMES:
+            raise PostgresConnectionError(
+                f"Not a Postgres connection URL (scheme {scheme!r}); use the form "
+                "postgresql://USER:PASSWORD@HOST:PORT/DATABASE."
+            )
+        at = rest.rfind("@")
+        if at >= 0:
+            user, colon, password = rest[:at].partition(":")
+            has_password = bool(colon)
+            userinfo = quote(unquote(user), safe="")
+            if colon:
+                userinfo += ":" + quote(unquote(password), safe="")
+            rest = f"{userinfo}@{rest[at + 1:]}"
+        text = f"postgresql://{rest}"
+    try:
+        params = {k: str(v) for k, v in conninfo_to_dict(text).items()}
+    except Exception:  # noqa: BLE001 - the parser's message can quote the string
+        raise PostgresConnectionError(
+            "The connection string cannot be parsed (not shown: it may hold a password); use "
+            "postgresql://USER:PASSWORD@HOST:PORT/DATABASE (percent-encode '%' as %25) or "
+            "libpq's key=value form."
+        ) from None
+    return params, url is not None, has_password or any(k in params for k in _SECRET_KEYS)
+
+
+def dsn_params(dsn: str) -> dict[str, str]:
+    """The libpq connection parameters of ``dsn`` (URL or key=value; see :func:`_parse`)."""
+    return _parse(dsn)[0]
+
+
+def mask_dsn(dsn: str) -> str:
+    """``dsn`` with its password replaced by ``***``, rebuilt from libpq's parse of it.
+
+    URLs come back as URLs and key=value strings as key=value strings; a string that cannot
+    be parsed is not shown at all.
+
+    >>> mask_dsn("postgresql://alice:s3cret@db.example:5432/rag")
+    'postgresql://alice:***@db.example:5432/rag'
+    >>> mask_dsn("host=db user=alice password='a b' dbname=rag")
+    'host=db user=alice password=*** dbname=rag'
+    """
+    from urllib.parse import quote
+
+    from psycopg.conninfo import make_conninfo
+
+    try:
+        params, is_url, has_password = _parse(dsn)
+    except PostgresConnectionError:
+        return "<connection string not shown: it cannot be parsed>"
+    if not is_url:
+        order = ["host", "port", "user", "password", "dbname"]
+        keys = [k for k in order if k in params] + [k for k in params if k not in order]
+        shown = {k: ("***" if k in _SECRET_KEYS else params[k]) for k in keys}
+        return make_conninfo(**shown)
+    rest = {k: v for k, v in params.items() if k not in _SECRET_KEYS}
+    user = rest.pop("user", None)
+    netloc = quote(user, safe="") if user is not None else ""
+    if has_password:
+        netloc += ":***"
+    if netloc:
+        netloc += "@"
+    host = rest.get("host")
+    if host and not host.startswith("/") and "," not in host:
+        netloc += f"[{host}]" if ":" in host else host
+        del rest["host"]
+        port = rest.pop("port", None)
+        if port is not None:
+            netloc += f":{port}"
+    path = "/" + quote(rest.pop("dbname"), safe="") if "dbname" in rest else ""
+    query = "&".join(f"{quote(k, safe='')}={quote(v, safe='/')}" for k, v in rest.items())
+    return f"postgresql://{netloc}{path}" + (f"?{query}" if query else "")
+
+
+def _secrets_of(dsn: str) -> set[str]:
+    try:
+        params = dsn_params(dsn)
+    except PostgresConnectionError:
+        return set()
+    return {params[k] for k in _SECRET_KEYS if params.get(k)}
+
+
+def _scrub(message: str, dsn: str) -> str:
+    """``message`` with the DSN and its passwords (plain and URL-quoted) blanked out."""
+    from urllib.parse import quote, quote_plus
+
+    out = message.replace(dsn, mask_dsn(dsn)) if dsn else message
+    for secret in _secrets_of(dsn):
+        for form in (secret, quote(secret, safe=""), quote_plus(secret)):
+            out = out.replace(form, "***")
+    return out
+
+
+def sqlalchemy_url(dsn: str, driver: str = "psycopg", *, hide_password: bool = False) -> str:
+    """``dsn`` (URL or key=value) as a SQLAlchemy URL with the given driver.
+
+    Built from libpq's parse of ``dsn`` (:func:`dsn_params`), so SQLAlchemy and libpq read
+    the same user, password and host. ``hide_password=True`` renders the password as ``***``.
+    """
+    from sqlalchemy.engine import URL
+
+    params = dsn_params(dsn)
+    user = params.pop("user", None)
+    password = params.pop("password", None)
+    host = params.pop("host", None)
+    port = params.pop("port", None)
+    dbname = params.pop("dbname", None)
+    query: dict[str, str] = {}
+    url_host, url_port = None, None
+    if host and not host.startswith("/") and "," not in host:
+        url_host = host
+        if port is not None and port.isdigit():
+            url_port = int(port)
+        elif port is not None:
+            query["port"] = port
+    else:
+        if host:
+            query["host"] = host
+        if port is not None:
+            query["port"] = port
+    query.update(params)
+    url = URL.create(
+        f"postgresql+{driver}" if driver else "postgresql",
+        username=user,
+        password=password,
+        host=url_host,
+        port=url_port,
+        database=dbname,
+        query=query,
+    )
+    return url.render_as_string(hide_password=hide_password)
+
+
+def libpq_conninfo(dsn: str) -> str:
+    """``dsn`` as a libpq ``key=value`` string (what psycopg connects with)."""
+    from psycopg.conninfo import make_conninfo
+
+    return make_conninfo(**dsn_params(dsn))
 
 
 def validate_table_name(table: str) -> str:
@@ -187,13 +397,58 @@ def _check_root_safe(data_dir: Path) -> None:
 
 _SERVERS: dict[Path, Any] = {}
 _SERVERS_LOCK = threading.Lock()
+#: pgserver's list of the processes using a server, in the data folder.
+HANDLE_FILE = ".handle_pids.json"
+
+
+def _process_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:  # NoSuchProcess, AccessDenied on a reused pid we cannot see
+        return psutil.pid_exists(pid)
+
+
+def prune_stale_handles(data_dir: str | Path) -> list[int]:
+    """Drop processes that no longer exist from pgserver's handle list; returns their PIDs.
+
+    pgserver stops the server when the *last* process in ``<data_dir>/.handle_pids.json``
+    exits normally. A process killed with SIGKILL (or by the OOM killer) never removes its
+    PID, so without this the server would run forever: every later process would see a
+    "still used" entry and leave it running. Called (under pgserver's own inter-process
+    lock) before attaching, so the next process that uses the folder owns the server and
+    stops it when it exits.
+    """
+    import json
+
+    handle_file = Path(data_dir).expanduser().resolve() / HANDLE_FILE
+    if not handle_file.exists():
+        return []
+    from pgserver.postgres_server import PostgresServer
+
+    with PostgresServer._lock:
+        try:
+            pids = json.loads(handle_file.read_text())
+        except (OSError, ValueError):
+            return []
+        if not isinstance(pids, list):
+            return []
+        alive = [p for p in pids if isinstance(p, int) and _process_alive(p)]
+        dead = [p for p in pids if p not in alive]
+        if dead:
+            handle_file.write_text(json.dumps(alive))
+    return dead
 
 
 def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     """Start (or attach to) the embedded server; returns ``(dsn, server_handle)``.
 
     The server is started once per data folder and process, and stopped by ``pgserver``
-    when the last process using it exits (its data stays for the next run).
+    when the last process using it exits (its data stays for the next run). A process that
+    was killed (SIGKILL) cannot stop it: the server then keeps running until the next
+    process using the folder exits, which first removes the dead process from pgserver's
+    handle list (:func:`prune_stale_handles`).
 
     Raises:
         PostgresSetupError: ``pgserver`` is missing, the folder is unsafe (root), or the
@@ -215,6 +470,7 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
         if server is None:
             try:
                 folder.parent.mkdir(parents=True, exist_ok=True)
+                prune_stale_handles(folder)
                 server = pgserver.get_server(folder, cleanup_mode="stop")
             except Exception as exc:  # noqa: BLE001 - re-raised with the fix in the message
                 raise PostgresSetupError(
@@ -266,9 +522,10 @@ def connect(dsn: str, **kwargs: Any) -> Any:
     """
     import psycopg
 
-    kwargs.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
+    kwargs.setdefault("connect_timeout", connect_timeout())
+    conninfo = libpq_conninfo(dsn)
     try:
-        conn = psycopg.connect(libpq_url(dsn), **kwargs)
+        conn = psycopg.connect(conninfo, **kwargs)
     except psycopg.Error as exc:
         reason = _scrub(
             str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__, dsn
@@ -279,7 +536,12 @@ def connect(dsn: str, **kwargs: Any) -> Any:
             "server."
         ) from None
     try:
-        conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        # Checked first, so a user without CREATE privilege can use an installed extension,
+        # and created under an advisory lock, so concurrent first connections do not race.
+        if not conn.execute("SELECT 1 FROM pg_extension WHERE extname = 'vector'").fetchone():
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(hashtextextended('tokrag:vector', 0))")
+                conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
         conn.commit()
         from pgvector.psycopg import register_vector
 

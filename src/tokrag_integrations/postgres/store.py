@@ -32,14 +32,18 @@ from pathlib import Path
 from typing import Any
 
 from .embeddings import Embedder, load_embedder
-from .ingestion import TableLayout, Target
+from .ingestion import TableLayout, Target, check_layout
 from .server import (
-    CONNECT_TIMEOUT_S,
     DEFAULT_TABLE,
     ResolvedDatabase,
     connect,
+    connect_timeout,
+    database_errors,
+    is_driver_error,
+    query_error,
     resolve_dsn,
     sqlalchemy_url,
+    sqlstate_of,
     validate_table_name,
 )
 
@@ -53,6 +57,9 @@ __all__ = [
     "parse_filter_args",
     "validate_filter_key",
 ]
+
+#: Largest ``top_k``: pgvector's HNSW search visits at most ``hnsw.ef_search`` <= 1000 rows.
+MAX_TOP_K = 1000
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 # LlamaIndex's bookkeeping keys, dropped from the metadata we hand to prompts and users.
@@ -129,6 +136,16 @@ def _langchain_filter(filters: dict[str, list[Any]]) -> dict[str, Any] | None:
         return None
     parts = [{k: v[0]} if len(v) == 1 else {k: {"$in": list(v)}} for k, v in filters.items()]
     return parts[0] if len(parts) == 1 else {"$and": parts}
+
+
+def _check_top_k(top_k: Any, name: str = "top_k") -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise ValueError(f"{name} must be a whole number, got {top_k!r}.")
+    if not 1 <= top_k <= MAX_TOP_K:
+        raise ValueError(
+            f"{name} must be between 1 and {MAX_TOP_K} (pgvector's HNSW search returns at "
+            f"most {MAX_TOP_K} rows), got {top_k}."
+        )
 
 
 # ============================================================================ LlamaIndex store
@@ -212,7 +229,7 @@ def make_llamaindex_store(
     hnsw = {"hnsw_ef_search": ef_search}
     if setup:
         hnsw.update(hnsw_m=16, hnsw_ef_construction=64, hnsw_dist_method="vector_cosine_ops")
-    connect_args = {"connect_timeout": CONNECT_TIMEOUT_S}
+    connect_args = {"connect_timeout": connect_timeout()}
     # The sync engine uses psycopg2: PGVectorStore runs ``SET hnsw.ef_search = :value``, which
     # only works with client-side parameter binding (psycopg 3 binds on the server, where SET
     # takes no parameters). The async path formats that value into the SQL itself, so it can
@@ -221,9 +238,11 @@ def make_llamaindex_store(
         sqlalchemy_url(db.dsn, "psycopg2"), connect_args=connect_args, pool_pre_ping=True
     )
     async_engine = create_async_engine(sqlalchemy_url(db.dsn, "psycopg"), connect_args=connect_args)
+    # The engines above are what the store uses; the strings are only kept as pydantic fields
+    # (shown by repr and model_dump), so they are given with the password hidden.
     return _safe_store_class()(
-        connection_string=sqlalchemy_url(db.dsn, "psycopg2"),
-        async_connection_string=sqlalchemy_url(db.dsn, "psycopg"),
+        connection_string=sqlalchemy_url(db.dsn, "psycopg2", hide_password=True),
+        async_connection_string=sqlalchemy_url(db.dsn, "psycopg", hide_password=True),
         table_name=layout.table.removeprefix("data_"),
         embed_dim=embed_dim,
         use_jsonb=True,
@@ -301,9 +320,10 @@ class PostgresKnowledgeBase:
         self.db = resolve_dsn(dsn, data_dir=data_dir)
         self.table = validate_table_name(table)
         self.ef_search = ef_search
-        self.layout = self._detect_layout(target)
-        self.embedder: Embedder = load_embedder(embed_model)
-        self._check_embedder()
+        with database_errors(self.db.dsn, f"open table {self.table}"):
+            self.layout = self._detect_layout(target)
+            self.embedder: Embedder = load_embedder(embed_model)
+            self._check_embedder()
         self._lock = threading.Lock()
         self._li_store: Any = None
         self._lc_engine: Any = None
@@ -320,11 +340,8 @@ class PostgresKnowledgeBase:
         ]
         with connect(self.db.dsn, autocommit=True) as conn:
             for layout in candidates:
-                row = conn.execute(
-                    "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attname = %s",
-                    (layout.table, layout.id_column),
-                ).fetchone()
-                if row:
+                # A table of that name without our columns is an error, never read.
+                if check_layout(conn, layout, self.db.masked):
                     return layout
         names = " or ".join(c.table for c in candidates)
         raise LookupError(
@@ -358,6 +375,7 @@ class PostgresKnowledgeBase:
         """A LlamaIndex ``VectorIndexRetriever`` over the table, with metadata filters."""
         from llama_index.core import VectorStoreIndex
 
+        _check_top_k(top_k)
         index = VectorStoreIndex.from_vector_store(
             self.llamaindex_store(), embed_model=self.embedder.llamaindex()
         )
@@ -375,7 +393,7 @@ class PostgresKnowledgeBase:
 
                 self._lc_engine = PGEngine.from_connection_string(
                     sqlalchemy_url(self.db.dsn),
-                    connect_args={"connect_timeout": CONNECT_TIMEOUT_S},
+                    connect_args={"connect_timeout": connect_timeout()},
                 )
                 lay = self.layout
                 self._lc_store = PGVectorStore.create_sync(
@@ -391,6 +409,7 @@ class PostgresKnowledgeBase:
 
     def langchain_retriever(self, k: int = 4, filters: Filters = None) -> Any:
         """A LangChain retriever (``VectorStoreRetriever``) over the table, with filters."""
+        _check_top_k(k, "k")
         search_kwargs: dict[str, Any] = {"k": k}
         flt = _langchain_filter(normalize_filters(filters))
         if flt:
@@ -399,12 +418,36 @@ class PostgresKnowledgeBase:
 
     # -------------------------------------------------------------- querying
     def retrieve(self, query: str, top_k: int = 4, filters: Filters = None) -> list[RetrievedChunk]:
-        """The ``top_k`` chunks most similar to ``query`` that match ``filters``, best first."""
+        """The ``top_k`` chunks most similar to ``query`` that match ``filters``, best first.
+
+        Raises:
+            ValueError: Empty query, ``top_k`` outside 1..1000, a bad filter, or a number
+                given as the value of a key whose stored values are text.
+            PostgresQueryError: The database refused the query (e.g. no SELECT privilege).
+        """
         if not isinstance(query, str) or not query.strip():
             raise ValueError("The query is empty; pass a question to retrieve chunks for.")
-        if top_k < 1:
-            raise ValueError(f"top_k must be at least 1, got {top_k}.")
+        _check_top_k(top_k)
         flt = normalize_filters(filters)
+        try:
+            return self._retrieve(query, top_k, flt)
+        except Exception as exc:
+            if not is_driver_error(exc):
+                raise
+            numeric = sorted(
+                k for k, vs in flt.items() if any(not isinstance(v, str) for v in vs)
+            )
+            if numeric and sqlstate_of(exc) == "22P02":  # invalid_text_representation
+                raise ValueError(
+                    f"Filter {', '.join(numeric)}: a number was given, but the stored values "
+                    "of that key are not all numbers; pass the value as a string (e.g. "
+                    f"{{{numeric[0]!r}: '3'}})."
+                ) from None
+            raise query_error(exc, self.db.dsn, f"search table {self.layout.table}") from None
+
+    def _retrieve(
+        self, query: str, top_k: int, flt: dict[str, list[Any]]
+    ) -> list[RetrievedChunk]:
         if self.layout.target == "langchain":
             docs = self.langchain_store().similarity_search_with_score(
                 query, k=top_k, filter=_langchain_filter(flt)
@@ -448,7 +491,10 @@ class PostgresKnowledgeBase:
     def count(self, source: str | Path | None = None) -> int:
         """Chunks in the table (for one source path when given)."""
         lay = self.layout
-        with connect(self.db.dsn, autocommit=True) as conn:
+        with (
+            database_errors(self.db.dsn, f"count rows of {lay.table}"),
+            connect(self.db.dsn, autocommit=True) as conn,
+        ):
             if source is None:
                 row = conn.execute(f"SELECT count(*) FROM {lay.table}").fetchone()
             else:
