@@ -141,6 +141,16 @@ def test_stream_dropped_in_another_thread_frees_the_model(lm):
     assert _model_is_free(lm)
 
 
+def test_reading_a_stream_while_holding_the_model_lock_is_an_error_not_a_deadlock(lm):
+    s = stream(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=4)
+    with lm.lock:
+        with pytest.raises(RuntimeError, match="this thread holds lm.lock"):
+            next(s)
+        assert generate(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=2).token_ids
+    assert len(list(s)) >= 1
+    assert _model_is_free(lm)
+
+
 def test_stream_started_in_one_thread_finishes_in_another(lm):
     expected = generate(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=12)
     s = stream(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=12, idle_timeout=600)

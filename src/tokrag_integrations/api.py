@@ -244,6 +244,10 @@ class TokenStream:
     collected, or is **abandoned**: a started stream that nobody reads for ``idle_timeout``
     seconds (argument of :func:`stream`, else ``$TOKRAG_STREAM_IDLE_TIMEOUT``, default 30) is
     closed and its next ``next()`` raises :class:`StreamAbandoned`.
+
+    Because the decode has its own thread, a thread that holds ``lm.lock`` itself cannot read
+    a stream (``RuntimeError``), and a thread that calls :func:`generate` on the same model
+    while its own stream is unfinished waits until that stream ends or is abandoned.
     """
 
     def __init__(
@@ -253,8 +257,10 @@ class TokenStream:
         *,
         stop: threading.Event | None = None,
         idle_timeout: float | None = None,
+        model_lock: Any = None,
     ):
         self._holder = holder
+        self._model_lock = model_lock
         self._worker = _StreamWorker(gen, stop or threading.Event(), idle_timeout_from(idle_timeout))
         self._read_lock = threading.Lock()
         self._state = "open"  # open | done | closed | abandoned
@@ -271,6 +277,12 @@ class TokenStream:
                 raise StreamAbandoned(self._abandoned_message())
             if self._state != "open":
                 raise StopIteration
+            owned = getattr(self._model_lock, "_is_owned", None)
+            if owned is not None and owned():
+                raise RuntimeError(
+                    "this thread holds lm.lock, which the stream's decode thread needs; release "
+                    "it before reading the stream (or use generate(), which may run under it)"
+                )
             item = self._worker.request()
             if isinstance(item, TokenEvent):
                 return item
@@ -623,7 +635,7 @@ def stream(
         options=options,
         cancel=stop_event,
     )
-    return TokenStream(gen, holder, stop=stop_event, idle_timeout=timeout)
+    return TokenStream(gen, holder, stop=stop_event, idle_timeout=timeout, model_lock=lm.lock)
 
 
 def generate_batch(
