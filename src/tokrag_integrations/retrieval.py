@@ -182,7 +182,7 @@ def html_to_text(html: str) -> tuple[str, str]:
 
 
 #: Share of undecodable bytes above which a file is taken for binary data, not text.
-BINARY_UNDECODABLE_SHARE = 0.05
+BINARY_UNDECODABLE_SHARE = 0.3
 
 
 def binary_reason(data: bytes) -> str | None:

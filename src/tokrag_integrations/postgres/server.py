@@ -503,7 +503,13 @@ class ResolvedDatabase:
 
 
 def resolve_dsn(dsn: str | None = None, *, data_dir: str | Path | None = None) -> ResolvedDatabase:
-    """Pick the database: ``dsn``, else ``$TOKRAG_PG_DSN``, else the embedded server."""
+    """Pick the database: ``dsn``, else ``$TOKRAG_PG_DSN``, else the embedded server.
+
+    Raises:
+        PostgresSetupError: ``$TOKRAG_PG_CONNECT_TIMEOUT`` is not a number of seconds
+            (checked here, before any model is loaded), or the embedded server cannot start.
+    """
+    connect_timeout()
     if dsn:
         return ResolvedDatabase(dsn=dsn, origin="argument")
     env = os.environ.get(DSN_ENV)
