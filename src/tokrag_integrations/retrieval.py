@@ -648,8 +648,6 @@ def build_retriever(
     elif items and all(isinstance(i, Document) for i in items):
         chunks = chunk_documents(items, max_chars=max_chars, overlap=overlap)
     else:
-        if progress:
-            print("Reading documents…", file=sys.stderr, flush=True)
         chunks = chunk_documents(load_documents(items), max_chars=max_chars, overlap=overlap)
     if progress:
         n_docs = len({c.source for c in chunks})
