@@ -273,6 +273,8 @@ def test_a_single_string_of_passages_is_refused(lm):
         generate(lm, SHORT_Q, PASSAGE, policy="rag", max_new_tokens=2)
     with pytest.raises(TypeError, match="query must be a string, got int"):
         generate(lm, 42, [PASSAGE], policy="rag", max_new_tokens=2)
+    with pytest.raises(TypeError, match="stop must be a string or a list of strings, got 5"):
+        generate(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=2, stop=5)
 
 
 @pytest.mark.parametrize("bad", [2.5, 0, -1, True, "3", None])

@@ -61,6 +61,8 @@ def _stop_list(stop: str | Sequence[str] | None) -> list[str]:
         return []
     if isinstance(stop, str):
         return [stop] if stop else []
+    if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
     return [s for s in stop if s]
 
 
