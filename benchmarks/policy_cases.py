@@ -31,11 +31,13 @@ COLUMNS = {
     "`llm`": ("llm", {}),
     "`rag`": ("rag", {}),
     "`tokrag` (default)": ("tokrag", {}),
-    "`tokrag threshold=-0.1`": ("tokrag", {"threshold": -0.1}),
-    "`tokrag min_fusion_layer=0.3125` (spec's search start)": ("tokrag", {"min_fusion_layer": 0.3125}),
-    "`tokrag` literal reading (`min_fusion_layer=0, plausibility_alpha=None, lens_norm=False`)": (
+    "`tokrag` paper rule (`function_word_gate=False, threshold=0`)": (
+        "tokrag", {"function_word_gate": False, "threshold": 0.0},
+    ),
+    "`tokrag` literal reading (+ `min_fusion_layer=0, plausibility_alpha=None, lens_norm=False`)": (
         "tokrag",
-        {"min_fusion_layer": 0, "plausibility_alpha": None, "lens_norm": False},
+        {"function_word_gate": False, "threshold": 0.0, "min_fusion_layer": 0, "plausibility_alpha": None,
+         "lens_norm": False},
     ),
     '`tokrag variant="reference"`': ("tokrag", {"variant": "reference"}),
 }

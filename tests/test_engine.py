@@ -163,16 +163,23 @@ BENEFIT_CASES = [
 ]
 
 
+#: Eq. 19 as the paper writes it: no function-word gate, threshold 0 (the corrected readings of
+#: Eq. 14-15 stay on).
+PAPER_RULE = {"function_word_gate": False, "threshold": 0.0}
+
+
+@pytest.mark.parametrize("options", [{}, PAPER_RULE], ids=["default", "paper-rule"])
 @pytest.mark.parametrize("question,passage,fact", BENEFIT_CASES, ids=["cat", "capital", "founder", "year"])
-def test_tokrag_default_answers_passage_only_facts_from_the_passage(lm, question, passage, fact):
-    r = generate(lm, question, [passage], policy="tokrag", max_new_tokens=24)
+def test_tokrag_answers_passage_only_facts_from_the_passage(lm, question, passage, fact, options):
+    r = generate(lm, question, [passage], policy="tokrag", max_new_tokens=24, **options)
     assert fact in r.text, r.text
     assert any(s.source == "rag" for s in r.trace.disagreement_steps)
 
 
-def test_tokrag_default_keeps_the_known_fact_against_a_contradicting_passage(lm):
+@pytest.mark.parametrize("options", [{}, PAPER_RULE], ids=["default", "paper-rule"])
+def test_tokrag_keeps_the_known_fact_against_a_contradicting_passage(lm, options):
     assert "Marseille" in generate(lm, CONTRA_Q, CONTRA_P, policy="rag", max_new_tokens=12).text
-    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag", max_new_tokens=12)
+    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag", max_new_tokens=12, **options)
     assert "Paris" in r.text and "Marseille" not in r.text, r.text
     paris = [s for s in r.trace.disagreement_steps if s.source == "llm"]
     assert paris and paris[0].signals["benefit"] is False
@@ -181,7 +188,7 @@ def test_tokrag_default_keeps_the_known_fact_against_a_contradicting_passage(lm)
 def test_literal_reading_stays_reachable_and_misses_the_passage_fact(lm):
     """The old all-layer, unconstrained, un-normed reading (spec §3) as options: it answers the
     Drelmoria case from the pure model's hallucination, the reason it is not the default."""
-    literal = {"min_fusion_layer": 0, "plausibility_alpha": None, "lens_norm": False}
+    literal = {**PAPER_RULE, "min_fusion_layer": 0, "plausibility_alpha": None, "lens_norm": False}
     q, p, fact = BENEFIT_CASES[1]
     r = generate(lm, q, [p], policy="tokrag", max_new_tokens=24, **literal)
     assert fact not in r.text
