@@ -1,7 +1,7 @@
 """Ingest the sample handbook into Postgres + pgvector and ask it through LangChain.
 
     pip install 'tokrag-integrations[postgres,langchain]'
-    python examples/langchain_postgres.py ["your question"] [--dsn postgresql://...]
+    python examples/postgres_langchain.py ["your question"] [--dsn postgresql://...]
 
 The table is written in LlamaIndex's ``PGVectorStore`` layout and read here by
 ``langchain-postgres``'s ``PGEngine`` / ``PGVectorStore`` with custom column names

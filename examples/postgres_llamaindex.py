@@ -1,7 +1,7 @@
 """Ingest the sample handbook into Postgres + pgvector and ask it through LlamaIndex.
 
     pip install 'tokrag-integrations[postgres,llamaindex]'
-    python examples/llamaindex_postgres.py ["your question"] [--dsn postgresql://...]
+    python examples/postgres_llamaindex.py ["your question"] [--dsn postgresql://...]
 
 With no --dsn (and no TOKRAG_PG_DSN) an embedded PostgreSQL with pgvector is started from
 the ``pgserver`` package in the per-user data folder (``$TOKRAG_DATA_DIR/pg``, else
