@@ -16,3 +16,39 @@ def lm():
     from tokrag_integrations import load_model
 
     return load_model("default", device="cpu")
+
+
+def write_pdf(path, pages: list[str]) -> None:
+    """Write a minimal valid PDF with one line of Helvetica text per page (for loader tests)."""
+    objects = ["<< /Type /Catalog /Pages 2 0 R >>", ""]
+    kids = []
+    for text in pages:
+        safe = text.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
+        stream = f"BT /F1 11 Tf 40 750 Td ({safe}) Tj ET"
+        objects.append(f"<< /Length {len(stream)} >>\nstream\n{stream}\nendstream")
+        content = len(objects)
+        objects.append(
+            "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] "
+            f"/Resources << /Font << /F1 {{font}} 0 R >> >> /Contents {content} 0 R >>"
+        )
+        kids.append(len(objects))
+    objects.append("<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>")
+    font = len(objects)
+    objects = [o.replace("{font}", str(font)) for o in objects]
+    objects[1] = f"<< /Type /Pages /Kids [{' '.join(f'{k} 0 R' for k in kids)}] /Count {len(kids)} >>"
+    out = bytearray(b"%PDF-1.4\n")
+    offsets = []
+    for i, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += f"{i} 0 obj\n{body}\nendobj\n".encode("latin-1")
+    xref = len(out)
+    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode()
+    out += "".join(f"{o:010d} 00000 n \n" for o in offsets).encode()
+    out += f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+    path.write_bytes(bytes(out))
+
+
+@pytest.fixture
+def make_pdf():
+    """``make_pdf(path, pages)``: write a small text PDF (see :func:`write_pdf`)."""
+    return write_pdf

@@ -214,6 +214,32 @@ def test_ask_streams_and_passes_arguments(tmp_path: Path, fake_engine: dict[str,
     assert json.loads(js.read_text(encoding="utf-8"))["text"] == "Ottoline Varga"
 
 
+def test_ask_docs_folder_reads_pdf_and_skips_binary(
+    tmp_path: Path, fake_engine: dict[str, Any], make_pdf: Any
+) -> None:
+    make_pdf(tmp_path / "report.pdf", ["The Brannock relay was commissioned in 1987 by Ilse Marr."])
+    (tmp_path / "notes.md").write_text("# Notes\n\nThe canteen opens at 8.\n", encoding="utf-8")
+    (tmp_path / "dump.txt").write_bytes(b"\x00\x01\x02PK\x03\x04" * 50)
+    code, out, err = run_cli(
+        ["ask", "Who commissioned the Brannock relay?", "--docs", str(tmp_path), "--top-k", "1"]
+    )
+    assert code == 0, err
+    assert "dump.txt: looks binary" in err and "skipped" in err  # said, not indexed
+    assert f"{tmp_path.name}/report.pdf #0" in err  # the PDF's chunk was retrieved and listed
+    (passage,) = fake_engine["stream"]["passages"]
+    assert "Ilse Marr" in passage.text and passage.metadata["format"] == "pdf"
+
+
+def test_help_lists_the_same_document_types() -> None:
+    from tokrag_integrations.retrieval import SUPPORTED_SUFFIXES, supported_types
+
+    for argv in (["ask", "--help"], ["ingest", "--help"]):
+        code, out, _ = run_cli(argv)
+        assert code == 0
+        assert supported_types() in " ".join(out.split())
+    assert all(s in supported_types() for s in SUPPORTED_SUFFIXES)
+
+
 def test_register_subcommand(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "SUBCOMMANDS", list(cli.SUBCOMMANDS))
 

@@ -108,8 +108,33 @@ def test_folder_loading_filters_and_recurses(tmp_path: Path) -> None:
     (tmp_path / "image.png").write_bytes(b"\x89PNG")
     (tmp_path / ".hidden").mkdir()
     (tmp_path / ".hidden" / "e.txt").write_text("secret", encoding="utf-8")
-    docs = load_documents([tmp_path])
+    with pytest.warns(UserWarning, match=r"2 file\(s\) of other types skipped \(\.json, \.png\)"):
+        docs = load_documents([tmp_path])
     assert sorted(d.text for d in docs) == ["alpha", "beta", "delta", "gamma"]
+
+
+def test_pdf_is_read_by_the_shared_loader(tmp_path: Path, make_pdf) -> None:
+    from tokrag_integrations.postgres.ingestion import parse_file
+
+    pdf = tmp_path / "manual.pdf"
+    make_pdf(pdf, ["The Brannock relay was commissioned in 1987.", "It hums at 50 Hz."])
+    (doc,) = load_documents(tmp_path)
+    assert doc.text == "The Brannock relay was commissioned in 1987.\n\nIt hums at 50 Hz."
+    assert doc.metadata == {"file_name": "manual.pdf", "format": "pdf"}
+    ingested, notes = parse_file(pdf)  # tokrag ingest reads it the same way
+    assert (ingested.text, ingested.metadata, notes) == (doc.text, doc.metadata, [])
+
+
+def test_binary_and_broken_files_are_skipped_with_a_message(tmp_path: Path) -> None:
+    (tmp_path / "ok.md").write_text("# Ok\n\nFine.", encoding="utf-8")
+    (tmp_path / "blob.txt").write_bytes(b"\x00\x01\x02PK\x03\x04" * 50)
+    (tmp_path / "broken.pdf").write_bytes(b"%PDF-1.7\nthis is not really a pdf\n%%EOF")
+    with pytest.warns(UserWarning) as record:
+        docs = load_documents(tmp_path)
+    assert [d.metadata["file_name"] for d in docs] == ["ok.md"]
+    messages = [str(w.message) for w in record]
+    assert any("blob.txt: looks binary" in m and m.endswith("skipped.") for m in messages)
+    assert any("broken.pdf: " in m and "PDF" in m and m.endswith("skipped.") for m in messages)
 
 
 def test_empty_and_unreadable_files_warn_and_are_skipped(tmp_path: Path) -> None:
@@ -136,7 +161,10 @@ def test_loading_errors_name_the_path(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nope"):
         load_documents(missing)
     (tmp_path / "only.json").write_text("{}", encoding="utf-8")
-    with pytest.raises(ValueError, match=f"No documents found in {tmp_path}"):
+    with (
+        pytest.warns(UserWarning, match="other types skipped"),
+        pytest.raises(ValueError, match=f"No documents found in {tmp_path}"),
+    ):
         load_documents(tmp_path)
     with pytest.raises(ValueError, match="Unsupported document type.*only.json"):
         load_documents(tmp_path / "only.json")

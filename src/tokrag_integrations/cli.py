@@ -128,14 +128,17 @@ def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         metavar="TEXT",
         help="a passage to give the model (repeatable; placed before retrieved ones)",
     )
+    from .retrieval import supported_types
+
     p.add_argument(
         "--docs",
         action="append",
         default=[],
         metavar="PATH",
         help=(
-            "a file or folder of .txt/.md/.rst/.html documents to retrieve from (repeatable); "
-            f"'{SAMPLE_DOCS}' means the packaged sample documents"
+            f"a file or folder of documents to retrieve from (repeatable): {supported_types()}; "
+            f"other files are skipped with a warning; '{SAMPLE_DOCS}' means the packaged sample "
+            "documents"
         ),
     )
     p.add_argument(

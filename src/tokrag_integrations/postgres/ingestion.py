@@ -1,7 +1,8 @@
 """``tokrag ingest``: files into pgvector, idempotently, one transaction per file.
 
-For each file: parse (text, Markdown, reStructuredText, HTML; PDF when ``pypdf`` is
-installed), cut into chunks with :func:`tokrag_integrations.retrieval.chunk_text`, embed
+For each file: parse (text, Markdown, reStructuredText, HTML, PDF: the loader
+:func:`tokrag_integrations.retrieval.read_document` that ``tokrag ask --docs`` uses too),
+cut into chunks with :func:`tokrag_integrations.retrieval.chunk_text`, embed
 with the packaged MiniLM (or ``embed_model``), and write the chunks with their metadata:
 
 ``source`` (absolute path), ``file_name``, ``chunk`` (number within the file, from 0),
@@ -44,7 +45,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..retrieval import SUPPORTED_SUFFIXES, Document, binary_reason, chunk_text, load_documents
+from ..retrieval import (
+    SUPPORTED_SUFFIXES,
+    Document,
+    DocumentError,
+    _iter_files,
+    chunk_text,
+    read_document,
+    supported_types,
+)
 from .embeddings import Embedder, load_embedder
 from .server import (
     DEFAULT_TABLE,
@@ -70,14 +79,14 @@ __all__ = [
 
 Target = Literal["llamaindex", "langchain"]
 
-#: Suffixes ``tokrag ingest`` reads (PDF needs ``pypdf``).
-INGEST_SUFFIXES: frozenset[str] = SUPPORTED_SUFFIXES | {".pdf"}
+#: Suffixes ``tokrag ingest`` reads: the same as ``tokrag ask --docs``.
+INGEST_SUFFIXES: frozenset[str] = SUPPORTED_SUFFIXES
 
 # Namespace for deterministic chunk ids: the same file, text and chunk number give the same id.
 _ID_NAMESPACE = uuid.UUID("6f1d8a52-6c49-4d1b-9d0e-2f6c1b7a9e34")
 
 
-class ParseError(ValueError):
+class ParseError(DocumentError):
     """A file could not be turned into text (reported and skipped by :func:`ingest`)."""
 
 
@@ -231,22 +240,15 @@ def discover_files(paths: str | Path | Iterable[str | Path]) -> tuple[list[Path]
         if not path.exists():
             raise FileNotFoundError(f"Path not found: {path}")
         if path.is_dir():
-            candidates = [
-                p
-                for p in sorted(path.rglob("*"))
-                if p.is_file()
-                and p.suffix.lower() in INGEST_SUFFIXES
-                and not any(part.startswith(".") for part in p.relative_to(path).parts)
-            ]
+            candidates = list(_iter_files(path))
         elif path.suffix.lower() in INGEST_SUFFIXES:
             candidates = [path]
         else:
-            supported = ", ".join(sorted(INGEST_SUFFIXES))
             rejected.append(
                 FileReport(
                     str(path.resolve()),
                     "failed",
-                    reason=f"unsupported type (supported: {supported})",
+                    reason=f"unsupported type (supported: {supported_types()})",
                 )
             )
             continue
@@ -258,24 +260,12 @@ def discover_files(paths: str | Path | Iterable[str | Path]) -> tuple[list[Path]
     return files, rejected
 
 
-def _pdf_text(path: Path) -> str:
-    try:
-        import pypdf
-    except ImportError:
-        raise ParseError("PDF support needs the 'pypdf' package: pip install pypdf") from None
-    try:
-        reader = pypdf.PdfReader(str(path))
-        pages = [page.extract_text() or "" for page in reader.pages]
-    except Exception as exc:  # noqa: BLE001 - any parser failure means "cannot read this PDF"
-        raise ParseError(f"not a readable PDF ({type(exc).__name__}: {exc})") from None
-    return "\n\n".join(p.strip() for p in pages if p.strip()).replace("\x00", "")
-
-
 def parse_file(path: str | Path) -> tuple[Document, list[str]]:
-    """One file as a :class:`~tokrag_integrations.retrieval.Document`, plus warnings.
+    """One file as a :class:`~tokrag_integrations.retrieval.Document`, plus notes.
 
-    Text and HTML go through :func:`tokrag_integrations.retrieval.load_documents` (so the
-    ``title`` and ``format`` metadata match ``tokrag ask --docs``); PDFs through ``pypdf``.
+    The file is read by :func:`tokrag_integrations.retrieval.read_document`, the loader
+    ``tokrag ask --docs`` uses, so the text, ``title`` and ``format`` match; the notes are its
+    warnings (e.g. a file that is not valid UTF-8), without the path.
 
     Raises:
         ParseError: The file is binary (a NUL byte anywhere, or mostly invalid UTF-8; see
@@ -283,37 +273,13 @@ def parse_file(path: str | Path) -> tuple[Document, list[str]]:
             or cannot be read.
     """
     path = Path(path)
-    suffix = path.suffix.lower()
-    notes: list[str] = []
-    if suffix == ".pdf":
-        text = _pdf_text(path)
-        if not text.strip():
-            raise ParseError("the PDF contains no extractable text (scanned images need OCR)")
-        doc = Document(
-            text=text, source=str(path), metadata={"file_name": path.name, "format": "pdf"}
-        )
-        return doc, notes
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ParseError(f"cannot be read ({exc.strerror or exc})") from None
-    reason = binary_reason(data)
-    if reason is not None:
-        raise ParseError(f"looks binary, not a {suffix} text file: {reason}")
-    del data
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            docs = load_documents([path])
-        except (ValueError, OSError) as exc:
-            reasons = "; ".join(str(w.message) for w in caught) or str(exc)
-            raise ParseError(reasons.replace(f"{path}: ", "")) from None
-    notes.extend(
-        str(w.message).replace(f"{path}: ", "")
-        for w in caught
-        if not issubclass(w.category, ResourceWarning)  # the --docs size advice
-    )
-    doc = docs[0]
+            doc = read_document(path)
+        except DocumentError as exc:
+            raise ParseError(str(exc)) from None
+    notes = [str(w.message).replace(f"{path}: ", "") for w in caught]
     # Postgres text cannot hold NUL characters (a PDF's text layer or an HTML entity can
     # still produce one); strip them from the text and every metadata string.
     doc.text = doc.text.replace("\x00", "")
