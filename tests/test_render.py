@@ -218,3 +218,62 @@ def test_trace_methods_use_renderers(trace: Trace, tmp_path) -> None:
     console = Console(record=True, width=120)
     trace.render(console)
     assert "Disagreement steps" in console.export_text()
+
+
+def _css_rule(page: str, selector: str) -> dict[str, str]:
+    """The declarations of the page's CSS rule for exactly ``selector``."""
+    css = re.search(r"<style>(.*?)</style>", page, flags=re.S).group(1)
+    for selectors, body in re.findall(r"([^{}]+)\{([^}]*)\}", css):
+        if selector in [s.strip() for s in selectors.split(",")]:
+            pairs = (d.split(":", 1) for d in body.split(";") if ":" in d)
+            return {k.strip(): v.strip() for k, v in pairs}
+    raise AssertionError(f"no CSS rule for {selector}")
+
+
+def test_html_tooltip_labels_never_break_inside_a_word(trace: Trace) -> None:
+    page = trace_to_html(trace)
+    # the answer breaks long tokens anywhere; its tooltip must not inherit that
+    assert _css_rule(page, ".answer")["overflow-wrap"] == "anywhere"
+    tip = _css_rule(page, ".tok .tip")
+    assert tip["overflow-wrap"] == "normal" and tip["word-break"] == "normal"
+    assert _css_rule(page, ".tip td.k")["white-space"] == "nowrap"  # "cos_llm", "benefit"
+    assert '<td class="k">cos_llm</td>' in page
+
+
+def test_html_timings_show_flags_as_on_off_and_counts_as_integers(trace: Trace) -> None:
+    trace.timings = {
+        "prefill_s": 3.2405,
+        "fused": 1.0,
+        "packed": 0.0,
+        "queries_in_batch": 1.0,
+        "drafted": 12.0,
+    }
+    page = trace_to_html(trace)
+    card = re.search(r'<div class="k">Timings</div><div class="v">(.*?)</div>', page, re.S)[1]
+    assert card.splitlines() == [
+        "prefill_s 3.2405",
+        "fused on",
+        "packed off",
+        "queries_in_batch 1",
+        "drafted 12",
+    ]
+
+
+def test_html_disagreement_table_scrolls_and_wraps_inside_its_card(trace: Trace) -> None:
+    trace.steps[1].signals.update(
+        fusion_attn_layer=20, p_r_top=[[" Varga", 0.6123], [" Otto", 0.2], [" founded", 0.1]]
+    )
+    page = trace_to_html(trace)
+    section = page[page.index("Disagreement steps (3)") :]
+    assert section.index('<div class="scroll"><table class="data">') < section.index("<thead>")
+    assert _css_rule(page, ".scroll")["overflow-x"] == "auto"
+    # long header names may break after an underscore only; lists wrap in their cell
+    assert "<th>fusion_<wbr>attn_<wbr>layer</th>" in section
+    assert '<td class="txt">[[ Varga, 0.6123], [ Otto, 0.2000], [ founded, 0.1000]]</td>' in section
+    assert _css_rule(page, "table.data td.txt")["white-space"] == "normal"
+    assert '<td class="num">0.6123</td>' in section  # numbers stay right-aligned on one line
+
+
+def test_cut_answer_says_so() -> None:
+    page = trace_to_html(Trace(query="q?", policy="rag", text="cut", stop_reason="length"))
+    assert "length (cut at max_new_tokens)" in page

@@ -20,7 +20,7 @@ from .trace import AGREE, FROM_LLM, FROM_RAG, Candidate, PassageRecord, Trace, T
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from rich.console import Console
 
-__all__ = ["trace_to_html", "render_trace", "source_label", "format_value"]
+__all__ = ["trace_to_html", "render_trace", "source_label", "format_value", "format_timing"]
 
 #: Human-readable meaning of the two-context source labels.
 _SOURCE_LABELS: dict[str, str] = {
@@ -66,6 +66,22 @@ def format_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(format_value(v) for v in value) + "]"
     return str(value)
+
+
+#: Timing entries that are on/off flags (stored as 0.0 / 1.0 floats).
+_TIMING_FLAGS = frozenset({"fused", "packed"})
+
+
+def format_timing(key: str, value: Any) -> str:
+    """One ``Trace.timings`` entry as text: seconds (``*_s``) with 4 digits, flags as
+    ``on``/``off``, counts (whole numbers) as integers."""
+    if isinstance(value, bool) or (key in _TIMING_FLAGS and value in (0, 1)):
+        return "on" if value else "off"
+    if key.endswith("_s") or not isinstance(value, (int, float)):
+        return format_value(value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return format_value(value)
 
 
 def _visible(text: str) -> str:
@@ -151,13 +167,13 @@ h2 { font-size: 12px; text-transform: uppercase; letter-spacing: 0.06em; color: 
 .tok .tip { display: none; position: absolute; left: 0; top: calc(100% + 6px); z-index: 20;
   min-width: 240px; max-width: 360px; background: #111827; color: #f3f4f6;
   font: 12px/1.45 ui-monospace, SFMono-Regular, Menlo, Consolas, monospace;
-  white-space: normal; padding: 9px 11px; border-radius: 7px; cursor: default;
-  box-shadow: 0 8px 24px rgba(0, 0, 0, 0.25); }
+  white-space: normal; overflow-wrap: normal; word-break: normal; padding: 9px 11px;
+  border-radius: 7px; cursor: default; box-shadow: 0 8px 24px rgba(0, 0, 0, 0.25); }
 .tok:hover .tip, .tok:focus .tip, .tok.pinned .tip { display: block; }
 .tip .th { font-weight: 700; margin-bottom: 4px; color: #fff; }
 .tip table { border-collapse: collapse; width: 100%; }
 .tip td { padding: 1px 6px 1px 0; vertical-align: top; }
-.tip td.k { color: #9ca3af; }
+.tip td.k { color: #9ca3af; white-space: nowrap; }
 .tip .sep { border-top: 1px solid #374151; margin: 5px 0; }
 .tip .chosen { color: #86efac; }
 .legend { display: flex; flex-wrap: wrap; gap: 8px 18px; margin-top: 14px; font-size: 13px;
@@ -171,7 +187,7 @@ h2 { font-size: 12px; text-transform: uppercase; letter-spacing: 0.06em; color: 
 .stats { display: grid; grid-template-columns: repeat(auto-fit, minmax(150px, 1fr)); gap: 12px; }
 .stat { border: 1px solid var(--line); border-radius: 8px; padding: 10px 12px; }
 .stat .k { font-size: 12px; color: var(--muted); }
-.stat .v { font-size: 15px; font-weight: 600; overflow-wrap: anywhere; white-space: pre-line; }
+.stat .v { font-size: 15px; font-weight: 600; overflow-wrap: break-word; white-space: pre-line; }
 .bar { display: flex; height: 10px; border-radius: 5px; overflow: hidden; margin: 14px 0 6px;
   background: var(--line); }
 .bar span { display: block; height: 100%; }
@@ -189,6 +205,9 @@ table.data th { text-align: left; font-weight: 600; color: var(--muted); font-si
   border-bottom: 1px solid var(--line); padding: 6px 8px; white-space: nowrap; }
 table.data td { border-bottom: 1px solid var(--line); padding: 6px 8px; vertical-align: top; }
 table.data tr:last-child td { border-bottom: none; }
+.scroll { overflow-x: auto; max-width: 100%; }
+table.data td.txt { white-space: normal; overflow-wrap: break-word; min-width: 10ch;
+  max-width: 28ch; font: 12px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
 table.data td.num { text-align: right; font-variant-numeric: tabular-nums;
   font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; white-space: nowrap; }
 code.ctext { font: 12.5px ui-monospace, SFMono-Regular, Menlo, Consolas, monospace;
@@ -306,6 +325,13 @@ def _legend_html(trace: Trace) -> str:
     )
 
 
+def _stop_text(stop_reason: str | None) -> str:
+    """The stop reason, saying so when the answer was cut at the token limit."""
+    if stop_reason == "length":
+        return "length (cut at max_new_tokens)"
+    return stop_reason or "—"
+
+
 def _summary_html(trace: Trace) -> str:
     counts = trace.counts()
     total = sum(counts.values())
@@ -315,7 +341,7 @@ def _summary_html(trace: Trace) -> str:
         ("Model", trace.model or "—"),
         ("Generated tokens", str(total)),
         ("Disagreement steps", str(n_dis)),
-        ("Stop reason", trace.stop_reason or "—"),
+        ("Stop reason", _stop_text(trace.stop_reason)),
     ]
     if trace.prompt_tokens:
         stats.append(
@@ -323,7 +349,7 @@ def _summary_html(trace: Trace) -> str:
         )
     if trace.timings:
         stats.append(
-            ("Timings", "\n".join(f"{k} {format_value(v)}" for k, v in trace.timings.items()))
+            ("Timings", "\n".join(f"{k} {format_timing(k, v)}" for k, v in trace.timings.items()))
         )
     stat_html = "".join(
         f'<div class="stat"><div class="k">{_esc(k)}</div><div class="v">{_esc(v)}</div></div>'
@@ -384,6 +410,13 @@ def _passages_html(trace: Trace) -> str:
     )
 
 
+def _signal_cell(value: Any) -> str:
+    """A signal's table cell: numbers right-aligned on one line, lists and text wrapped."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return f'<td class="num">{_esc(format_value(value))}</td>'
+    return f'<td class="txt">{_esc(format_value(value))}</td>'
+
+
 def _disagreements_html(trace: Trace) -> str:
     steps = trace.disagreement_steps
     if not steps:
@@ -396,7 +429,8 @@ def _disagreements_html(trace: Trace) -> str:
     head = (
         "<th>Step</th><th>Chosen</th>"
         + "".join(f"<th>{_esc(_ROLE_LABELS.get(r, r))}</th>" for r in roles)
-        + "".join(f"<th>{_esc(k)}</th>" for k in keys)
+        # long signal names may wrap after an underscore, never inside a word
+        + "".join(f"<th>{_esc(k).replace('_', '_<wbr>')}</th>" for k in keys)
     )
     rows = []
     for s in steps:
@@ -415,11 +449,11 @@ def _disagreements_html(trace: Trace) -> str:
                     f'<td>{_code(cand.text, chosen=win)}<span class="prob">'
                     f"{format_value(cand.prob)}</span></td>"
                 )
-        cells += [f'<td class="num">{_esc(format_value(s.signals.get(k)))}</td>' for k in keys]
+        cells += [_signal_cell(s.signals.get(k)) for k in keys]
         rows.append(f'<tr id="step-{s.index}">{"".join(cells)}</tr>')
     return (
         f'<section class="card"><h2>Disagreement steps ({len(steps)})</h2>'
-        f'<div style="overflow-x:auto"><table class="data"><thead><tr>{head}</tr></thead>'
+        f'<div class="scroll"><table class="data"><thead><tr>{head}</tr></thead>'
         f"<tbody>{''.join(rows)}</tbody></table></div></section>"
     )
 
@@ -507,7 +541,7 @@ def render_trace(trace: Trace, console: Console | None = None) -> None:
     count_text = ", ".join(f"{k} {v}" for k, v in counts.items()) or "no tokens"
     summary = (
         f"policy {trace.policy or '—'} · model {trace.model or '—'} · {count_text}"
-        f" · stop: {trace.stop_reason or '—'}"
+        f" · stop: {_stop_text(trace.stop_reason)}"
     )
     console.print(Text(summary, style="dim"))
 
