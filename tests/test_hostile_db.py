@@ -285,8 +285,11 @@ def test_ingest_reports_and_skips_every_bad_file(pg_dsn, tmp_path, monkeypatch, 
 
 # ============================================================================ 4: deleted files
 @pytest.mark.postgres
-def test_deleted_files_are_stale_then_pruned(pg_dsn, tmp_path, capsys):
+@pytest.mark.parametrize("target", ["llamaindex", "langchain"])
+def test_deleted_files_are_stale_then_pruned(pg_dsn, tmp_path, capsys, target):
     from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
+
+    table = f"prune_{target}"
 
     docs = tmp_path / "docs"
     (docs / "sub").mkdir(parents=True)
@@ -295,24 +298,24 @@ def test_deleted_files_are_stale_then_pruned(pg_dsn, tmp_path, capsys):
     other = tmp_path / "other"
     other.mkdir()
     (other / "elsewhere.md").write_text("# Elsewhere\n\nNot under docs.\n")
-    ingest([docs], dsn=pg_dsn, table="prune", progress=False)
-    ingest([other], dsn=pg_dsn, table="prune", progress=False)
+    ingest([docs], dsn=pg_dsn, table=table, target=target, progress=False)
+    ingest([other], dsn=pg_dsn, table=table, target=target, progress=False)
     gone = (docs / "sub" / "gone.md").resolve()
     keep = (docs / "keep.md").resolve()
-    with PostgresKnowledgeBase(pg_dsn, "prune") as kb:
+    with PostgresKnowledgeBase(pg_dsn, table, target=target) as kb:
         keep_chunks = kb.count(keep)
         gone.unlink()
         (other / "elsewhere.md").unlink()  # not under the folder being ingested: untouched
-        summary = ingest([docs], dsn=pg_dsn, table="prune", progress=False)
+        summary = ingest([docs], dsn=pg_dsn, table=table, target=target, progress=False)
         assert (summary.unchanged, summary.stale, summary.pruned) == (1, 1, 0)
         assert "1 stale" in summary.to_text() and "--prune" in summary.to_text()
         assert kb.count(gone) > 0  # kept without --prune (documented default)
-        assert _run_ingest_cli(str(docs), "--dsn", pg_dsn, "--table", "prune", "--prune") == 0
+        assert _run_ingest_cli(str(docs), "--dsn", pg_dsn, "--table", table, "--target", target, "--prune") == 0
         out = capsys.readouterr().out
         assert "1 pruned" in out and str(gone) in out
         assert kb.count(gone) == 0 and kb.count(keep) == keep_chunks
         assert kb.count(other / "elsewhere.md") > 0
-        again = ingest([docs], dsn=pg_dsn, table="prune", progress=False, prune=True)
+        again = ingest([docs], dsn=pg_dsn, table=table, target=target, progress=False, prune=True)
         assert (again.unchanged, again.pruned, again.stale) == (1, 0, 0)
 
 
