@@ -59,15 +59,7 @@ def _load_stock(model: str, device: str | None) -> Any:
     """The model again, with transformers' stock kernels (for the ``rag-stock`` arm)."""
     from .models import load_model
 
-    old = os.environ.get("TOKRAG_CPU_KERNELS")
-    os.environ["TOKRAG_CPU_KERNELS"] = "off"
-    try:
-        return load_model(model, device=device)
-    finally:
-        if old is None:
-            del os.environ["TOKRAG_CPU_KERNELS"]
-        else:
-            os.environ["TOKRAG_CPU_KERNELS"] = old
+    return load_model(model, device=device, cpu_kernels="off")
 
 
 def arm(name: str) -> tuple[str, dict[str, Any]]:

@@ -303,7 +303,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     decision = None
     if args.gate:
         with err.status(f"Loading model {args.model}…"):
-            lm = load_model(name_or_path=args.model, device=args.device, dtype=args.dtype)
+            lm = load_model(args.model, device=args.device, dtype=args.dtype)
         from .cli_gate import build_gate
 
         with err.status(f"Gate {args.gate}: deciding whether to retrieve…"):
@@ -322,7 +322,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         passages = []
     if not args.gate:
         with err.status(f"Loading model {args.model}…"):
-            lm = load_model(name_or_path=args.model, device=args.device, dtype=args.dtype)
+            lm = load_model(args.model, device=args.device, dtype=args.dtype)
 
     tokens = stream(
         lm,

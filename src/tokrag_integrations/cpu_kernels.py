@@ -603,16 +603,19 @@ def install_attention(model: Any) -> bool:
     return True
 
 
-def maybe_install(model: Any) -> bool:
-    """On a float32 CPU model: the few-query attention path and, per ``TOKRAG_CPU_KERNELS``,
-    the few-row linear plans. Returns whether any linear module was changed.
+def maybe_install(model: Any, mode: str | None = None) -> bool:
+    """On a float32 CPU model: the few-query attention path and, per ``mode`` (default
+    ``$TOKRAG_CPU_KERNELS``), the few-row linear plans. Returns whether any linear module was
+    changed.
 
-    ``TOKRAG_CPU_KERNELS``: ``auto`` (default: measured plans per weight shape), ``on`` (the
-    transposed product for every few-row call) or ``off`` (stock paths throughout).
+    ``mode``: ``auto`` (default: measured plans per weight shape), ``on`` (the transposed
+    product for every few-row call) or ``off`` (stock paths throughout).
     """
-    mode = os.environ.get("TOKRAG_CPU_KERNELS", "auto").strip().lower()
+    if mode is None:
+        mode = os.environ.get("TOKRAG_CPU_KERNELS", "auto")
+    mode = mode.strip().lower()
     if mode not in ("auto", "on", "off"):
-        raise ValueError(f"TOKRAG_CPU_KERNELS must be 'auto', 'on' or 'off', got {mode!r}")
+        raise ValueError(f"cpu_kernels (TOKRAG_CPU_KERNELS) must be 'auto', 'on' or 'off', got {mode!r}")
     if mode == "off":
         return False
     try:

