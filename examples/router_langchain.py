@@ -51,7 +51,7 @@ def main() -> None:
         rag=create_tokrag_chain(retriever, lm, policy="tokrag", max_tokens=n),
     )
     out = router.invoke({"question": question})
-    print(out["answer"])
+    print(f"Q: {question}\nA: {out['answer'].strip()}")
     print(
         "route:",
         out["route"],

@@ -7,6 +7,7 @@ python examples/router_llamaindex.py --max-new-tokens 12 --calibration 4   # qui
 from __future__ import annotations
 
 import argparse
+import json
 
 from llama_index.core.query_engine import RetrieverQueryEngine, RouterQueryEngine
 from llama_index.core.retrievers import BaseRetriever
@@ -15,7 +16,7 @@ from llama_index.core.tools import QueryEngineTool
 
 from tokrag_integrations import load_model
 from tokrag_integrations.gating import ConfidenceGate
-from tokrag_integrations.gating.llama_index import gate_selector, gated_query_engine
+from tokrag_integrations.gating.llama_index import gate_selector
 from tokrag_integrations.llama_index import TokRAGLLM, TokRAGSynthesizer
 from tokrag_integrations.retrieval import (
     build_retriever,
@@ -64,16 +65,19 @@ def main() -> None:
         ],
     )
     resp = router.query(question)
-    print(resp.response)
-    print("router:", resp.metadata["selector_result"].selections[0].reason)
-    gated = gated_query_engine(gate, SampleDocsRetriever(), synth).query(question)
+    print(f"Q: {question}\nA: {str(resp).strip()}")
+    decision = json.loads(resp.metadata["selector_result"].selections[0].reason)
     print(
-        gated.response,
-        "| route:",
-        gated.metadata["route"],
+        "route:",
+        decision["route"],
         "| score:",
-        gated.metadata["gate"]["score"],
+        decision["score"],
+        "| threshold:",
+        decision["threshold"],
     )
+    # The same routing as one engine, without RouterQueryEngine (decision in metadata["gate"]):
+    #   from tokrag_integrations.gating.llama_index import gated_query_engine
+    #   gated_query_engine(gate, SampleDocsRetriever(), synth).query(question)
 
 
 if __name__ == "__main__":
