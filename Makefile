@@ -22,7 +22,8 @@ install: $(VENV)/.installed
 
 demo: install
 	@echo "== Tok-RAG (token-level choice between the pure model and RAG), with its explanation =="
-	$(VENV)/bin/tokrag ask "$(QUESTION)" --docs sample --explain --html tokrag-answer.html
+	@mkdir -p out
+	$(VENV)/bin/tokrag ask "$(QUESTION)" --docs sample --explain --html out/tokrag-answer.html
 	@echo "== Standard RAG on the same passages, for comparison =="
 	$(VENV)/bin/tokrag ask "$(QUESTION)" --docs sample --policy rag
 
@@ -39,4 +40,4 @@ lint: install
 	$(VENV)/bin/ruff check src tests examples benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache tokrag-answer.html
+	rm -rf $(VENV) .pytest_cache out

@@ -3,7 +3,7 @@
 Everything runs locally and offline: the packaged MiniLM embeds the packaged sample
 documents (a fictional company's handbook), the packaged SmolLM2-135M-Instruct answers, and
 the answer's explanation (which token came from retrieval, which from the model) is printed
-in the terminal and written as an HTML page.
+in the terminal and written as an HTML page (``out/llamaindex_quickstart.html``).
 
     pip install 'tokrag-integrations[llamaindex]'
     python examples/llamaindex_quickstart.py
@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policy", default="tokrag", help="tokrag, rag, llm, ...")
     ap.add_argument("--top-k", type=int, default=2, help="chunks retrieved per question")
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--html", default="llamaindex_quickstart.html", help="explanation page")
+    ap.add_argument(
+        "--html",
+        default=os.path.join("out", "llamaindex_quickstart.html"),
+        help="explanation page (default: out/llamaindex_quickstart.html, a git-ignored folder)",
+    )
     args = ap.parse_args(argv)
 
     # 1. Documents -> chunks -> vector index (local MiniLM embedding, no hub access).
@@ -76,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
 
     trace = Trace.from_dict(md["trace"])
     trace.render()
+    Path(args.html).parent.mkdir(parents=True, exist_ok=True)
     trace.to_html(args.html)
     print(f"explanation written to {Path(args.html).resolve()}")
 
