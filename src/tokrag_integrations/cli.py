@@ -181,6 +181,7 @@ def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         "--model",
         default="default",
         help="'default' (packaged SmolLM2-135M-Instruct), 'gemma3-270m' (the gemma extra), "
+        "a Hugging Face hub id in the local cache (e.g. Qwen/Qwen2.5-7B-Instruct), "
         "a model folder or a .gguf file",
     )
     p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="answer length limit")
@@ -188,6 +189,12 @@ def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         "--device", default=None, help="torch device, e.g. cpu or cuda (default: CUDA if available)"
     )
     p.add_argument("--dtype", default=None, help="e.g. float32 or bfloat16 (default: by device)")
+    p.add_argument(
+        "--device-map",
+        default=None,
+        help="place the model with transformers' device_map, e.g. auto (a large model over "
+        "the GPUs and the CPU; not with --device)",
+    )
     p.add_argument(
         "--option",
         action="append",
@@ -264,6 +271,12 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
     return passages
 
 
+def _placement(args: argparse.Namespace) -> dict[str, Any]:
+    """``device_map=`` for load_model when ``--device-map`` was given."""
+    device_map = getattr(args, "device_map", None)
+    return {} if device_map is None else {"device_map": device_map}
+
+
 def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> None:
     """Fail on a bad policy, option, device or dtype before retrieval and the model load:
     the policy is built once here with the given options and thrown away."""
@@ -272,6 +285,8 @@ def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> 
 
     get_policy(args.policy, **options)
     check_device_and_dtype(args.device, args.dtype)
+    if args.device is not None and getattr(args, "device_map", None) is not None:
+        raise ValueError("pass --device or --device-map, not both")
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -303,7 +318,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     decision = None
     if args.gate:
         with err.status(f"Loading model {args.model}…"):
-            lm = load_model(args.model, device=args.device, dtype=args.dtype)
+            lm = load_model(args.model, device=args.device, dtype=args.dtype, **_placement(args))
         from .cli_gate import build_gate
 
         with err.status(f"Gate {args.gate}: deciding whether to retrieve…"):
@@ -322,7 +337,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         passages = []
     if not args.gate:
         with err.status(f"Loading model {args.model}…"):
-            lm = load_model(args.model, device=args.device, dtype=args.dtype)
+            lm = load_model(args.model, device=args.device, dtype=args.dtype, **_placement(args))
 
     tokens = stream(
         lm,

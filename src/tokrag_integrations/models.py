@@ -347,6 +347,42 @@ def check_device_and_dtype(device: Any, dtype: Any) -> tuple[str | None, Any]:
     return device, dtype
 
 
+#: Keyword arguments of :func:`load_model` that every adapter (``TokRAGLLM``,
+#: ``TokRAGSynthesizer``, ``ChatTokRAG``, ``create_tokrag_chain``) takes as well.
+LOAD_OPTIONS = (
+    "tokenizer",
+    "device",
+    "device_map",
+    "dtype",
+    "model_kwargs",
+    "tokenizer_kwargs",
+    "trust_remote_code",
+    "revision",
+    "local_files_only",
+    "require_signals",
+    "cpu_kernels",
+)
+
+
+def check_greedy(temperature: Any, owner: str) -> None:
+    """Refuse a sampling temperature: every policy decodes greedily (the same sentence in every
+    adapter)."""
+    if temperature is None or (isinstance(temperature, (int, float)) and temperature == 0):
+        return
+    raise ValueError(
+        f"{owner} decodes greedily, so temperature must be 0 or None (got {temperature!r}); "
+        "Tok-RAG compares the greedy choices of the pure and the RAG context."
+    )
+
+
+def unknown_arguments(owner: str, unknown: Any, accepted: Any) -> TypeError:
+    """The error for keyword arguments an adapter does not take, naming the ones it does."""
+    names = ", ".join(repr(k) for k in sorted(unknown))
+    return TypeError(
+        f"{owner} got unknown keyword argument(s) {names}; accepted: {', '.join(sorted(accepted))}"
+    )
+
+
 def _is_loaded_model(obj: Any) -> bool:
     """Whether ``obj`` is an already loaded transformers model (not a name or a path)."""
     import torch

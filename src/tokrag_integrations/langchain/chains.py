@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
@@ -11,11 +12,23 @@ from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage
 from langchain_core.runnables import Runnable, RunnableConfig
 
-from ..models import LoadedModel
-from .chat_models import ChatTokRAG
+from ..models import LoadedModel, check_greedy
+from ..policies import get_policy
+from .chat_models import CHAT_LOAD_OPTIONS, ChatTokRAG
 
 #: Keys of every output (``invoke``) and of the aggregated stream.
 OUTPUT_KEYS = ("answer", "context", "sources", "trace", "warnings", "retrieval_empty")
+#: Arguments of create_tokrag_chain other than load options and the policy's options.
+_CHAIN_ARGUMENTS = (
+    "retriever",
+    "model",
+    "temperature",
+    "policy",
+    "system_prompt",
+    "max_tokens",
+    "stop",
+    "max_context_tokens",
+)
 
 
 def _runnable_name(obj: Any) -> str:
@@ -256,8 +269,9 @@ def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
 
 def create_tokrag_chain(
     retriever: Runnable[str, list[Document]],
-    model: ChatTokRAG | LoadedModel,
+    model: Any = "default",
     *,
+    temperature: float | None = None,
     policy: str | None = None,
     system_prompt: str | None = None,
     max_tokens: int | None = None,
@@ -274,7 +288,12 @@ def create_tokrag_chain(
     Args:
         retriever: any LangChain retriever (or Runnable str -> list[Document]): vector-store
             retrievers, BM25, ensembles, Postgres... Its order is the ranking (best first).
-        model: a :class:`ChatTokRAG` (its settings are the defaults) or a ``LoadedModel``.
+        model: a :class:`ChatTokRAG` (its settings are the defaults), a ``LoadedModel``, or
+            what :func:`~tokrag_integrations.load_model` takes (``"default"``, a hub id in the
+            local cache, a folder, a ``.gguf`` path, a loaded ``PreTrainedModel``), with its
+            keyword options (``tokenizer``, ``device``, ``device_map``, ``dtype``,
+            ``model_kwargs``, ``tokenizer_kwargs``, ``trust_remote_code``, ``revision``).
+        temperature: only None or 0 (greedy decoding).
         policy: decoding policy; None keeps the model's (``"tokrag"`` for a LoadedModel).
         system_prompt: a system message before the question (None: the core default).
         max_tokens / stop / max_context_tokens: override the model's settings.
@@ -309,13 +328,30 @@ def create_tokrag_chain(
         raise TypeError(
             f"retriever must be a LangChain retriever or Runnable, not {type(retriever).__name__}"
         )
-    if isinstance(model, LoadedModel):
-        model = ChatTokRAG(model=model)
-    elif not isinstance(model, ChatTokRAG):
+    check_greedy(temperature, "create_tokrag_chain")
+    load_options = {k: policy_options.pop(k) for k in CHAT_LOAD_OPTIONS if k in policy_options}
+    if isinstance(model, ChatTokRAG):
+        if load_options:
+            raise ValueError(
+                f"{', '.join(load_options)}: load options go with a model spec, not with a "
+                "ChatTokRAG (set them on the ChatTokRAG)"
+            )
+    elif isinstance(model, (LoadedModel, str, os.PathLike)) or hasattr(model, "config"):
+        model = ChatTokRAG(model=model, **load_options)
+    else:
         raise TypeError(
-            f"model must be a ChatTokRAG or a LoadedModel from load_model(), not "
-            f"{type(model).__name__}"
+            f"model must be a ChatTokRAG, a LoadedModel, a model name or path, or a loaded "
+            f"PreTrainedModel, not {type(model).__name__}"
         )
+    try:
+        get_policy(policy or model.policy, **{**model.policy_options, **policy_options})
+    except ValueError as e:
+        if "unknown option" not in str(e):
+            raise
+        raise TypeError(
+            f"create_tokrag_chain got an unknown keyword argument ({e}); besides the policy's "
+            f"options it accepts: {', '.join(_CHAIN_ARGUMENTS + CHAT_LOAD_OPTIONS)}"
+        ) from e
     model_kwargs: dict[str, Any] = {}
     if policy is not None:
         model_kwargs["policy"] = policy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_vali
 
 from .. import api
 from ..api import GenerationResult, TokenEvent
-from ..models import LoadedModel, load_model
+from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
 from ..policies import get_policy
 from ._convert import FINISH_REASONS, messages_to_prompt, to_passages, trace_dict
 
@@ -28,16 +29,30 @@ _REMOTE_ONLY_PARAMS = ("api_key", "timeout", "max_retries")
 #: Per-call keyword arguments handled here; any other keyword is a policy option.
 _CALL_KWARGS = ("passages", "policy", "policy_options", "max_tokens", "max_context_tokens", "model")
 
-_MODEL_CACHE: dict[tuple[str, str | None], LoadedModel] = {}
+#: load_model() options that ChatTokRAG takes as fields (the same names).
+CHAT_LOAD_OPTIONS = (
+    "tokenizer",
+    "device",
+    "device_map",
+    "dtype",
+    "model_kwargs",
+    "tokenizer_kwargs",
+    "trust_remote_code",
+    "revision",
+)
+
+_MODEL_CACHE: dict[tuple[str, str], LoadedModel] = {}
 _MODEL_CACHE_LOCK = threading.Lock()
 
 
-def _load_cached(name: str, device: str | None) -> LoadedModel:
-    """Load a model by name or path once per process (later calls share it)."""
-    key = (name, device)
+def _load_cached(name: str, options: dict[str, Any]) -> LoadedModel:
+    """Load a model by name or path once per process and set of load options (later calls
+    share it)."""
+    options = {k: v for k, v in options.items() if v not in (None, False, {})}
+    key = (name, repr(sorted(options.items())))
     with _MODEL_CACHE_LOCK:
         if key not in _MODEL_CACHE:
-            _MODEL_CACHE[key] = load_model(name, device=device)
+            _MODEL_CACHE[key] = load_model(name, **options)
         return _MODEL_CACHE[key]
 
 
@@ -114,11 +129,27 @@ class ChatTokRAG(BaseChatModel):
     model_config = ConfigDict(populate_by_name=True, extra="forbid")
 
     model_name: str = Field(default="default", alias="model")
-    """Model to load with :func:`tokrag_integrations.load_model` (``"default"``, a folder or
-    a ``.gguf`` path), loaded on first use and shared per process. Pass a ``LoadedModel`` as
-    ``model=`` to use an already loaded one."""
+    """Model to load with :func:`tokrag_integrations.load_model` (``"default"``, a Hugging
+    Face hub id in the local cache, a folder or a ``.gguf`` path), loaded on first use and
+    shared per process. Pass a ``LoadedModel`` as ``model=`` to use an already loaded one, or
+    a loaded ``PreTrainedModel`` with ``tokenizer=``."""
     device: str | None = None
     """Device used when the model is loaded by name (default: CUDA when available)."""
+    device_map: Any = None
+    """``load_model(device_map=)``, e.g. ``"auto"`` for a large model over the GPUs."""
+    dtype: str | None = None
+    """``load_model(dtype=)``: ``"float32"``, ``"bfloat16"``, ``"float16"``."""
+    model_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """``load_model(model_kwargs=)``: ``from_pretrained`` arguments (``attn_implementation``,
+    ``quantization_config``...)."""
+    tokenizer_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """``load_model(tokenizer_kwargs=)``."""
+    trust_remote_code: bool = False
+    """``load_model(trust_remote_code=)``."""
+    revision: str | None = None
+    """``load_model(revision=)`` of a hub id."""
+    tokenizer: Any = Field(default=None, exclude=True)
+    """``load_model(tokenizer=)``: a tokenizer object or where to load one from."""
     policy: str = "tokrag"
     """Decoding policy used when passages are given (``"tokrag"``, ``"rag"``, ``"cad"``...)."""
     policy_options: dict[str, Any] = Field(default_factory=dict)
@@ -143,25 +174,33 @@ class ChatTokRAG(BaseChatModel):
         if isinstance(lm, LoadedModel):
             kwargs.pop("model_name", None)
             kwargs["model"] = lm.name
+        elif lm is not None and not isinstance(lm, str):
+            kwargs.pop("model_name", None)
+            kwargs["model"] = str(lm) if isinstance(lm, os.PathLike) else type(lm).__name__
+        if kwargs.get("dtype") is not None:
+            kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
         super().__init__(**kwargs)
         if isinstance(lm, LoadedModel):
             self._lm = lm
+        elif lm is not None and not isinstance(lm, (str, os.PathLike)):
+            self._lm = load_model(lm, **self._load_options())
 
     @model_validator(mode="before")
     @classmethod
     def _drop_remote_params(cls, values: Any) -> Any:
         if isinstance(values, dict):
             values = {k: v for k, v in values.items() if k not in _REMOTE_ONLY_PARAMS}
+            known = {a for n, f in cls.model_fields.items() for a in (n, f.alias) if a}
+            unknown = set(values) - known
+            if unknown:  # extra="forbid" would say so too, without naming the accepted ones
+                error = unknown_arguments("ChatTokRAG", unknown, known)
+                raise ValueError(f"Extra inputs are not permitted: {error}")
         return values
 
     @field_validator("temperature")
     @classmethod
     def _greedy_only(cls, v: float | None) -> float | None:
-        if v not in (None, 0):
-            raise ValueError(
-                f"ChatTokRAG decodes greedily, so temperature must be 0 or None (got {v}); "
-                "Tok-RAG compares the greedy choices of the pure and the RAG context."
-            )
+        check_greedy(v, "ChatTokRAG")
         return v
 
     @field_validator("max_tokens")
@@ -206,8 +245,22 @@ class ChatTokRAG(BaseChatModel):
     def loaded_model(self) -> LoadedModel:
         """The model this instance decodes with (loaded by name on first access)."""
         if self._lm is None:
-            self._lm = _load_cached(self.model_name, self.device)
+            self._lm = _load_cached(self.model_name, self._load_options())
         return self._lm
+
+    def _load_options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`~tokrag_integrations.load_model` set on this model."""
+        options = {
+            "tokenizer": self.tokenizer,
+            "device": self.device,
+            "device_map": self.device_map,
+            "dtype": self.dtype,
+            "model_kwargs": self.model_kwargs or None,
+            "tokenizer_kwargs": self.tokenizer_kwargs or None,
+            "trust_remote_code": self.trust_remote_code,
+            "revision": self.revision,
+        }
+        return {k: v for k, v in options.items() if v not in (None, False)}
 
     def _resolve_model(self, model: Any) -> LoadedModel:
         if model is None:
@@ -217,7 +270,7 @@ class ChatTokRAG(BaseChatModel):
         if isinstance(model, str):
             if model == self.model_name:
                 return self.loaded_model
-            return _load_cached(model, self.device)
+            return _load_cached(model, self._load_options())
         raise TypeError(
             f"model must be a model name, a path or a LoadedModel, not {type(model).__name__}"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from ..api import GenerationResult, TokenEvent, agenerate, astream_with_result, generate, stream
-from ..models import LoadedModel, load_model
+from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
 from ._convert import jsonable, messages_to_turns, result_kwargs, to_passages
 
 
@@ -44,7 +45,30 @@ class TokRAGLLM(CustomLLM):
 
     model: str = Field(
         default="default",
-        description="Name or path given to load_model() when no LoadedModel is passed.",
+        description=(
+            "Model given to load_model(): 'default', a Hugging Face hub id in the local cache, "
+            "a folder or a .gguf path (a loaded PreTrainedModel or LoadedModel is accepted as "
+            "model= too; the field then holds its name)."
+        ),
+    )
+    device: str | None = Field(default=None, description="load_model(device=): 'cpu', 'cuda'...")
+    device_map: Any = Field(
+        default=None, description="load_model(device_map=), e.g. 'auto' for a large model on GPUs."
+    )
+    dtype: str | None = Field(
+        default=None, description="load_model(dtype=): 'float32', 'bfloat16', 'float16'."
+    )
+    model_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="load_model(model_kwargs=): from_pretrained arguments (attn_implementation...).",
+    )
+    tokenizer_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="load_model(tokenizer_kwargs=)."
+    )
+    trust_remote_code: bool = Field(default=False, description="load_model(trust_remote_code=).")
+    revision: str | None = Field(default=None, description="load_model(revision=) of a hub id.")
+    temperature: float | None = Field(
+        default=None, description="Only None or 0: every policy decodes greedily."
     )
     max_new_tokens: int = Field(
         default=256, gt=0, description="Answer budget in tokens (reported as num_output)."
@@ -72,8 +96,37 @@ class TokRAGLLM(CustomLLM):
                 f"lm must be a LoadedModel from tokrag_integrations.load_model(), got "
                 f"{type(lm).__name__}; to load by name use TokRAGLLM(model=...)."
             )
+        unknown = set(kwargs) - set(type(self).model_fields) - {"tokenizer"}
+        if unknown:
+            raise unknown_arguments("TokRAGLLM", unknown, [*type(self).model_fields, "tokenizer"])
+        check_greedy(kwargs.get("temperature"), "TokRAGLLM")
+        tokenizer = kwargs.pop("tokenizer", None)
+        spec = kwargs.get("model", "default")
+        if isinstance(spec, LoadedModel):
+            lm, kwargs["model"] = spec, spec.name
+        elif isinstance(spec, os.PathLike) or not isinstance(spec, str):
+            kwargs["model"] = str(spec) if isinstance(spec, os.PathLike) else type(spec).__name__
+        if kwargs.get("dtype") is not None:
+            kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
         super().__init__(**kwargs)
-        self._lm = lm if lm is not None else load_model(self.model, **self.load_options)
+        if lm is None:
+            options = {
+                "device": self.device,
+                "device_map": self.device_map,
+                "dtype": self.dtype,
+                "model_kwargs": self.model_kwargs or None,
+                "tokenizer_kwargs": self.tokenizer_kwargs or None,
+                "trust_remote_code": self.trust_remote_code,
+                "revision": self.revision,
+                "tokenizer": tokenizer,
+            }
+            options = {k: v for k, v in options.items() if v not in (None, False)}
+            both = sorted(set(options) & set(self.load_options))
+            if both:
+                raise ValueError(f"{', '.join(both)} given both as arguments and in load_options")
+            source = spec if not isinstance(spec, str) else self.model
+            lm = load_model(source, **options, **self.load_options)
+        self._lm = lm
 
     @classmethod
     def class_name(cls) -> str:
@@ -96,6 +149,7 @@ class TokRAGLLM(CustomLLM):
     # ------------------------------------------------------------------ argument plumbing
     def _call_args(self, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """(passages for the core, keyword arguments for generate/stream)."""
+        check_greedy(kwargs.get("temperature"), "TokRAGLLM")
         passages = to_passages(kwargs.get("passages"))
         opts = {**self.policy_options, **dict(kwargs.get("policy_options") or {})}
         gen_kw: dict[str, Any] = {

@@ -26,7 +26,7 @@ from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from ..api import GenerationResult, agenerate, astream_with_result, generate, stream
 from ..decoding import Policy
-from ..models import LoadedModel
+from ..models import LOAD_OPTIONS, LoadedModel, check_greedy
 from ..policies import get_policy
 from ._convert import jsonable, nodes_to_passages, response_metadata
 from .llm import TokRAGLLM
@@ -34,6 +34,11 @@ from .llm import TokRAGLLM
 dispatcher = instrument.get_dispatcher(__name__)
 
 _GATE_SKIP = "the gate decided not to use retrieval"
+#: Constructor arguments of TokRAGSynthesizer other than the policy's options.
+_OWN_ARGUMENTS = (
+    "lm", "model", "temperature", "policy", "max_new_tokens", "stop", "max_context_tokens",
+    "system_prompt", "gate", "streaming", "callback_manager",
+)
 
 
 class TokRAGSynthesizer(BaseSynthesizer):
@@ -53,7 +58,12 @@ class TokRAGSynthesizer(BaseSynthesizer):
     generator is exhausted (``policy`` and ``gate`` are there from the start).
 
     Args:
-        lm: a LoadedModel, a :class:`TokRAGLLM` to share, or None to load the default model.
+        lm: a LoadedModel, a :class:`TokRAGLLM` to share, or None to load ``model``.
+        model: what :func:`~tokrag_integrations.load_model` takes (``"default"``, a hub id
+            in the local cache, a folder, a ``.gguf`` path, a loaded ``PreTrainedModel``),
+            with its keyword options (``tokenizer``, ``device``, ``device_map``, ``dtype``,
+            ``model_kwargs``, ``tokenizer_kwargs``, ``trust_remote_code``, ``revision``...).
+        temperature: only None or 0 (greedy decoding).
         policy: decoding policy name or instance (``"tokrag"``, ``"rag"``, ``"llm"``...).
         max_new_tokens: answer budget in tokens.
         stop: stop strings (EOS always stops).
@@ -71,6 +81,8 @@ class TokRAGSynthesizer(BaseSynthesizer):
         self,
         lm: LoadedModel | TokRAGLLM | None = None,
         *,
+        model: Any = None,
+        temperature: float | None = None,
         policy: str | Policy = "tokrag",
         max_new_tokens: int = 64,
         stop: str | Sequence[str] | None = None,
@@ -85,10 +97,24 @@ class TokRAGSynthesizer(BaseSynthesizer):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if gate is not None and not callable(getattr(gate, "decide", None)):
             raise TypeError(f"gate must have a decide(query) method, got {type(gate).__name__}")
+        check_greedy(temperature, "TokRAGSynthesizer")
+        load_options = {k: policy_options.pop(k) for k in LOAD_OPTIONS if k in policy_options}
         # Unknown policies or options fail here, not at the first query.
-        self._policy_name = get_policy(policy, **policy_options).name
+        try:
+            self._policy_name = get_policy(policy, **policy_options).name
+        except ValueError as e:
+            if "unknown option" not in str(e):
+                raise
+            raise TypeError(
+                f"TokRAGSynthesizer got an unknown keyword argument ({e}); besides the policy's "
+                f"options it accepts: {', '.join(_OWN_ARGUMENTS + LOAD_OPTIONS)}"
+            ) from e
+        if (model is not None or load_options) and lm is not None:
+            raise ValueError("pass lm, or model with its load options, not both")
         if isinstance(lm, TokRAGLLM):
             llm = lm
+        elif model is not None or load_options:
+            llm = TokRAGLLM(model=model or "default", max_new_tokens=max_new_tokens, **load_options)
         elif lm is None or isinstance(lm, LoadedModel):
             llm = TokRAGLLM(lm, max_new_tokens=max_new_tokens)
         else:
