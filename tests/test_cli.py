@@ -175,6 +175,34 @@ def test_user_errors_exit_2_with_one_line(
     assert "Traceback" not in err
 
 
+def test_unknown_policy_fails_before_torch_is_imported() -> None:
+    """``tokrag ask Q --policy nope --docs sample`` fails in a fraction of a second: the
+    name is checked before anything imports torch (which alone takes ~2 s)."""
+    code = (
+        "import sys; from tokrag_integrations.cli import main; "
+        "rc = main(['ask', 'Q', '--policy', 'nope', '--docs', 'sample']); "
+        "print('torch' in sys.modules); sys.exit(rc)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout.strip() == "False"
+    from tokrag_integrations.policies import available_policies
+
+    names = ", ".join(available_policies())
+    assert proc.stderr.strip().splitlines() == [
+        f"tokrag: error: Unknown policy 'nope'. Available policies: {names}."
+    ]
+
+
+def test_ask_help_lists_the_policies() -> None:
+    from tokrag_integrations.policies import available_policies
+
+    code, out, _ = run_cli(["ask", "--help"])
+    assert code == 0
+    flat = " ".join(out.split())
+    assert f"one of {', '.join(available_policies())}" in flat
+
+
 def test_empty_docs_folder_is_a_user_error(tmp_path: Path, fake_engine: dict[str, Any]) -> None:
     code, _, err = run_cli(["ask", "q", "--docs", str(tmp_path)])
     assert code == 2

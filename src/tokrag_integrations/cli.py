@@ -281,8 +281,12 @@ def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> 
     """Fail on a bad policy, option, device or dtype before retrieval and the model load:
     the policy is built once here with the given options and thrown away."""
     from .models import check_device_and_dtype
-    from .policies import get_policy
+    from .policies import available_policies, get_policy
 
+    if args.policy not in available_policies():  # before get_policy, which imports torch (~2 s)
+        raise ValueError(
+            f"Unknown policy {args.policy!r}. Available policies: {', '.join(available_policies())}."
+        )
     get_policy(args.policy, **options)
     check_device_and_dtype(args.device, args.dtype)
     if args.device is not None and getattr(args, "device_map", None) is not None:
