@@ -56,6 +56,15 @@ class TokenEvent:
     step: TraceStep
 
 
+def _speed_paths_off(lm: LoadedModel) -> dict[str, Any]:
+    """``{"speed_paths_off": {path: reason}}`` for the trace options where some speed path is
+    off on this model (non-CPU device, non-float32 dtype, architecture outside the tested
+    matrix, ``cpu_kernels='off'``), else nothing."""
+    from .cpu_kernels import speed_paths
+
+    off = {k: v.removeprefix("off: ") for k, v in speed_paths(lm.model).items() if v != "on"}
+    return {"speed_paths_off": off} if off else {}
+
 def _stop_list(stop: str | Sequence[str] | None) -> list[str]:
     if stop is None:
         return []
@@ -461,7 +470,7 @@ def _run(
             query=queries[i],
             policy=pol.name,
             model=lm.name,
-            options=pol.options(),
+            options={**pol.options(), **_speed_paths_off(lm)},
             passages=plans[i].passages,
             warnings=list(plans[i].warnings),
             prompt_tokens={"pure": len(plans[i].pure_ids), "rag": len(plans[i].rag_ids) if plans[i].has_passages else 0},

@@ -45,6 +45,9 @@ class ModelParts:
     #: ``config.final_logit_softcapping`` (Gemma 2; None for most models): the model's logits
     #: are ``tanh(head(h) / c) * c``, and so are the logit lens's.
     final_logit_softcap: float | None = None
+    #: ``config.logits_scaling`` (Granite; None for most models): the model's logits are
+    #: ``head(h) / s``, and so are the logit lens's.
+    logits_scaling: float | None = None
 
     @property
     def num_layers(self) -> int:
@@ -54,6 +57,40 @@ class ModelParts:
     def embedding_matrix(self) -> torch.Tensor:
         """A: the input embedding matrix, rows = token ids."""
         return self.embed.weight
+
+
+def attention_window(attn: Any) -> int | None:
+    """The sliding window an attention module attends over, or None for full attention.
+
+    Most modules carry it (Gemma 2/3, Qwen2: ``attn.sliding_window``, None on full layers);
+    Mistral-style modules read ``config.sliding_window`` in their forward and apply it on
+    every layer (their config has no ``layer_types``), so it is taken from there.
+    """
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window or None
+    cfg = getattr(attn, "config", None)
+    if cfg is not None and getattr(cfg, "layer_types", None) is None:
+        return getattr(cfg, "sliding_window", None) or None
+    return None
+
+
+def _has_query_projection(attn: Any) -> bool:
+    return hasattr(attn, "q_proj") or (
+        hasattr(attn, "qkv_proj") and hasattr(getattr(attn, "config", None), "num_attention_heads")
+    )
+
+
+def query_projection(attn: Any, x: torch.Tensor) -> torch.Tensor:
+    """[..., d] -> [..., H*hd]: an attention module's query projection of ``x`` (cast to the
+    weight's dtype). A fused QKV projection laid out as [Q | K | V] (Phi-3's ``qkv_proj``)
+    contributes its first ``H*hd`` outputs, as its forward slices them."""
+    proj = getattr(attn, "q_proj", None)
+    if proj is not None:
+        return proj(x.to(proj.weight.dtype))
+    qkv = attn.qkv_proj
+    n = attn.config.num_attention_heads * attn.head_dim
+    bias = None if qkv.bias is None else qkv.bias[:n]
+    return torch.nn.functional.linear(x.to(qkv.weight.dtype), qkv.weight[:n], bias)
 
 
 def _find_backbone(model: Any) -> Any:
@@ -87,8 +124,8 @@ def model_parts(model: Any) -> ModelParts:
         embed = getattr(backbone, "embed_tokens", None)
         norm = getattr(backbone, "norm", None)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if any(a is None or not hasattr(a, "q_proj") for a in attn):
-            why = "attention modules without a separate q_proj (fused QKV projections)"
+        if any(a is None or not _has_query_projection(a) for a in attn):
+            why = "attention modules without a q_proj or a [Q | K | V] qkv_proj"
         elif embed is None or norm is None or head is None:
             why = "no embed_tokens / final norm / LM head"
         else:
@@ -98,13 +135,15 @@ def model_parts(model: Any) -> ModelParts:
     if why is not None:
         raise ValueError(
             f"{type(model).__name__}: the Tok-RAG signals cannot read this architecture ({why}). "
-            "Use a Llama-style decoder (Llama, SmolLM, Qwen2/3, Mistral, Gemma 2/3), or load it "
+            "Use a decoder the matrix covers (Llama, SmolLM, Mistral, Qwen2/3, Gemma 2/3, Phi-3, "
+            "OLMo 2, Granite), or load it "
             "with load_model(..., require_signals=False) for the 'rag'/'llm' policies, which "
             "need no signals."
         )
     cfg = getattr(model, "config", None)
     cfg = getattr(cfg, "text_config", None) or cfg
     softcap = getattr(cfg, "final_logit_softcapping", None)
+    logits_scaling = getattr(cfg, "logits_scaling", None)
     parts = ModelParts(
         layers=layers,
         embed=embed,
@@ -113,6 +152,7 @@ def model_parts(model: Any) -> ModelParts:
         attn=attn,
         rotary_fns=rot,
         final_logit_softcap=float(softcap) if softcap else None,
+        logits_scaling=float(logits_scaling) if logits_scaling not in (None, 1, 1.0) else None,
     )
     try:
         model._tokrag_parts = parts
@@ -301,6 +341,7 @@ class Probe:
         self._tap: _Tap | None = None
         self._token: Any = None
         self._attn_in: list[torch.Tensor | None] = []
+        self._hooked = False  # kept after __exit__, which removes the hooks
 
     def __enter__(self) -> Probe:
         n = self.parts.num_layers
@@ -318,6 +359,7 @@ class Probe:
     def _hook(self, tap: _Tap) -> None:
         n = self.parts.num_layers
         self._attn_in = [None] * n
+        self._hooked = True
 
         def embed_hook(_m: Any, _inp: Any, out: Any) -> None:
             tap.resid[0] = _last(out)
@@ -352,7 +394,7 @@ class Probe:
                 f"{type(self.parts.layers[0]).__name__} did not receive position_embeddings as "
                 "a keyword argument: the probe cannot read its rotary embedding"
             )
-        hooked = bool(self._handles)
+        hooked = self._hooked
         if hooked and any(a is None for a in self._attn_in):
             raise RuntimeError("Probe.take() called before a forward pass")
         kept = all(q is not None for q in tap.query)
@@ -411,10 +453,14 @@ def attention_row(
     attn = parts.attn[layer_idx]
     bsz = keys.shape[0]
     head_dim = attn.head_dim
-    x = record.attn_in[layer_idx].to(attn.q_proj.weight.dtype)  # [B, d]
-    q = attn.q_proj(x).view(bsz, -1, 1, head_dim)  # [B, H, 1, hd]
-    if hasattr(attn, "q_norm"):
-        q = attn.q_norm(q)
+    q = query_projection(attn, record.attn_in[layer_idx])  # [B, H*hd]
+    q_norm = getattr(attn, "q_norm", None)
+    norm_weight = getattr(q_norm, "weight", None)
+    if norm_weight is not None and norm_weight.shape[-1] == q.shape[-1] != head_dim:
+        q, q_norm = q_norm(q), None  # OLMo 2: one norm over all heads, before the split
+    q = q.view(bsz, -1, 1, head_dim)  # [B, H, 1, hd]
+    if q_norm is not None:
+        q = q_norm(q)  # Qwen3, Gemma 3: a norm per head
     cos = record.cos[layer_idx].unsqueeze(1)  # [B, 1, hd]
     sin = record.sin[layer_idx].unsqueeze(1)
     q, _ = parts.rotary_fns[layer_idx](q, q, cos, sin)
@@ -429,7 +475,7 @@ def attention_row(
     kept = keys.shape[2]
     offset = seen_len - kept
     valid = key_valid[:, offset:seen_len].clone()
-    window = getattr(attn, "sliding_window", None)
+    window = attention_window(attn)
     if window:
         pos = torch.arange(offset, seen_len, device=valid.device)
         valid &= (seen_len - 1 - pos) < window
@@ -460,7 +506,7 @@ def attention_rows(
     attn = parts.attn
     first = attn[0]
     uniform = (
-        all(not getattr(a, "sliding_window", None) for a in attn)
+        all(not attention_window(a) for a in attn)
         and all(not getattr(a, "attn_logit_softcapping", None) for a in attn)
         and all(not hasattr(a, "q_norm") for a in attn)
         and len({getattr(a, "scaling", None) for a in attn}) == 1
@@ -476,8 +522,8 @@ def attention_rows(
         )
     n_layers = len(attn)
     head_dim = first.head_dim
-    x = record.attn_in[:, 0].to(first.q_proj.weight.dtype)  # [L, d]
-    q = torch.stack([attn[i].q_proj(x[i : i + 1])[0] for i in range(n_layers)])  # [L, H*hd]
+    x = record.attn_in[:, 0]  # [L, d]
+    q = torch.stack([query_projection(attn[i], x[i : i + 1])[0] for i in range(n_layers)])  # [L, H*hd]
     q = q.view(n_layers, -1, 1, head_dim)  # [L, H, 1, hd]
     cos = torch.stack([c[0] for c in record.cos])[:, None]  # [L, 1, hd]
     sin = torch.stack([s_[0] for s_ in record.sin])[:, None]
@@ -538,6 +584,8 @@ def logit_lens(parts: ModelParts, resid: torch.Tensor, *, final_norm: bool = Tru
             logits = product(h).float()
     if logits is None:
         logits = parts.lm_head(h).float()
+    if parts.logits_scaling:  # as the model's own head (Granite)
+        logits = logits / parts.logits_scaling
     cap = parts.final_logit_softcap
     if cap:  # as the model's own head (Gemma 2): the lens of the last layer is its logits
         logits = torch.tanh(logits / cap) * cap

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .attention import ACTIVE_TAP
+from .attention import ACTIVE_TAP, attention_window
 
 #: Calls with more rows than this use ``F.linear`` (GEMM-shaped work, e.g. prefill).
 MAX_ROWS = 64
@@ -484,9 +484,7 @@ def _packed_attention(
     ``< r`` causally over themselves, the rest over the first ``head`` positions and
     causally over themselves. Returns [1, N, H, hd], or None where the module attends in a
     way this does not compute (the caller then applies the mask as it is)."""
-    if not _plain_attention(module, query, key, dropout, kwargs) or getattr(
-        module, "sliding_window", None
-    ):
+    if not _plain_attention(module, query, key, dropout, kwargs) or attention_window(module):
         return None
     hd = query.shape[-1]
     scale = scaling if scaling is not None else hd**-0.5
@@ -564,7 +562,7 @@ def _keep_queries(
     tap, so that an attention row read later is one ``q·K`` with the cached keys. Only for
     attention the recomputation reproduces (:func:`_plain_attention`, no sliding window)."""
     idx = getattr(module, "layer_idx", None)
-    if idx is None or getattr(module, "sliding_window", None):
+    if idx is None or attention_window(module):
         return
     if not _plain_attention(module, query, key, dropout, kwargs):
         return
@@ -603,6 +601,70 @@ def install_attention(model: Any) -> bool:
     return True
 
 
+#: ``config.model_type`` of the architectures the speed paths are measured correct on: the
+#: matrix of ``tests/test_architectures.py`` (tiny random models, float32 and bfloat16) and
+#: the packaged models (SmolLM2 is ``llama``, Gemma-3-270M ``gemma3_text``).
+COVERED_ARCHITECTURES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "granite"}
+)
+#: Why :func:`maybe_install` left the CPU paths off on a model (read by :func:`speed_paths`).
+_SPEED_OFF = "_tokrag_speed_off"
+
+
+def _first_parameter(model: Any) -> torch.Tensor | None:
+    try:
+        return next(model.parameters())
+    except StopIteration:
+        return None
+
+
+def _architecture_reason(model: Any) -> str | None:
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind not in COVERED_ARCHITECTURES:
+        return f"architecture {kind!r} is not in the tested matrix (tests/test_architectures.py)"
+    return None
+
+
+def speed_off_reason(model: Any) -> str | None:
+    """Why the CPU speed paths (few-row kernels, few-query attention, packed prefill, packed
+    LM head) do not apply to ``model``, in a few words, or None where they do: they are
+    measured correct on CPU, in float32, for the architectures of the matrix only."""
+    p = _first_parameter(model)
+    if p is None:
+        return "the model has no parameters"
+    if p.device.type != "cpu":
+        return f"device {p.device.type}: the CPU speed paths are measured on CPU only"
+    if p.dtype != torch.float32:
+        return f"dtype {str(p.dtype).removeprefix('torch.')}: the CPU speed paths are measured in float32 only"
+    return _architecture_reason(model)
+
+
+def fusion_off_reason(model: Any) -> str | None:
+    """Why contexts are not fused into one batch on ``model`` (None where they are): fusing
+    is measured to give the step-by-step tokens on CPU, in float32 and bfloat16, for the
+    architectures of the matrix; a GPU kernel may round a padded batch differently."""
+    p = _first_parameter(model)
+    if p is not None and p.device.type != "cpu":
+        return f"device {p.device.type}: fused contexts are measured on CPU only"
+    return _architecture_reason(model)
+
+
+def speed_paths(model: Any) -> dict[str, str]:
+    """Each speed path of ``model``: ``"on"`` or ``"off: <reason>"`` (``cpu_kernels``,
+    ``packed_prefill``, ``packed_head``, ``fused_contexts``; environment switches are read
+    per decode and not reflected here)."""
+    off = getattr(model, _SPEED_OFF, None)
+    attention = getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+    kernels = installed(model)
+    fusion = fusion_off_reason(model)
+    return {
+        "cpu_kernels": "on" if kernels else f"off: {off or 'no few-row plan installed'}",
+        "packed_prefill": "on" if attention else f"off: {off or 'attention is not ' + ATTN_IMPLEMENTATION}",
+        "packed_head": "on" if kernels else f"off: {off or 'no few-row plan installed'}",
+        "fused_contexts": "on" if fusion is None else f"off: {fusion}",
+    }
+
+
 def maybe_install(model: Any, mode: str | None = None) -> bool:
     """On a float32 CPU model: the few-query attention path and, per ``mode`` (default
     ``$TOKRAG_CPU_KERNELS``), the few-row linear plans. Returns whether any linear module was
@@ -617,12 +679,11 @@ def maybe_install(model: Any, mode: str | None = None) -> bool:
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"cpu_kernels (TOKRAG_CPU_KERNELS) must be 'auto', 'on' or 'off', got {mode!r}")
     if mode == "off":
+        setattr(model, _SPEED_OFF, "cpu_kernels='off'")
         return False
-    try:
-        p = next(model.parameters())
-    except StopIteration:
-        return False
-    if p.device.type != "cpu" or p.dtype != torch.float32:
+    reason = speed_off_reason(model)
+    setattr(model, _SPEED_OFF, reason)
+    if reason is not None:
         return False
     install_attention(model)
     return install(model, mode) > 0

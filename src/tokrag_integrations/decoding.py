@@ -780,7 +780,11 @@ def decode_loop(
     with torch.inference_mode():
         # All roles in one batch: one forward pass per step (on a CPU a 2-row pass costs
         # about what a 1-row pass does; the rows are the same computations).
-        fuse = fuse_contexts() and getattr(policy, "fuse", True)
+        from .cpu_kernels import fusion_off_reason
+
+        fuse = (
+            fuse_contexts() and getattr(policy, "fuse", True) and fusion_off_reason(lm.model) is None
+        )
         # One query's two contexts: one prefill pass over both (they share the prompt head).
         fused = prefill_packed(roles, per_query, lm, policy.probe_roles) if fuse else None
         packed = fused is not None

@@ -158,13 +158,13 @@ def has_sliding_window(model: Any) -> bool:
     types_ = getattr(cfg, "layer_types", None) or []
     if any("sliding" in str(t) for t in types_):
         return True
-    from .attention import model_parts
+    from .attention import attention_window, model_parts
 
     try:
         attn = model_parts(model).attn
     except ValueError:
         return bool(getattr(cfg, "sliding_window", None))
-    return any(getattr(a, "sliding_window", None) for a in attn)
+    return any(attention_window(a) for a in attn)
 
 
 def is_full_layer(layer: Any) -> bool:
