@@ -116,7 +116,10 @@ def model_parts(model: Any) -> ModelParts:
         return cached
     backbone = _find_backbone(model)
     why = None
-    if backbone is None:
+    fused = {"query_key_value", "c_attn"}  # GPT-NeoX / Falcon, GPT-2: Q, K, V in one matrix
+    if any(name.rsplit(".", 1)[-1] in fused for name, _ in model.named_modules()):
+        why = "fused query/key/value projections (query_key_value / c_attn) with no query projection of their own"
+    elif backbone is None:
         why = "no decoder layer list (model.model.layers)"
     else:
         layers = list(backbone.layers)
