@@ -141,3 +141,13 @@ def test_cli_takes_the_spec(folder, tmp_path):
     assert code == 2 and "--device or --device-map, not both" in err
     code, _, err = _cli(["ask", Q, "--model", "not-cached/model"])
     assert code == 2 and "huggingface-cli download not-cached/model" in err
+
+
+def test_load_options_with_a_loaded_model_raise(lm):
+    from tokrag_integrations.langchain import ChatTokRAG
+    from tokrag_integrations.llama_index import TokRAGLLM
+
+    with pytest.raises(ValueError, match="dtype apply to loading a model"):
+        TokRAGLLM(lm, dtype="bfloat16")
+    with pytest.raises(ValueError, match="device_map apply to loading a model"):
+        ChatTokRAG(model=lm, device_map="auto")

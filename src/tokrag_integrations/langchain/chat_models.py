@@ -181,6 +181,11 @@ class ChatTokRAG(BaseChatModel):
             kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
         super().__init__(**kwargs)
         if isinstance(lm, LoadedModel):
+            given = [k for k in CHAT_LOAD_OPTIONS if k != "device" and kwargs.get(k) not in (None, False, {})]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} apply to loading a model; this LoadedModel is already loaded"
+                )
             self._lm = lm
         elif lm is not None and not isinstance(lm, (str, os.PathLike)):
             self._lm = load_model(lm, **self._load_options())

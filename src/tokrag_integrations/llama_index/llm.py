@@ -22,7 +22,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from ..api import GenerationResult, TokenEvent, agenerate, astream_with_result, generate, stream
-from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
+from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
 from ._convert import jsonable, messages_to_turns, result_kwargs, to_passages
 
 
@@ -109,6 +109,12 @@ class TokRAGLLM(CustomLLM):
         if kwargs.get("dtype") is not None:
             kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
         super().__init__(**kwargs)
+        given = [k for k in LOAD_OPTIONS if kwargs.get(k) not in (None, False, {})]
+        if lm is not None and (given or self.load_options or tokenizer is not None):
+            raise ValueError(
+                f"{', '.join(given or list(self.load_options) or ['tokenizer'])} apply to loading "
+                "a model; this LoadedModel is already loaded"
+            )
         if lm is None:
             options = {
                 "device": self.device,
