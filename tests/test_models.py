@@ -139,3 +139,12 @@ def test_loading_changes_no_environment_variable(qwen2_folder, monkeypatch):
     load_model(qwen2_folder, device="cpu")
     load_model("default", device="cpu", cpu_kernels="off")
     assert dict(os.environ) == before
+
+
+def test_a_model_spread_over_several_gpus_is_refused_for_signals(lm):
+    model = _tiny_qwen2(lm.vocab_size)
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1}
+    with pytest.raises(ValueError, match="spread over 2 devices.*require_signals=False"):
+        load_model(model, tokenizer=lm.tokenizer)
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": "cpu", "model.layers.1": "disk"}
+    assert load_model(model, tokenizer=lm.tokenizer).model is model

@@ -564,6 +564,15 @@ def load_model(
         from .attention import check_supported
 
         check_supported(model)
+        devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+        devices -= {"cpu", "disk", "meta"}  # offloaded weights run on the execution device
+        if len(devices) > 1:
+            raise ValueError(
+                f"the model is spread over {len(devices)} devices ({', '.join(sorted(devices))}); "
+                "Tok-RAG's signals read every layer's states on one device, so place it on one "
+                "GPU (device_map={'': 0}, or max_memory with CPU offload), or pass "
+                "require_signals=False for the policies that need no signals"
+            )
     ctx = int(
         getattr(model.config, "max_position_embeddings", None)
         or getattr(tokenizer, "model_max_length", 2048)
