@@ -388,3 +388,53 @@ def test_no_warnings_leak_for_plain_answers(lm):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         synth.synthesize(FOUNDER_Q, [_node("Ottoline Varga founded Quillfeather.", "a", 0.5)])
+
+
+# ----------------------------------------------------------------------------- raw-prompt path
+def _first_forward_ids(lm, call):
+    """The token ids of the first forward pass of ``lm.model`` while ``call()`` runs."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and not seen:
+            seen.append(ids[0].tolist())
+
+    handle = lm.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        call()
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def test_complete_formatted_sends_exactly_the_prompt(lm):
+    llm = TokRAGLLM(model=lm, max_new_tokens=4)
+    prompt = "Some JSON for the selector:\n{"
+    ids = _first_forward_ids(lm, lambda: llm.complete(prompt, formatted=True))
+    assert ids == list(lm.tokenizer(prompt)["input_ids"])
+    assert "Question:" not in lm.tokenizer.decode(ids)
+
+
+def test_raw_prompt_path_formats_like_the_anchor(lm):
+    """No passages: chat template over the messages, system_prompt honoured, no QA wording."""
+    tok = lm.tokenizer
+    msgs = [{"role": "user", "content": "Say hi."}]
+    llm = TokRAGLLM(model=lm, max_new_tokens=4)
+    ids = _first_forward_ids(lm, lambda: llm.complete("Say hi."))
+    assert ids == list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+    sys_llm = TokRAGLLM(model=lm, max_new_tokens=4, system_prompt="Be brief.")
+    chat = [ChatMessage(role="user", content="Say hi.")]
+    ids = _first_forward_ids(lm, lambda: sys_llm.chat(chat))
+    want = [{"role": "system", "content": "Be brief."}] + msgs
+    assert ids == list(tok.apply_chat_template(want, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+    hooked = TokRAGLLM(
+        model=lm,
+        max_new_tokens=4,
+        completion_to_prompt=lambda p: f"<<{p}>>",
+        messages_to_prompt=lambda ms: "|".join(m.content for m in ms),
+    )
+    assert _first_forward_ids(lm, lambda: hooked.complete("x")) == list(tok("<<x>>")["input_ids"])
+    assert _first_forward_ids(lm, lambda: hooked.chat(chat)) == list(tok("Say hi.")["input_ids"])

@@ -359,10 +359,13 @@ def _plans(
     messages: Sequence[list[dict[str, str]] | None] | None,
     system_prompt: str | None | type,
     max_context_tokens: int | None,
+    prompt_format: str = "qa",
 ) -> list[PromptPlan]:
     kw: dict[str, Any] = {"context_window": lm.context_window}
     if system_prompt is not _DEFAULT:
         kw["system_prompt"] = system_prompt
+    elif prompt_format != "qa":
+        kw["system_prompt"] = None  # a raw prompt gets no injected wording
     builder = PromptBuilder(lm.tokenizer, **kw)
     return [
         builder.build(
@@ -371,6 +374,7 @@ def _plans(
             max_new_tokens=max_new_tokens,
             messages=(messages[i] if messages else None),
             max_context_tokens=max_context_tokens,
+            prompt_format=prompt_format,
         )
         for i, (q, p) in enumerate(zip(queries, passages, strict=True))
     ]
@@ -442,6 +446,8 @@ def _run(
         _check_count("max_context_tokens", max_context_tokens)
     if not queries:
         return iter(())
+    # Raw-prompt path of the adapters (see PromptBuilder.build); not a policy option.
+    prompt_format = options.pop("prompt_format", "qa")
     pol = get_policy(policy, **options)
     stops = _stop_list(stop)
     plans = _plans(
@@ -452,6 +458,7 @@ def _run(
         messages=messages,
         system_prompt=system_prompt,
         max_context_tokens=max_context_tokens,
+        prompt_format=prompt_format,
     )
     # Queries without usable passages are answered from the pure context (and say so).
     groups: dict[str, list[int]] = {}
@@ -550,7 +557,9 @@ def generate(
         messages: earlier chat turns (role/content dicts) placed before the question.
         system_prompt: override the builder's default system prompt (None = no system turn).
         max_context_tokens: a tighter context budget than the model's window.
-        **options: the policy's options (e.g. ``pr_norm="softmax"``, ``variant="reference"``).
+        **options: the policy's options (e.g. ``pr_norm="softmax"``, ``variant="reference"``);
+            ``prompt_format="chat"|"text"`` (without passages: the query as the raw user turn
+            or the exact prompt, no default system prompt; see ``PromptBuilder.build``).
 
     Raises:
         TypeError / ValueError: a bad argument (checked before anything is decoded).

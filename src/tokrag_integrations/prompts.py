@@ -199,8 +199,14 @@ class PromptBuilder:
         max_new_tokens: int = 64,
         messages: list[dict[str, str]] | None = None,
         max_context_tokens: int | None = None,
+        prompt_format: str = "qa",
     ) -> PromptPlan:
         """Build both contexts for ``query`` and ranked ``passages`` (best first).
+
+        ``prompt_format`` applies only without passages (the raw-prompt path of the adapters):
+        ``"qa"`` (default) frames the query as ``Question: ...``; ``"chat"`` puts it, as is,
+        as the final user turn of the chat template; ``"text"`` sends exactly
+        ``tokenizer(query)`` (the caller formatted the prompt, as ``formatted=True``).
 
         Passages that would push the prompt past ``min(context_window, max_context_tokens)
         - max_new_tokens`` are dropped from the lowest-ranked up; the last one that partly
@@ -217,9 +223,16 @@ class PromptBuilder:
         budget = window - int(max_new_tokens)
         notes: list[str] = []
 
+        if prompt_format not in ("qa", "chat", "text"):
+            raise ValueError(f"prompt_format must be 'qa', 'chat' or 'text', got {prompt_format!r}")
+        raw = prompt_format != "qa" and not plist
         head, tail = self._frame(messages, query)
+        if raw and prompt_format == "text":
+            head, tail = "", ""
+            tail_ids = list(self.tokenizer(query)["input_ids"])
+        else:
+            tail_ids = self._encode((query if raw else f"Question: {query.strip()}") + tail)
         head_ids = self._encode(head)
-        tail_ids = self._encode(f"Question: {query.strip()}" + tail)
         delim_ids = self._encode(self.delimiter + "\n")
         sep_ids = self._encode("\n\n")
         pure_ids = head_ids + tail_ids

@@ -6,6 +6,9 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from llama_index.core.base.llms.generic_utils import (
+    messages_to_prompt as generic_messages_to_prompt,
+)
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -20,10 +23,16 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.llm import default_completion_to_prompt
 
 from ..api import GenerationResult, TokenEvent, agenerate, astream_with_result, generate, stream
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
 from ._convert import jsonable, messages_to_turns, result_kwargs, to_passages
+
+
+def _given(fn: Any, default: Any) -> bool:
+    """Whether the user set a formatting hook (LlamaIndex fills in its own defaults)."""
+    return fn is not None and fn is not default
 
 
 class TokRAGLLM(CustomLLM):
@@ -170,16 +179,27 @@ class TokRAGLLM(CustomLLM):
         return passages, gen_kw
 
     def _prompt_args(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> tuple:
-        if not formatted and self.completion_to_prompt is not None:
+        # Without passages this is a plain LLM and formats as HuggingFaceLLM does: a formatted
+        # prompt (or completion_to_prompt's output) is sent as is, otherwise the chat template
+        # wraps it as one user turn; the question-answer framing is only for RAG prompts.
+        custom = not formatted and _given(self.completion_to_prompt, default_completion_to_prompt)
+        if custom:
             prompt = self.completion_to_prompt(prompt)
         passages, gen_kw = self._call_args(kwargs)
+        if passages is None:
+            gen_kw["prompt_format"] = "text" if formatted or custom else "chat"
         return prompt, passages, gen_kw
 
     def _chat_args(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple:
-        history, query = messages_to_turns(messages)
         passages, gen_kw = self._call_args(kwargs)
+        if passages is None and _given(self.messages_to_prompt, generic_messages_to_prompt):
+            gen_kw["prompt_format"] = "text"
+            return self.messages_to_prompt(messages), passages, gen_kw
+        history, query = messages_to_turns(messages)
         if history:
             gen_kw["messages"] = history
+        if passages is None:
+            gen_kw["prompt_format"] = "chat"
         return query, passages, gen_kw
 
     # ------------------------------------------------------------------ response builders
