@@ -97,9 +97,11 @@ def reference(chain: Any) -> dict[str, dict[str, Any]]:
 
 
 def _stable(out: dict[str, Any]) -> dict[str, Any]:
-    """An output without the parts that legitimately differ between runs (timings)."""
+    """An output without the parts that legitimately differ between runs (timings) and the
+    passed-through input keys (``"input"`` for a string, ``"question"`` for such a dict)."""
     trace = {k: v for k, v in out["trace"].items() if k != "timings"}
-    return {**out, "trace": trace}
+    rest = {k: v for k, v in out.items() if k not in ("input", "question")}
+    return {**rest, "trace": trace}
 
 
 def _aggregate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -231,7 +233,7 @@ def test_tokrag_trace_shows_retrieval_tokens(reference: dict[str, dict[str, Any]
 # ------------------------------------------------------------------ equalities (chain)
 def test_chain_stream_equals_invoke(chain: Any, reference: dict[str, dict[str, Any]]) -> None:
     chunks = list(chain.stream(QUESTION))
-    assert set(chunks[0]) == {"context", "retrieval_empty"}
+    assert set(chunks[0]) == {"input", "context", "retrieval_empty"}
     assert set(chunks[-1]) == {"trace", "warnings"}
     middle = chunks[1:-1]
     assert middle and all("answer" in c for c in middle)
@@ -371,3 +373,65 @@ def test_failing_retriever_propagates_with_context(chat: ChatTokRAG) -> None:
 
     asyncio.run(run())
     assert received == []
+
+
+# ------------------------------------------------------------------ raw-prompt path
+def test_without_passages_formats_like_chat_huggingface(lm: Any) -> None:
+    """The chat template over the messages as given: no injected system prompt or QA wording."""
+    tok = lm.tokenizer
+    seen: list[list[int]] = []
+
+    def hook(module: Any, args: Any, kwargs: Any) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and not seen:
+            seen.append(ids[0].tolist())
+
+    chat = ChatTokRAG(model=lm, max_tokens=3)
+    handle = lm.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        chat.invoke([SystemMessage(content="Be brief."), HumanMessage(content="Say hi.")])
+    finally:
+        handle.remove()
+    want = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=True,
+    )["input_ids"]
+    assert seen[0] == list(want)
+
+
+# ------------------------------------------------------------------ create_retrieval_chain shape
+def test_chain_takes_input_and_chat_history_and_streams(lm: Any, chain: Any) -> None:
+    """{"input", "chat_history", extra keys} in; input keys + context + answer out; streams."""
+    history = [("human", "Remember the word Zanzibarine."), ("ai", "Noted.")]
+    payload = {"input": QUESTION, "chat_history": history, "user_id": "u1"}
+    seen: list[list[int]] = []
+
+    def hook(module: Any, args: Any, kwargs: Any) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            seen.append(ids[0].tolist())
+
+    handle = lm.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        out = chain.invoke(payload)
+    finally:
+        handle.remove()
+    assert out["input"] == QUESTION and out["user_id"] == "u1" and out["chat_history"] == history
+    assert out["context"] == [FACT] and out["answer"].strip()
+    # The history reaches the prompt (both contexts are prefilled from it).
+    assert any("Zanzibarine" in lm.tokenizer.decode(ids) for ids in seen)
+
+    chunks = list(chain.stream(payload))
+    assert chunks[0]["user_id"] == "u1" and chunks[0]["context"] == [FACT]
+    assert "".join(c.get("answer", "") for c in chunks) == out["answer"]
+    assert chain.invoke({"question": QUESTION})["answer"] == chain.invoke(QUESTION)["answer"]
+    assert chain.invoke(QUESTION)["input"] == QUESTION
+
+
+def test_chain_schemas_are_real(chain: Any) -> None:
+    props = chain.get_input_schema().model_json_schema()["properties"]
+    assert {"input", "question", "chat_history"} <= set(props)
+    out_props = chain.get_output_schema().model_json_schema()["properties"]
+    assert {"answer", "context", "sources", "trace", "warnings", "retrieval_empty"} <= set(out_props)

@@ -9,8 +9,14 @@ from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForChainRun, CallbackManagerForChainRun
 from langchain_core.documents import Document
-from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages import (
+    BaseMessage,
+    HumanMessage,
+    SystemMessage,
+    convert_to_messages,
+)
 from langchain_core.runnables import Runnable, RunnableConfig
+from pydantic import BaseModel, ConfigDict, create_model
 
 from ..models import LoadedModel, check_greedy
 from ..policies import get_policy
@@ -58,20 +64,45 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         self.model_kwargs = dict(model_kwargs or {})
         self.name = name or "TokRAGChain"
 
+    # ------------------------------------------------------------------ schemas
+    def get_input_schema(self, config: RunnableConfig | None = None) -> type[BaseModel]:
+        """``{"input" | "question": str, "chat_history": [messages], ...}`` (extra keys allowed)."""
+        return create_model(
+            "TokRAGChainInput",
+            __config__=ConfigDict(extra="allow"),
+            input=(str | None, None),
+            question=(str | None, None),
+            chat_history=(list[Any], []),
+        )
+
+    def get_output_schema(self, config: RunnableConfig | None = None) -> type[BaseModel]:
+        """The keys of :data:`OUTPUT_KEYS` (plus the input's keys)."""
+        return create_model(
+            "TokRAGChainOutput",
+            __config__=ConfigDict(extra="allow", arbitrary_types_allowed=True),
+            answer=(str, ...),
+            context=(list[Document], ...),
+            sources=(list[str], ...),
+            trace=(dict[str, Any], ...),
+            warnings=(list[str], ...),
+            retrieval_empty=(bool, ...),
+        )
+
     # ------------------------------------------------------------------ translation
     @staticmethod
     def _question(input_: Any) -> str:
         if isinstance(input_, Mapping):
-            if "question" not in input_:
+            key = "input" if "input" in input_ else "question"
+            if key not in input_:
                 raise ValueError(
-                    f"The chain input has no 'question' key (keys: {sorted(input_)}); pass a "
-                    "string or {'question': ...}."
+                    f"The chain input has no 'input' or 'question' key (keys: {sorted(input_)}); "
+                    "pass a string, {'input': ...} or {'question': ...}."
                 )
-            input_ = input_["question"]
+            input_ = input_[key]
         if not isinstance(input_, str):
             raise TypeError(
-                f"The question must be a string, not {type(input_).__name__}; pass a string or "
-                "{'question': ...}."
+                f"The question must be a string, not {type(input_).__name__}; pass a string, "
+                "{'input': ...} or {'question': ...}."
             )
         if not input_.strip():
             raise ValueError("The question is empty: pass a non-empty question.")
@@ -105,10 +136,19 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
             raise self._retrieval_error(question, e) from e
         return self._check_docs(docs)
 
-    def _messages(self, question: str) -> list[BaseMessage]:
+    @staticmethod
+    def _passthrough(input_: Any, question: str) -> dict[str, Any]:
+        """The input's keys, returned with the output as ``create_retrieval_chain`` does."""
+        if isinstance(input_, Mapping):
+            return dict(input_)
+        return {"input": question}
+
+    def _messages(self, question: str, input_: Any = None) -> list[BaseMessage]:
         msgs: list[BaseMessage] = []
         if self.system_prompt is not None:
             msgs.append(SystemMessage(self.system_prompt))
+        if isinstance(input_, Mapping) and input_.get("chat_history"):
+            msgs += convert_to_messages(input_["chat_history"])
         msgs.append(HumanMessage(question))
         return msgs
 
@@ -142,8 +182,11 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         question = self._question(input_)
         docs = self._retrieve(question, config)
         notes = self._empty_note(question, docs)
-        msg = self.model.invoke(self._messages(question), config, **self._model_kwargs(docs))
+        msg = self.model.invoke(
+            self._messages(question, input_), config, **self._model_kwargs(docs)
+        )
         return {
+            **self._passthrough(input_, question),
             "answer": msg.text,
             "context": docs,
             "sources": list(msg.response_metadata["token_sources"]),
@@ -162,8 +205,11 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         question = self._question(input_)
         docs = await self._aretrieve(question, config)
         notes = self._empty_note(question, docs)
-        msg = await self.model.ainvoke(self._messages(question), config, **self._model_kwargs(docs))
+        msg = await self.model.ainvoke(
+            self._messages(question, input_), config, **self._model_kwargs(docs)
+        )
         return {
+            **self._passthrough(input_, question),
             "answer": msg.text,
             "context": docs,
             "sources": list(msg.response_metadata["token_sources"]),
@@ -190,14 +236,17 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         run_manager: CallbackManagerForChainRun,
         config: RunnableConfig,
     ) -> Iterator[dict[str, Any]]:
-        question = self._question(_last(inputs))
+        input_ = _last(inputs)
+        question = self._question(input_)
         docs = self._retrieve(question, config)
         notes = self._empty_note(question, docs)
-        chunks = self.model.stream(self._messages(question), config, **self._model_kwargs(docs))
+        chunks = self.model.stream(
+            self._messages(question, input_), config, **self._model_kwargs(docs)
+        )
         # Pull the first token before yielding anything, so a failing call (bad option,
         # question too long...) raises with nothing half-written.
         first = next(chunks, None)
-        yield {"context": docs, "retrieval_empty": not docs}
+        yield {**self._passthrough(input_, question), "context": docs, "retrieval_empty": not docs}
         for chunk in _chain_first(first, chunks):
             yield from self._stream_item(chunk, notes)
 
@@ -232,9 +281,11 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         question = self._question(last)
         docs = await self._aretrieve(question, config)
         notes = self._empty_note(question, docs)
-        chunks = self.model.astream(self._messages(question), config, **self._model_kwargs(docs))
+        chunks = self.model.astream(
+            self._messages(question, last), config, **self._model_kwargs(docs)
+        )
         first = await anext(chunks, None)
-        yield {"context": docs, "retrieval_empty": not docs}
+        yield {**self._passthrough(last, question), "context": docs, "retrieval_empty": not docs}
         if first is not None:
             for out in self._stream_item(first, notes):
                 yield out
@@ -299,9 +350,12 @@ def create_tokrag_chain(
         max_tokens / stop / max_context_tokens: override the model's settings.
         **policy_options: options of the policy (e.g. ``pr_norm="softmax"``).
 
-    Input: a question string, or ``{"question": ...}``.
+    Input: a question string, or a dict with ``"input"`` (the ``create_retrieval_chain``
+    convention) or ``"question"``, optional ``"chat_history"`` (messages placed between the
+    system prompt and the question) and any other keys, which are returned unchanged.
 
-    ``invoke`` / ``ainvoke`` / ``batch`` / ``abatch`` return a dict::
+    ``invoke`` / ``ainvoke`` / ``batch`` / ``abatch`` return the input's keys (``{"input":
+    question}`` for a string input) plus::
 
         {"answer": str,                # the generated answer
          "context": list[Document],    # the retrieved documents, in retriever order
@@ -312,7 +366,7 @@ def create_tokrag_chain(
 
     ``stream`` / ``astream`` yield dict chunks, in this order:
 
-    1. ``{"context": docs, "retrieval_empty": bool}`` once retrieval succeeded and the first
+    1. the input's keys with ``{"context": docs, "retrieval_empty": bool}`` once retrieval succeeded and the first
        token was chosen;
     2. ``{"answer": delta, "sources": [source]}`` per chosen token, as it is chosen
        (``delta`` may be ``""`` while a possible stop string is held back; a final

@@ -307,6 +307,10 @@ class ChatTokRAG(BaseChatModel):
         }
         if prompt.system_prompt is not None:
             core["system_prompt"] = prompt.system_prompt
+        if not passages:
+            # Like ChatHuggingFace: the chat template over the messages as given, no
+            # question-answer wording (that framing is only for the RAG prompt).
+            core["prompt_format"] = "chat"
         return _Call(lm=lm, query=prompt.query, passages=passages, kwargs=core)
 
     @staticmethod
