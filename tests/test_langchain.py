@@ -271,7 +271,10 @@ def test_chat_stream_async_batch_agree(chat: ChatTokRAG) -> None:
     assert msg.content and msg.usage_metadata["output_tokens"] == len(
         msg.response_metadata["token_sources"]
     )
-    assert msg.usage_metadata["input_tokens"] == msg.response_metadata["prompt_tokens"]["rag"]
+    # tokrag prefills both contexts: both are counted.
+    prompt_tokens = msg.response_metadata["prompt_tokens"]
+    assert msg.usage_metadata["input_tokens"] == prompt_tokens["rag"] + prompt_tokens["pure"]
+    assert prompt_tokens["pure"] > 0 and prompt_tokens["rag"] > prompt_tokens["pure"]
     assert msg.response_metadata["model_name"] == "SmolLM2-135M-Instruct"
     assert chat.invoke(QUESTION, passages=[FACT]).content == msg.content
 

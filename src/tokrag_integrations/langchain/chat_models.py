@@ -70,10 +70,18 @@ class _Call:
 
 
 def _usage(result: GenerationResult) -> UsageMetadata:
-    """Input tokens: the prompt the answer is conditioned on (the RAG context when passages
-    were used, else the pure one); output tokens: one per decoding step."""
+    """Input tokens: every context the policy prefilled (``tokrag`` and the other two-context
+    rules prefill both the pure and the RAG prompt, so both are counted; ``rag`` only the
+    RAG prompt, ``llm`` only the pure one; per context in ``response_metadata
+    ["prompt_tokens"]``); output tokens: one per decoding step."""
     prompt = result.trace.prompt_tokens
-    n_in = int(prompt.get("rag") or prompt.get("pure") or 0)
+    try:
+        roles = set(get_policy(result.trace.policy).roles)
+    except (KeyError, ValueError, TypeError):
+        roles = {"rag"} if prompt.get("rag") else {"pure"}
+    if not prompt.get("rag"):  # no usable passage: answered from the pure context alone
+        roles = {"pure"}
+    n_in = sum(int(prompt.get(r) or 0) for r in roles & {"pure", "rag"})
     n_out = len(result.trace.steps)
     return UsageMetadata(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out)
 
