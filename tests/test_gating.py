@@ -208,3 +208,15 @@ def test_llamaindex_router_routes_both_ways(lm, threshold, route):
         route == "rag"
     )
     assert bool(gated.source_nodes) == (route == "rag")
+
+
+def test_gated_query_engine_keeps_the_callers_callback_manager() -> None:
+    pytest.importorskip("llama_index.core")
+    from llama_index.core import Settings
+    from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+
+    from tokrag_integrations.gating.llama_index import gated_query_engine
+
+    mine = CallbackManager([TokenCountingHandler()])
+    assert gated_query_engine(None, None, None, callback_manager=mine).callback_manager is mine
+    assert gated_query_engine(None, None, None).callback_manager is Settings.callback_manager

@@ -69,7 +69,9 @@ def _brief(decision: Any) -> dict[str, Any]:
     return {k: d[k] for k in ("gate", "retrieve", "score", "threshold", "retrieve_when") if k in d}
 
 
-def gated_query_engine(gate: Any, retriever: Any, synthesizer: Any) -> Any:
+def gated_query_engine(
+    gate: Any, retriever: Any, synthesizer: Any, *, callback_manager: Any = None
+) -> Any:
     """A query engine that retrieves only when ``gate`` says so.
 
     Args:
@@ -77,16 +79,23 @@ def gated_query_engine(gate: Any, retriever: Any, synthesizer: Any) -> Any:
         retriever: a LlamaIndex retriever (``retrieve(QueryBundle)``).
         synthesizer: e.g. ``TokRAGSynthesizer(lm, policy="rag")``; with no nodes it answers
             from the pure context.
+        callback_manager: the caller's; by default the synthesizer's, else
+            ``Settings.callback_manager`` (handlers such as ``TokenCountingHandler`` keep
+            seeing the engine's events).
     """
     _require()
+    from llama_index.core import Settings
     from llama_index.core.base.base_query_engine import BaseQueryEngine
-    from llama_index.core.callbacks import CallbackManager
 
     class GatedQueryEngine(BaseQueryEngine):
         """Skip retrieval when the gate says the model knows; decision in the metadata."""
 
         def __init__(self) -> None:
-            super().__init__(callback_manager=CallbackManager([]))
+            super().__init__(
+                callback_manager=callback_manager
+                or getattr(synthesizer, "callback_manager", None)
+                or Settings.callback_manager
+            )
             self.gate, self.retriever, self.synthesizer = gate, retriever, synthesizer
 
         def _get_prompt_modules(self) -> dict[str, Any]:
