@@ -161,6 +161,51 @@ def test_langchain_router_routes_both_ways(lm, threshold, route):
 
 
 @pytest.mark.parametrize("threshold, route", [(math.inf, "rag"), (-math.inf, "direct")])
+def test_langchain_router_streams_and_awaits_the_chosen_branch(lm, threshold, route):
+    """stream/astream go through the chosen branch's own stream (several answer chunks,
+    adding up to invoke's answer); ainvoke equals invoke; the branch runs as a child of
+    the router's run in LangChain tracing."""
+    import asyncio
+
+    from langchain_core.documents import Document
+    from langchain_core.runnables import RunnableLambda
+    from langchain_core.tracers.context import collect_runs
+
+    from tokrag_integrations.gating.langchain import gated_router
+    from tokrag_integrations.langchain import ChatTokRAG, create_tokrag_chain
+
+    ret = _retriever()
+    lc_ret = RunnableLambda(
+        lambda q: [Document(page_content=h.text) for h in ret.retrieve(q, top_k=2)]
+    )
+    gate = ConfidenceGate(lm, "self_certainty", max_new_tokens=3, threshold=threshold)
+    chat = ChatTokRAG(model=lm, policy="llm", max_tokens=8)
+    router = gated_router(gate, chat, create_tokrag_chain(lc_ret, lm, policy="rag", max_tokens=8))
+    q = {"question": "Who founded Quillfeather Aerospace?"}
+    with collect_runs() as cb:
+        full = router.invoke(q)
+    (run,) = cb.traced_runs
+    assert run.name == "GatedRouter" and run.child_runs, "the branch runs under the router's run"
+    chunks = list(router.stream(q))
+    assert chunks[0]["route"] == route and "score" in chunks[0]["gate"]
+    pieces = [c["answer"] for c in chunks[1:]]
+    assert len([p for p in pieces if p]) >= 2, "the chosen branch streams token by token"
+    total = chunks[0]
+    for c in chunks[1:]:
+        total = total + c
+    assert total["answer"] == full["answer"] and total["route"] == full["route"] == route
+
+    async def both():
+        out = await router.ainvoke(q)
+        achunks = [c async for c in router.astream(q)]
+        return out, achunks
+
+    aout, achunks = asyncio.run(both())
+    assert aout["answer"] == full["answer"] and aout["route"] == route
+    assert "".join(c.get("answer", "") for c in achunks) == full["answer"]
+
+
+@pytest.mark.parametrize("threshold, route", [(math.inf, "rag"), (-math.inf, "direct")])
 def test_llamaindex_router_routes_both_ways(lm, threshold, route):
     import json
 

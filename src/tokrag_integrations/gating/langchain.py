@@ -1,12 +1,19 @@
 """LangChain router driven by a gate (the framework is imported lazily).
 
-:func:`gated_router` returns a Runnable that asks the gate about the question and invokes
-the direct chain or the RAG chain; its output is
+:func:`gated_router` returns a Runnable that asks the gate about the question and runs the
+direct chain or the RAG chain, like a ``RunnableBranch`` whose condition is the gate: the
+chosen branch is invoked, streamed or awaited with its own ``invoke`` / ``stream`` /
+``ainvoke`` / ``astream`` (so it streams token by token and runs natively async), under the
+router's run in LangChain tracing. Output of ``invoke``:
 ``{"answer": str, "route": "direct" | "rag", "gate": decision dict, "output": <chain output>}``.
+``stream`` yields the route and gate first, then ``{"answer": piece, "output": chunk}`` per
+branch chunk; the chunks add up to the ``invoke`` output's keys.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 
@@ -17,14 +24,14 @@ def _question(inp: Any) -> str:
         for k in ("question", "query", "input"):
             if k in inp:
                 return str(inp[k])
-    raise TypeError("the gated router takes a question string or {'question': ...}")
+    raise TypeError("the gated router takes a question string or {'question': ...} / {'input': ...}")
 
 
 def _answer(out: Any) -> str:
     if isinstance(out, str):
         return out
-    if isinstance(out, dict) and "answer" in out:
-        return str(out["answer"])
+    if isinstance(out, dict):
+        return str(out.get("answer", ""))
     content = getattr(out, "content", None)
     return str(content) if content is not None else str(out)
 
@@ -40,23 +47,87 @@ def gated_router(gate: Any, direct: Any, rag: Any) -> Any:
             receives the original input.
     """
     try:
-        from langchain_core.runnables import RunnableLambda
+        from langchain_core.runnables import Runnable
+        from langchain_core.runnables.config import patch_config
+        from langchain_core.runnables.utils import AddableDict
     except ImportError as e:  # pragma: no cover - optional extra
         raise ImportError(
             "the LangChain router needs langchain-core: pip install 'tokrag-integrations[langchain]'"
         ) from e
 
-    def route(inp: Any, config: Any = None) -> dict[str, Any]:
+    def _decision(inp: Any) -> tuple[Any, Any, dict[str, Any]]:
         q = _question(inp)
         decision = gate.decide(q)
-        out = rag.invoke(inp, config) if decision.retrieve else direct.invoke(q, config)
         d = decision.to_dict()
         details = {k: v for k, v in d.pop("details", {}).items() if k not in ("result", "tokens")}
-        return {
-            "answer": _answer(out),
-            "route": "rag" if decision.retrieve else "direct",
-            "gate": {**d, "details": details},
-            "output": out,
-        }
+        branch, branch_input = (rag, inp) if decision.retrieve else (direct, q)
+        route = {"route": "rag" if decision.retrieve else "direct", "gate": {**d, "details": details}}
+        return branch, branch_input, route
 
-    return RunnableLambda(route, name="GatedRouter")
+    def _chunk(c: Any) -> dict[str, Any]:
+        piece = _answer(c) if not isinstance(c, dict) else str(c.get("answer", ""))
+        return AddableDict(answer=piece, output=AddableDict(c) if isinstance(c, dict) else c)
+
+    class GatedRouter(Runnable[Any, dict[str, Any]]):
+        """Gate, then the chosen branch (see :func:`gated_router`)."""
+
+        name = "GatedRouter"
+
+        def __init__(self) -> None:
+            self.gate, self.direct, self.rag = gate, direct, rag
+
+        @property
+        def InputType(self) -> Any:  # noqa: N802 - LangChain's name
+            return Any
+
+        @property
+        def OutputType(self) -> Any:  # noqa: N802 - LangChain's name
+            return dict[str, Any]
+
+        # ---------------------------------------------------------------- invoke / ainvoke
+        def _invoke(self, inp: Any, run_manager: Any, config: Any) -> dict[str, Any]:
+            branch, x, route = _decision(inp)
+            out = branch.invoke(x, patch_config(config, callbacks=run_manager.get_child()))
+            return {"answer": _answer(out), **route, "output": out}
+
+        async def _ainvoke(self, inp: Any, run_manager: Any, config: Any) -> dict[str, Any]:
+            branch, x, route = await asyncio.to_thread(_decision, inp)
+            out = await branch.ainvoke(x, patch_config(config, callbacks=run_manager.get_child()))
+            return {"answer": _answer(out), **route, "output": out}
+
+        def invoke(self, input: Any, config: Any = None, **kwargs: Any) -> dict[str, Any]:  # noqa: A002
+            return self._call_with_config(self._invoke, input, config)
+
+        async def ainvoke(self, input: Any, config: Any = None, **kwargs: Any) -> dict[str, Any]:  # noqa: A002
+            return await self._acall_with_config(self._ainvoke, input, config)
+
+        # ---------------------------------------------------------------- stream / astream
+        def _transform(self, inputs: Iterator[Any], run_manager: Any, config: Any) -> Iterator[Any]:
+            *_, inp = inputs  # a router input is one value, not a stream of parts
+            branch, x, route = _decision(inp)
+            yield AddableDict(route)
+            for c in branch.stream(x, patch_config(config, callbacks=run_manager.get_child())):
+                yield _chunk(c)
+
+        async def _atransform(
+            self, inputs: AsyncIterator[Any], run_manager: Any, config: Any
+        ) -> AsyncIterator[Any]:
+            parts = [x async for x in inputs]
+            inp = parts[-1]
+            branch, x, route = await asyncio.to_thread(_decision, inp)
+            yield AddableDict(route)
+            child = patch_config(config, callbacks=run_manager.get_child())
+            async for c in branch.astream(x, child):
+                yield _chunk(c)
+
+        def stream(self, input: Any, config: Any = None, **kwargs: Any) -> Iterator[Any]:  # noqa: A002
+            yield from self._transform_stream_with_config(iter([input]), self._transform, config)
+
+        async def astream(self, input: Any, config: Any = None, **kwargs: Any) -> AsyncIterator[Any]:  # noqa: A002
+            async def one() -> AsyncIterator[Any]:
+                yield input
+
+            async for c in self._atransform_stream_with_config(one(), self._atransform, config):
+                yield c
+
+    return GatedRouter()
