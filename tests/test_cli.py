@@ -281,11 +281,13 @@ def test_cut_answer_gets_a_one_line_hint(fake_engine: dict[str, Any]) -> None:
 def test_verbose_flag_turns_loading_progress_on(
     fake_engine: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tokrag_integrations.models import VERBOSE_ENV
+    from tokrag_integrations import models
 
-    monkeypatch.setenv(VERBOSE_ENV, "0")  # restored after the test
-    assert run_cli(["ask", "q"])[0] == 0 and os.environ[VERBOSE_ENV] == "0"
-    assert run_cli(["ask", "q", "-v"])[0] == 0 and os.environ[VERBOSE_ENV] == "1"
+    monkeypatch.setattr(models, "_show_loading_progress", False)  # restored after the test
+    env = dict(os.environ)
+    assert run_cli(["ask", "q"])[0] == 0 and not models._show_loading_progress
+    assert run_cli(["ask", "q", "-v"])[0] == 0 and models._show_loading_progress
+    assert dict(os.environ) == env, "the CLI must not set environment variables"
 
 
 @pytest.mark.slow
