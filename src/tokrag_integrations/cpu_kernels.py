@@ -61,7 +61,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .attention import ACTIVE_TAP, attention_window
+from .attention import ACTIVE_TAP, attention_window, set_lens_head_product
+from .paths import cache_dir
 
 #: Calls with more rows than this use ``F.linear`` (GEMM-shaped work, e.g. prefill).
 MAX_ROWS = 64
@@ -201,8 +202,6 @@ def _plan_file() -> Path | None:
     or None when ``TOKRAG_KERNEL_PLAN_CACHE=0``."""
     if os.environ.get("TOKRAG_KERNEL_PLAN_CACHE", "1").strip().lower() in ("0", "off", "false", "no"):
         return None
-    from .models import cache_dir
-
     return cache_dir() / "kernel_plans" / f"{_machine_id()}.json"
 
 
@@ -798,3 +797,8 @@ def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
             return None
     setattr(head, _HEAD, product)
     return product
+
+
+# The logit lens of :mod:`.attention` reads many rows through the packed head where it is
+# measured faster (the lens module does not import this one; see ``set_lens_head_product``).
+set_lens_head_product(packed_head)

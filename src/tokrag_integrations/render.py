@@ -15,10 +15,12 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .trace import AGREE, FROM_LLM, FROM_RAG, Candidate, PassageRecord, Trace, TraceStep
+from .labels import AGREE, FROM_LLM, FROM_RAG
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
+if TYPE_CHECKING:  # pragma: no cover - typing only (trace.py imports this module lazily)
     from rich.console import Console
+
+    from .trace import Candidate, PassageRecord, Trace, TraceStep
 
 __all__ = ["trace_to_html", "render_trace", "source_label", "format_value", "format_timing"]
 

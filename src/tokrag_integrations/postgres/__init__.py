@@ -22,7 +22,7 @@ _EXPORTS = {
     "IngestSummary": "ingestion",
     "FileReport": "ingestion",
     "ParseError": "ingestion",
-    "TableLayout": "ingestion",
+    "TableLayout": "layout",
     "PostgresKnowledgeBase": "store",
     "PostgresAnswer": "store",
     "RetrievedChunk": "store",

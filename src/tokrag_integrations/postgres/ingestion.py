@@ -55,15 +55,14 @@ from ..retrieval import (
     supported_types,
 )
 from .embeddings import Embedder, load_embedder
+from .layout import TableLayout, Target, check_layout, table_columns  # noqa: F401 - re-exported
 from .server import (
     DEFAULT_TABLE,
     PostgresConnectionError,
-    PostgresQueryError,
     ResolvedDatabase,
     connect,
     database_errors,
     resolve_dsn,
-    validate_table_name,
 )
 
 __all__ = [
@@ -77,8 +76,6 @@ __all__ = [
     "parse_file",
 ]
 
-Target = Literal["llamaindex", "langchain"]
-
 #: Suffixes ``tokrag ingest`` reads: the same as ``tokrag ask --docs``.
 INGEST_SUFFIXES: frozenset[str] = SUPPORTED_SUFFIXES
 
@@ -88,36 +85,6 @@ _ID_NAMESPACE = uuid.UUID("6f1d8a52-6c49-4d1b-9d0e-2f6c1b7a9e34")
 
 class ParseError(DocumentError):
     """A file could not be turned into text (reported and skipped by :func:`ingest`)."""
-
-
-# ============================================================================ table layouts
-@dataclass(frozen=True)
-class TableLayout:
-    """Physical table and column names of one of the two supported layouts."""
-
-    target: Target
-    table: str
-    """Physical table name (``data_<name>`` for LlamaIndex)."""
-    id_column: str
-    text_column: str
-    metadata_column: str
-    embedding_column: str = "embedding"
-
-    @classmethod
-    def for_target(cls, name: str, target: Target = "llamaindex") -> TableLayout:
-        """The layout for logical table ``name`` (validated, lower-cased)."""
-        name = validate_table_name(name)
-        if target == "llamaindex":
-            return cls("llamaindex", f"data_{name}", "node_id", "text", "metadata_")
-        if target == "langchain":
-            return cls("langchain", name, "langchain_id", "content", "langchain_metadata")
-        raise ValueError(f"Unknown target {target!r}; use 'llamaindex' or 'langchain'.")
-
-    @property
-    def source_expr(self) -> str:
-        """SQL for a row's source path (indexed: LlamaIndex's ``ref_doc_id`` index, or ours)."""
-        key = "ref_doc_id" if self.target == "llamaindex" else "source"
-        return f"({self.metadata_column}->>'{key}')"
 
 
 # ============================================================================ reports
@@ -425,39 +392,6 @@ def _stored_models(conn: Any, layout: TableLayout) -> set[str]:
         f"SELECT DISTINCT {layout.metadata_column}->>'embed_model' FROM {layout.table}"
     ).fetchall()
     return {r[0] for r in rows if r[0] is not None}
-
-
-def table_columns(conn: Any, table: str) -> set[str] | None:
-    """Column names of ``table`` (on the search path), or ``None`` when there is no such table."""
-    row = conn.execute("SELECT to_regclass(%s)::oid", (table,)).fetchone()
-    if not row or row[0] is None:
-        return None
-    rows = conn.execute(
-        "SELECT attname FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped",
-        (row[0],),
-    ).fetchall()
-    return {r[0] for r in rows}
-
-
-def check_layout(conn: Any, layout: TableLayout, where: str) -> bool:
-    """Whether ``layout``'s table exists; raises when a table of that name is not tokrag's.
-
-    Raises:
-        PostgresQueryError: A table with that name exists without the layout's columns
-            (another application's table): it is neither written to nor read.
-    """
-    columns = table_columns(conn, layout.table)
-    if columns is None:
-        return False
-    needed = [layout.id_column, layout.text_column, layout.metadata_column, layout.embedding_column]
-    missing = [c for c in needed if c not in columns]
-    if missing:
-        raise PostgresQueryError(
-            f"Table {layout.table} at {where} exists but is not a tokrag {layout.target} table "
-            f"(it has no {', '.join(missing)} column{'s' if len(missing) > 1 else ''}); pass "
-            "another --table, or rename or drop that table if it is not needed."
-        )
-    return True
 
 
 def ensure_table(db: ResolvedDatabase, layout: TableLayout, embedder: Embedder) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .embeddings import Embedder, load_embedder
-from .ingestion import TableLayout, Target, check_layout
+from .layout import TableLayout, Target, check_layout
 from .server import (
     DEFAULT_TABLE,
     ResolvedDatabase,
