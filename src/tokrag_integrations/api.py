@@ -16,10 +16,11 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .decoding import Policy, decode_loop
+from .decoding import Policy
 from .models import LoadedModel
 from .policies import get_policy
 from .prompts import PromptBuilder, PromptPlan, clean_text
+from .runner import decode_loop
 from .trace import Trace, TraceStep
 
 

@@ -15,8 +15,8 @@ import contextvars
 import copy
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,125 +25,16 @@ from .attention import (
     ModelParts,
     Probe,
     ProbeRecord,
-    attention_from_queries,
-    attention_row,
-    cached_keys,
     install_taps,
     model_parts,
 )
 from .models import LoadedModel, cache_argument, model_cache
+
+# The policy contract lives in :mod:`.policies.base`; imported here too, so that
+# ``from tokrag_integrations.decoding import Policy, ContextView, Choice, ContextSpec`` works.
+from .policies.base import Choice, ContextSpec, ContextView, Policy
 from .prompts import PromptPlan
 from .trace import Candidate, TraceStep
-
-
-@dataclass
-class ContextSpec:
-    """One context of one query: its prompt ids and which positions are retrieved tokens."""
-
-    ids: list[int]
-    rt_positions: list[int] = field(default_factory=list)
-    weight: float | None = None
-
-
-class ContextView:
-    """What a policy sees of one context at one step (one row of a role batch).
-
-    ``record`` may be given as a zero-argument callable: it is then built on first access
-    (the blockwise loop builds per-layer states only at the steps whose rule reads them).
-    ``logits``/``seen_len`` override the batch's latest logits and cache length when the
-    view is of an earlier position of a block (the cache then holds later positions too).
-    """
-
-    def __init__(
-        self,
-        batch: _RoleBatch,
-        row: int,
-        record: ProbeRecord | Callable[[], ProbeRecord] | None,
-        *,
-        logits: torch.Tensor | None = None,
-        seen_len: int | None = None,
-    ):
-        self._batch = batch
-        self._row = row
-        self._record = record
-        self.logits: torch.Tensor = batch.logits[row] if logits is None else logits
-        self.spec: ContextSpec = batch.specs[row]
-        self._seen = batch.mask.shape[1] if seen_len is None else seen_len
-        self._probs: torch.Tensor | None = None
-        self._attn: dict[int, torch.Tensor] = {}
-
-    @property
-    def record(self) -> ProbeRecord | None:
-        if callable(self._record):
-            self._record = self._record()
-        return self._record
-
-    @property
-    def probs(self) -> torch.Tensor:
-        if self._probs is None:
-            self._probs = torch.softmax(self.logits.float(), dim=-1)
-        return self._probs
-
-    @property
-    def rt_positions(self) -> torch.Tensor:
-        """Positions of retrieved tokens in cache coordinates (left padding included)."""
-        pad = self._batch.pad[self._row]
-        return torch.tensor(
-            [pad + p for p in self.spec.rt_positions], dtype=torch.long, device=self.logits.device
-        )
-
-    @property
-    def rt_token_ids(self) -> torch.Tensor:
-        ids = self.spec.ids
-        return torch.tensor(
-            [ids[p] for p in self.spec.rt_positions], dtype=torch.long, device=self.logits.device
-        )
-
-    def attention(self, layer_idx: int) -> torch.Tensor:
-        """[H, T] attention of the last position at 0-based layer ``layer_idx`` (recomputed)."""
-        rec = self.record
-        if rec is None:
-            raise RuntimeError("this policy did not ask for probe records of this context")
-        if layer_idx not in self._attn:
-            b, r, seen = self._batch, self._row, self._seen
-            keys = cached_keys(b.cache, layer_idx)[b.cache_row(r)][None]
-            if keys.shape[2] > seen:  # a full cache holding later positions of a block
-                keys = keys[:, :, :seen]
-            valid = b.mask[r : r + 1, :seen].bool()
-            if rec.query is not None and keys.shape[2] == seen:
-                got = attention_from_queries(
-                    [rec.query[layer_idx][0]], [rec.query_scale[layer_idx]], [keys], valid, seen  # type: ignore[index]
-                )[0]
-            else:
-                got = attention_row(b.parts, layer_idx, rec, keys, valid, seen)[0]
-            self._attn[layer_idx] = got
-        return self._attn[layer_idx]
-
-    def attention_all(self) -> torch.Tensor:
-        """[L, H, T] attention of the last position at every layer (recomputed in one go)."""
-        from .attention import attention_rows
-        from .kv_cache import is_full_layer
-
-        rec = self.record
-        if rec is None:
-            raise RuntimeError("this policy did not ask for probe records of this context")
-        b, r, seen = self._batch, self._row, self._seen
-        n = len(b.cache.layers)
-        if any(not is_full_layer(b.cache.layers[i]) for i in range(n)):
-            return torch.stack([self.attention(i) for i in range(n)])
-        cr = b.cache_row(r)
-        keys = [cached_keys(b.cache, i)[cr][None] for i in range(n)]
-        valid = b.mask[r : r + 1, :seen].bool()
-        if rec.query is not None:
-            # The forward pass left this position's rotated queries: one q·K per layer.
-            out = attention_from_queries(
-                [q[0] for q in rec.query], rec.query_scale, keys, valid, seen  # type: ignore[arg-type]
-            )
-        else:
-            out = attention_rows(b.parts, rec, keys, valid, seen)
-        for i in range(n):
-            self._attn.setdefault(i, out[i])
-        return out
 
 
 def distribution_stats(logits: torch.Tensor, token_id: int) -> dict[str, float]:
@@ -176,50 +67,6 @@ def distribution_stats_rows(
     ).tolist()
     names = ("logp", "entropy", "gini", "mean_logp")
     return [dict(zip(names, row, strict=True)) for row in vals], p
-
-
-@dataclass
-class Choice:
-    """A policy's decision at one step."""
-
-    token_id: int
-    source: str
-    signals: dict[str, Any] = field(default_factory=dict)
-
-
-class Policy:
-    """A decoding rule over the multi-context loop.
-
-    Subclasses set ``name`` and ``roles`` and implement :meth:`choose`. ``probe_roles`` lists
-    the roles whose per-layer states the rule reads (only those are probed).
-    """
-
-    name: str = ""
-    roles: tuple[str, ...] = ()
-    probe_roles: frozenset[str] = frozenset()
-    #: Whether the rule needs passages at all (``llm`` does not).
-    uses_passages: bool = True
-    #: Whether the loop may decode all contexts of the rule as one batch (see
-    #: :func:`fuse_batches`); ``False`` keeps one forward pass per role.
-    fuse: bool = True
-
-    def contexts(self, plan: PromptPlan) -> dict[str, ContextSpec]:
-        """The contexts this rule decodes for one query (default: pure and RAG)."""
-        out: dict[str, ContextSpec] = {}
-        if "pure" in self.roles:
-            out["pure"] = ContextSpec(plan.pure_ids)
-        if "rag" in self.roles:
-            out["rag"] = ContextSpec(plan.rag_ids, plan.retrieved_positions)
-        return out
-
-    def prepare(self, lm: LoadedModel) -> None:
-        """Called once per decode with the model (cache embeddings etc.)."""
-
-    def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
-        raise NotImplementedError
-
-    def options(self) -> dict[str, Any]:
-        return {}
 
 
 class _RoleBatch:
@@ -747,28 +594,19 @@ def decode_loop(
     stop: Sequence[str] = (),
     timings: dict[str, float] | None = None,
 ) -> Iterator[StepEvent]:
-    """Greedy multi-context decoding of a batch of queries under one policy.
+    """Greedy multi-context decoding of a batch of queries under one policy, step by step.
 
     Yields one :class:`StepEvent` per chosen token as soon as it is chosen (the final event
     of a query has ``finished=True`` and its ``stop_reason``: ``eos``, ``stop`` or
-    ``length``). EOS tokens end a query and are not yielded as text.
+    ``length``). EOS tokens end a query and are not yielded as text. Blockwise verification
+    (``policy.speculative``) is chosen one level up, by :func:`.runner.decode_loop`.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     # Sequence-level rules (RAG-Sequence) own their decoding and replay the chosen answer.
-    own_decode = getattr(policy, "decode", None)
-    if own_decode is not None:
-        yield from own_decode(lm, plans, max_new_tokens=max_new_tokens, stop=stop, timings=timings)
+    if policy.decode is not None:
+        yield from policy.decode(lm, plans, max_new_tokens=max_new_tokens, stop=stop, timings=timings)
         return
-    # Two-context rules can verify one context's draft with the other in blocks (exact).
-    if getattr(policy, "speculative", False):
-        from .speculative import blockwise_loop, blockwise_supported
-
-        if blockwise_supported(lm, policy):
-            yield from blockwise_loop(
-                lm, plans, policy, max_new_tokens=max_new_tokens, stop=stop, timings=timings
-            )
-            return
     policy.prepare(lm)
     per_query = [policy.contexts(p) for p in plans]
     roles = [r for r in policy.roles if any(r in c for c in per_query)]
@@ -783,7 +621,7 @@ def decode_loop(
         from .cpu_kernels import fusion_off_reason
 
         fuse = (
-            fuse_contexts() and getattr(policy, "fuse", True) and fusion_off_reason(lm.model) is None
+            fuse_contexts() and policy.fuse and fusion_off_reason(lm.model) is None
         )
         # One query's two contexts: one prefill pass over both (they share the prompt head).
         fused = prefill_packed(roles, per_query, lm, policy.probe_roles) if fuse else None

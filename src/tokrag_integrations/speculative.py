@@ -136,7 +136,7 @@ def blockwise_supported(lm: LoadedModel, policy: Policy) -> bool:
     sliding-window cache is not possible)."""
     from .kv_cache import is_full_layer, new_cache
 
-    if tuple(sorted(policy.roles)) != ROLES or getattr(policy, "decode", None) is not None:
+    if tuple(sorted(policy.roles)) != ROLES or policy.decode is not None:
         return False
     if policy.probe_roles:
         try:
@@ -170,8 +170,8 @@ def blockwise_loop(
     timings = timings if timings is not None else {}
     for key in ("blocks", "drafted", "accepted", "disagreements", "verifier_wins", "stale"):
         timings.setdefault(key, 0.0)
-    fixed_block = getattr(policy, "block", None)
-    drafter = getattr(policy, "drafter", "auto")
+    fixed_block = policy.block
+    drafter = policy.drafter
     auto = drafter == "auto"
     if auto:
         drafter = "rag"

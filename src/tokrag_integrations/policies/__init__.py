@@ -1,6 +1,9 @@
 """Decoding policies: one rule per module over the shared loop in :mod:`..decoding`.
 
-``get_policy(name, **options)`` builds a policy by name; ``POLICIES`` lists the names.
+``get_policy(name, **options)`` builds a policy by name; ``available_policies()`` lists the
+names. For policy authors: :class:`Policy`, :class:`ContextView`, :class:`Choice` and
+:class:`ContextSpec` (defined in :mod:`.base`) are importable from here, and
+``register_policy(name, "module:Class")`` adds a rule to the registry.
 """
 
 from __future__ import annotations
@@ -10,7 +13,29 @@ import inspect
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # importing this package stays cheap (the CLI lists names without torch)
-    from ..decoding import Policy
+    from .base import Choice, ContextSpec, ContextView, Policy
+
+__all__ = [
+    "Choice",
+    "ContextSpec",
+    "ContextView",
+    "Policy",
+    "available_policies",
+    "get_policy",
+    "policy_options",
+    "register_policy",
+]
+
+#: The policy contract, loaded from :mod:`.base` on first access (it imports torch).
+_CONTRACT = frozenset({"Choice", "ContextSpec", "ContextView", "Policy"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CONTRACT:
+        from . import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: Strings accepted for a bool option (case-insensitive), e.g. from ``--option fuse=false``.
 _BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
@@ -45,7 +70,7 @@ def get_policy(name: str | Policy, **options: Any) -> Policy:
     Raises:
         ValueError: unknown name (the message lists the known ones) or bad options.
     """
-    from ..decoding import Policy
+    from .base import Policy
 
     if isinstance(name, Policy):
         if options:

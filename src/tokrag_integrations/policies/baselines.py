@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..decoding import Choice, ContextView, Policy
 from ..models import LoadedModel
 from ..trace import FROM_LLM, FROM_RAG
+from .base import Choice, ContextView, Policy
 
 
 class PureLLM(Policy):

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from .. import signals as S
-from ..decoding import Choice, ContextView, Policy
 from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
+from .base import Choice, ContextView, Policy
 
 #: Source label of a token chosen from a blend of both contexts that neither context's
 #: top-1 proposes on its own.

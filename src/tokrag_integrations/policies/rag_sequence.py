@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
-from ..decoding import Policy, StepEvent, decode_loop, teacher_force
+from ..decoding import StepEvent, decode_loop, teacher_force
 from ..models import LoadedModel
 from ..prompts import PromptPlan
 from ..trace import TraceStep
+from .base import Policy
 from .baselines import PureLLM, StandardRAG
 from .rag_token import RAGToken, passage_role
 

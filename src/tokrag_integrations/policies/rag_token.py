@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ..decoding import Choice, ContextSpec, ContextView, Policy
 from ..models import LoadedModel
 from ..prompts import Passage, PromptPlan
+from .base import Choice, ContextSpec, ContextView, Policy
 
 
 def passage_weights(passages: Sequence[Passage], temperature: float = 1.0) -> list[float]:

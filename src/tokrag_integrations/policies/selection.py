@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from .. import signals as S
-from ..decoding import Choice, ContextView, Policy
 from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
+from .base import Choice, ContextView, Policy
 
 
 def logprob_margin(pure_probs: torch.Tensor, rag_probs: torch.Tensor) -> float:

@@ -28,10 +28,10 @@ import torch
 
 from .. import signals as S
 from ..attention import logit_lens, model_parts
-from ..decoding import Choice, ContextView, Policy
 from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
 from . import tokrag_reference as REF
+from .base import Choice, ContextView, Policy
 
 #: Layers per logit-lens product, from the start of the l* search: the first one and the later
 #: ones (each product reads the LM head once for both contexts plus the rows x^{l'-l*} may
