@@ -277,3 +277,34 @@ def test_html_disagreement_table_scrolls_and_wraps_inside_its_card(trace: Trace)
 def test_cut_answer_says_so() -> None:
     page = trace_to_html(Trace(query="q?", policy="rag", text="cut", stop_reason="length"))
     assert "length (cut at max_new_tokens)" in page
+
+
+def test_trace_to_dict_is_json_data_without_a_default(trace: Trace) -> None:
+    import json
+
+    import numpy as np
+    import torch
+
+    trace.steps[1].signals.update(
+        {
+            "tensor": torch.tensor([0.5, 0.25]),
+            "scalar": torch.tensor(3),
+            "np": np.float32(0.5),
+            "np_int": np.int64(7),
+            "array": np.arange(3),
+            "pair": (1, 2),
+            "roles": {"rag"},
+            "by_layer": {3: 0.1, 4: 0.2},
+        }
+    )
+    d = trace.to_dict()
+    text = json.dumps(d)  # no default=
+    assert json.loads(text) == d
+    signals = d["steps"][1]["signals"]
+    assert signals["tensor"] == [0.5, 0.25] and signals["scalar"] == 3
+    assert signals["np"] == 0.5 and signals["np_int"] == 7 and signals["array"] == [0, 1, 2]
+    assert signals["pair"] == [1, 2] and signals["roles"] == ["rag"]
+    assert signals["by_layer"] == {"3": 0.1, "4": 0.2}
+    assert trace.to_json(indent=None) == json.dumps(d, indent=None, ensure_ascii=False)
+    again = Trace.from_dict(d)
+    assert again.to_dict() == d and again.counts() == trace.counts()

@@ -7,6 +7,7 @@ plain, JSON-serialisable structure; renderers (HTML, terminal) live in :mod:`.re
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,12 +98,16 @@ class Trace:
 
     # ------------------------------------------------------------------ export
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        """The trace as JSON data: ``json.dumps`` takes it as is, and ``json.loads`` of that
+        gives it back equal (tensors and numpy values become numbers or nested lists, sets
+        and tuples lists, dictionary keys strings, other objects their ``str``; non-finite
+        floats stay floats, written ``NaN`` / ``Infinity`` as ``json`` does by default)."""
+        d = _json_data(asdict(self))
         d["counts"] = self.counts()
         return d
 
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 2) -> str:
-        text = json.dumps(self.to_dict(), indent=indent, ensure_ascii=False, default=_json_default)
+        text = json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
         if path is not None:
             Path(path).write_text(text, encoding="utf-8")
         return text
@@ -149,16 +154,31 @@ class Trace:
         render_trace(self, console=console)
 
 
-def _json_default(o: Any) -> Any:
-    try:
-        import torch
+def _json_key(k: Any) -> str:
+    """A dictionary key as ``json.dumps`` writes it."""
+    if isinstance(k, str):
+        return k
+    if k is None or isinstance(k, (bool, int, float)):
+        return json.dumps(k)
+    return str(k)
 
-        if isinstance(o, torch.Tensor):
-            return o.tolist()
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        pass
-    if hasattr(o, "item"):
-        return o.item()
-    if isinstance(o, (set, tuple)):
-        return list(o)
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+def _json_data(o: Any) -> Any:
+    """``o`` with everything ``json`` cannot write converted (see :meth:`Trace.to_dict`)."""
+    if o is None or isinstance(o, (str, bool, int, float)):
+        return o
+    if isinstance(o, dict):
+        return {_json_key(k): _json_data(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple, set, frozenset)):
+        return [_json_data(v) for v in o]
+    torch = sys.modules.get("torch")  # a tensor is its (nested) list of numbers
+    if torch is not None and isinstance(o, torch.Tensor):
+        return _json_data(o.tolist())
+    if hasattr(o, "item"):  # numpy scalars and one-element arrays: the number
+        try:
+            return _json_data(o.item())
+        except (ValueError, TypeError, RuntimeError):
+            pass
+    if hasattr(o, "tolist"):  # other numpy arrays
+        return _json_data(o.tolist())
+    return str(o)

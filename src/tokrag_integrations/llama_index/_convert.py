@@ -84,7 +84,8 @@ def messages_to_turns(messages: Sequence[ChatMessage]) -> tuple[list[dict[str, s
 
 
 def jsonable(obj: Any) -> Any:
-    """A JSON-safe deep copy (tensors/numpy scalars to numbers, unknown objects to str)."""
+    """A JSON-safe deep copy (tensors/numpy scalars to numbers, unknown objects to str), for
+    data other than a trace (a gate's decision); ``Trace.to_dict()`` is JSON data already."""
 
     def default(o: Any) -> Any:
         if hasattr(o, "tolist"):
@@ -172,5 +173,5 @@ def response_metadata(
         "nodes_dropped": dropped,
         "nodes_skipped_empty": empty,
         "warnings": list(tr.warnings),
-        "trace": jsonable(tr.to_dict()),
+        "trace": tr.to_dict(),
     }
