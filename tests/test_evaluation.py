@@ -222,7 +222,7 @@ def test_misleading_reports_counterfactual_repeats(tmp_path):
 # --------------------------------------------------------------------------- real model
 @needs_data
 def test_tiny_end_to_end_cli_and_resume(tmp_path, capsys):
-    from tokrag_integrations.cli_eval import main
+    from tokrag_integrations.cli.eval import main
 
     argv = ["noise", "--data", str(RGB), "--limit", "2", "--policies", "llm,rag,tokrag", "--ratios", "0,1",
             "--k", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "res"), "--records", str(tmp_path / "runs"),
@@ -291,7 +291,7 @@ def test_spec_parsing_and_normalisation():
 
 def test_cli_validates_specs_before_loading_a_model(monkeypatch, tmp_path, capsys):
     import tokrag_integrations.models as models
-    from tokrag_integrations.cli_eval import main
+    from tokrag_integrations.cli.eval import main
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     base = ["noise", "--data", str(tmp_path / "none.jsonl"), "--records", str(tmp_path), "--no-progress"]
@@ -479,7 +479,7 @@ def _token_records(source: str, n_items: int, seed: int) -> list[dict]:
 
 
 def test_token_summary_counts_labels_per_source_and_pooled(tmp_path):
-    from tokrag_integrations.cli_eval import main
+    from tokrag_integrations.cli.eval import main
     from tokrag_integrations.evaluation import pool_token_records, summarize_token_level
 
     paths = []

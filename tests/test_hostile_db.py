@@ -201,7 +201,7 @@ def pg_dsn(tmp_path_factory):
 
 
 def _ingest_parser() -> argparse.ArgumentParser:
-    from tokrag_integrations.cli_pg import add_ingest_parser
+    from tokrag_integrations.cli.pg import add_ingest_parser
 
     parser = argparse.ArgumentParser()
     add_ingest_parser(parser.add_subparsers())

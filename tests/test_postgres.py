@@ -113,7 +113,7 @@ def test_unreachable_dsn_fails_fast_without_password():
 def test_cli_unreachable_dsn_exit_status(capsys, tmp_path):
     import argparse
 
-    from tokrag_integrations.cli_pg import EXIT_DATABASE, add_ingest_parser
+    from tokrag_integrations.cli.pg import EXIT_DATABASE, add_ingest_parser
 
     (tmp_path / "a.md").write_text("# A\n\nhello\n")
     parser = argparse.ArgumentParser()

@@ -1,6 +1,11 @@
-"""The ``tokrag`` command line.
+"""The ``tokrag`` command line (also ``python -m tokrag_integrations.cli``).
 
     tokrag ask "Who founded Quillfeather Aerospace?" --docs sample --explain --html trace.html
+
+This module holds ``main``, the parser and ``tokrag ask``; the other subcommands live next to
+it: :mod:`.eval` (``tokrag eval``), :mod:`.pg` (``tokrag ingest`` and the ``--store
+postgres`` options of ``ask``), :mod:`.gate` (``ask --gate``); ``tokrag bench`` is
+:mod:`..bench`.
 
 Each subcommand is one ``add_*_parser(subparsers)`` function that adds its parser and sets
 ``func`` (a ``(args) -> int`` handler) as a default; :data:`SUBCOMMANDS` lists them. A new
@@ -85,7 +90,7 @@ def _check_output_path(path: str | None, flag: str) -> None:
 
 
 def _resolve_docs(paths: Sequence[str]) -> list[Path]:
-    from .retrieval import get_sample_docs_path
+    from ..retrieval import get_sample_docs_path
 
     return [get_sample_docs_path() if p == SAMPLE_DOCS else Path(p).expanduser() for p in paths]
 
@@ -128,7 +133,7 @@ def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         metavar="TEXT",
         help="a passage to give the model (repeatable; placed before retrieved ones)",
     )
-    from .retrieval import supported_types
+    from ..retrieval import supported_types
 
     p.add_argument(
         "--docs",
@@ -154,7 +159,7 @@ def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         default=None,
         help="retrieve from a Postgres + pgvector table filled by `tokrag ingest`",
     )
-    from .cli_pg import add_filter_argument, add_store_arguments
+    from .pg import add_filter_argument, add_store_arguments
 
     add_store_arguments(p)
     add_filter_argument(p)
@@ -170,7 +175,7 @@ def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         default=None,
         help="saved gate calibration (JSON); created from the sample questions if missing",
     )
-    from .policies import available_policies
+    from ..policies import available_policies
 
     p.add_argument(
         "--policy",
@@ -222,13 +227,13 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
     ``--docs`` (printed, dim, to stderr)."""
     from rich.text import Text
 
-    from . import Passage
+    from .. import Passage
 
     passages: list[Any] = [
         Passage(text=t, metadata={"source": "--passage"}) for t in args.passage if t.strip()
     ]
     if args.store == "postgres":
-        from .cli_pg import retrieve_from_postgres
+        from .pg import retrieve_from_postgres
 
         chunks = retrieve_from_postgres(
             args.question,
@@ -249,7 +254,7 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
     if not args.docs:
         return passages
 
-    from .retrieval import build_retriever
+    from ..retrieval import build_retriever
 
     roots = _resolve_docs(args.docs)
     retriever = build_retriever(roots, kind=args.retriever, device="cpu", progress=True)
@@ -280,8 +285,8 @@ def _placement(args: argparse.Namespace) -> dict[str, Any]:
 def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> None:
     """Fail on a bad policy, option, device or dtype before retrieval and the model load:
     the policy is built once here with the given options and thrown away."""
-    from .models import check_device_and_dtype
-    from .policies import available_policies, get_policy
+    from ..models import check_device_and_dtype
+    from ..policies import available_policies, get_policy
 
     if args.policy not in available_policies():  # before get_policy, which imports torch (~2 s)
         raise ValueError(
@@ -309,10 +314,10 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from . import load_model, stream
+    from .. import load_model, stream
 
     if args.verbose:
-        from .models import show_loading_progress
+        from ..models import show_loading_progress
 
         show_loading_progress()  # load_model shows its progress bars
     else:
@@ -321,7 +326,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if args.gate:
         with err.status(f"Loading model {args.model}…"):
             lm = load_model(args.model, device=args.device, dtype=args.dtype, **_placement(args))
-        from .cli_gate import build_gate
+        from .gate import build_gate
 
         with err.status(f"Gate {args.gate}: deciding whether to retrieve…"):
             gate = build_gate(lm, args.gate, calibration=args.gate_calibration)
@@ -378,12 +383,14 @@ SUBCOMMANDS: list[AddParser] = [add_ask_parser]
 
 
 def _lazy(module: str, func: str) -> AddParser:
-    """A subcommand defined in another module, imported only when the parser is built."""
+    """A subcommand defined in another module of the package (``module`` relative to
+    ``tokrag_integrations``), imported only when the parser is built."""
 
     def add(subparsers: Any) -> Any:
         import importlib
 
-        return getattr(importlib.import_module(f"{__package__}.{module}"), func)(subparsers)
+        package = __name__.rpartition(".")[0]
+        return getattr(importlib.import_module(f"{package}.{module}"), func)(subparsers)
 
     add.__name__ = f"{module}.{func}"
     return add
@@ -391,8 +398,8 @@ def _lazy(module: str, func: str) -> AddParser:
 
 SUBCOMMANDS += [
     _lazy("bench", "add_parser"),
-    _lazy("cli_eval", "add_parser"),
-    _lazy("cli_pg", "add_ingest_parser"),
+    _lazy("cli.eval", "add_parser"),
+    _lazy("cli.pg", "add_ingest_parser"),
 ]
 
 
@@ -409,7 +416,7 @@ def register_subcommand(add_parser: AddParser) -> AddParser:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``tokrag`` argument parser with every registered subcommand."""
-    from . import __version__
+    from .. import __version__
 
     parser = argparse.ArgumentParser(
         prog="tokrag",
@@ -468,10 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _is_database_error(exc: BaseException) -> bool:
     if "tokrag_integrations.postgres.server" not in sys.modules:
         return False
-    from .postgres.server import PostgresConnectionError, PostgresSetupError
+    from ..postgres.server import PostgresConnectionError, PostgresSetupError
 
     return isinstance(exc, (PostgresConnectionError, PostgresSetupError, LookupError))
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

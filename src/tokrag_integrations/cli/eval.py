@@ -49,7 +49,7 @@ def _names(text: str) -> list[str]:
 
 def _specs(text: str) -> list[str]:
     """``--policies`` / ``--scorers``: normalised spec strings (``tokrag[lens_norm=False]``)."""
-    from .evaluation.specs import parse_specs
+    from ..evaluation.specs import parse_specs
 
     try:
         return [str(s) for s in parse_specs(text)]
@@ -59,8 +59,8 @@ def _specs(text: str) -> list[str]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``eval`` sub-command to an ``argparse`` sub-parser set."""
-    from .evaluation.data import DEFAULT_RATIOS, DEFAULT_SEED
-    from .evaluation.runner import DEFAULT_CF_RATIOS, DEFAULT_POLICIES
+    from ..evaluation.data import DEFAULT_RATIOS, DEFAULT_SEED
+    from ..evaluation.runner import DEFAULT_CF_RATIOS, DEFAULT_POLICIES
 
     p = subparsers.add_parser(
         "eval",
@@ -137,9 +137,9 @@ def _command(args: argparse.Namespace) -> str:
 
 def _validate(args: argparse.Namespace) -> None:
     """Every argument checked before any model is loaded (SystemExit with one sentence)."""
-    from .evaluation.runner import scorer_configs
-    from .evaluation.specs import parse_specs, validate_specs
-    from .policies import available_policies, get_policy
+    from ..evaluation.runner import scorer_configs
+    from ..evaluation.specs import parse_specs, validate_specs
+    from ..policies import available_policies, get_policy
 
     if args.limit is not None and args.limit < 1:
         raise SystemExit(f"--limit must be >= 1, got {args.limit}")
@@ -160,7 +160,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 def _token_items(args: argparse.Namespace) -> list[Any]:
     """The token-level items; PopQA (no passages): the popular ones with synthetic passages."""
-    from .evaluation.data import is_popqa, load_items, select_popular, synthesize_popqa
+    from ..evaluation.data import is_popqa, load_items, select_popular, synthesize_popqa
 
     args.popqa = is_popqa(load_items(args.data, limit=1))
     if not args.popqa:
@@ -171,8 +171,8 @@ def _token_items(args: argparse.Namespace) -> list[Any]:
 
 
 def _run_pool(args: argparse.Namespace, out: Path, command: str) -> int:
-    from .evaluation import report
-    from .evaluation.runner import pool_token_records, summarize_token_level
+    from ..evaluation import report
+    from ..evaluation.runner import pool_token_records, summarize_token_level
 
     try:
         records = pool_token_records(args.records)
@@ -191,9 +191,9 @@ def _run_pool(args: argparse.Namespace, out: Path, command: str) -> int:
 
 def run_eval(args: argparse.Namespace) -> int:
     """Run one evaluation task; prints the Markdown table and the files written."""
-    from .evaluation import report
-    from .evaluation.data import load_items
-    from .evaluation.runner import run_misleading, run_noise_sweep, run_token_level, scorer_configs
+    from ..evaluation import report
+    from ..evaluation.data import load_items
+    from ..evaluation.runner import run_misleading, run_noise_sweep, run_token_level, scorer_configs
 
     _validate(args)
     out = Path(args.out)
@@ -208,7 +208,7 @@ def run_eval(args: argparse.Namespace) -> int:
     progress = not args.no_progress
 
     if args.task == "cost":
-        from .evaluation.cost import cost_table, measure_costs
+        from ..evaluation.cost import cost_table, measure_costs
 
         res = measure_costs(
             args.policies, data=args.data, model=args.model, limit=args.limit or 3,
@@ -221,7 +221,7 @@ def run_eval(args: argparse.Namespace) -> int:
         print(f"wrote {out / (name + '.json')}, {out / (name + '.md')}")
         return 0
 
-    from .models import load_model
+    from ..models import load_model
 
     records = Path(args.records[0]) / f"{name}.jsonl"
     _check_resume(records, _config(args))
@@ -260,7 +260,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m tokrag_integrations.cli_eval noise --data ...``)."""
+    """Stand-alone entry point (``python -m tokrag_integrations.cli.eval noise --data ...``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="tokrag")
     sub = parser.add_subparsers(dest="command", required=True)

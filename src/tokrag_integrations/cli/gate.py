@@ -1,6 +1,6 @@
 """``tokrag ask --gate NAME``: answer with or without retrieval as a gate decides.
 
-The lead wires :func:`gated_ask` into the CLI::
+:func:`gated_ask` is the library form of that command::
 
     gated_ask(lm, question, gate="confidence", *, retriever=None, calibration=None,
               metric="self_certainty", top_k=3, policy="tokrag", max_new_tokens=64,
@@ -20,8 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .gating import GATES
-from .gating.base import Gate
+from ..gating import GATES
+from ..gating.base import Gate
 
 
 def build_gate(
@@ -39,7 +39,7 @@ def build_gate(
     if calibration is not None and Path(calibration).exists():
         return cls.load(calibration, lm)
     gate = cls(lm, metric=metric) if name == "confidence" else cls(lm)
-    from .retrieval import get_sample_questions
+    from ..retrieval import get_sample_questions
 
     qs = [q["question"] if isinstance(q, dict) else str(q) for q in get_sample_questions()]
     gate.calibrate(qs, percentile=percentile)
@@ -62,7 +62,7 @@ def gated_ask(
     percentile: float | None = None,
 ) -> dict[str, Any]:
     """Decide with the gate, retrieve only if it says so, answer."""
-    from .api import generate
+    from ..api import generate
 
     g = (
         gate

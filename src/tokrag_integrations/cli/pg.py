@@ -4,7 +4,7 @@
     tokrag ingest docs/ --dsn postgresql://rag:...@db:5432/rag    # or TOKRAG_PG_DSN=...
     tokrag ask "How many approvals?" --store postgres --table handbook --filter format=md
 
-For the lead's ``cli.py``: :func:`add_ingest_parser` registers ``ingest`` (pass it to
+For :mod:`tokrag_integrations.cli`: :func:`add_ingest_parser` registers ``ingest`` (pass it to
 ``register_subcommand`` or append it to ``SUBCOMMANDS``); :func:`add_store_arguments` adds
 ``--dsn``, ``--table``, ``--filter``, ``--embed-model`` and ``--data-dir`` to the ``ask``
 parser; :func:`retrieve_from_postgres` returns passages for ``ask`` to decode (stream or
@@ -41,14 +41,14 @@ EXIT_DATABASE = 3
 
 
 def _database_errors() -> tuple[type[BaseException], ...]:
-    from .postgres.server import PostgresConnectionError, PostgresSetupError
+    from ..postgres.server import PostgresConnectionError, PostgresSetupError
 
     return (PostgresConnectionError, PostgresSetupError, LookupError)
 
 
 def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--dsn``, ``--table``, ``--embed-model``, ``--data-dir`` (and nothing else)."""
-    from .postgres.server import DEFAULT_TABLE, DSN_ENV
+    from ..postgres.server import DEFAULT_TABLE, DSN_ENV
 
     parser.add_argument(
         "--dsn",
@@ -95,7 +95,7 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "skipped, changed files replace their chunks, and each file is written in one "
         "transaction.",
     )
-    from .retrieval import supported_types
+    from ..retrieval import supported_types
 
     p.add_argument(
         "paths",
@@ -125,7 +125,7 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     """Run ``tokrag ingest``; prints the summary to stdout, errors to stderr."""
-    from .postgres.ingestion import ingest
+    from ..postgres.ingestion import ingest
 
     try:
         summary = ingest(
@@ -162,8 +162,8 @@ def retrieve_from_postgres(
     ``chunk.to_passage()`` gives the core :class:`~tokrag_integrations.Passage`. Filters are
     ``["key=value", ...]`` (as ``--filter`` gives them) or a mapping.
     """
-    from .postgres.server import DEFAULT_TABLE
-    from .postgres.store import _knowledge_base
+    from ..postgres.server import DEFAULT_TABLE
+    from ..postgres.store import _knowledge_base
 
     kb = _knowledge_base(dsn, table or DEFAULT_TABLE, embed_model, data_dir)
     return kb.retrieve(question, top_k=top_k, filters=filters)
