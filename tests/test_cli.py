@@ -105,11 +105,24 @@ def test_import_is_light() -> None:
         "print(sorted(m for m in ('torch', 'transformers', 'sentence_transformers', 'bm25s') "
         "if m in sys.modules))"
     )
-    src = str(Path(cli.__file__).resolve().parents[1])
+    src = str(Path(cli.__file__).resolve().parents[2])  # src/ (cli is a package)
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_python_dash_m_runs_the_cli() -> None:
+    src = str(Path(cli.__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(
+        [sys.executable, "-m", "tokrag_integrations.cli", "--version"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"tokrag {tokrag_integrations.__version__}"
 
 
 def test_parse_option() -> None:

@@ -154,3 +154,18 @@ def test_rag_sequence_picks_the_best_scored_candidate(lm):
         lp = torch.logsumexp(torch.tensor(c["log_p_passages"]) + math.log(0.5), 0).item()
         assert c["log_p"] == pytest.approx(lp, abs=1e-3)
     assert r.trace.steps[0].source.startswith("passage:")
+
+
+def test_policy_contract_is_exported_for_authors_and_declares_its_hooks():
+    from tokrag_integrations import decoding, policies
+    from tokrag_integrations.policies import base
+
+    for name in ("Choice", "ContextSpec", "ContextView", "Policy"):
+        assert getattr(policies, name) is getattr(base, name) is getattr(decoding, name)
+    p = base.Policy()
+    assert (p.fuse, p.speculative, p.block, p.drafter, p.decode) == (True, False, None, "auto", None)
+    assert p.uses_passages and p.options() == {} and p.probe_roles == frozenset()
+    assert get_policy("rag_sequence").decode is not None
+    with pytest.raises(AttributeError):
+        policies.NoSuchName  # noqa: B018
+
