@@ -7,9 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage
-from llama_index.core.schema import NodeWithScore
+from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from ..api import GenerationResult
+from ..policies import get_policy
 from ..prompts import Passage
 
 #: LlamaIndex chat roles mapped onto the three roles a chat template knows.
@@ -37,19 +38,23 @@ def order_nodes(nodes: Sequence[NodeWithScore]) -> list[NodeWithScore]:
     return nodes
 
 
-def node_to_passage(node: NodeWithScore) -> Passage:
-    """One node as a core :class:`Passage` (text without metadata, score, node id + metadata)."""
+def node_to_passage(node: NodeWithScore, metadata_mode: Any = MetadataMode.NONE) -> Passage:
+    """One node as a core :class:`Passage`: ``node.get_content(metadata_mode=...)`` (the
+    node's text alone by default; the synthesizer passes its ``metadata_mode``), the score,
+    and the node id + metadata as the passage's metadata."""
     return Passage(
-        text=node.node.get_content(),
+        text=node.node.get_content(metadata_mode=metadata_mode),
         score=None if node.score is None else float(node.score),
         metadata={"node_id": node.node.node_id, **dict(node.node.metadata or {})},
     )
 
 
-def nodes_to_passages(nodes: Sequence[NodeWithScore]) -> tuple[list[NodeWithScore], list[Passage]]:
+def nodes_to_passages(
+    nodes: Sequence[NodeWithScore], metadata_mode: Any = MetadataMode.NONE
+) -> tuple[list[NodeWithScore], list[Passage]]:
     """(nodes in the order given to the core, their passages)."""
     ordered = order_nodes(nodes)
-    return ordered, [node_to_passage(n) for n in ordered]
+    return ordered, [node_to_passage(n, metadata_mode) for n in ordered]
 
 
 def to_passages(items: Sequence[Any] | None) -> list[Any] | None:
@@ -171,7 +176,94 @@ def response_metadata(
         "nodes_used": used,
         "nodes_cut": cut,
         "nodes_dropped": dropped,
+        "n_nodes_dropped": len(dropped),
         "nodes_skipped_empty": empty,
         "warnings": list(tr.warnings),
         "trace": tr.to_dict(),
     }
+
+
+def usage(result: GenerationResult, roles: Sequence[str] | None = None) -> dict[str, Any]:
+    """Token usage of one decode, in the keys LlamaIndex's ``TokenCountingHandler`` reads.
+
+    ``prompt_tokens`` counts every context the policy prefilled (``tokrag`` and the other
+    two-context rules prefill the pure and the RAG prompt, so both count; ``rag`` only the
+    RAG prompt, ``llm`` only the pure one; the same rule as ``ChatTokRAG``'s usage), per
+    context in ``prompt_tokens_by_context``; ``completion_tokens`` is one per decoding step.
+    ``roles`` are the policy's context roles (looked up by the trace's policy name if None).
+    """
+    tr = result.trace
+    prompt = {k: int(v or 0) for k, v in tr.prompt_tokens.items()}
+    if roles is None:
+        try:
+            roles = get_policy(tr.policy).roles
+        except (KeyError, ValueError, TypeError):
+            roles = ()
+    roles = set(roles) & {"pure", "rag"}
+    if not roles:  # per-passage rules (rag_token, rag_sequence): the RAG prompt stands in
+        roles = {"rag"}
+    if not prompt.get("rag"):  # no usable passage: answered from the pure context alone
+        roles = {"pure"}
+    n_in = sum(prompt.get(r, 0) for r in roles)
+    n_out = len(tr.steps)
+    return {
+        "prompt_tokens": n_in,
+        "completion_tokens": n_out,
+        "total_tokens": n_in + n_out,
+        "prompt_tokens_by_context": prompt,
+    }
+
+
+def call_summary(
+    index: int,
+    kind: str,
+    result: GenerationResult,
+    sources: Sequence[dict[str, Any]],
+    *,
+    level: int | None = None,
+    roles: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """One entry of ``Response.metadata["calls"]``: what one model call was given and did.
+
+    Args:
+        index: the call's position in the synthesis.
+        kind: ``"answer"`` (first call over nodes), ``"refine"`` (nodes plus the answer so
+            far), ``"summarize"`` (a tree leaf over nodes) or ``"combine"`` (a tree level
+            over earlier answers).
+        result: the core's result.
+        sources: per passage given to the core, in order: ``{"node_id": ..., "part": ...}``
+            for (a part of) a node, ``{"answer_of": call index}`` for an earlier answer.
+        level: the tree level (tree_summarize only).
+        roles: the policy's context roles (for :func:`usage`).
+    """
+    tr = result.trace
+    used, cut, dropped = [], [], []
+    for rec in tr.passages:
+        src = sources[rec.rank] if rec.rank < len(sources) else {}
+        nid = src.get("node_id")
+        if nid is None or not rec.text.strip():
+            continue
+        if rec.kept:
+            used.append(nid)
+            if rec.cut:
+                cut.append(nid)
+        else:
+            dropped.append(nid)
+    entry: dict[str, Any] = {
+        "index": index,
+        "kind": kind,
+        "node_ids": [s["node_id"] for s in sources if "node_id" in s],
+        "answers_from": [s["answer_of"] for s in sources if "answer_of" in s],
+        "text": result.text,
+        "counts": result.counts,
+        "stop_reason": tr.stop_reason,
+        "usage": usage(result, roles),
+        "nodes_used": used,
+        "nodes_cut": cut,
+        "nodes_dropped": dropped,
+        "warnings": list(tr.warnings),
+        "trace": tr.to_dict(),
+    }
+    if level is not None:
+        entry["level"] = level
+    return entry
