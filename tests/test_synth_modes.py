@@ -267,3 +267,40 @@ async def test_compact_streaming_and_async_match(lm, four_nodes):
     # get_response over plain text chunks takes the same mode
     chunks = [n.node.get_content() for n in four_nodes]
     assert TokRAGSynthesizer(lm, **kw).get_response(CAT_Q, chunks) == ref.response
+
+
+# ----------------------------------------------------------------------------- edge cases
+def test_long_node_is_split_empty_skipped_gate_no_is_one_call(lm):
+    long = "The Kestrel-7 programme tested thrusters at the Dundee site every week. " * 10
+    nodes = [_node(long, "long", 0.9), _node("  ", "blank", 0.5), _node(CAT_FACT, "cat", 0.4)]
+    synth = TokRAGSynthesizer(
+        lm, policy="rag", max_new_tokens=2, max_context_tokens=140, response_mode="compact"
+    )
+    with pytest.warns(UserWarning, match="empty"):
+        r = synth.synthesize(CAT_Q, nodes)
+    md = r.metadata
+    long_rec = md["passages"][0]
+    assert long_rec["parts"] >= 2 and not long_rec["cut"]  # split over calls, nothing lost
+    parts = [
+        p["text"] for c in md["calls"] for p in c["trace"]["passages"]
+        if p["metadata"].get("node_id") == "long"
+    ]
+    assert "".join(parts).split() == long.split()
+    assert md["nodes_skipped_empty"] == ["blank"] and md["nodes_dropped"] == []
+    assert md["nodes_used"] == ["long", "cat"] and md["nodes_cut"] == []
+
+    class No:
+        def decide(self, query):
+            return type("D", (), {"retrieve": False, "score": 0.1, "to_dict": lambda s: {}})()
+
+    for mode in ("compact", "tree_summarize"):
+        r = TokRAGSynthesizer(lm, max_new_tokens=2, response_mode=mode, gate=No()).synthesize(
+            CAT_Q, nodes
+        )
+        assert len(r.metadata["calls"]) == 1 and r.metadata["answered_from"] == "pure_context"
+        assert r.metadata["pure_context_reason"] == "the gate decided not to use retrieval"
+
+    # tree_summarize whose nodes fit one chunk: a single call, like one pass
+    r = TokRAGSynthesizer(lm, policy="rag", max_new_tokens=2, response_mode="tree_summarize")
+    md = r.synthesize(CAT_Q, nodes[2:]).metadata
+    assert [(c["kind"], c["level"]) for c in md["calls"]] == [("summarize", 0)]

@@ -199,9 +199,12 @@ class _Packer:
             head, rest = self.split(p.passage.text, left)
             part = p.source.get("part") or 0
             chunk.append(_Piece(_with_text(p.passage, head, part), {**p.source, "part": part}))
-            pieces[0] = _Piece(
-                _with_text(p.passage, rest, part + 1), {**p.source, "part": part + 1}
-            )
+            if rest.strip():
+                pieces[0] = _Piece(
+                    _with_text(p.passage, rest, part + 1), {**p.source, "part": part + 1}
+                )
+            else:
+                pieces.popleft()
             break
         return chunk
 
