@@ -175,6 +175,8 @@ def test_unknown_response_mode_lists_the_accepted_ones(lm):
     assert TokRAGSynthesizer(lm).response_mode == "one_pass"
     with pytest.raises(ValueError, match="metadata_mode"):
         TokRAGSynthesizer(lm, metadata_mode="everything")
+    with pytest.raises(ValueError, match="max_context_tokens"):
+        TokRAGSynthesizer(lm, max_context_tokens=0)
 
 
 # ----------------------------------------------------------------------------- (d) metadata

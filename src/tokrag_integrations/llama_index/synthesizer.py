@@ -540,6 +540,14 @@ class TokRAGSynthesizer(BaseSynthesizer):
     ) -> None:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if max_context_tokens is not None and (
+            isinstance(max_context_tokens, bool)
+            or not isinstance(max_context_tokens, int)
+            or max_context_tokens < 1
+        ):
+            raise ValueError(
+                f"max_context_tokens must be a whole number >= 1 or None, got {max_context_tokens!r}"
+            )
         if gate is not None and not callable(getattr(gate, "decide", None)):
             raise TypeError(f"gate must have a decide(query) method, got {type(gate).__name__}")
         check_greedy(temperature, "TokRAGSynthesizer")
@@ -640,7 +648,8 @@ class TokRAGSynthesizer(BaseSynthesizer):
     def _llm_start(self, sess: _Session, call: _Call) -> tuple[str, str]:
         """Emit the LLM start events of one call; (event id, prompt text)."""
         prompt = sess.prompt_text(call)
-        model_dict = self._llm.to_payload()
+        llm = self._llm
+        model_dict = llm.to_payload() if hasattr(llm, "to_payload") else llm.to_dict()
         extra = {
             "policy": self._policy_name,
             "response_mode": self._mode,
