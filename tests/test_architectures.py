@@ -204,7 +204,8 @@ def test_signals_read_the_model_past_the_window(models, arch, cpu_kernels):
     attention row (from the kept queries with the CPU kernels, recomputed from the attention
     input without) equals eager attention, and the lens of the last layer the logits."""
     from tokrag_integrations.attention import logit_lens, model_parts
-    from tokrag_integrations.decoding import ContextSpec, ContextView, _RoleBatch
+    from tokrag_integrations.engine.batch import RoleBatch as _RoleBatch
+    from tokrag_integrations.policies.base import ContextSpec, ContextView
 
     tiny, reference = models(arch, "float32", cpu_kernels)
     eager = copy.deepcopy(reference)
@@ -254,7 +255,7 @@ def test_fused_interleaved_qkv_is_refused_with_the_fix(lm, arch):
 def test_speed_paths_switch_off_where_not_measured(models, lm):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from tokrag_integrations.cpu_kernels import speed_off_reason, speed_paths
+    from tokrag_integrations.accel.cpu_kernels import speed_off_reason, speed_paths
 
     fp32, _ = models("qwen2", "float32")
     paths = speed_paths(fp32.model)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tokrag_integrations.decoding import distribution_stats
+from tokrag_integrations.engine.stats import distribution_stats
 from tokrag_integrations.gating import ConfidenceGate, Gate, GECEGate
 from tokrag_integrations.gating.gece import CountSketch, meteor
 from tokrag_integrations.gating.metrics import metrics_from_probs, metrics_from_stats

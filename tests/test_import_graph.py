@@ -176,10 +176,10 @@ def test_find_cycles_names_a_cycle_and_accepts_a_tree():
 def test_the_walker_sees_module_level_and_lazy_imports_but_not_type_checking_ones():
     graph = import_graph()
     p = PACKAGE
-    assert f"{p}.policies.base" in graph[f"{p}.decoding"]  # module level
-    assert f"{p}.cpu_kernels" in graph[f"{p}.models"]  # inside load_model
+    assert f"{p}.policies.base" in graph[f"{p}.engine.loop"]  # module level
+    assert f"{p}.accel.cpu_kernels" in graph[f"{p}.models"]  # inside load_model
     assert f"{p}.render" in graph[f"{p}.trace"]  # inside Trace.to_html
-    assert f"{p}.decoding" not in graph[f"{p}.policies.base"]  # under TYPE_CHECKING only
+    assert f"{p}.engine.loop" not in graph[f"{p}.policies.base"]  # under TYPE_CHECKING only
     assert f"{p}.trace" not in graph[f"{p}.render"]
 
 
@@ -187,3 +187,33 @@ def test_the_package_has_no_import_cycle():
     graph = import_graph()
     cycles = find_cycles(graph)
     assert not cycles, "\n".join(_describe(c, graph) for c in cycles)
+
+
+def _algorithm_modules(graph: dict[str, dict[str, int]]) -> list[str]:
+    """The algorithm side: the signals, every policy, the engine's loop (and its prefill and
+    statistics), the trace, and the ``decoding`` compatibility names."""
+    p = PACKAGE
+    fixed = {f"{p}.signals", f"{p}.trace", f"{p}.decoding"}
+    fixed |= {f"{p}.engine", f"{p}.engine.loop", f"{p}.engine.prefill", f"{p}.engine.stats"}
+    policies = {m for m in graph if m == f"{p}.policies" or m.startswith(f"{p}.policies.")}
+    return sorted(fixed | policies)
+
+
+def test_no_algorithm_module_imports_accel():
+    """The speed paths sit behind one seam (``accel``), chosen by the runner: no module of
+    the algorithm side imports it, at module level or lazily inside a function. (The role
+    batch, ``engine.batch``, is mechanism: it builds its KV cache with ``accel.kv_cache``.)"""
+    graph = import_graph()
+    modules = _algorithm_modules(graph)
+    assert f"{PACKAGE}.engine.loop" in modules and f"{PACKAGE}.policies.tokrag" in modules
+    accel = f"{PACKAGE}.accel"
+    bad = [
+        f"{m} -> {t} (line {line})"
+        for m in modules
+        for t, line in graph[m].items()
+        if t == accel or t.startswith(accel + ".")
+    ]
+    assert not bad, "algorithm modules import accel: " + "; ".join(bad)
+    # The seam is used from above: the runner picks the speed paths, load_model the kernels.
+    assert accel in graph[f"{PACKAGE}.runner"]
+    assert f"{accel}.cpu_kernels" in graph[f"{PACKAGE}.models"]

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokrag_integrations import cpu_kernels as K
 from tokrag_integrations import generate, generate_batch
-from tokrag_integrations.cpu_kernels import (
+from tokrag_integrations.accel import cpu_kernels as K
+from tokrag_integrations.accel.cpu_kernels import (
     ATTN_IMPLEMENTATION,
     few_query_attention,
     few_row_linear,
@@ -22,8 +22,11 @@ from tokrag_integrations.cpu_kernels import (
     skinny_linear,
     uninstall,
 )
-from tokrag_integrations.decoding import ContextSpec, _RoleBatch, fuse_batches, prefill_roles
-from tokrag_integrations.kv_cache import GrowableLayer
+from tokrag_integrations.accel.kv_cache import GrowableLayer
+from tokrag_integrations.accel.packed import fuse_batches
+from tokrag_integrations.engine.batch import RoleBatch as _RoleBatch
+from tokrag_integrations.engine.prefill import prefill_roles
+from tokrag_integrations.policies.base import ContextSpec
 
 CONTRA = ("What is the capital of France?", ["The capital of France is Marseille."])
 FICTION = (
@@ -329,7 +332,7 @@ def test_attention_rows_of_all_layers_equal_the_per_layer_rows(lm):
 
 
 def test_left_padding_rows_attend_row_by_row():
-    from tokrag_integrations.cpu_kernels import _left_pad_starts
+    from tokrag_integrations.accel.cpu_kernels import _left_pad_starts
 
     torch.manual_seed(3)
     b, h, hkv, t, hd = 2, 9, 3, 30, 16
@@ -394,7 +397,7 @@ def test_lazy_chunked_signals_equal_a_full_computation(lm, monkeypatch):
 def test_shared_prompt_head_is_reused_from_the_longer_prefill(lm):
     """The pure prompt (head + question) reuses the RAG prefill's head: same logits, cache
     and probe records as prefilling it in full."""
-    from tokrag_integrations.decoding import MIN_SHARED_PREFIX
+    from tokrag_integrations.engine.batch import MIN_SHARED_PREFIX
     from tokrag_integrations.policies.tokrag import TokRAG
     from tokrag_integrations.prompts import PromptBuilder
 

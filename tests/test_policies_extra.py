@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tokrag_integrations import signals as S
-from tokrag_integrations.decoding import ContextSpec
 from tokrag_integrations.policies import available_policies, get_policy
+from tokrag_integrations.policies.base import ContextSpec
 from tokrag_integrations.policies.rag_token import passage_weights
 from tokrag_integrations.policies.selection import entropy_margin, logprob_margin
 from tokrag_integrations.prompts import Passage
@@ -133,7 +133,7 @@ def test_rag_token_single_passage_equals_rag(lm):
     cad0 = generate(lm, Q, [P1], policy="cad", alpha=0.0, max_new_tokens=10)
     assert cad0.token_ids == rag.token_ids
     # Shared prefill (evaluation harness): a copied KV cache decodes exactly like a fresh one.
-    from tokrag_integrations.decoding import shared_prefill
+    from tokrag_integrations.engine.prefill import shared_prefill
 
     with shared_prefill() as store:
         first = generate(lm, Q, [P1], policy="cad", alpha=0.0, max_new_tokens=10)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokrag_integrations import cpu_kernels as K
+from tokrag_integrations.accel import cpu_kernels as K
+from tokrag_integrations.accel.packed import fuse_batches
 from tokrag_integrations.attention import (
     ACTIVE_TAP,
     Probe,
@@ -21,7 +22,8 @@ from tokrag_integrations.attention import (
     cached_keys,
     model_parts,
 )
-from tokrag_integrations.decoding import ContextSpec, _RoleBatch, fuse_batches
+from tokrag_integrations.engine.batch import RoleBatch as _RoleBatch
+from tokrag_integrations.policies.base import ContextSpec
 from tokrag_integrations.prompts import PromptBuilder
 
 FICTION = (

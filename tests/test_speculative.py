@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from tokrag_integrations import generate, generate_batch
+from tokrag_integrations.accel.speculative import _Recorder, blockwise_supported
 from tokrag_integrations.attention import Probe, model_parts
-from tokrag_integrations.decoding import ContextSpec, _RoleBatch
+from tokrag_integrations.engine.batch import RoleBatch as _RoleBatch
 from tokrag_integrations.policies import get_policy
+from tokrag_integrations.policies.base import ContextSpec
 from tokrag_integrations.prompts import PromptBuilder
 from tokrag_integrations.retrieval import (
     BM25Retriever,
@@ -20,7 +22,6 @@ from tokrag_integrations.retrieval import (
     get_sample_questions,
     load_documents,
 )
-from tokrag_integrations.speculative import _Recorder, blockwise_supported
 
 FICTION = (
     "What is the name of the cat owned by Zorbin Quell?",
@@ -220,7 +221,7 @@ def test_blockwise_supported_only_for_pure_rag_rules_on_full_caches(lm):
 
 
 def test_block_length_follows_the_cost_model():
-    from tokrag_integrations.speculative import MAX_BLOCK, MIN_BLOCK, best_block
+    from tokrag_integrations.accel.speculative import MAX_BLOCK, MIN_BLOCK, best_block
 
     rates = [0.5, 0.2, 0.1, 0.05, 0.02, 0.005, 0.0]
     for beta in (0.0, 0.15, 0.5):

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .decoding import Policy
 from .models import LoadedModel
 from .policies import get_policy
+from .policies.base import Policy
 from .prompts import PromptBuilder, PromptPlan, clean_text
 from .runner import decode_loop
 from .trace import Trace, TraceStep
@@ -61,7 +61,7 @@ def _speed_paths_off(lm: LoadedModel) -> dict[str, Any]:
     """``{"speed_paths_off": {path: reason}}`` for the trace options where some speed path is
     off on this model (non-CPU device, non-float32 dtype, architecture outside the tested
     matrix, ``cpu_kernels='off'``), else nothing."""
-    from .cpu_kernels import speed_paths
+    from .accel import speed_paths
 
     off = {k: v.removeprefix("off: ") for k, v in speed_paths(lm.model).items() if v != "on"}
     return {"speed_paths_off": off} if off else {}

@@ -10,7 +10,7 @@ attention to get those rows would slow every prefill by about 50 %, so instead:
   position's residual state and rotary embedding of every layer in the active probe's tap
   during the ordinary (SDPA) forward pass (a few KB per step); the attention input is
   derived from the residual on demand (the layer's input norm);
-* on CPU, the attention function (:func:`.cpu_kernels.few_query_attention`) also leaves
+* on CPU, the attention function (:func:`.accel.cpu_kernels.few_query_attention`) also leaves
   each probed row's rotated query in the tap, so at a disagreement step an attention row is
   one ``q·K`` per layer with the keys already in the KV cache
   (:func:`attention_from_queries`);
@@ -268,7 +268,7 @@ class _Tap:
         self.cos: list[torch.Tensor | None] = [None] * n_layers
         self.sin: list[torch.Tensor | None] = [None] * n_layers
         # Per layer: the rotated query of each record row [rows, H, hd] and its scaling, left
-        # by an attention function that knows them (:mod:`.cpu_kernels`).
+        # by an attention function that knows them (:mod:`.accel.cpu_kernels`).
         self.query: list[torch.Tensor | None] = [None] * n_layers
         self.scale: list[float | None] = [None] * n_layers
 
@@ -331,7 +331,7 @@ class Probe:
 
     The decoder layers' forwards leave their states in a context-local tap (installed once
     per model, free when no probe is active); the attention function of
-    :mod:`.cpu_kernels` adds the rotated queries. Models whose layers
+    :mod:`.accel.cpu_kernels` adds the rotated queries. Models whose layers
     cannot be tapped that way are probed with module hooks.
 
     ``positions`` (a batch of one sequence packing several contexts) records those sequence
@@ -569,7 +569,7 @@ def attention_from_queries(
 
 
 #: A faster many-row product with an LM head, registered by a speed path
-#: (:mod:`.cpu_kernels` registers :func:`.cpu_kernels.packed_head` when it is imported):
+#: (:mod:`.accel.cpu_kernels` registers :func:`.accel.cpu_kernels.packed_head` when it is imported):
 #: ``head -> product`` or None where the head's own forward is to be used.
 _lens_head_product: Callable[[Any], Callable[[torch.Tensor], torch.Tensor] | None] | None = None
 
@@ -590,7 +590,7 @@ def logit_lens(parts: ModelParts, resid: torch.Tensor, *, final_norm: bool = Tru
     ``final_norm=True`` applies the model's final norm before the LM head (the usual logit
     lens); ``False`` applies the LM head directly, as the authors' released code does.
     Input [..., d] -> output [..., V] (float32). Many rows at once go through the product
-    registered with :func:`set_lens_head_product` (:func:`.cpu_kernels.packed_head`) where
+    registered with :func:`set_lens_head_product` (:func:`.accel.cpu_kernels.packed_head`) where
     it gives one.
     """
     h = resid.to(parts.lm_head.weight.dtype)

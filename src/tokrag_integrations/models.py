@@ -558,8 +558,9 @@ def load_model(
             f"PreTrainedModel, not {type(model).__name__}"
         )
     model.eval()
-    # Faster few-row linear layers and masked attention on CPU (measured, ``cpu_kernels``).
-    from .cpu_kernels import maybe_install
+    # The CPU speed paths (measured few-row kernels, masked attention, packed LM head): the
+    # one place loading touches accel (not the package: its loops import this module).
+    from .accel.cpu_kernels import maybe_install
 
     maybe_install(model, cpu_kernels)
     if require_signals:

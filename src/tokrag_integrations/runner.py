@@ -1,22 +1,23 @@
-"""Which loop decodes a policy.
+"""Which loop decodes a policy, and with which speed paths.
 
-Blockwise verification (:func:`.speculative.blockwise_loop`) where the policy asks for it
-(``speculative=True``) and :func:`.speculative.blockwise_supported` says it applies; otherwise
-the step-by-step loop :func:`.decoding.decode_loop` (which also runs a sequence-level rule's
-own ``decode``). Both give the same tokens, sources and signals. The choice is made here,
-above both loops, so that :mod:`.decoding` does not import :mod:`.speculative`, which is
-built on it.
+Blockwise verification (:func:`.accel.blockwise_loop`) where the policy asks for it
+(``speculative=True``) and it applies (:func:`.accel.blockwise`); otherwise the step-by-step
+loop :func:`.engine.loop.decode_loop` (which also runs a sequence-level rule's own
+``decode``) with the packed / fused prefill of :func:`.accel.prefill`. All give the same
+tokens, sources and signals. The choice is made here, above the engine and the speed paths,
+so that the algorithm side (engine loop, policies, signals) never imports :mod:`.accel`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from . import decoding
-from .decoding import Policy, StepEvent
+from . import accel
+from .engine import loop
+from .engine.loop import StepEvent
 from .models import LoadedModel
+from .policies.base import Policy
 from .prompts import PromptPlan
-from .speculative import blockwise_loop, blockwise_supported
 
 
 def decode_loop(
@@ -29,12 +30,18 @@ def decode_loop(
     timings: dict[str, float] | None = None,
 ) -> Iterator[StepEvent]:
     """Decode ``plans`` under ``policy`` with the loop that fits it; the events of
-    :func:`.decoding.decode_loop` (the arguments are its arguments)."""
-    if max_new_tokens >= 1 and policy.speculative and blockwise_supported(lm, policy):
-        yield from blockwise_loop(
+    :func:`.engine.loop.decode_loop` (the arguments are its arguments)."""
+    if max_new_tokens >= 1 and policy.speculative and accel.blockwise(lm, policy):
+        yield from accel.blockwise_loop(
             lm, plans, policy, max_new_tokens=max_new_tokens, stop=stop, timings=timings
         )
         return
-    yield from decoding.decode_loop(
-        lm, plans, policy, max_new_tokens=max_new_tokens, stop=stop, timings=timings
+    yield from loop.decode_loop(
+        lm,
+        plans,
+        policy,
+        max_new_tokens=max_new_tokens,
+        stop=stop,
+        timings=timings,
+        prefill=accel.prefill,
     )

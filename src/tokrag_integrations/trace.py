@@ -36,7 +36,7 @@ class TraceStep:
     ``cos_ir`` = cos(w_RAG, w_IR), ``cos_llm`` = cos(w_RAG, w_LLM), ``fusion_attn_layer``,
     ``fusion_jsd_layer``). ``stats`` maps each context role to a cheap summary of its
     next-token distribution at this step, evaluated at the chosen token (``logp``,
-    ``entropy``, ``gini``, ``mean_logp``; see :func:`..decoding.distribution_stats`); the
+    ``entropy``, ``gini``, ``mean_logp``; see :func:`.engine.stats.distribution_stats`); the
     confidence metrics of :mod:`..gating.metrics` are computed from it without re-running
     the model.
     """

@@ -61,8 +61,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .attention import ACTIVE_TAP, attention_window, set_lens_head_product
-from .paths import cache_dir
+from ..attention import ACTIVE_TAP, attention_window, set_lens_head_product
+from ..paths import cache_dir
 
 #: Calls with more rows than this use ``F.linear`` (GEMM-shaped work, e.g. prefill).
 MAX_ROWS = 64

@@ -1,10 +1,10 @@
 """Blockwise verification of a two-context rule (issue 8; ``TokRAG(speculative=True)``).
 
-On the CPUs measured here the fused step-by-step loop (:func:`..decoding.fuse_batches`),
+On the CPUs measured here the fused step-by-step loop (:func:`.packed.fuse_batches`),
 the default, is faster; this loop is kept for machines where a multi-token verifier pass
 costs about one step and the second context is expensive (docs/results.md).
 
-The step-by-step loop (:func:`..decoding.decode_loop`) runs both contexts one token at a
+The step-by-step loop (:func:`..engine.loop.decode_loop`) runs both contexts one token at a
 time. Most steps are agreements, where Tok-RAG takes the shared token without a signal, so
 the second context only has to *confirm* tokens. This loop lets one context (the drafter)
 decode a block of ``k`` tokens greedily, one forward pass per token as usual, and runs the
@@ -43,10 +43,12 @@ from typing import Any
 
 import torch
 
-from .attention import ModelParts, ProbeRecord, model_parts
-from .decoding import ContextView, Policy, StepEvent, prefill_roles, step_event
-from .models import LoadedModel
-from .prompts import PromptPlan
+from ..attention import ModelParts, ProbeRecord, model_parts
+from ..engine.loop import StepEvent, role_setup, step_event
+from ..engine.prefill import prefill_roles
+from ..models import LoadedModel
+from ..policies.base import ContextView, Policy
+from ..prompts import PromptPlan
 
 ROLES = ("pure", "rag")
 MIN_BLOCK, MAX_BLOCK = 2, 16
@@ -155,7 +157,7 @@ def blockwise_loop(
     stop: Sequence[str] = (),
     timings: dict[str, float] | None = None,
 ) -> Iterator[StepEvent]:
-    """:func:`..decoding.decode_loop` for a pure/RAG rule, by blockwise verification.
+    """:func:`..engine.loop.decode_loop` for a pure/RAG rule, by blockwise verification.
 
     Yields the same events (each token as soon as its block is verified). Options are read
     from the policy: ``block`` (fixed block length; None = adaptive) and ``drafter``
@@ -163,8 +165,7 @@ def blockwise_loop(
     ``blocks``, ``drafted``, ``accepted`` (drafted tokens kept), ``disagreements``,
     ``verifier_wins`` and ``stale`` (positions rolled back).
     """
-    policy.prepare(lm)
-    per_query = [policy.contexts(p) for p in plans]
+    per_query, _ = role_setup(lm, plans, policy)
     if any(set(c) != set(ROLES) for c in per_query):
         raise ValueError("blockwise verification needs a pure and a RAG context for every query")
     timings = timings if timings is not None else {}

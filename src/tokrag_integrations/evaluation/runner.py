@@ -6,7 +6,7 @@ soon as it is known and skips the keys already in the file, so a run that was in
 arguments.
 
 What is shared between policies: the passage mix of an (item, condition) (seeded, identical
-for every policy); the prompt prefill (inside :func:`..decoding.shared_prefill` every policy
+for every policy); the prompt prefill (inside :func:`..engine.prefill.shared_prefill` every policy
 that decodes the same pure / RAG context of the same item batch gets a copy of one prefilled
 KV cache; the per-passage contexts of ``rag_token`` / ``rag_sequence`` are prefilled
 separately); and the ``llm`` answer, which ignores passages and is decoded once per item and
@@ -171,7 +171,7 @@ def _run_generation(
 ) -> RecordStore:
     store = RecordStore(records_path)
     decode = decode or _default_decode
-    from ..decoding import shared_prefill
+    from ..engine.prefill import shared_prefill
 
     options, pols = build_policies(policies, policy_options)
     # Probing policies first (the most probed roles first), so the prefill they leave behind
@@ -528,7 +528,7 @@ def _token_samples(lm: Any, builder: Any, walker: Any, scorers: dict[str, Any], 
     per position where exactly one of them predicts the gold token."""
     import warnings
 
-    from ..decoding import teacher_force
+    from ..engine.loop import teacher_force
     from ..policies.selection import entropy_margin, logprob_margin
 
     with warnings.catch_warnings():

@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from ..decoding import Choice, ContextView, Policy
 from ..models import LoadedModel
+from ..policies.base import Choice, ContextView, Policy
 from ..trace import FROM_LLM
 from .base import Gate
 from .statements import INSTRUCTION, PERSONAS, STATEMENTS

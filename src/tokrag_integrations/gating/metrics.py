@@ -12,7 +12,7 @@ One sign convention: :attr:`ConfidenceScores.confidence` is always "higher = sur
 (Entropy and DP are negated); :attr:`ConfidenceScores.raw` keeps the values as defined above.
 
 The metrics are computed from the per-step summaries the decoder records in
-``TraceStep.stats`` (:func:`tokrag_integrations.decoding.distribution_stats`), so scoring an
+``TraceStep.stats`` (:func:`tokrag_integrations.engine.stats.distribution_stats`), so scoring an
 answer never re-runs the model. :func:`metrics_from_probs` computes the same numbers from
 full distributions (used by the tests as the reference).
 """

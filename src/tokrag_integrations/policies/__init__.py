@@ -1,4 +1,4 @@
-"""Decoding policies: one rule per module over the shared loop in :mod:`..decoding`.
+"""Decoding policies: one rule per module over the shared loop in :mod:`..engine.loop`.
 
 ``get_policy(name, **options)`` builds a policy by name; ``available_policies()`` lists the
 names. For policy authors: :class:`Policy`, :class:`ContextView`, :class:`Choice` and

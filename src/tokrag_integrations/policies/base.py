@@ -1,6 +1,6 @@
 """The contract between a decoding rule and the loop that runs it, for policy authors.
 
-A policy is a rule over the shared multi-context loop (:mod:`..decoding`): it names the
+A policy is a rule over the shared multi-context loop (:mod:`..engine.loop`): it names the
 contexts it needs (:meth:`Policy.contexts`, one :class:`ContextSpec` each), and at every step
 turns what it sees of them (one :class:`ContextView` per context: next-token logits,
 retrieved-token positions, per-layer states and attention rows on demand) into a
@@ -36,7 +36,8 @@ from ..attention import ProbeRecord, attention_from_queries, attention_row, cach
 from ..prompts import PromptPlan
 
 if TYPE_CHECKING:  # pragma: no cover - typing only (the loop imports this module)
-    from ..decoding import StepEvent, _RoleBatch
+    from ..engine.batch import RoleBatch as _RoleBatch
+    from ..engine.loop import StepEvent
     from ..models import LoadedModel
 
 __all__ = ["Choice", "ContextSpec", "ContextView", "Policy"]
@@ -128,14 +129,13 @@ class ContextView:
     def attention_all(self) -> torch.Tensor:
         """[L, H, T] attention of the last position at every layer (recomputed in one go)."""
         from ..attention import attention_rows
-        from ..kv_cache import is_full_layer
 
         rec = self.record
         if rec is None:
             raise RuntimeError("this policy did not ask for probe records of this context")
         b, r, seen = self._batch, self._row, self._seen
         n = len(b.cache.layers)
-        if any(not is_full_layer(b.cache.layers[i]) for i in range(n)):
+        if not b.keeps_every_position():
             return torch.stack([self.attention(i) for i in range(n)])
         cr = b.cache_row(r)
         keys = [cached_keys(b.cache, i)[cr][None] for i in range(n)]
@@ -175,9 +175,9 @@ class Policy:
     #: Whether the rule needs passages at all (``llm`` does not).
     uses_passages: bool = True
     #: Whether the loop may decode all contexts of the rule as one batch (see
-    #: :func:`..decoding.fuse_batches`); ``False`` keeps one forward pass per role.
+    #: :func:`..accel.packed.fuse_batches`); ``False`` keeps one forward pass per role.
     fuse: bool = True
-    #: Decode a pure/RAG rule by blockwise verification (:mod:`..speculative`) where it
+    #: Decode a pure/RAG rule by blockwise verification (:mod:`..accel.speculative`) where it
     #: applies; ``block`` (None: adaptive) and ``drafter`` (``"auto"``, ``"rag"`` or
     #: ``"pure"``) are that loop's options. Same tokens, sources and signals as step by step.
     speculative: bool = False
@@ -185,7 +185,7 @@ class Policy:
     drafter: str = "auto"
     #: A sequence-level rule (RAG-Sequence) that owns its decoding sets this to a method
     #: ``decode(lm, plans, *, max_new_tokens, stop=(), timings=None)`` yielding the loop's
-    #: :class:`..decoding.StepEvent` objects; None (the default): the loop calls
+    #: :class:`..engine.loop.StepEvent` objects; None (the default): the loop calls
     #: :meth:`choose` at every step.
     decode: Callable[..., Iterator[StepEvent]] | None = None
 

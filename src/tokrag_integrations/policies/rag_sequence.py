@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..decoding import StepEvent, decode_loop, teacher_force
+from ..engine.loop import StepEvent, decode_loop, teacher_force
 from ..models import LoadedModel
 from ..prompts import PromptPlan
 from ..trace import TraceStep

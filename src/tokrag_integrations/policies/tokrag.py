@@ -75,7 +75,7 @@ class TokRAG(Policy):
             released decoder does (its step 1); the comparison of Eq. 19 is then made only
             where the candidates differ in content (default, chosen on the dev sets). False:
             Eq. 19 at every disagreement, the paper's loop.
-        speculative: decode by blockwise verification (:mod:`..speculative`): one context
+        speculative: decode by blockwise verification (:mod:`..accel.speculative`): one context
             drafts a block, the other checks it in one forward pass; the same tokens and
             decisions as the step-by-step loop. Off by default: on the CPUs measured here the
             fused step-by-step loop (``fuse``) is faster (docs/results.md, issue 8).

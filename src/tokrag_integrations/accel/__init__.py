@@ -1,0 +1,70 @@
+"""The speed paths, behind one seam (CPU speed work only; the algorithm never imports this).
+
+* :mod:`.cpu_kernels`: few-row linear layers routed to the fastest measured kernel, the
+  ``tokrag_sdpa`` attention (grouped, row-wise, packed two-context prefill) and the packed
+  LM head of the logit lens; installed by :func:`.cpu_kernels.maybe_install`, the one
+  function ``load_model`` calls (:func:`install_kernels` here).
+* :mod:`.kv_cache`: a KV cache layer that grows in place (every role batch uses it).
+* :mod:`.packed`: all contexts of a decode in one pass per step (packed or fused);
+  :func:`prefill` is what the runner hands to the step-by-step loop.
+* :mod:`.speculative`: blockwise verification of a pure/RAG rule.
+
+The functions here import their module on first use, so that importing
+:mod:`.kv_cache` (as the engine's batch does) stays light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from ..engine.loop import StepEvent
+    from ..engine.prefill import Prefilled
+    from ..models import LoadedModel
+    from ..policies.base import ContextSpec, Policy
+    from ..prompts import PromptPlan
+
+
+def install_kernels(model: Any, mode: str | None = None) -> bool:
+    """Install the CPU kernels on ``model`` where they apply (``mode`` ``auto``/``on``/
+    ``off``, default ``TOKRAG_CPU_KERNELS``): :func:`.cpu_kernels.maybe_install`, which
+    ``load_model`` calls (from the module, since this package's loops import ``models``)."""
+    from .cpu_kernels import maybe_install
+
+    return maybe_install(model, mode)
+
+
+def speed_paths(model: Any) -> dict[str, str]:
+    """``on`` or ``off: <reason>`` per speed path of ``model``."""
+    from .cpu_kernels import speed_paths as paths
+
+    return paths(model)
+
+
+def prefill(
+    roles: Sequence[str],
+    per_query: Sequence[dict[str, ContextSpec]],
+    lm: LoadedModel,
+    policy: Policy,
+) -> Prefilled:
+    """The step-by-step loop's prefill with packed / fused contexts (:func:`.packed.prefill`)."""
+    from .packed import prefill as packed_prefill
+
+    return packed_prefill(roles, per_query, lm, policy)
+
+
+def blockwise(lm: LoadedModel, policy: Policy) -> bool:
+    """Whether blockwise verification applies to ``policy`` on ``lm``."""
+    from .speculative import blockwise_supported
+
+    return blockwise_supported(lm, policy)
+
+
+def blockwise_loop(
+    lm: LoadedModel, plans: Sequence[PromptPlan], policy: Policy, **kwargs: Any
+) -> Iterator[StepEvent]:
+    """Decode by blockwise verification (:func:`.speculative.blockwise_loop`)."""
+    from .speculative import blockwise_loop as loop
+
+    return loop(lm, plans, policy, **kwargs)

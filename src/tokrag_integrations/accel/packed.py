@@ -1,0 +1,269 @@
+"""Fused and packed contexts: all contexts of a decode in one forward pass per step.
+
+:func:`prefill` is the speed path the runner hands to :func:`..engine.loop.decode_loop`:
+one query's two contexts packed into one sequence (:func:`prefill_packed`), or every
+role's batch merged into one left-padded batch (:func:`fuse_batches`), or the plain
+per-role prefill where neither applies. Each computes what the per-role batches compute,
+up to the rounding of a different kernel.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from ..attention import ProbeRecord, install_taps, model_parts
+from ..engine.batch import RoleBatch
+from ..engine.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, row_map
+from ..models import LoadedModel
+from ..policies.base import ContextSpec, Policy
+from .kv_cache import GrowableLayer, has_sliding_window, is_full_layer, new_cache
+
+
+def fuse_contexts() -> bool:
+    """Whether multi-context rules decode all their contexts as one batch
+    (``TOKRAG_FUSE_CONTEXTS``, default on; ``0`` decodes one batch per role)."""
+    return os.environ.get("TOKRAG_FUSE_CONTEXTS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def fuse_batches(batches: Sequence[RoleBatch]) -> RoleBatch | None:
+    """One batch holding the rows of several prefilled role batches, so that a decode step
+    is one forward pass instead of one per role.
+
+    Each batch is left-padded to the longest (padding positions are masked, hold zero keys
+    and take no position id), so every row computes what it computed alone, up to the
+    rounding of a different kernel. Returns None where rows cannot share a batch: caches
+    that are not full-attention (sliding windows), or roles probed differently.
+    """
+    if len(batches) < 2 or len({b.probe for b in batches}) != 1:
+        return None
+    if any(not is_full_layer(layer) for b in batches for layer in b.cache.layers):
+        return None
+    if any(b.probe and b.records is None for b in batches):
+        return None
+    first = batches[0]
+    n = max(b.mask.shape[1] for b in batches)
+    fused = object.__new__(RoleBatch)
+    fused.__dict__.update(first.__dict__)
+    fused.role = "+".join(b.role for b in batches)
+    fused.query_idx = [q for b in batches for q in b.query_idx]
+    fused.specs = [s for b in batches for s in b.specs]
+    fused.pad = [p + n - b.mask.shape[1] for b in batches for p in b.pad]
+
+    def left(x: torch.Tensor, extra: int, value: float, dim: int) -> torch.Tensor:
+        if not extra:
+            return x
+        shape = list(x.shape)
+        shape[dim] = extra
+        return torch.cat([x.new_full(shape, value), x], dim=dim)
+
+    fused.ids = torch.cat(
+        [left(b.ids, n - b.mask.shape[1], first.lm.pad_token_id, 1) for b in batches]
+    )
+    fused.mask = torch.cat([left(b.mask, n - b.mask.shape[1], 0, 1) for b in batches])
+    fused.logits = torch.cat([b.logits for b in batches])
+    cache = new_cache(first.lm.model)
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, GrowableLayer):  # pragma: no cover - guarded above
+            return None
+        # Each role's cache covers its mask (a fresh prefill: the mask's length).
+        layer.set_left_padded(
+            [b.cache.layers[i].keys for b in batches], [b.cache.layers[i].values for b in batches]
+        )
+    fused.cache = cache
+    if first.probe:
+        fused.records = ProbeRecord.cat([b.records for b in batches])  # type: ignore[misc]
+    return fused
+
+
+def packed_prefill_enabled() -> bool:
+    """Whether one query's two contexts are decoded as one packed sequence
+    (``TOKRAG_PACKED_PREFILL``, default on; ``0`` prefills each context on its own and
+    decodes them as a fused two-row batch)."""
+    return os.environ.get("TOKRAG_PACKED_PREFILL", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+class _PackedBatch(RoleBatch):
+    """One query's two contexts in one sequence of one KV cache.
+
+    The sequence is the longer prompt, then the shorter prompt's part after the head both
+    share, then per step one token for each context (in row order). ``mask`` [2, T] says
+    which positions each context sees (its own prompt, the shared head, its own tokens), so
+    :class:`ContextView` reads a row as of any batch; every row lives in cache row 0. A step
+    is one forward pass of two query positions under that mask: the keys are read once for
+    both contexts (a fused two-row batch reads each row's own keys in a call of its own).
+    """
+
+    def cache_row(self, row: int) -> int:
+        return 0
+
+    def forward(self, new_ids: torch.Tensor | None) -> None:
+        """Advance both contexts by one token (``new_ids`` [2] long, in row order)."""
+        if new_ids is None:
+            raise RuntimeError("a packed batch is prefilled by prefill_packed")
+        dev = self.ids.device
+        t = self.mask.shape[1]
+        self.mask = torch.cat([self.mask, torch.eye(2, dtype=self.mask.dtype, device=dev)], dim=1)
+        pos = self._next[None].clone()
+        self._next = self._next + 1
+        self._step(new_ids.view(1, 2).to(dev), pos, t + 2)
+
+    def _step(self, inp: torch.Tensor, pos: torch.Tensor, n: int) -> None:
+        visible = self.mask[:, :n].bool()
+        # Additive: 0 where a context sees a key, -inf elsewhere (the CPU flash path).
+        mask = torch.zeros(visible.shape, dtype=self.lm.model.dtype, device=visible.device)
+        mask = mask.masked_fill_(~visible, float("-inf"))[None, None]
+        logits = self._run(inp, pos, mask, keep=inp.shape[1], positions=[0, 1])
+        self.logits = logits[0]
+
+    def _run(
+        self,
+        inp: torch.Tensor,
+        pos: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        keep: int | torch.Tensor,
+        positions: list[int],
+    ) -> torch.Tensor:
+        return self._model_pass(
+            dict(input_ids=inp, attention_mask=mask, position_ids=pos, logits_to_keep=keep),
+            probe=self.probe,
+            positions=positions,
+        )
+
+    def extend(self, new_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a packed batch advances one token per context at a time")
+
+    def fork(self, probe: bool) -> RoleBatch:
+        raise RuntimeError("a packed batch is not shared")
+
+    def rollback(self, stale: Sequence[int]) -> None:
+        """Forget each context's last ``k`` tokens (the same ``k`` for both)."""
+        if len(set(stale)) != 1:
+            raise ValueError(f"a packed batch rolls both contexts back alike, got {list(stale)}")
+        k = int(stale[0])
+        if k:
+            self.cache.crop(-2 * k)
+            self.mask = self.mask[:, : -2 * k]
+            self._next = self._next - k
+
+
+def prefill_packed(
+    roles: Sequence[str],
+    per_query: Sequence[dict[str, ContextSpec]],
+    lm: LoadedModel,
+    probe_roles: frozenset[str] | set[str],
+) -> RoleBatch | None:
+    """Prefill one query's two contexts in one forward pass, as one packed sequence that is
+    then decoded in one pass per step (:class:`_PackedBatch`; rows in ``roles`` order).
+
+    The pure prompt is the RAG prompt's head plus the question, so the pass runs the longer
+    prompt followed by the shorter one's part after the head they share; positions restart
+    at the head for that part, and a 4D mask keeps the two apart (computed as two causal
+    products by :func:`.cpu_kernels.few_query_attention`). Costs about what prefilling the
+    longer prompt alone does: the short part rides in a pass that is compute-bound, instead
+    of a pass of its own that reads every weight. Returns None where this does not apply
+    (not one query with two contexts, a shared-prefill store active, attention other than
+    this package's CPU path, caches that are not full attention, sliding-window layers,
+    retrieved positions in the
+    shorter prompt past the shared head, ``TOKRAG_PACKED_PREFILL=0``).
+    """
+    from .cpu_kernels import ATTN_IMPLEMENTATION, PACKED_PREFILL
+
+    if len(per_query) != 1 or len(roles) != 2 or not packed_prefill_enabled():
+        return None
+    if _SHARED_PREFILL.get() is not None:
+        return None
+    if getattr(lm.model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        return None
+    specs = [per_query[0].get(r) for r in roles]
+    if any(s is None or not s.ids for s in specs):
+        return None
+    if has_sliding_window(lm.model):
+        return None  # the 4D mask below would replace the sliding-window mask of those layers
+    cache = new_cache(lm.model)
+    if not cache.layers or any(not isinstance(layer, GrowableLayer) for layer in cache.layers):
+        return None
+    ids = [list(s.ids) for s in specs]  # type: ignore[union-attr]
+    lo = 0 if len(ids[0]) >= len(ids[1]) else 1  # the longer prompt runs first
+    so = 1 - lo
+    long_ids, short_ids = ids[lo], ids[so]
+    h = 0
+    for a, b in zip(long_ids, short_ids, strict=False):
+        if a != b:
+            break
+        h += 1
+    h = min(h, len(short_ids) - 1)  # the short prompt's last token must run (its logits)
+    if any(p >= h for p in specs[so].rt_positions):  # type: ignore[union-attr]
+        return None  # its retrieved positions would not be its cache positions
+    probe = any(role in probe_roles for role in roles)
+    if probe and not install_taps(model_parts(lm.model)):
+        return None  # positions are probed through the layer taps only
+    r = len(long_ids)
+    n_seq = r + len(short_ids) - h
+    dev = lm.model.device
+    seq = torch.tensor([long_ids + short_ids[h:]], dtype=torch.long, device=dev)
+    pos = torch.cat([torch.arange(r), torch.arange(h, len(short_ids))]).to(dev)[None]
+    full = torch.ones(n_seq, n_seq, dtype=torch.bool, device=dev).tril_()
+    full[r:, h:r] = False  # the short context sees the shared head, not the rest
+    last = {lo: r - 1, so: n_seq - 1}
+    keep = [last[0], last[1]]
+    visible = torch.zeros((2, n_seq), dtype=torch.long, device=dev)
+    visible[lo, :r] = 1
+    visible[so, :h] = 1
+    visible[so, r:] = 1
+
+    batch = object.__new__(_PackedBatch)
+    batch.role = "+".join(roles)
+    batch.query_idx = [0, 0]
+    batch.specs = list(specs)  # type: ignore[arg-type]
+    batch.lm = lm
+    batch.probe = probe
+    batch.parts = model_parts(lm.model) if probe else None
+    batch.pad = [0, 0]
+    batch.ids = seq
+    batch.mask = visible
+    batch.cache = cache
+    batch.records = None
+    batch._next = torch.tensor([len(x) for x in ids], dtype=torch.long, device=dev)
+    token = PACKED_PREFILL.set((r, h))
+    try:
+        logits = batch._run(
+            seq, pos, full[None, None], keep=torch.tensor(keep, device=dev), positions=keep
+        )
+    finally:
+        PACKED_PREFILL.reset(token)
+    batch.logits = logits[0]
+    return batch
+
+
+def prefill(
+    roles: Sequence[str],
+    per_query: Sequence[dict[str, ContextSpec]],
+    lm: LoadedModel,
+    policy: Policy,
+) -> Prefilled:
+    """The prefill of :func:`..engine.loop.decode_loop` with the speed paths: one packed
+    sequence for one query's two contexts, else all roles fused into one batch (a 2-row
+    pass costs about what a 1-row pass does on a CPU), else one batch per role. Fusion is
+    off with ``TOKRAG_FUSE_CONTEXTS=0``, ``policy.fuse = False`` or where
+    :func:`.cpu_kernels.fusion_off_reason` gives a reason."""
+    from .cpu_kernels import fusion_off_reason
+
+    fuse = fuse_contexts() and policy.fuse and fusion_off_reason(lm.model) is None
+    packed = prefill_packed(roles, per_query, lm, policy.probe_roles) if fuse else None
+    if packed is not None:
+        rows = {role: {0: (packed, r)} for r, role in enumerate(roles)}
+        return Prefilled({packed.role: packed}, rows, fused=True, packed=True)
+    batches = prefill_roles(roles, per_query, lm, policy.probe_roles)
+    fused = fuse_batches(list(batches.values())) if fuse else None
+    if fused is None:
+        return Prefilled(batches, row_map(batches))
+    rows = {}
+    start = 0
+    for role, b in batches.items():
+        rows[role] = {q: (fused, start + r) for r, q in enumerate(b.query_idx)}
+        start += len(b.query_idx)
+    return Prefilled({fused.role: fused}, rows, fused=True)

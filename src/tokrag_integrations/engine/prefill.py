@@ -1,0 +1,113 @@
+"""Prefilling the role batches of a decode: prompt-head reuse between roles and the
+evaluation harness's shared-prefill store."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..models import LoadedModel
+from ..policies.base import ContextSpec
+from .batch import RoleBatch
+
+_SHARED_PREFILL: contextvars.ContextVar[dict[tuple[Any, ...], RoleBatch] | None] = (
+    contextvars.ContextVar("tokrag_shared_prefill", default=None)
+)
+
+
+@contextlib.contextmanager
+def shared_prefill() -> Iterator[dict[tuple[Any, ...], RoleBatch]]:
+    """Within this block, decodes of identical contexts (same role, same ids, same batch) reuse
+    one prefill: the first decode keeps its prefilled role batch, later ones get a copy of its
+    KV cache. Used by the evaluation harness to run several policies on the same prompts."""
+    store: dict[tuple[Any, ...], RoleBatch] = {}
+    token = _SHARED_PREFILL.set(store)
+    try:
+        yield store
+    finally:
+        _SHARED_PREFILL.reset(token)
+        store.clear()
+
+
+def _prefilled(
+    role: str,
+    members: list[tuple[int, ContextSpec]],
+    lm: LoadedModel,
+    probe: bool,
+    prefix_src: RoleBatch | None = None,
+) -> RoleBatch:
+    """A prefilled role batch, from the shared-prefill store when one is active.
+
+    With ``prefix_src`` (an already prefilled batch of another role holding the same queries)
+    the prompt head both contexts share is taken from its KV cache and only the rest of this
+    role's prompt is run (:meth:`RoleBatch.prefill_from`).
+    """
+    store = _SHARED_PREFILL.get()
+    key = (id(lm.model), tuple((q, tuple(s.ids)) for q, s in members))
+    if store is not None:
+        for p in (True,) if probe else (False, True):
+            if (key, p) in store:
+                return store[(key, p)].fork(probe)
+    b = RoleBatch(role, members, lm, probe=probe)
+    h = b.shared_prefix(prefix_src) if prefix_src is not None else 0
+    if h:
+        b.prefill_from(prefix_src, h)  # type: ignore[arg-type]
+    else:
+        b.forward(None)
+    if store is not None:
+        store[(key, probe)] = b.fork(probe)
+    return b
+
+
+def prefill_roles(
+    roles: Sequence[str],
+    per_query: Sequence[dict[str, ContextSpec]],
+    lm: LoadedModel,
+    probe_roles: frozenset[str] | set[str],
+) -> dict[str, RoleBatch]:
+    """Prefill every role's batch (in ``roles`` order in the returned dict).
+
+    The longest context is run first; a context whose prompt starts with the same head as
+    it (the pure prompt is head + question, the RAG prompt head + passages + question)
+    reuses that head's keys and values instead of recomputing them.
+    """
+    members = {
+        role: [(q, c[role]) for q, c in enumerate(per_query) if role in c] for role in roles
+    }
+    order = sorted(roles, key=lambda r: -sum(len(s.ids) for _, s in members[r]))
+    done: dict[str, RoleBatch] = {}
+    for role in order:
+        src = done[order[0]] if done else None
+        done[role] = _prefilled(role, members[role], lm, role in probe_roles, prefix_src=src)
+    return {role: done[role] for role in roles}
+
+
+@dataclass
+class Prefilled:
+    """The prefilled batches of a decode: ``batches`` are advanced at every step, ``rows``
+    says where each context lives (role -> query -> (batch, row)); ``fused`` / ``packed``:
+    whether all contexts share one batch / one packed sequence (reported in the timings)."""
+
+    batches: dict[str, RoleBatch]
+    rows: dict[str, dict[int, tuple[RoleBatch, int]]] = field(default_factory=dict)
+    fused: bool = False
+    packed: bool = False
+
+
+def row_map(batches: dict[str, RoleBatch]) -> dict[str, dict[int, tuple[RoleBatch, int]]]:
+    """role -> query -> (its batch, its row) for one batch per role."""
+    return {role: {q: (b, r) for r, q in enumerate(b.query_idx)} for role, b in batches.items()}
+
+
+def plain_prefill(
+    roles: Sequence[str],
+    per_query: Sequence[dict[str, ContextSpec]],
+    lm: LoadedModel,
+    policy: Any,
+) -> Prefilled:
+    """One prefilled batch per role (:func:`prefill_roles`), decoded one pass per role."""
+    batches = prefill_roles(roles, per_query, lm, policy.probe_roles)
+    return Prefilled(batches, row_map(batches))
