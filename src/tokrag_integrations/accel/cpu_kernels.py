@@ -6,13 +6,9 @@ Linear layers
 Decoding multiplies a few rows (one token per step, two in a fused pure+RAG step, ``k``
 tokens in a blockwise verifier pass, a dozen rows in a logit lens) by every weight matrix of
 the model. BLAS libraries pick their kernel by shape, and for such skinny products the pick
-is often poor, in ways that differ from one CPU to the next. Measured on the two machines
-this project ran on (2-core Xeon VMs, MKL through torch): on one, ``F.linear`` at 2-3 rows
-was 1.5-2x slower than at 1 row while ``W @ x.T`` ran near memory bandwidth; on the other,
-``W @ x.T`` was 2-3x *slower* than ``F.linear``, a 1-row ``F.linear`` on the 49k-row LM head
-took twice as long as a 2-row one, and beyond 4 rows its cost grew by ~1.4 ms a row where a
-product tiled over the output features grows by ~0.3 ms; and the cost is not monotone in
-the rows: on the LM head 9-15 rows took 1.5-2x as long as 16.
+is often poor, in ways that differ from one CPU to the next and are not monotone in the
+number of rows (the figures are in docs/results.md, "Speed-path measurements moved from
+docstrings").
 
 So nothing is assumed: :func:`plan_for` times, for each weight shape of the model and each
 bucket of row counts (1, 2, 3-4, 5-8, 9-16, 17-32, 33-64, each timed at a count inside it),
@@ -737,12 +733,10 @@ def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
     """A faster many-row product with a model's LM head, or None: the weight reordered once
     into oneDNN's blocked layout and multiplied by oneDNN's GEMM.
 
-    The logit lens of a Tok-RAG disagreement step multiplies ~10-16 rows by the 49k-row head.
-    Measured on an AMD EPYC (Zen 4) VM with MKL 2024.2 through torch 2.13, 2 threads: 14
-    rows took 20-28 ms with MKL (``F.linear`` or the routed strategies) and 11-13 ms with
-    oneDNN on the reordered weight; at 1-2 rows the routed product stays faster. The copy
-    costs the weight's size again (113 MB for SmolLM2-135M's head), so it is made only where
-    it is measured at :data:`HEAD_ROWS` rows to take less than :data:`HEAD_GAIN` of the
+    The logit lens of a Tok-RAG disagreement step multiplies ~10-16 rows by the large head,
+    a shape where oneDNN on a reordered weight can beat MKL by about 2x (figures in
+    docs/results.md); at 1-2 rows the routed product stays faster. The copy costs the
+    weight's size again, so it is made only where it is measured at :data:`HEAD_ROWS` rows to take less than :data:`HEAD_GAIN` of the
     routed product's time (kept per machine next to the kernel plans), and only for calls of
     at least :data:`HEAD_MIN_ROWS` rows. ``TOKRAG_PACKED_HEAD``: ``auto`` (default),
     ``on`` (always, where oneDNN is available), ``off``. The sums are the same dot products

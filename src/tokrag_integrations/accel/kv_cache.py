@@ -1,9 +1,8 @@
 """A KV cache that grows in place: no copy of the cache per generated token.
 
 transformers' ``DynamicLayer`` appends a step's keys and values with ``torch.cat``, so every
-token copies the whole cache of every layer into a freshly allocated tensor. On CPU, with
-~900-token RAG prompts, those copies (and the page faults of the fresh allocations) cost
-9 ms of a 34 ms SmolLM2 step, and more for a multi-token verifier pass after a rollback.
+token copies the whole cache of every layer into a freshly allocated tensor (a sizeable
+share of a CPU step with long RAG prompts; docs/results.md).
 :class:`GrowableLayer` keeps the keys and values in a buffer with spare capacity (grown
 geometrically) and exposes ``keys``/``values`` as views of its first ``n`` positions, so an
 update writes only the new positions and :meth:`crop` (the blockwise verifier's rollback)
