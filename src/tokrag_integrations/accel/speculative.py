@@ -44,8 +44,8 @@ from typing import Any
 import torch
 
 from ..attention import ModelParts, ProbeRecord, model_parts
-from ..engine.loop import StepEvent, role_setup, step_event
-from ..engine.prefill import prefill_roles
+from ..engine.loop import StepEvent, role_setup, step_event, views_for
+from ..engine.prefill import prefill_roles, row_map
 from ..models import LoadedModel
 from ..policies.base import ContextView, Policy
 from ..prompts import PromptPlan
@@ -194,13 +194,10 @@ def blockwise_loop(
         wins = {role: 0 for role in ROLES}
 
         # Step 0 reads the prefill's logits and probe records, as the step-by-step loop does.
+        rows = row_map(batches)
+        rows = {role: rows[role] for role in policy.roles}
         for q in range(n_q):
-            views = {}
-            for role in policy.roles:
-                b = batches[role]
-                views[role] = ContextView(
-                    b, q, b.records.select([q]) if b.records is not None else None
-                )
+            views = views_for(rows, q)
             choice = policy.choose(views, lm)
             ev = step_event(lm, q, 0, choice, views, generated[q], stop, max_new_tokens)
             n_chosen[q] = 1
