@@ -16,7 +16,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from .. import api
+from .. import api, batching
 from ..api import GenerationResult, TokenEvent
 from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
 from ..policies import get_policy
@@ -174,6 +174,10 @@ class ChatTokRAG(BaseChatModel):
     """Only ``None`` or ``0``: decoding is greedy (Tok-RAG compares greedy choices)."""
     streaming: bool = False
     """Whether ``invoke`` runs through the token stream (callbacks see every token)."""
+    batching: bool = True
+    """Concurrent calls on the same model (``batch``, ``abatch``, threads, ``asyncio.gather``)
+    with the same settings are decoded together as one batch, each getting the tokens it gets
+    alone (:mod:`tokrag_integrations.batching`); ``False`` decodes them one at a time."""
 
     _lm: LoadedModel | None = PrivateAttr(default=None)
 
@@ -365,7 +369,9 @@ class ChatTokRAG(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         call = self._prepare(messages, stop, kwargs)
-        result = api.generate(call.lm, call.query, call.passages, **call.kwargs)
+        result = batching.generate(
+            call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
+        )
         return self._result(result, call.lm)
 
     def _stream(
@@ -400,7 +406,9 @@ class ChatTokRAG(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         call = await self._aprepare(messages, stop, kwargs)
-        result = await api.agenerate(call.lm, call.query, call.passages, **call.kwargs)
+        result = await batching.agenerate(
+            call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
+        )
         return self._result(result, call.lm)
 
     async def _astream(

@@ -25,7 +25,8 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 
-from ..api import GenerationResult, TokenEvent, agenerate, astream_with_result, generate, stream
+from .. import batching
+from ..api import GenerationResult, TokenEvent, astream_with_result, stream
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
 from ._convert import jsonable, messages_to_turns, result_kwargs, to_passages
 
@@ -94,6 +95,14 @@ class TokRAGLLM(CustomLLM):
     )
     load_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for load_model() (device, dtype)."
+    )
+    batching: bool = Field(
+        default=True,
+        description=(
+            "Concurrent calls on the same model with the same settings (asyncio.gather over "
+            "acomplete/achat, threads) are decoded together as one batch, each with the tokens "
+            "it gets alone; False decodes them one at a time."
+        ),
     )
 
     _lm: LoadedModel = PrivateAttr()
@@ -236,12 +245,18 @@ class TokRAGLLM(CustomLLM):
             raw=jsonable(final.trace.to_dict()),
         )
 
+    def _generate(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> GenerationResult:
+        return batching.generate(self._lm, query, passages, batching=self.batching, **gen_kw)
+
+    async def _agenerate(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> GenerationResult:
+        return await batching.agenerate(self._lm, query, passages, batching=self.batching, **gen_kw)
+
     # ------------------------------------------------------------------ completion
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Complete ``prompt`` (pure model, or ``policy`` over ``passages=``)."""
         prompt, passages, gen_kw = self._prompt_args(prompt, formatted, kwargs)
-        return self._completion(generate(self._lm, prompt, passages, **gen_kw))
+        return self._completion(self._generate(prompt, passages, gen_kw))
 
     @llm_completion_callback()
     def stream_complete(
@@ -258,7 +273,7 @@ class TokRAGLLM(CustomLLM):
     ) -> CompletionResponse:
         """Async :meth:`complete`; the model runs in a worker thread."""
         prompt, passages, gen_kw = self._prompt_args(prompt, formatted, kwargs)
-        return self._completion(await agenerate(self._lm, prompt, passages, **gen_kw))
+        return self._completion(await self._agenerate(prompt, passages, gen_kw))
 
     @llm_completion_callback()
     async def astream_complete(
@@ -290,7 +305,7 @@ class TokRAGLLM(CustomLLM):
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Answer the last user message; earlier messages become the chat history."""
         query, passages, gen_kw = self._chat_args(messages, kwargs)
-        return self._chat(generate(self._lm, query, passages, **gen_kw))
+        return self._chat(self._generate(query, passages, gen_kw))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -303,7 +318,7 @@ class TokRAGLLM(CustomLLM):
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Async :meth:`chat`; the model runs in a worker thread."""
         query, passages, gen_kw = self._chat_args(messages, kwargs)
-        return self._chat(await agenerate(self._lm, query, passages, **gen_kw))
+        return self._chat(await self._agenerate(query, passages, gen_kw))
 
     @llm_chat_callback()
     async def astream_chat(
