@@ -8,7 +8,11 @@ import asyncio
 import pytest
 
 from tokrag_integrations.batching import batcher_for
-from tokrag_integrations.retrieval import build_retriever, get_sample_docs_path, get_sample_questions
+from tokrag_integrations.retrieval import (
+    build_retriever,
+    get_sample_docs_path,
+    get_sample_questions,
+)
 
 N_TOKENS = 8
 
