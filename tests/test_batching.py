@@ -101,3 +101,25 @@ def test_llamaindex_concurrent_acomplete_equals_sequential(lm, questions_and_pas
 
     assert [r.text for r in asyncio.run(run())] == sequential
     assert b.batched_calls > before
+
+
+def test_llamaindex_concurrent_aquery_is_batched(lm):
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    from tokrag_integrations.llama_index import TokRAGSynthesizer
+
+    nodes = [
+        NodeWithScore(node=TextNode(text="Quillfeather Aerospace was founded by Ottoline Varga."), score=1.0)
+    ]
+    qs = ["Who founded Quillfeather Aerospace?", "Who is the founder of Quillfeather?"]
+    synth = TokRAGSynthesizer(lm, max_new_tokens=N_TOKENS)
+    alone = TokRAGSynthesizer(lm, max_new_tokens=N_TOKENS, batching=False)
+    sequential = [str(alone.synthesize(q, nodes)) for q in qs]
+    b = batcher_for(lm)
+    before = b.batched_calls
+
+    async def run():
+        return await asyncio.gather(*(synth.asynthesize(q, nodes) for q in qs))
+
+    assert [str(r) for r in asyncio.run(run())] == sequential
+    assert b.batched_calls > before

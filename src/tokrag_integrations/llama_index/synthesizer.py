@@ -32,10 +32,11 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTe
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
-from ..api import GenerationResult, agenerate, astream_with_result, generate, stream
-from ..decoding import Policy
+from .. import batching
+from ..api import GenerationResult, astream_with_result, stream
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy
 from ..policies import get_policy
+from ..policies.base import Policy
 from ..prompts import MIN_CUT_TOKENS, Passage, PromptBuilder, PromptPlan
 from ._convert import (
     call_summary,
@@ -55,6 +56,7 @@ _GATE_SKIP = "the gate decided not to use retrieval"
 _OWN_ARGUMENTS = (
     "lm", "model", "temperature", "policy", "max_new_tokens", "stop", "max_context_tokens",
     "system_prompt", "gate", "streaming", "callback_manager", "response_mode", "metadata_mode",
+    "batching",
 )
 #: ``response_mode`` values: one decode over every node that fits (the default), or
 #: LlamaIndex's multi-call modes of the same names (see :class:`TokRAGSynthesizer`).
@@ -517,6 +519,9 @@ class TokRAGSynthesizer(BaseSynthesizer):
         metadata_mode: which node metadata goes into the passage text (default
             ``MetadataMode.LLM``, as LlamaIndex's synthesizers; ``MetadataMode.NONE`` for
             the text alone).
+        batching: decode concurrent non-streaming calls (``asyncio.gather`` over ``aquery``,
+            threads) together as one batch (:mod:`tokrag_integrations.batching`); False
+            decodes them one at a time.
         **policy_options: the policy's options (e.g. ``pr_norm="softmax"``).
     """
 
@@ -536,6 +541,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
         callback_manager: CallbackManager | None = None,
         response_mode: Any = "one_pass",
         metadata_mode: Any = MetadataMode.LLM,
+        batching: bool = True,
         **policy_options: Any,
     ) -> None:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -583,6 +589,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
         self._gate = gate
         self._mode = mode
         self._metadata_mode = meta_mode
+        self._batching = bool(batching)
         self._gen_kwargs: dict[str, Any] = {
             "policy": policy,
             "max_new_tokens": max_new_tokens,
@@ -693,7 +700,9 @@ class TokRAGSynthesizer(BaseSynthesizer):
     def _call(self, sess: _Session, call: _Call) -> GenerationResult:
         event_id, prompt = self._llm_start(sess, call)
         try:
-            result = generate(self._lm, sess.query, call.passages, **self._gen_kwargs)
+            result = batching.generate(
+                self._lm, sess.query, call.passages, batching=self._batching, **self._gen_kwargs
+            )
         except BaseException as e:
             self._llm_error(event_id, e)
             raise
@@ -703,7 +712,9 @@ class TokRAGSynthesizer(BaseSynthesizer):
     async def _acall(self, sess: _Session, call: _Call) -> GenerationResult:
         event_id, prompt = self._llm_start(sess, call)
         try:
-            result = await agenerate(self._lm, sess.query, call.passages, **self._gen_kwargs)
+            result = await batching.agenerate(
+                self._lm, sess.query, call.passages, batching=self._batching, **self._gen_kwargs
+            )
         except BaseException as e:
             self._llm_error(event_id, e)
             raise
