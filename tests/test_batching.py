@@ -123,3 +123,24 @@ def test_llamaindex_concurrent_aquery_is_batched(lm):
 
     assert [str(r) for r in asyncio.run(run())] == sequential
     assert b.batched_calls > before
+
+
+def test_chain_abatch_of_8_equals_8_invokes(lm, questions_and_passages):
+    from langchain_core.documents import Document
+    from langchain_core.runnables import RunnableLambda
+
+    from tokrag_integrations.langchain import create_tokrag_chain
+
+    ret = build_retriever(get_sample_docs_path(), "bm25")
+    retriever = RunnableLambda(
+        lambda q: [Document(page_content=h.text) for h in ret.retrieve(q, top_k=2)]
+    )
+    chain = create_tokrag_chain(retriever, lm, max_tokens=N_TOKENS)
+    inputs = [{"input": q} for q, _ in questions_and_passages]
+    one_by_one = [chain.invoke(x)["answer"] for x in inputs]
+    b = batcher_for(lm)
+    before = b.batched_calls
+    together = [o["answer"] for o in asyncio.run(chain.abatch(inputs))]
+    assert together == one_by_one
+    assert b.batched_calls - before >= 2
+    assert [o["answer"] for o in chain.batch(inputs)] == one_by_one
