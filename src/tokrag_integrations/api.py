@@ -12,7 +12,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -708,10 +708,17 @@ async def agenerate(lm: LoadedModel, query: str, passages: Sequence[Any] | None 
     Cancelling the task stops the decode at its next step (or while it waits for the model);
     the cancellation is re-raised once the worker has let go of the model.
     """
+    return await run_cancellable(lambda cancel: _generate(lm, query, passages, cancel=cancel, **kwargs))
+
+
+async def run_cancellable(call: Callable[[threading.Event], Any]) -> Any:
+    """Await ``call(cancel)`` run in a worker thread (with the caller's context variables).
+
+    Cancelling the awaiting task sets ``cancel`` (the decode stops at its next step), waits
+    until the worker has let go of the model, then re-raises the cancellation."""
     loop = asyncio.get_running_loop()
     cancel = threading.Event()
-    call = functools.partial(_generate, lm, query, passages, cancel=cancel, **kwargs)
-    fut = loop.run_in_executor(None, contextvars.copy_context().run, call)
+    fut = loop.run_in_executor(None, contextvars.copy_context().run, functools.partial(call, cancel))
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:

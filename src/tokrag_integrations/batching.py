@@ -15,9 +15,6 @@ time, so only the call with the bad input gets the error.
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
-import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -194,15 +191,5 @@ async def agenerate(
     that shares a batch is dropped while the batch goes on for the others."""
     if not batching:
         return await api.agenerate(lm, query, passages, **kwargs)
-    cancel = threading.Event()
-    call = functools.partial(batcher_for(lm).generate, query, passages, _cancel=cancel, **kwargs)
-    loop = asyncio.get_running_loop()
-    fut = loop.run_in_executor(None, contextvars.copy_context().run, call)
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        cancel.set()
-        await asyncio.wait([fut])
-        if not fut.cancelled():
-            fut.exception()  # retrieved: the worker's _Cancelled is expected
-        raise
+    batcher = batcher_for(lm)
+    return await api.run_cancellable(lambda cancel: batcher.generate(query, passages, _cancel=cancel, **kwargs))

@@ -1,0 +1,97 @@
+"""How far can a rule that chooses between the pure model and RAG get above ``rag``?
+
+Reads the per-item records of a ``tokrag eval noise`` / ``tokrag eval misleading`` run that
+holds ``llm`` and ``rag`` (and any other policies) and prints, per condition and as the mean
+over conditions:
+
+* the **selection ceiling**: an item counts as correct when ``rag`` or ``llm`` answers it
+  correctly (an oracle that picks the better of the two whole answers). A token-level rule
+  can also compose an answer that neither context gives alone, so this is not a strict bound
+  for Tok-RAG, but it says how much of the pure model's own knowledge there is to recover:
+  the items that only ``llm`` answers;
+* for every other policy: its accuracy, the items it answers that ``rag`` misses (wins) and
+  the items ``rag`` answers that it misses (losses), and the paired difference to ``rag``
+  with its 95 % bootstrap interval over items (the harness's own resampling).
+
+    python benchmarks/selection_ceiling.py runs/noise_rgb_en_fact_dev.jsonl
+    python benchmarks/selection_ceiling.py runs/misleading_conflictqa_strategyqa_dev.jsonl --key correct
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from tokrag_integrations.evaluation.metrics import bootstrap_ci, paired_bootstrap_diff
+
+NO_PASSAGES = "none"
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def matrices(records: list[dict[str, Any]], key: str) -> tuple[list[str], list[str], dict[str, list[list[float]]]]:
+    """Items × conditions matrices (100 / 0) per policy, over the items every policy has in
+    every condition; ``llm`` (decoded once, condition ``none``) fills every condition."""
+    cell: dict[str, dict[tuple[str, str], bool]] = defaultdict(dict)
+    for r in records:
+        cell[r["policy"]][(r["item"], r["condition"])] = bool(r[key])
+    conditions = sorted({r["condition"] for r in records if r["condition"] != NO_PASSAGES}, key=float)
+    if "llm" not in cell or "rag" not in cell:
+        raise SystemExit("the records need both 'llm' and 'rag' (run the eval with --policies llm,rag,...)")
+
+    def value(policy: str, item: str, cond: str) -> bool | None:
+        got = cell[policy].get((item, cond))
+        return cell[policy].get((item, NO_PASSAGES)) if got is None else got
+
+    # Items in the order the run met them (the data file's order), as the harness resamples.
+    items = [i for i in dict.fromkeys(r["item"] for r in records) if all(value(p, i, c) is not None for p in cell for c in conditions)]
+    out = {p: [[100.0 * bool(value(p, i, c)) for c in conditions] for i in items] for p in cell}
+    out["ceiling (rag or llm)"] = [
+        [max(a, b) for a, b in zip(ra, rl, strict=True)] for ra, rl in zip(out["rag"], out["llm"], strict=True)
+    ]
+    return items, conditions, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("records", type=Path, help="a records file of tokrag eval (runs/<name>.jsonl)")
+    ap.add_argument("--key", default="correct", help="record field to count (default: correct)")
+    args = ap.parse_args()
+    items, conditions, m = matrices(load(args.records), args.key)
+    n = len(items)
+    print(f"{args.records.name}: {n} items, conditions {', '.join(conditions)}, field '{args.key}'\n")
+    head = "| policy | " + " | ".join(conditions) + " | mean [95 % CI] | − rag [95 % CI] | wins / losses vs rag |"
+    print(head)
+    print("|" + " --- |" * (head.count("|") - 1))
+    order = ["rag", "ceiling (rag or llm)", "llm"] + sorted(p for p in m if p not in ("rag", "llm", "ceiling (rag or llm)"))
+    for p in order:
+        rows = m[p]
+        per = [sum(r[j] for r in rows) / n for j in range(len(conditions))]
+        lo, hi = bootstrap_ci(rows)
+        mean = sum(per) / len(per)
+        if p == "rag":
+            diff, wl = "", ""
+        else:
+            d = paired_bootstrap_diff(rows, m["rag"])
+            diff = f"{d['diff']:+.1f} [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}]"
+            wins = sum(a > b for ra, rb in zip(rows, m["rag"], strict=True) for a, b in zip(ra, rb, strict=True))
+            losses = sum(a < b for ra, rb in zip(rows, m["rag"], strict=True) for a, b in zip(ra, rb, strict=True))
+            wl = f"{wins} / {losses}"
+        cells = " | ".join(f"{v:.1f}" for v in per)
+        ci = "" if math.isnan(lo) else f" [{lo:.1f}, {hi:.1f}]"
+        print(f"| {p} | {cells} | {mean:.1f}{ci} | {diff} | {wl} |")
+    only_llm = sum(
+        a > b for ra, rb in zip(m["llm"], m["rag"], strict=True) for a, b in zip(ra, rb, strict=True)
+    )
+    print(f"\n(item, condition) pairs that only llm answers correctly: {only_llm} of {n * len(conditions)}")
+
+
+if __name__ == "__main__":
+    main()
