@@ -14,7 +14,8 @@ over conditions:
   with its 95 % bootstrap interval over items (the harness's own resampling).
 
     python benchmarks/selection_ceiling.py runs/noise_rgb_en_fact_dev.jsonl
-    python benchmarks/selection_ceiling.py runs/misleading_conflictqa_strategyqa_dev.jsonl --key correct
+    python benchmarks/selection_ceiling.py runs/misleading_conflictqa_strategyqa_dev.jsonl
+    python benchmarks/selection_ceiling.py runs/misleading_conflictqa_strategyqa_dev.jsonl --key cf_repeat --lower-is-better
 """
 
 from __future__ import annotations
@@ -36,25 +37,38 @@ def load(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def matrices(records: list[dict[str, Any]], key: str) -> tuple[list[str], list[str], dict[str, list[list[float]]]]:
+def matrices(
+    records: list[dict[str, Any]], key: str, best: Any = max
+) -> tuple[list[str], list[str], dict[str, list[list[float]]]]:
     """Items × conditions matrices (100 / 0) per policy, over the items every policy has in
     every condition; ``llm`` (decoded once, condition ``none``) fills every condition."""
-    cell: dict[str, dict[tuple[str, str], bool]] = defaultdict(dict)
+    cell: dict[str, dict[tuple[str, str], bool | None]] = defaultdict(dict)
     for r in records:
-        cell[r["policy"]][(r["item"], r["condition"])] = bool(r[key])
-    conditions = sorted({r["condition"] for r in records if r["condition"] != NO_PASSAGES}, key=float)
+        cell[r["policy"]][(r["item"], r["condition"])] = (
+            None if r.get(key) is None else bool(r[key])
+        )
+    conditions = list(
+        dict.fromkeys(r["condition"] for r in records if r["condition"] != NO_PASSAGES)
+    )
     if "llm" not in cell or "rag" not in cell:
-        raise SystemExit("the records need both 'llm' and 'rag' (run the eval with --policies llm,rag,...)")
+        raise SystemExit(
+            "the records need both 'llm' and 'rag' (run the eval with --policies llm,rag,...)"
+        )
 
     def value(policy: str, item: str, cond: str) -> bool | None:
         got = cell[policy].get((item, cond))
         return cell[policy].get((item, NO_PASSAGES)) if got is None else got
 
     # Items in the order the run met them (the data file's order), as the harness resamples.
-    items = [i for i in dict.fromkeys(r["item"] for r in records) if all(value(p, i, c) is not None for p in cell for c in conditions)]
+    items = [
+        i
+        for i in dict.fromkeys(r["item"] for r in records)
+        if all(value(p, i, c) is not None for p in cell for c in conditions)
+    ]
     out = {p: [[100.0 * bool(value(p, i, c)) for c in conditions] for i in items] for p in cell}
     out["ceiling (rag or llm)"] = [
-        [max(a, b) for a, b in zip(ra, rl, strict=True)] for ra, rl in zip(out["rag"], out["llm"], strict=True)
+        [best(a, b) for a, b in zip(ra, rl, strict=True)]
+        for ra, rl in zip(out["rag"], out["llm"], strict=True)
     ]
     return items, conditions, out
 
@@ -63,14 +77,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("records", type=Path, help="a records file of tokrag eval (runs/<name>.jsonl)")
     ap.add_argument("--key", default="correct", help="record field to count (default: correct)")
+    ap.add_argument(
+        "--lower-is-better",
+        action="store_true",
+        help="the field counts failures (cf_repeat: the answer repeats the counterfactual): the "
+        "ceiling takes the better, lower of rag and llm, and a win is a lower value than rag's",
+    )
     args = ap.parse_args()
-    items, conditions, m = matrices(load(args.records), args.key)
+    lower = args.lower_is_better
+    items, conditions, m = matrices(load(args.records), args.key, best=min if lower else max)
     n = len(items)
-    print(f"{args.records.name}: {n} items, conditions {', '.join(conditions)}, field '{args.key}'\n")
-    head = "| policy | " + " | ".join(conditions) + " | mean [95 % CI] | − rag [95 % CI] | wins / losses vs rag |"
+    print(
+        f"{args.records.name}: {n} items, conditions {', '.join(conditions)}, field '{args.key}'\n"
+    )
+    head = (
+        "| policy | "
+        + " | ".join(conditions)
+        + " | mean [95 % CI] | − rag [95 % CI] | wins / losses vs rag |"
+    )
     print(head)
     print("|" + " --- |" * (head.count("|") - 1))
-    order = ["rag", "ceiling (rag or llm)", "llm"] + sorted(p for p in m if p not in ("rag", "llm", "ceiling (rag or llm)"))
+    order = ["rag", "ceiling (rag or llm)", "llm"] + sorted(
+        p for p in m if p not in ("rag", "llm", "ceiling (rag or llm)")
+    )
     for p in order:
         rows = m[p]
         per = [sum(r[j] for r in rows) / n for j in range(len(conditions))]
@@ -81,16 +110,28 @@ def main() -> None:
         else:
             d = paired_bootstrap_diff(rows, m["rag"])
             diff = f"{d['diff']:+.1f} [{d['ci'][0]:+.1f}, {d['ci'][1]:+.1f}]"
-            wins = sum(a > b for ra, rb in zip(rows, m["rag"], strict=True) for a, b in zip(ra, rb, strict=True))
-            losses = sum(a < b for ra, rb in zip(rows, m["rag"], strict=True) for a, b in zip(ra, rb, strict=True))
+            wins = sum(
+                (a < b) if lower else (a > b)
+                for ra, rb in zip(rows, m["rag"], strict=True)
+                for a, b in zip(ra, rb, strict=True)
+            )
+            losses = sum(
+                (a > b) if lower else (a < b)
+                for ra, rb in zip(rows, m["rag"], strict=True)
+                for a, b in zip(ra, rb, strict=True)
+            )
             wl = f"{wins} / {losses}"
         cells = " | ".join(f"{v:.1f}" for v in per)
         ci = "" if math.isnan(lo) else f" [{lo:.1f}, {hi:.1f}]"
         print(f"| {p} | {cells} | {mean:.1f}{ci} | {diff} | {wl} |")
     only_llm = sum(
-        a > b for ra, rb in zip(m["llm"], m["rag"], strict=True) for a, b in zip(ra, rb, strict=True)
+        ((a < b) if lower else (a > b))
+        for ra, rb in zip(m["llm"], m["rag"], strict=True)
+        for a, b in zip(ra, rb, strict=True)
     )
-    print(f"\n(item, condition) pairs that only llm answers correctly: {only_llm} of {n * len(conditions)}")
+    print(
+        f"\n(item, condition) pairs where only llm is right (better than rag): {only_llm} of {n * len(conditions)}"
+    )
 
 
 if __name__ == "__main__":
