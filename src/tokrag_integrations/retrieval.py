@@ -627,7 +627,7 @@ class DenseRetriever:
         progress: bool = False,
     ):
         """Embed ``chunks`` (raises ``ValueError`` when there are none); ``progress`` shows
-        a progress bar on stderr."""
+        a progress bar on stderr when there is more than one batch to embed."""
         self.chunks = _check_chunks(chunks)
         self.device = device
         self._model = get_embedder(device)
@@ -636,7 +636,7 @@ class DenseRetriever:
             batch_size=batch_size,
             normalize_embeddings=True,
             convert_to_numpy=True,
-            show_progress_bar=progress,
+            show_progress_bar=progress and len(self.chunks) > batch_size,
         )
 
     def retrieve(self, query: str, top_k: int = 5) -> list[ScoredChunk]:
