@@ -40,8 +40,9 @@ def load(path: Path) -> list[dict[str, Any]]:
 def matrices(
     records: list[dict[str, Any]], key: str, best: Any = max
 ) -> tuple[list[str], list[str], dict[str, list[list[float]]]]:
-    """Items × conditions matrices (100 / 0) per policy, over the items every policy has in
-    every condition; ``llm`` (decoded once, condition ``none``) fills every condition."""
+    """Items × conditions matrices (100 / 0) per policy, over the items ``llm`` and ``rag``
+    have in every condition (``llm``, decoded once as condition ``none``, fills every
+    condition); a policy without a record for each of those is left out, and named."""
     cell: dict[str, dict[tuple[str, str], bool | None]] = defaultdict(dict)
     for r in records:
         cell[r["policy"]][(r["item"], r["condition"])] = (
@@ -63,9 +64,17 @@ def matrices(
     items = [
         i
         for i in dict.fromkeys(r["item"] for r in records)
-        if all(value(p, i, c) is not None for p in cell for c in conditions)
+        if all(value(p, i, c) is not None for p in ("llm", "rag") for c in conditions)
     ]
-    out = {p: [[100.0 * bool(value(p, i, c)) for c in conditions] for i in items] for p in cell}
+    # A policy still running (or missing items) is left out rather than shrinking the items.
+    complete = [
+        p for p in cell if all(value(p, i, c) is not None for i in items for c in conditions)
+    ]
+    for p in sorted(set(cell) - set(complete)):
+        print(f"left out: {p} (no record for every item and condition yet)")
+    if not items:
+        raise SystemExit("no item has llm and rag records in every condition")
+    out = {p: [[100.0 * bool(value(p, i, c)) for c in conditions] for i in items] for p in complete}
     out["ceiling (rag or llm)"] = [
         [best(a, b) for a, b in zip(ra, rl, strict=True)]
         for ra, rl in zip(out["rag"], out["llm"], strict=True)
