@@ -31,8 +31,8 @@ COLUMNS = {
     "`llm`": ("llm", {}),
     "`rag`": ("rag", {}),
     "`tokrag` (default)": ("tokrag", {}),
-    "`tokrag` paper rule (`function_word_gate=False, threshold=0`)": (
-        "tokrag", {"function_word_gate": False, "threshold": 0.0},
+    "`tokrag` paper rule (`function_word_gate=False, threshold=0, plausibility_alpha=0.1`)": (
+        "tokrag", {"function_word_gate": False, "threshold": 0.0, "plausibility_alpha": 0.1},
     ),
     "`tokrag` literal reading (+ `min_fusion_layer=0, plausibility_alpha=None, lens_norm=False`)": (
         "tokrag",

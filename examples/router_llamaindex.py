@@ -28,12 +28,13 @@ from tokrag_integrations.retrieval import (
 class SampleDocsRetriever(BaseRetriever):
     """The project's dense retriever over the packaged sample documents."""
 
-    def __init__(self) -> None:
+    def __init__(self, top_k: int = 5) -> None:
         super().__init__()
         self._ret = build_retriever(get_sample_docs_path(), "dense")
+        self._top_k = top_k
 
     def _retrieve(self, query_bundle):
-        hits = self._ret.retrieve(query_bundle.query_str, top_k=3)
+        hits = self._ret.retrieve(query_bundle.query_str, top_k=self._top_k)
         return [NodeWithScore(node=TextNode(text=h.text), score=h.score) for h in hits]
 
 
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("question", nargs="?", default="Who founded Quillfeather Aerospace?")
     ap.add_argument("--max-new-tokens", type=int, default=48, help="answer length")
     ap.add_argument("--calibration", type=int, default=10, help="sample questions to calibrate")
+    ap.add_argument("--top-k", type=int, default=5, help="chunks retrieved (default 5, as tokrag ask)")
     args = ap.parse_args()
     question = args.question
     lm = load_model("default")
@@ -58,7 +60,7 @@ def main() -> None:
     gate.calibrate(calib, percentile=10)
     synth = TokRAGSynthesizer(lm, policy="tokrag", max_new_tokens=args.max_new_tokens)
     direct = RetrieverQueryEngine(retriever=NoRetriever(), response_synthesizer=synth)
-    rag = RetrieverQueryEngine(retriever=SampleDocsRetriever(), response_synthesizer=synth)
+    rag = RetrieverQueryEngine(retriever=SampleDocsRetriever(args.top_k), response_synthesizer=synth)
     router = RouterQueryEngine(
         selector=gate_selector(gate),
         llm=TokRAGLLM(lm),  # else LlamaIndex resolves Settings.llm (OpenAI) at construction

@@ -163,9 +163,9 @@ BENEFIT_CASES = [
 ]
 
 
-#: Eq. 19 as the paper writes it: no function-word gate, threshold 0 (the corrected readings of
-#: Eq. 14-15 stay on).
-PAPER_RULE = {"function_word_gate": False, "threshold": 0.0}
+#: Eq. 19 as the paper writes it: no function-word gate, threshold 0, and the rising token under
+#: DoLa's own plausibility constraint α = 0.1 (the corrected readings of Eq. 14-15 stay on).
+PAPER_RULE = {"function_word_gate": False, "threshold": 0.0, "plausibility_alpha": 0.1}
 
 
 @pytest.mark.parametrize("options", [{}, PAPER_RULE], ids=["default", "paper-rule"])

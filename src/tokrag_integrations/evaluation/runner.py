@@ -83,9 +83,10 @@ DEFAULT_CF_RATIOS = (0.0, 0.5, 1.0)
 NO_PASSAGES = "none"
 
 #: Tok-RAG scorers measured at token level when ``--scorers`` is not given: the defaults, each
-#: corrected reading of spec §3 undone alone, all of them undone (the literal reading), the
-#: spec's search start (10/32 of the depth), a fixed mid-depth l*, the Theorem-3 scorer and
-#: the authors' released rule. Labels are the specs that reproduce them.
+#: corrected reading of spec §3 undone alone, all of them undone (the literal reading), DoLa's
+#: own α = 0.1 for the rising token, the spec's search start (10/32 of the depth), a fixed
+#: mid-depth l*, the Theorem-3 scorer and the authors' released rule. Labels are the specs
+#: that reproduce them.
 TOKRAG_CONFIGS: dict[str, dict[str, Any]] = {
     "tokrag": {},
     "tokrag[lens_norm=False,min_fusion_layer=0,plausibility_alpha=None]": {
@@ -93,6 +94,7 @@ TOKRAG_CONFIGS: dict[str, dict[str, Any]] = {
     },
     "tokrag[min_fusion_layer=0]": {"min_fusion_layer": 0},
     "tokrag[plausibility_alpha=None]": {"plausibility_alpha": None},
+    "tokrag[plausibility_alpha=0.1]": {"plausibility_alpha": 0.1},
     "tokrag[min_fusion_layer=0.3125]": {"min_fusion_layer": 0.3125},
     "tokrag[fixed_layer=15]": {"fixed_layer": 15},
     "tokrag[scorer=distribution]": {"scorer": "distribution"},

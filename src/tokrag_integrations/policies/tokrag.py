@@ -8,9 +8,10 @@ threshold (Eq. 19: 0).
 
 Defaults, each chosen on the dev sets (docs/results.md, "Choosing the defaults"): l* searched
 from L/2 (spec §3's "middle-layer maximum"), the rising token on log-probabilities over
-DoLa-plausible tokens with the final norm, RAG's function words kept without comparing (the
-authors' released decoder does so) and threshold −0.1. The paper's rule as written is
-``function_word_gate=False, threshold=0``; the literal reading of Eq. 14-15 adds
+DoLa-plausible tokens with the final norm (α = 0.5: among RAG's leading candidates), RAG's
+function words kept without comparing (the authors' released decoder does so) and threshold
+−0.1. The paper's rule as written is ``function_word_gate=False, threshold=0,
+plausibility_alpha=0.1`` (DoLa's α); the literal reading of Eq. 14-15 adds
 ``min_fusion_layer=0, plausibility_alpha=None, lens_norm=False``.
 
 ``variant="reference"`` reproduces what the authors' released decoder does instead
@@ -41,6 +42,11 @@ _LENS_FIRST = 5
 #: Eq. 19's margin threshold: benefit wins iff the margin >= this. Fixed on the dev sets
 #: (docs/results.md, "Choosing the defaults"); the paper's rule is 0.
 DEFAULT_THRESHOLD = -0.1
+
+#: α of DoLa's plausibility constraint on x^{l'-l*}: the rising token is searched among the
+#: tokens with p_final >= α·max p_final. Fixed on the dev sets (docs/results.md, "Choosing the
+#: defaults"); DoLa's own value, the spec's reading of the paper, is 0.1.
+DEFAULT_PLAUSIBILITY_ALPHA = 0.5
 _LENS_CHUNK = 3
 
 
@@ -57,7 +63,9 @@ class TokRAG(Policy):
             variant: the 1-based layer whose attention it reads (default: their 0-based
             layer 20 of 32 scaled to L, plus one).
         plausibility_alpha: x^{l'−l*} is searched among the tokens with p_final >= α·max
-            p_final (DoLa's constraint; None = the whole vocabulary, the literal reading).
+            p_final (DoLa's constraint; None = the whole vocabulary, the literal reading). The
+            default, 0.5, keeps the search among RAG's own leading candidates and was fixed on
+            the dev sets; DoLa (and the paper rule) use 0.1.
         lens_norm: apply the final norm in the logit lens of the middle layers (True = the
             usual lens, the paper; False = the authors' code). The final layer is always the
             model's own (normed) output distribution when ``plausibility_alpha`` is set.
@@ -98,7 +106,7 @@ class TokRAG(Policy):
         top_k: int | None = 3,
         min_fusion_layer: int | float | None = None,
         lens_norm: bool = True,
-        plausibility_alpha: float | None = 0.1,
+        plausibility_alpha: float | None = DEFAULT_PLAUSIBILITY_ALPHA,
         scorer: str = "cosine",
         threshold: float = DEFAULT_THRESHOLD,
         jsd_threshold: float = S.DEFAULT_JSD_THRESHOLD,
