@@ -260,7 +260,12 @@ def test_speed_paths_switch_off_where_not_measured(models, lm):
     fp32, _ = models("qwen2", "float32")
     paths = speed_paths(fp32.model)
     assert paths["packed_prefill"] == paths["fused_contexts"] == "on"
-    assert "speed_paths_off" not in _decode(fp32).trace.options
+    # The few-row kernels and the packed head are measured on each machine: on a tiny model the
+    # stock product may win every shape, and then they stay off, but only for that reason,
+    # never for the dtype, the architecture or the device.
+    off = _decode(fp32).trace.options.get("speed_paths_off", {})
+    assert set(off) <= {"cpu_kernels", "packed_head"}, off
+    assert all(reason == "no few-row plan installed" for reason in off.values()), off
     bf16, _ = models("qwen2", "bfloat16")
     paths = speed_paths(bf16.model)
     for path in ("cpu_kernels", "packed_prefill", "packed_head"):
