@@ -44,8 +44,8 @@ _LENS_FIRST = 5
 DEFAULT_THRESHOLD = -0.1
 
 #: α of DoLa's plausibility constraint on x^{l'-l*}: the rising token is searched among the
-#: tokens with p_final >= α·max p_final. Fixed on the dev sets (docs/results.md, "Choosing the
-#: defaults"); DoLa's own value, the spec's reading of the paper, is 0.1.
+#: tokens with p_final >= α·max p_final. Fixed on the dev sets (docs/results.md, "The rising
+#: token among RAG's leading candidates"); DoLa's own value, the spec's reading of the paper, is 0.1.
 DEFAULT_PLAUSIBILITY_ALPHA = 0.5
 _LENS_CHUNK = 3
 
