@@ -284,3 +284,35 @@ def test_end_to_end_with_real_embeddings(lm, tok):
     assert sig["attended"][0] == _id(tok, " Paris")
     assert sig["best_token"] == _id(tok, " Paris")
     assert sig["benefit"] is True
+
+
+def test_vocab_masks_built_once_per_model(lm, tok):
+    """``prepare`` runs for every call; the vocabulary masks (a decode of every token, ~0.3 s
+    on SmolLM2) are built once per model and tokenizer and then reused, equal to a fresh build."""
+    from tokrag_integrations.policies.tokrag import TokRAG
+
+    first, second = TokRAG(), TokRAG()
+    first.prepare(lm)
+    second.prepare(lm)
+    assert second._gate is first._gate
+    assert torch.equal(first._gate, R.gate_mask(tok, vocab_size=lm.vocab_size))
+    ref1, ref2 = TokRAG(variant="reference"), TokRAG(variant="reference")
+    ref1.prepare(lm)
+    ref2.prepare(lm)
+    assert ref2._skip is ref1._skip
+    assert torch.equal(ref1._skip, R.skip_mask(tok, vocab_size=lm.vocab_size))
+
+
+def test_model_memo_keys_apart(lm):
+    """:meth:`LoadedModel.memo` builds once per key and keeps keys apart."""
+    calls = []
+
+    def build(v):
+        calls.append(v)
+        return [v]
+
+    key = ("test-memo", object())
+    a = lm.memo((*key, 1), lambda: build(1))
+    assert lm.memo((*key, 1), lambda: build(99)) is a
+    assert lm.memo((*key, 2), lambda: build(2)) == [2]
+    assert calls == [1, 2]

@@ -83,6 +83,17 @@ class LoadedModel:
     context_window: int
     is_chat: bool
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def memo(self, key: Any, build: Any) -> Any:
+        """``build()`` once per model and ``key``, then the same object again: for facts that
+        depend only on the weights and tokenizer (a policy's vocabulary masks), which a
+        policy's ``prepare`` would otherwise rebuild for every call. Callers must not modify
+        what it returns. Two threads may both build on a first call; one result is kept."""
+        try:
+            return self._memo[key]
+        except KeyError:
+            return self._memo.setdefault(key, build())
 
     @property
     def device(self) -> Any:

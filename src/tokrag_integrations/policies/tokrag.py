@@ -211,9 +211,12 @@ class TokRAG(Policy):
                 raise ValueError(f"fixed_layer must be in [1, {self._L}], got {fl}")
             self._fixed = fl
             V = self._A.shape[0]
-            self._skip = REF.skip_mask(lm.tokenizer, vocab_size=V)
+            key = (id(lm.tokenizer), len(lm.tokenizer), V)
+            self._skip = lm.memo(("skip_mask", *key), lambda: REF.skip_mask(lm.tokenizer, vocab_size=V))
         if self.function_word_gate:
-            self._gate = REF.gate_mask(lm.tokenizer, vocab_size=self._A.shape[0])
+            V = self._A.shape[0]
+            key = (id(lm.tokenizer), len(lm.tokenizer), V)
+            self._gate = lm.memo(("gate_mask", *key), lambda: REF.gate_mask(lm.tokenizer, vocab_size=V))
         self._tok = lm.tokenizer
 
     # ------------------------------------------------------------------ rule
