@@ -208,6 +208,8 @@ def test_literal_reading_stays_reachable_and_misses_the_passage_fact(lm):
         {"scorer": "distribution"},
         {"fixed_layer": 15},
         {"function_word_gate": True},
+        {"pr_skip": "punctuation"},
+        {"pr_skip": "reference"},
     ],
 )
 def test_tokrag_options_run_and_are_recorded(lm, options):
@@ -371,3 +373,54 @@ def test_async_and_batch_validation(lm):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert generate_batch(lm, [], []) == []
+
+
+def test_punctuation_mask_marks_tokens_without_letters_or_digits(lm):
+    from tokrag_integrations.policies.tokrag import punctuation_mask
+
+    tok = lm.tokenizer
+    mask = punctuation_mask(tok, vocab_size=lm.vocab_size)
+    assert mask.shape == (lm.vocab_size,)
+
+    def one(text):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+
+    for t in [".", ",", " (", "'", " ", " **", "..."]:
+        assert mask[one(t)], t
+    for t in [" Paris", "1", "7", " the", "é"]:
+        assert not mask[one(t)], t
+
+
+@pytest.mark.parametrize("pr_skip", ["punctuation", "reference"])
+def test_pr_skip_leaves_skipped_tokens_out_of_p_r(lm, pr_skip):
+    """p_R (Eq. 16) holds no skipped retrieved token, and skipping changes it where the
+    passage's punctuation drew attention; f of Eq. 14 is left as it was (same l* inputs)."""
+    from tokrag_integrations.policies.tokrag import punctuation_mask
+    from tokrag_integrations.policies.tokrag_reference import skip_mask
+
+    build = punctuation_mask if pr_skip == "punctuation" else skip_mask
+    mask = build(lm.tokenizer, vocab_size=lm.vocab_size)
+    q, p, _ = BENEFIT_CASES[2]
+    base = generate(lm, q, [p + " (See: records, 1994.)"], policy="tokrag", max_new_tokens=16,
+                    function_word_gate=False)
+    skip = generate(lm, q, [p + " (See: records, 1994.)"], policy="tokrag", max_new_tokens=16,
+                    function_word_gate=False, pr_skip=pr_skip)
+    compared = [(a, b) for a, b in zip(base.trace.steps, skip.trace.steps, strict=False) if "p_r_top" in b.signals]
+    assert compared
+    for a, b in compared:
+        for text, _ in b.signals["p_r_top"]:
+            tid = lm.tokenizer.convert_tokens_to_ids(lm.tokenizer.tokenize(text))
+            assert not (len(tid) == 1 and mask[tid[0]]), (text, b.signals["p_r_top"])
+        if a.token_id != b.token_id:
+            break
+        assert a.signals["fusion_attn_layer"] == b.signals["fusion_attn_layer"]
+    assert any(a.signals["p_r_top"] != b.signals["p_r_top"] for a, b in compared)
+
+
+def test_pr_skip_is_checked():
+    from tokrag_integrations.policies.tokrag import TokRAG
+
+    with pytest.raises(ValueError, match="pr_skip"):
+        TokRAG(pr_skip="commas")

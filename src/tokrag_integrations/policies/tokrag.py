@@ -50,6 +50,18 @@ DEFAULT_PLAUSIBILITY_ALPHA = 0.5
 _LENS_CHUNK = 3
 
 
+def punctuation_mask(tokenizer: Any, *, vocab_size: int | None = None) -> torch.Tensor:
+    """[V] bool: the token ids whose text holds no letter and no digit (punctuation, spaces,
+    symbols), the positions ``pr_skip="punctuation"`` leaves out of p_R. Ids beyond the
+    tokenizer (extra embedding rows) are not skipped."""
+    n = len(tokenizer)
+    V = max(n, vocab_size or 0)
+    texts = tokenizer.batch_decode([[i] for i in range(n)])
+    mask = torch.zeros(V, dtype=torch.bool)
+    mask[:n] = torch.tensor([not any(c.isalnum() for c in t) for t in texts], dtype=torch.bool)
+    return mask
+
+
 class TokRAG(Policy):
     """Tok-RAG decoding.
 
@@ -70,6 +82,11 @@ class TokRAG(Policy):
             usual lens, the paper; False = the authors' code). The final layer is always the
             model's own (normed) output distribution when ``plausibility_alpha`` is set.
         pr_norm: ``"sum"`` (Att⊙WordSim divided by its sum) or ``"softmax"`` (Eq. 16 literal).
+        pr_skip: which retrieved positions Eq. 15-16 leave out of p_R (f of Eq. 14 still
+            counts them all): None = none (the paper), ``"punctuation"`` = the tokens with
+            no letter or digit (:func:`punctuation_mask`), ``"reference"`` = the authors'
+            skip list (punctuation pieces and single digits, :func:`.tokrag_reference.skip_mask`).
+            Where every retrieved token is skipped, none is.
         top_k: truncate w_RAG / w_LLM to the top-k tokens (None = full vocabulary).
         scorer: ``"cosine"`` (Eq. 17-19: cos(w_RAG, w_IR) >= cos(w_RAG, w_LLM)) or
             ``"distribution"`` (Theorem 3 on the distributions: JSD(p_RAG, p_R) <=
@@ -103,6 +120,7 @@ class TokRAG(Policy):
         self,
         variant: str = "paper",
         pr_norm: str = "sum",
+        pr_skip: str | None = None,
         top_k: int | None = 3,
         min_fusion_layer: int | float | None = None,
         lens_norm: bool = True,
@@ -121,6 +139,8 @@ class TokRAG(Policy):
             raise ValueError(f"variant must be 'paper' or 'reference', got {variant!r}")
         if pr_norm not in ("sum", "softmax"):
             raise ValueError(f"pr_norm must be 'sum' or 'softmax', got {pr_norm!r}")
+        if pr_skip not in (None, "punctuation", "reference"):
+            raise ValueError(f"pr_skip must be None, 'punctuation' or 'reference', got {pr_skip!r}")
         if scorer not in ("cosine", "distribution"):
             raise ValueError(f"scorer must be 'cosine' or 'distribution', got {scorer!r}")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
@@ -147,6 +167,7 @@ class TokRAG(Policy):
             raise ValueError(f"fixed_layer must be an int or None, got {fixed_layer!r}")
         self.variant = variant
         self.pr_norm = pr_norm
+        self.pr_skip = pr_skip if variant == "paper" else None
         self.scorer = scorer
         self.threshold = float(threshold)
         self.top_k = top_k if variant == "paper" else None  # the reference uses 2 and 3
@@ -170,6 +191,7 @@ class TokRAG(Policy):
         return {
             "variant": self.variant,
             **({"scorer": self.scorer, "threshold": self.threshold, "pr_norm": self.pr_norm} if paper else {}),
+            **({"pr_skip": self.pr_skip} if paper and self.pr_skip is not None else {}),
             **({"top_k": self.top_k} if paper else {}),
             **(
                 {
@@ -213,6 +235,11 @@ class TokRAG(Policy):
             V = self._A.shape[0]
             key = (id(lm.tokenizer), len(lm.tokenizer), V)
             self._skip = lm.memo(("skip_mask", *key), lambda: REF.skip_mask(lm.tokenizer, vocab_size=V))
+        if self.pr_skip is not None:
+            V = self._A.shape[0]
+            key = (id(lm.tokenizer), len(lm.tokenizer), V)
+            build = punctuation_mask if self.pr_skip == "punctuation" else REF.skip_mask
+            self._pr_skip = lm.memo((f"pr_skip:{self.pr_skip}", *key), lambda: build(lm.tokenizer, vocab_size=V))
         if self.function_word_gate:
             V = self._A.shape[0]
             key = (id(lm.tokenizer), len(lm.tokenizer), V)
@@ -265,6 +292,10 @@ class TokRAG(Policy):
             attn_star = attn[l_star - 1]
 
         # Eq. 15–16: Att ⊙ WordSim over the retrieved positions -> p_R -> w_IR.
+        if self.pr_skip is not None:
+            keep = ~self._pr_skip[rt_ids]
+            if bool(keep.any()):
+                rt, rt_ids = rt[keep], rt_ids[keep]
         att = S.renormalised_attention(attn_star, rt)
         if L not in rag_logp:  # the final layer: the model's own output unless lens_norm=False
             final = rag.logits if self.lens_norm else logit_lens(parts, h_rag[L], final_norm=False)
