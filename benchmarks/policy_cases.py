@@ -31,12 +31,12 @@ COLUMNS = {
     "`llm`": ("llm", {}),
     "`rag`": ("rag", {}),
     "`tokrag` (default)": ("tokrag", {}),
-    "`tokrag` paper rule (`function_word_gate=False, threshold=0, plausibility_alpha=0.1`)": (
-        "tokrag", {"function_word_gate": False, "threshold": 0.0, "plausibility_alpha": 0.1},
+    "`tokrag` paper rule (`function_word_gate=False, threshold=0, plausibility_alpha=0.1, pr_skip=None`)": (
+        "tokrag", {"function_word_gate": False, "threshold": 0.0, "plausibility_alpha": 0.1, "pr_skip": None},
     ),
     "`tokrag` literal reading (+ `min_fusion_layer=0, plausibility_alpha=None, lens_norm=False`)": (
         "tokrag",
-        {"function_word_gate": False, "threshold": 0.0, "min_fusion_layer": 0, "plausibility_alpha": None,
+        {"function_word_gate": False, "threshold": 0.0, "pr_skip": None, "min_fusion_layer": 0, "plausibility_alpha": None,
          "lens_norm": False},
     ),
     '`tokrag variant="reference"`': ("tokrag", {"variant": "reference"}),

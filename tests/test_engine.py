@@ -163,9 +163,10 @@ BENEFIT_CASES = [
 ]
 
 
-#: Eq. 19 as the paper writes it: no function-word gate, threshold 0, and the rising token under
-#: DoLa's own plausibility constraint α = 0.1 (the corrected readings of Eq. 14-15 stay on).
-PAPER_RULE = {"function_word_gate": False, "threshold": 0.0, "plausibility_alpha": 0.1}
+#: Eq. 19 as the paper writes it: no function-word gate, threshold 0, every retrieved token in p_R
+#: and the rising token under DoLa's own plausibility constraint α = 0.1 (the corrected
+#: readings of Eq. 14-15 stay on).
+PAPER_RULE = {"function_word_gate": False, "threshold": 0.0, "plausibility_alpha": 0.1, "pr_skip": None}
 
 
 @pytest.mark.parametrize("options", [{}, PAPER_RULE], ids=["default", "paper-rule"])
@@ -208,7 +209,7 @@ def test_literal_reading_stays_reachable_and_misses_the_passage_fact(lm):
         {"scorer": "distribution"},
         {"fixed_layer": 15},
         {"function_word_gate": True},
-        {"pr_skip": "punctuation"},
+        {"pr_skip": None},
         {"pr_skip": "reference"},
     ],
 )
@@ -404,7 +405,7 @@ def test_pr_skip_leaves_skipped_tokens_out_of_p_r(lm, pr_skip):
     mask = build(lm.tokenizer, vocab_size=lm.vocab_size)
     q, p, _ = BENEFIT_CASES[2]
     base = generate(lm, q, [p + " (See: records, 1994.)"], policy="tokrag", max_new_tokens=16,
-                    function_word_gate=False)
+                    function_word_gate=False, pr_skip=None)
     skip = generate(lm, q, [p + " (See: records, 1994.)"], policy="tokrag", max_new_tokens=16,
                     function_word_gate=False, pr_skip=pr_skip)
     compared = [(a, b) for a, b in zip(base.trace.steps, skip.trace.steps, strict=False) if "p_r_top" in b.signals]

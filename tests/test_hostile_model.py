@@ -319,7 +319,7 @@ def test_bool_policy_options_are_parsed_strictly():
 
 
 def test_unknown_policy_options_name_the_policy_and_list_its_options():
-    with pytest.raises(ValueError, match=r"unknown option 'nonsense'; options: variant, pr_norm, top_k"):
+    with pytest.raises(ValueError, match=r"unknown option 'nonsense'; options: variant, pr_norm, pr_skip, top_k"):
         get_policy("tokrag", nonsense=1)
     with pytest.raises(ValueError, match=r"policy 'rag': unknown option 'alpha'; options: none"):
         get_policy("rag", alpha=0.5)

@@ -95,6 +95,7 @@ TOKRAG_CONFIGS: dict[str, dict[str, Any]] = {
     "tokrag[min_fusion_layer=0]": {"min_fusion_layer": 0},
     "tokrag[plausibility_alpha=None]": {"plausibility_alpha": None},
     "tokrag[plausibility_alpha=0.1]": {"plausibility_alpha": 0.1},
+    "tokrag[pr_skip=None]": {"pr_skip": None},
     "tokrag[min_fusion_layer=0.3125]": {"min_fusion_layer": 0.3125},
     "tokrag[fixed_layer=15]": {"fixed_layer": 15},
     "tokrag[scorer=distribution]": {"scorer": "distribution"},

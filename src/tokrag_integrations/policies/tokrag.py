@@ -8,11 +8,12 @@ threshold (Eq. 19: 0).
 
 Defaults, each chosen on the dev sets (docs/results.md, "Choosing the defaults"): l* searched
 from L/2 (spec §3's "middle-layer maximum"), the rising token on log-probabilities over
-DoLa-plausible tokens with the final norm (α = 0.5: among RAG's leading candidates), RAG's
-function words kept without comparing (the authors' released decoder does so) and threshold
-−0.1. The paper's rule as written is ``function_word_gate=False, threshold=0,
-plausibility_alpha=0.1`` (DoLa's α); the literal reading of Eq. 14-15 adds
-``min_fusion_layer=0, plausibility_alpha=None, lens_norm=False``.
+DoLa-plausible tokens with the final norm (α = 0.5: among RAG's leading candidates), the
+retrieved punctuation left out of p_R (the authors' code skips it too), RAG's function words
+kept without comparing (the authors' released decoder does so) and threshold −0.1. The
+paper's rule as written is ``function_word_gate=False, threshold=0, plausibility_alpha=0.1,
+pr_skip=None`` (DoLa's α); the literal reading of Eq. 14-15 adds ``min_fusion_layer=0,
+plausibility_alpha=None, lens_norm=False``.
 
 ``variant="reference"`` reproduces what the authors' released decoder does instead
 (:mod:`.tokrag_reference`, with file and line citations): RAG's token taken at once when it
@@ -47,6 +48,11 @@ DEFAULT_THRESHOLD = -0.1
 #: tokens with p_final >= α·max p_final. Fixed on the dev sets (docs/results.md, "The rising
 #: token among RAG's leading candidates"); DoLa's own value, the spec's reading of the paper, is 0.1.
 DEFAULT_PLAUSIBILITY_ALPHA = 0.5
+
+#: Which retrieved tokens Eq. 15-16 leave out of p_R: those with no letter or digit. Attention
+#: sinks on punctuation otherwise carry most of p_R on some models. Fixed on the dev sets
+#: (docs/results.md, "Punctuation out of p_R"); the paper keeps every retrieved token (None).
+DEFAULT_PR_SKIP = "punctuation"
 _LENS_CHUNK = 3
 
 
@@ -83,10 +89,11 @@ class TokRAG(Policy):
             model's own (normed) output distribution when ``plausibility_alpha`` is set.
         pr_norm: ``"sum"`` (Att⊙WordSim divided by its sum) or ``"softmax"`` (Eq. 16 literal).
         pr_skip: which retrieved positions Eq. 15-16 leave out of p_R (f of Eq. 14 still
-            counts them all): None = none (the paper), ``"punctuation"`` = the tokens with
-            no letter or digit (:func:`punctuation_mask`), ``"reference"`` = the authors'
-            skip list (punctuation pieces and single digits, :func:`.tokrag_reference.skip_mask`).
-            Where every retrieved token is skipped, none is.
+            counts them all): ``"punctuation"`` (default, fixed on the dev sets) = the tokens
+            with no letter or digit (:func:`punctuation_mask`), None = none (the paper),
+            ``"reference"`` = the authors' skip list (punctuation pieces and single digits,
+            :func:`.tokrag_reference.skip_mask`). Where every retrieved token is skipped,
+            none is.
         top_k: truncate w_RAG / w_LLM to the top-k tokens (None = full vocabulary).
         scorer: ``"cosine"`` (Eq. 17-19: cos(w_RAG, w_IR) >= cos(w_RAG, w_LLM)) or
             ``"distribution"`` (Theorem 3 on the distributions: JSD(p_RAG, p_R) <=
@@ -120,7 +127,7 @@ class TokRAG(Policy):
         self,
         variant: str = "paper",
         pr_norm: str = "sum",
-        pr_skip: str | None = None,
+        pr_skip: str | None = DEFAULT_PR_SKIP,
         top_k: int | None = 3,
         min_fusion_layer: int | float | None = None,
         lens_norm: bool = True,
@@ -191,7 +198,7 @@ class TokRAG(Policy):
         return {
             "variant": self.variant,
             **({"scorer": self.scorer, "threshold": self.threshold, "pr_norm": self.pr_norm} if paper else {}),
-            **({"pr_skip": self.pr_skip} if paper and self.pr_skip is not None else {}),
+            **({"pr_skip": self.pr_skip} if paper else {}),
             **({"top_k": self.top_k} if paper else {}),
             **(
                 {
