@@ -56,13 +56,16 @@ DEFAULT_PR_SKIP = "punctuation"
 _LENS_CHUNK = 3
 
 
-def punctuation_mask(tokenizer: Any, *, vocab_size: int | None = None) -> torch.Tensor:
+def punctuation_mask(
+    tokenizer: Any, *, vocab_size: int | None = None, texts: list[str] | None = None
+) -> torch.Tensor:
     """[V] bool: the token ids whose text holds no letter and no digit (punctuation, spaces,
     symbols), the positions ``pr_skip="punctuation"`` leaves out of p_R. Ids beyond the
-    tokenizer (extra embedding rows) are not skipped."""
+    tokenizer (extra embedding rows) are not skipped. ``texts``: the decoded tokens
+    (:func:`.tokrag_reference.vocab_texts`), when already at hand."""
     n = len(tokenizer)
     V = max(n, vocab_size or 0)
-    texts = tokenizer.batch_decode([[i] for i in range(n)])
+    texts = REF.vocab_texts(tokenizer) if texts is None else texts
     mask = torch.zeros(V, dtype=torch.bool)
     mask[:n] = torch.tensor([not any(c.isalnum() for c in t) for t in texts], dtype=torch.bool)
     return mask
@@ -239,18 +242,29 @@ class TokRAG(Policy):
             if not 1 <= fl <= self._L:
                 raise ValueError(f"fixed_layer must be in [1, {self._L}], got {fl}")
             self._fixed = fl
-            V = self._A.shape[0]
-            key = (id(lm.tokenizer), len(lm.tokenizer), V)
+        # Vocabulary masks depend only on the tokenizer: built once per model. Each reads every
+        # token decoded; the decoding is shared by the masks built in this call.
+        V = self._A.shape[0]
+        key = (id(lm.tokenizer), len(lm.tokenizer), V)
+        decoded: list[list[str]] = []
+
+        def texts() -> list[str]:
+            if not decoded:
+                decoded.append(REF.vocab_texts(lm.tokenizer))
+            return decoded[0]
+
+        if self.variant == "reference":
             self._skip = lm.memo(("skip_mask", *key), lambda: REF.skip_mask(lm.tokenizer, vocab_size=V))
-        if self.pr_skip is not None:
-            V = self._A.shape[0]
-            key = (id(lm.tokenizer), len(lm.tokenizer), V)
-            build = punctuation_mask if self.pr_skip == "punctuation" else REF.skip_mask
-            self._pr_skip = lm.memo((f"pr_skip:{self.pr_skip}", *key), lambda: build(lm.tokenizer, vocab_size=V))
+        if self.pr_skip == "punctuation":
+            self._pr_skip = lm.memo(
+                ("pr_skip:punctuation", *key), lambda: punctuation_mask(lm.tokenizer, vocab_size=V, texts=texts())
+            )
+        elif self.pr_skip == "reference":
+            self._pr_skip = lm.memo(("skip_mask", *key), lambda: REF.skip_mask(lm.tokenizer, vocab_size=V))
         if self.function_word_gate:
-            V = self._A.shape[0]
-            key = (id(lm.tokenizer), len(lm.tokenizer), V)
-            self._gate = lm.memo(("gate_mask", *key), lambda: REF.gate_mask(lm.tokenizer, vocab_size=V))
+            self._gate = lm.memo(
+                ("gate_mask", *key), lambda: REF.gate_mask(lm.tokenizer, vocab_size=V, texts=texts())
+            )
         self._tok = lm.tokenizer
 
     # ------------------------------------------------------------------ rule

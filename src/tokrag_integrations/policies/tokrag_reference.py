@@ -246,7 +246,14 @@ def skip_mask(
     return mask
 
 
-def gate_mask(tokenizer: Any, *, vocab_size: int | None = None) -> torch.Tensor:
+def vocab_texts(tokenizer: Any) -> list[str]:
+    """Every token id of ``tokenizer`` decoded on its own (``tokenizer.decode([id])``)."""
+    return tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+
+
+def gate_mask(
+    tokenizer: Any, *, vocab_size: int | None = None, texts: list[str] | None = None
+) -> torch.Tensor:
     """[V] bool: RAG argmax tokens for which the rule takes RAG's token without comparing
     (step 1, utils.py 3070-3073).
 
@@ -255,13 +262,13 @@ def gate_mask(tokenizer: Any, *, vocab_size: int | None = None) -> torch.Tensor:
     space of the decoded text is dropped likewise, which gives the same sets on a byte-level
     tokenizer: ``the`` / `` the``, ``a``, ``an``, ``The``, ``for``, ``in``, ``on``, ``at``,
     ``.``, ``[``, ``'``, ``:``, ``-``, ``)``, ``]``, ``]:``, ``}:``, ``Query``, the bare space,
-    and the BOS token.
+    and the BOS token. ``texts``: :func:`vocab_texts` of the tokenizer, when already at hand.
     """
     n, V = _ids(tokenizer, vocab_size)
     words = set(FILTER_WORDS)
     if tokenizer.bos_token:
         words.add(tokenizer.bos_token)
-    texts = tokenizer.batch_decode([[i] for i in range(n)])
+    texts = vocab_texts(tokenizer) if texts is None else texts
     mask = torch.zeros(V, dtype=torch.bool)
     mask[:n] = torch.tensor(
         [(t[1:] if t.startswith(" ") else t) in words for t in texts], dtype=torch.bool
