@@ -377,7 +377,7 @@ def test_async_and_batch_validation(lm):
 
 
 def test_punctuation_mask_marks_tokens_without_letters_or_digits(lm):
-    from tokrag_integrations.policies.tokrag import punctuation_mask
+    from tokrag_integrations.policies.tokrag_reference import punctuation_mask
 
     tok = lm.tokenizer
     mask = punctuation_mask(tok, vocab_size=lm.vocab_size)
@@ -398,8 +398,7 @@ def test_punctuation_mask_marks_tokens_without_letters_or_digits(lm):
 def test_pr_skip_leaves_skipped_tokens_out_of_p_r(lm, pr_skip):
     """p_R (Eq. 16) holds no skipped retrieved token, and skipping changes it where the
     passage's punctuation drew attention; f of Eq. 14 is left as it was (same l* inputs)."""
-    from tokrag_integrations.policies.tokrag import punctuation_mask
-    from tokrag_integrations.policies.tokrag_reference import skip_mask
+    from tokrag_integrations.policies.tokrag_reference import punctuation_mask, skip_mask
 
     build = punctuation_mask if pr_skip == "punctuation" else skip_mask
     mask = build(lm.tokenizer, vocab_size=lm.vocab_size)

@@ -8,7 +8,7 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,7 +85,7 @@ class LoadedModel:
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
-    def memo(self, key: Any, build: Any) -> Any:
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
         """``build()`` once per model and ``key``, then the same object again: for facts that
         depend only on the weights and tokenizer (a policy's vocabulary masks), which a
         policy's ``prepare`` would otherwise rebuild for every call. Callers must not modify

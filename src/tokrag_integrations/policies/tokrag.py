@@ -24,6 +24,7 @@ known first-token bug (the attention row of the wrong query position) is not cop
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -56,21 +57,6 @@ DEFAULT_PR_SKIP = "punctuation"
 _LENS_CHUNK = 3
 
 
-def punctuation_mask(
-    tokenizer: Any, *, vocab_size: int | None = None, texts: list[str] | None = None
-) -> torch.Tensor:
-    """[V] bool: the token ids whose text holds no letter and no digit (punctuation, spaces,
-    symbols), the positions ``pr_skip="punctuation"`` leaves out of p_R. Ids beyond the
-    tokenizer (extra embedding rows) are not skipped. ``texts``: the decoded tokens
-    (:func:`.tokrag_reference.vocab_texts`), when already at hand."""
-    n = len(tokenizer)
-    V = max(n, vocab_size or 0)
-    texts = REF.vocab_texts(tokenizer) if texts is None else texts
-    mask = torch.zeros(V, dtype=torch.bool)
-    mask[:n] = torch.tensor([not any(c.isalnum() for c in t) for t in texts], dtype=torch.bool)
-    return mask
-
-
 class TokRAG(Policy):
     """Tok-RAG decoding.
 
@@ -93,7 +79,7 @@ class TokRAG(Policy):
         pr_norm: ``"sum"`` (Att⊙WordSim divided by its sum) or ``"softmax"`` (Eq. 16 literal).
         pr_skip: which retrieved positions Eq. 15-16 leave out of p_R (f of Eq. 14 still
             counts them all): ``"punctuation"`` (default, fixed on the dev sets) = the tokens
-            with no letter or digit (:func:`punctuation_mask`), None = none (the paper),
+            with no letter or digit (:func:`.tokrag_reference.punctuation_mask`), None = none (the paper),
             ``"reference"`` = the authors' skip list (punctuation pieces and single digits,
             :func:`.tokrag_reference.skip_mask`). Where every retrieved token is skipped,
             none is.
@@ -200,8 +186,11 @@ class TokRAG(Policy):
         paper = self.variant == "paper"
         return {
             "variant": self.variant,
-            **({"scorer": self.scorer, "threshold": self.threshold, "pr_norm": self.pr_norm} if paper else {}),
-            **({"pr_skip": self.pr_skip} if paper else {}),
+            **(
+                {"scorer": self.scorer, "threshold": self.threshold, "pr_norm": self.pr_norm, "pr_skip": self.pr_skip}
+                if paper
+                else {}
+            ),
             **({"top_k": self.top_k} if paper else {}),
             **(
                 {
@@ -246,18 +235,13 @@ class TokRAG(Policy):
         # token decoded; the decoding is shared by the masks built in this call.
         V = self._A.shape[0]
         key = (id(lm.tokenizer), len(lm.tokenizer), V)
-        decoded: list[list[str]] = []
-
-        def texts() -> list[str]:
-            if not decoded:
-                decoded.append(REF.vocab_texts(lm.tokenizer))
-            return decoded[0]
+        texts = functools.cache(lambda: REF.vocab_texts(lm.tokenizer))
 
         if self.variant == "reference":
             self._skip = lm.memo(("skip_mask", *key), lambda: REF.skip_mask(lm.tokenizer, vocab_size=V))
         if self.pr_skip == "punctuation":
             self._pr_skip = lm.memo(
-                ("pr_skip:punctuation", *key), lambda: punctuation_mask(lm.tokenizer, vocab_size=V, texts=texts())
+                ("pr_skip:punctuation", *key), lambda: REF.punctuation_mask(lm.tokenizer, vocab_size=V, texts=texts())
             )
         elif self.pr_skip == "reference":
             self._pr_skip = lm.memo(("skip_mask", *key), lambda: REF.skip_mask(lm.tokenizer, vocab_size=V))

@@ -251,6 +251,21 @@ def vocab_texts(tokenizer: Any) -> list[str]:
     return tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
 
 
+def punctuation_mask(
+    tokenizer: Any, *, vocab_size: int | None = None, texts: list[str] | None = None
+) -> torch.Tensor:
+    """[V] bool: the token ids whose decoded text holds no letter and no digit (punctuation,
+    spaces, symbols): the positions ``TokRAG(pr_skip="punctuation")`` leaves out of p_R. Not
+    in the authors' code: their :func:`skip_mask` list widened to every such token of any
+    tokenizer, digits kept. Ids beyond the tokenizer (extra embedding rows) are not skipped.
+    ``texts``: :func:`vocab_texts` of the tokenizer, when already at hand."""
+    n, V = _ids(tokenizer, vocab_size)
+    texts = vocab_texts(tokenizer) if texts is None else texts
+    mask = torch.zeros(V, dtype=torch.bool)
+    mask[:n] = torch.tensor([not any(c.isalnum() for c in t) for t in texts], dtype=torch.bool)
+    return mask
+
+
 def gate_mask(
     tokenizer: Any, *, vocab_size: int | None = None, texts: list[str] | None = None
 ) -> torch.Tensor:
