@@ -4,7 +4,7 @@ A new user's first answers come from ``tokrag ask QUESTION --docs sample`` (dens
 retrieval over the packaged company documents, 5 chunks, ``stream``). This script asks the
 ten questions of ``sample_questions.json`` the same way, for every policy spec and every
 number of retrieved chunks, and prints which questions each answers (the expected answer or
-one of its aliases in the text, case-insensitive) and the count. The questions are the ones
+one of its aliases in the text, by the harness's cover EM) and the count. The questions are the ones
 the sample documents were written around, not an evaluation set: use it to see what a user
 sees, and the dev sets (``tokrag eval``) to choose anything.
 
@@ -19,17 +19,13 @@ import json
 from typing import Any
 
 from tokrag_integrations import Passage, generate, load_model
+from tokrag_integrations.evaluation.metrics import cover_em
 from tokrag_integrations.evaluation.specs import parse_specs
 from tokrag_integrations.retrieval import (
     build_retriever,
     get_sample_docs_path,
     get_sample_questions,
 )
-
-
-def answered(text: str, question: dict[str, Any]) -> bool:
-    low = text.lower()
-    return any(a.lower() in low for a in [question["answer"], *question.get("aliases", [])])
 
 
 def main() -> None:
@@ -49,16 +45,18 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for k in ks:
         print(f"\n== {k} chunks ==")
+        passages = [
+            [Passage(text=h.text, score=h.score) for h in retriever.retrieve(q["question"], top_k=k)]
+            for q in questions
+        ]
         for spec in specs:
             marks = []
-            for q in questions:
-                hits = retriever.retrieve(q["question"], top_k=k)
-                passages = [Passage(text=h.text, score=h.score) for h in hits]
+            for q, ps in zip(questions, passages, strict=True):
                 r = generate(
-                    lm, q["question"], passages, policy=spec.name,
+                    lm, q["question"], ps, policy=spec.name,
                     max_new_tokens=args.max_new_tokens, **spec.options,
                 )
-                ok = answered(r.text, q)
+                ok = cover_em(r.text, [q["answer"], *q.get("aliases", [])])
                 marks.append("+" if ok else ".")
                 rows.append(
                     {"top_k": k, "policy": str(spec), "question": q["question"], "correct": ok, "text": r.text}
