@@ -326,12 +326,12 @@ async def test_llm_complete_chat_stream_async_agree(lm, events):
     assert "".join(p.delta for p in parts) == ref.text
 
     msgs = [ChatMessage(role="user", content=prompt)]
-    chat = llm.chat(msgs)
-    assert chat.message.content == ref.text  # same prompt builder for chat and complete
-    assert "".join(p.delta for p in llm.stream_chat(msgs)) == ref.text
-    assert (await llm.achat(msgs)).message.content == ref.text
+    chat = llm.chat(msgs)  # the chat template (complete() sends the text as given)
+    assert chat.message.content and chat.raw["policy"] == "llm"
+    assert "".join(p.delta for p in llm.stream_chat(msgs)) == chat.message.content
+    assert (await llm.achat(msgs)).message.content == chat.message.content
     parts = [p async for p in await llm.astream_chat(msgs)]
-    assert "".join(p.delta for p in parts) == ref.text
+    assert "".join(p.delta for p in parts) == chat.message.content
     names = [e.class_name() for e in events]
     for name in ("LLMCompletionStartEvent", "LLMCompletionEndEvent"):
         assert names.count(name) == 4
@@ -374,7 +374,8 @@ def test_llm_as_settings_llm_with_builtin_compact_mode(lm, index, events):
     assert r.source_nodes[0].node.get_content()[:80] in start.messages[-1].content
     end = next(e for e in events if e.class_name() == "LLMChatEndEvent")
     assert end.response.message.content.strip() == str(r).strip()
-    assert end.response.additional_kwargs["policy"] == "llm"
+    # The template's context_str reached the decoder: Tok-RAG ran on it.
+    assert end.response.additional_kwargs["policy"] == end.response.raw["policy"] == "tokrag"
 
 
 class _Decision:
@@ -419,12 +420,17 @@ def test_complete_formatted_sends_exactly_the_prompt(lm):
 
 
 def test_raw_prompt_path_formats_like_the_anchor(lm):
-    """No passages: chat template over the messages, system_prompt honoured, no QA wording."""
+    """No passages: complete() sends the prompt as HuggingFaceLLM does (as given, behind the
+    system prompt when unformatted); chat() uses the chat template; no QA wording."""
     tok = lm.tokenizer
     msgs = [{"role": "user", "content": "Say hi."}]
     llm = TokRAGLLM(model=lm, max_new_tokens=4)
-    ids = _first_forward_ids(lm, lambda: llm.complete("Say hi."))
-    assert ids == list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
+    assert _first_forward_ids(lm, lambda: llm.complete("Say hi.")) == list(tok("Say hi.")["input_ids"])
+    sys_complete = TokRAGLLM(model=lm, max_new_tokens=4, system_prompt="Be brief.")
+    ids = _first_forward_ids(lm, lambda: sys_complete.complete("Say hi."))
+    assert ids == list(tok("Be brief. Say hi.")["input_ids"])
+    ids = _first_forward_ids(lm, lambda: sys_complete.complete("Say hi.", formatted=True))
+    assert ids == list(tok("Say hi.")["input_ids"])
 
     sys_llm = TokRAGLLM(model=lm, max_new_tokens=4, system_prompt="Be brief.")
     chat = [ChatMessage(role="user", content="Say hi.")]

@@ -27,6 +27,7 @@ _EXPORTS = {
     "TokenEvent": "api",
     "Passage": "prompts",
     "PromptBuilder": "prompts",
+    "RenderedPrompt": "prompts",
     "Trace": "trace",
     "TraceStep": "trace",
     "get_policy": "policies",

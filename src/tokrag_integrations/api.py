@@ -19,7 +19,7 @@ from typing import Any
 from .models import LoadedModel
 from .policies import get_policy
 from .policies.base import Policy
-from .prompts import PromptBuilder, PromptPlan, clean_text
+from .prompts import PromptBuilder, PromptPlan, RenderedPrompt, clean_text
 from .runner import decode_loop
 from .trace import Trace, TraceStep
 
@@ -361,6 +361,7 @@ def _plans(
     system_prompt: str | None | type,
     max_context_tokens: int | None,
     prompt_format: str = "qa",
+    rendered: Sequence[RenderedPrompt | None] | None = None,
 ) -> list[PromptPlan]:
     kw: dict[str, Any] = {"context_window": lm.context_window}
     if system_prompt is not _DEFAULT:
@@ -369,7 +370,15 @@ def _plans(
         kw["system_prompt"] = None  # a raw prompt gets no injected wording
     builder = PromptBuilder(lm.tokenizer, **kw)
     return [
-        builder.build(
+        builder.build_rendered(
+            q,
+            rendered[i],
+            max_new_tokens=max_new_tokens,
+            messages=(messages[i] if messages else None),
+            max_context_tokens=max_context_tokens,
+        )
+        if rendered and rendered[i] is not None
+        else builder.build(
             q,
             p,
             max_new_tokens=max_new_tokens,
@@ -427,6 +436,7 @@ def _run(
     holder: list[GenerationResult],
     options: dict[str, Any],
     cancel: threading.Event | None = None,
+    rendered: Sequence[RenderedPrompt | None] | None = None,
 ) -> Iterator[TokenEvent]:
     """Validate everything, build the prompts, and return the (not yet started) decode.
 
@@ -442,6 +452,14 @@ def _run(
     queries = [_check_query(q, i if len(queries) > 1 else None) for i, q in enumerate(queries)]
     for i, p in enumerate(passages):
         _check_passages(p, i if len(passages) > 1 else None)
+    if rendered is not None:
+        if len(rendered) != len(queries):
+            raise ValueError(f"got {len(queries)} queries but {len(rendered)} rendered prompts")
+        for i, r in enumerate(rendered):
+            if r is not None and not isinstance(r, RenderedPrompt):
+                raise TypeError(f"{_where('rendered', i)} must be a RenderedPrompt, got {type(r).__name__}")
+            if r is not None and passages[i]:
+                raise ValueError("give passages or a rendered prompt (its context), not both")
     _check_count("max_new_tokens", max_new_tokens)
     if max_context_tokens is not None:
         _check_count("max_context_tokens", max_context_tokens)
@@ -460,6 +478,7 @@ def _run(
         system_prompt=system_prompt,
         max_context_tokens=max_context_tokens,
         prompt_format=prompt_format,
+        rendered=rendered,
     )
     # Queries without usable passages are answered from the pure context (and say so).
     groups: dict[str, list[int]] = {}
@@ -560,7 +579,10 @@ def generate(
         max_context_tokens: a tighter context budget than the model's window.
         **options: the policy's options (e.g. ``pr_norm="softmax"``, ``variant="reference"``);
             ``prompt_format="chat"|"text"`` (without passages: the query as the raw user turn
-            or the exact prompt, no default system prompt; see ``PromptBuilder.build``).
+            or the exact prompt, no default system prompt; see ``PromptBuilder.build``);
+            ``rendered=RenderedPrompt(...)`` instead of ``passages``: the RAG context is the
+            caller's own formatted prompt and its retrieved tokens are where its context
+            variable landed (the framework adapters' path; see ``PromptBuilder.build_rendered``).
 
     Raises:
         TypeError / ValueError: a bad argument (checked before anything is decoded).
@@ -594,6 +616,7 @@ def _generate(
     **options: Any,
 ) -> GenerationResult:
     holder: list[GenerationResult] = []
+    rendered = options.pop("rendered", None)
     events = _run(
         lm,
         [query],
@@ -607,6 +630,7 @@ def _generate(
         holder=holder,
         options=options,
         cancel=cancel,
+        rendered=None if rendered is None else [rendered],
     )
     for _ in events:
         pass
@@ -642,6 +666,7 @@ def stream(
     holder: list[GenerationResult] = []
     stop_event = threading.Event()
     timeout = idle_timeout_from(idle_timeout)
+    rendered = options.pop("rendered", None)
     gen = _run(
         lm,
         [query],
@@ -655,6 +680,7 @@ def stream(
         holder=holder,
         options=options,
         cancel=stop_event,
+        rendered=None if rendered is None else [rendered],
     )
     return TokenStream(gen, holder, stop=stop_event, idle_timeout=timeout, model_lock=lm.lock)
 

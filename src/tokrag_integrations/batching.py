@@ -28,6 +28,8 @@ from .models import LoadedModel
 WAIT_S = 0.01
 MAX_BATCH = 16
 
+#: Per-call inputs (not settings): calls that differ only in these share a batch.
+_PER_CALL = ("messages", "rendered")
 _SETTINGS = ("policy", "max_new_tokens", "stop", "system_prompt", "max_context_tokens")
 
 
@@ -36,6 +38,7 @@ class _Request:
     query: str
     passages: Any
     messages: Any
+    rendered: Any = None
     done: threading.Event = field(default_factory=threading.Event)
     cancel: threading.Event = field(default_factory=threading.Event)
     result: GenerationResult | None = None
@@ -63,7 +66,7 @@ class MicroBatcher:
         policy = kwargs.get("policy", "tokrag")
         if not isinstance(policy, str):
             return None
-        items = sorted((k, v) for k, v in kwargs.items() if k != "messages")
+        items = sorted((k, v) for k, v in kwargs.items() if k not in _PER_CALL)
         try:
             return repr(items)
         except Exception:  # pragma: no cover - defensive: an option without repr
@@ -76,7 +79,7 @@ class MicroBatcher:
         key = self._key(kwargs)
         if key is None:
             return api._generate(self.lm, query, passages, cancel=_cancel, **kwargs)
-        req = _Request(query, passages, kwargs.get("messages"))
+        req = _Request(query, passages, kwargs.get("messages"), kwargs.get("rendered"))
         if _cancel is not None:
             req.cancel = _cancel
         with self._lock:
@@ -95,7 +98,7 @@ class MicroBatcher:
                 seen = n
             with self._lock:
                 reqs = self._pending.pop(key)
-            settings = {k: v for k, v in kwargs.items() if k != "messages"}
+            settings = {k: v for k, v in kwargs.items() if k not in _PER_CALL}
             try:
                 for i in range(0, len(reqs), self.max_batch):
                     self._decode(reqs[i : i + self.max_batch], settings)
@@ -132,7 +135,8 @@ class MicroBatcher:
         for r in reqs:
             try:
                 r.result = api._generate(
-                    self.lm, r.query, r.passages, messages=r.messages, cancel=r.cancel, **settings
+                    self.lm, r.query, r.passages, messages=r.messages, rendered=r.rendered,
+                    cancel=r.cancel, **settings,
                 )
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                 r.error = e
@@ -144,6 +148,7 @@ def _decode_batch(lm: LoadedModel, reqs: list[_Request], settings: dict[str, Any
     core = {k: options.pop(k) for k in _SETTINGS if k in options}
     holder: list[GenerationResult] = []
     messages = [r.messages for r in reqs]
+    rendered = [r.rendered for r in reqs]
     for _ in api._run(
         lm,
         [r.query for r in reqs],
@@ -156,6 +161,7 @@ def _decode_batch(lm: LoadedModel, reqs: list[_Request], settings: dict[str, Any
         max_context_tokens=core.get("max_context_tokens"),
         holder=holder,
         options=options,
+        rendered=rendered if any(r is not None for r in rendered) else None,
     ):
         pass
     return holder

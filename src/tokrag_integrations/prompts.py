@@ -142,6 +142,28 @@ class PromptPlan:
     _delim_len: int = field(default=0, repr=False)
 
 
+@dataclass
+class RenderedPrompt:
+    """A RAG prompt formatted by the caller's own template (a framework's prompt template).
+
+    Exactly one of ``messages`` (chat turns, rendered with the tokenizer's chat template and
+    an assistant prefix) or ``text`` (a finished prompt, encoded as given) holds the whole RAG
+    prompt; ``context`` is the value the template's context variable received. Its first
+    occurrence in the prompt is the retrieved span (the rt_1..rt_m of Eq. 15-16); everything
+    else in the prompt (the template's wording, the question) is not retrieved.
+    """
+
+    context: str
+    messages: list[dict[str, str]] | None = None
+    text: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.messages is None) == (self.text is None):
+            raise ValueError("RenderedPrompt needs exactly one of messages= or text=")
+        if not isinstance(self.context, str):
+            raise TypeError(f"RenderedPrompt context must be a string, got {type(self.context).__name__}")
+
+
 class PromptBuilder:
     """Builds both contexts for a tokenizer (chat template when it has one, plain otherwise)."""
 
@@ -314,4 +336,93 @@ class PromptBuilder:
             kept_passages=kept,
         )
         plan._delim_len = len(delim_ids)
+        return plan
+
+    def build_rendered(
+        self,
+        query: str,
+        rendered: RenderedPrompt,
+        *,
+        max_new_tokens: int = 64,
+        messages: list[dict[str, str]] | None = None,
+        max_context_tokens: int | None = None,
+    ) -> PromptPlan:
+        """Both contexts when the RAG prompt comes from the caller's template.
+
+        The RAG context is ``rendered`` exactly as formatted; its retrieved positions are where
+        ``rendered.context`` lands in it. The pure context is the one :meth:`build` makes for
+        ``query`` without passages (the question alone after ``messages``, under this builder's
+        system prompt), so a template changes the RAG side only. A context that does not fit
+        the window is cut from its end (at least ``MIN_CUT_TOKENS`` kept, else left out), with
+        a warning; a prompt in which the context cannot be found is answered from the pure
+        context, with a warning.
+        """
+        plan = self.build(
+            query, None, max_new_tokens=max_new_tokens, messages=messages,
+            max_context_tokens=max_context_tokens,
+        )
+        plan.warnings.clear()
+        record = PassageRecord(rank=0, text=rendered.context, score=None, metadata={"source": "template context"})
+        plan.passages = [record]
+        window = self.context_window if max_context_tokens is None else min(self.context_window, max_context_tokens)
+        budget = window - int(max_new_tokens)
+        head, tail, found = self._split_rendered(rendered)
+        context = rendered.context
+        if not context.strip() or not found:
+            record.kept = False
+            why = "is empty" if not context.strip() else "was not found in the formatted prompt"
+            return self._pure_only(plan, f"The template's context {why}: answering from the pure context.")
+        head_ids, body, tail_ids = self._encode(head), self._encode(context), self._encode(tail)
+        if rendered.text is not None and _adds_bos(self.tokenizer):
+            head_ids = [int(self.tokenizer.bos_token_id), *head_ids]
+        record.n_tokens = len(body)
+        room = budget - len(head_ids) - len(tail_ids)
+        if len(body) > room:
+            if room < MIN_CUT_TOKENS:
+                record.kept = False
+                return self._pure_only(
+                    plan,
+                    f"The formatted prompt does not fit the context window ({window} tokens, "
+                    f"{max_new_tokens} reserved for the answer) even with its context cut to "
+                    f"{MIN_CUT_TOKENS} tokens: answering from the pure context.",
+                )
+            body = body[:room]
+            record.cut, record.n_tokens = True, len(body)
+            msg = (
+                f"The formatted prompt does not fit the context window ({window} tokens, "
+                f"{max_new_tokens} reserved for the answer): cut its context to {len(body)} tokens."
+            )
+            plan.warnings.append(msg)
+            warnings.warn(msg, stacklevel=3)
+        start = len(head_ids)
+        plan.rag_ids = head_ids + body + tail_ids
+        plan.passage_spans = [(start, start + len(body))]
+        plan.head_ids, plan.tail_ids, plan.passage_segments = head_ids, tail_ids, [body]
+        plan.kept_passages = [Passage(context)]
+        plan._delim_len = 0
+        return plan
+
+    def _split_rendered(self, rendered: RenderedPrompt) -> tuple[str, str, bool]:
+        """(text before the context, text after it, whether it was found) of the full prompt."""
+        context = rendered.context
+        if rendered.text is not None:
+            head, sep, tail = rendered.text.partition(context) if context else ("", "", "")
+            return head, tail, bool(sep)
+        msgs = [dict(m) for m in rendered.messages or []]
+        where = next((i for i, m in enumerate(msgs) if context and context in (m.get("content") or "")), None)
+        if where is None:
+            return "", "", False
+        msgs[where]["content"] = msgs[where]["content"].replace(context, _SENTINEL, 1)
+        if self.use_chat:
+            full = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        else:
+            full = "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in msgs) + "\nAssistant:"
+        head, _, tail = full.partition(_SENTINEL)
+        return head, tail, True
+
+    @staticmethod
+    def _pure_only(plan: PromptPlan, note: str) -> PromptPlan:
+        plan.warnings.append(note)
+        warnings.warn(note, stacklevel=4)
+        plan.rag_ids, plan.passage_spans = list(plan.pure_ids), []
         return plan

@@ -67,6 +67,15 @@ def to_passages(items: Sequence[Any] | None) -> list[Any] | None:
     return [node_to_passage(i) if isinstance(i, NodeWithScore) else i for i in items]
 
 
+def messages_to_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """Chat messages as role/content dicts (roles mapped onto system/user/assistant)."""
+    turns = []
+    for m in messages:
+        role = m.role.value if hasattr(m.role, "value") else str(m.role)
+        turns.append({"role": _ROLE_MAP.get(role, "user"), "content": m.content or ""})
+    return turns
+
+
 def messages_to_turns(messages: Sequence[ChatMessage]) -> tuple[list[dict[str, str]], str]:
     """Split chat messages into earlier turns (role/content dicts) and the final user question.
 
@@ -75,10 +84,7 @@ def messages_to_turns(messages: Sequence[ChatMessage]) -> tuple[list[dict[str, s
     """
     if not messages:
         raise ValueError("chat() got no messages: pass at least one user message.")
-    turns = []
-    for m in messages:
-        role = m.role.value if hasattr(m.role, "value") else str(m.role)
-        turns.append({"role": _ROLE_MAP.get(role, "user"), "content": m.content or ""})
+    turns = messages_to_dicts(messages)
     last = turns[-1]
     if last["role"] != "user":
         raise ValueError(

@@ -28,7 +28,45 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 from .. import batching
 from ..api import GenerationResult, TokenEvent, astream_with_result, stream
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
-from ._convert import jsonable, messages_to_turns, result_kwargs, to_passages
+from ..prompts import RenderedPrompt
+from ._convert import jsonable, messages_to_dicts, messages_to_turns, result_kwargs, to_passages
+
+
+#: Template variables that carry retrieved text in LlamaIndex's prompts (text QA, summary
+#: and chat-engine context templates: ``context_str``; refine templates: ``context_msg``).
+CONTEXT_VARIABLES = ("context_str", "context_msg")
+#: Template variables that carry the question.
+QUERY_VARIABLES = ("query_str", "question")
+
+
+class _TemplatedMessages(list):
+    """Chat messages formatted from a prompt template whose context variable held retrieved
+    text; ``context`` is that text and ``query`` the question. LlamaIndex hands the list
+    returned by :meth:`TokRAGLLM._get_messages` on to :meth:`TokRAGLLM.chat` (and its
+    stream/async forms) unchanged, so the template's variables reach the decoder."""
+
+    context: str = ""
+    query: str | None = None
+
+
+class _TemplatedText(str):
+    """A prompt string formatted from such a template (the completion path of
+    :meth:`TokRAGLLM._get_prompt`), with the same two attributes."""
+
+    context: str = ""
+    query: str | None = None
+
+
+def _template_inputs(prompt_args: dict[str, Any]) -> tuple[str, str | None] | None:
+    """(context, question) from a prompt template's arguments, or None if none holds context."""
+    value = next((prompt_args[k] for k in CONTEXT_VARIABLES if k in prompt_args), None)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        value = str(value)  # simple_summarize passes its one truncated chunk as a list
+    if not isinstance(value, str):
+        return None
+    context = value
+    query = next((prompt_args[k] for k in QUERY_VARIABLES if isinstance(prompt_args.get(k), str)), None)
+    return context, query
 
 
 def _given(fn: Any, default: Any) -> bool:
@@ -39,9 +77,15 @@ def _given(fn: Any, default: Any) -> bool:
 class TokRAGLLM(CustomLLM):
     """A local causal LM (default: the packaged SmolLM2-135M-Instruct) as a LlamaIndex LLM.
 
-    Without passages every method is the pure model (``policy="llm"``). Give
-    ``passages=[...]`` (nodes, strings, :class:`~tokrag_integrations.Passage` objects or
-    (text, score) pairs, best first) to any method to decode under ``policy`` instead.
+    Set as ``Settings.llm`` (or passed as ``llm=``), every LlamaIndex call that formats a
+    prompt template with retrieved context (``context_str`` / ``context_msg``: every response
+    mode of the query engines, the ``context`` and ``condense_plus_context`` chat engines)
+    decodes under ``policy``: the RAG context is the template exactly as formatted, its
+    retrieved tokens are where the context landed, and the pure context is the question alone.
+    Calls without retrieved context (a condense step, selectors, ``structured_predict``) are
+    the plain model (``policy="llm"``) and say so in their response. ``passages=[...]``
+    (nodes, strings, :class:`~tokrag_integrations.Passage` objects or (text, score) pairs, best
+    first) given to any method decodes under ``policy`` with the package's own prompt instead.
     Per-call ``policy=``, ``max_new_tokens=``, ``stop=``, ``max_context_tokens=`` and
     ``policy_options=`` override the fields. The model runs in a worker thread in the async
     methods. Responses carry provenance in ``additional_kwargs`` (policy, counts per source,
@@ -170,6 +214,27 @@ class TokRAGLLM(CustomLLM):
             model_name=self._lm.name,
         )
 
+    # ------------------------------------------------------------------ prompt templates
+    def _get_messages(self, prompt: Any, **prompt_args: Any) -> list[ChatMessage]:
+        """LlamaIndex's formatting, remembering the template's context and question."""
+        messages = super()._get_messages(prompt, **prompt_args)
+        found = _template_inputs(prompt_args)
+        if found is None:
+            return messages
+        out = _TemplatedMessages(messages)
+        out.context, out.query = found
+        return out
+
+    def _get_prompt(self, prompt: Any, **prompt_args: Any) -> str:
+        """LlamaIndex's formatting, remembering the template's context and question."""
+        text = super()._get_prompt(prompt, **prompt_args)
+        found = _template_inputs(prompt_args)
+        if found is None:
+            return text
+        out = _TemplatedText(text)
+        out.context, out.query = found
+        return out
+
     # ------------------------------------------------------------------ argument plumbing
     def _call_args(self, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """(passages for the core, keyword arguments for generate/stream)."""
@@ -188,19 +253,52 @@ class TokRAGLLM(CustomLLM):
         return passages, gen_kw
 
     def _prompt_args(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> tuple:
-        # Without passages this is a plain LLM and formats as HuggingFaceLLM does: a formatted
-        # prompt (or completion_to_prompt's output) is sent as is, otherwise the chat template
-        # wraps it as one user turn; the question-answer framing is only for RAG prompts.
-        custom = not formatted and _given(self.completion_to_prompt, default_completion_to_prompt)
-        if custom:
-            prompt = self.completion_to_prompt(prompt)
+        # Without passages this is a plain LLM and formats as HuggingFaceLLM does: the prompt
+        # (after completion_to_prompt, or behind the system prompt, when not formatted) is
+        # sent as is; the question-answer framing is only for RAG prompts.
         passages, gen_kw = self._call_args(kwargs)
+        if passages is None and isinstance(prompt, _TemplatedText):
+            rendered = RenderedPrompt(prompt.context, text=str(prompt))
+            return self._templated(prompt.query, kwargs, gen_kw, rendered, [])
+        if not formatted:
+            if _given(self.completion_to_prompt, default_completion_to_prompt):
+                prompt = self.completion_to_prompt(prompt)
+            elif self.system_prompt:
+                prompt = f"{self.system_prompt} {prompt}"
         if passages is None:
-            gen_kw["prompt_format"] = "text" if formatted or custom else "chat"
+            gen_kw["prompt_format"] = "text"
+            gen_kw.pop("system_prompt", None)
         return prompt, passages, gen_kw
+
+    def _templated(
+        self,
+        query: str | None,
+        kwargs: dict[str, Any],
+        gen_kw: dict[str, Any],
+        rendered: RenderedPrompt,
+        history: list[dict[str, str]],
+    ) -> tuple:
+        """(question, no passages, keyword arguments) for a template-formatted RAG prompt."""
+        if not query or not query.strip():
+            source = rendered.text if rendered.text is not None else (rendered.messages or [{}])[-1].get("content", "")
+            query = source.replace(rendered.context, " ").strip() or "?"
+        gen_kw["policy"] = kwargs.get("policy") or self.policy
+        gen_kw["rendered"] = rendered
+        if history:
+            gen_kw["messages"] = history
+        return query, None, gen_kw
 
     def _chat_args(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple:
         passages, gen_kw = self._call_args(kwargs)
+        if passages is None and isinstance(messages, _TemplatedMessages) and messages:
+            turns = messages_to_dicts(messages)
+            # The pure context keeps the conversation (chat engines' history), not the
+            # template's own turns: those holding the context, the system turn and the last.
+            history = [
+                t for t in turns[:-1] if t["role"] != "system" and messages.context not in t["content"]
+            ]
+            rendered = RenderedPrompt(messages.context, messages=turns)
+            return self._templated(messages.query, kwargs, gen_kw, rendered, history)
         if passages is None and _given(self.messages_to_prompt, generic_messages_to_prompt):
             gen_kw["prompt_format"] = "text"
             return self.messages_to_prompt(messages), passages, gen_kw
