@@ -31,7 +31,6 @@ from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknow
 from ..prompts import RenderedPrompt
 from ._convert import jsonable, messages_to_dicts, messages_to_turns, result_kwargs, to_passages
 
-
 #: Template variables that carry retrieved text in LlamaIndex's prompts (text QA, summary
 #: and chat-engine context templates: ``context_str``; refine templates: ``context_msg``).
 CONTEXT_VARIABLES = ("context_str", "context_msg")
@@ -150,6 +149,9 @@ class TokRAGLLM(CustomLLM):
     )
 
     _lm: LoadedModel = PrivateAttr()
+    #: When a list, every finished call's GenerationResult is appended to it (the
+    #: synthesizer's template path reads its calls' traces back this way).
+    _results: list[GenerationResult] | None = PrivateAttr(default=None)
 
     def __init__(self, lm: LoadedModel | None = None, **kwargs: Any) -> None:
         """Wrap ``lm`` (from :func:`tokrag_integrations.load_model`) or load ``model``."""
@@ -310,24 +312,28 @@ class TokRAGLLM(CustomLLM):
         return query, passages, gen_kw
 
     # ------------------------------------------------------------------ response builders
-    @staticmethod
-    def _completion(result: GenerationResult) -> CompletionResponse:
+    def _record(self, result: GenerationResult) -> GenerationResult:
+        if self._results is not None:
+            self._results.append(result)
+        return result
+
+    def _completion(self, result: GenerationResult) -> CompletionResponse:
+        self._record(result)
         return CompletionResponse(
             text=result.text,
             additional_kwargs=result_kwargs(result),
             raw=jsonable(result.trace.to_dict()),
         )
 
-    @staticmethod
-    def _chat(result: GenerationResult) -> ChatResponse:
+    def _chat(self, result: GenerationResult) -> ChatResponse:
+        self._record(result)
         return ChatResponse(
             message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
             additional_kwargs=result_kwargs(result),
             raw=jsonable(result.trace.to_dict()),
         )
 
-    @staticmethod
-    def _completion_stream(events: Iterator[TokenEvent], result: Any) -> CompletionResponseGen:
+    def _completion_stream(self, events: Iterator[TokenEvent], result: Any) -> CompletionResponseGen:
         text = ""
         for ev in events:
             if ev.text:
@@ -335,7 +341,7 @@ class TokRAGLLM(CustomLLM):
                 yield CompletionResponse(
                     text=text, delta=ev.text, additional_kwargs={"source": ev.source}
                 )
-        final = result()
+        final = self._record(result())
         yield CompletionResponse(
             text=text,
             delta="",
@@ -384,6 +390,7 @@ class TokRAGLLM(CustomLLM):
             text = ""
             async for item in astream_with_result(self._lm, prompt, passages, **gen_kw):
                 if isinstance(item, GenerationResult):
+                    self._record(item)
                     yield CompletionResponse(
                         text=text,
                         delta="",
@@ -429,6 +436,7 @@ class TokRAGLLM(CustomLLM):
             text = ""
             async for item in astream_with_result(self._lm, query, passages, **gen_kw):
                 if isinstance(item, GenerationResult):
+                    self._record(item)
                     yield ChatResponse(
                         message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
                         delta="",

@@ -27,8 +27,15 @@ from llama_index.core.instrumentation.events.synthesis import (
     SynthesizeEndEvent,
     SynthesizeStartEvent,
 )
+from llama_index.core.prompts.base import BasePromptTemplate
+from llama_index.core.prompts.default_prompt_selectors import (
+    DEFAULT_REFINE_PROMPT_SEL,
+    DEFAULT_TEXT_QA_PROMPT_SEL,
+    DEFAULT_TREE_SUMMARIZE_PROMPT_SEL,
+)
 from llama_index.core.prompts.mixin import PromptDictType
 from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTextType
+from llama_index.core.response_synthesizers.factory import get_response_synthesizer
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
@@ -56,11 +63,21 @@ _GATE_SKIP = "the gate decided not to use retrieval"
 _OWN_ARGUMENTS = (
     "lm", "model", "temperature", "policy", "max_new_tokens", "stop", "max_context_tokens",
     "system_prompt", "gate", "streaming", "callback_manager", "response_mode", "metadata_mode",
-    "batching",
+    "batching", "text_qa_template", "refine_template", "summary_template",
 )
-#: ``response_mode`` values: one decode over every node that fits (the default), or
-#: LlamaIndex's multi-call modes of the same names (see :class:`TokRAGSynthesizer`).
-RESPONSE_MODES = ("one_pass", "compact", "refine", "tree_summarize")
+#: ``response_mode`` values with the package's own prompt: one decode over every node that
+#: fits (the default), or LlamaIndex's multi-call modes of the same names.
+NATIVE_MODES = ("one_pass", "compact", "refine", "tree_summarize")
+#: Every ``response_mode``: the native ones, and LlamaIndex's other built-in modes, which
+#: run LlamaIndex's own synthesizer with its templates through :class:`TokRAGLLM`.
+RESPONSE_MODES = (*NATIVE_MODES, "simple_summarize", "accumulate", "compact_accumulate", "no_text")
+#: The prompt templates of LlamaIndex's synthesizers that this one takes.
+TEMPLATE_KEYS = ("text_qa_template", "refine_template", "summary_template")
+_DEFAULT_TEMPLATES = {
+    "text_qa_template": DEFAULT_TEXT_QA_PROMPT_SEL,
+    "refine_template": DEFAULT_REFINE_PROMPT_SEL,
+    "summary_template": DEFAULT_TREE_SUMMARIZE_PROMPT_SEL,
+}
 #: A refine step gives the answer so far as the *first* passage, with this prefix, and the
 #: next node(s) after it. Why a passage and not a refine prompt: the question stays the same
 #: in every call, so the pure context Tok-RAG compares the RAG context with is the same
@@ -85,6 +102,20 @@ def _mode_name(response_mode: Any) -> str:
             + " ('one_pass' is the default)."
         )
     return str(mode)
+
+
+async def _no_tokens() -> AsyncGenerator[str, None]:
+    return
+    yield  # an async generator that yields nothing
+
+
+def _template(key: str, value: Any) -> BasePromptTemplate | None:
+    if value is None or isinstance(value, BasePromptTemplate):
+        return value
+    raise TypeError(
+        f"{key} must be a LlamaIndex prompt template (PromptTemplate, ChatPromptTemplate...), "
+        f"got {type(value).__name__}"
+    )
 
 
 def _metadata_mode(metadata_mode: Any) -> MetadataMode:
@@ -474,6 +505,18 @@ class TokRAGSynthesizer(BaseSynthesizer):
     * ``"refine"``: the same with one node (or one part of a long node) per call.
     * ``"tree_summarize"``: every packed chunk is answered, then the answers are packed and
       answered again, level by level, until one call remains.
+    * ``"simple_summarize"``, ``"accumulate"``, ``"compact_accumulate"``, ``"no_text"``:
+      LlamaIndex's own synthesizer of that name (``no_text`` makes no call).
+
+    Prompt templates: the native modes above use the package's own prompt (passages each
+    behind a ``[Retrieved Passage]`` line, then ``Question: ...``) while no template is set.
+    Give ``text_qa_template``, ``refine_template`` or ``summary_template`` (or set them with
+    ``update_prompts``) and every mode runs LlamaIndex's synthesizer of the same name
+    (``one_pass`` as ``compact``) with your templates, LlamaIndex's defaults filling the
+    others, through a :class:`TokRAGLLM` with this synthesizer's settings: the RAG context is
+    your template as formatted and Tok-RAG compares it with the question alone. This is the
+    path ``Settings.llm = TokRAGLLM(...)`` takes, token for token. ``get_prompts()`` returns
+    the templates that path uses.
 
     Every call decodes under the synthesizer's policy with the same question. With
     ``streaming=True`` the earlier calls run when the response is made and the last call
@@ -542,8 +585,20 @@ class TokRAGSynthesizer(BaseSynthesizer):
         response_mode: Any = "one_pass",
         metadata_mode: Any = MetadataMode.LLM,
         batching: bool = True,
+        text_qa_template: BasePromptTemplate | None = None,
+        refine_template: BasePromptTemplate | None = None,
+        summary_template: BasePromptTemplate | None = None,
         **policy_options: Any,
     ) -> None:
+        self._templates: dict[str, BasePromptTemplate] = {
+            k: t
+            for k, v in (
+                ("text_qa_template", text_qa_template),
+                ("refine_template", refine_template),
+                ("summary_template", summary_template),
+            )
+            if (t := _template(k, v)) is not None
+        }
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if max_context_tokens is not None and (
@@ -590,6 +645,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
         self._mode = mode
         self._metadata_mode = meta_mode
         self._batching = bool(batching)
+        self._policy_options = dict(policy_options)
         self._gen_kwargs: dict[str, Any] = {
             "policy": policy,
             "max_new_tokens": max_new_tokens,
@@ -621,11 +677,132 @@ class TokRAGSynthesizer(BaseSynthesizer):
     def metadata_mode(self) -> MetadataMode:
         return self._metadata_mode
 
+    @property
+    def uses_templates(self) -> bool:
+        """Whether answers go through LlamaIndex's synthesizer with prompt templates (a
+        template was set, or the mode is one of LlamaIndex's others)."""
+        return bool(self._templates) or self._mode not in NATIVE_MODES
+
     def _get_prompts(self) -> PromptDictType:
-        return {}
+        """The templates the template path formats (yours, else LlamaIndex's defaults)."""
+        return {k: self._templates.get(k, _DEFAULT_TEMPLATES[k]) for k in TEMPLATE_KEYS}
 
     def _update_prompts(self, prompts: PromptDictType) -> None:
-        """No prompt templates: the core builds both contexts itself."""
+        """Set templates (``text_qa_template``, ``refine_template``, ``summary_template``);
+        from then on every mode runs through them (see the class docstring)."""
+        for key, value in prompts.items():
+            if key not in TEMPLATE_KEYS:
+                raise KeyError(f"unknown prompt {key!r}; TokRAGSynthesizer has {', '.join(TEMPLATE_KEYS)}")
+            self._templates[key] = _template(key, value)
+
+    # ------------------------------------------------------------------ template path
+    def _template_llm(self) -> TokRAGLLM:
+        """A TokRAGLLM with this synthesizer's settings that keeps its calls' results."""
+        kw = self._gen_kwargs
+        own: dict[str, Any] = {
+            "policy": self._policy_name,
+            "max_new_tokens": kw["max_new_tokens"],
+            "stop": [kw["stop"]] if isinstance(kw["stop"], str) else kw["stop"],
+            "max_context_tokens": kw["max_context_tokens"],
+            "policy_options": self._policy_options,
+            "batching": self._batching,
+        }
+        if "system_prompt" in kw:
+            own["system_prompt"] = kw["system_prompt"]
+        llm = TokRAGLLM(self._lm, callback_manager=self._callback_manager, **own)
+        llm._results = []
+        return llm
+
+    def _template_synth(self, llm: TokRAGLLM) -> BaseSynthesizer | None:
+        """LlamaIndex's synthesizer for the mode (None for ``no_text``: no call at all)."""
+        if self._mode == "no_text":
+            return None
+        mode = "compact" if self._mode == "one_pass" else self._mode
+        return get_response_synthesizer(
+            llm=llm,
+            response_mode=mode,
+            streaming=self._streaming,
+            callback_manager=self._callback_manager,
+            **self._templates,
+        )
+
+    def _template_metadata(
+        self, llm: TokRAGLLM, nodes: Sequence[NodeWithScore], gate: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        results = list(llm._results or [])
+        calls = [call_summary(i, "template", r, [{}], roles=self._roles) for i, r in enumerate(results)]
+        final = results[-1] if results else None
+        policy_used = final.trace.policy if final is not None else None
+        notes: list[str] = []
+        for c in calls:
+            notes += [w for w in c["warnings"] if w not in notes]
+        counts: dict[str, int] = {}
+        for r in results:
+            for k, v in r.counts.items():
+                counts[k] = counts.get(k, 0) + v
+        return {
+            "response_mode": self._mode,
+            "templates": sorted(self._templates),
+            "policy": self._policy_name,
+            "policy_used": policy_used,
+            "answered_from": "retrieval" if policy_used not in (None, "llm") else "pure_context",
+            "counts": final.counts if final is not None else {},
+            "counts_all_calls": counts,
+            "model": self._lm.name,
+            "stop_reason": final.trace.stop_reason if final is not None else None,
+            "gate": gate,
+            "nodes_used": [n.node.node_id for n in nodes],
+            "warnings": notes,
+            "trace": calls[-1]["trace"] if calls else None,
+            "calls": calls,
+            "usage": {
+                **{
+                    key: sum(c["usage"][key] for c in calls)
+                    for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+                },
+                "calls": len(calls),
+            },
+        }
+
+    def _template_chunks(self, nodes: Sequence[NodeWithScore]) -> list[str]:
+        return [n.node.get_content(metadata_mode=self._metadata_mode) for n in nodes]
+
+    def _run_templates(
+        self, query: str, nodes: Sequence[NodeWithScore], gate: dict[str, Any] | None
+    ) -> tuple[Any, dict[str, Any]]:
+        llm = self._template_llm()
+        synth = self._template_synth(llm)
+        if synth is None:
+            return (iter(()) if self._streaming else ""), self._template_metadata(llm, nodes, gate)
+        answer = synth.get_response(query, self._template_chunks(nodes))
+        if not self._streaming or isinstance(answer, str):
+            return answer, self._template_metadata(llm, nodes, gate)
+        metadata = {"policy": self._policy_name, "gate": gate, "response_mode": self._mode}
+
+        def gen() -> Generator[str, None, None]:
+            yield from answer
+            metadata.update(self._template_metadata(llm, nodes, gate))
+
+        return gen(), metadata
+
+    async def _arun_templates(
+        self, query: str, nodes: Sequence[NodeWithScore], gate: dict[str, Any] | None
+    ) -> tuple[Any, dict[str, Any]]:
+        llm = self._template_llm()
+        synth = self._template_synth(llm)
+        if synth is None:
+            return (_no_tokens() if self._streaming else ""), self._template_metadata(llm, nodes, gate)
+        answer = await synth.aget_response(query, self._template_chunks(nodes))
+        if not self._streaming or isinstance(answer, str):
+            return answer, self._template_metadata(llm, nodes, gate)
+        metadata = {"policy": self._policy_name, "gate": gate, "response_mode": self._mode}
+
+        async def agen() -> AsyncGenerator[str, None]:
+            async for token in answer:
+                yield token
+            metadata.update(self._template_metadata(llm, nodes, gate))
+
+        return agen(), metadata
 
     # ------------------------------------------------------------------ translation
     def _gate_dict(self, decision: Any) -> dict[str, Any] | None:
@@ -786,13 +963,19 @@ class TokRAGSynthesizer(BaseSynthesizer):
     ) -> RESPONSE_TEXT_TYPE:
         """Answer from plain text chunks (ranked best first) in the synthesizer's
         ``response_mode``; a generator when streaming."""
-        return self._run(self._session(query_str, self._chunk_nodes(text_chunks)))[0]
+        nodes = self._chunk_nodes(text_chunks)
+        if self.uses_templates:
+            return self._run_templates(query_str, nodes, None)[0]
+        return self._run(self._session(query_str, nodes))[0]
 
     async def aget_response(
         self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
         """Async :meth:`get_response`; the model runs in a worker thread."""
-        return (await self._arun(self._session(query_str, self._chunk_nodes(text_chunks))))[0]
+        nodes = self._chunk_nodes(text_chunks)
+        if self.uses_templates:
+            return (await self._arun_templates(query_str, nodes, None))[0]
+        return (await self._arun(self._session(query_str, nodes)))[0]
 
     def _response(
         self, answer: Any, metadata: dict[str, Any], source_nodes: list[NodeWithScore]
@@ -819,7 +1002,10 @@ class TokRAGSynthesizer(BaseSynthesizer):
             CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: qb.query_str}
         ) as event:
             decision = self._gate.decide(qb.query_str) if self._gate is not None else None
-            answer, metadata = self._run(self._session(qb.query_str, nodes, decision))
+            if self.uses_templates and (decision is None or decision.retrieve):
+                answer, metadata = self._run_templates(qb.query_str, nodes, self._gate_dict(decision))
+            else:
+                answer, metadata = self._run(self._session(qb.query_str, nodes, decision))
             response = self._response(answer, metadata, source_nodes)
             event.on_end(payload={EventPayload.RESPONSE: response})
         dispatcher.event(SynthesizeEndEvent(query=qb, response=response))
@@ -845,7 +1031,12 @@ class TokRAGSynthesizer(BaseSynthesizer):
                 if self._gate is not None
                 else None
             )
-            answer, metadata = await self._arun(self._session(qb.query_str, nodes, decision))
+            if self.uses_templates and (decision is None or decision.retrieve):
+                answer, metadata = await self._arun_templates(
+                    qb.query_str, nodes, self._gate_dict(decision)
+                )
+            else:
+                answer, metadata = await self._arun(self._session(qb.query_str, nodes, decision))
             response = self._response(answer, metadata, source_nodes)
             event.on_end(payload={EventPayload.RESPONSE: response})
         dispatcher.event(SynthesizeEndEvent(query=qb, response=response))
