@@ -57,7 +57,9 @@ class _TemplatedText(str):
 
 
 def _template_inputs(prompt_args: dict[str, Any]) -> tuple[str, str | None] | None:
-    """(context, question) from a prompt template's arguments, or None if none holds context."""
+    """(context, question) from a prompt template's arguments (partially formatted ones
+    included: LlamaIndex's synthesizers fill ``query_str`` in first), or None if none holds
+    context."""
     value = next((prompt_args[k] for k in CONTEXT_VARIABLES if k in prompt_args), None)
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         value = str(value)  # simple_summarize passes its one truncated chunk as a list
@@ -220,7 +222,7 @@ class TokRAGLLM(CustomLLM):
     def _get_messages(self, prompt: Any, **prompt_args: Any) -> list[ChatMessage]:
         """LlamaIndex's formatting, remembering the template's context and question."""
         messages = super()._get_messages(prompt, **prompt_args)
-        found = _template_inputs(prompt_args)
+        found = _template_inputs({**(getattr(prompt, "kwargs", None) or {}), **prompt_args})
         if found is None:
             return messages
         out = _TemplatedMessages(messages)
@@ -230,7 +232,7 @@ class TokRAGLLM(CustomLLM):
     def _get_prompt(self, prompt: Any, **prompt_args: Any) -> str:
         """LlamaIndex's formatting, remembering the template's context and question."""
         text = super()._get_prompt(prompt, **prompt_args)
-        found = _template_inputs(prompt_args)
+        found = _template_inputs({**(getattr(prompt, "kwargs", None) or {}), **prompt_args})
         if found is None:
             return text
         out = _TemplatedText(text)
