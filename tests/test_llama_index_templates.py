@@ -193,3 +193,13 @@ def test_calls_without_retrieved_context_are_the_plain_model(lm):
     assert isinstance(out, str)
     r = llm.complete("Say hi.")
     assert r.raw["policy"] == r.additional_kwargs["policy"] == "llm"
+
+
+async def test_settings_llm_path_streams_and_awaits_the_same_tokens(index, settings_llm, calls):
+    ref = str(index.as_query_engine(similarity_top_k=2).query(FOUNDER_Q))
+    streamed = index.as_query_engine(similarity_top_k=2, streaming=True).query(FOUNDER_Q)
+    assert "".join(streamed.response_gen) == ref
+    assert str(await index.as_query_engine(similarity_top_k=2).aquery(FOUNDER_Q)) == ref
+    astreamed = await index.as_query_engine(similarity_top_k=2, streaming=True).aquery(FOUNDER_Q)
+    assert "".join([t async for t in astreamed.async_response_gen()]) == ref
+    assert calls.policies() == ["tokrag"] * 4
