@@ -34,6 +34,7 @@ from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from .. import batching
 from ..api import GenerationResult, astream_with_result, stream
+from ..booleans import require_bool
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy
 from ..policies import get_policy
 from ..policies.base import Policy
@@ -544,6 +545,8 @@ class TokRAGSynthesizer(BaseSynthesizer):
         batching: bool = True,
         **policy_options: Any,
     ) -> None:
+        require_bool(streaming, "streaming")
+        require_bool(batching, "batching")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if max_context_tokens is not None and (
@@ -589,7 +592,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
         self._gate = gate
         self._mode = mode
         self._metadata_mode = meta_mode
-        self._batching = bool(batching)
+        self._batching = batching
         self._gen_kwargs: dict[str, Any] = {
             "policy": policy,
             "max_new_tokens": max_new_tokens,

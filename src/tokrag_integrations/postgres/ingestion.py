@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..booleans import require_bool
 from ..retrieval import (
     SUPPORTED_SUFFIXES,
     Document,
@@ -571,6 +572,7 @@ def ingest(
 
     Raises:
         FileNotFoundError: A path does not exist.
+        TypeError: ``progress`` or ``prune`` is not ``True`` or ``False``.
         ValueError: Bad table name, target, chunking, or an embedding model that does not
             fit the table.
         PostgresConnectionError: The database is unreachable (fails fast, password masked),
@@ -578,6 +580,8 @@ def ingest(
             name that is not tokrag's).
     """
     start = time.perf_counter()
+    require_bool(progress, "progress")
+    require_bool(prune, "prune")
     layout = TableLayout.for_target(table, target)
     chunk_text("check", max_chars=max_chars, overlap=overlap)  # bad chunking fails here, once
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..booleans import require_bool
 from .embeddings import Embedder, load_embedder
 from .layout import TableLayout, Target, check_layout
 from .server import (
@@ -218,6 +219,7 @@ def make_llamaindex_store(
     HNSW index (``m=16, ef_construction=64``, cosine) on first use; errors are raised, not
     logged and swallowed.
     """
+    require_bool(setup, "setup")
     if layout.target != "llamaindex":
         raise ValueError(
             f"Table {layout.table} uses LangChain's layout; LlamaIndex cannot read it. Ingest "
