@@ -20,13 +20,30 @@ every parent folder of the data folder group/other-readable and traversable (``c
 g+rx,o+rx`` up to ``/``). Under ``/root`` that would open the root user's home, so as root
 the default is ``/var/lib/tokrag/pg`` (whose parents are world-traversable already), and a
 data folder inside the root user's home is refused with an error naming the fix.
+
+**No other local user can reach the embedded server** (it trusts every connection that
+reaches its socket). The server listens on a Unix socket only, in a folder that only the
+server's own OS user may enter (mode 0700): the data folder itself, or, when the data
+folder's path is too long for a Unix socket (about 107 bytes), a private
+``$TMPDIR/tokrag-pg-<uid>/<hash>`` folder (never pgserver's world-writable fallback). The
+socket file itself is made owner-only (``unix_socket_permissions=0700``). tokrag starts the
+server itself (:class:`_server_class`) for this; pgserver still creates the data folder, the
+system user as root, and stops the server when the last process using it exits. A server
+found running with its socket in a folder other users can enter (started by an older
+version) is refused with the way to restart it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
+import shlex
+import stat
+import subprocess
+import sys
+import tempfile
 import threading
 import warnings
 from collections.abc import Iterator
@@ -460,6 +477,162 @@ def _import_pgserver() -> Any:
     return pgserver
 
 
+#: Longest Unix socket path: ``sun_path`` holds 108 bytes on Linux, 104 on macOS (with the NUL).
+_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
+#: The socket file Postgres creates in its socket folder (the port is always the default).
+_SOCKET_NAME = ".s.PGSQL.5432"
+
+
+def _server_user_ids(system_user: str | None) -> tuple[int, int]:
+    """``(uid, gid)`` the server runs as: pgserver's system user as root, else this process's."""
+    if system_user is None:
+        return os.geteuid(), os.getegid()
+    import pwd
+
+    entry = pwd.getpwnam(system_user)
+    return entry.pw_uid, entry.pw_gid
+
+
+def _socket_fits(folder: Path) -> bool:
+    return len(os.fsencode(str(folder / _SOCKET_NAME))) <= _SOCKET_PATH_MAX
+
+
+def _private_folder(folder: Path, uid: int, gid: int) -> Path:
+    """``folder``, created 0700 for ``uid`` (or already exactly that: not a link, its owner, 0700).
+
+    Raises:
+        PostgresSetupError: ``folder`` exists as something else (e.g. made by another user
+            in the shared temporary folder).
+    """
+    try:
+        folder.mkdir(mode=0o700)
+        if os.geteuid() != uid:  # root making the folder for pgserver's system user
+            os.chown(folder, uid, gid)
+    except FileExistsError:
+        pass
+    st = folder.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+        raise PostgresSetupError(
+            f"Refusing to put the embedded Postgres socket in {folder}: it is not a private "
+            f"folder of user id {uid} (owner {st.st_uid}, mode {stat.filemode(st.st_mode)}), so "
+            "another local user could reach or replace the server. Remove it (or set "
+            f"{DATA_DIR_ENV} to a shorter path) and re-run."
+        )
+    return folder
+
+
+def _socket_folder(pgdata: Path, uid: int, gid: int) -> Path:
+    """Where the server's socket goes: the data folder (0700, the server user's own), or, when
+    its path is too long for a Unix socket, ``$TMPDIR/tokrag-pg-<uid>/<hash of the path>``
+    (both levels private to the server's user; ``/tmp`` when ``$TMPDIR`` is long too).
+
+    Raises:
+        PostgresSetupError: No candidate is short enough, or one is not private.
+    """
+    if _socket_fits(pgdata):
+        return pgdata
+    digest = hashlib.sha256(os.fsencode(str(pgdata))).hexdigest()[:12]
+    for base in dict.fromkeys([Path(tempfile.gettempdir()), Path("/tmp")]):
+        folder = base / f"tokrag-pg-{uid}" / digest
+        if _socket_fits(folder):
+            _private_folder(folder.parent, uid, gid)
+            return _private_folder(folder, uid, gid)
+    raise PostgresSetupError(
+        f"The embedded Postgres in {pgdata} needs a Unix socket path under "
+        f"{_SOCKET_PATH_MAX} bytes and neither the data folder nor $TMPDIR gives one; set "
+        f"{DATA_DIR_ENV} (or TMPDIR) to a shorter path."
+    )
+
+
+def _is_private(folder: Path, uid: int) -> bool:
+    try:
+        st = folder.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o077
+
+
+def _log_reason(log: Path) -> str:
+    """The last FATAL/ERROR line of the server log (what went wrong), or a pointer to the log."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in reversed(lines):
+        if "FATAL:" in line or "ERROR:" in line or "PANIC:" in line:
+            return line.split(":  ", 1)[-1].strip()
+    return "pg_ctl could not start it"
+
+
+_SERVER_CLASS: Any = None
+
+
+def _server_class() -> Any:
+    """pgserver's ``PostgresServer``, started so that no other local user can reach it.
+
+    pgserver's own start puts the socket in a world-writable folder when the data folder's
+    path is too long, passes the folder to the server unquoted (a space breaks it) and logs
+    the whole server log on failure. Only that step is replaced (``ensure_postgres_running``);
+    initdb, pgserver's system user as root, the handle list and the stop at exit are
+    pgserver's.
+    """
+    global _SERVER_CLASS
+    if _SERVER_CLASS is not None:
+        return _SERVER_CLASS
+    from pgserver._commands import POSTGRES_BIN_PATH
+    from pgserver.postgres_server import PostgresServer
+    from pgserver.utils import PostmasterInfo
+
+    class PrivateSocketServer(PostgresServer):
+        """A ``PostgresServer`` whose Unix socket only its own OS user (and root) can reach."""
+
+        def ensure_postgres_running(self) -> None:  # called under pgserver's lock
+            uid, gid = _server_user_ids(self.system_user)
+            info = PostmasterInfo.read_from_pgdata(self.pgdata)
+            if info is None or not info.is_running():
+                self._start(uid, gid)
+                info = PostmasterInfo.read_from_pgdata(self.pgdata)
+            if info is None or not info.is_running() or info.status != "ready":
+                raise PostgresSetupError(
+                    f"The embedded Postgres in {self.pgdata} did not become ready: "
+                    f"{_log_reason(self.log)}. See {self.log}."
+                )
+            if info.socket_dir is None or not _is_private(info.socket_dir, uid):
+                raise PostgresSetupError(
+                    f"The embedded Postgres in {self.pgdata} is already running with its socket "
+                    f"in {info.socket_dir}, which other local users can reach (started by an "
+                    f"older version?). Stop it with `pg_ctl -D '{self.pgdata}' stop` (as "
+                    f"{self.system_user or 'this user'}) and re-run: it restarts with a "
+                    "private socket."
+                )
+            self._postmaster_info = info
+
+        def _start(self, uid: int, gid: int) -> None:
+            socket_folder = _socket_folder(self.pgdata, uid, gid)
+            # pg_ctl runs the server through /bin/sh: -o is shell text, so the folder is quoted.
+            options = (
+                f"-h '' -k {shlex.quote(str(socket_folder))} -c unix_socket_permissions=0700"
+            )
+            command = [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(self.pgdata), "-w",
+                       "-t", "60", "-o", options, "-l", str(self.log), "start"]  # fmt: skip
+            as_user: dict[str, Any] = {}
+            if self.system_user is not None:  # root: the server's own user and group only
+                as_user = {"user": uid, "group": gid, "extra_groups": []}
+            done = subprocess.run(
+                command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, timeout=90, check=False, **as_user,
+            )  # fmt: skip
+            if done.returncode != 0:
+                raise PostgresSetupError(
+                    f"Could not start the embedded Postgres in {self.pgdata}: "
+                    f"{_log_reason(self.log)}. See {self.log} for the server log, or pass "
+                    f"--dsn / set {DSN_ENV}."
+                )
+
+    _SERVER_CLASS = PrivateSocketServer
+    return _SERVER_CLASS
+
+
 def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     """Start (or attach to) the embedded server; returns ``(dsn, server_handle)``.
 
@@ -467,7 +640,8 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     when the last process using it exits (its data stays for the next run). A process that
     was killed (SIGKILL) cannot stop it: the server then keeps running until the next
     process using the folder exits, which first removes the dead process from pgserver's
-    handle list (:func:`prune_stale_handles`).
+    handle list (:func:`prune_stale_handles`). Its socket is private to the server's OS user
+    (see the module docstring).
 
     Raises:
         PostgresSetupError: ``pgserver`` is missing, the folder is unsafe (root), or the
@@ -476,7 +650,7 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     folder = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     _check_root_safe(folder)
     try:
-        pgserver = _import_pgserver()
+        _import_pgserver()
     except ImportError:
         raise PostgresSetupError(
             "No connection string was given and the embedded server needs the 'pgserver' "
@@ -489,8 +663,19 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
         if server is None:
             try:
                 folder.parent.mkdir(parents=True, exist_ok=True)
-                prune_stale_handles(folder)
-                server = pgserver.get_server(folder, cleanup_mode="stop")
+                pgdata = folder.resolve()
+                pgdata.mkdir(mode=0o700, exist_ok=True)
+                prune_stale_handles(pgdata)
+                server_class = _server_class()
+                server = server_class._instances.get(pgdata)
+                if server is None:
+                    try:
+                        server = server_class(pgdata, cleanup_mode="stop")
+                    finally:  # pgserver registers the instance before starting it
+                        if server is None:
+                            server_class._instances.pop(pgdata, None)
+            except PostgresSetupError:
+                raise
             except Exception as exc:  # noqa: BLE001 - re-raised with the fix in the message
                 raise PostgresSetupError(
                     f"Could not start the embedded Postgres in {folder}: {exc}. See "

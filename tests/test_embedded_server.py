@@ -1,0 +1,100 @@
+"""The embedded Postgres as an operator meets it: who can reach it, and how it fails (issue 29).
+
+Everything runs against real PostgreSQL 16 + pgvector servers started by ``pgserver``: one
+shared by the module, plus one per case that needs its own data folder (a long path). The
+other-local-user case runs its attacker as ``nobody`` and needs root for that; elsewhere it is
+skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.postgres
+
+SOCKET = ".s.PGSQL.5432"
+
+
+def _start(folder: Path) -> tuple[str, object]:
+    pytest.importorskip("pgserver")
+    from tokrag_integrations.postgres.server import start_embedded
+
+    return start_embedded(folder)
+
+
+def _stop(folder: Path, server: object) -> None:
+    from tokrag_integrations.postgres import server as pg
+
+    server.cleanup()
+    with pg._SERVERS_LOCK:
+        pg._SERVERS.pop(folder.resolve(), None)
+
+
+@pytest.fixture(scope="module")
+def pg_dsn(tmp_path_factory):
+    """An embedded server for this module, in a temporary folder."""
+    folder = tmp_path_factory.mktemp("pgserver_embedded") / "pg"
+    dsn, server = _start(folder)
+    yield dsn
+    _stop(folder, server)
+
+
+@pytest.fixture(scope="module")
+def long_path_dsn(tmp_path_factory):
+    """An embedded server whose data folder path is too long for a Unix socket in it."""
+    base = tmp_path_factory.mktemp("pgserver_long")
+    folder = base / ("d" * max(1, 104 - len(str(base)))) / "pg"
+    assert len(os.fsencode(str(folder / SOCKET))) > 107
+    dsn, server = _start(folder)
+    yield dsn
+    _stop(folder, server)
+
+
+def _socket_folder(dsn: str) -> Path:
+    from tokrag_integrations.postgres.server import dsn_params
+
+    return Path(dsn_params(dsn)["host"])
+
+
+# ============================================================================ 2: private socket
+@pytest.mark.parametrize("which", ["pg_dsn", "long_path_dsn"])
+def test_embedded_socket_is_private_to_the_server_user(request, which):
+    from tokrag_integrations.postgres.server import check_connection
+
+    dsn = request.getfixturevalue(which)
+    folder = _socket_folder(dsn)
+    if which == "long_path_dsn":
+        assert not str(folder).startswith(str(Path("/tmp/runtime-")))  # not pgserver's fallback
+    st = folder.lstat()
+    assert stat.S_ISDIR(st.st_mode) and st.st_mode & 0o077 == 0, stat.filemode(st.st_mode)
+    sock = (folder / SOCKET).lstat()
+    assert stat.S_ISSOCK(sock.st_mode) and sock.st_mode & 0o077 == 0, stat.filemode(sock.st_mode)
+    assert sock.st_uid == st.st_uid  # the server's own user owns both
+    assert check_connection(dsn)  # and this process (that user, or root) still connects
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0,
+    reason="runs the attacker as the user 'nobody', which needs root",
+)
+@pytest.mark.parametrize("which", ["pg_dsn", "long_path_dsn"])
+def test_other_local_user_cannot_reach_embedded_server(request, which):
+    from pgserver._commands import POSTGRES_BIN_PATH
+
+    dsn = request.getfixturevalue(which)
+    as_nobody = {"user": "nobody", "group": 65534, "extra_groups": [], "cwd": "/"}
+    attack = subprocess.run(
+        [str(POSTGRES_BIN_PATH / "psql"), dsn, "-c", "COPY (SELECT 1) TO PROGRAM 'id'"],
+        capture_output=True, text=True, timeout=60, **as_nobody,
+    )  # fmt: skip
+    assert attack.returncode != 0, attack.stdout
+    assert "Permission denied" in attack.stderr
+    plant = subprocess.run(
+        ["touch", str(_socket_folder(dsn) / "planted")], capture_output=True, **as_nobody
+    )
+    assert plant.returncode != 0  # nor replace the socket with one of its own
