@@ -98,3 +98,27 @@ def test_other_local_user_cannot_reach_embedded_server(request, which):
         ["touch", str(_socket_folder(dsn) / "planted")], capture_output=True, **as_nobody
     )
     assert plant.returncode != 0  # nor replace the socket with one of its own
+
+
+def test_running_server_with_a_reachable_socket_is_refused(tmp_path_factory):
+    """A server started the old way (pgserver's world-writable fallback folder) is not used."""
+    import sys
+
+    from tokrag_integrations.postgres.server import PostgresSetupError
+
+    pytest.importorskip("pgserver")
+    base = tmp_path_factory.mktemp("pgserver_old")
+    folder = (base / ("o" * max(1, 104 - len(str(base)))) / "pg").resolve()
+    folder.parent.mkdir()
+    old_way = f"import pgserver; pgserver.get_server({str(folder)!r}, cleanup_mode=None)"
+    subprocess.run([sys.executable, "-c", old_way], check=True, capture_output=True, timeout=120)
+    try:
+        with pytest.raises(PostgresSetupError, match="other local users can reach") as info:
+            _start(folder)
+        assert "pg_ctl -D" in str(info.value) and "\n" not in str(info.value)
+    finally:
+        from pgserver._commands import pg_ctl
+        from pgserver.postgres_server import PostgresServer
+
+        PostgresServer._instances.pop(folder, None)
+        pg_ctl(["-w", "stop"], pgdata=folder, user="pgserver" if os.geteuid() == 0 else None)
