@@ -122,3 +122,28 @@ def test_running_server_with_a_reachable_socket_is_refused(tmp_path_factory):
 
         PostgresServer._instances.pop(folder, None)
         pg_ctl(["-w", "stop"], pgdata=folder, user="pgserver" if os.geteuid() == 0 else None)
+
+
+# ============================================================================ 11: odd data folders
+def test_data_folder_with_a_space_works_quietly(tmp_path_factory, capfd):
+    from tokrag_integrations.postgres.server import check_connection
+
+    folder = tmp_path_factory.mktemp("pgserver space") / "my data" / "pg"
+    dsn, server = _start(folder)
+    try:
+        assert check_connection(dsn)
+        assert _socket_folder(dsn) == folder.resolve()
+    finally:
+        _stop(folder, server)
+    out = capfd.readouterr()
+    assert out.out == "" and out.err == ""
+
+
+@pytest.mark.parametrize("name", ['a"b', "a$HOME", "a`id`", "a\\b", "a\nb"])
+def test_data_folder_pg_ctl_cannot_quote_is_one_sentence(tmp_path, name):
+    from tokrag_integrations.postgres.server import PostgresSetupError
+
+    with pytest.raises(PostgresSetupError, match="pg_ctl passes it through a shell") as info:
+        _start(tmp_path / name / "pg")
+    assert "TOKRAG_DATA_DIR" in str(info.value)
+    assert not (tmp_path / name).exists()  # refused before anything was created

@@ -481,6 +481,21 @@ def _import_pgserver() -> Any:
 _SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
 #: The socket file Postgres creates in its socket folder (the port is always the default).
 _SOCKET_NAME = ".s.PGSQL.5432"
+#: Characters pg_ctl cannot pass through the ``"..."`` quoting of the shell command it runs
+#: (``-D "<data folder>"``): the server would start elsewhere, or not at all.
+_UNQUOTABLE = '"$`\\\n'
+
+
+def _check_quotable(folder: Path) -> None:
+    """Refuse a data folder path that pg_ctl's shell command cannot carry (spaces are fine)."""
+    bad = sorted({c for c in str(folder.absolute()) if c in _UNQUOTABLE})
+    if bad:
+        shown = " ".join(repr(c) for c in bad)
+        raise PostgresSetupError(
+            f"The embedded Postgres cannot use the data folder {str(folder)!r}: pg_ctl passes "
+            f"it through a shell, which cannot carry {shown} in it; set {DATA_DIR_ENV} to a "
+            "path without them."
+        )
 
 
 def _server_user_ids(system_user: str | None) -> tuple[int, int]:
@@ -607,6 +622,13 @@ def _server_class() -> Any:
                 )
             self._postmaster_info = info
 
+        def get_uri(self, database: str | None = None) -> str:
+            """The connection URL, with the socket folder percent-encoded (it may hold spaces)."""
+            from urllib.parse import quote
+
+            folder = quote(str(self.get_postmaster_info().socket_dir), safe="/")
+            return f"postgresql://postgres:@/{quote(database or 'postgres', safe='')}?host={folder}"
+
         def _start(self, uid: int, gid: int) -> None:
             socket_folder = _socket_folder(self.pgdata, uid, gid)
             # pg_ctl runs the server through /bin/sh: -o is shell text, so the folder is quoted.
@@ -649,6 +671,7 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     """
     folder = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     _check_root_safe(folder)
+    _check_quotable(folder)
     try:
         _import_pgserver()
     except ImportError:
