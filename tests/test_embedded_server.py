@@ -147,3 +147,56 @@ def test_data_folder_pg_ctl_cannot_quote_is_one_sentence(tmp_path, name):
         _start(tmp_path / name / "pg")
     assert "TOKRAG_DATA_DIR" in str(info.value)
     assert not (tmp_path / name).exists()  # refused before anything was created
+
+
+# ============================================================================ 7: reserved words
+def _tables(dsn: str, *names: str) -> list[str]:
+    from tokrag_integrations.postgres.server import connect
+
+    with connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT relname FROM pg_class WHERE relname = ANY(%s)", (list(names),)
+        ).fetchall()
+    return sorted(r[0] for r in rows)
+
+
+def test_every_reserved_word_of_the_server_is_refused_as_table_name(pg_dsn):
+    from tokrag_integrations.postgres.server import connect, validate_table_name
+
+    with connect(pg_dsn, autocommit=True) as conn:
+        words = [r[0] for r in conn.execute(
+            "SELECT word FROM pg_get_keywords() WHERE catcode IN ('R', 'T')"
+        ).fetchall()]  # fmt: skip
+    assert "user" in words
+    for word in words:
+        with pytest.raises(ValueError, match="reserved word in PostgreSQL"):
+            validate_table_name(word.upper() if word == "user" else word)
+
+
+@pytest.mark.parametrize("target", ["langchain", "llamaindex"])
+def test_reserved_word_table_is_refused_and_leaves_no_table(pg_dsn, tmp_path, capsys, target):
+    from tokrag_integrations.cli import main
+
+    (tmp_path / "a.md").write_text("# A\n\nThe Ossian pump moves 40 litres a minute.\n")
+    argv = ["ingest", str(tmp_path), "--dsn", pg_dsn, "--table", "user", "--target", target]
+    assert main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokrag: error: Invalid table name 'user'") and err.count("\n") == 1
+    assert _tables(pg_dsn, "user", "data_user") == []
+
+
+def test_langchain_table_without_its_indexes_is_dropped(pg_dsn):
+    """Whatever makes the index creation fail, the just-created table does not stay behind."""
+    from tokrag_integrations.postgres.ingestion import _create_langchain_table
+    from tokrag_integrations.postgres.layout import TableLayout
+    from tokrag_integrations.postgres.server import (
+        PostgresQueryError,
+        ResolvedDatabase,
+        database_errors,
+    )
+
+    unchecked = TableLayout("langchain", "user", "langchain_id", "content", "langchain_metadata")
+    db = ResolvedDatabase(dsn=pg_dsn, origin="argument")
+    with pytest.raises(PostgresQueryError, match="syntax error"), database_errors(pg_dsn, "create"):
+        _create_langchain_table(db, unchecked, 384)
+    assert _tables(pg_dsn, "user") == []

@@ -83,6 +83,9 @@ DEFAULT_CONNECT_TIMEOUT_S = 5
 # LlamaIndex creates ``data_<name>`` and indexes ``data_<name>_embedding_idx``; Postgres
 # silently truncates identifiers past 63 bytes, so the name is kept well under that.
 _TABLE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
+#: PostgreSQL 16 keywords that cannot name a table unquoted, beyond SQLAlchemy's list of its
+#: reserved words (``pg_get_keywords()`` categories R and T; a test compares with the server).
+_MORE_RESERVED = frozenset({"collation", "concurrently", "lateral", "system_user", "tablesample"})
 
 
 class PostgresConnectionError(ConnectionError):
@@ -365,14 +368,23 @@ def validate_table_name(table: str) -> str:
     ``CREATE INDEX ... ON data_<name>`` with string formatting), so only plain ASCII
     identifiers are accepted: a letter or underscore, then letters, digits and underscores,
     at most 40 characters. Quotes, semicolons, spaces, dashes and non-ASCII letters are
-    rejected rather than escaped.
+    rejected rather than escaped, and so are PostgreSQL's reserved words (``user``,
+    ``order``...), which the SQL of both frameworks and ours would use unquoted.
     """
+    from sqlalchemy.dialects.postgresql.base import RESERVED_WORDS
+
     if not isinstance(table, str) or not _TABLE_RE.fullmatch(table):
         raise ValueError(
             f"Invalid table name {table!r}: use 1-40 ASCII letters, digits and underscores, "
             "starting with a letter or underscore (e.g. 'tokrag_docs')."
         )
-    return table.lower()
+    name = table.lower()
+    if name in RESERVED_WORDS or name in _MORE_RESERVED:
+        raise ValueError(
+            f"Invalid table name {table!r}: it is a reserved word in PostgreSQL; choose another "
+            f"name (e.g. '{name}_docs')."
+        )
+    return name
 
 
 # ============================================================================ embedded server
