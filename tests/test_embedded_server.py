@@ -200,3 +200,24 @@ def test_langchain_table_without_its_indexes_is_dropped(pg_dsn):
     with pytest.raises(PostgresQueryError, match="syntax error"), database_errors(pg_dsn, "create"):
         _create_langchain_table(db, unchecked, 384)
     assert _tables(pg_dsn, "user") == []
+
+
+# ============================================================================ 9: read-only role
+def test_read_only_role_creating_a_table_is_one_sentence(pg_dsn, tmp_path, caplog):
+    import logging
+
+    from psycopg.conninfo import make_conninfo
+
+    from tokrag_integrations.postgres import ingest
+    from tokrag_integrations.postgres.server import PostgresQueryError, connect, dsn_params
+
+    with connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("DROP ROLE IF EXISTS tokrag_reader")
+        conn.execute("CREATE ROLE tokrag_reader LOGIN")  # no CREATE on schema public (PG 15+)
+    reader = make_conninfo(**{**dsn_params(pg_dsn), "user": "tokrag_reader"})
+    (tmp_path / "a.md").write_text("# A\n\nThe Brora gate closes at dusk.\n")
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(PostgresQueryError, match="permission denied for schema public") as info:
+        ingest([tmp_path], dsn=reader, table="reader_new", progress=False)
+    assert "\n" not in str(info.value) and "GRANT CREATE" in str(info.value)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []

@@ -24,6 +24,7 @@ it reaches either framework. Values may contain anything (quotes, semicolons, un
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -164,6 +165,24 @@ def _safe_store_class() -> Any:
 
     class SafeFilterPGVectorStore(PGVectorStore):
         """``PGVectorStore`` whose metadata filters are bound parameters, never SQL text."""
+
+        def _initialize(self) -> None:
+            # tokrag sets initialization_fail_on_error, so a setup error (e.g. no CREATE
+            # privilege) is raised and reported in one sentence; PGVectorStore would first log
+            # it as a warning with its whole SQL statement. Dropped in this thread only.
+            if not self.perform_setup or self._is_initialized:
+                return super()._initialize()
+            thread = threading.get_ident()
+
+            def raised_anyway(record: logging.LogRecord) -> bool:
+                return record.thread != thread or not str(record.msg).startswith("PG Setup: Error")
+
+            setup_logger = logging.getLogger(PGVectorStore.__module__)
+            setup_logger.addFilter(raised_anyway)
+            try:
+                return super()._initialize()
+            finally:
+                setup_logger.removeFilter(raised_anyway)
 
         def _build_filter_clause(self, filter_: Any) -> Any:
             key = validate_filter_key(filter_.key)
