@@ -221,3 +221,46 @@ def test_read_only_role_creating_a_table_is_one_sentence(pg_dsn, tmp_path, caplo
         ingest([tmp_path], dsn=reader, table="reader_new", progress=False)
     assert "\n" not in str(info.value) and "GRANT CREATE" in str(info.value)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+# ============================================================================ 12: SIGTERM
+def test_sigterm_stops_the_embedded_server(tmp_path):
+    import signal
+    import sys
+    import textwrap
+
+    import psutil
+
+    pytest.importorskip("pgserver")
+    folder = (tmp_path / "pg").resolve()
+    script = textwrap.dedent(
+        f"""
+        import time
+        from tokrag_integrations.postgres.server import check_connection, start_embedded
+        dsn, _ = start_embedded({str(folder)!r})
+        check_connection(dsn)
+        print("ready", flush=True)
+        time.sleep(600)
+        """
+    )
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
+    postmaster = None
+    try:
+        assert proc.stdout.readline().strip() == "ready", log.read_text()
+        postmaster = psutil.Process(int((folder / "postmaster.pid").read_text().split()[0]))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+        assert not (folder / "postmaster.pid").exists()
+        try:  # gone, or a zombie waiting for its parent to be reaped
+            postmaster.wait(60)
+        except psutil.TimeoutExpired:
+            assert postmaster.status() == psutil.STATUS_ZOMBIE
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if postmaster is not None and postmaster.is_running():
+            postmaster.terminate()  # never leave a server behind

@@ -667,6 +667,26 @@ def _server_class() -> Any:
     return _SERVER_CLASS
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _stop_on_sigterm() -> None:
+    """Make SIGTERM end the process as Ctrl-C does, so the embedded server is stopped at exit.
+
+    SIGTERM's default action (``timeout``, systemd, ``docker stop``) kills Python without
+    running ``atexit``, where pgserver stops the server, so it would keep running. Installed
+    only while SIGTERM still has its default action, from the main thread: a handler the
+    application set is left alone.
+    """
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
 def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     """Start (or attach to) the embedded server; returns ``(dsn, server_handle)``.
 
@@ -674,8 +694,9 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     when the last process using it exits (its data stays for the next run). A process that
     was killed (SIGKILL) cannot stop it: the server then keeps running until the next
     process using the folder exits, which first removes the dead process from pgserver's
-    handle list (:func:`prune_stale_handles`). Its socket is private to the server's OS user
-    (see the module docstring).
+    handle list (:func:`prune_stale_handles`). SIGTERM ends the process as Ctrl-C does (exit
+    status 143), so the server is stopped then too (:func:`_stop_on_sigterm`). Its socket is
+    private to the server's OS user (see the module docstring).
 
     Raises:
         PostgresSetupError: ``pgserver`` is missing, the folder is unsafe (root), or the
@@ -717,6 +738,7 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
                     f"{folder / 'log'} for the server log, or pass --dsn / set {DSN_ENV}."
                 ) from exc
             _SERVERS[key] = server
+    _stop_on_sigterm()
     return server.get_uri(), server
 
 
