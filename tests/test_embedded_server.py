@@ -160,8 +160,9 @@ def _tables(dsn: str, *names: str) -> list[str]:
     return sorted(r[0] for r in rows)
 
 
-def test_every_reserved_word_of_the_server_is_refused_as_table_name(pg_dsn):
-    from tokrag_integrations.postgres.server import connect, validate_table_name
+def test_every_reserved_word_of_the_server_is_refused_as_langchain_table(pg_dsn):
+    from tokrag_integrations.postgres.layout import TableLayout
+    from tokrag_integrations.postgres.server import connect
 
     with connect(pg_dsn, autocommit=True) as conn:
         words = [r[0] for r in conn.execute(
@@ -170,18 +171,19 @@ def test_every_reserved_word_of_the_server_is_refused_as_table_name(pg_dsn):
     assert "user" in words
     for word in words:
         with pytest.raises(ValueError, match="reserved word in PostgreSQL"):
-            validate_table_name(word.upper() if word == "user" else word)
+            TableLayout.for_target(word.upper() if word == "user" else word, "langchain")
+        assert TableLayout.for_target(word, "llamaindex").table == f"data_{word}"  # prefixed
 
 
-@pytest.mark.parametrize("target", ["langchain", "llamaindex"])
-def test_reserved_word_table_is_refused_and_leaves_no_table(pg_dsn, tmp_path, capsys, target):
+def test_reserved_word_langchain_table_is_refused_and_leaves_no_table(pg_dsn, tmp_path, capsys):
     from tokrag_integrations.cli import main
 
     (tmp_path / "a.md").write_text("# A\n\nThe Ossian pump moves 40 litres a minute.\n")
-    argv = ["ingest", str(tmp_path), "--dsn", pg_dsn, "--table", "user", "--target", target]
+    argv = ["ingest", str(tmp_path), "--dsn", pg_dsn, "--table", "user", "--target", "langchain"]
     assert main([*argv, "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("tokrag: error: Invalid table name 'user'") and err.count("\n") == 1
+    assert err.startswith("tokrag: error: Invalid table name 'user' for the langchain target")
+    assert err.count("\n") == 1 and "data_user" in err
     assert _tables(pg_dsn, "user", "data_user") == []
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "connect_timeout",
     "default_data_dir",
     "dsn_params",
+    "is_reserved_word",
     "mask_dsn",
     "prune_stale_handles",
     "resolve_dsn",
@@ -368,23 +369,23 @@ def validate_table_name(table: str) -> str:
     ``CREATE INDEX ... ON data_<name>`` with string formatting), so only plain ASCII
     identifiers are accepted: a letter or underscore, then letters, digits and underscores,
     at most 40 characters. Quotes, semicolons, spaces, dashes and non-ASCII letters are
-    rejected rather than escaped, and so are PostgreSQL's reserved words (``user``,
-    ``order``...), which the SQL of both frameworks and ours would use unquoted.
+    rejected rather than escaped. (A reserved word such as ``user`` passes here: LlamaIndex
+    stores it as ``data_user``; LangChain's layout, which uses the name itself, refuses it,
+    see :func:`is_reserved_word`.)
     """
-    from sqlalchemy.dialects.postgresql.base import RESERVED_WORDS
-
     if not isinstance(table, str) or not _TABLE_RE.fullmatch(table):
         raise ValueError(
             f"Invalid table name {table!r}: use 1-40 ASCII letters, digits and underscores, "
             "starting with a letter or underscore (e.g. 'tokrag_docs')."
         )
-    name = table.lower()
-    if name in RESERVED_WORDS or name in _MORE_RESERVED:
-        raise ValueError(
-            f"Invalid table name {table!r}: it is a reserved word in PostgreSQL; choose another "
-            f"name (e.g. '{name}_docs')."
-        )
-    return name
+    return table.lower()
+
+
+def is_reserved_word(name: str) -> bool:
+    """Whether ``name`` cannot be a table name in SQL unquoted (``user``, ``order``...)."""
+    from sqlalchemy.dialects.postgresql.base import RESERVED_WORDS
+
+    return name.lower() in RESERVED_WORDS or name.lower() in _MORE_RESERVED
 
 
 # ============================================================================ embedded server

@@ -42,6 +42,7 @@ from .server import (
     connect_timeout,
     database_errors,
     is_driver_error,
+    is_reserved_word,
     query_error,
     resolve_dsn,
     sqlalchemy_url,
@@ -356,8 +357,9 @@ class PostgresKnowledgeBase:
     # -------------------------------------------------------------- checks
     def _detect_layout(self, target: Target | None) -> TableLayout:
         candidates = [TableLayout.for_target(self.table, t) for t in (target,) if t] or [
-            TableLayout.for_target(self.table, "llamaindex"),
-            TableLayout.for_target(self.table, "langchain"),
+            TableLayout.for_target(self.table, t)
+            for t in ("llamaindex", "langchain")
+            if t == "llamaindex" or not is_reserved_word(self.table)  # never a langchain table
         ]
         with connect(self.db.dsn, autocommit=True) as conn:
             for layout in candidates:
