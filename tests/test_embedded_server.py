@@ -266,3 +266,51 @@ def test_sigterm_stops_the_embedded_server(tmp_path):
             proc.kill()
         if postmaster is not None and postmaster.is_running():
             postmaster.terminate()  # never leave a server behind
+
+
+# ============================================================================ 8: stopped outside
+def _stop_from_outside(server: object) -> None:
+    """What an operator's ``pg_ctl stop`` does to the server under a running process."""
+    from pgserver._commands import POSTGRES_BIN_PATH
+
+    as_server = {"user": server.system_user} if server.system_user else {}
+    subprocess.run(
+        [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(server.pgdata), "-m", "fast", "-w", "stop"],
+        check=True, capture_output=True, timeout=120, **as_server,
+    )  # fmt: skip
+    assert not (server.pgdata / "postmaster.pid").exists()
+
+
+def test_embedded_server_stopped_from_outside_is_started_again(tmp_path_factory, tmp_path):
+    from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
+
+    folder = tmp_path_factory.mktemp("pgserver_stopped") / "pg"
+    dsn, server = _start(folder)
+    try:
+        (tmp_path / "a.md").write_text("# A\n\nThe Lochan bridge opens at noon.\n")
+        assert ingest([tmp_path], dsn=dsn, table="stopped", progress=False).added == 1
+        with PostgresKnowledgeBase(dsn, "stopped") as kb:
+            assert "noon" in kb.retrieve("Lochan bridge", top_k=1)[0].text
+            lc = kb.langchain_retriever(k=1)
+            assert "noon" in lc.invoke("Lochan bridge")[0].page_content
+            for call in (
+                lambda: "noon" in kb.retrieve("Lochan bridge", top_k=1)[0].text,  # LlamaIndex
+                lambda: "noon" in lc.invoke("Lochan bridge")[0].page_content,  # LangChain
+                lambda: kb.count() == 1,  # psycopg
+                lambda: ingest([tmp_path], dsn=dsn, table="stopped", progress=False).unchanged == 1,
+            ):
+                _stop_from_outside(server)
+                with pytest.warns(RuntimeWarning, match="stopped from outside this process"):
+                    assert call()
+    finally:
+        _stop(folder, server)
+
+
+def test_unreachable_socket_hint_does_not_send_to_the_embedded_server(tmp_path):
+    from tokrag_integrations.postgres.server import PostgresConnectionError, check_connection
+
+    with pytest.raises(PostgresConnectionError) as info:
+        check_connection(f"postgresql://postgres:@/postgres?host={tmp_path}")
+    message = str(info.value)
+    assert "Nothing listens on the socket in" in message and "starts it again" in message
+    assert "to use the embedded server" not in message and "\n" not in message

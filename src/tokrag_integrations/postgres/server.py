@@ -739,8 +739,53 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
                     f"{folder / 'log'} for the server log, or pass --dsn / set {DSN_ENV}."
                 ) from exc
             _SERVERS[key] = server
+    _start_again_if_stopped(server)
     _stop_on_sigterm()
     return server.get_uri(), server
+
+
+_RESTART_LOCK = threading.Lock()
+
+
+def _start_again_if_stopped(server: Any) -> bool:
+    """Start ``server`` again when it was stopped from outside this process (``pg_ctl stop``,
+    another tool); returns whether it was. Same data folder and socket, so the connection
+    string does not change; a warning says what happened.
+
+    Raises:
+        PostgresSetupError: It cannot be started again (the message names the server log).
+    """
+    from pgserver.utils import PostmasterInfo
+
+    with _RESTART_LOCK, server._lock:
+        info = PostmasterInfo.read_from_pgdata(server.pgdata)
+        if info is not None and info.is_running():
+            return False
+        server.ensure_postgres_running()
+    warnings.warn(
+        f"The embedded Postgres in {server.pgdata} had been stopped from outside this process; "
+        "tokrag started it again.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return True
+
+
+def start_again_if_stopped(dsn: str) -> bool:
+    """Whether ``dsn`` is an embedded server of this process that was stopped from outside
+    and has been started again (see :func:`_start_again_if_stopped`); ``False`` for any other
+    database."""
+    try:
+        host = dsn_params(dsn).get("host")
+    except PostgresConnectionError:
+        return False
+    with _SERVERS_LOCK:
+        servers = list(_SERVERS.values())
+    for server in servers:
+        info = server._postmaster_info
+        if host and info is not None and str(info.socket_dir) == host:
+            return _start_again_if_stopped(server)
+    return False
 
 
 # ============================================================================ resolution
@@ -795,13 +840,25 @@ def connect(dsn: str, **kwargs: Any) -> Any:
     try:
         conn = psycopg.connect(conninfo, **kwargs)
     except psycopg.Error as exc:
+        if start_again_if_stopped(dsn):  # this process's embedded server, stopped meanwhile
+            return connect(dsn, **kwargs)
         reason = _scrub(
             str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__, dsn
         )
+        host = dsn_params(dsn).get("host", "")
+        if host.startswith("/"):  # a Unix socket folder, as the embedded server's
+            hint = (
+                f"nothing listens on the socket in {host}; if that is tokrag's embedded server "
+                f"it was stopped: leave --dsn and {DSN_ENV} unset and tokrag starts it again "
+                "(or start it with `pg_ctl -D DATA_FOLDER start`)"
+            )
+        else:
+            hint = (
+                f"check the host, port, user and password in --dsn / {DSN_ENV}, or leave both "
+                "unset to use the embedded server"
+            )
         raise PostgresConnectionError(
-            f"Cannot connect to Postgres at {mask_dsn(dsn)}: {reason}. Check the host, port, "
-            f"user and password in --dsn / {DSN_ENV}, or leave both unset to use the embedded "
-            "server."
+            f"Cannot connect to Postgres at {mask_dsn(dsn)}: {reason}. {hint[0].upper()}{hint[1:]}."
         ) from None
     try:
         # Checked first, so a user without CREATE privilege can use an installed extension,

@@ -47,6 +47,7 @@ from .server import (
     resolve_dsn,
     sqlalchemy_url,
     sqlstate_of,
+    start_again_if_stopped,
     validate_table_name,
 )
 
@@ -259,7 +260,11 @@ def make_llamaindex_store(
     engine = create_engine(
         sqlalchemy_url(db.dsn, "psycopg2"), connect_args=connect_args, pool_pre_ping=True
     )
-    async_engine = create_async_engine(sqlalchemy_url(db.dsn, "psycopg"), connect_args=connect_args)
+    async_engine = create_async_engine(
+        sqlalchemy_url(db.dsn, "psycopg"), connect_args=connect_args, pool_pre_ping=True
+    )
+    _start_again_before_connecting(engine, db.dsn)
+    _start_again_before_connecting(async_engine, db.dsn)
     # The engines above are what the store uses; the strings are only kept as pydantic fields
     # (shown by repr and model_dump), so they are given with the password hidden.
     return _safe_store_class()(
@@ -274,6 +279,19 @@ def make_llamaindex_store(
         engine=engine,
         async_engine=async_engine,
     )
+
+
+def _start_again_before_connecting(engine: Any, dsn: str) -> None:
+    """Before ``engine`` opens a connection, start this process's embedded server again if
+    it was stopped from outside (:func:`~.server.start_again_if_stopped`). With
+    ``pool_pre_ping`` the pooled connections to the stopped server are replaced, so the call
+    that finds it stopped goes on after the restart."""
+    from sqlalchemy import event
+
+    def before_connect(*_: Any) -> None:  # returning None: connect as usual
+        start_again_if_stopped(dsn)
+
+    event.listen(getattr(engine, "sync_engine", engine), "do_connect", before_connect)
 
 
 def close_llamaindex_store(store: Any) -> None:
@@ -417,7 +435,9 @@ class PostgresKnowledgeBase:
                 self._lc_engine = PGEngine.from_connection_string(
                     sqlalchemy_url(self.db.dsn),
                     connect_args={"connect_timeout": connect_timeout()},
+                    pool_pre_ping=True,
                 )
+                _start_again_before_connecting(self._lc_engine._pool, self.db.dsn)
                 lay = self.layout
                 self._lc_store = PGVectorStore.create_sync(
                     self._lc_engine,
