@@ -100,6 +100,27 @@ def test_other_local_user_cannot_reach_embedded_server(request, which):
     assert plant.returncode != 0  # nor replace the socket with one of its own
 
 
+def test_socket_folder_prepared_by_another_user_is_refused(tmp_path, monkeypatch):
+    """The fallback socket folder lives in the shared temporary folder: one that another user
+    made first (or that is open to others) is never used."""
+    import tempfile
+
+    from tokrag_integrations.postgres import server as pg
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    uid, gid = os.geteuid(), os.getegid()
+    planted = tmp_path / f"tokrag-pg-{uid}"
+    planted.mkdir(mode=0o777)
+    planted.chmod(0o777)
+    long_data = Path("/" + "x" * 120) / "pg"
+    with pytest.raises(pg.PostgresSetupError, match="not a private folder") as info:
+        pg._socket_folder(long_data, uid, gid)
+    assert str(planted) in str(info.value) and "\n" not in str(info.value)
+    planted.chmod(0o700)  # private again: used, with a private folder for this data folder
+    folder = pg._socket_folder(long_data, uid, gid)
+    assert folder.parent == planted and stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+
 def test_running_server_with_a_reachable_socket_is_refused(tmp_path_factory):
     """A server started the old way (pgserver's world-writable fallback folder) is not used."""
     import sys
