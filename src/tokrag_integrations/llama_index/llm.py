@@ -28,7 +28,6 @@ from pydantic import StrictBool
 
 from .. import batching
 from ..api import GenerationResult, TokenEvent, astream_with_result, stream
-from ..booleans import require_bool
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
 from ._convert import jsonable, messages_to_turns, result_kwargs, to_passages
 
@@ -195,7 +194,6 @@ class TokRAGLLM(CustomLLM):
         # Without passages this is a plain LLM and formats as HuggingFaceLLM does: a formatted
         # prompt (or completion_to_prompt's output) is sent as is, otherwise the chat template
         # wraps it as one user turn; the question-answer framing is only for RAG prompts.
-        require_bool(formatted, "formatted")
         custom = not formatted and _given(self.completion_to_prompt, default_completion_to_prompt)
         if custom:
             prompt = self.completion_to_prompt(prompt)

@@ -545,8 +545,6 @@ class TokRAGSynthesizer(BaseSynthesizer):
         batching: bool = True,
         **policy_options: Any,
     ) -> None:
-        require_bool(streaming, "streaming")
-        require_bool(batching, "batching")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if max_context_tokens is not None and (
@@ -560,6 +558,8 @@ class TokRAGSynthesizer(BaseSynthesizer):
         if gate is not None and not callable(getattr(gate, "decide", None)):
             raise TypeError(f"gate must have a decide(query) method, got {type(gate).__name__}")
         check_greedy(temperature, "TokRAGSynthesizer")
+        require_bool(streaming, "streaming")
+        require_bool(batching, "batching")
         mode = _mode_name(response_mode)
         meta_mode = _metadata_mode(metadata_mode)
         load_options = {k: policy_options.pop(k) for k in LOAD_OPTIONS if k in policy_options}
@@ -592,7 +592,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
         self._gate = gate
         self._mode = mode
         self._metadata_mode = meta_mode
-        self._batching = batching
+        self._batching = bool(batching)
         self._gen_kwargs: dict[str, Any] = {
             "policy": policy,
             "max_new_tokens": max_new_tokens,
