@@ -145,7 +145,7 @@ def test_bad_connect_timeout_env_is_one_sentence(tmp_path, monkeypatch):
         "ingest",
         str(tmp_path),
         "--dsn",
-        "postgresql://u:pw@127.0.0.1:1/x",
+        "postgresql://u@127.0.0.1:1/x",  # no password: that would add the ps warning
         "--no-progress",
         env={"TOKRAG_PG_CONNECT_TIMEOUT": "5s"},
     )

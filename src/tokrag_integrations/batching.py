@@ -22,6 +22,7 @@ from typing import Any
 
 from . import api
 from .api import GenerationResult
+from .booleans import require_bool
 from .models import LoadedModel
 
 #: Default wait for companions (seconds) and largest batch.
@@ -184,7 +185,7 @@ def generate(
 ) -> GenerationResult:
     """:func:`api.generate`, micro-batched with concurrent calls on ``lm`` unless
     ``batching=False``."""
-    if not batching:
+    if not require_bool(batching, "batching"):
         return api.generate(lm, query, passages, **kwargs)
     return batcher_for(lm).generate(query, passages, **kwargs)
 
@@ -195,7 +196,7 @@ async def agenerate(
     """Async :func:`generate` (the decode runs in a worker thread). Cancelling a call that is
     decoded alone stops it at its next step, as :func:`api.agenerate` does; a cancelled call
     that shares a batch is dropped while the batch goes on for the others."""
-    if not batching:
+    if not require_bool(batching, "batching"):
         return await api.agenerate(lm, query, passages, **kwargs)
     batcher = batcher_for(lm)
     return await api.run_cancellable(lambda cancel: batcher.generate(query, passages, _cancel=cancel, **kwargs))

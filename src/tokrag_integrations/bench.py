@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .booleans import require_bool
+
 #: Benchmark arms: name -> (policy, options). ``tokrag`` is the default decoder (the pure and
 #: RAG contexts decoded together, step by step: packed into one sequence for one query); ``tokrag-step`` the step-by-step loop as
 #: written (one forward pass per context), which every fast path must equal;
@@ -191,6 +193,8 @@ def run_bench(
     from .api import generate
     from .models import load_model
 
+    require_bool(memory, "memory")
+    require_bool(progress, "progress")
     data = data or default_data_path()
     if data is None:
         raise FileNotFoundError("squad_dev.jsonl not found: pass --data PATH")

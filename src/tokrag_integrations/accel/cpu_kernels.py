@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import ACTIVE_TAP, attention_window, set_lens_head_product
+from ..booleans import env_flag
 from ..paths import cache_dir
 
 #: Calls with more rows than this use ``F.linear`` (GEMM-shaped work, e.g. prefill).
@@ -196,7 +197,7 @@ def _machine_id() -> str:
 def _plan_file() -> Path | None:
     """Where measured plans persist between processes (``$TOKRAG_CACHE_DIR/kernel_plans``),
     or None when ``TOKRAG_KERNEL_PLAN_CACHE=0``."""
-    if os.environ.get("TOKRAG_KERNEL_PLAN_CACHE", "1").strip().lower() in ("0", "off", "false", "no"):
+    if not env_flag("TOKRAG_KERNEL_PLAN_CACHE", True):
         return None
     return cache_dir() / "kernel_plans" / f"{_machine_id()}.json"
 

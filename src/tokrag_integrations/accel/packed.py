@@ -9,12 +9,12 @@ up to the rounding of a different kernel.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
 from ..attention import ProbeRecord, install_taps, model_parts
+from ..booleans import env_flag
 from ..engine.batch import RoleBatch
 from ..engine.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, row_map
 from ..models import LoadedModel
@@ -25,7 +25,7 @@ from .kv_cache import GrowableLayer, has_sliding_window, is_full_layer, new_cach
 def fuse_contexts() -> bool:
     """Whether multi-context rules decode all their contexts as one batch
     (``TOKRAG_FUSE_CONTEXTS``, default on; ``0`` decodes one batch per role)."""
-    return os.environ.get("TOKRAG_FUSE_CONTEXTS", "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_flag("TOKRAG_FUSE_CONTEXTS", True)
 
 
 def fuse_batches(batches: Sequence[RoleBatch]) -> RoleBatch | None:
@@ -82,7 +82,7 @@ def packed_prefill_enabled() -> bool:
     """Whether one query's two contexts are decoded as one packed sequence
     (``TOKRAG_PACKED_PREFILL``, default on; ``0`` prefills each context on its own and
     decodes them as a fused two-row batch)."""
-    return os.environ.get("TOKRAG_PACKED_PREFILL", "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_flag("TOKRAG_PACKED_PREFILL", True)
 
 
 class _PackedBatch(RoleBatch):

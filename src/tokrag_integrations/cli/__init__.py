@@ -451,6 +451,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = warnings.showwarning
     warnings.showwarning = show  # type: ignore[assignment]
     try:
+        if getattr(args, "dsn", None):
+            from .pg import warn_password_on_command_line
+
+            warn_password_on_command_line(args.dsn)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
         message = str(exc) or type(exc).__name__

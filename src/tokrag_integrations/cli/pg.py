@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,26 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
         help="data folder of the embedded server (default: $TOKRAG_DATA_DIR/pg or "
         "~/.local/share/tokrag/pg; /var/lib/tokrag/pg as root)",
     )
+
+
+def warn_password_on_command_line(dsn: str | None) -> None:
+    """Warn when ``--dsn`` holds a password: every local user can read a command line (``ps``)."""
+    from ..postgres.server import DSN_ENV, PostgresConnectionError, dsn_params
+
+    if not dsn:
+        return
+    try:
+        password = dsn_params(dsn).get("password")
+    except PostgresConnectionError:  # reported when the command connects
+        return
+    if password:
+        warnings.warn(
+            "--dsn holds a password, which every local user can read in the process list "
+            f"(ps); set {DSN_ENV} instead, or keep the password in a pgpass file (~/.pgpass, "
+            "mode 0600) or a connection service file (pg_service.conf, --dsn service=NAME).",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def add_filter_argument(parser: argparse.ArgumentParser) -> None:

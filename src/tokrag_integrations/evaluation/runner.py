@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..booleans import require_bool
 from ..prompts import PromptBuilder
 from .data import DEFAULT_RATIOS, DEFAULT_SEED, EvalItem, Mix, mix_counterfactuals, mix_passages
 from .metrics import (
@@ -172,6 +173,8 @@ def _run_generation(
     progress: bool,
     decode: Callable[..., list[Any]] | None,
 ) -> RecordStore:
+    require_bool(keep_traces, "keep_traces")
+    require_bool(progress, "progress")
     store = RecordStore(records_path)
     decode = decode or _default_decode
     from ..engine.prefill import shared_prefill
@@ -589,6 +592,7 @@ def run_token_level(
     """
     from ..policies.tokrag import TokRAG
 
+    require_bool(progress, "progress")
     configs = dict(TOKRAG_CONFIGS if tokrag_configs is None else tokrag_configs)
     scorers = {name: TokRAG(**opts) for name, opts in configs.items()}
     for sc in scorers.values():

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ..booleans import require_bool
 from ..models import LoadedModel
 from ..policies.base import Choice, ContextView, Policy
 from ..trace import FROM_LLM
@@ -237,7 +238,7 @@ class CtrlAMonitorPolicy(Policy):
         self.layers = list(layers)
         self.question_words = {w.lower() for w in _WORD.findall(question)}
         self.mean, self.std, self.tau = mean, std, tau
-        self.stop_on_trigger = stop_on_trigger
+        self.stop_on_trigger = require_bool(stop_on_trigger, "stop_on_trigger")
         self.eos_id = eos_id
         self.triggered_at: int | None = None
         self.tokens: list[dict[str, Any]] = []

@@ -14,7 +14,7 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, field_validator, model_validator
 
 from .. import api, batching
 from ..api import GenerationResult, TokenEvent
@@ -152,8 +152,8 @@ class ChatTokRAG(BaseChatModel):
     ``quantization_config``...)."""
     tokenizer_kwargs: dict[str, Any] = Field(default_factory=dict)
     """``load_model(tokenizer_kwargs=)``."""
-    trust_remote_code: bool = False
-    """``load_model(trust_remote_code=)``."""
+    trust_remote_code: StrictBool = False
+    """``load_model(trust_remote_code=)`` (``True`` or ``False``; a string is refused)."""
     revision: str | None = None
     """``load_model(revision=)`` of a hub id."""
     tokenizer: Any = Field(default=None, exclude=True)
@@ -172,9 +172,9 @@ class ChatTokRAG(BaseChatModel):
     """A context budget tighter than the model's window (lowest-ranked passages drop first)."""
     temperature: float | None = None
     """Only ``None`` or ``0``: decoding is greedy (Tok-RAG compares greedy choices)."""
-    streaming: bool = False
+    streaming: StrictBool = False
     """Whether ``invoke`` runs through the token stream (callbacks see every token)."""
-    batching: bool = True
+    batching: StrictBool = True
     """Concurrent calls on the same model (``batch``, ``abatch``, threads, ``asyncio.gather``)
     with the same settings are decoded together as one batch, each getting the tokens it gets
     alone (:mod:`tokrag_integrations.batching`); ``False`` decodes them one at a time."""

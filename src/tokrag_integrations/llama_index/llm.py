@@ -24,6 +24,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
+from pydantic import StrictBool
 
 from .. import batching
 from ..api import GenerationResult, TokenEvent, astream_with_result, stream
@@ -120,7 +121,9 @@ class TokRAGLLM(CustomLLM):
     tokenizer_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="load_model(tokenizer_kwargs=)."
     )
-    trust_remote_code: bool = Field(default=False, description="load_model(trust_remote_code=).")
+    trust_remote_code: StrictBool = Field(
+        default=False, description="load_model(trust_remote_code=); a string is refused."
+    )
     revision: str | None = Field(default=None, description="load_model(revision=) of a hub id.")
     temperature: float | None = Field(
         default=None, description="Only None or 0: every policy decodes greedily."
@@ -141,7 +144,7 @@ class TokRAGLLM(CustomLLM):
     load_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for load_model() (device, dtype)."
     )
-    batching: bool = Field(
+    batching: StrictBool = Field(
         default=True,
         description=(
             "Concurrent calls on the same model with the same settings (asyncio.gather over "

@@ -41,6 +41,7 @@ from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from .. import batching
 from ..api import GenerationResult, astream_with_result, stream
+from ..booleans import require_bool
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy
 from ..policies import get_policy
 from ..policies.base import Policy
@@ -612,6 +613,8 @@ class TokRAGSynthesizer(BaseSynthesizer):
         if gate is not None and not callable(getattr(gate, "decide", None)):
             raise TypeError(f"gate must have a decide(query) method, got {type(gate).__name__}")
         check_greedy(temperature, "TokRAGSynthesizer")
+        require_bool(streaming, "streaming")
+        require_bool(batching, "batching")
         mode = _mode_name(response_mode)
         meta_mode = _metadata_mode(metadata_mode)
         load_options = {k: policy_options.pop(k) for k in LOAD_OPTIONS if k in policy_options}

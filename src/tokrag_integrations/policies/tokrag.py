@@ -177,8 +177,12 @@ class TokRAG(Policy):
             raise ValueError(f"block must be a positive int or None, got {block!r}")
         if drafter not in ("auto", "pure", "rag"):
             raise ValueError(f"drafter must be 'auto', 'pure' or 'rag', got {drafter!r}")
-        self.speculative = bool(speculative)
-        self.fuse = bool(fuse)
+        if not isinstance(speculative, bool):
+            raise ValueError(f"speculative must be True or False, got {speculative!r}")
+        if not isinstance(fuse, bool):
+            raise ValueError(f"fuse must be True or False, got {fuse!r}")
+        self.speculative = speculative
+        self.fuse = fuse
         self.block = block
         self.drafter = drafter
 

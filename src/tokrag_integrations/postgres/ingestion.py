@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..booleans import require_bool
 from ..retrieval import (
     SUPPORTED_SUFFIXES,
     Document,
@@ -450,6 +451,7 @@ def _create_table(db: ResolvedDatabase, layout: TableLayout, dim: int) -> None:
 
 def _create_langchain_table(db: ResolvedDatabase, layout: TableLayout, dim: int) -> None:
     from langchain_postgres import PGEngine
+    from psycopg import sql
 
     from .server import connect_timeout, sqlalchemy_url
 
@@ -460,15 +462,22 @@ def _create_langchain_table(db: ResolvedDatabase, layout: TableLayout, dim: int)
         engine.init_vectorstore_table(layout.table, dim)
     finally:
         engine._run_as_sync(engine._pool.dispose())
+    # The table was just created (under ensure_table's lock): without its indexes it is
+    # dropped again, so a failure leaves nothing half-made behind.
     with connect(db.dsn, autocommit=True) as conn:
-        conn.execute(
-            f"CREATE INDEX IF NOT EXISTS {layout.table}_hnsw_idx ON {layout.table} "
-            f"USING hnsw ({layout.embedding_column} vector_cosine_ops) WITH (m = 16, ef_construction = 64)"
-        )
-        conn.execute(
-            f"CREATE INDEX IF NOT EXISTS {layout.table}_source_idx ON {layout.table} "
-            f"({layout.source_expr})"
-        )
+        try:
+            with conn.transaction():
+                conn.execute(
+                    f"CREATE INDEX IF NOT EXISTS {layout.table}_hnsw_idx ON {layout.table} USING "
+                    f"hnsw ({layout.embedding_column} vector_cosine_ops) WITH (m = 16, ef_construction = 64)"
+                )
+                conn.execute(
+                    f"CREATE INDEX IF NOT EXISTS {layout.table}_source_idx ON {layout.table} "
+                    f"({layout.source_expr})"
+                )
+        except Exception:
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(layout.table)))
+            raise
 
 
 # ============================================================================ ingest
@@ -571,6 +580,7 @@ def ingest(
 
     Raises:
         FileNotFoundError: A path does not exist.
+        TypeError: ``progress`` or ``prune`` is not ``True`` or ``False``.
         ValueError: Bad table name, target, chunking, or an embedding model that does not
             fit the table.
         PostgresConnectionError: The database is unreachable (fails fast, password masked),
@@ -578,6 +588,8 @@ def ingest(
             name that is not tokrag's).
     """
     start = time.perf_counter()
+    require_bool(progress, "progress")
+    require_bool(prune, "prune")
     layout = TableLayout.for_target(table, target)
     chunk_text("check", max_chars=max_chars, overlap=overlap)  # bad chunking fails here, once
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .server import PostgresQueryError, validate_table_name
+from .server import PostgresQueryError, is_reserved_word, validate_table_name
 
 __all__ = ["Target", "TableLayout", "check_layout", "table_columns"]
 
@@ -35,6 +35,12 @@ class TableLayout:
         if target == "llamaindex":
             return cls("llamaindex", f"data_{name}", "node_id", "text", "metadata_")
         if target == "langchain":
+            if is_reserved_word(name):  # the physical name: SQL here and in LangChain's code
+                raise ValueError(
+                    f"Invalid table name {name!r} for the langchain target: it is a reserved word "
+                    f"in PostgreSQL; choose another name (e.g. '{name}_docs'), or use the "
+                    f"llamaindex target (stored as data_{name})."
+                )
             return cls("langchain", name, "langchain_id", "content", "langchain_metadata")
         raise ValueError(f"Unknown target {target!r}; use 'llamaindex' or 'langchain'.")
 

@@ -20,13 +20,30 @@ every parent folder of the data folder group/other-readable and traversable (``c
 g+rx,o+rx`` up to ``/``). Under ``/root`` that would open the root user's home, so as root
 the default is ``/var/lib/tokrag/pg`` (whose parents are world-traversable already), and a
 data folder inside the root user's home is refused with an error naming the fix.
+
+**No other local user can reach the embedded server** (it trusts every connection that
+reaches its socket). The server listens on a Unix socket only, in a folder that only the
+server's own OS user may enter (mode 0700): the data folder itself, or, when the data
+folder's path is too long for a Unix socket (about 107 bytes), a private
+``$TMPDIR/tokrag-pg-<uid>/<hash>`` folder (never pgserver's world-writable fallback). The
+socket file itself is made owner-only (``unix_socket_permissions=0700``). tokrag starts the
+server itself (:class:`_server_class`) for this; pgserver still creates the data folder, the
+system user as root, and stops the server when the last process using it exits. A server
+found running with its socket in a folder other users can enter (started by an older
+version) is refused with the way to restart it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
+import shlex
+import stat
+import subprocess
+import sys
+import tempfile
 import threading
 import warnings
 from collections.abc import Iterator
@@ -45,6 +62,7 @@ __all__ = [
     "connect_timeout",
     "default_data_dir",
     "dsn_params",
+    "is_reserved_word",
     "mask_dsn",
     "prune_stale_handles",
     "resolve_dsn",
@@ -66,6 +84,9 @@ DEFAULT_CONNECT_TIMEOUT_S = 5
 # LlamaIndex creates ``data_<name>`` and indexes ``data_<name>_embedding_idx``; Postgres
 # silently truncates identifiers past 63 bytes, so the name is kept well under that.
 _TABLE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
+#: PostgreSQL 16 keywords that cannot name a table unquoted, beyond SQLAlchemy's list of its
+#: reserved words (``pg_get_keywords()`` categories R and T; a test compares with the server).
+_MORE_RESERVED = frozenset({"collation", "concurrently", "lateral", "system_user", "tablesample"})
 
 
 class PostgresConnectionError(ConnectionError):
@@ -348,7 +369,9 @@ def validate_table_name(table: str) -> str:
     ``CREATE INDEX ... ON data_<name>`` with string formatting), so only plain ASCII
     identifiers are accepted: a letter or underscore, then letters, digits and underscores,
     at most 40 characters. Quotes, semicolons, spaces, dashes and non-ASCII letters are
-    rejected rather than escaped.
+    rejected rather than escaped. (A reserved word such as ``user`` passes here: LlamaIndex
+    stores it as ``data_user``; LangChain's layout, which uses the name itself, refuses it,
+    see :func:`is_reserved_word`.)
     """
     if not isinstance(table, str) or not _TABLE_RE.fullmatch(table):
         raise ValueError(
@@ -356,6 +379,13 @@ def validate_table_name(table: str) -> str:
             "starting with a letter or underscore (e.g. 'tokrag_docs')."
         )
     return table.lower()
+
+
+def is_reserved_word(name: str) -> bool:
+    """Whether ``name`` cannot be a table name in SQL unquoted (``user``, ``order``...)."""
+    from sqlalchemy.dialects.postgresql.base import RESERVED_WORDS
+
+    return name.lower() in RESERVED_WORDS or name.lower() in _MORE_RESERVED
 
 
 # ============================================================================ embedded server
@@ -460,6 +490,204 @@ def _import_pgserver() -> Any:
     return pgserver
 
 
+#: Longest Unix socket path: ``sun_path`` holds 108 bytes on Linux, 104 on macOS (with the NUL).
+_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
+#: The socket file Postgres creates in its socket folder (the port is always the default).
+_SOCKET_NAME = ".s.PGSQL.5432"
+#: Characters pg_ctl cannot pass through the ``"..."`` quoting of the shell command it runs
+#: (``-D "<data folder>"``): the server would start elsewhere, or not at all.
+_UNQUOTABLE = '"$`\\\n'
+
+
+def _check_quotable(folder: Path) -> None:
+    """Refuse a data folder path that pg_ctl's shell command cannot carry (spaces are fine)."""
+    bad = sorted({c for c in str(folder.absolute()) if c in _UNQUOTABLE})
+    if bad:
+        shown = " ".join(repr(c) for c in bad)
+        raise PostgresSetupError(
+            f"The embedded Postgres cannot use the data folder {str(folder)!r}: pg_ctl passes "
+            f"it through a shell, which cannot carry {shown} in it; set {DATA_DIR_ENV} to a "
+            "path without them."
+        )
+
+
+def _server_user_ids(system_user: str | None) -> tuple[int, int]:
+    """``(uid, gid)`` the server runs as: pgserver's system user as root, else this process's."""
+    if system_user is None:
+        return os.geteuid(), os.getegid()
+    import pwd
+
+    entry = pwd.getpwnam(system_user)
+    return entry.pw_uid, entry.pw_gid
+
+
+def _socket_fits(folder: Path) -> bool:
+    return len(os.fsencode(str(folder / _SOCKET_NAME))) <= _SOCKET_PATH_MAX
+
+
+def _private_folder(folder: Path, uid: int, gid: int) -> Path:
+    """``folder``, created 0700 for ``uid`` (or already exactly that: not a link, its owner, 0700).
+
+    Raises:
+        PostgresSetupError: ``folder`` exists as something else (e.g. made by another user
+            in the shared temporary folder).
+    """
+    try:
+        folder.mkdir(mode=0o700)
+        if os.geteuid() != uid:  # root making the folder for pgserver's system user
+            os.chown(folder, uid, gid)
+    except FileExistsError:
+        pass
+    st = folder.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+        raise PostgresSetupError(
+            f"Refusing to put the embedded Postgres socket in {folder}: it is not a private "
+            f"folder of user id {uid} (owner {st.st_uid}, mode {stat.filemode(st.st_mode)}), so "
+            "another local user could reach or replace the server. Remove it (or set "
+            f"{DATA_DIR_ENV} to a shorter path) and re-run."
+        )
+    return folder
+
+
+def _socket_folder(pgdata: Path, uid: int, gid: int) -> Path:
+    """Where the server's socket goes: the data folder (0700, the server user's own), or, when
+    its path is too long for a Unix socket, ``$TMPDIR/tokrag-pg-<uid>/<hash of the path>``
+    (both levels private to the server's user; ``/tmp`` when ``$TMPDIR`` is long too).
+
+    Raises:
+        PostgresSetupError: No candidate is short enough, or one is not private.
+    """
+    if _socket_fits(pgdata):
+        return pgdata
+    digest = hashlib.sha256(os.fsencode(str(pgdata))).hexdigest()[:12]
+    for base in dict.fromkeys([Path(tempfile.gettempdir()), Path("/tmp")]):
+        folder = base / f"tokrag-pg-{uid}" / digest
+        if _socket_fits(folder):
+            _private_folder(folder.parent, uid, gid)
+            return _private_folder(folder, uid, gid)
+    raise PostgresSetupError(
+        f"The embedded Postgres in {pgdata} needs a Unix socket path under "
+        f"{_SOCKET_PATH_MAX} bytes and neither the data folder nor $TMPDIR gives one; set "
+        f"{DATA_DIR_ENV} (or TMPDIR) to a shorter path."
+    )
+
+
+def _is_private(folder: Path, uid: int) -> bool:
+    try:
+        st = folder.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o077
+
+
+def _log_reason(log: Path) -> str:
+    """The last FATAL/ERROR line of the server log (what went wrong), or a pointer to the log."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in reversed(lines):
+        if "FATAL:" in line or "ERROR:" in line or "PANIC:" in line:
+            return line.split(":  ", 1)[-1].strip()
+    return "pg_ctl could not start it"
+
+
+_SERVER_CLASS: Any = None
+
+
+def _server_class() -> Any:
+    """pgserver's ``PostgresServer``, started so that no other local user can reach it.
+
+    pgserver's own start puts the socket in a world-writable folder when the data folder's
+    path is too long, passes the folder to the server unquoted (a space breaks it) and logs
+    the whole server log on failure. Only that step is replaced (``ensure_postgres_running``);
+    initdb, pgserver's system user as root, the handle list and the stop at exit are
+    pgserver's.
+    """
+    global _SERVER_CLASS
+    if _SERVER_CLASS is not None:
+        return _SERVER_CLASS
+    from pgserver._commands import POSTGRES_BIN_PATH
+    from pgserver.postgres_server import PostgresServer
+    from pgserver.utils import PostmasterInfo
+
+    class PrivateSocketServer(PostgresServer):
+        """A ``PostgresServer`` whose Unix socket only its own OS user (and root) can reach."""
+
+        def ensure_postgres_running(self) -> None:  # called under pgserver's lock
+            uid, gid = _server_user_ids(self.system_user)
+            info = PostmasterInfo.read_from_pgdata(self.pgdata)
+            if info is None or not info.is_running():
+                self._start(uid, gid)
+                info = PostmasterInfo.read_from_pgdata(self.pgdata)
+            if info is None or not info.is_running() or info.status != "ready":
+                raise PostgresSetupError(
+                    f"The embedded Postgres in {self.pgdata} did not become ready: "
+                    f"{_log_reason(self.log)}. See {self.log}."
+                )
+            if info.socket_dir is None or not _is_private(info.socket_dir, uid):
+                raise PostgresSetupError(
+                    f"The embedded Postgres in {self.pgdata} is already running with its socket "
+                    f"in {info.socket_dir}, which other local users can reach (started by an "
+                    f"older version?). Stop it with `pg_ctl -D '{self.pgdata}' stop` (as "
+                    f"{self.system_user or 'this user'}) and re-run: it restarts with a "
+                    "private socket."
+                )
+            self._postmaster_info = info
+
+        def get_uri(self, database: str | None = None) -> str:
+            """The connection URL, with the socket folder percent-encoded (it may hold spaces)."""
+            from urllib.parse import quote
+
+            folder = quote(str(self.get_postmaster_info().socket_dir), safe="/")
+            return f"postgresql://postgres:@/{quote(database or 'postgres', safe='')}?host={folder}"
+
+        def _start(self, uid: int, gid: int) -> None:
+            socket_folder = _socket_folder(self.pgdata, uid, gid)
+            # pg_ctl runs the server through /bin/sh: -o is shell text, so the folder is quoted.
+            options = (
+                f"-h '' -k {shlex.quote(str(socket_folder))} -c unix_socket_permissions=0700"
+            )
+            command = [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(self.pgdata), "-w",
+                       "-t", "60", "-o", options, "-l", str(self.log), "start"]  # fmt: skip
+            as_user: dict[str, Any] = {}
+            if self.system_user is not None:  # root: the server's own user and group only
+                as_user = {"user": uid, "group": gid, "extra_groups": []}
+            done = subprocess.run(
+                command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, timeout=90, check=False, **as_user,
+            )  # fmt: skip
+            if done.returncode != 0:
+                raise PostgresSetupError(
+                    f"Could not start the embedded Postgres in {self.pgdata}: "
+                    f"{_log_reason(self.log)}. See {self.log} for the server log, or pass "
+                    f"--dsn / set {DSN_ENV}."
+                )
+
+    _SERVER_CLASS = PrivateSocketServer
+    return _SERVER_CLASS
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _stop_on_sigterm() -> None:
+    """Make SIGTERM end the process as Ctrl-C does, so the embedded server is stopped at exit.
+
+    SIGTERM's default action (``timeout``, systemd, ``docker stop``) kills Python without
+    running ``atexit``, where pgserver stops the server, so it would keep running. Installed
+    only while SIGTERM still has its default action, from the main thread: a handler the
+    application set is left alone.
+    """
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
 def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     """Start (or attach to) the embedded server; returns ``(dsn, server_handle)``.
 
@@ -467,7 +695,9 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     when the last process using it exits (its data stays for the next run). A process that
     was killed (SIGKILL) cannot stop it: the server then keeps running until the next
     process using the folder exits, which first removes the dead process from pgserver's
-    handle list (:func:`prune_stale_handles`).
+    handle list (:func:`prune_stale_handles`). SIGTERM ends the process as Ctrl-C does (exit
+    status 143), so the server is stopped then too (:func:`_stop_on_sigterm`). Its socket is
+    private to the server's OS user (see the module docstring).
 
     Raises:
         PostgresSetupError: ``pgserver`` is missing, the folder is unsafe (root), or the
@@ -475,8 +705,9 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     """
     folder = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     _check_root_safe(folder)
+    _check_quotable(folder)
     try:
-        pgserver = _import_pgserver()
+        _import_pgserver()
     except ImportError:
         raise PostgresSetupError(
             "No connection string was given and the embedded server needs the 'pgserver' "
@@ -489,15 +720,72 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
         if server is None:
             try:
                 folder.parent.mkdir(parents=True, exist_ok=True)
-                prune_stale_handles(folder)
-                server = pgserver.get_server(folder, cleanup_mode="stop")
+                pgdata = folder.resolve()
+                pgdata.mkdir(mode=0o700, exist_ok=True)
+                prune_stale_handles(pgdata)
+                server_class = _server_class()
+                server = server_class._instances.get(pgdata)
+                if server is None:
+                    try:
+                        server = server_class(pgdata, cleanup_mode="stop")
+                    finally:  # pgserver registers the instance before starting it
+                        if server is None:
+                            server_class._instances.pop(pgdata, None)
+            except PostgresSetupError:
+                raise
             except Exception as exc:  # noqa: BLE001 - re-raised with the fix in the message
                 raise PostgresSetupError(
                     f"Could not start the embedded Postgres in {folder}: {exc}. See "
                     f"{folder / 'log'} for the server log, or pass --dsn / set {DSN_ENV}."
                 ) from exc
             _SERVERS[key] = server
+    _start_again_if_stopped(server)
+    _stop_on_sigterm()
     return server.get_uri(), server
+
+
+_RESTART_LOCK = threading.Lock()
+
+
+def _start_again_if_stopped(server: Any) -> bool:
+    """Start ``server`` again when it was stopped from outside this process (``pg_ctl stop``,
+    another tool); returns whether it was. Same data folder and socket, so the connection
+    string does not change; a warning says what happened.
+
+    Raises:
+        PostgresSetupError: It cannot be started again (the message names the server log).
+    """
+    from pgserver.utils import PostmasterInfo
+
+    with _RESTART_LOCK, server._lock:
+        info = PostmasterInfo.read_from_pgdata(server.pgdata)
+        if info is not None and info.is_running():
+            return False
+        server.ensure_postgres_running()
+    warnings.warn(
+        f"The embedded Postgres in {server.pgdata} had been stopped from outside this process; "
+        "tokrag started it again.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return True
+
+
+def start_again_if_stopped(dsn: str) -> bool:
+    """Whether ``dsn`` is an embedded server of this process that was stopped from outside
+    and has been started again (see :func:`_start_again_if_stopped`); ``False`` for any other
+    database."""
+    try:
+        host = dsn_params(dsn).get("host")
+    except PostgresConnectionError:
+        return False
+    with _SERVERS_LOCK:
+        servers = list(_SERVERS.values())
+    for server in servers:
+        info = server._postmaster_info
+        if host and info is not None and str(info.socket_dir) == host:
+            return _start_again_if_stopped(server)
+    return False
 
 
 # ============================================================================ resolution
@@ -552,13 +840,25 @@ def connect(dsn: str, **kwargs: Any) -> Any:
     try:
         conn = psycopg.connect(conninfo, **kwargs)
     except psycopg.Error as exc:
+        if start_again_if_stopped(dsn):  # this process's embedded server, stopped meanwhile
+            return connect(dsn, **kwargs)
         reason = _scrub(
             str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__, dsn
         )
+        host = dsn_params(dsn).get("host", "")
+        if host.startswith("/"):  # a Unix socket folder, as the embedded server's
+            hint = (
+                f"nothing listens on the socket in {host}; if that is tokrag's embedded server "
+                f"it was stopped: leave --dsn and {DSN_ENV} unset and tokrag starts it again "
+                "(or start it with `pg_ctl -D DATA_FOLDER start`)"
+            )
+        else:
+            hint = (
+                f"check the host, port, user and password in --dsn / {DSN_ENV}, or leave both "
+                "unset to use the embedded server"
+            )
         raise PostgresConnectionError(
-            f"Cannot connect to Postgres at {mask_dsn(dsn)}: {reason}. Check the host, port, "
-            f"user and password in --dsn / {DSN_ENV}, or leave both unset to use the embedded "
-            "server."
+            f"Cannot connect to Postgres at {mask_dsn(dsn)}: {reason}. {hint[0].upper()}{hint[1:]}."
         ) from None
     try:
         # Checked first, so a user without CREATE privilege can use an installed extension,

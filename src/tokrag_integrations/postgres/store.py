@@ -24,6 +24,7 @@ it reaches either framework. Values may contain anything (quotes, semicolons, un
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..booleans import require_bool
 from .embeddings import Embedder, load_embedder
 from .layout import TableLayout, Target, check_layout
 from .server import (
@@ -40,10 +42,12 @@ from .server import (
     connect_timeout,
     database_errors,
     is_driver_error,
+    is_reserved_word,
     query_error,
     resolve_dsn,
     sqlalchemy_url,
     sqlstate_of,
+    start_again_if_stopped,
     validate_table_name,
 )
 
@@ -164,6 +168,24 @@ def _safe_store_class() -> Any:
     class SafeFilterPGVectorStore(PGVectorStore):
         """``PGVectorStore`` whose metadata filters are bound parameters, never SQL text."""
 
+        def _initialize(self) -> None:
+            # tokrag sets initialization_fail_on_error, so a setup error (e.g. no CREATE
+            # privilege) is raised and reported in one sentence; PGVectorStore would first log
+            # it as a warning with its whole SQL statement. Dropped in this thread only.
+            if not self.perform_setup or self._is_initialized:
+                return super()._initialize()
+            thread = threading.get_ident()
+
+            def raised_anyway(record: logging.LogRecord) -> bool:
+                return record.thread != thread or not str(record.msg).startswith("PG Setup: Error")
+
+            setup_logger = logging.getLogger(PGVectorStore.__module__)
+            setup_logger.addFilter(raised_anyway)
+            try:
+                return super()._initialize()
+            finally:
+                setup_logger.removeFilter(raised_anyway)
+
         def _build_filter_clause(self, filter_: Any) -> Any:
             key = validate_filter_key(filter_.key)
             field_ = self._table_class.metadata_[key].astext  # ->> with the key bound too
@@ -218,6 +240,7 @@ def make_llamaindex_store(
     HNSW index (``m=16, ef_construction=64``, cosine) on first use; errors are raised, not
     logged and swallowed.
     """
+    require_bool(setup, "setup")
     if layout.target != "llamaindex":
         raise ValueError(
             f"Table {layout.table} uses LangChain's layout; LlamaIndex cannot read it. Ingest "
@@ -237,7 +260,11 @@ def make_llamaindex_store(
     engine = create_engine(
         sqlalchemy_url(db.dsn, "psycopg2"), connect_args=connect_args, pool_pre_ping=True
     )
-    async_engine = create_async_engine(sqlalchemy_url(db.dsn, "psycopg"), connect_args=connect_args)
+    async_engine = create_async_engine(
+        sqlalchemy_url(db.dsn, "psycopg"), connect_args=connect_args, pool_pre_ping=True
+    )
+    _start_again_before_connecting(engine, db.dsn)
+    _start_again_before_connecting(async_engine, db.dsn)
     # The engines above are what the store uses; the strings are only kept as pydantic fields
     # (shown by repr and model_dump), so they are given with the password hidden.
     return _safe_store_class()(
@@ -252,6 +279,19 @@ def make_llamaindex_store(
         engine=engine,
         async_engine=async_engine,
     )
+
+
+def _start_again_before_connecting(engine: Any, dsn: str) -> None:
+    """Before ``engine`` opens a connection, start this process's embedded server again if
+    it was stopped from outside (:func:`~.server.start_again_if_stopped`). With
+    ``pool_pre_ping`` the pooled connections to the stopped server are replaced, so the call
+    that finds it stopped goes on after the restart."""
+    from sqlalchemy import event
+
+    def before_connect(*_: Any) -> None:  # returning None: connect as usual
+        start_again_if_stopped(dsn)
+
+    event.listen(getattr(engine, "sync_engine", engine), "do_connect", before_connect)
 
 
 def close_llamaindex_store(store: Any) -> None:
@@ -335,8 +375,9 @@ class PostgresKnowledgeBase:
     # -------------------------------------------------------------- checks
     def _detect_layout(self, target: Target | None) -> TableLayout:
         candidates = [TableLayout.for_target(self.table, t) for t in (target,) if t] or [
-            TableLayout.for_target(self.table, "llamaindex"),
-            TableLayout.for_target(self.table, "langchain"),
+            TableLayout.for_target(self.table, t)
+            for t in ("llamaindex", "langchain")
+            if t == "llamaindex" or not is_reserved_word(self.table)  # never a langchain table
         ]
         with connect(self.db.dsn, autocommit=True) as conn:
             for layout in candidates:
@@ -394,7 +435,9 @@ class PostgresKnowledgeBase:
                 self._lc_engine = PGEngine.from_connection_string(
                     sqlalchemy_url(self.db.dsn),
                     connect_args={"connect_timeout": connect_timeout()},
+                    pool_pre_ping=True,
                 )
+                _start_again_before_connecting(self._lc_engine._pool, self.db.dsn)
                 lay = self.layout
                 self._lc_store = PGVectorStore.create_sync(
                     self._lc_engine,

@@ -1,0 +1,63 @@
+"""Boolean options are read strictly: a real ``True`` or ``False``, never a value's truthiness.
+
+``bool("False")`` is ``True`` in Python, so an option written as the string ``"False"`` (from a
+config file, a form, an environment variable passed through) would silently mean *yes*: with
+``trust_remote_code="False"`` a model folder's own Python code ran (issue 29). Every public
+entry point therefore checks its boolean options with :func:`require_bool`, which accepts
+``True`` and ``False`` only and refuses anything else with a ``TypeError`` naming the option.
+
+Text is read as a boolean only where it comes from a command line (``argparse`` flags are
+real booleans already; ``--option fuse=false`` is read by :func:`~.policies.get_policy`
+from its documented words ``true``/``false``/``1``/``0``) or an environment variable
+(:func:`env_flag`: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``, any
+case; another word is an error, not *on*).
+
+A leaf module (standard library only), importable from anywhere in the package.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["env_flag", "require_bool"]
+
+_ENV_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+              "0": False, "false": False, "no": False, "off": False}  # fmt: skip
+
+
+def require_bool(value: Any, name: str) -> bool:
+    """``value`` when it is ``True`` or ``False``; otherwise a ``TypeError`` naming ``name``.
+
+    >>> require_bool(False, "prune")
+    False
+    >>> require_bool("False", "prune")
+    Traceback (most recent call last):
+    ...
+    TypeError: prune must be True or False, got 'False' (str); strings are not read as booleans.
+    """
+    if isinstance(value, bool):
+        return value
+    raise TypeError(
+        f"{name} must be True or False, got {value!r} ({type(value).__name__}); strings are not "
+        "read as booleans."
+    )
+
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The environment variable ``name`` read as a switch; ``default`` when unset or empty.
+
+    Raises:
+        ValueError: The value is not one of the words in the module docstring.
+    """
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return _ENV_WORDS[raw.lower()]
+    except KeyError:
+        raise ValueError(
+            f"{name}={raw!r} is not a switch; set it to 1, true, yes or on, or to 0, false, no "
+            "or off (or unset it)."
+        ) from None

@@ -1,0 +1,177 @@
+"""Boolean options are read strictly (issue 29, item 1).
+
+``bool("False")`` is ``True``: a boolean option given as a string must be refused, never read
+by its truthiness. Every case fails before anything is loaded or connected, so no model,
+database or network is needed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+STRINGS = ["False", "false", "0", "", "no"]
+
+
+def _remote_code_folder(tmp_path: Path) -> tuple[Path, Path]:
+    """A model folder whose config.json points at its own Python code (``auto_map``); importing
+    that code writes a marker file."""
+    folder = tmp_path / "evil_model"
+    folder.mkdir()
+    marker = tmp_path / "remote_code_ran"
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "evil",
+                "architectures": ["EvilForCausalLM"],
+                "auto_map": {
+                    "AutoConfig": "evil.EvilConfig",
+                    "AutoModelForCausalLM": "evil.EvilForCausalLM",
+                },
+            }
+        )
+    )
+    (folder / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PretrainedConfig, PreTrainedModel\n"
+        "class EvilConfig(PretrainedConfig):\n    model_type = 'evil'\n"
+        "class EvilForCausalLM(PreTrainedModel):\n    config_class = EvilConfig\n"
+    )
+    return folder, marker
+
+
+@pytest.mark.parametrize("value", ["False", "false", "0", 0])
+def test_trust_remote_code_string_never_runs_folder_code(tmp_path, value):
+    from tokrag_integrations import load_model
+
+    folder, marker = _remote_code_folder(tmp_path)
+    with pytest.raises(TypeError, match="trust_remote_code must be True or False"):
+        load_model(folder, trust_remote_code=value)
+    assert not marker.exists()
+
+
+def _entry_points(tmp_path: Path) -> dict[str, tuple[object, str]]:
+    """Public entry point -> (a call with one boolean option given as ``value``, its name)."""
+    import torch
+
+    from tokrag_integrations import batching, bench, load_model, models, retrieval
+    from tokrag_integrations.evaluation import runner
+    from tokrag_integrations.gating.ctrla import CtrlAMonitorPolicy
+    from tokrag_integrations.policies.tokrag import TokRAG
+    from tokrag_integrations.postgres import ingest
+    from tokrag_integrations.postgres.layout import TableLayout
+    from tokrag_integrations.postgres.server import ResolvedDatabase
+    from tokrag_integrations.postgres.store import make_llamaindex_store
+
+    doc = tmp_path / "a.md"
+    doc.write_text("# A\n\nText.\n")
+    unreachable = "postgresql://alice@127.0.0.1:1/rag"
+    db = ResolvedDatabase(dsn=unreachable, origin="argument")
+    records = tmp_path / "records.jsonl"
+    return {
+        "load_model local_files_only": (lambda v: load_model("nowhere", local_files_only=v), "local_files_only"),
+        "load_model require_signals": (lambda v: load_model("nowhere", require_signals=v), "require_signals"),
+        "show_loading_progress": (lambda v: models.show_loading_progress(v), "enabled"),
+        "ingest prune": (lambda v: ingest([doc], dsn=unreachable, prune=v), "prune"),
+        "ingest progress": (lambda v: ingest([doc], dsn=unreachable, progress=v), "progress"),
+        "make_llamaindex_store setup": (
+            lambda v: make_llamaindex_store(db, TableLayout.for_target("t"), 384, setup=v),
+            "setup",
+        ),
+        "batching.generate": (lambda v: batching.generate(None, "q", batching=v), "batching"),
+        "build_retriever progress": (
+            lambda v: retrieval.build_retriever([doc], kind="bm25", progress=v),
+            "progress",
+        ),
+        "DenseRetriever progress": (lambda v: retrieval.DenseRetriever([], progress=v), "progress"),
+        "run_bench memory": (lambda v: bench.run_bench(memory=v), "memory"),
+        "run_noise_sweep keep_traces": (
+            lambda v: runner.run_noise_sweep(None, [], records_path=records, keep_traces=v),
+            "keep_traces",
+        ),
+        "run_token_level progress": (
+            lambda v: runner.run_token_level(None, [], records_path=records, progress=v),
+            "progress",
+        ),
+        "TokRAG speculative": (lambda v: TokRAG(speculative=v), "speculative"),
+        "TokRAG fuse": (lambda v: TokRAG(fuse=v), "fuse"),
+        "CtrlAMonitorPolicy stop_on_trigger": (
+            lambda v: CtrlAMonitorPolicy(torch.zeros(4), [0], "q", stop_on_trigger=v),
+            "stop_on_trigger",
+        ),
+    }
+
+
+@pytest.mark.parametrize("value", STRINGS)
+def test_boolean_options_refuse_strings(tmp_path, value):
+    for label, (call, name) in _entry_points(tmp_path).items():
+        with pytest.raises((TypeError, ValueError), match=f"{name} must be True or False") as info:
+            call(value)
+        assert info.type is not ValueError or label.startswith("TokRAG"), label
+
+
+@pytest.mark.parametrize("value", ["False", "0"])
+def test_adapter_boolean_options_refuse_strings(value):
+    """The LlamaIndex and LangChain classes refuse before any model is loaded."""
+    pytest.importorskip("llama_index.core")
+    pytest.importorskip("langchain_core")
+    from pydantic import ValidationError
+
+    from tokrag_integrations.langchain import ChatTokRAG
+    from tokrag_integrations.llama_index import TokRAGLLM, TokRAGSynthesizer
+
+    for name in ("streaming", "batching"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False"):
+            TokRAGSynthesizer(**{name: value})
+    with pytest.raises(ValidationError, match="valid boolean"):
+        TokRAGSynthesizer(trust_remote_code=value, model="nowhere")
+    for name in ("trust_remote_code", "batching"):
+        with pytest.raises(ValidationError, match="valid boolean"):
+            TokRAGLLM(**{name: value})
+    for name in ("trust_remote_code", "streaming", "batching"):
+        with pytest.raises(ValidationError, match="valid boolean"):
+            ChatTokRAG(**{name: value})
+
+
+def _switch_readers() -> dict[str, object]:
+    """Environment variable -> the package's own reading of it (True = on)."""
+    from tokrag_integrations.accel import cpu_kernels, packed
+    from tokrag_integrations.booleans import env_flag
+
+    return {
+        "TOKRAG_FUSE_CONTEXTS": packed.fuse_contexts,
+        "TOKRAG_PACKED_PREFILL": packed.packed_prefill_enabled,
+        "TOKRAG_KERNEL_PLAN_CACHE": lambda: cpu_kernels._plan_file() is not None,
+        "TOKRAG_VERBOSE": lambda: env_flag("TOKRAG_VERBOSE", False),  # models._loading_quietly
+    }
+
+
+@pytest.mark.parametrize(
+    "name", ["TOKRAG_FUSE_CONTEXTS", "TOKRAG_PACKED_PREFILL", "TOKRAG_KERNEL_PLAN_CACHE", "TOKRAG_VERBOSE"]
+)
+def test_environment_switches_are_read_strictly(monkeypatch, name):
+    """Environment switches take the documented words only; 'false' is off (TOKRAG_VERBOSE
+    used to read it as on) and a word such as 'nope' is an error naming the variable."""
+    read = _switch_readers()[name]
+    for text, value in [("0", False), ("false", False), ("OFF", False), ("no", False),
+                        ("1", True), ("true", True), ("On", True), (" yes ", True)]:  # fmt: skip
+        monkeypatch.setenv(name, text)
+        assert read() is value, text
+    monkeypatch.setenv(name, "nope")
+    with pytest.raises(ValueError, match=f"{name}='nope' is not a switch"):
+        read()
+
+
+def test_verbose_false_keeps_loading_quiet(monkeypatch):
+    from tokrag_integrations import models
+
+    pytest.importorskip("transformers")
+    from transformers.utils import logging as hf_logging
+
+    monkeypatch.setenv("TOKRAG_VERBOSE", "false")
+    hf_logging.enable_progress_bar()
+    with models._loading_quietly():
+        assert not hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled()
