@@ -168,10 +168,12 @@ def test_compact_finds_the_fact_one_pass_dropped(lm, thirty_nodes):
 
 # ----------------------------------------------------------------------------- (c) bad mode
 def test_unknown_response_mode_lists_the_accepted_ones(lm):
-    for bad in ("summarise", ResponseMode.SIMPLE_SUMMARIZE, None):
+    for bad in ("summarise", ResponseMode.GENERATION, None):
         with pytest.raises(ValueError, match="'one_pass', 'compact', 'refine', 'tree_summarize'"):
             TokRAGSynthesizer(lm, response_mode=bad)
     assert TokRAGSynthesizer(lm, response_mode=ResponseMode.COMPACT).response_mode == "compact"
+    simple = TokRAGSynthesizer(lm, response_mode=ResponseMode.SIMPLE_SUMMARIZE)
+    assert simple.response_mode == "simple_summarize" and simple.uses_templates
     assert TokRAGSynthesizer(lm).response_mode == "one_pass"
     with pytest.raises(ValueError, match="metadata_mode"):
         TokRAGSynthesizer(lm, metadata_mode="everything")
