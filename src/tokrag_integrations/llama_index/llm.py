@@ -71,6 +71,17 @@ def _template_inputs(prompt_args: dict[str, Any]) -> tuple[str, str | None] | No
     return context, query
 
 
+def _remember(formatted: Any, kind: type, prompt: Any, prompt_args: dict[str, Any]) -> Any:
+    """``formatted`` as a ``kind`` carrying the template's context and question, or as it is
+    when no template variable held retrieved context."""
+    found = _template_inputs({**(getattr(prompt, "kwargs", None) or {}), **prompt_args})
+    if found is None:
+        return formatted
+    out = kind(formatted)
+    out.context, out.query = found
+    return out
+
+
 def _given(fn: Any, default: Any) -> bool:
     """Whether the user set a formatting hook (LlamaIndex fills in its own defaults)."""
     return fn is not None and fn is not default
@@ -225,22 +236,11 @@ class TokRAGLLM(CustomLLM):
     def _get_messages(self, prompt: Any, **prompt_args: Any) -> list[ChatMessage]:
         """LlamaIndex's formatting, remembering the template's context and question."""
         messages = super()._get_messages(prompt, **prompt_args)
-        found = _template_inputs({**(getattr(prompt, "kwargs", None) or {}), **prompt_args})
-        if found is None:
-            return messages
-        out = _TemplatedMessages(messages)
-        out.context, out.query = found
-        return out
+        return _remember(messages, _TemplatedMessages, prompt, prompt_args)
 
     def _get_prompt(self, prompt: Any, **prompt_args: Any) -> str:
         """LlamaIndex's formatting, remembering the template's context and question."""
-        text = super()._get_prompt(prompt, **prompt_args)
-        found = _template_inputs({**(getattr(prompt, "kwargs", None) or {}), **prompt_args})
-        if found is None:
-            return text
-        out = _TemplatedText(text)
-        out.context, out.query = found
-        return out
+        return _remember(super()._get_prompt(prompt, **prompt_args), _TemplatedText, prompt, prompt_args)
 
     # ------------------------------------------------------------------ argument plumbing
     def _call_args(self, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
