@@ -23,8 +23,14 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "Install it with: pip install 'tokrag-integrations[langchain]'"
     ) from e
 
-from .chains import TokRAGChain, create_tokrag_chain
+from .chains import TokRAGChain, create_tokrag_chain, create_tokrag_documents_chain
 from .chat_models import ChatTokRAG
 from .embeddings import local_embeddings
 
-__all__ = ["ChatTokRAG", "TokRAGChain", "create_tokrag_chain", "local_embeddings"]
+__all__ = [
+    "ChatTokRAG",
+    "TokRAGChain",
+    "create_tokrag_chain",
+    "create_tokrag_documents_chain",
+    "local_embeddings",
+]
