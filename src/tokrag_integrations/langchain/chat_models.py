@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import warnings
 from collections.abc import AsyncIterator, Iterator
@@ -95,6 +96,30 @@ class _Call:
 
     def eos_ids(self) -> set[int]:
         return set(self.lm.eos_token_ids)
+
+
+#: Modules between user code and ChatTokRAG's hooks (LangChain, this package, the loop and
+#: the worker threads that LangChain's async paths run sync code in).
+_FRAMEWORK_MODULES = (
+    "langchain",
+    "tokrag_integrations",
+    "asyncio",
+    "concurrent.futures",
+    "threading",
+)
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside LangChain and this package (the line of
+    user code that made the call), so a warning points there; 2 when there is none (a call
+    prepared in a worker thread)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not name.startswith(_FRAMEWORK_MODULES):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
 
 
 def _usage(result: GenerationResult) -> UsageMetadata:
@@ -388,7 +413,7 @@ class ChatTokRAG(BaseChatModel):
             if self._warned_no_passages:
                 return
             self._warned_no_passages = True
-        warnings.warn(NO_PASSAGES_WARNING, UserWarning, stacklevel=2)
+        warnings.warn(NO_PASSAGES_WARNING, UserWarning, stacklevel=_caller_stacklevel())
 
     @staticmethod
     def _result(result: GenerationResult, lm: LoadedModel) -> ChatResult:
