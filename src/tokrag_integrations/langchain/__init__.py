@@ -1,4 +1,5 @@
-"""LangChain adapters for Tok-RAG: a chat model, a retrieval chain and a local embedding.
+"""LangChain adapters for Tok-RAG: a chat model, a retrieval chain, a documents chain and a
+local embedding.
 
 These classes translate LangChain types into the core API (:mod:`tokrag_integrations.api`)
 and back; no decoding logic lives here.
@@ -9,6 +10,8 @@ and back; no decoding logic lives here.
     >>> chain = create_tokrag_chain(store.as_retriever(), ChatTokRAG(model="default"))
     >>> out = chain.invoke("Who founded Quillfeather Aerospace?")
     >>> out["answer"], out["trace"]["counts"]
+    >>> # Your create_stuff_documents_chain prompt ({context}, {input}), decoded with Tok-RAG:
+    >>> chain = create_tokrag_chain(store.as_retriever(), ChatTokRAG(model="default"), prompt=prompt)
 
 Importing :mod:`tokrag_integrations` never imports LangChain; only this subpackage does.
 """
@@ -23,8 +26,14 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "Install it with: pip install 'tokrag-integrations[langchain]'"
     ) from e
 
-from .chains import TokRAGChain, create_tokrag_chain
+from .chains import TokRAGChain, create_tokrag_chain, create_tokrag_documents_chain
 from .chat_models import ChatTokRAG
 from .embeddings import local_embeddings
 
-__all__ = ["ChatTokRAG", "TokRAGChain", "create_tokrag_chain", "local_embeddings"]
+__all__ = [
+    "ChatTokRAG",
+    "TokRAGChain",
+    "create_tokrag_chain",
+    "create_tokrag_documents_chain",
+    "local_embeddings",
+]

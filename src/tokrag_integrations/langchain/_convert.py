@@ -16,7 +16,7 @@ from langchain_core.messages import (
     SystemMessage,
 )
 
-from ..prompts import Passage
+from ..prompts import Passage, RenderedPrompt
 from ..trace import Trace
 
 #: The core's stop reasons mapped onto LangChain's usual ``finish_reason`` values.
@@ -134,6 +134,49 @@ def messages_to_prompt(messages: Sequence[BaseMessage]) -> ChatPrompt:
         tail.insert(0, turns.pop()["content"])
     query = "\n\n".join(t for t in tail if t.strip())
     return ChatPrompt(query=query, history=turns, system_prompt="\n\n".join(system) or None)
+
+
+def rendered_prompt(
+    messages: Sequence[BaseMessage], context: str, question: str | None = None
+) -> tuple[RenderedPrompt, ChatPrompt]:
+    """Messages formatted by the caller's prompt template, whose context variable received
+    ``context`` -> (the RAG context, the parts of the pure context).
+
+    The RAG context is every message as formatted (:class:`RenderedPrompt`; the retrieved
+    tokens are where ``context`` lands). The pure context is the question alone (``question``,
+    or else the last human turn with ``context`` taken out) after the conversation: the
+    earlier human/AI turns that do not hold ``context``, under the system messages that do
+    not hold it (None when every system message holds it: the core's default system prompt).
+
+    Raises:
+        TypeError: ``context`` or ``question`` is not a string.
+        ValueError: as :func:`messages_to_prompt`.
+    """
+    if not isinstance(context, str):
+        raise TypeError(f"context must be the formatted context string, not {type(context).__name__}")
+    if question is not None and not isinstance(question, str):
+        raise TypeError(f"question must be a string, not {type(question).__name__}")
+    prompt = messages_to_prompt(messages)  # validates the conversation
+    turns = [{"role": _role(m), "content": _text(m)} for m in messages]
+    rendered = RenderedPrompt(context, messages=turns)
+
+    def holds(text: str) -> bool:
+        return bool(context) and context in text
+
+    system = [t["content"] for t in turns if t["role"] == "system" and t["content"].strip()]
+    query = question
+    if query is None:
+        query = prompt.query.replace(context, " ").strip() if context else prompt.query
+    if not query.strip():
+        raise ValueError(
+            "The question for the pure context is empty (the last human message holds only "
+            "the context): pass question=... with context=."
+        )
+    return rendered, ChatPrompt(
+        query=query,
+        history=[t for t in prompt.history if not holds(t["content"])],
+        system_prompt="\n\n".join(t for t in system if not holds(t)) or None,
+    )
 
 
 def trace_dict(trace: Trace) -> dict[str, Any]:

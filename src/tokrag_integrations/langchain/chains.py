@@ -1,4 +1,5 @@
-"""``create_tokrag_chain``: any LangChain retriever in front of a Tok-RAG decoded answer."""
+"""``create_tokrag_chain``: any LangChain retriever in front of a Tok-RAG decoded answer;
+``create_tokrag_documents_chain``: the same answer step for documents retrieved elsewhere."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from langchain_core.messages import (
     SystemMessage,
     convert_to_messages,
 )
-from langchain_core.runnables import Runnable, RunnableConfig
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_document
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda, RunnablePassthrough
 from pydantic import BaseModel, ConfigDict, create_model
 
 from ..models import LoadedModel, check_greedy
@@ -24,10 +27,19 @@ from .chat_models import CHAT_LOAD_OPTIONS, ChatTokRAG
 
 #: Keys of every output (``invoke``) and of the aggregated stream.
 OUTPUT_KEYS = ("answer", "context", "sources", "trace", "warnings", "retrieval_empty")
+#: ``create_stuff_documents_chain``'s defaults: documents joined by a blank line, each one
+#: formatted as its page content.
+DEFAULT_DOCUMENT_SEPARATOR = "\n\n"
+DEFAULT_DOCUMENT_PROMPT = PromptTemplate.from_template("{page_content}")
+#: The prompt variable that receives the formatted documents (as LangChain's chains).
+DOCUMENTS_KEY = "context"
 #: Arguments of create_tokrag_chain other than load options and the policy's options.
 _CHAIN_ARGUMENTS = (
     "retriever",
     "model",
+    "prompt",
+    "document_prompt",
+    "document_separator",
     "temperature",
     "policy",
     "system_prompt",
@@ -41,6 +53,89 @@ def _runnable_name(obj: Any) -> str:
     if isinstance(obj, Runnable):
         return obj.get_name()
     return type(obj).__name__
+
+
+def _question(input_: Any) -> str:
+    """The question of a chain input: a string, or the ``"input"`` / ``"question"`` key."""
+    if isinstance(input_, Mapping):
+        key = "input" if "input" in input_ else "question"
+        if key not in input_:
+            raise ValueError(
+                f"The chain input has no 'input' or 'question' key (keys: {sorted(input_)}); "
+                "pass a string, {'input': ...} or {'question': ...}."
+            )
+        input_ = input_[key]
+    if not isinstance(input_, str):
+        raise TypeError(
+            f"The question must be a string, not {type(input_).__name__}; pass a string, "
+            "{'input': ...} or {'question': ...}."
+        )
+    if not input_.strip():
+        raise ValueError("The question is empty: pass a non-empty question.")
+    return input_
+
+
+def _own_messages(question: str, input_: Any, system_prompt: str | None) -> list[BaseMessage]:
+    """The package's own prompt: optional system message, ``chat_history``, the question (the
+    documents go to the decoder separately, as ranked passages)."""
+    msgs: list[BaseMessage] = []
+    if system_prompt is not None:
+        msgs.append(SystemMessage(system_prompt))
+    if isinstance(input_, Mapping) and input_.get("chat_history"):
+        msgs += convert_to_messages(input_["chat_history"])
+    msgs.append(HumanMessage(question))
+    return msgs
+
+
+def _passages(docs: list[Document], document_prompt: BasePromptTemplate | None) -> list[Document]:
+    """The documents as ranked passages, each formatted by ``document_prompt`` when given."""
+    if document_prompt is None:
+        return list(docs)
+    return [
+        Document(page_content=format_document(d, document_prompt), metadata=dict(d.metadata))
+        for d in docs
+    ]
+
+
+def format_documents(
+    docs: Sequence[Document],
+    document_prompt: BasePromptTemplate | None = None,
+    document_separator: str = DEFAULT_DOCUMENT_SEPARATOR,
+) -> str:
+    """The ``{context}`` text ``create_stuff_documents_chain`` makes: every document formatted
+    by ``document_prompt`` (default ``"{page_content}"``), joined by ``document_separator``."""
+    document_prompt = document_prompt or DEFAULT_DOCUMENT_PROMPT
+    return document_separator.join(format_document(d, document_prompt) for d in docs)
+
+
+def _prompt_values(input_: Any, question: str, context: str) -> dict[str, Any]:
+    """A user prompt's variables: the input's keys, ``input`` (the question, also when the
+    input says ``question``) and ``context``."""
+    values = dict(input_) if isinstance(input_, Mapping) else {}
+    values.setdefault("input", question)
+    values[DOCUMENTS_KEY] = context
+    return values
+
+
+def _check_prompt(prompt: Any, system_prompt: str | None, where: str) -> None:
+    if prompt is None:
+        return
+    if not isinstance(prompt, BasePromptTemplate):
+        raise TypeError(
+            f"{where}: prompt must be a LangChain prompt template (ChatPromptTemplate, "
+            f"PromptTemplate), not {type(prompt).__name__}"
+        )
+    if DOCUMENTS_KEY not in prompt.input_variables:
+        raise ValueError(
+            f"{where}: the prompt must take {{{DOCUMENTS_KEY}}}, where the documents go "
+            f"(as with create_stuff_documents_chain); its input variables are "
+            f"{prompt.input_variables}"
+        )
+    if system_prompt is not None:
+        raise ValueError(
+            f"{where}: system_prompt= belongs to the package's own prompt; with prompt= put "
+            "the system message in your prompt"
+        )
 
 
 class TokRAGChain(Runnable[Any, dict[str, Any]]):
@@ -57,12 +152,18 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         system_prompt: str | None = None,
         model_kwargs: dict[str, Any] | None = None,
         name: str | None = None,
+        prompt: BasePromptTemplate | None = None,
+        document_prompt: BasePromptTemplate | None = None,
+        document_separator: str = DEFAULT_DOCUMENT_SEPARATOR,
     ) -> None:
         self.retriever = retriever
         self.model = model
         self.system_prompt = system_prompt
         self.model_kwargs = dict(model_kwargs or {})
         self.name = name or "TokRAGChain"
+        self.prompt = prompt
+        self.document_prompt = document_prompt
+        self.document_separator = document_separator
 
     # ------------------------------------------------------------------ schemas
     def get_input_schema(self, config: RunnableConfig | None = None) -> type[BaseModel]:
@@ -89,25 +190,6 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         )
 
     # ------------------------------------------------------------------ translation
-    @staticmethod
-    def _question(input_: Any) -> str:
-        if isinstance(input_, Mapping):
-            key = "input" if "input" in input_ else "question"
-            if key not in input_:
-                raise ValueError(
-                    f"The chain input has no 'input' or 'question' key (keys: {sorted(input_)}); "
-                    "pass a string, {'input': ...} or {'question': ...}."
-                )
-            input_ = input_[key]
-        if not isinstance(input_, str):
-            raise TypeError(
-                f"The question must be a string, not {type(input_).__name__}; pass a string, "
-                "{'input': ...} or {'question': ...}."
-            )
-        if not input_.strip():
-            raise ValueError("The question is empty: pass a non-empty question.")
-        return input_
-
     def _retrieval_error(self, question: str, error: Exception) -> RuntimeError:
         return RuntimeError(
             f"retriever {_runnable_name(self.retriever)} failed for question {question!r}: "
@@ -143,18 +225,26 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
             return dict(input_)
         return {"input": question}
 
-    def _messages(self, question: str, input_: Any = None) -> list[BaseMessage]:
-        msgs: list[BaseMessage] = []
-        if self.system_prompt is not None:
-            msgs.append(SystemMessage(self.system_prompt))
-        if isinstance(input_, Mapping) and input_.get("chat_history"):
-            msgs += convert_to_messages(input_["chat_history"])
-        msgs.append(HumanMessage(question))
-        return msgs
+    def _model_input(
+        self, input_: Any, question: str, docs: list[Document], config: RunnableConfig
+    ) -> tuple[list[BaseMessage], dict[str, Any]]:
+        """(messages, call keywords) of the model call.
 
-    def _model_kwargs(self, docs: list[Document]) -> dict[str, Any]:
-        # Documents go in the retriever's order: the core drops the lowest-ranked first.
-        return {**self.model_kwargs, "passages": list(docs)}
+        The package's prompt: the documents are the passages, in the retriever's order (the
+        core drops the lowest-ranked first). A user prompt: formatted with the documents as
+        ``{context}``, which the model is told (``context=``) so that where it lands are the
+        retrieved tokens; ``question=`` is the pure context's question.
+        """
+        if self.prompt is None:
+            messages = _own_messages(question, input_, self.system_prompt)
+            return messages, {
+                **self.model_kwargs,
+                "passages": _passages(docs, self.document_prompt),
+            }
+        context = format_documents(docs, self.document_prompt, self.document_separator)
+        value = self.prompt.invoke(_prompt_values(input_, question, context), config)
+        kwargs = {**self.model_kwargs, "context": context, "question": question}
+        return value.to_messages(), kwargs
 
     def _empty_note(self, question: str, docs: list[Document]) -> list[str]:
         if docs:
@@ -179,12 +269,11 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
     def _invoke(
         self, input_: Any, run_manager: CallbackManagerForChainRun, config: RunnableConfig
     ) -> dict[str, Any]:
-        question = self._question(input_)
+        question = _question(input_)
         docs = self._retrieve(question, config)
         notes = self._empty_note(question, docs)
-        msg = self.model.invoke(
-            self._messages(question, input_), config, **self._model_kwargs(docs)
-        )
+        messages, kwargs = self._model_input(input_, question, docs, config)
+        msg = self.model.invoke(messages, config, **kwargs)
         return {
             **self._passthrough(input_, question),
             "answer": msg.text,
@@ -202,12 +291,11 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
     async def _ainvoke(
         self, input_: Any, run_manager: AsyncCallbackManagerForChainRun, config: RunnableConfig
     ) -> dict[str, Any]:
-        question = self._question(input_)
+        question = _question(input_)
         docs = await self._aretrieve(question, config)
         notes = self._empty_note(question, docs)
-        msg = await self.model.ainvoke(
-            self._messages(question, input_), config, **self._model_kwargs(docs)
-        )
+        messages, kwargs = self._model_input(input_, question, docs, config)
+        msg = await self.model.ainvoke(messages, config, **kwargs)
         return {
             **self._passthrough(input_, question),
             "answer": msg.text,
@@ -237,12 +325,11 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         config: RunnableConfig,
     ) -> Iterator[dict[str, Any]]:
         input_ = _last(inputs)
-        question = self._question(input_)
+        question = _question(input_)
         docs = self._retrieve(question, config)
         notes = self._empty_note(question, docs)
-        chunks = self.model.stream(
-            self._messages(question, input_), config, **self._model_kwargs(docs)
-        )
+        messages, kwargs = self._model_input(input_, question, docs, config)
+        chunks = self.model.stream(messages, config, **kwargs)
         # Pull the first token before yielding anything, so a failing call (bad option,
         # question too long...) raises with nothing half-written.
         first = next(chunks, None)
@@ -278,12 +365,11 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         last: Any = None
         async for item in inputs:
             last = item
-        question = self._question(last)
+        question = _question(last)
         docs = await self._aretrieve(question, config)
         notes = self._empty_note(question, docs)
-        chunks = self.model.astream(
-            self._messages(question, last), config, **self._model_kwargs(docs)
-        )
+        messages, kwargs = self._model_input(last, question, docs, config)
+        chunks = self.model.astream(messages, config, **kwargs)
         first = await anext(chunks, None)
         yield {**self._passthrough(last, question), "context": docs, "retrieval_empty": not docs}
         if first is not None:
@@ -318,10 +404,67 @@ def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield from rest
 
 
+def _chat_model(
+    model: Any,
+    where: str,
+    *,
+    temperature: float | None,
+    policy: str | None,
+    max_tokens: int | None,
+    stop: list[str] | None,
+    max_context_tokens: int | None,
+    policy_options: dict[str, Any],
+) -> tuple[ChatTokRAG, dict[str, Any]]:
+    """(the chat model, the call keywords that override its settings) of a chain constructor;
+    every argument is checked here, before anything is loaded or decoded."""
+    check_greedy(temperature, where)
+    load_options = {k: policy_options.pop(k) for k in CHAT_LOAD_OPTIONS if k in policy_options}
+    if isinstance(model, ChatTokRAG):
+        if load_options:
+            raise ValueError(
+                f"{', '.join(load_options)}: load options go with a model spec, not with a "
+                "ChatTokRAG (set them on the ChatTokRAG)"
+            )
+    elif isinstance(model, (LoadedModel, str, os.PathLike)) or hasattr(model, "config"):
+        model = ChatTokRAG(model=model, **load_options)
+    else:
+        raise TypeError(
+            f"model must be a ChatTokRAG, a LoadedModel, a model name or path, or a loaded "
+            f"PreTrainedModel, not {type(model).__name__}"
+        )
+    try:
+        get_policy(policy or model.policy, **{**model.policy_options, **policy_options})
+    except ValueError as e:
+        if "unknown option" not in str(e):
+            raise
+        accepted = _CHAIN_ARGUMENTS + CHAT_LOAD_OPTIONS
+        if where == "create_tokrag_documents_chain":
+            accepted = tuple(a for a in accepted if a != "retriever") + ("output_parser",)
+        raise TypeError(
+            f"{where} got an unknown keyword argument ({e}); besides the policy's "
+            f"options it accepts: {', '.join(accepted)}"
+        ) from e
+    model_kwargs: dict[str, Any] = {}
+    if policy is not None:
+        model_kwargs["policy"] = policy
+    if max_tokens is not None:
+        model_kwargs["max_tokens"] = max_tokens
+    if stop is not None:
+        model_kwargs["stop"] = list(stop)
+    if max_context_tokens is not None:
+        model_kwargs["max_context_tokens"] = max_context_tokens
+    if policy_options:
+        model_kwargs["policy_options"] = dict(policy_options)
+    return model, model_kwargs
+
+
 def create_tokrag_chain(
     retriever: Runnable[str, list[Document]],
     model: Any = "default",
+    prompt: BasePromptTemplate | None = None,
     *,
+    document_prompt: BasePromptTemplate | None = None,
+    document_separator: str = DEFAULT_DOCUMENT_SEPARATOR,
     temperature: float | None = None,
     policy: str | None = None,
     system_prompt: str | None = None,
@@ -332,9 +475,18 @@ def create_tokrag_chain(
 ) -> TokRAGChain:
     """A Runnable that retrieves documents for a question and answers from them with Tok-RAG.
 
-    The question and the documents reach the decoder separately: the documents become the
-    ranked passages of the RAG context, the question the final user turn (the pure context
-    sees only the question).
+    Without ``prompt`` the question and the documents reach the decoder separately: the
+    documents become the ranked passages of the package's RAG prompt, the question the final
+    user turn (the pure context sees only the question).
+
+    With ``prompt`` (the ``ChatPromptTemplate`` you would give ``create_stuff_documents_chain``
+    and ``create_retrieval_chain``: ``{context}`` and usually ``{input}``) Tok-RAG runs on your
+    prompt: ``{context}`` receives the documents, each formatted by ``document_prompt`` and
+    joined by ``document_separator``; the RAG context is the prompt exactly as formatted and
+    its retrieved tokens (Eq. 14-16) are where the ``{context}`` text lands; the pure context
+    is the question alone after the conversation (the prompt's human/AI turns that do not
+    hold the context, e.g. a ``MessagesPlaceholder("chat_history")``), under the prompt's
+    system messages that do not hold the context (else the core's default system prompt).
 
     Args:
         retriever: any LangChain retriever (or Runnable str -> list[Document]): vector-store
@@ -344,15 +496,23 @@ def create_tokrag_chain(
             local cache, a folder, a ``.gguf`` path, a loaded ``PreTrainedModel``), with its
             keyword options (``tokenizer``, ``device``, ``device_map``, ``dtype``,
             ``model_kwargs``, ``tokenizer_kwargs``, ``trust_remote_code``, ``revision``).
+        prompt: a prompt template taking ``{context}`` (the formatted documents) and any
+            input keys (``{input}`` is always the question); None: the package's prompt.
+        document_prompt: formats each document (default ``"{page_content}"``, as
+            ``create_stuff_documents_chain``); without ``prompt`` it formats each passage.
+        document_separator: joins the formatted documents in ``{context}`` (default
+            ``"\n\n"``); used only with ``prompt``.
         temperature: only None or 0 (greedy decoding).
         policy: decoding policy; None keeps the model's (``"tokrag"`` for a LoadedModel).
-        system_prompt: a system message before the question (None: the core default).
+        system_prompt: a system message before the question (None: the core default); only
+            without ``prompt`` (a user prompt carries its own system message).
         max_tokens / stop / max_context_tokens: override the model's settings.
         **policy_options: options of the policy (e.g. ``pr_norm="softmax"``).
 
     Input: a question string, or a dict with ``"input"`` (the ``create_retrieval_chain``
     convention) or ``"question"``, optional ``"chat_history"`` (messages placed between the
-    system prompt and the question) and any other keys, which are returned unchanged.
+    system prompt and the question; with ``prompt``, wherever the prompt puts them) and any
+    other keys, which are returned unchanged (and, with ``prompt``, fill its variables).
 
     ``invoke`` / ``ainvoke`` / ``batch`` / ``abatch`` return the input's keys (``{"input":
     question}`` for a string input) plus::
@@ -360,7 +520,9 @@ def create_tokrag_chain(
         {"answer": str,                # the generated answer
          "context": list[Document],    # the retrieved documents, in retriever order
          "sources": list[str],         # per generated token: "agree" | "rag" | "llm" | ...
-         "trace": dict,                # the full trace (Trace.to_dict() as JSON data)
+         "trace": dict,                # the full trace (Trace.to_dict() as JSON data): its
+                                       # "policy", "counts", "prompt_tokens"; with prompt=,
+                                       # its one passage is the formatted {context}
          "warnings": list[str],        # empty retrieval, skipped/dropped/cut passages...
          "retrieval_empty": bool}      # True: no documents, answered from the pure context
 
@@ -382,39 +544,119 @@ def create_tokrag_chain(
         raise TypeError(
             f"retriever must be a LangChain retriever or Runnable, not {type(retriever).__name__}"
         )
-    check_greedy(temperature, "create_tokrag_chain")
-    load_options = {k: policy_options.pop(k) for k in CHAT_LOAD_OPTIONS if k in policy_options}
-    if isinstance(model, ChatTokRAG):
-        if load_options:
-            raise ValueError(
-                f"{', '.join(load_options)}: load options go with a model spec, not with a "
-                "ChatTokRAG (set them on the ChatTokRAG)"
-            )
-    elif isinstance(model, (LoadedModel, str, os.PathLike)) or hasattr(model, "config"):
-        model = ChatTokRAG(model=model, **load_options)
-    else:
-        raise TypeError(
-            f"model must be a ChatTokRAG, a LoadedModel, a model name or path, or a loaded "
-            f"PreTrainedModel, not {type(model).__name__}"
+    _check_prompt(prompt, system_prompt, "create_tokrag_chain")
+    chat, model_kwargs = _chat_model(
+        model,
+        "create_tokrag_chain",
+        temperature=temperature,
+        policy=policy,
+        max_tokens=max_tokens,
+        stop=stop,
+        max_context_tokens=max_context_tokens,
+        policy_options=policy_options,
+    )
+    return TokRAGChain(
+        retriever,
+        chat,
+        system_prompt=system_prompt,
+        model_kwargs=model_kwargs,
+        prompt=prompt,
+        document_prompt=document_prompt,
+        document_separator=document_separator,
+    )
+
+
+def _input_documents(inputs: Any) -> list[Document]:
+    if not isinstance(inputs, Mapping) or DOCUMENTS_KEY not in inputs:
+        got = sorted(inputs) if isinstance(inputs, Mapping) else type(inputs).__name__
+        raise ValueError(
+            "A documents chain takes a dict with 'context' (a list of Documents) and 'input' "
+            f"(the question); got {got}."
         )
-    try:
-        get_policy(policy or model.policy, **{**model.policy_options, **policy_options})
-    except ValueError as e:
-        if "unknown option" not in str(e):
-            raise
+    docs = inputs[DOCUMENTS_KEY]
+    if not isinstance(docs, Sequence) or not all(isinstance(d, Document) for d in docs):
         raise TypeError(
-            f"create_tokrag_chain got an unknown keyword argument ({e}); besides the policy's "
-            f"options it accepts: {', '.join(_CHAIN_ARGUMENTS + CHAT_LOAD_OPTIONS)}"
-        ) from e
-    model_kwargs: dict[str, Any] = {}
-    if policy is not None:
-        model_kwargs["policy"] = policy
-    if max_tokens is not None:
-        model_kwargs["max_tokens"] = max_tokens
-    if stop is not None:
-        model_kwargs["stop"] = list(stop)
-    if max_context_tokens is not None:
-        model_kwargs["max_context_tokens"] = max_context_tokens
-    if policy_options:
-        model_kwargs["policy_options"] = dict(policy_options)
-    return TokRAGChain(retriever, model, system_prompt=system_prompt, model_kwargs=model_kwargs)
+            f"The 'context' input is a {type(docs).__name__}; pass a list of langchain_core "
+            "Documents (a retriever's output)."
+        )
+    return list(docs)
+
+
+def create_tokrag_documents_chain(
+    model: Any = "default",
+    prompt: BasePromptTemplate | None = None,
+    *,
+    document_prompt: BasePromptTemplate | None = None,
+    document_separator: str = DEFAULT_DOCUMENT_SEPARATOR,
+    output_parser: Runnable[Any, Any] | None = None,
+    temperature: float | None = None,
+    policy: str | None = None,
+    system_prompt: str | None = None,
+    max_tokens: int | None = None,
+    stop: list[str] | None = None,
+    max_context_tokens: int | None = None,
+    **policy_options: Any,
+) -> Runnable[dict[str, Any], Any]:
+    """``create_stuff_documents_chain`` decoded with Tok-RAG, for your own retrieval step.
+
+    Input: a dict with ``"context"`` (a list of Documents, best first) and ``"input"`` (or
+    ``"question"``), plus any variables of ``prompt`` (``chat_history``...). Output: the
+    answer string (``output_parser``, default ``StrOutputParser()``; pass
+    ``RunnablePassthrough()`` to get the ``AIMessage``, whose ``response_metadata`` holds
+    ``policy``, ``counts``, ``token_sources`` and ``trace``). ``invoke``, ``batch``,
+    ``stream`` (token by token) and their async forms all work, as for any LCEL chain.
+
+    With ``prompt`` it is ``create_stuff_documents_chain``'s composition: the documents are
+    formatted into ``{context}`` (``document_prompt``, ``document_separator``) by
+    ``RunnablePassthrough.assign``, then ``prompt | model``, where the model is told which
+    text filled ``{context}`` so that the RAG context is the formatted prompt and the
+    retrieved tokens are where that text lands (see :func:`create_tokrag_chain`). Without
+    ``prompt`` the documents are the passages of the package's prompt. The other arguments
+    are those of :func:`create_tokrag_chain`.
+
+    Example:
+        .. code-block:: python
+
+            answer = create_tokrag_documents_chain(ChatTokRAG(model=lm), prompt)
+            chain = RunnablePassthrough.assign(
+                context=(lambda x: x["input"]) | retriever
+            ).assign(answer=answer)   # create_retrieval_chain's shape
+    """
+    _check_prompt(prompt, system_prompt, "create_tokrag_documents_chain")
+    chat, model_kwargs = _chat_model(
+        model,
+        "create_tokrag_documents_chain",
+        temperature=temperature,
+        policy=policy,
+        max_tokens=max_tokens,
+        stop=stop,
+        max_context_tokens=max_context_tokens,
+        policy_options=policy_options,
+    )
+    parser = output_parser if output_parser is not None else StrOutputParser()
+    if prompt is None:
+
+        def own_prompt(inputs: dict[str, Any]) -> Runnable[Any, Any]:
+            docs = _input_documents(inputs)
+            question = _question(inputs)
+            messages = _own_messages(question, inputs, system_prompt)
+            model_step = chat.bind(passages=_passages(docs, document_prompt), **model_kwargs)
+            return RunnableLambda(lambda _: messages, name="format_messages") | model_step
+
+        answer: Runnable[Any, Any] = RunnableLambda(own_prompt, name="tokrag_answer")
+    else:
+
+        def format_docs(inputs: dict[str, Any]) -> str:
+            docs = _input_documents(inputs)
+            return format_documents(docs, document_prompt, document_separator)
+
+        def prompt_and_model(inputs: dict[str, Any]) -> Runnable[Any, Any]:
+            # Bound per call: the model must know which text filled {context}.
+            context, question = inputs[DOCUMENTS_KEY], inputs["input"]
+            return prompt | chat.bind(context=context, question=question, **model_kwargs)
+
+        format_inputs = RunnablePassthrough.assign(
+            **{DOCUMENTS_KEY: format_docs, "input": _question}
+        ).with_config(run_name="format_inputs")
+        answer = format_inputs | RunnableLambda(prompt_and_model, name="tokrag_answer")
+    return (answer | parser).with_config(run_name="tokrag_documents_chain")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,14 +22,41 @@ from .. import api, batching
 from ..api import GenerationResult, TokenEvent
 from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
 from ..policies import get_policy
-from ._convert import FINISH_REASONS, messages_to_prompt, to_passages, trace_dict
+from ._convert import (
+    FINISH_REASONS,
+    messages_to_prompt,
+    rendered_prompt,
+    to_passages,
+    trace_dict,
+)
 
 #: Parameters of remote chat-model APIs that mean nothing for a local model. They are
 #: accepted (so ``ChatTokRAG`` drops into code written for hosted models) and ignored.
 _REMOTE_ONLY_PARAMS = ("api_key", "timeout", "max_retries")
 
 #: Per-call keyword arguments handled here; any other keyword is a policy option.
-_CALL_KWARGS = ("passages", "policy", "policy_options", "max_tokens", "max_context_tokens", "model")
+_CALL_KWARGS = (
+    "passages",
+    "context",
+    "question",
+    "policy",
+    "policy_options",
+    "max_tokens",
+    "max_context_tokens",
+    "model",
+)
+
+#: Said once per instance when a call has no passages (the plain model answers).
+NO_PASSAGES_WARNING = (
+    "ChatTokRAG was called without passages, so it decodes as the plain model (policy "
+    "'llm'): context stuffed into the prompt is read as ordinary prompt text, not as "
+    "retrieved tokens. To decode with Tok-RAG, pass the retrieved documents as passages "
+    "(ChatTokRAG(...).bind(passages=docs), invoke(..., passages=docs) or the passages= "
+    "field), or build the chain with create_tokrag_chain(retriever, model, prompt=your_prompt) "
+    "(create_tokrag_documents_chain(model, prompt=your_prompt) with your own retrieval step). "
+    "Pass policy='llm' to ask for the plain model without this warning."
+)
+_WARN_LOCK = threading.Lock()
 
 #: load_model() options that ChatTokRAG takes as fields (the same names).
 CHAT_LOAD_OPTIONS = (
@@ -67,6 +96,30 @@ class _Call:
 
     def eos_ids(self) -> set[int]:
         return set(self.lm.eos_token_ids)
+
+
+#: Modules between user code and ChatTokRAG's hooks (LangChain, this package, the loop and
+#: the worker threads that LangChain's async paths run sync code in).
+_FRAMEWORK_MODULES = (
+    "langchain",
+    "tokrag_integrations",
+    "asyncio",
+    "concurrent.futures",
+    "threading",
+)
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside LangChain and this package (the line of
+    user code that made the call), so a warning points there; 2 when there is none (a call
+    prepared in a worker thread)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not name.startswith(_FRAMEWORK_MODULES):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
 
 
 def _usage(result: GenerationResult) -> UsageMetadata:
@@ -115,8 +168,19 @@ class ChatTokRAG(BaseChatModel):
     Messages are rendered with the model's chat template: system messages become the system
     prompt, the last human message is the question, earlier turns are the history. With
     ``passages`` (a constructor field, a keyword of ``invoke``/``stream``, or bound with
-    ``.bind(passages=[...])``) the answer is decoded under ``policy`` (default ``"tokrag"``);
-    without passages it is the pure model (policy ``"llm"``).
+    ``.bind(passages=[...])``) the answer is decoded under ``policy`` (default ``"tokrag"``).
+
+    With ``context=`` (a call keyword: the text a prompt template's context variable
+    received) the messages are a RAG prompt formatted by the caller's template: the RAG
+    context is the messages exactly as formatted, its retrieved tokens (Eq. 14-16) are where
+    ``context`` lands in them, and the pure context is ``question=`` alone (default: the last
+    human message without the context) after the turns that do not hold the context.
+    :func:`~tokrag_integrations.langchain.create_tokrag_chain` with ``prompt=`` calls it so.
+
+    Without passages or ``context`` it is the plain model (policy ``"llm"``, as
+    ``ChatHuggingFace``: the chat template over the messages as given). Unless the call or
+    the instance asks for ``policy="llm"``, the first such call of an instance warns
+    (:data:`NO_PASSAGES_WARNING`), since context stuffed into a prompt is then not Tok-RAG.
 
     Provenance: ``response_metadata["token_sources"]`` lists, per generated token, where it
     came from (``"agree"``, ``"rag"``, ``"llm"``...); ``response_metadata["trace"]`` is the
@@ -180,6 +244,7 @@ class ChatTokRAG(BaseChatModel):
     alone (:mod:`tokrag_integrations.batching`); ``False`` decodes them one at a time."""
 
     _lm: LoadedModel | None = PrivateAttr(default=None)
+    _warned_no_passages: bool = PrivateAttr(default=False)
 
     def __init__(self, **kwargs: Any) -> None:
         lm = kwargs.get("model", kwargs.get("model_name"))
@@ -304,26 +369,51 @@ class ChatTokRAG(BaseChatModel):
         options = {**self.policy_options, **call.get("policy_options", {}), **kwargs}
         policy = call.get("policy", self.policy)
         get_policy(policy, **options)  # unknown policy or option: fail before loading anything
-        passages = to_passages(call.get("passages", self.passages))
+        given = call.get("passages", self.passages)
+        passages = to_passages(given)
+        context = call.get("context")
+        if context is not None and passages:
+            raise ValueError(
+                "pass passages= (the package's prompt) or context= (your formatted prompt's "
+                "context), not both"
+            )
+        if context is None and call.get("question") is not None:
+            raise ValueError("question= is the pure context's question of a context= call")
         max_tokens = self._positive(int(call.get("max_tokens", self.max_tokens)))
-        prompt = messages_to_prompt(messages)
+        rendered = None
+        if context is not None:
+            rendered, prompt = rendered_prompt(messages, context, call.get("question"))
+        else:
+            prompt = messages_to_prompt(messages)
+            if given is None and policy != "llm":
+                self._warn_no_passages()
+        retrieved = bool(passages) or rendered is not None
         lm = self._resolve_model(call.get("model"))
         core: dict[str, Any] = {
             # Without passages this is the pure model, not a policy falling back.
-            "policy": policy if passages else "llm",
+            "policy": policy if retrieved else "llm",
             "max_new_tokens": max_tokens,
             "stop": list(stop if stop is not None else (self.stop or [])),
             "messages": prompt.history or None,
             "max_context_tokens": call.get("max_context_tokens", self.max_context_tokens),
-            **(options if passages else {}),
+            **(options if retrieved else {}),
         }
         if prompt.system_prompt is not None:
             core["system_prompt"] = prompt.system_prompt
-        if not passages:
+        if rendered is not None:
+            core["rendered"] = rendered
+        elif not passages:
             # Like ChatHuggingFace: the chat template over the messages as given, no
             # question-answer wording (that framing is only for the RAG prompt).
             core["prompt_format"] = "chat"
         return _Call(lm=lm, query=prompt.query, passages=passages, kwargs=core)
+
+    def _warn_no_passages(self) -> None:
+        with _WARN_LOCK:
+            if self._warned_no_passages:
+                return
+            self._warned_no_passages = True
+        warnings.warn(NO_PASSAGES_WARNING, UserWarning, stacklevel=_caller_stacklevel())
 
     @staticmethod
     def _result(result: GenerationResult, lm: LoadedModel) -> ChatResult:
