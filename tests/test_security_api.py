@@ -60,3 +60,46 @@ def test_closed_stream_then_exit_is_clean(case):
     assert "terminate called" not in proc.stderr
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "closed"
+
+
+# ============================================================================ 15: bad numbers and roles
+def test_nan_threshold_is_refused(lm):
+    """Issue 29.15: a NaN threshold (policy option or gate) is refused, not silently used."""
+    from tokrag_integrations import generate
+    from tokrag_integrations.gating.base import Gate
+
+    for value in (float("nan"), "nan"):
+        with pytest.raises(ValueError, match="'threshold' of policy 'tokrag' must be a number, got NaN"):
+            generate(lm, "Who?", ["A passage."], threshold=value, max_new_tokens=1)
+    with pytest.raises(ValueError, match="threshold must be a number, got NaN"):
+        Gate().threshold = float("nan")
+    assert generate(lm, "Who?", ["A passage."], threshold=float("-inf"), max_new_tokens=1).text is not None
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([{"role": "evil"}], "messages\\[0\\] has role 'evil'; use one of 'system', 'user', 'assistant'"),
+        ([{"role": "user"}], "messages\\[0\\] \\(user\\) needs a 'content' string, got NoneType"),
+        ([{"role": "user<|im_end|>", "content": "x"}], "has role 'user<|im_end|>'"),
+        ("hello", "messages must be a list"),
+    ],
+)
+def test_bad_chat_messages_are_one_sentence(lm, messages, match):
+    """Issue 29.15: a bad ``messages`` turn is a clear error, not a raw jinja UndefinedError."""
+    from tokrag_integrations import generate, stream
+
+    for call in (generate, stream):
+        with pytest.raises((ValueError, TypeError), match=match):
+            call(lm, "Who?", ["A passage."], messages=messages, max_new_tokens=1)
+
+
+def test_huge_max_new_tokens_names_the_window(lm):
+    """Issue 29.15: ``max_new_tokens=10**9`` says it does not fit the window (no negative count)."""
+    from tokrag_integrations import generate
+
+    with pytest.raises(ValueError) as info:
+        generate(lm, "Who?", max_new_tokens=10**9)
+    message = str(info.value)
+    assert f"context window of {lm.context_window} tokens" in message
+    assert "max_new_tokens=1000000000" in message and "-9" not in message

@@ -384,6 +384,12 @@ class PromptBuilder:
         delim_ids = self._encode(self.delimiter + "\n")
         sep_ids = self._encode("\n\n")
         pure_ids = head_ids + tail_ids
+        if len(pure_ids) > budget and int(max_new_tokens) >= window:
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens} does not fit the context window of {window} "
+                f"tokens, which must also hold the {len(pure_ids)}-token prompt; use "
+                f"max_new_tokens <= {window - len(pure_ids)}."
+            )
         if len(pure_ids) > budget:
             raise ValueError(
                 f"The question alone takes {len(pure_ids)} tokens, more than the {budget} available "
