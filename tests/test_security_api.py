@@ -103,3 +103,60 @@ def test_huge_max_new_tokens_names_the_window(lm):
     message = str(info.value)
     assert f"context window of {lm.context_window} tokens" in message
     assert "max_new_tokens=1000000000" in message and "-9" not in message
+
+
+# ============================================================================ 13: damaged model file
+def test_truncated_safetensors_in_the_cache_is_one_sentence(lm, tmp_path, monkeypatch):
+    """Issue 29.13: a cut-short ``model.safetensors`` in the model cache: one error naming the
+    file and how to rebuild it, through the API and as ``tokrag: error:`` on the CLI."""
+    import shutil
+
+    from tokrag_integrations import load_model
+    from tokrag_integrations.cli import main
+    from tokrag_integrations.models import DamagedModelError
+
+    cached = Path(lm.path)
+    folder = tmp_path / "cache" / "models" / cached.name
+    folder.mkdir(parents=True)
+    for f in cached.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, folder / f.name)
+    with open(cached / "model.safetensors", "rb") as src, open(folder / "model.safetensors", "wb") as dst:
+        dst.write(src.read(1_000_000))  # the header and the start of the weights only
+    monkeypatch.setenv("TOKRAG_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(DamagedModelError) as info:
+        load_model("default", device="cpu")
+    message = str(info.value)
+    assert str(folder / "model.safetensors") in message and "damaged" in message
+    assert f"delete the folder {folder}" in message and "\n" not in message
+    assert main(["ask", "Who?", "--passage", "A passage.", "--max-new-tokens", "1"]) == 2
+
+
+# ============================================================================ 16: CLI errors
+def test_unwritable_cache_folder_is_named_with_its_variable(tmp_path, monkeypatch, capsys):
+    """Issue 29.16: a cache folder that cannot be written: the error says it is tokrag's cache
+    folder and names $TOKRAG_CACHE_DIR (before the slow model conversion)."""
+    from tokrag_integrations import load_model
+    from tokrag_integrations.cli import main
+    from tokrag_integrations.paths import CacheDirError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("TOKRAG_CACHE_DIR", str(blocker / "cache"))
+    with pytest.raises(CacheDirError, match=r"tokrag's cache folder .*a-file/cache .*set \$TOKRAG_CACHE_DIR"):
+        load_model("default", device="cpu")
+    assert main(["ask", "Who?", "--passage", "A passage.", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("tokrag: error: Cannot write") and "TOKRAG_CACHE_DIR" in err
+
+
+def test_eval_unknown_policy_option_is_a_usage_error():
+    """Issue 29.16: ``tokrag eval`` with an unknown policy option prints the usual
+    ``tokrag: error:`` line and exits 2 (the console entry point, in a fresh process)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tokrag_integrations.cli", "eval", "--data", __file__,
+         "--policies", "tokrag[bogus=1]", "--limit", "1"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": SRC},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("tokrag: error: ") and "unknown option 'bogus'" in proc.stderr

@@ -9,10 +9,27 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+#: Environment variable that moves tokrag's cache folder.
+CACHE_DIR_ENV = "TOKRAG_CACHE_DIR"
+
+
+class CacheDirError(OSError):
+    """tokrag's cache folder cannot be created or written (the message names the folder and
+    :data:`CACHE_DIR_ENV`)."""
+
 
 def cache_dir() -> Path:
     """Folder where converted models are cached (``$TOKRAG_CACHE_DIR`` or ``~/.cache/tokrag``)."""
-    root = os.environ.get("TOKRAG_CACHE_DIR") or os.path.join(
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokrag"
     )
     return Path(root)
+
+
+def cache_write_error(error: OSError, what: str) -> CacheDirError:
+    """A :class:`CacheDirError` for ``error``, raised while writing ``what`` into the cache."""
+    reason = error.strerror or str(error)
+    return CacheDirError(
+        f"Cannot write {what} into tokrag's cache folder {cache_dir()} ({reason}: "
+        f"{error.filename or cache_dir()}); set ${CACHE_DIR_ENV} to a writable folder."
+    )

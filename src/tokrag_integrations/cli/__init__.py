@@ -437,6 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     they print ``tokrag: error: <message>`` to stderr and return 2. Python warnings raised
     meanwhile (e.g. a document that is not UTF-8) are printed as one-line warnings.
     """
+    from ..paths import CacheDirError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     _, err = _consoles()
@@ -452,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.showwarning = show  # type: ignore[assignment]
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, CacheDirError) as exc:
         message = str(exc) or type(exc).__name__
         if isinstance(exc, FileNotFoundError) and exc.filename and str(exc.filename) not in message:
             message = f"{message}: {exc.filename}"
