@@ -145,14 +145,15 @@ def test_file_names_with_newlines_and_escapes_print_on_one_line(pg_dsn, tmp_path
     assert any("esc\\x1b[2J\\x1b[31mred.md" in line for line in lines)
 
 
-def test_escape_sequences_in_documents_do_not_reach_the_terminal(lm, tmp_path, capsys):
+def test_escape_sequences_in_documents_do_not_reach_the_terminal(lm, tmp_path, capsys, monkeypatch):
     """Issue 29.10: ``ask --docs`` over a document (and a file name) full of escape
     sequences prints them as visible symbols; nothing else of the text is lost."""
     from tokrag_integrations.cli import main
 
+    monkeypatch.setenv("COLUMNS", "400")  # the chunk lines are cut at the console's width
     docs = tmp_path / "docs"
     docs.mkdir()
-    (docs / "title\x1b]0;pwned\x07.md").write_text(
+    (docs / "title\x1b]0;pwned\x07\n  1.0000  forged.md").write_text(
         "# Kestrel\n\nThe Kestrel-7 code name is \x1b[2J\x1b[31mBramblewick\x1b[0m\x9b31m.\n"
     )
     status = main(["ask", "What is the Kestrel-7 code name?", "--docs", str(docs),
@@ -161,7 +162,8 @@ def test_escape_sequences_in_documents_do_not_reach_the_terminal(lm, tmp_path, c
     out = capsys.readouterr()
     for stream in (out.out, out.err):
         assert not any(c in stream for c in "\x1b\x07\x9b")
-    assert "title␛]0;pwned" in out.err and "code name is ␛[2J␛" in out.err  # shown, not run
+    assert "title\\x1b]0;pwned\\x07\\n  1.0000  forged.md #0" in out.err  # one line
+    assert "code name is ␛[2J␛" in out.err  # shown, not run
 
 
 # ============================================================================ 6: unreadable folder

@@ -276,6 +276,7 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
     from rich.text import Text
 
     from .. import Passage
+    from ..retrieval import printable
 
     passages: list[Any] = [
         Passage(text=t, metadata={"source": "--passage"}) for t in args.passage if t.strip()
@@ -295,7 +296,7 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
         if not chunks:
             _print_warning(err, "the store returned no chunk for this question; answering without them.")
         for c in chunks:
-            line = Text(f"  {c.score:7.4f}  {c.source} #{c.chunk}  ", style="dim")
+            line = Text(f"  {c.score:7.4f}  {printable(c.source)} #{c.chunk}  ", style="dim")
             line.append(" ".join(c.text.split()), style="dim italic")
             err.print(line, no_wrap=True, overflow="ellipsis")
             passages.append(c.to_passage())
@@ -312,7 +313,7 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
     if not hits:
         _print_warning(err, "no document chunk matched the question; answering without them.")
     for hit in hits:
-        source = _short_source(hit.source, roots)
+        source = printable(_short_source(hit.source, roots))
         line = Text(f"  {hit.score:7.4f}  {source} #{hit.chunk.index}  ", style="dim")
         line.append(" ".join(hit.text.split()), style="dim italic")
         err.print(line, no_wrap=True, overflow="ellipsis")
