@@ -45,14 +45,14 @@ def _control_pattern(tokenizer: Any) -> re.Pattern[str]:
     added tokens, plus added tokens its chat template writes (``<|im_start|>`` is not flagged
     special in every tokenizer). Whitespace tokens are ordinary text."""
     template = getattr(tokenizer, "chat_template", None)
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    key = (template, len(added))
+    key = (template, len(tokenizer))  # cheap: the added-token table is read only on a change
     try:
         cached = _CONTROL_CACHE.get(tokenizer)
     except TypeError:  # pragma: no cover - a tokenizer that cannot be weakly referenced
         cached = None
     if cached is not None and cached[0] == key:
         return cached[1]
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     tokens = {str(t) for t in getattr(tokenizer, "all_special_tokens", []) or []}
     for token in added.values():
         content = getattr(token, "content", str(token))
