@@ -187,6 +187,8 @@ os.chmod(docs / "sub", 0)
 os.chmod(docs / "locked.md", 0)
 try:
     print("STATUS", main([*args, "--prune"]), flush=True)
+    inside = str(docs / "sub" / "b.md")  # named explicitly, under the unreadable folder
+    print("NAMED", main(["ingest", inside, *args[2:]]), flush=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         load_documents(docs)
@@ -230,6 +232,7 @@ def test_unreadable_sub_folder_is_reported_not_a_traceback(tmp_path):
     assert "STATUS 1" in out  # some paths skipped
     assert f"  skipped {docs / 'sub'}: folder cannot be read (Permission denied)" in out
     assert f"  skipped {docs / 'locked.md'}: could not be read (Permission denied)" in out
-    assert "pruned" not in out.split("STATUS")[0].split("\n", 1)[-1]
+    assert "pruned " not in out and "stale (no longer present)" not in out  # its chunks are kept
+    assert "NAMED 1" in out and f"  skipped {docs / 'sub' / 'b.md'}: cannot be read (Permission denied)" in out
     assert f"WARNING {docs / 'sub'}: folder cannot be read (Permission denied); skipped." in out
     assert f"WARNING {docs / 'locked.md'}: could not be read (Permission denied); skipped." in out

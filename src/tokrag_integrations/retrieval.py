@@ -339,6 +339,18 @@ def printable(text: str | Path) -> str:
     return _CONTROL_CHARS.sub(lambda m: repr(m.group(0))[1:-1], text)
 
 
+def unreadable_reason(path: Path) -> str | None:
+    """Why ``path`` cannot even be looked at (a folder on its way is not readable), or None
+    (it exists, or plainly does not)."""
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    return None
+
+
 @dataclass
 class FolderListing:
     """What :func:`list_folder` found under one folder."""
@@ -503,6 +515,10 @@ def load_documents(
     documents: list[Document] = []
     files: list[Path] = []
     for path in path_list:
+        reason = unreadable_reason(path)
+        if reason is not None:
+            warnings.warn(f"{printable(path)}: {reason}; skipped.", stacklevel=2)
+            continue
         if not path.exists():
             raise FileNotFoundError(f"Document path not found: {path}")
         if path.is_dir():

@@ -54,6 +54,7 @@ from ..retrieval import (
     printable,
     read_document,
     supported_types,
+    unreadable_reason,
 )
 from .embeddings import Embedder, load_embedder
 from .layout import TableLayout, Target, check_layout, table_columns  # noqa: F401 - re-exported
@@ -213,6 +214,10 @@ def discover_files(
     rejected: list[FileReport] = []
     seen: set[Path] = set()
     for path in path_list:
+        reason = unreadable_reason(path)
+        if reason is not None:
+            rejected.append(FileReport(str(path.absolute()), "failed", reason=reason))
+            continue
         if not path.exists():
             raise FileNotFoundError(f"Path not found: {path}")
         if path.is_dir():
@@ -626,7 +631,7 @@ def ingest(
     chunk_text("check", max_chars=max_chars, overlap=overlap)  # bad chunking fails here, once
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     files, rejected = discover_files(path_list, follow_links=follow_links)
-    roots = [p.resolve() for p in path_list if p.is_dir()]
+    roots = [p.resolve() for p in path_list if unreadable_reason(p) is None and p.is_dir()]
     db = resolve_dsn(dsn, data_dir=data_dir)
     embedder = load_embedder(embed_model)
     ensure_table(db, layout, embedder)
