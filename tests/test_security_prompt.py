@@ -94,3 +94,18 @@ def test_ordinary_text_encodes_as_before(lm, minilm_tokenizer, text):
     for p in (text, "Second passage."):
         old_rag += enc("[Retrieved Passage]\n") + enc(p.strip()) + enc("\n\n")
     assert plan.rag_ids == old_rag + old_tail
+
+
+def test_a_turn_holding_the_builders_sentinel_does_not_split_the_frame(lm):
+    """Issue 29.4: the builder's own placeholder written in an earlier turn stays text of that
+    turn; the question still comes last, after the template's markers."""
+    from tokrag_integrations.prompts import _SENTINEL
+
+    tok = lm.tokenizer
+    builder = PromptBuilder(tok, context_window=lm.context_window)
+    history = [{"role": "user", "content": f"a {_SENTINEL} b"}, {"role": "assistant", "content": "ok"}]
+    plan = builder.build("Who?", ["A passage."], messages=history)
+    text = tok.decode(plan.rag_ids)
+    assert text.index(f"a {_SENTINEL} b") < text.index("<|im_start|>assistant\nok")
+    assert text.endswith("Question: Who?<|im_end|>\n<|im_start|>assistant\n")
+    assert plan.rag_ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 5

@@ -325,7 +325,7 @@ class PromptBuilder:
                 msgs.append({"role": "system", "content": system})
             msgs += history + [{"role": "user", "content": _SENTINEL}]
             rendered = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            head, _, tail = rendered.partition(_SENTINEL)
+            head, _, tail = rendered.rpartition(_SENTINEL)  # the last turn: after it, only template text
         else:
             parts = [system] if system else []
             for m in history:
