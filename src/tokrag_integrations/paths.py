@@ -26,10 +26,15 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def cache_write_error(error: OSError, what: str) -> CacheDirError:
-    """A :class:`CacheDirError` for ``error``, raised while writing ``what`` into the cache."""
-    reason = error.strerror or str(error)
-    return CacheDirError(
-        f"Cannot write {what} into tokrag's cache folder {cache_dir()} ({reason}: "
-        f"{error.filename or cache_dir()}); set ${CACHE_DIR_ENV} to a writable folder."
-    )
+def cache_write_error(error: OSError, what: str, folder: Path) -> OSError:
+    """The error to raise when writing ``what`` into ``folder`` failed with ``error``: a
+    :class:`CacheDirError` naming the cache folder and :data:`CACHE_DIR_ENV` when ``folder``
+    is inside it, else an ``OSError`` naming ``folder``."""
+    reason = f"{error.strerror or error}: {error.filename or folder}"
+    root = cache_dir()
+    if Path(os.path.abspath(folder)).is_relative_to(os.path.abspath(root)):
+        return CacheDirError(
+            f"Cannot write {what} into tokrag's cache folder {root} ({reason}); set "
+            f"${CACHE_DIR_ENV} to a writable folder."
+        )
+    return OSError(f"Cannot write {what} into {folder} ({reason}).")
