@@ -6,7 +6,8 @@ built segment by segment so the exact token positions of every passage are known
 the "retrieved tokens" rt_1..rt_m of Eq. 15–16; delimiters and template tokens are not).
 
 **User text never becomes a control token.** Passages, the question and every chat turn's
-content (system prompt included) are encoded by :func:`encode_user_text`: a ``<|im_start|>``
+content (system prompt included) are encoded by :func:`encode_user_text` (a whole
+conversation: :func:`encode_chat`): a ``<|im_start|>``
 written inside them is encoded as the plain characters ``<``, ``|``, ``im``..., so a document
 cannot forge a chat turn or end the prompt. Only the chat template's own markers are control
 tokens. Text without control-token strings encodes exactly as ``tokenizer(text)`` does.
@@ -130,6 +131,30 @@ def encode_user_text(tokenizer: Any, text: str) -> list[int]:
     Thread-safe (see :func:`_encode_plain`). Any tokenizer, any model.
     """
     return _encode_marked(tokenizer, _mark_user_text(tokenizer, text)) if text else []
+
+
+def encode_chat(
+    tokenizer: Any, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template, with every turn's
+    content encoded as user text (see :func:`encode_user_text`): only the template's own
+    markers are control tokens. For messages without control-token strings this equals
+    ``tokenizer.apply_chat_template(messages, tokenize=True)``.
+
+    Raises:
+        TypeError / ValueError: bad messages (see :func:`check_messages`), or a tokenizer
+            without a chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this tokenizer has no chat template; encode the text with encode_user_text")
+    marked = [
+        {"role": m["role"], "content": _mark_user_text(tokenizer, m["content"])}
+        for m in check_messages(messages)
+    ]
+    rendered = tokenizer.apply_chat_template(
+        marked, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    return _encode_marked(tokenizer, rendered)
 
 
 def check_messages(messages: Any) -> list[dict[str, str]]:
