@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -236,8 +237,7 @@ def test_tiny_end_to_end_cli_and_resume(tmp_path, capsys):
     assert len(recs) == 2 + 2 * 2 * 2 and all("trace" in r for r in recs)
     assert main(argv) == 0  # resumes: nothing left to decode
     assert len((tmp_path / "runs" / "noise_rgb_en_fact_dev.jsonl").read_text().splitlines()) == len(recs)
-    with pytest.raises(SystemExit, match="other settings"):
-        main([*argv[:-1], "--max-new-tokens", "9", "--no-progress"])
+    assert main([*argv[:-1], "--max-new-tokens", "9", "--no-progress"]) == 2
 
 
 @needs_data
@@ -295,19 +295,21 @@ def test_cli_validates_specs_before_loading_a_model(monkeypatch, tmp_path, capsy
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     base = ["noise", "--data", str(tmp_path / "none.jsonl"), "--records", str(tmp_path), "--no-progress"]
-    with pytest.raises(SystemExit, match=r"Unknown policy 'tokrog'.*available: .*tokrag"):
-        main([*base, "--policies", "rag,tokrog[top_k=3]"])
-    with pytest.raises(SystemExit, match=r"Bad options in 'tokrag\[no_such_option=1\]'"):
-        main([*base, "--policies", "rag,tokrag[no_such_option=1]"])
-    with pytest.raises(SystemExit, match=r"Bad options in 'tokrag\[pr_norm=bad\]'.*pr_norm"):
-        main([*base, "--policies", "tokrag[pr_norm=bad]"])
+    cases = [
+        ([*base, "--policies", "rag,tokrog[top_k=3]"], r"Unknown policy 'tokrog'.*available: .*tokrag"),
+        ([*base, "--policies", "rag,tokrag[no_such_option=1]"], r"Bad options in 'tokrag\[no_such_option=1\]'"),
+        ([*base, "--policies", "tokrag[pr_norm=bad]"], r"Bad options in 'tokrag\[pr_norm=bad\]'.*pr_norm"),
+        (["token", *base[1:], "--scorers", "tokrag[no_such_option=1]"], "Bad options"),
+        (["token", *base[1:], "--scorers", "tokrag,rag"], "Unknown policy 'rag'"),
+    ]
+    for argv, match in cases:  # issue 29.16: the usual one-line error and exit status 2
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tokrag: error: ") and len(err.splitlines()) == 1
+        assert re.search(match, err), err
     with pytest.raises(SystemExit):
         main([*base, "--policies", "tokrag[pr_norm=sum"])
     assert "unclosed '['" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="Bad options"):
-        main(["token", *base[1:], "--scorers", "tokrag[no_such_option=1]"])
-    with pytest.raises(SystemExit, match="Unknown policy 'rag'"):
-        main(["token", *base[1:], "--scorers", "tokrag,rag"])
 
 
 def test_specs_in_the_runner_share_the_prefill_and_pass_options(tmp_path):
@@ -505,8 +507,7 @@ def test_token_summary_counts_labels_per_source_and_pooled(tmp_path):
     md = (tmp_path / "res" / "pool.md").read_text()
     assert "| source | label 1 | label 0 |" in md and "| popqa |" in md and "| pooled |" in md
     assert f"| tokrag | {t['auc']:.1f} [{t['auc_ci'][0]:.1f}, {t['auc_ci'][1]:.1f}]" in md
-    with pytest.raises(SystemExit, match="not found"):
-        main(["token-pool", "--records", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "res")])
+    assert main(["token-pool", "--records", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "res")]) == 2
 
 
 def test_auc_interval_groups_samples_by_item():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextvars
 import functools
 import numbers
@@ -166,6 +167,26 @@ class _Failure:
         self.error = error
 
 
+#: Stream workers whose decode thread may still be running (see :func:`_stop_streams_at_exit`).
+_LIVE_WORKERS: weakref.WeakSet[_StreamWorker] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_streams_at_exit() -> None:
+    """Stop every stream's decode thread and wait for it before the interpreter shuts down.
+
+    A decode thread is a daemon thread (an unread stream must not keep the process alive), but
+    a daemon thread still inside a torch kernel when the interpreter finalizes is killed in
+    C++ code: "terminate called without an active exception", exit status 134. A closed or
+    abandoned stream's thread finishes its current step first, so it is stopped here and
+    joined; each step is short, so this waits at most one decoding step per stream.
+    """
+    for worker in list(_LIVE_WORKERS):
+        worker.close()
+    for worker in list(_LIVE_WORKERS):
+        worker.join()
+
+
 class _StreamWorker:
     """Runs one stream's decode in its own thread, one event ahead of the reader.
 
@@ -197,6 +218,7 @@ class _StreamWorker:
                 self._thread = threading.Thread(
                     target=self._ctx.run, args=(self._work,), name="tokrag-stream", daemon=True
                 )
+                _LIVE_WORKERS.add(self)
                 self._thread.start()
         self._credits.release()
         return self._out.get()

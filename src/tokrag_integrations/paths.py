@@ -9,10 +9,32 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+#: Environment variable that moves tokrag's cache folder.
+CACHE_DIR_ENV = "TOKRAG_CACHE_DIR"
+
+
+class CacheDirError(OSError):
+    """tokrag's cache folder cannot be created or written (the message names the folder and
+    :data:`CACHE_DIR_ENV`)."""
+
 
 def cache_dir() -> Path:
     """Folder where converted models are cached (``$TOKRAG_CACHE_DIR`` or ``~/.cache/tokrag``)."""
-    root = os.environ.get("TOKRAG_CACHE_DIR") or os.path.join(
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokrag"
     )
     return Path(root)
+
+
+def cache_write_error(error: OSError, what: str, folder: Path) -> OSError:
+    """The error to raise when writing ``what`` into ``folder`` failed with ``error``: a
+    :class:`CacheDirError` naming the cache folder and :data:`CACHE_DIR_ENV` when ``folder``
+    is inside it, else an ``OSError`` naming ``folder``."""
+    reason = f"{error.strerror or error}: {error.filename or folder}"
+    root = cache_dir()
+    if Path(os.path.abspath(folder)).is_relative_to(os.path.abspath(root)):
+        return CacheDirError(
+            f"Cannot write {what} into tokrag's cache folder {root} ({reason}); set "
+            f"${CACHE_DIR_ENV} to a writable folder."
+        )
+    return OSError(f"Cannot write {what} into {folder} ({reason}).")

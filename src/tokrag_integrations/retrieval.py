@@ -52,6 +52,9 @@ __all__ = [
     "read_document",
     "supported_types",
     "load_documents",
+    "list_folder",
+    "FolderListing",
+    "printable",
     "chunk_text",
     "chunk_documents",
     "build_retriever",
@@ -237,7 +240,7 @@ def _decode(data: bytes, path: Path) -> tuple[str, bool]:
         return data.decode("utf-8-sig"), False
     except UnicodeDecodeError as exc:
         warnings.warn(
-            f"{path}: not valid UTF-8 (first bad byte at offset {exc.start}); "
+            f"{printable(path)}: not valid UTF-8 (first bad byte at offset {exc.start}); "
             "undecodable bytes were replaced with U+FFFD. Re-save the file as UTF-8 to fix this.",
             UnicodeWarning,
             stacklevel=3,
@@ -317,21 +320,115 @@ def _read_document(path: Path) -> Document | None:
     try:
         return read_document(path)
     except DocumentError as exc:
-        warnings.warn(f"{path}: {exc}; skipped.", stacklevel=3)
+        warnings.warn(f"{printable(path)}: {printable(str(exc))}; skipped.", stacklevel=3)
         return None
 
 
-def _iter_files(root: Path, unsupported: list[Path] | None = None) -> Iterable[Path]:
-    """Supported files under ``root`` in a stable order, skipping hidden files and folders;
-    files of other types are appended to ``unsupported`` when it is given."""
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root)
-        if any(part.startswith(".") for part in rel.parts) or not path.is_file():
-            continue
-        if path.suffix.lower() in SUPPORTED_SUFFIXES:
-            yield path
-        elif unsupported is not None:
-            unsupported.append(path)
+#: C0 control characters and DEL (ESC starts terminal escape sequences, a newline can forge
+#: a line) and the C1 controls (U+009B is a one-character CSI on some terminals).
+_CONTROL_CHARS = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str | Path) -> str:
+    """``text`` (a file name, a path, a reason) safe to print on one terminal line: control
+    characters, newlines included, as ``\\n`` / ``\\x1b`` escapes, and bytes of a non-UTF-8
+    file name as ``\\xNN``."""
+    text = str(text)
+    try:  # a file name's undecodable bytes come back from the OS as U+DC80..U+DCFF
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # other lone surrogates
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return _CONTROL_CHARS.sub(lambda m: repr(m.group(0))[1:-1], text)
+
+
+def unreadable_reason(path: Path) -> str | None:
+    """Why ``path`` cannot even be looked at (a folder on its way is not readable), or None
+    (it exists, or plainly does not)."""
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    return None
+
+
+@dataclass
+class FolderListing:
+    """What :func:`list_folder` found under one folder."""
+
+    files: list[Path] = field(default_factory=list)
+    """Files of a supported type, in path order (as found under the folder, not resolved)."""
+    other_types: list[Path] = field(default_factory=list)
+    """Files of other types (skipped)."""
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    """Entries that were not read, with the reason: unreadable folders, symbolic links that
+    leave the folder (unless followed), broken links, special files."""
+    followed_links: list[tuple[Path, Path]] = field(default_factory=list)
+    """Symbolic links that leave the folder and were followed (``follow_links=True``), with
+    their targets."""
+
+
+def list_folder(root: Path, *, follow_links: bool = False) -> FolderListing:
+    """The files under folder ``root``, recursively, in path order; hidden entries skipped.
+
+    A symbolic link whose target lies outside ``root`` is not followed (``/etc/shadow`` is
+    not a document of the folder) unless ``follow_links``; a link inside ``root`` to a folder
+    is not descended (its files are found at their real place). Nothing is skipped silently:
+    each unreadable folder, link not followed, broken link or special file (a FIFO would block
+    the reader) is listed in ``skipped`` with the reason.
+    """
+    import os
+
+    listing = FolderListing()
+    real_root = root.resolve()
+    visited = {real_root}
+
+    def visit(folder: Path) -> None:
+        try:
+            with os.scandir(folder) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            listing.skipped.append((folder, f"folder cannot be read ({exc.strerror or exc})"))
+            return
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            path = Path(entry.path)
+            try:
+                link = entry.is_symlink()
+                target = path.resolve() if link else path
+                is_dir, is_file = entry.is_dir(), entry.is_file()
+            except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+                listing.skipped.append((path, f"cannot be read ({getattr(exc, 'strerror', None) or exc})"))
+                continue
+            if link and not (is_dir or is_file):
+                listing.skipped.append((path, f"a broken symbolic link (to {target})"))
+                continue
+            if link and not target.is_relative_to(real_root):
+                if not follow_links:
+                    listing.skipped.append(
+                        (path, f"a symbolic link to {target}, outside {root}; not followed "
+                         "(--follow-links / follow_links=True reads it)")
+                    )
+                    continue
+                listing.followed_links.append((path, target))
+            elif link and is_dir:
+                continue
+            if is_dir:
+                if target not in visited:  # a link loop, or a folder reached twice
+                    visited.add(target)
+                    visit(path)
+            elif not is_file:
+                if path.suffix.lower() in SUPPORTED_SUFFIXES:
+                    listing.skipped.append((path, "not a regular file"))
+            elif path.suffix.lower() in SUPPORTED_SUFFIXES:
+                listing.files.append(path)
+            else:
+                listing.other_types.append(path)
+
+    visit(root)
+    return listing
 
 
 def _warn_unsupported(root: Path, unsupported: Sequence[Path]) -> None:
@@ -340,7 +437,7 @@ def _warn_unsupported(root: Path, unsupported: Sequence[Path]) -> None:
         return
     suffixes = sorted({p.suffix.lower() or "no suffix" for p in unsupported})
     warnings.warn(
-        f"{root}: {len(unsupported)} file(s) of other types skipped ({', '.join(suffixes)}); "
+        f"{printable(root)}: {len(unsupported)} file(s) of other types skipped ({', '.join(suffixes)}); "
         f"supported: {supported_types()}.",
         stacklevel=3,
     )
@@ -363,7 +460,7 @@ def _warn_if_large(files: Sequence[Path]) -> None:
         return
     size, biggest = max(sizes, key=lambda item: item[0])
     warnings.warn(
-        f"{len(sizes)} document file(s) hold {total / 2**20:.1f} MB (largest: {biggest}, "
+        f"{len(sizes)} document file(s) hold {total / 2**20:.1f} MB (largest: {printable(biggest)}, "
         f"{size / 2**20:.1f} MB); indexing them in memory embeds every chunk on each run and "
         "can take many minutes and gigabytes of memory. For large collections use "
         "`tokrag ingest` once and `tokrag ask --store postgres`.",
@@ -372,7 +469,21 @@ def _warn_if_large(files: Sequence[Path]) -> None:
     )
 
 
-def load_documents(paths: str | Path | Iterable[str | Path]) -> list[Document]:
+def _warn_listing(listing: FolderListing) -> None:
+    """One warning per entry of a folder that was not read, and per link followed outside."""
+    for path, reason in listing.skipped:
+        warnings.warn(f"{printable(path)}: {printable(reason)}; skipped.", stacklevel=3)
+    for path, target in listing.followed_links:
+        warnings.warn(
+            f"{printable(path)}: following a symbolic link to {printable(target)}, outside the "
+            "given folder (follow_links is on).",
+            stacklevel=3,
+        )
+
+
+def load_documents(
+    paths: str | Path | Iterable[str | Path], *, follow_links: bool = False
+) -> list[Document]:
     """Load text, Markdown, reStructuredText, HTML and PDF files from files and folders.
 
     Each file goes through :func:`read_document`. Folders are searched recursively (hidden
@@ -381,6 +492,8 @@ def load_documents(paths: str | Path | Iterable[str | Path]) -> list[Document]:
 
     Args:
         paths: One path or several.
+        follow_links: Also read symbolic links inside a folder whose target is outside it
+            (with a warning each); by default they are skipped with a warning.
 
     Returns:
         The documents, in the order the paths were given (folders sorted by path).
@@ -392,9 +505,10 @@ def load_documents(paths: str | Path | Iterable[str | Path]) -> list[Document]:
 
     Warns:
         UnicodeWarning: A file is not valid UTF-8 (it is loaded with replacement characters).
-        UserWarning: A file cannot be read, is empty, a broken PDF or binary (NUL bytes,
-            mostly invalid UTF-8; see :func:`binary_reason`): it is skipped. A folder holds
-            files of other types: they are skipped.
+        UserWarning: A file or sub-folder cannot be read, a file is empty, a broken PDF or
+            binary (NUL bytes, mostly invalid UTF-8; see :func:`binary_reason`), or a symbolic
+            link leaves its folder: it is skipped (one warning each). A folder holds files of
+            other types: they are skipped (one warning per folder).
         ResourceWarning: The files add up to more than :data:`LARGE_INPUT_BYTES`.
     """
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
@@ -403,12 +517,17 @@ def load_documents(paths: str | Path | Iterable[str | Path]) -> list[Document]:
     documents: list[Document] = []
     files: list[Path] = []
     for path in path_list:
+        reason = unreadable_reason(path)
+        if reason is not None:
+            warnings.warn(f"{printable(path)}: {reason}; skipped.", stacklevel=2)
+            continue
         if not path.exists():
             raise FileNotFoundError(f"Document path not found: {path}")
         if path.is_dir():
-            unsupported: list[Path] = []
-            files.extend(_iter_files(path, unsupported))
-            _warn_unsupported(path, unsupported)
+            listing = list_folder(path, follow_links=follow_links)
+            files.extend(listing.files)
+            _warn_listing(listing)
+            _warn_unsupported(path, listing.other_types)
         elif path.suffix.lower() in SUPPORTED_SUFFIXES:
             files.append(path)
         else:
@@ -704,6 +823,7 @@ def build_retriever(
     overlap: int = 100,
     device: str = "cpu",
     progress: bool = False,
+    follow_links: bool = False,
 ) -> DenseRetriever | BM25Retriever:
     """Load, chunk and index in one call.
 
@@ -715,6 +835,7 @@ def build_retriever(
         overlap: Chunk overlap, see :func:`chunk_text`.
         device: Torch device for the dense embedder.
         progress: Say on stderr what is being indexed, with a progress bar while embedding.
+        follow_links: See :func:`load_documents`.
 
     Raises:
         ValueError: Unknown ``kind``, or nothing to index.
@@ -731,7 +852,9 @@ def build_retriever(
     elif items and all(isinstance(i, Document) for i in items):
         chunks = chunk_documents(items, max_chars=max_chars, overlap=overlap)
     else:
-        chunks = chunk_documents(load_documents(items), max_chars=max_chars, overlap=overlap)
+        chunks = chunk_documents(
+            load_documents(items, follow_links=follow_links), max_chars=max_chars, overlap=overlap
+        )
     if progress:
         n_docs = len({c.source for c in chunks})
         print(

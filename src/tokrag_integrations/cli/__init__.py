@@ -72,10 +72,52 @@ def _positive_int(text: str) -> int:
 
 
 def _consoles() -> tuple[Console, Console]:
-    """(stdout console for the answer and the trace, stderr console for everything else)."""
+    """(stdout console for the answer and the trace, stderr console for everything else).
+
+    Both show control characters of the text they print (ESC, BEL, backspace... from a
+    document, a file name or the model's answer) as visible symbols (``␛``), so that no
+    escape sequence from a document reaches the terminal; newlines and tabs are kept.
+    """
     from rich.console import Console
 
-    return Console(), Console(stderr=True)
+    consoles = Console(), Console(stderr=True)
+    for console in consoles:
+        console.push_render_hook(_VisibleControls())
+    return consoles
+
+
+def _visible_controls(text: str) -> str:
+    """``text`` with C0 controls (but newline and tab), DEL and C1 controls replaced by the
+    Unicode "control pictures" (``\x1b`` -> ``␛``; C1 -> U+FFFD)."""
+    return text.translate(_CONTROL_PICTURES)
+
+
+_CONTROL_PICTURES = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"}
+_CONTROL_PICTURES[0x7F] = 0x2421
+_CONTROL_PICTURES.update({c: 0xFFFD for c in range(0x80, 0xA0)})
+
+
+class _VisibleControls:
+    """A rich render hook: every text segment printed through the console goes through
+    :func:`_visible_controls`; rich's own control segments (cursor moves of a status line)
+    and the styles it adds are untouched."""
+
+    def process_renderables(self, renderables: list[Any]) -> list[Any]:
+        return [_SanitizedRenderable(r) for r in renderables]
+
+
+class _SanitizedRenderable:
+    def __init__(self, renderable: Any):
+        self.renderable = renderable
+
+    def __rich_console__(self, console: Console, options: Any) -> Any:
+        from rich.segment import Segment
+
+        for segment in console.render(self.renderable, options):
+            if segment.control:
+                yield segment
+            else:
+                yield Segment(_visible_controls(segment.text), segment.style, segment.control)
 
 
 def _check_output_path(path: str | None, flag: str) -> None:
@@ -145,6 +187,12 @@ def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
             f"other files are skipped with a warning; '{SAMPLE_DOCS}' means the packaged sample "
             "documents"
         ),
+    )
+    p.add_argument(
+        "--follow-links",
+        action="store_true",
+        help="--docs: also read files through symbolic links that leave the given folders "
+        "(a warning names each one; default: skip them with a warning)",
     )
     p.add_argument(
         "--retriever",
@@ -228,6 +276,7 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
     from rich.text import Text
 
     from .. import Passage
+    from ..retrieval import printable
 
     passages: list[Any] = [
         Passage(text=t, metadata={"source": "--passage"}) for t in args.passage if t.strip()
@@ -247,7 +296,7 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
         if not chunks:
             _print_warning(err, "the store returned no chunk for this question; answering without them.")
         for c in chunks:
-            line = Text(f"  {c.score:7.4f}  {c.source} #{c.chunk}  ", style="dim")
+            line = Text(f"  {c.score:7.4f}  {printable(c.source)} #{c.chunk}  ", style="dim")
             line.append(" ".join(c.text.split()), style="dim italic")
             err.print(line, no_wrap=True, overflow="ellipsis")
             passages.append(c.to_passage())
@@ -257,12 +306,14 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
     from ..retrieval import build_retriever
 
     roots = _resolve_docs(args.docs)
-    retriever = build_retriever(roots, kind=args.retriever, device="cpu", progress=True)
+    retriever = build_retriever(
+        roots, kind=args.retriever, device="cpu", progress=True, follow_links=args.follow_links
+    )
     hits = retriever.retrieve(args.question, top_k=args.top_k)
     if not hits:
         _print_warning(err, "no document chunk matched the question; answering without them.")
     for hit in hits:
-        source = _short_source(hit.source, roots)
+        source = printable(_short_source(hit.source, roots))
         line = Text(f"  {hit.score:7.4f}  {source} #{hit.chunk.index}  ", style="dim")
         line.append(" ".join(hit.text.split()), style="dim italic")
         err.print(line, no_wrap=True, overflow="ellipsis")
@@ -437,6 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     they print ``tokrag: error: <message>`` to stderr and return 2. Python warnings raised
     meanwhile (e.g. a document that is not UTF-8) are printed as one-line warnings.
     """
+    from ..paths import CacheDirError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     _, err = _consoles()
@@ -456,7 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             warn_password_on_command_line(args.dsn)
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, CacheDirError) as exc:
         message = str(exc) or type(exc).__name__
         if isinstance(exc, FileNotFoundError) and exc.filename and str(exc.filename) not in message:
             message = f"{message}: {exc.filename}"

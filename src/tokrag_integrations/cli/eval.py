@@ -33,6 +33,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+#: Exit status of a usage error, as ``tokrag`` and argparse use.
+EXIT_USAGE = 2
+
 TASKS = ("noise", "misleading", "token", "token-pool", "cost")
 
 
@@ -119,7 +122,7 @@ def _check_resume(records: Path, config: dict[str, Any]) -> None:
         old = json.loads(side.read_text())
         if old != config:
             diff = sorted(k for k in set(old) | set(config) if old.get(k) != config.get(k))
-            raise SystemExit(
+            raise ValueError(
                 f"{records} was written with other settings ({', '.join(diff)} differ). "
                 "Pass another --name, or delete the records file to start over."
             )
@@ -136,26 +139,24 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    """Every argument checked before any model is loaded (SystemExit with one sentence)."""
+    """Every argument checked before any model is loaded (ValueError with one sentence, which
+    ``tokrag`` prints as ``tokrag: error: ...`` with exit status 2)."""
     from ..evaluation.runner import scorer_configs
     from ..evaluation.specs import parse_specs, validate_specs
     from ..policies import available_policies, get_policy
 
     if args.limit is not None and args.limit < 1:
-        raise SystemExit(f"--limit must be >= 1, got {args.limit}")
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.batch_size < 1:
-        raise SystemExit(f"--batch-size must be >= 1, got {args.batch_size}")
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.task != "token-pool" and not args.data:
-        raise SystemExit(f"tokrag eval {args.task} needs --data (a JSONL evaluation set).")
+        raise ValueError(f"tokrag eval {args.task} needs --data (a JSONL evaluation set).")
     if args.task != "token-pool" and len(args.records) != 1:
-        raise SystemExit(f"--records takes one folder for {args.task}, got {len(args.records)} paths.")
-    try:
-        if args.task in ("noise", "misleading", "cost"):
-            validate_specs(parse_specs(args.policies), available_policies(), get_policy)
-        if args.task == "token" and args.scorers is not None:
-            scorer_configs(args.scorers)
-    except ValueError as e:
-        raise SystemExit(str(e)) from e
+        raise ValueError(f"--records takes one folder for {args.task}, got {len(args.records)} paths.")
+    if args.task in ("noise", "misleading", "cost"):
+        validate_specs(parse_specs(args.policies), available_policies(), get_policy)
+    if args.task == "token" and args.scorers is not None:
+        scorer_configs(args.scorers)
 
 
 def _token_items(args: argparse.Namespace) -> list[Any]:
@@ -174,10 +175,7 @@ def _run_pool(args: argparse.Namespace, out: Path, command: str) -> int:
     from ..evaluation import report
     from ..evaluation.runner import pool_token_records, summarize_token_level
 
-    try:
-        records = pool_token_records(args.records)
-    except FileNotFoundError as e:
-        raise SystemExit(str(e)) from e
+    records = pool_token_records(args.records)
     name = args.name or "token_pool"
     summary = summarize_token_level(records)
     summary.update(runs=[str(p) for p in args.records])
@@ -267,7 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     add_parser(sub)
     args = parser.parse_args(["eval", *argv])
     args.argv = argv
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # one line and status 2, as ``tokrag`` does
+        print(f"tokrag: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

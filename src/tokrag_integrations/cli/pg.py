@@ -141,6 +141,12 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         help="delete the chunks of files that are stored from the given folders but no longer "
         "exist there (default: keep them, still retrievable, and count them as stale)",
     )
+    p.add_argument(
+        "--follow-links",
+        action="store_true",
+        help="also read files through symbolic links that leave the given folders (a warning "
+        "names each one; default: report them as skipped)",
+    )
     p.set_defaults(func=cmd_ingest)
 
 
@@ -160,6 +166,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             progress=not args.no_progress and sys.stderr.isatty(),
             data_dir=args.data_dir,
             prune=args.prune,
+            follow_links=args.follow_links,
         )
     except _database_errors() as exc:
         print(f"tokrag: error: {exc}", file=sys.stderr)

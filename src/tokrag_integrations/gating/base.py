@@ -73,6 +73,20 @@ class Gate:
         self.percentile: float | None = None
         self.calibration: dict[str, Any] = {}
 
+    @property
+    def threshold(self) -> float | None:
+        """The calibrated or given threshold (None until calibrated); never NaN."""
+        return self._threshold
+
+    @threshold.setter
+    def threshold(self, value: float | None) -> None:
+        if value is not None and math.isnan(value):
+            raise ValueError(
+                f"{type(self).__name__} threshold must be a number, got NaN (not a number); "
+                "pass a number or calibrate the gate"
+            )
+        self._threshold = value
+
     # ------------------------------------------------------------------ to implement
     def score(self, query: str) -> tuple[float, dict[str, Any]]:
         """The gate's score for ``query`` and the details behind it."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
+import numbers
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # importing this package stays cheap (the CLI lists names without torch)
@@ -117,12 +119,27 @@ def _checked_options(name: str, cls: type, options: dict[str, Any]) -> dict[str,
             raise ValueError(
                 f"Bad options for policy {name!r}: unknown option {key!r}; options: {listed}"
             )
+        if _is_nan(value):
+            raise ValueError(
+                f"option {key!r} of policy {name!r} must be a number, got NaN (not a number)"
+            )
         param = known[key]
         if param.annotation in (bool, "bool") or (
             param.annotation is inspect.Parameter.empty and isinstance(param.default, bool)
         ):
             out[key] = _as_bool(name, key, value)
     return out
+
+
+def _is_nan(value: Any) -> bool:
+    """``value`` is NaN, or a string that ``float()`` reads as NaN (a NaN compares False with
+    everything, so a NaN threshold would silently pick one side at every step)."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isnan(value)
 
 
 def _as_bool(policy: str, key: str, value: Any) -> bool:

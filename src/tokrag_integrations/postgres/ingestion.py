@@ -50,10 +50,12 @@ from ..retrieval import (
     SUPPORTED_SUFFIXES,
     Document,
     DocumentError,
-    _iter_files,
     chunk_text,
+    list_folder,
+    printable,
     read_document,
     supported_types,
+    unreadable_reason,
 )
 from .embeddings import Embedder, load_embedder
 from .layout import TableLayout, Target, check_layout, table_columns  # noqa: F401 - re-exported
@@ -169,10 +171,10 @@ class IngestSummary:
             f"{self.write_seconds:.1f} s)."
         ]
         for f in self.failed:
-            lines.append(f"  skipped {_display(f.path)}: {f.reason}")
+            lines.append(f"  skipped {_display(f.path)}: {printable(f.reason)}")
         for f in self.files:
             if f.status != "failed" and f.reason:
-                lines.append(f"  note {_display(f.path)}: {f.reason}")
+                lines.append(f"  note {_display(f.path)}: {printable(f.reason)}")
         for f in self.gone:
             verb = "pruned" if f.status == "pruned" else "stale (no longer present)"
             lines.append(f"  {verb} {_display(f.path)}: {f.chunks} chunks")
@@ -187,12 +189,20 @@ class IngestSummary:
 
 
 # ============================================================================ files
-def discover_files(paths: str | Path | Iterable[str | Path]) -> tuple[list[Path], list[FileReport]]:
-    """Files to ingest under ``paths`` and reports for named files of an unsupported type.
+def discover_files(
+    paths: str | Path | Iterable[str | Path], *, follow_links: bool = False
+) -> tuple[list[Path], list[FileReport]]:
+    """Files to ingest under ``paths`` and reports for what was not read.
 
-    Folders are searched recursively in path order, hidden entries skipped; other suffixes
-    inside folders are ignored silently, but a file named explicitly with an unsupported
-    suffix is reported as failed.
+    Folders are searched recursively in path order (see
+    :func:`~tokrag_integrations.retrieval.list_folder`), hidden entries skipped; other
+    suffixes inside folders are ignored silently, but a file named explicitly with an
+    unsupported suffix, an unreadable sub-folder, a symbolic link leaving its folder (unless
+    ``follow_links``, which warns for each one followed), a broken link or a special file is
+    reported as failed.
+
+    A file's path is its resolved path, except for a link followed outside its folder: that
+    file keeps the link's path, so that it is stored under the folder and pruned with it.
 
     Raises:
         FileNotFoundError: A path does not exist.
@@ -205,12 +215,29 @@ def discover_files(paths: str | Path | Iterable[str | Path]) -> tuple[list[Path]
     rejected: list[FileReport] = []
     seen: set[Path] = set()
     for path in path_list:
+        reason = unreadable_reason(path)
+        if reason is not None:
+            rejected.append(FileReport(str(path.absolute()), "failed", reason=reason))
+            continue
         if not path.exists():
             raise FileNotFoundError(f"Path not found: {path}")
         if path.is_dir():
-            candidates = list(_iter_files(path))
+            listing = list_folder(path, follow_links=follow_links)
+            real_root = path.resolve()
+            # a file reached through a link leaving the folder is stored under the folder
+            candidates = [
+                (p, p.resolve() if p.resolve().is_relative_to(real_root) else real_root / p.relative_to(path))
+                for p in listing.files
+            ]
+            rejected += [FileReport(str(p.absolute()), "failed", reason=r) for p, r in listing.skipped]
+            for link, target in listing.followed_links:
+                warnings.warn(
+                    f"{printable(link.absolute())}: following a symbolic link to "
+                    f"{printable(target)}, outside {printable(path)} (follow_links is on)",
+                    stacklevel=2,
+                )
         elif path.suffix.lower() in INGEST_SUFFIXES:
-            candidates = [path]
+            candidates = [(path, path.resolve())]
         else:
             rejected.append(
                 FileReport(
@@ -220,11 +247,11 @@ def discover_files(paths: str | Path | Iterable[str | Path]) -> tuple[list[Path]
                 )
             )
             continue
-        for p in candidates:
+        for p, stored in candidates:
             resolved = p.resolve()
             if resolved not in seen:
                 seen.add(resolved)
-                files.append(resolved)
+                files.append(stored)
     return files, rejected
 
 
@@ -247,7 +274,7 @@ def parse_file(path: str | Path) -> tuple[Document, list[str]]:
             doc = read_document(path)
         except DocumentError as exc:
             raise ParseError(str(exc)) from None
-    notes = [str(w.message).replace(f"{path}: ", "") for w in caught]
+    notes = [str(w.message).replace(f"{printable(path)}: ", "") for w in caught]
     # Postgres text cannot hold NUL characters (a PDF's text layer or an HTML entity can
     # still produce one); strip them from the text and every metadata string.
     doc.text = doc.text.replace("\x00", "")
@@ -482,8 +509,9 @@ def _create_langchain_table(db: ResolvedDatabase, layout: TableLayout, dim: int)
 
 # ============================================================================ ingest
 def _display(path: str | Path) -> str:
-    """``path`` as printable text: bytes of a non-UTF-8 file name shown as ``\\xNN``."""
-    return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
+    """``path`` as printable text on one line: bytes of a non-UTF-8 file name shown as
+    ``\\xNN``, control characters (a newline, ESC) as escapes."""
+    return printable(path)
 
 
 def _name_is_utf8(path: str | Path) -> bool:
@@ -501,14 +529,29 @@ def _rejected_by_postgres(exc: BaseException) -> bool:
     return isinstance(exc, (psycopg.DataError, psycopg.errors.ProgramLimitExceeded))
 
 
+def _is_gone(source: str, roots: Sequence[Path], follow_links: bool) -> bool | None:
+    """Whether stored file ``source`` is no longer under ``roots``: it does not exist, or it
+    is now a symbolic link leaving them (unless ``follow_links``). ``None`` when it cannot be
+    told (a folder on its path cannot be read: reported by the walk, its chunks are kept)."""
+    path = Path(source)
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return None
+    return not follow_links and not any(path.resolve().is_relative_to(r) for r in roots)
+
+
 def _gone_files(
-    conn: Any, layout: TableLayout, roots: Sequence[Path], prune: bool
+    conn: Any, layout: TableLayout, roots: Sequence[Path], prune: bool, follow_links: bool = False
 ) -> list[FileReport]:
-    """Stored files under ``roots`` that no longer exist; deleted when ``prune``.
+    """Stored files under ``roots`` that are no longer there (see :func:`_is_gone`); deleted
+    when ``prune``.
 
     Each deletion is its own transaction under the same (table, source) advisory lock as a
-    write, and re-checks that the file is still missing, so a concurrent ingest that puts
-    it back is never undone.
+    write, and re-checks that the file is still gone, so a concurrent ingest that puts it
+    back is never undone.
     """
     reports: list[FileReport] = []
     seen: set[str] = set()
@@ -520,7 +563,7 @@ def _gone_files(
             (prefix,),
         ).fetchall()
         for source, count in rows:
-            if source in seen or Path(source).exists():
+            if source in seen or not _is_gone(source, roots, follow_links):
                 continue
             seen.add(source)
             if not prune:
@@ -531,7 +574,7 @@ def _gone_files(
                     "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
                     (f"{layout.table}\x1f{source}",),
                 )
-                if Path(source).exists():
+                if not _is_gone(source, roots, follow_links):
                     continue
                 removed = conn.execute(
                     f"DELETE FROM {layout.table} WHERE {layout.source_expr} = %s", (source,)
@@ -554,6 +597,7 @@ def ingest(
     data_dir: str | Path | None = None,
     on_file: Callable[[FileReport], None] | None = None,
     prune: bool = False,
+    follow_links: bool = False,
 ) -> IngestSummary:
     """Ingest files and folders into pgvector; see the module docstring for the guarantees.
 
@@ -569,14 +613,19 @@ def ingest(
         progress: Show a progress bar (``tqdm``, on stderr).
         data_dir: Data folder of the embedded server.
         on_file: Called with each file's :class:`FileReport` as soon as it is done.
-        prune: Delete the chunks of stored files under the given *folders* that no longer
-            exist. Without it they are kept (and still retrieved) and counted as stale in
-            the summary.
+        prune: Delete the chunks of stored files under the given *folders* that are no
+            longer there: deleted, or now a symbolic link leaving the folders (unless
+            ``follow_links``). Without it they are kept (and still retrieved) and counted as
+            stale in the summary. Files under a sub-folder that cannot be read are kept.
+        follow_links: Also ingest files reached through symbolic links that leave the given
+            folders (a warning names each one; they are stored under the link's path). By
+            default such links are reported as failed and not read.
 
     Returns:
         The :class:`IngestSummary`. A file that cannot be used (unreadable, binary, NUL
-        bytes, not UTF-8, a file name that is not UTF-8, content Postgres rejects) is
-        reported there as failed and skipped; the other files are still ingested.
+        bytes, not UTF-8, a file name that is not UTF-8, content Postgres rejects), an
+        unreadable sub-folder and a symbolic link not followed are reported there as failed
+        and skipped, one by one; the other files are still ingested.
 
     Raises:
         FileNotFoundError: A path does not exist.
@@ -593,8 +642,8 @@ def ingest(
     layout = TableLayout.for_target(table, target)
     chunk_text("check", max_chars=max_chars, overlap=overlap)  # bad chunking fails here, once
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
-    files, rejected = discover_files(path_list)
-    roots = [p.resolve() for p in path_list if p.is_dir()]
+    files, rejected = discover_files(path_list, follow_links=follow_links)
+    roots = [p.resolve() for p in path_list if unreadable_reason(p) is None and p.is_dir()]
     db = resolve_dsn(dsn, data_dir=data_dir)
     embedder = load_embedder(embed_model)
     ensure_table(db, layout, embedder)
@@ -681,6 +730,6 @@ def ingest(
                 )
             )
         bar.close()
-        summary.gone = _gone_files(conn, layout, roots, prune)
+        summary.gone = _gone_files(conn, layout, roots, prune, follow_links)
     summary.seconds = time.perf_counter() - start
     return summary
