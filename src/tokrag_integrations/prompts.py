@@ -551,7 +551,11 @@ class PromptBuilder:
             record.kept = False
             why = "is empty" if not context.strip() else "was not found in the formatted prompt"
             return self._pure_only(plan, f"The template's context {why}: answering from the pure context.")
-        head_ids, body, tail_ids = self._encode(head), self._encode(context), self._encode(tail)
+        # The context is user text (its control-token strings stay plain text); so is every
+        # turn's content, marked in _split_rendered; a finished text prompt's own wording is
+        # the caller's and is encoded as given.
+        body = encode_user_text(self.tokenizer, context)
+        head_ids, tail_ids = _encode_marked(self.tokenizer, head), _encode_marked(self.tokenizer, tail)
         if rendered.text is not None and _adds_bos(self.tokenizer):
             head_ids = [int(self.tokenizer.bos_token_id), *head_ids]
         record.n_tokens = len(body)
@@ -587,11 +591,14 @@ class PromptBuilder:
         if rendered.text is not None:
             head, sep, tail = rendered.text.partition(context) if context else ("", "", "")
             return head, tail, bool(sep)
-        msgs = [dict(m) for m in rendered.messages or []]
-        where = next((i for i, m in enumerate(msgs) if context and context in (m.get("content") or "")), None)
+        msgs = check_messages(rendered.messages)
+        where = next((i for i, m in enumerate(msgs) if context and context in m["content"]), None)
         if where is None:
             return "", "", False
-        msgs[where]["content"] = msgs[where]["content"].replace(context, _SENTINEL, 1)
+        for i, m in enumerate(msgs):
+            before, sep, after = m["content"].partition(context) if i == where else (m["content"], "", "")
+            marked = self._mark(before) + (_SENTINEL + self._mark(after) if sep else "")
+            msgs[i] = {"role": m["role"], "content": marked}
         if self.use_chat:
             full = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         else:
