@@ -385,3 +385,22 @@ def test_real_ask_writes_html_and_json(real_run: dict[str, Any]) -> None:
     assert QUESTION["answer"] in data["text"]
     assert len(data["passages"]) == 3
     assert "Tok-RAG trace" in real_run["out"]  # --explain rendered the trace
+
+
+def test_real_ask_policy_llm_retrieves_nothing(tmp_path: Path) -> None:
+    """The pure model reads no passage, so ``--docs`` is neither read nor embedded."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("Quillfeather Aerospace was founded by Ottoline Varga.", encoding="utf-8")
+    js = tmp_path / "trace.json"
+    code, out, err = run_cli(
+        [
+            "ask", "Name a colour.", "--docs", str(docs), "--policy", "llm",
+            "--max-new-tokens", "4", "--device", "cpu", "--json", str(js),
+        ]
+    )  # fmt: skip
+    assert code == 0, err
+    assert "reads no passages: nothing is retrieved" in err
+    data = json.loads(js.read_text(encoding="utf-8"))
+    assert data["policy"] == "llm" and data["passages"] == []
+    assert "a.md" not in err  # no retrieved chunk listed

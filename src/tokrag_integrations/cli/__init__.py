@@ -333,9 +333,10 @@ def _placement(args: argparse.Namespace) -> dict[str, Any]:
     return {} if device_map is None else {"device_map": device_map}
 
 
-def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> None:
+def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> bool:
     """Fail on a bad policy, option, device or dtype before retrieval and the model load:
-    the policy is built once here with the given options and thrown away."""
+    the policy is built once here with the given options and thrown away. Returns whether
+    the policy reads passages at all."""
     from ..models import check_device_and_dtype
     from ..policies import available_policies, get_policy
 
@@ -343,10 +344,11 @@ def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> 
         raise ValueError(
             f"Unknown policy {args.policy!r}. Available policies: {', '.join(available_policies())}."
         )
-    get_policy(args.policy, **options)
+    uses_passages = bool(get_policy(args.policy, **options).uses_passages)
     check_device_and_dtype(args.device, args.dtype)
     if args.device is not None and getattr(args, "device_map", None) is not None:
         raise ValueError("pass --device or --device-map, not both")
+    return uses_passages
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -361,7 +363,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     _check_output_path(args.html, "--html")
     _check_output_path(args.json, "--json")
     options = dict(args.option)
-    _check_before_loading(args, options)
+    uses_passages = _check_before_loading(args, options)
 
     from transformers.utils import logging as hf_logging
 
@@ -374,7 +376,10 @@ def cmd_ask(args: argparse.Namespace) -> int:
     else:
         hf_logging.disable_progress_bar()  # the status line below says what is happening
     decision = None
-    if args.gate:
+    if not uses_passages and (args.docs or args.store or args.passage):
+        # The pure model reads no passage: retrieving (and embedding a folder) would be wasted.
+        err.print(Text(f"policy {args.policy} reads no passages: nothing is retrieved", style="dim"))
+    if args.gate and uses_passages:
         with err.status(f"Loading model {args.model}…"):
             lm = load_model(args.model, device=args.device, dtype=args.dtype, **_placement(args))
         from .gate import build_gate
@@ -389,11 +394,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
                 style="bold",
             )
         )
-    if decision is None or decision.retrieve:
+    if uses_passages and (decision is None or decision.retrieve):
         passages = _retrieve(args, err)
     else:
         passages = []
-    if not args.gate:
+    if not (args.gate and uses_passages):
         with err.status(f"Loading model {args.model}…"):
             lm = load_model(args.model, device=args.device, dtype=args.dtype, **_placement(args))
 
