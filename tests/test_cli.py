@@ -404,3 +404,22 @@ def test_real_ask_policy_llm_retrieves_nothing(tmp_path: Path) -> None:
     data = json.loads(js.read_text(encoding="utf-8"))
     assert data["policy"] == "llm" and data["passages"] == []
     assert "a.md" not in err  # no retrieved chunk listed
+
+
+def test_real_ask_docs_twice_embeds_nothing_the_second_time(tmp_path: Path) -> None:
+    """``ask --docs`` keeps chunk embeddings in the cache folder: the same folder asked
+    about again embeds 0 chunks (issue 32)."""
+    import uuid
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    tag = uuid.uuid4().hex  # a text no earlier run has embedded
+    (docs / "a.md").write_text(f"Quillfeather's badge code is {tag}.", encoding="utf-8")
+    argv = ["ask", "What is the badge code?", "--docs", str(docs), "--policy", "rag",
+            "--max-new-tokens", "2", "--device", "cpu"]  # fmt: skip
+    code, _, err = run_cli(argv)
+    assert code == 0, err
+    assert "Embedding 1 chunk(s); 0 read from the cache." in err
+    code, _, err = run_cli(argv)
+    assert code == 0, err
+    assert "Embedding 0 chunk(s); 1 read from the cache." in err

@@ -294,3 +294,27 @@ def test_build_retriever_errors(tmp_path: Path) -> None:
         build_retriever(tmp_path)
     with pytest.raises(ValueError, match="no chunks to index"):
         BM25Retriever([])
+
+
+def test_embedding_cache_embeds_only_what_changed(tmp_path, monkeypatch):
+    """A folder indexed again embeds nothing; a changed file's chunks alone are embedded;
+    the cached vectors give the same ranking as fresh ones."""
+    from tokrag_integrations.retrieval import build_retriever
+
+    monkeypatch.setenv("TOKRAG_CACHE_DIR", str(tmp_path / "cache"))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("Quillfeather Aerospace was founded by Ottoline Varga in 2009.", encoding="utf-8")
+    (docs / "b.md").write_text("The canteen serves porridge every Tuesday morning.", encoding="utf-8")
+    first = build_retriever(docs, cache=True)
+    assert first.n_embedded == 2
+    again = build_retriever(docs, cache=True)
+    assert again.n_embedded == 0
+    q = "Who founded Quillfeather?"
+    assert [(h.text, round(h.score, 6)) for h in again.retrieve(q, 2)] == [
+        (h.text, round(h.score, 6)) for h in first.retrieve(q, 2)
+    ]
+    (docs / "b.md").write_text("The canteen serves porridge every Friday morning.", encoding="utf-8")
+    changed = build_retriever(docs, cache=True)
+    assert changed.n_embedded == 1
+    assert build_retriever(docs).n_embedded == 2  # cache=False (the library default) embeds all

