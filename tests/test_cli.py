@@ -423,3 +423,21 @@ def test_real_ask_docs_twice_embeds_nothing_the_second_time(tmp_path: Path) -> N
     code, _, err = run_cli(argv)
     assert code == 0, err
     assert "Embedding 0 chunk(s); 1 read from the cache." in err
+
+
+def test_real_ask_sources_prints_every_passage_in_full() -> None:
+    """``--sources`` lists each passage's source and score and its whole text, wrapped to
+    the console width, not cut (issue 32)."""
+    code, out, err = run_cli(
+        [
+            "ask", QUESTION["question"], "--docs", "sample", "--top-k", "2", "--policy", "rag",
+            "--max-new-tokens", "2", "--device", "cpu", "--sources",
+        ]
+    )  # fmt: skip
+    assert code == 0, err
+    sources = out.split("Sources\n", 1)[1]
+    assert sources.startswith("[0] sample_docs/company_overview.md #0  score ")
+    assert "[1] " in sources
+    flat = " ".join(sources.split())
+    assert "seed grant of £640,000 from the Tayside Space Fund" in flat  # deep in the chunk
+    assert max(len(line) for line in sources.splitlines()) <= 80  # wrapped, not one long line

@@ -260,6 +260,12 @@ def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         "--explain", action="store_true", help="show the token-level trace after the answer"
     )
     p.add_argument(
+        "--sources",
+        action="store_true",
+        help="after the answer, print every passage given to the model in full: its source, "
+        "score and text (wrapped, not cut)",
+    )
+    p.add_argument(
         "-v",
         "--verbose",
         action="store_true",
@@ -330,6 +336,37 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
             )
         )
     return passages
+
+
+def _print_sources(out: Console, trace: Any, roots: Sequence[Path]) -> None:
+    """Each passage of ``trace`` in full: rank, source (relative to its ``--docs`` root),
+    chunk, score, whether it was used, then its text wrapped to the console's width."""
+    from rich.text import Text
+
+    from ..retrieval import printable
+
+    out.print(Text("Sources", style="bold"))
+    if not trace.passages:
+        out.print(Text("  (no passage was given to the model)", style="dim"))
+    for rec in trace.passages:
+        meta = rec.metadata
+        source = str(meta.get("source", "?"))
+        if roots and source != "--passage":
+            source = _short_source(source, roots)
+        head = f"[{rec.rank}] {printable(source)}"
+        if "chunk" in meta:
+            head += f" #{meta['chunk']}"
+        if rec.score is not None:
+            head += f"  score {rec.score:.4f}"
+        if not rec.kept:
+            head += "  (not used: it did not fit the window)"
+        elif rec.cut:
+            head += f"  (cut to {rec.n_tokens} tokens to fit)"
+        out.print(Text(head, style="bold dim"))
+        # Paragraphs re-flowed to the console's width (the source's own line breaks would
+        # wrap a second time); nothing is cut.
+        paragraphs = [" ".join(p.split()) for p in rec.text.strip().split("\n\n")]
+        out.print(Text("\n\n".join(p for p in paragraphs if p)), soft_wrap=False)
 
 
 def _placement(args: argparse.Namespace) -> dict[str, Any]:
@@ -427,6 +464,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
     for message in result.trace.warnings:
         _print_warning(err, message)
+    if args.sources:
+        _print_sources(out, result.trace, _resolve_docs(args.docs) if args.docs else [])
     if args.explain:
         result.trace.render(out)
     if args.html:
