@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 import pytest
+from _helpers import aggregate
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
@@ -122,14 +123,6 @@ def _assert_same(got: Any, want: Any, path: str = "out") -> None:
         assert got == pytest.approx(want, rel=1e-4, abs=1e-6, nan_ok=True), path
     else:
         assert got == want, path
-
-
-def _aggregate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    agg: dict[str, Any] = {}
-    for c in chunks:
-        for k, v in c.items():
-            agg[k] = agg[k] + v if k in ("answer", "sources") and k in agg else v
-    return agg
 
 
 # ------------------------------------------------------------------ pure translation
@@ -260,14 +253,14 @@ def test_chain_stream_equals_invoke(chain: Any, reference: dict[str, dict[str, A
     assert all(
         c["sources"] == [s] for c, s in zip(middle, reference[QUESTION]["sources"], strict=False)
     )
-    assert _stable(_aggregate(chunks)) == _stable(reference[QUESTION])
+    assert _stable(aggregate(chunks)) == _stable(reference[QUESTION])
 
 
 async def test_chain_async_equals_sync(chain: Any, reference: dict[str, dict[str, Any]]) -> None:
     out = await chain.ainvoke({"question": QUESTION})
     assert _stable(out) == _stable(reference[QUESTION])
     chunks = [c async for c in chain.astream(QUESTION)]
-    assert _stable(_aggregate(chunks)) == _stable(reference[QUESTION])
+    assert _stable(aggregate(chunks)) == _stable(reference[QUESTION])
 
 
 def test_chain_batch_equals_one_by_one(chain: Any, reference: dict[str, dict[str, Any]]) -> None:

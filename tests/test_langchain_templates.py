@@ -15,6 +15,7 @@ import warnings
 from typing import Any
 
 import pytest
+from _helpers import aggregate, forward_inputs
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.output_parsers import StrOutputParser
@@ -41,19 +42,7 @@ PROMPT = ChatPromptTemplate.from_messages([("system", SYSTEM), ("human", "{input
 def _prefill_text(lm: Any, call: Any) -> str:
     """The text of the first forward pass of ``lm.model`` while ``call()`` runs: every
     context of the decode, whether packed into one sequence or fused as rows of a batch."""
-    seen: list[str] = []
-
-    def hook(module: Any, args: Any, kwargs: Any) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None and not seen:
-            seen.append("".join(lm.tokenizer.decode(row) for row in ids.tolist()))
-
-    handle = lm.model.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        call()
-    finally:
-        handle.remove()
-    return seen[0]
+    return "".join(lm.tokenizer.decode(row) for row in forward_inputs(lm, call)[0])
 
 
 def _chat_ids(lm: Any, messages: list[Any]) -> list[int]:
@@ -70,14 +59,6 @@ def _chat_ids(lm: Any, messages: list[Any]) -> list[int]:
 def _stable(out: dict[str, Any]) -> dict[str, Any]:
     """The output without the trace's timings (they differ from run to run)."""
     return {**out, "trace": {k: v for k, v in out["trace"].items() if k != "timings"}}
-
-
-def _aggregate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    agg: dict[str, Any] = {}
-    for c in chunks:
-        for k, v in c.items():
-            agg[k] = agg[k] + v if k in ("answer", "sources") and k in agg else v
-    return agg
 
 
 # ------------------------------------------------------------------ fixtures
@@ -151,7 +132,7 @@ def test_user_prompt_stream_and_async_give_the_same_tokens(
     chunks = list(chain.stream({"input": QUESTION}))
     assert set(chunks[0]) == {"input", "context", "retrieval_empty"}
     assert set(chunks[-1]) == {"trace", "warnings"}
-    assert _stable(_aggregate(chunks)) == want
+    assert _stable(aggregate(chunks)) == want
 
     async def run() -> tuple[dict[str, Any], list[dict[str, Any]]]:
         out = await chain.ainvoke({"input": QUESTION})
@@ -159,7 +140,7 @@ def test_user_prompt_stream_and_async_give_the_same_tokens(
 
     out, achunks = asyncio.run(run())
     assert _stable(out) == want
-    assert _stable(_aggregate(achunks)) == want
+    assert _stable(aggregate(achunks)) == want
 
 
 def test_chat_history_fills_the_prompt_and_the_pure_context(lm: Any, bm25: Any) -> None:

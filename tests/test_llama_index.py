@@ -13,6 +13,7 @@ import sys
 import warnings
 
 import pytest
+from _helpers import forward_inputs
 
 pytest.importorskip("llama_index.core")
 
@@ -396,19 +397,7 @@ def test_no_warnings_leak_for_plain_answers(lm):
 # ----------------------------------------------------------------------------- raw-prompt path
 def _first_forward_ids(lm, call):
     """The token ids of the first forward pass of ``lm.model`` while ``call()`` runs."""
-    seen = []
-
-    def hook(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is not None and not seen:
-            seen.append(ids[0].tolist())
-
-    handle = lm.model.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        call()
-    finally:
-        handle.remove()
-    return seen[0]
+    return forward_inputs(lm, call)[0][0]
 
 
 def test_complete_formatted_sends_exactly_the_prompt(lm):

@@ -10,6 +10,7 @@ observability tool would see it); calls without retrieved context are the plain 
 from __future__ import annotations
 
 import pytest
+from _helpers import forward_inputs
 
 pytest.importorskip("llama_index.core")
 
@@ -122,16 +123,10 @@ def test_custom_template_reaches_the_decoder(lm, index, calls):
     template = PromptTemplate(MARKER + "\n{context_str}\nQuestion: {query_str}\nAnswer: ")
     llm = TokRAGLLM(lm, max_new_tokens=8)
     engine = index.as_query_engine(llm=llm, text_qa_template=template, similarity_top_k=1)
-    seen = []
-    handle = lm.model.register_forward_pre_hook(
-        lambda m, a, kw: seen.extend(kw["input_ids"].tolist()) if kw.get("input_ids") is not None else None,
-        with_kwargs=True,
-    )
-    try:
-        r = engine.query(FOUNDER_Q)
-    finally:
-        handle.remove()
-    prompts = [lm.tokenizer.decode(ids) for ids in seen if len(ids) > 1]
+    replies = []
+    passes = forward_inputs(lm, lambda: replies.append(engine.query(FOUNDER_Q)))
+    r = replies[0]
+    prompts = [lm.tokenizer.decode(ids) for rows in passes for ids in rows if len(ids) > 1]
     assert any(MARKER in p and r.source_nodes[0].node.get_content()[:60] in p for p in prompts)
     # The pure context (the question alone) is prefilled too, packed or in its own row.
     assert sum(p.count(FOUNDER_Q) for p in prompts) == 2 and sum(p.count(MARKER) for p in prompts) == 1

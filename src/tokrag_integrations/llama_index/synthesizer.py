@@ -451,17 +451,7 @@ class _Session:
             reason = "no node had usable text"
         elif policy == "llm":
             reason = "policy 'llm' ignores retrieval"
-        counts: dict[str, int] = {}
-        for c in calls:
-            for k, v in c["counts"].items():
-                counts[k] = counts.get(k, 0) + v
-        notes = list(self.notes)
-        for c in calls:
-            notes += [w for w in c["warnings"] if w not in notes]
-        total = {
-            key: sum(c["usage"][key] for c in calls)
-            for key in ("prompt_tokens", "completion_tokens", "total_tokens")
-        }
+        counts, notes, total = _totals(calls, self.notes)
         return {
             "response_mode": self.mode,
             "policy": policy,
@@ -482,8 +472,27 @@ class _Session:
             "warnings": notes,
             "trace": calls[-1]["trace"],
             "calls": calls,
-            "usage": {**total, "calls": len(calls)},
+            "usage": total,
         }
+
+
+def _totals(
+    calls: Sequence[dict[str, Any]], notes: Sequence[str]
+) -> tuple[dict[str, int], list[str], dict[str, int]]:
+    """Over every call's summary: tokens per source, ``notes`` then each call's warnings
+    (each once), and the token usage with the number of calls."""
+    counts: dict[str, int] = {}
+    for c in calls:
+        for k, v in c["counts"].items():
+            counts[k] = counts.get(k, 0) + v
+    warned = list(notes)
+    for c in calls:
+        warned += [w for w in c["warnings"] if w not in warned]
+    usage = {
+        key: sum(c["usage"][key] for c in calls)
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+    }
+    return counts, warned, {**usage, "calls": len(calls)}
 
 
 class TokRAGSynthesizer(BaseSynthesizer):
@@ -736,13 +745,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
         calls = [call_summary(i, "template", r, [{}], roles=self._roles) for i, r in enumerate(results)]
         final = results[-1] if results else None
         policy_used = final.trace.policy if final is not None else None
-        notes: list[str] = []
-        for c in calls:
-            notes += [w for w in c["warnings"] if w not in notes]
-        counts: dict[str, int] = {}
-        for r in results:
-            for k, v in r.counts.items():
-                counts[k] = counts.get(k, 0) + v
+        counts, notes, total = _totals(calls, [])
         return {
             "response_mode": self._mode,
             "templates": sorted(self._templates),
@@ -758,13 +761,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
             "warnings": notes,
             "trace": calls[-1]["trace"] if calls else None,
             "calls": calls,
-            "usage": {
-                **{
-                    key: sum(c["usage"][key] for c in calls)
-                    for key in ("prompt_tokens", "completion_tokens", "total_tokens")
-                },
-                "calls": len(calls),
-            },
+            "usage": total,
         }
 
     def _template_chunks(self, nodes: Sequence[NodeWithScore]) -> list[str]:

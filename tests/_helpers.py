@@ -1,0 +1,35 @@
+"""Helpers shared by several test modules (imported as ``from _helpers import ...``; pytest
+puts this folder on ``sys.path``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def forward_inputs(lm: Any, call: Callable[[], Any]) -> list[list[list[int]]]:
+    """The input ids of every forward pass of ``lm.model`` while ``call()`` runs: one list of
+    rows per pass (the contexts of a decode are packed into one row or fused as rows)."""
+    seen: list[list[list[int]]] = []
+
+    def hook(module: Any, args: Any, kwargs: Any) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            seen.append(ids.tolist())
+
+    handle = lm.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        call()
+    finally:
+        handle.remove()
+    return seen
+
+
+def aggregate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed chain output put back together (``answer`` and ``sources`` concatenated,
+    the other keys as last seen)."""
+    agg: dict[str, Any] = {}
+    for c in chunks:
+        for k, v in c.items():
+            agg[k] = agg[k] + v if k in ("answer", "sources") and k in agg else v
+    return agg
