@@ -33,3 +33,22 @@ def aggregate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
         for k, v in c.items():
             agg[k] = agg[k] + v if k in ("answer", "sources") and k in agg else v
     return agg
+
+
+def sample_documents() -> list[Any]:
+    """The packaged sample documents as LlamaIndex ``Document`` objects, with the reader's
+    metadata except that ``file_path`` is relative to the documents folder: LlamaIndex puts
+    the metadata into the prompt, so an absolute path would make the answers depend on where
+    the checkout lives."""
+    from pathlib import Path
+
+    from llama_index.core import SimpleDirectoryReader
+
+    from tokrag_integrations.retrieval import get_sample_docs_path
+
+    root = get_sample_docs_path()
+
+    def metadata(path: str) -> dict[str, str]:
+        return {"file_path": str(Path(path).relative_to(root)), "file_name": Path(path).name}
+
+    return SimpleDirectoryReader(str(root), file_metadata=metadata).load_data()

@@ -13,12 +13,12 @@ import sys
 import warnings
 
 import pytest
-from _helpers import forward_inputs
+from _helpers import forward_inputs, sample_documents
 
 pytest.importorskip("llama_index.core")
 
 import llama_index.core.instrumentation as instrument  # noqa: E402
-from llama_index.core import Settings, SimpleDirectoryReader, VectorStoreIndex  # noqa: E402
+from llama_index.core import Settings, VectorStoreIndex  # noqa: E402
 from llama_index.core.base.llms.types import ChatMessage  # noqa: E402
 from llama_index.core.base.response.schema import (  # noqa: E402
     AsyncStreamingResponse,
@@ -36,7 +36,6 @@ from tokrag_integrations.llama_index import (  # noqa: E402
     TokRAGSynthesizer,
     local_embedding,
 )
-from tokrag_integrations.retrieval import get_sample_docs_path  # noqa: E402
 
 FOUNDER_Q = "Who founded Quillfeather Aerospace?"
 FOUNDER_A = "Ottoline Varga"
@@ -48,7 +47,7 @@ TOKRAG_TOKENS = 6
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def nodes():
-    docs = SimpleDirectoryReader(str(get_sample_docs_path())).load_data()
+    docs = sample_documents()
     return SentenceSplitter(chunk_size=256, chunk_overlap=20).get_nodes_from_documents(docs)
 
 

@@ -10,7 +10,7 @@ observability tool would see it); calls without retrieved context are the plain 
 from __future__ import annotations
 
 import pytest
-from _helpers import forward_inputs
+from _helpers import forward_inputs, sample_documents
 
 pytest.importorskip("llama_index.core")
 
@@ -18,7 +18,6 @@ import llama_index.core.instrumentation as instrument  # noqa: E402
 from llama_index.core import (  # noqa: E402
     PromptTemplate,
     Settings,
-    SimpleDirectoryReader,
     VectorStoreIndex,
 )
 from llama_index.core.bridge.pydantic import Field  # noqa: E402
@@ -36,7 +35,6 @@ from tokrag_integrations.llama_index import (  # noqa: E402
     TokRAGSynthesizer,
     local_embedding,
 )
-from tokrag_integrations.retrieval import get_sample_docs_path  # noqa: E402
 
 FOUNDER_Q = "Who founded Quillfeather Aerospace?"
 FOUNDER_A = "Ottoline"
@@ -61,7 +59,7 @@ class _Calls(BaseEventHandler):
 
 @pytest.fixture(scope="module")
 def index():
-    docs = SimpleDirectoryReader(str(get_sample_docs_path())).load_data()
+    docs = sample_documents()
     nodes = SentenceSplitter(chunk_size=256, chunk_overlap=20).get_nodes_from_documents(docs)
     return VectorStoreIndex(nodes, embed_model=local_embedding())
 
