@@ -35,6 +35,7 @@ from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
 from . import tokrag_reference as REF
 from .base import Choice, ContextView, Policy
+from .verdict import verdict_mask
 
 #: Layers per logit-lens product, from the start of the l* search: the first one and the later
 #: ones (each product reads the LM head once for both contexts plus the rows x^{l'-l*} may
@@ -96,6 +97,11 @@ class TokRAG(Policy):
             released decoder does (its step 1); the comparison of Eq. 19 is then made only
             where the candidates differ in content (default, chosen on the dev sets). False:
             Eq. 19 at every disagreement, the paper's loop.
+        verdict_gate: paper variant: where a disagreement decides the answer's polarity, keep
+            RAG's token without comparing (:mod:`.verdict`: w_IR, a mixture of retrieved
+            tokens, cannot stand for a verdict or a negation). ``"rag"``: where RAG's token is
+            a verdict word; ``"either"``: where either candidate is one; None: Eq. 19 decides
+            (the paper).
         speculative: decode by blockwise verification (:mod:`..accel.speculative`): one context
             drafts a block, the other checks it in one forward pass; the same tokens and
             decisions as the step-by-step loop. Off by default: on the CPUs measured here the
@@ -126,6 +132,7 @@ class TokRAG(Policy):
         jsd_threshold: float = S.DEFAULT_JSD_THRESHOLD,
         fixed_layer: int | None = None,
         function_word_gate: bool = True,
+        verdict_gate: str | None = None,
         speculative: bool = False,
         block: int | None = None,
         drafter: str = "auto",
@@ -155,6 +162,8 @@ class TokRAG(Policy):
             raise ValueError(f"plausibility_alpha must be in (0, 1] or None, got {plausibility_alpha!r}")
         if not isinstance(function_word_gate, bool):
             raise ValueError(f"function_word_gate must be True or False, got {function_word_gate!r}")
+        if verdict_gate not in (None, "rag", "either"):
+            raise ValueError(f"verdict_gate must be None, 'rag' or 'either', got {verdict_gate!r}")
         if not isinstance(lens_norm, bool):
             raise ValueError(f"lens_norm must be True or False, got {lens_norm!r}")
         if jsd_threshold < 0:
@@ -173,6 +182,7 @@ class TokRAG(Policy):
         self.jsd_threshold = float(jsd_threshold)
         self.fixed_layer = fixed_layer
         self.function_word_gate = function_word_gate if variant == "paper" else True
+        self.verdict_gate = verdict_gate if variant == "paper" else None
         if block is not None and (not isinstance(block, int) or block < 1):
             raise ValueError(f"block must be a positive int or None, got {block!r}")
         if drafter not in ("auto", "pure", "rag"):
@@ -203,6 +213,7 @@ class TokRAG(Policy):
                     "lens_norm": self.lens_norm,
                     "jsd_threshold": self.jsd_threshold,
                     "function_word_gate": self.function_word_gate,
+                    "verdict_gate": self.verdict_gate,
                 }
                 if paper
                 else {}
@@ -253,6 +264,10 @@ class TokRAG(Policy):
             self._gate = lm.memo(
                 ("gate_mask", *key), lambda: REF.gate_mask(lm.tokenizer, vocab_size=V, texts=texts())
             )
+        if self.verdict_gate is not None:
+            self._verdict = lm.memo(
+                ("verdict_mask", *key), lambda: verdict_mask(lm.tokenizer, vocab_size=V, texts=texts())
+            )
         self._tok = lm.tokenizer
 
     # ------------------------------------------------------------------ rule
@@ -266,6 +281,10 @@ class TokRAG(Policy):
             return Choice(a, AGREE if a == b else FROM_LLM, {"note": "no retrieved tokens"})
         if self.function_word_gate and bool(self._gate[b]):  # the authors' function-word gate
             return Choice(b, AGREE if a == b else FROM_RAG, {"note": "gated: function word"})
+        if self.verdict_gate is not None and (
+            bool(self._verdict[b]) or (self.verdict_gate == "either" and bool(self._verdict[a]))
+        ):
+            return Choice(b, AGREE if a == b else FROM_RAG, {"note": "gated: verdict word"})
         sig = (
             self.reference_signals(pure, rag)
             if self.variant == "reference"

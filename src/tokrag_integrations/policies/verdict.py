@@ -1,0 +1,50 @@
+"""Verdict words: the tokens that state an answer's polarity.
+
+A yes/no verdict or a negation is the model's judgement *of* the retrieved text, rarely a
+word copied *from* it. Tok-RAG's retrieval embedding w_IR (Eq. 15-17) is a mixture of the
+embeddings of retrieved tokens, so it cannot stand for such a token, and Eq. 19 compares it
+against a vector that does not contain it: the comparison is biased against RAG's verdict
+whatever the passage says. ``TokRAG(verdict_gate=...)`` therefore keeps RAG's token, without
+comparing, at a disagreement that decides polarity, the way the authors' function-word gate
+keeps RAG's function words (docs/results.md, "Verdict words").
+
+The list: the two verdict words of a yes/no answer and the single-word English negators (not,
+no, n't, never, nothing, none, nobody, neither, nor, cannot), plus the "'t" piece byte-level
+vocabularies split from "don't", "isn't", "can't". It is fixed by grammar, not tuned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: Lower-cased whole-token texts (one leading space dropped) that state polarity.
+VERDICT_WORDS = frozenset(
+    {
+        "yes",
+        "no",
+        "not",
+        "n't",
+        "'t",
+        "never",
+        "nothing",
+        "none",
+        "nobody",
+        "neither",
+        "nor",
+        "cannot",
+    }
+)
+
+
+def verdict_mask(tokenizer: Any, *, vocab_size: int, texts: list[str]) -> torch.Tensor:
+    """[vocab_size] bool: the token ids whose decoded text (``texts[id]``, one leading space
+    dropped, case folded) is one of :data:`VERDICT_WORDS`. Ids beyond the tokenizer are False."""
+    n = min(len(texts), vocab_size)
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[:n] = torch.tensor(
+        [(t[1:] if t.startswith(" ") else t).lower() in VERDICT_WORDS for t in texts[:n]],
+        dtype=torch.bool,
+    )
+    return mask
