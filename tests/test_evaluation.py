@@ -405,6 +405,41 @@ def test_summary_has_intervals_and_paired_table(tmp_path):
     assert json.loads((tmp_path / "res" / "m.json").read_text())["paired"]["cad"]["accuracy"]["diff"] == -25.0
 
 
+def test_yes_no_summary_reports_verdict_rate_accuracy_among_verdicts_and_length_ratio(tmp_path):
+    from tokrag_integrations.evaluation.report import write_accuracy_report
+
+    items = [
+        EvalItem(id=f"yn{i}", question=f"question {i}?", answers=["yes"], positives=[f"pos {i}"],
+                 counterfactuals=[f"cf {i}"], counterfactual_answers=["no"])
+        for i in range(8)
+    ]
+
+    class Verdicts(FakeDecode):  # rag: "Yes, ..." on every item; cad: no verdict on odd items
+        def __call__(self, lm, queries, passages, *, policy, **kw):
+            out = super().__call__(lm, queries, passages, policy=policy, **kw)
+            for q, r in zip(queries, out, strict=True):
+                odd = int(q.split()[1][:-1]) % 2
+                r.text = "It is hard to say." if policy == "cad" and odd else "Yes, it is."
+                n = 6 if policy == "cad" else 3  # cad's answers are twice as long
+                r.trace = SimpleNamespace(counts=lambda n=n: {"rag": n}, to_dict=lambda: {"steps": []})
+            return out
+
+    s = run_misleading(LM, items, records_path=tmp_path / "m.jsonl", policies=["rag", "cad"],
+                       cf_ratios=[0.0, 1.0], progress=False, decode=Verdicts())
+    assert s["n_yes_no_items"] == 8
+    assert s["verdict_rate_mean"] == {"rag": 100.0, "cad": 50.0}
+    assert s["accuracy_mean"]["cad"] == 50.0 and s["verdict_accuracy_mean"]["cad"] == 100.0
+    assert s["mean_tokens"] == {"rag": 3.0, "cad": 6.0} and s["length_ratio"] == {"cad": 2.0}
+    write_accuracy_report(s, tmp_path / "res", "m", "misleading")
+    md = (tmp_path / "res" / "m.md").read_text()
+    assert "answers stating a verdict" in md and "Accuracy among the answers that state a verdict" in md
+    assert "against rag on the same answers: cad 2.00x" in md
+    # Items that are not yes/no get no verdict figures.
+    s2 = run_misleading(LM, [_item(i) for i in range(3)], records_path=tmp_path / "m2.jsonl",
+                        policies=["rag"], cf_ratios=[1.0], progress=False, decode=FakeDecode())
+    assert "verdict_rate" not in s2 and s2["mean_tokens"] == {"rag": 1.0}
+
+
 # --------------------------------------------------------------------------- token level
 def _popqa_item(i: int, prop: str, subj: str, answers: list[str], pop: float, pop_bin: int) -> EvalItem:
     return EvalItem(id=f"popqa_{i}", question=f"q {subj}?", answers=answers, source="popqa", popularity=pop,

@@ -242,6 +242,9 @@ def run_eval(args: argparse.Namespace) -> int:
         files = report.write_accuracy_report(summary, out, name, f"Misleading passages: {stem}, {lm.name}", command)
         print(report.accuracy_table(summary))
         print(report.accuracy_table(summary, "cf_repeat"))
+        if summary.get("verdict_rate"):
+            print(report.accuracy_table(summary, "verdict_rate", label="policy (verdict stated, %)"))
+            print(report.accuracy_table(summary, "verdict_accuracy", label="policy (accuracy among verdicts)"))
     else:
         summary = run_token_level(
             lm, items, records_path=records, ratios=args.ratios, cf_ratios=args.cf_ratios,

@@ -193,6 +193,18 @@ def write_accuracy_report(summary: dict[str, Any], out_dir: str | Path, name: st
     if summary.get("paired"):
         md += [f"Paired differences to {summary.get('paired_baseline', 'rag')} (mean over conditions, "
                "percentage points, 95% bootstrap interval over items):", "", paired_table(summary), ""]
+    if summary.get("verdict_rate"):
+        md += [f"Yes/no items ({summary['n_yes_no_items']}): answers stating a verdict (a standalone yes or no, %):",
+               "", accuracy_table(summary, "verdict_rate"), ""]
+        md += ["Accuracy among the answers that state a verdict (%):", "", accuracy_table(summary, "verdict_accuracy"), ""]
+    if summary.get("mean_tokens"):
+        line = "Mean answer length (tokens): " + ", ".join(
+            f"{p} {_fmt(summary['mean_tokens'][p])}" for p in summary["policies"])
+        if summary.get("length_ratio"):
+            base = summary.get("paired_baseline", "rag")
+            line += f"; against {base} on the same answers: " + ", ".join(
+                f"{p} {_fmt(r, 2)}x" for p, r in summary["length_ratio"].items())
+        md += [line, ""]
     md += ["Passages given:", "", passages_table(summary), ""]
     md += ["Mean seconds per question: " + ", ".join(f"{p} {_fmt(summary['mean_time_s'][p], 2)}" for p in summary["policies"]), ""]
     (out / f"{name}.md").write_text("\n".join(md), encoding="utf-8")

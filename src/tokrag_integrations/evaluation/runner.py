@@ -71,6 +71,7 @@ from .metrics import (
     bootstrap_ci,
     cover_em,
     f1_score,
+    first_yes_no,
     is_yes_no,
     macro_f1,
     mean_over_conditions,
@@ -431,9 +432,64 @@ def summarize_accuracy(
                 (("accuracy", "correct"), ("cf_repeat", "cf_repeat"))}
             for p in policies if p != baseline
         }
+    yes_no = [it for it in items if is_yes_no(it.answers)]
+    if yes_no:
+        out.update(_verdict_figures(index, yes_no, policies, conditions, seed))
+    out["mean_tokens"] = {p: _mean_tokens(index, items, p, conditions) for p in policies}
+    if baseline in policies:
+        out["length_ratio"] = {
+            p: _ratio(_mean_tokens(index, items, p, conditions, paired_with=baseline),
+                      _mean_tokens(index, items, baseline, conditions, paired_with=p))
+            for p in policies if p != baseline
+        }
     out["mean_time_s"] = _mean_times(index, items, policies, conditions)
     out["mean_passages"], out["items_short"] = _passage_counts(records, ids, conditions)
     return out
+
+
+def _verdict_figures(index: dict[tuple[str, str, str], dict[str, Any]], items: Sequence[EvalItem],
+                     policies: Sequence[str], conditions: Sequence[str], seed: int) -> dict[str, Any]:
+    """Yes/no items: the share of answers that state a verdict (a standalone yes or no,
+    :func:`.metrics.first_yes_no`) and the accuracy among those answers, per policy and
+    condition (percent, 95 % bootstrap intervals over items)."""
+    verdicts = {
+        key: {**r, "verdict": first_yes_no(r["text"]) is not None,
+              "verdict_correct": r["correct"] if first_yes_no(r["text"]) is not None else None}
+        for key, r in index.items()
+    }
+    out: dict[str, Any] = {"n_yes_no_items": len(items)}
+    for key in ("verdict", "verdict_correct"):
+        figs = {p: _figures(item_matrix(verdicts, items, p, conditions, key), conditions, seed) for p in policies}
+        name = "verdict_rate" if key == "verdict" else "verdict_accuracy"
+        out[name] = {p: f["by_condition"] for p, f in figs.items()}
+        out[f"{name}_ci"] = {p: f["ci"] for p, f in figs.items()}
+        out[f"{name}_mean"] = {p: f["mean"] for p, f in figs.items()}
+        out[f"{name}_mean_ci"] = {p: f["mean_ci"] for p, f in figs.items()}
+    return out
+
+
+def _tokens(r: dict[str, Any] | None) -> int | None:
+    return None if r is None or "counts" not in r else sum(r["counts"].values())
+
+
+def _mean_tokens(index: dict[tuple[str, str, str], dict[str, Any]], items: Sequence[EvalItem], policy: str,
+                 conditions: Sequence[str], paired_with: str | None = None) -> float:
+    """Mean generated tokens per answer; with ``paired_with``, only over the (item, condition)
+    cells both policies answered."""
+    def rec(p: str, c: str, i: str) -> dict[str, Any] | None:
+        return index.get((p, c, i)) or index.get((p, NO_PASSAGES, i))
+
+    lengths = []
+    for c in conditions:
+        for it in items:
+            n = _tokens(rec(policy, c, it.id))
+            if n is not None and (paired_with is None or _tokens(rec(paired_with, c, it.id)) is not None):
+                lengths.append(n)
+    return sum(lengths) / len(lengths) if lengths else math.nan
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
 
 
 def _mean_times(index: dict[tuple[str, str, str], dict[str, Any]], items: Sequence[EvalItem],
