@@ -129,6 +129,9 @@ def _check_trace(r):
             if s.signals.get("note") == "gated: function word":  # kept without comparing
                 assert r.trace.options.get("function_word_gate") is True
                 continue
+            if s.signals.get("note") == "gated: verdict word":
+                assert r.trace.options.get("verdict_gate") in ("rag", "either")
+                continue
             assert s.signals["benefit"] is True
             assert _margin(r, s) >= 0
         elif s.source == "llm":
@@ -186,6 +189,56 @@ def test_tokrag_keeps_the_known_fact_against_a_contradicting_passage(lm, options
     assert paris and paris[0].signals["benefit"] is False
 
 
+#: Yes/no questions whose passage settles the verdict: RAG answers "No, ..." and the pure
+#: model opens with a restatement; Eq. 19 alone gives the restatement the first step.
+VERDICT_CASES = [
+    ("Is the headquarters of Quillfeather Aerospace near a beach?",
+     "Quillfeather Aerospace is headquartered in Harrowgate, an inland town 200 km from the nearest coast."),
+    ("Is menthol associated with Christmas?",
+     "Menthol is an organic compound obtained from mint oils, used in cough drops and cigarettes; it has "
+     "no particular link to any holiday."),
+]
+
+
+@pytest.mark.parametrize("question,passage", VERDICT_CASES, ids=["beach", "menthol"])
+def test_verdict_gate_keeps_rags_verdict_that_eq19_drops(lm, question, passage):
+    assert generate(lm, question, [passage], policy="rag", max_new_tokens=8).text.startswith("No")
+    plain = generate(lm, question, [passage], policy="tokrag", max_new_tokens=8, verdict_gate=None)
+    assert not plain.text.startswith("No") and plain.trace.steps[0].signals["benefit"] is False
+    r = generate(lm, question, [passage], policy="tokrag", max_new_tokens=8, verdict_gate="rag")
+    assert r.text.startswith("No"), r.text
+    first = r.trace.steps[0]
+    assert first.source == "rag" and first.signals == {"note": "gated: verdict word"}
+    assert first.candidates["rag"].text == "No" != first.candidates["pure"].text
+    _check_trace(r)
+
+
+def test_verdict_gate_on_rags_side_leaves_the_pure_models_verdict_to_eq19(lm):
+    """The passage does not say she was a chef: RAG opens "Ottoline ..." (and goes on to say
+    she was one), the pure model "No". With ``"rag"`` Eq. 19 compares the two and keeps "No";
+    ``"either"`` gates the pure model's verdict word too and takes RAG's opening."""
+    q = "Was Ottoline Varga a chef before founding Quillfeather Aerospace?"
+    p = ["Ottoline Varga founded Quillfeather Aerospace in 2009 after twelve years as a propulsion engineer."]
+    r = generate(lm, q, p, policy="tokrag", max_new_tokens=8, verdict_gate="rag")
+    assert r.text.startswith("No") and "benefit" in r.trace.steps[0].signals
+    e = generate(lm, q, p, policy="tokrag", max_new_tokens=8, verdict_gate="either")
+    assert not e.text.startswith("No") and e.trace.steps[0].signals == {"note": "gated: verdict word"}
+    _check_trace(r), _check_trace(e)
+
+
+def test_verdict_mask_covers_verdicts_and_negators_whole_tokens_only(lm):
+    from tokrag_integrations.policies.tokrag_reference import vocab_texts
+    from tokrag_integrations.policies.verdict import verdict_mask
+
+    texts = vocab_texts(lm.tokenizer)
+    mask = verdict_mask(lm.tokenizer, vocab_size=len(texts) + 3, texts=texts)
+    marked = {texts[i] for i in mask.nonzero().flatten().tolist()}
+    assert {"No", " no", " Yes", " not", " never", " cannot", "'t", " nor"} <= marked
+    assert not {" Not", " nothing"} - marked
+    assert not any(t.strip().lower() in {"know", "note", "nothingness", "yesterday", "the"} for t in marked)
+    assert not mask[-3:].any()  # ids beyond the tokenizer
+
+
 def test_literal_reading_stays_reachable_and_misses_the_passage_fact(lm):
     """The old all-layer, unconstrained, un-normed reading (spec §3) as options: it answers the
     Drelmoria case from the pure model's hallucination, the reason it is not the default."""
@@ -211,6 +264,7 @@ def test_literal_reading_stays_reachable_and_misses_the_passage_fact(lm):
         {"function_word_gate": True},
         {"pr_skip": None},
         {"pr_skip": "reference"},
+        {"verdict_gate": "either"},
     ],
 )
 def test_tokrag_options_run_and_are_recorded(lm, options):
@@ -424,3 +478,12 @@ def test_pr_skip_is_checked():
 
     with pytest.raises(ValueError, match="pr_skip"):
         TokRAG(pr_skip="commas")
+
+
+def test_verdict_gate_is_checked():
+    from tokrag_integrations.policies.tokrag import TokRAG
+
+    for bad in ("pure", True, "RAG"):
+        with pytest.raises(ValueError, match="verdict_gate"):
+            TokRAG(verdict_gate=bad)
+    assert TokRAG(variant="reference", verdict_gate="rag").verdict_gate is None  # paper variant only
