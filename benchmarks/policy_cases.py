@@ -4,7 +4,8 @@
 
 "benefit": a fictional fact only the passage has (the pure model cannot know it);
 "detriment": a passage contradicting a fact the model knows. Greedy decoding, one passage
-each, ``generate(lm, question, [passage], policy=...)``. Prints a Markdown table with the
+each, ``generate(lm, question, [passage], policy=...)``; "verdict": a yes/no question whose passage
+settles the answer. Prints a Markdown table with the
 token counts per source of the Tok-RAG columns. The first three benefit cases and the
 Marseille case are the ones asserted in tests/test_engine.py.
 """
@@ -24,6 +25,11 @@ CASES = [
     ("benefit", "In which year did the Veltrano Bridge open?", "The Veltrano Bridge opened to traffic in 1873."),
     ("detriment", "What is the capital of France?", "The capital of France is Marseille."),
     ("detriment", "What is the chemical symbol for gold?", "The chemical symbol for gold is Ag."),
+    ("verdict", "Is the headquarters of Quillfeather Aerospace near a beach?",
+     "Quillfeather Aerospace is headquartered in Harrowgate, an inland town 200 km from the nearest coast."),
+    ("verdict", "Is menthol associated with Christmas?",
+     "Menthol is an organic compound obtained from mint oils, used in cough drops and cigarettes; it has no "
+     "particular link to any holiday."),
 ]
 
 #: column label -> (policy, options)
@@ -31,13 +37,15 @@ COLUMNS = {
     "`llm`": ("llm", {}),
     "`rag`": ("rag", {}),
     "`tokrag` (default)": ("tokrag", {}),
-    "`tokrag` paper rule (`function_word_gate=False, threshold=0, plausibility_alpha=0.1, pr_skip=None`)": (
-        "tokrag", {"function_word_gate": False, "threshold": 0.0, "plausibility_alpha": 0.1, "pr_skip": None},
+    "`tokrag` paper rule (`function_word_gate=False, verdict_gate=None, threshold=0, plausibility_alpha=0.1, "
+    "pr_skip=None`)": (
+        "tokrag",
+        {"function_word_gate": False, "verdict_gate": None, "threshold": 0.0, "plausibility_alpha": 0.1, "pr_skip": None},
     ),
     "`tokrag` literal reading (+ `min_fusion_layer=0, plausibility_alpha=None, lens_norm=False`)": (
         "tokrag",
-        {"function_word_gate": False, "threshold": 0.0, "pr_skip": None, "min_fusion_layer": 0, "plausibility_alpha": None,
-         "lens_norm": False},
+        {"function_word_gate": False, "verdict_gate": None, "threshold": 0.0, "pr_skip": None, "min_fusion_layer": 0,
+         "plausibility_alpha": None, "lens_norm": False},
     ),
     '`tokrag variant="reference"`': ("tokrag", {"variant": "reference"}),
 }

@@ -169,7 +169,9 @@ BENEFIT_CASES = [
 #: Eq. 19 as the paper writes it: no function-word gate, threshold 0, every retrieved token in p_R
 #: and the rising token under DoLa's own plausibility constraint α = 0.1 (the corrected
 #: readings of Eq. 14-15 stay on).
-PAPER_RULE = {"function_word_gate": False, "threshold": 0.0, "plausibility_alpha": 0.1, "pr_skip": None}
+PAPER_RULE = {
+    "function_word_gate": False, "verdict_gate": None, "threshold": 0.0, "plausibility_alpha": 0.1, "pr_skip": None,
+}
 
 
 @pytest.mark.parametrize("options", [{}, PAPER_RULE], ids=["default", "paper-rule"])
@@ -205,8 +207,8 @@ def test_verdict_gate_keeps_rags_verdict_that_eq19_drops(lm, question, passage):
     assert generate(lm, question, [passage], policy="rag", max_new_tokens=8).text.startswith("No")
     plain = generate(lm, question, [passage], policy="tokrag", max_new_tokens=8, verdict_gate=None)
     assert not plain.text.startswith("No") and plain.trace.steps[0].signals["benefit"] is False
-    r = generate(lm, question, [passage], policy="tokrag", max_new_tokens=8, verdict_gate="rag")
-    assert r.text.startswith("No"), r.text
+    r = generate(lm, question, [passage], policy="tokrag", max_new_tokens=8)  # the default gate
+    assert r.trace.options["verdict_gate"] == "rag" and r.text.startswith("No"), r.text
     first = r.trace.steps[0]
     assert first.source == "rag" and first.signals == {"note": "gated: verdict word"}
     assert first.candidates["rag"].text == "No" != first.candidates["pure"].text

@@ -10,10 +10,11 @@ Defaults, each chosen on the dev sets (docs/results.md, "Choosing the defaults")
 from L/2 (spec §3's "middle-layer maximum"), the rising token on log-probabilities over
 DoLa-plausible tokens with the final norm (α = 0.5: among RAG's leading candidates), the
 retrieved punctuation left out of p_R (the authors' code skips it too), RAG's function words
-kept without comparing (the authors' released decoder does so) and threshold −0.1. The
-paper's rule as written is ``function_word_gate=False, threshold=0, plausibility_alpha=0.1,
-pr_skip=None`` (DoLa's α); the literal reading of Eq. 14-15 adds ``min_fusion_layer=0,
-plausibility_alpha=None, lens_norm=False``.
+kept without comparing (the authors' released decoder does so), RAG's verdict words (yes / no
+and negators) kept without comparing (:mod:`.verdict`: w_IR cannot stand for them) and
+threshold −0.1. The paper's rule as written is ``function_word_gate=False, verdict_gate=None,
+threshold=0, plausibility_alpha=0.1, pr_skip=None`` (DoLa's α); the literal reading of Eq.
+14-15 adds ``min_fusion_layer=0, plausibility_alpha=None, lens_norm=False``.
 
 ``variant="reference"`` reproduces what the authors' released decoder does instead
 (:mod:`.tokrag_reference`, with file and line citations): RAG's token taken at once when it
@@ -55,6 +56,11 @@ DEFAULT_PLAUSIBILITY_ALPHA = 0.5
 #: sinks on punctuation otherwise carry most of p_R on some models. Fixed on the dev sets
 #: (docs/results.md, "Punctuation out of p_R"); the paper keeps every retrieved token (None).
 DEFAULT_PR_SKIP = "punctuation"
+
+#: Where RAG's token is a verdict word (yes / no, a negator) it is kept without comparing: a
+#: verdict is inferred from the passage, not copied from it, so w_IR cannot stand for it. Fixed
+#: on the dev sets (docs/results.md, "Verdict words"); the paper compares there too (None).
+DEFAULT_VERDICT_GATE = "rag"
 _LENS_CHUNK = 3
 
 
@@ -99,9 +105,10 @@ class TokRAG(Policy):
             Eq. 19 at every disagreement, the paper's loop.
         verdict_gate: paper variant: where a disagreement decides the answer's polarity, keep
             RAG's token without comparing (:mod:`.verdict`: w_IR, a mixture of retrieved
-            tokens, cannot stand for a verdict or a negation). ``"rag"``: where RAG's token is
-            a verdict word; ``"either"``: where either candidate is one; None: Eq. 19 decides
-            (the paper).
+            tokens, cannot stand for a verdict or a negation). ``"rag"`` (default, chosen on
+            the dev sets): where RAG's token is a verdict word; ``"either"``: where either
+            candidate is one (it overrides a pure-model "No" too); None: Eq. 19 decides (the
+            paper).
         speculative: decode by blockwise verification (:mod:`..accel.speculative`): one context
             drafts a block, the other checks it in one forward pass; the same tokens and
             decisions as the step-by-step loop. Off by default: on the CPUs measured here the
@@ -132,7 +139,7 @@ class TokRAG(Policy):
         jsd_threshold: float = S.DEFAULT_JSD_THRESHOLD,
         fixed_layer: int | None = None,
         function_word_gate: bool = True,
-        verdict_gate: str | None = None,
+        verdict_gate: str | None = DEFAULT_VERDICT_GATE,
         speculative: bool = False,
         block: int | None = None,
         drafter: str = "auto",
