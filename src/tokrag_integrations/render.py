@@ -580,10 +580,7 @@ def render_trace(trace: Trace, console: Console | None = None) -> None:
         if threshold is not None:
             # Without it a RAG token with cos_ir < cos_llm (allowed by a negative threshold)
             # reads as a contradiction of the rule.
-            title += (
-                f" · RAG's token wins where margin = cos_ir − cos_llm ≥ threshold "
-                f"{format_value(threshold)} (Eq. 19)"
-            )
+            title += f" · RAG wins where cos_ir − cos_llm ≥ threshold {format_value(threshold)}"
         table = Table(title=title, title_justify="left")
         table.add_column("step", justify="right")
         table.add_column("rag candidate")
