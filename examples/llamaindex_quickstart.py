@@ -1,4 +1,4 @@
-"""LlamaIndex quickstart: documents -> VectorStoreIndex -> query engine with TokRAGSynthesizer.
+"""LlamaIndex quickstart: documents -> retriever -> query engine with TokRAGSynthesizer.
 
 Everything runs locally and offline: the packaged MiniLM embeds the packaged sample
 documents (a fictional company's handbook), the packaged SmolLM2-135M-Instruct answers, and
@@ -9,9 +9,15 @@ in the terminal and written as an HTML page (``out/llamaindex_quickstart.html``)
     python examples/llamaindex_quickstart.py
     python examples/llamaindex_quickstart.py --docs ./my_docs --question "..." --policy rag
 
-With the tiny default model (135M parameters) ``--policy rag`` states the handbook's fact,
-while ``tokrag`` often keeps the model's own token where the two contexts disagree; the
-explanation shows exactly where and why.
+``FolderRetriever`` is ``tokrag ask --docs``'s retrieval (same chunks, same embeddings,
+kept in the cache folder) and every setting left out is the package's default
+(``tokrag_integrations.defaults``), so this script and ``tokrag ask QUESTION --docs FOLDER``
+give the same answer (tests/test_defaults.py). Any LlamaIndex retriever works in its place
+(``VectorStoreIndex.as_retriever()``, BM25, Postgres...).
+
+On the default question both ``--policy tokrag`` and ``--policy rag`` answer
+"Bramblewick", the handbook's code name; the explanation shows which of its tokens came
+from the passages and which both contexts agreed on (tests/test_defaults.py checks both).
 """
 
 from __future__ import annotations
@@ -26,20 +32,19 @@ DEFAULT_QUESTION = "What is the code name of the Kestrel-7 programme?"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from llama_index.core import SimpleDirectoryReader, VectorStoreIndex
-    from llama_index.core.node_parser import SentenceSplitter
     from llama_index.core.query_engine import RetrieverQueryEngine
 
     from tokrag_integrations import Trace, load_model
-    from tokrag_integrations.llama_index import TokRAGSynthesizer, local_embedding
+    from tokrag_integrations.defaults import MAX_NEW_TOKENS, TOP_K
+    from tokrag_integrations.llama_index import FolderRetriever, TokRAGSynthesizer
     from tokrag_integrations.retrieval import get_sample_docs_path
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", default=str(get_sample_docs_path()), help="folder of documents")
     ap.add_argument("--question", default=DEFAULT_QUESTION)
     ap.add_argument("--policy", default="tokrag", help="tokrag, rag, llm, ...")
-    ap.add_argument("--top-k", type=int, default=2, help="chunks retrieved per question")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=TOP_K, help="chunks retrieved per question")
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     ap.add_argument(
         "--html",
         default=os.path.join("out", "llamaindex_quickstart.html"),
@@ -47,21 +52,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
 
-    # 1. Documents -> chunks -> vector index (local MiniLM embedding, no hub access).
-    documents = SimpleDirectoryReader(args.docs).load_data()
-    index = VectorStoreIndex.from_documents(
-        documents,
-        embed_model=local_embedding(),
-        transformations=[SentenceSplitter(chunk_size=256, chunk_overlap=20)],
-    )
+    # 1. Documents -> chunks -> MiniLM embeddings, searched as `tokrag ask --docs` does.
+    retriever = FolderRetriever(args.docs, top_k=args.top_k)
 
     # 2. A standard query engine whose synthesizer decodes with the chosen policy.
     lm = load_model("default")
     synthesizer = TokRAGSynthesizer(lm, policy=args.policy, max_new_tokens=args.max_new_tokens)
-    engine = RetrieverQueryEngine(
-        retriever=index.as_retriever(similarity_top_k=args.top_k),
-        response_synthesizer=synthesizer,
-    )
+    engine = RetrieverQueryEngine(retriever=retriever, response_synthesizer=synthesizer)
 
     # 3. Ask, then explain.
     response = engine.query(args.question)
@@ -73,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     for n in response.source_nodes:
         used = "used" if n.node.node_id in md["nodes_used"] else "not used"
-        name = n.node.metadata.get("file_name", n.node.node_id)
+        name = os.path.basename(n.node.metadata.get("source", n.node.node_id))
         print(f"  source {name} score={n.score:.3f} ({used})")
     for w in md["warnings"]:
         print(f"  warning: {w}")

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -181,10 +182,10 @@ def test_user_errors_exit_2_with_one_line(
 ) -> None:
     code, out, err = run_cli(argv)
     assert code == 2
-    assert err.strip().splitlines() == [
-        f"tokrag: error: {err.strip().removeprefix('tokrag: error: ')}"
-    ]
-    assert message in err
+    lines = err.strip().splitlines()
+    # The error is one line, the last; any line before it says what was under way.
+    assert lines[-1].startswith("tokrag: error: ") and message in lines[-1]
+    assert all(line.startswith("Loading model") for line in lines[:-1]), lines
     assert "Traceback" not in err
 
 
@@ -441,3 +442,84 @@ def test_real_ask_sources_prints_every_passage_in_full() -> None:
     flat = " ".join(sources.split())
     assert "seed grant of £640,000 from the Tayside Space Fund" in flat  # deep in the chunk
     assert max(len(line) for line in sources.splitlines()) <= 80  # wrapped, not one long line
+
+
+# ------------------------------------------------------------------------ waits, redirected
+def test_ask_passes_the_default_stop_and_its_options(fake_engine: dict[str, Any]) -> None:
+    from tokrag_integrations.defaults import ANSWER_STOP, MAX_NEW_TOKENS
+
+    assert run_cli(["ask", "q"])[0] == 0
+    call = fake_engine["stream"]
+    assert (call["stop"], call["max_new_tokens"]) == (list(ANSWER_STOP), MAX_NEW_TOKENS)
+    assert run_cli(["ask", "q", "--no-stop"])[0] == 0
+    assert fake_engine["stream"]["stop"] == []
+    assert run_cli(["ask", "q", "--stop", "\\n"])[0] == 0
+    assert fake_engine["stream"]["stop"] == ["\n"]
+
+
+def test_redirected_ask_docs_prints_plain_progress_lines(
+    tmp_path: Path, fake_engine: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stderr is not a terminal here (a StringIO, as a file or a pipe would be): every wait
+    of ``ask --docs`` (indexing, each batch of 64 embedded chunks, loading the model) is a
+    line of its own, with no bar and no carriage return; asked again, nothing is embedded."""
+    monkeypatch.setenv("TOKRAG_CACHE_DIR", str(tmp_path / "cache"))  # cold embedding cache
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        paragraphs = [
+            f"Relay {i}-{j} of the northern grid was commissioned in {1900 + j} by engineer "
+            f"{j * 7 + i}, and its logbook lists {j * 3} inspections since then."
+            for j in range(200)
+        ]
+        (docs / f"grid{i}.md").write_text("\n\n".join(paragraphs), encoding="utf-8")
+    code, _, err = run_cli(["ask", "Who commissioned relay 2-5?", "--docs", str(docs)])
+    assert code == 0, err
+    assert "\r" not in err
+    lines = err.splitlines()
+    n = int(re.search(r"^Indexing (\d+) chunks from 3 document\(s\) \(dense\)…$", err, re.M)[1])
+    assert n > 64  # at least two batches
+    assert f"Embedding {n} chunk(s); 0 read from the cache." in lines
+    embedded = [line for line in lines if line.startswith("Embedded ")]
+    assert [int(re.fullmatch(r"Embedded (\d+)/(\d+) chunks \(\d+ s\)", e)[1]) for e in embedded] == [
+        *range(64, n, 64),
+        n,
+    ]
+    assert all(f"/{n} chunks" in e for e in embedded)
+    assert "Loading model default…" in lines
+    assert any(re.fullmatch(r"  done in \d+\.\d s", line) for line in lines)
+
+    code, _, again = run_cli(["ask", "Who commissioned relay 2-5?", "--docs", str(docs)])
+    assert code == 0, again
+    assert f"Embedding 0 chunk(s); {n} read from the cache." in again.splitlines()
+    assert "Embedded " not in again
+
+
+def test_redirected_ingest_prints_a_line_per_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tokrag ingest`` with stderr redirected: a first line before the database and the
+    embedder open, then one line per file as the library reports it (``on_file``). The
+    library's ingest is replaced here (the real one needs Postgres: tests/test_postgres.py)."""
+    from tokrag_integrations.postgres import ingestion
+
+    seen: dict[str, Any] = {}
+
+    def fake_ingest(paths: Any, **kw: Any) -> Any:
+        seen.update(kw)
+        for name, status, chunks in (("a.md", "added", 3), ("b.md", "unchanged", 2)):
+            if kw["on_file"] is not None:
+                kw["on_file"](ingestion.FileReport(str(tmp_path / name), status, chunks=chunks))
+        return ingestion.IngestSummary(table="t", target="llamaindex", database="db")
+
+    monkeypatch.setattr(ingestion, "ingest", fake_ingest)
+    code, _, err = run_cli(["ingest", str(tmp_path)])
+    assert code == 0, err
+    assert seen["progress"] is False  # no tqdm bar into a file
+    assert err.splitlines() == [
+        "ingest: opening the database and the embedder, then 1 path(s)…",
+        f"ingest: added {tmp_path / 'a.md'} (3 chunks)",
+        f"ingest: unchanged {tmp_path / 'b.md'} (2 chunks)",
+    ]
+    code, _, err = run_cli(["ingest", str(tmp_path), "--no-progress"])
+    assert code == 0 and err == "" and seen["on_file"] is None

@@ -308,3 +308,21 @@ def test_trace_to_dict_is_json_data_without_a_default(trace: Trace) -> None:
     assert trace.to_json(indent=None) == json.dumps(d, indent=None, ensure_ascii=False)
     again = Trace.from_dict(d)
     assert again.to_dict() == d and again.counts() == trace.counts()
+
+
+def test_rich_render_shows_the_margin_and_the_threshold_that_allowed_it(trace: Trace) -> None:
+    """A RAG token kept with cos_ir < cos_llm reads as a contradiction unless the table says
+    the rule compares their difference with a (default −0.1) threshold."""
+    trace.options = {"threshold": -0.1, "scorer": "cosine"}
+    trace.steps[1].signals = {"l_star": 18, "cos_ir": 0.5943, "cos_llm": 0.6419}  # rag kept
+    console = Console(record=True, width=200)
+    render_trace(trace, console=console)
+    out = console.export_text()
+    assert "cos_ir − cos_llm ≥ threshold -0.1000" in out
+    row = next(line for line in out.splitlines() if "␣Varga (rag)" in line)
+    assert row.split("│")[-2].strip() == "-0.0476"  # the margin column: above the threshold
+    # Without a threshold in the options (another policy), no margin column, no claim.
+    trace.options = {"pr_norm": "softmax"}
+    console = Console(record=True, width=200)
+    render_trace(trace, console=console)
+    assert "margin" not in console.export_text()

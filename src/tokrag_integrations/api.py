@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .defaults import MAX_NEW_TOKENS
 from .models import LoadedModel
 from .policies import get_policy
 from .policies.base import Policy
@@ -577,7 +578,7 @@ def generate(
     passages: Sequence[Any] | None = None,
     *,
     policy: str | Policy = "tokrag",
-    max_new_tokens: int = 64,
+    max_new_tokens: int = MAX_NEW_TOKENS,
     stop: str | Sequence[str] | None = None,
     messages: list[dict[str, str]] | None = None,
     system_prompt: Any = _DEFAULT,
@@ -629,7 +630,7 @@ def _generate(
     passages: Sequence[Any] | None = None,
     *,
     policy: str | Policy = "tokrag",
-    max_new_tokens: int = 64,
+    max_new_tokens: int = MAX_NEW_TOKENS,
     stop: str | Sequence[str] | None = None,
     messages: list[dict[str, str]] | None = None,
     system_prompt: Any = _DEFAULT,
@@ -665,7 +666,7 @@ def stream(
     passages: Sequence[Any] | None = None,
     *,
     policy: str | Policy = "tokrag",
-    max_new_tokens: int = 64,
+    max_new_tokens: int = MAX_NEW_TOKENS,
     stop: str | Sequence[str] | None = None,
     messages: list[dict[str, str]] | None = None,
     system_prompt: Any = _DEFAULT,
@@ -713,7 +714,7 @@ def generate_batch(
     passages: Sequence[Sequence[Any] | None] | None = None,
     *,
     policy: str | Policy = "tokrag",
-    max_new_tokens: int = 64,
+    max_new_tokens: int = MAX_NEW_TOKENS,
     stop: str | Sequence[str] | None = None,
     max_context_tokens: int | None = None,
     system_prompt: Any = _DEFAULT,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .labels import AGREE, FROM_LLM, FROM_RAG
@@ -499,12 +499,36 @@ def _rich_style(source: str) -> str:
     return _RICH_STYLES.get(source, _RICH_OTHER)
 
 
+def _margin(signals: Mapping[str, Any]) -> float | None:
+    """Eq. 19's margin of a step: the rule's own ``margin`` signal, else cos_ir − cos_llm;
+    None where the step was decided without comparing (a function word, agreement)."""
+    if isinstance(signals.get("margin"), (int, float)):
+        return float(signals["margin"])
+    ir, llm = signals.get("cos_ir"), signals.get("cos_llm")
+    if isinstance(ir, (int, float)) and isinstance(llm, (int, float)):
+        return float(ir) - float(llm)
+    return None
+
+
+def _margin_threshold(trace: Trace, steps: Sequence[TraceStep]) -> float | None:
+    """The threshold Eq. 19's margin is compared with, when the trace's policy has one and
+    compares cosines (``scorer="cosine"``) at some of ``steps``; else None."""
+    options = trace.options or {}
+    threshold = options.get("threshold")
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool):
+        return None
+    if options.get("scorer", "cosine") != "cosine":
+        return None
+    return float(threshold) if any(_margin(s.signals) is not None for s in steps) else None
+
+
 def render_trace(trace: Trace, console: Console | None = None) -> None:
     """Print ``trace`` to the terminal with rich.
 
     Shows the question, the answer with tokens coloured by source, a legend, a one-line
     summary, a table of the disagreement steps (step, RAG and LLM candidates, chosen token,
-    l*, cos_ir, cos_llm) and the warnings.
+    l*, cos_ir, cos_llm and, for a policy with a margin threshold, the margin, with the
+    threshold in the table's title) and the warnings.
 
     Args:
         trace: The trace to show.
@@ -551,7 +575,13 @@ def render_trace(trace: Trace, console: Console | None = None) -> None:
     if steps:
         roles = _roles(steps)
         other_roles = [r for r in roles if r not in ("rag", "pure", "llm")]
-        table = Table(title=f"Disagreement steps ({len(steps)})", title_justify="left")
+        threshold = _margin_threshold(trace, steps)
+        title = f"Disagreement steps ({len(steps)})"
+        if threshold is not None:
+            # Without it a RAG token with cos_ir < cos_llm (allowed by a negative threshold)
+            # reads as a contradiction of the rule.
+            title += f" · RAG wins where cos_ir − cos_llm ≥ threshold {format_value(threshold)}"
+        table = Table(title=title, title_justify="left")
         table.add_column("step", justify="right")
         table.add_column("rag candidate")
         table.add_column("llm candidate")
@@ -560,6 +590,8 @@ def render_trace(trace: Trace, console: Console | None = None) -> None:
         table.add_column("chosen")
         for header in ("l*", "cos_ir", "cos_llm"):
             table.add_column(header, justify="right")
+        if threshold is not None:
+            table.add_column("margin", justify="right")
 
         def cand_text(cand: Candidate | None) -> str:
             return "—" if cand is None else f"{_visible(cand.text)} ({format_value(cand.prob)})"
@@ -577,6 +609,8 @@ def render_trace(trace: Trace, console: Console | None = None) -> None:
                 )
             row.append(Text(f"{_visible(s.text)} ({s.source})", style=_rich_style(s.source)))
             row += [format_value(s.signals.get(k)) for k in ("l_star", "cos_ir", "cos_llm")]
+            if threshold is not None:
+                row.append(format_value(_margin(s.signals)))
             table.add_row(*row)
         console.print(table)
     else:

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS, TOP_K
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from rich.console import Console
 
@@ -149,6 +151,51 @@ def _short_source(source: str, roots: Sequence[Path]) -> str:
     return source
 
 
+def _stop_strings(args: argparse.Namespace) -> list[str]:
+    """The answer's stop strings: ``--stop`` texts (``\\n`` and ``\\t`` read as a newline
+    and a tab), none with ``--no-stop``, else :data:`~tokrag_integrations.defaults.ANSWER_STOP`."""
+    if getattr(args, "no_stop", False):
+        return []
+    given = getattr(args, "stop", None)
+    if not given:
+        return list(ANSWER_STOP)
+    stops = [t.replace("\\n", "\n").replace("\\t", "\t") for t in given]
+    if not all(stops):
+        raise ValueError("--stop needs a non-empty text; use --no-stop to decode without stops.")
+    return stops
+
+
+class _Status:
+    """``with _Status(err, "Loading model…"):`` a spinner on a terminal; on a file or a pipe
+    (``2> log``, CI), where rich shows no spinner, the message as a plain line and, at the
+    end, how long it took, so a redirected wait is never silent."""
+
+    def __init__(self, err: Console, message: str):
+        self.err = err
+        self.message = message
+        self._status: Any = None
+
+    def __enter__(self) -> _Status:
+        import time
+
+        self._start = time.perf_counter()
+        if self.err.is_terminal:
+            self._status = self.err.status(self.message)
+            self._status.__enter__()
+        else:
+            self.err.print(self.message, style="dim", soft_wrap=True, highlight=False)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import time
+
+        if self._status is not None:
+            self._status.__exit__(*exc)
+        elif exc[0] is None:
+            took = time.perf_counter() - self._start
+            self.err.print(f"  done in {took:.1f} s", style="dim", highlight=False)
+
+
 def _print_warning(err: Console, message: str) -> None:
     from rich.text import Text
 
@@ -200,7 +247,12 @@ def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         default="dense",
         help="dense (MiniLM cosine, default) or bm25 keyword retrieval",
     )
-    p.add_argument("--top-k", type=_positive_int, default=5, help="chunks to retrieve (default 5)")
+    p.add_argument(
+        "--top-k",
+        type=_positive_int,
+        default=TOP_K,
+        help=f"chunks to retrieve (default {TOP_K})",
+    )
     p.add_argument(
         "--store",
         choices=("postgres",),
@@ -237,7 +289,26 @@ def add_ask_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         "a Hugging Face hub id in the local cache (e.g. Qwen/Qwen2.5-7B-Instruct), "
         "a model folder or a .gguf file",
     )
-    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="answer length limit")
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=MAX_NEW_TOKENS,
+        help=f"answer length limit in tokens (default {MAX_NEW_TOKENS})",
+    )
+    stops = p.add_mutually_exclusive_group()
+    stops.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="end the answer where TEXT appears (repeatable; replaces the default stops: a "
+        "blank line or a line starting with '#'; escapes such as \\n are read)",
+    )
+    stops.add_argument(
+        "--no-stop",
+        action="store_true",
+        help="no stop strings: the answer ends at the model's end of turn or at --max-new-tokens",
+    )
     p.add_argument(
         "--device", default=None, help="torch device, e.g. cpu or cuda (default: CUDA if available)"
     )
@@ -405,6 +476,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     _check_output_path(args.html, "--html")
     _check_output_path(args.json, "--json")
     options = dict(args.option)
+    stop = _stop_strings(args)
     uses_passages = _check_before_loading(args, options)
 
     from transformers.utils import logging as hf_logging
@@ -422,11 +494,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
         # The pure model reads no passage: retrieving (and embedding a folder) would be wasted.
         err.print(Text(f"policy {args.policy} reads no passages: nothing is retrieved", style="dim"))
     if args.gate and uses_passages:
-        with err.status(f"Loading model {args.model}…"):
+        with _Status(err, f"Loading model {args.model}…"):
             lm = load_model(args.model, device=args.device, dtype=args.dtype, **_placement(args))
         from .gate import build_gate
 
-        with err.status(f"Gate {args.gate}: deciding whether to retrieve…"):
+        with _Status(err, f"Gate {args.gate}: deciding whether to retrieve…"):
             gate = build_gate(lm, args.gate, calibration=args.gate_calibration)
             decision = gate.decide(question)
         err.print(
@@ -441,7 +513,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     else:
         passages = []
     if not (args.gate and uses_passages):
-        with err.status(f"Loading model {args.model}…"):
+        with _Status(err, f"Loading model {args.model}…"):
             lm = load_model(args.model, device=args.device, dtype=args.dtype, **_placement(args))
 
     tokens = stream(
@@ -450,6 +522,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         passages,
         policy=args.policy,
         max_new_tokens=args.max_new_tokens,
+        stop=stop,
         **options,
     )
     for event in tokens:

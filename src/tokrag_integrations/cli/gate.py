@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..defaults import MAX_NEW_TOKENS
 from ..gating import GATES
 from ..gating.base import Gate
 
@@ -58,7 +59,7 @@ def gated_ask(
     metric: str = "self_certainty",
     top_k: int = 3,
     policy: str = "tokrag",
-    max_new_tokens: int = 64,
+    max_new_tokens: int = MAX_NEW_TOKENS,
     percentile: float | None = None,
 ) -> dict[str, Any]:
     """Decide with the gate, retrieve only if it says so, answer."""

@@ -26,6 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP, TOP_K
+
 __all__ = [
     "EXIT_DATABASE",
     "EXIT_PARTIAL",
@@ -132,9 +134,17 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         help="table layout: llamaindex (default; LangChain reads it too) or langchain "
         "(langchain-postgres' own columns, LangChain only)",
     )
-    p.add_argument("--chunk-size", type=int, default=800, help="max characters per chunk")
-    p.add_argument("--overlap", type=int, default=100, help="characters shared by chunks")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--chunk-size", type=int, default=CHUNK_CHARS, help="max characters per chunk"
+    )
+    p.add_argument(
+        "--overlap", type=int, default=CHUNK_OVERLAP, help="characters shared by chunks"
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (or, with stderr redirected, no line per file)",
+    )
     p.add_argument(
         "--prune",
         action="store_true",
@@ -152,8 +162,23 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     """Run ``tokrag ingest``; prints the summary to stdout, errors to stderr."""
-    from ..postgres.ingestion import ingest
+    from ..postgres.ingestion import FileReport, ingest
+    from ..retrieval import printable
 
+    # On a terminal tqdm draws a bar; redirected (a log, CI), one plain line per file instead,
+    # so a long ingest is never silent.
+    plain = not args.no_progress and not sys.stderr.isatty()
+
+    def say(item: FileReport) -> None:
+        chunks = f" ({item.chunks} chunks)" if item.chunks else ""
+        print(f"ingest: {item.status} {printable(item.path)}{chunks}", file=sys.stderr, flush=True)
+
+    if plain:
+        print(
+            f"ingest: opening the database and the embedder, then {len(args.paths)} path(s)…",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         summary = ingest(
             [Path(p).expanduser() for p in args.paths],
@@ -167,6 +192,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             data_dir=args.data_dir,
             prune=args.prune,
             follow_links=args.follow_links,
+            on_file=say if plain else None,
         )
     except _database_errors() as exc:
         print(f"tokrag: error: {exc}", file=sys.stderr)
@@ -180,7 +206,7 @@ def retrieve_from_postgres(
     dsn: str | None = None,
     table: str | None = None,
     filters: Any = None,
-    top_k: int = 4,
+    top_k: int = TOP_K,
     *,
     embed_model: str | None = None,
     data_dir: str | None = None,

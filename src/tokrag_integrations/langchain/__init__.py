@@ -29,9 +29,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from .chains import TokRAGChain, create_tokrag_chain, create_tokrag_documents_chain
 from .chat_models import ChatTokRAG
 from .embeddings import local_embeddings
+from .retrievers import FolderRetriever
 
 __all__ = [
     "ChatTokRAG",
+    "FolderRetriever",
     "TokRAGChain",
     "create_tokrag_chain",
     "create_tokrag_documents_chain",

@@ -21,6 +21,7 @@ from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_do
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda, RunnablePassthrough
 from pydantic import BaseModel, ConfigDict, create_model
 
+from ..defaults import ANSWER_STOP
 from ..models import LoadedModel, check_greedy
 from ..policies import get_policy
 from .chat_models import CHAT_LOAD_OPTIONS, ChatTokRAG
@@ -451,6 +452,10 @@ def _chat_model(
         model_kwargs["max_tokens"] = max_tokens
     if stop is not None:
         model_kwargs["stop"] = list(stop)
+    elif model.stop is None:
+        # An answer over documents ends where tokrag ask's does (a blank line, a heading);
+        # stop=[] here, or a ChatTokRAG with its own stop, decodes without these.
+        model_kwargs["stop"] = list(ANSWER_STOP)
     if max_context_tokens is not None:
         model_kwargs["max_context_tokens"] = max_context_tokens
     if policy_options:
@@ -506,7 +511,9 @@ def create_tokrag_chain(
         policy: decoding policy; None keeps the model's (``"tokrag"`` for a LoadedModel).
         system_prompt: a system message before the question (None: the core default); only
             without ``prompt`` (a user prompt carries its own system message).
-        max_tokens / stop / max_context_tokens: override the model's settings.
+        max_tokens / stop / max_context_tokens: override the model's settings. Without
+            ``stop`` here or on the ChatTokRAG, the answer stops at
+            :data:`~tokrag_integrations.defaults.ANSWER_STOP`, as ``tokrag ask``'s.
         **policy_options: options of the policy (e.g. ``pr_norm="softmax"``).
 
     Input: a question string, or a dict with ``"input"`` (the ``create_retrieval_chain``

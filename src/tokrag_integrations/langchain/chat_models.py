@@ -20,6 +20,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, field_validator
 
 from .. import api, batching
 from ..api import GenerationResult, TokenEvent
+from ..defaults import MAX_NEW_TOKENS
 from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
 from ..policies import get_policy
 from ._convert import (
@@ -228,7 +229,7 @@ class ChatTokRAG(BaseChatModel):
     """Options of the policy (e.g. ``{"pr_norm": "softmax"}``)."""
     passages: list[Any] | None = None
     """Default passages (Documents, strings or ``Passage`` objects), ranked best first."""
-    max_tokens: int = 64
+    max_tokens: int = MAX_NEW_TOKENS
     """Maximum number of generated tokens."""
     stop: list[str] | None = None
     """Stop strings (cut from the answer); a call's ``stop`` replaces these."""

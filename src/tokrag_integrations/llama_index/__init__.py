@@ -29,6 +29,14 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from .embeddings import local_embedding  # noqa: E402
 from .llm import TokRAGLLM  # noqa: E402
+from .retriever import FolderRetriever  # noqa: E402
 from .synthesizer import RESPONSE_MODES, TokRAGSynthesizer  # noqa: E402
 
-__all__ = ["INSTALL_HINT", "RESPONSE_MODES", "TokRAGLLM", "TokRAGSynthesizer", "local_embedding"]
+__all__ = [
+    "INSTALL_HINT",
+    "RESPONSE_MODES",
+    "FolderRetriever",
+    "TokRAGLLM",
+    "TokRAGSynthesizer",
+    "local_embedding",
+]

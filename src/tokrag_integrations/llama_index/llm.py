@@ -28,6 +28,7 @@ from pydantic import StrictBool
 
 from .. import batching
 from ..api import GenerationResult, TokenEvent, astream_with_result, stream
+from ..defaults import MAX_NEW_TOKENS
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
 from ..prompts import RenderedPrompt
 from ._convert import jsonable, messages_to_dicts, messages_to_turns, result_kwargs, to_passages
@@ -106,7 +107,7 @@ class TokRAGLLM(CustomLLM):
     empty-delta response carrying them.
 
     Example:
-        >>> Settings.llm = TokRAGLLM(max_new_tokens=64)
+        >>> Settings.llm = TokRAGLLM()
         >>> Settings.llm.complete("What is Quillfeather?", passages=["Quillfeather is ..."])
     """
 
@@ -140,7 +141,9 @@ class TokRAGLLM(CustomLLM):
         default=None, description="Only None or 0: every policy decodes greedily."
     )
     max_new_tokens: int = Field(
-        default=256, gt=0, description="Answer budget in tokens (reported as num_output)."
+        default=MAX_NEW_TOKENS,
+        gt=0,
+        description="Answer budget in tokens (reported as num_output).",
     )
     policy: str = Field(
         default="tokrag", description="Decoding policy used when passages are given."

@@ -42,6 +42,7 @@ from llama_index.core.types import RESPONSE_TEXT_TYPE
 from .. import batching
 from ..api import GenerationResult, astream_with_result, stream
 from ..booleans import require_bool
+from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy
 from ..policies import get_policy
 from ..policies.base import Policy
@@ -558,8 +559,11 @@ class TokRAGSynthesizer(BaseSynthesizer):
             ``model_kwargs``, ``tokenizer_kwargs``, ``trust_remote_code``, ``revision``...).
         temperature: only None or 0 (greedy decoding).
         policy: decoding policy name or instance (``"tokrag"``, ``"rag"``, ``"llm"``...).
-        max_new_tokens: answer budget in tokens (per call).
-        stop: stop strings (EOS always stops).
+        max_new_tokens: answer budget in tokens (per call; default
+            :data:`~tokrag_integrations.defaults.MAX_NEW_TOKENS`, as ``tokrag ask``).
+        stop: stop strings (EOS always stops); default
+            :data:`~tokrag_integrations.defaults.ANSWER_STOP` (a blank line or a heading
+            ends the answer, as ``tokrag ask``); None or ``[]``: none.
         max_context_tokens: a tighter context budget than the model's window.
         system_prompt: override the core's default system prompt (None = no system turn).
         gate: optional object with ``decide(query)`` returning a decision with ``.retrieve``
@@ -585,8 +589,8 @@ class TokRAGSynthesizer(BaseSynthesizer):
         model: Any = None,
         temperature: float | None = None,
         policy: str | Policy = "tokrag",
-        max_new_tokens: int = 64,
-        stop: str | Sequence[str] | None = None,
+        max_new_tokens: int = MAX_NEW_TOKENS,
+        stop: str | Sequence[str] | None = ANSWER_STOP,
         max_context_tokens: int | None = None,
         system_prompt: Any = ...,
         gate: Any = None,

@@ -1,0 +1,78 @@
+"""``tokrag ask --docs``'s retrieval as a LangChain retriever."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+from pydantic import Field, PrivateAttr, StrictBool
+
+from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP, TOP_K
+from ..retrieval import build_retriever
+
+
+class FolderRetriever(BaseRetriever):
+    """Files and folders chunked, embedded and searched exactly as ``tokrag ask --docs``.
+
+    The same loader (text, Markdown, reStructuredText, HTML, PDF), the same chunking and
+    top-k (:mod:`tokrag_integrations.defaults`), the same MiniLM embeddings of each chunk
+    under its document's title, kept in the cache folder so a folder indexed again embeds
+    only what changed. ``create_tokrag_chain(FolderRetriever(paths=[...]), "default")``
+    answers as ``tokrag ask QUESTION --docs PATH`` does. Each Document's ``page_content`` is
+    the chunk; its metadata holds ``source``, ``chunk``, ``score`` and the document's own
+    (``title``, ``format``).
+
+        >>> retriever = FolderRetriever(paths=["my_docs/"])
+        >>> retriever.invoke("Who founded Quillfeather Aerospace?")[0].metadata["score"]
+
+    Raises (at construction): ``FileNotFoundError`` for a path that does not exist,
+    ``ValueError`` when there is nothing to index or a setting is out of range.
+    """
+
+    paths: list[str]
+    """Files and/or folders to index."""
+    top_k: int = Field(default=TOP_K, ge=1)
+    """Chunks returned per query."""
+    kind: Literal["dense", "bm25"] = "dense"
+    """``"dense"`` (MiniLM cosine) or ``"bm25"``."""
+    max_chars: int = Field(default=CHUNK_CHARS, ge=1)
+    """Characters per chunk (see :func:`tokrag_integrations.retrieval.chunk_text`)."""
+    overlap: int = Field(default=CHUNK_OVERLAP, ge=0)
+    """Characters a chunk may repeat from the previous one."""
+    cache: StrictBool = True
+    """Keep the chunk embeddings on disk (dense only)."""
+    follow_links: StrictBool = False
+    """Read files through symbolic links that leave the folders."""
+    progress: StrictBool = False
+    """Say on stderr what is being indexed (plain lines when not a terminal)."""
+
+    _retriever: Any = PrivateAttr(default=None)
+
+    def model_post_init(self, context: Any) -> None:
+        self._retriever = build_retriever(
+            self.paths,
+            kind=self.kind,
+            max_chars=self.max_chars,
+            overlap=self.overlap,
+            cache=self.cache,
+            follow_links=self.follow_links,
+            progress=self.progress,
+        )
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+    ) -> list[Document]:
+        return [
+            Document(
+                page_content=h.text,
+                metadata={
+                    **h.chunk.metadata,
+                    "source": h.source,
+                    "chunk": h.chunk.index,
+                    "score": h.score,
+                },
+            )
+            for h in self._retriever.retrieve(query, top_k=self.top_k)
+        ]
