@@ -170,6 +170,8 @@ def test_tokrag_runs_with_finite_signals_and_a_consistent_trace(models, arch, dt
     assert {s.source for s in steps} <= {"agree", "rag", "llm"}
     disagreements = [s for s in steps if s.source != "agree"]
     for s in disagreements:
+        if str((s.signals or {}).get("note", "")).startswith("gated:"):  # kept without comparing
+            continue
         values = [v for v in (s.signals or {}).values() if isinstance(v, float)]
         assert values and all(math.isfinite(v) for v in values), s.signals
     if arch not in ("gemma2", "gemma3"):  # random Gemmas mostly agree; their rows are read below
