@@ -336,6 +336,13 @@ def _index(records: Iterable[dict[str, Any]], ids: set[str]) -> dict[tuple[str, 
     return {(r["policy"], r["condition"], r["item"]): r for r in records if r["item"] in ids}
 
 
+def _record(index: dict[tuple[str, str, str], dict[str, Any]], policy: str, condition: str,
+            item_id: str) -> dict[str, Any] | None:
+    """The record of ``policy`` on ``item_id`` under ``condition``; ``llm`` records (condition
+    ``none``) stand for every condition."""
+    return index.get((policy, condition, item_id)) or index.get((policy, NO_PASSAGES, item_id))
+
+
 def item_matrix(
     index: dict[tuple[str, str, str], dict[str, Any]],
     items: Sequence[EvalItem],
@@ -348,7 +355,7 @@ def item_matrix(
     fill every condition."""
 
     def cell(it: EvalItem, c: str) -> float:
-        r = index.get((policy, c, it.id)) or index.get((policy, NO_PASSAGES, it.id))
+        r = _record(index, policy, c, it.id)
         v = None if r is None else r.get(key)
         return math.nan if v is None else 100.0 * bool(v)
 
@@ -452,11 +459,10 @@ def _verdict_figures(index: dict[tuple[str, str, str], dict[str, Any]], items: S
     """Yes/no items: the share of answers that state a verdict (a standalone yes or no,
     :func:`.metrics.first_yes_no`) and the accuracy among those answers, per policy and
     condition (percent, 95 % bootstrap intervals over items)."""
-    verdicts = {
-        key: {**r, "verdict": first_yes_no(r["text"]) is not None,
-              "verdict_correct": r["correct"] if first_yes_no(r["text"]) is not None else None}
-        for key, r in index.items()
-    }
+    verdicts = {}
+    for key, r in index.items():
+        stated = first_yes_no(r["text"]) is not None
+        verdicts[key] = {**r, "verdict": stated, "verdict_correct": r["correct"] if stated else None}
     out: dict[str, Any] = {"n_yes_no_items": len(items)}
     for key in ("verdict", "verdict_correct"):
         figs = {p: _figures(item_matrix(verdicts, items, p, conditions, key), conditions, seed) for p in policies}
@@ -476,14 +482,11 @@ def _mean_tokens(index: dict[tuple[str, str, str], dict[str, Any]], items: Seque
                  conditions: Sequence[str], paired_with: str | None = None) -> float:
     """Mean generated tokens per answer; with ``paired_with``, only over the (item, condition)
     cells both policies answered."""
-    def rec(p: str, c: str, i: str) -> dict[str, Any] | None:
-        return index.get((p, c, i)) or index.get((p, NO_PASSAGES, i))
-
     lengths = []
     for c in conditions:
         for it in items:
-            n = _tokens(rec(policy, c, it.id))
-            if n is not None and (paired_with is None or _tokens(rec(paired_with, c, it.id)) is not None):
+            n = _tokens(_record(index, policy, c, it.id))
+            if n is not None and (paired_with is None or _tokens(_record(index, paired_with, c, it.id)) is not None):
                 lengths.append(n)
     return sum(lengths) / len(lengths) if lengths else math.nan
 
@@ -496,7 +499,7 @@ def _mean_times(index: dict[tuple[str, str, str], dict[str, Any]], items: Sequen
                 policies: Sequence[str], conditions: Sequence[str]) -> dict[str, float]:
     secs: dict[str, float] = {}
     for p in policies:
-        rs = [index.get((p, c, it.id)) or index.get((p, NO_PASSAGES, it.id)) for c in conditions for it in items]
+        rs = [_record(index, p, c, it.id) for c in conditions for it in items]
         times = [r["time_s"] for r in rs if r is not None]
         secs[p] = sum(times) / len(times) if times else math.nan
     return secs

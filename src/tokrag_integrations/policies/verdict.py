@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .tokrag_reference import _ids, vocab_texts
+
 #: Lower-cased whole-token texts (one leading space dropped) that state polarity.
 VERDICT_WORDS = frozenset(
     {
@@ -38,13 +40,17 @@ VERDICT_WORDS = frozenset(
 )
 
 
-def verdict_mask(tokenizer: Any, *, vocab_size: int, texts: list[str]) -> torch.Tensor:
-    """[vocab_size] bool: the token ids whose decoded text (``texts[id]``, one leading space
-    dropped, case folded) is one of :data:`VERDICT_WORDS`. Ids beyond the tokenizer are False."""
-    n = min(len(texts), vocab_size)
-    mask = torch.zeros(vocab_size, dtype=torch.bool)
+def verdict_mask(
+    tokenizer: Any, *, vocab_size: int | None = None, texts: list[str] | None = None
+) -> torch.Tensor:
+    """[V] bool: the token ids whose decoded text (one leading space dropped, case folded) is
+    one of :data:`VERDICT_WORDS`, with the contract of the sibling vocabulary masks in
+    :mod:`.tokrag_reference`: ids beyond the tokenizer (extra embedding rows) are False;
+    ``texts``: :func:`~.tokrag_reference.vocab_texts` of the tokenizer, when already at hand."""
+    n, V = _ids(tokenizer, vocab_size)
+    texts = vocab_texts(tokenizer) if texts is None else texts
+    mask = torch.zeros(V, dtype=torch.bool)
     mask[:n] = torch.tensor(
-        [(t[1:] if t.startswith(" ") else t).lower() in VERDICT_WORDS for t in texts[:n]],
-        dtype=torch.bool,
+        [(t[1:] if t.startswith(" ") else t).lower() in VERDICT_WORDS for t in texts], dtype=torch.bool
     )
     return mask
