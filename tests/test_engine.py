@@ -132,6 +132,13 @@ def _check_trace(r):
             if s.signals.get("note") == "gated: verdict word":
                 assert r.trace.options.get("verdict_gate") in ("rag", "either")
                 continue
+            if s.signals.get("note") == "gated: pure model's function word":
+                assert r.trace.options.get("framing_gate") is True
+                continue
+            if s.signals.get("note") == "gated: RAG's rising token":  # Eq. 19 said the pure model
+                assert r.trace.options.get("rising_gate") is True and s.signals["rising_token"] == s.text
+                assert s.signals["benefit"] is True and _margin(r, s) < 0
+                continue
             assert s.signals["benefit"] is True
             assert _margin(r, s) >= 0
         elif s.source == "llm":
@@ -489,3 +496,34 @@ def test_verdict_gate_is_checked():
         with pytest.raises(ValueError, match="verdict_gate"):
             TokRAG(verdict_gate=bad)
     assert TokRAG(variant="reference", verdict_gate="rag").verdict_gate is None  # paper variant only
+
+
+def test_rising_gate_keeps_rags_token_where_it_is_the_rising_token(lm):
+    """RAG's " total" (the question's word; the passage says "full") loses Eq. 19 to the pure
+    model's " control" although it is x^{l'-l*}, the token RAG's later layers raised most;
+    ``rising_gate=True`` keeps it and says why, and leaves the signals as computed."""
+    q = "When did the Venetians take total control of Cyprus?"
+    p = ["The Venetians took full control of Cyprus in 1489 after Queen Catherine Cornaro abdicated."]
+    off = generate(lm, q, p, policy="tokrag", max_new_tokens=12, rising_gate=False)
+    on = generate(lm, q, p, policy="tokrag", max_new_tokens=12, rising_gate=True)
+    lost = next(s for s in off.trace.steps if s.source == "llm")
+    assert lost.candidates["rag"].text == " total" == lost.signals["rising_token"]
+    assert lost.signals["benefit"] is False and "note" not in lost.signals
+    kept = on.trace.steps[lost.index]
+    assert kept.source == "rag" and kept.text == " total"
+    assert kept.signals["note"] == "gated: RAG's rising token" and kept.signals["benefit"] is True
+    assert kept.signals["cos_ir"] == pytest.approx(lost.signals["cos_ir"])
+    assert "rising_id" not in kept.signals  # internal: the trace keeps the decoded token only
+    assert on.trace.options.get("rising_gate") is (True if on.trace.options["variant"] == "paper" else None)
+    _check_trace(off), _check_trace(on)
+
+
+def test_rising_and_framing_gates_are_checked():
+    from tokrag_integrations.policies.tokrag import TokRAG
+
+    for key in ("rising_gate", "framing_gate"):
+        with pytest.raises(ValueError, match=key):
+            TokRAG(**{key: "yes"})
+        assert key not in TokRAG().options()  # off: the options read as before
+        assert TokRAG(**{key: True}).options()[key] is True
+        assert getattr(TokRAG(variant="reference", **{key: True}), key) is False  # paper variant only

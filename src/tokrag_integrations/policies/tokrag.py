@@ -109,6 +109,12 @@ class TokRAG(Policy):
             the dev sets): where RAG's token is a verdict word; ``"either"``: where either
             candidate is one (it overrides a pure-model "No" too); None: Eq. 19 decides (the
             paper).
+        rising_gate: paper variant, a candidate rule measured on dev (off by default): where
+            Eq. 19 keeps the pure model's token but RAG's token is x^{l'−l*} itself (the token
+            RAG's layers after the fusion layer raised most), keep RAG's token.
+        framing_gate: paper variant, a candidate rule measured on dev (off by default): where
+            the pure model's token is a function word (the same list), keep RAG's token: a
+            framing token carries no content for Eq. 19 to protect.
         speculative: decode by blockwise verification (:mod:`..accel.speculative`): one context
             drafts a block, the other checks it in one forward pass; the same tokens and
             decisions as the step-by-step loop. Off by default: on the CPUs measured here the
@@ -140,6 +146,8 @@ class TokRAG(Policy):
         fixed_layer: int | None = None,
         function_word_gate: bool = True,
         verdict_gate: str | None = DEFAULT_VERDICT_GATE,
+        rising_gate: bool = False,
+        framing_gate: bool = False,
         speculative: bool = False,
         block: int | None = None,
         drafter: str = "auto",
@@ -171,6 +179,10 @@ class TokRAG(Policy):
             raise ValueError(f"function_word_gate must be True or False, got {function_word_gate!r}")
         if verdict_gate not in (None, "rag", "either"):
             raise ValueError(f"verdict_gate must be None, 'rag' or 'either', got {verdict_gate!r}")
+        if not isinstance(framing_gate, bool):
+            raise ValueError(f"framing_gate must be True or False, got {framing_gate!r}")
+        if not isinstance(rising_gate, bool):
+            raise ValueError(f"rising_gate must be True or False, got {rising_gate!r}")
         if not isinstance(lens_norm, bool):
             raise ValueError(f"lens_norm must be True or False, got {lens_norm!r}")
         if jsd_threshold < 0:
@@ -190,6 +202,8 @@ class TokRAG(Policy):
         self.fixed_layer = fixed_layer
         self.function_word_gate = function_word_gate if variant == "paper" else True
         self.verdict_gate = verdict_gate if variant == "paper" else None
+        self.rising_gate = rising_gate if variant == "paper" else False
+        self.framing_gate = framing_gate if variant == "paper" else False
         if block is not None and (not isinstance(block, int) or block < 1):
             raise ValueError(f"block must be a positive int or None, got {block!r}")
         if drafter not in ("auto", "pure", "rag"):
@@ -221,6 +235,8 @@ class TokRAG(Policy):
                     "jsd_threshold": self.jsd_threshold,
                     "function_word_gate": self.function_word_gate,
                     "verdict_gate": self.verdict_gate,
+                    **({"rising_gate": True} if self.rising_gate else {}),
+                    **({"framing_gate": True} if self.framing_gate else {}),
                 }
                 if paper
                 else {}
@@ -267,7 +283,7 @@ class TokRAG(Policy):
             )
         elif self.pr_skip == "reference":
             self._pr_skip = lm.memo(("skip_mask", *key), lambda: REF.skip_mask(lm.tokenizer, vocab_size=V))
-        if self.function_word_gate:
+        if self.function_word_gate or self.framing_gate:
             self._gate = lm.memo(
                 ("gate_mask", *key), lambda: REF.gate_mask(lm.tokenizer, vocab_size=V, texts=texts())
             )
@@ -292,13 +308,18 @@ class TokRAG(Policy):
             bool(self._verdict[b]) or (self.verdict_gate == "either" and bool(self._verdict[a]))
         ):
             return Choice(b, AGREE if a == b else FROM_RAG, {"note": "gated: verdict word"})
+        if self.framing_gate and bool(self._gate[a]):
+            return Choice(b, FROM_RAG, {"note": "gated: pure model's function word"})
         sig = (
             self.reference_signals(pure, rag)
             if self.variant == "reference"
             else self.signals(pure, rag)
         )
+        rising = sig.pop("rising_id", None)
         if a == b:
             return Choice(a, AGREE, sig)
+        if self.rising_gate and not sig["benefit"] and rising == b:
+            sig = {**sig, "benefit": True, "note": "gated: RAG's rising token"}
         return Choice(b if sig["benefit"] else a, FROM_RAG if sig["benefit"] else FROM_LLM, sig)
 
     def score(self, pure: ContextView, rag: ContextView) -> float:
@@ -361,6 +382,7 @@ class TokRAG(Policy):
             out["benefit"] = S.benefit_wins(cos_ir, cos_llm, self.threshold)
         top = torch.topk(p_r_vocab, k=min(3, rt_ids.numel()))
         out["rising_token"] = self._tok.decode([x_rise])
+        out["rising_id"] = x_rise
         out["p_r_top"] = [
             [self._tok.decode([int(i)]), round(float(v), 4)]
             for v, i in zip(top.values, top.indices, strict=True)
