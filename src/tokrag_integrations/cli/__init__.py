@@ -573,6 +573,7 @@ SUBCOMMANDS += [
     _lazy("bench", "add_parser"),
     _lazy("cli.eval", "add_parser"),
     _lazy("cli.pg", "add_ingest_parser"),
+    _lazy("cli.serve", "add_parser"),
 ]
 
 
