@@ -180,6 +180,7 @@ def create_app(
             status = "failed" if state["error"] else "loading"
             return JSONResponse({"status": status, "error": state["error"]}, status_code=503)
         return {"status": "ok", "model": svc.model_id, "active": svc.active,
+                "streams_cut": svc.streams_cut,
                 "max_queue": cfg.max_queue, "pid": os.getpid()}
 
     @app.get("/v1/models")
@@ -295,6 +296,7 @@ async def _events(
                              "logprobs": None}], **extra}
 
     thread = threading.Thread(target=pump, name="tokrag-sse", daemon=True)
+    finished = False
     try:
         yield _sse(chunk({"role": "assistant", "content": ""}))
         thread.start()
@@ -314,6 +316,7 @@ async def _events(
                                         "server log", None, 500, "server_error").to_dict()
                 yield _sse(body)
             else:  # the GenerationResult
+                finished = True
                 yield _sse(chunk({}, FINISH_REASONS.get(item.stop_reason, "stop"),
                                  tokrag=tokrag_object(item, req, notes)))
                 if req.include_usage:
@@ -322,7 +325,10 @@ async def _events(
                                 "usage": usage(item)})
         yield b"data: [DONE]\n\n"
     finally:
-        token_stream.close()  # stops the decode at its next step if it still runs
-        if thread.is_alive():
-            await asyncio.to_thread(thread.join)
+        # No await here: when the client leaves, this runs inside a cancelled scope, where
+        # every await raises again. Closing stops the decode at its next step (its thread
+        # then releases the model and the pump thread ends).
+        token_stream.close()
+        if not finished:
+            svc.streams_cut += 1
         svc.active -= 1

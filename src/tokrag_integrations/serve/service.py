@@ -87,6 +87,8 @@ class ChatService:
             self.batcher = MicroBatcher(lm, **kw)
         #: Requests admitted now (decoding, waiting for a batch or retrieving).
         self.active = 0
+        #: Streams that ended before their answer did (the client left, or the decode failed).
+        self.streams_cut = 0
 
     @classmethod
     def load(cls, config: ServeConfig) -> ChatService:
