@@ -123,6 +123,14 @@ def create_app(
         yield
 
     app = FastAPI(title="tokrag", lifespan=lifespan, docs_url=None, redoc_url=None)
+    pid = str(os.getpid())
+
+    @app.middleware("http")
+    async def _replica_header(request: Request, call_next: Any) -> Any:
+        # Which process answered: with several replicas (Ray Serve), the one that decoded.
+        response = await call_next(request)
+        response.headers["X-TokRAG-Replica"] = pid
+        return response
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> Any:
