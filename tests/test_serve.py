@@ -18,6 +18,8 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from _helpers import LiveServer  # noqa: E402
+
 from tokrag_integrations import generate  # noqa: E402
 from tokrag_integrations.defaults import ANSWER_STOP  # noqa: E402
 
@@ -33,41 +35,6 @@ QUESTIONS = [
     "In which year was Quillfeather Aerospace founded?",
 ]
 MAX_TOKENS = 16
-
-
-class LiveServer:
-    """uvicorn running ``app`` in a daemon thread on a free localhost port."""
-
-    def __init__(self, app):
-        import socket
-
-        import uvicorn
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def client(self, api_key: str = "unused", **kw):
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0,
-                             timeout=120, **kw)
-
-    def health(self) -> dict:
-        return httpx.get(f"{self.url}/health", timeout=30).json()
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
 
 
 def _start(lm, **config):
@@ -373,3 +340,47 @@ def test_llama_index_openai_like_against_the_server(server, lm):
     r = llm.chat([ChatMessage(role="user", content=QUESTION)])
     assert r.message.content == _core(lm).text
     assert r.raw.model_extra["tokrag"]["counts"] == _core(lm).trace.counts()
+
+
+# ============================================================================ command line
+def test_cli_serve_flags_become_the_config():
+    from tokrag_integrations.cli import build_parser
+    from tokrag_integrations.cli.serve import config_from_args
+
+    args = build_parser().parse_args([
+        "serve", "--policy", "rag", "--option", "top_k=2", "--max-tokens-limit", "64",
+        "--max-queue", "3", "--batch-wait-ms", "20", "--store", "postgres", "--table", "kb",
+        "--top-k", "2", "--no-stop",
+    ])
+    c = config_from_args(args)
+    assert (c.policy, c.options, c.limits.max_tokens, c.max_queue) == ("rag", {"top_k": 2}, 64, 3)
+    assert (c.batch_wait_s, c.store, c.table, c.top_k, c.stop) == (0.02, "postgres", "kb", 2, None)
+    assert args.host == "127.0.0.1"  # localhost unless told otherwise
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--policy", "nope"], "Unknown policy 'nope'"),
+        (["serve", "--option", "no_such_option=1"], "no_such_option"),
+        (["serve", "--port", "70000"], "--port"),
+        (["serve", "--ray", "--autoscale", "3:1"], "--autoscale"),
+    ],
+)
+def test_cli_serve_refuses_bad_flags_before_loading(argv, message, capsys):
+    from tokrag_integrations.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_binding_beyond_localhost_without_a_key_warns(monkeypatch):
+    from tokrag_integrations.serve.runner import is_local, warn_if_open
+    from tokrag_integrations.serve.service import ServeConfig
+
+    monkeypatch.delenv("TOKRAG_API_KEY", raising=False)
+    assert is_local("127.0.0.1") and is_local("::1") and is_local("localhost")
+    assert not is_local("0.0.0.0")
+    with pytest.warns(UserWarning, match="without an API key"):
+        warn_if_open("0.0.0.0", ServeConfig())

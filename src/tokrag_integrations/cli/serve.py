@@ -151,6 +151,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     get_policy(args.policy, **dict(args.option))  # a bad option fails before the model loads
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be 1..65535, got {args.port}")
+    if args.api_key:
+        import warnings
+
+        warnings.warn(
+            "--api-key is visible to every local user in the process list (ps); set "
+            "$TOKRAG_API_KEY instead",
+            UserWarning,
+            stacklevel=2,
+        )
     config = config_from_args(args)
     if args.ray:
         from ..serve.ray_app import run_ray
