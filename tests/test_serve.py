@@ -7,6 +7,7 @@ answers, so every test can fail.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +74,8 @@ def test_health_and_models(server, lm):
     assert h["status"] == "ok" and h["model"] == lm.name and h["active"] == 0
     models = server.client().models.list()
     assert [m.id for m in models.data] == [lm.name]
+    r = httpx.get(f"{server.url}/v1/models", timeout=30)
+    assert r.headers["x-tokrag-replica"] == str(os.getpid())  # this process answered
 
 
 def test_documents_give_the_tokrag_answer_with_its_trace(server, lm):

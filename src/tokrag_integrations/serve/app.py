@@ -123,14 +123,7 @@ def create_app(
         yield
 
     app = FastAPI(title="tokrag", lifespan=lifespan, docs_url=None, redoc_url=None)
-    pid = str(os.getpid())
-
-    @app.middleware("http")
-    async def _replica_header(request: Request, call_next: Any) -> Any:
-        # Which process answered: with several replicas (Ray Serve), the one that decoded.
-        response = await call_next(request)
-        response.headers["X-TokRAG-Replica"] = pid
-        return response
+    app.add_middleware(_ReplicaHeader)
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> Any:
@@ -247,6 +240,28 @@ def create_app(
 
     app.state.tokrag = state
     return app
+
+
+class _ReplicaHeader:
+    """ASGI middleware: every HTTP response says which process answered (``X-TokRAG-Replica``;
+    with several Ray Serve replicas, the one that decoded). Plain ASGI, not Starlette's
+    ``BaseHTTPMiddleware``, so streaming and disconnect detection pass through untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.header = (b"x-tokrag-replica", str(os.getpid()).encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
 
 
 async def _unless_disconnected(request: Any, work: Any) -> Any:
