@@ -387,3 +387,19 @@ def test_binding_beyond_localhost_without_a_key_warns(monkeypatch):
     assert not is_local("0.0.0.0")
     with pytest.warns(UserWarning, match="without an API key"):
         warn_if_open("0.0.0.0", ServeConfig())
+
+
+def test_server_default_options_apply_to_its_own_policy_only(lm):
+    from tokrag_integrations.serve import ChatService, ServeConfig
+    from tokrag_integrations.serve.schemas import Limits, parse_chat_request
+
+    svc = ChatService(lm, ServeConfig(policy="tokrag", options={"pr_norm": "softmax"}))
+    body = {"messages": [{"role": "user", "content": QUESTION}]}
+
+    def settings(extra):
+        return svc.settings(parse_chat_request({**body, **extra}, Limits(), svc.policies))
+
+    assert settings({})["pr_norm"] == "softmax"
+    assert settings({"tokrag": {"options": {"top_k": 3}}})["top_k"] == 3
+    assert settings({"tokrag": {"options": {"top_k": 3}}})["pr_norm"] == "softmax"
+    assert "pr_norm" not in settings({"tokrag": {"policy": "rag"}})

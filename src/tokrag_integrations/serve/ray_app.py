@@ -117,8 +117,8 @@ def run_ray(
     if not ray.is_initialized():
         if address:
             ray.init(address=address)
-        else:
-            ray.init(include_dashboard=False)
+        else:  # a local instance: say how many CPUs (Ray's guess may count the host's)
+            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
     handle = serve.run(ray_deployment(config, num_cpus=num_cpus, **deployment_kwargs),
                        name="tokrag", route_prefix="/")

@@ -122,7 +122,9 @@ class ChatService:
         from ..policies import get_policy
 
         policy = req.policy or self.config.policy
-        options = req.options if req.options else dict(self.config.options)
+        # The server's default options belong to its default policy; the request's win.
+        base = self.config.options if policy == self.config.policy else {}
+        options = {**base, **req.options}
         try:
             get_policy(policy, **options)  # checked here, so a bad option is a 400 at once
         except (TypeError, ValueError) as exc:
