@@ -403,3 +403,48 @@ def test_server_default_options_apply_to_its_own_policy_only(lm):
     assert settings({"tokrag": {"options": {"top_k": 3}}})["top_k"] == 3
     assert settings({"tokrag": {"options": {"top_k": 3}}})["pr_norm"] == "softmax"
     assert "pr_norm" not in settings({"tokrag": {"policy": "rag"}})
+
+
+@pytest.mark.slow
+def test_tokrag_serve_command_answers_over_http(lm, tmp_path):
+    """The real command line in its own process: healthy once loaded, answers like the core,
+    stops on Ctrl-C (slow: 36 s on a busy 2-core machine, most of it the second process
+    importing torch and loading the model; benchmarks/load_serve.py runs the same command)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKRAG_API_KEY="k3y")
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokrag_integrations.cli", "serve", "--port", str(port),
+         "--max-new-tokens", str(MAX_TOKENS)],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "tokrag serve did not become healthy"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3y",
+                               max_retries=0, timeout=300)
+        assert _ask(client).choices[0].message.content == _core(lm).text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    assert proc.returncode in (0, 130, -signal.SIGINT)
