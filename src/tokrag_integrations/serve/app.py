@@ -120,7 +120,10 @@ def create_app(
         asyncio.get_running_loop().set_default_executor(pool)
         if loader is not None and state["service"] is None:
             threading.Thread(target=load_in_background, name="tokrag-load", daemon=True).start()
-        yield
+        try:
+            yield
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="tokrag", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(_ReplicaHeader)
