@@ -11,7 +11,8 @@ questions in turn, each with its BM25 top-3 passages from the sample documents a
 requests still running then are waited for and counted. Prints, per setup / policy / client
 count: completed requests, errors (any non-200 answer or failed connection), p50 / p95
 latency, generated tokens per second (completion tokens over the wall time from the first
-request to the last answer), and the tokrag / rag throughput ratio.
+request to the last answer), and the tokrag / rag throughput ratio. The servers' logs go to
+``out/load_serve.<setup>.log``.
 """
 
 from __future__ import annotations
@@ -141,7 +142,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     for setup in args.setups.split(","):
         port = free_port()
-        proc = start_server(setup, port, args.max_tokens, out.with_suffix(f".{setup}.log"))
+        logs = Path("out")  # git-ignored
+        logs.mkdir(exist_ok=True)
+        proc = start_server(setup, port, args.max_tokens, logs / f"load_serve.{setup}.log")
         url = f"http://127.0.0.1:{port}"
         try:
             for policy in policies:  # warm-up: one request per policy
