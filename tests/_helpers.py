@@ -3,6 +3,8 @@ puts this folder on ``sys.path``)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -52,3 +54,42 @@ def sample_documents() -> list[Any]:
         return {"file_path": str(Path(path).relative_to(root)), "file_name": Path(path).name}
 
     return SimpleDirectoryReader(str(root), file_metadata=metadata).load_data()
+
+
+class LiveServer:
+    """uvicorn running ``app`` in a daemon thread on a free localhost port."""
+
+    def __init__(self, app):
+        import socket
+
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, api_key: str = "unused", **kw):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0,
+                             timeout=120, **kw)
+
+    def health(self) -> dict:
+        import httpx
+
+        return httpx.get(f"{self.url}/health", timeout=30).json()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)

@@ -4,8 +4,8 @@
 
 This module holds ``main``, the parser and ``tokrag ask``; the other subcommands live next to
 it: :mod:`.eval` (``tokrag eval``), :mod:`.pg` (``tokrag ingest`` and the ``--store
-postgres`` options of ``ask``), :mod:`.gate` (``ask --gate``); ``tokrag bench`` is
-:mod:`..bench`.
+postgres`` options of ``ask``), :mod:`.gate` (``ask --gate``), :mod:`.serve` (``tokrag
+serve``); ``tokrag bench`` is :mod:`..bench`.
 
 Each subcommand is one ``add_*_parser(subparsers)`` function that adds its parser and sets
 ``func`` (a ``(args) -> int`` handler) as a default; :data:`SUBCOMMANDS` lists them. A new
@@ -573,6 +573,7 @@ SUBCOMMANDS += [
     _lazy("bench", "add_parser"),
     _lazy("cli.eval", "add_parser"),
     _lazy("cli.pg", "add_ingest_parser"),
+    _lazy("cli.serve", "add_parser"),
 ]
 
 

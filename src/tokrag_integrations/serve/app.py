@@ -1,0 +1,360 @@
+"""The OpenAI-compatible HTTP app (FastAPI): ``/health``, ``/v1/models``, ``/v1/chat/completions``.
+
+    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+    app = create_app(ChatService.load(ServeConfig(policy="tokrag")))   # any ASGI server runs it
+
+A chat completion is the standard OpenAI object plus a top-level ``tokrag`` object: the
+policy, the token counts per source, the token-level trace, warnings and the sources (the
+passages as they entered the RAG context). Streamed (``"stream": true``) answers are
+server-sent events of ``chat.completion.chunk`` objects; each content chunk carries
+``tokrag.source`` (where its token came from) and the last one the full ``tokrag`` object.
+
+A request the server refuses gets an OpenAI-style JSON error (``{"error": {"message",
+"type", "param", "code"}}``): 400 for a bad body, 401 without the configured bearer token,
+413 for a body over the limit, 429 when ``max_queue`` requests are already admitted, 503
+while the model loads; never a traceback.
+
+Decoding never runs on the event loop. Plain requests go through the model's micro-batcher,
+so concurrent requests with the same settings decode as one batch; a stream decodes in its
+own thread at its own pace and its events are queued for the client, so a slow reader never
+holds the model; a client that disconnects cancels its request (a stream stops at its next
+step and releases the model; a queued request leaves its batch).
+"""
+
+# No ``from __future__ import annotations``: FastAPI reads the routes' annotations (``Request``)
+# at definition time, and ``Request`` is imported inside create_app to keep imports lazy.
+import asyncio
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+from .schemas import ChatRequest, RequestError, parse_chat_request
+from .service import ChatService, ServeConfig
+
+__all__ = ["create_app", "FINISH_REASONS"]
+
+log = logging.getLogger("tokrag.serve")
+
+#: The core's stop reasons as OpenAI ``finish_reason`` values.
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+_END = object()
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error",
+           param: str | None = None) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(RequestError(message, param, status, kind).to_dict(), status_code=status)
+
+
+def tokrag_object(result: Any, req: ChatRequest, extra_warnings: list[str]) -> dict[str, Any]:
+    """The response's ``tokrag`` object for one :class:`~tokrag_integrations.GenerationResult`."""
+    tr = result.trace
+    return {
+        "policy": tr.policy,
+        "counts": tr.counts(),
+        "stop_reason": tr.stop_reason,
+        "prompt_tokens": dict(tr.prompt_tokens),
+        "warnings": [*tr.warnings, *req.warnings, *extra_warnings],
+        "sources": [
+            {"rank": p.rank, "text": p.text, "score": p.score, "metadata": p.metadata,
+             "kept": p.kept, "cut": p.cut, "n_tokens": p.n_tokens}
+            for p in tr.passages
+        ],
+        "trace": tr.to_dict() if req.trace else None,
+    }
+
+
+def usage(result: Any) -> dict[str, int]:
+    """OpenAI ``usage``: prompt tokens of the context the answer is conditioned on (the RAG
+    context when there is one; ``tokrag.prompt_tokens`` has both) and generated tokens."""
+    pt = result.trace.prompt_tokens
+    prompt = int(pt.get("rag") or pt.get("pure") or 0)
+    completion = len(result.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def create_app(
+    service: ChatService | None = None,
+    *,
+    loader: Callable[[], ChatService] | None = None,
+    config: ServeConfig | None = None,
+) -> Any:
+    """The FastAPI app answering with ``service``, or with what ``loader()`` returns once it
+    has run in a background thread at startup (``/health`` says 503 until then).
+
+    ``config`` gives the HTTP settings when there is no service yet (default: the service's).
+    """
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    if (service is None) == (loader is None):
+        raise ValueError("give a service or a loader, not both and not neither")
+    cfg = config or (service.config if service is not None else ServeConfig())
+    state: dict[str, Any] = {"service": service, "error": None}
+    api_key = cfg.resolved_api_key()
+    limits = cfg.limits
+
+    def load_in_background() -> None:
+        try:
+            state["service"] = loader()  # type: ignore[misc]
+        except Exception as exc:  # reported by /health and every request
+            log.exception("loading the model failed")
+            state["error"] = f"{type(exc).__name__}: {exc}"
+
+    @asynccontextmanager
+    async def lifespan(_: Any) -> AsyncIterator[None]:
+        # Each waiting or decoding request holds a worker thread (the batcher's leader sleeps
+        # in one while companions arrive): size the loop's default pool to the queue limit.
+        pool = ThreadPoolExecutor(max_workers=cfg.max_queue + 8, thread_name_prefix="tokrag-serve")
+        asyncio.get_running_loop().set_default_executor(pool)
+        if loader is not None and state["service"] is None:
+            threading.Thread(target=load_in_background, name="tokrag-load", daemon=True).start()
+        try:
+            yield
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="tokrag", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(_ReplicaHeader)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError) -> Any:
+        return JSONResponse(exc.to_dict(), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> Any:
+        log.error("request failed", exc_info=exc)
+        return _error(500, f"internal error ({type(exc).__name__}); see the server log",
+                      "server_error")
+
+    def ready() -> ChatService:
+        if state["error"] is not None:
+            raise RequestError(f"the model failed to load: {state['error']}", None, 503,
+                               "server_error")
+        svc = state["service"]
+        if svc is None:
+            raise RequestError("the model is still loading; retry shortly", None, 503,
+                               "server_error")
+        return svc
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
+            raise RequestError("missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               None, 401, "authentication_error")
+
+    async def read_json(request: Request) -> Any:
+        length = request.headers.get("content-length")
+        too_big = RequestError(
+            f"the request body is larger than this server's limit of {limits.max_body_bytes} "
+            "bytes", None, 413
+        )
+        if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limits.max_body_bytes:
+                raise too_big
+        try:
+            return json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RequestError(f"the body is not valid JSON: {exc}") from None
+
+    @app.get("/health")
+    async def health() -> Any:
+        svc = state["service"]
+        if svc is None:
+            status = "failed" if state["error"] else "loading"
+            return JSONResponse({"status": status, "error": state["error"]}, status_code=503)
+        return {"status": "ok", "model": svc.model_id, "active": svc.active,
+                "streams_cut": svc.streams_cut,
+                "max_queue": cfg.max_queue, "pid": os.getpid()}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        authorize(request)
+        svc = ready()
+        return {"object": "list", "data": [
+            {"id": svc.model_id, "object": "model", "created": 0, "owned_by": "tokrag"}
+        ]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        authorize(request)
+        svc = ready()
+        req = parse_chat_request(await read_json(request), limits, svc.policies)
+        if svc.active >= cfg.max_queue:
+            return JSONResponse(
+                RequestError(f"the server is busy: {cfg.max_queue} requests are queued; retry "
+                             "later", None, 429, "rate_limit_error").to_dict(),
+                status_code=429, headers={"Retry-After": "1"},
+            )
+        svc.active += 1
+        handed_over = False
+        try:
+            passages, notes = await svc.passages(req)
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            created = int(time.time())
+            if req.stream:
+                token_stream = await svc.open_stream(req, passages)
+                handed_over = True  # the event generator releases the slot
+                return StreamingResponse(
+                    _events(svc, req, token_stream, rid, created, notes),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
+            result = await _unless_disconnected(request, svc.complete(req, passages))
+            if result is None:  # the client left; nobody reads a response
+                return JSONResponse({}, status_code=499)
+            return {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": svc.model_id,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": result.text},
+                    "finish_reason": FINISH_REASONS.get(result.stop_reason, "stop"),
+                    "logprobs": None,
+                }],
+                "usage": usage(result),
+                "tokrag": tokrag_object(result, req, notes),
+            }
+        finally:
+            if not handed_over:
+                svc.active -= 1
+
+    app.state.tokrag = state
+    return app
+
+
+class _ReplicaHeader:
+    """ASGI middleware: every HTTP response says which process answered (``X-TokRAG-Replica``;
+    with several Ray Serve replicas, the one that decoded). Plain ASGI, not Starlette's
+    ``BaseHTTPMiddleware``, so streaming and disconnect detection pass through untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.header = (b"x-tokrag-replica", str(os.getpid()).encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+async def _unless_disconnected(request: Any, work: Any) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it and return None."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                with suppress(asyncio.CancelledError, Exception):
+                    await task
+                return None
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+
+
+def _sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def _events(
+    svc: ChatService, req: ChatRequest, token_stream: Any, rid: str, created: int,
+    notes: list[str],
+) -> AsyncIterator[bytes]:
+    """Server-sent events for one stream. The decode is read by a thread of its own as fast
+    as the model goes and queued here, so the model is released when the answer is done,
+    however slowly the client reads; closing this generator (the client left) stops it."""
+    from ..api import TokenEvent
+
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(item: Any) -> None:
+        with suppress(RuntimeError):  # the loop is gone: nobody listens
+            loop.call_soon_threadsafe(events.put_nowait, item)
+
+    def pump() -> None:
+        try:
+            for ev in token_stream:
+                put(ev)
+            put(token_stream.result)
+        except BaseException as exc:  # noqa: BLE001 - handed to the response
+            put(exc)
+        finally:
+            put(_END)
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        return {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": svc.model_id,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                             "logprobs": None}], **extra}
+
+    thread = threading.Thread(target=pump, name="tokrag-sse", daemon=True)
+    finished = False
+    try:
+        yield _sse(chunk({"role": "assistant", "content": ""}))
+        thread.start()
+        while True:
+            item = await events.get()
+            if item is _END:
+                break
+            if isinstance(item, TokenEvent):
+                if item.text:
+                    yield _sse(chunk({"content": item.text}, tokrag={"source": item.source}))
+            elif isinstance(item, BaseException):
+                if isinstance(item, (TypeError, ValueError)):
+                    body = RequestError(str(item)).to_dict()
+                else:
+                    log.error("stream failed", exc_info=item)
+                    body = RequestError(f"internal error ({type(item).__name__}); see the "
+                                        "server log", None, 500, "server_error").to_dict()
+                yield _sse(body)
+            else:  # the GenerationResult
+                finished = True
+                yield _sse(chunk({}, FINISH_REASONS.get(item.stop_reason, "stop"),
+                                 tokrag=tokrag_object(item, req, notes)))
+                if req.include_usage:
+                    yield _sse({"id": rid, "object": "chat.completion.chunk",
+                                "created": created, "model": svc.model_id, "choices": [],
+                                "usage": usage(item)})
+        yield b"data: [DONE]\n\n"
+    finally:
+        # No await here: when the client leaves, this runs inside a cancelled scope, where
+        # every await raises again. Closing stops the decode at its next step (its thread
+        # then releases the model and the pump thread ends).
+        token_stream.close()
+        if not finished:
+            svc.streams_cut += 1
+        svc.active -= 1

@@ -1,0 +1,350 @@
+"""The body of ``POST /v1/chat/completions``, checked and split the way the core API takes it.
+
+Framework-free (no FastAPI import): :func:`parse_chat_request` turns the decoded JSON body into
+a :class:`ChatRequest` or raises :class:`RequestError` with one sentence naming the field, which
+the app returns as an OpenAI-style 400 error. The OpenAI fields a greedy local decoder cannot
+honour (``temperature`` other than 0, ``n`` > 1, ``top_p`` < 1, penalties, log-probabilities,
+tools) are refused; fields it has no use for (``user``, ``seed``, ``metadata``...) are ignored
+and named in the response's ``tokrag.warnings``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ChatRequest", "Limits", "RequestError", "parse_chat_request", "parse_documents"]
+
+#: Keys of the request's ``tokrag`` object.
+TOKRAG_KEYS = ("policy", "options", "filters", "top_k", "trace")
+
+#: OpenAI fields the server takes; others are ignored with a warning.
+_KNOWN = {
+    "model", "messages", "max_tokens", "max_completion_tokens", "stop", "stream",
+    "stream_options", "temperature", "top_p", "n", "presence_penalty", "frequency_penalty",
+    "logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+    "response_format", "documents", "tokrag",
+}
+
+
+class RequestError(ValueError):
+    """A request the server refuses: ``status`` (400 unless said), ``param`` the field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.kind = kind
+
+    def to_dict(self) -> dict[str, Any]:
+        """The OpenAI error body: ``{"error": {message, type, param, code}}``."""
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
+                          "code": None}}
+
+
+@dataclass
+class Limits:
+    """Per-request limits of the server (``tokrag serve`` flags of the same names)."""
+
+    max_tokens: int = 512
+    """Largest ``max_tokens`` a request may ask for."""
+    max_documents: int = 32
+    """Most ``documents`` in one request."""
+    max_messages: int = 64
+    """Most chat messages in one request."""
+    max_body_bytes: int = 1_000_000
+    """Largest request body (checked by the app before the JSON is read)."""
+
+
+@dataclass
+class ChatRequest:
+    """One chat request, split for :func:`tokrag_integrations.generate`."""
+
+    query: str
+    """The content of the final user turn(s)."""
+    history: list[dict[str, str]]
+    """Earlier user/assistant turns (``messages=`` of the core)."""
+    system_prompt: str | None
+    """The system (and developer) messages joined, or None for the core's default."""
+    documents: list[Any] | None
+    """Passages given in the body (None: not given, the server's store is asked if it has one)."""
+    max_tokens: int | None
+    stop: list[str] | None
+    """None: the server's default stop strings."""
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+    policy: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    filters: Any = None
+    top_k: int | None = None
+    trace: bool = True
+    """Whether the response carries the full token trace (``tokrag.trace``)."""
+    warnings: list[str] = field(default_factory=list)
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else {
+        str: "string", bool: "boolean", int: "integer", float: "number", list: "array",
+        dict: "object",
+    }.get(type(value), type(value).__name__)
+
+
+def _int(body: Mapping[str, Any], key: str, low: int, high: int | None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"'{key}' must be an integer, got {_type_name(value)}", key)
+    if value < low:
+        raise RequestError(f"'{key}' must be at least {low}, got {value}", key)
+    if high is not None and value > high:
+        raise RequestError(
+            f"'{key}' is {value}, more than this server's limit of {high} new tokens", key
+        )
+    return value
+
+
+def _number_equal(body: Mapping[str, Any], key: str, allowed: float, why: str) -> None:
+    value = body.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RequestError(f"'{key}' must be a number, got {_type_name(value)}", key)
+    if value != allowed:
+        raise RequestError(f"'{key}' must be {allowed:g} or absent, got {value:g}: {why}", key)
+
+
+def _content(message: Mapping[str, Any], i: int) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, Mapping) and part.get("type") == "text" and isinstance(
+                part.get("text"), str
+            ):
+                parts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, Mapping) else _type_name(part)
+                raise RequestError(
+                    f"messages[{i}].content[{j}] is a {kind!r} part; this server reads text "
+                    "parts only", f"messages[{i}].content"
+                )
+        return "".join(parts)
+    raise RequestError(
+        f"messages[{i}].content must be a string or a list of text parts, got "
+        f"{_type_name(content)}", f"messages[{i}].content"
+    )
+
+
+def _messages(value: Any, limits: Limits) -> tuple[str, list[dict[str, str]], str | None]:
+    if not isinstance(value, list) or not value:
+        got = "an empty array" if isinstance(value, list) else _type_name(value)
+        raise RequestError(f"'messages' must be a non-empty array of messages, got {got}",
+                           "messages")
+    if len(value) > limits.max_messages:
+        raise RequestError(
+            f"'messages' holds {len(value)} messages, more than this server's limit of "
+            f"{limits.max_messages}", "messages"
+        )
+    system: list[str] = []
+    turns: list[dict[str, str]] = []
+    for i, m in enumerate(value):
+        if not isinstance(m, Mapping):
+            raise RequestError(f"messages[{i}] must be an object with 'role' and 'content', "
+                               f"got {_type_name(m)}", f"messages[{i}]")
+        role = m.get("role")
+        if role in ("system", "developer"):
+            text = _content(m, i)
+            if text.strip():
+                system.append(text)
+        elif role in ("user", "assistant"):
+            if role == "assistant" and m.get("tool_calls"):
+                raise RequestError("this server has no tool calling; messages[{i}] holds "
+                                   "tool_calls", f"messages[{i}]")
+            turns.append({"role": role, "content": _content(m, i)})
+        else:
+            raise RequestError(
+                f"messages[{i}].role must be 'system', 'developer', 'user' or 'assistant', got "
+                f"{role!r} (this server has no tool calling)", f"messages[{i}].role"
+            )
+    if not turns or turns[-1]["role"] != "user":
+        raise RequestError("the last message must be a user message: the server answers it",
+                           "messages")
+    tail: list[str] = []
+    while turns and turns[-1]["role"] == "user":
+        tail.insert(0, turns.pop()["content"])
+    query = "\n\n".join(t for t in tail if t.strip())
+    if not query.strip():
+        raise RequestError("the last user message is empty; ask a question", "messages")
+    return query, turns, "\n\n".join(system) or None
+
+
+def parse_documents(value: Any, limits: Limits, param: str = "documents") -> list[Any]:
+    """``documents``: strings or ``{text, metadata, score}`` objects -> core ``Passage`` list."""
+    from ..prompts import Passage
+
+    if not isinstance(value, list):
+        raise RequestError(
+            f"'{param}' must be an array of strings or {{text, metadata, score}} objects, got "
+            f"{_type_name(value)}", param
+        )
+    if len(value) > limits.max_documents:
+        raise RequestError(
+            f"'{param}' holds {len(value)} documents, more than this server's limit of "
+            f"{limits.max_documents}", param
+        )
+    out = []
+    for i, d in enumerate(value):
+        where = f"{param}[{i}]"
+        if isinstance(d, str):
+            out.append(Passage(d))
+            continue
+        if not isinstance(d, Mapping):
+            raise RequestError(f"{where} must be a string or an object with 'text', got "
+                               f"{_type_name(d)}", where)
+        unknown = sorted(set(d) - {"text", "metadata", "score"})
+        if unknown:
+            raise RequestError(f"{where} has unknown key(s) {', '.join(unknown)}; a document "
+                               "takes text, metadata and score", where)
+        text, meta, score = d.get("text"), d.get("metadata"), d.get("score")
+        if not isinstance(text, str):
+            raise RequestError(f"{where}.text must be a string, got {_type_name(text)}",
+                               f"{where}.text")
+        if meta is not None and not isinstance(meta, Mapping):
+            raise RequestError(f"{where}.metadata must be an object, got {_type_name(meta)}",
+                               f"{where}.metadata")
+        if score is not None and (isinstance(score, bool) or not isinstance(score, numbers.Real)):
+            raise RequestError(f"{where}.score must be a number, got {_type_name(score)}",
+                               f"{where}.score")
+        out.append(Passage(text, score=None if score is None else float(score),
+                           metadata=dict(meta or {})))
+    return out
+
+
+def _stop(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        if len(value) > 4:
+            raise RequestError(f"'stop' holds {len(value)} strings; at most 4", "stop")
+        return list(value)
+    raise RequestError(f"'stop' must be a string or an array of strings, got {_type_name(value)}",
+                       "stop")
+
+
+def _bool(body: Mapping[str, Any], key: str, param: str | None = None) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"'{param or key}' must be true or false, got {_type_name(value)}",
+                           param or key)
+    return value
+
+
+def _tokrag(value: Any, req: ChatRequest, policies: Sequence[str]) -> None:
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise RequestError(f"'tokrag' must be an object, got {_type_name(value)}", "tokrag")
+    unknown = sorted(set(value) - set(TOKRAG_KEYS))
+    if unknown:
+        raise RequestError(f"'tokrag' has unknown key(s) {', '.join(unknown)}; it takes "
+                           f"{', '.join(TOKRAG_KEYS)}", "tokrag")
+    policy = value.get("policy")
+    if policy is not None:
+        if not isinstance(policy, str):
+            raise RequestError(f"'tokrag.policy' must be a string, got {_type_name(policy)}",
+                               "tokrag.policy")
+        if policy not in policies:
+            raise RequestError(f"unknown policy {policy!r}; available: {', '.join(policies)}",
+                               "tokrag.policy")
+        req.policy = policy
+    options = value.get("options")
+    if options is not None:
+        if not isinstance(options, Mapping):
+            raise RequestError(f"'tokrag.options' must be an object, got {_type_name(options)}",
+                               "tokrag.options")
+        reserved = sorted(set(options) & {"prompt_format", "rendered"})
+        if reserved:
+            raise RequestError(f"'tokrag.options' cannot set {', '.join(reserved)}",
+                               "tokrag.options")
+        req.options = dict(options)
+    filters = value.get("filters")
+    if filters is not None and not isinstance(filters, Mapping):
+        raise RequestError(f"'tokrag.filters' must be an object such as {{\"file_name\": "
+                           f"\"guide.md\"}}, got {_type_name(filters)}", "tokrag.filters")
+    req.filters = dict(filters) if filters else None
+    req.top_k = _int(value, "top_k", 1, 100)
+    trace = value.get("trace")
+    if trace is not None:
+        if not isinstance(trace, bool):
+            raise RequestError(f"'tokrag.trace' must be true or false, got {_type_name(trace)}",
+                               "tokrag.trace")
+        req.trace = trace
+
+
+def parse_chat_request(body: Any, limits: Limits, policies: Sequence[str]) -> ChatRequest:
+    """Check a decoded ``/v1/chat/completions`` body against ``limits``.
+
+    Raises:
+        RequestError: the first problem found, naming its field.
+    """
+    if not isinstance(body, Mapping):
+        raise RequestError(f"the body must be a JSON object, got {_type_name(body)}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError(f"'model' must be a string, got {_type_name(model)}", "model")
+    query, history, system_prompt = _messages(body.get("messages"), limits)
+    greedy = "every policy decodes greedily (Tok-RAG compares the greedy choices of two contexts)"
+    _number_equal(body, "temperature", 0, greedy)
+    _number_equal(body, "top_p", 1, greedy)
+    _number_equal(body, "presence_penalty", 0, "penalties are not supported")
+    _number_equal(body, "frequency_penalty", 0, "penalties are not supported")
+    n = _int(body, "n", 1, None)
+    if n is not None and n != 1:
+        raise RequestError(f"'n' must be 1, got {n}: greedy decoding gives one answer", "n")
+    for key in ("logprobs", "tools", "functions", "tool_choice", "function_call",
+                "response_format", "top_logprobs"):
+        if body.get(key) not in (None, False, [], "none"):
+            raise RequestError(f"'{key}' is not supported by this server", key)
+    max_tokens = _int(body, "max_completion_tokens", 1, limits.max_tokens)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1, limits.max_tokens)
+    stream = _bool(body, "stream")
+    include_usage = False
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, Mapping):
+            raise RequestError(f"'stream_options' must be an object, got {_type_name(opts)}",
+                               "stream_options")
+        include_usage = _bool(opts, "include_usage", "stream_options.include_usage")
+    documents = body.get("documents")
+    req = ChatRequest(
+        query=query,
+        history=history,
+        system_prompt=system_prompt,
+        documents=None if documents is None else parse_documents(documents, limits),
+        max_tokens=max_tokens,
+        stop=_stop(body.get("stop")),
+        stream=stream,
+        include_usage=include_usage,
+        model=model,
+    )
+    _tokrag(body.get("tokrag"), req, policies)
+    ignored = sorted(k for k in body if k not in _KNOWN)
+    if ignored:
+        req.warnings.append(f"ignored field(s) this server does not use: {', '.join(ignored)}")
+    return req

@@ -1,0 +1,202 @@
+"""The model side of the server: one loaded model, its micro-batcher and optional Postgres store.
+
+:class:`ChatService` takes a checked :class:`~.schemas.ChatRequest` and answers it with the
+core API: a plain request through the model's micro-batcher (:mod:`..batching`: concurrent
+requests with the same settings decode as one batch, each gets the tokens it gets alone), a
+streamed one through :func:`~tokrag_integrations.stream`. No FastAPI here; :mod:`.app` maps
+HTTP onto it, and the Ray Serve deployment (:mod:`.ray_app`) builds one per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..defaults import ANSWER_STOP, TOP_K
+from .schemas import ChatRequest, Limits, RequestError
+
+__all__ = ["ChatService", "ServeConfig", "API_KEY_ENV"]
+
+#: Environment variable holding the bearer token when ``--api-key`` is not given.
+API_KEY_ENV = "TOKRAG_API_KEY"
+
+
+@dataclass
+class ServeConfig:
+    """Everything ``tokrag serve`` is told (the flags of the same names)."""
+
+    model: str = "default"
+    """Model to load (as :func:`~tokrag_integrations.load_model` takes it)."""
+    device: str | None = None
+    dtype: str | None = None
+    policy: str = "tokrag"
+    """Policy of requests that name none (``tokrag.policy`` overrides it per request)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Policy options of requests that give none."""
+    stop: tuple[str, ...] | None = ANSWER_STOP
+    """Stop strings of requests that give none (None: none)."""
+    max_new_tokens: int = 64
+    """``max_tokens`` of requests that give none."""
+    limits: Limits = field(default_factory=Limits)
+    max_queue: int = 64
+    """Requests admitted at once (decoding or waiting); one more gets 429."""
+    api_key: str | None = None
+    """Bearer token required on ``/v1/*`` (None: no auth)."""
+    max_batch: int | None = None
+    """Largest batch of the micro-batcher (None: its default)."""
+    batch_wait_s: float | None = None
+    """How long the first request of a batch waits for companions (None: the default)."""
+    store: str | None = None
+    """``"postgres"``: retrieve from an ingested table when a request has no documents."""
+    dsn: str | None = None
+    table: str | None = None
+    top_k: int = TOP_K
+    embed_model: str | None = None
+    data_dir: str | None = None
+
+    def resolved_api_key(self) -> str | None:
+        """``api_key``, else ``$TOKRAG_API_KEY``, else None (empty strings count as none)."""
+        return self.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+class ChatService:
+    """Answers chat requests on one loaded model (thread-safe; all decoding off the loop)."""
+
+    def __init__(self, lm: Any, config: ServeConfig | None = None, kb: Any = None) -> None:
+        from ..batching import MicroBatcher, batcher_for
+        from ..policies import available_policies
+
+        self.lm = lm
+        self.config = config or ServeConfig()
+        self.kb = kb
+        self.policies = available_policies()
+        if self.config.policy not in self.policies:
+            raise ValueError(
+                f"unknown policy {self.config.policy!r}; available: {', '.join(self.policies)}"
+            )
+        if self.config.max_batch is None and self.config.batch_wait_s is None:
+            self.batcher = batcher_for(lm)  # the model's shared batcher
+        else:
+            kw: dict[str, Any] = {}
+            if self.config.max_batch is not None:
+                kw["max_batch"] = self.config.max_batch
+            if self.config.batch_wait_s is not None:
+                kw["wait_s"] = self.config.batch_wait_s
+            self.batcher = MicroBatcher(lm, **kw)
+        #: Requests admitted now (decoding, waiting for a batch or retrieving).
+        self.active = 0
+        #: Streams that ended before their answer did (the client left, or the decode failed).
+        self.streams_cut = 0
+
+    @classmethod
+    def load(cls, config: ServeConfig) -> ChatService:
+        """Load the model (and open the store) that ``config`` names."""
+        from ..models import load_model
+
+        if config.store not in (None, "postgres"):
+            raise ValueError(f"unknown store {config.store!r}; the server knows 'postgres'")
+        kb = None
+        if config.store == "postgres":
+            from ..postgres import DEFAULT_TABLE, PostgresKnowledgeBase
+
+            kb = PostgresKnowledgeBase(
+                config.dsn, config.table or DEFAULT_TABLE, embed_model=config.embed_model,
+                data_dir=config.data_dir,
+            )
+        lm = load_model(config.model, device=config.device, dtype=config.dtype)
+        return cls(lm, config, kb)
+
+    @property
+    def model_id(self) -> str:
+        return str(self.lm.name)
+
+    # ------------------------------------------------------------------ requests
+    def settings(self, req: ChatRequest) -> dict[str, Any]:
+        """The keyword arguments of :func:`~tokrag_integrations.generate` for ``req``.
+
+        Raises:
+            RequestError: the policy options are refused by the policy.
+        """
+        from ..policies import get_policy
+
+        policy = req.policy or self.config.policy
+        # The server's default options belong to its default policy; the request's win.
+        base = self.config.options if policy == self.config.policy else {}
+        options = {**base, **req.options}
+        try:
+            get_policy(policy, **options)  # checked here, so a bad option is a 400 at once
+        except (TypeError, ValueError) as exc:
+            raise RequestError(str(exc), "tokrag.options") from None
+        stop = req.stop if req.stop is not None else list(self.config.stop or ())
+        kw: dict[str, Any] = {
+            "policy": policy,
+            "max_new_tokens": req.max_tokens or self.config.max_new_tokens,
+            "stop": stop,
+            "messages": req.history or None,
+            **options,
+        }
+        if req.system_prompt is not None:
+            kw["system_prompt"] = req.system_prompt
+        return kw
+
+    async def passages(self, req: ChatRequest) -> tuple[list[Any] | None, list[str]]:
+        """The request's documents, else the store's top chunks for its question, else None.
+
+        Returns ``(passages, warnings)``.
+        """
+        if req.documents is not None:
+            if req.filters is not None:
+                return req.documents, ["tokrag.filters ignored: the request gave documents"]
+            return req.documents, []
+        if self.kb is None:
+            if req.filters is not None or req.top_k is not None:
+                raise RequestError(
+                    "tokrag.filters and tokrag.top_k need a server started with --store "
+                    "postgres; give 'documents' instead", "tokrag"
+                )
+            return None, []
+        from ..prompts import Passage
+
+        top_k = req.top_k or self.config.top_k
+        try:
+            chunks = await asyncio.to_thread(self.kb.retrieve, req.query, top_k, req.filters)
+        except ValueError as exc:  # a bad filter
+            raise RequestError(str(exc), "tokrag.filters") from None
+        except Exception as exc:
+            from ..postgres import PostgresConnectionError
+
+            if isinstance(exc, PostgresConnectionError):
+                raise RequestError(f"retrieval failed: {exc}", None, 503, "server_error") from None
+            raise
+        return [
+            Passage(c.text, score=c.score,
+                    metadata={**c.metadata, "source": c.source, "chunk": c.chunk})
+            for c in chunks
+        ], []
+
+    async def complete(self, req: ChatRequest, passages: list[Any] | None) -> Any:
+        """Decode ``req`` through the micro-batcher; cancelling the awaiting task drops the
+        request from its batch (or stops its decode at the next step)."""
+        from ..api import run_cancellable
+
+        kw = self.settings(req)
+        batcher = self.batcher
+        try:
+            return await run_cancellable(
+                lambda cancel: batcher.generate(req.query, passages, _cancel=cancel, **kw)
+            )
+        except (TypeError, ValueError) as exc:
+            raise RequestError(str(exc)) from None
+
+    async def open_stream(self, req: ChatRequest, passages: list[Any] | None) -> Any:
+        """A started-on-first-read :class:`~tokrag_integrations.api.TokenStream` for ``req``
+        (validation errors are raised here, before any byte of the response is sent)."""
+        from ..api import stream
+
+        kw = self.settings(req)
+        try:
+            return await asyncio.to_thread(stream, self.lm, req.query, passages, **kw)
+        except (TypeError, ValueError) as exc:
+            raise RequestError(str(exc)) from None
