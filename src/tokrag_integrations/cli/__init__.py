@@ -369,6 +369,7 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
             args.top_k,
             embed_model=args.embed_model,
             data_dir=args.data_dir,
+            search=args.search,
         )
         if not chunks:
             _print_warning(err, "the store returned no chunk for this question; answering without them.")
