@@ -496,3 +496,27 @@ def test_async_answer_and_cli_hybrid_answer(tickets, lm, monkeypatch, capsys):
     assert main(argv) == 0
     out = capsys.readouterr()
     assert str(seconds) in out.out and f"{ticket.lower()}.md #0" in out.err
+
+
+def test_cli_search_needs_the_postgres_store(capsys, tmp_path):
+    from tokrag_integrations.cli import main
+
+    (tmp_path / "a.md").write_text("# A\n\ntext\n")
+    assert main(["ask", "q", "--docs", str(tmp_path), "--search", "hybrid"]) == 2
+    assert "--search applies to --store postgres" in capsys.readouterr().err
+
+
+@pytest.mark.postgres
+def test_langchain_layout_has_text_search_too(pg_dsn, tmp_path):
+    from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
+
+    for ticket, seconds in zip(TICKETS[:4], TIMEOUTS, strict=False):
+        (tmp_path / f"{ticket}.md").write_text(_ticket_note(ticket, seconds))
+    ingest([tmp_path], dsn=pg_dsn, table="lc_tickets", target="langchain", progress=False)
+    with PostgresKnowledgeBase(pg_dsn, "lc_tickets") as kb:
+        assert kb.layout.target == "langchain" and kb.has_text_search
+        for ticket in TICKETS[:4]:
+            hits = kb.retrieve(f"What was the fix for ticket {ticket}?", top_k=2, search="hybrid")
+            assert f"Ticket {ticket}:" in hits[0].text
+        docs = kb.langchain_retriever(1, search="text").invoke(TICKETS[2])
+        assert f"Ticket {TICKETS[2]}:" in docs[0].page_content

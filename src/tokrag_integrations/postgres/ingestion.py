@@ -497,7 +497,9 @@ def ensure_table(
     return note
 
 
-def _create_table(db: ResolvedDatabase, layout: TableLayout, dim: int, ts_config: str) -> None:
+def _create_table(
+    db: ResolvedDatabase, layout: TableLayout, dim: int, ts_config: str = "english"
+) -> None:
     if layout.target == "llamaindex":
         from .store import close_llamaindex_store, make_llamaindex_store
 
@@ -513,7 +515,9 @@ def _create_table(db: ResolvedDatabase, layout: TableLayout, dim: int, ts_config
         _create_langchain_table(db, layout, dim, ts_config)
 
 
-def _create_langchain_table(db: ResolvedDatabase, layout: TableLayout, dim: int, ts_config: str) -> None:
+def _create_langchain_table(
+    db: ResolvedDatabase, layout: TableLayout, dim: int, ts_config: str = "english"
+) -> None:
     from langchain_postgres import PGEngine
     from psycopg import sql
 

@@ -113,7 +113,7 @@ def shared_pool(dsn: str, size: int | None = None, timeout: float | None = None)
             libpq_conninfo(dsn),
             connection_class=_connection_class(dsn),
             kwargs={"autocommit": True, "connect_timeout": connect_timeout()},
-            min_size=1,
+            min_size=0,  # none kept open when idle: nothing reconnects to a stopped server
             max_size=size,
             timeout=timeout,
             configure=_configure,
