@@ -442,6 +442,10 @@ def test_sixteen_concurrent_retrievals_share_a_small_pool(tickets):
         t.join(300)
     assert not errors, errors
     assert [results[i] for i in range(16)] == sequential
+    from tokrag_integrations.postgres.pool import pooled
+
+    with pooled(tickets.db.dsn) as conn:  # every search planned afresh (no cached generic plan)
+        assert conn.prepare_threshold is None and conn.autocommit
     stats = pool.get_stats()
     assert stats["pool_max"] == pool.max_size and stats["pool_size"] <= pool.max_size
     assert stats.get("requests_num", 0) >= 16

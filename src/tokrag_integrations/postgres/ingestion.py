@@ -25,6 +25,12 @@ path). A transaction-scoped advisory lock on (table, source) keeps two concurren
 the same file from interleaving. Readers never see a half-written file (MVCC), and a killed
 process leaves the previous version of the file in place.
 
+**Full-text column.** New tables are created by ``PGVectorStore(hybrid_search=True)``, so
+they also hold its generated ``text_search_tsv`` column (``to_tsvector(text_search_config,
+text)``, ``english`` by default) with a GIN index, for ``search="text"`` and ``"hybrid"``
+(:mod:`.search`); the LangChain layout gets the same column. A table made before has none:
+``upgrade=True`` (``tokrag ingest --upgrade``) adds it, otherwise the summary says so.
+
 **LangChain layout** (``target="langchain"``). The LlamaIndex table is readable by
 ``langchain-postgres`` as is (see :mod:`.store`); ``target="langchain"`` instead writes the
 native ``langchain-postgres`` v2 layout (table ``<table>`` created by

@@ -112,7 +112,14 @@ def shared_pool(dsn: str, size: int | None = None, timeout: float | None = None)
         pool = ConnectionPool(
             libpq_conninfo(dsn),
             connection_class=_connection_class(dsn),
-            kwargs={"autocommit": True, "connect_timeout": connect_timeout()},
+            # prepare_threshold=None: no server-side prepared statements, so every search
+            # is planned with its own parameters and settings (a cached generic plan would
+            # keep a sequential scan chosen under other settings, or an unknown LIMIT)
+            kwargs={
+                "autocommit": True,
+                "connect_timeout": connect_timeout(),
+                "prepare_threshold": None,
+            },
             min_size=0,  # none kept open when idle: nothing reconnects to a stopped server
             max_size=size,
             timeout=timeout,
