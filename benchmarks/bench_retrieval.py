@@ -91,20 +91,42 @@ def squad_recall(dsn: str, folder: Path) -> dict[str, Any]:
     embeddings = {q: kb.embedder.embed_query(q) for q, _ in questions}
     out["query_embed_ms"] = round(1000 * (time.perf_counter() - t0) / len(questions), 1)
     kb.embedder.embed_query = embeddings.__getitem__  # precomputed from here on
+    all_ranks: dict[str, list[int | None]] = {}
     for mode in MODES:
         ranks = []
         for question, gold in questions:
             hits = kb.retrieve(question, top_k=10, search=mode)
             sources = [h.source for h in hits]
             ranks.append(sources.index(files[gold]) + 1 if files[gold] in sources else None)
+        all_ranks[mode] = ranks
         n = len(ranks)
         out[mode] = {
             **{f"recall@{k}": round(sum(1 for r in ranks if r and r <= k) / n, 3) for k in (1, 5, 10)},
             "mrr@10": round(sum(1 / r for r in ranks if r) / n, 3),
         }
+    out["paired_recall@5"] = {m: paired(all_ranks[m], all_ranks["vector"], 5) for m in ("text", "hybrid")}
     out["ef_search"] = ef_recall(kb, [embeddings[q] for q, _ in questions])
     kb.close()
     return out
+
+
+def paired(ranks: list[int | None], base: list[int | None], k: int, resamples: int = 2000) -> dict[str, Any]:
+    """Recall@k of ``ranks`` minus that of ``base`` on the same questions: the difference,
+    a 95 % percentile-bootstrap interval over questions (fixed seed), and the questions only
+    one of the two finds."""
+    import numpy as np
+
+    a = np.array([1.0 if r and r <= k else 0.0 for r in ranks])
+    b = np.array([1.0 if r and r <= k else 0.0 for r in base])
+    rng = np.random.default_rng(20240917)
+    idx = rng.integers(0, len(a), size=(resamples, len(a)))
+    diffs = (a[idx] - b[idx]).mean(axis=1)
+    return {
+        "difference": round(float((a - b).mean()), 3),
+        "ci95": [round(float(np.percentile(diffs, 2.5)), 3), round(float(np.percentile(diffs, 97.5)), 3)],
+        "only_this": int(((a == 1) & (b == 0)).sum()),
+        "only_vector": int(((a == 0) & (b == 1)).sum()),
+    }
 
 
 def ef_recall(kb: Any, query_vectors: list[Any], efs: tuple[int, ...] = (10, 20, 40, 100, 200)) -> dict[str, float]:
@@ -165,6 +187,8 @@ def growth(dsn: str, sizes: list[int], queries: int, seed: int = 0) -> dict[str,
     out: dict[str, Any] = {}
     for size in sizes:
         layout = TableLayout.for_target(f"grow_{size}", "llamaindex")
+        with pooled(dsn) as conn:  # a fresh table each run
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(layout.table)))
         ingestion.ensure_table(db, layout, embedder)
         write_s = 0.0
         written = 0
@@ -223,6 +247,11 @@ def report(res: dict[str, Any]) -> str:
         for mode in MODES:
             m = sq[mode]
             lines.append(f"| {mode} | {m['recall@1']:.3f} | {m['recall@5']:.3f} | {m['recall@10']:.3f} | {m['mrr@10']:.3f} |")
+        for mode, p in sq.get("paired_recall@5", {}).items():
+            lines.append(
+                f"{mode} - vector, recall@5: {p['difference']:+.3f} [{p['ci95'][0]:+.3f}, {p['ci95'][1]:+.3f}] "
+                f"({p['only_this']} questions found only by {mode} in the top 5, {p['only_vector']} only by vector)"
+            )
         lines += ["", "HNSW recall@10 vs exact (SQuAD table): " + ", ".join(f"ef {k}: {v}" for k, v in sq["ef_search"].items())]
     gr = res.get("growth")
     if gr:
@@ -261,20 +290,27 @@ def plot(res: dict[str, Any], path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dsn", help="an external Postgres (default: a fresh embedded server)")
-    p.add_argument("--sizes", type=int, nargs="*", default=[1000, 10000])
+    p.add_argument("--sizes", type=int, nargs="*", default=[1000, 10000], help="growth table sizes (none: SQuAD only)")
     p.add_argument("--queries", type=int, default=100, help="queries per size for latency")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        help="keep the embedded server and the SQuAD files here (a second run then finds the "
+        "SQuAD table unchanged and skips its embedding)",
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_retrieval_") as tmp:
+        work = args.data_dir.resolve() if args.data_dir else Path(tmp)
         server = None
         dsn = args.dsn
         if not dsn:
             from tokrag_integrations.postgres.server import start_embedded
 
-            dsn, server = start_embedded(Path(tmp) / "pg")
-        folder = Path(tmp) / "squad"
-        folder.mkdir()
+            dsn, server = start_embedded(work / "pg")
+        folder = work / "squad"
+        folder.mkdir(parents=True, exist_ok=True)
         res: dict[str, Any] = {"squad": squad_recall(dsn, folder)}
         print(report(res), flush=True)
         if args.sizes:
