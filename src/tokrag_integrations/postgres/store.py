@@ -276,7 +276,9 @@ def close_llamaindex_store(store: Any) -> None:
 # ============================================================================ results
 @dataclass
 class RetrievedChunk:
-    """One retrieved chunk with its cosine similarity (higher is better)."""
+    """One retrieved chunk with its score (higher is better): the cosine similarity for
+    ``search="vector"``, the full-text tier plus ``ts_rank / (1 + ts_rank)`` for ``"text"``,
+    the reciprocal rank fusion score for ``"hybrid"``."""
 
     text: str
     score: float
