@@ -524,3 +524,22 @@ def test_langchain_layout_has_text_search_too(pg_dsn, tmp_path):
             assert f"Ticket {ticket}:" in hits[0].text
         docs = kb.langchain_retriever(1, search="text").invoke(TICKETS[2])
         assert f"Ticket {TICKETS[2]}:" in docs[0].page_content
+
+
+@pytest.mark.postgres
+def test_llamaindex_own_store_runs_its_hybrid_query_on_our_table(tickets):
+    """The store ``kb.llamaindex_store()`` gives knows the full-text column, so LlamaIndex's
+    own hybrid mode works on a tokrag table too (it raised AttributeError before)."""
+    from llama_index.core.vector_stores.types import VectorStoreQuery, VectorStoreQueryMode
+
+    q = f"fix for ticket {TICKETS[3]}"
+    result = tickets.llamaindex_store().query(
+        VectorStoreQuery(
+            query_embedding=tickets.embedder.embed_query(q),
+            query_str=TICKETS[3],
+            similarity_top_k=3,
+            sparse_top_k=3,
+            mode=VectorStoreQueryMode.HYBRID,
+        )
+    )
+    assert any(f"Ticket {TICKETS[3]}:" in n.get_content() for n in result.nodes)

@@ -493,7 +493,13 @@ class PostgresKnowledgeBase:
         with self._lock:
             if self._li_store is None:
                 self._li_store = make_llamaindex_store(
-                    self.db, self.layout, self.embedder.dim, ef_search=self.ef_search
+                    self.db,
+                    self.layout,
+                    self.embedder.dim,
+                    ef_search=self.ef_search,
+                    # its own hybrid / sparse queries need the column in its table class
+                    hybrid_search=self.layout.tsv_column is not None,
+                    text_search_config=self.layout.ts_config or self.text_search_config,
                 )
             return self._li_store
 
