@@ -205,6 +205,9 @@ def test_hybrid_fusion_options_and_framework_retrievers(tickets):
     assert fused.score == pytest.approx(1 / (1 + rv) + 1 / (1 + rt))
     nodes = tickets.llamaindex_retriever(2, search="hybrid").retrieve(q)
     assert f"Ticket {TICKETS[5]}:" in nodes[0].node.get_content() and nodes[0].node.metadata["file_name"]
+    from llama_index.core.schema import MetadataMode
+
+    assert nodes[0].node.get_content(MetadataMode.LLM) == nodes[0].node.text  # no metadata in prompts
     docs = tickets.langchain_retriever(2, search="text").invoke(q)
     assert f"Ticket {TICKETS[5]}:" in docs[0].page_content
     for bad, message in (

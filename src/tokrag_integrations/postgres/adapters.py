@@ -33,9 +33,17 @@ def _llamaindex_class() -> type:
 
         @staticmethod
         def _nodes(chunks: list[Any]) -> list[NodeWithScore]:
+            # Metadata stays out of what the LLM and embedder read, as in the nodes ingest
+            # writes: a prompt holds the chunk's text only.
             return [
                 NodeWithScore(
-                    node=TextNode(id_=c.node_id or None, text=c.text, metadata=dict(c.metadata)),
+                    node=TextNode(
+                        id_=c.node_id or None,
+                        text=c.text,
+                        metadata=dict(c.metadata),
+                        excluded_llm_metadata_keys=list(c.metadata),
+                        excluded_embed_metadata_keys=list(c.metadata),
+                    ),
                     score=c.score,
                 )
                 for c in chunks
