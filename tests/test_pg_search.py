@@ -410,6 +410,10 @@ def test_legacy_pgvector_collection_is_read(pg_dsn):
         kb.add_text_search()
         assert kb.retrieve("KX-118", top_k=1, search="text")[0].node_id == "k2"
         assert kb.retrieve("KX-118", top_k=1, search="hybrid")[0].node_id == "k2"
+        with pytest.raises(ValueError, match="legacy langchain-postgres PGVector collection"):
+            kb.langchain_store()
+        with pytest.raises(ValueError, match="LlamaIndex cannot read it"):
+            kb.llamaindex_store()
         docs = kb.langchain_retriever(1).invoke("kiln temperature")
         assert docs[0].id == "k1" and docs[0].metadata["source"] == "kiln.md"
     with PostgresKnowledgeBase(pg_dsn, "whatever", collection="other") as kb:

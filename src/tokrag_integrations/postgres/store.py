@@ -522,6 +522,12 @@ class PostgresKnowledgeBase:
         Only for code that needs LangChain's store itself; :meth:`langchain_retriever` and
         :meth:`retrieve` do not use it.
         """
+        if self.layout.target == "langchain_legacy":
+            raise ValueError(
+                f"Collection {self.layout.collection!r} is a legacy langchain-postgres PGVector "
+                "collection; read it with langchain_postgres.PGVector(collection_name=...) or "
+                "through langchain_retriever()."
+            )
         with self._lock:
             if self._lc_store is None:
                 from langchain_postgres import PGEngine, PGVectorStore
