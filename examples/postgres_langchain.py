@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--table", default="handbook")
     parser.add_argument("--policy", default="tokrag", help="tokrag, rag, llm, ...")
     parser.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--search", choices=("vector", "text", "hybrid"), default="vector")
     args = parser.parse_args()
 
     from tokrag_integrations import load_model
@@ -40,7 +41,7 @@ def main() -> None:
 
     with PostgresKnowledgeBase(args.dsn, args.table) as kb:
         # A plain LangChain VectorStoreRetriever over langchain_postgres.PGVectorStore.
-        retriever = kb.langchain_retriever(k=3, filters=args.filter)
+        retriever = kb.langchain_retriever(k=3, filters=args.filter, search=args.search)
         for doc in retriever.invoke(args.question):
             print(f"  retrieved {doc.metadata['file_name']} chunk {doc.metadata['chunk']}")
 

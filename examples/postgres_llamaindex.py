@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--table", default="handbook")
     parser.add_argument("--policy", default="tokrag", help="tokrag, rag, llm, ...")
     parser.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--search", choices=("vector", "text", "hybrid"), default="vector")
     args = parser.parse_args()
 
     from llama_index.core.query_engine import RetrieverQueryEngine
@@ -40,7 +41,7 @@ def main() -> None:
 
     # 2. A LlamaIndex retriever over the pgvector table (HNSW, metadata filters bound safely).
     with PostgresKnowledgeBase(args.dsn, args.table) as kb:
-        retriever = kb.llamaindex_retriever(top_k=3, filters=args.filter)
+        retriever = kb.llamaindex_retriever(top_k=3, filters=args.filter, search=args.search)
 
         # 3. Tok-RAG decoding as the response synthesizer.
         lm = load_model("default")

@@ -369,6 +369,7 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
             args.top_k,
             embed_model=args.embed_model,
             data_dir=args.data_dir,
+            search=args.search,
         )
         if not chunks:
             _print_warning(err, "the store returned no chunk for this question; answering without them.")
@@ -461,6 +462,10 @@ def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> 
     check_device_and_dtype(args.device, args.dtype)
     if args.device is not None and getattr(args, "device_map", None) is not None:
         raise ValueError("pass --device or --device-map, not both")
+    if getattr(args, "search", "vector") != "vector" and args.store != "postgres":
+        raise ValueError(
+            "--search applies to --store postgres; for --docs choose --retriever dense or bm25"
+        )
     return uses_passages
 
 

@@ -98,14 +98,24 @@ def warn_password_on_command_line(dsn: str | None) -> None:
 
 
 def add_filter_argument(parser: argparse.ArgumentParser) -> None:
-    """Add the repeatable ``--filter key=value`` (for ``ask --store postgres``)."""
+    """Add the repeatable ``--filter key=value`` and ``--search`` (for ``ask --store postgres``)."""
     parser.add_argument(
         "--filter",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="metadata filter (repeatable; the same key twice means either value), e.g. "
-        "--filter file_name=leave_policy.md",
+        help="metadata filter (repeatable, all must hold; the same key twice with = means "
+        "either value), e.g. --filter file_name=leave_policy.md; also KEY!=V, KEY>=N, KEY<=N, "
+        "KEY>N, KEY<N (numbers compare as numbers) and KEY~=V (a list holding V, or text "
+        "containing it)",
+    )
+    parser.add_argument(
+        "--search",
+        choices=("vector", "text", "hybrid"),
+        default="vector",
+        help="with --store postgres: vector (embedding similarity, default), text (Postgres "
+        "full-text search) or hybrid (reciprocal rank fusion of both: finds exact "
+        "identifiers such as part numbers and error codes)",
     )
 
 
@@ -152,6 +162,19 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         "exist there (default: keep them, still retrievable, and count them as stale)",
     )
     p.add_argument(
+        "--text-search-config",
+        default="english",
+        metavar="NAME",
+        help="text search configuration of a new table's full-text column (default english; "
+        "any of the server's pg_ts_config, e.g. simple, german)",
+    )
+    p.add_argument(
+        "--upgrade",
+        action="store_true",
+        help="add the full-text column (for --search text/hybrid) to an existing table that "
+        "has none; rewrites the table once",
+    )
+    p.add_argument(
         "--follow-links",
         action="store_true",
         help="also read files through symbolic links that leave the given folders (a warning "
@@ -193,6 +216,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             prune=args.prune,
             follow_links=args.follow_links,
             on_file=say if plain else None,
+            text_search_config=args.text_search_config,
+            upgrade=args.upgrade,
         )
     except _database_errors() as exc:
         print(f"tokrag: error: {exc}", file=sys.stderr)
@@ -210,14 +235,16 @@ def retrieve_from_postgres(
     *,
     embed_model: str | None = None,
     data_dir: str | None = None,
+    search: str = "vector",
 ) -> list[Any]:
     """The ``top_k`` :class:`~tokrag_integrations.postgres.RetrievedChunk` for ``question``.
 
     ``chunk.to_passage()`` gives the core :class:`~tokrag_integrations.Passage`. Filters are
-    ``["key=value", ...]`` (as ``--filter`` gives them) or a mapping.
+    ``["key=value", ...]`` (as ``--filter`` gives them) or a mapping; ``search`` is
+    ``"vector"``, ``"text"`` or ``"hybrid"``.
     """
     from ..postgres.server import DEFAULT_TABLE
     from ..postgres.store import _knowledge_base
 
     kb = _knowledge_base(dsn, table or DEFAULT_TABLE, embed_model, data_dir)
-    return kb.retrieve(question, top_k=top_k, filters=filters)
+    return kb.retrieve(question, top_k=top_k, filters=filters, search=search)

@@ -3,8 +3,9 @@
 * :func:`ingest` — files into a pgvector table through LlamaIndex's ``PGVectorStore`` schema,
   idempotently and one transaction per file (``tokrag ingest``).
 * :class:`PostgresKnowledgeBase` — the ingested table as a LlamaIndex retriever, a LangChain
-  (``langchain-postgres``) retriever, or plain :class:`RetrievedChunk` lists; answers with
-  any decoding policy.
+  retriever, or plain :class:`RetrievedChunk` lists, by vector, full-text or hybrid search
+  (:mod:`.search`) with metadata filter operators, sync or async, over one shared psycopg
+  pool (:mod:`.pool`); answers with any decoding policy.
 * :func:`answer_from_postgres` — one call for ``tokrag ask --store postgres``.
 * :func:`resolve_dsn` — ``--dsn``, ``$TOKRAG_PG_DSN``, or an embedded server from ``pgserver``
   in a per-user data folder (see :mod:`.server` for the root-user caveat).
@@ -28,6 +29,9 @@ _EXPORTS = {
     "RetrievedChunk": "store",
     "answer_from_postgres": "store",
     "parse_filter_args": "store",
+    "to_conditions": "search",
+    "SEARCH_MODES": "search",
+    "FILTER_OPERATORS": "search",
     "validate_filter_key": "store",
     "resolve_dsn": "server",
     "mask_dsn": "server",

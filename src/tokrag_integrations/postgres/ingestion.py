@@ -25,6 +25,12 @@ path). A transaction-scoped advisory lock on (table, source) keeps two concurren
 the same file from interleaving. Readers never see a half-written file (MVCC), and a killed
 process leaves the previous version of the file in place.
 
+**Full-text column.** New tables are created by ``PGVectorStore(hybrid_search=True)``, so
+they also hold its generated ``text_search_tsv`` column (``to_tsvector(text_search_config,
+text)``, ``english`` by default) with a GIN index, for ``search="text"`` and ``"hybrid"``
+(:mod:`.search`); the LangChain layout gets the same column. A table made before has none:
+``upgrade=True`` (``tokrag ingest --upgrade``) adds it, otherwise the summary says so.
+
 **LangChain layout** (``target="langchain"``). The LlamaIndex table is readable by
 ``langchain-postgres`` as is (see :mod:`.store`); ``target="langchain"`` instead writes the
 native ``langchain-postgres`` v2 layout (table ``<table>`` created by
@@ -59,6 +65,7 @@ from ..retrieval import (
 )
 from .embeddings import Embedder, load_embedder
 from .layout import TableLayout, Target, check_layout, table_columns  # noqa: F401 - re-exported
+from .pool import pooled
 from .server import (
     DEFAULT_TABLE,
     PostgresConnectionError,
@@ -119,6 +126,8 @@ class IngestSummary:
     gone: list[FileReport] = field(default_factory=list)
     """Stored files under an ingested folder that no longer exist there: ``"pruned"`` (their
     chunks deleted, ``prune=True``) or ``"stale"`` (still stored and retrieved)."""
+    notes: list[str] = field(default_factory=list)
+    """Notes about the table (a missing full-text column, an upgrade done)."""
     seconds: float = 0.0
     embed_seconds: float = 0.0
     write_seconds: float = 0.0
@@ -170,6 +179,7 @@ class IngestSummary:
             f"{self.seconds:.1f} s (embedding {self.embed_seconds:.1f} s, writing "
             f"{self.write_seconds:.1f} s)."
         ]
+        lines += [f"  note: {n}" for n in self.notes]
         for f in self.failed:
             lines.append(f"  skipped {_display(f.path)}: {printable(f.reason)}")
         for f in self.files:
@@ -422,8 +432,19 @@ def _stored_models(conn: Any, layout: TableLayout) -> set[str]:
     return {r[0] for r in rows if r[0] is not None}
 
 
-def ensure_table(db: ResolvedDatabase, layout: TableLayout, embedder: Embedder) -> None:
-    """Create the table (and its HNSW index) if missing; check an existing one fits.
+def ensure_table(
+    db: ResolvedDatabase,
+    layout: TableLayout,
+    embedder: Embedder,
+    *,
+    text_search_config: str = "english",
+    upgrade: bool = False,
+) -> str:
+    """Create the table (its HNSW index, its full-text column and GIN index) if missing;
+    check an existing one fits. Returns a note for the summary (``""`` when none).
+
+    A table without the full-text column (ingested before tokrag made one) gets it when
+    ``upgrade`` (:func:`~.layout.add_text_search`); otherwise the note says how.
 
     Creation runs under a session-level advisory lock on the table name, so concurrent
     first ingests into a new table create it once (without the lock, ``CREATE TABLE IF NOT
@@ -435,14 +456,19 @@ def ensure_table(db: ResolvedDatabase, layout: TableLayout, embedder: Embedder) 
         PostgresQueryError: A table of that name exists but is not a tokrag table, or the
             database user may not create or read it.
     """
+    from .layout import add_text_search, text_search_column
+    from .search import ts_config_exists
+
+    note = ""
     with database_errors(db.dsn, f"prepare table {layout.table}"):
-        with connect(db.dsn, autocommit=True) as conn:
+        with pooled(db.dsn) as conn:
+            ts_config_exists(conn, text_search_config)
             conn.execute(
                 "SELECT pg_advisory_lock(hashtextextended(%s, 0))", (f"tokrag:create:{layout.table}",)
             )
             try:
                 if not check_layout(conn, layout, db.masked):
-                    _create_table(db, layout, embedder.dim)
+                    _create_table(db, layout, embedder.dim, text_search_config)
                 dim = _vector_dim(conn, layout)
             finally:
                 conn.execute(
@@ -456,27 +482,48 @@ def ensure_table(db: ResolvedDatabase, layout: TableLayout, embedder: Embedder) 
                     "table was built with (--embed-model), or another --table."
                 )
             others = _stored_models(conn, layout) - {embedder.name}
+            if not others and dim == embedder.dim and text_search_column(conn, layout)[0] is None:
+                if upgrade:
+                    add_text_search(conn, layout, text_search_config)
+                    note = (
+                        f"added the full-text column ({text_search_config}) and its GIN index "
+                        f"to {layout.table}: text and hybrid search work now"
+                    )
+                else:
+                    note = (
+                        f"table {layout.table} has no full-text column (it was made before "
+                        "tokrag added one), so search='text' and 'hybrid' cannot use it; re-run "
+                        "with --upgrade (upgrade=True) to add it (rewrites the table once)"
+                    )
     if others:
         raise ValueError(
             f"Table {layout.table} holds chunks embedded with {sorted(others)}, not "
             f"{embedder.name}; pass the same --embed-model, or use another --table."
         )
+    return note
 
 
-def _create_table(db: ResolvedDatabase, layout: TableLayout, dim: int) -> None:
+def _create_table(
+    db: ResolvedDatabase, layout: TableLayout, dim: int, ts_config: str = "english"
+) -> None:
     if layout.target == "llamaindex":
         from .store import close_llamaindex_store, make_llamaindex_store
 
-        store = make_llamaindex_store(db, layout, dim, setup=True)
+        # hybrid_search=True: LlamaIndex's own generated text_search_tsv column and GIN index
+        store = make_llamaindex_store(
+            db, layout, dim, setup=True, hybrid_search=True, text_search_config=ts_config
+        )
         try:
             store.add([])  # the public way to run PGVectorStore's table/index setup
         finally:
             close_llamaindex_store(store)
     else:
-        _create_langchain_table(db, layout, dim)
+        _create_langchain_table(db, layout, dim, ts_config)
 
 
-def _create_langchain_table(db: ResolvedDatabase, layout: TableLayout, dim: int) -> None:
+def _create_langchain_table(
+    db: ResolvedDatabase, layout: TableLayout, dim: int, ts_config: str = "english"
+) -> None:
     from langchain_postgres import PGEngine
     from psycopg import sql
 
@@ -502,6 +549,9 @@ def _create_langchain_table(db: ResolvedDatabase, layout: TableLayout, dim: int)
                     f"CREATE INDEX IF NOT EXISTS {layout.table}_source_idx ON {layout.table} "
                     f"({layout.source_expr})"
                 )
+            from .layout import add_text_search
+
+            add_text_search(conn, layout, ts_config, lock=False)  # ensure_table holds it
         except Exception:
             conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(layout.table)))
             raise
@@ -598,6 +648,10 @@ def ingest(
     on_file: Callable[[FileReport], None] | None = None,
     prune: bool = False,
     follow_links: bool = False,
+    text_search_config: str = "english",
+    upgrade: bool = False,
+    pool_size: int | None = None,
+    pool_timeout: float | None = None,
 ) -> IngestSummary:
     """Ingest files and folders into pgvector; see the module docstring for the guarantees.
 
@@ -620,6 +674,12 @@ def ingest(
         follow_links: Also ingest files reached through symbolic links that leave the given
             folders (a warning names each one; they are stored under the link's path). By
             default such links are reported as failed and not read.
+        text_search_config: Text search configuration of the full-text column of a new
+            table (``english`` by default; any of the server's ``pg_ts_config``).
+        upgrade: Add the full-text column to an existing table that has none (otherwise
+            the summary says it is missing).
+        pool_size / pool_timeout: The process's psycopg pool for this database (see
+            :mod:`.pool`), shared with :class:`~.store.PostgresKnowledgeBase`.
 
     Returns:
         The :class:`IngestSummary`. A file that cannot be used (unreadable, binary, NUL
@@ -639,15 +699,26 @@ def ingest(
     start = time.perf_counter()
     require_bool(progress, "progress")
     require_bool(prune, "prune")
+    require_bool(upgrade, "upgrade")
+    from .pool import shared_pool
+    from .search import validate_ts_config
+
+    validate_ts_config(text_search_config)
     layout = TableLayout.for_target(table, target)
     chunk_text("check", max_chars=max_chars, overlap=overlap)  # bad chunking fails here, once
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     files, rejected = discover_files(path_list, follow_links=follow_links)
     roots = [p.resolve() for p in path_list if unreadable_reason(p) is None and p.is_dir()]
     db = resolve_dsn(dsn, data_dir=data_dir)
+    with database_errors(db.dsn, "open a connection pool"):
+        shared_pool(db.dsn, pool_size, pool_timeout)
     embedder = load_embedder(embed_model)
-    ensure_table(db, layout, embedder)
+    note = ensure_table(
+        db, layout, embedder, text_search_config=text_search_config, upgrade=upgrade
+    )
     summary = IngestSummary(table=layout.table, target=layout.target, database=db.masked)
+    if note:
+        summary.notes.append(note)
 
     def report(item: FileReport) -> None:
         summary.files.append(item)
@@ -662,7 +733,7 @@ def ingest(
     bar = tqdm(files, unit="file", desc="ingest", disable=not progress, leave=False)
     with (
         database_errors(db.dsn, f"ingest into {layout.table}"),
-        connect(db.dsn, autocommit=True) as conn,
+        pooled(db.dsn) as conn,
     ):
         for path in bar:
             shown = _display(path)

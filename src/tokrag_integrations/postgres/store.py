@@ -1,44 +1,58 @@
-"""Reading the ingested table: LlamaIndex and LangChain retrievers, and answers from it.
+"""Reading the ingested table: vector, full-text or hybrid search, LlamaIndex and LangChain
+retrievers, and answers from it.
 
-One table serves both frameworks. LlamaIndex reads it through its ``PGVectorStore`` (the
-schema it created); LangChain reads the *same* table through ``langchain-postgres``'s
-``PGEngine`` / ``PGVectorStore`` with custom column names::
+:meth:`PostgresKnowledgeBase.retrieve` runs one SQL statement (:mod:`.search`) on a
+connection of the process's shared psycopg pool (:mod:`.pool`) for every layout tokrag
+reads: its own LlamaIndex-schema table (also one made by ``PGVectorStore(hybrid_search=True)``),
+its ``langchain-postgres`` table, and a collection of the older langchain-postgres
+``PGVector``. ``search="vector" | "text" | "hybrid"`` picks the ranking (hybrid: reciprocal
+rank fusion of the two, in the same statement). :meth:`~PostgresKnowledgeBase.llamaindex_retriever`
+and :meth:`~PostgresKnowledgeBase.langchain_retriever` are thin adapters over it
+(:mod:`.adapters`), so both frameworks get every search mode, every filter operator, the
+pool and async retrieval.
+
+**Metadata filters are parameterised.** Values (and keys) are bound parameters; keys are
+also checked by :func:`validate_filter_key` (ASCII identifiers only). Values may contain
+anything (quotes, semicolons, unicode). ``PGVectorStore`` (llama-index-vector-stores-postgres
+0.9) formats filter keys *and values* into SQL text; :func:`make_llamaindex_store` (kept for
+direct use of LlamaIndex's store and for creating tables) returns a subclass whose
+``_build_filter_clause`` builds SQLAlchemy expressions with bound parameters instead.
+
+The same table can also be read by ``langchain-postgres``' ``PGVectorStore`` with custom
+column names (:meth:`~PostgresKnowledgeBase.langchain_store`)::
 
     table_name="data_<table>", id_column="node_id", content_column="text",
     embedding_column="embedding", metadata_json_column="metadata_"
-
-(``PGVectorStore.create`` checks that those columns exist and have the right types; the
-content is ``character varying`` and the metadata JSONB, both accepted). LangChain documents
-therefore carry LlamaIndex's bookkeeping keys (``_node_content``, ``ref_doc_id``...) next
-to ours (``source``, ``chunk``, ``file_name``...). Tables written with
-``tokrag ingest --target langchain`` use LangChain's default columns instead and are read
-by LangChain only.
-
-**Metadata filters are parameterised.** ``PGVectorStore`` (llama-index-vector-stores-postgres
-0.9) formats filter keys *and values* into SQL text, so a value such as ``x' OR '1'='1``
-would be injected. :func:`make_llamaindex_store` returns a subclass whose
-``_build_filter_clause`` builds SQLAlchemy expressions with bound parameters instead, and
-every filter key is checked by :func:`validate_filter_key` (ASCII identifiers only) before
-it reaches either framework. Values may contain anything (quotes, semicolons, unicode).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..booleans import require_bool
 from .embeddings import Embedder, load_embedder
 from .layout import TableLayout, Target, check_layout
+from .search import (
+    Condition,
+    SearchMode,
+    check_search,
+    parse_filter_args,
+    search_statement,
+    to_conditions,
+    validate_filter_key,
+    validate_ts_config,
+)
 from .server import (
     DEFAULT_TABLE,
     ResolvedDatabase,
-    connect,
     connect_timeout,
     database_errors,
     is_driver_error,
@@ -65,7 +79,6 @@ __all__ = [
 #: Largest ``top_k``: pgvector's HNSW search visits at most ``hnsw.ef_search`` <= 1000 rows.
 MAX_TOP_K = 1000
 
-_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 # LlamaIndex's bookkeeping keys, dropped from the metadata we hand to prompts and users.
 _INTERNAL_KEYS = frozenset({"_node_content", "_node_type", "doc_id", "document_id", "ref_doc_id"})
 
@@ -73,73 +86,10 @@ Filters = Mapping[str, Any] | Sequence[str] | None
 
 
 # ============================================================================ filters
-def validate_filter_key(key: str) -> str:
-    """``key`` if it is a plain ASCII identifier, else a ``ValueError`` saying so."""
-    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
-        raise ValueError(
-            f"Invalid filter key {key!r}: use ASCII letters, digits and underscores, starting "
-            "with a letter or underscore (e.g. file_name, source, chunk)."
-        )
-    return key
-
-
-def parse_filter_args(args: Iterable[str]) -> dict[str, list[str]]:
-    """``["file_name=a.md", "file_name=b.md", "format=md"]`` -> ``{key: [values]}``.
-
-    Repeating a key means "any of these values"; different keys must all match.
-    """
-    out: dict[str, list[str]] = {}
-    for arg in args:
-        key, sep, value = str(arg).partition("=")
-        if not sep:
-            raise ValueError(
-                f"--filter {arg!r} is not key=value (e.g. --filter file_name=guide.md)."
-            )
-        out.setdefault(validate_filter_key(key.strip()), []).append(value)
-    return out
-
-
-def normalize_filters(filters: Filters) -> dict[str, list[Any]]:
-    """Filters as ``{key: [allowed values]}`` (key validated); accepts a mapping or key=value strings."""
-    if not filters:
-        return {}
-    if isinstance(filters, Mapping):
-        out: dict[str, list[Any]] = {}
-        for key, value in filters.items():
-            values = list(value) if isinstance(value, (list, tuple, set, frozenset)) else [value]
-            if not values:
-                raise ValueError(f"Filter {key!r} has no values.")
-            for v in values:
-                if not isinstance(v, (str, int, float)) or isinstance(v, bool):
-                    raise ValueError(
-                        f"Filter {key!r}: values must be strings or numbers, got {type(v).__name__}."
-                    )
-            out[validate_filter_key(key)] = values
-        return out
-    if isinstance(filters, str):
-        filters = [filters]
-    return dict(parse_filter_args(filters))
-
-
-def _llamaindex_filters(filters: dict[str, list[Any]]) -> Any:
-    from llama_index.core.vector_stores.types import FilterOperator, MetadataFilter, MetadataFilters
-
-    if not filters:
-        return None
-    items = [
-        MetadataFilter(key=k, value=v[0], operator=FilterOperator.EQ)
-        if len(v) == 1
-        else MetadataFilter(key=k, value=list(v), operator=FilterOperator.IN)
-        for k, v in filters.items()
-    ]
-    return MetadataFilters(filters=items)
-
-
-def _langchain_filter(filters: dict[str, list[Any]]) -> dict[str, Any] | None:
-    if not filters:
-        return None
-    parts = [{k: v[0]} if len(v) == 1 else {k: {"$in": list(v)}} for k, v in filters.items()]
-    return parts[0] if len(parts) == 1 else {"$and": parts}
+def normalize_filters(filters: Filters) -> list[Condition]:
+    """Filters as a list of :class:`~.search.Condition` (keys validated, values checked);
+    see :func:`~.search.to_conditions` for the accepted forms and operators."""
+    return to_conditions(filters)
 
 
 def _check_top_k(top_k: Any, name: str = "top_k") -> None:
@@ -217,9 +167,21 @@ def _safe_store_class() -> Any:
                 return field_.ilike(pattern, escape="\\")
             if op == FilterOperator.IS_EMPTY:
                 return field_.is_(None)
+            if op in (FilterOperator.CONTAINS, FilterOperator.ANY, FilterOperator.ALL):
+                from sqlalchemy.dialects.postgresql import JSONB
+
+                stored = sqlalchemy.cast(self._table_class.metadata_[key], JSONB)
+                values = list(value) if isinstance(value, (list, tuple)) else [value]
+
+                def holds(items: list[Any]) -> Any:  # the JSON array is a bound parameter
+                    return stored.op("@>")(sqlalchemy.cast(sqlalchemy.literal(json.dumps(items)), JSONB))
+
+                if op == FilterOperator.ANY:
+                    return sqlalchemy.or_(*(holds([v]) for v in values))
+                return holds(values)  # CONTAINS (one value) and ALL
             raise ValueError(
                 f"Filter operator {op.value!r} is not supported here; use ==, !=, <, >, <=, >=, "
-                "in, nin, text_match or is_empty."
+                "in, nin, contains, any, all, text_match or is_empty."
             )
 
     _SAFE_STORE_CLASS = SafeFilterPGVectorStore
@@ -233,14 +195,21 @@ def make_llamaindex_store(
     *,
     setup: bool = False,
     ef_search: int = 40,
+    hybrid_search: bool = False,
+    text_search_config: str = "english",
 ) -> Any:
     """A LlamaIndex ``PGVectorStore`` (safe-filter subclass) over ``layout``'s table.
 
     With ``setup=True`` the store creates the extension, table, ``ref_doc_id`` index and the
     HNSW index (``m=16, ef_construction=64``, cosine) on first use; errors are raised, not
-    logged and swallowed.
+    logged and swallowed. With ``hybrid_search=True`` the table also gets LlamaIndex's
+    generated ``text_search_tsv`` column (``to_tsvector(text_search_config, text)``) and its
+    GIN index; ``text_search_config`` is checked to be a plain name first (LlamaIndex
+    formats it into its DDL).
     """
     require_bool(setup, "setup")
+    require_bool(hybrid_search, "hybrid_search")
+    validate_ts_config(text_search_config)
     if layout.target != "llamaindex":
         raise ValueError(
             f"Table {layout.table} uses LangChain's layout; LlamaIndex cannot read it. Ingest "
@@ -273,6 +242,8 @@ def make_llamaindex_store(
         table_name=layout.table.removeprefix("data_"),
         embed_dim=embed_dim,
         use_jsonb=True,
+        hybrid_search=hybrid_search,
+        text_search_config=text_search_config,
         hnsw_kwargs=hnsw,
         perform_setup=setup,
         initialization_fail_on_error=True,
@@ -305,7 +276,9 @@ def close_llamaindex_store(store: Any) -> None:
 # ============================================================================ results
 @dataclass
 class RetrievedChunk:
-    """One retrieved chunk with its cosine similarity (higher is better)."""
+    """One retrieved chunk with its score (higher is better): the cosine similarity for
+    ``search="vector"``, the full-text tier plus ``ts_rank / (1 + ts_rank)`` for ``"text"``,
+    the reciprocal rank fusion score for ``"hybrid"``."""
 
     text: str
     score: float
@@ -343,8 +316,28 @@ class PostgresKnowledgeBase:
     """An ingested table plus the embedder it was built with; thread-safe for querying.
 
     Connects (or starts the embedded server) at construction and fails fast with a masked
-    message when the database is unreachable. The layout (LlamaIndex or LangChain) is
-    detected from the tables present.
+    message when the database is unreachable. The layout is detected from the tables
+    present: ``data_<table>`` (LlamaIndex schema), ``<table>`` (langchain-postgres), else a
+    legacy ``PGVector`` collection named ``table`` (or ``collection``).
+
+    Args:
+        dsn: Connection URL; ``None`` uses ``$TOKRAG_PG_DSN`` or the embedded server.
+        table: Logical table name given to ``tokrag ingest``.
+        embed_model: The ``--embed-model`` used at ingest, if any.
+        data_dir: Data folder of the embedded server.
+        target: Force the ``"llamaindex"`` or ``"langchain"`` layout instead of detecting it.
+        ef_search: HNSW ``ef_search`` (raised to the number of rows asked for).
+        search: Default search mode of :meth:`retrieve`: ``"vector"``, ``"text"`` or
+            ``"hybrid"``.
+        text_search_config: Text search configuration for :meth:`add_text_search`, and for
+            queries when the table's full-text column does not say which it was built with.
+        rrf_k / vector_weight / text_weight: Default reciprocal rank fusion settings of
+            hybrid search (see :mod:`.search`).
+        pool_size / pool_timeout: Size of the process's psycopg pool for this database and
+            the seconds to wait for a free connection (first user of the database decides;
+            default ``$TOKRAG_PG_POOL_SIZE`` or 10, ``$TOKRAG_PG_POOL_TIMEOUT`` or 30).
+        collection: Read this collection of the older langchain-postgres ``PGVector``
+            (``langchain_pg_embedding``), whatever ``table`` says.
     """
 
     def __init__(
@@ -356,12 +349,30 @@ class PostgresKnowledgeBase:
         data_dir: str | Path | None = None,
         target: Target | None = None,
         ef_search: int = 40,
+        search: SearchMode = "vector",
+        text_search_config: str = "english",
+        rrf_k: float = 60,
+        vector_weight: float = 1.0,
+        text_weight: float = 1.0,
+        pool_size: int | None = None,
+        pool_timeout: float | None = None,
+        collection: str | None = None,
     ) -> None:
+        self.search = check_search(search)
+        self.text_search_config = validate_ts_config(text_search_config)
+        self.rrf_k, self.vector_weight, self.text_weight = _check_fusion(
+            rrf_k, vector_weight, text_weight
+        )
+        if collection is not None and (not isinstance(collection, str) or not collection):
+            raise ValueError(f"collection must be a non-empty string, got {collection!r}.")
+        from .pool import pool_settings
+
+        self.pool_size, self.pool_timeout = pool_settings(pool_size, pool_timeout)
         self.db = resolve_dsn(dsn, data_dir=data_dir)
         self.table = validate_table_name(table)
         self.ef_search = ef_search
         with database_errors(self.db.dsn, f"open table {self.table}"):
-            self.layout = self._detect_layout(target)
+            self.layout = self._detect_layout(target, collection)
             self.embedder: Embedder = load_embedder(embed_model)
             self._check_embedder()
         self._lock = threading.Lock()
@@ -372,62 +383,151 @@ class PostgresKnowledgeBase:
     def __repr__(self) -> str:
         return f"PostgresKnowledgeBase(table={self.layout.table!r}, db={self.db.masked!r})"
 
+    def _connection(self) -> Any:
+        """A connection of the shared pool (context manager)."""
+        from .pool import pooled, shared_pool
+
+        shared_pool(self.db.dsn, self.pool_size, self.pool_timeout)
+        return pooled(self.db.dsn)
+
     # -------------------------------------------------------------- checks
-    def _detect_layout(self, target: Target | None) -> TableLayout:
+    def _detect_layout(self, target: Target | None, collection: str | None = None) -> TableLayout:
+        from .layout import legacy_collection, text_search_column
+
         candidates = [TableLayout.for_target(self.table, t) for t in (target,) if t] or [
             TableLayout.for_target(self.table, t)
             for t in ("llamaindex", "langchain")
             if t == "llamaindex" or not is_reserved_word(self.table)  # never a langchain table
         ]
-        with connect(self.db.dsn, autocommit=True) as conn:
+        if collection is not None:
+            candidates = []
+        with self._connection() as conn:
+            found = None
             for layout in candidates:
                 # A table of that name without our columns is an error, never read.
                 if check_layout(conn, layout, self.db.masked):
-                    return layout
+                    found = layout
+                    break
+            if found is None and not target:
+                found = legacy_collection(conn, collection or self.table)
+            if found is not None:
+                column, config = text_search_column(conn, found)
+                return replace(found, tsv_column=column, ts_config=config)
+        if collection is not None:
+            raise LookupError(
+                f"No langchain-postgres PGVector collection {collection!r} at {self.db.masked} "
+                "(no such name in langchain_pg_collection)."
+            )
         names = " or ".join(c.table for c in candidates)
         raise LookupError(
-            f"No ingested table {names} at {self.db.masked}. Run `tokrag ingest PATH "
-            f"--table {self.table}` first (with the same --dsn)."
+            f"No ingested table {names} at {self.db.masked} (nor a langchain-postgres PGVector "
+            f"collection {self.table!r}). Run `tokrag ingest PATH --table {self.table}` first "
+            "(with the same --dsn)."
         )
 
     def _check_embedder(self) -> None:
-        m = self.layout.metadata_column
-        with connect(self.db.dsn, autocommit=True) as conn:
+        from psycopg import sql
+
+        lay = self.layout
+        with self._connection() as conn:
             row = conn.execute(
-                f"SELECT {m}->>'embed_model' FROM {self.layout.table} LIMIT 1"
+                sql.SQL(
+                    "SELECT {m}->>'embed_model', vector_dims({e}) FROM {t} WHERE {w} LIMIT 1"
+                ).format(
+                    m=sql.Identifier(lay.metadata_column),
+                    e=sql.Identifier(lay.embedding_column),
+                    t=sql.Identifier(lay.table),
+                    w=lay.where_sql,
+                )
             ).fetchone()
         if row and row[0] and row[0] != self.embedder.name:
             raise ValueError(
-                f"Table {self.layout.table} was embedded with {row[0]!r}, but the query embedder "
+                f"Table {lay.table} was embedded with {row[0]!r}, but the query embedder "
                 f"is {self.embedder.name!r}; pass the same --embed-model as at ingest."
             )
+        if row and row[1] is not None and int(row[1]) != self.embedder.dim:
+            raise ValueError(
+                f"Table {lay.table} holds {row[1]}-dimensional embeddings but the query "
+                f"embedder {self.embedder.name!r} makes {self.embedder.dim}-dimensional ones; "
+                "pass the --embed-model the table was built with."
+            )
+
+    def _refresh_text_search(self) -> None:
+        from .layout import text_search_column
+
+        with database_errors(self.db.dsn, f"open table {self.layout.table}"), self._connection() as conn:
+            column, config = text_search_column(conn, self.layout)
+        self.layout = replace(self.layout, tsv_column=column, ts_config=config)
+
+    @property
+    def has_text_search(self) -> bool:
+        """Whether the table has a full-text column (needed by text and hybrid search)."""
+        return self.layout.tsv_column is not None
+
+    def add_text_search(self, config: str | None = None) -> None:
+        """Add the generated full-text column and its GIN index to the table (an upgrade of a
+        table ingested before tokrag made one; rewrites the table). Nothing happens when it
+        has one.
+
+        Raises:
+            ValueError: The server has no such text search configuration.
+        """
+        from .layout import add_text_search, text_search_column
+
+        config = validate_ts_config(config or self.text_search_config)
+        with (
+            database_errors(self.db.dsn, f"add a full-text column to {self.layout.table}"),
+            self._connection() as conn,
+        ):
+            add_text_search(conn, self.layout, config)
+            column, found = text_search_column(conn, self.layout)
+        self.layout = replace(self.layout, tsv_column=column, ts_config=found)
 
     # -------------------------------------------------------------- stores
     def llamaindex_store(self) -> Any:
-        """The LlamaIndex ``PGVectorStore`` over the table (created once, shared)."""
+        """The LlamaIndex ``PGVectorStore`` over the table (created once, shared).
+
+        Only for code that needs LlamaIndex's store itself; :meth:`llamaindex_retriever` and
+        :meth:`retrieve` do not use it.
+        """
         with self._lock:
             if self._li_store is None:
                 self._li_store = make_llamaindex_store(
-                    self.db, self.layout, self.embedder.dim, ef_search=self.ef_search
+                    self.db,
+                    self.layout,
+                    self.embedder.dim,
+                    ef_search=self.ef_search,
+                    # its own hybrid / sparse queries need the column in its table class
+                    hybrid_search=self.layout.tsv_column is not None,
+                    text_search_config=self.layout.ts_config or self.text_search_config,
                 )
             return self._li_store
 
-    def llamaindex_retriever(self, top_k: int = 4, filters: Filters = None) -> Any:
-        """A LlamaIndex ``VectorIndexRetriever`` over the table, with metadata filters."""
-        from llama_index.core import VectorStoreIndex
+    def llamaindex_retriever(
+        self, top_k: int = 4, filters: Filters = None, **search_options: Any
+    ) -> Any:
+        """A LlamaIndex ``BaseRetriever`` over the table (sync and async), with filters.
 
-        _check_top_k(top_k)
-        index = VectorStoreIndex.from_vector_store(
-            self.llamaindex_store(), embed_model=self.embedder.llamaindex()
-        )
-        return index.as_retriever(
-            similarity_top_k=top_k,
-            filters=_llamaindex_filters(normalize_filters(filters)),
-            vector_store_kwargs={"hnsw_ef_search": max(self.ef_search, top_k)},
-        )
+        ``search_options`` are :meth:`retrieve`'s keyword arguments (``search``, ``rrf_k``,
+        ``vector_weight``, ``text_weight``, ``candidates``); they are checked here.
+        """
+        from .adapters import llamaindex_retriever
+
+        self._check_request(top_k, filters, **search_options)
+        return llamaindex_retriever(self, top_k=top_k, filters=filters, **search_options)
 
     def langchain_store(self) -> Any:
-        """A ``langchain_postgres.PGVectorStore`` over the same table (custom column names)."""
+        """A ``langchain_postgres.PGVectorStore`` over the same table (custom column names).
+
+        Only for code that needs LangChain's store itself; :meth:`langchain_retriever` and
+        :meth:`retrieve` do not use it.
+        """
+        if self.layout.target == "langchain_legacy":
+            raise ValueError(
+                f"Collection {self.layout.collection!r} is a legacy langchain-postgres PGVector "
+                "collection; read it with langchain_postgres.PGVector(collection_name=...) or "
+                "through langchain_retriever()."
+            )
         with self._lock:
             if self._lc_store is None:
                 from langchain_postgres import PGEngine, PGVectorStore
@@ -450,36 +550,126 @@ class PostgresKnowledgeBase:
                 )
             return self._lc_store
 
-    def langchain_retriever(self, k: int = 4, filters: Filters = None) -> Any:
-        """A LangChain retriever (``VectorStoreRetriever``) over the table, with filters."""
-        _check_top_k(k, "k")
-        search_kwargs: dict[str, Any] = {"k": k}
-        flt = _langchain_filter(normalize_filters(filters))
-        if flt:
-            search_kwargs["filter"] = flt
-        return self.langchain_store().as_retriever(search_kwargs=search_kwargs)
+    def langchain_retriever(self, k: int = 4, filters: Filters = None, **search_options: Any) -> Any:
+        """A LangChain ``BaseRetriever`` over the table (``invoke`` / ``ainvoke``), with filters;
+        ``search_options`` as for :meth:`llamaindex_retriever`."""
+        from .adapters import langchain_retriever
+
+        self._check_request(k, filters, name="k", **search_options)
+        return langchain_retriever(self, k=k, filters=filters, **search_options)
 
     # -------------------------------------------------------------- querying
-    def retrieve(self, query: str, top_k: int = 4, filters: Filters = None) -> list[RetrievedChunk]:
-        """The ``top_k`` chunks most similar to ``query`` that match ``filters``, best first.
+    def _check_request(
+        self,
+        top_k: Any,
+        filters: Filters,
+        *,
+        name: str = "top_k",
+        search: str | None = None,
+        rrf_k: float | None = None,
+        vector_weight: float | None = None,
+        text_weight: float | None = None,
+        candidates: int | None = None,
+    ) -> tuple[list[Condition], str, tuple[float, float, float], int]:
+        _check_top_k(top_k, name)
+        conditions = to_conditions(filters)
+        mode = check_search(self.search if search is None else search)
+        fusion = _check_fusion(
+            self.rrf_k if rrf_k is None else rrf_k,
+            self.vector_weight if vector_weight is None else vector_weight,
+            self.text_weight if text_weight is None else text_weight,
+        )
+        if candidates is None:
+            depth = min(max(top_k, 50), MAX_TOP_K)
+        else:
+            _check_top_k(candidates, "candidates")
+            depth = max(candidates, top_k)
+        if mode != "vector" and self.layout.tsv_column is None:
+            self._refresh_text_search()  # another process may have added it meanwhile
+        if mode != "vector" and self.layout.tsv_column is None:
+            raise ValueError(
+                f"search={mode!r} needs a full-text column, and table {self.layout.table} has "
+                "none (it was ingested before tokrag added one, or by another tool). Add it "
+                f"with `tokrag ingest PATH... --table {self.table} --upgrade` or "
+                "PostgresKnowledgeBase.add_text_search() (rewrites the table once), or use "
+                "search='vector'."
+            )
+        return conditions, mode, fusion, depth
+
+    def retrieve(
+        self,
+        query: str,
+        top_k: int = 4,
+        filters: Filters = None,
+        *,
+        search: SearchMode | None = None,
+        rrf_k: float | None = None,
+        vector_weight: float | None = None,
+        text_weight: float | None = None,
+        candidates: int | None = None,
+    ) -> list[RetrievedChunk]:
+        """The ``top_k`` best chunks for ``query`` that match ``filters``, best first.
+
+        Args:
+            query: The question.
+            top_k: Chunks to return (1..1000).
+            filters: See :func:`~.search.to_conditions`: ``{"file_name": "a.md"}``,
+                ``{"year": {"$gte": 2020}}``, ``["format=md", "year>=2020"]``...
+            search: ``"vector"`` (cosine similarity, the score), ``"text"`` (full text,
+                ``ts_rank``) or ``"hybrid"`` (reciprocal rank fusion of both); default: the
+                knowledge base's ``search``.
+            rrf_k / vector_weight / text_weight: Hybrid fusion settings (default: the
+                knowledge base's).
+            candidates: Rows each ranking contributes to hybrid fusion (default
+                ``max(top_k, 50)``).
 
         Raises:
-            ValueError: Empty query, ``top_k`` outside 1..1000, a bad filter, or a number
+            ValueError: Empty query, ``top_k`` outside 1..1000, a bad filter or search mode,
+                text or hybrid search on a table without a full-text column, or a number
                 given as the value of a key whose stored values are text.
             PostgresQueryError: The database refused the query (e.g. no SELECT privilege).
         """
         if not isinstance(query, str) or not query.strip():
             raise ValueError("The query is empty; pass a question to retrieve chunks for.")
-        _check_top_k(top_k)
-        flt = normalize_filters(filters)
+        conditions, mode, (k, wv, wt), depth = self._check_request(
+            top_k,
+            filters,
+            search=search,
+            rrf_k=rrf_k,
+            vector_weight=vector_weight,
+            text_weight=text_weight,
+            candidates=candidates,
+        )
+        query = query.strip()
+        embedding = None
+        if mode in ("vector", "hybrid"):
+            import numpy as np
+
+            embedding = np.asarray(self.embedder.embed_query(query), dtype=np.float32)
+        statement, params = search_statement(
+            self.layout,
+            mode,
+            conditions,
+            top_k=top_k,
+            candidates=depth,
+            rrf_k=k,
+            vector_weight=wv,
+            text_weight=wt,
+            embedding=embedding,
+            query=query,
+            ts_config=self.layout.ts_config or self.text_search_config,
+        )
         try:
-            return self._retrieve(query, top_k, flt)
+            with self._connection() as conn, conn.transaction():
+                conn.execute(
+                    "SELECT set_config('hnsw.ef_search', %s, true)",
+                    (str(min(max(self.ef_search, top_k, depth if mode == "hybrid" else 0), MAX_TOP_K)),),
+                )
+                rows = conn.execute(statement, params).fetchall()
         except Exception as exc:
             if not is_driver_error(exc):
                 raise
-            numeric = sorted(
-                k for k, vs in flt.items() if any(not isinstance(v, str) for v in vs)
-            )
+            numeric = sorted({c.key for c in conditions if c.numeric})
             if numeric and sqlstate_of(exc) == "22P02":  # invalid_text_representation
                 raise ValueError(
                     f"Filter {', '.join(numeric)}: a number was given, but the stored values "
@@ -487,62 +677,32 @@ class PostgresKnowledgeBase:
                     f"{{{numeric[0]!r}: '3'}})."
                 ) from None
             raise query_error(exc, self.db.dsn, f"search table {self.layout.table}") from None
+        return [_chunk(node_id, text, meta, score) for node_id, text, meta, score in rows]
 
-    def _retrieve(
-        self, query: str, top_k: int, flt: dict[str, list[Any]]
-    ) -> list[RetrievedChunk]:
-        if self.layout.target == "langchain":
-            docs = self.langchain_store().similarity_search_with_score(
-                query, k=top_k, filter=_langchain_filter(flt)
-            )
-            return [
-                RetrievedChunk(
-                    text=d.page_content,
-                    score=1.0 - float(dist),
-                    source=str(d.metadata.get("source", "")),
-                    chunk=int(d.metadata.get("chunk", 0)),
-                    metadata=_clean_metadata(d.metadata),
-                    node_id=str(d.id or ""),
-                )
-                for d, dist in docs
-            ]
-        from llama_index.core.vector_stores.types import VectorStoreQuery
-
-        result = self.llamaindex_store().query(
-            VectorStoreQuery(
-                query_embedding=self.embedder.embed_query(query.strip()),
-                similarity_top_k=top_k,
-                filters=_llamaindex_filters(flt),
-            ),
-            hnsw_ef_search=max(self.ef_search, top_k),
-        )
-        chunks = []
-        for node, sim in zip(result.nodes or [], result.similarities or [], strict=False):
-            meta = _clean_metadata(node.metadata)
-            chunks.append(
-                RetrievedChunk(
-                    text=node.get_content(),
-                    score=float(sim),
-                    source=str(meta.get("source", "")),
-                    chunk=int(meta.get("chunk", 0)),
-                    metadata=meta,
-                    node_id=node.node_id,
-                )
-            )
-        return chunks
+    async def aretrieve(self, query: str, top_k: int = 4, filters: Filters = None, **search_options: Any) -> list[RetrievedChunk]:
+        """:meth:`retrieve` without blocking the event loop: it runs in a worker thread on a
+        connection of the same pool (the query embedding is computed there too)."""
+        return await asyncio.to_thread(self.retrieve, query, top_k, filters, **search_options)
 
     def count(self, source: str | Path | None = None) -> int:
         """Chunks in the table (for one source path when given)."""
+        from psycopg import sql
+
         lay = self.layout
+        table = sql.Identifier(lay.table)
         with (
             database_errors(self.db.dsn, f"count rows of {lay.table}"),
-            connect(self.db.dsn, autocommit=True) as conn,
+            self._connection() as conn,
         ):
             if source is None:
-                row = conn.execute(f"SELECT count(*) FROM {lay.table}").fetchone()
+                row = conn.execute(
+                    sql.SQL("SELECT count(*) FROM {} WHERE {}").format(table, lay.where_sql)
+                ).fetchone()
             else:
                 row = conn.execute(
-                    f"SELECT count(*) FROM {lay.table} WHERE {lay.source_expr} = %s",
+                    sql.SQL("SELECT count(*) FROM {} WHERE {} AND {} = %s").format(
+                        table, lay.where_sql, sql.SQL(lay.source_expr)
+                    ),
                     (str(Path(source).resolve()),),
                 ).fetchone()
         return int(row[0]) if row else 0
@@ -555,17 +715,44 @@ class PostgresKnowledgeBase:
         policy: str = "tokrag",
         top_k: int = 4,
         filters: Filters = None,
+        search: SearchMode | None = None,
         **options: Any,
     ) -> PostgresAnswer:
-        """Retrieve, then decode with the core :func:`~tokrag_integrations.generate`."""
+        """Retrieve (with ``search``), then decode with the core
+        :func:`~tokrag_integrations.generate`."""
         from ..api import generate
 
-        chunks = self.retrieve(question, top_k=top_k, filters=filters)
+        chunks = self.retrieve(question, top_k=top_k, filters=filters, search=search)
         result = generate(lm, question, [c.to_passage() for c in chunks], policy=policy, **options)
         return PostgresAnswer(result=result, chunks=chunks)
 
+    async def aanswer(
+        self,
+        question: str,
+        lm: Any,
+        *,
+        policy: str = "tokrag",
+        top_k: int = 4,
+        filters: Filters = None,
+        search: SearchMode | None = None,
+        **options: Any,
+    ) -> PostgresAnswer:
+        """:meth:`answer` without blocking the event loop: retrieval and decoding run in a
+        worker thread (the model never runs on the loop)."""
+        return await asyncio.to_thread(
+            self.answer,
+            question,
+            lm,
+            policy=policy,
+            top_k=top_k,
+            filters=filters,
+            search=search,
+            **options,
+        )
+
     def close(self) -> None:
-        """Release connection pools (the embedded server stops when the process exits)."""
+        """Release the framework stores' engines (the shared psycopg pool stays open for other
+        users of the database until the process exits; see :func:`.pool.close_pools`)."""
         with self._lock:
             if self._li_store is not None:
                 close_llamaindex_store(self._li_store)
@@ -580,6 +767,37 @@ class PostgresKnowledgeBase:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_fusion(rrf_k: Any, vector_weight: Any, text_weight: Any) -> tuple[float, float, float]:
+    for name, value in (("rrf_k", rrf_k), ("vector_weight", vector_weight), ("text_weight", text_weight)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value == value:
+            raise ValueError(f"{name} must be a number, got {value!r}.")
+        if value < 0 or (name == "rrf_k" and value == 0) or value == float("inf"):
+            raise ValueError(f"{name} must be {'positive' if name == 'rrf_k' else '>= 0'} and finite, got {value!r}.")
+    if vector_weight == 0 and text_weight == 0:
+        raise ValueError("vector_weight and text_weight are both 0; give at least one a weight.")
+    return float(rrf_k), float(vector_weight), float(text_weight)
+
+
+def _chunk(node_id: str, text: str, meta: Any, score: Any) -> RetrievedChunk:
+    if isinstance(meta, str):  # a json column read as text
+        meta = json.loads(meta)
+    meta = meta if isinstance(meta, dict) else {}
+    source = meta.get("source") or meta.get("ref_doc_id") or ""
+    clean = _clean_metadata(meta)
+    try:
+        chunk = int(clean.get("chunk", 0))
+    except (TypeError, ValueError):
+        chunk = 0
+    return RetrievedChunk(
+        text=text or "",
+        score=float(score),
+        source=str(source),
+        chunk=chunk,
+        metadata=clean,
+        node_id=str(node_id or ""),
+    )
 
 
 _KBS: dict[tuple[Any, ...], PostgresKnowledgeBase] = {}
@@ -609,6 +827,7 @@ def answer_from_postgres(
     *,
     embed_model: str | Path | None = None,
     data_dir: str | Path | None = None,
+    search: SearchMode | None = None,
     **options: Any,
 ) -> PostgresAnswer:
     """Answer ``question`` from an ingested table (``tokrag ask --store postgres``).
@@ -625,6 +844,8 @@ def answer_from_postgres(
             :func:`~tokrag_integrations.load_model` (``None``: the packaged default).
         embed_model: The ``--embed-model`` used at ingest, if any.
         data_dir: Data folder of the embedded server.
+        search: ``"vector"`` (default), ``"text"`` or ``"hybrid"`` (see
+            :meth:`PostgresKnowledgeBase.retrieve`).
         **options: Passed to :func:`~tokrag_integrations.generate` (``max_new_tokens``,
             ``stop``, policy options...).
 
@@ -635,4 +856,6 @@ def answer_from_postgres(
 
     lm = model if isinstance(model, LoadedModel) else load_model(model or "default")
     kb = _knowledge_base(dsn, table, embed_model, data_dir)
-    return kb.answer(question, lm, policy=policy, top_k=top_k, filters=filters, **options)
+    return kb.answer(
+        question, lm, policy=policy, top_k=top_k, filters=filters, search=search, **options
+    )

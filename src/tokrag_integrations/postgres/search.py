@@ -1,0 +1,381 @@
+"""The SQL behind :meth:`PostgresKnowledgeBase.retrieve`: vector, full-text and hybrid search,
+metadata filters with operators, and the full-text column.
+
+Every statement is built with :mod:`psycopg.sql`: table, column and index names are
+:class:`~psycopg.sql.Identifier` (after validation), and every value (the query, its
+embedding, filter values and keys, the text search configuration, ``k`` and the weights) is
+a bound parameter. Nothing a user types is formatted into SQL text.
+
+**Search modes.**
+
+* ``"vector"``: cosine distance through the HNSW index (``ORDER BY embedding <=> q``);
+  the score is the cosine similarity.
+* ``"text"``: Postgres full-text search over the table's ``text_search_tsv`` column (a
+  generated ``tsvector`` with a GIN index, the column ``PGVectorStore(hybrid_search=True)``
+  makes). The question is parsed with ``plainto_tsquery`` in the column's own text search
+  configuration. Chunks holding *every* word of the question (stop words aside) come first,
+  then chunks holding any of them (a question rarely shares all its words with the
+  passage); within each tier by ``ts_rank``. The score is ``tier + rank / (1 + rank)``.
+* ``"hybrid"``: reciprocal rank fusion of the two rankings in one statement: each of the two
+  CTEs takes its best ``candidates`` rows, and a row's score is
+  ``vector_weight / (rrf_k + vector_rank) + text_weight / (rrf_k + text_rank)`` (a ranking the
+  row is missing from adds 0). Cormack et al. (2009) use ``rrf_k = 60``. The text ranking
+  votes only for the chunks holding every word of the question when there are any (else for
+  the chunks holding any word): otherwise, among near-identical chunks that differ in one
+  identifier, the others would get text votes for sharing the question's common words, and
+  the fusion could not prefer the one that names the identifier.
+
+**Filters** (``{key: value}``, ``{key: [values]}`` or ``{key: {"$op": value}}``; keys are
+ANDed): ``$eq $ne $in $nin $gt $gte $lt $lte $contains``. A number is compared as a
+number (the stored value is cast to ``double precision``), a string as text. ``$ne`` and
+``$nin`` also match rows without the key. ``$contains`` matches a stored list holding the
+value, or a stored string containing it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "FILTER_OPERATORS",
+    "SEARCH_MODES",
+    "TSV_COLUMN",
+    "Condition",
+    "SearchMode",
+    "check_search",
+    "compile_conditions",
+    "parse_filter_args",
+    "search_statement",
+    "to_conditions",
+    "validate_filter_key",
+    "validate_ts_config",
+]
+
+SearchMode = Literal["vector", "text", "hybrid"]
+SEARCH_MODES: tuple[str, ...] = ("vector", "text", "hybrid")
+#: The full-text column: the name ``PGVectorStore(hybrid_search=True)`` gives it.
+TSV_COLUMN = "text_search_tsv"
+FILTER_OPERATORS: tuple[str, ...] = (
+    "$eq", "$ne", "$in", "$nin", "$gt", "$gte", "$lt", "$lte", "$contains",
+)  # fmt: skip
+
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_TS_CONFIG_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+# CLI operators, longest first so ">=" is not read as ">" then "=value".
+_CLI_OPS = (("!=", "$ne"), (">=", "$gte"), ("<=", "$lte"), ("~=", "$contains"),
+            ("=", "$eq"), (">", "$gt"), ("<", "$lt"))  # fmt: skip
+
+
+def check_search(search: Any) -> str:
+    """``search`` if it is one of :data:`SEARCH_MODES`, else a ``ValueError`` naming them."""
+    if search not in SEARCH_MODES:
+        raise ValueError(f"Unknown search {search!r}; use 'vector', 'text' or 'hybrid'.")
+    return str(search)
+
+
+def validate_ts_config(config: Any) -> str:
+    """``config`` if it looks like a text search configuration name (``english``, ``simple``).
+
+    Whether the server has it is checked when it is used (see :func:`ts_config_exists`).
+    """
+    if not isinstance(config, str) or not _TS_CONFIG_RE.fullmatch(config):
+        raise ValueError(
+            f"Invalid text search configuration {config!r}: use the name of one of the "
+            "server's configurations (SELECT cfgname FROM pg_ts_config), e.g. 'english' or "
+            "'simple'."
+        )
+    return config
+
+
+def ts_config_exists(conn: Any, config: str) -> None:
+    """Raise a ``ValueError`` when the server has no text search configuration ``config``."""
+    validate_ts_config(config)
+    if conn.execute("SELECT 1 FROM pg_ts_config WHERE cfgname = %s", (config,)).fetchone():
+        return
+    names = [r[0] for r in conn.execute("SELECT cfgname FROM pg_ts_config ORDER BY 1")]
+    raise ValueError(
+        f"The server has no text search configuration {config!r}; use one of: "
+        f"{', '.join(names)}."
+    )
+
+
+# ============================================================================ filters
+def validate_filter_key(key: str) -> str:
+    """``key`` if it is a plain ASCII identifier, else a ``ValueError`` saying so."""
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        raise ValueError(
+            f"Invalid filter key {key!r}: use ASCII letters, digits and underscores, starting "
+            "with a letter or underscore (e.g. file_name, source, chunk)."
+        )
+    return key
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One filter condition: ``metadata[key] <op> value``."""
+
+    key: str
+    op: str
+    value: Any
+
+    @property
+    def numeric(self) -> bool:
+        """Whether the value is compared as a number."""
+        values = self.value if isinstance(self.value, (list, tuple)) else [self.value]
+        return all(not isinstance(v, str) for v in values)
+
+
+def _check_value(key: str, op: str, value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(
+            f"Filter {key!r} {op}: values must be strings or numbers, got {type(value).__name__}."
+        )
+    if isinstance(value, float) and value != value:  # NaN
+        raise ValueError(f"Filter {key!r} {op}: NaN is not a value to compare with.")
+    return value
+
+
+def _condition(key: str, op: str, value: Any) -> Condition:
+    if op not in FILTER_OPERATORS:
+        raise ValueError(
+            f"Filter {key!r}: unknown operator {op!r}; use one of {' '.join(FILTER_OPERATORS)}."
+        )
+    if op in ("$in", "$nin"):
+        if not isinstance(value, (list, tuple, set, frozenset)) or not value:
+            raise ValueError(f"Filter {key!r} {op}: give a non-empty list of values.")
+        values = [_check_value(key, op, v) for v in value]
+        kinds = {isinstance(v, str) for v in values}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"Filter {key!r} {op}: mix of strings and numbers; give all values as strings "
+                "or all as numbers."
+            )
+        return Condition(key, op, sorted(values, key=str) if isinstance(value, (set, frozenset)) else values)
+    return Condition(key, op, _check_value(key, op, value))
+
+
+def parse_filter_args(args: Iterable[str]) -> dict[str, list[str]]:
+    """``["file_name=a.md", "file_name=b.md", "format=md"]`` -> ``{key: [values]}``.
+
+    Repeating a key means "any of these values"; different keys must all match. (For the
+    comparison operators of ``--filter``, see :func:`to_conditions`.)
+    """
+    out: dict[str, list[str]] = {}
+    for arg in args:
+        key, sep, value = str(arg).partition("=")
+        if not sep:
+            raise ValueError(
+                f"--filter {arg!r} is not key=value (e.g. --filter file_name=guide.md)."
+            )
+        out.setdefault(validate_filter_key(key.strip()), []).append(value)
+    return out
+
+
+def _cli_value(text: str) -> str | float:
+    """A number when ``text`` reads as one (for ``--filter 'year>=2020'``), else the text."""
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return text if number != number or number in (float("inf"), float("-inf")) else number
+
+
+def _parse_cli(args: Sequence[str]) -> list[Condition]:
+    equal: dict[str, list[str]] = {}
+    out: list[Condition] = []
+    for arg in args:
+        text = str(arg)
+        match = re.match(r"^\s*([^=!<>~]*?)\s*(!=|>=|<=|~=|=|>|<)(.*)$", text, flags=re.DOTALL)
+        if not match:
+            raise ValueError(
+                f"--filter {text!r} is not key=value (e.g. --filter file_name=guide.md, or "
+                "year>=2020, status!=draft, tags~=audit)."
+            )
+        key, symbol, value = match.groups()
+        key = validate_filter_key(key)
+        op = dict(_CLI_OPS)[symbol]
+        if op == "$eq":
+            equal.setdefault(key, []).append(value)  # repeated key: any of these values
+        elif op in ("$gt", "$gte", "$lt", "$lte"):
+            out.append(_condition(key, op, _cli_value(value)))
+        else:
+            out.append(_condition(key, op, value))
+    eq = [_condition(k, "$eq", v[0]) if len(v) == 1 else _condition(k, "$in", v) for k, v in equal.items()]
+    return eq + out
+
+
+def to_conditions(filters: Any) -> list[Condition]:
+    """Filters as a list of :class:`Condition` (keys validated, values checked).
+
+    Accepts ``None``; a mapping ``{key: value}``, ``{key: [values]}`` (any of) or
+    ``{key: {"$gte": 3, "$lt": 9}}``; or ``key=value`` strings as ``--filter`` gives them
+    (``key!=v``, ``key>=v``, ``key<=v``, ``key>v``, ``key<v``, ``key~=v`` for the other
+    operators; a value that reads as a number is compared as one).
+    """
+    if not filters:
+        return []
+    if isinstance(filters, str):
+        return _parse_cli([filters])
+    if not isinstance(filters, Mapping):
+        if isinstance(filters, (list, tuple)) and all(isinstance(f, str) for f in filters):
+            return _parse_cli(filters)
+        raise ValueError(
+            "Filters must be a mapping ({'file_name': 'a.md'}, {'year': {'$gte': 2020}}) or "
+            f"key=value strings, got {type(filters).__name__}."
+        )
+    out: list[Condition] = []
+    for key, spec in filters.items():
+        validate_filter_key(key)
+        if isinstance(spec, Mapping):
+            if not spec:
+                raise ValueError(f"Filter {key!r} has no operators.")
+            for op, value in spec.items():
+                out.append(_condition(key, op, value))
+        elif isinstance(spec, (list, tuple, set, frozenset)):
+            if not spec:
+                raise ValueError(f"Filter {key!r} has no values.")
+            values = list(spec)
+            out.append(
+                _condition(key, "$eq", values[0]) if len(values) == 1 else _condition(key, "$in", spec)
+            )
+        else:
+            out.append(_condition(key, "$eq", spec))
+    return out
+
+
+def compile_conditions(conditions: Sequence[Condition], meta: Any, params: dict[str, Any]) -> Any:
+    """The SQL of ``conditions`` ANDed (``TRUE`` when none) over JSON column ``meta``.
+
+    Values go into ``params`` under fresh names (``f0``, ``f1``...); the SQL holds only
+    placeholders for them.
+    """
+    from psycopg import sql
+    from psycopg.types.json import Jsonb
+
+    parts = []
+    for cond in conditions:
+        n = len(params)
+        key_name, value_name = f"f{n}", f"f{n + 1}"
+        params[key_name] = cond.key
+        key = sql.Placeholder(key_name)
+        value = sql.Placeholder(value_name)
+        as_text = sql.SQL("({} ->> {}::text)").format(meta, key)
+        column = sql.SQL("({}::double precision)").format(as_text) if cond.numeric else as_text
+        op, v = cond.op, cond.value
+        if op in ("$in", "$nin"):
+            params[value_name] = [float(x) for x in v] if cond.numeric else [str(x) for x in v]
+            cast = sql.SQL("double precision[]" if cond.numeric else "text[]")
+            test = sql.SQL("{} = ANY({}::{})").format(column, value, cast)
+            parts.append(
+                test if op == "$in" else sql.SQL("({} IS NULL OR NOT {})").format(as_text, test)
+            )
+            continue
+        if op == "$contains":
+            params[value_name] = Jsonb([v])
+            params[f"f{n + 2}"] = str(v)
+            parts.append(
+                sql.SQL(
+                    "(({m}::jsonb -> {k}::text) @> {v} OR (jsonb_typeof({m}::jsonb -> {k}::text) "
+                    "= 'string' AND strpos({t}, {s}::text) > 0))"
+                ).format(m=meta, k=key, v=value, t=as_text, s=sql.Placeholder(f"f{n + 2}"))
+            )
+            continue
+        params[value_name] = float(v) if cond.numeric else str(v)
+        typed = sql.SQL("{}::double precision" if cond.numeric else "{}::text").format(value)
+        if op == "$ne":
+            parts.append(sql.SQL("({} IS NULL OR {} <> {})").format(as_text, column, typed))
+            continue
+        symbol = {"$eq": "=", "$gt": ">", "$gte": ">=", "$lt": "<", "$lte": "<="}[op]
+        collate = sql.SQL("") if cond.numeric or op == "$eq" else sql.SQL(' COLLATE "C"')
+        parts.append(sql.SQL("{} {} {}{}").format(column, sql.SQL(symbol), typed, collate))
+    return sql.SQL(" AND ").join(parts) if parts else sql.SQL("TRUE")
+
+
+# ============================================================================ statements
+def search_statement(
+    layout: Any,
+    search: str,
+    conditions: Sequence[Condition],
+    *,
+    top_k: int,
+    candidates: int,
+    rrf_k: float,
+    vector_weight: float,
+    text_weight: float,
+    embedding: Any,
+    query: str,
+    ts_config: str | None,
+) -> tuple[Any, dict[str, Any]]:
+    """``(statement, params)`` of one search; rows are ``(node_id, text, metadata, score)``.
+
+    ``layout`` is a :class:`~.layout.TableLayout`; text and hybrid need its ``tsv_column``.
+    """
+    from psycopg import sql
+
+    params: dict[str, Any] = {"top_k": top_k}
+    table = sql.Identifier(layout.table)
+    key = sql.Identifier(layout.key_column)
+    node_id = sql.Identifier(layout.id_column)
+    text = sql.Identifier(layout.text_column)
+    meta = sql.Identifier(layout.metadata_column)
+    emb = sql.Identifier(layout.embedding_column)
+    where = compile_conditions(conditions, meta, params)
+    if layout.collection_id is not None:  # a legacy langchain-postgres collection
+        params["collection"] = layout.collection_id
+        where = sql.SQL("collection_id = %(collection)s::uuid AND {}").format(where)
+    fields = dict(table=table, key=key, node_id=node_id, text=text, meta=meta, emb=emb, where=where)
+    if search in ("vector", "hybrid"):
+        params["embedding"] = embedding
+    if search in ("text", "hybrid"):
+        fields["tsv"] = sql.Identifier(layout.tsv_column)
+        params["ts_config"] = ts_config
+        params["query"] = query
+    # Every word of the question (plainto_tsquery ANDs them) and any of them (OR), written
+    # out where used rather than as a CTE: a CTE read twice is materialised, and a join to
+    # it hides the query from the GIN index (measured: a sequential scan of 100k rows).
+    every_word = "plainto_tsquery(%(ts_config)s::regconfig, %(query)s)"
+    any_word = (
+        "replace(plainto_tsquery(%(ts_config)s::regconfig, %(query)s)::text, ' & ', ' | ')::tsquery"
+    )
+    if search == "vector":
+        statement = sql.SQL(
+            "SELECT {node_id}::text, {text}, {meta}, 1 - ({emb} <=> %(embedding)s) AS score "
+            "FROM {table} WHERE {where} ORDER BY {emb} <=> %(embedding)s LIMIT %(top_k)s"
+        ).format(**fields)
+    elif search == "text":
+        statement = sql.SQL(
+            "SELECT node_id_, text_, meta_, score FROM ("
+            "  SELECT {key} AS key_, {node_id}::text AS node_id_, {text} AS text_, {meta} AS meta_, "
+            "  ({tsv} @@ " + every_word + ")::int"
+            "    + ts_rank({tsv}, " + any_word + ") / (1 + ts_rank({tsv}, " + any_word + ")) AS score"
+            "  FROM {table} WHERE {tsv} @@ " + any_word + " AND {where}) AS s "
+            "ORDER BY score DESC, key_ LIMIT %(top_k)s"
+        ).format(**fields)
+    else:
+        params.update(
+            candidates=candidates, rrf_k=float(rrf_k), vw=float(vector_weight), tw=float(text_weight)
+        )
+        ranked = (
+            "SELECT {key} AS id, ts_rank({tsv}, " + any_word + ") AS rank FROM {table} "
+            "WHERE {tsv} @@ TSQUERY AND {where}"
+        )
+        statement = sql.SQL(
+            "WITH v AS (SELECT id, row_number() OVER (ORDER BY d, id) AS r FROM ("
+            "  SELECT {key} AS id, {emb} <=> %(embedding)s AS d FROM {table} WHERE {where}"
+            "  ORDER BY {emb} <=> %(embedding)s LIMIT %(candidates)s) AS s), "
+            # the text ranking votes for the chunks holding every word when there are any
+            "t_all AS (" + ranked.replace("TSQUERY", every_word) + " ORDER BY rank DESC LIMIT %(candidates)s), "
+            "t_any AS (" + ranked.replace("TSQUERY", any_word) + " AND NOT EXISTS (SELECT 1 FROM {table} "
+            "  WHERE {tsv} @@ " + every_word + " AND {where}) ORDER BY rank DESC LIMIT %(candidates)s), "
+            "t AS (SELECT id, row_number() OVER (ORDER BY rank DESC, id) AS r FROM ("
+            "  SELECT * FROM t_all UNION ALL SELECT * FROM t_any) AS u), "
+            "f AS (SELECT coalesce(v.id, t.id) AS id, "
+            "  coalesce(%(vw)s / (%(rrf_k)s + v.r), 0) + coalesce(%(tw)s / (%(rrf_k)s + t.r), 0) AS score "
+            "  FROM v FULL OUTER JOIN t ON v.id = t.id) "
+            "SELECT x.{node_id}::text, x.{text}, x.{meta}, f.score FROM f JOIN {table} AS x "
+            "ON x.{key} = f.id ORDER BY f.score DESC, f.id LIMIT %(top_k)s"
+        ).format(**fields)
+    return statement, params
