@@ -171,3 +171,40 @@ def test_bench_refuses_bad_batch_sizes():
     with pytest.raises(SystemExit, match=">= 1"):
         bench._sizes("0,4")
     assert bench._sizes("1, 4,16") == (1, 4, 16)
+
+
+def test_left_padded_rows_attend_in_runs_from_their_first_keys():
+    """A fused batch of many rows (pure rows padded far to the left, then RAG rows) attends
+    in runs of rows that start close together, each from its own first key: the same
+    attention as the masked product over every key."""
+    from tokrag_integrations.accel.cpu_kernels import _pad_segments, few_query_attention
+
+    torch.manual_seed(5)
+    b, h, hkv, t, hd = 8, 9, 3, 400, 16
+    starts = [350, 340, 355, 350, 0, 20, 5, 0]
+    assert _pad_segments(starts, t) == [(0, 4, 340), (4, 8, 0)]
+    assert _pad_segments([0, 0, 0], t) == [(0, 3, 0)]
+    assert _pad_segments([10, 300, 12], t) == [(0, 1, 10), (1, 2, 300), (2, 3, 12)]
+    q = torch.randn(b, h, 1, hd)
+    k = torch.randn(b, hkv, t, hd)
+    v = torch.randn(b, hkv, t, hd)
+    mask = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    for r, s_ in enumerate(starts):
+        mask[r, ..., :s_] = False
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    got, _ = few_query_attention(module, q, k, v, mask, scaling=0.25)
+    assert torch.allclose(got, _sdpa_reference(q, k, v, mask, 0.25), atol=1e-5)
+    # All rows starting at the same key past the first: one run, no mask.
+    same = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    same[..., :30] = False
+    got, _ = few_query_attention(module, q, k, v, same, scaling=0.25)
+    assert torch.allclose(got, _sdpa_reference(q, k, v, same, 0.25), atol=1e-5)
+
+
+def _sdpa_reference(q, k, v, mask, scale):
+    g = q.shape[1] // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), attn_mask=mask, scale=scale
+    )
+    return out.transpose(1, 2)

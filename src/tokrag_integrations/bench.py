@@ -187,6 +187,7 @@ def run_bench(
     progress: bool = True,
     throughput: tuple[int, ...] = (),
     rounds: int = 3,
+    latency: bool = True,
 ) -> dict[str, Any]:
     """Run the benchmark and return its figures (see module docstring)."""
     from tqdm.auto import tqdm
@@ -211,11 +212,12 @@ def run_bench(
         pol, opts = arm(name)
         generate(model_of(name), items[0][0], items[0][1], policy=pol, max_new_tokens=4, **opts)
 
-    rows: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
-    decisions: dict[str, list[Any]] = {p: [] for p in policies}
+    require_bool(latency, "latency")
+    rows: dict[str, list[dict[str, Any]]] = {p: [] for p in policies} if latency else {}
+    decisions: dict[str, list[Any]] = {p: [] for p in policies} if latency else {}
     prompt_tokens = []
-    bar = tqdm(total=len(items) * len(policies), desc="bench", disable=not progress)
-    for i, (q, ps) in enumerate(items):
+    bar = tqdm(total=len(items) * len(policies) * latency, desc="bench", disable=not progress)
+    for i, (q, ps) in enumerate(items if latency else []):
         order = list(policies[i % len(policies) :] + policies[: i % len(policies)])
         for name in order:
             pol, opts = arm(name)
@@ -349,6 +351,7 @@ def _throughput(
     policies: tuple[str, ...],
     progress: bool,
     rounds: int = 3,
+    latency: bool = True,
 ) -> dict[str, Any]:
     """Generated tokens per second with ``n`` queries decoded as one batch, per arm.
 
@@ -424,7 +427,12 @@ def format_report(res: dict[str, Any]) -> str:
     lines = [
         f"model {res['model']} on {res['device']} ({res['torch_threads']} threads), "
         f"{res['questions']} SQuAD dev questions, {res['passages']} passages "
-        f"(mean RAG prompt {res['mean_prompt_tokens']:.0f} tokens), max_new_tokens {res['max_new_tokens']}",
+        + (
+            f"(mean RAG prompt {res['mean_prompt_tokens']:.0f} tokens)"
+            if res.get("mean_prompt_tokens") is not None
+            else ""
+        )
+        + f", max_new_tokens {res['max_new_tokens']}",
         "",
         "| arm | s / question | ms / token | tokens / question | agreement rate | disagreement steps / question "
         "| tokens / block | draft acceptance | peak MB | peak over model MB |",
@@ -541,6 +549,11 @@ def _add_args(p: argparse.ArgumentParser) -> None:
         "--throughput", default="", help="comma list of batch sizes for tokens/s, e.g. 1,4,16"
     )
     p.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="only the --throughput measurement (no per-question timing, no memory)",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=3,
@@ -562,6 +575,8 @@ def _sizes(text: str) -> tuple[int, ...]:
 def _cmd(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    if args.throughput_only and not _sizes(args.throughput):
+        raise SystemExit("--throughput-only needs --throughput SIZES, e.g. --throughput 1,4,16")
     res = run_bench(
         model=args.model,
         data=args.data,
@@ -570,7 +585,8 @@ def _cmd(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
         device=args.device,
-        memory=not args.no_memory,
+        memory=not (args.no_memory or args.throughput_only),
+        latency=not args.throughput_only,
         memory_questions=args.memory_questions,
         throughput=_sizes(args.throughput),
         rounds=args.rounds,

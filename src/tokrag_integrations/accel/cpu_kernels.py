@@ -543,6 +543,28 @@ def _left_pad_starts(mask: torch.Tensor) -> list[int] | None:
     return starts
 
 
+#: Rows of a left-padded batch whose first keys lie within this many keys of each other (or
+#: a quarter of the keys, if more) attend in one call, from the earliest of their first keys.
+SEGMENT_KEYS = 64
+
+
+def _pad_segments(starts: list[int], n_keys: int) -> list[tuple[int, int, int]]:
+    """Consecutive rows of a left-padded batch in runs whose first attended keys are close
+    (:data:`SEGMENT_KEYS`): ``(first row, end row, first key of the run)`` per run."""
+    gap = max(SEGMENT_KEYS, n_keys // 4)
+    segs = []
+    a, lo, hi = 0, starts[0], starts[0]
+    for r in range(1, len(starts)):
+        x = starts[r]
+        if max(hi, x) - min(lo, x) > gap:
+            segs.append((a, r, lo))
+            a, lo, hi = r, x, x
+        else:
+            lo, hi = min(lo, x), max(hi, x)
+    segs.append((a, len(starts), lo))
+    return segs
+
+
 def few_query_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -598,6 +620,23 @@ def few_query_attention(
                 ]
             )
             return out.transpose(1, 2).contiguous(), None
+    if q == 1 and b > MAX_SPLIT_ROWS:
+        starts = _left_pad_starts(attention_mask)
+        segs = _pad_segments(starts, key.shape[2]) if starts is not None else None
+        if segs is not None and (len(segs) > 1 or segs[0][2] > 0):
+            # Left padding only, in runs of rows that start close together (a fused batch is
+            # all pure rows, then all RAG rows): each run attends from its own first key, so
+            # the short rows do not read the padding up to the longest one.
+            outs = []
+            for a, e, lo in segs:
+                m = None if all(x == lo for x in starts[a:e]) else attention_mask[a:e, :, :, lo:]
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        query[a:e], key[a:e, :, lo:], value[a:e, :, lo:],
+                        attn_mask=m, scale=scale, enable_gqa=True,
+                    )
+                )
+            return torch.cat(outs).transpose(1, 2).contiguous(), None
     if q == 1 or (b == 1 and attention_mask.dtype != torch.bool):
         # One query per row (a decode step of a padded or fused batch), or several queries of
         # one sequence under an additive mask (a packed two-context step): torch's CPU flash
