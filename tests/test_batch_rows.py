@@ -102,3 +102,34 @@ def test_a_packed_batch_cannot_drop_rows(lm):
     assert not b.can_keep_rows()
     with pytest.raises(RuntimeError, match="cannot drop rows"):
         b.keep_rows([0])
+
+
+def test_signals_of_several_queries_share_one_lens_product(lm, monkeypatch):
+    """At a step where several queries reach the signals, their first logit-lens rows go
+    through one product (``TokRAG.choose_many``); every query still gets the tokens,
+    decisions, l* and (to rounding) the cosines it gets alone."""
+    from tokrag_integrations.policies.tokrag import TokRAG
+
+    shared = []
+    real = TokRAG._first_chunk
+
+    def spy(self, pure, rag):
+        shared.append(1)
+        return real(self, pure, rag)
+
+    monkeypatch.setattr(TokRAG, "_first_chunk", spy)
+    qs = QS + ["Who painted the Mona Lisa?"]
+    ps = PS + [["The Mona Lisa was painted by Leonardo da Vinci in Florence."]]
+    batch = generate_batch(lm, qs, ps, policy="tokrag", max_new_tokens=24)
+    assert shared  # some step had several queries reaching the signals
+    monkeypatch.setattr(TokRAG, "_first_chunk", real)
+    for q, p, b in zip(qs, ps, batch, strict=True):
+        one = generate(lm, q, p, policy="tokrag", max_new_tokens=24)
+        assert b.token_ids == one.token_ids
+        for x, y in zip(b.trace.steps, one.trace.steps, strict=True):
+            assert (x.source, x.signals.get("benefit"), x.signals.get("l_star")) == (
+                y.source, y.signals.get("benefit"), y.signals.get("l_star")
+            )
+            for k in ("cos_ir", "cos_llm"):
+                if k in y.signals:
+                    assert abs(x.signals[k] - y.signals[k]) < 1e-4

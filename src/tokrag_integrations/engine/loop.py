@@ -188,11 +188,14 @@ def decode_loop(
         t1 = time.perf_counter()
         for step_i in range(max_new_tokens):
             chosen = [lm.pad_token_id] * len(plans)
-            for q in range(len(plans)):
-                if done[q]:
-                    continue
-                views = views_for(ready.rows, q)
-                choice = policy.choose(views, lm)
+            active = [q for q in range(len(plans)) if not done[q]]
+            all_views = [views_for(ready.rows, q) for q in active]
+            # All queries of the step at once: a rule may share work between them (one logit
+            # lens product for every query whose contexts disagree).
+            choices = policy.choose_many(all_views, lm) if len(active) > 1 else [
+                policy.choose(all_views[0], lm)
+            ]
+            for q, views, choice in zip(active, all_views, choices, strict=True):
                 chosen[q] = int(choice.token_id)
                 ev = step_event(lm, q, step_i, choice, views, generated[q], stop, max_new_tokens)
                 done[q] = ev.finished
