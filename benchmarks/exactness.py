@@ -88,6 +88,7 @@ def main() -> None:
         help="comma list of fused, unpacked, blockwise, stock",
     )
     ap.add_argument("--json", default=None)
+    ap.add_argument("--data-dir", default=str(DATA), help="folder of the dev sets' JSONL files")
     ap.add_argument(
         "--full", action="store_true", help="also write every step of every decode to --json"
     )
@@ -100,7 +101,7 @@ def main() -> None:
     lm = load_model("default", device="cpu")
     cases = []
     for name in args.sets.split(","):
-        for i, it in enumerate(load_items(DATA / f"{name}_dev.jsonl", args.per_set)):
+        for i, it in enumerate(load_items(Path(args.data_dir) / f"{name}_dev.jsonl", args.per_set)):
             mix = mix_passages(it, RATIOS[i % len(RATIOS)], k=5)
             if mix.passages:
                 cases.append((f"{name}:{it.id}", it.question, mix.passages))
