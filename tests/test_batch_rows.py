@@ -133,3 +133,19 @@ def test_signals_of_several_queries_share_one_lens_product(lm, monkeypatch):
             for k in ("cos_ir", "cos_llm"):
                 if k in y.signals:
                     assert abs(x.signals[k] - y.signals[k]) < 1e-4
+
+
+def test_a_reused_prefill_is_charged_to_the_decode_that_reuses_it(lm):
+    """Inside the harness's shared prefill, the second policy on the same prompts gets the
+    first one's prefill seconds in ``prefill_reused_s`` (the evaluation records add them to
+    its time); the first pays its own prefill and reuses nothing."""
+    from tokrag_integrations.engine.prefill import shared_prefill
+
+    with shared_prefill():
+        first = generate_batch(lm, QS[:2], PS[:2], policy="tokrag", max_new_tokens=2)
+        second = generate_batch(lm, QS[:2], PS[:2], policy="rag", max_new_tokens=2)
+    assert "prefill_reused_s" not in first[0].trace.timings
+    reused = second[0].trace.timings["prefill_reused_s"]
+    assert 0 < reused
+    alone = generate_batch(lm, QS[:2], PS[:2], policy="rag", max_new_tokens=2)
+    assert "prefill_reused_s" not in alone[0].trace.timings

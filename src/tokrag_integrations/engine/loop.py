@@ -182,6 +182,8 @@ def decode_loop(
         timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
         timings["fused"] = float(ready.fused)
         timings["packed"] = float(ready.packed)
+        if ready.reused_s:
+            timings["prefill_reused_s"] = timings.get("prefill_reused_s", 0.0) + ready.reused_s
 
         generated: list[list[int]] = [[] for _ in plans]
         done = [False] * len(plans)
