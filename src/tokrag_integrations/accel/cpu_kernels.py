@@ -869,7 +869,7 @@ def speed_paths(model: Any) -> dict[str, str]:
     return {
         "cpu_kernels": ("on" + detail)
         if kernels
-        else f"off: {off or 'no few-row plan measured faster' + detail}",
+        else f"off: {off or 'no few-row plan installed' + detail}",
         "packed_prefill": "on" if attention else f"off: {off or 'attention is not ' + ATTN_IMPLEMENTATION}",
         "packed_head": head_state,
         "fused_contexts": "on" if fusion is None else f"off: {fusion}",
