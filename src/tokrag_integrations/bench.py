@@ -371,6 +371,7 @@ def _throughput(
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     arms = [p for p in THROUGHPUT_ARMS if p in policies] or [p for p in policies]
     raw: dict[str, dict[int, list[tuple[int, float]]]] = {a: {n: [] for n in sizes} for a in arms}
+    decode: dict[str, dict[int, list[float]]] = {a: {n: [] for n in sizes} for a in arms}
     bar = tqdm(total=rounds * len(arms) * len(sizes), desc="throughput", disable=not progress)
     turn = 0
     for r in range(rounds):
@@ -391,6 +392,8 @@ def _throughput(
                 )
                 dt = time.perf_counter() - t0
                 raw[name][n].append((sum(len(x.trace.steps) for x in rs), dt))
+                timings = getattr(rs[0].trace, "timings", None) or {}
+                decode[name][n].append(float(timings.get("decode_s", float("nan"))))
                 bar.update(1)
     bar.close()
     out: dict[str, Any] = {"rounds": rounds, "arms": {}, "ratios": {}}
@@ -399,6 +402,9 @@ def _throughput(
             str(n): {
                 "tokens_per_s": sum(t for t, _ in v) / sum(d for _, d in v),
                 "per_round": [t / d for t, d in v],
+                # Tokens per second of the decode loop alone (prefill excluded): with short
+                # answers the prefill dominates, and tokens/s then rewards long answers.
+                "decode_tokens_per_s": sum(t for t, _ in v) / sum(decode[name][n]),
             }
             for n, v in per.items()
         }
@@ -499,6 +505,15 @@ def format_report(res: dict[str, Any]) -> str:
             lines.append(
                 f"| {name} | "
                 + " | ".join(f"{v[str(n)]['tokens_per_s']:.1f}" if str(n) in v else "n/a" for n in sizes)
+                + " |"
+            )
+        for name, v in tp["arms"].items():
+            lines.append(
+                f"| {name}, decode loop only | "
+                + " | ".join(
+                    f"{v[str(n)].get('decode_tokens_per_s', nan):.1f}" if str(n) in v else "n/a"
+                    for n in sizes
+                )
                 + " |"
             )
         for name, v in tp["ratios"].items():
