@@ -156,13 +156,16 @@ def test_throughput_interleaves_the_arms_and_pairs_the_ratios(monkeypatch):
 
 
 def test_throughput_on_the_real_model(lm):
-    items = bench.load_items(bench.default_data_path(), 2) if bench.default_data_path() else None
-    if items is None:
-        items = [("What is the capital of France?", ["Paris is the capital of France."])] * 2
+    # Short prompts: the test checks the measurement, not the speed.
+    items = [
+        ("What is the capital of France?", ["Paris is the capital of France."]),
+        ("Who wrote Hamlet?", ["Hamlet was written by William Shakespeare."]),
+    ]
     out = bench._throughput(lambda name: lm, items, (1, 2), 3, ("rag", "floor", "tokrag"), False, 1)
     for arm in ("rag", "floor", "tokrag"):
         for n in ("1", "2"):
             assert out["arms"][arm][n]["tokens_per_s"] > 0
+            assert out["arms"][arm][n]["decode_tokens_per_s"] > 0
 
 
 def test_bench_refuses_bad_batch_sizes():
