@@ -78,7 +78,9 @@ def main() -> None:
     ap.add_argument("--sets", default=",".join(SETS))
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument(
-        "--batch", type=int, default=4, help="also decode the fast paths in batches of N (0: skip)"
+        "--batch",
+        default="4",
+        help="also decode the fast paths in batches of N (a comma list: each size; 0: skip)",
     )
     ap.add_argument(
         "--arms",
@@ -86,6 +88,7 @@ def main() -> None:
         help="comma list of fused, unpacked, blockwise, stock",
     )
     ap.add_argument("--json", default=None)
+    ap.add_argument("--data-dir", default=str(DATA), help="folder of the dev sets' JSONL files")
     ap.add_argument(
         "--full", action="store_true", help="also write every step of every decode to --json"
     )
@@ -98,7 +101,7 @@ def main() -> None:
     lm = load_model("default", device="cpu")
     cases = []
     for name in args.sets.split(","):
-        for i, it in enumerate(load_items(DATA / f"{name}_dev.jsonl", args.per_set)):
+        for i, it in enumerate(load_items(Path(args.data_dir) / f"{name}_dev.jsonl", args.per_set)):
             mix = mix_passages(it, RATIOS[i % len(RATIOS)], k=5)
             if mix.passages:
                 cases.append((f"{name}:{it.id}", it.question, mix.passages))
@@ -147,13 +150,14 @@ def main() -> None:
         rows.append(row)
 
     batched: dict[str, list[dict[str, Any]]] = {}
-    if args.batch:
+    sizes = [int(x) for x in str(args.batch).split(",") if x.strip() and int(x) > 0]
+    for size in sizes:
         for name in ("fused", "blockwise"):
             if name not in arms:
                 continue
             opts = arms[name][1]
-            for i in tqdm(range(0, len(cases), args.batch), desc=f"{name}, batches of {args.batch}"):
-                chunk = cases[i : i + args.batch]
+            for i in tqdm(range(0, len(cases), size), desc=f"{name}, batches of {size}"):
+                chunk = cases[i : i + size]
                 res = generate_batch(
                     lm,
                     [q for _, q, _ in chunk],
@@ -164,7 +168,7 @@ def main() -> None:
                 )
                 for j, r in enumerate(res):
                     cmp = compare(rows[i + j]["ref"], steps_of(r))
-                    batched.setdefault(name, []).append({"id": rows[i + j]["id"], **cmp})
+                    batched.setdefault(f"{name}_batch{size}", []).append({"id": rows[i + j]["id"], **cmp})
 
     n = len(rows)
     tokens = sum(r["tokens"] for r in rows)
@@ -182,7 +186,7 @@ def main() -> None:
         for name in arms
     }
     for name, bs in batched.items():
-        per_arm[f"{name}_batch{args.batch}"] = {
+        per_arm[name] = {
             "identical": sum(b["identical"] for b in bs),
             "max_cos_diff": max(b["max_cos_diff"] for b in bs),
             "differences": [

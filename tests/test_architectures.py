@@ -267,7 +267,9 @@ def test_speed_paths_switch_off_where_not_measured(models, lm):
     # never for the dtype, the architecture or the device.
     off = _decode(fp32).trace.options.get("speed_paths_off", {})
     assert set(off) <= {"cpu_kernels", "packed_head"}, off
-    assert all(reason == "no few-row plan installed" for reason in off.values()), off
+    assert all(
+        reason.startswith(("no few-row plan installed", "measured slower")) for reason in off.values()
+    ), off
     bf16, _ = models("qwen2", "bfloat16")
     paths = speed_paths(bf16.model)
     for path in ("cpu_kernels", "packed_prefill", "packed_head"):

@@ -67,7 +67,7 @@ def test_plans_are_measured_per_shape_and_routed_by_row_count(monkeypatch):
     monkeypatch.setenv("TOKRAG_KERNEL_PLAN_CACHE", "0")  # measured here, not read from disk
     calls = []
     real = K._time
-    monkeypatch.setattr(K, "_time", lambda fn, reps: calls.append(reps) or real(fn, 1))
+    monkeypatch.setattr(K, "_time", lambda fn, reps, **kw: calls.append(reps) or real(fn, 1, **kw))
     plan = K.plan_for(w)
     assert len(plan) == len(K.BUCKETS) and set(plan) <= set(K.STRATEGIES)
     assert "dup" not in plan[1:]  # duplication is a one-row strategy
@@ -107,7 +107,7 @@ def test_plans_persist_per_machine_on_disk(monkeypatch, tmp_path):
     w = torch.randn(1024, 32)
     timed = []
     real = K._time
-    monkeypatch.setattr(K, "_time", lambda fn, reps: timed.append(1) or real(fn, reps))
+    monkeypatch.setattr(K, "_time", lambda fn, reps, **kw: timed.append(1) or real(fn, reps, **kw))
     plan = K.plan_for(w)
     path = K._plan_file()
     assert path is not None and path.parent == tmp_path / "kernel_plans" and path.exists()
@@ -115,21 +115,21 @@ def test_plans_persist_per_machine_on_disk(monkeypatch, tmp_path):
     stored = json.loads(path.read_text())
     assert stored == {f"1024x32:float32:{torch.get_num_threads()}": list(plan)}
 
-    def no_timing(fn, reps):
+    def no_timing(fn, reps, **kw):
         raise AssertionError("a stored plan must not be measured again")
 
     monkeypatch.setattr(K, "_time", no_timing)
     monkeypatch.setattr(K, "_PLANS", {})
     assert K.plan_for(w) == plan
     # Another shape is added to the same file.
-    monkeypatch.setattr(K, "_time", lambda fn, reps: real(fn, reps))
+    monkeypatch.setattr(K, "_time", lambda fn, reps, **kw: real(fn, reps, **kw))
     K.plan_for(torch.randn(256, 32))
     assert len(json.loads(path.read_text())) == 2
     # A damaged file or an entry that is not a plan is measured again (and repaired).
     path.write_text("{not json")
     monkeypatch.setattr(K, "_PLANS", {})
     timed.clear()
-    monkeypatch.setattr(K, "_time", lambda fn, reps: timed.append(1) or real(fn, reps))
+    monkeypatch.setattr(K, "_time", lambda fn, reps, **kw: timed.append(1) or real(fn, reps, **kw))
     assert len(K.plan_for(w)) == len(K.BUCKETS) and timed
     assert f"1024x32:float32:{torch.get_num_threads()}" in json.loads(path.read_text())
     path.write_text(json.dumps({f"1024x32:float32:{torch.get_num_threads()}": ["warp"] * len(K.BUCKETS)}))
@@ -482,21 +482,26 @@ def test_packed_head_only_where_allowed_and_measured(monkeypatch, tmp_path):
     if not torch.backends.mkldnn.is_available():
         return
     monkeypatch.setenv("TOKRAG_PACKED_HEAD", "auto")
-    # Fake timings: the second timed function of each pair (the packed one) is the faster.
+    # Fake timings: a timed run that calls the head module (the routed product) takes 1.0,
+    # one that does not (the packed product) 0.5, whatever order they are timed in.
     calls = []
+    head = _head()
+    routed = []
+    head.register_forward_hook(lambda *a: routed.append(1))
 
-    def fake_time(fn, reps):
+    def fake_time(fn, reps, **kw):
+        n = len(routed)
+        fn()
         calls.append(1)
-        return 1.0 if len(calls) % 2 else 0.5
+        return 1.0 if len(routed) > n else 0.5
 
     monkeypatch.setattr(K, "_time", fake_time)
-    head = _head()
     assert K.packed_head(head) is not None and calls
     stored = json.loads(K._head_file().read_text())
     assert stored == {f"2048x64:{torch.get_num_threads()}": True}
     # Read back in a "new process" without timing; a slower measurement is remembered too.
     monkeypatch.setattr(K, "_HEAD_CHOICE", {})
-    monkeypatch.setattr(K, "_time", lambda fn, reps: pytest.fail("stored choice re-measured"))
+    monkeypatch.setattr(K, "_time", lambda fn, reps, **kw: pytest.fail("stored choice re-measured"))
     assert K.packed_head(_head()) is not None
     K._head_file().write_text(json.dumps({f"2048x64:{torch.get_num_threads()}": False}))
     monkeypatch.setattr(K, "_HEAD_CHOICE", {})

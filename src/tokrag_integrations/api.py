@@ -65,7 +65,8 @@ def _speed_paths_off(lm: LoadedModel) -> dict[str, Any]:
     matrix, ``cpu_kernels='off'``), else nothing."""
     from .accel import speed_paths
 
-    off = {k: v.removeprefix("off: ") for k, v in speed_paths(lm.model).items() if v != "on"}
+    # "on" may carry what was measured ("on (...)"): only the paths that are off count.
+    off = {k: v.removeprefix("off: ") for k, v in speed_paths(lm.model).items() if v.startswith("off")}
     return {"speed_paths_off": off} if off else {}
 
 def _stop_list(stop: str | Sequence[str] | None) -> list[str]:

@@ -186,6 +186,8 @@ def run_bench(
     memory_questions: int = 3,
     progress: bool = True,
     throughput: tuple[int, ...] = (),
+    rounds: int = 3,
+    latency: bool = True,
 ) -> dict[str, Any]:
     """Run the benchmark and return its figures (see module docstring)."""
     from tqdm.auto import tqdm
@@ -210,11 +212,12 @@ def run_bench(
         pol, opts = arm(name)
         generate(model_of(name), items[0][0], items[0][1], policy=pol, max_new_tokens=4, **opts)
 
-    rows: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
-    decisions: dict[str, list[Any]] = {p: [] for p in policies}
+    require_bool(latency, "latency")
+    rows: dict[str, list[dict[str, Any]]] = {p: [] for p in policies} if latency else {}
+    decisions: dict[str, list[Any]] = {p: [] for p in policies} if latency else {}
     prompt_tokens = []
-    bar = tqdm(total=len(items) * len(policies), desc="bench", disable=not progress)
-    for i, (q, ps) in enumerate(items):
+    bar = tqdm(total=len(items) * len(policies) * latency, desc="bench", disable=not progress)
+    for i, (q, ps) in enumerate(items if latency else []):
         order = list(policies[i % len(policies) :] + policies[: i % len(policies)])
         for name in order:
             pol, opts = arm(name)
@@ -271,6 +274,20 @@ def run_bench(
                 stale_per_question=sum(r["stale"] for r in rs) / len(rs),
             )
         out["policies"][pol] = d
+    # Per question, both arms timed side by side: the ratio of their time per token, with its
+    # median and quartiles (robust to a question that met a burst of load on a shared machine).
+    for a, b in (("tokrag", "rag"), ("floor", "rag")):
+        if a in rows and b in rows:
+            rr = [
+                (x["seconds"] / max(1, x["tokens"])) / (y["seconds"] / max(1, y["tokens"]))
+                for x, y in zip(rows[a], rows[b], strict=True)
+            ]
+            qs = statistics.quantiles(rr, n=4) if len(rr) > 1 else [rr[0]] * 3
+            out.setdefault("paired", {})[f"{a} / {b}"] = {
+                "median": statistics.median(rr),
+                "q1": qs[0],
+                "q3": qs[2],
+            }
     if "tokrag-step" in decisions:
         for name in EXACT_ARMS:
             if name in decisions:
@@ -311,11 +328,19 @@ def run_bench(
             out["policies"][pol].update(
                 peak_mb=m["peak_mb"], peak_over_model_mb=m["peak_mb"] - m["base_mb"]
             )
+    from .accel import speed_paths
+
+    out["paths"] = speed_paths(lm.model)
     if throughput:
         out["throughput"] = _throughput(
-            model_of, items, throughput, max_new_tokens, policies, progress
+            model_of, items, throughput, max_new_tokens, policies, progress, rounds
         )
     return out
+
+
+#: Arms timed by ``--throughput`` (those of the run's ``--policies`` that are in it, in this
+#: order): one context, both contexts without signals, the default decoder.
+THROUGHPUT_ARMS = ("rag", "floor", "tokrag")
 
 
 def _throughput(
@@ -325,33 +350,81 @@ def _throughput(
     max_new_tokens: int,
     policies: tuple[str, ...],
     progress: bool,
-) -> dict[str, dict[str, float]]:
-    """Generated tokens per second with ``n`` queries decoded as one batch, per arm."""
+    rounds: int = 3,
+    latency: bool = True,
+) -> dict[str, Any]:
+    """Generated tokens per second with ``n`` queries decoded as one batch, per arm.
+
+    The arms are interleaved: each round runs every batch size, and at each size every arm
+    on the same ``n`` questions (the next ``n`` of ``items`` per round), in an order rotated
+    from one size and round to the next, so that drift in machine load falls on all arms
+    alike. Returns ``{"rounds", "arms": {arm: {n: {"tokens_per_s", "per_round"}}}, "ratios":
+    {"arm / rag": {n: {"median", "min", "max"}}}}``: tokens/s over all rounds (total tokens
+    / total seconds), each round's tokens/s, and the per-round ratio of tokens/s to ``rag``'s
+    (measured side by side) with its median and spread.
+    """
     from tqdm.auto import tqdm
 
     from .api import generate_batch
 
-    res: dict[str, dict[str, float]] = {}
-    arms = [p for p in policies if p != "floor"]
-    bar = tqdm(total=len(arms) * len(sizes), desc="throughput", disable=not progress)
-    for n in sizes:
-        batch = [items[i % len(items)] for i in range(n)]
-        for name in arms:
-            pol, opts = arm(name)
-            t0 = time.perf_counter()
-            rs = generate_batch(
-                model_of(name),
-                [q for q, _ in batch],
-                [ps for _, ps in batch],
-                policy=pol,
-                max_new_tokens=max_new_tokens,
-                **opts,
-            )
-            dt = time.perf_counter() - t0
-            res.setdefault(name, {})[str(n)] = sum(len(r.trace.steps) for r in rs) / dt
-            bar.update(1)
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    arms = [p for p in THROUGHPUT_ARMS if p in policies] or [p for p in policies]
+    raw: dict[str, dict[int, list[tuple[int, float]]]] = {a: {n: [] for n in sizes} for a in arms}
+    decode: dict[str, dict[int, list[float]]] = {a: {n: [] for n in sizes} for a in arms}
+    bar = tqdm(total=rounds * len(arms) * len(sizes), desc="throughput", disable=not progress)
+    turn = 0
+    for r in range(rounds):
+        for n in sizes:
+            batch = [items[(r * n + i) % len(items)] for i in range(n)]
+            order = arms[turn % len(arms) :] + arms[: turn % len(arms)]
+            turn += 1
+            for name in order:
+                pol, opts = arm(name)
+                t0 = time.perf_counter()
+                rs = generate_batch(
+                    model_of(name),
+                    [q for q, _ in batch],
+                    [ps for _, ps in batch],
+                    policy=pol,
+                    max_new_tokens=max_new_tokens,
+                    **opts,
+                )
+                dt = time.perf_counter() - t0
+                raw[name][n].append((sum(len(x.trace.steps) for x in rs), dt))
+                timings = getattr(rs[0].trace, "timings", None) or {}
+                decode[name][n].append(float(timings.get("decode_s", float("nan"))))
+                bar.update(1)
     bar.close()
-    return res
+    out: dict[str, Any] = {"rounds": rounds, "arms": {}, "ratios": {}}
+    for name, per in raw.items():
+        out["arms"][name] = {
+            str(n): {
+                "tokens_per_s": sum(t for t, _ in v) / sum(d for _, d in v),
+                "per_round": [t / d for t, d in v],
+                # Tokens per second of the decode loop alone (prefill excluded): with short
+                # answers the prefill dominates, and tokens/s then rewards long answers.
+                "decode_tokens_per_s": sum(t for t, _ in v) / sum(decode[name][n]),
+            }
+            for n, v in per.items()
+        }
+    if "rag" in raw:
+        for name in arms:
+            if name == "rag":
+                continue
+            ratios = {}
+            for n in sizes:
+                rr = [
+                    (t / d) / (tr / dr)
+                    for (t, d), (tr, dr) in zip(raw[name][n], raw["rag"][n], strict=True)
+                ]
+                ratios[str(n)] = {
+                    "median": statistics.median(rr),
+                    "min": min(rr),
+                    "max": max(rr),
+                }
+            out["ratios"][f"{name} / rag"] = ratios
+    return out
 
 
 def format_report(res: dict[str, Any]) -> str:
@@ -360,7 +433,12 @@ def format_report(res: dict[str, Any]) -> str:
     lines = [
         f"model {res['model']} on {res['device']} ({res['torch_threads']} threads), "
         f"{res['questions']} SQuAD dev questions, {res['passages']} passages "
-        f"(mean RAG prompt {res['mean_prompt_tokens']:.0f} tokens), max_new_tokens {res['max_new_tokens']}",
+        + (
+            f"(mean RAG prompt {res['mean_prompt_tokens']:.0f} tokens)"
+            if res.get("mean_prompt_tokens") is not None
+            else ""
+        )
+        + f", max_new_tokens {res['max_new_tokens']}",
         "",
         "| arm | s / question | ms / token | tokens / question | agreement rate | disagreement steps / question "
         "| tokens / block | draft acceptance | peak MB | peak over model MB |",
@@ -402,22 +480,56 @@ def format_report(res: dict[str, Any]) -> str:
                 f"| {a} / {b} | {ratio(a, b, 's_per_question')} | {ratio(a, b, 's_per_token')} | "
                 f"{ratio(a, b, 'peak_mb')} | {ratio(a, b, 'peak_over_model_mb')} |"
             )
+    for name, v in (res.get("paired") or {}).items():
+        lines += [
+            "",
+            f"{name}, per token, per question (paired): median {v['median']:.3f} "
+            f"[quartiles {v['q1']:.3f}, {v['q3']:.3f}]",
+        ]
     for name, ident in (res.get("identical_to_step") or {}).items():
         lines += [
             "",
             f"{name} = tokrag-step, tokens and decisions: {ident['identical']} / {ident['questions']} questions",
         ]
-    if res.get("throughput"):
-        sizes = sorted({int(n) for v in res["throughput"].values() for n in v})
+    tp = res.get("throughput")
+    if tp:
+        sizes = sorted({int(n) for v in tp["arms"].values() for n in v})
         lines += [
+            "",
+            f"tokens / s, queries decoded as one batch; arms interleaved, {tp['rounds']} round(s)",
             "",
             "| tokens / s | " + " | ".join(f"batch {n}" for n in sizes) + " |",
             "| --- |" + " --- |" * len(sizes),
         ]
-        for name, v in res["throughput"].items():
+        for name, v in tp["arms"].items():
             lines.append(
-                f"| {name} | " + " | ".join(f"{v.get(str(n), nan):.1f}" for n in sizes) + " |"
+                f"| {name} | "
+                + " | ".join(f"{v[str(n)]['tokens_per_s']:.1f}" if str(n) in v else "n/a" for n in sizes)
+                + " |"
             )
+        for name, v in tp["arms"].items():
+            lines.append(
+                f"| {name}, decode loop only | "
+                + " | ".join(
+                    f"{v[str(n)].get('decode_tokens_per_s', nan):.1f}" if str(n) in v else "n/a"
+                    for n in sizes
+                )
+                + " |"
+            )
+        for name, v in tp["ratios"].items():
+            lines.append(
+                f"| {name}, per round: median [min, max] | "
+                + " | ".join(
+                    f"{v[str(n)]['median']:.3f} [{v[str(n)]['min']:.2f}, {v[str(n)]['max']:.2f}]"
+                    if str(n) in v
+                    else "n/a"
+                    for n in sizes
+                )
+                + " |"
+            )
+    if res.get("paths"):
+        lines += ["", "speed paths chosen on this machine:"]
+        lines += [f"- {k}: {v}" for k, v in res["paths"].items()]
     return "\n".join(lines)
 
 
@@ -451,9 +563,35 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--throughput", default="", help="comma list of batch sizes for tokens/s, e.g. 1,4,16"
     )
+    p.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="only the --throughput measurement (no per-question timing, no memory)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds of the interleaved --throughput measurement (default 3)",
+    )
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """``--throughput``'s batch sizes: a comma list of positive ints."""
+    try:
+        sizes = tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        raise SystemExit(f"--throughput must be a comma list of batch sizes, e.g. 1,4,16; got {text!r}") from None
+    if any(n < 1 for n in sizes):
+        raise SystemExit(f"--throughput batch sizes must be >= 1, got {text!r}")
+    return sizes
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    if args.throughput_only and not _sizes(args.throughput):
+        raise SystemExit("--throughput-only needs --throughput SIZES, e.g. --throughput 1,4,16")
     res = run_bench(
         model=args.model,
         data=args.data,
@@ -462,9 +600,11 @@ def _cmd(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
         device=args.device,
-        memory=not args.no_memory,
+        memory=not (args.no_memory or args.throughput_only),
+        latency=not args.throughput_only,
         memory_questions=args.memory_questions,
-        throughput=tuple(int(n) for n in args.throughput.split(",") if n.strip()),
+        throughput=_sizes(args.throughput),
+        rounds=args.rounds,
     )
     print(format_report(res))
     if args.json:

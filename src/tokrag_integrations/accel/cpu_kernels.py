@@ -48,6 +48,7 @@ import functools
 import hashlib
 import json
 import os
+import statistics
 import time
 import types
 from collections.abc import Callable
@@ -74,9 +75,14 @@ BUCKETS = ((1, 1), (2, 2), (3, 4), (6, 8), (12, 16), (24, 32), (48, MAX_ROWS))
 STRATEGIES = ("linear", "dup", "wxt", "tiled", "pad")
 #: A strategy replaces ``F.linear`` in a bucket only below this share of its time.
 MIN_GAIN = 0.9
+#: Interleaved rounds of :func:`plan_for` (the median of the per-round ratios decides).
+PLAN_ROUNDS = 3
 
 _ATTR = "_tokrag_skinny"
 _PLAN = "_tokrag_plan"
+_PLAN_NAMES = "_tokrag_plan_names"
+#: On a model: :func:`verify_install`'s verdict per bucket (read by :func:`speed_paths`).
+_VERDICT = "_tokrag_verdict"
 #: Marks the LM head of a model set up by :func:`install` (not the stock paths), and holds
 #: its :func:`packed_head` product (False: measured slower).
 _HEAD_OK = "_tokrag_head_ok"
@@ -161,8 +167,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return few_row_linear(x, weight, bias, "wxt")
 
 
-def _time(fn: Any, reps: int) -> float:
-    fn()
+def _time(fn: Any, reps: int, warm: bool = True) -> float:
+    """Best of ``reps`` timed runs of ``fn`` (after one untimed run unless ``warm=False``)."""
+    if warm:
+        fn()
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
@@ -190,7 +198,7 @@ def _machine_id() -> str:
         import platform
 
         cpu = platform.processor() + platform.machine()
-    fmt = f"{torch.__version__}|{BUCKETS}|{STRATEGIES}|{MIN_GAIN}|{TILE}|{MAX_ROWS}"
+    fmt = f"{torch.__version__}|{BUCKETS}|{STRATEGIES}|{MIN_GAIN}|{TILE}|{MAX_ROWS}|rounds{PLAN_ROUNDS}"
     return hashlib.sha1((cpu + fmt).encode()).hexdigest()[:16]
 
 
@@ -246,11 +254,15 @@ def plan_for(weights: torch.Tensor | list[torch.Tensor], reps: int = 1) -> tuple
     """The fastest strategy for each of :data:`BUCKETS` on a weight shape, measured on this
     machine: each timing runs the product over every weight given (all the model's matrices
     of that shape), so that, as in a decode step, they stream from memory rather than sit in
-    cache. One warm-up and best of ``reps`` timed runs; a strategy other than ``F.linear`` is
-    kept only if it takes less than :data:`MIN_GAIN` of its time. About 2-3 s for
+    cache. After one warm-up run of each, the strategies are timed in :data:`PLAN_ROUNDS`
+    rounds (``reps`` runs each, best kept), in an order rotated from round to round, and
+    each is compared with ``F.linear`` timed in the same round: a strategy replaces it only
+    if the median of its per-round ratios is below :data:`MIN_GAIN` (a burst of load from
+    another process falls on one round, not on one strategy). A few seconds for
     SmolLM2-135M; kept per shape and thread count for the process and, per machine (CPU,
     torch version), in ``$TOKRAG_CACHE_DIR/kernel_plans`` for later processes
-    (``TOKRAG_KERNEL_PLAN_CACHE=0``: measure in every process)."""
+    (``TOKRAG_KERNEL_PLAN_CACHE=0``: measure in every process). :func:`verify_install`
+    then checks the plans on the whole model."""
     ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
     n, k = ws[0].shape
     key = (n, k, ws[0].dtype, torch.get_num_threads())
@@ -275,10 +287,19 @@ def plan_for(weights: torch.Tensor | list[torch.Tensor], reps: int = 1) -> tuple
                     fn(x, w, None)
 
             tried = [s for s in names if (s != "dup" or m == 1) and (s != "pad" or m < hi)]
-            t = {s: _time(lambda s=s: run(s), reps) for s in tried}
-            best = min(t, key=t.__getitem__)
+            for s in tried:
+                run(s)  # warm-up
+            times: dict[str, list[float]] = {s: [] for s in tried}
+            for r in range(PLAN_ROUNDS):
+                for s in tried[r % len(tried) :] + tried[: r % len(tried)]:
+                    times[s].append(_time(lambda s=s: run(s), reps, warm=False))
+            ratio = {
+                s: statistics.median(a / b for a, b in zip(times[s], times["linear"], strict=True))
+                for s in tried
+            }
+            best = min(ratio, key=ratio.__getitem__)
             # Another strategy must be clearly faster than F.linear, not by timing noise.
-            plan.append(best if t[best] < MIN_GAIN * t["linear"] else "linear")
+            plan.append(best if ratio[best] < MIN_GAIN else "linear")
     _PLANS[key] = tuple(plan)
     if path is not None:
         _save_plan(path, _disk_key(key), _PLANS[key])
@@ -328,15 +349,138 @@ def install(model: torch.nn.Module, mode: str = "on") -> int:
         else:
             plan = ("wxt",) * len(BUCKETS)
         setattr(mod, _PLAN, _route(plan))
+        setattr(mod, _PLAN_NAMES, tuple(plan))
         mod.forward = types.MethodType(_forward, mod)
         setattr(mod, _ATTR, True)
         n += 1
     return n
 
 
+#: Interleaved rounds of :func:`verify_install`, and the share of the stock model's time a
+#: bucket's plans must take there to be kept (a tie goes to the stock path).
+VERIFY_ROUNDS = 5
+VERIFY_GAIN = 0.98
+
+
+def _verify_file() -> Path | None:
+    path = _plan_file()
+    return None if path is None else path.with_name(path.stem + ".verify.json")
+
+
+def _routed(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if getattr(m, _ATTR, False)]
+
+
+def _verify_key(mods: list[torch.nn.Module]) -> str:
+    """What a verdict depends on: every routed module's shape and plan, and the threads."""
+    plans = sorted(
+        f"{m.weight.shape[0]}x{m.weight.shape[1]}:{str(m.weight.dtype).removeprefix('torch.')}:"
+        + ",".join(getattr(m, _PLAN_NAMES, ()))
+        for m in mods
+    )
+    return hashlib.sha1(f"{plans}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+
+
+def _model_step(model: torch.nn.Module, rows: int) -> Callable[[], Any]:
+    """One pass of ``rows`` token positions through ``model`` with the logits of every one:
+    the linear layers and LM head see ``rows`` rows, as in a decode step of ``rows`` rows."""
+    vocab = int(getattr(model.config, "vocab_size", 2) or 2)
+    gen = torch.Generator().manual_seed(rows)
+    ids = torch.randint(0, vocab, (1, rows), generator=gen)
+    return lambda: model(input_ids=ids, use_cache=False)
+
+
+def verify_install(model: torch.nn.Module, rounds: int = VERIFY_ROUNDS) -> dict[str, dict[str, Any]]:
+    """Check the installed plans on the whole model, per bucket of row counts: a forward
+    pass of the bucket's timed row count with the plans and with the stock ``nn.Linear``
+    paths, in :data:`VERIFY_ROUNDS` interleaved rounds (the order alternating); where the
+    median of the per-round ratios is not below :data:`VERIFY_GAIN`, the bucket goes back to
+    ``F.linear`` in every module (and a module left with ``F.linear`` throughout gets its
+    stock ``forward`` back). So a row count never runs a path measured slower than the plain
+    one on this model, whatever the per-shape timings said. The verdicts are kept per
+    machine next to the plans (a later process applies them untimed) and on the model
+    (``{"rows lo-hi": {"ratio", "kept"}}``, for :func:`speed_paths`)."""
+    mods = _routed(model)
+    if not mods:
+        setattr(model, _VERDICT, {})
+        return {}
+    key = _verify_key(mods)
+    path = _verify_file()
+    stored: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            stored = raw if isinstance(raw, dict) else {}
+        except (OSError, ValueError):
+            stored = {}
+    known = stored.get(key) if isinstance(stored.get(key), dict) else None
+    verdict: dict[str, dict[str, Any]] = {}
+    lo = 1
+    timed = False
+    for i, (m, hi) in enumerate(BUCKETS):
+        label = f"rows {lo}-{hi}" if hi > lo else f"rows {lo}"
+        rows = range(lo, hi + 1)
+        lo = hi + 1
+        if all(getattr(mod, _PLAN_NAMES)[i] == "linear" for mod in mods):
+            continue
+        ratio = known.get(label) if known is not None else None
+        if not isinstance(ratio, int | float):
+            ratio = _verify_bucket(model, mods, m, rounds)
+            timed = True
+        kept = ratio < VERIFY_GAIN
+        verdict[label] = {"ratio": float(ratio), "kept": kept}
+        if not kept:
+            for mod in mods:
+                table = getattr(mod, _PLAN)
+                for r in rows:
+                    table[r] = _k_linear
+                names = list(getattr(mod, _PLAN_NAMES))
+                names[i] = "linear"
+                setattr(mod, _PLAN_NAMES, tuple(names))
+    for mod in mods:
+        if all(p == "linear" for p in getattr(mod, _PLAN_NAMES)):
+            del mod.forward
+            setattr(mod, _ATTR, False)
+    if timed and path is not None:
+        _write_json(path, {**stored, key: {k: v["ratio"] for k, v in verdict.items()}})
+    setattr(model, _VERDICT, verdict)
+    return verdict
+
+
+def _verify_bucket(model: torch.nn.Module, mods: list[torch.nn.Module], rows: int, rounds: int) -> float:
+    """Median over ``rounds`` of (model pass with the plans) / (the same with the stock
+    ``nn.Linear`` forward), ``rows`` positions, the two timed side by side."""
+    step = _model_step(model, rows)
+
+    def plans_on(on: bool) -> None:
+        for mod in mods:
+            if on:
+                mod.forward = types.MethodType(_forward, mod)
+            elif "forward" in mod.__dict__:
+                del mod.forward
+
+    ratios = []
+    try:
+        with torch.inference_mode():
+            for on in (True, False):  # warm-up
+                plans_on(on)
+                step()
+            for r in range(rounds):
+                t = {}
+                for on in ((True, False) if r % 2 == 0 else (False, True)):
+                    plans_on(on)
+                    t[on] = _time(step, 1, warm=False)
+                ratios.append(t[True] / t[False])
+    finally:
+        plans_on(True)
+    return statistics.median(ratios)
+
+
 def uninstall(model: torch.nn.Module) -> int:
     """Undo :func:`install` (and drop a packed LM head)."""
     n = 0
+    if hasattr(model, _VERDICT):
+        delattr(model, _VERDICT)
     for mod in model.modules():
         for attr in (_HEAD_OK, _HEAD):
             if hasattr(mod, attr):
@@ -399,6 +543,28 @@ def _left_pad_starts(mask: torch.Tensor) -> list[int] | None:
     return starts
 
 
+#: Rows of a left-padded batch whose first keys lie within this many keys of each other (or
+#: a quarter of the keys, if more) attend in one call, from the earliest of their first keys.
+SEGMENT_KEYS = 64
+
+
+def _pad_segments(starts: list[int], n_keys: int) -> list[tuple[int, int, int]]:
+    """Consecutive rows of a left-padded batch in runs whose first attended keys are close
+    (:data:`SEGMENT_KEYS`): ``(first row, end row, first key of the run)`` per run."""
+    gap = max(SEGMENT_KEYS, n_keys // 4)
+    segs = []
+    a, lo, hi = 0, starts[0], starts[0]
+    for r in range(1, len(starts)):
+        x = starts[r]
+        if max(hi, x) - min(lo, x) > gap:
+            segs.append((a, r, lo))
+            a, lo, hi = r, x, x
+        else:
+            lo, hi = min(lo, x), max(hi, x)
+    segs.append((a, len(starts), lo))
+    return segs
+
+
 def few_query_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -454,6 +620,23 @@ def few_query_attention(
                 ]
             )
             return out.transpose(1, 2).contiguous(), None
+    if q == 1 and b > MAX_SPLIT_ROWS:
+        starts = _left_pad_starts(attention_mask)
+        segs = _pad_segments(starts, key.shape[2]) if starts is not None else None
+        if segs is not None and (len(segs) > 1 or segs[0][2] > 0):
+            # Left padding only, in runs of rows that start close together (a fused batch is
+            # all pure rows, then all RAG rows): each run attends from its own first key, so
+            # the short rows do not read the padding up to the longest one.
+            outs = []
+            for a, e, lo in segs:
+                m = None if all(x == lo for x in starts[a:e]) else attention_mask[a:e, :, :, lo:]
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        query[a:e], key[a:e, :, lo:], value[a:e, :, lo:],
+                        attn_mask=m, scale=scale, enable_gqa=True,
+                    )
+                )
+            return torch.cat(outs).transpose(1, 2).contiguous(), None
     if q == 1 or (b == 1 and attention_mask.dtype != torch.bool):
         # One query per row (a decode step of a padded or fused batch), or several queries of
         # one sequence under an additive mask (a packed two-context step): torch's CPU flash
@@ -645,18 +828,50 @@ def fusion_off_reason(model: Any) -> str | None:
     return _architecture_reason(model)
 
 
+def _kernel_detail(model: Any) -> str:
+    """The whole-model verdicts of :func:`verify_install`, e.g. ``rows 1 0.91x kept; rows
+    3-4 1.01x -> stock``."""
+    verdict = getattr(model, _VERDICT, None)
+    if not verdict:
+        return ""
+    parts = [
+        f"{label} {v['ratio']:.2f}x {'kept' if v['kept'] else '-> stock'}" for label, v in verdict.items()
+    ]
+    return " (model pass with plans / stock: " + "; ".join(parts) + ")"
+
+
+def _head_detail(model: Any) -> str:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    choice = getattr(head, _HEAD, None)
+    if choice is None:
+        return f" (measured at the first logit lens of >= {HEAD_MIN_ROWS} rows)"
+    return " (measured faster)" if choice else ""
+
+
 def speed_paths(model: Any) -> dict[str, str]:
     """Each speed path of ``model``: ``"on"`` or ``"off: <reason>"`` (``cpu_kernels``,
     ``packed_prefill``, ``packed_head``, ``fused_contexts``; environment switches are read
-    per decode and not reflected here)."""
+    per decode and not reflected here), with what was measured where a path was chosen by
+    timing on this machine."""
     off = getattr(model, _SPEED_OFF, None)
     attention = getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
     kernels = installed(model)
     fusion = fusion_off_reason(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_ok = getattr(head, _HEAD_OK, False)
+    if getattr(head, _HEAD, None) is False:
+        head_state = "off: measured slower than the routed product on this machine"
+    elif head_ok:
+        head_state = "on" + _head_detail(model)
+    else:
+        head_state = f"off: {off or 'no few-row plan installed'}"
+    detail = _kernel_detail(model)
     return {
-        "cpu_kernels": "on" if kernels else f"off: {off or 'no few-row plan installed'}",
+        "cpu_kernels": ("on" + detail)
+        if kernels
+        else f"off: {off or 'no few-row plan installed' + detail}",
         "packed_prefill": "on" if attention else f"off: {off or 'attention is not ' + ATTN_IMPLEMENTATION}",
-        "packed_head": "on" if kernels else f"off: {off or 'no few-row plan installed'}",
+        "packed_head": head_state,
         "fused_contexts": "on" if fusion is None else f"off: {fusion}",
     }
 
@@ -682,7 +897,11 @@ def maybe_install(model: Any, mode: str | None = None) -> bool:
     if reason is not None:
         return False
     install_attention(model)
-    return install(model, mode) > 0
+    changed = install(model, mode) > 0
+    if changed and mode == "auto":
+        verify_install(model)
+        changed = installed(model)
+    return changed
 
 
 # ----------------------------------------------------------------------- packed LM head
@@ -693,6 +912,8 @@ HEAD_MIN_ROWS = 6
 #: The packed product replaces the routed one only below this share of its time (it costs a
 #: second copy of the weight, so a marginal gain is not worth it).
 HEAD_GAIN = 0.75
+#: Interleaved rounds of that comparison (the median of the per-round ratios decides).
+HEAD_ROUNDS = 5
 #: Measured choices per machine and weight shape, for the process.
 _HEAD_CHOICE: dict[str, bool] = {}
 
@@ -779,12 +1000,15 @@ def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
     if known is None:  # auto, not measured yet on this machine
         x = torch.randn(HEAD_ROWS, w.shape[1])
         with torch.inference_mode():
-            routed = packed_t = float("inf")
             head(x), product(x)  # warm-up
-            for _ in range(3):  # interleaved, best of three each
-                routed = min(routed, _time(lambda: head(x), 1))
-                packed_t = min(packed_t, _time(lambda: product(x), 1))
-        faster = packed_t < HEAD_GAIN * routed
+            ratios = []
+            for r in range(HEAD_ROUNDS):  # interleaved, the order alternating
+                t = {}
+                for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+                    fn = product if which else head
+                    t[which] = _time(lambda fn=fn: fn(x), 1, warm=False)
+                ratios.append(t[1] / t[0])
+        faster = statistics.median(ratios) < HEAD_GAIN
         _remember_head_choice(key, faster)
         if not faster:
             del packed

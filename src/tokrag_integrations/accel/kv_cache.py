@@ -110,6 +110,12 @@ class GrowableLayer(DynamicLayer):
         self.keys = kbuf[..., :n, :]
         self.values = vbuf[..., :n, :]
 
+    def keep_rows(self, rows: torch.Tensor, start: int = 0) -> None:
+        """Keep only batch rows ``rows`` (in that order), from position ``start`` on (the
+        positions before it must be padding in every kept row): one copy of what is kept."""
+        if self.get_seq_length() > 0:
+            self._reindex(self.keys[rows, ..., start:, :], self.values[rows, ..., start:, :])
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.get_seq_length() > 0:
             self._reindex(

@@ -16,7 +16,7 @@ import torch
 from ..attention import ProbeRecord, install_taps, model_parts
 from ..booleans import env_flag
 from ..engine.batch import RoleBatch
-from ..engine.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, row_map
+from ..engine.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, reused_seconds, row_map
 from ..models import LoadedModel
 from ..policies.base import ContextSpec, Policy
 from .kv_cache import GrowableLayer, has_sliding_window, is_full_layer, new_cache
@@ -258,12 +258,13 @@ def prefill(
         rows = {role: {0: (packed, r)} for r, role in enumerate(roles)}
         return Prefilled({packed.role: packed}, rows, fused=True, packed=True)
     batches = prefill_roles(roles, per_query, lm, policy.probe_roles)
+    reused = reused_seconds(batches)
     fused = fuse_batches(list(batches.values())) if fuse else None
     if fused is None:
-        return Prefilled(batches, row_map(batches))
+        return Prefilled(batches, row_map(batches), reused_s=reused)
     rows = {}
     start = 0
     for role, b in batches.items():
         rows[role] = {q: (fused, start + r) for r, q in enumerate(b.query_idx)}
         start += len(b.query_idx)
-    return Prefilled({fused.role: fused}, rows, fused=True)
+    return Prefilled({fused.role: fused}, rows, fused=True, reused_s=reused)

@@ -163,6 +163,35 @@ class RoleBatch:
         self.cache = model_cache(out)
         return out.logits.float()
 
+    def can_keep_rows(self) -> bool:
+        """Whether :meth:`keep_rows` applies: one row per context, a cache whose every
+        layer can drop rows (full attention, growing in place)."""
+        return type(self).cache_row is RoleBatch.cache_row and all(
+            hasattr(layer, "keep_rows") and is_full_layer(layer) for layer in self.cache.layers
+        )
+
+    def keep_rows(self, rows: Sequence[int]) -> None:
+        """Drop every row but ``rows`` (in that order), e.g. those of queries that finished,
+        so that later steps do not compute them; the key positions that are padding in
+        every kept row are dropped too. Each kept row computes what it computed before, up
+        to the rounding of a different batch shape."""
+        if not self.can_keep_rows():
+            raise RuntimeError("this batch cannot drop rows")
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.ids.device)
+        mask = self.mask.index_select(0, idx)
+        valid = mask.bool().any(0)
+        start = int(valid.int().argmax()) if bool(valid.any()) else 0
+        for layer in self.cache.layers:
+            layer.keep_rows(idx, start)
+        self.mask = mask[:, start:]
+        self.ids = self.ids.index_select(0, idx)[:, start:]  # start < prompt length
+        self.query_idx = [self.query_idx[r] for r in rows]
+        self.specs = [self.specs[r] for r in rows]
+        self.pad = [self.pad[r] - start for r in rows]
+        self.logits = self.logits.index_select(0, idx)
+        if self.records is not None:
+            self.records = self.records.select(idx)
+
     def rollback(self, stale: Sequence[int]) -> None:
         """Forget the last ``stale[r]`` positions of each row: the positions all rows share
         are cropped from the KV cache; the rest are masked out (they stay in the cache as

@@ -114,6 +114,40 @@ def views_for(rows: dict[str, dict[int, tuple[RoleBatch, int]]], q: int) -> dict
     return views
 
 
+#: A batch drops the rows of finished queries once they are at least this share of its rows
+#: (each drop copies the kept rows' KV cache once, so not for every single finished row).
+DROP_SHARE = 0.25
+
+
+def drop_finished(ready: Prefilled, done: Sequence[bool]) -> bool:
+    """Drop the rows of finished queries from the batches that hold enough of them
+    (:data:`DROP_SHARE`) and can (:meth:`RoleBatch.keep_rows`), and update ``ready.rows``;
+    returns whether any batch changed. A finished row otherwise keeps being computed, with
+    padding tokens, until the last query of the batch finishes."""
+    moved: dict[int, dict[int, int]] = {}
+    for b in ready.batches.values():
+        gone = sum(1 for q in b.query_idx if done[q])
+        if not gone or gone < DROP_SHARE * len(b.query_idx) or gone == len(b.query_idx):
+            continue
+        if not b.can_keep_rows():
+            continue
+        keep = [r for r, q in enumerate(b.query_idx) if not done[q]]
+        b.keep_rows(keep)
+        moved[id(b)] = {old: new for new, old in enumerate(keep)}
+    if not moved:
+        return False
+    rows: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
+    for role, where in ready.rows.items():
+        rows[role] = {}
+        for q, (b, r) in where.items():
+            if id(b) not in moved:
+                rows[role][q] = (b, r)
+            elif r in moved[id(b)]:
+                rows[role][q] = (b, moved[id(b)][r])
+    ready.rows = rows
+    return True
+
+
 def decode_loop(
     lm: LoadedModel,
     plans: Sequence[PromptPlan],
@@ -148,23 +182,29 @@ def decode_loop(
         timings["prefill_s"] = timings.get("prefill_s", 0.0) + time.perf_counter() - t0
         timings["fused"] = float(ready.fused)
         timings["packed"] = float(ready.packed)
+        if ready.reused_s:
+            timings["prefill_reused_s"] = timings.get("prefill_reused_s", 0.0) + ready.reused_s
 
         generated: list[list[int]] = [[] for _ in plans]
         done = [False] * len(plans)
         t1 = time.perf_counter()
         for step_i in range(max_new_tokens):
             chosen = [lm.pad_token_id] * len(plans)
-            for q in range(len(plans)):
-                if done[q]:
-                    continue
-                views = views_for(ready.rows, q)
-                choice = policy.choose(views, lm)
+            active = [q for q in range(len(plans)) if not done[q]]
+            all_views = [views_for(ready.rows, q) for q in active]
+            # All queries of the step at once: a rule may share work between them (one logit
+            # lens product for every query whose contexts disagree).
+            choices = policy.choose_many(all_views, lm) if len(active) > 1 else [
+                policy.choose(all_views[0], lm)
+            ]
+            for q, views, choice in zip(active, all_views, choices, strict=True):
                 chosen[q] = int(choice.token_id)
                 ev = step_event(lm, q, step_i, choice, views, generated[q], stop, max_new_tokens)
                 done[q] = ev.finished
                 yield ev
             if all(done):
                 break
+            drop_finished(ready, done)
             new = torch.tensor(chosen, dtype=torch.long)
             for b in ready.batches.values():
                 b.forward(new[b.query_idx])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,8 @@ _SHARED_PREFILL: contextvars.ContextVar[dict[tuple[Any, ...], RoleBatch] | None]
 def shared_prefill() -> Iterator[dict[tuple[Any, ...], RoleBatch]]:
     """Within this block, decodes of identical contexts (same role, same ids, same batch) reuse
     one prefill: the first decode keeps its prefilled role batch, later ones get a copy of its
-    KV cache. Used by the evaluation harness to run several policies on the same prompts."""
+    KV cache (and their timings, ``prefill_reused_s``, the seconds that prefill took). Used
+    by the evaluation harness to run several policies on the same prompts."""
     store: dict[tuple[Any, ...], RoleBatch] = {}
     token = _SHARED_PREFILL.set(store)
     try:
@@ -50,16 +52,27 @@ def _prefilled(
     if store is not None:
         for p in (True,) if probe else (False, True):
             if (key, p) in store:
-                return store[(key, p)].fork(probe)
+                twin = store[(key, p)].fork(probe)
+                # What the prefill cost the decode that ran it (this one reuses it).
+                twin.reused_s = twin.prefill_s
+                return twin
+    t0 = time.perf_counter()
     b = RoleBatch(role, members, lm, probe=probe)
     h = b.shared_prefix(prefix_src) if prefix_src is not None else 0
     if h:
         b.prefill_from(prefix_src, h)  # type: ignore[arg-type]
     else:
         b.forward(None)
+    b.prefill_s, b.reused_s = time.perf_counter() - t0, 0.0
     if store is not None:
         store[(key, probe)] = b.fork(probe)
     return b
+
+
+def reused_seconds(batches: dict[str, RoleBatch]) -> float:
+    """Seconds of prefill that ``batches`` took from the shared-prefill store instead of
+    running it (what decoding alone would have paid for them)."""
+    return sum(getattr(b, "reused_s", 0.0) for b in batches.values())
 
 
 def prefill_roles(
@@ -95,6 +108,8 @@ class Prefilled:
     rows: dict[str, dict[int, tuple[RoleBatch, int]]] = field(default_factory=dict)
     fused: bool = False
     packed: bool = False
+    #: Prefill seconds taken from the shared-prefill store (:func:`reused_seconds`).
+    reused_s: float = 0.0
 
 
 def row_map(batches: dict[str, RoleBatch]) -> dict[str, dict[int, tuple[RoleBatch, int]]]:
@@ -110,4 +125,4 @@ def plain_prefill(
 ) -> Prefilled:
     """One prefilled batch per role (:func:`prefill_roles`), decoded one pass per role."""
     batches = prefill_roles(roles, per_query, lm, policy.probe_roles)
-    return Prefilled(batches, row_map(batches))
+    return Prefilled(batches, row_map(batches), reused_s=reused_seconds(batches))

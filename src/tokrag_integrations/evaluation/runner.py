@@ -10,8 +10,10 @@ for every policy); the prompt prefill (inside :func:`..engine.prefill.shared_pre
 that decodes the same pure / RAG context of the same item batch gets a copy of one prefilled
 KV cache; the per-passage contexts of ``rag_token`` / ``rag_sequence`` are prefilled
 separately); and the ``llm`` answer, which ignores passages and is decoded once per item and
-reused for every condition. Because of that sharing, ``time_s`` in the records is not a cost
-measurement; :mod:`.cost` measures cost in isolation.
+reused for every condition. ``time_s`` in the records charges a policy the prefill it took
+from another policy's decode (``prefill_reused_s``), so the policy that happens to run first
+does not look dearer; it is still timed inside a shared run, and :mod:`.cost` measures cost
+in isolation.
 
 Policies are given as specs, ``name`` or ``name[key=value,...]`` (:mod:`.specs`), e.g.
 ``tokrag[min_fusion_layer=0]``: the normalised spec string is the record's ``policy`` and the
@@ -216,7 +218,9 @@ def _run_generation(
                 "short": mix.short,
                 "counts": res.trace.counts(),
                 "stop_reason": res.stop_reason,
-                "time_s": elapsed / len(batch),
+                # The prefill a policy took from another's decode is charged to it too, so
+                # that the order of the policies does not make one of them look cheaper.
+                "time_s": (elapsed + res.trace.timings.get("prefill_reused_s", 0.0)) / len(batch),
                 "batch": len(batch),
             }
             if keep_traces:

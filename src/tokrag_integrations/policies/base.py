@@ -78,6 +78,10 @@ class ContextView:
         self._seen = batch.mask.shape[1] if seen_len is None else seen_len
         self._probs: torch.Tensor | None = None
         self._attn: dict[int, torch.Tensor] = {}
+        self._attn_all: torch.Tensor | None = None
+        #: Log-probabilities of a rule's first logit-lens rows, computed for several queries
+        #: in one product by the rule's ``choose_many`` (None: computed when read).
+        self.lens_first: torch.Tensor | None = None
 
     @property
     def record(self) -> ProbeRecord | None:
@@ -130,6 +134,8 @@ class ContextView:
         """[L, H, T] attention of the last position at every layer (recomputed in one go)."""
         from ..attention import attention_rows
 
+        if self._attn_all is not None:
+            return self._attn_all
         rec = self.record
         if rec is None:
             raise RuntimeError("this policy did not ask for probe records of this context")
@@ -149,6 +155,7 @@ class ContextView:
             out = attention_rows(b.parts, rec, keys, valid, seen)
         for i in range(n):
             self._attn.setdefault(i, out[i])
+        self._attn_all = out
         return out
 
 
@@ -204,6 +211,12 @@ class Policy:
     def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
         """The token to emit at this step, given one view per context role."""
         raise NotImplementedError
+
+    def choose_many(self, views: list[dict[str, ContextView]], lm: LoadedModel) -> list[Choice]:
+        """:meth:`choose` for several queries at the same step (a batched decode), in order.
+        A rule may override it to share work between the queries; the choices must be those
+        :meth:`choose` makes for each on its own."""
+        return [self.choose(v, lm) for v in views]
 
     def options(self) -> dict[str, Any]:
         """The rule's options as recorded in the trace (``Trace.options``)."""

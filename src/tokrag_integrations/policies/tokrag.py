@@ -295,6 +295,83 @@ class TokRAG(Policy):
 
     # ------------------------------------------------------------------ rule
     def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
+        gated = self._choice_without_signals(views)
+        if gated is not None:
+            return gated
+        pure, rag = views["pure"], views["rag"]
+        a = int(torch.argmax(pure.logits).item())
+        b = int(torch.argmax(rag.logits).item())
+        sig = (
+            self.reference_signals(pure, rag)
+            if self.variant == "reference"
+            else self.signals(pure, rag)
+        )
+        rising = sig.pop("rising_id", None)
+        if a == b:
+            return Choice(a, AGREE, sig)
+        if self.rising_gate and not sig["benefit"] and rising == b:
+            sig = {**sig, "benefit": True, "note": "gated: RAG's rising token"}
+        return Choice(b if sig["benefit"] else a, FROM_RAG if sig["benefit"] else FROM_LLM, sig)
+
+    def choose_many(self, views: list[dict[str, ContextView]], lm: LoadedModel) -> list[Choice]:
+        """:meth:`choose` per query, with the first logit-lens chunk of every query that
+        reaches the signals computed in one product (the LM head read once for all of them,
+        not once per query); the rest is :meth:`choose` as written."""
+        if self.variant == "paper" and self.fixed_layer is None:
+            need = [v for v in views if self._choice_without_signals(v) is None]
+            if len(need) > 1:
+                rows = [self._first_chunk(v["pure"], v["rag"]) for v in need]
+                logp = torch.log_softmax(
+                    logit_lens(self._parts, torch.cat(rows), final_norm=self.lens_norm), dim=-1
+                )
+                for v, part in zip(need, logp.split([r.shape[0] for r in rows]), strict=True):
+                    v["rag"].lens_first = part
+        return [self.choose(v, lm) for v in views]
+
+    def _first_chunk(self, pure: ContextView, rag: ContextView) -> torch.Tensor:
+        """The hidden-state rows of :meth:`_fusion_layer`'s first logit-lens product."""
+        attn = rag.attention_all()
+        f = S.retrieved_attention_mass(attn, rag.rt_positions)
+        lo = max(1, self._lo)
+        f_arg = lo + int(torch.argmax(f[lo - 1 :]).item())
+        rows, *_ = self._chunk_rows(pure, rag, f_arg, lo - 1, lo - 2, True, {})
+        return torch.cat(rows)
+
+    def _chunk_rows(
+        self,
+        pure: ContextView,
+        rag: ContextView,
+        f_arg: int,
+        start: int,
+        done_to: int,
+        first: bool,
+        rag_logp: dict[int, torch.Tensor],
+    ) -> tuple[list[torch.Tensor], list[int], list[int], bool, int]:
+        """The rows of one logit-lens product of the l* search (layers ``done_to + 1`` to the
+        chunk's end): the pure rows (layer 0 shared with the RAG row when both contexts were
+        fed the same token), the RAG rows, the extra RAG rows; with the chunk's layers, its
+        extra layers, whether layer 0 is shared and the number of pure rows."""
+        L = self._L
+        h_pure = pure.record.resid[:, 0]  # [L+1, d]
+        h_rag = rag.record.resid[:, 0]
+        stop = min(start + (_LENS_FIRST if first else _LENS_CHUNK) - 1, L)
+        layers = list(range(done_to + 1, stop + 1))
+        # Extra RAG rows for x^{l'-l*}: the final layer (when it is not the model's own
+        # output) and every l* a crossing in this chunk would give, so that no second
+        # read of the LM head is needed.
+        lo = max(1, self._lo)
+        extra = [L] if not self.lens_norm else []
+        extra += [(f_arg + c) // 2 for c in range(max(start, lo), stop + 1)]
+        extra = sorted({x for x in extra if x not in rag_logp and x not in layers})
+        # Layer 0 is the embedding of the token both contexts were fed: one row for both.
+        share0 = layers[0] == 0 and torch.equal(h_pure[0], h_rag[0])
+        p_layers = layers[1:] if share0 else layers
+        rows = [h_pure[p_layers], h_rag[layers], h_rag[extra]]
+        return rows, layers, extra, share0, len(p_layers)
+
+    def _choice_without_signals(self, views: dict[str, ContextView]) -> Choice | None:
+        """The choice made without the signals (the contexts agree, no retrieved tokens, a
+        gated word), or None where the signals decide."""
         pure, rag = views["pure"], views["rag"]
         a = int(torch.argmax(pure.logits).item())
         b = int(torch.argmax(rag.logits).item())
@@ -310,17 +387,7 @@ class TokRAG(Policy):
             return Choice(b, AGREE if a == b else FROM_RAG, {"note": "gated: verdict word"})
         if self.framing_gate and bool(self._gate[a]):
             return Choice(b, FROM_RAG, {"note": "gated: pure model's function word"})
-        sig = (
-            self.reference_signals(pure, rag)
-            if self.variant == "reference"
-            else self.signals(pure, rag)
-        )
-        rising = sig.pop("rising_id", None)
-        if a == b:
-            return Choice(a, AGREE, sig)
-        if self.rising_gate and not sig["benefit"] and rising == b:
-            sig = {**sig, "benefit": True, "note": "gated: RAG's rising token"}
-        return Choice(b if sig["benefit"] else a, FROM_RAG if sig["benefit"] else FROM_LLM, sig)
+        return None
 
     def score(self, pure: ContextView, rag: ContextView) -> float:
         """A number > 0 where benefit wins (token-level AUC): cos(w_RAG, w_IR) − cos(w_RAG,
@@ -400,31 +467,23 @@ class TokRAG(Policy):
         # a few layers per LM-head product (each product reads the LM head once).
         lo = max(1, self._lo)
         bound = self.jsd_threshold * A.shape[0]
-        h_pure = pure.record.resid[:, 0]  # [L+1, d]
-        h_rag = rag.record.resid[:, 0]
         g = torch.full((L,), float("nan"))
         f_arg = lo + int(torch.argmax(f[lo - 1 :]).item())
         rag_logp: dict[int, torch.Tensor] = {}  # layer -> log phi(h~^l)
         prev_p = prev_r = None
         start, done_to = lo - 1, lo - 2  # lens rows of layers start..stop, then stop+1...
         while done_to < L:
-            stop = min(start + (_LENS_FIRST if prev_p is None else _LENS_CHUNK) - 1, L)
-            layers = list(range(done_to + 1, stop + 1))
-            # Extra RAG rows for x^{l'-l*}: the final layer (when it is not the model's own
-            # output) and every l* a crossing in this chunk would give, so that no second
-            # read of the LM head is needed.
-            extra = [L] if not self.lens_norm else []
-            extra += [(f_arg + c) // 2 for c in range(max(start, lo), stop + 1)]
-            extra = sorted({x for x in extra if x not in rag_logp and x not in layers})
-            n = len(layers)
-            # Layer 0 is the embedding of the token both contexts were fed: one row for both.
-            share0 = layers[0] == 0 and torch.equal(h_pure[0], h_rag[0])
-            p_layers = layers[1:] if share0 else layers
-            n_p = len(p_layers)
-            rows = [h_pure[p_layers], h_rag[layers], h_rag[extra]]
-            logp = torch.log_softmax(
-                logit_lens(parts, torch.cat(rows), final_norm=self.lens_norm), dim=-1
+            rows, layers, extra, share0, n_p = self._chunk_rows(
+                pure, rag, f_arg, start, done_to, prev_p is None, rag_logp
             )
+            stop = layers[-1]
+            n = len(layers)
+            if prev_p is None and rag.lens_first is not None:
+                logp = rag.lens_first  # the same rows, lensed with other queries' (choose_many)
+            else:
+                logp = torch.log_softmax(
+                    logit_lens(parts, torch.cat(rows), final_norm=self.lens_norm), dim=-1
+                )
             lp, lr = logp[:n_p], logp[n_p : n_p + n]
             if share0:
                 lp = torch.cat([lr[:1], lp])
