@@ -132,9 +132,6 @@ def _check_trace(r):
             if s.signals.get("note") == "gated: verdict word":
                 assert r.trace.options.get("verdict_gate") in ("rag", "either")
                 continue
-            if s.signals.get("note") == "gated: pure model's function word":
-                assert r.trace.options.get("framing_gate") is True
-                continue
             if s.signals.get("note") == "gated: RAG's rising token":  # Eq. 19 said the pure model
                 assert r.trace.options.get("rising_gate") is True and s.signals["rising_token"] == s.text
                 assert s.signals["benefit"] is True and _margin(r, s) < 0
@@ -177,7 +174,7 @@ BENEFIT_CASES = [
 #: and the rising token under DoLa's own plausibility constraint α = 0.1 (the corrected
 #: readings of Eq. 14-15 stay on).
 PAPER_RULE = {
-    "function_word_gate": False, "verdict_gate": None, "threshold": 0.0, "plausibility_alpha": 0.1, "pr_skip": None,
+    "function_word_gate": False, "verdict_gate": None, "rising_gate": False, "threshold": 0.0, "plausibility_alpha": 0.1, "pr_skip": None,
 }
 
 
@@ -212,7 +209,7 @@ VERDICT_CASES = [
 @pytest.mark.parametrize("question,passage", VERDICT_CASES, ids=["beach", "menthol"])
 def test_verdict_gate_keeps_rags_verdict_that_eq19_drops(lm, question, passage):
     assert generate(lm, question, [passage], policy="rag", max_new_tokens=8).text.startswith("No")
-    plain = generate(lm, question, [passage], policy="tokrag", max_new_tokens=8, verdict_gate=None)
+    plain = generate(lm, question, [passage], policy="tokrag", max_new_tokens=8, verdict_gate=None, rising_gate=False)
     assert not plain.text.startswith("No") and plain.trace.steps[0].signals["benefit"] is False
     r = generate(lm, question, [passage], policy="tokrag", max_new_tokens=8)  # the default gate
     assert r.trace.options["verdict_gate"] == "rag" and r.text.startswith("No"), r.text
@@ -505,7 +502,7 @@ def test_rising_gate_keeps_rags_token_where_it_is_the_rising_token(lm):
     q = "When did the Venetians take total control of Cyprus?"
     p = ["The Venetians took full control of Cyprus in 1489 after Queen Catherine Cornaro abdicated."]
     off = generate(lm, q, p, policy="tokrag", max_new_tokens=12, rising_gate=False)
-    on = generate(lm, q, p, policy="tokrag", max_new_tokens=12, rising_gate=True)
+    on = generate(lm, q, p, policy="tokrag", max_new_tokens=12)  # the default
     lost = next(s for s in off.trace.steps if s.source == "llm")
     assert lost.candidates["rag"].text == " total" == lost.signals["rising_token"]
     assert lost.signals["benefit"] is False and "note" not in lost.signals
@@ -514,16 +511,14 @@ def test_rising_gate_keeps_rags_token_where_it_is_the_rising_token(lm):
     assert kept.signals["note"] == "gated: RAG's rising token" and kept.signals["benefit"] is True
     assert kept.signals["cos_ir"] == pytest.approx(lost.signals["cos_ir"])
     assert "rising_id" not in kept.signals  # internal: the trace keeps the decoded token only
-    assert on.trace.options.get("rising_gate") is (True if on.trace.options["variant"] == "paper" else None)
+    assert on.trace.options["rising_gate"] is True
     _check_trace(off), _check_trace(on)
 
 
-def test_rising_and_framing_gates_are_checked():
+def test_rising_gate_is_checked():
     from tokrag_integrations.policies.tokrag import TokRAG
 
-    for key in ("rising_gate", "framing_gate"):
-        with pytest.raises(ValueError, match=key):
-            TokRAG(**{key: "yes"})
-        assert key not in TokRAG().options()  # off: the options read as before
-        assert TokRAG(**{key: True}).options()[key] is True
-        assert getattr(TokRAG(variant="reference", **{key: True}), key) is False  # paper variant only
+    with pytest.raises(ValueError, match="rising_gate"):
+        TokRAG(rising_gate="yes")
+    assert TokRAG().options()["rising_gate"] is True and TokRAG(rising_gate=False).options()["rising_gate"] is False
+    assert TokRAG(variant="reference").rising_gate is False  # paper variant only

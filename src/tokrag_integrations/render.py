@@ -592,6 +592,10 @@ def render_trace(trace: Trace, console: Console | None = None) -> None:
             table.add_column(header, justify="right")
         if threshold is not None:
             table.add_column("margin", justify="right")
+        # A gate keeps RAG's token without (or against) the margin: say which one did.
+        gated = any(s.signals.get("note") for s in steps)
+        if gated:
+            table.add_column("kept by")
 
         def cand_text(cand: Candidate | None) -> str:
             return "—" if cand is None else f"{_visible(cand.text)} ({format_value(cand.prob)})"
@@ -611,6 +615,9 @@ def render_trace(trace: Trace, console: Console | None = None) -> None:
             row += [format_value(s.signals.get(k)) for k in ("l_star", "cos_ir", "cos_llm")]
             if threshold is not None:
                 row.append(format_value(_margin(s.signals)))
+            if gated:
+                note = s.signals.get("note") or ""
+                row.append(note.removeprefix("gated: ") if note.startswith("gated: ") else note)
             table.add_row(*row)
         console.print(table)
     else:

@@ -11,9 +11,10 @@ from L/2 (spec §3's "middle-layer maximum"), the rising token on log-probabilit
 DoLa-plausible tokens with the final norm (α = 0.5: among RAG's leading candidates), the
 retrieved punctuation left out of p_R (the authors' code skips it too), RAG's function words
 kept without comparing (the authors' released decoder does so), RAG's verdict words (yes / no
-and negators) kept without comparing (:mod:`.verdict`: w_IR cannot stand for them) and
-threshold −0.1. The paper's rule as written is ``function_word_gate=False, verdict_gate=None,
-threshold=0, plausibility_alpha=0.1, pr_skip=None`` (DoLa's α); the literal reading of Eq.
+and negators) kept without comparing (:mod:`.verdict`: w_IR cannot stand for them), RAG's
+token kept where it is x^{l'-l*} itself and threshold −0.1. The paper's rule as written is
+``function_word_gate=False, verdict_gate=None, rising_gate=False, threshold=0,
+plausibility_alpha=0.1, pr_skip=None`` (DoLa's α); the literal reading of Eq.
 14-15 adds ``min_fusion_layer=0, plausibility_alpha=None, lens_norm=False``.
 
 ``variant="reference"`` reproduces what the authors' released decoder does instead
@@ -61,6 +62,12 @@ DEFAULT_PR_SKIP = "punctuation"
 #: verdict is inferred from the passage, not copied from it, so w_IR cannot stand for it. Fixed
 #: on the dev sets (docs/results.md, "Verdict words"); the paper compares there too (None).
 DEFAULT_VERDICT_GATE = "rag"
+
+#: Where Eq. 19 would drop RAG's token although it is x^{l'-l*} (the token RAG's layers after
+#: the fusion layer raised most among its plausible ones), RAG's token is kept: Eq. 19 then
+#: overrules RAG only where RAG's own later layers did not single out its token. Fixed on the
+#: dev sets (docs/results.md, "RAG's rising token"); the paper lets Eq. 19 decide (False).
+DEFAULT_RISING_GATE = True
 _LENS_CHUNK = 3
 
 
@@ -109,12 +116,10 @@ class TokRAG(Policy):
             the dev sets): where RAG's token is a verdict word; ``"either"``: where either
             candidate is one (it overrides a pure-model "No" too); None: Eq. 19 decides (the
             paper).
-        rising_gate: paper variant, a candidate rule measured on dev (off by default): where
-            Eq. 19 keeps the pure model's token but RAG's token is x^{l'−l*} itself (the token
-            RAG's layers after the fusion layer raised most), keep RAG's token.
-        framing_gate: paper variant, a candidate rule measured on dev (off by default): where
-            the pure model's token is a function word (the same list), keep RAG's token: a
-            framing token carries no content for Eq. 19 to protect.
+        rising_gate: paper variant: where Eq. 19 would keep the pure model's token but RAG's
+            token is x^{l'−l*} itself (of RAG's plausible tokens, the one its layers after the
+            fusion layer l* raised most), keep RAG's token (default True, chosen on the dev
+            sets); False: Eq. 19 decides (the paper).
         speculative: decode by blockwise verification (:mod:`..accel.speculative`): one context
             drafts a block, the other checks it in one forward pass; the same tokens and
             decisions as the step-by-step loop. Off by default: on the CPUs measured here the
@@ -146,8 +151,7 @@ class TokRAG(Policy):
         fixed_layer: int | None = None,
         function_word_gate: bool = True,
         verdict_gate: str | None = DEFAULT_VERDICT_GATE,
-        rising_gate: bool = False,
-        framing_gate: bool = False,
+        rising_gate: bool = DEFAULT_RISING_GATE,
         speculative: bool = False,
         block: int | None = None,
         drafter: str = "auto",
@@ -179,8 +183,6 @@ class TokRAG(Policy):
             raise ValueError(f"function_word_gate must be True or False, got {function_word_gate!r}")
         if verdict_gate not in (None, "rag", "either"):
             raise ValueError(f"verdict_gate must be None, 'rag' or 'either', got {verdict_gate!r}")
-        if not isinstance(framing_gate, bool):
-            raise ValueError(f"framing_gate must be True or False, got {framing_gate!r}")
         if not isinstance(rising_gate, bool):
             raise ValueError(f"rising_gate must be True or False, got {rising_gate!r}")
         if not isinstance(lens_norm, bool):
@@ -203,7 +205,6 @@ class TokRAG(Policy):
         self.function_word_gate = function_word_gate if variant == "paper" else True
         self.verdict_gate = verdict_gate if variant == "paper" else None
         self.rising_gate = rising_gate if variant == "paper" else False
-        self.framing_gate = framing_gate if variant == "paper" else False
         if block is not None and (not isinstance(block, int) or block < 1):
             raise ValueError(f"block must be a positive int or None, got {block!r}")
         if drafter not in ("auto", "pure", "rag"):
@@ -235,8 +236,7 @@ class TokRAG(Policy):
                     "jsd_threshold": self.jsd_threshold,
                     "function_word_gate": self.function_word_gate,
                     "verdict_gate": self.verdict_gate,
-                    **({"rising_gate": True} if self.rising_gate else {}),
-                    **({"framing_gate": True} if self.framing_gate else {}),
+                    "rising_gate": self.rising_gate,
                 }
                 if paper
                 else {}
@@ -283,7 +283,7 @@ class TokRAG(Policy):
             )
         elif self.pr_skip == "reference":
             self._pr_skip = lm.memo(("skip_mask", *key), lambda: REF.skip_mask(lm.tokenizer, vocab_size=V))
-        if self.function_word_gate or self.framing_gate:
+        if self.function_word_gate:
             self._gate = lm.memo(
                 ("gate_mask", *key), lambda: REF.gate_mask(lm.tokenizer, vocab_size=V, texts=texts())
             )
@@ -385,8 +385,6 @@ class TokRAG(Policy):
             bool(self._verdict[b]) or (self.verdict_gate == "either" and bool(self._verdict[a]))
         ):
             return Choice(b, AGREE if a == b else FROM_RAG, {"note": "gated: verdict word"})
-        if self.framing_gate and bool(self._gate[a]):
-            return Choice(b, FROM_RAG, {"note": "gated: pure model's function word"})
         return None
 
     def score(self, pure: ContextView, rag: ContextView) -> float:
