@@ -163,7 +163,7 @@ class FakeDecode:
         out = []
         for ps in passages:
             text = "Paris" if any(p.startswith("pos") for p in ps) else "Lyon"
-            trace = SimpleNamespace(counts=lambda: {"agree": 1}, to_dict=lambda: {"steps": []})
+            trace = SimpleNamespace(counts=lambda: {"agree": 1}, to_dict=lambda: {"steps": []}, timings={})
             out.append(SimpleNamespace(text=text, stop_reason="eos", trace=trace))
         return out
 
@@ -421,7 +421,7 @@ def test_yes_no_summary_reports_verdict_rate_accuracy_among_verdicts_and_length_
                 odd = int(q.split()[1][:-1]) % 2
                 r.text = "It is hard to say." if policy == "cad" and odd else "Yes, it is."
                 n = 6 if policy == "cad" else 3  # cad's answers are twice as long
-                r.trace = SimpleNamespace(counts=lambda n=n: {"rag": n}, to_dict=lambda: {"steps": []})
+                r.trace = SimpleNamespace(counts=lambda n=n: {"rag": n}, to_dict=lambda: {"steps": []}, timings={})
             return out
 
     s = run_misleading(LM, items, records_path=tmp_path / "m.jsonl", policies=["rag", "cad"],
