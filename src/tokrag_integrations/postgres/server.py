@@ -428,6 +428,11 @@ def _check_root_safe(data_dir: Path) -> None:
 
 _SERVERS: dict[Path, Any] = {}
 _SERVERS_LOCK = threading.Lock()
+#: pgserver guards its servers with one file lock per process (a class attribute), which is not
+#: safe between threads: a pool thread starting a stopped server again and another thread
+#: stopping or creating one would release each other's lock. Every use of it here goes
+#: through this lock first.
+_PGSERVER_LOCK = threading.RLock()
 #: pgserver's list of the processes using a server, in the data folder.
 HANDLE_FILE = ".handle_pids.json"
 
@@ -614,6 +619,11 @@ def _server_class() -> Any:
     class PrivateSocketServer(PostgresServer):
         """A ``PostgresServer`` whose Unix socket only its own OS user (and root) can reach."""
 
+        def _cleanup(self) -> None:
+            with _PGSERVER_LOCK:
+                self._cleaned_up = True  # stopped on purpose: not to be started again
+                super()._cleanup()
+
         def ensure_postgres_running(self) -> None:  # called under pgserver's lock
             uid, gid = _server_user_ids(self.system_user)
             info = PostmasterInfo.read_from_pgdata(self.pgdata)
@@ -727,7 +737,8 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
                 server = server_class._instances.get(pgdata)
                 if server is None:
                     try:
-                        server = server_class(pgdata, cleanup_mode="stop")
+                        with _PGSERVER_LOCK:
+                            server = server_class(pgdata, cleanup_mode="stop")
                     finally:  # pgserver registers the instance before starting it
                         if server is None:
                             server_class._instances.pop(pgdata, None)
@@ -744,8 +755,6 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     return server.get_uri(), server
 
 
-_RESTART_LOCK = threading.Lock()
-
 
 def _start_again_if_stopped(server: Any) -> bool:
     """Start ``server`` again when it was stopped from outside this process (``pg_ctl stop``,
@@ -757,17 +766,21 @@ def _start_again_if_stopped(server: Any) -> bool:
     """
     from pgserver.utils import PostmasterInfo
 
-    with _RESTART_LOCK, server._lock:
+    with _PGSERVER_LOCK, server._lock:
+        if getattr(server, "_cleaned_up", False):
+            return False
         info = PostmasterInfo.read_from_pgdata(server.pgdata)
         if info is not None and info.is_running():
             return False
         server.ensure_postgres_running()
-    warnings.warn(
-        f"The embedded Postgres in {server.pgdata} had been stopped from outside this process; "
-        "tokrag started it again.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+        # Warned before the lock is released: a thread that finds it running afterwards (a
+        # pool's other worker) hands out a connection only after the warning.
+        warnings.warn(
+            f"The embedded Postgres in {server.pgdata} had been stopped from outside this "
+            "process; tokrag started it again.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return True
 
 
