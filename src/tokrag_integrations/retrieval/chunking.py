@@ -1,0 +1,140 @@
+"""Chunking: text cut at paragraph, then sentence (or line), then word boundaries.
+
+LlamaIndex's ``SentenceSplitter`` and LangChain's ``RecursiveCharacterTextSplitter`` do the
+same job, but both frameworks are optional extras and ``tokrag ask --docs`` must run without
+them, so the core keeps this splitter of its own (the same chunks on every install).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP
+from .documents import Chunk, Document
+
+# A sentence ends at . ! or ? followed by whitespace; lines inside a paragraph (lists, table
+# rows) are also natural break points.
+_SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+|\n")
+
+
+def _split_units(text: str, max_chars: int) -> list[tuple[str, str]]:
+    """Split ``text`` into ``(separator_before, piece)`` units of at most ``max_chars``.
+
+    Paragraphs that fit are one unit; longer ones are split at sentence and line breaks,
+    and sentences that still do not fit are split between words (or, for a single huge
+    "word", hard at ``max_chars``).
+    """
+    units: list[tuple[str, str]] = []
+    paragraphs = [p.strip() for p in re.split(r"\n[ \t]*\n", text) if p.strip()]
+    for paragraph in paragraphs:
+        if len(paragraph) <= max_chars:
+            units.append(("\n\n", paragraph))
+            continue
+        sep, pos = "\n\n", 0
+        for match in [*_SENTENCE_BREAK.finditer(paragraph), None]:
+            end = match.start() if match else len(paragraph)
+            sentence = paragraph[pos:end].strip()
+            if sentence:
+                for piece in _split_long(sentence, max_chars):
+                    units.append((sep, piece))
+                    sep = " "
+                sep = "\n" if match and "\n" in match.group() else " "
+            pos = match.end() if match else len(paragraph)
+    return units
+
+
+def _split_long(sentence: str, max_chars: int) -> list[str]:
+    """``sentence`` cut between words into pieces of at most ``max_chars``."""
+    pieces: list[str] = []
+    rest = sentence
+    while len(rest) > max_chars:
+        cut = rest.rfind(" ", 0, max_chars + 1)
+        if cut <= 0:  # one enormous token: cut it hard
+            cut = max_chars
+        pieces.append(rest[:cut].rstrip())
+        rest = rest[cut:].lstrip()
+    if rest:
+        pieces.append(rest)
+    return pieces
+
+
+def _joined_len(units: Sequence[tuple[str, str]]) -> int:
+    return sum(len(text) for _, text in units) + sum(len(sep) for sep, _ in units[1:])
+
+
+def _join(units: Sequence[tuple[str, str]]) -> str:
+    return "".join(text if i == 0 else sep + text for i, (sep, text) in enumerate(units))
+
+
+def _overlap_tail(units: Sequence[tuple[str, str]], overlap: int) -> list[tuple[str, str]]:
+    """The trailing units of a finished chunk to repeat at the start of the next one.
+
+    Whole sentences/paragraphs are preferred; if even the last one is longer than
+    ``overlap``, its last words (at most ``overlap`` characters) are used.
+    """
+    if overlap <= 0 or not units:
+        return []
+    tail: list[tuple[str, str]] = []
+    for unit in reversed(units):
+        if _joined_len([unit, *tail]) > overlap:
+            break
+        tail.insert(0, unit)
+    if tail:
+        return tail
+    sep, last = units[-1]
+    cut = last.find(" ", len(last) - overlap)
+    words = last[cut + 1 :] if cut >= 0 else ""
+    return [(sep, words)] if words else []
+
+
+def chunk_text(
+    text: str, max_chars: int = CHUNK_CHARS, overlap: int = CHUNK_OVERLAP
+) -> list[str]:
+    """Split ``text`` into chunks of at most ``max_chars`` characters.
+
+    Chunks end at paragraph boundaries where possible, else at sentence (or line) ends,
+    else between words. Consecutive chunks share up to ``overlap`` characters of trailing
+    context (whole sentences where they fit) so that a fact cut at a boundary is still
+    retrievable.
+
+    Args:
+        text: The text to split.
+        max_chars: Upper bound on each chunk's length.
+        overlap: How many characters of the previous chunk may be repeated.
+
+    Returns:
+        The chunks, in order; ``[]`` for blank text.
+
+    Raises:
+        ValueError: ``max_chars`` is not positive or ``overlap`` is not in
+            ``[0, max_chars)``.
+    """
+    if max_chars <= 0:
+        raise ValueError(f"max_chars must be positive, got {max_chars}.")
+    if not 0 <= overlap < max_chars:
+        raise ValueError(f"overlap must be >= 0 and smaller than max_chars, got {overlap}.")
+    chunks: list[str] = []
+    current: list[tuple[str, str]] = []
+    for unit in _split_units(text, max_chars):
+        if current and _joined_len([*current, unit]) > max_chars:
+            chunks.append(_join(current))
+            current = _overlap_tail(current, overlap)
+            while current and _joined_len([*current, unit]) > max_chars:
+                current.pop(0)
+        current.append(unit)
+    if current:
+        chunks.append(_join(current))
+    return chunks
+
+
+def chunk_documents(
+    documents: Iterable[Document], max_chars: int = CHUNK_CHARS, overlap: int = CHUNK_OVERLAP
+) -> list[Chunk]:
+    """Every document cut with :func:`chunk_text`, as :class:`Chunk` objects."""
+    return [
+        Chunk(text=piece, source=doc.source, index=i, metadata=dict(doc.metadata))
+        for doc in documents
+        for i, piece in enumerate(chunk_text(doc.text, max_chars=max_chars, overlap=overlap))
+    ]
+

