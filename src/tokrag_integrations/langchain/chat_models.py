@@ -23,6 +23,7 @@ from ..api import GenerationResult, TokenEvent
 from ..defaults import MAX_NEW_TOKENS
 from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
 from ..policies import get_policy
+from ..policy_args import merge_policy_options
 from ._convert import (
     FINISH_REASONS,
     messages_to_prompt,
@@ -35,7 +36,8 @@ from ._convert import (
 #: accepted (so ``ChatTokRAG`` drops into code written for hosted models) and ignored.
 _REMOTE_ONLY_PARAMS = ("api_key", "timeout", "max_retries")
 
-#: Per-call keyword arguments handled here; any other keyword is a policy option.
+#: Per-call keyword arguments handled here; any other keyword is a policy option (the
+#: deprecated spelling of ``policy_options={...}``).
 _CALL_KWARGS = (
     "passages",
     "context",
@@ -367,7 +369,9 @@ class ChatTokRAG(BaseChatModel):
         }
         self._greedy_only(kwargs.pop("temperature", None))
         call = {k: kwargs.pop(k) for k in _CALL_KWARGS if k in kwargs}
-        options = {**self.policy_options, **call.get("policy_options", {}), **kwargs}
+        # Per call, policy options go in policy_options={...}; loose keywords still work (warned).
+        call_options = merge_policy_options("ChatTokRAG", call.get("policy_options"), kwargs)
+        options = {**self.policy_options, **call_options}
         policy = call.get("policy", self.policy)
         get_policy(policy, **options)  # unknown policy or option: fail before loading anything
         given = call.get("passages", self.passages)
