@@ -341,7 +341,7 @@ def _run_cli(argv: list[str]) -> tuple[int, str, str]:
 @pytest.fixture
 def nothing_loads(monkeypatch) -> list[str]:
     """Record (and refuse) retrieval and model loads: the checks must come first."""
-    from tokrag_integrations import cli
+    from tokrag_integrations.cli import ask
 
     calls: list[str] = []
 
@@ -354,7 +354,7 @@ def nothing_loads(monkeypatch) -> list[str]:
         raise AssertionError("retrieval ran before the arguments were checked")
 
     monkeypatch.setattr(tokrag_integrations, "load_model", load_model, raising=False)
-    monkeypatch.setattr(cli, "_retrieve", retrieve)
+    monkeypatch.setattr(ask, "_retrieve", retrieve)
     return calls
 
 

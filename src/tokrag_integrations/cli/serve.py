@@ -18,7 +18,7 @@ __all__ = ["add_parser", "cmd_serve", "config_from_args"]
 
 
 def _positive_int(text: str) -> int:
-    from . import _positive_int as check
+    from ._common import _positive_int as check
 
     return check(text)
 
@@ -36,7 +36,7 @@ def _non_negative_float(text: str) -> float:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``tokrag serve``."""
     from ..policies import available_policies
-    from . import parse_option
+    from ._common import parse_option
     from .pg import add_store_arguments
 
     p = subparsers.add_parser(

@@ -1,0 +1,181 @@
+"""What the ``tokrag`` subcommands share: option parsing, the two consoles (with control
+characters made visible), output-path checks, stop strings and the status line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..defaults import ANSWER_STOP
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from rich.console import Console
+
+#: Exit status for user errors (bad arguments, missing files), as argparse uses.
+EXIT_USAGE = 2
+
+#: Value of ``--docs`` that means the packaged sample documents.
+SAMPLE_DOCS = "sample"
+
+#: Styles for streamed tokens by source (unknown labels: amber), matching :mod:`.render`.
+_STREAM_STYLES = {"agree": "", "rag": "green", "llm": "blue"}
+
+AddParser = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """Parse one ``--option key=value``; the value is read as JSON when it parses
+    (``3``, ``0.5``, ``true``, ``null``, ``[1, 2]``; Python's ``True``/``False``/``None`` too)
+    and kept as a string otherwise."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    words = {"true": True, "false": False, "none": None, "null": None}
+    try:
+        value: Any = json.loads(raw)
+    except json.JSONDecodeError:
+        value = words.get(raw.strip().lower(), raw)
+    return key.replace("-", "_"), value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _consoles() -> tuple[Console, Console]:
+    """(stdout console for the answer and the trace, stderr console for everything else).
+
+    Both show control characters of the text they print (ESC, BEL, backspace... from a
+    document, a file name or the model's answer) as visible symbols (``␛``), so that no
+    escape sequence from a document reaches the terminal; newlines and tabs are kept.
+    """
+    from rich.console import Console
+
+    consoles = Console(), Console(stderr=True)
+    for console in consoles:
+        console.push_render_hook(_VisibleControls())
+    return consoles
+
+
+def _visible_controls(text: str) -> str:
+    """``text`` with C0 controls (but newline and tab), DEL and C1 controls replaced by the
+    Unicode "control pictures" (``\x1b`` -> ``␛``; C1 -> U+FFFD)."""
+    return text.translate(_CONTROL_PICTURES)
+
+
+_CONTROL_PICTURES = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"}
+_CONTROL_PICTURES[0x7F] = 0x2421
+_CONTROL_PICTURES.update({c: 0xFFFD for c in range(0x80, 0xA0)})
+
+
+class _VisibleControls:
+    """A rich render hook: every text segment printed through the console goes through
+    :func:`_visible_controls`; rich's own control segments (cursor moves of a status line)
+    and the styles it adds are untouched."""
+
+    def process_renderables(self, renderables: list[Any]) -> list[Any]:
+        return [_SanitizedRenderable(r) for r in renderables]
+
+
+class _SanitizedRenderable:
+    def __init__(self, renderable: Any):
+        self.renderable = renderable
+
+    def __rich_console__(self, console: Console, options: Any) -> Any:
+        from rich.segment import Segment
+
+        for segment in console.render(self.renderable, options):
+            if segment.control:
+                yield segment
+            else:
+                yield Segment(_visible_controls(segment.text), segment.style, segment.control)
+
+
+def _check_output_path(path: str | None, flag: str) -> None:
+    """Fail before the model loads when an output file could not be written."""
+    if path is None:
+        return
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"{flag} {path}: folder {parent} does not exist.")
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give a file name.")
+
+
+def _resolve_docs(paths: Sequence[str]) -> list[Path]:
+    from ..retrieval import get_sample_docs_path
+
+    return [get_sample_docs_path() if p == SAMPLE_DOCS else Path(p).expanduser() for p in paths]
+
+
+def _short_source(source: str, roots: Sequence[Path]) -> str:
+    """``source`` relative to the parent of the ``--docs`` root it came from
+    (``sample_docs/products.md``), for compact listings."""
+    path = Path(source).resolve()
+    for root in roots:
+        root = root.resolve()
+        base = root.parent
+        if path == root or root in path.parents:
+            return str(path.relative_to(base))
+    return source
+
+
+def _stop_strings(args: argparse.Namespace) -> list[str]:
+    """The answer's stop strings: ``--stop`` texts (``\\n`` and ``\\t`` read as a newline
+    and a tab), none with ``--no-stop``, else :data:`~tokrag_integrations.defaults.ANSWER_STOP`."""
+    if getattr(args, "no_stop", False):
+        return []
+    given = getattr(args, "stop", None)
+    if not given:
+        return list(ANSWER_STOP)
+    stops = [t.replace("\\n", "\n").replace("\\t", "\t") for t in given]
+    if not all(stops):
+        raise ValueError("--stop needs a non-empty text; use --no-stop to decode without stops.")
+    return stops
+
+
+class _Status:
+    """``with _Status(err, "Loading model…"):`` a spinner on a terminal; on a file or a pipe
+    (``2> log``, CI), where rich shows no spinner, the message as a plain line and, at the
+    end, how long it took, so a redirected wait is never silent."""
+
+    def __init__(self, err: Console, message: str):
+        self.err = err
+        self.message = message
+        self._status: Any = None
+
+    def __enter__(self) -> _Status:
+        import time
+
+        self._start = time.perf_counter()
+        if self.err.is_terminal:
+            self._status = self.err.status(self.message)
+            self._status.__enter__()
+        else:
+            self.err.print(self.message, style="dim", soft_wrap=True, highlight=False)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import time
+
+        if self._status is not None:
+            self._status.__exit__(*exc)
+        elif exc[0] is None:
+            took = time.perf_counter() - self._start
+            self.err.print(f"  done in {took:.1f} s", style="dim", highlight=False)
+
+
+def _print_warning(err: Console, message: str) -> None:
+    from rich.text import Text
+
+    err.print(Text.assemble(("warning: ", "bold yellow"), message), soft_wrap=True)

@@ -1,0 +1,415 @@
+"""``tokrag ask``: retrieve, stream the answer with its provenance, explain and export."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..defaults import MAX_NEW_TOKENS, TOP_K
+from ._common import (
+    _STREAM_STYLES,
+    SAMPLE_DOCS,
+    _check_output_path,
+    _consoles,
+    _positive_int,
+    _print_warning,
+    _resolve_docs,
+    _short_source,
+    _Status,
+    _stop_strings,
+    parse_option,
+)
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from rich.console import Console
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``tokrag ask``."""
+    p = subparsers.add_parser(
+        "ask",
+        help="answer a question with token-level provenance",
+        description=(
+            "Answer QUESTION with a local model, choosing each token from the retrieval-"
+            "augmented or the model's own context (Tok-RAG). Passages come from --passage "
+            "and/or from retrieval over --docs."
+        ),
+    )
+    p.add_argument("question", help="the question to answer")
+    p.add_argument(
+        "--passage",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a passage to give the model (repeatable; placed before retrieved ones)",
+    )
+    _add_source_arguments(p)
+    _add_decoding_arguments(p)
+    _add_output_arguments(p)
+    p.set_defaults(func=cmd_ask)
+
+
+def _add_source_arguments(p: argparse.ArgumentParser) -> None:
+    """Where passages come from: --docs, the retriever, the Postgres store, the gate."""
+    from ..retrieval import supported_types
+
+    p.add_argument(
+        "--docs",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help=(
+            f"a file or folder of documents to retrieve from (repeatable): {supported_types()}; "
+            f"other files are skipped with a warning; '{SAMPLE_DOCS}' means the packaged sample "
+            "documents"
+        ),
+    )
+    p.add_argument(
+        "--follow-links",
+        action="store_true",
+        help="--docs: also read files through symbolic links that leave the given folders "
+        "(a warning names each one; default: skip them with a warning)",
+    )
+    p.add_argument(
+        "--retriever",
+        choices=("dense", "bm25"),
+        default="dense",
+        help="dense (MiniLM cosine, default) or bm25 keyword retrieval",
+    )
+    p.add_argument(
+        "--top-k",
+        type=_positive_int,
+        default=TOP_K,
+        help=f"chunks to retrieve (default {TOP_K})",
+    )
+    p.add_argument(
+        "--store",
+        choices=("postgres",),
+        default=None,
+        help="retrieve from a Postgres + pgvector table filled by `tokrag ingest`",
+    )
+    from .pg import add_filter_argument, add_store_arguments
+
+    add_store_arguments(p)
+    add_filter_argument(p)
+    p.add_argument(
+        "--gate",
+        choices=("confidence", "gece", "ctrla"),
+        default=None,
+        help="decide per question whether to retrieve at all (retrieval gating)",
+    )
+    p.add_argument(
+        "--gate-calibration",
+        metavar="FILE",
+        default=None,
+        help="saved gate calibration (JSON); created from the sample questions if missing",
+    )
+
+
+def _add_decoding_arguments(p: argparse.ArgumentParser) -> None:
+    """The policy and its options, the model, the answer's length and stops."""
+    from ..policies import available_policies
+
+    p.add_argument(
+        "--policy",
+        default="tokrag",
+        help=f"decoding policy: one of {', '.join(available_policies())} (default tokrag)",
+    )
+    p.add_argument(
+        "--model",
+        default="default",
+        help="'default' (packaged SmolLM2-135M-Instruct), 'gemma3-270m' (the gemma extra), "
+        "a Hugging Face hub id in the local cache (e.g. Qwen/Qwen2.5-7B-Instruct), "
+        "a model folder or a .gguf file",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=MAX_NEW_TOKENS,
+        help=f"answer length limit in tokens (default {MAX_NEW_TOKENS})",
+    )
+    stops = p.add_mutually_exclusive_group()
+    stops.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="end the answer where TEXT appears (repeatable; replaces the default stops: a "
+        "blank line or a line starting with '#'; escapes such as \\n are read)",
+    )
+    stops.add_argument(
+        "--no-stop",
+        action="store_true",
+        help="no stop strings: the answer ends at the model's end of turn or at --max-new-tokens",
+    )
+    p.add_argument(
+        "--device", default=None, help="torch device, e.g. cpu or cuda (default: CUDA if available)"
+    )
+    p.add_argument("--dtype", default=None, help="e.g. float32 or bfloat16 (default: by device)")
+    p.add_argument(
+        "--device-map",
+        default=None,
+        help="place the model with transformers' device_map, e.g. auto (a large model over "
+        "the GPUs and the CPU; not with --device)",
+    )
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        type=parse_option,
+        metavar="KEY=VALUE",
+        help="a policy option, e.g. --option pr_norm=softmax (repeatable; values parsed as JSON)",
+    )
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """What is shown or written after the answer."""
+    p.add_argument(
+        "--explain", action="store_true", help="show the token-level trace after the answer"
+    )
+    p.add_argument(
+        "--sources",
+        action="store_true",
+        help="after the answer, print every passage given to the model in full: its source, "
+        "score and text (wrapped, not cut)",
+    )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show the model's weight-loading progress bars (quiet by default)",
+    )
+    p.add_argument("--html", metavar="FILE", help="write the trace as a standalone HTML page")
+    p.add_argument("--json", metavar="FILE", help="write the trace as JSON")
+
+
+def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
+    """Passages for ``args``: the ``--passage`` texts, then the chunks retrieved from
+    ``--docs`` (printed, dim, to stderr)."""
+    from rich.text import Text
+
+    from .. import Passage
+    from ..retrieval import printable
+
+    passages: list[Any] = [
+        Passage(text=t, metadata={"source": "--passage"}) for t in args.passage if t.strip()
+    ]
+    if args.store == "postgres":
+        from .pg import retrieve_from_postgres
+
+        chunks = retrieve_from_postgres(
+            args.question,
+            args.dsn,
+            args.table,
+            args.filter,
+            args.top_k,
+            embed_model=args.embed_model,
+            data_dir=args.data_dir,
+            search=args.search,
+        )
+        if not chunks:
+            _print_warning(err, "the store returned no chunk for this question; answering without them.")
+        for c in chunks:
+            line = Text(f"  {c.score:7.4f}  {printable(c.source)} #{c.chunk}  ", style="dim")
+            line.append(" ".join(c.text.split()), style="dim italic")
+            err.print(line, no_wrap=True, overflow="ellipsis")
+            passages.append(c.to_passage())
+    if not args.docs:
+        return passages
+
+    from ..retrieval import build_retriever
+
+    roots = _resolve_docs(args.docs)
+    retriever = build_retriever(
+        roots,
+        kind=args.retriever,
+        device="cpu",
+        progress=True,
+        follow_links=args.follow_links,
+        cache=True,  # a folder asked about again embeds only the chunks that changed
+    )
+    hits = retriever.retrieve(args.question, top_k=args.top_k)
+    if not hits:
+        _print_warning(err, "no document chunk matched the question; answering without them.")
+    for hit in hits:
+        source = printable(_short_source(hit.source, roots))
+        line = Text(f"  {hit.score:7.4f}  {source} #{hit.chunk.index}  ", style="dim")
+        line.append(" ".join(hit.text.split()), style="dim italic")
+        err.print(line, no_wrap=True, overflow="ellipsis")
+        passages.append(
+            Passage(
+                text=hit.text,
+                score=hit.score,
+                metadata={"source": hit.source, "chunk": hit.chunk.index, **hit.chunk.metadata},
+            )
+        )
+    return passages
+
+
+def _print_sources(out: Console, trace: Any, roots: Sequence[Path]) -> None:
+    """Each passage of ``trace`` in full: rank, source (relative to its ``--docs`` root),
+    chunk, score, whether it was used, then its text wrapped to the console's width."""
+    from rich.text import Text
+
+    from ..retrieval import printable
+
+    out.print(Text("Sources", style="bold"))
+    if not trace.passages:
+        out.print(Text("  (no passage was given to the model)", style="dim"))
+    for rec in trace.passages:
+        meta = rec.metadata
+        source = str(meta.get("source", "?"))
+        if roots and source != "--passage":
+            source = _short_source(source, roots)
+        head = f"[{rec.rank}] {printable(source)}"
+        if "chunk" in meta:
+            head += f" #{meta['chunk']}"
+        if rec.score is not None:
+            head += f"  score {rec.score:.4f}"
+        if not rec.kept:
+            head += "  (not used: it did not fit the window)"
+        elif rec.cut:
+            head += f"  (cut to {rec.n_tokens} tokens to fit)"
+        out.print(Text(head, style="bold dim"))
+        # Paragraphs re-flowed to the console's width (the source's own line breaks would
+        # wrap a second time); nothing is cut.
+        paragraphs = [" ".join(p.split()) for p in rec.text.strip().split("\n\n")]
+        out.print(Text("\n\n".join(p for p in paragraphs if p)), soft_wrap=False)
+
+
+def _placement(args: argparse.Namespace) -> dict[str, Any]:
+    """``device_map=`` for load_model when ``--device-map`` was given."""
+    device_map = getattr(args, "device_map", None)
+    return {} if device_map is None else {"device_map": device_map}
+
+
+def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> bool:
+    """Fail on a bad policy, option, device or dtype before retrieval and the model load:
+    the policy is built once here with the given options and thrown away. Returns whether
+    the policy reads passages at all."""
+    from ..models import check_device_and_dtype
+    from ..policies import available_policies, get_policy
+
+    if args.policy not in available_policies():  # before get_policy, which imports torch (~2 s)
+        raise ValueError(
+            f"Unknown policy {args.policy!r}. Available policies: {', '.join(available_policies())}."
+        )
+    uses_passages = bool(get_policy(args.policy, **options).uses_passages)
+    check_device_and_dtype(args.device, args.dtype)
+    if args.device is not None and getattr(args, "device_map", None) is not None:
+        raise ValueError("pass --device or --device-map, not both")
+    if getattr(args, "search", "vector") != "vector" and args.store != "postgres":
+        raise ValueError(
+            "--search applies to --store postgres; for --docs choose --retriever dense or bm25"
+        )
+    return uses_passages
+
+
+def _model_and_passages(
+    args: argparse.Namespace, err: Console, uses_passages: bool
+) -> tuple[Any, list[Any]]:
+    """Load the model and retrieve, in the order the gate needs: with ``--gate`` the model
+    loads first (the gate reads it) and retrieval runs only when the gate says so."""
+    from rich.text import Text
+
+    from .. import load_model
+
+    question = args.question
+    decision = None
+    if not uses_passages and (args.docs or args.store or args.passage):
+        # The pure model reads no passage: retrieving (and embedding a folder) would be wasted.
+        err.print(Text(f"policy {args.policy} reads no passages: nothing is retrieved", style="dim"))
+    if args.gate and uses_passages:
+        with _Status(err, f"Loading model {args.model}…"):
+            lm = load_model(args.model, device=args.device, dtype=args.dtype, **_placement(args))
+        from .gate import build_gate
+
+        with _Status(err, f"Gate {args.gate}: deciding whether to retrieve…"):
+            gate = build_gate(lm, args.gate, calibration=args.gate_calibration)
+            decision = gate.decide(question)
+        err.print(
+            Text(
+                f"gate {args.gate}: {'retrieve' if decision.retrieve else 'answer directly'} "
+                f"(score {decision.score:.4f}, threshold {decision.threshold})",
+                style="bold",
+            )
+        )
+    if uses_passages and (decision is None or decision.retrieve):
+        passages = _retrieve(args, err)
+    else:
+        passages = []
+    if not (args.gate and uses_passages):
+        with _Status(err, f"Loading model {args.model}…"):
+            lm = load_model(args.model, device=args.device, dtype=args.dtype, **_placement(args))
+    return lm, passages
+
+
+def _after_answer(args: argparse.Namespace, out: Console, err: Console, result: Any) -> None:
+    """The notes, sources, trace and exports that follow the streamed answer."""
+    from rich.text import Text
+
+    if result.trace.stop_reason == "length":
+        err.print(
+            Text(f"(answer cut at {args.max_new_tokens} tokens; raise --max-new-tokens)", style="dim")
+        )
+    for message in result.trace.warnings:
+        _print_warning(err, message)
+    if args.sources:
+        _print_sources(out, result.trace, _resolve_docs(args.docs) if args.docs else [])
+    if args.explain:
+        result.trace.render(out)
+    if args.html:
+        result.trace.to_html(args.html)
+        err.print(Text(f"HTML trace written to {args.html}", style="dim"))
+    if args.json:
+        result.trace.to_json(args.json)
+        err.print(Text(f"JSON trace written to {args.json}", style="dim"))
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    """Run ``tokrag ask``: retrieve, stream the answer, then explain and export on request.
+
+    ``--policy`` and its ``--option KEY=VALUE`` pairs are the command line's spelling of
+    ``policy="tokrag", policy_options={...}``; the registry checks them before anything loads.
+    """
+    from rich.text import Text
+
+    out, err = _consoles()
+    question = args.question.strip()
+    if not question:
+        raise ValueError("The question is empty; pass the question to answer as an argument.")
+    args.question = question
+    _check_output_path(args.html, "--html")
+    _check_output_path(args.json, "--json")
+    policy_options = dict(args.option)
+    stop = _stop_strings(args)
+    uses_passages = _check_before_loading(args, policy_options)
+
+    from transformers.utils import logging as hf_logging
+
+    from .. import stream
+
+    if args.verbose:
+        from ..models import show_loading_progress
+
+        show_loading_progress()  # load_model shows its progress bars
+    else:
+        hf_logging.disable_progress_bar()  # the status line below says what is happening
+    lm, passages = _model_and_passages(args, err, uses_passages)
+    tokens = stream(
+        lm,
+        question,
+        passages,
+        policy=args.policy,
+        max_new_tokens=args.max_new_tokens,
+        stop=stop,
+        **policy_options,
+    )
+    for event in tokens:
+        style = _STREAM_STYLES.get(event.source, "dark_orange")
+        out.print(Text(event.text, style=style or ""), end="", soft_wrap=True)
+    out.print()
+    _after_answer(args, out, err, tokens.result)
+    return 0
