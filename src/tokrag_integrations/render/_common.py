@@ -1,0 +1,125 @@
+"""Labels, value formatting and step helpers shared by the HTML page and the terminal view."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ..labels import AGREE, FROM_LLM, FROM_RAG
+from ._view import PassageView, StepView
+
+#: Human-readable meaning of the two-context source labels.
+_SOURCE_LABELS: dict[str, str] = {
+    AGREE: "both contexts agree",
+    FROM_RAG: "from retrieval",
+    FROM_LLM: "from the model",
+}
+#: Display names of the context roles found in ``StepView.candidates``.
+_ROLE_LABELS: dict[str, str] = {"rag": "RAG context", "pure": "LLM context", "llm": "LLM context"}
+#: Signals shown first (in this order) wherever signals are listed; others follow sorted.
+_SIGNAL_ORDER = ("l_star", "cos_ir", "cos_llm", "fusion_attn_layer", "fusion_jsd_layer")
+#: Terminal styles per source; unknown labels get ``_RICH_OTHER``.
+_RICH_STYLES: dict[str, str] = {AGREE: "", FROM_RAG: "bold green", FROM_LLM: "bold blue"}
+_RICH_OTHER = "bold dark_orange"
+
+
+# ============================================================================ helpers
+def source_label(source: str) -> str:
+    """What a source label means, for legends and tooltips (unknown labels as they are)."""
+    return _SOURCE_LABELS.get(source, source)
+
+
+def _source_class(source: str) -> str:
+    """CSS class for a source: one per known label, one shared neutral-amber class otherwise."""
+    return f"src-{source}" if source in _SOURCE_LABELS else "src-other"
+
+
+def format_value(value: Any) -> str:
+    """A signal or score as short text: floats with 4 digits, sequences element-wise."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        # Tiny thresholds (e.g. jsd_threshold 5e-7) would print as 0.0000.
+        return f"{value:.2e}" if value != 0 and abs(value) < 1e-3 else f"{value:.4f}"
+    if isinstance(value, int):
+        return str(value)
+    if hasattr(value, "tolist"):  # torch / numpy scalars and arrays
+        return format_value(value.tolist())
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
+    return str(value)
+
+
+#: Timing entries that are on/off flags (stored as 0.0 / 1.0 floats).
+_TIMING_FLAGS = frozenset({"fused", "packed"})
+
+
+def format_timing(key: str, value: Any) -> str:
+    """One ``TraceView.timings`` entry as text: seconds (``*_s``) with 4 digits, flags as
+    ``on``/``off``, counts (whole numbers) as integers."""
+    if isinstance(value, bool) or (key in _TIMING_FLAGS and value in (0, 1)):
+        return "on" if value else "off"
+    if key.endswith("_s") or not isinstance(value, (int, float)):
+        return format_value(value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return format_value(value)
+
+
+def _visible(text: str) -> str:
+    """Token text with whitespace made visible, for tables (one line, no escaping)."""
+    if text == "":
+        return "∅"
+    out = text.replace("\r", "␍").replace("\n", "↵").replace("\t", "⇥").replace(" ", "␣")
+    return "".join(c if c >= " " or c in "↵⇥" else f"\\x{ord(c):02x}" for c in out)
+
+
+def _ordered_signals(signals: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    known = [(k, signals[k]) for k in _SIGNAL_ORDER if k in signals]
+    rest = sorted((k, v) for k, v in signals.items() if k not in _SIGNAL_ORDER)
+    return known + rest
+
+
+def _signal_keys(steps: Iterable[StepView]) -> list[str]:
+    keys: set[str] = set()
+    for s in steps:
+        keys.update(s.signals)
+    return [k for k in _SIGNAL_ORDER if k in keys] + sorted(keys - set(_SIGNAL_ORDER))
+
+
+def _roles(steps: Iterable[StepView]) -> list[str]:
+    """CandidateView roles in a stable order: rag, pure/llm, then the rest as first seen."""
+    seen: list[str] = []
+    for s in steps:
+        for role in s.candidates:
+            if role not in seen:
+                seen.append(role)
+    first = [r for r in ("rag", "pure", "llm") if r in seen]
+    return first + [r for r in seen if r not in first]
+
+
+def _passage_status(p: PassageView) -> str:
+    if not p.kept:
+        return "dropped"
+    return "cut" if p.cut else "kept"
+
+
+def _passage_source(p: PassageView) -> str:
+    md = p.metadata or {}
+    for key in ("source", "file_name", "file_path", "url", "id"):
+        if md.get(key) not in (None, ""):
+            return str(md[key])
+    return ""
+
+
+def _stop_text(stop_reason: str | None) -> str:
+    """The stop reason, saying so when the answer was cut at the token limit."""
+    if stop_reason == "length":
+        return "length (cut at max_new_tokens)"
+    return stop_reason or "—"
+

@@ -1,0 +1,165 @@
+"""The terminal view of a trace (rich): the answer coloured by source, a legend, a summary
+line, the disagreement steps as a table, the warnings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..labels import AGREE, FROM_LLM, FROM_RAG
+from ._common import (
+    _RICH_OTHER,
+    _RICH_STYLES,
+    _SOURCE_LABELS,
+    _roles,
+    _stop_text,
+    _visible,
+    format_value,
+    source_label,
+)
+from ._view import CandidateView, StepView, TraceView
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from rich.console import Console
+    from rich.table import Table
+
+def _rich_style(source: str) -> str:
+    return _RICH_STYLES.get(source, _RICH_OTHER)
+
+
+def _margin(signals: Mapping[str, Any]) -> float | None:
+    """Eq. 19's margin of a step: the rule's own ``margin`` signal, else cos_ir − cos_llm;
+    None where the step was decided without comparing (a function word, agreement)."""
+    if isinstance(signals.get("margin"), (int, float)):
+        return float(signals["margin"])
+    ir, llm = signals.get("cos_ir"), signals.get("cos_llm")
+    if isinstance(ir, (int, float)) and isinstance(llm, (int, float)):
+        return float(ir) - float(llm)
+    return None
+
+
+def _margin_threshold(trace: TraceView, steps: Sequence[StepView]) -> float | None:
+    """The threshold Eq. 19's margin is compared with, when the trace's policy has one and
+    compares cosines (``scorer="cosine"``) at some of ``steps``; else None."""
+    options = trace.options or {}
+    threshold = options.get("threshold")
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool):
+        return None
+    if options.get("scorer", "cosine") != "cosine":
+        return None
+    return float(threshold) if any(_margin(s.signals) is not None for s in steps) else None
+
+
+def _disagreement_table(trace: TraceView, steps: Sequence[StepView]) -> Table:
+    """The disagreement steps as a rich table: the candidates of each context, the chosen
+    token, l*, cos_ir, cos_llm and, under a margin threshold, the margin."""
+    from rich.table import Table
+    from rich.text import Text
+
+    roles = _roles(steps)
+    other_roles = [r for r in roles if r not in ("rag", "pure", "llm")]
+    threshold = _margin_threshold(trace, steps)
+    title = f"Disagreement steps ({len(steps)})"
+    if threshold is not None:
+        # Without it a RAG token with cos_ir < cos_llm (allowed by a negative threshold)
+        # reads as a contradiction of the rule.
+        title += f" · RAG wins where cos_ir − cos_llm ≥ threshold {format_value(threshold)}"
+    table = Table(title=title, title_justify="left")
+    table.add_column("step", justify="right")
+    table.add_column("rag candidate")
+    table.add_column("llm candidate")
+    if other_roles:
+        table.add_column("other candidates")
+    table.add_column("chosen")
+    for header in ("l*", "cos_ir", "cos_llm"):
+        table.add_column(header, justify="right")
+    if threshold is not None:
+        table.add_column("margin", justify="right")
+    # A gate keeps RAG's token without (or against) the margin: say which one did.
+    gated = any(s.signals.get("note") for s in steps)
+    if gated:
+        table.add_column("kept by")
+
+    def cand_text(cand: CandidateView | None) -> str:
+        return "—" if cand is None else f"{_visible(cand.text)} ({format_value(cand.prob)})"
+
+    for s in steps:
+        llm_cand = s.candidates.get("pure") or s.candidates.get("llm")
+        row: list[str | Text] = [
+            str(s.index),
+            Text(cand_text(s.candidates.get("rag"))),
+            Text(cand_text(llm_cand)),
+        ]
+        if other_roles:
+            row.append(
+                Text("; ".join(f"{r}: {cand_text(s.candidates.get(r))}" for r in other_roles))
+            )
+        row.append(Text(f"{_visible(s.text)} ({s.source})", style=_rich_style(s.source)))
+        row += [format_value(s.signals.get(k)) for k in ("l_star", "cos_ir", "cos_llm")]
+        if threshold is not None:
+            row.append(format_value(_margin(s.signals)))
+        if gated:
+            note = s.signals.get("note") or ""
+            row.append(note.removeprefix("gated: ") if note.startswith("gated: ") else note)
+        table.add_row(*row)
+    return table
+
+
+def render_trace(trace: TraceView, console: Console | None = None) -> None:
+    """Print ``trace`` to the terminal with rich.
+
+    Shows the question, the answer with tokens coloured by source, a legend, a one-line
+    summary, a table of the disagreement steps (step, RAG and LLM candidates, chosen token,
+    l*, cos_ir, cos_llm and, for a policy with a margin threshold, the margin, with the
+    threshold in the table's title) and the warnings.
+
+    Args:
+        trace: The trace to show.
+        console: Where to print; a new :class:`rich.console.Console` by default.
+    """
+    from rich.console import Console
+    from rich.text import Text
+
+    console = console or Console()
+
+    console.rule("[bold]Tok-RAG trace")
+    console.print(Text.assemble(("Question: ", "bold"), trace.query))
+
+    answer = Text()
+    answer.append("Answer: ", style="bold")
+    if trace.steps:
+        for step in trace.steps:
+            answer.append(step.text, style=_rich_style(step.source) or None)
+    else:
+        answer.append(trace.text)
+    console.print(answer)
+
+    legend = Text("Legend: ", style="dim")
+    labels = [AGREE, FROM_RAG, FROM_LLM]
+    labels += sorted({s.source for s in trace.steps} - set(labels))
+    for i, lab in enumerate(labels):
+        if i:
+            legend.append("  ")
+        legend.append(f"■ {lab}", style=_rich_style(lab) or "grey62")
+        meaning = source_label(lab) if lab in _SOURCE_LABELS else "other policy label"
+        legend.append(f" ({meaning})", style="dim")
+    console.print(legend)
+
+    counts = trace.counts()
+    count_text = ", ".join(f"{k} {v}" for k, v in counts.items()) or "no tokens"
+    summary = (
+        f"policy {trace.policy or '—'} · model {trace.model or '—'} · {count_text}"
+        f" · stop: {_stop_text(trace.stop_reason)}"
+    )
+    console.print(Text(summary, style="dim"))
+
+    steps = trace.disagreement_steps
+    if steps:
+        console.print(_disagreement_table(trace, steps))
+    else:
+        console.print(
+            Text("No disagreement steps: the contexts agreed on every token.", style="dim")
+        )
+
+    for w in trace.warnings:
+        console.print(Text.assemble(("warning: ", "bold yellow"), w))
