@@ -113,7 +113,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         device=args.device,
         dtype=args.dtype,
         policy=args.policy,
-        options=dict(args.option),
+        policy_options=dict(args.option),
         stop=None if args.no_stop else ANSWER_STOP,
         max_new_tokens=args.max_new_tokens,
         limits=Limits(max_tokens=args.max_tokens_limit, max_documents=args.max_documents,

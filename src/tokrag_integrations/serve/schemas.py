@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["ChatRequest", "Limits", "RequestError", "parse_chat_request", "parse_documents"]
 
 #: Keys of the request's ``tokrag`` object.
-TOKRAG_KEYS = ("policy", "options", "filters", "top_k", "trace")
+TOKRAG_KEYS = ("policy", "policy_options", "options", "filters", "top_k", "trace")
 
 #: OpenAI fields the server takes; others are ignored with a warning.
 _KNOWN = {
@@ -79,6 +79,9 @@ class ChatRequest:
     model: str | None = None
     policy: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    """The policy options (``tokrag.policy_options``, or the deprecated ``tokrag.options``)."""
+    options_key: str = "tokrag.policy_options"
+    """Where the options came from, for error messages."""
     filters: Any = None
     top_k: int | None = None
     trace: bool = True
@@ -254,6 +257,29 @@ def _bool(body: Mapping[str, Any], key: str, param: str | None = None) -> bool:
     return value
 
 
+def _policy_options(value: Mapping[str, Any], req: ChatRequest) -> None:
+    """``tokrag.policy_options`` (or the deprecated ``tokrag.options``, which adds a warning
+    to the response) into ``req.options``; the policy registry checks them later."""
+    if "policy_options" in value and "options" in value:
+        raise RequestError("give 'tokrag.policy_options' or the deprecated 'tokrag.options', "
+                           "not both", "tokrag")
+    key = "policy_options" if "policy_options" in value else "options"
+    options = value.get(key)
+    if options is None:
+        return
+    where = f"tokrag.{key}"
+    if not isinstance(options, Mapping):
+        raise RequestError(f"'{where}' must be an object, got {_type_name(options)}", where)
+    reserved = sorted(set(options) & {"prompt_format", "rendered"})
+    if reserved:
+        raise RequestError(f"'{where}' cannot set {', '.join(reserved)}", where)
+    req.options = dict(options)
+    req.options_key = where
+    if key == "options":
+        req.warnings.append("'tokrag.options' is deprecated; send the policy options as "
+                            "'tokrag.policy_options'")
+
+
 def _tokrag(value: Any, req: ChatRequest, policies: Sequence[str]) -> None:
     if value is None:
         return
@@ -272,16 +298,7 @@ def _tokrag(value: Any, req: ChatRequest, policies: Sequence[str]) -> None:
             raise RequestError(f"unknown policy {policy!r}; available: {', '.join(policies)}",
                                "tokrag.policy")
         req.policy = policy
-    options = value.get("options")
-    if options is not None:
-        if not isinstance(options, Mapping):
-            raise RequestError(f"'tokrag.options' must be an object, got {_type_name(options)}",
-                               "tokrag.options")
-        reserved = sorted(set(options) & {"prompt_format", "rendered"})
-        if reserved:
-            raise RequestError(f"'tokrag.options' cannot set {', '.join(reserved)}",
-                               "tokrag.options")
-        req.options = dict(options)
+    _policy_options(value, req)
     filters = value.get("filters")
     if filters is not None and not isinstance(filters, Mapping):
         raise RequestError(f"'tokrag.filters' must be an object such as {{\"file_name\": "

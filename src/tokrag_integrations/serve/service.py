@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from ..defaults import ANSWER_STOP, TOP_K
@@ -33,8 +34,8 @@ class ServeConfig:
     dtype: str | None = None
     policy: str = "tokrag"
     """Policy of requests that name none (``tokrag.policy`` overrides it per request)."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """Policy options of requests that give none."""
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    """Policy options of requests that give none (checked by the policy registry)."""
     stop: tuple[str, ...] | None = ANSWER_STOP
     """Stop strings of requests that give none (None: none)."""
     max_new_tokens: int = 64
@@ -55,10 +56,39 @@ class ServeConfig:
     top_k: int = TOP_K
     embed_model: str | None = None
     data_dir: str | None = None
+    options: InitVar[dict[str, Any] | None] = None
+    """Deprecated spelling of ``policy_options`` (a DeprecationWarning names the new one)."""
+
+    def __post_init__(self, options: dict[str, Any] | None) -> None:
+        if options is None:
+            return
+        warnings.warn(
+            "ServeConfig(options=...) is deprecated; pass policy_options={...}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        both = sorted(set(options) & set(self.policy_options))
+        if both:
+            raise ValueError(f"ServeConfig: {', '.join(both)} given in both options and policy_options")
+        self.policy_options = {**self.policy_options, **options}
 
     def resolved_api_key(self) -> str | None:
         """``api_key``, else ``$TOKRAG_API_KEY``, else None (empty strings count as none)."""
         return self.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def _deprecated_options(self: ServeConfig) -> dict[str, Any]:
+    warnings.warn(
+        "ServeConfig.options is deprecated; read ServeConfig.policy_options",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return self.policy_options
+
+
+# ``ServeConfig(options=...)`` is an init-only argument (its default was taken when the
+# dataclass was made); reading ``config.options`` still gives the policy options, warned.
+ServeConfig.options = property(_deprecated_options)  # type: ignore[assignment,method-assign]
 
 
 class ChatService:
@@ -123,12 +153,12 @@ class ChatService:
 
         policy = req.policy or self.config.policy
         # The server's default options belong to its default policy; the request's win.
-        base = self.config.options if policy == self.config.policy else {}
+        base = self.config.policy_options if policy == self.config.policy else {}
         options = {**base, **req.options}
         try:
             get_policy(policy, **options)  # checked here, so a bad option is a 400 at once
         except (TypeError, ValueError) as exc:
-            raise RequestError(str(exc), "tokrag.options") from None
+            raise RequestError(str(exc), req.options_key) from None
         stop = req.stop if req.stop is not None else list(self.config.stop or ())
         kw: dict[str, Any] = {
             "policy": policy,

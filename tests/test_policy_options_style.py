@@ -1,0 +1,110 @@
+"""One policy-options style at the integration entry points (issue 34): ``policy="tokrag",
+policy_options={...}``; policy options as loose keyword arguments still work, with a
+DeprecationWarning naming the new spelling; the policy registry checks the options."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from tokrag_integrations.policy_args import merge_policy_options
+
+QUESTION = "Who founded Quillfeather Aerospace?"
+
+
+def _no_deprecation(call):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        return call()
+
+
+def test_merge_keeps_the_dict_and_warns_only_for_loose_keywords() -> None:
+    assert _no_deprecation(lambda: merge_policy_options("X", {"pr_norm": "softmax"}, {})) == {
+        "pr_norm": "softmax"
+    }
+    assert _no_deprecation(lambda: merge_policy_options("X", None, {})) == {}
+    with pytest.warns(DeprecationWarning, match=r"X: .*\(pr_norm\).*policy_options=\{'pr_norm': \.\.\.\}"):
+        out = merge_policy_options("X", {"threshold": 0.1}, {"pr_norm": "softmax"})
+    assert out == {"threshold": 0.1, "pr_norm": "softmax"}
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="pr_norm given both"):
+        merge_policy_options("X", {"pr_norm": "sum"}, {"pr_norm": "softmax"})
+    with pytest.raises(TypeError, match="policy_options must be a dict"):
+        merge_policy_options("X", ["pr_norm"], {})  # type: ignore[arg-type]
+
+
+def test_chain_factories_take_policy_options_and_warn_on_the_old_spelling() -> None:
+    from tokrag_integrations.langchain import ChatTokRAG
+    from tokrag_integrations.langchain.chains import _chat_model
+
+    def build(policy_options, **options):
+        return _chat_model(
+            ChatTokRAG(model="default"), "create_tokrag_chain", temperature=None, policy=None,
+            max_tokens=None, stop=None, max_context_tokens=None,
+            policy_options=policy_options, options=options,
+        )[1]
+
+    new = _no_deprecation(lambda: build({"pr_norm": "softmax"}))
+    assert new["policy_options"] == {"pr_norm": "softmax"}
+    with pytest.warns(DeprecationWarning, match="create_tokrag_chain: .*policy_options="):
+        old = build(None, pr_norm="softmax")
+    assert old == new
+    # The registry checks the options, whichever way they came.
+    with pytest.raises(TypeError, match="unknown option 'no_such_option'"):
+        build({"no_such_option": 1})
+    with pytest.raises(ValueError, match="pr_norm"):
+        build({"pr_norm": "nope"})
+
+
+def test_synthesizer_takes_policy_options_and_warns_on_the_old_spelling(lm) -> None:
+    from tokrag_integrations.llama_index import TokRAGSynthesizer
+
+    new = _no_deprecation(lambda: TokRAGSynthesizer(lm, policy_options={"pr_norm": "softmax"}))
+    with pytest.warns(DeprecationWarning, match="TokRAGSynthesizer: .*policy_options="):
+        old = TokRAGSynthesizer(lm, pr_norm="softmax")
+    assert new._gen_kwargs == old._gen_kwargs
+    assert new._gen_kwargs["pr_norm"] == "softmax"
+    with pytest.raises(TypeError, match="unknown option 'no_such_option'"):
+        TokRAGSynthesizer(lm, policy_options={"no_such_option": 1})
+
+
+def test_chat_model_call_options(lm) -> None:
+    from langchain_core.messages import HumanMessage
+
+    from tokrag_integrations.langchain import ChatTokRAG
+
+    chat = ChatTokRAG(model=lm, max_tokens=2)
+    msgs = [HumanMessage(QUESTION)]
+    passages = ["Quillfeather Aerospace was founded by Mirela Vance."]
+    new = _no_deprecation(
+        lambda: chat._prepare(msgs, None, {"passages": passages, "policy_options": {"pr_norm": "softmax"}})
+    )
+    with pytest.warns(DeprecationWarning, match="ChatTokRAG: .*policy_options="):
+        old = chat._prepare(msgs, None, {"passages": passages, "pr_norm": "softmax"})
+    assert new.kwargs == old.kwargs and new.kwargs["pr_norm"] == "softmax"
+
+
+def test_server_config_and_request_spellings() -> None:
+    from tokrag_integrations.serve.schemas import Limits, RequestError, parse_chat_request
+    from tokrag_integrations.serve.service import ServeConfig
+
+    assert _no_deprecation(lambda: ServeConfig(policy_options={"pr_norm": "softmax"})).policy_options == {
+        "pr_norm": "softmax"
+    }
+    with pytest.warns(DeprecationWarning, match=r"ServeConfig\(options=\.\.\.\) is deprecated"):
+        old = ServeConfig(options={"pr_norm": "softmax"})
+    assert old.policy_options == {"pr_norm": "softmax"}
+
+    def parse(tokrag):
+        body = {"model": "default", "messages": [{"role": "user", "content": QUESTION}],
+                "tokrag": tokrag}
+        return parse_chat_request(body, Limits(), ["rag", "tokrag"])
+
+    new = parse({"policy_options": {"pr_norm": "softmax"}})
+    assert new.options == {"pr_norm": "softmax"} and new.options_key == "tokrag.policy_options"
+    assert not any("deprecated" in w for w in new.warnings)
+    old_req = parse({"options": {"pr_norm": "softmax"}})
+    assert old_req.options == new.options and old_req.options_key == "tokrag.options"
+    assert any("'tokrag.policy_options'" in w for w in old_req.warnings)
+    with pytest.raises(RequestError, match="not both"):
+        parse({"options": {}, "policy_options": {}})
