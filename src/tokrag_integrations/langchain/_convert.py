@@ -15,7 +15,11 @@ from langchain_core.messages import (
     HumanMessage,
     SystemMessage,
 )
+from langchain_core.messages.ai import UsageMetadata
 
+from ..api import GenerationResult
+from ..models import LoadedModel
+from ..policies import get_policy
 from ..prompts import Passage, RenderedPrompt
 from ..trace import Trace
 
@@ -182,3 +186,44 @@ def rendered_prompt(
 def trace_dict(trace: Trace) -> dict[str, Any]:
     """The trace as plain JSON data (tensors and numpy scalars converted)."""
     return json.loads(trace.to_json(indent=None))
+
+
+# ---------------------------------------------------------------- response metadata
+def usage_metadata(result: GenerationResult) -> UsageMetadata:
+    """Input tokens: every context the policy prefilled (``tokrag`` and the other two-context
+    rules prefill both the pure and the RAG prompt, so both are counted; ``rag`` only the
+    RAG prompt, ``llm`` only the pure one; per context in ``response_metadata
+    ["prompt_tokens"]``); output tokens: one per decoding step."""
+    prompt = result.trace.prompt_tokens
+    try:
+        roles = set(get_policy(result.trace.policy).roles)
+    except (KeyError, ValueError, TypeError):
+        roles = {"rag"} if prompt.get("rag") else {"pure"}
+    if not prompt.get("rag"):  # no usable passage: answered from the pure context alone
+        roles = {"pure"}
+    n_in = sum(int(prompt.get(r) or 0) for r in roles & {"pure", "rag"})
+    n_out = len(result.trace.steps)
+    return UsageMetadata(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out)
+
+
+def final_metadata(result: GenerationResult, lm: LoadedModel) -> dict[str, Any]:
+    """Response metadata of a whole answer, except the per-token lists."""
+    trace = result.trace
+    return {
+        "model_name": lm.name,
+        "model_provider": "tokrag",
+        "finish_reason": FINISH_REASONS.get(result.stop_reason, result.stop_reason),
+        "stop_reason": result.stop_reason,
+        "policy": trace.policy,
+        "counts": trace.counts(),
+        "prompt_tokens": dict(trace.prompt_tokens),
+        "warnings": list(trace.warnings),
+        "trace": trace_dict(trace),
+    }
+
+
+def token_metadata(sources: list[str], token_ids: list[int]) -> dict[str, Any]:
+    # Lists, not scalars: LangChain adds streamed chunks by concatenating strings and summing
+    # ints, but lists concatenate cleanly, so an aggregated stream carries the same
+    # provenance as invoke().
+    return {"token_sources": sources, "token_ids": token_ids}

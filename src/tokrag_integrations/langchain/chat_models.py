@@ -14,7 +14,6 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
-from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, field_validator, model_validator
 
@@ -25,11 +24,12 @@ from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
 from ..policies import get_policy
 from ..policy_args import merge_policy_options
 from ._convert import (
-    FINISH_REASONS,
+    final_metadata,
     messages_to_prompt,
     rendered_prompt,
     to_passages,
-    trace_dict,
+    token_metadata,
+    usage_metadata,
 )
 
 #: Parameters of remote chat-model APIs that mean nothing for a local model. They are
@@ -123,46 +123,6 @@ def _caller_stacklevel() -> int:
             return level
         frame, level = frame.f_back, level + 1
     return 2
-
-
-def _usage(result: GenerationResult) -> UsageMetadata:
-    """Input tokens: every context the policy prefilled (``tokrag`` and the other two-context
-    rules prefill both the pure and the RAG prompt, so both are counted; ``rag`` only the
-    RAG prompt, ``llm`` only the pure one; per context in ``response_metadata
-    ["prompt_tokens"]``); output tokens: one per decoding step."""
-    prompt = result.trace.prompt_tokens
-    try:
-        roles = set(get_policy(result.trace.policy).roles)
-    except (KeyError, ValueError, TypeError):
-        roles = {"rag"} if prompt.get("rag") else {"pure"}
-    if not prompt.get("rag"):  # no usable passage: answered from the pure context alone
-        roles = {"pure"}
-    n_in = sum(int(prompt.get(r) or 0) for r in roles & {"pure", "rag"})
-    n_out = len(result.trace.steps)
-    return UsageMetadata(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out)
-
-
-def _final_metadata(result: GenerationResult, lm: LoadedModel) -> dict[str, Any]:
-    """Response metadata of a whole answer, except the per-token lists."""
-    trace = result.trace
-    return {
-        "model_name": lm.name,
-        "model_provider": "tokrag",
-        "finish_reason": FINISH_REASONS.get(result.stop_reason, result.stop_reason),
-        "stop_reason": result.stop_reason,
-        "policy": trace.policy,
-        "counts": trace.counts(),
-        "prompt_tokens": dict(trace.prompt_tokens),
-        "warnings": list(trace.warnings),
-        "trace": trace_dict(trace),
-    }
-
-
-def _token_metadata(sources: list[str], token_ids: list[int]) -> dict[str, Any]:
-    # Lists, not scalars: LangChain adds streamed chunks by concatenating strings and summing
-    # ints, but lists concatenate cleanly, so an aggregated stream carries the same
-    # provenance as invoke().
-    return {"token_sources": sources, "token_ids": token_ids}
 
 
 class ChatTokRAG(BaseChatModel):
@@ -424,11 +384,11 @@ class ChatTokRAG(BaseChatModel):
     def _result(result: GenerationResult, lm: LoadedModel) -> ChatResult:
         steps = result.trace.steps
         metadata = {
-            **_token_metadata([s.source for s in steps], [s.token_id for s in steps]),
-            **_final_metadata(result, lm),
+            **token_metadata([s.source for s in steps], [s.token_id for s in steps]),
+            **final_metadata(result, lm),
         }
         message = AIMessage(
-            content=result.text, response_metadata=metadata, usage_metadata=_usage(result)
+            content=result.text, response_metadata=metadata, usage_metadata=usage_metadata(result)
         )
         info = {"finish_reason": metadata["finish_reason"]}
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
@@ -439,16 +399,16 @@ class ChatTokRAG(BaseChatModel):
         # text held back while it could still have been the start of a stop string.
         if ev.token_id in eos_ids:
             return ChatGenerationChunk(message=AIMessageChunk(content=ev.text))
-        meta = _token_metadata([ev.source], [ev.token_id])
+        meta = token_metadata([ev.source], [ev.token_id])
         return ChatGenerationChunk(message=AIMessageChunk(content=ev.text, response_metadata=meta))
 
     @staticmethod
     def _last_chunk(result: GenerationResult, lm: LoadedModel) -> ChatGenerationChunk:
-        metadata = _final_metadata(result, lm)
+        metadata = final_metadata(result, lm)
         message = AIMessageChunk(
             content="",
             response_metadata=metadata,
-            usage_metadata=_usage(result),
+            usage_metadata=usage_metadata(result),
             chunk_position="last",
         )
         return ChatGenerationChunk(
