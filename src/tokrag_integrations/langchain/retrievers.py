@@ -1,4 +1,9 @@
-"""``tokrag ask --docs``'s retrieval as a LangChain retriever."""
+"""``tokrag ask --docs``'s retrieval as a LangChain retriever.
+
+LangChain's document loaders and text splitters with any vector store work with
+:class:`ChatTokRAG` too; this retriever exists because they cut and rank differently, and
+an app should get the same passages as the command line.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""``tokrag ask --docs``'s retrieval as a LlamaIndex retriever."""
+"""``tokrag ask --docs``'s retrieval as a LlamaIndex retriever.
+
+LlamaIndex's ``SimpleDirectoryReader`` and ``SentenceSplitter`` with any index work
+with :class:`TokRAGSynthesizer` too; this retriever exists because they cut and rank
+differently, and an app should get the same passages as the command line.
+"""
 
 from __future__ import annotations
 

@@ -139,43 +139,13 @@ def create_app(
                       "server_error")
 
     def ready() -> ChatService:
-        if state["error"] is not None:
-            raise RequestError(f"the model failed to load: {state['error']}", None, 503,
-                               "server_error")
-        svc = state["service"]
-        if svc is None:
-            raise RequestError("the model is still loading; retry shortly", None, 503,
-                               "server_error")
-        return svc
+        return _ready(state)
 
     def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
-            raise RequestError("missing or wrong API key: send 'Authorization: Bearer <key>'",
-                               None, 401, "authentication_error")
+        _authorize(request, api_key)
 
     async def read_json(request: Request) -> Any:
-        length = request.headers.get("content-length")
-        too_big = RequestError(
-            f"the request body is larger than this server's limit of {limits.max_body_bytes} "
-            "bytes", None, 413
-        )
-        if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
-            raise too_big
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limits.max_body_bytes:
-                raise too_big
-        try:
-            return json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise RequestError(f"the body is not valid JSON: {exc}") from None
+        return await _read_json(request, limits.max_body_bytes)
 
     @app.get("/health")
     async def health() -> Any:
@@ -223,26 +193,78 @@ def create_app(
             result = await _unless_disconnected(request, svc.complete(req, passages))
             if result is None:  # the client left; nobody reads a response
                 return JSONResponse({}, status_code=499)
-            return {
-                "id": rid,
-                "object": "chat.completion",
-                "created": created,
-                "model": svc.model_id,
-                "choices": [{
-                    "index": 0,
-                    "message": {"role": "assistant", "content": result.text},
-                    "finish_reason": FINISH_REASONS.get(result.stop_reason, "stop"),
-                    "logprobs": None,
-                }],
-                "usage": usage(result),
-                "tokrag": tokrag_object(result, req, notes),
-            }
+            return _completion(rid, created, svc.model_id, result, req, notes)
         finally:
             if not handed_over:
                 svc.active -= 1
 
     app.state.tokrag = state
     return app
+
+
+def _ready(state: dict[str, Any]) -> ChatService:
+    """The loaded service, or a 503 saying why there is none yet."""
+    if state["error"] is not None:
+        raise RequestError(f"the model failed to load: {state['error']}", None, 503,
+                           "server_error")
+    svc = state["service"]
+    if svc is None:
+        raise RequestError("the model is still loading; retry shortly", None, 503,
+                           "server_error")
+    return svc
+
+
+def _authorize(request: Any, api_key: str | None) -> None:
+    """A 401 unless the request carries ``Authorization: Bearer <api_key>`` (no key: open)."""
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode(), api_key.encode()
+    ):
+        raise RequestError("missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           None, 401, "authentication_error")
+
+
+async def _read_json(request: Any, max_body_bytes: int) -> Any:
+    """The body as JSON, read in chunks and refused (413) once over ``max_body_bytes``."""
+    length = request.headers.get("content-length")
+    too_big = RequestError(
+        f"the request body is larger than this server's limit of {max_body_bytes} "
+        "bytes", None, 413
+    )
+    if length is not None and length.isdigit() and int(length) > max_body_bytes:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_body_bytes:
+            raise too_big
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"the body is not valid JSON: {exc}") from None
+
+
+def _completion(
+    rid: str, created: int, model_id: str, result: Any, req: ChatRequest, notes: list[str]
+) -> dict[str, Any]:
+    """The ``chat.completion`` object of a finished answer."""
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model_id,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": result.text},
+            "finish_reason": FINISH_REASONS.get(result.stop_reason, "stop"),
+            "logprobs": None,
+        }],
+        "usage": usage(result),
+        "tokrag": tokrag_object(result, req, notes),
+    }
 
 
 class _ReplicaHeader:
