@@ -330,7 +330,9 @@ class ChatTokRAG(BaseChatModel):
         self._greedy_only(kwargs.pop("temperature", None))
         call = {k: kwargs.pop(k) for k in _CALL_KWARGS if k in kwargs}
         # Per call, policy options go in policy_options={...}; loose keywords still work (warned).
-        call_options = merge_policy_options("ChatTokRAG", call.get("policy_options"), kwargs)
+        call_options = merge_policy_options(
+            "ChatTokRAG", call.get("policy_options"), kwargs, stacklevel=_caller_stacklevel() + 1
+        )
         options = {**self.policy_options, **call_options}
         policy = call.get("policy", self.policy)
         get_policy(policy, **options)  # unknown policy or option: fail before loading anything
