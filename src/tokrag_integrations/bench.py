@@ -1,6 +1,6 @@
 """``tokrag bench``: Tok-RAG's cost next to standard RAG and the two-context floor.
 
-Spec §6 / paper Table 6: the unavoidable cost of step-by-step Tok-RAG is the second (pure)
+docs/algorithm.md, "Cost" / paper Table 6: the unavoidable cost of step-by-step Tok-RAG is the second (pure)
 context; the signals must add little on top of it. Issue 8 asks for Tok-RAG within 1.15x of
 standard RAG. This measures, side by side in one run and on the same questions: ``rag`` (one
 context), ``rag-stock`` (the same on transformers' stock CPU kernels), ``floor`` (both
@@ -537,7 +537,7 @@ def add_parser(subparsers: Any) -> None:
     """Register ``tokrag bench``."""
     p = subparsers.add_parser(
         "bench",
-        help="time rag vs the two-context floor vs tokrag, step by step and blockwise (spec §6, Table 6)",
+        help="time rag vs the two-context floor vs tokrag, step by step and blockwise (paper Table 6)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

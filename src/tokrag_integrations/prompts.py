@@ -1,4 +1,4 @@
-"""One prompt builder for the pure and the RAG context (spec §1).
+"""One prompt builder for the pure and the RAG context (docs/algorithm.md, "Two contexts").
 
 Both contexts come from the same template and end in the same assistant prefix; the RAG
 context inserts ``[Retrieved Passage]``-delimited passages before the question. Input ids are

@@ -151,10 +151,10 @@ def renormalised_attention(attn_probs: torch.Tensor, rt_positions: torch.Tensor)
     return per_head.mean(0)
 
 
-#: Where the l* search of Eq. 14 starts, as a fraction of the depth L. The spec's reading of
+#: Where the l* search of Eq. 14 starts, as a fraction of the depth L. The first reading of
 #: "the end of the shallow stage" is 10/32 (the authors' code searches above layer 10 of 32);
 #: on the dev sets the middle of the model measured better on both models (docs/results.md,
-#: "Choosing l*"), so the default is L/2. ``min_fusion_layer=0.3125`` gives the spec's start.
+#: "Choosing the defaults"), so the default is L/2. ``min_fusion_layer=0.3125`` gives the 10/32 start.
 DEFAULT_FUSION_FRACTION = 0.5
 SHALLOW_STAGE_FRACTION = 10 / 32
 
@@ -164,7 +164,7 @@ def default_min_fusion_layer(num_layers: int, fraction: float = DEFAULT_FUSION_F
 
     The paper places the fusion point at "the third turning point", the middle-layer maximum
     of f after the shallow lexical peak (Sec. 3.1, Exp 1), so the shallow layers are not
-    searched (spec §3).
+    searched (docs/algorithm.md, "Eq. 14").
     """
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
@@ -183,7 +183,7 @@ def rising_token(
 ) -> int:
     """x^{l'−l*}: the token whose log-probability rises most from layer l* to the final layer.
 
-    Read as DoLa reads a layer contrast (spec §3): log φ(h~^L) − log φ(h~^{l*}) over the
+    Read as DoLa reads a layer contrast (docs/algorithm.md, "Eq. 15"): log φ(h~^L) − log φ(h~^{l*}) over the
     tokens plausible under the final distribution (:func:`plausible_tokens`, ``alpha``).
     ``alpha=None`` is the unconstrained argmax over the whole vocabulary (the literal
     reading; for it log-probabilities and logits give the same argmax).
@@ -254,7 +254,7 @@ def benefit_wins(cos_ir: float, cos_llm: float, threshold: float = 0.0) -> bool:
     """Eq. 19: benefit wins iff cos(w_RAG, w_IR) − cos(w_RAG, w_LLM) >= threshold (the paper: 0).
 
     Theorem 2 only says the benefit-detriment gap is monotone in this score; a threshold
-    other than 0 is an explicit option fixed on dev data (spec §3).
+    other than 0 is an explicit option fixed on dev data (docs/algorithm.md, "Eq. 19").
     """
     if math.isnan(cos_ir) or math.isnan(cos_llm):
         raise ValueError("cosine similarities must not be NaN")
@@ -272,7 +272,7 @@ def restricted_jsd(p: torch.Tensor, q: torch.Tensor, support: torch.Tensor) -> f
 def distribution_scores(
     p_rag: torch.Tensor, p_llm: torch.Tensor, p_r_vocab: torch.Tensor, *, support_k: int = 10
 ) -> tuple[float, float]:
-    """Theorem 3 on the distributions themselves (Eq. 12, spec §3 variant).
+    """Theorem 3 on the distributions themselves (Eq. 12; docs/algorithm.md, "Eq. 19").
 
     Benefit − detriment grows with Sim(p_RAG, p_R) − Sim(p_RAG, p_LLM). Similarity is read
     as −JSD over the union of the three distributions' top-``support_k`` tokens (each

@@ -87,8 +87,8 @@ DEFAULT_CF_RATIOS = (0.0, 0.5, 1.0)
 NO_PASSAGES = "none"
 
 #: Tok-RAG scorers measured at token level when ``--scorers`` is not given: the defaults, each
-#: corrected reading of spec §3 undone alone, all of them undone (the literal reading), DoLa's
-#: own α = 0.1 for the rising token, the spec's search start (10/32 of the depth), a fixed
+#: corrected reading of docs/algorithm.md undone alone, all of them undone (the literal reading), DoLa's
+#: own α = 0.1 for the rising token, the search start 10/32 of the depth (docs/algorithm.md, "Eq. 14"), a fixed
 #: mid-depth l*, the Theorem-3 scorer and the authors' released rule. Labels are the specs
 #: that reproduce them.
 TOKRAG_CONFIGS: dict[str, dict[str, Any]] = {

@@ -32,7 +32,7 @@ class StandardRAG(Policy):
 
 class TwoContextFloor(Policy):
     """Both contexts decoded, no signals; emits the RAG token. The cost floor of Tok-RAG
-    (spec §6): what any two-context method pays before computing a single signal."""
+    (docs/algorithm.md, "Cost"): what any two-context method pays before computing a single signal."""
 
     name = "floor"
     roles = ("pure", "rag")

@@ -7,7 +7,7 @@ and attention (Eq. 13–16) and keeps ``b`` iff cos(w_RAG, w_IR) − cos(w_RAG, 
 threshold (Eq. 19: 0).
 
 Defaults, each chosen on the dev sets (docs/results.md, "Choosing the defaults"): l* searched
-from L/2 (spec §3's "middle-layer maximum"), the rising token on log-probabilities over
+from L/2 (the "middle-layer maximum" of docs/algorithm.md, "Eq. 14"), the rising token on log-probabilities over
 DoLa-plausible tokens with the final norm (α = 0.5: among RAG's leading candidates), the
 retrieved punctuation left out of p_R (the authors' code skips it too), RAG's function words
 kept without comparing (the authors' released decoder does so), RAG's verdict words (yes / no
@@ -50,7 +50,7 @@ DEFAULT_THRESHOLD = -0.1
 
 #: α of DoLa's plausibility constraint on x^{l'-l*}: the rising token is searched among the
 #: tokens with p_final >= α·max p_final. Fixed on the dev sets (docs/results.md, "The rising
-#: token among RAG's leading candidates"); DoLa's own value, the spec's reading of the paper, is 0.1.
+#: token among RAG's leading candidates"); DoLa's own value, the paper rule's (docs/algorithm.md, "Presets"), is 0.1.
 DEFAULT_PLAUSIBILITY_ALPHA = 0.5
 
 #: Which retrieved tokens Eq. 15-16 leave out of p_R: those with no letter or digit. Attention
@@ -75,10 +75,11 @@ class TokRAG(Policy):
     """Tok-RAG decoding.
 
     Args:
-        variant: ``"paper"`` (Eq. 13–19, spec §3) or ``"reference"`` (authors' code, §4).
+        variant: ``"paper"`` (Eq. 13–19, docs/algorithm.md) or ``"reference"`` (authors' code,
+            docs/algorithm.md, "The authors' released rule").
         min_fusion_layer: first layer searched by both terms of Eq. 14: an int is a layer
             (0 = the literal all-layer argmax), a float in (0, 1) a fraction of the depth L
-            (0.3125 = round(L·10/32), the spec's end of the shallow stage), None = L/2, the
+            (0.3125 = round(L·10/32), the authors' end of the shallow stage), None = L/2, the
             start that measured best on dev (:data:`..signals.DEFAULT_FUSION_FRACTION`).
         fixed_layer: paper variant: use this l* instead of Eq. 14 (None = Eq. 14); reference
             variant: the 1-based layer whose attention it reads (default: their 0-based
@@ -507,7 +508,8 @@ class TokRAG(Policy):
         return l_star, f_layer, g_layer, rag_logp
 
     def reference_signals(self, pure: ContextView, rag: ContextView) -> dict[str, Any]:
-        """The authors' released-code rule (spec §4, :mod:`.tokrag_reference`)."""
+        """The authors' released-code rule (docs/algorithm.md, "The authors' released rule",
+        :mod:`.tokrag_reference`)."""
         sig = REF.reference_signals(
             rag.attention(self._fixed - 1),
             rag.rt_positions,
