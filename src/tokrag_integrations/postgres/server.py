@@ -61,6 +61,7 @@ from .embedded import (  # noqa: F401 - re-exported: this was their module
     DATA_DIR_ENV,
     DSN_ENV,
     HANDLE_FILE,
+    _socket_folder,
     default_data_dir,
     prune_stale_handles,
     start_again_if_stopped,
