@@ -132,43 +132,49 @@ def format_report(res: dict[str, Any]) -> str:
             "",
             f"{name} = tokrag-step, tokens and decisions: {ident['identical']} / {ident['questions']} questions",
         ]
-    tp = res.get("throughput")
-    if tp:
-        sizes = sorted({int(n) for v in tp["arms"].values() for n in v})
-        lines += [
-            "",
-            f"tokens / s, queries decoded as one batch; arms interleaved, {tp['rounds']} round(s)",
-            "",
-            "| tokens / s | " + " | ".join(f"batch {n}" for n in sizes) + " |",
-            "| --- |" + " --- |" * len(sizes),
-        ]
-        for name, v in tp["arms"].items():
-            lines.append(
-                f"| {name} | "
-                + " | ".join(f"{v[str(n)]['tokens_per_s']:.1f}" if str(n) in v else "n/a" for n in sizes)
-                + " |"
-            )
-        for name, v in tp["arms"].items():
-            lines.append(
-                f"| {name}, decode loop only | "
-                + " | ".join(
-                    f"{v[str(n)].get('decode_tokens_per_s', nan):.1f}" if str(n) in v else "n/a"
-                    for n in sizes
-                )
-                + " |"
-            )
-        for name, v in tp["ratios"].items():
-            lines.append(
-                f"| {name}, per round: median [min, max] | "
-                + " | ".join(
-                    f"{v[str(n)]['median']:.3f} [{v[str(n)]['min']:.2f}, {v[str(n)]['max']:.2f}]"
-                    if str(n) in v
-                    else "n/a"
-                    for n in sizes
-                )
-                + " |"
-            )
+    if res.get("throughput"):
+        lines += _throughput_lines(res["throughput"])
     if res.get("paths"):
         lines += ["", "speed paths chosen on this machine:"]
         lines += [f"- {k}: {v}" for k, v in res["paths"].items()]
     return "\n".join(lines)
+
+
+def _throughput_lines(tp: dict[str, Any]) -> list[str]:
+    """The ``--throughput`` table: tokens/s per arm and batch size, and the ratios."""
+    nan = float("nan")
+    sizes = sorted({int(n) for v in tp["arms"].values() for n in v})
+    lines = [
+        "",
+        f"tokens / s, queries decoded as one batch; arms interleaved, {tp['rounds']} round(s)",
+        "",
+        "| tokens / s | " + " | ".join(f"batch {n}" for n in sizes) + " |",
+        "| --- |" + " --- |" * len(sizes),
+    ]
+    for name, v in tp["arms"].items():
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{v[str(n)]['tokens_per_s']:.1f}" if str(n) in v else "n/a" for n in sizes)
+            + " |"
+        )
+    for name, v in tp["arms"].items():
+        lines.append(
+            f"| {name}, decode loop only | "
+            + " | ".join(
+                f"{v[str(n)].get('decode_tokens_per_s', nan):.1f}" if str(n) in v else "n/a"
+                for n in sizes
+            )
+            + " |"
+        )
+    for name, v in tp["ratios"].items():
+        lines.append(
+            f"| {name}, per round: median [min, max] | "
+            + " | ".join(
+                f"{v[str(n)]['median']:.3f} [{v[str(n)]['min']:.2f}, {v[str(n)]['max']:.2f}]"
+                if str(n) in v
+                else "n/a"
+                for n in sizes
+            )
+            + " |"
+        )
+    return lines

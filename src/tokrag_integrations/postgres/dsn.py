@@ -1,22 +1,25 @@
 """Connection strings: libpq's reading of them, shown with the password masked.
 
-Parsing is libpq's (``psycopg.conninfo.conninfo_to_dict``), key=value strings are rendered by
-``psycopg.conninfo.make_conninfo`` and SQLAlchemy URLs by SQLAlchemy's ``URL`` (its
-``render_as_string(hide_password=True)`` for shown forms). Written here, because the libraries
-lack it:
+Parsing is libpq's (``psycopg.conninfo.conninfo_to_dict``); key=value strings are rendered by
+``psycopg.conninfo.make_conninfo``; URLs, shown or not, by SQLAlchemy's ``URL``
+(``render_as_string(hide_password=True)`` for the masked form). Written here, because the
+libraries lack it:
 
 * lenient URL credentials (:func:`_parse`): libpq refuses a URL whose password holds ``@ / ?
   #`` written as they are, which users paste; the user-info part is re-encoded first;
-* :func:`mask_dsn` for URLs: SQLAlchemy's rendering drops an empty password field (so a mask
-  would not show that one was given) and percent-encodes a socket folder in the query
-  (``host=%2Ftmp``), which a masked string meant for people should keep readable;
-* :func:`_scrub`: removing a password from a driver's error message (no library does).
+* two touches to SQLAlchemy's masked URL (:func:`mask_dsn`): it drops an empty password
+  field (``alice:@db``), so a mask would not show that one was given, and it percent-encodes
+  ``/`` in query values, so a socket folder (``?host=/tmp/pg``) would not stay readable;
+* :func:`_scrub`: removing a password from a driver's error message (no library does);
+* the split of libpq's parameters into a URL's netloc and query (:func:`_url`): SQLAlchemy
+  takes one TCP host and a numeric port, libpq also socket folders and host lists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from .errors import (
     _SQLSTATE_HINTS,
@@ -108,16 +111,15 @@ def dsn_params(dsn: str) -> dict[str, str]:
 def mask_dsn(dsn: str) -> str:
     """``dsn`` with its password replaced by ``***``, rebuilt from libpq's parse of it.
 
-    URLs come back as URLs and key=value strings as key=value strings; a string that cannot
-    be parsed is not shown at all.
+    URLs come back as URLs (rendered by SQLAlchemy's ``URL.render_as_string(hide_password=
+    True)``) and key=value strings as key=value strings (``psycopg.conninfo.make_conninfo``);
+    a string that cannot be parsed is not shown at all.
 
     >>> mask_dsn("postgresql://alice:s3cret@db.example:5432/rag")
     'postgresql://alice:***@db.example:5432/rag'
     >>> mask_dsn("host=db user=alice password='a b' dbname=rag")
     'host=db user=alice password=*** dbname=rag'
     """
-    from urllib.parse import quote
-
     from psycopg.conninfo import make_conninfo
 
     try:
@@ -130,22 +132,11 @@ def mask_dsn(dsn: str) -> str:
         shown = {k: ("***" if k in _SECRET_KEYS else params[k]) for k in keys}
         return make_conninfo(**shown)
     rest = {k: v for k, v in params.items() if k not in _SECRET_KEYS}
-    user = rest.pop("user", None)
-    netloc = quote(user, safe="") if user is not None else ""
-    if has_password:
-        netloc += ":***"
-    if netloc:
-        netloc += "@"
-    host = rest.get("host")
-    if host and not host.startswith("/") and "," not in host:
-        netloc += f"[{host}]" if ":" in host else host
-        del rest["host"]
-        port = rest.pop("port", None)
-        if port is not None:
-            netloc += f":{port}"
-    path = "/" + quote(rest.pop("dbname"), safe="") if "dbname" in rest else ""
-    query = "&".join(f"{quote(k, safe='')}={quote(v, safe='/')}" for k, v in rest.items())
-    return f"postgresql://{netloc}{path}" + (f"?{query}" if query else "")
+    # An empty password field (``alice:@db``) is shown as ``***`` too: SQLAlchemy would drop it.
+    text = _url(rest, "", "***" if has_password else None).render_as_string(hide_password=True)
+    # SQLAlchemy percent-encodes "/" in query values; a socket folder stays readable.
+    base, sep, query = text.partition("?")
+    return base + sep + query.replace("%2F", "/")
 
 
 def _secrets_of(dsn: str) -> set[str]:
@@ -167,17 +158,13 @@ def _scrub(message: str, dsn: str) -> str:
     return out
 
 
-def sqlalchemy_url(dsn: str, driver: str = "psycopg", *, hide_password: bool = False) -> str:
-    """``dsn`` (URL or key=value) as a SQLAlchemy URL with the given driver.
-
-    Built from libpq's parse of ``dsn`` (:func:`dsn_params`), so SQLAlchemy and libpq read
-    the same user, password and host. ``hide_password=True`` renders the password as ``***``.
-    """
+def _url(params: dict[str, str], driver: str, password: str | None) -> Any:
+    """A SQLAlchemy ``URL`` from libpq parameters: a TCP host (one, not a socket folder) and
+    its numeric port in the URL's netloc, everything else in its query."""
     from sqlalchemy.engine import URL
 
-    params = dsn_params(dsn)
+    params = dict(params)
     user = params.pop("user", None)
-    password = params.pop("password", None)
     host = params.pop("host", None)
     port = params.pop("port", None)
     dbname = params.pop("dbname", None)
@@ -195,7 +182,7 @@ def sqlalchemy_url(dsn: str, driver: str = "psycopg", *, hide_password: bool = F
         if port is not None:
             query["port"] = port
     query.update(params)
-    url = URL.create(
+    return URL.create(
         f"postgresql+{driver}" if driver else "postgresql",
         username=user,
         password=password,
@@ -204,7 +191,20 @@ def sqlalchemy_url(dsn: str, driver: str = "psycopg", *, hide_password: bool = F
         database=dbname,
         query=query,
     )
-    return url.render_as_string(hide_password=hide_password)
+
+
+def sqlalchemy_url(dsn: str, driver: str = "psycopg", *, hide_password: bool = False) -> str:
+    """``dsn`` (URL or key=value) as a SQLAlchemy URL with the given driver.
+
+    Built from libpq's parse of ``dsn`` (:func:`dsn_params`), so SQLAlchemy and libpq read
+    the same user, password and host. ``hide_password=True`` renders the password (and an
+    ``sslpassword``) as ``***``.
+    """
+    params = dsn_params(dsn)
+    password = params.pop("password", None)
+    if hide_password and "sslpassword" in params:
+        params["sslpassword"] = "***"
+    return _url(params, driver, password).render_as_string(hide_password=hide_password)
 
 
 def libpq_conninfo(dsn: str) -> str:
