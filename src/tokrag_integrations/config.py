@@ -108,10 +108,10 @@ def _raw(name: str) -> str | None:
     return value or None
 
 
-def _bad(name: str, raw: str, what: str, example: str, default: object) -> ConfigError:
+def _bad(name: str, raw: str, what: str, fix: str, default: object) -> ConfigError:
     return ConfigError(
-        f"{name} must be {what}, got {raw!r} ({name}={raw!r} in the environment); set it to "
-        f"e.g. {example}, or unset it for the default ({default})."
+        f"{name} must be {what}, got {raw!r} ({name}={raw!r} in the environment); {fix}, or "
+        f"unset it for the default ({default})."
     )
 
 
@@ -138,7 +138,7 @@ def _mode(name: str) -> str:
     if raw is None:
         return "auto"
     if raw.lower() not in _MODES:
-        raise _bad(name, raw, "'auto', 'on' or 'off'", "auto", "auto")
+        raise _bad(name, raw, "'auto', 'on' or 'off'", "set it to one of them", "auto")
     return raw.lower()
 
 
@@ -153,13 +153,13 @@ def _positive(name: str, kind: type, default: float, what: str, finite: bool = T
     except ValueError:
         value = float("nan")
     if math.isnan(value) or value <= 0 or (finite and math.isinf(value)):
-        raise _bad(name, raw, what, kind(default), kind(default))
+        raise _bad(name, raw, what, "set it to a number above 0", kind(default))
     return kind(value)
 
 
 def api_key() -> str | None:
-    """``$TOKRAG_API_KEY``: the bearer token of ``tokrag serve``, or ``None``."""
-    return _raw(API_KEY)
+    """``$TOKRAG_API_KEY`` as given: the bearer token of ``tokrag serve``, or ``None``."""
+    return os.environ.get(API_KEY) or None
 
 
 def cache_dir() -> Path | None:
@@ -223,25 +223,25 @@ def pg_dsn() -> str | None:
 
 def pg_connect_timeout() -> int:
     """``$TOKRAG_PG_CONNECT_TIMEOUT`` in whole seconds, rounded up (at least 1; default 5)."""
-    value = _positive(PG_CONNECT_TIMEOUT, float, DEFAULT_PG_CONNECT_TIMEOUT_S, "a number of seconds > 0")
+    value = _positive(PG_CONNECT_TIMEOUT, float, DEFAULT_PG_CONNECT_TIMEOUT_S, "a number of seconds")
     return max(1, math.ceil(value))
 
 
 def pg_pool_size() -> int:
     """``$TOKRAG_PG_POOL_SIZE`` (default 10)."""
-    return int(_positive(PG_POOL_SIZE, int, DEFAULT_PG_POOL_SIZE, "a whole number > 0"))
+    return int(_positive(PG_POOL_SIZE, int, DEFAULT_PG_POOL_SIZE, "a whole number"))
 
 
 def pg_pool_timeout() -> float:
     """``$TOKRAG_PG_POOL_TIMEOUT`` in seconds (default 30)."""
     return _positive(
-        PG_POOL_TIMEOUT, float, DEFAULT_PG_POOL_TIMEOUT_S, "a number of seconds > 0", finite=False
+        PG_POOL_TIMEOUT, float, DEFAULT_PG_POOL_TIMEOUT_S, "a number of seconds", finite=False
     )
 
 
 def stream_idle_timeout() -> float:
     """``$TOKRAG_STREAM_IDLE_TIMEOUT`` in seconds (default 30)."""
     return _positive(
-        STREAM_IDLE_TIMEOUT, float, DEFAULT_STREAM_IDLE_TIMEOUT_S, "a number of seconds > 0",
+        STREAM_IDLE_TIMEOUT, float, DEFAULT_STREAM_IDLE_TIMEOUT_S, "a number of seconds",
         finite=False,
     )
