@@ -13,29 +13,10 @@ With 1 or 2 nothing is started. Connection strings are only ever shown through
 :func:`mask_dsn` (``postgresql://alice:***@db:5432/rag``), and errors raised here are
 scrubbed of the password.
 
-The embedded server lives in :mod:`.embedded`, connection strings in :mod:`.dsn`, the errors
-in :mod:`.errors`; this module re-exports their public names.
-
-Embedded data folder (:func:`default_data_dir`): ``$TOKRAG_DATA_DIR/pg`` when that is set,
-else ``$XDG_DATA_HOME/tokrag/pg`` (``~/.local/share/tokrag/pg``). **Running as root** is
-different: pgserver then runs Postgres as a separate system user (``pgserver``) and makes
-every parent folder of the data folder group/other-readable and traversable (``chmod
-g+rx,o+rx`` up to ``/``). Under ``/root`` that would open the root user's home, so as root
-the default is ``/var/lib/tokrag/pg`` (whose parents are world-traversable already), and a
-data folder inside the root user's home is refused with an error naming the fix.
-
-**No other local user can reach the embedded server** (it trusts every connection that
-reaches its socket). The server listens on a Unix socket only, in a folder that only the
-server's own OS user may enter (mode 0700): the data folder itself, or, when the data
-folder's path is too long for a Unix socket (about 107 bytes), a private
-``$TMPDIR/tokrag-pg-<uid>/<hash>`` folder (never pgserver's world-writable fallback). The
-socket file itself is made owner-only (``unix_socket_permissions=0700``). tokrag starts the
-server itself (:class:`_server_class`) for this; pgserver still creates the data folder, the
-system user as root, and stops the server when the last process using it exits. A server
-found running with its socket in a folder other users can enter (started by an older
-version) is refused with the way to restart it.
+The embedded server lives in :mod:`.embedded` (its data folder, the root-user caveat, and
+why no other local user can reach it), connection strings in :mod:`.dsn`, the errors in
+:mod:`.errors`; this module re-exports their public names.
 """
-
 
 from __future__ import annotations
 
@@ -96,7 +77,6 @@ __all__ = [
 
 #: Table name used when none is given (LlamaIndex stores it as ``data_<name>``).
 DEFAULT_TABLE = "tokrag_docs"
-#: Environment variable holding a production connection string.
 #: Environment variable: seconds to wait for a connection (fail fast on a wrong host).
 CONNECT_TIMEOUT_ENV = config.PG_CONNECT_TIMEOUT
 DEFAULT_CONNECT_TIMEOUT_S = config.DEFAULT_PG_CONNECT_TIMEOUT_S
