@@ -83,9 +83,9 @@ def test_parse_filter_args_groups_repeated_keys():
 
 
 def test_root_refuses_data_dir_in_root_home(monkeypatch):
-    from tokrag_integrations.postgres import server
+    from tokrag_integrations.postgres import embedded, server
 
-    monkeypatch.setattr(server, "_is_root", lambda: True)
+    monkeypatch.setattr(embedded, "_is_root", lambda: True)  # where default_data_dir reads it
     monkeypatch.delenv("TOKRAG_DATA_DIR", raising=False)
     assert server.default_data_dir() == Path("/var/lib/tokrag/pg")
     with pytest.raises(PostgresSetupError, match="world-readable"):

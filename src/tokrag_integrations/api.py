@@ -7,7 +7,6 @@ import atexit
 import contextvars
 import functools
 import numbers
-import os
 import queue
 import threading
 import time
@@ -17,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import config
 from .defaults import MAX_NEW_TOKENS
 from .models import LoadedModel
 from .policies import get_policy
@@ -120,8 +120,8 @@ class _TextTracker:
 
 
 #: Seconds a started stream may sit unread before it is abandoned (see :class:`TokenStream`).
-DEFAULT_IDLE_TIMEOUT = 30.0
-IDLE_TIMEOUT_ENV = "TOKRAG_STREAM_IDLE_TIMEOUT"
+DEFAULT_IDLE_TIMEOUT = config.DEFAULT_STREAM_IDLE_TIMEOUT_S
+IDLE_TIMEOUT_ENV = config.STREAM_IDLE_TIMEOUT
 
 
 class StreamAbandoned(RuntimeError):
@@ -137,14 +137,7 @@ def idle_timeout_from(value: float | None) -> float:
     :data:`DEFAULT_IDLE_TIMEOUT` (seconds, > 0)."""
     source = "idle_timeout"
     if value is None:
-        raw = os.environ.get(IDLE_TIMEOUT_ENV, "").strip()
-        if not raw:
-            return DEFAULT_IDLE_TIMEOUT
-        source = f"${IDLE_TIMEOUT_ENV}"
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"{source} must be a number of seconds, got {raw!r}") from None
+        return config.stream_idle_timeout()
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
         raise ValueError(f"{source} must be a number of seconds > 0, got {value!r}")
     return float(value)

@@ -33,28 +33,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .bench_arms import (  # noqa: F401 - re-exported: this was their module
+    ARMS,
+    DEFAULT_POLICIES,
+    EXACT_ARMS,
+    SPEC_COUNTS,
+    STOCK_ARMS,
+    THROUGHPUT_ARMS,
+    arm,
+)
+from .bench_memory import _reset_peak_rss, _rss_mb, _status_mb  # noqa: F401 - re-exported
+from .bench_report import format_report, paired_figures, policy_figures
+from .bench_throughput import _throughput
 from .booleans import require_bool
-
-#: Benchmark arms: name -> (policy, options). ``tokrag`` is the default decoder (the pure and
-#: RAG contexts decoded together, step by step: packed into one sequence for one query); ``tokrag-step`` the step-by-step loop as
-#: written (one forward pass per context), which every fast path must equal;
-#: ``tokrag-blockwise`` blockwise verification (issue 8's idea). ``rag-stock`` is ``rag`` on
-#: the same model with transformers' stock CPU kernels (``TOKRAG_CPU_KERNELS=off``).
-ARMS: dict[str, tuple[str, dict[str, Any]]] = {
-    "rag": ("rag", {}),
-    "rag-stock": ("rag", {}),
-    "floor": ("floor", {}),
-    "tokrag-step": ("tokrag", {"speculative": False, "fuse": False}),
-    "tokrag-blockwise": ("tokrag", {"speculative": True}),
-    "tokrag": ("tokrag", {}),
-    "llm": ("llm", {}),
-}
-#: Arms that run on a second copy of the model loaded with the stock kernels.
-STOCK_ARMS = frozenset({"rag-stock"})
-DEFAULT_POLICIES = ("rag", "floor", "tokrag-step", "tokrag-blockwise", "tokrag", "rag-stock")
-SPEC_COUNTS = ("blocks", "drafted", "accepted", "verifier_wins", "stale")
-#: Fast arms whose tokens and decisions must equal ``tokrag-step``'s.
-EXACT_ARMS = ("tokrag", "tokrag-blockwise")
 
 
 def _load_stock(model: str, device: str | None) -> Any:
@@ -62,11 +53,6 @@ def _load_stock(model: str, device: str | None) -> Any:
     from .models import load_model
 
     return load_model(model, device=device, cpu_kernels="off")
-
-
-def arm(name: str) -> tuple[str, dict[str, Any]]:
-    """``(policy, options)`` of a benchmark arm; any policy name is its own arm."""
-    return ARMS.get(name, (name, {}))
 
 
 def default_data_path() -> Path | None:
@@ -99,38 +85,6 @@ def load_items(
     if not items:
         raise ValueError(f"no usable items in {path} (need {n_passages} passages each)")
     return items
-
-
-def _rss_mb() -> float:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:  # pragma: no cover - non-Linux
-        pass
-    return float("nan")
-
-
-def _status_mb(field: str) -> float:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:  # pragma: no cover - non-Linux
-        pass
-    return float("nan")
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) so loading the model does not count."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:  # pragma: no cover - non-Linux or not permitted
-        return False
 
 
 def _memory_child(args: argparse.Namespace) -> None:
@@ -190,8 +144,6 @@ def run_bench(
     latency: bool = True,
 ) -> dict[str, Any]:
     """Run the benchmark and return its figures (see module docstring)."""
-    from tqdm.auto import tqdm
-
     from .api import generate
     from .models import load_model
 
@@ -213,11 +165,54 @@ def run_bench(
         generate(model_of(name), items[0][0], items[0][1], policy=pol, max_new_tokens=4, **opts)
 
     require_bool(latency, "latency")
-    rows: dict[str, list[dict[str, Any]]] = {p: [] for p in policies} if latency else {}
-    decisions: dict[str, list[Any]] = {p: [] for p in policies} if latency else {}
+    rows, decisions, prompt_tokens = _timed_runs(
+        model_of, items if latency else [], policies, max_new_tokens, progress
+    )
+    out: dict[str, Any] = {
+        "model": lm.name,
+        "device": str(lm.device),
+        "questions": len(items),
+        "passages": passages,
+        "max_new_tokens": max_new_tokens,
+        "mean_prompt_tokens": statistics.mean(prompt_tokens) if prompt_tokens else None,
+        "torch_threads": __import__("torch").get_num_threads(),
+        "policies": {pol: policy_figures(rs) for pol, rs in rows.items()},
+    }
+    out.update(paired_figures(rows, decisions))
+    if memory:
+        for pol in policies:
+            m = _measure_memory(pol, model, data, passages, max_new_tokens, memory_questions, device)
+            out["policies"][pol].update(
+                peak_mb=m["peak_mb"], peak_over_model_mb=m["peak_mb"] - m["base_mb"]
+            )
+    from .accel import speed_paths
+
+    out["paths"] = speed_paths(lm.model)
+    if throughput:
+        out["throughput"] = _throughput(
+            model_of, items, throughput, max_new_tokens, policies, progress, rounds
+        )
+    return out
+
+
+def _timed_runs(
+    model_of: Any,
+    items: list[tuple[str, list[str]]],
+    policies: tuple[str, ...],
+    max_new_tokens: int,
+    progress: bool,
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[Any]], list[int]]:
+    """Every arm on every question, their order rotated per question: per arm its timed rows
+    and its decisions, and the RAG prompt lengths."""
+    from tqdm.auto import tqdm
+
+    from .api import generate
+
+    rows: dict[str, list[dict[str, Any]]] = {p: [] for p in policies} if items else {}
+    decisions: dict[str, list[Any]] = {p: [] for p in policies} if items else {}
     prompt_tokens = []
-    bar = tqdm(total=len(items) * len(policies) * latency, desc="bench", disable=not progress)
-    for i, (q, ps) in enumerate(items if latency else []):
+    bar = tqdm(total=len(items) * len(policies), desc="bench", disable=not progress)
+    for i, (q, ps) in enumerate(items):
         order = list(policies[i % len(policies) :] + policies[: i % len(policies)])
         for name in order:
             pol, opts = arm(name)
@@ -241,296 +236,44 @@ def run_bench(
                 prompt_tokens.append(r.trace.prompt_tokens.get("rag", 0))
             bar.update(1)
     bar.close()
-
-    out: dict[str, Any] = {
-        "model": lm.name,
-        "device": str(lm.device),
-        "questions": len(items),
-        "passages": passages,
-        "max_new_tokens": max_new_tokens,
-        "mean_prompt_tokens": statistics.mean(prompt_tokens) if prompt_tokens else None,
-        "torch_threads": __import__("torch").get_num_threads(),
-        "policies": {},
-    }
-    for pol, rs in rows.items():
-        sec = [r["seconds"] for r in rs]
-        tok = [r["tokens"] for r in rs]
-        d = {
-            "s_per_question": statistics.mean(sec),
-            "s_per_token": sum(sec) / max(1, sum(tok)),
-            "tokens_per_question": statistics.mean(tok),
-            "agreement_rate": 1 - sum(r["disagreements"] for r in rs) / max(1, sum(tok)),
-            "disagreements_per_question": statistics.mean(r["disagreements"] for r in rs),
-            "signal_steps_per_question": statistics.mean(r["signal_steps"] for r in rs),
-        }
-        blocks = sum(r["blocks"] for r in rs)
-        if blocks:
-            drafted = sum(r["drafted"] for r in rs)
-            d.update(
-                blocks_per_question=blocks / len(rs),
-                # Step 0 is read off the prefill; every other token comes out of a block.
-                tokens_per_block=(sum(tok) - len(rs)) / blocks,
-                draft_acceptance=sum(r["accepted"] for r in rs) / max(1, drafted),
-                stale_per_question=sum(r["stale"] for r in rs) / len(rs),
-            )
-        out["policies"][pol] = d
-    # Per question, both arms timed side by side: the ratio of their time per token, with its
-    # median and quartiles (robust to a question that met a burst of load on a shared machine).
-    for a, b in (("tokrag", "rag"), ("floor", "rag")):
-        if a in rows and b in rows:
-            rr = [
-                (x["seconds"] / max(1, x["tokens"])) / (y["seconds"] / max(1, y["tokens"]))
-                for x, y in zip(rows[a], rows[b], strict=True)
-            ]
-            qs = statistics.quantiles(rr, n=4) if len(rr) > 1 else [rr[0]] * 3
-            out.setdefault("paired", {})[f"{a} / {b}"] = {
-                "median": statistics.median(rr),
-                "q1": qs[0],
-                "q3": qs[2],
-            }
-    if "tokrag-step" in decisions:
-        for name in EXACT_ARMS:
-            if name in decisions:
-                same = [
-                    a == b for a, b in zip(decisions[name], decisions["tokrag-step"], strict=True)
-                ]
-                out.setdefault("identical_to_step", {})[name] = {
-                    "questions": len(same),
-                    "identical": sum(same),
-                }
-    if memory:
-        for pol in policies:
-            cmd = [
-                sys.executable,
-                "-m",
-                "tokrag_integrations.bench",
-                "--memory-child",
-                pol,
-                "--model",
-                str(model),
-                "--data",
-                str(data),
-                "--passages",
-                str(passages),
-                "--max-new-tokens",
-                str(max_new_tokens),
-                "--memory-questions",
-                str(memory_questions),
-            ]
-            if device:
-                cmd += ["--device", device]
-            res = subprocess.run(
-                cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
-            )
-            if res.returncode != 0:
-                raise RuntimeError(f"memory measurement for {pol} failed:\n{res.stderr[-2000:]}")
-            m = json.loads(res.stdout.strip().splitlines()[-1])
-            out["policies"][pol].update(
-                peak_mb=m["peak_mb"], peak_over_model_mb=m["peak_mb"] - m["base_mb"]
-            )
-    from .accel import speed_paths
-
-    out["paths"] = speed_paths(lm.model)
-    if throughput:
-        out["throughput"] = _throughput(
-            model_of, items, throughput, max_new_tokens, policies, progress, rounds
-        )
-    return out
+    return rows, decisions, prompt_tokens
 
 
-#: Arms timed by ``--throughput`` (those of the run's ``--policies`` that are in it, in this
-#: order): one context, both contexts without signals, the default decoder.
-THROUGHPUT_ARMS = ("rag", "floor", "tokrag")
-
-
-def _throughput(
-    model_of: Any,
-    items: list[tuple[str, list[str]]],
-    sizes: tuple[int, ...],
+def _measure_memory(
+    pol: str,
+    model: str,
+    data: Any,
+    passages: int,
     max_new_tokens: int,
-    policies: tuple[str, ...],
-    progress: bool,
-    rounds: int = 3,
-    latency: bool = True,
-) -> dict[str, Any]:
-    """Generated tokens per second with ``n`` queries decoded as one batch, per arm.
-
-    The arms are interleaved: each round runs every batch size, and at each size every arm
-    on the same ``n`` questions (the next ``n`` of ``items`` per round), in an order rotated
-    from one size and round to the next, so that drift in machine load falls on all arms
-    alike. Returns ``{"rounds", "arms": {arm: {n: {"tokens_per_s", "per_round"}}}, "ratios":
-    {"arm / rag": {n: {"median", "min", "max"}}}}``: tokens/s over all rounds (total tokens
-    / total seconds), each round's tokens/s, and the per-round ratio of tokens/s to ``rag``'s
-    (measured side by side) with its median and spread.
-    """
-    from tqdm.auto import tqdm
-
-    from .api import generate_batch
-
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    arms = [p for p in THROUGHPUT_ARMS if p in policies] or [p for p in policies]
-    raw: dict[str, dict[int, list[tuple[int, float]]]] = {a: {n: [] for n in sizes} for a in arms}
-    decode: dict[str, dict[int, list[float]]] = {a: {n: [] for n in sizes} for a in arms}
-    bar = tqdm(total=rounds * len(arms) * len(sizes), desc="throughput", disable=not progress)
-    turn = 0
-    for r in range(rounds):
-        for n in sizes:
-            batch = [items[(r * n + i) % len(items)] for i in range(n)]
-            order = arms[turn % len(arms) :] + arms[: turn % len(arms)]
-            turn += 1
-            for name in order:
-                pol, opts = arm(name)
-                t0 = time.perf_counter()
-                rs = generate_batch(
-                    model_of(name),
-                    [q for q, _ in batch],
-                    [ps for _, ps in batch],
-                    policy=pol,
-                    max_new_tokens=max_new_tokens,
-                    **opts,
-                )
-                dt = time.perf_counter() - t0
-                raw[name][n].append((sum(len(x.trace.steps) for x in rs), dt))
-                timings = getattr(rs[0].trace, "timings", None) or {}
-                decode[name][n].append(float(timings.get("decode_s", float("nan"))))
-                bar.update(1)
-    bar.close()
-    out: dict[str, Any] = {"rounds": rounds, "arms": {}, "ratios": {}}
-    for name, per in raw.items():
-        out["arms"][name] = {
-            str(n): {
-                "tokens_per_s": sum(t for t, _ in v) / sum(d for _, d in v),
-                "per_round": [t / d for t, d in v],
-                # Tokens per second of the decode loop alone (prefill excluded): with short
-                # answers the prefill dominates, and tokens/s then rewards long answers.
-                "decode_tokens_per_s": sum(t for t, _ in v) / sum(decode[name][n]),
-            }
-            for n, v in per.items()
-        }
-    if "rag" in raw:
-        for name in arms:
-            if name == "rag":
-                continue
-            ratios = {}
-            for n in sizes:
-                rr = [
-                    (t / d) / (tr / dr)
-                    for (t, d), (tr, dr) in zip(raw[name][n], raw["rag"][n], strict=True)
-                ]
-                ratios[str(n)] = {
-                    "median": statistics.median(rr),
-                    "min": min(rr),
-                    "max": max(rr),
-                }
-            out["ratios"][f"{name} / rag"] = ratios
-    return out
-
-
-def format_report(res: dict[str, Any]) -> str:
-    """A Markdown table with the ratios the issue asks for."""
-    P = res["policies"]
-    lines = [
-        f"model {res['model']} on {res['device']} ({res['torch_threads']} threads), "
-        f"{res['questions']} SQuAD dev questions, {res['passages']} passages "
-        + (
-            f"(mean RAG prompt {res['mean_prompt_tokens']:.0f} tokens)"
-            if res.get("mean_prompt_tokens") is not None
-            else ""
-        )
-        + f", max_new_tokens {res['max_new_tokens']}",
-        "",
-        "| arm | s / question | ms / token | tokens / question | agreement rate | disagreement steps / question "
-        "| tokens / block | draft acceptance | peak MB | peak over model MB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    memory_questions: int,
+    device: str | None,
+) -> dict[str, float]:
+    """``base_mb`` and ``peak_mb`` of arm ``pol``, measured in a fresh subprocess."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokrag_integrations.bench",
+        "--memory-child",
+        pol,
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--passages",
+        str(passages),
+        "--max-new-tokens",
+        str(max_new_tokens),
+        "--memory-questions",
+        str(memory_questions),
     ]
-    nan = float("nan")
-    for pol, p in P.items():
-        lines.append(
-            f"| {pol} | {p['s_per_question']:.3f} | {1000 * p['s_per_token']:.1f} | {p['tokens_per_question']:.1f} | "
-            f"{p['agreement_rate']:.3f} | {p['disagreements_per_question']:.1f} | "
-            f"{p.get('tokens_per_block', nan):.2f} | {p.get('draft_acceptance', nan):.2f} | "
-            f"{p.get('peak_mb', nan):.0f} | {p.get('peak_over_model_mb', nan):.0f} |"
-        )
-    lines.append("")
-
-    def ratio(a: str, b: str, key: str) -> str:
-        if a in P and b in P and key in P[a] and key in P[b]:
-            return f"{P[a][key] / P[b][key]:.3f}"
-        return "n/a"
-
-    lines += [
-        "| ratio | per question | per token | peak memory | peak over model |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    pairs = (
-        ("tokrag", "rag"),
-        ("tokrag", "floor"),
-        ("tokrag", "tokrag-step"),
-        ("tokrag-blockwise", "rag"),
-        ("tokrag-blockwise", "tokrag-step"),
-        ("tokrag-step", "rag"),
-        ("floor", "rag"),
-        ("rag", "rag-stock"),
-        ("tokrag", "rag-stock"),
+    if device:
+        cmd += ["--device", device]
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
     )
-    for a, b in pairs:
-        if a in P and b in P:
-            lines.append(
-                f"| {a} / {b} | {ratio(a, b, 's_per_question')} | {ratio(a, b, 's_per_token')} | "
-                f"{ratio(a, b, 'peak_mb')} | {ratio(a, b, 'peak_over_model_mb')} |"
-            )
-    for name, v in (res.get("paired") or {}).items():
-        lines += [
-            "",
-            f"{name}, per token, per question (paired): median {v['median']:.3f} "
-            f"[quartiles {v['q1']:.3f}, {v['q3']:.3f}]",
-        ]
-    for name, ident in (res.get("identical_to_step") or {}).items():
-        lines += [
-            "",
-            f"{name} = tokrag-step, tokens and decisions: {ident['identical']} / {ident['questions']} questions",
-        ]
-    tp = res.get("throughput")
-    if tp:
-        sizes = sorted({int(n) for v in tp["arms"].values() for n in v})
-        lines += [
-            "",
-            f"tokens / s, queries decoded as one batch; arms interleaved, {tp['rounds']} round(s)",
-            "",
-            "| tokens / s | " + " | ".join(f"batch {n}" for n in sizes) + " |",
-            "| --- |" + " --- |" * len(sizes),
-        ]
-        for name, v in tp["arms"].items():
-            lines.append(
-                f"| {name} | "
-                + " | ".join(f"{v[str(n)]['tokens_per_s']:.1f}" if str(n) in v else "n/a" for n in sizes)
-                + " |"
-            )
-        for name, v in tp["arms"].items():
-            lines.append(
-                f"| {name}, decode loop only | "
-                + " | ".join(
-                    f"{v[str(n)].get('decode_tokens_per_s', nan):.1f}" if str(n) in v else "n/a"
-                    for n in sizes
-                )
-                + " |"
-            )
-        for name, v in tp["ratios"].items():
-            lines.append(
-                f"| {name}, per round: median [min, max] | "
-                + " | ".join(
-                    f"{v[str(n)]['median']:.3f} [{v[str(n)]['min']:.2f}, {v[str(n)]['max']:.2f}]"
-                    if str(n) in v
-                    else "n/a"
-                    for n in sizes
-                )
-                + " |"
-            )
-    if res.get("paths"):
-        lines += ["", "speed paths chosen on this machine:"]
-        lines += [f"- {k}: {v}" for k, v in res["paths"].items()]
-    return "\n".join(lines)
+    if res.returncode != 0:
+        raise RuntimeError(f"memory measurement for {pol} failed:\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def add_parser(subparsers: Any) -> None:

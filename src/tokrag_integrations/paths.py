@@ -1,6 +1,6 @@
 """Where tokrag keeps files between processes: converted models and measured kernel plans.
 
-A leaf module (standard library only), so that both :mod:`.models` and the speed paths of
+A leaf module (standard library and :mod:`.config` only), so that both :mod:`.models` and the speed paths of
 :mod:`.cpu_kernels` can read it without importing each other.
 """
 
@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from . import config
+
 #: Environment variable that moves tokrag's cache folder.
-CACHE_DIR_ENV = "TOKRAG_CACHE_DIR"
+CACHE_DIR_ENV = config.CACHE_DIR
 
 
 class CacheDirError(OSError):
@@ -20,10 +22,10 @@ class CacheDirError(OSError):
 
 def cache_dir() -> Path:
     """Folder where converted models are cached (``$TOKRAG_CACHE_DIR`` or ``~/.cache/tokrag``)."""
-    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokrag"
-    )
-    return Path(root)
+    root = config.cache_dir()
+    if root is not None:
+        return root
+    return (config.xdg_cache_home() or Path(os.path.expanduser("~/.cache"))) / "tokrag"
 
 
 def cache_write_error(error: OSError, what: str, folder: Path) -> OSError:

@@ -58,8 +58,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import config
 from ..attention import ACTIVE_TAP, attention_window, set_lens_head_product
-from ..booleans import env_flag
 from ..paths import cache_dir
 
 #: Calls with more rows than this use ``F.linear`` (GEMM-shaped work, e.g. prefill).
@@ -205,7 +205,7 @@ def _machine_id() -> str:
 def _plan_file() -> Path | None:
     """Where measured plans persist between processes (``$TOKRAG_CACHE_DIR/kernel_plans``),
     or None when ``TOKRAG_KERNEL_PLAN_CACHE=0``."""
-    if not env_flag("TOKRAG_KERNEL_PLAN_CACHE", True):
+    if not config.kernel_plan_cache():
         return None
     return cache_dir() / "kernel_plans" / f"{_machine_id()}.json"
 
@@ -885,7 +885,7 @@ def maybe_install(model: Any, mode: str | None = None) -> bool:
     product for every few-row call) or ``off`` (stock paths throughout).
     """
     if mode is None:
-        mode = os.environ.get("TOKRAG_CPU_KERNELS", "auto")
+        mode = config.cpu_kernels()
     mode = mode.strip().lower()
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"cpu_kernels (TOKRAG_CPU_KERNELS) must be 'auto', 'on' or 'off', got {mode!r}")
@@ -968,7 +968,7 @@ def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
     cached = getattr(head, _HEAD, None)
     if cached is not None:
         return cached or None
-    mode = os.environ.get("TOKRAG_PACKED_HEAD", "auto").strip().lower()
+    mode = config.packed_head()
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"TOKRAG_PACKED_HEAD must be 'auto', 'on' or 'off', got {mode!r}")
     w = head.weight

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import config
 from ..attention import ProbeRecord, install_taps, model_parts
-from ..booleans import env_flag
 from ..engine.batch import RoleBatch
 from ..engine.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, reused_seconds, row_map
 from ..models import LoadedModel
@@ -25,7 +25,7 @@ from .kv_cache import GrowableLayer, has_sliding_window, is_full_layer, new_cach
 def fuse_contexts() -> bool:
     """Whether multi-context rules decode all their contexts as one batch
     (``TOKRAG_FUSE_CONTEXTS``, default on; ``0`` decodes one batch per role)."""
-    return env_flag("TOKRAG_FUSE_CONTEXTS", True)
+    return config.fuse_contexts()
 
 
 def fuse_batches(batches: Sequence[RoleBatch]) -> RoleBatch | None:
@@ -82,7 +82,7 @@ def packed_prefill_enabled() -> bool:
     """Whether one query's two contexts are decoded as one packed sequence
     (``TOKRAG_PACKED_PREFILL``, default on; ``0`` prefills each context on its own and
     decodes them as a fused two-row batch)."""
-    return env_flag("TOKRAG_PACKED_PREFILL", True)
+    return config.packed_prefill()
 
 
 class _PackedBatch(RoleBatch):

@@ -8,7 +8,7 @@
   pool (:mod:`.pool`); answers with any decoding policy.
 * :func:`answer_from_postgres` — one call for ``tokrag ask --store postgres``.
 * :func:`resolve_dsn` — ``--dsn``, ``$TOKRAG_PG_DSN``, or an embedded server from ``pgserver``
-  in a per-user data folder (see :mod:`.server` for the root-user caveat).
+  in a per-user data folder (see :mod:`.embedded` for the root-user caveat).
 
 Needs the ``postgres`` extra: ``pip install 'tokrag-integrations[postgres]'``. Importing this
 package is cheap; the database drivers and frameworks load on first use.

@@ -15,7 +15,7 @@ Shared by :mod:`.ingestion` (which writes the tables) and :mod:`.store` (which r
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from .server import PostgresQueryError, is_reserved_word, validate_table_name
@@ -25,6 +25,7 @@ __all__ = [
     "TableLayout",
     "add_text_search",
     "check_layout",
+    "detect_layout",
     "legacy_collection",
     "table_columns",
     "text_search_column",
@@ -219,4 +220,47 @@ def legacy_collection(conn: Any, name: str) -> TableLayout | None:
         "cmetadata",
         collection_id=row[0],
         collection=name,
+    )
+
+
+def detect_layout(
+    conn: Any, table: str, where: str, target: Target | None = None, collection: str | None = None
+) -> TableLayout:
+    """The layout of ``table`` found on ``conn`` (``where``: the masked connection string, for
+    messages): ``data_<table>`` (LlamaIndex schema), ``<table>`` (langchain-postgres), else
+    a legacy ``PGVector`` collection named ``table`` (or ``collection``), with its full-text
+    column.
+
+    Raises:
+        LookupError: None of them is there.
+        PostgresQueryError: A table of that name is not one tokrag can read.
+    """
+    candidates = [TableLayout.for_target(table, t) for t in (target,) if t] or [
+        TableLayout.for_target(table, t)
+        for t in ("llamaindex", "langchain")
+        if t == "llamaindex" or not is_reserved_word(table)  # never a langchain table
+    ]
+    if collection is not None:
+        candidates = []
+    found = None
+    for layout in candidates:
+        # A table of that name without our columns is an error, never read.
+        if check_layout(conn, layout, where):
+            found = layout
+            break
+    if found is None and not target:
+        found = legacy_collection(conn, collection or table)
+    if found is not None:
+        column, config = text_search_column(conn, found)
+        return replace(found, tsv_column=column, ts_config=config)
+    if collection is not None:
+        raise LookupError(
+            f"No langchain-postgres PGVector collection {collection!r} at {where} "
+            "(no such name in langchain_pg_collection)."
+        )
+    names = " or ".join(c.table for c in candidates)
+    raise LookupError(
+        f"No ingested table {names} at {where} (nor a langchain-postgres PGVector "
+        f"collection {table!r}). Run `tokrag ingest PATH --table {table}` first "
+        "(with the same --dsn)."
     )

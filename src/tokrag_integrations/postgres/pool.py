@@ -12,12 +12,12 @@ was stopped from outside, it is started again first (as :func:`.server.connect` 
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .. import config
 from .server import (
     PostgresConnectionError,
     PostgresSetupError,
@@ -31,26 +31,20 @@ from .server import (
 __all__ = ["DEFAULT_POOL_SIZE", "DEFAULT_POOL_TIMEOUT", "close_pools", "pool_settings", "pooled", "shared_pool"]
 
 #: Most connections one pool opens (``$TOKRAG_PG_POOL_SIZE``).
-DEFAULT_POOL_SIZE = 10
+DEFAULT_POOL_SIZE = config.DEFAULT_PG_POOL_SIZE
 #: Seconds a caller waits for a free connection (``$TOKRAG_PG_POOL_TIMEOUT``).
-DEFAULT_POOL_TIMEOUT = 30.0
+DEFAULT_POOL_TIMEOUT = config.DEFAULT_PG_POOL_TIMEOUT_S
 
 _POOLS: dict[str, Any] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _number(name: str, value: Any, env: str, default: float, kind: type) -> Any:
+def _number(name: str, value: Any, read: Any, kind: type) -> Any:
     if value is None:
-        raw = os.environ.get(env, "").strip()
-        if not raw:
-            return kind(default)
         try:
-            value = kind(raw)
-        except ValueError:
-            raise PostgresSetupError(
-                f"${env}={raw!r} is not a {'whole ' if kind is int else ''}number; set it to "
-                f"e.g. {kind(default)} or unset it."
-            ) from None
+            return read()
+        except config.ConfigError as exc:
+            raise PostgresSetupError(str(exc)) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}.")
     if kind is int and int(value) != value:
@@ -66,8 +60,8 @@ def pool_settings(size: int | None = None, timeout: float | None = None) -> tupl
         PostgresSetupError: The environment variable is not a number.
     """
     return (
-        _number("pool_size", size, "TOKRAG_PG_POOL_SIZE", DEFAULT_POOL_SIZE, int),
-        _number("pool_timeout", timeout, "TOKRAG_PG_POOL_TIMEOUT", DEFAULT_POOL_TIMEOUT, float),
+        _number("pool_size", size, config.pg_pool_size, int),
+        _number("pool_timeout", timeout, config.pg_pool_timeout, float),
     )
 
 

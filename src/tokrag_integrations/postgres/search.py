@@ -41,9 +41,11 @@ from typing import Any, Literal
 
 __all__ = [
     "FILTER_OPERATORS",
+    "MAX_TOP_K",
     "SEARCH_MODES",
     "TSV_COLUMN",
     "Condition",
+    "Filters",
     "SearchMode",
     "check_search",
     "compile_conditions",
@@ -55,6 +57,10 @@ __all__ = [
 ]
 
 SearchMode = Literal["vector", "text", "hybrid"]
+#: Metadata filters as the public calls take them (see :func:`to_conditions`).
+Filters = Mapping[str, Any] | Sequence[str] | None
+#: Largest ``top_k``: pgvector's HNSW search visits at most ``hnsw.ef_search`` <= 1000 rows.
+MAX_TOP_K = 1000
 SEARCH_MODES: tuple[str, ...] = ("vector", "text", "hybrid")
 #: The full-text column: the name ``PGVectorStore(hybrid_search=True)`` gives it.
 TSV_COLUMN = "text_search_tsv"
@@ -379,3 +385,24 @@ def search_statement(
             "ON x.{key} = f.id ORDER BY f.score DESC, f.id LIMIT %(top_k)s"
         ).format(**fields)
     return statement, params
+
+
+def _check_top_k(top_k: Any, name: str = "top_k") -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise ValueError(f"{name} must be a whole number, got {top_k!r}.")
+    if not 1 <= top_k <= MAX_TOP_K:
+        raise ValueError(
+            f"{name} must be between 1 and {MAX_TOP_K} (pgvector's HNSW search returns at "
+            f"most {MAX_TOP_K} rows), got {top_k}."
+        )
+
+
+def _check_fusion(rrf_k: Any, vector_weight: Any, text_weight: Any) -> tuple[float, float, float]:
+    for name, value in (("rrf_k", rrf_k), ("vector_weight", vector_weight), ("text_weight", text_weight)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value == value:
+            raise ValueError(f"{name} must be a number, got {value!r}.")
+        if value < 0 or (name == "rrf_k" and value == 0) or value == float("inf"):
+            raise ValueError(f"{name} must be {'positive' if name == 'rrf_k' else '>= 0'} and finite, got {value!r}.")
+    if vector_weight == 0 and text_weight == 0:
+        raise ValueError("vector_weight and text_weight are both 0; give at least one a weight.")
+    return float(rrf_k), float(vector_weight), float(text_weight)

@@ -10,18 +10,18 @@ HTTP onto it, and the Ray Serve deployment (:mod:`.ray_app`) builds one per repl
 from __future__ import annotations
 
 import asyncio
-import os
 import warnings
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
+from .. import config
 from ..defaults import ANSWER_STOP, TOP_K
 from .schemas import ChatRequest, Limits, RequestError
 
 __all__ = ["ChatService", "ServeConfig", "API_KEY_ENV"]
 
 #: Environment variable holding the bearer token when ``--api-key`` is not given.
-API_KEY_ENV = "TOKRAG_API_KEY"
+API_KEY_ENV = config.API_KEY
 
 
 @dataclass
@@ -74,7 +74,7 @@ class ServeConfig:
 
     def resolved_api_key(self) -> str | None:
         """``api_key``, else ``$TOKRAG_API_KEY``, else None (empty strings count as none)."""
-        return self.api_key or os.environ.get(API_KEY_ENV) or None
+        return self.api_key or config.api_key()
 
 
 def _deprecated_options(self: ServeConfig) -> dict[str, Any]:

@@ -1,0 +1,96 @@
+"""``tokrag bench --throughput``: generated tokens per second with several queries decoded as
+one batch, the arms interleaved."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from .bench_arms import THROUGHPUT_ARMS, arm
+
+__all__: list[str] = []
+
+
+def _throughput(
+    model_of: Any,
+    items: list[tuple[str, list[str]]],
+    sizes: tuple[int, ...],
+    max_new_tokens: int,
+    policies: tuple[str, ...],
+    progress: bool,
+    rounds: int = 3,
+    latency: bool = True,
+) -> dict[str, Any]:
+    """Generated tokens per second with ``n`` queries decoded as one batch, per arm.
+
+    The arms are interleaved: each round runs every batch size, and at each size every arm
+    on the same ``n`` questions (the next ``n`` of ``items`` per round), in an order rotated
+    from one size and round to the next, so that drift in machine load falls on all arms
+    alike. Returns ``{"rounds", "arms": {arm: {n: {"tokens_per_s", "per_round"}}}, "ratios":
+    {"arm / rag": {n: {"median", "min", "max"}}}}``: tokens/s over all rounds (total tokens
+    / total seconds), each round's tokens/s, and the per-round ratio of tokens/s to ``rag``'s
+    (measured side by side) with its median and spread.
+    """
+    from tqdm.auto import tqdm
+
+    from .api import generate_batch
+
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    arms = [p for p in THROUGHPUT_ARMS if p in policies] or [p for p in policies]
+    raw: dict[str, dict[int, list[tuple[int, float]]]] = {a: {n: [] for n in sizes} for a in arms}
+    decode: dict[str, dict[int, list[float]]] = {a: {n: [] for n in sizes} for a in arms}
+    bar = tqdm(total=rounds * len(arms) * len(sizes), desc="throughput", disable=not progress)
+    turn = 0
+    for r in range(rounds):
+        for n in sizes:
+            batch = [items[(r * n + i) % len(items)] for i in range(n)]
+            order = arms[turn % len(arms) :] + arms[: turn % len(arms)]
+            turn += 1
+            for name in order:
+                pol, opts = arm(name)
+                t0 = time.perf_counter()
+                rs = generate_batch(
+                    model_of(name),
+                    [q for q, _ in batch],
+                    [ps for _, ps in batch],
+                    policy=pol,
+                    max_new_tokens=max_new_tokens,
+                    **opts,
+                )
+                dt = time.perf_counter() - t0
+                raw[name][n].append((sum(len(x.trace.steps) for x in rs), dt))
+                timings = getattr(rs[0].trace, "timings", None) or {}
+                decode[name][n].append(float(timings.get("decode_s", float("nan"))))
+                bar.update(1)
+    bar.close()
+    out: dict[str, Any] = {"rounds": rounds, "arms": {}, "ratios": {}}
+    for name, per in raw.items():
+        out["arms"][name] = {
+            str(n): {
+                "tokens_per_s": sum(t for t, _ in v) / sum(d for _, d in v),
+                "per_round": [t / d for t, d in v],
+                # Tokens per second of the decode loop alone (prefill excluded): with short
+                # answers the prefill dominates, and tokens/s then rewards long answers.
+                "decode_tokens_per_s": sum(t for t, _ in v) / sum(decode[name][n]),
+            }
+            for n, v in per.items()
+        }
+    if "rag" in raw:
+        for name in arms:
+            if name == "rag":
+                continue
+            ratios = {}
+            for n in sizes:
+                rr = [
+                    (t / d) / (tr / dr)
+                    for (t, d), (tr, dr) in zip(raw[name][n], raw["rag"][n], strict=True)
+                ]
+                ratios[str(n)] = {
+                    "median": statistics.median(rr),
+                    "min": min(rr),
+                    "max": max(rr),
+                }
+            out["ratios"][f"{name} / rag"] = ratios
+    return out

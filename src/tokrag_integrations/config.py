@@ -1,0 +1,247 @@
+"""Every environment variable tokrag reads, in one place.
+
+Each variable has one small accessor here that reads the environment when it is called (not
+at import), so a variable set after import, or by a test, takes effect on the next call. A
+value that cannot be used raises :class:`ConfigError` (a ``ValueError``) whose message names
+the variable, the value and what it should be. An unset or empty variable means its default.
+
+============================== ================ ==============================================
+variable                       default          meaning
+============================== ================ ==============================================
+``TOKRAG_API_KEY``             none             bearer token ``tokrag serve`` requires on
+                                                ``/v1/*`` (``--api-key`` wins)
+``TOKRAG_CACHE_DIR``           ``$XDG_CACHE_H   cache folder: converted models, chunk
+                               OME/tokrag``     embeddings, kernel plans
+                               (``~/.cache/
+                               tokrag``)
+``TOKRAG_CPU_KERNELS``         ``auto``         few-row CPU matrix products on float32 models:
+                                                ``auto`` (measured per shape), ``on``, ``off``
+``TOKRAG_DATA_DIR``            ``$XDG_DATA_HOME data folder of the embedded Postgres is
+                               /tokrag``        ``<this>/pg`` (``/var/lib/tokrag/pg`` as root)
+``TOKRAG_FUSE_CONTEXTS``       on               decode the two contexts in one forward pass
+``TOKRAG_KERNEL_PLAN_CACHE``   on               keep measured kernel plans on disk for later
+                                                processes (off: measure in every process)
+``TOKRAG_PACKED_HEAD``         ``auto``         packed copy of the output head on CPU:
+                                                ``auto`` (when measured faster), ``on``, ``off``
+``TOKRAG_PACKED_PREFILL``      on               prefill both contexts in one padded batch
+``TOKRAG_PG_CONNECT_TIMEOUT``  5                seconds to wait for a Postgres connection
+                                                (rounded up to whole seconds, at least 1)
+``TOKRAG_PG_DSN``              none             Postgres connection string; unset: the
+                                                embedded server (``--dsn`` wins)
+``TOKRAG_PG_POOL_SIZE``        10               most connections one Postgres pool opens
+``TOKRAG_PG_POOL_TIMEOUT``     30               seconds a caller waits for a pooled connection
+``TOKRAG_STREAM_IDLE_TIMEOUT`` 30               seconds a stream may be left unread before it
+                                                is closed to free the model
+``TOKRAG_VERBOSE``             off              show the libraries' model-loading progress
+                                                bars (``tokrag -v`` does it for one run)
+============================== ================ ==============================================
+
+Switches (``FUSE_CONTEXTS``, ``KERNEL_PLAN_CACHE``, ``PACKED_PREFILL``, ``VERBOSE``) take
+``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` in any case; any other word is
+an error rather than a silent *yes*. ``XDG_CACHE_HOME`` and ``XDG_DATA_HOME`` (the
+freedesktop base folders) are read here too.
+
+This module imports only the standard library, so anything may import it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+__all__ = [
+    "ConfigError",
+    "api_key",
+    "cache_dir",
+    "cpu_kernels",
+    "data_dir",
+    "env_switch",
+    "fuse_contexts",
+    "kernel_plan_cache",
+    "packed_head",
+    "packed_prefill",
+    "pg_connect_timeout",
+    "pg_dsn",
+    "pg_pool_size",
+    "pg_pool_timeout",
+    "stream_idle_timeout",
+    "verbose",
+    "xdg_cache_home",
+    "xdg_data_home",
+]
+
+API_KEY = "TOKRAG_API_KEY"
+CACHE_DIR = "TOKRAG_CACHE_DIR"
+CPU_KERNELS = "TOKRAG_CPU_KERNELS"
+DATA_DIR = "TOKRAG_DATA_DIR"
+FUSE_CONTEXTS = "TOKRAG_FUSE_CONTEXTS"
+KERNEL_PLAN_CACHE = "TOKRAG_KERNEL_PLAN_CACHE"
+PACKED_HEAD = "TOKRAG_PACKED_HEAD"
+PACKED_PREFILL = "TOKRAG_PACKED_PREFILL"
+PG_CONNECT_TIMEOUT = "TOKRAG_PG_CONNECT_TIMEOUT"
+PG_DSN = "TOKRAG_PG_DSN"
+PG_POOL_SIZE = "TOKRAG_PG_POOL_SIZE"
+PG_POOL_TIMEOUT = "TOKRAG_PG_POOL_TIMEOUT"
+STREAM_IDLE_TIMEOUT = "TOKRAG_STREAM_IDLE_TIMEOUT"
+VERBOSE = "TOKRAG_VERBOSE"
+
+DEFAULT_PG_CONNECT_TIMEOUT_S = 5
+DEFAULT_PG_POOL_SIZE = 10
+DEFAULT_PG_POOL_TIMEOUT_S = 30.0
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 30.0
+
+_SWITCH_WORDS = {
+    "1": True, "true": True, "yes": True, "on": True,
+    "0": False, "false": False, "no": False, "off": False,
+}
+_MODES = ("auto", "on", "off")
+
+
+class ConfigError(ValueError):
+    """An environment variable holds a value tokrag cannot use (the message names it)."""
+
+
+def _raw(name: str) -> str | None:
+    """The variable's value without surrounding spaces; ``None`` when unset or empty."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def _bad(name: str, raw: str, what: str, fix: str, default: object) -> ConfigError:
+    return ConfigError(
+        f"{name} must be {what}, got {raw!r} ({name}={raw!r} in the environment); {fix}, or "
+        f"unset it for the default ({default})."
+    )
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """The variable ``name`` read as an on/off switch; ``default`` when unset or empty.
+
+    Raises:
+        ConfigError: The value is not one of the switch words (module docstring).
+    """
+    raw = _raw(name)
+    if raw is None:
+        return default
+    try:
+        return _SWITCH_WORDS[raw.lower()]
+    except KeyError:
+        raise ConfigError(
+            f"{name}={raw!r} is not a switch; set it to 1, true, yes or on, or to 0, false, no "
+            "or off (or unset it)."
+        ) from None
+
+
+def _mode(name: str) -> str:
+    raw = _raw(name)
+    if raw is None:
+        return "auto"
+    if raw.lower() not in _MODES:
+        raise _bad(name, raw, "'auto', 'on' or 'off'", "set it to one of them", "auto")
+    return raw.lower()
+
+
+def _positive(name: str, kind: type, default: float, what: str, finite: bool = True) -> float:
+    """A positive number of type ``kind`` (``int``: a whole number) or ``default``; infinity
+    only where ``finite`` is false (a wait that never gives up)."""
+    raw = _raw(name)
+    if raw is None:
+        return kind(default)
+    try:
+        value = float(raw) if kind is float else int(raw)
+    except ValueError:
+        value = float("nan")
+    if math.isnan(value) or value <= 0 or (finite and math.isinf(value)):
+        raise _bad(name, raw, what, "set it to a number above 0", kind(default))
+    return kind(value)
+
+
+def api_key() -> str | None:
+    """``$TOKRAG_API_KEY`` as given: the bearer token of ``tokrag serve``, or ``None``."""
+    return os.environ.get(API_KEY) or None
+
+
+def cache_dir() -> Path | None:
+    """``$TOKRAG_CACHE_DIR`` as given (``~`` not expanded), or ``None`` (see :mod:`.paths`)."""
+    raw = os.environ.get(CACHE_DIR)
+    return Path(raw) if raw else None
+
+
+def xdg_cache_home() -> Path | None:
+    """``$XDG_CACHE_HOME``, or ``None``."""
+    raw = os.environ.get("XDG_CACHE_HOME")
+    return Path(raw) if raw else None
+
+
+def xdg_data_home() -> Path | None:
+    """``$XDG_DATA_HOME``, or ``None``."""
+    raw = os.environ.get("XDG_DATA_HOME")
+    return Path(raw) if raw else None
+
+
+def cpu_kernels() -> str:
+    """``$TOKRAG_CPU_KERNELS``: ``"auto"`` (default), ``"on"`` or ``"off"``."""
+    return _mode(CPU_KERNELS)
+
+
+def packed_head() -> str:
+    """``$TOKRAG_PACKED_HEAD``: ``"auto"`` (default), ``"on"`` or ``"off"``."""
+    return _mode(PACKED_HEAD)
+
+
+def data_dir() -> Path | None:
+    """``$TOKRAG_DATA_DIR`` with ``~`` expanded, or ``None``."""
+    raw = os.environ.get(DATA_DIR)
+    return Path(raw).expanduser() if raw else None
+
+
+def fuse_contexts() -> bool:
+    """``$TOKRAG_FUSE_CONTEXTS`` (default on)."""
+    return env_switch(FUSE_CONTEXTS, True)
+
+
+def kernel_plan_cache() -> bool:
+    """``$TOKRAG_KERNEL_PLAN_CACHE`` (default on)."""
+    return env_switch(KERNEL_PLAN_CACHE, True)
+
+
+def packed_prefill() -> bool:
+    """``$TOKRAG_PACKED_PREFILL`` (default on)."""
+    return env_switch(PACKED_PREFILL, True)
+
+
+def verbose() -> bool:
+    """``$TOKRAG_VERBOSE`` (default off)."""
+    return env_switch(VERBOSE, False)
+
+
+def pg_dsn() -> str | None:
+    """``$TOKRAG_PG_DSN`` as given (it may hold a password: never print it), or ``None``."""
+    return os.environ.get(PG_DSN) or None
+
+
+def pg_connect_timeout() -> int:
+    """``$TOKRAG_PG_CONNECT_TIMEOUT`` in whole seconds, rounded up (at least 1; default 5)."""
+    value = _positive(PG_CONNECT_TIMEOUT, float, DEFAULT_PG_CONNECT_TIMEOUT_S, "a number of seconds")
+    return max(1, math.ceil(value))
+
+
+def pg_pool_size() -> int:
+    """``$TOKRAG_PG_POOL_SIZE`` (default 10)."""
+    return int(_positive(PG_POOL_SIZE, int, DEFAULT_PG_POOL_SIZE, "a whole number"))
+
+
+def pg_pool_timeout() -> float:
+    """``$TOKRAG_PG_POOL_TIMEOUT`` in seconds (default 30)."""
+    return _positive(
+        PG_POOL_TIMEOUT, float, DEFAULT_PG_POOL_TIMEOUT_S, "a number of seconds", finite=False
+    )
+
+
+def stream_idle_timeout() -> float:
+    """``$TOKRAG_STREAM_IDLE_TIMEOUT`` in seconds (default 30)."""
+    return _positive(
+        STREAM_IDLE_TIMEOUT, float, DEFAULT_STREAM_IDLE_TIMEOUT_S, "a number of seconds",
+        finite=False,
+    )

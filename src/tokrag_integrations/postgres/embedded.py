@@ -1,0 +1,465 @@
+"""The embedded PostgreSQL 16 + pgvector from ``pgserver`` (see :mod:`.server` for when it
+is used).
+
+Embedded data folder (:func:`default_data_dir`): ``$TOKRAG_DATA_DIR/pg`` when that is set,
+else ``$XDG_DATA_HOME/tokrag/pg`` (``~/.local/share/tokrag/pg``). **Running as root** is
+different: pgserver then runs Postgres as a separate system user (``pgserver``) and makes
+every parent folder of the data folder group/other-readable and traversable (``chmod
+g+rx,o+rx`` up to ``/``). Under ``/root`` that would open the root user's home, so as root
+the default is ``/var/lib/tokrag/pg`` (whose parents are world-traversable already), and a
+data folder inside the root user's home is refused with an error naming the fix.
+
+**No other local user can reach the embedded server** (it trusts every connection that
+reaches its socket). The server listens on a Unix socket only, in a folder that only the
+server's own OS user may enter (mode 0700): the data folder itself, or, when the data
+folder's path is too long for a Unix socket (about 107 bytes), a private
+``$TMPDIR/tokrag-pg-<uid>/<hash>`` folder (never pgserver's world-writable fallback). The
+socket file itself is made owner-only (``unix_socket_permissions=0700``). tokrag starts the
+server itself (:class:`_server_class`) for this; pgserver still creates the data folder, the
+system user as root, and stops the server when the last process using it exits. A server
+found running with its socket in a folder other users can enter (started by an older
+version) is refused with the way to restart it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .. import config
+from .dsn import dsn_params
+from .errors import PostgresConnectionError, PostgresSetupError
+
+__all__ = [
+    "DATA_DIR_ENV",
+    "DSN_ENV",
+    "HANDLE_FILE",
+    "default_data_dir",
+    "prune_stale_handles",
+    "start_again_if_stopped",
+    "start_embedded",
+]
+
+#: Environment variable holding a production connection string.
+DSN_ENV = config.PG_DSN
+#: Environment variable overriding the per-user data folder.
+DATA_DIR_ENV = config.DATA_DIR
+
+
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def default_data_dir() -> Path:
+    """Folder for the embedded server's data (see the module docstring for the root case)."""
+    env = config.data_dir()
+    if env is not None:
+        return env / "pg"
+    if _is_root():
+        return Path("/var/lib/tokrag/pg")
+    base = config.xdg_data_home() or Path(os.path.expanduser("~")) / ".local" / "share"
+    return base / "tokrag" / "pg"
+
+
+def _check_root_safe(data_dir: Path) -> None:
+    """Refuse, as root, a data folder whose parents pgserver would open up inside a home."""
+    if not _is_root():
+        return
+    resolved = data_dir.expanduser().resolve()
+    homes = {Path("/root").resolve()}
+    try:
+        homes.add(Path.home().resolve())
+    except RuntimeError:  # pragma: no cover - no home at all
+        pass
+    for home in homes:
+        if resolved == home or home in resolved.parents:
+            raise PostgresSetupError(
+                f"Refusing to start the embedded Postgres in {resolved}: as root, pgserver makes "
+                f"every parent folder world-readable, which would expose {home}. Set "
+                f"{DATA_DIR_ENV} to a folder outside it (e.g. /var/lib/tokrag or a project "
+                "folder), or pass --dsn / set TOKRAG_PG_DSN to use an existing server."
+            )
+
+
+_SERVERS: dict[Path, Any] = {}
+_SERVERS_LOCK = threading.Lock()
+#: pgserver guards its servers with one file lock per process (a class attribute), which is not
+#: safe between threads: a pool thread starting a stopped server again and another thread
+#: stopping or creating one would release each other's lock. Every use of it here goes
+#: through this lock first.
+_PGSERVER_LOCK = threading.RLock()
+#: pgserver's list of the processes using a server, in the data folder.
+HANDLE_FILE = ".handle_pids.json"
+
+
+def _process_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:  # NoSuchProcess, AccessDenied on a reused pid we cannot see
+        return psutil.pid_exists(pid)
+
+
+def prune_stale_handles(data_dir: str | Path) -> list[int]:
+    """Drop processes that no longer exist from pgserver's handle list; returns their PIDs.
+
+    pgserver stops the server when the *last* process in ``<data_dir>/.handle_pids.json``
+    exits normally. A process killed with SIGKILL (or by the OOM killer) never removes its
+    PID, so without this the server would run forever: every later process would see a
+    "still used" entry and leave it running. Called (under pgserver's own inter-process
+    lock) before attaching, so the next process that uses the folder owns the server and
+    stops it when it exits.
+    """
+    import json
+
+    handle_file = Path(data_dir).expanduser().resolve() / HANDLE_FILE
+    if not handle_file.exists():
+        return []
+    PostgresServer = _import_pgserver().postgres_server.PostgresServer
+
+    with PostgresServer._lock:
+        try:
+            pids = json.loads(handle_file.read_text())
+        except (OSError, ValueError):
+            return []
+        if not isinstance(pids, list):
+            return []
+        alive = [p for p in pids if isinstance(p, int) and _process_alive(p)]
+        dead = [p for p in pids if p not in alive]
+        if dead:
+            handle_file.write_text(json.dumps(alive))
+    return dead
+
+
+def _import_pgserver() -> Any:
+    """``pgserver``, imported without platformdirs' "XDG_RUNTIME_DIR is not set" warning.
+
+    pgserver keeps only its lock file in the user's runtime folder; when the variable is
+    unset (containers, ``su``, cron) platformdirs falls back to ``/run/user/<uid>`` or a
+    private folder in the temporary directory, which serves as well, so the warning (with a
+    source line, on every command) tells the user nothing they need to act on.
+
+    Raises:
+        ImportError: ``pgserver`` is not installed.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR", category=UserWarning)
+        import pgserver
+        import pgserver.postgres_server  # noqa: F401 - computes the runtime folder on import
+    return pgserver
+
+
+#: Longest Unix socket path: ``sun_path`` holds 108 bytes on Linux, 104 on macOS (with the NUL).
+_SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
+#: The socket file Postgres creates in its socket folder (the port is always the default).
+_SOCKET_NAME = ".s.PGSQL.5432"
+#: Characters pg_ctl cannot pass through the ``"..."`` quoting of the shell command it runs
+#: (``-D "<data folder>"``): the server would start elsewhere, or not at all.
+_UNQUOTABLE = '"$`\\\n'
+
+
+def _check_quotable(folder: Path) -> None:
+    """Refuse a data folder path that pg_ctl's shell command cannot carry (spaces are fine)."""
+    bad = sorted({c for c in str(folder.absolute()) if c in _UNQUOTABLE})
+    if bad:
+        shown = " ".join(repr(c) for c in bad)
+        raise PostgresSetupError(
+            f"The embedded Postgres cannot use the data folder {str(folder)!r}: pg_ctl passes "
+            f"it through a shell, which cannot carry {shown} in it; set {DATA_DIR_ENV} to a "
+            "path without them."
+        )
+
+
+def _server_user_ids(system_user: str | None) -> tuple[int, int]:
+    """``(uid, gid)`` the server runs as: pgserver's system user as root, else this process's."""
+    if system_user is None:
+        return os.geteuid(), os.getegid()
+    import pwd
+
+    entry = pwd.getpwnam(system_user)
+    return entry.pw_uid, entry.pw_gid
+
+
+def _socket_fits(folder: Path) -> bool:
+    return len(os.fsencode(str(folder / _SOCKET_NAME))) <= _SOCKET_PATH_MAX
+
+
+def _private_folder(folder: Path, uid: int, gid: int) -> Path:
+    """``folder``, created 0700 for ``uid`` (or already exactly that: not a link, its owner, 0700).
+
+    Raises:
+        PostgresSetupError: ``folder`` exists as something else (e.g. made by another user
+            in the shared temporary folder).
+    """
+    try:
+        folder.mkdir(mode=0o700)
+        if os.geteuid() != uid:  # root making the folder for pgserver's system user
+            os.chown(folder, uid, gid)
+    except FileExistsError:
+        pass
+    st = folder.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+        raise PostgresSetupError(
+            f"Refusing to put the embedded Postgres socket in {folder}: it is not a private "
+            f"folder of user id {uid} (owner {st.st_uid}, mode {stat.filemode(st.st_mode)}), so "
+            "another local user could reach or replace the server. Remove it (or set "
+            f"{DATA_DIR_ENV} to a shorter path) and re-run."
+        )
+    return folder
+
+
+def _socket_folder(pgdata: Path, uid: int, gid: int) -> Path:
+    """Where the server's socket goes: the data folder (0700, the server user's own), or, when
+    its path is too long for a Unix socket, ``$TMPDIR/tokrag-pg-<uid>/<hash of the path>``
+    (both levels private to the server's user; ``/tmp`` when ``$TMPDIR`` is long too).
+
+    Raises:
+        PostgresSetupError: No candidate is short enough, or one is not private.
+    """
+    if _socket_fits(pgdata):
+        return pgdata
+    digest = hashlib.sha256(os.fsencode(str(pgdata))).hexdigest()[:12]
+    for base in dict.fromkeys([Path(tempfile.gettempdir()), Path("/tmp")]):
+        folder = base / f"tokrag-pg-{uid}" / digest
+        if _socket_fits(folder):
+            _private_folder(folder.parent, uid, gid)
+            return _private_folder(folder, uid, gid)
+    raise PostgresSetupError(
+        f"The embedded Postgres in {pgdata} needs a Unix socket path under "
+        f"{_SOCKET_PATH_MAX} bytes and neither the data folder nor $TMPDIR gives one; set "
+        f"{DATA_DIR_ENV} (or TMPDIR) to a shorter path."
+    )
+
+
+def _is_private(folder: Path, uid: int) -> bool:
+    try:
+        st = folder.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o077
+
+
+def _log_reason(log: Path) -> str:
+    """The last FATAL/ERROR line of the server log (what went wrong), or a pointer to the log."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in reversed(lines):
+        if "FATAL:" in line or "ERROR:" in line or "PANIC:" in line:
+            return line.split(":  ", 1)[-1].strip()
+    return "pg_ctl could not start it"
+
+
+_SERVER_CLASS: Any = None
+
+
+def _server_class() -> Any:
+    """pgserver's ``PostgresServer``, started so that no other local user can reach it.
+
+    pgserver's own start puts the socket in a world-writable folder when the data folder's
+    path is too long, passes the folder to the server unquoted (a space breaks it) and logs
+    the whole server log on failure. Only that step is replaced (``ensure_postgres_running``);
+    initdb, pgserver's system user as root, the handle list and the stop at exit are
+    pgserver's.
+    """
+    global _SERVER_CLASS
+    if _SERVER_CLASS is not None:
+        return _SERVER_CLASS
+    from pgserver._commands import POSTGRES_BIN_PATH
+    from pgserver.postgres_server import PostgresServer
+    from pgserver.utils import PostmasterInfo
+
+    class PrivateSocketServer(PostgresServer):
+        """A ``PostgresServer`` whose Unix socket only its own OS user (and root) can reach."""
+
+        def _cleanup(self) -> None:
+            with _PGSERVER_LOCK:
+                self._cleaned_up = True  # stopped on purpose: not to be started again
+                super()._cleanup()
+
+        def ensure_postgres_running(self) -> None:  # called under pgserver's lock
+            uid, gid = _server_user_ids(self.system_user)
+            info = PostmasterInfo.read_from_pgdata(self.pgdata)
+            if info is None or not info.is_running():
+                self._start(uid, gid)
+                info = PostmasterInfo.read_from_pgdata(self.pgdata)
+            if info is None or not info.is_running() or info.status != "ready":
+                raise PostgresSetupError(
+                    f"The embedded Postgres in {self.pgdata} did not become ready: "
+                    f"{_log_reason(self.log)}. See {self.log}."
+                )
+            if info.socket_dir is None or not _is_private(info.socket_dir, uid):
+                raise PostgresSetupError(
+                    f"The embedded Postgres in {self.pgdata} is already running with its socket "
+                    f"in {info.socket_dir}, which other local users can reach (started by an "
+                    f"older version?). Stop it with `pg_ctl -D '{self.pgdata}' stop` (as "
+                    f"{self.system_user or 'this user'}) and re-run: it restarts with a "
+                    "private socket."
+                )
+            self._postmaster_info = info
+
+        def get_uri(self, database: str | None = None) -> str:
+            """The connection URL, with the socket folder percent-encoded (it may hold spaces)."""
+            from urllib.parse import quote
+
+            folder = quote(str(self.get_postmaster_info().socket_dir), safe="/")
+            return f"postgresql://postgres:@/{quote(database or 'postgres', safe='')}?host={folder}"
+
+        def _start(self, uid: int, gid: int) -> None:
+            socket_folder = _socket_folder(self.pgdata, uid, gid)
+            # pg_ctl runs the server through /bin/sh: -o is shell text, so the folder is quoted.
+            options = (
+                f"-h '' -k {shlex.quote(str(socket_folder))} -c unix_socket_permissions=0700"
+            )
+            command = [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(self.pgdata), "-w",
+                       "-t", "60", "-o", options, "-l", str(self.log), "start"]  # fmt: skip
+            as_user: dict[str, Any] = {}
+            if self.system_user is not None:  # root: the server's own user and group only
+                as_user = {"user": uid, "group": gid, "extra_groups": []}
+            done = subprocess.run(
+                command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, timeout=90, check=False, **as_user,
+            )  # fmt: skip
+            if done.returncode != 0:
+                raise PostgresSetupError(
+                    f"Could not start the embedded Postgres in {self.pgdata}: "
+                    f"{_log_reason(self.log)}. See {self.log} for the server log, or pass "
+                    f"--dsn / set {DSN_ENV}."
+                )
+
+    _SERVER_CLASS = PrivateSocketServer
+    return _SERVER_CLASS
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _stop_on_sigterm() -> None:
+    """Make SIGTERM end the process as Ctrl-C does, so the embedded server is stopped at exit.
+
+    SIGTERM's default action (``timeout``, systemd, ``docker stop``) kills Python without
+    running ``atexit``, where pgserver stops the server, so it would keep running. Installed
+    only while SIGTERM still has its default action, from the main thread: a handler the
+    application set is left alone.
+    """
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
+    """Start (or attach to) the embedded server; returns ``(dsn, server_handle)``.
+
+    The server is started once per data folder and process, and stopped by ``pgserver``
+    when the last process using it exits (its data stays for the next run). A process that
+    was killed (SIGKILL) cannot stop it: the server then keeps running until the next
+    process using the folder exits, which first removes the dead process from pgserver's
+    handle list (:func:`prune_stale_handles`). SIGTERM ends the process as Ctrl-C does (exit
+    status 143), so the server is stopped then too (:func:`_stop_on_sigterm`). Its socket is
+    private to the server's OS user (see the module docstring).
+
+    Raises:
+        PostgresSetupError: ``pgserver`` is missing, the folder is unsafe (root), or the
+            server fails to start (the message names the server log).
+    """
+    folder = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+    _check_root_safe(folder)
+    _check_quotable(folder)
+    try:
+        _import_pgserver()
+    except ImportError:
+        raise PostgresSetupError(
+            "No connection string was given and the embedded server needs the 'pgserver' "
+            "package: pip install 'tokrag-integrations[postgres]' (or pass --dsn / set "
+            f"{DSN_ENV})."
+        ) from None
+    with _SERVERS_LOCK:
+        key = folder.resolve() if folder.exists() else folder.absolute()
+        server = _SERVERS.get(key)
+        if server is None:
+            try:
+                folder.parent.mkdir(parents=True, exist_ok=True)
+                pgdata = folder.resolve()
+                pgdata.mkdir(mode=0o700, exist_ok=True)
+                prune_stale_handles(pgdata)
+                server_class = _server_class()
+                server = server_class._instances.get(pgdata)
+                if server is None:
+                    try:
+                        with _PGSERVER_LOCK:
+                            server = server_class(pgdata, cleanup_mode="stop")
+                    finally:  # pgserver registers the instance before starting it
+                        if server is None:
+                            server_class._instances.pop(pgdata, None)
+            except PostgresSetupError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - re-raised with the fix in the message
+                raise PostgresSetupError(
+                    f"Could not start the embedded Postgres in {folder}: {exc}. See "
+                    f"{folder / 'log'} for the server log, or pass --dsn / set {DSN_ENV}."
+                ) from exc
+            _SERVERS[key] = server
+    _start_again_if_stopped(server)
+    _stop_on_sigterm()
+    return server.get_uri(), server
+
+
+
+def _start_again_if_stopped(server: Any) -> bool:
+    """Start ``server`` again when it was stopped from outside this process (``pg_ctl stop``,
+    another tool); returns whether it was. Same data folder and socket, so the connection
+    string does not change; a warning says what happened.
+
+    Raises:
+        PostgresSetupError: It cannot be started again (the message names the server log).
+    """
+    from pgserver.utils import PostmasterInfo
+
+    with _PGSERVER_LOCK, server._lock:
+        if getattr(server, "_cleaned_up", False):
+            return False
+        info = PostmasterInfo.read_from_pgdata(server.pgdata)
+        if info is not None and info.is_running():
+            return False
+        server.ensure_postgres_running()
+        # Warned before the lock is released: a thread that finds it running afterwards (a
+        # pool's other worker) hands out a connection only after the warning.
+        warnings.warn(
+            f"The embedded Postgres in {server.pgdata} had been stopped from outside this "
+            "process; tokrag started it again.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return True
+
+
+def start_again_if_stopped(dsn: str) -> bool:
+    """Whether ``dsn`` is an embedded server of this process that was stopped from outside
+    and has been started again (see :func:`_start_again_if_stopped`); ``False`` for any other
+    database."""
+    try:
+        host = dsn_params(dsn).get("host")
+    except PostgresConnectionError:
+        return False
+    with _SERVERS_LOCK:
+        servers = list(_SERVERS.values())
+    for server in servers:
+        info = server._postmaster_info
+        if host and info is not None and str(info.socket_dir) == host:
+            return _start_again_if_stopped(server)
+    return False
