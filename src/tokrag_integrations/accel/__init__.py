@@ -8,6 +8,10 @@
 * :mod:`.packed`: all contexts of a decode in one pass per step (packed or fused);
   :func:`prefill` is what the runner hands to the step-by-step loop.
 * :mod:`.speculative`: blockwise verification of a pure/RAG rule.
+* :mod:`.shared_lens`: one logit-lens product for the queries of a batch.
+
+Which of them a decode uses is its :class:`..engine.speed.Speed` (the ``speed=`` argument of
+the runner and the API).
 
 The functions here import their module on first use, so that importing
 :mod:`.kv_cache` (as the engine's batch does) stays light.
@@ -21,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from ..engine.loop import StepEvent
     from ..engine.prefill import Prefilled
+    from ..engine.speed import Speed
     from ..models import LoadedModel
-    from ..policies.base import ContextSpec, Policy
+    from ..policies.base import Choice, ContextSpec, Policy, View
     from ..prompts import PromptPlan
 
 
@@ -47,11 +52,21 @@ def prefill(
     per_query: Sequence[dict[str, ContextSpec]],
     lm: LoadedModel,
     policy: Policy,
+    speed: Speed | None = None,
 ) -> Prefilled:
-    """The step-by-step loop's prefill with packed / fused contexts (:func:`.packed.prefill`)."""
+    """The step-by-step loop's prefill with packed / fused contexts where ``speed.fuse``
+    (:func:`.packed.prefill`)."""
     from .packed import prefill as packed_prefill
 
-    return packed_prefill(roles, per_query, lm, policy)
+    return packed_prefill(roles, per_query, lm, policy, speed)
+
+
+def choose_many(policy: Policy, views: list[dict[str, View]], lm: LoadedModel) -> list[Choice]:
+    """The choices of one step of a batch, the rule's first logit-lens rows of every query
+    in one product (:func:`.shared_lens.choose_many`)."""
+    from .shared_lens import choose_many as shared
+
+    return shared(policy, views, lm)
 
 
 def blockwise(lm: LoadedModel, policy: Policy) -> bool:
