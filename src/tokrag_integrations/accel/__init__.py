@@ -1,9 +1,10 @@
 """The speed paths, behind one seam (CPU speed work only; the algorithm never imports this).
 
-* :mod:`.cpu_kernels`: few-row linear layers routed to the fastest measured kernel, the
-  ``tokrag_sdpa`` attention (grouped, row-wise, packed two-context prefill) and the packed
-  LM head of the logit lens; installed by :func:`.cpu_kernels.maybe_install`, the one
-  function ``load_model`` calls (:func:`install_kernels` here).
+* :mod:`.cpu_kernels`: few-row linear layers routed to the fastest measured kernel;
+  :mod:`.sdpa`: the ``tokrag_sdpa`` attention (grouped, row-wise, packed two-context
+  prefill); :mod:`.lens_head`: the packed LM head of the logit lens; all installed by
+  :func:`.paths.maybe_install`, the one function ``load_model`` calls (:func:`install_kernels`
+  here).
 * :mod:`.kv_cache`: a KV cache layer that grows in place (every role batch uses it).
 * :mod:`.packed`: all contexts of a decode in one pass per step (packed or fused);
   :func:`prefill` is what the runner hands to the step-by-step loop.
@@ -33,16 +34,16 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 def install_kernels(model: Any, mode: str | None = None) -> bool:
     """Install the CPU kernels on ``model`` where they apply (``mode`` ``auto``/``on``/
-    ``off``, default ``TOKRAG_CPU_KERNELS``): :func:`.cpu_kernels.maybe_install`, which
+    ``off``, default ``TOKRAG_CPU_KERNELS``): :func:`.paths.maybe_install`, which
     ``load_model`` calls (from the module, since this package's loops import ``models``)."""
-    from .cpu_kernels import maybe_install
+    from .paths import maybe_install
 
     return maybe_install(model, mode)
 
 
 def speed_paths(model: Any) -> dict[str, str]:
     """``on`` or ``off: <reason>`` per speed path of ``model``."""
-    from .cpu_kernels import speed_paths as paths
+    from .paths import speed_paths as paths
 
     return paths(model)
 

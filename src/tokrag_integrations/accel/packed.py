@@ -171,7 +171,7 @@ def prefill_packed(
     retrieved positions in the
     shorter prompt past the shared head, ``TOKRAG_PACKED_PREFILL=0``).
     """
-    from .cpu_kernels import ATTN_IMPLEMENTATION, PACKED_PREFILL
+    from .sdpa import ATTN_IMPLEMENTATION, PACKED_PREFILL
 
     if len(per_query) != 1 or len(roles) != 2 or not packed_prefill_enabled():
         return None
@@ -252,7 +252,7 @@ def prefill(
     pass costs about what a 1-row pass does on a CPU), else one batch per role. Fusion is
     off with ``TOKRAG_FUSE_CONTEXTS=0``, ``speed.fuse = False`` (:class:`..engine.speed.Speed`)
     or where :func:`.cpu_kernels.fusion_off_reason` gives a reason."""
-    from .cpu_kernels import fusion_off_reason
+    from .paths import fusion_off_reason
 
     want = speed.fuse if speed is not None else True
     fuse = fuse_contexts() and want and fusion_off_reason(lm.model) is None
