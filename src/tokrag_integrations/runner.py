@@ -32,12 +32,13 @@ def resolve_speed(speed: Speed | str | Mapping[str, Any] | None, policy: Policy)
     ``speed`` is None.
 
     Raises:
-        ValueError: ``speed`` given together with a policy's deprecated speed options.
+        ValueError: ``speed`` given together with other deprecated speed options of the
+            policy.
     """
     legacy = policy.legacy_speed
     if not legacy:
         return speed_of(speed)
-    if speed is not None:
+    if speed is not None and speed_of(speed) != speed_of(legacy):
         raise ValueError(
             f"give the speed once: speed={speed!r}, or the policy's deprecated options "
             f"{legacy!r}, not both"
