@@ -20,11 +20,11 @@ from typing import Any
 
 from .defaults import MAX_NEW_TOKENS
 from .engine.speed import Speed
-from .inputs import _DEFAULT, _check_count, _check_passages, _check_query, _plans, _where
+from .inputs import _DEFAULT, _check_inputs, _check_query, _plans
 from .models import LoadedModel
 from .policies import get_policy, merge_policy_options
 from .policies.base import Policy
-from .prompts import RenderedPrompt
+from .prompts import PromptPlan, RenderedPrompt
 from .results import GenerationResult, TokenEvent, _stop_list, _TextTracker
 from .runner import decode_loop, resolve_speed
 from .streams import (
@@ -103,19 +103,7 @@ def _run(
     if len(queries) != len(passages):
         raise ValueError(f"got {len(queries)} queries but {len(passages)} passage lists")
     queries = [_check_query(q, i if len(queries) > 1 else None) for i, q in enumerate(queries)]
-    for i, p in enumerate(passages):
-        _check_passages(p, i if len(passages) > 1 else None)
-    if rendered is not None:
-        if len(rendered) != len(queries):
-            raise ValueError(f"got {len(queries)} queries but {len(rendered)} rendered prompts")
-        for i, r in enumerate(rendered):
-            if r is not None and not isinstance(r, RenderedPrompt):
-                raise TypeError(f"{_where('rendered', i)} must be a RenderedPrompt, got {type(r).__name__}")
-            if r is not None and passages[i]:
-                raise ValueError("give passages or a rendered prompt (its context), not both")
-    _check_count("max_new_tokens", max_new_tokens)
-    if max_context_tokens is not None:
-        _check_count("max_context_tokens", max_context_tokens)
+    _check_inputs(queries, passages, rendered, max_new_tokens, max_context_tokens)
     if not queries:
         return iter(())
     options = dict(options or {})
@@ -161,48 +149,76 @@ def _run(
     ]
     trackers = [_TextTracker(lm.tokenizer, stops) for _ in queries]
 
-    def events() -> Iterator[TokenEvent]:
-        # The model lock is taken on the first next(), not when the stream is created, so
-        # an unread stream never blocks other users of the model.
-        _acquire(lm.lock, cancel)
-        try:
-            if cancel is not None and cancel.is_set():
-                raise _Cancelled
-            for group, idx in groups.items():
-                use = llm_pol if group == "llm" else pol
-                timings: dict[str, float] = {}
-                t0 = time.perf_counter()
-                for ev in decode_loop(
-                    lm,
-                    [plans[i] for i in idx],
-                    use,
-                    max_new_tokens=max_new_tokens,
-                    stop=stops,
-                    timings=timings,
-                    speed=chosen_speed,
-                ):
-                    q = idx[ev.query_idx]
-                    tr = traces[q]
-                    is_eos = ev.stop_reason == "eos"
-                    if not is_eos:
-                        tr.steps.append(ev.step)
-                    delta = trackers[q].push(None if is_eos else ev.step.token_id, ev.finished)
-                    if ev.finished:
-                        tr.stop_reason = ev.stop_reason
-                    if not is_eos or delta:
-                        yield TokenEvent(q, ev.step.index, ev.step.token_id, delta, ev.step.source, ev.step)
-                    if cancel is not None and cancel.is_set():
-                        raise _Cancelled
-                total = time.perf_counter() - t0
-                for i in idx:
-                    traces[i].timings = {**timings, "total_s": total, "queries_in_batch": float(len(idx))}
-        finally:
-            lm.lock.release()
-        for q, tr in enumerate(traces):
-            tr.text = trackers[q].final if trackers[q].final is not None else trackers[q].text()
-            holder.append(GenerationResult(text=tr.text, trace=tr, token_ids=list(trackers[q].ids)))
+    return _events(
+        lm,
+        {"main": pol, "llm": llm_pol},
+        groups,
+        plans,
+        traces,
+        trackers,
+        holder,
+        max_new_tokens=max_new_tokens,
+        stop=stops,
+        speed=chosen_speed,
+        cancel=cancel,
+    )
 
-    return events()
+
+def _events(
+    lm: LoadedModel,
+    policies: dict[str, Policy],
+    groups: dict[str, list[int]],
+    plans: list[PromptPlan],
+    traces: list[Trace],
+    trackers: list[_TextTracker],
+    holder: list[GenerationResult],
+    *,
+    max_new_tokens: int,
+    stop: list[str],
+    speed: Speed,
+    cancel: threading.Event | None,
+) -> Iterator[TokenEvent]:
+    """The decode of :func:`_run`: each group of queries (``groups``: name -> query indices)
+    under its policy (``policies[name]``), one :class:`TokenEvent` per chosen token; at the
+    end, one :class:`GenerationResult` per query appended to ``holder``."""
+    # The model lock is taken on the first next(), not when the stream is created, so
+    # an unread stream never blocks other users of the model.
+    _acquire(lm.lock, cancel)
+    try:
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled
+        for group, idx in groups.items():
+            timings: dict[str, float] = {}
+            t0 = time.perf_counter()
+            for ev in decode_loop(
+                lm,
+                [plans[i] for i in idx],
+                policies[group],
+                max_new_tokens=max_new_tokens,
+                stop=stop,
+                timings=timings,
+                speed=speed,
+            ):
+                q = idx[ev.query_idx]
+                tr = traces[q]
+                is_eos = ev.stop_reason == "eos"
+                if not is_eos:
+                    tr.steps.append(ev.step)
+                delta = trackers[q].push(None if is_eos else ev.step.token_id, ev.finished)
+                if ev.finished:
+                    tr.stop_reason = ev.stop_reason
+                if not is_eos or delta:
+                    yield TokenEvent(q, ev.step.index, ev.step.token_id, delta, ev.step.source, ev.step)
+                if cancel is not None and cancel.is_set():
+                    raise _Cancelled
+            total = time.perf_counter() - t0
+            for i in idx:
+                traces[i].timings = {**timings, "total_s": total, "queries_in_batch": float(len(idx))}
+    finally:
+        lm.lock.release()
+    for q, tr in enumerate(traces):
+        tr.text = trackers[q].final if trackers[q].final is not None else trackers[q].text()
+        holder.append(GenerationResult(text=tr.text, trace=tr, token_ids=list(trackers[q].ids)))
 
 
 def generate(

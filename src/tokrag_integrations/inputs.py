@@ -80,3 +80,27 @@ def _check_passages(p: Any, i: int | None) -> None:
 def _check_count(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
+def _check_inputs(
+    queries: Sequence[str],
+    passages: Sequence[Any],
+    rendered: Sequence[Any] | None,
+    max_new_tokens: Any,
+    max_context_tokens: Any,
+) -> None:
+    """The checks of one call after its queries': passages, rendered prompts, counts."""
+    for i, p in enumerate(passages):
+        _check_passages(p, i if len(passages) > 1 else None)
+    if rendered is not None:
+        if len(rendered) != len(queries):
+            raise ValueError(f"got {len(queries)} queries but {len(rendered)} rendered prompts")
+        for i, r in enumerate(rendered):
+            if r is not None and not isinstance(r, RenderedPrompt):
+                raise TypeError(f"{_where('rendered', i)} must be a RenderedPrompt, got {type(r).__name__}")
+            if r is not None and passages[i]:
+                raise ValueError("give passages or a rendered prompt (its context), not both")
+    _check_count("max_new_tokens", max_new_tokens)
+    if max_context_tokens is not None:
+        _check_count("max_context_tokens", max_context_tokens)
+

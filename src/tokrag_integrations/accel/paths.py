@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from .cpu_kernels import _HEAD, _HEAD_OK, _VERDICT, install, installed, verify_install
+from .cpu_kernels import _HEAD, _HEAD_OK, _VERDICT, install, installed
 from .lens_head import HEAD_MIN_ROWS
 from .sdpa import ATTN_IMPLEMENTATION, install_attention
+from .verify import verify_install
 
 #: ``config.model_type`` of the architectures the speed paths are measured correct on: the
 #: matrix of ``tests/test_architectures.py`` (tiny random models, float32 and bfloat16) and
