@@ -120,7 +120,7 @@ def _checked_options(name: str, cls: type, options: dict[str, Any]) -> dict[str,
         return options
     if any(p.name == "legacy_speed" for p in inspect.signature(cls.__init__).parameters.values()):
         # The deprecated speed options (``fuse=False``...), read as before; the class warns.
-        from .base import SPEED_KEYS
+        from .legacy_speed import SPEED_KEYS
 
         known = {**known, **{k: _legacy_speed_param(k, d) for k, d in SPEED_KEYS.items()}}
     out = dict(options)

@@ -2,10 +2,10 @@
 
 A policy is a rule over the shared multi-context loop (:mod:`..engine.loop`): it names the
 contexts it needs (:meth:`Policy.contexts`, one :class:`ContextSpec` each), and at every step
-turns what it sees of them (one :class:`View` per context, the
-engine's :class:`..engine.view.ContextView`: next-token logits,
-retrieved-token positions, per-layer states and attention rows on demand) into a
-:class:`Choice` (the token, where it came from, and the numbers behind the decision)::
+turns what it sees of them (one :class:`View` per context, the engine's
+:class:`..engine.view.ContextView`: next-token logits, retrieved-token positions, per-layer
+states and attention rows on demand) into a :class:`Choice` (the token, where it came from,
+and the numbers behind the decision)::
 
     from tokrag_integrations.policies import Choice, Policy, register_policy
 
@@ -22,13 +22,13 @@ retrieved-token positions, per-layer states and attention rows on demand) into a
     register_policy("confident", "my_package.rules:Confident")
 
 Everything a loop may read from a policy is declared on :class:`Policy` with its default,
-so a rule overrides only what it changes.
+so a rule overrides only what it changes. How fast a rule is decoded is not the rule's
+business: that is the ``speed=`` of the runner and the API (:class:`..engine.speed.Speed`).
 """
 
 from __future__ import annotations
 
 import importlib
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -38,6 +38,7 @@ import torch
 from ..attention import ProbeRecord
 from ..models import LoadedModel
 from ..prompts import PromptPlan
+from .legacy_speed import add_speed_properties
 
 __all__ = ["Choice", "ContextSpec", "Policy", "View"]
 
@@ -173,54 +174,6 @@ class Policy:
         return {}
 
 
-def _speed_property(key: str, default: Any) -> property:
-    """A deprecated speed attribute of a policy: reads and writes :attr:`Policy.legacy_speed`."""
-
-    def get(self: Policy) -> Any:
-        warnings.warn(
-            f"policy.{key} is deprecated: speed choices are not policy attributes any more; "
-            f"pass speed={{{key!r}: ...}} to generate() or the runner",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.legacy_speed.get(key, default)
-
-    def set_(self: Policy, value: Any) -> None:
-        warnings.warn(
-            f"setting policy.{key} is deprecated: pass speed={{{key!r}: {value!r}}} to "
-            "generate() or the runner",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        self.legacy_speed = {**self.legacy_speed, key: value}
-
-    return property(get, set_, doc=f"Deprecated: the ``{key}`` of ``speed=``.")
-
-
-#: The speed choices that used to be policy options, with their old defaults.
-SPEED_KEYS: dict[str, Any] = {"fuse": True, "speculative": False, "block": None, "drafter": "auto"}
-
-def legacy_speed_options(policy: str, given: dict[str, Any]) -> dict[str, Any]:
-    """Speed options given to a rule's constructor the old way, checked like ``speed=``
-    (:class:`..engine.speed.Speed`), with a ``DeprecationWarning``; {} when none."""
-    unknown = sorted(set(given) - set(SPEED_KEYS))
-    if unknown:
-        raise TypeError(f"{policy} got an unexpected keyword argument {unknown[0]!r}")
-    if not given:
-        return {}
-    warnings.warn(
-        f"{', '.join(sorted(given))} of policy {policy!r} are speed choices, not policy "
-        f"options; pass speed={dict(given)!r} to generate() / the runner instead",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    from ..engine.speed import Speed  # imports nothing of the package
-
-    Speed(**given)  # the same checks and messages as speed=
-    return dict(given)
-
-
-for _key, _default in SPEED_KEYS.items():
-    setattr(Policy, _key, _speed_property(_key, _default))
-del _key, _default
-
+# Deprecated: ``policy.fuse``, ``policy.speculative``, ``policy.block``, ``policy.drafter``
+# (speed choices, now the ``speed=`` of the runner and the API), see :mod:`.legacy_speed`.
+add_speed_properties(Policy)

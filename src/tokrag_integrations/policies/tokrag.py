@@ -37,7 +37,8 @@ from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
 from . import tokrag_reference as REF
 from . import vocab as V_
-from .base import Choice, Policy, View, legacy_speed_options
+from .base import Choice, Policy, View
+from .legacy_speed import legacy_speed_options
 from .verdict import verdict_mask
 
 #: Layers per logit-lens product, from the start of the l* search: the first one and the later
