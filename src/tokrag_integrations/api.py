@@ -10,12 +10,10 @@ importable from here too.
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import functools
 import threading
 import time
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
 from .defaults import MAX_NEW_TOKENS
@@ -36,6 +34,7 @@ from .streams import (
     _acquire,
     _Cancelled,
     idle_timeout_from,
+    run_cancellable,
 )
 from .trace import Trace
 
@@ -109,7 +108,9 @@ def _run(
     options = dict(options or {})
     # Raw-prompt path of the adapters (see PromptBuilder.build); not a policy option.
     prompt_format = options.pop("prompt_format", prompt_format)
-    pol = get_policy(policy, **merge_policy_options(policy_options, options, caller))
+    # The warning names the user's call (generate goes through _generate).
+    depth = 5 if caller == "generate" else 4
+    pol = get_policy(policy, **merge_policy_options(policy_options, options, caller, stacklevel=depth))
     chosen_speed = resolve_speed(speed, pol)
     stops = _stop_list(stop)
     plans = _plans(
@@ -444,24 +445,6 @@ async def agenerate(lm: LoadedModel, query: str, passages: Sequence[Any] | None 
     the cancellation is re-raised once the worker has let go of the model.
     """
     return await run_cancellable(lambda cancel: _generate(lm, query, passages, cancel=cancel, **kwargs))
-
-
-async def run_cancellable(call: Callable[[threading.Event], Any]) -> Any:
-    """Await ``call(cancel)`` run in a worker thread (with the caller's context variables).
-
-    Cancelling the awaiting task sets ``cancel`` (the decode stops at its next step), waits
-    until the worker has let go of the model, then re-raises the cancellation."""
-    loop = asyncio.get_running_loop()
-    cancel = threading.Event()
-    fut = loop.run_in_executor(None, contextvars.copy_context().run, functools.partial(call, cancel))
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        cancel.set()
-        await asyncio.wait([fut])
-        if not fut.cancelled():
-            fut.exception()  # retrieved: the worker's _Cancelled is expected
-        raise
 
 
 async def astream(

@@ -4,14 +4,16 @@ closed, is garbage collected or is abandoned (left unread past its idle timeout)
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextvars
+import functools
 import numbers
 import os
 import queue
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .results import GenerationResult, TokenEvent
@@ -22,6 +24,7 @@ __all__ = [
     "StreamAbandoned",
     "TokenStream",
     "idle_timeout_from",
+    "run_cancellable",
 ]
 
 
@@ -279,3 +282,21 @@ class TokenStream:
     @property
     def result(self) -> GenerationResult:
         return self.results[0]
+
+
+async def run_cancellable(call: Callable[[threading.Event], Any]) -> Any:
+    """Await ``call(cancel)`` run in a worker thread (with the caller's context variables).
+
+    Cancelling the awaiting task sets ``cancel`` (the decode stops at its next step), waits
+    until the worker has let go of the model, then re-raises the cancellation."""
+    loop = asyncio.get_running_loop()
+    cancel = threading.Event()
+    fut = loop.run_in_executor(None, contextvars.copy_context().run, functools.partial(call, cancel))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        cancel.set()
+        await asyncio.wait([fut])
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the worker's _Cancelled is expected
+        raise

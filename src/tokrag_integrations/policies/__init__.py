@@ -171,12 +171,17 @@ def _as_bool(policy: str, key: str, value: Any) -> bool:
 
 
 def merge_policy_options(
-    policy_options: Mapping[str, Any] | None, legacy: Mapping[str, Any] | None, caller: str
+    policy_options: Mapping[str, Any] | None,
+    legacy: Mapping[str, Any] | None,
+    caller: str,
+    *,
+    stacklevel: int = 3,
 ) -> dict[str, Any]:
     """The policy options of one call of the entry point ``caller``: ``policy_options=``
     (a dict), plus the options given the deprecated way (``legacy``: keyword arguments mixed
     with the entry point's own), with a ``DeprecationWarning`` naming the new spelling. The
-    options are checked later, once, by :func:`get_policy`.
+    options are checked later, once, by :func:`get_policy`. ``stacklevel``: the warning's,
+    counted from this function (3: the caller of the function that calls this one).
 
     Raises:
         TypeError: ``policy_options`` is not a dict.
@@ -192,7 +197,7 @@ def merge_policy_options(
             f"{caller}(..., {', '.join(f'{k}=...' for k in legacy)}) is deprecated: pass the "
             f"policy's options as {caller}(..., policy_options={dict(legacy)!r})",
             DeprecationWarning,
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
         both = sorted(set(merged) & set(legacy))
         if both:

@@ -36,7 +36,7 @@ from ..attention import logit_lens, model_parts
 from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
 from . import tokrag_reference as REF
-from . import vocab as V_
+from . import vocab
 from .base import Choice, Policy, View
 from .legacy_speed import legacy_speed_options
 from .verdict import verdict_mask
@@ -45,6 +45,7 @@ from .verdict import verdict_mask
 #: ones (each product reads the LM head once for both contexts plus the rows x^{l'-l*} may
 #: need; the search stops at the first crossing of Eq. 14's threshold).
 _LENS_FIRST = 5
+_LENS_CHUNK = 3
 
 #: Eq. 19's margin threshold: benefit wins iff the margin >= this. Fixed on the dev sets
 #: (docs/results.md, "Choosing the defaults"); the paper's rule is 0.
@@ -70,7 +71,6 @@ DEFAULT_VERDICT_GATE = "rag"
 #: overrules RAG only where RAG's own later layers did not single out its token. Fixed on the
 #: dev sets (docs/results.md, "RAG's rising token"); the paper lets Eq. 19 decide (False).
 DEFAULT_RISING_GATE = True
-_LENS_CHUNK = 3
 
 
 class TokRAG(Policy):
@@ -122,9 +122,8 @@ class TokRAG(Policy):
             token is x^{l'−l*} itself (of RAG's plausible tokens, the one its layers after the
             fusion layer l* raised most), keep RAG's token (default True, chosen on the dev
             sets); False: Eq. 19 decides (the paper).
-        **legacy_speed: deprecated: ``speculative``, ``block``, ``drafter`` and ``fuse`` are
-            speed choices, not part of the rule; pass them as ``speed={...}`` to
-            :func:`..api.generate` or the runner (:class:`..engine.speed.Speed`). Given here
+        **legacy_speed: deprecated (``speculative``, ``block``, ``drafter``, ``fuse``): speed
+            choices, now ``speed={...}`` of :func:`..api.generate` and the runner; given here
             they still apply, with a ``DeprecationWarning``.
     """
 
@@ -252,19 +251,19 @@ class TokRAG(Policy):
         # token decoded; the decoding is shared by the masks built in this call.
         V = self._A.shape[0]
         key = (id(lm.tokenizer), len(lm.tokenizer), V)
-        texts = functools.cache(lambda: V_.vocab_texts(lm.tokenizer))
+        texts = functools.cache(lambda: vocab.vocab_texts(lm.tokenizer))
 
         if self.variant == "reference":
-            self._skip = lm.memo(("skip_mask", *key), lambda: V_.skip_mask(lm.tokenizer, vocab_size=V))
+            self._skip = lm.memo(("skip_mask", *key), lambda: vocab.skip_mask(lm.tokenizer, vocab_size=V))
         if self.pr_skip == "punctuation":
             self._pr_skip = lm.memo(
-                ("pr_skip:punctuation", *key), lambda: V_.punctuation_mask(lm.tokenizer, vocab_size=V, texts=texts())
+                ("pr_skip:punctuation", *key), lambda: vocab.punctuation_mask(lm.tokenizer, vocab_size=V, texts=texts())
             )
         elif self.pr_skip == "reference":
-            self._pr_skip = lm.memo(("skip_mask", *key), lambda: V_.skip_mask(lm.tokenizer, vocab_size=V))
+            self._pr_skip = lm.memo(("skip_mask", *key), lambda: vocab.skip_mask(lm.tokenizer, vocab_size=V))
         if self.function_word_gate:
             self._gate = lm.memo(
-                ("gate_mask", *key), lambda: V_.gate_mask(lm.tokenizer, vocab_size=V, texts=texts())
+                ("gate_mask", *key), lambda: vocab.gate_mask(lm.tokenizer, vocab_size=V, texts=texts())
             )
         if self.verdict_gate is not None:
             self._verdict = lm.memo(
