@@ -3,14 +3,14 @@
 Questions from the dev sets with the evaluation harness's noisy passages
 (``evaluation.data.mix_passages``: 5 passages, noise ratio cycling through 0.2/0.4/0.6/0.8,
 so the answer-bearing passage competes with hard negatives). The reference is ``tokrag``'s
-step-by-step loop as written (``speculative=False, fuse=False``: one forward pass per
-context). Compared with it, one query at a time:
+step-by-step loop as written (``speed="reference"``: one forward pass per context).
+Compared with it, one query at a time:
 
 * ``fused``: the default: for one query, both contexts packed into one sequence (one
   prefill pass, one pass of two positions per step);
 * ``unpacked``: the same with ``TOKRAG_PACKED_PREFILL=0`` (each context prefilled on its own,
   then both as a two-row batch per step, as a batch of several queries decodes);
-* ``blockwise``: blockwise verification (``speculative=True``);
+* ``blockwise``: blockwise verification (``speed={"speculative": True}``);
 * ``stock``: the step-by-step loop on the same model with transformers' stock CPU kernels
   (``TOKRAG_CPU_KERNELS=off``), to check that the few-row kernels change no decision;
 
@@ -112,13 +112,13 @@ def main() -> None:
         stock = load_model("default", device="cpu")
         del os.environ["TOKRAG_CPU_KERNELS"]
     arms = {
-        "fused": (lm, {}),
-        "unpacked": (lm, {}),
-        "blockwise": (lm, {"speculative": True}),
-        "stock": (stock, {"speculative": False, "fuse": False}),
+        "fused": (lm, {"speed": "auto"}),
+        "unpacked": (lm, {"speed": "auto"}),
+        "blockwise": (lm, {"speed": {"speculative": True}}),
+        "stock": (stock, {"speed": "reference"}),
     }
     arms = {k: v for k, v in arms.items() if k in args.arms}
-    ref_opts = {"speculative": False, "fuse": False}
+    ref_opts = {"speed": "reference"}
 
     rows = []
     seconds = {"step": 0.0, **dict.fromkeys(arms, 0.0)}

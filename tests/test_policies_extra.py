@@ -158,15 +158,17 @@ def test_rag_sequence_picks_the_best_scored_candidate(lm):
 
 
 def test_policy_contract_is_exported_for_authors_and_declares_its_hooks():
-    from tokrag_integrations import decoding, policies
+    from tokrag_integrations import policies
+    from tokrag_integrations.engine.view import ContextView
     from tokrag_integrations.policies import base
 
-    for name in ("Choice", "ContextSpec", "ContextView", "Policy"):
-        assert getattr(policies, name) is getattr(base, name) is getattr(decoding, name)
+    for name in ("Choice", "ContextSpec", "ContextView", "Policy", "View"):
+        assert getattr(policies, name) is getattr(base, name)
+    assert base.ContextView is ContextView  # the engine's, under its old import path
     p = base.Policy()
-    assert (p.fuse, p.speculative, p.block, p.drafter, p.decode) == (True, False, None, "auto", None)
+    assert (p.legacy_speed, p.decode, p.sequence_level) == ({}, None, False)
     assert p.uses_passages and p.options() == {} and p.probe_roles == frozenset()
-    assert get_policy("rag_sequence").decode is not None
+    assert get_policy("rag_sequence").sequence_level
     with pytest.raises(AttributeError):
         policies.NoSuchName  # noqa: B018
 

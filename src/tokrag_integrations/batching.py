@@ -31,7 +31,16 @@ MAX_BATCH = 16
 
 #: Per-call inputs (not settings): calls that differ only in these share a batch.
 _PER_CALL = ("messages", "rendered")
-_SETTINGS = ("policy", "max_new_tokens", "stop", "system_prompt", "max_context_tokens")
+_SETTINGS = (
+    "policy",
+    "policy_options",
+    "speed",
+    "max_new_tokens",
+    "stop",
+    "system_prompt",
+    "max_context_tokens",
+    "prompt_format",
+)
 
 
 @dataclass
@@ -155,6 +164,9 @@ def _decode_batch(lm: LoadedModel, reqs: list[_Request], settings: dict[str, Any
         [r.query for r in reqs],
         [r.passages for r in reqs],
         policy=core.get("policy", "tokrag"),
+        policy_options=core.get("policy_options"),
+        speed=core.get("speed"),
+        prompt_format=core.get("prompt_format", "qa"),
         max_new_tokens=core.get("max_new_tokens", 64),
         stop=core.get("stop"),
         messages=messages if any(messages) else None,

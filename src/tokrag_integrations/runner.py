@@ -1,23 +1,49 @@
-"""Which loop decodes a policy, and with which speed paths.
+"""Which loop decodes a policy, and with which speed paths (the ``speed=`` argument).
 
-Blockwise verification (:func:`.accel.blockwise_loop`) where the policy asks for it
-(``speculative=True``) and it applies (:func:`.accel.blockwise`); otherwise the step-by-step
-loop :func:`.engine.loop.decode_loop` (which also runs a sequence-level rule's own
-``decode``) with the packed / fused prefill of :func:`.accel.prefill`. All give the same
-tokens, sources and signals. The choice is made here, above the engine and the speed paths,
-so that the algorithm side (engine loop, policies, signals) never imports :mod:`.accel`.
+A sequence-level rule (RAG-Sequence) is decoded by :func:`.engine.sequence.decode_sequence`.
+Otherwise blockwise verification (:func:`.accel.blockwise_loop`) where ``speed`` asks for
+it (``speculative``) and it applies (:func:`.accel.blockwise`); else the step-by-step loop
+:func:`.engine.loop.decode_loop` with the packed / fused prefill of :func:`.accel.prefill`
+and, in a batch, the shared logit-lens product of :func:`.accel.choose_many`. All give the
+same tokens, sources and signals. The choice is made here, above the engine and the speed
+paths, so that the algorithm side (engine loop, policies, signals) never imports
+:mod:`.accel`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from . import accel
 from .engine import loop
 from .engine.loop import StepEvent
+from .engine.sequence import decode_sequence
+from .engine.speed import Speed, speed_of
 from .models import LoadedModel
 from .policies.base import Policy
 from .prompts import PromptPlan
+
+
+def resolve_speed(speed: Speed | str | Mapping[str, Any] | None, policy: Policy) -> Speed:
+    """The :class:`Speed` of a decode: ``speed`` (None: ``"auto"``), with the speed options
+    a policy was given the deprecated way (``TokRAG(speculative=True)``) applied where
+    ``speed`` is None.
+
+    Raises:
+        ValueError: ``speed`` given together with other deprecated speed options of the
+            policy.
+    """
+    legacy = policy.legacy_speed
+    if not legacy:
+        return speed_of(speed)
+    if speed is not None and speed_of(speed) != speed_of(legacy):
+        raise ValueError(
+            f"give the speed once: speed={speed!r}, or the policy's deprecated options "
+            f"{legacy!r}, not both"
+        )
+    return speed_of(legacy)
 
 
 def decode_loop(
@@ -28,20 +54,24 @@ def decode_loop(
     max_new_tokens: int = 64,
     stop: Sequence[str] = (),
     timings: dict[str, float] | None = None,
+    speed: Speed | str | Mapping[str, Any] | None = None,
 ) -> Iterator[StepEvent]:
     """Decode ``plans`` under ``policy`` with the loop that fits it; the events of
-    :func:`.engine.loop.decode_loop` (the arguments are its arguments)."""
-    if max_new_tokens >= 1 and policy.speculative and accel.blockwise(lm, policy):
-        yield from accel.blockwise_loop(
-            lm, plans, policy, max_new_tokens=max_new_tokens, stop=stop, timings=timings
-        )
+    :func:`.engine.loop.decode_loop` (the arguments are its arguments, and ``speed``:
+    a :class:`.engine.speed.Speed`, a preset name or a dict, see :func:`resolve_speed`)."""
+    chosen = resolve_speed(speed, policy)
+    kwargs = {"max_new_tokens": max_new_tokens, "stop": stop, "timings": timings}
+    if policy.sequence_level:
+        yield from decode_sequence(lm, plans, policy, **kwargs)
+        return
+    if max_new_tokens >= 1 and chosen.speculative and accel.blockwise(lm, policy):
+        yield from accel.blockwise_loop(lm, plans, policy, speed=chosen, **kwargs)
         return
     yield from loop.decode_loop(
         lm,
         plans,
         policy,
-        max_new_tokens=max_new_tokens,
-        stop=stop,
-        timings=timings,
-        prefill=accel.prefill,
+        prefill=functools.partial(accel.prefill, speed=chosen),
+        choose_many=accel.choose_many if chosen.share_lens else None,
+        **kwargs,
     )

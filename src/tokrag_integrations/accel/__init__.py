@@ -1,13 +1,18 @@
 """The speed paths, behind one seam (CPU speed work only; the algorithm never imports this).
 
-* :mod:`.cpu_kernels`: few-row linear layers routed to the fastest measured kernel, the
-  ``tokrag_sdpa`` attention (grouped, row-wise, packed two-context prefill) and the packed
-  LM head of the logit lens; installed by :func:`.cpu_kernels.maybe_install`, the one
-  function ``load_model`` calls (:func:`install_kernels` here).
+* :mod:`.cpu_kernels`: few-row linear layers routed to the fastest measured kernel;
+  :mod:`.sdpa`: the ``tokrag_sdpa`` attention (grouped, row-wise, packed two-context
+  prefill); :mod:`.lens_head`: the packed LM head of the logit lens; all installed by
+  :func:`.paths.maybe_install`, the one function ``load_model`` calls (:func:`install_kernels`
+  here).
 * :mod:`.kv_cache`: a KV cache layer that grows in place (every role batch uses it).
 * :mod:`.packed`: all contexts of a decode in one pass per step (packed or fused);
   :func:`prefill` is what the runner hands to the step-by-step loop.
 * :mod:`.speculative`: blockwise verification of a pure/RAG rule.
+* :mod:`.shared_lens`: one logit-lens product for the queries of a batch.
+
+Which of them a decode uses is its :class:`..engine.speed.Speed` (the ``speed=`` argument of
+the runner and the API).
 
 The functions here import their module on first use, so that importing
 :mod:`.kv_cache` (as the engine's batch does) stays light.
@@ -21,23 +26,24 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from ..engine.loop import StepEvent
     from ..engine.prefill import Prefilled
+    from ..engine.speed import Speed
     from ..models import LoadedModel
-    from ..policies.base import ContextSpec, Policy
+    from ..policies.base import Choice, ContextSpec, Policy, View
     from ..prompts import PromptPlan
 
 
 def install_kernels(model: Any, mode: str | None = None) -> bool:
     """Install the CPU kernels on ``model`` where they apply (``mode`` ``auto``/``on``/
-    ``off``, default ``TOKRAG_CPU_KERNELS``): :func:`.cpu_kernels.maybe_install`, which
+    ``off``, default ``TOKRAG_CPU_KERNELS``): :func:`.paths.maybe_install`, which
     ``load_model`` calls (from the module, since this package's loops import ``models``)."""
-    from .cpu_kernels import maybe_install
+    from .paths import maybe_install
 
     return maybe_install(model, mode)
 
 
 def speed_paths(model: Any) -> dict[str, str]:
     """``on`` or ``off: <reason>`` per speed path of ``model``."""
-    from .cpu_kernels import speed_paths as paths
+    from .paths import speed_paths as paths
 
     return paths(model)
 
@@ -47,11 +53,21 @@ def prefill(
     per_query: Sequence[dict[str, ContextSpec]],
     lm: LoadedModel,
     policy: Policy,
+    speed: Speed | None = None,
 ) -> Prefilled:
-    """The step-by-step loop's prefill with packed / fused contexts (:func:`.packed.prefill`)."""
+    """The step-by-step loop's prefill with packed / fused contexts where ``speed.fuse``
+    (:func:`.packed.prefill`)."""
     from .packed import prefill as packed_prefill
 
-    return packed_prefill(roles, per_query, lm, policy)
+    return packed_prefill(roles, per_query, lm, policy, speed)
+
+
+def choose_many(policy: Policy, views: list[dict[str, View]], lm: LoadedModel) -> list[Choice]:
+    """The choices of one step of a batch, the rule's first logit-lens rows of every query
+    in one product (:func:`.shared_lens.choose_many`)."""
+    from .shared_lens import choose_many as shared
+
+    return shared(policy, views, lm)
 
 
 def blockwise(lm: LoadedModel, policy: Policy) -> bool:

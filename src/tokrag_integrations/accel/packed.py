@@ -17,6 +17,7 @@ from .. import config
 from ..attention import ProbeRecord, install_taps, model_parts
 from ..engine.batch import RoleBatch
 from ..engine.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, reused_seconds, row_map
+from ..engine.speed import Speed
 from ..models import LoadedModel
 from ..policies.base import ContextSpec, Policy
 from .kv_cache import GrowableLayer, has_sliding_window, is_full_layer, new_cache
@@ -170,7 +171,7 @@ def prefill_packed(
     retrieved positions in the
     shorter prompt past the shared head, ``TOKRAG_PACKED_PREFILL=0``).
     """
-    from .cpu_kernels import ATTN_IMPLEMENTATION, PACKED_PREFILL
+    from .sdpa import ATTN_IMPLEMENTATION, PACKED_PREFILL
 
     if len(per_query) != 1 or len(roles) != 2 or not packed_prefill_enabled():
         return None
@@ -244,15 +245,17 @@ def prefill(
     per_query: Sequence[dict[str, ContextSpec]],
     lm: LoadedModel,
     policy: Policy,
+    speed: Speed | None = None,
 ) -> Prefilled:
     """The prefill of :func:`..engine.loop.decode_loop` with the speed paths: one packed
     sequence for one query's two contexts, else all roles fused into one batch (a 2-row
     pass costs about what a 1-row pass does on a CPU), else one batch per role. Fusion is
-    off with ``TOKRAG_FUSE_CONTEXTS=0``, ``policy.fuse = False`` or where
-    :func:`.cpu_kernels.fusion_off_reason` gives a reason."""
-    from .cpu_kernels import fusion_off_reason
+    off with ``TOKRAG_FUSE_CONTEXTS=0``, ``speed.fuse = False`` (:class:`..engine.speed.Speed`)
+    or where :func:`.cpu_kernels.fusion_off_reason` gives a reason."""
+    from .paths import fusion_off_reason
 
-    fuse = fuse_contexts() and policy.fuse and fusion_off_reason(lm.model) is None
+    want = speed.fuse if speed is not None else True
+    fuse = fuse_contexts() and want and fusion_off_reason(lm.model) is None
     packed = prefill_packed(roles, per_query, lm, policy.probe_roles) if fuse else None
     if packed is not None:
         rows = {role: {0: (packed, r)} for r, role in enumerate(roles)}

@@ -1,4 +1,4 @@
-"""Blockwise verification of a two-context rule (issue 8; ``TokRAG(speculative=True)``).
+"""Blockwise verification of a two-context rule (issue 8; ``speed={"speculative": True}``).
 
 On the CPUs measured here the fused step-by-step loop (:func:`.packed.fuse_batches`),
 the default, is faster; this loop is kept for machines where a multi-token verifier pass
@@ -46,8 +46,10 @@ import torch
 from ..attention import ModelParts, ProbeRecord, model_parts
 from ..engine.loop import StepEvent, role_setup, step_event, views_for
 from ..engine.prefill import prefill_roles, row_map
+from ..engine.speed import Speed
+from ..engine.view import ContextView
 from ..models import LoadedModel
-from ..policies.base import ContextView, Policy
+from ..policies.base import Policy
 from ..prompts import PromptPlan
 
 ROLES = ("pure", "rag")
@@ -156,12 +158,13 @@ def blockwise_loop(
     max_new_tokens: int = 64,
     stop: Sequence[str] = (),
     timings: dict[str, float] | None = None,
+    speed: Speed | None = None,
 ) -> Iterator[StepEvent]:
     """:func:`..engine.loop.decode_loop` for a pure/RAG rule, by blockwise verification.
 
     Yields the same events (each token as soon as its block is verified). Options are read
-    from the policy: ``block`` (fixed block length; None = adaptive) and ``drafter``
-    (``"auto"``, ``"rag"`` or ``"pure"``). ``timings`` also receives the counts
+    from ``speed`` (:class:`..engine.speed.Speed`): ``block`` (fixed block length; None =
+    adaptive) and ``drafter`` (``"auto"``, ``"rag"`` or ``"pure"``). ``timings`` also receives the counts
     ``blocks``, ``drafted``, ``accepted`` (drafted tokens kept), ``disagreements``,
     ``verifier_wins`` and ``stale`` (positions rolled back).
     """
@@ -171,8 +174,9 @@ def blockwise_loop(
     timings = timings if timings is not None else {}
     for key in ("blocks", "drafted", "accepted", "disagreements", "verifier_wins", "stale"):
         timings.setdefault(key, 0.0)
-    fixed_block = policy.block
-    drafter = policy.drafter
+    speed = speed if speed is not None else Speed(speculative=True)
+    fixed_block = speed.block
+    drafter = speed.drafter
     auto = drafter == "auto"
     if auto:
         drafter = "rag"

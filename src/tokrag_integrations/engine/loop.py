@@ -19,15 +19,18 @@ from dataclasses import dataclass
 import torch
 
 from ..models import LoadedModel
-from ..policies.base import Choice, ContextSpec, ContextView, Policy
+from ..policies.base import Choice, ContextSpec, Policy
 from ..prompts import PromptPlan
 from ..trace import Candidate, TraceStep
 from .batch import RoleBatch
 from .prefill import Prefilled, plain_prefill, row_map
 from .stats import distribution_stats_rows
+from .view import ContextView
 
 #: ``prefill(roles, per_query, lm, policy)``: the prefilled batches of a decode.
 PrefillFn = Callable[[Sequence[str], Sequence[dict[str, ContextSpec]], LoadedModel, Policy], Prefilled]
+#: ``choose_many(policy, views, lm)``: the choices of one step for several queries.
+ChooseFn = Callable[[Policy, list[dict[str, ContextView]], LoadedModel], list[Choice]]
 
 
 @dataclass
@@ -157,19 +160,28 @@ def decode_loop(
     stop: Sequence[str] = (),
     timings: dict[str, float] | None = None,
     prefill: PrefillFn | None = None,
+    choose_many: ChooseFn | None = None,
 ) -> Iterator[StepEvent]:
     """Greedy multi-context decoding of a batch of queries under one policy, step by step.
 
     Yields one :class:`StepEvent` per chosen token as soon as it is chosen (the final event
     of a query has ``finished=True`` and its ``stop_reason``: ``eos``, ``stop`` or
     ``length``). EOS tokens end a query and are not yielded as text. ``prefill`` builds the
-    batches (default :func:`.prefill.plain_prefill`, one batch per role); the runner
-    (:func:`..runner.decode_loop`) passes the fused/packed one of :mod:`..accel` and picks
-    blockwise verification where ``policy.speculative`` asks for it.
+    batches (default :func:`.prefill.plain_prefill`, one batch per role) and
+    ``choose_many`` makes the choices of a step with several queries (default
+    ``policy.choose_many``); the runner (:func:`..runner.decode_loop`) passes those of
+    :mod:`..accel` that its ``speed=`` asks for, and picks blockwise verification there.
+    A sequence-level rule (``policy.sequence_level``) is decoded by
+    :func:`.sequence.decode_sequence` instead.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    # Sequence-level rules (RAG-Sequence) own their decoding and replay the chosen answer.
+    if policy.sequence_level:
+        raise ValueError(
+            f"policy {policy.name!r} is sequence-level: decode it with "
+            "engine.sequence.decode_sequence (or runner.decode_loop, which picks it)"
+        )
+    # A rule that owns its decoding altogether.
     if policy.decode is not None:
         yield from policy.decode(lm, plans, max_new_tokens=max_new_tokens, stop=stop, timings=timings)
         return
@@ -192,11 +204,14 @@ def decode_loop(
             chosen = [lm.pad_token_id] * len(plans)
             active = [q for q in range(len(plans)) if not done[q]]
             all_views = [views_for(ready.rows, q) for q in active]
-            # All queries of the step at once: a rule may share work between them (one logit
-            # lens product for every query whose contexts disagree).
-            choices = policy.choose_many(all_views, lm) if len(active) > 1 else [
-                policy.choose(all_views[0], lm)
-            ]
+            # All queries of the step at once: the speed paths may share work between them
+            # (one logit-lens product for every query whose contexts disagree).
+            if len(active) == 1:
+                choices = [policy.choose(all_views[0], lm)]
+            elif choose_many is not None:
+                choices = choose_many(policy, all_views, lm)
+            else:
+                choices = policy.choose_many(all_views, lm)
             for q, views, choice in zip(active, all_views, choices, strict=True):
                 chosen[q] = int(choice.token_id)
                 ev = step_event(lm, q, step_i, choice, views, generated[q], stop, max_new_tokens)

@@ -1,8 +1,10 @@
 """Decoding policies: one rule per module over the shared loop in :mod:`..engine.loop`.
 
-``get_policy(name, **options)`` builds a policy by name; ``available_policies()`` lists the
-names. For policy authors: :class:`Policy`, :class:`ContextView`, :class:`Choice` and
-:class:`ContextSpec` (defined in :mod:`.base`) are importable from here, and
+``get_policy(name, **options)`` builds a policy by name and is the one place a policy's
+options are checked (:func:`_checked_options`); ``available_policies()`` lists the names;
+:func:`merge_policy_options` reads the ``policy_options=`` of the entry points (and their
+deprecated ``**options``). For policy authors: :class:`Policy`, :class:`View`, :class:`Choice`
+and :class:`ContextSpec` (defined in :mod:`.base`) are importable from here, and
 ``register_policy(name, "module:Class")`` adds a rule to the registry.
 """
 
@@ -12,24 +14,28 @@ import importlib
 import inspect
 import math
 import numbers
+import warnings
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # importing this package stays cheap (the CLI lists names without torch)
-    from .base import Choice, ContextSpec, ContextView, Policy
+    from .base import Choice, ContextSpec, ContextView, Policy, View
 
 __all__ = [
     "Choice",
     "ContextSpec",
     "ContextView",
     "Policy",
+    "View",
     "available_policies",
     "get_policy",
+    "merge_policy_options",
     "policy_options",
     "register_policy",
 ]
 
 #: The policy contract, loaded from :mod:`.base` on first access (it imports torch).
-_CONTRACT = frozenset({"Choice", "ContextSpec", "ContextView", "Policy"})
+_CONTRACT = frozenset({"Choice", "ContextSpec", "ContextView", "Policy", "View"})
 
 
 def __getattr__(name: str) -> Any:
@@ -97,7 +103,7 @@ def policy_options(cls: type) -> dict[str, inspect.Parameter] | None:
     if cls.__init__ is object.__init__:
         return {}
     params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD and p.name != "legacy_speed" for p in params):
         return None
     return {
         p.name: p
@@ -112,6 +118,11 @@ def _checked_options(name: str, cls: type, options: dict[str, Any]) -> dict[str,
     known = policy_options(cls)
     if known is None:
         return options
+    if any(p.name == "legacy_speed" for p in inspect.signature(cls.__init__).parameters.values()):
+        # The deprecated speed options (``fuse=False``...), read as before; the class warns.
+        from .legacy_speed import SPEED_KEYS
+
+        known = {**known, **{k: _legacy_speed_param(k, d) for k, d in SPEED_KEYS.items()}}
     out = dict(options)
     for key, value in options.items():
         if key not in known:
@@ -129,6 +140,11 @@ def _checked_options(name: str, cls: type, options: dict[str, Any]) -> dict[str,
         ):
             out[key] = _as_bool(name, key, value)
     return out
+
+
+def _legacy_speed_param(key: str, default: Any) -> inspect.Parameter:
+    annotation = bool if isinstance(default, bool) else inspect.Parameter.empty
+    return inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
 
 
 def _is_nan(value: Any) -> bool:
@@ -152,3 +168,39 @@ def _as_bool(policy: str, key: str, value: Any) -> bool:
     raise ValueError(
         f"option {key!r} of policy {policy!r} must be true or false (or 1/0), got {value!r}"
     )
+
+
+def merge_policy_options(
+    policy_options: Mapping[str, Any] | None,
+    legacy: Mapping[str, Any] | None,
+    caller: str,
+    *,
+    stacklevel: int = 3,
+) -> dict[str, Any]:
+    """The policy options of one call of the entry point ``caller``: ``policy_options=``
+    (a dict), plus the options given the deprecated way (``legacy``: keyword arguments mixed
+    with the entry point's own), with a ``DeprecationWarning`` naming the new spelling. The
+    options are checked later, once, by :func:`get_policy`. ``stacklevel``: the warning's,
+    counted from this function (3: the caller of the function that calls this one).
+
+    Raises:
+        TypeError: ``policy_options`` is not a dict.
+        ValueError: an option given both ways.
+    """
+    if policy_options is not None and not isinstance(policy_options, Mapping):
+        raise TypeError(
+            f"policy_options must be a dict of option names to values, got {type(policy_options).__name__}"
+        )
+    merged = dict(policy_options or {})
+    if legacy:
+        warnings.warn(
+            f"{caller}(..., {', '.join(f'{k}=...' for k in legacy)}) is deprecated: pass the "
+            f"policy's options as {caller}(..., policy_options={dict(legacy)!r})",
+            DeprecationWarning,
+            stacklevel=stacklevel,
+        )
+        both = sorted(set(merged) & set(legacy))
+        if both:
+            raise ValueError(f"option {both[0]!r} given twice: in policy_options and as a keyword")
+        merged.update(legacy)
+    return merged

@@ -2,9 +2,10 @@
 
 A policy is a rule over the shared multi-context loop (:mod:`..engine.loop`): it names the
 contexts it needs (:meth:`Policy.contexts`, one :class:`ContextSpec` each), and at every step
-turns what it sees of them (one :class:`ContextView` per context: next-token logits,
-retrieved-token positions, per-layer states and attention rows on demand) into a
-:class:`Choice` (the token, where it came from, and the numbers behind the decision)::
+turns what it sees of them (one :class:`View` per context, the engine's
+:class:`..engine.view.ContextView`: next-token logits, retrieved-token positions, per-layer
+states and attention rows on demand) into a :class:`Choice` (the token, where it came from,
+and the numbers behind the decision)::
 
     from tokrag_integrations.policies import Choice, Policy, register_policy
 
@@ -21,26 +22,34 @@ retrieved-token positions, per-layer states and attention rows on demand) into a
     register_policy("confident", "my_package.rules:Confident")
 
 Everything a loop may read from a policy is declared on :class:`Policy` with its default,
-so a rule overrides only what it changes.
+so a rule overrides only what it changes. How fast a rule is decoded is not the rule's
+business: that is the ``speed=`` of the runner and the API (:class:`..engine.speed.Speed`).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..attention import ProbeRecord, attention_from_queries, attention_row, cached_keys
+from ..attention import ProbeRecord
+from ..models import LoadedModel
 from ..prompts import PromptPlan
+from .legacy_speed import add_speed_properties
 
-if TYPE_CHECKING:  # pragma: no cover - typing only (the loop imports this module)
-    from ..engine.batch import RoleBatch as _RoleBatch
-    from ..engine.loop import StepEvent
-    from ..models import LoadedModel
+__all__ = ["Choice", "ContextSpec", "Policy", "View"]
 
-__all__ = ["Choice", "ContextSpec", "ContextView", "Policy"]
+
+def __getattr__(name: str) -> Any:
+    # ``ContextView`` moved to the engine (:mod:`..engine.view`): rules are written against
+    # :class:`View`. Resolved at run time so that this module never imports the engine (the
+    # engine imports it).
+    if name == "ContextView":
+        return importlib.import_module("..engine.view", __package__).ContextView
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -52,111 +61,46 @@ class ContextSpec:
     weight: float | None = None
 
 
-class ContextView:
-    """What a policy sees of one context at one step (one row of a role batch).
+@runtime_checkable
+class View(Protocol):
+    """What a rule reads of one context at one step (the engine's
+    :class:`..engine.view.ContextView` is the implementation; a test may pass any object with
+    these members).
 
-    ``record`` may be given as a zero-argument callable: it is then built on first access
-    (the blockwise loop builds per-layer states only at the steps whose rule reads them).
-    ``logits``/``seen_len`` override the batch's latest logits and cache length when the
-    view is of an earlier position of a block (the cache then holds later positions too).
+    Shapes: V the vocabulary, L the number of layers, H the heads, T the cached positions.
     """
 
-    def __init__(
-        self,
-        batch: _RoleBatch,
-        row: int,
-        record: ProbeRecord | Callable[[], ProbeRecord] | None,
-        *,
-        logits: torch.Tensor | None = None,
-        seen_len: int | None = None,
-    ):
-        self._batch = batch
-        self._row = row
-        self._record = record
-        self.logits: torch.Tensor = batch.logits[row] if logits is None else logits
-        self.spec: ContextSpec = batch.specs[row]
-        self._seen = batch.mask.shape[1] if seen_len is None else seen_len
-        self._probs: torch.Tensor | None = None
-        self._attn: dict[int, torch.Tensor] = {}
-        self._attn_all: torch.Tensor | None = None
-        #: Log-probabilities of a rule's first logit-lens rows, computed for several queries
-        #: in one product by the rule's ``choose_many`` (None: computed when read).
-        self.lens_first: torch.Tensor | None = None
+    #: [V] next-token logits of this context.
+    logits: torch.Tensor
+    #: The context's prompt ids and retrieved positions (as the rule's :meth:`Policy.contexts`
+    #: built it).
+    spec: ContextSpec
+    #: [R, V] log-probabilities of the rule's first logit-lens rows when the engine computed
+    #: them for several queries in one product (:meth:`Policy.first_lens_rows`), else None.
+    lens_first: torch.Tensor | None
 
     @property
     def record(self) -> ProbeRecord | None:
-        if callable(self._record):
-            self._record = self._record()
-        return self._record
+        """Per-layer states of the last position (``resid`` [L+1, 1, d] ...), or None where
+        the rule did not ask for them (:attr:`Policy.probe_roles`)."""
 
     @property
     def probs(self) -> torch.Tensor:
-        if self._probs is None:
-            self._probs = torch.softmax(self.logits.float(), dim=-1)
-        return self._probs
+        """[V] softmax of :attr:`logits` (float32)."""
 
     @property
     def rt_positions(self) -> torch.Tensor:
-        """Positions of retrieved tokens in cache coordinates (left padding included)."""
-        pad = self._batch.pad[self._row]
-        return torch.tensor(
-            [pad + p for p in self.spec.rt_positions], dtype=torch.long, device=self.logits.device
-        )
+        """[m] positions of the retrieved tokens, in the coordinates of the attention rows."""
 
     @property
     def rt_token_ids(self) -> torch.Tensor:
-        ids = self.spec.ids
-        return torch.tensor(
-            [ids[p] for p in self.spec.rt_positions], dtype=torch.long, device=self.logits.device
-        )
+        """[m] token ids at those positions."""
 
     def attention(self, layer_idx: int) -> torch.Tensor:
-        """[H, T] attention of the last position at 0-based layer ``layer_idx`` (recomputed)."""
-        rec = self.record
-        if rec is None:
-            raise RuntimeError("this policy did not ask for probe records of this context")
-        if layer_idx not in self._attn:
-            b, r, seen = self._batch, self._row, self._seen
-            keys = cached_keys(b.cache, layer_idx)[b.cache_row(r)][None]
-            if keys.shape[2] > seen:  # a full cache holding later positions of a block
-                keys = keys[:, :, :seen]
-            valid = b.mask[r : r + 1, :seen].bool()
-            if rec.query is not None and keys.shape[2] == seen:
-                got = attention_from_queries(
-                    [rec.query[layer_idx][0]], [rec.query_scale[layer_idx]], [keys], valid, seen  # type: ignore[index]
-                )[0]
-            else:
-                got = attention_row(b.parts, layer_idx, rec, keys, valid, seen)[0]
-            self._attn[layer_idx] = got
-        return self._attn[layer_idx]
+        """[H, T] attention of the last position at 0-based layer ``layer_idx``."""
 
     def attention_all(self) -> torch.Tensor:
-        """[L, H, T] attention of the last position at every layer (recomputed in one go)."""
-        from ..attention import attention_rows
-
-        if self._attn_all is not None:
-            return self._attn_all
-        rec = self.record
-        if rec is None:
-            raise RuntimeError("this policy did not ask for probe records of this context")
-        b, r, seen = self._batch, self._row, self._seen
-        n = len(b.cache.layers)
-        if not b.keeps_every_position():
-            return torch.stack([self.attention(i) for i in range(n)])
-        cr = b.cache_row(r)
-        keys = [cached_keys(b.cache, i)[cr][None] for i in range(n)]
-        valid = b.mask[r : r + 1, :seen].bool()
-        if rec.query is not None:
-            # The forward pass left this position's rotated queries: one q·K per layer.
-            out = attention_from_queries(
-                [q[0] for q in rec.query], rec.query_scale, keys, valid, seen  # type: ignore[arg-type]
-            )
-        else:
-            out = attention_rows(b.parts, rec, keys, valid, seen)
-        for i in range(n):
-            self._attn.setdefault(i, out[i])
-        self._attn_all = out
-        return out
+        """[L, H, T] attention of the last position at every layer."""
 
 
 @dataclass
@@ -181,20 +125,17 @@ class Policy:
     probe_roles: frozenset[str] = frozenset()
     #: Whether the rule needs passages at all (``llm`` does not).
     uses_passages: bool = True
-    #: Whether the loop may decode all contexts of the rule as one batch (see
-    #: :func:`..accel.packed.fuse_batches`); ``False`` keeps one forward pass per role.
-    fuse: bool = True
-    #: Decode a pure/RAG rule by blockwise verification (:mod:`..accel.speculative`) where it
-    #: applies; ``block`` (None: adaptive) and ``drafter`` (``"auto"``, ``"rag"`` or
-    #: ``"pure"``) are that loop's options. Same tokens, sources and signals as step by step.
-    speculative: bool = False
-    block: int | None = None
-    drafter: str = "auto"
-    #: A sequence-level rule (RAG-Sequence) that owns its decoding sets this to a method
+    #: A sequence-level rule (RAG-Sequence) is not decided token by token: the engine decodes
+    #: it with :func:`..engine.sequence.decode_sequence`, which calls the rule's own
+    #: equations; :meth:`choose` is never called.
+    sequence_level: bool = False
+    #: A rule that owns its decoding altogether may set this to a method
     #: ``decode(lm, plans, *, max_new_tokens, stop=(), timings=None)`` yielding the loop's
-    #: :class:`..engine.loop.StepEvent` objects; None (the default): the loop calls
-    #: :meth:`choose` at every step.
-    decode: Callable[..., Iterator[StepEvent]] | None = None
+    #: ``StepEvent`` objects; None (the default): the loop calls :meth:`choose` at every step.
+    decode: Callable[..., Iterator[Any]] | None = None
+    #: Speed options given to the rule the old way (``TokRAG(speculative=True)``); the runner
+    #: reads them where no ``speed=`` is given. Deprecated: pass ``speed=`` instead.
+    legacy_speed: dict[str, Any] = {}  # noqa: RUF012 - never mutated, replaced per instance
 
     def contexts(self, plan: PromptPlan) -> dict[str, ContextSpec]:
         """The contexts this rule decodes for one query (default: pure and RAG)."""
@@ -208,16 +149,31 @@ class Policy:
     def prepare(self, lm: LoadedModel) -> None:
         """Called once per decode with the model (cache embeddings etc.)."""
 
-    def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
+    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
         """The token to emit at this step, given one view per context role."""
         raise NotImplementedError
 
-    def choose_many(self, views: list[dict[str, ContextView]], lm: LoadedModel) -> list[Choice]:
-        """:meth:`choose` for several queries at the same step (a batched decode), in order.
-        A rule may override it to share work between the queries; the choices must be those
-        :meth:`choose` makes for each on its own."""
+    def choose_many(self, views: list[dict[str, View]], lm: LoadedModel) -> list[Choice]:
+        """:meth:`choose` for several queries at the same step, in order (the engine's
+        batched chooser shares the rows of :meth:`first_lens_rows` between them first)."""
         return [self.choose(v, lm) for v in views]
+
+    def first_lens_rows(self, views: dict[str, View]) -> torch.Tensor | None:
+        """[R, d] hidden-state rows whose logit lens the rule reads first at this step, or None
+        where it reads none (the default). Where several queries of a batch return rows, the
+        engine lenses them in one product and hands each query its part as
+        ``views["rag"].lens_first``; the rule must then read the same values it would have
+        computed itself."""
+        return None
+
+    #: Whether :meth:`first_lens_rows` are lensed with the final norm.
+    lens_norm: bool = True
 
     def options(self) -> dict[str, Any]:
         """The rule's options as recorded in the trace (``Trace.options``)."""
         return {}
+
+
+# Deprecated: ``policy.fuse``, ``policy.speculative``, ``policy.block``, ``policy.drafter``
+# (speed choices, now the ``speed=`` of the runner and the API), see :mod:`.legacy_speed`.
+add_speed_properties(Policy)

@@ -6,7 +6,7 @@ import torch
 
 from ..models import LoadedModel
 from ..trace import FROM_LLM, FROM_RAG
-from .base import Choice, ContextView, Policy
+from .base import Choice, Policy, View
 
 
 class PureLLM(Policy):
@@ -16,7 +16,7 @@ class PureLLM(Policy):
     roles = ("pure",)
     uses_passages = False
 
-    def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
+    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
         return Choice(int(torch.argmax(views["pure"].logits).item()), FROM_LLM)
 
 
@@ -26,7 +26,7 @@ class StandardRAG(Policy):
     name = "rag"
     roles = ("rag",)
 
-    def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
+    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
         return Choice(int(torch.argmax(views["rag"].logits).item()), FROM_RAG)
 
 
@@ -37,7 +37,7 @@ class TwoContextFloor(Policy):
     name = "floor"
     roles = ("pure", "rag")
 
-    def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
+    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
         a = int(torch.argmax(views["pure"].logits).item())
         b = int(torch.argmax(views["rag"].logits).item())
         return Choice(b, "agree" if a == b else FROM_RAG)

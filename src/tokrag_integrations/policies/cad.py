@@ -15,7 +15,7 @@ import torch
 from .. import signals as S
 from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
-from .base import Choice, ContextView, Policy
+from .base import Choice, Policy, View
 
 #: Source label of a token chosen from a blend of both contexts that neither context's
 #: top-1 proposes on its own.
@@ -55,10 +55,10 @@ class CAD(Policy):
     def options(self) -> dict[str, Any]:
         return {"alpha": self.alpha}
 
-    def step_alpha(self, pure: ContextView, rag: ContextView) -> float:
+    def step_alpha(self, pure: View, rag: View) -> float:
         return self.alpha
 
-    def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
+    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
         pure, rag = views["pure"], views["rag"]
         a = int(torch.argmax(pure.logits).item())
         b = int(torch.argmax(rag.logits).item())
@@ -78,5 +78,5 @@ class AdaCAD(CAD):
     def options(self) -> dict[str, Any]:
         return {"alpha": "jsd"}
 
-    def step_alpha(self, pure: ContextView, rag: ContextView) -> float:
+    def step_alpha(self, pure: View, rag: View) -> float:
         return float(S.jsd(rag.probs, pure.probs).item())

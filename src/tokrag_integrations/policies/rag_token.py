@@ -15,7 +15,7 @@ import torch
 
 from ..models import LoadedModel
 from ..prompts import Passage, PromptPlan
-from .base import Choice, ContextSpec, ContextView, Policy
+from .base import Choice, ContextSpec, Policy, View
 
 
 def passage_weights(passages: Sequence[Passage], temperature: float = 1.0) -> list[float]:
@@ -62,7 +62,7 @@ class RAGToken(Policy):
             out[passage_role(j)] = ContextSpec(ids, rt, weight=w)
         return out
 
-    def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
+    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
         roles = sorted(views, key=lambda r: int(r.split(":")[1]))
         w = torch.tensor([views[r].spec.weight for r in roles], dtype=torch.float32)
         probs = torch.stack([views[r].probs for r in roles])  # [K, V]

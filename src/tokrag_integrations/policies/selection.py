@@ -14,7 +14,7 @@ import torch
 from .. import signals as S
 from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
-from .base import Choice, ContextView, Policy
+from .base import Choice, Policy, View
 
 
 def logprob_margin(pure_probs: torch.Tensor, rag_probs: torch.Tensor) -> float:
@@ -33,7 +33,7 @@ class _MarginSelection(Policy):
     def margin(self, pure_probs: torch.Tensor, rag_probs: torch.Tensor) -> float:
         raise NotImplementedError
 
-    def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
+    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
         pure, rag = views["pure"], views["rag"]
         a = int(torch.argmax(pure.logits).item())
         b = int(torch.argmax(rag.logits).item())

@@ -36,13 +36,16 @@ from ..attention import logit_lens, model_parts
 from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
 from . import tokrag_reference as REF
-from .base import Choice, ContextView, Policy
+from . import vocab
+from .base import Choice, Policy, View
+from .legacy_speed import legacy_speed_options
 from .verdict import verdict_mask
 
 #: Layers per logit-lens product, from the start of the l* search: the first one and the later
 #: ones (each product reads the LM head once for both contexts plus the rows x^{l'-l*} may
 #: need; the search stops at the first crossing of Eq. 14's threshold).
 _LENS_FIRST = 5
+_LENS_CHUNK = 3
 
 #: Eq. 19's margin threshold: benefit wins iff the margin >= this. Fixed on the dev sets
 #: (docs/results.md, "Choosing the defaults"); the paper's rule is 0.
@@ -68,7 +71,6 @@ DEFAULT_VERDICT_GATE = "rag"
 #: overrules RAG only where RAG's own later layers did not single out its token. Fixed on the
 #: dev sets (docs/results.md, "RAG's rising token"); the paper lets Eq. 19 decide (False).
 DEFAULT_RISING_GATE = True
-_LENS_CHUNK = 3
 
 
 class TokRAG(Policy):
@@ -94,9 +96,9 @@ class TokRAG(Policy):
         pr_norm: ``"sum"`` (Att⊙WordSim divided by its sum) or ``"softmax"`` (Eq. 16 literal).
         pr_skip: which retrieved positions Eq. 15-16 leave out of p_R (f of Eq. 14 still
             counts them all): ``"punctuation"`` (default, fixed on the dev sets) = the tokens
-            with no letter or digit (:func:`.tokrag_reference.punctuation_mask`), None = none (the paper),
+            with no letter or digit (:func:`.vocab.punctuation_mask`), None = none (the paper),
             ``"reference"`` = the authors' skip list (punctuation pieces and single digits,
-            :func:`.tokrag_reference.skip_mask`). Where every retrieved token is skipped,
+            :func:`.vocab.skip_mask`). Where every retrieved token is skipped,
             none is.
         top_k: truncate w_RAG / w_LLM to the top-k tokens (None = full vocabulary).
         scorer: ``"cosine"`` (Eq. 17-19: cos(w_RAG, w_IR) >= cos(w_RAG, w_LLM)) or
@@ -107,7 +109,7 @@ class TokRAG(Policy):
             (docs/results.md, "Choosing the defaults"); ``threshold=0`` is the paper's rule.
         jsd_threshold: Eq. 14's a, per vocabulary entry.
         function_word_gate: paper variant: where RAG's token is a function word (the authors'
-            list, :func:`.tokrag_reference.gate_mask`) keep it without comparing, as their
+            list, :func:`.vocab.gate_mask`) keep it without comparing, as their
             released decoder does (its step 1); the comparison of Eq. 19 is then made only
             where the candidates differ in content (default, chosen on the dev sets). False:
             Eq. 19 at every disagreement, the paper's loop.
@@ -121,16 +123,9 @@ class TokRAG(Policy):
             token is x^{l'−l*} itself (of RAG's plausible tokens, the one its layers after the
             fusion layer l* raised most), keep RAG's token (default True, chosen on the dev
             sets); False: Eq. 19 decides (the paper).
-        speculative: decode by blockwise verification (:mod:`..accel.speculative`): one context
-            drafts a block, the other checks it in one forward pass; the same tokens and
-            decisions as the step-by-step loop. Off by default: on the CPUs measured here the
-            fused step-by-step loop (``fuse``) is faster (docs/results.md, issue 8).
-        block: fixed block length for ``speculative`` (None = adaptive, 2-16).
-        drafter: which context drafts: ``"auto"`` (the one winning more disagreements),
-            ``"rag"`` or ``"pure"``.
-        fuse: decode the pure and RAG contexts as one batch (one forward pass per step, the
-            pure rows left-padded to the RAG length); ``False`` runs one pass per context.
-            Either way the same algorithm; rows differ only in rounding.
+        **legacy_speed: deprecated (``speculative``, ``block``, ``drafter``, ``fuse``): speed
+            choices, now ``speed={...}`` of :func:`..api.generate` and the runner; given here
+            they still apply, with a ``DeprecationWarning``.
     """
 
     name = "tokrag"
@@ -153,10 +148,7 @@ class TokRAG(Policy):
         function_word_gate: bool = True,
         verdict_gate: str | None = DEFAULT_VERDICT_GATE,
         rising_gate: bool = DEFAULT_RISING_GATE,
-        speculative: bool = False,
-        block: int | None = None,
-        drafter: str = "auto",
-        fuse: bool = True,
+        **legacy_speed: Any,
     ):
         if variant not in ("paper", "reference"):
             raise ValueError(f"variant must be 'paper' or 'reference', got {variant!r}")
@@ -206,18 +198,7 @@ class TokRAG(Policy):
         self.function_word_gate = function_word_gate if variant == "paper" else True
         self.verdict_gate = verdict_gate if variant == "paper" else None
         self.rising_gate = rising_gate if variant == "paper" else False
-        if block is not None and (not isinstance(block, int) or block < 1):
-            raise ValueError(f"block must be a positive int or None, got {block!r}")
-        if drafter not in ("auto", "pure", "rag"):
-            raise ValueError(f"drafter must be 'auto', 'pure' or 'rag', got {drafter!r}")
-        if not isinstance(speculative, bool):
-            raise ValueError(f"speculative must be True or False, got {speculative!r}")
-        if not isinstance(fuse, bool):
-            raise ValueError(f"fuse must be True or False, got {fuse!r}")
-        self.speculative = speculative
-        self.fuse = fuse
-        self.block = block
-        self.drafter = drafter
+        self.legacy_speed = legacy_speed_options(self.name, legacy_speed)
 
     def options(self) -> dict[str, Any]:
         paper = self.variant == "paper"
@@ -243,9 +224,6 @@ class TokRAG(Policy):
                 else {}
             ),
             **({"fixed_layer": self.fixed_layer} if self.fixed_layer is not None or not paper else {}),
-            "speculative": self.speculative,
-            **({} if self.speculative else {"fuse": self.fuse}),
-            **({"block": self.block, "drafter": self.drafter} if self.speculative else {}),
         }
 
     def prepare(self, lm: LoadedModel) -> None:
@@ -274,19 +252,19 @@ class TokRAG(Policy):
         # token decoded; the decoding is shared by the masks built in this call.
         V = self._A.shape[0]
         key = (id(lm.tokenizer), len(lm.tokenizer), V)
-        texts = functools.cache(lambda: REF.vocab_texts(lm.tokenizer))
+        texts = functools.cache(lambda: vocab.vocab_texts(lm.tokenizer))
 
         if self.variant == "reference":
-            self._skip = lm.memo(("skip_mask", *key), lambda: REF.skip_mask(lm.tokenizer, vocab_size=V))
+            self._skip = lm.memo(("skip_mask", *key), lambda: vocab.skip_mask(lm.tokenizer, vocab_size=V))
         if self.pr_skip == "punctuation":
             self._pr_skip = lm.memo(
-                ("pr_skip:punctuation", *key), lambda: REF.punctuation_mask(lm.tokenizer, vocab_size=V, texts=texts())
+                ("pr_skip:punctuation", *key), lambda: vocab.punctuation_mask(lm.tokenizer, vocab_size=V, texts=texts())
             )
         elif self.pr_skip == "reference":
-            self._pr_skip = lm.memo(("skip_mask", *key), lambda: REF.skip_mask(lm.tokenizer, vocab_size=V))
+            self._pr_skip = lm.memo(("skip_mask", *key), lambda: vocab.skip_mask(lm.tokenizer, vocab_size=V))
         if self.function_word_gate:
             self._gate = lm.memo(
-                ("gate_mask", *key), lambda: REF.gate_mask(lm.tokenizer, vocab_size=V, texts=texts())
+                ("gate_mask", *key), lambda: vocab.gate_mask(lm.tokenizer, vocab_size=V, texts=texts())
             )
         if self.verdict_gate is not None:
             self._verdict = lm.memo(
@@ -295,7 +273,7 @@ class TokRAG(Policy):
         self._tok = lm.tokenizer
 
     # ------------------------------------------------------------------ rule
-    def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
+    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
         gated = self._choice_without_signals(views)
         if gated is not None:
             return gated
@@ -314,22 +292,16 @@ class TokRAG(Policy):
             sig = {**sig, "benefit": True, "note": "gated: RAG's rising token"}
         return Choice(b if sig["benefit"] else a, FROM_RAG if sig["benefit"] else FROM_LLM, sig)
 
-    def choose_many(self, views: list[dict[str, ContextView]], lm: LoadedModel) -> list[Choice]:
-        """:meth:`choose` per query, with the first logit-lens chunk of every query that
-        reaches the signals computed in one product (the LM head read once for all of them,
-        not once per query); the rest is :meth:`choose` as written."""
-        if self.variant == "paper" and self.fixed_layer is None:
-            need = [v for v in views if self._choice_without_signals(v) is None]
-            if len(need) > 1:
-                rows = [self._first_chunk(v["pure"], v["rag"]) for v in need]
-                logp = torch.log_softmax(
-                    logit_lens(self._parts, torch.cat(rows), final_norm=self.lens_norm), dim=-1
-                )
-                for v, part in zip(need, logp.split([r.shape[0] for r in rows]), strict=True):
-                    v["rag"].lens_first = part
-        return [self.choose(v, lm) for v in views]
+    def first_lens_rows(self, views: dict[str, View]) -> torch.Tensor | None:
+        """The rows of the l* search's first logit-lens product (:meth:`_first_chunk`) where
+        this step reaches the signals of Eq. 13-18 and searches l*, else None."""
+        if self.variant != "paper" or self.fixed_layer is not None:
+            return None
+        if self._choice_without_signals(views) is not None:
+            return None
+        return self._first_chunk(views["pure"], views["rag"])
 
-    def _first_chunk(self, pure: ContextView, rag: ContextView) -> torch.Tensor:
+    def _first_chunk(self, pure: View, rag: View) -> torch.Tensor:
         """The hidden-state rows of :meth:`_fusion_layer`'s first logit-lens product."""
         attn = rag.attention_all()
         f = S.retrieved_attention_mass(attn, rag.rt_positions)
@@ -340,8 +312,8 @@ class TokRAG(Policy):
 
     def _chunk_rows(
         self,
-        pure: ContextView,
-        rag: ContextView,
+        pure: View,
+        rag: View,
         f_arg: int,
         start: int,
         done_to: int,
@@ -370,7 +342,7 @@ class TokRAG(Policy):
         rows = [h_pure[p_layers], h_rag[layers], h_rag[extra]]
         return rows, layers, extra, share0, len(p_layers)
 
-    def _choice_without_signals(self, views: dict[str, ContextView]) -> Choice | None:
+    def _choice_without_signals(self, views: dict[str, View]) -> Choice | None:
         """The choice made without the signals (the contexts agree, no retrieved tokens, a
         gated word), or None where the signals decide."""
         pure, rag = views["pure"], views["rag"]
@@ -388,7 +360,7 @@ class TokRAG(Policy):
             return Choice(b, AGREE if a == b else FROM_RAG, {"note": "gated: verdict word"})
         return None
 
-    def score(self, pure: ContextView, rag: ContextView) -> float:
+    def score(self, pure: View, rag: View) -> float:
         """A number > 0 where benefit wins (token-level AUC): cos(w_RAG, w_IR) − cos(w_RAG,
         w_LLM) for the cosine scorer, JSD(p_RAG, p_LLM) − JSD(p_RAG, p_R) for the distribution
         scorer."""
@@ -400,7 +372,7 @@ class TokRAG(Policy):
         return sig["cos_ir"] - sig["cos_llm"]
 
     # ------------------------------------------------------------------ signals (Eq. 13–18)
-    def signals(self, pure: ContextView, rag: ContextView) -> dict[str, Any]:
+    def signals(self, pure: View, rag: View) -> dict[str, Any]:
         L, A, parts = self._L, self._A, self._parts
         rt = rag.rt_positions
         rt_ids = rag.rt_token_ids
@@ -456,7 +428,7 @@ class TokRAG(Policy):
         return out
 
     def _fusion_layer(
-        self, pure: ContextView, rag: ContextView, attn: torch.Tensor
+        self, pure: View, rag: View, attn: torch.Tensor
     ) -> tuple[int, int, int, dict[int, torch.Tensor]]:
         """l* of Eq. 14 searched from ``self._lo``; also returns the RAG context's lensed
         log-probabilities computed on the way ({layer: [V]}), reused for x^{l'-l*}."""
@@ -478,7 +450,7 @@ class TokRAG(Policy):
             stop = layers[-1]
             n = len(layers)
             if prev_p is None and rag.lens_first is not None:
-                logp = rag.lens_first  # the same rows, lensed with other queries' (choose_many)
+                logp = rag.lens_first  # the same rows, lensed with other queries' (first_lens_rows)
             else:
                 logp = torch.log_softmax(
                     logit_lens(parts, torch.cat(rows), final_norm=self.lens_norm), dim=-1
@@ -507,9 +479,8 @@ class TokRAG(Policy):
         )
         return l_star, f_layer, g_layer, rag_logp
 
-    def reference_signals(self, pure: ContextView, rag: ContextView) -> dict[str, Any]:
-        """The authors' released-code rule (docs/algorithm.md, "The authors' released rule",
-        :mod:`.tokrag_reference`)."""
+    def reference_signals(self, pure: View, rag: View) -> dict[str, Any]:
+        """The authors' released-code rule (docs/algorithm.md, "The authors' released rule")."""
         sig = REF.reference_signals(
             rag.attention(self._fixed - 1),
             rag.rt_positions,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .tokrag_reference import _ids, vocab_texts
+from .vocab import _ids, vocab_texts
 
 #: Lower-cased whole-token texts (one leading space dropped) that state polarity.
 VERDICT_WORDS = frozenset(
@@ -45,8 +45,8 @@ def verdict_mask(
 ) -> torch.Tensor:
     """[V] bool: the token ids whose decoded text (one leading space dropped, case folded) is
     one of :data:`VERDICT_WORDS`, with the contract of the sibling vocabulary masks in
-    :mod:`.tokrag_reference`: ids beyond the tokenizer (extra embedding rows) are False;
-    ``texts``: :func:`~.tokrag_reference.vocab_texts` of the tokenizer, when already at hand."""
+    :mod:`.vocab`: ids beyond the tokenizer (extra embedding rows) are False;
+    ``texts``: :func:`~.vocab.vocab_texts` of the tokenizer, when already at hand."""
     n, V = _ids(tokenizer, vocab_size)
     texts = vocab_texts(tokenizer) if texts is None else texts
     mask = torch.zeros(V, dtype=torch.bool)

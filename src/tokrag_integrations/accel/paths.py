@@ -1,0 +1,137 @@
+"""Which CPU speed paths a model gets (:func:`maybe_install`, the one function
+``load_model`` calls) and why some are off (:func:`speed_paths`, :func:`fusion_off_reason`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import config
+from .cpu_kernels import _HEAD, _HEAD_OK, _VERDICT, install, installed
+from .lens_head import HEAD_MIN_ROWS
+from .sdpa import ATTN_IMPLEMENTATION, install_attention
+from .verify import verify_install
+
+#: ``config.model_type`` of the architectures the speed paths are measured correct on: the
+#: matrix of ``tests/test_architectures.py`` (tiny random models, float32 and bfloat16) and
+#: the packaged models (SmolLM2 is ``llama``, Gemma-3-270M ``gemma3_text``).
+COVERED_ARCHITECTURES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "granite"}
+)
+#: Why :func:`maybe_install` left the CPU paths off on a model (read by :func:`speed_paths`).
+_SPEED_OFF = "_tokrag_speed_off"
+
+
+def _first_parameter(model: Any) -> torch.Tensor | None:
+    try:
+        return next(model.parameters())
+    except StopIteration:
+        return None
+
+
+def _architecture_reason(model: Any) -> str | None:
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind not in COVERED_ARCHITECTURES:
+        return f"architecture {kind!r} is not in the tested matrix (tests/test_architectures.py)"
+    return None
+
+
+def speed_off_reason(model: Any) -> str | None:
+    """Why the CPU speed paths (few-row kernels, few-query attention, packed prefill, packed
+    LM head) do not apply to ``model``, in a few words, or None where they do: they are
+    measured correct on CPU, in float32, for the architectures of the matrix only."""
+    p = _first_parameter(model)
+    if p is None:
+        return "the model has no parameters"
+    if p.device.type != "cpu":
+        return f"device {p.device.type}: the CPU speed paths are measured on CPU only"
+    if p.dtype != torch.float32:
+        return f"dtype {str(p.dtype).removeprefix('torch.')}: the CPU speed paths are measured in float32 only"
+    return _architecture_reason(model)
+
+
+def fusion_off_reason(model: Any) -> str | None:
+    """Why contexts are not fused into one batch on ``model`` (None where they are): fusing
+    is measured to give the step-by-step tokens on CPU, in float32 and bfloat16, for the
+    architectures of the matrix; a GPU kernel may round a padded batch differently."""
+    p = _first_parameter(model)
+    if p is not None and p.device.type != "cpu":
+        return f"device {p.device.type}: fused contexts are measured on CPU only"
+    return _architecture_reason(model)
+
+
+def _kernel_detail(model: Any) -> str:
+    """The whole-model verdicts of :func:`verify_install`, e.g. ``rows 1 0.91x kept; rows
+    3-4 1.01x -> stock``."""
+    verdict = getattr(model, _VERDICT, None)
+    if not verdict:
+        return ""
+    parts = [
+        f"{label} {v['ratio']:.2f}x {'kept' if v['kept'] else '-> stock'}" for label, v in verdict.items()
+    ]
+    return " (model pass with plans / stock: " + "; ".join(parts) + ")"
+
+
+def _head_detail(model: Any) -> str:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    choice = getattr(head, _HEAD, None)
+    if choice is None:
+        return f" (measured at the first logit lens of >= {HEAD_MIN_ROWS} rows)"
+    return " (measured faster)" if choice else ""
+
+
+def speed_paths(model: Any) -> dict[str, str]:
+    """Each speed path of ``model``: ``"on"`` or ``"off: <reason>"`` (``cpu_kernels``,
+    ``packed_prefill``, ``packed_head``, ``fused_contexts``; environment switches are read
+    per decode and not reflected here), with what was measured where a path was chosen by
+    timing on this machine."""
+    off = getattr(model, _SPEED_OFF, None)
+    attention = getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+    kernels = installed(model)
+    fusion = fusion_off_reason(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_ok = getattr(head, _HEAD_OK, False)
+    if getattr(head, _HEAD, None) is False:
+        head_state = "off: measured slower than the routed product on this machine"
+    elif head_ok:
+        head_state = "on" + _head_detail(model)
+    else:
+        head_state = f"off: {off or 'no few-row plan installed'}"
+    detail = _kernel_detail(model)
+    return {
+        "cpu_kernels": ("on" + detail)
+        if kernels
+        else f"off: {off or 'no few-row plan installed' + detail}",
+        "packed_prefill": "on" if attention else f"off: {off or 'attention is not ' + ATTN_IMPLEMENTATION}",
+        "packed_head": head_state,
+        "fused_contexts": "on" if fusion is None else f"off: {fusion}",
+    }
+
+
+def maybe_install(model: Any, mode: str | None = None) -> bool:
+    """On a float32 CPU model: the few-query attention path and, per ``mode`` (default
+    ``$TOKRAG_CPU_KERNELS``), the few-row linear plans. Returns whether any linear module was
+    changed.
+
+    ``mode``: ``auto`` (default: measured plans per weight shape), ``on`` (the transposed
+    product for every few-row call) or ``off`` (stock paths throughout).
+    """
+    if mode is None:
+        mode = config.cpu_kernels()
+    mode = mode.strip().lower()
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"cpu_kernels (TOKRAG_CPU_KERNELS) must be 'auto', 'on' or 'off', got {mode!r}")
+    if mode == "off":
+        setattr(model, _SPEED_OFF, "cpu_kernels='off'")
+        return False
+    reason = speed_off_reason(model)
+    setattr(model, _SPEED_OFF, reason)
+    if reason is not None:
+        return False
+    install_attention(model)
+    changed = install(model, mode) > 0
+    if changed and mode == "auto":
+        verify_install(model)
+        changed = installed(model)
+    return changed

@@ -1,0 +1,129 @@
+"""What a policy sees of one context at one step: :class:`ContextView`, one row of a role
+batch (:mod:`.batch`). It satisfies the protocol the policies are written against
+(:class:`..policies.base.View`): next-token logits and probabilities, the retrieved-token
+positions and ids, per-layer states and attention rows, the latter recomputed on demand from
+the batch's KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..attention import (
+    ProbeRecord,
+    attention_from_queries,
+    attention_row,
+    attention_rows,
+    cached_keys,
+)
+from ..policies.base import ContextSpec
+from .batch import RoleBatch
+
+__all__ = ["ContextView"]
+
+
+class ContextView:
+    """What a policy sees of one context at one step (one row of a role batch).
+
+    ``record`` may be given as a zero-argument callable: it is then built on first access
+    (the blockwise loop builds per-layer states only at the steps whose rule reads them).
+    ``logits``/``seen_len`` override the batch's latest logits and cache length when the
+    view is of an earlier position of a block (the cache then holds later positions too).
+    """
+
+    def __init__(
+        self,
+        batch: RoleBatch,
+        row: int,
+        record: ProbeRecord | Callable[[], ProbeRecord] | None,
+        *,
+        logits: torch.Tensor | None = None,
+        seen_len: int | None = None,
+    ):
+        self._batch = batch
+        self._row = row
+        self._record = record
+        self.logits: torch.Tensor = batch.logits[row] if logits is None else logits
+        self.spec: ContextSpec = batch.specs[row]
+        self._seen = batch.mask.shape[1] if seen_len is None else seen_len
+        self._probs: torch.Tensor | None = None
+        self._attn: dict[int, torch.Tensor] = {}
+        self._attn_all: torch.Tensor | None = None
+        #: Log-probabilities of a rule's first logit-lens rows, computed for several queries
+        #: in one product by the batched chooser of the speed paths (None: the rule computes
+        #: them when it reads them).
+        self.lens_first: torch.Tensor | None = None
+
+    @property
+    def record(self) -> ProbeRecord | None:
+        if callable(self._record):
+            self._record = self._record()
+        return self._record
+
+    @property
+    def probs(self) -> torch.Tensor:
+        if self._probs is None:
+            self._probs = torch.softmax(self.logits.float(), dim=-1)
+        return self._probs
+
+    @property
+    def rt_positions(self) -> torch.Tensor:
+        """Positions of retrieved tokens in cache coordinates (left padding included)."""
+        pad = self._batch.pad[self._row]
+        return torch.tensor(
+            [pad + p for p in self.spec.rt_positions], dtype=torch.long, device=self.logits.device
+        )
+
+    @property
+    def rt_token_ids(self) -> torch.Tensor:
+        ids = self.spec.ids
+        return torch.tensor(
+            [ids[p] for p in self.spec.rt_positions], dtype=torch.long, device=self.logits.device
+        )
+
+    def attention(self, layer_idx: int) -> torch.Tensor:
+        """[H, T] attention of the last position at 0-based layer ``layer_idx`` (recomputed)."""
+        rec = self.record
+        if rec is None:
+            raise RuntimeError("this policy did not ask for probe records of this context")
+        if layer_idx not in self._attn:
+            b, r, seen = self._batch, self._row, self._seen
+            keys = cached_keys(b.cache, layer_idx)[b.cache_row(r)][None]
+            if keys.shape[2] > seen:  # a full cache holding later positions of a block
+                keys = keys[:, :, :seen]
+            valid = b.mask[r : r + 1, :seen].bool()
+            if rec.query is not None and keys.shape[2] == seen:
+                got = attention_from_queries(
+                    [rec.query[layer_idx][0]], [rec.query_scale[layer_idx]], [keys], valid, seen  # type: ignore[index]
+                )[0]
+            else:
+                got = attention_row(b.parts, layer_idx, rec, keys, valid, seen)[0]
+            self._attn[layer_idx] = got
+        return self._attn[layer_idx]
+
+    def attention_all(self) -> torch.Tensor:
+        """[L, H, T] attention of the last position at every layer (recomputed in one go)."""
+        if self._attn_all is not None:
+            return self._attn_all
+        rec = self.record
+        if rec is None:
+            raise RuntimeError("this policy did not ask for probe records of this context")
+        b, r, seen = self._batch, self._row, self._seen
+        n = len(b.cache.layers)
+        if not b.keeps_every_position():
+            return torch.stack([self.attention(i) for i in range(n)])
+        cr = b.cache_row(r)
+        keys = [cached_keys(b.cache, i)[cr][None] for i in range(n)]
+        valid = b.mask[r : r + 1, :seen].bool()
+        if rec.query is not None:
+            # The forward pass left this position's rotated queries: one q·K per layer.
+            out = attention_from_queries(
+                [q[0] for q in rec.query], rec.query_scale, keys, valid, seen  # type: ignore[arg-type]
+            )
+        else:
+            out = attention_rows(b.parts, rec, keys, valid, seen)
+        for i in range(n):
+            self._attn.setdefault(i, out[i])
+        self._attn_all = out
+        return out
