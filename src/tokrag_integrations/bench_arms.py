@@ -16,8 +16,8 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "rag": ("rag", {}),
     "rag-stock": ("rag", {}),
     "floor": ("floor", {}),
-    "tokrag-step": ("tokrag", {"speculative": False, "fuse": False}),
-    "tokrag-blockwise": ("tokrag", {"speculative": True}),
+    "tokrag-step": ("tokrag", {"speed": "reference"}),
+    "tokrag-blockwise": ("tokrag", {"speed": {"speculative": True}}),
     "tokrag": ("tokrag", {}),
     "llm": ("llm", {}),
 }

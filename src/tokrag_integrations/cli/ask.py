@@ -405,7 +405,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         policy=args.policy,
         max_new_tokens=args.max_new_tokens,
         stop=stop,
-        **policy_options,
+        policy_options=policy_options,
     )
     for event in tokens:
         style = _STREAM_STYLES.get(event.source, "dark_orange")

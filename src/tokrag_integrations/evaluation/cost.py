@@ -47,7 +47,7 @@ def _measure(model: str, data: str, policy: str, limit: int, k: int, ratio: floa
     times, tokens, prefill = [], [], []
     for it, ps in zip(items, mixes, strict=True):
         t0 = time.perf_counter()
-        r = generate(lm, it.question, ps, policy=spec.name, max_new_tokens=max_new_tokens, stop=["\n"], **spec.options)
+        r = generate(lm, it.question, ps, policy=spec.name, max_new_tokens=max_new_tokens, stop=["\n"], policy_options=spec.options)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)

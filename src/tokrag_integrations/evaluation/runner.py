@@ -17,7 +17,7 @@ in isolation.
 
 Policies are given as specs, ``name`` or ``name[key=value,...]`` (:mod:`.specs`), e.g.
 ``tokrag[min_fusion_layer=0]``: the normalised spec string is the record's ``policy`` and the
-table label, and its options go to ``generate_batch(..., policy=name, **options)``. Every spec
+table label, and its options go to ``generate_batch(..., policy=name, policy_options=options)``. Every spec
 is one more policy inside the shared prefill (two ``tokrag`` specs share it: probing does not
 depend on the options).
 
@@ -136,7 +136,7 @@ def _run_generation(
             policy=options[policy][0],
             max_new_tokens=max_new_tokens,
             stop=list(stop),
-            **options[policy][1],
+            policy_options=options[policy][1],
         )
         elapsed = time.perf_counter() - t0
         for it, mix, res in zip(batch, mixes, results, strict=True):

@@ -21,8 +21,7 @@ from .. import api, batching
 from ..api import GenerationResult, TokenEvent
 from ..defaults import MAX_NEW_TOKENS
 from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
-from ..policies import get_policy
-from ..policy_args import merge_policy_options
+from ..policies import get_policy, merge_policy_options
 from ._convert import (
     final_metadata,
     messages_to_prompt,
@@ -331,7 +330,7 @@ class ChatTokRAG(BaseChatModel):
         call = {k: kwargs.pop(k) for k in _CALL_KWARGS if k in kwargs}
         # Per call, policy options go in policy_options={...}; loose keywords still work (warned).
         call_options = merge_policy_options(
-            "ChatTokRAG", call.get("policy_options"), kwargs, stacklevel=_caller_stacklevel() + 1
+            call.get("policy_options"), kwargs, "ChatTokRAG", stacklevel=_caller_stacklevel() + 1
         )
         options = {**self.policy_options, **call_options}
         policy = call.get("policy", self.policy)
@@ -363,7 +362,7 @@ class ChatTokRAG(BaseChatModel):
             "stop": list(stop if stop is not None else (self.stop or [])),
             "messages": prompt.history or None,
             "max_context_tokens": call.get("max_context_tokens", self.max_context_tokens),
-            **(options if retrieved else {}),
+            "policy_options": options if retrieved else {},
         }
         if prompt.system_prompt is not None:
             core["system_prompt"] = prompt.system_prompt

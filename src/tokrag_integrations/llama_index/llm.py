@@ -256,7 +256,7 @@ class TokRAGLLM(CustomLLM):
             "max_new_tokens": int(kwargs.get("max_new_tokens") or self.max_new_tokens),
             "stop": kwargs["stop"] if kwargs.get("stop") is not None else self.stop,
             "max_context_tokens": kwargs.get("max_context_tokens", self.max_context_tokens),
-            **opts,
+            "policy_options": opts,
         }
         if self.system_prompt is not None:
             gen_kw["system_prompt"] = self.system_prompt

@@ -35,9 +35,8 @@ from ..api import GenerationResult, astream_with_result, stream
 from ..booleans import require_bool
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy
-from ..policies import get_policy
+from ..policies import get_policy, merge_policy_options
 from ..policies.base import Policy
-from ..policy_args import merge_policy_options
 from ._call_events import _CallEvents
 from ._convert import jsonable
 from ._modes import EXISTING_ANSWER_PREFIX, _Session, _Setup
@@ -235,7 +234,7 @@ class TokRAGSynthesizer(_CallEvents, _TemplatePath, BaseSynthesizer):
         mode = _mode_name(response_mode)
         meta_mode = _metadata_mode(metadata_mode)
         load_options = {k: options.pop(k) for k in LOAD_OPTIONS if k in options}
-        opts = merge_policy_options("TokRAGSynthesizer", policy_options, options)
+        opts = merge_policy_options(policy_options, options, "TokRAGSynthesizer")
         pol = _checked_policy(policy, opts)
         self._policy_name = pol.name
         self._roles: tuple[str, ...] = tuple(pol.roles)
@@ -252,7 +251,7 @@ class TokRAGSynthesizer(_CallEvents, _TemplatePath, BaseSynthesizer):
             "max_new_tokens": max_new_tokens,
             "stop": stop,
             "max_context_tokens": max_context_tokens,
-            **opts,
+            "policy_options": dict(opts),
         }
         if system_prompt is not ...:
             self._gen_kwargs["system_prompt"] = system_prompt

@@ -194,8 +194,8 @@ def merge_policy_options(
     merged = dict(policy_options or {})
     if legacy:
         warnings.warn(
-            f"{caller}(..., {', '.join(f'{k}=...' for k in legacy)}) is deprecated: pass the "
-            f"policy's options as {caller}(..., policy_options={dict(legacy)!r})",
+            f"{caller}: policy options as keyword arguments ({', '.join(sorted(legacy))}) are "
+            f"deprecated; pass them as {caller}(..., policy_options={dict(legacy)!r})",
             DeprecationWarning,
             stacklevel=stacklevel,
         )

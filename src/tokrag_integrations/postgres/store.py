@@ -477,7 +477,7 @@ def answer_from_postgres(
         search: ``"vector"`` (default), ``"text"`` or ``"hybrid"`` (see
             :meth:`PostgresKnowledgeBase.retrieve`).
         **options: Passed to :func:`~tokrag_integrations.generate` (``max_new_tokens``,
-            ``stop``, policy options...).
+            ``stop``, ``policy_options={...}``, ``speed=``...).
 
     Returns:
         :class:`PostgresAnswer` (``result, chunks = answer_from_postgres(...)`` works too).

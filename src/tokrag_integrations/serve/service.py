@@ -165,7 +165,7 @@ class ChatService:
             "max_new_tokens": req.max_tokens or self.config.max_new_tokens,
             "stop": stop,
             "messages": req.history or None,
-            **options,
+            "policy_options": options,
         }
         if req.system_prompt is not None:
             kw["system_prompt"] = req.system_prompt
