@@ -247,7 +247,7 @@ def test_ask_streams_and_passes_arguments(tmp_path: Path, fake_engine: dict[str,
     call = fake_engine["stream"]
     assert call["query"] == "Who founded Quillfeather?"
     assert (call["policy"], call["max_new_tokens"]) == ("cad", 8)
-    assert call["alpha"] == 0.25
+    assert call["policy_options"]["alpha"] == 0.25
     texts = [p.text for p in call["passages"]]
     assert texts[0] == "Extra passage."
     assert "Ottoline Varga" in texts[1]

@@ -157,7 +157,7 @@ class FakeDecode:
         if self.fail_after is not None and len(self.calls) >= self.fail_after:
             raise KeyboardInterrupt
         self.calls.append((policy, list(queries), [list(p) for p in passages]))
-        self.options.append({k: v for k, v in kw.items() if k not in ("max_new_tokens", "stop")})
+        self.options.append(dict(kw.get("policy_options") or {}))
         store = _SHARED_PREFILL.get()
         self.prefill.append(None if store is None else id(store))
         out = []

@@ -197,7 +197,7 @@ def test_bad_policy_option_fails_before_decoding(chat: ChatTokRAG) -> None:
     with pytest.raises(ValueError, match="Unknown policy"):
         chat.invoke("q", passages=["p"], policy="nope")
     with pytest.raises(ValueError, match="Bad options"):
-        chat.invoke("q", passages=["p"], no_such_option=1)
+        chat.invoke("q", passages=["p"], policy_options={"no_such_option": 1})
 
 
 def test_chain_input_validation(chain: Any) -> None:

@@ -63,7 +63,7 @@ def test_synthesizer_takes_policy_options_and_warns_on_the_old_spelling(lm) -> N
     with pytest.warns(DeprecationWarning, match="TokRAGSynthesizer: .*policy_options="):
         old = TokRAGSynthesizer(lm, pr_norm="softmax")
     assert new._gen_kwargs == old._gen_kwargs
-    assert new._gen_kwargs["pr_norm"] == "softmax"
+    assert new._gen_kwargs["policy_options"] == {"pr_norm": "softmax"}
     with pytest.raises(TypeError, match="unknown option 'no_such_option'"):
         TokRAGSynthesizer(lm, policy_options={"no_such_option": 1})
 
@@ -81,7 +81,7 @@ def test_chat_model_call_options(lm) -> None:
     )
     with pytest.warns(DeprecationWarning, match="ChatTokRAG: .*policy_options="):
         old = chat._prepare(msgs, None, {"passages": passages, "pr_norm": "softmax"})
-    assert new.kwargs == old.kwargs and new.kwargs["pr_norm"] == "softmax"
+    assert new.kwargs == old.kwargs and new.kwargs["policy_options"]["pr_norm"] == "softmax"
 
 
 def test_server_config_and_request_spellings() -> None:

@@ -356,7 +356,7 @@ def test_cli_serve_flags_become_the_config():
         "--top-k", "2", "--no-stop",
     ])
     c = config_from_args(args)
-    assert (c.policy, c.options, c.limits.max_tokens, c.max_queue) == ("rag", {"top_k": 2}, 64, 3)
+    assert (c.policy, c.policy_options, c.limits.max_tokens, c.max_queue) == ("rag", {"top_k": 2}, 64, 3)
     assert (c.batch_wait_s, c.store, c.table, c.top_k, c.stop) == (0.02, "postgres", "kb", 2, None)
     assert args.host == "127.0.0.1"  # localhost unless told otherwise
 
@@ -393,16 +393,16 @@ def test_server_default_options_apply_to_its_own_policy_only(lm):
     from tokrag_integrations.serve import ChatService, ServeConfig
     from tokrag_integrations.serve.schemas import Limits, parse_chat_request
 
-    svc = ChatService(lm, ServeConfig(policy="tokrag", options={"pr_norm": "softmax"}))
+    svc = ChatService(lm, ServeConfig(policy="tokrag", policy_options={"pr_norm": "softmax"}))
     body = {"messages": [{"role": "user", "content": QUESTION}]}
 
     def settings(extra):
         return svc.settings(parse_chat_request({**body, **extra}, Limits(), svc.policies))
 
-    assert settings({})["pr_norm"] == "softmax"
-    assert settings({"tokrag": {"options": {"top_k": 3}}})["top_k"] == 3
-    assert settings({"tokrag": {"options": {"top_k": 3}}})["pr_norm"] == "softmax"
-    assert "pr_norm" not in settings({"tokrag": {"policy": "rag"}})
+    assert settings({})["policy_options"]["pr_norm"] == "softmax"
+    assert settings({"tokrag": {"policy_options": {"top_k": 3}}})["policy_options"]["top_k"] == 3
+    assert settings({"tokrag": {"policy_options": {"top_k": 3}}})["policy_options"]["pr_norm"] == "softmax"
+    assert "pr_norm" not in settings({"tokrag": {"policy": "rag"}})["policy_options"]
 
 
 @pytest.mark.slow
