@@ -34,11 +34,15 @@ def _mentions_tokrag_command(args: Any) -> bool:
     argv = [args] if isinstance(args, (str, bytes)) else list(args or [])
     text = " ".join(str(a) for a in argv)
     first = str(argv[0]) if argv else ""
-    return (
-        first.rsplit("/", 1)[-1] == "tokrag"
-        or "tokrag_integrations.cli" in text
-        or "load_model(" in text
-        or "-m tokrag_integrations" in text
+    return first.rsplit("/", 1)[-1] == "tokrag" or any(
+        needle in text
+        for needle in (
+            "tokrag_integrations.cli",
+            "-m tokrag_integrations",
+            "load_model(",
+            "start_embedded(",
+            "pgserver",
+        )
     )
 
 
@@ -93,7 +97,7 @@ def guarded(seen: list[str]) -> Iterator[None]:
         def popen(original: Any) -> Any:
             def check(self: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
                 if _mentions_tokrag_command(args):
-                    _refuse(f"ran the tokrag command in a subprocess ({args!r:.120})", seen)
+                    _refuse(f"ran the tokrag command, a model or Postgres in a subprocess ({args!r:.120})", seen)
                 return original(self, args, *rest, **kwargs)
 
             return check

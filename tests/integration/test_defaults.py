@@ -10,7 +10,6 @@ end an answer at its first blank line, on the real model.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import io
 
 import pytest
@@ -19,63 +18,14 @@ import tokrag_integrations
 from tokrag_integrations import cli, generate
 from tokrag_integrations.defaults import (
     ANSWER_STOP,
-    CHUNK_CHARS,
-    CHUNK_OVERLAP,
     MAX_NEW_TOKENS,
-    TOP_K,
 )
-from tokrag_integrations.retrieval import build_retriever, chunk_text, get_sample_docs_path
+from tokrag_integrations.retrieval import get_sample_docs_path
 
 # Runs to the 64-token cap on the default model (a numbered list, one item per line), so
 # the answer budget of every entry point shows in the answer.
 CAPPED_Q = "After how many minutes is an unacknowledged page escalated to the secondary on-call engineer?"
 KESTREL_Q = "What is the code name of the Kestrel-7 programme?"
-
-
-def _defaults(func) -> dict:
-    return {
-        k: p.default
-        for k, p in inspect.signature(func).parameters.items()
-        if p.default is not inspect.Parameter.empty
-    }
-
-
-def test_every_entry_point_reads_the_same_defaults() -> None:
-    from tokrag_integrations.langchain import ChatTokRAG
-    from tokrag_integrations.langchain import FolderRetriever as LCRetriever
-    from tokrag_integrations.llama_index import FolderRetriever as LIRetriever
-    from tokrag_integrations.llama_index import TokRAGLLM, TokRAGSynthesizer
-
-    args = cli.build_parser().parse_args(["ask", "q"])
-    assert (args.top_k, args.max_new_tokens) == (TOP_K, MAX_NEW_TOKENS)
-    assert cli._stop_strings(args) == list(ANSWER_STOP)
-    assert _defaults(chunk_text) == {"max_chars": CHUNK_CHARS, "overlap": CHUNK_OVERLAP}
-    assert {k: _defaults(build_retriever)[k] for k in ("max_chars", "overlap")} == {
-        "max_chars": CHUNK_CHARS,
-        "overlap": CHUNK_OVERLAP,
-    }
-    synth = _defaults(TokRAGSynthesizer.__init__)
-    assert (synth["max_new_tokens"], synth["stop"]) == (MAX_NEW_TOKENS, ANSWER_STOP)
-    assert TokRAGLLM.model_fields["max_new_tokens"].default == MAX_NEW_TOKENS
-    assert ChatTokRAG.model_fields["max_tokens"].default == MAX_NEW_TOKENS
-    li = _defaults(LIRetriever.__init__)
-    assert (li["top_k"], li["max_chars"], li["overlap"]) == (TOP_K, CHUNK_CHARS, CHUNK_OVERLAP)
-    lc = LCRetriever.model_fields
-    assert (lc["top_k"].default, lc["max_chars"].default, lc["overlap"].default) == (
-        TOP_K,
-        CHUNK_CHARS,
-        CHUNK_OVERLAP,
-    )
-
-
-def test_cli_stop_options() -> None:
-    parse = cli.build_parser().parse_args
-    assert cli._stop_strings(parse(["ask", "q", "--no-stop"])) == []
-    assert cli._stop_strings(parse(["ask", "q", "--stop", "\\n", "--stop", "END"])) == ["\n", "END"]
-    with pytest.raises(ValueError, match="--stop needs a non-empty text"):
-        cli._stop_strings(parse(["ask", "q", "--stop", ""]))
-    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
-        parse(["ask", "q", "--stop", "x", "--no-stop"])  # one or the other
 
 
 def test_a_chain_without_stop_uses_the_answer_stop_and_stop_empty_turns_it_off(lm) -> None:

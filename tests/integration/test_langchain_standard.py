@@ -31,7 +31,6 @@ from typing import Any
 
 import pytest
 from langchain_tests.integration_tests import ChatModelIntegrationTests
-from langchain_tests.unit_tests import ChatModelUnitTests
 
 from tokrag_integrations.langchain import ChatTokRAG
 
@@ -113,10 +112,6 @@ class _Flags:
     @property
     def model_override_value(self) -> str:
         return "SmolLM2-135M-Instruct"
-
-
-class TestChatTokRAGUnit(_Flags, ChatModelUnitTests):
-    """``ChatModelUnitTests``: construction, standard params, LangSmith params (no decoding)."""
 
 
 @pytest.mark.slow

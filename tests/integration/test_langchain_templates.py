@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from _helpers import aggregate, forward_inputs
 from langchain_core.documents import Document
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage
 from langchain_core.output_parsers import StrOutputParser
-from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder, PromptTemplate
+from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.runnables import RunnablePassthrough
 
 from tokrag_integrations.langchain import (
@@ -27,7 +27,6 @@ from tokrag_integrations.langchain import (
     create_tokrag_chain,
     create_tokrag_documents_chain,
 )
-from tokrag_integrations.langchain._convert import rendered_prompt
 from tokrag_integrations.langchain.chains import format_documents
 from tokrag_integrations.langchain.chat_models import NO_PASSAGES_WARNING
 from tokrag_integrations.retrieval import chunk_documents, get_sample_docs_path, load_documents
@@ -196,16 +195,6 @@ def test_documents_chain_without_prompt_uses_the_passages(lm: Any) -> None:
     assert got == want
 
 
-def test_document_prompt_and_separator_build_the_context() -> None:
-    docs = [
-        Document(page_content="one", metadata={"source": "a.md"}),
-        Document(page_content="two", metadata={"source": "b.md"}),
-    ]
-    assert format_documents(docs) == "one\n\ntwo"  # create_stuff_documents_chain's defaults
-    dp = PromptTemplate.from_template("[{source}] {page_content}")
-    assert format_documents(docs, dp, "\n---\n") == "[a.md] one\n---\n[b.md] two"
-
-
 def test_prompt_is_validated(chat: ChatTokRAG, bm25: Any) -> None:
     no_context = ChatPromptTemplate.from_messages([("human", "{input}")])
     with pytest.raises(ValueError, match=r"must take \{context\}"):
@@ -221,33 +210,6 @@ def test_prompt_is_validated(chat: ChatTokRAG, bm25: Any) -> None:
         answer.invoke({"context": "not documents", "input": QUESTION})
     with pytest.raises(ValueError, match="'context'"):
         answer.invoke({"input": QUESTION})
-
-
-# ------------------------------------------------------------------ the pure context's parts
-def test_rendered_prompt_splits_the_pure_context() -> None:
-    ctx = "Quillfeather was founded by Ottoline Varga."
-    msgs = [
-        SystemMessage("You are terse."),
-        SystemMessage(f"Context:\n{ctx}"),
-        HumanMessage("earlier question"),
-        AIMessage("earlier answer"),
-        HumanMessage(f"Question: {QUESTION}"),
-    ]
-    rendered, pure = rendered_prompt(msgs, ctx, QUESTION)
-    assert rendered.context == ctx and rendered.messages[1]["content"] == f"Context:\n{ctx}"
-    assert [m["role"] for m in rendered.messages] == [
-        "system", "system", "user", "assistant", "user"
-    ]
-    assert pure.query == QUESTION and pure.system_prompt == "You are terse."
-    assert pure.history == [
-        {"role": "user", "content": "earlier question"},
-        {"role": "assistant", "content": "earlier answer"},
-    ]
-    # Without question=: the last human turn, the context taken out of it.
-    _, pure = rendered_prompt([HumanMessage(f"{ctx}\n\n{QUESTION}")], ctx)
-    assert pure.query == QUESTION and pure.system_prompt is None
-    with pytest.raises(ValueError, match="pass question="):
-        rendered_prompt([HumanMessage(ctx)], ctx)
 
 
 # ------------------------------------------------------------------ ChatTokRAG without passages

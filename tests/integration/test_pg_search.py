@@ -8,15 +8,9 @@ this module by ``pgserver`` in a temporary folder.
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
 
 import pytest
-
-from tokrag_integrations.postgres.search import (
-    compile_conditions,
-    to_conditions,
-)
 
 HOSTILE_VALUES = ["x' OR '1'='1", "a'; DROP TABLE data_ops; --", "日本語; '\"", "%", "\\", ")) OR TRUE --"]
 
@@ -32,65 +26,6 @@ def _ticket_note(ticket: str, seconds: int) -> str:
         f"reporting warehouse stopped with a lock timeout. The fix for ticket {ticket} was to "
         f"raise the export job's lock wait to {seconds} seconds.\n"
     )
-
-
-# ============================================================================ unit (no server)
-def test_filter_forms_become_conditions():
-    conds = to_conditions({"file_name": "a.md", "year": {"$gte": 2020, "$lt": 2025}, "tag": ["x", "y"]})
-    assert [(c.key, c.op, c.value) for c in conds] == [
-        ("file_name", "$eq", "a.md"),
-        ("year", "$gte", 2020),
-        ("year", "$lt", 2025),
-        ("tag", "$in", ["x", "y"]),
-    ]
-    cli = to_conditions(["format=md", "format=html", "year>=2020", "status!=draft", "tags~=audit", "n<3.5"])
-    assert [(c.key, c.op, c.value) for c in cli] == [
-        ("format", "$in", ["md", "html"]),
-        ("year", "$gte", 2020.0),
-        ("status", "$ne", "draft"),
-        ("tags", "$contains", "audit"),
-        ("n", "$lt", 3.5),
-    ]
-    assert to_conditions(["file_name=b=c.md"])[0].value == "b=c.md"
-
-
-@pytest.mark.parametrize(
-    ("filters", "message"),
-    [
-        ({"year": {"$regex": "2."}}, "unknown operator"),
-        ({"year": {"$in": []}}, "non-empty list"),
-        ({"year": {"$in": "2020"}}, "non-empty list"),
-        ({"year": {"$in": [2020, "2021"]}}, "mix of strings and numbers"),
-        ({"year": {"$gt": True}}, "strings or numbers"),
-        ({"year": {"$gt": float("nan")}}, "NaN"),
-        ({"year": {"$eq": None}}, "strings or numbers"),
-        ({"year": {}}, "no operators"),
-        ({"a;b": {"$eq": 1}}, "Invalid filter key"),
-        (["year=>3"], None),  # parses: key year, value '>3' (compared as text)
-        (["a b>3"], "Invalid filter key"),
-        (["nokey"], "not key=value"),
-        (42, "mapping"),
-    ],
-)
-def test_bad_filters_are_one_sentence(filters, message):
-    if message is None:
-        assert to_conditions(filters)[0].value == ">3"
-        return
-    with pytest.raises(ValueError, match=message):
-        to_conditions(filters)
-
-
-@pytest.mark.parametrize("value", HOSTILE_VALUES)
-def test_filter_values_never_reach_the_sql_text(value):
-    from psycopg import sql
-
-    params: dict = {}
-    conds = to_conditions({"k": {op: ([value] if op in ("$in", "$nin") else value) for op in (
-        "$eq", "$ne", "$in", "$nin", "$gt", "$gte", "$lt", "$lte", "$contains")}})
-    composed = compile_conditions(conds, sql.Identifier("metadata_"), params)
-    text = re.sub(r"%\(f\d+\)s", "", composed.as_string(None))  # the placeholders themselves
-    assert value not in text and "'" not in text.replace("'string'", "")
-    assert value in params.values() or [value] in params.values()
 
 
 # ============================================================================ fixtures
@@ -507,14 +442,6 @@ def test_async_answer_and_cli_hybrid_answer(tickets, lm, monkeypatch, capsys):
     assert main(argv) == 0
     out = capsys.readouterr()
     assert str(seconds) in out.out and f"{ticket.lower()}.md #0" in out.err
-
-
-def test_cli_search_needs_the_postgres_store(capsys, tmp_path):
-    from tokrag_integrations.cli import main
-
-    (tmp_path / "a.md").write_text("# A\n\ntext\n")
-    assert main(["ask", "q", "--docs", str(tmp_path), "--search", "hybrid"]) == 2
-    assert "--search applies to --store postgres" in capsys.readouterr().err
 
 
 @pytest.mark.postgres

@@ -3,7 +3,7 @@
 Starts a local Ray instance (2 CPUs, no dashboard) and Serve's proxy on a free port, deploys
 two replicas (one packaged model each, one torch thread each) and talks to them with the
 official ``openai`` client. Marked slow: 61 s on 2 busy CPU cores (37 s of it Ray and the
-replicas starting); run it with ``pytest -m slow tests/test_serve_ray.py``.
+replicas starting); run it with ``pytest -m slow tests/integration/test_serve_ray.py``.
 """
 
 from __future__ import annotations

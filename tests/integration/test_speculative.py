@@ -218,17 +218,3 @@ def test_blockwise_supported_only_for_pure_rag_rules_on_full_caches(lm):
         get_policy("tokrag", drafter="both")
     with pytest.raises(ValueError, match="block"):
         get_policy("tokrag", block=0)
-
-
-def test_block_length_follows_the_cost_model():
-    from tokrag_integrations.accel.speculative import MAX_BLOCK, MIN_BLOCK, best_block
-
-    rates = [0.5, 0.2, 0.1, 0.05, 0.02, 0.005, 0.0]
-    for beta in (0.0, 0.15, 0.5):
-        ks = [best_block(r, beta) for r in rates]
-        assert all(MIN_BLOCK <= k <= MAX_BLOCK for k in ks)
-        assert (
-            ks == sorted(ks) and ks[0] < ks[-1] == MAX_BLOCK
-        )  # rarer verifier wins, longer blocks
-    assert best_block(0.02, 0.5) < best_block(0.02, 0.0)  # a costlier verifier pass, shorter blocks
-    assert best_block(0.3, 0.0) == 2

@@ -24,7 +24,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = "tokrag_integrations"
-ROOT = Path(__file__).resolve().parents[1] / "src" / PACKAGE
+ROOT = Path(__file__).resolve().parents[2] / "src" / PACKAGE
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:

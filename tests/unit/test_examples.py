@@ -1,0 +1,41 @@
+"""Every script in examples/ run end to end, as a user would: ``python examples/NAME.py``.
+
+Each example runs in a fresh process on the packaged default model, from a temporary working
+folder (so the files it writes stay out of the repository), and must exit 0, print its
+answer once (one ``A:`` line) with the fact from the sample documents that answers its
+default question, and print no weight-loading progress bars or runtime-dir warnings. The
+Postgres examples use the embedded server from ``pgserver`` in a temporary data folder
+(``$TOKRAG_DATA_DIR``), shared by both, so the user's own database is never touched and the
+second one finds the handbook already ingested.
+
+Slow (about 3 minutes on 2 CPU cores): in ``make test``, not in ``make test-fast``. Run only
+these with ``pytest -m slow tests/integration/test_examples.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokrag_integrations.retrieval import get_sample_questions
+
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
+
+# example -> the question it asks by default (its fact comes from get_sample_questions()).
+EXAMPLES = {
+    "langchain_quickstart.py": "What is the code name of the Kestrel-7 programme?",
+    "llamaindex_quickstart.py": "What is the code name of the Kestrel-7 programme?",
+    "router_langchain.py": "Who founded Quillfeather Aerospace?",
+    "router_llamaindex.py": "Who founded Quillfeather Aerospace?",
+    "postgres_langchain.py": "What is the guest Wi-Fi network at the Dundee office called?",
+    "postgres_llamaindex.py": "How many approvals does a change to flight software need?",
+}
+
+
+def test_every_example_is_listed():
+    """A new example gets a row in EXAMPLES (and so an end-to-end run)."""
+    assert sorted(p.name for p in EXAMPLES_DIR.glob("*.py")) == sorted(EXAMPLES)
+
+
+def test_example_questions_have_sample_answers():
+    known = {q["question"] for q in get_sample_questions()}
+    assert set(EXAMPLES.values()) <= known
