@@ -25,6 +25,24 @@ PS = [
 ]
 
 
+QS4 = QS + ["Who painted the Mona Lisa?"]
+PS4 = PS + [["The Mona Lisa was painted by Leonardo da Vinci in Florence."]]
+N_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def solo(lm):
+    """policy -> each query of ``QS4`` decoded alone (``N_TOKENS``), once per module: the
+    reference every batched decode below is compared against."""
+    return {
+        policy: [
+            generate(lm, q, p, policy=policy, max_new_tokens=N_TOKENS)
+            for q, p in zip(QS4 if policy == "tokrag" else QS, PS4, strict=False)
+        ]
+        for policy in ("tokrag", "rag")
+    }
+
+
 def _plans(lm):
     b = PromptBuilder(lm.tokenizer, context_window=lm.context_window)
     return [b.build(q, p) for q, p in zip(QS, PS, strict=True)]
@@ -69,7 +87,7 @@ def test_kept_rows_compute_what_they_computed_in_the_full_batch(lm):
 
 
 @pytest.mark.parametrize("policy", ["tokrag", "rag"])
-def test_finished_queries_leave_and_the_others_get_their_tokens_alone(lm, monkeypatch, policy):
+def test_finished_queries_leave_and_the_others_get_their_tokens_alone(lm, solo, monkeypatch, policy):
     monkeypatch.setattr(loop, "DROP_SHARE", 0.0)  # drop at every finished query
     dropped = []
     real = RoleBatch.keep_rows
@@ -79,12 +97,11 @@ def test_finished_queries_leave_and_the_others_get_their_tokens_alone(lm, monkey
         return real(self, rows)
 
     monkeypatch.setattr(RoleBatch, "keep_rows", spy)
-    batch = generate_batch(lm, QS, PS, policy=policy, max_new_tokens=40)
+    batch = generate_batch(lm, QS, PS, policy=policy, max_new_tokens=N_TOKENS)
     lengths = [len(r.token_ids) for r in batch]
     assert len(set(lengths)) > 1  # the queries finish at different steps
     assert dropped  # and rows left the batch
-    for q, p, b in zip(QS, PS, batch, strict=True):
-        one = generate(lm, q, p, policy=policy, max_new_tokens=40)
+    for b, one in zip(batch, solo[policy][: len(QS)], strict=True):
         assert b.token_ids == one.token_ids
         assert [(s.source, s.signals.get("benefit")) for s in b.trace.steps] == [
             (s.source, s.signals.get("benefit")) for s in one.trace.steps
@@ -104,7 +121,7 @@ def test_a_packed_batch_cannot_drop_rows(lm):
         b.keep_rows([0])
 
 
-def test_signals_of_several_queries_share_one_lens_product(lm, monkeypatch):
+def test_signals_of_several_queries_share_one_lens_product(lm, solo, monkeypatch):
     """At a step where several queries reach the signals, their first logit-lens rows go
     through one product (``TokRAG.choose_many``); every query still gets the tokens,
     decisions, l* and (to rounding) the cosines it gets alone."""
@@ -118,13 +135,9 @@ def test_signals_of_several_queries_share_one_lens_product(lm, monkeypatch):
         return real(self, pure, rag)
 
     monkeypatch.setattr(TokRAG, "_first_chunk", spy)
-    qs = QS + ["Who painted the Mona Lisa?"]
-    ps = PS + [["The Mona Lisa was painted by Leonardo da Vinci in Florence."]]
-    batch = generate_batch(lm, qs, ps, policy="tokrag", max_new_tokens=24)
+    batch = generate_batch(lm, QS4, PS4, policy="tokrag", max_new_tokens=N_TOKENS)
     assert shared  # some step had several queries reaching the signals
-    monkeypatch.setattr(TokRAG, "_first_chunk", real)
-    for q, p, b in zip(qs, ps, batch, strict=True):
-        one = generate(lm, q, p, policy="tokrag", max_new_tokens=24)
+    for b, one in zip(batch, solo["tokrag"], strict=True):
         assert b.token_ids == one.token_ids
         for x, y in zip(b.trace.steps, one.trace.steps, strict=True):
             assert (x.source, x.signals.get("benefit"), x.signals.get("l_star")) == (

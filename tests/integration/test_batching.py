@@ -1,5 +1,11 @@
 """Micro-batching of concurrent calls (tokrag_integrations.batching) on the packaged model:
-concurrent calls are decoded together and each gets exactly what it gets alone."""
+concurrent calls are decoded together and each gets exactly what it gets alone.
+
+Each input is decoded alone once (the module's ``solo`` fixture, through ``ChatTokRAG`` with
+batching off); every batched mode (LangChain ``abatch`` and parallel branches, LlamaIndex
+``acomplete``, the chain's ``batch`` and ``abatch``) is compared against that reference:
+the chat model, the chain without a prompt and ``TokRAGLLM`` build the same prompt from the
+same passages, which the first test checks for one input."""
 
 from __future__ import annotations
 
@@ -28,17 +34,32 @@ def _content(msg):
     return msg.content, msg.response_metadata["token_ids"]
 
 
+@pytest.fixture(scope="module")
+def solo(lm, questions_and_passages):
+    """policy -> [(content, token_ids)] of each input decoded alone (batching off)."""
+    from langchain_core.messages import HumanMessage
+
+    from tokrag_integrations.langchain import ChatTokRAG
+
+    out = {}
+    for policy in ("tokrag", "rag"):
+        alone = ChatTokRAG(model=lm, policy=policy, max_tokens=N_TOKENS, batching=False)
+        out[policy] = [
+            _content(alone.invoke([HumanMessage(q)], passages=p)) for q, p in questions_and_passages
+        ]
+    return out
+
+
 @pytest.mark.parametrize("policy", ["tokrag", "rag"])
-def test_langchain_abatch_equals_invokes_and_batches(lm, questions_and_passages, policy):
+def test_langchain_abatch_equals_invokes_and_batches(lm, questions_and_passages, solo, policy):
     from langchain_core.messages import HumanMessage
 
     from tokrag_integrations.langchain import ChatTokRAG
 
     chat = ChatTokRAG(model=lm, policy=policy, max_tokens=N_TOKENS)
-    alone = ChatTokRAG(model=lm, policy=policy, max_tokens=N_TOKENS, batching=False)
     inputs = [[HumanMessage(q)] for q, _ in questions_and_passages]
     passages = [p for _, p in questions_and_passages]
-    one_by_one = [_content(alone.invoke(m, passages=p)) for m, p in zip(inputs, passages, strict=True)]
+    one_by_one = solo[policy]
 
     b = batcher_for(lm)
     before = (b.batches, b.batched_calls)
@@ -56,23 +77,30 @@ def test_langchain_abatch_equals_invokes_and_batches(lm, questions_and_passages,
         return
     # sync concurrency (a thread per branch) batches too and gives the same answers
     before = b.batched_calls
-    bound = [chat.bind(passages=p) for p in passages]
-    from langchain_core.runnables import RunnableParallel
+    from langchain_core.runnables import RunnableLambda, RunnableParallel
 
-    par = RunnableParallel({str(i): r for i, r in enumerate(bound)})
-    outs = par.invoke(inputs[0])  # same question to every binding: 8 concurrent invokes
-    first = [_content(outs[str(i)]) for i in range(len(bound))]
-    expect = [_content(alone.invoke(inputs[0], passages=p)) for p in passages]
-    assert first == expect
+    branches = [
+        RunnableLambda(lambda _, m=m: m) | chat.bind(passages=p)
+        for m, p in zip(inputs, passages, strict=True)
+    ]
+    par = RunnableParallel({str(i): r for i, r in enumerate(branches)})
+    outs = par.invoke(None)  # each branch its own input: 8 concurrent invokes
+    assert [_content(outs[str(i)]) for i in range(len(branches))] == one_by_one
     assert b.batched_calls > before
 
+    # The other entry points build the same prompt from the same passages.
+    from tokrag_integrations.llama_index import TokRAGLLM
 
-def test_one_bad_input_gets_its_error_and_the_others_their_answers(lm, questions_and_passages):
+    (q, p), (text, _) = questions_and_passages[0], one_by_one[0]
+    assert TokRAGLLM(lm, max_new_tokens=N_TOKENS, batching=False).complete(q, passages=p).text == text
+
+
+def test_one_bad_input_gets_its_error_and_the_others_their_answers(lm, questions_and_passages, solo):
     from tokrag_integrations.langchain import ChatTokRAG
 
     chat = ChatTokRAG(model=lm, policy="rag", max_tokens=N_TOKENS)
     (q1, p1), (q2, p2) = questions_and_passages[:2]
-    expect = [chat.invoke(q, passages=p, config={"configurable": {}}).content for q, p in ((q1, p1), (q2, p2))]
+    expect = [content for content, _ in solo["rag"][:2]]
 
     async def run():
         return await asyncio.gather(
@@ -87,12 +115,12 @@ def test_one_bad_input_gets_its_error_and_the_others_their_answers(lm, questions
     assert [a.content, c.content] == expect
 
 
-def test_llamaindex_concurrent_acomplete_equals_sequential(lm, questions_and_passages):
+def test_llamaindex_concurrent_acomplete_equals_sequential(lm, questions_and_passages, solo):
     from tokrag_integrations.llama_index import TokRAGLLM
 
     llm = TokRAGLLM(lm, max_new_tokens=N_TOKENS)
     items = questions_and_passages[:4]
-    sequential = [llm.complete(q, passages=p).text for q, p in items]
+    sequential = [content for content, _ in solo["tokrag"][:4]]
     b = batcher_for(lm)
     before = b.batched_calls
 
@@ -125,7 +153,7 @@ def test_llamaindex_concurrent_aquery_is_batched(lm):
     assert b.batched_calls > before
 
 
-def test_chain_abatch_of_8_equals_8_invokes(lm, questions_and_passages):
+def test_chain_abatch_of_8_equals_8_invokes(lm, questions_and_passages, solo):
     from langchain_core.documents import Document
     from langchain_core.runnables import RunnableLambda
 
@@ -137,7 +165,8 @@ def test_chain_abatch_of_8_equals_8_invokes(lm, questions_and_passages):
     )
     chain = create_tokrag_chain(retriever, lm, max_tokens=N_TOKENS)
     inputs = [{"input": q} for q, _ in questions_and_passages]
-    one_by_one = [chain.invoke(x)["answer"] for x in inputs]
+    one_by_one = [content for content, _ in solo["tokrag"]]
+    assert chain.invoke(inputs[0])["answer"] == one_by_one[0]
     b = batcher_for(lm)
     before = b.batched_calls
     together = [o["answer"] for o in asyncio.run(chain.abatch(inputs))]
