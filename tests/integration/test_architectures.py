@@ -10,7 +10,8 @@ downloaded. For Llama, Mistral (sliding window), Qwen2, Qwen3 (per-head q/k norm
 * ``rag`` and ``llm`` equal ``model.generate(do_sample=False)`` token for token;
 * ``tokrag`` runs with finite signals and a consistent trace;
 * every fast path (packed prefill, fused contexts, blockwise verification, CPU kernels on
-  and off) gives the step-by-step decoder's tokens and sources;
+  and off) gives the step-by-step decoder's tokens and sources (on Llama, Gemma 3 and Phi-3
+  by default, on every architecture with ``-m slow``);
 * (float32) the attention rows the signals read equal eager attention past the sliding
   window, both from the queries the CPU path keeps and recomputed from the attention input,
   and the logit lens of the last layer equals the model's logits.
@@ -77,6 +78,15 @@ ARCHS: dict[str, tuple[str, str, dict]] = {
 REFUSED = {"gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"), "phi": ("PhiConfig", "PhiForCausalLM")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CASES = [pytest.param(a, d, id=f"{a}-{d}") for a in ARCHS for d in DTYPES]
+#: The speed-path matrix runs on three architectures by default (a plain one, the one with
+#: sliding and full layers and soft-capping, the one with a fused [Q | K | V] projection);
+#: the others are marked slow (``make test-all`` runs them).
+SPEED_DEFAULT = ("llama", "gemma3", "phi3")
+SPEED_CASES = [
+    pytest.param(a, d, id=f"{a}-{d}", marks=() if a in SPEED_DEFAULT else pytest.mark.slow)
+    for a in ARCHS
+    for d in DTYPES
+]
 
 
 def _config(cls_name: str, tok, vocab_size: int, **extra):
@@ -178,8 +188,7 @@ def test_tokrag_runs_with_finite_signals_and_a_consistent_trace(models, arch, dt
         assert disagreements, "no disagreement step: the signals were never read"
 
 
-@pytest.mark.slow  # ~1 min for the matrix: five decodes per case
-@pytest.mark.parametrize("arch,dtype", CASES)
+@pytest.mark.parametrize("arch,dtype", SPEED_CASES)  # five decodes per case
 def test_fast_paths_give_the_step_by_step_tokens(models, arch, dtype, monkeypatch):
     tiny, _ = models(arch, dtype)
     step = _decode(tiny, speculative=False, fuse=False)

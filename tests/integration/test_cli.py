@@ -1,5 +1,7 @@
 """Tests for the ``tokrag`` command line: argument parsing and error paths with a fake
-engine, then one real run of ``tokrag ask`` on the packaged default model."""
+engine, then one real run of ``tokrag ask`` on the packaged default model.
+
+Cases that need no model, database or server are in ``tests/unit/test_cli.py``."""
 
 from __future__ import annotations
 

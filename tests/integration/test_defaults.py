@@ -5,7 +5,8 @@
 (``FolderRetriever`` -> ``create_tokrag_chain`` with ``ChatTokRAG``) give the same answer to
 the same question over the same documents when nothing is set; and the default stop strings
 end an answer at its first blank line, on the real model.
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_defaults.py``."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Everything runs against real PostgreSQL 16 + pgvector servers started by ``pgser
 shared by the module, plus one per case that needs its own data folder (a long path). The
 other-local-user case runs its attacker as ``nobody`` and needs root for that; elsewhere it is
 skipped with the reason.
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_embedded_server.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The decoding engine on the real default model (SmolLM2-135M-Instruct)."""
+"""The decoding engine on the real default model (SmolLM2-135M-Instruct).
+
+Cases that need no model, database or server are in ``tests/unit/test_engine.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Evaluation harness: passage mixing, metrics, resume, and a tiny real-model run."""
+"""Evaluation harness: passage mixing, metrics, resume, and a tiny real-model run.
+
+The cases that need the real model, a database, a server or a subprocess; the others are in
+``tests/unit/test_evaluation.py``."""
 
 from __future__ import annotations
 

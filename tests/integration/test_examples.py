@@ -10,7 +10,8 @@ second one finds the handbook already ingested.
 
 Slow (about 3 minutes on 2 CPU cores): in ``make test``, not in ``make test-fast``. Run only
 these with ``pytest -m slow tests/integration/test_examples.py``.
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_examples.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Retrieval gating: metric formulas, thresholds, calibration files, GECE, CtrlA, routers."""
+"""Retrieval gating: metric formulas, thresholds, calibration files, GECE, CtrlA, routers.
+
+Cases that need no model, database or server are in ``tests/unit/test_gating.py``."""
 
 from __future__ import annotations
 

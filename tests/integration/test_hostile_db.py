@@ -7,7 +7,8 @@ privileges, another application's table, a numeric filter on a text key, ``top_k
 a bad ``TOKRAG_PG_CONNECT_TIMEOUT`` as one-sentence errors; a killed process's pgserver
 handle cleaned up; ``ask --docs`` skipping binary files with progress and a size warning.
 Tests marked ``postgres`` use a real PostgreSQL 16 + pgvector started by ``pgserver``.
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_hostile_db.py``."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Point 1: one model handle shared by threads and asyncio tasks; a stream that is 
 dropped in another thread, read from two threads, and cancelled ``agenerate``/``astream`` calls
 must all leave the model usable. Every wait has a timeout, so a regression fails instead of
 hanging. Points 6 and 7: wrong inputs are refused up front with one-sentence errors.
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_hostile_model.py``."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Retrievers are real: an ``InMemoryVectorStore`` over the packaged MiniLM embeddings and a
 ``BM25Retriever`` over the sample documents. Answers are short (<= 20 tokens) to keep the
 file cheap on CPU.
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_langchain.py``."""
 
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ Kept on: ``returns_usage_metadata`` (input tokens from the prompt, output tokens
 steps) and ``supports_model_override`` (``invoke(..., model="SmolLM2-135M-Instruct")`` loads
 that model by name; it is the default model's display name, so the override costs one cached
 load, not a second model).
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_langchain_standard.py``."""
 
 from __future__ import annotations
 

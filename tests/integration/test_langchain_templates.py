@@ -6,7 +6,8 @@ is that prompt as formatted, its retrieved tokens are where ``{context}`` lands.
 called without passages (``prompt | ChatTokRAG | StrOutputParser``) is the plain model and
 warns once per instance. Real default model, real BM25 retriever over the sample documents,
 answers of at most 16 tokens.
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_langchain_templates.py``."""
 
 from __future__ import annotations
 

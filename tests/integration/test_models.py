@@ -1,4 +1,6 @@
-"""load_model: clear errors for what cannot be loaded or read."""
+"""load_model: clear errors for what cannot be loaded or read.
+
+Cases that need no model, database or server are in ``tests/unit/test_models.py``."""
 
 from __future__ import annotations
 

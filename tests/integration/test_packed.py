@@ -4,7 +4,8 @@ The two-context prefill attention and the two-query decode attention against the
 reference (tiny tensors), and on the real default model: the same logits, probe states and
 attention rows as prefilling each context on its own and fusing them, steps and rollback,
 the same decoded tokens and decisions, and the cases where it does not apply.
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_packed.py``."""
 
 from __future__ import annotations
 

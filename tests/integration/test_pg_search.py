@@ -3,7 +3,8 @@ frameworks' own tables (``PGVectorStore(hybrid_search=True)``, the older ``PGVec
 
 Everything marked ``postgres`` runs against a real PostgreSQL 16 + pgvector started once for
 this module by ``pgserver`` in a temporary folder.
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_pg_search.py``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """Extra decoding policies (spec §5): selection baselines, CAD / AdaCAD, RAG-Token, RAG-Sequence.
 
-The rules are checked on hand-made distributions through stand-in context views; the real
-model checks the identities the rules must satisfy (RAG-Token with one passage == RAG,
-CAD with α = 0 == RAG) and RAG-Sequence's trace.
-"""
+The cases that need the real model, a database, a server or a subprocess; the others are in
+``tests/unit/test_policies_extra.py``."""
 
 from __future__ import annotations
 

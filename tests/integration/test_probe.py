@@ -4,7 +4,8 @@ On the real default model: the tapped states equal what module hooks see, the at
 input derived from the residuals equals the attention module's input, the attention rows
 computed from the rotated queries a probed step keeps equal the rows recomputed from the
 attention input, and a forward pass outside a probe is untouched.
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_probe.py``."""
 
 from __future__ import annotations
 

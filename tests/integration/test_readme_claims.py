@@ -1,4 +1,6 @@
-"""Claims of README.md checked against the code and the default model (issue 32, item 7)."""
+"""Claims of README.md checked against the code and the default model (issue 32, item 7).
+
+Cases that need no model, database or server are in ``tests/unit/test_readme_claims.py``."""
 
 from __future__ import annotations
 

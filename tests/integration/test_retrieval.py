@@ -1,4 +1,7 @@
-"""Tests for local retrieval: loading, chunking, and the real MiniLM and BM25 retrievers."""
+"""Tests for local retrieval: loading, chunking, and the real MiniLM and BM25 retrievers.
+
+The cases that need the real model, a database, a server or a subprocess; the others are in
+``tests/unit/test_retrieval.py``."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Each test replays one case of the second security probe on the real default model; the
 exit-status cases run a fresh interpreter, since the failure happened at interpreter exit.
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_security_api.py``."""
 
 from __future__ import annotations
 

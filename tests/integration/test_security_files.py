@@ -5,7 +5,8 @@ The ingestion cases run against a real PostgreSQL 16 + pgvector (``pgserver``). 
 a ``chmod 000`` folder, so the unreadable-folder case runs in a fresh process that is not
 root: under root, in a user namespace (``unshare --user``) mapped to another uid, with its
 own embedded server.
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_security_files.py``."""
 
 from __future__ import annotations
 

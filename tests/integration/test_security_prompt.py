@@ -5,7 +5,8 @@ A passage, a question or an earlier chat turn holding ``<|im_start|>``, ``<|im_e
 control tokens. Checked on the real default model (byte-level BPE with a chat template) and
 on the packaged MiniLM's WordPiece tokenizer (no chat template: the plain prompt format).
 Ordinary text must encode exactly as before.
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_security_prompt.py``."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 One uvicorn server per configuration for the whole module (in a thread, on a free port,
 answering with the session's shared model). Answers are compared with the core API's own
 answers, so every test can fail.
-"""
+
+Cases that need no model, database or server are in ``tests/unit/test_serve.py``."""
 
 from __future__ import annotations
 

@@ -2,7 +2,9 @@
 and the recorder, on the real default model.
 
 Decoding is deterministic, so each (question, options) decode is made once per module (the
-``decode`` fixture) and every fast path is compared against that one reference."""
+``decode`` fixture) and every fast path is compared against that one reference.
+
+Cases that need no model, database or server are in ``tests/unit/test_speculative.py``."""
 
 from __future__ import annotations
 

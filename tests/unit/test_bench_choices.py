@@ -1,5 +1,8 @@
 """The speed-path choices made by measurement (never slower than the plain path on the whole
-model) and ``tokrag bench --throughput`` (arms interleaved, ratios per round)."""
+model) and ``tokrag bench --throughput`` (arms interleaved, ratios per round).
+
+The cases that need a model, a database or a server are in
+``tests/integration/test_bench_choices.py``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """Tests for the ``tokrag`` command line: argument parsing and error paths with a fake
-engine, then one real run of ``tokrag ask`` on the packaged default model."""
+engine, then one real run of ``tokrag ask`` on the packaged default model.
+
+The cases that need no model, database or server; the others are in
+``tests/integration/test_cli.py``."""
 
 from __future__ import annotations
 

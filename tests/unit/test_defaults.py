@@ -1,11 +1,7 @@
 """One set of defaults (:mod:`tokrag_integrations.defaults`) behind every entry point.
 
-``tokrag ask --docs``, the LlamaIndex quickstart pattern (``FolderRetriever`` ->
-``RetrieverQueryEngine`` with ``TokRAGSynthesizer``) and the LangChain quickstart pattern
-(``FolderRetriever`` -> ``create_tokrag_chain`` with ``ChatTokRAG``) give the same answer to
-the same question over the same documents when nothing is set; and the default stop strings
-end an answer at its first blank line, on the real model.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_defaults.py``."""
 
 from __future__ import annotations
 

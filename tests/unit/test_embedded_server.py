@@ -1,10 +1,7 @@
 """The embedded Postgres as an operator meets it: who can reach it, and how it fails (issue 29).
 
-Everything runs against real PostgreSQL 16 + pgvector servers started by ``pgserver``: one
-shared by the module, plus one per case that needs its own data folder (a long path). The
-other-local-user case runs its attacker as ``nobody`` and needs root for that; elsewhere it is
-skipped with the reason.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_embedded_server.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Evaluation harness: passage mixing, metrics, resume, and a tiny real-model run."""
+"""Evaluation harness: passage mixing, metrics, resume, and a tiny real-model run.
+
+The cases that need a model, a database or a server are in
+``tests/integration/test_evaluation.py``."""
 
 from __future__ import annotations
 

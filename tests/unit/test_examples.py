@@ -1,16 +1,7 @@
 """Every script in examples/ run end to end, as a user would: ``python examples/NAME.py``.
 
-Each example runs in a fresh process on the packaged default model, from a temporary working
-folder (so the files it writes stay out of the repository), and must exit 0, print its
-answer once (one ``A:`` line) with the fact from the sample documents that answers its
-default question, and print no weight-loading progress bars or runtime-dir warnings. The
-Postgres examples use the embedded server from ``pgserver`` in a temporary data folder
-(``$TOKRAG_DATA_DIR``), shared by both, so the user's own database is never touched and the
-second one finds the handbook already ingested.
-
-Slow (about 3 minutes on 2 CPU cores): in ``make test``, not in ``make test-fast``. Run only
-these with ``pytest -m slow tests/integration/test_examples.py``.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_examples.py``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Retrieval gating: metric formulas, thresholds, calibration files, GECE, CtrlA, routers."""
+"""Retrieval gating: metric formulas, thresholds, calibration files, GECE, CtrlA, routers.
+
+The cases that need no model, database or server; the others are in
+``tests/integration/test_gating.py``."""
 
 from __future__ import annotations
 

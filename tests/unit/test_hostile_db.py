@@ -1,13 +1,7 @@
 """Issue 18, database side: secrets, bad files, deleted files, races, database errors, pgserver.
 
-Replays the hostile cases of issue 18 (points 2, 3, 4, 5, 7 database part, 8 and 9): passwords
-with ``/ ? # @ : %``, spaces and unicode never shown; ingestion that reports and skips a bad
-file instead of aborting; stale files counted and pruned; concurrent first ingests; missing
-privileges, another application's table, a numeric filter on a text key, ``top_k`` > 1000 and
-a bad ``TOKRAG_PG_CONNECT_TIMEOUT`` as one-sentence errors; a killed process's pgserver
-handle cleaned up; ``ask --docs`` skipping binary files with progress and a size warning.
-Tests marked ``postgres`` use a real PostgreSQL 16 + pgvector started by ``pgserver``.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_hostile_db.py``."""
 
 from __future__ import annotations
 

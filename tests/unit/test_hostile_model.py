@@ -1,10 +1,7 @@
 """Hostile and careless use of one shared model (issue 18, points 1, 6 and 7).
 
-Point 1: one model handle shared by threads and asyncio tasks; a stream that is held, closed,
-dropped in another thread, read from two threads, and cancelled ``agenerate``/``astream`` calls
-must all leave the model usable. Every wait has a timeout, so a regression fails instead of
-hanging. Points 6 and 7: wrong inputs are refused up front with one-sentence errors.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_hostile_model.py``."""
 
 from __future__ import annotations
 

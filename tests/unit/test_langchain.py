@@ -1,9 +1,7 @@
 """LangChain adapters on the real default model: ChatTokRAG and create_tokrag_chain.
 
-Retrievers are real: an ``InMemoryVectorStore`` over the packaged MiniLM embeddings and a
-``BM25Retriever`` over the sample documents. Answers are short (<= 20 tokens) to keep the
-file cheap on CPU.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_langchain.py``."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """Tok-RAG on a LangChain user's own prompt (issue 27, LangChain half).
 
-``create_tokrag_chain(retriever, model, prompt=...)`` and ``create_tokrag_documents_chain``
-take the ``ChatPromptTemplate`` a user gives ``create_stuff_documents_chain``: the RAG context
-is that prompt as formatted, its retrieved tokens are where ``{context}`` lands. ``ChatTokRAG``
-called without passages (``prompt | ChatTokRAG | StrOutputParser``) is the plain model and
-warns once per instance. Real default model, real BM25 retriever over the sample documents,
-answers of at most 16 tokens.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_langchain_templates.py``."""
 
 from __future__ import annotations
 

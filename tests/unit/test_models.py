@@ -1,4 +1,7 @@
-"""load_model: clear errors for what cannot be loaded or read."""
+"""load_model: clear errors for what cannot be loaded or read.
+
+The cases that need no model, database or server; the others are in
+``tests/integration/test_models.py``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """The packed batch: one query's pure and RAG contexts as one sequence in one KV cache.
 
-The two-context prefill attention and the two-query decode attention against the masked
-reference (tiny tensors), and on the real default model: the same logits, probe states and
-attention rows as prefilling each context on its own and fusing them, steps and rollback,
-the same decoded tokens and decisions, and the cases where it does not apply.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_packed.py``."""
 
 from __future__ import annotations
 

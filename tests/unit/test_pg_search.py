@@ -1,9 +1,8 @@
 """Postgres search modes, filter operators, the shared pool, async retrieval, and reading the
 frameworks' own tables (``PGVectorStore(hybrid_search=True)``, the older ``PGVector``).
 
-Everything marked ``postgres`` runs against a real PostgreSQL 16 + pgvector started once for
-this module by ``pgserver`` in a temporary folder.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_pg_search.py``."""
 
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
 The rules are checked on hand-made distributions through stand-in context views; the real
 model checks the identities the rules must satisfy (RAG-Token with one passage == RAG,
 CAD with α = 0 == RAG) and RAG-Sequence's trace.
-"""
+
+The cases that need a model, a database or a server are in
+``tests/integration/test_policies_extra.py``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""Postgres + pgvector: ingestion, retrieval through LlamaIndex and LangChain, faults, hostile input.
+"""Postgres + pgvector: ingestion, retrieval through LlamaIndex and LangChain, faults, hostile
+input.
 
-Everything marked ``postgres`` runs against a real PostgreSQL 16 + pgvector started once per
-test session by ``pgserver`` in a temporary folder. Run only these with
-``pytest -m postgres tests/integration/test_postgres.py``.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_postgres.py``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """The probe: last-position states read during the ordinary forward pass, without hooks.
 
-On the real default model: the tapped states equal what module hooks see, the attention
-input derived from the residuals equals the attention module's input, the attention rows
-computed from the rotated queries a probed step keeps equal the rows recomputed from the
-attention input, and a forward pass outside a probe is untouched.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_probe.py``."""
 
 from __future__ import annotations
 

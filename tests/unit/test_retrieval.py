@@ -1,4 +1,7 @@
-"""Tests for local retrieval: loading, chunking, and the real MiniLM and BM25 retrievers."""
+"""Tests for local retrieval: loading, chunking, and the real MiniLM and BM25 retrievers.
+
+The cases that need a model, a database or a server are in
+``tests/integration/test_retrieval.py``."""
 
 from __future__ import annotations
 

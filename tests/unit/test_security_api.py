@@ -1,8 +1,7 @@
 """Issue 29, library side: streams closed early, bad numbers and roles, a damaged model cache.
 
-Each test replays one case of the second security probe on the real default model; the
-exit-status cases run a fresh interpreter, since the failure happened at interpreter exit.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_security_api.py``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Issue 29, files: symbolic links leaving the folder (3), unreadable sub-folders (6), file
 names and documents holding newlines and escape sequences (10).
 
-The ingestion cases run against a real PostgreSQL 16 + pgvector (``pgserver``). Root reads
-a ``chmod 000`` folder, so the unreadable-folder case runs in a fresh process that is not
-root: under root, in a user namespace (``unshare --user``) mapped to another uid, with its
-own embedded server.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_security_files.py``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Issue 29.4: control tokens written inside user text are plain text, for every tokenizer.
 
-A passage, a question or an earlier chat turn holding ``<|im_start|>``, ``<|im_end|>`` or
-``<|endoftext|>`` must not forge chat turns: only the chat template's own markers may be
-control tokens. Checked on the real default model (byte-level BPE with a chat template) and
-on the packaged MiniLM's WordPiece tokenizer (no chat template: the plain prompt format).
-Ordinary text must encode exactly as before.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_security_prompt.py``."""
 
 from __future__ import annotations
 

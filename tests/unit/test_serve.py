@@ -1,9 +1,7 @@
 """``tokrag serve``: the OpenAI-compatible server on the packaged model, through real clients.
 
-One uvicorn server per configuration for the whole module (in a thread, on a free port,
-answering with the session's shared model). Answers are compared with the core API's own
-answers, so every test can fail.
-"""
+The cases that need no model, database or server; the others are in
+``tests/integration/test_serve.py``."""
 
 from __future__ import annotations
 
