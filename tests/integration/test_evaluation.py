@@ -1,6 +1,6 @@
 """Evaluation harness: passage mixing, metrics, resume, and a tiny real-model run.
 
-The cases that need the real model, a database, a server or a subprocess; the others are in
+This file holds the cases that need the real model, a database, a server or a subprocess; the others are in
 ``tests/unit/test_evaluation.py``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Extra decoding policies (spec §5): selection baselines, CAD / AdaCAD, RAG-Token, RAG-Sequence.
 
-The cases that need the real model, a database, a server or a subprocess; the others are in
+This file holds the cases that need the real model, a database, a server or a subprocess; the others are in
 ``tests/unit/test_policies_extra.py``."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The authors' released rule (policies/tokrag_reference.py) on hand-made tensors, and its
 skip / gate masks on the real default tokenizer.
 
-The cases that need the real model, a database, a server or a subprocess; the others are in
+This file holds the cases that need the real model, a database, a server or a subprocess; the others are in
 ``tests/unit/test_reference_variant.py``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tests for local retrieval: loading, chunking, and the real MiniLM and BM25 retrievers.
 
-The cases that need the real model, a database, a server or a subprocess; the others are in
+This file holds the cases that need the real model, a database, a server or a subprocess; the others are in
 ``tests/unit/test_retrieval.py``."""
 
 from __future__ import annotations

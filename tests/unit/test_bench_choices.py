@@ -1,7 +1,7 @@
 """The speed-path choices made by measurement (never slower than the plain path on the whole
 model) and ``tokrag bench --throughput`` (arms interleaved, ratios per round).
 
-The cases that need a model, a database or a server are in
+This file holds the cases that need a model, a database or a server are in
 ``tests/integration/test_bench_choices.py``."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tests for the ``tokrag`` command line: argument parsing and error paths with a fake
 engine, then one real run of ``tokrag ask`` on the packaged default model.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_cli.py``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One set of defaults (:mod:`tokrag_integrations.defaults`) behind every entry point.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_defaults.py``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The embedded Postgres as an operator meets it: who can reach it, and how it fails (issue 29).
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_embedded_server.py``."""
 
 from __future__ import annotations

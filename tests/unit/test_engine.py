@@ -1,6 +1,6 @@
 """The decoding engine on the real default model (SmolLM2-135M-Instruct).
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_engine.py``."""
 
 from __future__ import annotations

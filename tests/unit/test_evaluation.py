@@ -1,6 +1,6 @@
 """Evaluation harness: passage mixing, metrics, resume, and a tiny real-model run.
 
-The cases that need a model, a database or a server are in
+This file holds the cases that need a model, a database or a server are in
 ``tests/integration/test_evaluation.py``."""
 
 from __future__ import annotations

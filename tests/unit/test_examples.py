@@ -1,6 +1,6 @@
 """Every script in examples/ run end to end, as a user would: ``python examples/NAME.py``.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_examples.py``."""
 
 from __future__ import annotations

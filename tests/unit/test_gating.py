@@ -1,6 +1,6 @@
 """Retrieval gating: metric formulas, thresholds, calibration files, GECE, CtrlA, routers.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_gating.py``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Issue 18, database side: secrets, bad files, deleted files, races, database errors, pgserver.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_hostile_db.py``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Hostile and careless use of one shared model (issue 18, points 1, 6 and 7).
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_hostile_model.py``."""
 
 from __future__ import annotations

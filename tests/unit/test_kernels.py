@@ -1,7 +1,7 @@
 """The decode-speed machinery of issue 8: CPU few-row kernels, the in-place KV cache and the
 fused pure+RAG batch. Each must compute what the stock path computes (to rounding).
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_kernels.py``."""
 
 from __future__ import annotations

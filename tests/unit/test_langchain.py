@@ -1,6 +1,6 @@
 """LangChain adapters on the real default model: ChatTokRAG and create_tokrag_chain.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_langchain.py``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """LangChain's own standard test suites (``langchain-tests``) run against ``ChatTokRAG``.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_langchain_standard.py``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tok-RAG on a LangChain user's own prompt (issue 27, LangChain half).
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_langchain_templates.py``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """load_model: clear errors for what cannot be loaded or read.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_models.py``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The packed batch: one query's pure and RAG contexts as one sequence in one KV cache.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_packed.py``."""
 
 from __future__ import annotations

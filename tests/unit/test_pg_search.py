@@ -1,7 +1,7 @@
 """Postgres search modes, filter operators, the shared pool, async retrieval, and reading the
 frameworks' own tables (``PGVectorStore(hybrid_search=True)``, the older ``PGVector``).
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_pg_search.py``."""
 
 from __future__ import annotations

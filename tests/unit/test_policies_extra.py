@@ -4,7 +4,7 @@ The rules are checked on hand-made distributions through stand-in context views;
 model checks the identities the rules must satisfy (RAG-Token with one passage == RAG,
 CAD with α = 0 == RAG) and RAG-Sequence's trace.
 
-The cases that need a model, a database or a server are in
+This file holds the cases that need a model, a database or a server are in
 ``tests/integration/test_policies_extra.py``."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Postgres + pgvector: ingestion, retrieval through LlamaIndex and LangChain, faults, hostile
 input.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_postgres.py``."""
 
 from __future__ import annotations

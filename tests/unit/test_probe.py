@@ -1,6 +1,6 @@
 """The probe: last-position states read during the ordinary forward pass, without hooks.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_probe.py``."""
 
 from __future__ import annotations

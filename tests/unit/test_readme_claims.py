@@ -1,6 +1,6 @@
 """Claims of README.md checked against the code and the default model (issue 32, item 7).
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_readme_claims.py``."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The authors' released rule (policies/tokrag_reference.py) on hand-made tensors, and its
 skip / gate masks on the real default tokenizer.
 
-The cases that need a model, a database or a server are in
+This file holds the cases that need a model, a database or a server are in
 ``tests/integration/test_reference_variant.py``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tests for local retrieval: loading, chunking, and the real MiniLM and BM25 retrievers.
 
-The cases that need a model, a database or a server are in
+This file holds the cases that need a model, a database or a server are in
 ``tests/integration/test_retrieval.py``."""
 
 from __future__ import annotations

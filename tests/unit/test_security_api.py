@@ -1,6 +1,6 @@
 """Issue 29, library side: streams closed early, bad numbers and roles, a damaged model cache.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_security_api.py``."""
 
 from __future__ import annotations

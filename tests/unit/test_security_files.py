@@ -1,7 +1,7 @@
 """Issue 29, files: symbolic links leaving the folder (3), unreadable sub-folders (6), file
 names and documents holding newlines and escape sequences (10).
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_security_files.py``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Issue 29.4: control tokens written inside user text are plain text, for every tokenizer.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_security_prompt.py``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``tokrag serve``: the OpenAI-compatible server on the packaged model, through real clients.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_serve.py``."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Blockwise verification (issue 8): exactness against the step-by-step loop, cache rollback,
 and the recorder, on the real default model.
 
-The cases that need no model, database or server; the others are in
+This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_speculative.py``."""
 
 from __future__ import annotations
