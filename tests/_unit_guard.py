@@ -61,6 +61,9 @@ def guarded(seen: list[str]) -> Iterator[None]:
             return classmethod(refuse)
 
         _patch(stack, modeling_utils.PreTrainedModel, "from_pretrained", model_load)
+        from transformers.models.auto import auto_factory
+
+        _patch(stack, auto_factory._BaseAutoModelClass, "from_pretrained", model_load)
 
         with contextlib.suppress(ImportError):
             import sentence_transformers
