@@ -97,13 +97,13 @@ STEP = {"speculative": False, "fuse": False}
 BLOCKWISE = {"speculative": True}
 
 
-def test_fused_default_and_blockwise_equal_step_by_step(lm, cases):
+def test_fused_default_and_blockwise_equal_step_by_step(decode, cases):
     totals = dict.fromkeys(("blocks", "verifier_wins", "stale", "accepted"), 0.0)
     disagreements = 0
     for q, ps in cases:
-        ref = generate(lm, q, ps, policy="tokrag", max_new_tokens=32, **STEP)
-        fused = generate(lm, q, ps, policy="tokrag", max_new_tokens=32)
-        fast = generate(lm, q, ps, policy="tokrag", max_new_tokens=32, **BLOCKWISE)
+        ref = decode(q, ps, 24, **STEP)
+        fused = decode(q, ps, 24)
+        fast = decode(q, ps, 24, **BLOCKWISE)
         assert fused.trace.options["speculative"] is False and fused.trace.options["fuse"] is True
         assert fast.trace.options["speculative"] is True
         assert fused.trace.timings["fused"] == 1.0 and ref.trace.timings["fused"] == 0.0
