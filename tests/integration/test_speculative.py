@@ -127,7 +127,8 @@ def test_fused_default_and_blockwise_equal_step_by_step(decode, cases):
         {"drafter": "rag", "block": 5},
         {"drafter": "pure", "block": 3},
         pytest.param({"drafter": "pure"}, marks=pytest.mark.slow),
-        {"lens_norm": True, "top_k": None, "pr_norm": "softmax"},
+        # The signal options: the reference variant by default, the lens options with -m slow.
+        pytest.param({"lens_norm": True, "top_k": None, "pr_norm": "softmax"}, marks=pytest.mark.slow),
         {"variant": "reference"},
     ],
 )
