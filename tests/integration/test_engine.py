@@ -332,7 +332,10 @@ def test_stop_strings_stop_and_stream_without_the_stop(lm):
     assert full.startswith(s.result.text)
 
 
-@pytest.mark.parametrize("policy", ["llm", "rag", "tokrag"])
+@pytest.mark.parametrize(
+    # llm's batch takes the same rows path as rag's: slow (make test-all).
+    "policy", [pytest.param("llm", marks=pytest.mark.slow), "rag", "tokrag"]
+)
 def test_batch_equals_one_at_a_time(lm, policy):
     qs = [FICTION_Q, CONTRA_Q, "Who wrote Romeo and Juliet?"]
     ps = [FICTION_P, CONTRA_P, ["Romeo and Juliet was written by William Shakespeare.", "It premiered in 1597."]]

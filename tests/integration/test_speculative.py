@@ -142,7 +142,11 @@ def test_options_do_not_change_the_result(decode, cases, options):
         _assert_same(ref, decode(q, ps, 24, **rule))
 
 
-@pytest.mark.parametrize("loop", [{}, BLOCKWISE], ids=["fused", "blockwise"])
+@pytest.mark.parametrize(
+    "loop",
+    # Blockwise = step by step is shown above for one query at a time: slow here.
+    [pytest.param({}, id="fused"), pytest.param(BLOCKWISE, id="blockwise", marks=pytest.mark.slow)],
+)
 def test_batch_equals_step_by_step_one_at_a_time(lm, decode, cases, loop):
     qs, ps = zip(*cases[:4], strict=True)
     batch = generate_batch(lm, list(qs), list(ps), policy="tokrag", max_new_tokens=24, **loop)
