@@ -8,8 +8,9 @@ Postgres examples use the embedded server from ``pgserver`` in a temporary data 
 (``$TOKRAG_DATA_DIR``), shared by both, so the user's own database is never touched and the
 second one finds the handbook already ingested.
 
-Slow (about 3 minutes on 2 CPU cores): in ``make test``, not in ``make test-fast``. Run only
-these with ``pytest -m slow tests/integration/test_examples.py``.
+``langchain_quickstart`` runs in ``make test``; the others are marked slow (about 3 minutes
+on 2 CPU cores together) and run in ``make test-all`` or with ``pytest -m slow
+tests/integration/test_examples.py``.
 
 Cases that need no model, database or server are in ``tests/unit/test_examples.py``."""
 
@@ -83,9 +84,14 @@ def _env(data_dir: Path | None) -> dict[str, str]:
     return env
 
 
+#: The one example in the default run (the others repeat its path with another framework,
+#: a router or Postgres).
+DEFAULT_RUN = "langchain_quickstart.py"
+
+
 def _params():
     for name in EXAMPLES:
-        marks = [pytest.mark.slow]
+        marks = [] if name == DEFAULT_RUN else [pytest.mark.slow]
         if name.startswith("postgres_"):
             marks.append(pytest.mark.postgres)
         yield pytest.param(name, marks=marks, id=name.removesuffix(".py"))
