@@ -1,5 +1,7 @@
 # Two commands for a new user:  `make demo` (set up + answer a question on the sample docs)
 # and `make test` (set up + run the test suite). Everything installs into ./.venv.
+# Tests: `make test-unit` (tests/unit: no model, no database, about a minute), `make test`
+# (everything except the tests marked slow: what CI runs), `make test-all` (slow ones too).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +9,7 @@ QUESTION ?= Who founded Quillfeather Aerospace?
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test test-fast bench lint clean
+.PHONY: install demo test test-unit test-fast test-all bench lint clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@echo "== Creating $(VENV) and upgrading pip =="
@@ -34,10 +36,16 @@ demo: install
 	$(VENV)/bin/tokrag ask "$(QUESTION)" --docs sample --policy rag
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
 
-test-fast: install
-	$(PY) -m pytest -q -m "not slow and not postgres"
+test-unit: install
+	$(PY) -m pytest -q tests/unit
+
+# The old name of test-unit.
+test-fast: test-unit
+
+test-all: install
+	$(PY) -m pytest -q
 
 bench: install
 	$(VENV)/bin/tokrag bench --questions 20 --throughput 1,4,16

@@ -7,7 +7,7 @@
 each, ``generate(lm, question, [passage], policy=...)``; "verdict": a yes/no question whose passage
 settles the answer. Prints a Markdown table with the
 token counts per source of the Tok-RAG columns. The first three benefit cases and the
-Marseille case are the ones asserted in tests/test_engine.py.
+Marseille case are the ones asserted in tests/integration/test_engine.py.
 """
 
 from __future__ import annotations

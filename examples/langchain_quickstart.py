@@ -8,7 +8,7 @@ Runs offline on CPU with the packaged SmolLM2-135M-Instruct and MiniLM embedding
 ``FolderRetriever`` is ``tokrag ask --docs``'s retrieval (same chunks, same embeddings, kept
 in the cache folder) and every setting left out is the package's default
 (``tokrag_integrations.defaults``), so this script and ``tokrag ask QUESTION --docs sample``
-give the same answer (tests/test_defaults.py).
+give the same answer (tests/integration/test_defaults.py).
 """
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ in the terminal and written as an HTML page (``out/llamaindex_quickstart.html``)
 ``FolderRetriever`` is ``tokrag ask --docs``'s retrieval (same chunks, same embeddings,
 kept in the cache folder) and every setting left out is the package's default
 (``tokrag_integrations.defaults``), so this script and ``tokrag ask QUESTION --docs FOLDER``
-give the same answer (tests/test_defaults.py). Any LlamaIndex retriever works in its place
+give the same answer (tests/integration/test_defaults.py). Any LlamaIndex retriever works in its place
 (``VectorStoreIndex.as_retriever()``, BM25, Postgres...).
 
 On the default question both ``--policy tokrag`` and ``--policy rag`` answer
 "Bramblewick", the handbook's code name; the explanation shows which of its tokens came
-from the passages and which both contexts agreed on (tests/test_defaults.py checks both).
+from the passages and which both contexts agreed on (tests/integration/test_defaults.py checks both).
 """
 
 from __future__ import annotations

@@ -1,13 +1,30 @@
-"""Shared fixtures: one real default model per test session (loaded once, ~2 s from cache)."""
+"""Shared fixtures: one real default model per test session (loaded once, ~2 s from cache).
+
+The tests live in two folders: ``tests/unit`` (no real model, no database, no server; a guard
+in its conftest fails a test that tries) and ``tests/integration`` (the rest). Each test is
+marked ``unit`` or ``integration`` after its folder, so ``-m unit`` selects the same tests as
+the folder does."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+_HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test ``unit`` or ``integration`` after the folder it is in."""
+    for item in items:
+        folder = Path(str(item.path)).relative_to(_HERE).parts[0]
+        if folder in ("unit", "integration"):
+            item.add_marker(folder)
 
 
 @pytest.fixture(scope="session")

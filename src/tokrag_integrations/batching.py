@@ -7,7 +7,7 @@ all of them with one batched decode (the path of :func:`api.generate_batch`: one
 pass per context role per step); each caller gets its own result. Calls with different
 settings (policy, its options, max_new_tokens, stop, system prompt, budget) never share a
 batch. Streams never batch. The batched decode gives each query the tokens it gets alone
-(tests/test_batching.py checks it on the packaged model).
+(tests/integration/test_batching.py checks it on the packaged model).
 
 A batch that fails (a bad input raises before anything is decoded) is retried one call at a
 time, so only the call with the bad input gets the error.

@@ -14,7 +14,7 @@ from .sdpa import ATTN_IMPLEMENTATION, install_attention
 from .verify import verify_install
 
 #: ``config.model_type`` of the architectures the speed paths are measured correct on: the
-#: matrix of ``tests/test_architectures.py`` (tiny random models, float32 and bfloat16) and
+#: matrix of ``tests/integration/test_architectures.py`` (tiny random models, float32 and bfloat16) and
 #: the packaged models (SmolLM2 is ``llama``, Gemma-3-270M ``gemma3_text``).
 COVERED_ARCHITECTURES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "granite"}
@@ -33,7 +33,7 @@ def _first_parameter(model: Any) -> torch.Tensor | None:
 def _architecture_reason(model: Any) -> str | None:
     kind = getattr(getattr(model, "config", None), "model_type", None)
     if kind not in COVERED_ARCHITECTURES:
-        return f"architecture {kind!r} is not in the tested matrix (tests/test_architectures.py)"
+        return f"architecture {kind!r} is not in the tested matrix (tests/integration/test_architectures.py)"
     return None
 
 

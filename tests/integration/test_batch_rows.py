@@ -1,0 +1,164 @@
+"""Rows of finished queries leave a batched decode (:func:`engine.loop.drop_finished`) and
+every other query still gets the tokens and decisions it gets alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokrag_integrations import accel, generate, generate_batch
+from tokrag_integrations.engine import loop
+from tokrag_integrations.engine.batch import RoleBatch
+from tokrag_integrations.engine.loop import role_setup, views_for
+from tokrag_integrations.policies import get_policy
+from tokrag_integrations.prompts import PromptBuilder
+
+QS = [
+    "What is the name of the cat owned by Zorbin Quell?",
+    "What is the capital of France? Answer in one word.",
+    "Who wrote Romeo and Juliet?",
+]
+PS = [
+    ["Zorbin Quell owns a grey cat named Pistachio."],
+    ["The capital of France is Marseille."],
+    ["Romeo and Juliet was written by William Shakespeare.", "It premiered in 1597."],
+]
+
+
+QS4 = QS + ["Who painted the Mona Lisa?"]
+PS4 = PS + [["The Mona Lisa was painted by Leonardo da Vinci in Florence."]]
+N_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def solo(lm):
+    """policy -> each query of ``QS4`` decoded alone (``N_TOKENS``), once per module: the
+    reference every batched decode below is compared against."""
+    return {
+        policy: [
+            generate(lm, q, p, policy=policy, max_new_tokens=N_TOKENS)
+            for q, p in zip(QS4 if policy == "tokrag" else QS, PS4, strict=False)
+        ]
+        for policy in ("tokrag", "rag")
+    }
+
+
+def _plans(lm):
+    b = PromptBuilder(lm.tokenizer, context_window=lm.context_window)
+    return [b.build(q, p) for q, p in zip(QS, PS, strict=True)]
+
+
+def test_kept_rows_compute_what_they_computed_in_the_full_batch(lm):
+    policy = get_policy("tokrag")
+    per_query, roles = role_setup(lm, _plans(lm), policy)
+    with torch.inference_mode():
+        full = accel.prefill(roles, per_query, lm, policy)
+        (batch,) = full.batches.values()
+        assert batch.can_keep_rows() and len(batch.query_idx) == 6
+        twin = batch.fork(probe=True)
+        keep = [r for r, q in enumerate(batch.query_idx) if q != 1]
+        twin.keep_rows(keep)
+        assert twin.query_idx == [q for q in batch.query_idx if q != 1]
+        assert twin.specs == [batch.specs[r] for r in keep]
+        # Positions that are padding in every kept row are gone from the mask and the cache.
+        assert twin.mask.shape[1] == batch.mask.shape[1] - min(batch.pad[r] for r in keep)
+        assert min(twin.pad) == 0 and twin.cache.layers[0].keys.shape[0] == 4
+        tok = torch.tensor([int(t) for t in batch.logits.argmax(-1)])
+        batch.forward(tok)
+        twin.forward(tok[keep])
+        assert torch.allclose(twin.logits, batch.logits[keep], atol=1e-4, rtol=1e-4)
+        assert torch.allclose(
+            twin.records.resid, batch.records.resid[:, keep], atol=1e-4, rtol=1e-4
+        )
+        # Views read the kept rows' attention over the trimmed cache as over the full one.
+        rows = {}
+        for role, where in full.rows.items():
+            rows[role] = {q: (twin, keep.index(r)) for q, (_, r) in where.items() if q != 1}
+        for q in (0, 2):
+            a = views_for(full.rows, q)["rag"]
+            b = views_for(rows, q)["rag"]
+            att_a = a.attention(3)[:, a._batch.pad[a._row] :]
+            att_b = b.attention(3)[:, b._batch.pad[b._row] :]
+            assert torch.allclose(att_a, att_b, atol=1e-5)
+            assert torch.equal(a.rt_token_ids, b.rt_token_ids)
+            assert (a.rt_positions - a._batch.pad[a._row]).tolist() == (
+                b.rt_positions - b._batch.pad[b._row]
+            ).tolist()
+
+
+@pytest.mark.parametrize("policy", ["tokrag", "rag"])
+def test_finished_queries_leave_and_the_others_get_their_tokens_alone(lm, solo, monkeypatch, policy):
+    monkeypatch.setattr(loop, "DROP_SHARE", 0.0)  # drop at every finished query
+    dropped = []
+    real = RoleBatch.keep_rows
+
+    def spy(self, rows):
+        dropped.append(len(rows))
+        return real(self, rows)
+
+    monkeypatch.setattr(RoleBatch, "keep_rows", spy)
+    batch = generate_batch(lm, QS, PS, policy=policy, max_new_tokens=N_TOKENS)
+    lengths = [len(r.token_ids) for r in batch]
+    assert len(set(lengths)) > 1  # the queries finish at different steps
+    assert dropped  # and rows left the batch
+    for b, one in zip(batch, solo[policy][: len(QS)], strict=True):
+        assert b.token_ids == one.token_ids
+        assert [(s.source, s.signals.get("benefit")) for s in b.trace.steps] == [
+            (s.source, s.signals.get("benefit")) for s in one.trace.steps
+        ]
+
+
+def test_a_packed_batch_cannot_drop_rows(lm):
+    policy = get_policy("tokrag")
+    per_query, roles = role_setup(lm, _plans(lm)[:1], policy)
+    with torch.inference_mode():
+        ready = accel.prefill(roles, per_query, lm, policy)
+    (b,) = ready.batches.values()
+    if not ready.packed:
+        pytest.skip("packed prefill does not apply to this model")
+    assert not b.can_keep_rows()
+    with pytest.raises(RuntimeError, match="cannot drop rows"):
+        b.keep_rows([0])
+
+
+def test_signals_of_several_queries_share_one_lens_product(lm, solo, monkeypatch):
+    """At a step where several queries reach the signals, their first logit-lens rows go
+    through one product (``TokRAG.choose_many``); every query still gets the tokens,
+    decisions, l* and (to rounding) the cosines it gets alone."""
+    from tokrag_integrations.policies.tokrag import TokRAG
+
+    shared = []
+    real = TokRAG._first_chunk
+
+    def spy(self, pure, rag):
+        shared.append(1)
+        return real(self, pure, rag)
+
+    monkeypatch.setattr(TokRAG, "_first_chunk", spy)
+    batch = generate_batch(lm, QS4, PS4, policy="tokrag", max_new_tokens=N_TOKENS)
+    assert shared  # some step had several queries reaching the signals
+    for b, one in zip(batch, solo["tokrag"], strict=True):
+        assert b.token_ids == one.token_ids
+        for x, y in zip(b.trace.steps, one.trace.steps, strict=True):
+            assert (x.source, x.signals.get("benefit"), x.signals.get("l_star")) == (
+                y.source, y.signals.get("benefit"), y.signals.get("l_star")
+            )
+            for k in ("cos_ir", "cos_llm"):
+                if k in y.signals:
+                    assert abs(x.signals[k] - y.signals[k]) < 1e-4
+
+
+def test_a_reused_prefill_is_charged_to_the_decode_that_reuses_it(lm):
+    """Inside the harness's shared prefill, the second policy on the same prompts gets the
+    first one's prefill seconds in ``prefill_reused_s`` (the evaluation records add them to
+    its time); the first pays its own prefill and reuses nothing."""
+    from tokrag_integrations.engine.prefill import shared_prefill
+
+    with shared_prefill():
+        first = generate_batch(lm, QS[:2], PS[:2], policy="tokrag", max_new_tokens=2)
+        second = generate_batch(lm, QS[:2], PS[:2], policy="rag", max_new_tokens=2)
+    assert "prefill_reused_s" not in first[0].trace.timings
+    reused = second[0].trace.timings["prefill_reused_s"]
+    assert 0 < reused
+    alone = generate_batch(lm, QS[:2], PS[:2], policy="rag", max_new_tokens=2)
+    assert "prefill_reused_s" not in alone[0].trace.timings

@@ -1,0 +1,415 @@
+"""``tokrag serve``: the OpenAI-compatible server on the packaged model, through real clients.
+
+One uvicorn server per configuration for the whole module (in a thread, on a free port,
+answering with the session's shared model). Answers are compared with the core API's own
+answers, so every test can fail.
+
+Cases that need no model, database or server are in ``tests/unit/test_serve.py``."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from _helpers import LiveServer  # noqa: E402
+
+from tokrag_integrations import generate  # noqa: E402
+from tokrag_integrations.defaults import ANSWER_STOP  # noqa: E402
+
+DOCS = [
+    "Quillfeather Aerospace was founded in 1987 by the engineer Mara Ellison in Tromsø, Norway.",
+    "The company builds reusable sounding rockets for atmospheric research.",
+]
+QUESTION = "Who founded Quillfeather Aerospace?"
+QUESTIONS = [
+    QUESTION,
+    "Where was Quillfeather Aerospace founded?",
+    "What does Quillfeather Aerospace build?",
+    "In which year was Quillfeather Aerospace founded?",
+]
+MAX_TOKENS = 16
+
+
+def _start(lm, **config):
+    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+
+    service = ChatService(lm, ServeConfig(**config))
+    return LiveServer(create_app(service)), service
+
+
+@pytest.fixture(scope="module")
+def server(lm):
+    live, service = _start(lm, max_new_tokens=MAX_TOKENS)
+    live.service = service
+    yield live
+    live.stop()
+
+
+def _ask(client, question=QUESTION, documents=DOCS, **kw):
+    extra = dict(kw.pop("extra_body", {}))
+    if documents is not None:
+        extra["documents"] = documents
+    return client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": question}],
+        max_tokens=kw.pop("max_tokens", MAX_TOKENS), extra_body=extra, **kw,
+    )
+
+
+_CORE: dict = {}
+
+
+def _core(lm, question=QUESTION, documents=DOCS, policy="tokrag", **kw):
+    """The core API's answer, decoded once per module for each distinct request (decoding is
+    deterministic; the tests compare many server answers with the same few)."""
+    key = (id(lm), question, repr(documents), policy, repr(sorted(kw.items())))
+    if key not in _CORE:
+        _CORE[key] = generate(lm, question, documents, policy=policy, max_new_tokens=MAX_TOKENS,
+                              stop=list(ANSWER_STOP), **kw)
+    return _CORE[key]
+
+
+# ============================================================================ basics
+def test_health_and_models(server, lm):
+    h = server.health()
+    assert h["status"] == "ok" and h["model"] == lm.name and h["active"] == 0
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [lm.name]
+    r = httpx.get(f"{server.url}/v1/models", timeout=30)
+    assert r.headers["x-tokrag-replica"] == str(os.getpid())  # this process answered
+
+
+def test_documents_give_the_tokrag_answer_with_its_trace(server, lm):
+    r = _ask(server.client())
+    want = _core(lm)
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == {"length": "length"}.get(want.stop_reason, "stop")
+    t = r.model_extra["tokrag"]
+    assert t["policy"] == "tokrag"
+    assert t["counts"] == want.trace.counts()
+    assert [s["source"] for s in t["trace"]["steps"]] == [s.source for s in want.trace.steps]
+    assert t["trace"]["text"] == want.text
+    assert [s["text"] for s in t["sources"]] == DOCS
+    assert r.usage.completion_tokens == len(want.token_ids)
+    assert r.usage.prompt_tokens == want.trace.prompt_tokens["rag"]
+
+
+def test_policy_options_and_trace_switch(server, lm):
+    r = _ask(server.client(), extra_body={"tokrag": {"policy": "rag", "trace": False}})
+    assert r.choices[0].message.content == _core(lm, policy="rag").text
+    assert r.model_extra["tokrag"]["policy"] == "rag"
+    assert r.model_extra["tokrag"]["trace"] is None
+
+
+def test_no_documents_answers_from_the_model_and_says_so(server, lm):
+    r = _ask(server.client(), documents=None)
+    assert r.choices[0].message.content == _core(lm, documents=None).text
+    assert any("no usable passages" in w for w in r.model_extra["tokrag"]["warnings"])
+
+
+def test_document_objects_with_metadata_and_score(server, lm):
+    docs = [{"text": DOCS[0], "metadata": {"source": "a.md"}, "score": 0.9}, DOCS[1]]
+    r = _ask(server.client(), documents=docs)
+    sources = r.model_extra["tokrag"]["sources"]
+    assert sources[0]["metadata"] == {"source": "a.md"} and sources[0]["score"] == 0.9
+    assert r.choices[0].message.content == _core(lm).text
+
+
+def test_system_and_history_are_passed_to_the_core(server, lm):
+    history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi."}]
+    r = server.client().chat.completions.create(
+        model="default", max_tokens=MAX_TOKENS,
+        messages=[{"role": "system", "content": "Answer in one short sentence."}, *history,
+                  {"role": "user", "content": QUESTION}],
+        extra_body={"documents": DOCS},
+    )
+    want = _core(lm, messages=history, system_prompt="Answer in one short sentence.")
+    assert r.choices[0].message.content == want.text
+
+
+# ============================================================================ streaming
+def test_stream_equals_the_plain_answer(server):
+    client = server.client()
+    plain = _ask(client)
+    chunks = list(_ask(client, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert content and all(c.model_extra["tokrag"]["source"] in ("agree", "rag", "llm")
+                           for c in content)
+    last = [c for c in chunks if c.choices][-1]
+    assert last.choices[0].finish_reason == plain.choices[0].finish_reason
+    assert last.model_extra["tokrag"]["counts"] == plain.model_extra["tokrag"]["counts"]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_client_that_disconnects_mid_stream_frees_its_slot(server, lm):
+    body = {"model": "default", "messages": [{"role": "user", "content": QUESTION}],
+            "documents": DOCS, "stream": True, "max_tokens": 400, "stop": [],
+            "tokrag": {"policy": "llm"}}
+    cut_before = server.health()["streams_cut"]
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        got = []
+        for line in r.iter_lines():  # read the role chunk and two content chunks, then hang up
+            if line.startswith("data: ") and '"content": "' in line and '"content": ""' not in line:
+                got.append(line)
+                if len(got) == 2:
+                    break
+        assert len(got) == 2
+    deadline = time.monotonic() + 60
+    while (h := server.health())["active"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert h["active"] == 0
+    assert h["streams_cut"] == cut_before + 1  # ended before its answer: the decode stopped
+    assert lm.lock.acquire(timeout=30)  # the model is free again
+    lm.lock.release()
+    assert _ask(server.client()).choices[0].message.content == _core(lm).text
+
+
+# ============================================================================ concurrency
+def test_eight_concurrent_requests_equal_their_solo_answers(server, lm):
+    questions = QUESTIONS * 2
+    solo = {q: _core(lm, question=q).text for q in QUESTIONS}
+    client = server.client()
+    batches_before = server.service.batcher.batches
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda q: _ask(client, question=q), questions))
+    assert [a.choices[0].message.content for a in answers] == [solo[q] for q in questions]
+    assert server.service.batcher.batches > batches_before  # decoded together, not one by one
+
+
+# ============================================================================ bad requests
+def _raw(server, body, headers=None, content=None):
+    kw = {"content": content} if content is not None else {"json": body}
+    return httpx.post(f"{server.url}/v1/chat/completions", headers=headers or {}, timeout=60, **kw)
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"messages": "hello"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"max_tokens": "ten"}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 100_000}, "max_tokens"),
+        ({"temperature": 0.7}, "temperature"),
+        ({"temperature": "0"}, "temperature"),
+        ({"n": 2}, "n"),
+        ({"stream": "yes"}, "stream"),
+        ({"stop": 3}, "stop"),
+        ({"documents": "one passage"}, "documents"),
+        ({"documents": [3]}, "documents[0]"),
+        ({"documents": [{"txt": "x"}]}, "documents[0]"),
+        ({"documents": ["d"] * 33}, "documents"),
+        ({"tokrag": {"policy": "nope"}}, "tokrag.policy"),
+        ({"tokrag": {"policy": 3}}, "tokrag.policy"),
+        ({"tokrag": {"polcy": "rag"}}, "tokrag"),
+        ({"tokrag": {"options": {"no_such_option": 1}}}, "tokrag.options"),
+        ({"tokrag": {"filters": {"a": "b"}}}, "tokrag"),
+        ({"model": 7}, "model"),
+    ],
+)
+def test_bad_requests_get_a_400_json_error(server, change, param):
+    body = {"model": "default", "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 4, **change}
+    r = _raw(server, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert err["message"] and "Traceback" not in r.text
+
+
+def test_bad_requests_through_the_openai_client(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        _ask(client, temperature=0.7)
+    with pytest.raises(openai.BadRequestError, match="unknown policy 'nope'"):
+        _ask(client, extra_body={"tokrag": {"policy": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="limit of 512"):
+        _ask(client, max_tokens=100_000)
+    with pytest.raises(openai.BadRequestError, match="no_such_option"):
+        _ask(client, stream=True, extra_body={"tokrag": {"options": {"no_such_option": 1}}})
+    assert server.health()["active"] == 0
+
+
+def test_body_that_is_not_json_or_too_large(server):
+    r = _raw(server, None, headers={"content-type": "application/json"}, content=b"{not json")
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = _raw(server, None, content=b"x" * 1_000_001)
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    r = _raw(server, [1, 2])
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+
+
+def test_prompt_too_long_is_a_400(server):
+    r = _raw(server, {"messages": [{"role": "user", "content": "word " * 20_000}],
+                      "max_tokens": 4})
+    assert r.status_code == 400 and "Traceback" not in r.text
+
+
+def test_temperature_zero_is_accepted(server, lm):
+    r = _ask(server.client(), temperature=0)
+    assert r.choices[0].message.content == _core(lm).text
+
+
+# ============================================================================ limits and auth
+def test_full_queue_gets_429(lm):
+    live, _ = _start(lm, max_queue=1)
+    first = ThreadPoolExecutor(1)
+    lm.lock.acquire()  # the admitted request waits for the model, holding the only slot
+    try:
+        held = first.submit(_ask, live.client())
+        deadline = time.monotonic() + 60
+        while live.health()["active"] < 1:
+            assert time.monotonic() < deadline and not held.done()
+            time.sleep(0.02)
+        with pytest.raises(openai.RateLimitError, match="busy"):
+            _ask(live.client())
+        lm.lock.release()
+        assert held.result(timeout=120).choices[0].message.content == _core(lm).text
+        assert live.health()["active"] == 0
+    finally:
+        if lm.lock._is_owned():
+            lm.lock.release()
+        first.shutdown()
+        live.stop()
+
+
+def test_auth_is_enforced_when_configured(lm, monkeypatch):
+    monkeypatch.setenv("TOKRAG_API_KEY", "s3cret")
+    live, _ = _start(lm)
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            live.client(api_key="wrong").models.list()
+        with pytest.raises(openai.AuthenticationError):
+            _ask(live.client(api_key="wrong"))
+        r = httpx.get(f"{live.url}/v1/models", timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert live.health()["status"] == "ok"  # the probe stays open
+        assert _ask(live.client(api_key="s3cret")).choices[0].message.content == _core(lm).text
+    finally:
+        live.stop()
+
+
+def test_health_is_503_while_the_model_loads(lm):
+    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+
+    release = threading.Event()
+
+    def loader():
+        release.wait(60)
+        return ChatService(lm, ServeConfig())
+
+    live = LiveServer(create_app(loader=loader))
+    try:
+        r = httpx.get(f"{live.url}/health", timeout=30)
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        with pytest.raises(openai.InternalServerError, match="loading"):
+            _ask(live.client())
+        release.set()
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{live.url}/health", timeout=30).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        release.set()
+        live.stop()
+
+
+# ============================================================================ framework clients
+def test_langchain_chat_openai_against_the_server(server, lm):
+    lc = pytest.importorskip("langchain_openai")
+    chat = lc.ChatOpenAI(base_url=f"{server.url}/v1", api_key="unused", model="default",
+                         temperature=0, max_tokens=MAX_TOKENS, max_retries=0,
+                         extra_body={"documents": DOCS})
+    msg = chat.invoke(QUESTION)
+    assert msg.content == _core(lm).text
+    streamed = "".join(c.content for c in chat.stream(QUESTION))
+    assert streamed == msg.content
+
+
+def test_llama_index_openai_like_against_the_server(server, lm):
+    mod = pytest.importorskip("llama_index.llms.openai_like")
+    from llama_index.core.llms import ChatMessage
+
+    llm = mod.OpenAILike(api_base=f"{server.url}/v1", api_key="unused", model="default",
+                         is_chat_model=True, temperature=0, max_tokens=MAX_TOKENS,
+                         max_retries=0, additional_kwargs={"extra_body": {"documents": DOCS}})
+    r = llm.chat([ChatMessage(role="user", content=QUESTION)])
+    assert r.message.content == _core(lm).text
+    assert r.raw.model_extra["tokrag"]["counts"] == _core(lm).trace.counts()
+
+
+def test_server_default_options_apply_to_its_own_policy_only(lm):
+    from tokrag_integrations.serve import ChatService, ServeConfig
+    from tokrag_integrations.serve.schemas import Limits, parse_chat_request
+
+    svc = ChatService(lm, ServeConfig(policy="tokrag", policy_options={"pr_norm": "softmax"}))
+    body = {"messages": [{"role": "user", "content": QUESTION}]}
+
+    def settings(extra):
+        return svc.settings(parse_chat_request({**body, **extra}, Limits(), svc.policies))
+
+    assert settings({})["policy_options"]["pr_norm"] == "softmax"
+    assert settings({"tokrag": {"policy_options": {"top_k": 3}}})["policy_options"]["top_k"] == 3
+    assert settings({"tokrag": {"policy_options": {"top_k": 3}}})["policy_options"]["pr_norm"] == "softmax"
+    assert "pr_norm" not in settings({"tokrag": {"policy": "rag"}})["policy_options"]
+
+
+@pytest.mark.slow
+def test_tokrag_serve_command_answers_over_http(lm, tmp_path):
+    """The real command line in its own process: healthy once loaded, answers like the core,
+    stops on Ctrl-C (slow: 36 s on a busy 2-core machine, most of it the second process
+    importing torch and loading the model; benchmarks/load_serve.py runs the same command)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKRAG_API_KEY="k3y")
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokrag_integrations.cli", "serve", "--port", str(port),
+         "--max-new-tokens", str(MAX_TOKENS)],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, "tokrag serve did not become healthy"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3y",
+                               max_retries=0, timeout=300)
+        assert _ask(client).choices[0].message.content == _core(lm).text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    assert proc.returncode in (0, 130, -signal.SIGINT)

@@ -1,0 +1,203 @@
+"""No import cycles inside the package (issues 21 and 34).
+
+The graph is read from the source with :mod:`ast`, without importing anything. How it is
+counted:
+
+* every module and package (``__init__.py``) under ``src/tokrag_integrations`` is a node;
+* every ``import`` / ``from ... import`` statement of a package module is an edge, wherever
+  it stands: at module level, and also inside functions, methods and ``try`` blocks (a lazy
+  import is still a dependency, and two modules that import each other lazily are one
+  module split in two);
+* statements under ``if TYPE_CHECKING:`` count too: they do not run, but a module that
+  needs another's types to be read is tied to it as much as one that imports it (issue 34);
+* ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``;
+  ``import a.b.c`` is an edge to ``a.b.c`` only: the parent packages it initialises on the
+  way are not counted (otherwise every package whose ``__init__`` re-exports a submodule
+  would be a cycle with it);
+* names resolved at run time (``importlib.import_module`` of a registry entry, the lazy
+  ``__getattr__`` exports of ``tokrag_integrations``, ``.policies`` and ``.postgres``) are
+  not statements and not counted.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "tokrag_integrations"
+ROOT = Path(__file__).resolve().parents[2] / "src" / PACKAGE
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, is_package)."""
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        out[".".join(parts)] = (path, is_package)
+    return out
+
+
+def _import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of ``tree``, those under ``if TYPE_CHECKING:`` included."""
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def _targets(
+    module: str, is_package: bool, node: ast.Import | ast.ImportFrom, modules: dict
+) -> list[str]:
+    """The package modules one import statement imports (see the module docstring)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name in modules]
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    if source not in modules:
+        return []
+    out = []
+    for alias in node.names:
+        sub = f"{source}.{alias.name}"
+        out.append(sub if sub in modules else source)
+    return out
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {imported package module: line of the first such import}."""
+    modules = _modules()
+    graph: dict[str, dict[str, int]] = {}
+    for name, (path, is_package) in modules.items():
+        edges: dict[str, int] = {}
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in _import_nodes(tree):
+            for target in _targets(name, is_package, node, modules):
+                if target != name:
+                    edges.setdefault(target, node.lineno)
+        graph[name] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One cycle (``[a, b, ..., a]``) per strongly connected component of more than one
+    module (Tarjan), each starting from its alphabetically first module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                components.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+
+    cycles = []
+    for comp in components:
+        start = min(comp)
+        # Shortest path back to ``start`` inside the component (breadth first).
+        prev: dict[str, str] = {}
+        frontier = [start]
+        while frontier and start not in prev:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph.get(v, {})):
+                    if w in comp and w not in prev:
+                        prev[w] = v
+                        nxt.append(w)
+            frontier = nxt
+        path = [start]
+        v = prev[start]
+        while v != start:
+            path.append(v)
+            v = prev[v]
+        cycles.append([start, *reversed(path[1:]), start])
+    return sorted(cycles)
+
+
+def _describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    steps = [
+        f"{a} -> {b} (line {graph[a][b]} of {a})" for a, b in zip(cycle, cycle[1:], strict=False)
+    ]
+    return "import cycle: " + "; ".join(steps)
+
+
+def test_find_cycles_names_a_cycle_and_accepts_a_tree():
+    assert find_cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {}}) == []
+    cycles = find_cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}})
+    assert cycles == [["a", "b", "c", "a"]]
+    assert _describe(cycles[0], {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}}).startswith(
+        "import cycle: a -> b (line 1 of a); b -> c (line 2 of b); c -> a (line 3 of c)"
+    )
+
+
+def test_the_walker_sees_module_level_lazy_and_type_checking_imports():
+    graph = import_graph()
+    p = PACKAGE
+    assert f"{p}.policies.base" in graph[f"{p}.engine.loop"]  # module level
+    assert f"{p}.accel.cpu_kernels" in graph[f"{p}.models"]  # inside load_model
+    assert f"{p}.engine.speed" in graph[f"{p}.accel"]  # under TYPE_CHECKING
+    # ContextView is the engine's; the policies' base names it only at run time.
+    assert f"{p}.engine.view" not in graph[f"{p}.policies.base"]
+    assert f"{p}.policies.base" in graph[f"{p}.engine.view"]
+
+
+def test_the_package_has_no_import_cycle():
+    graph = import_graph()
+    cycles = find_cycles(graph)
+    assert not cycles, "\n".join(_describe(c, graph) for c in cycles)
+
+
+def _algorithm_modules(graph: dict[str, dict[str, int]]) -> list[str]:
+    """The algorithm side: the signals, every policy, the engine's loops (step by step and
+    sequence level, with their prefill, views and statistics), the trace."""
+    p = PACKAGE
+    fixed = {f"{p}.signals", f"{p}.trace"}
+    fixed |= {
+        f"{p}.engine.{m}" for m in ("loop", "prefill", "stats", "view", "sequence", "speed")
+    } | {f"{p}.engine"}
+    policies = {m for m in graph if m == f"{p}.policies" or m.startswith(f"{p}.policies.")}
+    return sorted(fixed | policies)
+
+
+def test_no_algorithm_module_imports_accel():
+    """The speed paths sit behind one seam (``accel``), chosen by the runner: no module of
+    the algorithm side imports it, at module level or lazily inside a function. (The role
+    batch, ``engine.batch``, is mechanism: it builds its KV cache with ``accel.kv_cache``.)"""
+    graph = import_graph()
+    modules = _algorithm_modules(graph)
+    assert f"{PACKAGE}.engine.loop" in modules and f"{PACKAGE}.policies.tokrag" in modules
+    accel = f"{PACKAGE}.accel"
+    bad = [
+        f"{m} -> {t} (line {line})"
+        for m in modules
+        for t, line in graph[m].items()
+        if t == accel or t.startswith(accel + ".")
+    ]
+    assert not bad, "algorithm modules import accel: " + "; ".join(bad)
+    # The seam is used from above: the runner picks the speed paths, load_model the kernels.
+    assert accel in graph[f"{PACKAGE}.runner"]
+    assert f"{accel}.cpu_kernels" in graph[f"{PACKAGE}.models"]
