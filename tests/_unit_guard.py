@@ -76,7 +76,7 @@ def guarded(seen: list[str]) -> Iterator[None]:
 
             _patch(stack, sentence_transformers.SentenceTransformer, "__init__", embedder)
 
-        from tokrag_integrations.postgres import server as pg
+        from tokrag_integrations.postgres import embedded as pg  # where the server class is chosen
 
         def postgres(original: Any) -> Any:
             def refuse(*args: Any, **kwargs: Any) -> Any:

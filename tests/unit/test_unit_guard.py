@@ -48,10 +48,10 @@ def test_ordinary_work_goes_through_and_the_patches_are_undone():
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.modeling_utils import PreTrainedModel
 
-    from tokrag_integrations.postgres import server
+    from tokrag_integrations.postgres import embedded
 
     def state():
-        return (PreTrainedModel.__dict__["from_pretrained"], server._server_class,
+        return (PreTrainedModel.__dict__["from_pretrained"], embedded._server_class,
                 subprocess.Popen.__init__)
 
     before = state()
