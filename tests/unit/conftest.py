@@ -1,6 +1,6 @@
 """Unit tests: no real model, no database, no HTTP server, no ``tokrag`` subprocess.
 
-Every test here runs (fixtures included) under :func:`_unit_guard.guarded`, which fails the
+Every test here runs its setup and call (fixtures included) under :func:`_unit_guard.guarded`, which fails the
 test if it loads a real model, starts the embedded Postgres, serves HTTP or runs the CLI in a
 subprocess. The session's real model (``lm``) is refused outright."""
 
@@ -18,12 +18,23 @@ def lm():
     pytest.fail("a unit test asked for the real model (fixture 'lm'): move it to tests/integration")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    seen: list[str] = []
-    item.stash[_SEEN] = seen
+def _guarded_phase(item: pytest.Item):
+    seen = item.stash.setdefault(_SEEN, [])
     with guarded(seen):
         yield
+
+
+# Setup and call are guarded, not teardown: the last unit test of a run also tears down the
+# session's fixtures, the integration tests' embedded Postgres among them. These two hooks are
+# called through the item's own hook proxy, so only the tests of this folder see them.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _guarded_phase(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _guarded_phase(item)
 
 
 @pytest.hookimpl(hookwrapper=True)

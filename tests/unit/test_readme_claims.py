@@ -59,7 +59,9 @@ def test_the_options_table_states_the_defaults_and_the_presets() -> None:
 def test_every_environment_variable_is_in_the_readme() -> None:
     """Each ``TOKRAG_*`` name the package reads has a row in the README's table, and each row
     names a variable the package reads."""
-    from tokrag_integrations import config  # the one module that reads them (tests/unit/test_config.py)
+    from tokrag_integrations import (
+        config,  # the one module that reads them (tests/unit/test_config.py)
+    )
 
     read = {v for v in vars(config).values() if isinstance(v, str) and re.fullmatch(r"TOKRAG_[A-Z0-9_]+", v)}
     rows = set(re.findall(r"^\| `(TOKRAG_[A-Z0-9_]+)` \|", README, re.M))
