@@ -60,6 +60,12 @@ def guarded(seen: list[str]) -> Iterator[None]:
 
             return classmethod(refuse)
 
+        # transformers builds each Auto class (AutoModelForCausalLM ...) with its own copy of
+        # _BaseAutoModelClass.from_pretrained when modeling_auto is first imported: import it
+        # before patching, or a copy of the refusal outlives the block (it did, and then every
+        # later integration test was refused). Their copies end in PreTrainedModel's, refused.
+        import transformers.models.auto.modeling_auto  # noqa: F401
+
         _patch(stack, modeling_utils.PreTrainedModel, "from_pretrained", model_load)
         from transformers.models.auto import auto_factory
 

@@ -57,3 +57,22 @@ def test_token_level_popqa_on_the_real_model(lm, tmp_path):
     assert s["n_label1"] + s["n_label0"] == s["n_samples"] and set(s["sources"]) == {"popqa"}
     for smp in (x for r in rec for x in r["samples"]):
         assert set(smp["scores"]) == {"tokrag[min_fusion_layer=0]", "logprob", "entropy"}
+
+
+@needs_data
+def test_tiny_end_to_end_cli_and_resume(tmp_path, capsys):
+    from tokrag_integrations.cli.eval import main
+
+    argv = ["noise", "--data", str(RGB), "--limit", "2", "--policies", "llm,rag,tokrag", "--ratios", "0,1",
+            "--k", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "res"), "--records", str(tmp_path / "runs"),
+            "--no-progress"]
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "res" / "noise_rgb_en_fact_dev.json").read_text())
+    assert res["n"]["tokrag"] == {"0": 2, "1": 2} and res["n"]["llm"] == {"0": 2, "1": 2}
+    assert (tmp_path / "res" / "noise_rgb_en_fact_dev.png").stat().st_size > 1000
+    assert "| tokrag |" in (tmp_path / "res" / "noise_rgb_en_fact_dev.md").read_text()
+    recs = [json.loads(x) for x in (tmp_path / "runs" / "noise_rgb_en_fact_dev.jsonl").read_text().splitlines()]
+    assert len(recs) == 2 + 2 * 2 * 2 and all("trace" in r for r in recs)
+    assert main(argv) == 0  # resumes: nothing left to decode
+    assert len((tmp_path / "runs" / "noise_rgb_en_fact_dev.jsonl").read_text().splitlines()) == len(recs)
+    assert main([*argv[:-1], "--max-new-tokens", "9", "--no-progress"]) == 2

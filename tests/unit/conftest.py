@@ -6,10 +6,13 @@ subprocess. The session's real model (``lm``) is refused outright."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from _unit_guard import guarded
 
 _SEEN = pytest.StashKey[list]()
+_HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
@@ -19,14 +22,17 @@ def lm():
 
 
 def _guarded_phase(item: pytest.Item):
+    if _HERE not in Path(item.path).resolve().parents:  # a test of another folder (see below)
+        yield
+        return
     seen = item.stash.setdefault(_SEEN, [])
     with guarded(seen):
         yield
 
 
 # Setup and call are guarded, not teardown: the last unit test of a run also tears down the
-# session's fixtures, the integration tests' embedded Postgres among them. These two hooks are
-# called through the item's own hook proxy, so only the tests of this folder see them.
+# session's fixtures, the integration tests' embedded Postgres among them. The path check keeps
+# the guard to this folder's tests whichever hook proxy pytest calls these through.
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     yield from _guarded_phase(item)

@@ -223,26 +223,6 @@ def test_misleading_reports_counterfactual_repeats(tmp_path):
     assert s["cf_repeat"]["rag"] == {"cf=0": 0.0, "cf=1": 100.0}
 
 
-# --------------------------------------------------------------------------- real model
-@needs_data
-def test_tiny_end_to_end_cli_and_resume(tmp_path, capsys):
-    from tokrag_integrations.cli.eval import main
-
-    argv = ["noise", "--data", str(RGB), "--limit", "2", "--policies", "llm,rag,tokrag", "--ratios", "0,1",
-            "--k", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "res"), "--records", str(tmp_path / "runs"),
-            "--no-progress"]
-    assert main(argv) == 0
-    res = json.loads((tmp_path / "res" / "noise_rgb_en_fact_dev.json").read_text())
-    assert res["n"]["tokrag"] == {"0": 2, "1": 2} and res["n"]["llm"] == {"0": 2, "1": 2}
-    assert (tmp_path / "res" / "noise_rgb_en_fact_dev.png").stat().st_size > 1000
-    assert "| tokrag |" in (tmp_path / "res" / "noise_rgb_en_fact_dev.md").read_text()
-    recs = [json.loads(x) for x in (tmp_path / "runs" / "noise_rgb_en_fact_dev.jsonl").read_text().splitlines()]
-    assert len(recs) == 2 + 2 * 2 * 2 and all("trace" in r for r in recs)
-    assert main(argv) == 0  # resumes: nothing left to decode
-    assert len((tmp_path / "runs" / "noise_rgb_en_fact_dev.jsonl").read_text().splitlines()) == len(recs)
-    assert main([*argv[:-1], "--max-new-tokens", "9", "--no-progress"]) == 2
-
-
 def test_evidence_sentence_picks_the_answer_bearing_sentence():
     from tokrag_integrations.evaluation.runner import evidence_sentence
 
