@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+from _cli_fakes import fake_engine  # noqa: F401 - the CLI tests' fake engine, a fixture
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
