@@ -14,10 +14,12 @@ import threading
 import time
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .defaults import MAX_NEW_TOKENS
-from .engine.speed import Speed
+from .engine.loop import StepEvent
+from .engine.speed import PRESETS, Speed
 from .inputs import _DEFAULT, _check_inputs, _check_query, _plans
 from .models import LoadedModel
 from .policies import get_policy, merge_policy_options
@@ -72,28 +74,91 @@ def _run(
     queries: Sequence[str],
     passages: Sequence[Sequence[Any] | None],
     *,
+    holder: list[GenerationResult],
+    cancel: threading.Event | None = None,
+    **kwargs: Any,
+) -> Iterator[TokenEvent]:
+    """Validate everything, build the prompts (:func:`_prepare`, which takes the other
+    keyword arguments), and return the (not yet started) decode.
+
+    The decode takes ``lm.lock`` on its first step and releases it when it ends or is closed;
+    with ``cancel`` it stops (``_Cancelled``) at the first step after ``cancel`` is set.
+    """
+    p = _prepare(lm, queries, passages, **kwargs)
+    if not p.plans:
+        return iter(())
+    return _events(
+        lm,
+        p.policies,
+        p.groups,
+        p.plans,
+        p.traces,
+        p.trackers,
+        holder,
+        max_new_tokens=kwargs.get("max_new_tokens", MAX_NEW_TOKENS),
+        stop=p.stops,
+        speed=p.speed,
+        cancel=cancel,
+    )
+
+
+@dataclass
+class _Prepared:
+    """A decode ready to run: the policies by group (``main``, and ``llm`` for queries
+    without usable passages), the groups' query indices, and per query its prompt plan,
+    trace and text tracker."""
+
+    policies: dict[str, Policy]
+    groups: dict[str, list[int]]
+    plans: list[PromptPlan]
+    traces: list[Trace]
+    trackers: list[_TextTracker]
+    stops: list[str]
+    speed: Speed
+
+
+def _record_event(trace: Trace, tracker: _TextTracker, ev: StepEvent) -> str | None:
+    """Add a decode event to its query's trace and text; returns the new text (None or ``""``
+    where there is none: an EOS adds no step)."""
+    is_eos = ev.stop_reason == "eos"
+    if not is_eos:
+        trace.steps.append(ev.step)
+    delta = tracker.push(None if is_eos else ev.step.token_id, ev.finished)
+    if ev.finished:
+        trace.stop_reason = ev.stop_reason
+    return delta
+
+
+def _result(trace: Trace, tracker: _TextTracker) -> GenerationResult:
+    """The finished query's result (its text, trace and token ids)."""
+    trace.text = tracker.final if tracker.final is not None else tracker.text()
+    return GenerationResult(text=trace.text, trace=trace, token_ids=list(tracker.ids))
+
+
+def _prepare(
+    lm: LoadedModel,
+    queries: Sequence[str],
+    passages: Sequence[Sequence[Any] | None],
+    *,
     policy: str | Policy,
     max_new_tokens: int,
     stop: str | Sequence[str] | None,
     messages: Sequence[list[dict[str, str]] | None] | None,
     system_prompt: Any,
     max_context_tokens: int | None,
-    holder: list[GenerationResult],
     options: dict[str, Any] | None = None,
-    cancel: threading.Event | None = None,
     rendered: Sequence[RenderedPrompt | None] | None = None,
     policy_options: Mapping[str, Any] | None = None,
     speed: Speed | str | Mapping[str, Any] | None = None,
     prompt_format: str = "qa",
     caller: str = "generate",
-) -> Iterator[TokenEvent]:
-    """Validate everything, build the prompts, and return the (not yet started) decode.
+) -> _Prepared:
+    """Validate everything and build the prompts, traces and text trackers of a decode
+    (:func:`_run`; the continuous micro-batcher prepares each request with it).
 
     ``options``: the deprecated ``**options`` of the entry point ``caller`` (policy options
     mixed with the others), merged into ``policy_options`` with a ``DeprecationWarning``.
-
-    The decode takes ``lm.lock`` on its first step and releases it when it ends or is closed;
-    with ``cancel`` it stops (``_Cancelled``) at the first step after ``cancel`` is set.
+    ``queries`` may be empty: then ``plans`` is empty too.
     """
     if not isinstance(lm, LoadedModel):
         raise TypeError("the first argument must be a LoadedModel from tokrag_integrations.load_model()")
@@ -104,12 +169,12 @@ def _run(
     queries = [_check_query(q, i if len(queries) > 1 else None) for i, q in enumerate(queries)]
     _check_inputs(queries, passages, rendered, max_new_tokens, max_context_tokens)
     if not queries:
-        return iter(())
+        return _Prepared({}, {}, [], [], [], [], PRESETS["auto"])
     options = dict(options or {})
     # Raw-prompt path of the adapters (see PromptBuilder.build); not a policy option.
     prompt_format = options.pop("prompt_format", prompt_format)
     # The warning names the user's call (generate goes through _generate).
-    depth = 5 if caller == "generate" else 4
+    depth = 6 if caller == "generate" else 5
     pol = get_policy(policy, **merge_policy_options(policy_options, options, caller, stacklevel=depth))
     chosen_speed = resolve_speed(speed, pol)
     stops = _stop_list(stop)
@@ -133,7 +198,7 @@ def _run(
             msg = f"query {i}: no usable passages, answered from the pure context (policy 'llm' instead of {pol.name!r})"
             p.warnings.append(msg)
             if passages[i]:
-                warnings.warn(msg, stacklevel=4)
+                warnings.warn(msg, stacklevel=5)
         groups.setdefault("llm" if fallback else "main", []).append(i)
 
     traces = [
@@ -150,18 +215,8 @@ def _run(
     ]
     trackers = [_TextTracker(lm.tokenizer, stops) for _ in queries]
 
-    return _events(
-        lm,
-        {"main": pol, "llm": llm_pol},
-        groups,
-        plans,
-        traces,
-        trackers,
-        holder,
-        max_new_tokens=max_new_tokens,
-        stop=stops,
-        speed=chosen_speed,
-        cancel=cancel,
+    return _Prepared(
+        {"main": pol, "llm": llm_pol}, groups, plans, traces, trackers, stops, chosen_speed
     )
 
 
@@ -201,14 +256,8 @@ def _events(
                 speed=speed,
             ):
                 q = idx[ev.query_idx]
-                tr = traces[q]
-                is_eos = ev.stop_reason == "eos"
-                if not is_eos:
-                    tr.steps.append(ev.step)
-                delta = trackers[q].push(None if is_eos else ev.step.token_id, ev.finished)
-                if ev.finished:
-                    tr.stop_reason = ev.stop_reason
-                if not is_eos or delta:
+                delta = _record_event(traces[q], trackers[q], ev)
+                if ev.stop_reason != "eos" or delta:
                     yield TokenEvent(q, ev.step.index, ev.step.token_id, delta, ev.step.source, ev.step)
                 if cancel is not None and cancel.is_set():
                     raise _Cancelled
@@ -218,8 +267,7 @@ def _events(
     finally:
         lm.lock.release()
     for q, tr in enumerate(traces):
-        tr.text = trackers[q].final if trackers[q].final is not None else trackers[q].text()
-        holder.append(GenerationResult(text=tr.text, trace=tr, token_ids=list(trackers[q].ids)))
+        holder.append(_result(tr, trackers[q]))
 
 
 def generate(

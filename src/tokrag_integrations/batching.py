@@ -1,16 +1,24 @@
-"""Micro-batching of concurrent calls: calls that arrive together are decoded as one batch.
+"""Micro-batching of concurrent calls, continuous: calls share one decode, and a call that
+arrives while a decode runs joins it at the next step.
 
 The framework adapters answer concurrent calls (LangChain ``batch``/``abatch``, LlamaIndex
-``asyncio.gather`` over ``acomplete``) through :func:`generate`. The first call with a given
-set of decoding settings waits ``wait_s`` for others with the same settings, then decodes
-all of them with one batched decode (the path of :func:`api.generate_batch`: one forward
-pass per context role per step); each caller gets its own result. Calls with different
-settings (policy, its options, max_new_tokens, stop, system prompt, budget) never share a
-batch. Streams never batch. The batched decode gives each query the tokens it gets alone
-(tests/integration/test_batching.py checks it on the packaged model).
+``asyncio.gather`` over ``acomplete``, the HTTP server) through :func:`generate`. The first
+call with a given set of decoding settings waits ``wait_s`` for others with the same
+settings, then decodes all of them together (one forward pass per step for all their
+contexts). Until that decode ends, a call with the same settings joins it at the next step
+boundary (Orca's iteration-level scheduling, Yu et al., OSDI 2022): it is prefilled on its
+own and its rows are merged into the running batch (:class:`.engine.decoder.Decoder`). A
+finished call leaves at once and gets its result; the others go on. ``max_rows`` (context
+rows: two per Tok-RAG query, one per RAG query) and ``max_positions`` (rows times key/value
+positions the merged batch can reach) bound the memory: a call that does not fit waits for
+rows to free up. Calls with different settings (policy, its options, max_new_tokens, stop,
+system prompt, budget) never share a decode. Streams never batch. Every call gets the
+tokens and decisions it gets alone (tests/integration/test_batching.py checks it on the
+packaged model).
 
-A batch that fails (a bad input raises before anything is decoded) is retried one call at a
-time, so only the call with the bad input gets the error.
+A call whose input is bad gets its error; the others are not affected. Rules that cannot
+take queries mid-decode (sequence-level rules, blockwise verification) decode the calls
+collected together as one batch; calls arriving meanwhile form the next one.
 """
 
 from __future__ import annotations
@@ -23,11 +31,20 @@ from typing import Any
 from . import api
 from .api import GenerationResult
 from .booleans import require_bool
+from .defaults import MAX_NEW_TOKENS
+from .engine.decoder import Decoder
 from .models import LoadedModel
+from .policies import get_policy
+from .runner import continuous_supported, decoder
 
-#: Default wait for companions (seconds) and largest batch.
+#: Default wait for companions (seconds) and largest batch of a rule decoded batch by batch.
 WAIT_S = 0.01
 MAX_BATCH = 16
+#: Default bounds of a continuous decode: context rows (two per Tok-RAG query), and key/value
+#: positions (rows x (longest prompt + max_new_tokens)); about 3 GB of cache on SmolLM2-135M
+#: in float32 (46 KB a position).
+MAX_ROWS = 32
+MAX_POSITIONS = 65536
 
 #: Per-call inputs (not settings): calls that differ only in these share a batch.
 _PER_CALL = ("messages", "rendered")
@@ -53,6 +70,15 @@ class _Request:
     cancel: threading.Event = field(default_factory=threading.Event)
     result: GenerationResult | None = None
     error: BaseException | None = None
+    #: The continuous decode's preparation of this call (``api._Prepared``).
+    prepared: Any = None
+
+
+class _Running:
+    """The continuous decode of one settings key: the calls waiting to join it."""
+
+    def __init__(self) -> None:
+        self.queue: list[_Request] = []
 
 
 class MicroBatcher:
@@ -62,12 +88,31 @@ class MicroBatcher:
     (for tests and benchmarks; a call decoded alone counts in neither).
     """
 
-    def __init__(self, lm: LoadedModel, wait_s: float = WAIT_S, max_batch: int = MAX_BATCH) -> None:
+    def __init__(
+        self,
+        lm: LoadedModel,
+        wait_s: float = WAIT_S,
+        max_batch: int = MAX_BATCH,
+        *,
+        max_rows: int = MAX_ROWS,
+        max_positions: int | None = MAX_POSITIONS,
+        continuous: bool = True,
+    ) -> None:
         self.lm, self.wait_s, self.max_batch = lm, float(wait_s), int(max_batch)
+        if int(max_rows) < 1 or (max_positions is not None and int(max_positions) < 1):
+            raise ValueError(f"max_rows and max_positions must be >= 1, got {max_rows}, {max_positions}")
+        self.max_rows = int(max_rows)
+        self.max_positions = None if max_positions is None else int(max_positions)
+        self.continuous = require_bool(continuous, "continuous")
         self._lock = threading.Lock()
         self._pending: dict[str, list[_Request]] = {}
+        self._running: dict[str, _Running] = {}
         self.batches = 0
         self.batched_calls = 0
+        #: Calls that joined a decode already running (continuous batching).
+        self.joined_calls = 0
+        #: The most context rows one continuous decode held at once.
+        self.peak_rows = 0
 
     @staticmethod
     def _key(kwargs: dict[str, Any]) -> str | None:
@@ -93,9 +138,14 @@ class MicroBatcher:
         if _cancel is not None:
             req.cancel = _cancel
         with self._lock:
-            queue = self._pending.setdefault(key, [])
-            queue.append(req)
-            leader = len(queue) == 1
+            running = self._running.get(key)
+            if running is not None:  # a decode with these settings runs: join it
+                running.queue.append(req)
+                leader = False
+            else:
+                queue = self._pending.setdefault(key, [])
+                queue.append(req)
+                leader = len(queue) == 1
         if leader:
             # Wait while companions keep arriving: up to 10 waits, one quiet wait ends it.
             seen = 0
@@ -106,22 +156,56 @@ class MicroBatcher:
                 if n == seen or n >= self.max_batch:
                     break
                 seen = n
+            run = _Running()
             with self._lock:
-                reqs = self._pending.pop(key)
+                run.queue = self._pending.pop(key)
+                self._running[key] = run  # from now on, calls with this key join the queue
             settings = {k: v for k, v in kwargs.items() if k not in _PER_CALL}
-            try:
-                for i in range(0, len(reqs), self.max_batch):
-                    self._decode(reqs[i : i + self.max_batch], settings)
-            finally:  # whatever happened, nobody waits forever
-                for r in reqs:
-                    if not r.done.is_set():
-                        r.error = RuntimeError("the batch this call was part of was interrupted")
-                        r.done.set()
+            self._drive(key, run, settings)
         req.done.wait()
         if req.error is not None:
             raise req.error
         assert req.result is not None
         return req.result
+
+    def _take(self, key: str, run: _Running, n: int | None = None) -> list[_Request]:
+        """Up to ``n`` (None: all) queued calls; with none left the decode of ``key`` ends,
+        under the same lock, so that a later call starts a new one."""
+        with self._lock:
+            reqs = run.queue if n is None else run.queue[:n]
+            run.queue = [] if n is None else run.queue[n:]
+            if not reqs and not run.queue:
+                self._running.pop(key, None)
+            return reqs
+
+    def _drive(self, key: str, run: _Running, settings: dict[str, Any]) -> None:
+        """Decode the calls of ``key`` until none is left: continuously where the rule
+        allows it, else batch after batch. Whatever happens, nobody waits forever."""
+        seen: list[_Request] = []
+        try:
+            if self.continuous and _continuous_ok(settings):
+                try:
+                    _Continuous(self, key, run, settings, seen).run()
+                    return
+                except Exception:  # noqa: BLE001 - a failed decode: the calls left, one at a time
+                    for r in seen:
+                        if not r.done.is_set():
+                            self._decode([r], settings)
+            while True:
+                reqs = self._take(key, run, self.max_batch)
+                if not reqs:
+                    return
+                seen += reqs
+                self._decode(reqs, settings)
+        finally:
+            with self._lock:
+                if self._running.get(key) is run:
+                    self._running.pop(key)
+                left, run.queue = run.queue, []
+            for r in seen + left:
+                if not r.done.is_set():
+                    r.error = RuntimeError("the batch this call was part of was interrupted")
+                    r.done.set()
 
     def _decode(self, reqs: list[_Request], settings: dict[str, Any]) -> None:
         for r in reqs:
@@ -151,6 +235,188 @@ class MicroBatcher:
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                 r.error = e
             r.done.set()
+
+
+def _continuous_ok(settings: dict[str, Any]) -> bool:
+    """Whether calls with ``settings`` can join a running decode: a step-by-step rule
+    (:func:`.runner.continuous_supported`) given its options the current way."""
+    if any(k not in _SETTINGS for k in settings):  # deprecated **options: batch by batch
+        return False
+    try:
+        pol = get_policy(settings.get("policy", "tokrag"), **dict(settings.get("policy_options") or {}))
+        return continuous_supported(pol, settings.get("speed"))
+    except Exception:  # noqa: BLE001 - a bad setting: each call gets its error the old way
+        return False
+
+
+class _Continuous:
+    """One continuous decode: queued calls are admitted at step boundaries while they fit
+    (``max_rows`` / ``max_positions``), every group's decoder (``main``; ``llm`` for calls
+    without usable passages) takes one step, and a call that finishes gets its result."""
+
+    def __init__(
+        self, batcher: MicroBatcher, key: str, run: _Running, settings: dict[str, Any], seen: list[_Request]
+    ) -> None:
+        self.b, self.key, self.run_, self.seen = batcher, key, run, seen
+        self.settings = settings
+        self.max_new_tokens = int(settings.get("max_new_tokens", MAX_NEW_TOKENS))
+        self.decoders: dict[str, Decoder] = {}
+        #: group -> query id -> the call, its trace and text tracker, and its timings so far.
+        self.owners: dict[str, dict[int, tuple[_Request, Any, Any, dict[str, float]]]] = {}
+        self.served = 0
+
+    def _prepare(self, r: _Request) -> Any:
+        s = self.settings
+        return api._prepare(
+            self.b.lm,
+            [r.query],
+            [r.passages],
+            policy=s.get("policy", "tokrag"),
+            policy_options=s.get("policy_options"),
+            speed=s.get("speed"),
+            max_new_tokens=self.max_new_tokens,
+            stop=s.get("stop"),
+            messages=[r.messages] if r.messages else None,
+            system_prompt=s.get("system_prompt", api._DEFAULT),
+            max_context_tokens=s.get("max_context_tokens"),
+            prompt_format=s.get("prompt_format", "qa"),
+            rendered=None if r.rendered is None else [r.rendered],
+            caller="generate",
+        )
+
+    def _rows(self) -> tuple[int, int]:
+        """Context rows held and the longest row, over every group's decoder."""
+        rows = sum(d.rows_in_use() for d in self.decoders.values())
+        return rows, max((d.width() for d in self.decoders.values()), default=0)
+
+    def _active(self) -> int:
+        return sum(len(d.active) for d in self.decoders.values())
+
+    def _admit(self) -> None:
+        """Admit the queued calls that fit, first come first served; the rest wait."""
+        with self.b._lock:
+            queued, self.run_.queue = self.run_.queue, []
+        self.seen += queued
+        waiting: list[_Request] = []
+        for r in queued:
+            if waiting:  # keep the order: nobody overtakes a call that did not fit
+                waiting.append(r)
+                continue
+            if r.cancel.is_set():
+                r.error = api._Cancelled()
+                r.done.set()
+                continue
+            try:
+                if r.prepared is None:
+                    r.prepared = self._prepare(r)
+            except Exception as e:  # noqa: BLE001 - a bad input: this call's error only
+                r.error = e
+                r.done.set()
+                continue
+            if not self._fits(r.prepared):
+                waiting.append(r)
+                continue
+            self._start(r, r.prepared)
+        if waiting:
+            with self.b._lock:
+                self.run_.queue = waiting + self.run_.queue
+
+    def _fits(self, p: Any) -> bool:
+        rows, width = self._rows()
+        if rows == 0:
+            return True  # an empty decode takes any call, however large
+        (group,) = p.groups
+        pol = p.policies[group]
+        pol.prepare(self.b.lm)
+        contexts = pol.contexts(p.plans[0])
+        need = rows + len(contexts)
+        longest = max([width, *(len(c.ids) for c in contexts.values())])
+        if need > self.b.max_rows:
+            return False
+        cap = self.b.max_positions
+        return cap is None or need * (longest + self.max_new_tokens) <= cap
+
+    def _start(self, r: _Request, p: Any) -> None:
+        (group,) = p.groups
+        d = self.decoders.get(group)
+        if d is None:
+            d = self.decoders[group] = decoder(
+                self.b.lm, p.policies[group], max_new_tokens=self.max_new_tokens, stop=p.stops, speed=p.speed
+            )
+            self.owners[group] = {}
+        joined = self._active() > 0
+        t0 = time.perf_counter()
+        (q,) = d.admit(p.plans)
+        now = time.perf_counter()
+        timings = {
+            "prefill_s": now - t0,
+            "fused": d.timings.get("fused", 0.0),
+            "packed": d.timings.get("packed", 0.0),
+            "joined": float(joined),
+            "queries_in_batch": 0.0,
+            "_start": t0,
+            "_decode": now,
+        }
+        self.owners[group][q] = (r, p.traces[0], p.trackers[0], timings)
+        self.served += 1
+        if joined:
+            with self.b._lock:
+                self.b.joined_calls += 1
+
+    def _step(self) -> None:
+        n_active = self._active()
+        rows, _ = self._rows()
+        with self.b._lock:
+            self.b.peak_rows = max(self.b.peak_rows, rows)
+        for group, d in self.decoders.items():
+            owners = self.owners[group]
+            for q in d.active:
+                r = owners[q][0]
+                if r.cancel.is_set():  # leaves the batch; the others go on
+                    d.cancel(q)
+                    r.error = api._Cancelled()
+                    r.done.set()
+            if not d.active:
+                continue
+            for ev in d.choose():
+                r, trace, tracker, t = owners[ev.query_idx]
+                t["queries_in_batch"] = max(t["queries_in_batch"], float(n_active))
+                api._record_event(trace, tracker, ev)
+                if ev.finished:
+                    end = time.perf_counter()
+                    t0, t1 = t.pop("_start"), t.pop("_decode")
+                    trace.timings = {**t, "decode_s": end - t1, "total_s": end - t0}
+                    r.result = api._result(trace, tracker)
+                    r.done.set()
+        for d in self.decoders.values():
+            d.advance()
+
+    def _idle_end(self) -> bool:
+        """With nothing decoding: end the decode if no call waits (under the batcher's lock,
+        so that a later call starts a new one), else go on."""
+        with self.b._lock:
+            if self.run_.queue:
+                return False
+            if self.b._running.get(self.key) is self.run_:
+                self.b._running.pop(self.key)
+            return True
+
+    def run(self) -> None:
+        lm = self.b.lm
+        api._acquire(lm.lock, None)
+        try:
+            while True:
+                self._admit()
+                if self._active():
+                    self._step()
+                elif self._idle_end():
+                    break
+        finally:
+            lm.lock.release()
+        if self.served > 1:
+            with self.b._lock:
+                self.b.batches += 1
+                self.b.batched_calls += self.served
 
 
 def _decode_batch(lm: LoadedModel, reqs: list[_Request], settings: dict[str, Any]) -> list[GenerationResult]:

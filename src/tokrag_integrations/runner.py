@@ -18,6 +18,7 @@ from typing import Any
 
 from . import accel
 from .engine import loop
+from .engine.decoder import Decoder
 from .engine.loop import StepEvent
 from .engine.sequence import decode_sequence
 from .engine.speed import Speed, speed_of
@@ -74,4 +75,40 @@ def decode_loop(
         prefill=functools.partial(accel.prefill, speed=chosen),
         choose_many=accel.choose_many if chosen.share_lens else None,
         **kwargs,
+    )
+
+
+def continuous_supported(policy: Policy, speed: Speed | str | Mapping[str, Any] | None = None) -> bool:
+    """Whether queries can join a running decode of ``policy`` (:func:`decoder`): a
+    step-by-step rule (not sequence-level, not blockwise, no decoding of its own)."""
+    return not (policy.sequence_level or policy.decode is not None or resolve_speed(speed, policy).speculative)
+
+
+def decoder(
+    lm: LoadedModel,
+    policy: Policy,
+    *,
+    max_new_tokens: int = 64,
+    stop: Sequence[str] = (),
+    timings: dict[str, float] | None = None,
+    speed: Speed | str | Mapping[str, Any] | None = None,
+) -> Decoder:
+    """A :class:`.engine.decoder.Decoder` with the speed paths ``speed`` asks for: queries
+    admitted alone are prefilled as :func:`decode_loop` does; a query admitted while others
+    decode is prefilled as plain rows and merged into the running batch
+    (:func:`.accel.join_batches`) where contexts are fused. Raises ``ValueError`` where
+    :func:`continuous_supported` is False."""
+    chosen = resolve_speed(speed, policy)
+    if not continuous_supported(policy, chosen):
+        raise ValueError(f"policy {policy.name!r} with speed {chosen.options()} cannot admit queries while decoding")
+    return Decoder(
+        lm,
+        policy,
+        max_new_tokens=max_new_tokens,
+        stop=stop,
+        timings=timings,
+        prefill=functools.partial(accel.prefill, speed=chosen),
+        join_prefill=functools.partial(accel.prefill, speed=chosen, pack=False),
+        choose_many=accel.choose_many if chosen.share_lens else None,
+        join=accel.join_batches if chosen.fuse else None,
     )

@@ -1,13 +1,16 @@
-"""Rows of finished queries leave a batched decode (:func:`engine.loop.drop_finished`) and
+"""Rows of finished queries leave a batched decode (:meth:`engine.decoder.Decoder.advance`) and
 every other query still gets the tokens and decisions it gets alone."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
 
 from tokrag_integrations import accel, generate, generate_batch
-from tokrag_integrations.engine import loop
+from tokrag_integrations.engine import decoder
 from tokrag_integrations.engine.batch import RoleBatch
 from tokrag_integrations.engine.loop import role_setup, views_for
 from tokrag_integrations.policies import get_policy
@@ -88,7 +91,7 @@ def test_kept_rows_compute_what_they_computed_in_the_full_batch(lm):
 
 @pytest.mark.parametrize("policy", ["tokrag", "rag"])
 def test_finished_queries_leave_and_the_others_get_their_tokens_alone(lm, solo, monkeypatch, policy):
-    monkeypatch.setattr(loop, "DROP_SHARE", 0.0)  # drop at every finished query
+    monkeypatch.setattr(decoder, "DROP_SHARE", 0.0)  # drop at every finished query
     dropped = []
     real = RoleBatch.keep_rows
 
@@ -162,3 +165,136 @@ def test_a_reused_prefill_is_charged_to_the_decode_that_reuses_it(lm):
     assert 0 < reused
     alone = generate_batch(lm, QS[:2], PS[:2], policy="rag", max_new_tokens=2)
     assert "prefill_reused_s" not in alone[0].trace.timings
+
+
+def _steps(r):
+    return [(s.token_id, s.source, s.signals.get("benefit")) for s in r.trace.steps]
+
+
+def _plans4(lm):
+    b = PromptBuilder(lm.tokenizer, context_window=lm.context_window)
+    return [b.build(q, p) for q, p in zip(QS4, PS4, strict=True)]
+
+
+@pytest.mark.parametrize("policy", ["tokrag", "rag"])
+def test_queries_join_a_running_decode_and_get_their_tokens_alone(lm, solo, policy):
+    """Continuous batching at the engine: query 0 decodes alone, query 1 joins it after two
+    steps and the rest after four (prefilled as rows and merged into the running batch);
+    every query gets the tokens, sources and decisions it gets alone."""
+    from tokrag_integrations.runner import decoder as make_decoder
+
+    plans = _plans4(lm)[: len(solo[policy])]
+    d = make_decoder(lm, get_policy(policy), max_new_tokens=N_TOKENS)
+    schedule = {0: [0], 2: [1], 4: list(range(2, len(plans)))}
+    got: dict[int, list] = {}
+    step = 0
+    while step in schedule or d.active:
+        for i in schedule.get(step, []):
+            (q,) = d.admit([plans[i]])
+            assert q == i
+        if step == 4:
+            # three admissions, fewer batches: the later ones were merged
+            assert len(d.batches) < 3
+        for ev in d.choose():
+            if ev.stop_reason != "eos":
+                s = ev.step
+                got.setdefault(ev.query_idx, []).append((s.token_id, s.source, s.signals.get("benefit")))
+        d.advance()
+        step += 1
+    assert sorted(got) == list(range(len(plans)))
+    for i, one in enumerate(solo[policy]):
+        assert got[i] == _steps(one), i
+    assert not d.batches  # every batch left once its queries were done
+
+
+def _hold_first_step_until(monkeypatch, ready):
+    """The first step of any decode waits until ``ready()`` holds (calls queued to join)."""
+    from tokrag_integrations.engine.decoder import Decoder
+
+    real = Decoder.advance
+    state = {"first": True}
+
+    def advance(self):
+        if state["first"]:
+            state["first"] = False
+            for _ in range(2000):
+                if ready():
+                    break
+                time.sleep(0.01)
+        return real(self)
+
+    monkeypatch.setattr(Decoder, "advance", advance)
+
+
+def _concurrent(batcher, idx, policy="tokrag"):
+    out = {}
+
+    def call(i):
+        out[i] = batcher.generate(QS4[i], PS4[i], policy=policy, max_new_tokens=N_TOKENS)
+
+    first = threading.Thread(target=call, args=(idx[0],))
+    first.start()
+    while not batcher._running:  # the first call's decode has started
+        time.sleep(0.005)
+    rest = [threading.Thread(target=call, args=(i,)) for i in idx[1:]]
+    for t in rest:
+        t.start()
+    for t in [first, *rest]:
+        t.join(timeout=600)
+    return out
+
+
+def test_calls_arriving_mid_decode_join_it_through_the_micro_batcher(lm, solo, monkeypatch):
+    from tokrag_integrations.batching import MicroBatcher
+
+    b = MicroBatcher(lm)
+    _hold_first_step_until(monkeypatch, lambda: sum(len(r.queue) for r in b._running.values()) == 3)
+    out = _concurrent(b, [0, 1, 2, 3])
+    assert b.joined_calls == 3 and b.batches == 1 and b.batched_calls == 4
+    assert b.peak_rows == 8  # four Tok-RAG queries, two context rows each
+    for i, one in enumerate(solo["tokrag"]):
+        assert out[i].token_ids == one.token_ids and _steps(out[i]) == _steps(one), i
+        assert out[i].trace.timings["joined"] == float(i > 0)
+    assert not b._running  # the decode ended with its last call
+
+
+def test_max_rows_bounds_a_continuous_decode(lm, solo, monkeypatch):
+    """With room for one Tok-RAG query (two rows), calls that arrive mid-decode wait for it
+    to finish instead of joining; each still gets its solo answer."""
+    from tokrag_integrations.batching import MicroBatcher
+
+    b = MicroBatcher(lm, max_rows=2)
+    _hold_first_step_until(monkeypatch, lambda: sum(len(r.queue) for r in b._running.values()) == 2)
+    out = _concurrent(b, [0, 1, 2])
+    assert b.peak_rows == 2 and b.joined_calls == 0
+    for i in range(3):
+        assert out[i].token_ids == solo["tokrag"][i].token_ids, i
+
+
+def test_a_call_cancelled_while_waiting_to_join_never_decodes(lm, solo, monkeypatch):
+    from tokrag_integrations.api import _Cancelled
+    from tokrag_integrations.batching import MicroBatcher
+
+    b = MicroBatcher(lm)
+    _hold_first_step_until(monkeypatch, lambda: sum(len(r.queue) for r in b._running.values()) == 1)
+    cancel = threading.Event()
+    out = {}
+
+    def first():
+        out[0] = b.generate(QS4[0], PS4[0], policy="tokrag", max_new_tokens=N_TOKENS)
+
+    def second():
+        try:
+            b.generate(QS4[1], PS4[1], policy="tokrag", max_new_tokens=N_TOKENS, _cancel=cancel)
+        except _Cancelled:
+            out[1] = "cancelled"
+
+    t0 = threading.Thread(target=first)
+    t0.start()
+    while not b._running:
+        time.sleep(0.005)
+    cancel.set()  # cancelled before its first step: it never decodes
+    t1 = threading.Thread(target=second)
+    t1.start()
+    t0.join(600), t1.join(600)
+    assert out[1] == "cancelled" and out[0].token_ids == solo["tokrag"][0].token_ids

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from ..engine.batch import RoleBatch
     from ..engine.loop import StepEvent
     from ..engine.prefill import Prefilled
     from ..engine.speed import Speed
@@ -54,12 +55,22 @@ def prefill(
     lm: LoadedModel,
     policy: Policy,
     speed: Speed | None = None,
+    pack: bool = True,
 ) -> Prefilled:
     """The step-by-step loop's prefill with packed / fused contexts where ``speed.fuse``
-    (:func:`.packed.prefill`)."""
+    (:func:`.packed.prefill`; ``pack=False``: no packed sequence, rows that
+    :func:`join_batches` can merge)."""
     from .packed import prefill as packed_prefill
 
-    return packed_prefill(roles, per_query, lm, policy, speed)
+    return packed_prefill(roles, per_query, lm, policy, speed, pack)
+
+
+def join_batches(running: RoleBatch, new: RoleBatch) -> RoleBatch | None:
+    """A running batch and a newly prefilled one as one batch, or None
+    (:func:`.packed.join_batches`)."""
+    from .packed import join_batches as join
+
+    return join(running, new)
 
 
 def choose_many(policy: Policy, views: list[dict[str, View]], lm: LoadedModel) -> list[Choice]:

@@ -246,17 +246,20 @@ def prefill(
     lm: LoadedModel,
     policy: Policy,
     speed: Speed | None = None,
+    pack: bool = True,
 ) -> Prefilled:
     """The prefill of :func:`..engine.loop.decode_loop` with the speed paths: one packed
-    sequence for one query's two contexts, else all roles fused into one batch (a 2-row
-    pass costs about what a 1-row pass does on a CPU), else one batch per role. Fusion is
-    off with ``TOKRAG_FUSE_CONTEXTS=0``, ``speed.fuse = False`` (:class:`..engine.speed.Speed`)
-    or where :func:`.cpu_kernels.fusion_off_reason` gives a reason."""
+    sequence for one query's two contexts (unless ``pack`` is False: a query joining a
+    running decode is prefilled as rows that :func:`join_batches` can merge), else all
+    roles fused into one batch (a 2-row pass costs about what a 1-row pass does on a CPU),
+    else one batch per role. Fusion is off with ``TOKRAG_FUSE_CONTEXTS=0``, ``speed.fuse =
+    False`` (:class:`..engine.speed.Speed`) or where :func:`.cpu_kernels.fusion_off_reason`
+    gives a reason."""
     from .paths import fusion_off_reason
 
     want = speed.fuse if speed is not None else True
     fuse = fuse_contexts() and want and fusion_off_reason(lm.model) is None
-    packed = prefill_packed(roles, per_query, lm, policy.probe_roles) if fuse else None
+    packed = prefill_packed(roles, per_query, lm, policy.probe_roles) if fuse and pack else None
     if packed is not None:
         rows = {role: {0: (packed, r)} for r, role in enumerate(roles)}
         return Prefilled({packed.role: packed}, rows, fused=True, packed=True)
@@ -271,3 +274,23 @@ def prefill(
         rows[role] = {q: (fused, start + r) for r, q in enumerate(b.query_idx)}
         start += len(b.query_idx)
     return Prefilled({fused.role: fused}, rows, fused=True, reused_s=reused)
+
+
+def join_batches(running: RoleBatch, new: RoleBatch) -> RoleBatch | None:
+    """One batch holding the rows of a running batch and then those of a newly prefilled
+    one (a query joining a decode at a step boundary), so that a step stays one forward
+    pass: :func:`fuse_batches` after giving each batch's prompt ids the width of its mask.
+    Every row computes what it computed before, up to the rounding of a different batch
+    shape. None where they cannot share one: a packed batch (two contexts in one row),
+    caches that cannot drop rows, or batches probed differently."""
+    if running.probe != new.probe or not (running.can_keep_rows() and new.can_keep_rows()):
+        return None
+    pad = running.lm.pad_token_id
+    for b in (running, new):
+        extra = b.mask.shape[1] - b.ids.shape[1]
+        if extra > 0:  # positions decoded since the prefill: their ids are not needed again
+            b.ids = torch.cat([b.ids, b.ids.new_full((b.ids.shape[0], extra), pad)], dim=1)
+    merged = fuse_batches([running, new])
+    if merged is not None:
+        merged.role = running.role
+    return merged

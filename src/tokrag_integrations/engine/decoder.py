@@ -1,0 +1,329 @@
+"""The step loop as an object: queries can be admitted between steps and leave when done.
+
+:func:`.loop.decode_loop` admits its queries once and steps until all are done; the
+continuous micro-batcher (:mod:`..batching`) admits a request that arrives while others are
+decoding at the next step boundary. A step is :meth:`Decoder.choose` (every active query's
+token, from the logits of its contexts) then :meth:`Decoder.advance` (every batch fed the
+chosen tokens). Newly admitted queries are prefilled between the two, so their first choice
+is made together with the others' next one.
+
+How batches are prefilled and whether a newly prefilled batch is merged into a running one
+(one forward pass for both) are the ``prefill`` and ``join`` arguments: the runner passes
+the speed paths of :mod:`..accel`; this module never imports them. Without ``join`` each
+admission keeps its own batches (one more forward pass per step while both decode).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..models import LoadedModel
+from ..policies.base import Choice, ContextSpec, Policy
+from ..prompts import PromptPlan
+from ..trace import Candidate, TraceStep
+from .batch import RoleBatch
+from .prefill import Prefilled, plain_prefill
+from .stats import distribution_stats_rows
+from .view import ContextView
+
+#: ``prefill(roles, per_query, lm, policy)``: the prefilled batches of an admission.
+PrefillFn = Callable[[Sequence[str], Sequence[dict[str, ContextSpec]], LoadedModel, Policy], Prefilled]
+#: ``choose_many(policy, views, lm)``: the choices of one step for several queries.
+ChooseFn = Callable[[Policy, list[dict[str, ContextView]], LoadedModel], list[Choice]]
+#: ``join(running, new)``: one batch holding both batches' rows (``running``'s first), or
+#: None where they cannot share one.
+JoinFn = Callable[[RoleBatch, RoleBatch], RoleBatch | None]
+
+#: A batch drops the rows of finished queries once they are at least this share of its rows
+#: (each drop copies the kept rows' KV cache once, so not for every single finished row).
+DROP_SHARE = 0.25
+
+
+@dataclass
+class StepEvent:
+    """A token chosen for query ``query_idx`` (yielded by :func:`decode_loop`)."""
+
+    query_idx: int
+    step: TraceStep
+    finished: bool = False
+    stop_reason: str = ""
+
+
+def step_event(
+    lm: LoadedModel,
+    q: int,
+    step_i: int,
+    choice: Choice,
+    views: dict[str, ContextView],
+    generated: list[int],
+    stop: Sequence[str],
+    max_new_tokens: int,
+) -> StepEvent:
+    """The trace step of one chosen token and whether it ends the query (``generated`` is
+    the query's token list so far; the token is appended unless it is EOS)."""
+    tok = lm.tokenizer
+    tid = int(choice.token_id)
+    is_eos = tid in lm.eos_token_ids
+    cands = {}
+    stats = {}
+    # Every context's statistics in one pass over its logits; its probabilities are kept for
+    # the view (a rule that read them already has them).
+    rows, probs = distribution_stats_rows(torch.stack([v.logits for v in views.values()]), tid)
+    tops = torch.argmax(probs, dim=-1).tolist()
+    for i, (role, v) in enumerate(views.items()):
+        if v._probs is None:
+            v._probs = probs[i]
+        top = int(tops[i])
+        cands[role] = Candidate(top, tok.decode([top]), float(v.probs[top].item()))
+        stats[role] = rows[i]
+    step = TraceStep(
+        index=step_i,
+        token_id=tid,
+        text="" if is_eos else tok.decode([tid]),
+        source=choice.source,
+        candidates=cands,
+        signals=choice.signals,
+        stats=stats,
+    )
+    reason = ""
+    if is_eos:
+        reason = "eos"
+    else:
+        generated.append(tid)
+        if stop:
+            text = tok.decode(generated, skip_special_tokens=True)
+            if any(s in text for s in stop):
+                reason = "stop"
+    if not reason and step_i == max_new_tokens - 1:
+        reason = "length"
+    return StepEvent(q, step, finished=bool(reason), stop_reason=reason)
+
+
+def role_setup(
+    lm: LoadedModel, plans: Sequence[PromptPlan], policy: Policy
+) -> tuple[list[dict[str, ContextSpec]], list[str]]:
+    """Prepare ``policy`` and build every query's contexts; returns them and the roles in
+    use (the policy's roles in its order, then any other role its contexts name, sorted)."""
+    policy.prepare(lm)
+    per_query = [policy.contexts(p) for p in plans]
+    roles = [r for r in policy.roles if any(r in c for c in per_query)]
+    roles += sorted({r for c in per_query for r in c} - set(roles))
+    return per_query, roles
+
+
+def views_for(rows: dict[str, dict[int, tuple[RoleBatch, int]]], q: int) -> dict[str, ContextView]:
+    """The views of query ``q``'s contexts (role -> query -> (batch, row) in ``rows``); a
+    view's per-layer record is built only when the rule reads it (most steps never do)."""
+    views = {}
+    for role, where in rows.items():
+        if q in where:
+            b, r = where[q]
+            rec = (lambda recs=b.records, r=r: recs.select([r])) if b.records is not None else None
+            views[role] = ContextView(b, r, rec)
+    return views
+
+
+def _moved_into(
+    merged: RoleBatch, shift: dict[int, int]
+) -> Callable[[RoleBatch, int], tuple[RoleBatch, int] | None]:
+    """Where a row of a batch merged into ``merged`` went (``shift``: id(batch) -> its first
+    row there); None for the rows of other batches."""
+
+    def where(b: RoleBatch, r: int) -> tuple[RoleBatch, int] | None:
+        return (merged, shift[id(b)] + r) if id(b) in shift else None
+
+    return where
+
+
+class Decoder:
+    """Greedy multi-context decoding of a changing set of queries under one policy.
+
+    Query ids are given in admission order (0, 1, ...). ``timings`` collects ``prefill_s``
+    (all admissions), ``fused`` / ``packed`` (of the last admission) and
+    ``prefill_reused_s``; the caller times the steps.
+    """
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        policy: Policy,
+        *,
+        max_new_tokens: int = 64,
+        stop: Sequence[str] = (),
+        timings: dict[str, float] | None = None,
+        prefill: PrefillFn | None = None,
+        choose_many: ChooseFn | None = None,
+        join: JoinFn | None = None,
+        join_prefill: PrefillFn | None = None,
+    ) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if policy.sequence_level or policy.decode is not None:
+            raise ValueError(
+                f"policy {policy.name!r} decodes whole sequences or owns its decoding: "
+                "decode it with runner.decode_loop"
+            )
+        self.lm, self.policy = lm, policy
+        self.max_new_tokens, self.stop = max_new_tokens, stop
+        self.timings = timings if timings is not None else {}
+        self._prefill = prefill or plain_prefill
+        #: The prefill of queries admitted while others decode (default: ``prefill``); the
+        #: runner passes one whose batches ``join`` can merge.
+        self._join_prefill = join_prefill or self._prefill
+        self._choose_many, self._join = choose_many, join
+        self.batches: list[RoleBatch] = []
+        self.rows: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
+        self.generated: list[list[int]] = []
+        self.steps: list[int] = []
+        self.done: list[bool] = []
+        self._chosen: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def active(self) -> list[int]:
+        """The ids of the queries still decoding."""
+        return [q for q, d in enumerate(self.done) if not d]
+
+    def rows_in_use(self) -> int:
+        """Context rows the batches hold (finished rows not dropped yet included)."""
+        return sum(len(b.query_idx) for b in self.batches)
+
+    def positions_in_use(self) -> int:
+        """Key/value positions the batches' caches hold, padding included (rows x length)."""
+        return sum(int(b.mask.numel()) for b in self.batches)
+
+    def width(self) -> int:
+        """The longest row (positions) of any batch, 0 with none."""
+        return max((int(b.mask.shape[1]) for b in self.batches), default=0)
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, plans: Sequence[PromptPlan]) -> list[int]:
+        """Prefill ``plans`` and add them to the decode; returns their query ids. Their
+        first token is chosen at the next :meth:`choose`."""
+        if not plans:
+            return []
+        per_query, roles = role_setup(self.lm, plans, self.policy)
+        prefill = self._join_prefill if self.batches else self._prefill
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            ready = prefill(roles, per_query, self.lm, self.policy)
+        t = self.timings
+        t["prefill_s"] = t.get("prefill_s", 0.0) + time.perf_counter() - t0
+        t["fused"], t["packed"] = float(ready.fused), float(ready.packed)
+        if ready.reused_s:
+            t["prefill_reused_s"] = t.get("prefill_reused_s", 0.0) + ready.reused_s
+        base = len(self.done)
+        ids = [base + q for q in range(len(plans))]
+        for b in ready.batches.values():
+            b.query_idx = [base + q for q in b.query_idx]
+        self.generated += [[] for _ in plans]
+        self.steps += [0] * len(plans)
+        self.done += [False] * len(plans)
+        new_rows = {role: {base + q: br for q, br in where.items()} for role, where in ready.rows.items()}
+        for role, where in new_rows.items():
+            self.rows.setdefault(role, {}).update(where)
+        for b in ready.batches.values():
+            self._add_batch(b)
+        return ids
+
+    def _add_batch(self, new: RoleBatch) -> None:
+        """Merge ``new`` into a running batch where ``join`` can, else keep it apart."""
+        if self._join is not None:
+            for i, old in enumerate(self.batches):
+                with torch.inference_mode():
+                    merged = self._join(old, new)
+                if merged is None:
+                    continue
+                self.batches[i] = merged
+                self._rebind(_moved_into(merged, {id(old): 0, id(new): len(old.query_idx)}))
+                return
+        self.batches.append(new)
+
+    def _rebind(self, where: Callable[[RoleBatch, int], tuple[RoleBatch, int] | None]) -> None:
+        """Point every context at its new (batch, row) (``where`` gives None: unchanged,
+        ``(None, -1)``: gone)."""
+        rows: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
+        for role, m in self.rows.items():
+            rows[role] = {}
+            for q, (b, r) in m.items():
+                moved = where(b, r)
+                if moved is None:
+                    rows[role][q] = (b, r)
+                elif moved[1] >= 0:
+                    rows[role][q] = moved  # type: ignore[assignment]
+        self.rows = rows
+
+    def cancel(self, q: int) -> None:
+        """Stop query ``q`` without another event; its rows leave at the next advance."""
+        self.done[q] = True
+        self._chosen.pop(q, None)
+
+    # ------------------------------------------------------------------ one step
+    def choose(self) -> list[StepEvent]:
+        """Choose every active query's next token; returns the step events in query order
+        (``finished`` ones end their query)."""
+        active = self.active
+        all_views = [views_for(self.rows, q) for q in active]
+        if len(active) == 1:
+            choices = [self.policy.choose(all_views[0], self.lm)]
+        elif self._choose_many is not None:
+            choices = self._choose_many(self.policy, all_views, self.lm)
+        else:
+            choices = self.policy.choose_many(all_views, self.lm)
+        events = []
+        for q, views, choice in zip(active, all_views, choices, strict=True):
+            ev = step_event(
+                self.lm, q, self.steps[q], choice, views, self.generated[q], self.stop, self.max_new_tokens
+            )
+            self.steps[q] += 1
+            self.done[q] = ev.finished
+            self._chosen[q] = int(choice.token_id)
+            events.append(ev)
+        return events
+
+    def advance(self) -> None:
+        """Feed every batch the tokens chosen at the last :meth:`choose` (padding for
+        finished rows), after dropping finished rows and batches."""
+        self._retire()
+        if not self.batches:
+            self._chosen.clear()
+            return
+        pad = self.lm.pad_token_id
+        with torch.inference_mode():
+            for b in self.batches:
+                new = torch.tensor(
+                    [pad if self.done[q] else self._chosen.get(q, pad) for q in b.query_idx],
+                    dtype=torch.long,
+                )
+                b.forward(new)
+        self._chosen.clear()
+
+    def _retire(self) -> None:
+        """Remove batches whose queries all finished; drop the finished rows of a batch once
+        they are :data:`DROP_SHARE` of it (and it can)."""
+        keep: list[RoleBatch] = []
+        moved: dict[int, tuple[RoleBatch, dict[int, int]]] = {}
+        for b in self.batches:
+            gone = sum(1 for q in b.query_idx if self.done[q])
+            if gone == len(b.query_idx):
+                moved[id(b)] = (b, {})
+                continue
+            keep.append(b)
+            if gone and gone >= DROP_SHARE * len(b.query_idx) and b.can_keep_rows():
+                kept = [r for r, q in enumerate(b.query_idx) if not self.done[q]]
+                b.keep_rows(kept)
+                moved[id(b)] = (b, {old: new for new, old in enumerate(kept)})
+        self.batches = keep
+        if moved:
+
+            def where(b: RoleBatch, r: int) -> tuple[RoleBatch, int] | None:
+                if id(b) not in moved:
+                    return None
+                nb, m = moved[id(b)]
+                return (nb, m[r]) if r in m else (nb, -1)
+
+            self._rebind(where)
