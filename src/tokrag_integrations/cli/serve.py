@@ -77,6 +77,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                           help="largest batch of concurrent requests decoded together")
     batching.add_argument("--batch-wait-ms", type=_non_negative_float, default=None,
                           help="how long a request waits for companions before decoding")
+    batching.add_argument("--max-rows", type=_positive_int, default=None,
+                          help="most context rows a running decode holds (two per tokrag request; "
+                               "default 32); a request that does not fit waits")
+    batching.add_argument("--max-positions", type=_positive_int, default=None,
+                          help="most key/value positions a running decode may reach "
+                               "(rows x (prompt + max_tokens); default 65536)")
     store = p.add_argument_group("retrieval (when a request has no documents)")
     store.add_argument("--store", choices=("postgres",), default=None,
                        help="retrieve from an ingested Postgres table")
@@ -122,6 +128,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         api_key=args.api_key,
         max_batch=args.max_batch,
         batch_wait_s=None if args.batch_wait_ms is None else args.batch_wait_ms / 1000,
+        max_rows=args.max_rows,
+        max_positions=args.max_positions,
         store=args.store,
         dsn=args.dsn,
         table=args.table,

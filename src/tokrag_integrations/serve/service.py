@@ -49,6 +49,12 @@ class ServeConfig:
     """Largest batch of the micro-batcher (None: its default)."""
     batch_wait_s: float | None = None
     """How long the first request of a batch waits for companions (None: the default)."""
+    max_rows: int | None = None
+    """Most context rows one continuous decode holds (two per Tok-RAG request; None: the
+    micro-batcher's default); a request that does not fit waits for rows to free up."""
+    max_positions: int | None = None
+    """Most key/value positions (rows x (longest prompt + max_tokens)) one continuous decode
+    may reach (None: the micro-batcher's default)."""
     store: str | None = None
     """``"postgres"``: retrieve from an ingested table when a request has no documents."""
     dsn: str | None = None
@@ -106,15 +112,19 @@ class ChatService:
             raise ValueError(
                 f"unknown policy {self.config.policy!r}; available: {', '.join(self.policies)}"
             )
-        if self.config.max_batch is None and self.config.batch_wait_s is None:
-            self.batcher = batcher_for(lm)  # the model's shared batcher
-        else:
-            kw: dict[str, Any] = {}
-            if self.config.max_batch is not None:
-                kw["max_batch"] = self.config.max_batch
-            if self.config.batch_wait_s is not None:
-                kw["wait_s"] = self.config.batch_wait_s
-            self.batcher = MicroBatcher(lm, **kw)
+        c = self.config
+        kw: dict[str, Any] = {
+            name: value
+            for name, value in (
+                ("max_batch", c.max_batch),
+                ("wait_s", c.batch_wait_s),
+                ("max_rows", c.max_rows),
+                ("max_positions", c.max_positions),
+            )
+            if value is not None
+        }
+        # The model's shared batcher, or one of the server's own with its bounds.
+        self.batcher = MicroBatcher(lm, **kw) if kw else batcher_for(lm)
         #: Requests admitted now (decoding, waiting for a batch or retrieving).
         self.active = 0
         #: Streams that ended before their answer did (the client left, or the decode failed).
