@@ -226,6 +226,9 @@ def _timed_runs(
                     "tokens": len(steps),
                     "disagreements": sum(1 for s in steps if s.disagreement),
                     "signal_steps": sum(1 for s in steps if "cos_ir" in s.signals),
+                    # Charged the prefill it reused from another arm (shared-prefill store).
+                    "prefill_s": r.trace.timings.get("prefill_s", 0.0) + r.trace.timings.get("prefill_reused_s", 0.0),
+                    "decode_s": r.trace.timings.get("decode_s", 0.0),
                     **{k: r.trace.timings.get(k, 0.0) for k in SPEC_COUNTS},
                 }
             )

@@ -22,6 +22,11 @@ def policy_figures(rs: list[dict[str, Any]]) -> dict[str, Any]:
         "disagreements_per_question": statistics.mean(r["disagreements"] for r in rs),
         "signal_steps_per_question": statistics.mean(r["signal_steps"] for r in rs),
     }
+    if all("prefill_s" in r and "decode_s" in r for r in rs):
+        # The prefill is paid once per question, the decode once per token: an arm whose
+        # answers are shorter pays its prefill over fewer tokens (s_per_token rises).
+        d["prefill_s_per_question"] = statistics.mean(r["prefill_s"] for r in rs)
+        d["decode_s_per_token"] = sum(r["decode_s"] for r in rs) / max(1, sum(tok))
     blocks = sum(r["blocks"] for r in rs)
     if blocks:
         drafted = sum(r["drafted"] for r in rs)
@@ -96,13 +101,13 @@ def format_report(res: dict[str, Any]) -> str:
     lines.append("")
 
     def ratio(a: str, b: str, key: str) -> str:
-        if a in P and b in P and key in P[a] and key in P[b]:
+        if a in P and b in P and key in P[a] and key in P[b] and P[b][key]:
             return f"{P[a][key] / P[b][key]:.3f}"
         return "n/a"
 
     lines += [
-        "| ratio | per question | per token | peak memory | peak over model |",
-        "| --- | --- | --- | --- | --- |",
+        "| ratio | per question | per token | prefill per question | decode per token | peak memory | peak over model |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     pairs = (
         ("tokrag", "rag"),
@@ -119,6 +124,7 @@ def format_report(res: dict[str, Any]) -> str:
         if a in P and b in P:
             lines.append(
                 f"| {a} / {b} | {ratio(a, b, 's_per_question')} | {ratio(a, b, 's_per_token')} | "
+                f"{ratio(a, b, 'prefill_s_per_question')} | {ratio(a, b, 'decode_s_per_token')} | "
                 f"{ratio(a, b, 'peak_mb')} | {ratio(a, b, 'peak_over_model_mb')} |"
             )
     for name, v in (res.get("paired") or {}).items():
