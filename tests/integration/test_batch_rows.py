@@ -298,3 +298,21 @@ def test_a_call_cancelled_while_waiting_to_join_never_decodes(lm, solo, monkeypa
     t1.start()
     t0.join(600), t1.join(600)
     assert out[1] == "cancelled" and out[0].token_ids == solo["tokrag"][0].token_ids
+
+
+def test_signals_run_in_inference_mode_alone_and_in_a_batch(lm, monkeypatch):
+    """The rule's signals read inference tensors (KV cache, probe records): outside inference
+    mode a product with a parameter would be tracked by autograd (and fails on Gemma)."""
+    from tokrag_integrations.policies.tokrag import TokRAG
+
+    seen = []
+    real = TokRAG.signals
+
+    def spy(self, pure, rag):
+        seen.append(torch.is_inference_mode_enabled())
+        return real(self, pure, rag)
+
+    monkeypatch.setattr(TokRAG, "signals", spy)
+    generate(lm, QS[0], PS[0], policy="tokrag", max_new_tokens=6)
+    generate_batch(lm, QS[:2], PS[:2], policy="tokrag", max_new_tokens=6)
+    assert seen and all(seen)

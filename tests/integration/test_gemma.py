@@ -108,3 +108,13 @@ def test_real_answer_stops_at_the_newline(gemma):
     assert "Pistachio" in r.text
     assert "\n" not in r.text and r.stop_reason == "stop"
     assert r.trace.steps
+
+
+def test_batched_decode_gives_each_question_its_solo_answer(gemma):
+    from tokrag_integrations import generate, generate_batch
+
+    qs = [Q, "Where does Zorbin Quell live?"]
+    solo = [generate(gemma, q, P, policy="tokrag", max_new_tokens=10, stop=["\n"]) for q in qs]
+    batch = generate_batch(gemma, qs, [P, P], policy="tokrag", max_new_tokens=10, stop=["\n"])
+    for a, b in zip(batch, solo, strict=True):
+        assert a.token_ids == b.token_ids

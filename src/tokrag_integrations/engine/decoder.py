@@ -266,6 +266,10 @@ class Decoder:
     def choose(self) -> list[StepEvent]:
         """Choose every active query's next token; returns the step events in query order
         (``finished`` ones end their query)."""
+        with torch.inference_mode():
+            return self._choose()
+
+    def _choose(self) -> list[StepEvent]:
         active = self.active
         all_views = [views_for(self.rows, q) for q in active]
         if len(active) == 1:
