@@ -1,0 +1,102 @@
+"""Admission of the continuous micro-batcher (``batching._Continuous``) with stand-ins for
+the model, the policy and the running decoder: first come first served, the row and
+position bounds, and an empty decode taking any call. The decoding itself is tested on the
+packaged model (tests/integration/test_batch_rows.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tokrag_integrations.batching import MicroBatcher, _Continuous, _Request, _Running
+
+
+class _Policy:
+    def prepare(self, lm):
+        pass
+
+    def contexts(self, plan):
+        return {role: SimpleNamespace(ids=[0] * n) for role, n in plan.lengths.items()}
+
+
+def _prepared(**lengths):
+    return SimpleNamespace(
+        groups={"main": [0]}, policies={"main": _Policy()}, plans=[SimpleNamespace(lengths=lengths)]
+    )
+
+
+class _FakeDecoder:
+    def __init__(self, rows, width):
+        self._rows, self._width, self.active = rows, width, [0]
+
+    def rows_in_use(self):
+        return self._rows
+
+    def width(self):
+        return self._width
+
+
+def _continuous(max_rows=32, max_positions=None, rows=0, width=0, max_new_tokens=10):
+    b = MicroBatcher(object(), max_rows=max_rows, max_positions=max_positions)
+    c = _Continuous(b, "k", _Running(), {"max_new_tokens": max_new_tokens}, [])
+    if rows:
+        c.decoders["main"] = _FakeDecoder(rows, width)
+    return c
+
+
+def test_an_empty_decode_takes_any_call():
+    c = _continuous(max_rows=1, max_positions=1)
+    assert c._fits(_prepared(pure=50, rag=900))
+
+
+def test_rows_bound():
+    c = _continuous(max_rows=32, rows=30, width=100)
+    assert c._fits(_prepared(pure=10, rag=90))  # 30 + 2 rows
+    assert not c._fits(_prepared(a=1, b=1, c=1))  # 30 + 3 rows
+
+
+def test_positions_bound_counts_the_longest_row_and_the_answer_budget():
+    # 2 running rows of 100 positions + a call of two contexts, the longer 300:
+    # 4 rows x (300 + 10 new tokens) = 1240 positions.
+    assert _continuous(max_positions=1240, rows=2, width=100)._fits(_prepared(pure=20, rag=300))
+    assert not _continuous(max_positions=1239, rows=2, width=100)._fits(_prepared(pure=20, rag=300))
+    # the running rows' width counts when it is the longest
+    assert not _continuous(max_positions=1239, rows=2, width=300)._fits(_prepared(pure=20, rag=30))
+
+
+def test_calls_are_admitted_first_come_first_served(monkeypatch):
+    c = _continuous(max_rows=4, rows=2, width=10)
+    big, small = _Request("big", None, None), _Request("small", None, None)
+    big.prepared, small.prepared = _prepared(a=1, b=1, c=1), _prepared(a=1)
+    c.run_.queue = [big, small]
+    started = []
+    monkeypatch.setattr(c, "_start", lambda r, p: started.append(r.query))
+    c._admit()
+    assert started == [] and c.run_.queue == [big, small]  # small does not overtake big
+    c.decoders.clear()  # the running decode finished
+    c._admit()
+    assert started == ["big", "small"] and c.run_.queue == []
+
+
+def test_a_bad_call_gets_its_error_and_the_next_one_is_admitted(monkeypatch):
+    c = _continuous()
+    bad, good = _Request("bad", None, None), _Request("good", None, None)
+    good.prepared = _prepared(a=1)
+    c.run_.queue = [bad, good]
+
+    def prepare(r):
+        raise ValueError("empty query")
+
+    monkeypatch.setattr(c, "_prepare", prepare)
+    started = []
+    monkeypatch.setattr(c, "_start", lambda r, p: started.append(r.query))
+    c._admit()
+    assert isinstance(bad.error, ValueError) and bad.done.is_set()
+    assert started == ["good"]
+
+
+@pytest.mark.parametrize("kw", [{"max_rows": 0}, {"max_positions": 0}])
+def test_bounds_must_be_positive(kw):
+    with pytest.raises(ValueError, match="must be >= 1"):
+        MicroBatcher(object(), **kw)
