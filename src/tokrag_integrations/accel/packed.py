@@ -137,6 +137,31 @@ class _PackedBatch(RoleBatch):
     def extend(self, new_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a packed batch advances one token per context at a time")
 
+    def unpacked(self) -> RoleBatch:
+        """The same two contexts as a plain two-row batch (so that other rows can join it):
+        each row's keys and values are the positions its mask shows, in order, left-padded
+        to the longer row. The keys were rotated with each context's own position ids, which
+        a row's mask count continues, so every row computes what it computed packed, up to
+        the rounding of another attention path."""
+        visible = [self.mask[r].bool() for r in range(2)]
+        lengths = [int(v.sum()) for v in visible]
+        n = max(lengths)
+        plain = object.__new__(RoleBatch)
+        plain.__dict__.update({k: v for k, v in self.__dict__.items() if k != "_next"})
+        plain.pad = [n - m for m in lengths]
+        dev = self.ids.device
+        plain.mask = torch.zeros((2, n), dtype=self.mask.dtype, device=dev)
+        for r, m in enumerate(lengths):
+            plain.mask[r, n - m :] = 1
+        plain.ids = torch.full((2, n), self.lm.pad_token_id, dtype=torch.long, device=dev)
+        cache = new_cache(self.lm.model)
+        for layer, packed in zip(cache.layers, self.cache.layers, strict=True):
+            layer.set_left_padded(
+                [packed.keys[:, :, v] for v in visible], [packed.values[:, :, v] for v in visible]
+            )
+        plain.cache = cache
+        return plain
+
     def fork(self, probe: bool) -> RoleBatch:
         raise RuntimeError("a packed batch is not shared")
 
@@ -280,9 +305,12 @@ def join_batches(running: RoleBatch, new: RoleBatch) -> RoleBatch | None:
     """One batch holding the rows of a running batch and then those of a newly prefilled
     one (a query joining a decode at a step boundary), so that a step stays one forward
     pass: :func:`fuse_batches` after giving each batch's prompt ids the width of its mask.
-    Every row computes what it computed before, up to the rounding of a different batch
-    shape. None where they cannot share one: a packed batch (two contexts in one row),
-    caches that cannot drop rows, or batches probed differently."""
+    A running packed one-query batch is unpacked into two rows first
+    (:meth:`_PackedBatch.unpacked`). Every row computes what it computed before, up to the
+    rounding of a different batch shape. None where they cannot share one: caches that
+    cannot drop rows, or batches probed differently."""
+    if isinstance(running, _PackedBatch) and all(isinstance(x, GrowableLayer) for x in running.cache.layers):
+        running = running.unpacked()
     if running.probe != new.probe or not (running.can_keep_rows() and new.can_keep_rows()):
         return None
     pad = running.lm.pad_token_id
