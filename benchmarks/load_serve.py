@@ -4,8 +4,8 @@
         [--setups process,ray] [--max-tokens 24] [--out benchmarks/results/load_serve.json]
 
 Each setup is started as its own process through the real command line: ``process`` is
-``tokrag serve`` (one model), ``ray`` is ``tokrag serve --ray --replicas 2`` (two replicas, one
-torch thread each). Each client sends one chat completion after another (the packaged sample
+``tokrag serve`` (one model), ``process-batch`` the same with ``--no-continuous-batching``,
+``ray`` is ``tokrag serve --ray --replicas 2`` (two replicas, one torch thread each). Each client sends one chat completion after another (the packaged sample
 questions in turn, each with its BM25 top-3 passages from the sample documents as
 ``documents``, ``tokrag.policy`` set) and starts no new request after ``--duration`` seconds;
 requests still running then are waited for and counted. Prints, per setup / policy / client
@@ -41,6 +41,8 @@ def start_server(setup: str, port: int, max_tokens: int, log: Path) -> subproces
            "--max-new-tokens", str(max_tokens)]
     if setup == "ray":
         cmd += ["--ray", "--replicas", "2"]
+    if setup == "process-batch":  # the micro-batcher without continuous batching
+        cmd += ["--no-continuous-batching"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     out = log.open("w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,

@@ -83,6 +83,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     batching.add_argument("--max-positions", type=_positive_int, default=None,
                           help="most key/value positions a running decode may reach "
                                "(rows x (prompt + max_tokens); default 65536)")
+    batching.add_argument("--no-continuous-batching", dest="continuous", action="store_false",
+                          help="a request arriving while a decode runs waits for it to finish "
+                               "instead of joining it at the next step")
     store = p.add_argument_group("retrieval (when a request has no documents)")
     store.add_argument("--store", choices=("postgres",), default=None,
                        help="retrieve from an ingested Postgres table")
@@ -130,6 +133,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         batch_wait_s=None if args.batch_wait_ms is None else args.batch_wait_ms / 1000,
         max_rows=args.max_rows,
         max_positions=args.max_positions,
+        continuous=args.continuous,
         store=args.store,
         dsn=args.dsn,
         table=args.table,

@@ -55,6 +55,9 @@ class ServeConfig:
     max_positions: int | None = None
     """Most key/value positions (rows x (longest prompt + max_tokens)) one continuous decode
     may reach (None: the micro-batcher's default)."""
+    continuous: bool = True
+    """Requests that arrive while a decode runs join it at the next step (False: they wait
+    for it to finish and decode as the next batch)."""
     store: str | None = None
     """``"postgres"``: retrieve from an ingested table when a request has no documents."""
     dsn: str | None = None
@@ -120,6 +123,7 @@ class ChatService:
                 ("wait_s", c.batch_wait_s),
                 ("max_rows", c.max_rows),
                 ("max_positions", c.max_positions),
+                ("continuous", None if c.continuous else False),
             )
             if value is not None
         }
