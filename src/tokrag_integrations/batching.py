@@ -5,10 +5,11 @@ The framework adapters answer concurrent calls (LangChain ``batch``/``abatch``, 
 ``asyncio.gather`` over ``acomplete``, the HTTP server) through :func:`generate`. The first
 call with a given set of decoding settings waits ``wait_s`` for others with the same
 settings, then decodes all of them together (one forward pass per step for all their
-contexts). Until that decode ends, a call with the same settings joins it at the next step
+contexts), in a thread of its own. Until that decode ends, a call with the same settings joins it at the next step
 boundary (Orca's iteration-level scheduling, Yu et al., OSDI 2022): it is prefilled on its
 own and its rows are merged into the running batch (:class:`.engine.decoder.Decoder`). A
-finished call leaves at once and gets its result; the others go on. ``max_rows`` (context
+finished call leaves at once and returns its result, the first call included; the others
+go on. ``max_rows`` (context
 rows: two per Tok-RAG query, one per RAG query) and ``max_positions`` (rows times key/value
 positions the merged batch can reach) bound the memory: a call that does not fit waits for
 rows to free up. Calls with different settings (policy, its options, max_new_tokens, stop,
@@ -161,7 +162,11 @@ class MicroBatcher:
                 run.queue = self._pending.pop(key)
                 self._running[key] = run  # from now on, calls with this key join the queue
             settings = {k: v for k, v in kwargs.items() if k not in _PER_CALL}
-            self._drive(key, run, settings)
+            # The decode runs in a thread of its own: the first call returns when its own
+            # answer is done, not when the last call that joined it is.
+            threading.Thread(
+                target=self._drive, args=(key, run, settings), name="tokrag-decode", daemon=True
+            ).start()
         req.done.wait()
         if req.error is not None:
             raise req.error
@@ -359,9 +364,11 @@ class _Continuous:
         }
         self.owners[group][q] = (r, p.traces[0], p.trackers[0], timings)
         self.served += 1
-        if joined:
-            with self.b._lock:
-                self.b.joined_calls += 1
+        with self.b._lock:  # counted now: a call may return before the decode ends
+            self.b.joined_calls += int(joined)
+            if self.served == 2:  # a second call makes this decode a batch
+                self.b.batches += 1
+            self.b.batched_calls += 2 if self.served == 2 else int(self.served > 2)
 
     def _step(self) -> None:
         n_active = self._active()
@@ -413,10 +420,6 @@ class _Continuous:
                     break
         finally:
             lm.lock.release()
-        if self.served > 1:
-            with self.b._lock:
-                self.b.batches += 1
-                self.b.batched_calls += self.served
 
 
 def _decode_batch(lm: LoadedModel, reqs: list[_Request], settings: dict[str, Any]) -> list[GenerationResult]:

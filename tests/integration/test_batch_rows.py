@@ -255,7 +255,11 @@ def test_calls_arriving_mid_decode_join_it_through_the_micro_batcher(lm, solo, m
     for i, one in enumerate(solo["tokrag"]):
         assert out[i].token_ids == one.token_ids and _steps(out[i]) == _steps(one), i
         assert out[i].trace.timings["joined"] == float(i > 0)
-    assert not b._running  # the decode ended with its last call
+    for _ in range(1000):  # the decode thread ends the run just after its last call returns
+        if not b._running:
+            break
+        time.sleep(0.01)
+    assert not b._running
 
 
 def test_max_rows_bounds_a_continuous_decode(lm, solo, monkeypatch):
@@ -316,3 +320,32 @@ def test_signals_run_in_inference_mode_alone_and_in_a_batch(lm, monkeypatch):
     generate(lm, QS[0], PS[0], policy="tokrag", max_new_tokens=6)
     generate_batch(lm, QS[:2], PS[:2], policy="tokrag", max_new_tokens=6)
     assert seen and all(seen)
+
+
+def test_the_first_call_returns_when_its_own_answer_is_done(lm, solo, monkeypatch):
+    """The decode runs in a thread of its own: the call that started it returns as soon as
+    its answer is done, while a call that joined it and has a longer answer still decodes."""
+    from tokrag_integrations.batching import MicroBatcher
+
+    lengths = [len(r.token_ids) for r in solo["tokrag"]]
+    short, long_ = lengths.index(min(lengths)), lengths.index(max(lengths))
+    assert lengths[long_] > lengths[short] + 1
+    b = MicroBatcher(lm)
+    _hold_first_step_until(monkeypatch, lambda: sum(len(r.queue) for r in b._running.values()) == 1)
+    out, when = {}, {}
+
+    def call(i):
+        out[i] = b.generate(QS4[i], PS4[i], policy="tokrag", max_new_tokens=N_TOKENS)
+        when[i] = time.perf_counter()
+
+    first = threading.Thread(target=call, args=(short,))
+    first.start()
+    while not b._running:
+        time.sleep(0.005)
+    second = threading.Thread(target=call, args=(long_,))
+    second.start()
+    first.join(600), second.join(600)
+    assert b.joined_calls == 1
+    assert when[short] < when[long_]
+    assert out[short].token_ids == solo["tokrag"][short].token_ids
+    assert out[long_].token_ids == solo["tokrag"][long_].token_ids
