@@ -187,6 +187,9 @@ def test_eight_concurrent_requests_equal_their_solo_answers(server, lm):
         answers = list(pool.map(lambda q: _ask(client, question=q), questions))
     assert [a.choices[0].message.content for a in answers] == [solo[q] for q in questions]
     assert server.service.batcher.batches > batches_before  # decoded together, not one by one
+    stats = server.health()["batching"]
+    assert stats["continuous"] is True and stats["batched_calls"] >= 2
+    assert 2 <= stats["peak_rows"] <= stats["max_rows"]
 
 
 # ============================================================================ bad requests

@@ -153,9 +153,13 @@ def create_app(
         if svc is None:
             status = "failed" if state["error"] else "loading"
             return JSONResponse({"status": status, "error": state["error"]}, status_code=503)
+        b = svc.batcher
         return {"status": "ok", "model": svc.model_id, "active": svc.active,
                 "streams_cut": svc.streams_cut,
-                "max_queue": cfg.max_queue, "pid": os.getpid()}
+                "max_queue": cfg.max_queue, "pid": os.getpid(),
+                "batching": {"continuous": b.continuous, "max_rows": b.max_rows,
+                             "batches": b.batches, "batched_calls": b.batched_calls,
+                             "joined_calls": b.joined_calls, "peak_rows": b.peak_rows}}
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
