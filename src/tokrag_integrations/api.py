@@ -95,7 +95,7 @@ def _run(
         p.traces,
         p.trackers,
         holder,
-        max_new_tokens=kwargs.get("max_new_tokens", MAX_NEW_TOKENS),
+        max_new_tokens=kwargs["max_new_tokens"],
         stop=p.stops,
         speed=p.speed,
         cancel=cancel,

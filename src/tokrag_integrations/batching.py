@@ -71,8 +71,10 @@ class _Request:
     cancel: threading.Event = field(default_factory=threading.Event)
     result: GenerationResult | None = None
     error: BaseException | None = None
-    #: The continuous decode's preparation of this call (``api._Prepared``).
+    #: The continuous decode's preparation of this call (``api._Prepared``), and the context
+    #: rows and longest row it needs (computed once, checked at every step it waits).
     prepared: Any = None
+    need: tuple[int, int] | None = None
 
 
 class _Running:
@@ -264,29 +266,16 @@ class _Continuous:
     ) -> None:
         self.b, self.key, self.run_, self.seen = batcher, key, run, seen
         self.settings = settings
-        self.max_new_tokens = int(settings.get("max_new_tokens", MAX_NEW_TOKENS))
+        self.max_new_tokens = int(_api_kwargs(settings, [])["max_new_tokens"])
         self.decoders: dict[str, Decoder] = {}
-        #: group -> query id -> the call, its trace and text tracker, and its timings so far.
-        self.owners: dict[str, dict[int, tuple[_Request, Any, Any, dict[str, float]]]] = {}
+        #: group -> query id -> the call, its trace and text tracker, its timings so far, and
+        #: when its admission and its decode started (perf_counter).
+        self.owners: dict[str, dict[int, tuple[_Request, Any, Any, dict[str, float], float, float]]] = {}
         self.served = 0
 
     def _prepare(self, r: _Request) -> Any:
-        s = self.settings
         return api._prepare(
-            self.b.lm,
-            [r.query],
-            [r.passages],
-            policy=s.get("policy", "tokrag"),
-            policy_options=s.get("policy_options"),
-            speed=s.get("speed"),
-            max_new_tokens=self.max_new_tokens,
-            stop=s.get("stop"),
-            messages=[r.messages] if r.messages else None,
-            system_prompt=s.get("system_prompt", api._DEFAULT),
-            max_context_tokens=s.get("max_context_tokens"),
-            prompt_format=s.get("prompt_format", "qa"),
-            rendered=None if r.rendered is None else [r.rendered],
-            caller="generate",
+            self.b.lm, [r.query], [r.passages], caller="generate", **_api_kwargs(self.settings, [r])
         )
 
     def _rows(self) -> tuple[int, int]:
@@ -314,11 +303,12 @@ class _Continuous:
             try:
                 if r.prepared is None:
                     r.prepared = self._prepare(r)
+                    r.need = self._need(r.prepared)
             except Exception as e:  # noqa: BLE001 - a bad input: this call's error only
                 r.error = e
                 r.done.set()
                 continue
-            if not self._fits(r.prepared):
+            if not self._fits(r.need):
                 waiting.append(r)
                 continue
             self._start(r, r.prepared)
@@ -326,20 +316,23 @@ class _Continuous:
             with self.b._lock:
                 self.run_.queue = waiting + self.run_.queue
 
-    def _fits(self, p: Any) -> bool:
-        rows, width = self._rows()
-        if rows == 0:
-            return True  # an empty decode takes any call, however large
+    def _need(self, p: Any) -> tuple[int, int]:
+        """The context rows a prepared call adds and its longest context (positions)."""
         (group,) = p.groups
         pol = p.policies[group]
         pol.prepare(self.b.lm)
         contexts = pol.contexts(p.plans[0])
-        need = rows + len(contexts)
-        longest = max([width, *(len(c.ids) for c in contexts.values())])
-        if need > self.b.max_rows:
+        return len(contexts), max(len(c.ids) for c in contexts.values())
+
+    def _fits(self, need: tuple[int, int]) -> bool:
+        rows, width = self._rows()
+        if rows == 0:
+            return True  # an empty decode takes any call, however large
+        total = rows + need[0]
+        if total > self.b.max_rows:
             return False
         cap = self.b.max_positions
-        return cap is None or need * (longest + self.max_new_tokens) <= cap
+        return cap is None or total * (max(width, need[1]) + self.max_new_tokens) <= cap
 
     def _start(self, r: _Request, p: Any) -> None:
         (group,) = p.groups
@@ -359,10 +352,8 @@ class _Continuous:
             "packed": d.timings.get("packed", 0.0),
             "joined": float(joined),
             "queries_in_batch": 0.0,
-            "_start": t0,
-            "_decode": now,
         }
-        self.owners[group][q] = (r, p.traces[0], p.trackers[0], timings)
+        self.owners[group][q] = (r, p.traces[0], p.trackers[0], timings, t0, now)
         self.served += 1
         with self.b._lock:  # counted now: a call may return before the decode ends
             self.b.joined_calls += int(joined)
@@ -386,12 +377,11 @@ class _Continuous:
             if not d.active:
                 continue
             for ev in d.choose():
-                r, trace, tracker, t = owners[ev.query_idx]
+                r, trace, tracker, t, t0, t1 = owners[ev.query_idx]
                 t["queries_in_batch"] = max(t["queries_in_batch"], float(n_active))
                 api._record_event(trace, tracker, ev)
                 if ev.finished:
                     end = time.perf_counter()
-                    t0, t1 = t.pop("_start"), t.pop("_decode")
                     trace.timings = {**t, "decode_s": end - t1, "total_s": end - t0}
                     r.result = api._result(trace, tracker)
                     r.done.set()
@@ -422,28 +412,31 @@ class _Continuous:
             lm.lock.release()
 
 
-def _decode_batch(lm: LoadedModel, reqs: list[_Request], settings: dict[str, Any]) -> list[GenerationResult]:
-    options = dict(settings)
-    core = {k: options.pop(k) for k in _SETTINGS if k in options}
-    holder: list[GenerationResult] = []
+def _api_kwargs(settings: dict[str, Any], reqs: list[_Request]) -> dict[str, Any]:
+    """The keywords of :func:`api._prepare` / :func:`api._run` for ``reqs`` decoded under
+    ``settings`` (the entry point's defaults where a setting was not given; settings that
+    are not in :data:`_SETTINGS` are the deprecated policy ``**options``)."""
     messages = [r.messages for r in reqs]
     rendered = [r.rendered for r in reqs]
+    return {
+        "policy": settings.get("policy", "tokrag"),
+        "policy_options": settings.get("policy_options"),
+        "speed": settings.get("speed"),
+        "prompt_format": settings.get("prompt_format", "qa"),
+        "max_new_tokens": settings.get("max_new_tokens", MAX_NEW_TOKENS),
+        "stop": settings.get("stop"),
+        "messages": messages if any(messages) else None,
+        "system_prompt": settings.get("system_prompt", api._DEFAULT),
+        "max_context_tokens": settings.get("max_context_tokens"),
+        "options": {k: v for k, v in settings.items() if k not in _SETTINGS},
+        "rendered": rendered if any(r is not None for r in rendered) else None,
+    }
+
+
+def _decode_batch(lm: LoadedModel, reqs: list[_Request], settings: dict[str, Any]) -> list[GenerationResult]:
+    holder: list[GenerationResult] = []
     for _ in api._run(
-        lm,
-        [r.query for r in reqs],
-        [r.passages for r in reqs],
-        policy=core.get("policy", "tokrag"),
-        policy_options=core.get("policy_options"),
-        speed=core.get("speed"),
-        prompt_format=core.get("prompt_format", "qa"),
-        max_new_tokens=core.get("max_new_tokens", 64),
-        stop=core.get("stop"),
-        messages=messages if any(messages) else None,
-        system_prompt=core.get("system_prompt", api._DEFAULT),
-        max_context_tokens=core.get("max_context_tokens"),
-        holder=holder,
-        options=options,
-        rendered=rendered if any(r is not None for r in rendered) else None,
+        lm, [r.query for r in reqs], [r.passages for r in reqs], holder=holder, **_api_kwargs(settings, reqs)
     ):
         pass
     return holder

@@ -37,6 +37,10 @@ class _FakeDecoder:
         return self._width
 
 
+def _fits(cont, /, **lengths):
+    return cont._fits(cont._need(_prepared(**lengths)))
+
+
 def _continuous(max_rows=32, max_positions=None, rows=0, width=0, max_new_tokens=10):
     b = MicroBatcher(object(), max_rows=max_rows, max_positions=max_positions)
     c = _Continuous(b, "k", _Running(), {"max_new_tokens": max_new_tokens}, [])
@@ -47,28 +51,29 @@ def _continuous(max_rows=32, max_positions=None, rows=0, width=0, max_new_tokens
 
 def test_an_empty_decode_takes_any_call():
     c = _continuous(max_rows=1, max_positions=1)
-    assert c._fits(_prepared(pure=50, rag=900))
+    assert _fits(c, pure=50, rag=900)
 
 
 def test_rows_bound():
     c = _continuous(max_rows=32, rows=30, width=100)
-    assert c._fits(_prepared(pure=10, rag=90))  # 30 + 2 rows
-    assert not c._fits(_prepared(a=1, b=1, c=1))  # 30 + 3 rows
+    assert _fits(c, pure=10, rag=90)  # 30 + 2 rows
+    assert not _fits(c, a=1, b=1, c=1)  # 30 + 3 rows
 
 
 def test_positions_bound_counts_the_longest_row_and_the_answer_budget():
     # 2 running rows of 100 positions + a call of two contexts, the longer 300:
     # 4 rows x (300 + 10 new tokens) = 1240 positions.
-    assert _continuous(max_positions=1240, rows=2, width=100)._fits(_prepared(pure=20, rag=300))
-    assert not _continuous(max_positions=1239, rows=2, width=100)._fits(_prepared(pure=20, rag=300))
+    assert _fits(_continuous(max_positions=1240, rows=2, width=100), pure=20, rag=300)
+    assert not _fits(_continuous(max_positions=1239, rows=2, width=100), pure=20, rag=300)
     # the running rows' width counts when it is the longest
-    assert not _continuous(max_positions=1239, rows=2, width=300)._fits(_prepared(pure=20, rag=30))
+    assert not _fits(_continuous(max_positions=1239, rows=2, width=300), pure=20, rag=30)
 
 
 def test_calls_are_admitted_first_come_first_served(monkeypatch):
     c = _continuous(max_rows=4, rows=2, width=10)
     big, small = _Request("big", None, None), _Request("small", None, None)
     big.prepared, small.prepared = _prepared(a=1, b=1, c=1), _prepared(a=1)
+    big.need, small.need = c._need(big.prepared), c._need(small.prepared)
     c.run_.queue = [big, small]
     started = []
     monkeypatch.setattr(c, "_start", lambda r, p: started.append(r.query))
@@ -83,6 +88,7 @@ def test_a_bad_call_gets_its_error_and_the_next_one_is_admitted(monkeypatch):
     c = _continuous()
     bad, good = _Request("bad", None, None), _Request("good", None, None)
     good.prepared = _prepared(a=1)
+    good.need = c._need(good.prepared)
     c.run_.queue = [bad, good]
 
     def prepare(r):
