@@ -192,10 +192,6 @@ class Decoder:
         """Context rows the batches hold (finished rows not dropped yet included)."""
         return sum(len(b.query_idx) for b in self.batches)
 
-    def positions_in_use(self) -> int:
-        """Key/value positions the batches' caches hold, padding included (rows x length)."""
-        return sum(int(b.mask.numel()) for b in self.batches)
-
     def width(self) -> int:
         """The longest row (positions) of any batch, 0 with none."""
         return max((int(b.mask.shape[1]) for b in self.batches), default=0)
