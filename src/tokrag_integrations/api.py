@@ -10,10 +10,11 @@ importable from here too.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 import warnings
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -517,8 +518,15 @@ async def astream_with_result(
     Cancelling the consuming task or closing the iterator early stops the decode at its next
     step and waits (off the loop) until the model is free again.
     """
+    async for item in _aiterate(functools.partial(stream, lm, query, passages, **kwargs)):
+        yield item
+
+
+async def _aiterate(open_stream: Callable[[], TokenStream]) -> AsyncIterator[TokenEvent | GenerationResult]:
+    """The events of the stream ``open_stream()`` opens (in a worker thread), then its result,
+    read off the event loop; the stream is closed however the iteration ends."""
     loop = asyncio.get_running_loop()
-    s = await asyncio.to_thread(stream, lm, query, passages, **kwargs)
+    s = await asyncio.to_thread(open_stream)
     try:
         while True:
             item = await loop.run_in_executor(None, s._next_or_end)

@@ -13,7 +13,8 @@ go on. ``max_rows`` (context
 rows: two per Tok-RAG query, one per RAG query) and ``max_positions`` (rows times key/value
 positions the merged batch can reach) bound the memory: a call that does not fit waits for
 rows to free up. Calls with different settings (policy, its options, max_new_tokens, stop,
-system prompt, budget) never share a decode. Streams never batch. Every call gets the
+system prompt, budget) never share a decode. A stream (:meth:`MicroBatcher.stream`) joins
+like any call, its tokens handed on as they are chosen. Every call gets the
 tokens and decisions it gets alone (tests/integration/test_batching.py checks it on the
 packaged model).
 
@@ -24,8 +25,11 @@ collected together as one batch; calls arriving meanwhile form the next one.
 
 from __future__ import annotations
 
+import functools
+import queue
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +40,9 @@ from .defaults import MAX_NEW_TOKENS
 from .engine.decoder import Decoder
 from .models import LoadedModel
 from .policies import get_policy
+from .results import TokenEvent
 from .runner import continuous_supported, decoder
+from .streams import TokenStream
 
 #: Default wait for companions (seconds) and largest batch of a rule decoded batch by batch.
 WAIT_S = 0.01
@@ -75,6 +81,9 @@ class _Request:
     #: rows and longest row it needs (computed once, checked at every step it waits).
     prepared: Any = None
     need: tuple[int, int] | None = None
+    #: A stream's events, in order: a :class:`TokenEvent` per chosen token, then None once
+    #: its result is set (None for a plain call).
+    events: queue.SimpleQueue[TokenEvent | None] | None = None
 
 
 class _Running:
@@ -140,40 +149,95 @@ class MicroBatcher:
         req = _Request(query, passages, kwargs.get("messages"), kwargs.get("rendered"))
         if _cancel is not None:
             req.cancel = _cancel
+        self._submit(key, req, kwargs)
+        req.done.wait()
+        if req.error is not None:
+            raise req.error
+        assert req.result is not None
+        return req.result
+
+    def stream(self, query: str, passages: Any = None, *, idle_timeout: float | None = None,
+               **kwargs: Any) -> TokenStream:
+        """Like :func:`api.stream` (the same arguments and errors, raised here), but the
+        stream's query joins the continuous decode of concurrent calls with the same
+        settings, plain calls and streams alike. Its events are queued as the shared decode
+        chooses them, so a slow reader never holds the others back; a stream closed or
+        abandoned (``idle_timeout``) leaves the decode at its next step. Where the rule
+        cannot decode continuously, or batching is off, it is :func:`api.stream`."""
+        key = self._key(kwargs)
+        settings = {k: v for k, v in kwargs.items() if k not in _PER_CALL}
+        if key is None or not self.continuous or not _continuous_ok(settings):
+            return api.stream(self.lm, query, passages, idle_timeout=idle_timeout, **kwargs)
+        req = _Request(query, passages, kwargs.get("messages"), kwargs.get("rendered"),
+                       events=queue.SimpleQueue())
+        # Validated and prompted here, so that a bad input fails at the call site.
+        req.prepared = api._prepare(
+            self.lm, [query], [passages], caller="stream", **_api_kwargs(settings, [req])
+        )
+        holder: list[GenerationResult] = []
+        return TokenStream(self._stream_events(key, req, kwargs, holder), holder, stop=req.cancel,
+                           idle_timeout=idle_timeout, model_lock=self.lm.lock)
+
+    def _stream_events(self, key: str, req: _Request, kwargs: dict[str, Any],
+                       holder: list[GenerationResult]) -> Any:
+        """The generator behind :meth:`stream`: submits the call on its first step (an unread
+        stream never joins a decode), then hands on its events until its result is set."""
+        assert req.events is not None
+        try:
+            self._submit(key, req, kwargs)
+            while True:
+                try:
+                    item = req.events.get(timeout=0.1)
+                except queue.Empty:
+                    # An error (or a cancel) ends a call without the None marker; every event
+                    # of a finished call is queued before it is marked done.
+                    if req.done.is_set() and req.events.empty():
+                        break
+                    continue
+                if item is None:
+                    break
+                yield item
+            if req.error is not None:
+                raise req.error
+            assert req.result is not None
+            holder.append(req.result)
+        finally:
+            if not req.done.is_set():  # closed early: leave the decode at its next step
+                req.cancel.set()
+
+    def _submit(self, key: str, req: _Request, kwargs: dict[str, Any]) -> None:
+        """Queue ``req``: into the running decode of ``key``, else into the calls collected
+        for the next one; the first of those waits for companions and starts the decode."""
         with self._lock:
             running = self._running.get(key)
             if running is not None:  # a decode with these settings runs: join it
                 running.queue.append(req)
                 leader = False
             else:
-                queue = self._pending.setdefault(key, [])
-                queue.append(req)
-                leader = len(queue) == 1
-        if leader:
-            # Wait while companions keep arriving: up to 10 waits, one quiet wait ends it.
-            seen = 0
-            for _ in range(10):
-                time.sleep(self.wait_s)
-                with self._lock:
-                    n = len(self._pending[key])
-                if n == seen or n >= self.max_batch:
-                    break
-                seen = n
-            run = _Running()
+                pending = self._pending.setdefault(key, [])
+                pending.append(req)
+                leader = len(pending) == 1
+        if not leader:
+            return
+        # Wait while companions keep arriving: up to 10 waits, one quiet wait ends it.
+        seen = 0
+        for _ in range(10):
+            time.sleep(self.wait_s)
             with self._lock:
-                run.queue = self._pending.pop(key)
-                self._running[key] = run  # from now on, calls with this key join the queue
-            settings = {k: v for k, v in kwargs.items() if k not in _PER_CALL}
-            # The decode runs in a thread of its own: the first call returns when its own
-            # answer is done, not when the last call that joined it is.
-            threading.Thread(
-                target=self._drive, args=(key, run, settings), name="tokrag-decode", daemon=True
-            ).start()
-        req.done.wait()
-        if req.error is not None:
-            raise req.error
-        assert req.result is not None
-        return req.result
+                n = len(self._pending[key])
+            if n == seen or n >= self.max_batch:
+                break
+            seen = n
+        run = _Running()
+        with self._lock:
+            run.queue = self._pending.pop(key)
+            self._running[key] = run  # from now on, calls with this key join the queue
+        settings = {k: v for k, v in kwargs.items() if k not in _PER_CALL}
+        # The decode runs in a thread of its own: the first call returns when its own
+        # answer is done, not when the last call that joined it is.
+        threading.Thread(
+            target=self._drive, args=(key, run, settings), name="tokrag-decode", daemon=True
+        ).start()
 
     def _take(self, key: str, run: _Running, n: int | None = None) -> list[_Request]:
         """Up to ``n`` (None: all) queued calls; with none left the decode of ``key`` ends,
@@ -194,9 +258,15 @@ class MicroBatcher:
                 try:
                     _Continuous(self, key, run, settings, seen).run()
                     return
-                except Exception:  # noqa: BLE001 - a failed decode: the calls left, one at a time
+                except Exception as exc:  # noqa: BLE001 - a failed decode: the calls left, one at a time
                     for r in seen:
-                        if not r.done.is_set():
+                        if r.done.is_set():
+                            continue
+                        if r.events is not None:  # a stream may have sent tokens: not redone
+                            r.error = RuntimeError(f"the shared decode this stream was part of failed: {exc}")
+                            r.error.__cause__ = exc
+                            r.done.set()
+                        else:
                             self._decode([r], settings)
             while True:
                 reqs = self._take(key, run, self.max_batch)
@@ -303,6 +373,7 @@ class _Continuous:
             try:
                 if r.prepared is None:
                     r.prepared = self._prepare(r)
+                if r.need is None:
                     r.need = self._need(r.prepared)
             except Exception as e:  # noqa: BLE001 - a bad input: this call's error only
                 r.error = e
@@ -379,12 +450,16 @@ class _Continuous:
             for ev in d.choose():
                 r, trace, tracker, t, t0, t1 = owners[ev.query_idx]
                 t["queries_in_batch"] = max(t["queries_in_batch"], float(n_active))
-                api._record_event(trace, tracker, ev)
+                delta = api._record_event(trace, tracker, ev)
+                if r.events is not None and (ev.stop_reason != "eos" or delta):
+                    r.events.put(TokenEvent(0, ev.step.index, ev.step.token_id, delta, ev.step.source, ev.step))
                 if ev.finished:
                     end = time.perf_counter()
                     trace.timings = {**t, "decode_s": end - t1, "total_s": end - t0}
                     r.result = api._result(trace, tracker)
                     r.done.set()
+                    if r.events is not None:
+                        r.events.put(None)
         for d in self.decoders.values():
             d.advance()
 
@@ -462,6 +537,25 @@ def generate(
     if not require_bool(batching, "batching"):
         return api.generate(lm, query, passages, **kwargs)
     return batcher_for(lm).generate(query, passages, **kwargs)
+
+
+def stream(
+    lm: LoadedModel, query: str, passages: Any = None, *, batching: bool = True, **kwargs: Any
+) -> TokenStream:
+    """:func:`api.stream`, its query decoded in the continuous decode of concurrent calls on
+    ``lm`` (:meth:`MicroBatcher.stream`) unless ``batching=False``."""
+    if not require_bool(batching, "batching"):
+        return api.stream(lm, query, passages, **kwargs)
+    return batcher_for(lm).stream(query, passages, **kwargs)
+
+
+async def astream_with_result(
+    lm: LoadedModel, query: str, passages: Any = None, *, batching: bool = True, **kwargs: Any
+) -> AsyncIterator[TokenEvent | GenerationResult]:
+    """:func:`api.astream_with_result` over :func:`stream`: every event, then the result."""
+    require_bool(batching, "batching")
+    async for item in api._aiterate(functools.partial(stream, lm, query, passages, batching=batching, **kwargs)):
+        yield item
 
 
 async def agenerate(

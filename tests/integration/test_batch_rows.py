@@ -349,3 +349,81 @@ def test_the_first_call_returns_when_its_own_answer_is_done(lm, solo, monkeypatc
     assert when[short] < when[long_]
     assert out[short].token_ids == solo["tokrag"][short].token_ids
     assert out[long_].token_ids == solo["tokrag"][long_].token_ids
+
+
+def _stream_tokens(s):
+    return [(ev.token_id, ev.source) for ev in s]
+
+
+def test_streams_join_a_running_decode_and_get_their_tokens_alone(lm, solo, monkeypatch):
+    """Streams join a continuous decode like plain calls: two streams arrive while a plain
+    call decodes, all three end up in one batch, and each stream's events and result are
+    its solo answer."""
+    from tokrag_integrations.batching import MicroBatcher
+
+    b = MicroBatcher(lm)
+    _hold_first_step_until(monkeypatch, lambda: sum(len(r.queue) for r in b._running.values()) == 2)
+    out, events = {}, {}
+
+    def plain():
+        out[0] = b.generate(QS4[0], PS4[0], policy="tokrag", max_new_tokens=N_TOKENS)
+
+    def streamed(i):
+        s = b.stream(QS4[i], PS4[i], policy="tokrag", max_new_tokens=N_TOKENS)
+        events[i] = _stream_tokens(s)
+        out[i] = s.result
+
+    t0 = threading.Thread(target=plain)
+    t0.start()
+    while not b._running:
+        time.sleep(0.005)
+    rest = [threading.Thread(target=streamed, args=(i,)) for i in (1, 2)]
+    for t in rest:
+        t.start()
+    for t in [t0, *rest]:
+        t.join(timeout=600)
+    assert b.joined_calls == 2 and b.batches == 1 and b.peak_rows == 6
+    for i in (0, 1, 2):
+        one = solo["tokrag"][i]
+        assert out[i].token_ids == one.token_ids and _steps(out[i]) == _steps(one), i
+    for i in (1, 2):
+        assert events[i] == [(s.token_id, s.source) for s in solo["tokrag"][i].trace.steps], i
+        assert out[i].trace.timings["joined"] == 1.0
+
+
+def test_a_stream_leads_a_decode_that_calls_join_and_a_closed_stream_leaves_it(lm, solo, monkeypatch):
+    """A stream read first starts the decode; a plain call joins it. A second stream closed
+    after its first token leaves at the next step; the others keep their solo answers."""
+    from tokrag_integrations.batching import MicroBatcher
+
+    b = MicroBatcher(lm)
+    _hold_first_step_until(monkeypatch, lambda: sum(len(r.queue) for r in b._running.values()) == 2)
+    lead = b.stream(QS4[0], PS4[0], policy="tokrag", max_new_tokens=N_TOKENS)
+    first = next(lead)  # submits it: the decode starts, its first step is held
+    assert b._running
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault(1, b.generate(QS4[1], PS4[1], policy="tokrag",
+                                                                       max_new_tokens=N_TOKENS)))
+    t.start()
+    quitter = b.stream(QS4[2], PS4[2], policy="tokrag", max_new_tokens=N_TOKENS)
+    q_first = next(quitter)
+    quitter.close()
+    rest = [first, *lead]
+    t.join(timeout=600)
+    assert [(e.token_id, e.source) for e in rest] == [(s.token_id, s.source) for s in solo["tokrag"][0].trace.steps]
+    assert lead.result.token_ids == solo["tokrag"][0].token_ids
+    assert out[1].token_ids == solo["tokrag"][1].token_ids
+    assert q_first.token_id == solo["tokrag"][2].token_ids[0]
+    assert list(quitter) == []
+    with pytest.raises(RuntimeError, match="closed before its end"):
+        _ = quitter.result
+    assert b.joined_calls == 2
+
+
+def test_a_batched_stream_refuses_bad_input_at_the_call(lm):
+    from tokrag_integrations.batching import MicroBatcher
+
+    b = MicroBatcher(lm)
+    with pytest.raises(ValueError, match="[Qq]uery|empty"):
+        b.stream("   ", PS4[0], policy="tokrag", max_new_tokens=4)
+    assert not b._running and not b._pending

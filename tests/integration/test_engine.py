@@ -134,6 +134,10 @@ def _check_trace(r):
             if s.signals.get("note") == "gated: verdict word":
                 assert r.trace.options.get("verdict_gate") in ("rag", "either")
                 continue
+            if s.signals.get("note") == "gated: pure punctuation":
+                assert r.trace.options.get("punctuation_gate") is True
+                assert not any(c.isalnum() for c in cands["pure"].text)
+                continue
             if s.signals.get("note") == "gated: RAG's rising token":  # Eq. 19 said the pure model
                 assert r.trace.options.get("rising_gate") is True and s.signals["rising_token"] == s.text
                 assert s.signals["benefit"] is True and _margin(r, s) < 0
@@ -234,6 +238,23 @@ def test_verdict_gate_on_rags_side_leaves_the_pure_models_verdict_to_eq19(lm):
     _check_trace(r), _check_trace(e)
 
 
+def test_punctuation_gate_keeps_rags_token_where_the_pure_model_offers_punctuation(lm):
+    """Eq. 19 ends the sentence with the pure model's "." where RAG goes on with ","; with
+    ``punctuation_gate=True`` RAG's token is kept without comparing."""
+    q = "Would a Muslim eat a McRib sandwich?"
+    p = ["The McRib is a pork sandwich sold by McDonald's. Islamic dietary law forbids eating pork."]
+    plain = generate(lm, q, p, policy="tokrag", max_new_tokens=10, verdict_gate="either")
+    gated = generate(lm, q, p, policy="tokrag", max_new_tokens=10, verdict_gate="either", punctuation_gate=True)
+    assert plain.trace.options["punctuation_gate"] is False and gated.trace.options["punctuation_gate"] is True
+    (i,) = [s.index for s in gated.trace.steps if s.signals.get("note") == "gated: pure punctuation"]
+    before, after = plain.trace.steps[i], gated.trace.steps[i]
+    assert before.candidates["pure"].text == after.candidates["pure"].text == "."
+    assert before.source == "llm" and before.signals["benefit"] is False
+    assert after.source == "rag" and after.token_id == after.candidates["rag"].token_id != before.token_id
+    assert [s.token_id for s in plain.trace.steps[:i]] == [s.token_id for s in gated.trace.steps[:i]]
+    _check_trace(plain), _check_trace(gated)
+
+
 def test_verdict_mask_covers_verdicts_and_negators_whole_tokens_only(lm):
     from tokrag_integrations.policies.tokrag_reference import vocab_texts
     from tokrag_integrations.policies.verdict import verdict_mask
@@ -273,6 +294,7 @@ def test_literal_reading_stays_reachable_and_misses_the_passage_fact(lm):
         {"pr_skip": None},
         {"pr_skip": "reference"},
         {"verdict_gate": "either"},
+        {"punctuation_gate": True},
     ],
 )
 def test_tokrag_options_run_and_are_recorded(lm, options):

@@ -192,6 +192,23 @@ def test_eight_concurrent_requests_equal_their_solo_answers(server, lm):
     assert 2 <= stats["peak_rows"] <= stats["max_rows"]
 
 
+def test_concurrent_streams_share_a_decode(server, lm):
+    """Streamed requests go through the micro-batcher too: four streams at once are decoded
+    together, and every stream's text is its solo answer."""
+    solo = {q: _core(lm, question=q).text for q in QUESTIONS}
+    client = server.client()
+    before = server.service.batcher.batched_calls
+
+    def streamed(q):
+        return "".join(c.choices[0].delta.content or "" for c in _ask(client, question=q, stream=True) if c.choices)
+
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(streamed, QUESTIONS))
+    assert texts == [solo[q] for q in QUESTIONS]
+    assert server.service.batcher.batched_calls >= before + 2  # the streams alone shared a decode
+    assert server.health()["active"] == 0
+
+
 # ============================================================================ bad requests
 def _raw(server, body, headers=None, content=None):
     kw = {"content": content} if content is not None else {"json": body}

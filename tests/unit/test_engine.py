@@ -31,3 +31,12 @@ def test_rising_gate_is_checked():
         TokRAG(rising_gate="yes")
     assert TokRAG().options()["rising_gate"] is True and TokRAG(rising_gate=False).options()["rising_gate"] is False
     assert TokRAG(variant="reference").rising_gate is False  # paper variant only
+
+
+def test_punctuation_gate_is_checked():
+    from tokrag_integrations.policies.tokrag import TokRAG
+
+    with pytest.raises(ValueError, match="punctuation_gate"):
+        TokRAG(punctuation_gate="yes")
+    assert TokRAG().options()["punctuation_gate"] is False
+    assert TokRAG(variant="reference", punctuation_gate=True).punctuation_gate is False  # paper variant only

@@ -17,7 +17,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, field_validator, model_validator
 
-from .. import api, batching
+from .. import batching
 from ..api import GenerationResult, TokenEvent
 from ..defaults import MAX_NEW_TOKENS
 from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
@@ -202,7 +202,8 @@ class ChatTokRAG(BaseChatModel):
     """Whether ``invoke`` runs through the token stream (callbacks see every token)."""
     batching: StrictBool = True
     """Concurrent calls on the same model (``batch``, ``abatch``, threads, ``asyncio.gather``)
-    with the same settings are decoded together as one batch, each getting the tokens it gets
+    with the same settings are decoded together as one batch, streams included (a call or
+    stream arriving mid-decode joins it at the next step), each getting the tokens it gets
     alone (:mod:`tokrag_integrations.batching`); ``False`` decodes them one at a time."""
 
     _lm: LoadedModel | None = PrivateAttr(default=None)
@@ -438,7 +439,7 @@ class ChatTokRAG(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         call = self._prepare(messages, stop, kwargs)
-        tokens = api.stream(call.lm, call.query, call.passages, **call.kwargs)
+        tokens = batching.stream(call.lm, call.query, call.passages, batching=self.batching, **call.kwargs)
         eos = call.eos_ids()
         for ev in tokens:
             chunk = self._token_chunk(ev, eos)
@@ -476,8 +477,8 @@ class ChatTokRAG(BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         call = await self._aprepare(messages, stop, kwargs)
         eos = call.eos_ids()
-        async for item in api.astream_with_result(
-            call.lm, call.query, call.passages, **call.kwargs
+        async for item in batching.astream_with_result(
+            call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
         ):
             if isinstance(item, GenerationResult):
                 yield self._last_chunk(item, call.lm)

@@ -27,7 +27,7 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 from pydantic import StrictBool
 
 from .. import batching
-from ..api import GenerationResult, TokenEvent, astream_with_result, stream
+from ..api import GenerationResult, TokenEvent
 from ..defaults import MAX_NEW_TOKENS
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
 from ..prompts import RenderedPrompt
@@ -162,8 +162,8 @@ class TokRAGLLM(CustomLLM):
         default=True,
         description=(
             "Concurrent calls on the same model with the same settings (asyncio.gather over "
-            "acomplete/achat, threads) are decoded together as one batch, each with the tokens "
-            "it gets alone; False decodes them one at a time."
+            "acomplete/achat, threads, streams included) are decoded together as one batch, "
+            "each with the tokens it gets alone; False decodes them one at a time."
         ),
     )
 
@@ -376,7 +376,7 @@ class TokRAGLLM(CustomLLM):
     ) -> CompletionResponseGen:
         """Like :meth:`complete`, one response per chosen token (``delta`` = its text)."""
         prompt, passages, gen_kw = self._prompt_args(prompt, formatted, kwargs)
-        s = stream(self._lm, prompt, passages, **gen_kw)
+        s = batching.stream(self._lm, prompt, passages, batching=self.batching, **gen_kw)
         return self._completion_stream(s, lambda: s.result)
 
     @llm_completion_callback()
@@ -396,7 +396,9 @@ class TokRAGLLM(CustomLLM):
 
         async def gen() -> CompletionResponseAsyncGen:
             text = ""
-            async for item in astream_with_result(self._lm, prompt, passages, **gen_kw):
+            async for item in batching.astream_with_result(
+                self._lm, prompt, passages, batching=self.batching, **gen_kw
+            ):
                 if isinstance(item, GenerationResult):
                     self._record(item)
                     yield CompletionResponse(
@@ -424,7 +426,7 @@ class TokRAGLLM(CustomLLM):
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         """Like :meth:`chat`, one response per chosen token (``delta`` = its text)."""
         query, passages, gen_kw = self._chat_args(messages, kwargs)
-        s = stream(self._lm, query, passages, **gen_kw)
+        s = batching.stream(self._lm, query, passages, batching=self.batching, **gen_kw)
         return _chat_stream(self._completion_stream(s, lambda: s.result))
 
     @llm_chat_callback()
@@ -442,7 +444,9 @@ class TokRAGLLM(CustomLLM):
 
         async def gen() -> ChatResponseAsyncGen:
             text = ""
-            async for item in astream_with_result(self._lm, query, passages, **gen_kw):
+            async for item in batching.astream_with_result(
+                self._lm, query, passages, batching=self.batching, **gen_kw
+            ):
                 if isinstance(item, GenerationResult):
                     self._record(item)
                     yield ChatResponse(

@@ -72,6 +72,11 @@ DEFAULT_VERDICT_GATE = "rag"
 #: dev sets (docs/results.md, "RAG's rising token"); the paper lets Eq. 19 decide (False).
 DEFAULT_RISING_GATE = True
 
+#: Where the pure model's token is punctuation, RAG's is kept without comparing (see
+#: ``punctuation_gate``). Off by default: measured in docs/results.md, "Punctuation of the
+#: pure model's"; the paper compares there (False).
+DEFAULT_PUNCTUATION_GATE = False
+
 
 class TokRAG(Policy):
     """Tok-RAG decoding.
@@ -119,6 +124,12 @@ class TokRAG(Policy):
             the dev sets): where RAG's token is a verdict word; ``"either"``: where either
             candidate is one (it overrides a pure-model "No" too); None: Eq. 19 decides (the
             paper).
+        punctuation_gate: paper variant: where the pure model's token has no letter or digit
+            (:func:`.vocab.punctuation_mask`) and RAG's differs, keep RAG's token without
+            comparing: a punctuation token states nothing the pure model knows, so Eq. 19 can
+            only change the answer's framing there (quoting the question instead of answering
+            it). The authors' gate does the same for RAG's punctuation. Default False (the
+            paper compares).
         rising_gate: paper variant: where Eq. 19 would keep the pure model's token but RAG's
             token is x^{l'−l*} itself (of RAG's plausible tokens, the one its layers after the
             fusion layer l* raised most), keep RAG's token (default True, chosen on the dev
@@ -148,6 +159,7 @@ class TokRAG(Policy):
         function_word_gate: bool = True,
         verdict_gate: str | None = DEFAULT_VERDICT_GATE,
         rising_gate: bool = DEFAULT_RISING_GATE,
+        punctuation_gate: bool = DEFAULT_PUNCTUATION_GATE,
         **legacy_speed: Any,
     ):
         if variant not in ("paper", "reference"):
@@ -178,6 +190,8 @@ class TokRAG(Policy):
             raise ValueError(f"verdict_gate must be None, 'rag' or 'either', got {verdict_gate!r}")
         if not isinstance(rising_gate, bool):
             raise ValueError(f"rising_gate must be True or False, got {rising_gate!r}")
+        if not isinstance(punctuation_gate, bool):
+            raise ValueError(f"punctuation_gate must be True or False, got {punctuation_gate!r}")
         if not isinstance(lens_norm, bool):
             raise ValueError(f"lens_norm must be True or False, got {lens_norm!r}")
         if jsd_threshold < 0:
@@ -198,6 +212,7 @@ class TokRAG(Policy):
         self.function_word_gate = function_word_gate if variant == "paper" else True
         self.verdict_gate = verdict_gate if variant == "paper" else None
         self.rising_gate = rising_gate if variant == "paper" else False
+        self.punctuation_gate = punctuation_gate if variant == "paper" else False
         self.legacy_speed = legacy_speed_options(self.name, legacy_speed)
 
     def options(self) -> dict[str, Any]:
@@ -219,6 +234,7 @@ class TokRAG(Policy):
                     "function_word_gate": self.function_word_gate,
                     "verdict_gate": self.verdict_gate,
                     "rising_gate": self.rising_gate,
+                    "punctuation_gate": self.punctuation_gate,
                 }
                 if paper
                 else {}
@@ -256,10 +272,12 @@ class TokRAG(Policy):
 
         if self.variant == "reference":
             self._skip = lm.memo(("skip_mask", *key), lambda: vocab.skip_mask(lm.tokenizer, vocab_size=V))
-        if self.pr_skip == "punctuation":
-            self._pr_skip = lm.memo(
+        if self.pr_skip == "punctuation" or self.punctuation_gate:
+            self._punct = lm.memo(
                 ("pr_skip:punctuation", *key), lambda: vocab.punctuation_mask(lm.tokenizer, vocab_size=V, texts=texts())
             )
+        if self.pr_skip == "punctuation":
+            self._pr_skip = self._punct
         elif self.pr_skip == "reference":
             self._pr_skip = lm.memo(("skip_mask", *key), lambda: vocab.skip_mask(lm.tokenizer, vocab_size=V))
         if self.function_word_gate:
@@ -358,6 +376,8 @@ class TokRAG(Policy):
             bool(self._verdict[b]) or (self.verdict_gate == "either" and bool(self._verdict[a]))
         ):
             return Choice(b, AGREE if a == b else FROM_RAG, {"note": "gated: verdict word"})
+        if self.punctuation_gate and a != b and bool(self._punct[a]):
+            return Choice(b, FROM_RAG, {"note": "gated: pure punctuation"})
         return None
 
     def score(self, pure: View, rag: View) -> float:

@@ -14,11 +14,11 @@ A request the server refuses gets an OpenAI-style JSON error (``{"error": {"mess
 413 for a body over the limit, 429 when ``max_queue`` requests are already admitted, 503
 while the model loads; never a traceback.
 
-Decoding never runs on the event loop. Plain requests go through the model's micro-batcher,
-so concurrent requests with the same settings decode as one batch; a stream decodes in its
-own thread at its own pace and its events are queued for the client, so a slow reader never
-holds the model; a client that disconnects cancels its request (a stream stops at its next
-step and releases the model; a queued request leaves its batch).
+Decoding never runs on the event loop. Every request goes through the model's micro-batcher,
+so concurrent requests with the same settings decode as one batch, and a request that
+arrives mid-decode joins it at the next step, streamed or not; a stream's events are queued
+for its client as the decode chooses them, so a slow reader never holds the others; a client
+that disconnects cancels its request (it leaves the decode at the next step, or its queue).
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations (``Request``)

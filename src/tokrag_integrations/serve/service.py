@@ -237,10 +237,8 @@ class ChatService:
     async def open_stream(self, req: ChatRequest, passages: list[Any] | None) -> Any:
         """A started-on-first-read :class:`~tokrag_integrations.api.TokenStream` for ``req``
         (validation errors are raised here, before any byte of the response is sent)."""
-        from ..api import stream
-
         kw = self.settings(req)
         try:
-            return await asyncio.to_thread(stream, self.lm, req.query, passages, **kw)
+            return await asyncio.to_thread(self.batcher.stream, req.query, passages, **kw)
         except (TypeError, ValueError) as exc:
             raise RequestError(str(exc)) from None
