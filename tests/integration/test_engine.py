@@ -134,6 +134,9 @@ def _check_trace(r):
             if s.signals.get("note") == "gated: verdict word":
                 assert r.trace.options.get("verdict_gate") in ("rag", "either")
                 continue
+            if s.signals.get("note") == "gated: RAG alone plausible":  # x^{l'-l*} for any l*
+                assert r.trace.options.get("rising_gate") is True
+                continue
             if s.signals.get("note") == "gated: pure punctuation":
                 assert r.trace.options.get("punctuation_gate") is True
                 assert not any(c.isalnum() for c in cands["pure"].text)
@@ -236,6 +239,30 @@ def test_verdict_gate_on_rags_side_leaves_the_pure_models_verdict_to_eq19(lm):
     e = generate(lm, q, p, policy="tokrag", max_new_tokens=8, verdict_gate="either")
     assert not e.text.startswith("No") and e.trace.steps[0].signals == {"note": "gated: verdict word"}
     _check_trace(r), _check_trace(e)
+
+
+def test_rags_only_plausible_token_is_kept_without_signals_as_the_signals_would(lm, monkeypatch):
+    """Where RAG's argmax is its only plausible token, it is x^{l'-l*} whatever l* is, so the
+    rising gate keeps it: the rule skips the signals there. Computing them anyway (the check
+    turned off) gives the same tokens, and RAG's token at each such step."""
+    from tokrag_integrations.policies.tokrag import TokRAG
+
+    cases = [(FICTION_Q, FICTION_P), (CONTRA_Q, CONTRA_P), *[(q, [p]) for q, p, _ in BENEFIT_CASES]]
+    fast = [generate(lm, q, p, policy="tokrag", max_new_tokens=24) for q, p in cases]
+    monkeypatch.setattr(TokRAG, "_rising_is_rags_token", lambda self, rag: False)
+    full = [generate(lm, q, p, policy="tokrag", max_new_tokens=24) for q, p in cases]
+    skipped = 0
+    for f, g in zip(fast, full, strict=True):
+        assert f.token_ids == g.token_ids
+        for a, b in zip(f.trace.steps, g.trace.steps, strict=True):
+            if a.signals.get("note") == "gated: RAG alone plausible":
+                skipped += 1
+                assert b.source == "rag" and b.signals["rising_token"] == b.text
+                assert b.signals["benefit"] is True
+            else:
+                assert (a.source, a.signals.get("benefit")) == (b.source, b.signals.get("benefit"))
+        _check_trace(f)
+    assert skipped >= 3
 
 
 def test_punctuation_gate_keeps_rags_token_where_the_pure_model_offers_punctuation(lm):

@@ -378,7 +378,19 @@ class TokRAG(Policy):
             return Choice(b, AGREE if a == b else FROM_RAG, {"note": "gated: verdict word"})
         if self.punctuation_gate and a != b and bool(self._punct[a]):
             return Choice(b, FROM_RAG, {"note": "gated: pure punctuation"})
+        if a != b and self._rising_is_rags_token(rag):
+            return Choice(b, FROM_RAG, {"note": "gated: RAG alone plausible"})
         return None
+
+    def _rising_is_rags_token(self, rag: View) -> bool:
+        """Whether the rising gate keeps RAG's token whatever the signals say: x^{l'-l*} is
+        searched among RAG's plausible tokens (p_RAG >= α·max p_RAG, the final layer being the
+        model's own output), so where RAG's argmax is the only one, it is x^{l'-l*} for every
+        l*, and the gate keeps it whether Eq. 19 does or not."""
+        if not (self.rising_gate and self.lens_norm and self.plausibility_alpha is not None):
+            return False
+        final = torch.log_softmax(rag.logits.float(), dim=-1)  # as :meth:`signals` computes it
+        return int(S.plausible_tokens(final, self.plausibility_alpha).sum()) == 1
 
     def score(self, pure: View, rag: View) -> float:
         """A number > 0 where benefit wins (token-level AUC): cos(w_RAG, w_IR) − cos(w_RAG,
