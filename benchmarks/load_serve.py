@@ -1,7 +1,7 @@
 """Load test of ``tokrag serve``: N concurrent clients for a fixed time, per policy and setup.
 
     python benchmarks/load_serve.py [--clients 1,4,16,64] [--duration 30] [--policies rag,tokrag]
-        [--setups process,ray] [--max-tokens 24] [--out benchmarks/results/load_serve.json]
+        [--setups process,ray] [--max-tokens 24] [--stream] [--out benchmarks/results/load_serve.json]
 
 Each setup is started as its own process through the real command line: ``process`` is
 ``tokrag serve`` (one model), ``process-batch`` the same with ``--no-continuous-batching``,
@@ -11,8 +11,11 @@ questions in turn, each with its BM25 top-3 passages from the sample documents a
 requests still running then are waited for and counted. Prints, per setup / policy / client
 count: completed requests, errors (any non-200 answer or failed connection), p50 / p95
 latency, generated tokens per second (completion tokens over the wall time from the first
-request to the last answer), and the tokrag / rag throughput ratio. The servers' logs go to
-``out/load_serve.<setup>.log``.
+request to the last answer), and the tokrag / rag throughput ratio. With ``--stream`` every
+request is streamed (``"stream": true`` with the usage chunk) and the p50 / p95 time to the
+first content chunk are printed too; ``process-batch`` is then the server where streams
+decode alone (without continuous batching a stream never joins a decode). The servers' logs
+go to ``out/load_serve.<setup>.log``.
 """
 
 from __future__ import annotations
@@ -83,10 +86,31 @@ def workload() -> list[tuple[str, list[str]]]:
             for q in get_sample_questions()]
 
 
+async def _streamed(http, body: dict) -> tuple[int, float | None]:
+    """Send ``body`` as a stream; (completion tokens, seconds to the first content chunk)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    t = time.perf_counter()
+    first = None
+    tokens = 0
+    async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(str(r.status_code))
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+                first = time.perf_counter() - t
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return tokens, first
+
+
 async def run_load(url: str, items, policy: str, clients: int, duration: float,
-                   max_tokens: int) -> dict:
+                   max_tokens: int, stream: bool = False) -> dict:
     import httpx
 
+    firsts: list[float] = []
     latencies: list[float] = []
     tokens = 0
     errors: list[str] = []
@@ -105,6 +129,17 @@ async def run_load(url: str, items, policy: str, clients: int, duration: float,
                         "messages": [{"role": "user", "content": question}],
                         "tokrag": {"policy": policy, "trace": False}}
                 t = time.perf_counter()
+                if stream:
+                    try:
+                        n, first = await _streamed(http, body)
+                    except (httpx.HTTPError, RuntimeError) as exc:
+                        errors.append(str(exc) if isinstance(exc, RuntimeError) else type(exc).__name__)
+                        continue
+                    latencies.append(time.perf_counter() - t)
+                    tokens += n
+                    if first is not None:
+                        firsts.append(first)
+                    continue
                 try:
                     r = await http.post("/v1/chat/completions", json=body)
                 except httpx.HTTPError as exc:
@@ -124,7 +159,10 @@ async def run_load(url: str, items, policy: str, clients: int, duration: float,
             "error_kinds": sorted(set(errors)), "wall_s": wall,
             "p50_s": statistics.median(lat) if lat else None,
             "p95_s": q[18] if lat else None, "tokens": tokens,
-            "tokens_per_s": tokens / wall}
+            "tokens_per_s": tokens / wall,
+            **({"first_p50_s": statistics.median(firsts),
+                "first_p95_s": (statistics.quantiles(firsts, n=20)[18] if len(firsts) >= 2 else firsts[0])}
+               if firsts else {})}
 
 
 def main() -> None:
@@ -134,6 +172,7 @@ def main() -> None:
     ap.add_argument("--policies", default="rag,tokrag")
     ap.add_argument("--setups", default="process,ray")
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--stream", action="store_true", help="stream every request")
     ap.add_argument("--out", default="benchmarks/results/load_serve.json")
     args = ap.parse_args()
     items = workload()
@@ -150,19 +189,20 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         try:
             for policy in policies:  # warm-up: one request per policy
-                asyncio.run(run_load(url, items, policy, 1, 0.0, args.max_tokens))
+                asyncio.run(run_load(url, items, policy, 1, 0.0, args.max_tokens, args.stream))
             for n in counts:
                 for policy in policies:
                     row = asyncio.run(run_load(url, items, policy, n, args.duration,
-                                               args.max_tokens))
+                                               args.max_tokens, args.stream))
+                    row["stream"] = args.stream
                     row["setup"] = setup
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     out.write_text(json.dumps(rows, indent=1))
         finally:
             stop_server(proc)
-    print("\n| setup | clients | policy | requests | errors | p50 s | p95 s | tokens/s | tokrag / rag |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| setup | clients | policy | requests | errors | p50 s | p95 s | first token p50 / p95 s | tokens/s | tokrag / rag |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     by = {(r["setup"], r["clients"], r["policy"]): r for r in rows}
     for r in rows:
         base = by.get((r["setup"], r["clients"], "rag"))
@@ -170,8 +210,9 @@ def main() -> None:
                  if r["policy"] == "tokrag" and base and base["tokens_per_s"] else "")
         p50 = f"{r['p50_s']:.1f}" if r["p50_s"] is not None else "-"
         p95 = f"{r['p95_s']:.1f}" if r["p95_s"] is not None else "-"
+        first = (f"{r['first_p50_s']:.1f} / {r['first_p95_s']:.1f}" if "first_p50_s" in r else "-")
         print(f"| {r['setup']} | {r['clients']} | {r['policy']} | {r['requests']} | "
-              f"{r['errors']} | {p50} | {p95} | {r['tokens_per_s']:.1f} | {ratio} |")
+              f"{r['errors']} | {p50} | {p95} | {first} | {r['tokens_per_s']:.1f} | {ratio} |")
 
 
 if __name__ == "__main__":

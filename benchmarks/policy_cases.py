@@ -37,14 +37,14 @@ COLUMNS = {
     "`llm`": ("llm", {}),
     "`rag`": ("rag", {}),
     "`tokrag` (default)": ("tokrag", {}),
-    "`tokrag` paper rule (`function_word_gate=False, verdict_gate=None, rising_gate=False, threshold=0, plausibility_alpha=0.1, "
+    "`tokrag` paper rule (`function_word_gate=False, verdict_gate=None, rising_gate=False, punctuation_gate=False, threshold=0, plausibility_alpha=0.1, "
     "pr_skip=None`)": (
         "tokrag",
-        {"function_word_gate": False, "verdict_gate": None, "rising_gate": False, "threshold": 0.0, "plausibility_alpha": 0.1, "pr_skip": None},
+        {"function_word_gate": False, "verdict_gate": None, "rising_gate": False, "punctuation_gate": False, "threshold": 0.0, "plausibility_alpha": 0.1, "pr_skip": None},
     ),
     "`tokrag` literal reading (+ `min_fusion_layer=0, plausibility_alpha=None, lens_norm=False`)": (
         "tokrag",
-        {"function_word_gate": False, "verdict_gate": None, "rising_gate": False, "threshold": 0.0, "pr_skip": None, "min_fusion_layer": 0,
+        {"function_word_gate": False, "verdict_gate": None, "rising_gate": False, "punctuation_gate": False, "threshold": 0.0, "pr_skip": None, "min_fusion_layer": 0,
          "plausibility_alpha": None, "lens_norm": False},
     ),
     '`tokrag variant="reference"`': ("tokrag", {"variant": "reference"}),

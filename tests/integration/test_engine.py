@@ -183,7 +183,8 @@ BENEFIT_CASES = [
 #: and the rising token under DoLa's own plausibility constraint α = 0.1 (the corrected
 #: readings of Eq. 14-15 stay on).
 PAPER_RULE = {
-    "function_word_gate": False, "verdict_gate": None, "rising_gate": False, "threshold": 0.0, "plausibility_alpha": 0.1, "pr_skip": None,
+    "function_word_gate": False, "verdict_gate": None, "rising_gate": False, "punctuation_gate": False, "threshold": 0.0,
+    "plausibility_alpha": 0.1, "pr_skip": None,
 }
 
 
@@ -221,7 +222,7 @@ def test_verdict_gate_keeps_rags_verdict_that_eq19_drops(lm, question, passage):
     plain = generate(lm, question, [passage], policy="tokrag", max_new_tokens=8, verdict_gate=None, rising_gate=False)
     assert not plain.text.startswith("No") and plain.trace.steps[0].signals["benefit"] is False
     r = generate(lm, question, [passage], policy="tokrag", max_new_tokens=8)  # the default gate
-    assert r.trace.options["verdict_gate"] == "rag" and r.text.startswith("No"), r.text
+    assert r.trace.options["verdict_gate"] == "either" and r.text.startswith("No"), r.text
     first = r.trace.steps[0]
     assert first.source == "rag" and first.signals == {"note": "gated: verdict word"}
     assert first.candidates["rag"].text == "No" != first.candidates["pure"].text
@@ -266,12 +267,12 @@ def test_rags_only_plausible_token_is_kept_without_signals_as_the_signals_would(
 
 
 def test_punctuation_gate_keeps_rags_token_where_the_pure_model_offers_punctuation(lm):
-    """Eq. 19 ends the sentence with the pure model's "." where RAG goes on with ","; with
-    ``punctuation_gate=True`` RAG's token is kept without comparing."""
+    """Eq. 19 ends the sentence with the pure model's "." where RAG goes on with ","; the
+    punctuation gate (default) keeps RAG's token without comparing."""
     q = "Would a Muslim eat a McRib sandwich?"
     p = ["The McRib is a pork sandwich sold by McDonald's. Islamic dietary law forbids eating pork."]
-    plain = generate(lm, q, p, policy="tokrag", max_new_tokens=10, verdict_gate="either")
-    gated = generate(lm, q, p, policy="tokrag", max_new_tokens=10, verdict_gate="either", punctuation_gate=True)
+    plain = generate(lm, q, p, policy="tokrag", max_new_tokens=10, punctuation_gate=False)
+    gated = generate(lm, q, p, policy="tokrag", max_new_tokens=10)
     assert plain.trace.options["punctuation_gate"] is False and gated.trace.options["punctuation_gate"] is True
     (i,) = [s.index for s in gated.trace.steps if s.signals.get("note") == "gated: pure punctuation"]
     before, after = plain.trace.steps[i], gated.trace.steps[i]
@@ -321,7 +322,8 @@ def test_literal_reading_stays_reachable_and_misses_the_passage_fact(lm):
         {"pr_skip": None},
         {"pr_skip": "reference"},
         {"verdict_gate": "either"},
-        {"punctuation_gate": True},
+        {"punctuation_gate": False},
+        {"verdict_gate": "rag"},
     ],
 )
 def test_tokrag_options_run_and_are_recorded(lm, options):

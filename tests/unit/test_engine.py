@@ -38,5 +38,5 @@ def test_punctuation_gate_is_checked():
 
     with pytest.raises(ValueError, match="punctuation_gate"):
         TokRAG(punctuation_gate="yes")
-    assert TokRAG().options()["punctuation_gate"] is False
+    assert TokRAG().options()["punctuation_gate"] is True and TokRAG(punctuation_gate=False).options()["punctuation_gate"] is False
     assert TokRAG(variant="reference", punctuation_gate=True).punctuation_gate is False  # paper variant only

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 #: The paper's rule and the literal reading as options (as in tests/test_engine.py).
 PAPER_RULE = {
-    "function_word_gate": False, "verdict_gate": None, "rising_gate": False, "threshold": 0.0,
-    "plausibility_alpha": 0.1, "pr_skip": None,
+    "function_word_gate": False, "verdict_gate": None, "rising_gate": False, "punctuation_gate": False,
+    "threshold": 0.0, "plausibility_alpha": 0.1, "pr_skip": None,
 }
 LITERAL = {**PAPER_RULE, "min_fusion_layer": 0, "plausibility_alpha": None, "lens_norm": False}
 
@@ -47,7 +47,7 @@ def test_the_options_table_states_the_defaults_and_the_presets() -> None:
     table = _options_table()
     assert set(table) == {
         "threshold", "plausibility_alpha", "min_fusion_layer", "lens_norm", "pr_skip",
-        "function_word_gate", "verdict_gate", "rising_gate",
+        "function_word_gate", "verdict_gate", "rising_gate", "punctuation_gate",
     }
     defaults = TokRAG().options()
     for column, preset in enumerate(({}, PAPER_RULE, LITERAL)):

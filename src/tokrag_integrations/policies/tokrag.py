@@ -10,11 +10,12 @@ Defaults, each chosen on the dev sets (docs/results.md, "Choosing the defaults")
 from L/2 (the "middle-layer maximum" of docs/algorithm.md, "Eq. 14"), the rising token on log-probabilities over
 DoLa-plausible tokens with the final norm (α = 0.5: among RAG's leading candidates), the
 retrieved punctuation left out of p_R (the authors' code skips it too), RAG's function words
-kept without comparing (the authors' released decoder does so), RAG's verdict words (yes / no
-and negators) kept without comparing (:mod:`.verdict`: w_IR cannot stand for them), RAG's
-token kept where it is x^{l'-l*} itself and threshold −0.1. The paper's rule as written is
-``function_word_gate=False, verdict_gate=None, rising_gate=False, threshold=0,
-plausibility_alpha=0.1, pr_skip=None`` (DoLa's α); the literal reading of Eq.
+kept without comparing (the authors' released decoder does so), RAG's token kept without
+comparing where either candidate is a verdict word (yes / no and negators; :mod:`.verdict`:
+w_IR cannot stand for them) or the pure model's is punctuation, RAG's token kept where it is
+x^{l'-l*} itself and threshold −0.1. The paper's rule as written is
+``function_word_gate=False, verdict_gate=None, rising_gate=False, punctuation_gate=False,
+threshold=0, plausibility_alpha=0.1, pr_skip=None`` (DoLa's α); the literal reading of Eq.
 14-15 adds ``min_fusion_layer=0, plausibility_alpha=None, lens_norm=False``.
 
 ``variant="reference"`` reproduces what the authors' released decoder does instead
@@ -61,10 +62,11 @@ DEFAULT_PLAUSIBILITY_ALPHA = 0.5
 #: (docs/results.md, "Punctuation out of p_R"); the paper keeps every retrieved token (None).
 DEFAULT_PR_SKIP = "punctuation"
 
-#: Where RAG's token is a verdict word (yes / no, a negator) it is kept without comparing: a
-#: verdict is inferred from the passage, not copied from it, so w_IR cannot stand for it. Fixed
-#: on the dev sets (docs/results.md, "Verdict words"); the paper compares there too (None).
-DEFAULT_VERDICT_GATE = "rag"
+#: Where either candidate is a verdict word (yes / no, a negator) RAG's token is kept without
+#: comparing: a verdict is inferred from the passage, not copied from it, so w_IR cannot stand
+#: for it, and the answer states RAG's verdict. Fixed on the dev sets (docs/results.md, "Verdict
+#: words", "`verdict_gate="either"` and the punctuation gate"); the paper compares there (None).
+DEFAULT_VERDICT_GATE = "either"
 
 #: Where Eq. 19 would drop RAG's token although it is x^{l'-l*} (the token RAG's layers after
 #: the fusion layer raised most among its plausible ones), RAG's token is kept: Eq. 19 then
@@ -73,9 +75,9 @@ DEFAULT_VERDICT_GATE = "rag"
 DEFAULT_RISING_GATE = True
 
 #: Where the pure model's token is punctuation, RAG's is kept without comparing (see
-#: ``punctuation_gate``). Off by default: measured in docs/results.md, "Punctuation of the
-#: pure model's"; the paper compares there (False).
-DEFAULT_PUNCTUATION_GATE = False
+#: ``punctuation_gate``). Fixed on the dev sets (docs/results.md, "`verdict_gate="either"` and
+#: the punctuation gate"); the paper compares there (False).
+DEFAULT_PUNCTUATION_GATE = True
 
 
 class TokRAG(Policy):
@@ -120,16 +122,16 @@ class TokRAG(Policy):
             Eq. 19 at every disagreement, the paper's loop.
         verdict_gate: paper variant: where a disagreement decides the answer's polarity, keep
             RAG's token without comparing (:mod:`.verdict`: w_IR, a mixture of retrieved
-            tokens, cannot stand for a verdict or a negation). ``"rag"`` (default, chosen on
-            the dev sets): where RAG's token is a verdict word; ``"either"``: where either
-            candidate is one (it overrides a pure-model "No" too); None: Eq. 19 decides (the
-            paper).
+            tokens, cannot stand for a verdict or a negation). ``"either"`` (default, chosen
+            on the dev sets): where either candidate is a verdict word (it overrides a
+            pure-model "No" too, so the answer states RAG's verdict); ``"rag"``: where RAG's
+            token is one; None: Eq. 19 decides (the paper).
         punctuation_gate: paper variant: where the pure model's token has no letter or digit
             (:func:`.vocab.punctuation_mask`) and RAG's differs, keep RAG's token without
             comparing: a punctuation token states nothing the pure model knows, so Eq. 19 can
             only change the answer's framing there (quoting the question instead of answering
-            it). The authors' gate does the same for RAG's punctuation. Default False (the
-            paper compares).
+            it). The authors' gate does the same for RAG's punctuation. Default True (chosen on
+            the dev sets); False: Eq. 19 decides (the paper).
         rising_gate: paper variant: where Eq. 19 would keep the pure model's token but RAG's
             token is x^{l'−l*} itself (of RAG's plausible tokens, the one its layers after the
             fusion layer l* raised most), keep RAG's token (default True, chosen on the dev

@@ -4,9 +4,11 @@ A yes/no verdict or a negation is the model's judgement *of* the retrieved text,
 word copied *from* it. Tok-RAG's retrieval embedding w_IR (Eq. 15-17) is a mixture of the
 embeddings of retrieved tokens, so it cannot stand for such a token, and Eq. 19 compares it
 against a vector that does not contain it: the comparison is biased against RAG's verdict
-whatever the passage says. ``TokRAG(verdict_gate="rag")``, the default, therefore keeps RAG's
-verdict word without comparing, the way the authors' function-word gate keeps RAG's function
-words (docs/results.md, "Verdict words"). A verdict word of the pure model's is still compared.
+whatever the passage says. ``TokRAG(verdict_gate="either")``, the default, therefore keeps
+RAG's token without comparing wherever either candidate is a verdict word, the way the
+authors' function-word gate keeps RAG's function words (docs/results.md, "Verdict words"):
+the answer states RAG's verdict. ``verdict_gate="rag"`` gates RAG's verdict words only and
+leaves a verdict word of the pure model's to Eq. 19.
 
 The list: the two verdict words of a yes/no answer and the single-word English negators (not,
 no, n't, never, nothing, none, nobody, neither, nor, cannot), plus the "'t" piece byte-level
