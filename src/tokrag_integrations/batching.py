@@ -12,7 +12,9 @@ finished call leaves at once and returns its result, the first call included; th
 go on. ``max_rows`` (context
 rows: two per Tok-RAG query, one per RAG query) and ``max_positions`` (rows times key/value
 positions the merged batch can reach) bound the memory: a call that does not fit waits for
-rows to free up. Calls with different settings (policy, its options, max_new_tokens, stop,
+rows to free up, and ``max_prefill_tokens`` what is prefilled at one step boundary: a
+burst of calls joins over several steps instead of stalling the decode for all of their
+prefills at once. Calls with different settings (policy, its options, max_new_tokens, stop,
 system prompt, budget) never share a decode. A stream (:meth:`MicroBatcher.stream`) joins
 like any call, its tokens handed on as they are chosen. Every call gets the
 tokens and decisions it gets alone (tests/integration/test_batching.py checks it on the
@@ -52,6 +54,12 @@ MAX_BATCH = 16
 #: in float32 (46 KB a position).
 MAX_ROWS = 32
 MAX_POSITIONS = 65536
+#: Default prompt tokens prefilled at one step boundary of a running decode (every context
+#: of every call admitted there): a burst of calls joins over several steps, so the calls
+#: already decoding are held up by at most about this much prefill at a time, and the first
+#: calls of a burst get their first token without waiting for the whole burst's prefill.
+#: The first call of a boundary is admitted whatever its size.
+MAX_PREFILL_TOKENS = 2048
 
 #: Per-call inputs (not settings): calls that differ only in these share a batch.
 _PER_CALL = ("messages", "rendered")
@@ -80,7 +88,7 @@ class _Request:
     #: The continuous decode's preparation of this call (``api._Prepared``), and the context
     #: rows and longest row it needs (computed once, checked at every step it waits).
     prepared: Any = None
-    need: tuple[int, int] | None = None
+    need: tuple[int, int, int] | None = None
     #: A stream's events, in order: a :class:`TokenEvent` per chosen token, then None once
     #: its result is set (None for a plain call).
     events: queue.SimpleQueue[TokenEvent | None] | None = None
@@ -109,12 +117,16 @@ class MicroBatcher:
         max_rows: int = MAX_ROWS,
         max_positions: int | None = MAX_POSITIONS,
         continuous: bool = True,
+        max_prefill_tokens: int | None = MAX_PREFILL_TOKENS,
     ) -> None:
         self.lm, self.wait_s, self.max_batch = lm, float(wait_s), int(max_batch)
         if int(max_rows) < 1 or (max_positions is not None and int(max_positions) < 1):
             raise ValueError(f"max_rows and max_positions must be >= 1, got {max_rows}, {max_positions}")
         self.max_rows = int(max_rows)
         self.max_positions = None if max_positions is None else int(max_positions)
+        if max_prefill_tokens is not None and int(max_prefill_tokens) < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1 or None, got {max_prefill_tokens}")
+        self.max_prefill_tokens = None if max_prefill_tokens is None else int(max_prefill_tokens)
         self.continuous = require_bool(continuous, "continuous")
         self._lock = threading.Lock()
         self._pending: dict[str, list[_Request]] = {}
@@ -362,6 +374,8 @@ class _Continuous:
             queued, self.run_.queue = self.run_.queue, []
         self.seen += queued
         waiting: list[_Request] = []
+        prefilled = 0  # prompt tokens admitted at this boundary
+        budget = self.b.max_prefill_tokens
         for r in queued:
             if waiting:  # keep the order: nobody overtakes a call that did not fit
                 waiting.append(r)
@@ -379,23 +393,28 @@ class _Continuous:
                 r.error = e
                 r.done.set()
                 continue
-            if not self._fits(r.need):
+            if not self._fits(r.need) or (
+                budget is not None and prefilled > 0 and prefilled + r.need[2] > budget
+            ):
                 waiting.append(r)
                 continue
+            prefilled += r.need[2]
             self._start(r, r.prepared)
         if waiting:
             with self.b._lock:
                 self.run_.queue = waiting + self.run_.queue
 
-    def _need(self, p: Any) -> tuple[int, int]:
-        """The context rows a prepared call adds and its longest context (positions)."""
+    def _need(self, p: Any) -> tuple[int, int, int]:
+        """The context rows a prepared call adds, its longest context and its prompt tokens
+        (positions)."""
         (group,) = p.groups
         pol = p.policies[group]
         pol.prepare(self.b.lm)
         contexts = pol.contexts(p.plans[0])
-        return len(contexts), max(len(c.ids) for c in contexts.values())
+        lengths = [len(c.ids) for c in contexts.values()]
+        return len(lengths), max(lengths), sum(lengths)
 
-    def _fits(self, need: tuple[int, int]) -> bool:
+    def _fits(self, need: tuple[int, int, int]) -> bool:
         rows, width = self._rows()
         if rows == 0:
             return True  # an empty decode takes any call, however large

@@ -41,8 +41,9 @@ def _fits(cont, /, **lengths):
     return cont._fits(cont._need(_prepared(**lengths)))
 
 
-def _continuous(max_rows=32, max_positions=None, rows=0, width=0, max_new_tokens=10):
-    b = MicroBatcher(object(), max_rows=max_rows, max_positions=max_positions)
+def _continuous(max_rows=32, max_positions=None, rows=0, width=0, max_new_tokens=10, max_prefill_tokens=None):
+    b = MicroBatcher(object(), max_rows=max_rows, max_positions=max_positions,
+                     max_prefill_tokens=max_prefill_tokens)
     c = _Continuous(b, "k", _Running(), {"max_new_tokens": max_new_tokens}, [])
     if rows:
         c.decoders["main"] = _FakeDecoder(rows, width)
@@ -102,7 +103,39 @@ def test_a_bad_call_gets_its_error_and_the_next_one_is_admitted(monkeypatch):
     assert started == ["good"]
 
 
-@pytest.mark.parametrize("kw", [{"max_rows": 0}, {"max_positions": 0}])
+def test_a_burst_is_admitted_a_prefill_budget_per_step(monkeypatch):
+    """With a budget of 2048 prompt tokens a boundary, calls of 1000 tokens join two at a
+    time, in order; the first call of a boundary is admitted even when it alone is over."""
+    c = _continuous(max_prefill_tokens=2048)
+    reqs = [_Request(f"q{i}", None, None) for i in range(5)]
+    for r in reqs:
+        r.prepared = _prepared(pure=100, rag=900) if r.query != "q4" else _prepared(pure=300, rag=3000)
+        r.need = c._need(r.prepared)
+    c.run_.queue = list(reqs)
+    started = []
+    monkeypatch.setattr(c, "_start", lambda r, p: started.append(r.query))
+    c._admit()
+    assert started == ["q0", "q1"] and c.run_.queue == reqs[2:]
+    c._admit()
+    assert started == ["q0", "q1", "q2", "q3"]
+    c._admit()
+    assert started[-1] == "q4" and c.run_.queue == []
+
+
+def test_no_prefill_budget_admits_every_call_that_fits(monkeypatch):
+    c = _continuous(max_prefill_tokens=None)
+    reqs = [_Request(f"q{i}", None, None) for i in range(4)]
+    for r in reqs:
+        r.prepared = _prepared(pure=100, rag=900)
+        r.need = c._need(r.prepared)
+    c.run_.queue = list(reqs)
+    started = []
+    monkeypatch.setattr(c, "_start", lambda r, p: started.append(r.query))
+    c._admit()
+    assert started == ["q0", "q1", "q2", "q3"]
+
+
+@pytest.mark.parametrize("kw", [{"max_rows": 0}, {"max_positions": 0}, {"max_prefill_tokens": 0}])
 def test_bounds_must_be_positive(kw):
     with pytest.raises(ValueError, match="must be >= 1"):
         MicroBatcher(object(), **kw)

@@ -83,6 +83,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     batching.add_argument("--max-positions", type=_positive_int, default=None,
                           help="most key/value positions a running decode may reach "
                                "(rows x (prompt + max_tokens); default 65536)")
+    batching.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
+                          help="most prompt tokens prefilled at one step of a running decode "
+                               "(default 2048): a burst of requests joins over several steps")
     batching.add_argument("--no-continuous-batching", dest="continuous", action="store_false",
                           help="a request arriving while a decode runs waits for it to finish "
                                "instead of joining it at the next step")
@@ -134,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         max_rows=args.max_rows,
         max_positions=args.max_positions,
         continuous=args.continuous,
+        max_prefill_tokens=args.max_prefill_tokens,
         store=args.store,
         dsn=args.dsn,
         table=args.table,

@@ -158,6 +158,7 @@ def create_app(
                 "streams_cut": svc.streams_cut,
                 "max_queue": cfg.max_queue, "pid": os.getpid(),
                 "batching": {"continuous": b.continuous, "max_rows": b.max_rows,
+                             "max_prefill_tokens": b.max_prefill_tokens,
                              "batches": b.batches, "batched_calls": b.batched_calls,
                              "joined_calls": b.joined_calls, "peak_rows": b.peak_rows}}
 

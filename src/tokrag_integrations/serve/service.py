@@ -58,6 +58,9 @@ class ServeConfig:
     continuous: bool = True
     """Requests that arrive while a decode runs join it at the next step (False: they wait
     for it to finish and decode as the next batch)."""
+    max_prefill_tokens: int | None = None
+    """Most prompt tokens prefilled at one step boundary of a running decode (None: the
+    micro-batcher's default); a burst of requests joins over several steps."""
     store: str | None = None
     """``"postgres"``: retrieve from an ingested table when a request has no documents."""
     dsn: str | None = None
@@ -124,6 +127,7 @@ class ChatService:
                 ("max_rows", c.max_rows),
                 ("max_positions", c.max_positions),
                 ("continuous", None if c.continuous else False),
+                ("max_prefill_tokens", c.max_prefill_tokens),
             )
             if value is not None
         }
