@@ -5,6 +5,7 @@
 
 Each setup is started as its own process through the real command line: ``process`` is
 ``tokrag serve`` (one model), ``process-batch`` the same with ``--no-continuous-batching``,
+``process-budget`` with a prefill budget per step (``--max-prefill-tokens 2048``),
 ``ray`` is ``tokrag serve --ray --replicas 2`` (two replicas, one torch thread each). Each client sends one chat completion after another (the packaged sample
 questions in turn, each with its BM25 top-3 passages from the sample documents as
 ``documents``, ``tokrag.policy`` set) and starts no new request after ``--duration`` seconds;
@@ -46,6 +47,8 @@ def start_server(setup: str, port: int, max_tokens: int, log: Path) -> subproces
         cmd += ["--ray", "--replicas", "2"]
     if setup == "process-batch":  # the micro-batcher without continuous batching
         cmd += ["--no-continuous-batching"]
+    if setup == "process-budget":  # continuous, at most 2048 prompt tokens prefilled a step
+        cmd += ["--max-prefill-tokens", "2048"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     out = log.open("w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,

@@ -12,9 +12,8 @@ finished call leaves at once and returns its result, the first call included; th
 go on. ``max_rows`` (context
 rows: two per Tok-RAG query, one per RAG query) and ``max_positions`` (rows times key/value
 positions the merged batch can reach) bound the memory: a call that does not fit waits for
-rows to free up, and ``max_prefill_tokens`` what is prefilled at one step boundary: a
-burst of calls joins over several steps instead of stalling the decode for all of their
-prefills at once. Calls with different settings (policy, its options, max_new_tokens, stop,
+rows to free up; ``max_prefill_tokens`` (no bound by default) what is prefilled at one step
+boundary, so that a burst of calls joins over several steps. Calls with different settings (policy, its options, max_new_tokens, stop,
 system prompt, budget) never share a decode. A stream (:meth:`MicroBatcher.stream`) joins
 like any call, its tokens handed on as they are chosen. Every call gets the
 tokens and decisions it gets alone (tests/integration/test_batching.py checks it on the
@@ -54,12 +53,13 @@ MAX_BATCH = 16
 #: in float32 (46 KB a position).
 MAX_ROWS = 32
 MAX_POSITIONS = 65536
-#: Default prompt tokens prefilled at one step boundary of a running decode (every context
-#: of every call admitted there): a burst of calls joins over several steps, so the calls
-#: already decoding are held up by at most about this much prefill at a time, and the first
-#: calls of a burst get their first token without waiting for the whole burst's prefill.
-#: The first call of a boundary is admitted whatever its size.
-MAX_PREFILL_TOKENS = 2048
+#: Default bound on the prompt tokens prefilled at one step boundary of a running decode
+#: (every context of every call admitted there; None: every call that fits). With a bound, a
+#: burst of calls joins over several steps: the first calls of the burst get their first
+#: token without waiting for the whole burst's prefill, at some cost in tokens/s
+#: (docs/results.md, "Streams in the continuous decode"). The first call of a boundary is
+#: admitted whatever its size.
+MAX_PREFILL_TOKENS: int | None = None
 
 #: Per-call inputs (not settings): calls that differ only in these share a batch.
 _PER_CALL = ("messages", "rendered")

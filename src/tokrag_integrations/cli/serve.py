@@ -85,7 +85,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                                "(rows x (prompt + max_tokens); default 65536)")
     batching.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
                           help="most prompt tokens prefilled at one step of a running decode "
-                               "(default 2048): a burst of requests joins over several steps")
+                               "(default: no bound): a burst of requests then joins over several "
+                               "steps, and its first requests get their first token sooner")
     batching.add_argument("--no-continuous-batching", dest="continuous", action="store_false",
                           help="a request arriving while a decode runs waits for it to finish "
                                "instead of joining it at the next step")
