@@ -31,7 +31,8 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTe
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
-from ..api import GenerationResult, astream_with_result, stream
+from .. import batching as _batching
+from ..api import GenerationResult
 from ..booleans import require_bool
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy
@@ -186,9 +187,9 @@ class TokRAGSynthesizer(_CallEvents, _TemplatePath, BaseSynthesizer):
         metadata_mode: which node metadata goes into the passage text (default
             ``MetadataMode.LLM``, as LlamaIndex's synthesizers; ``MetadataMode.NONE`` for
             the text alone).
-        batching: decode concurrent non-streaming calls (``asyncio.gather`` over ``aquery``,
-            threads) together as one batch (:mod:`tokrag_integrations.batching`); False
-            decodes them one at a time.
+        batching: decode concurrent calls (``asyncio.gather`` over ``aquery``, threads,
+            streamed answers included) together as one batch
+            (:mod:`tokrag_integrations.batching`); False decodes them one at a time.
         policy_options: the policy's options as a dict (e.g. ``{"pr_norm": "softmax"}``);
             checked by :func:`~tokrag_integrations.policies.get_policy`.
         **options: the load options of ``model`` (above); policy options given here still
@@ -336,7 +337,8 @@ class TokRAGSynthesizer(_CallEvents, _TemplatePath, BaseSynthesizer):
         metadata = sess.partial_metadata()
         event_id, prompt = self._llm_start(sess, call)
         try:
-            s = stream(self._lm, sess.query, call.passages, **self._gen_kwargs)
+            s = _batching.stream(self._lm, sess.query, call.passages, batching=self._batching,
+                                 **self._gen_kwargs)
         except BaseException as e:
             self._llm_error(event_id, e)
             raise
@@ -369,7 +371,9 @@ class TokRAGSynthesizer(_CallEvents, _TemplatePath, BaseSynthesizer):
         async def agen() -> AsyncGenerator[str, None]:
             event_id, prompt = self._llm_start(sess, last)
             try:
-                async for item in astream_with_result(lm, sess.query, last.passages, **kw):
+                async for item in _batching.astream_with_result(
+                    lm, sess.query, last.passages, batching=self._batching, **kw
+                ):
                     if isinstance(item, GenerationResult):
                         self._llm_end(sess, last, event_id, prompt, item)
                         metadata.update(sess.metadata())
