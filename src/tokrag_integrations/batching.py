@@ -26,10 +26,12 @@ collected together as one batch; calls arriving meanwhile form the next one.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -247,9 +249,11 @@ class MicroBatcher:
         settings = {k: v for k, v in kwargs.items() if k not in _PER_CALL}
         # The decode runs in a thread of its own: the first call returns when its own
         # answer is done, not when the last call that joined it is.
-        threading.Thread(
+        thread = threading.Thread(
             target=self._drive, args=(key, run, settings), name="tokrag-decode", daemon=True
-        ).start()
+        )
+        _DECODE_THREADS.add(thread)
+        thread.start()
 
     def _take(self, key: str, run: _Running, n: int | None = None) -> list[_Request]:
         """Up to ``n`` (None: all) queued calls; with none left the decode of ``key`` ends,
@@ -537,6 +541,19 @@ def _decode_batch(lm: LoadedModel, reqs: list[_Request], settings: dict[str, Any
 
 
 _BATCHERS_LOCK = threading.Lock()
+
+#: Decode threads that may still be running (see :func:`_join_decodes_at_exit`).
+_DECODE_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+@atexit.register
+def _join_decodes_at_exit() -> None:
+    """Wait for the decode threads before the interpreter shuts down. A call returns as soon
+    as its own answer is done, while its decode thread still finishes that step; a daemon
+    thread still inside a torch kernel at finalization aborts the process ("terminate called
+    without an active exception"), as :func:`.streams._stop_streams_at_exit` explains."""
+    for thread in list(_DECODE_THREADS):
+        thread.join(timeout=60)
 
 
 def batcher_for(lm: LoadedModel) -> MicroBatcher:
