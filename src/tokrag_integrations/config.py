@@ -24,6 +24,8 @@ variable                       default          meaning
 ``TOKRAG_PACKED_HEAD``         ``auto``         packed copy of the output head on CPU:
                                                 ``auto`` (when measured faster), ``on``, ``off``
 ``TOKRAG_PACKED_PREFILL``      on               prefill both contexts in one padded batch
+``TOKRAG_SPLIT_PREFILL``       on               on CPU, prefill a batch's queries a few at a
+                                                time, then merge them into one batch
 ``TOKRAG_PG_CONNECT_TIMEOUT``  5                seconds to wait for a Postgres connection
                                                 (rounded up to whole seconds, at least 1)
 ``TOKRAG_PG_DSN``              none             Postgres connection string; unset: the
@@ -36,7 +38,8 @@ variable                       default          meaning
                                                 bars (``tokrag -v`` does it for one run)
 ============================== ================ ==============================================
 
-Switches (``FUSE_CONTEXTS``, ``KERNEL_PLAN_CACHE``, ``PACKED_PREFILL``, ``VERBOSE``) take
+Switches (``FUSE_CONTEXTS``, ``KERNEL_PLAN_CACHE``, ``PACKED_PREFILL``, ``SPLIT_PREFILL``,
+``VERBOSE``) take
 ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` in any case; any other word is
 an error rather than a silent *yes*. ``XDG_CACHE_HOME`` and ``XDG_DATA_HOME`` (the
 freedesktop base folders) are read here too.
@@ -65,6 +68,7 @@ __all__ = [
     "pg_dsn",
     "pg_pool_size",
     "pg_pool_timeout",
+    "split_prefill",
     "stream_idle_timeout",
     "verbose",
     "xdg_cache_home",
@@ -83,6 +87,7 @@ PG_CONNECT_TIMEOUT = "TOKRAG_PG_CONNECT_TIMEOUT"
 PG_DSN = "TOKRAG_PG_DSN"
 PG_POOL_SIZE = "TOKRAG_PG_POOL_SIZE"
 PG_POOL_TIMEOUT = "TOKRAG_PG_POOL_TIMEOUT"
+SPLIT_PREFILL = "TOKRAG_SPLIT_PREFILL"
 STREAM_IDLE_TIMEOUT = "TOKRAG_STREAM_IDLE_TIMEOUT"
 VERBOSE = "TOKRAG_VERBOSE"
 
@@ -209,6 +214,11 @@ def kernel_plan_cache() -> bool:
 def packed_prefill() -> bool:
     """``$TOKRAG_PACKED_PREFILL`` (default on)."""
     return env_switch(PACKED_PREFILL, True)
+
+
+def split_prefill() -> bool:
+    """``$TOKRAG_SPLIT_PREFILL`` (default on)."""
+    return env_switch(SPLIT_PREFILL, True)
 
 
 def verbose() -> bool:

@@ -427,3 +427,60 @@ def test_a_batched_stream_refuses_bad_input_at_the_call(lm):
     with pytest.raises(ValueError, match="[Qq]uery|empty"):
         b.stream("   ", PS4[0], policy="tokrag", max_new_tokens=4)
     assert not b._running and not b._pending
+
+
+@pytest.mark.parametrize("policy", ["tokrag", "rag"])
+def test_queries_prefilled_apart_then_merged_get_their_tokens_alone(lm, solo, monkeypatch, policy):
+    """With every query prefilled on its own (the CPU default for long prompts) and merged
+    into one batch, each query gets its solo tokens and decisions; the merged batch is laid
+    out as a batch prefilled together (all pure rows, then all RAG rows)."""
+    from tokrag_integrations.accel import packed
+
+    if lm.model.device.type != "cpu":
+        pytest.skip("the split prefill applies on CPU")
+    monkeypatch.setattr(packed, "SPLIT_PREFILL_TOKENS", 1)  # one query per group
+    calls = []
+    real = packed.prefill_roles
+
+    def spy(roles, per_query, *a, **k):
+        calls.append(len(per_query))
+        return real(roles, per_query, *a, **k)
+
+    monkeypatch.setattr(packed, "prefill_roles", spy)
+    pol = get_policy(policy)
+    per_query, roles = role_setup(lm, _plans(lm), pol)
+    with torch.inference_mode():
+        ready = accel.prefill(roles, per_query, lm, pol)
+    assert calls == [1, 1, 1]
+    (batch,) = ready.batches.values()
+    assert batch.query_idx == [q for _ in roles for q in range(3)]
+    calls.clear()
+    qs = QS4 if policy == "tokrag" else QS
+    out = generate_batch(lm, qs, PS4[: len(qs)], policy=policy, max_new_tokens=N_TOKENS)
+    assert calls == [1] * len(qs)
+    for b, one in zip(out, solo[policy], strict=True):
+        assert b.token_ids == one.token_ids
+        assert [(s.source, s.signals.get("benefit"), s.signals.get("l_star")) for s in b.trace.steps] == [
+            (s.source, s.signals.get("benefit"), s.signals.get("l_star")) for s in one.trace.steps
+        ]
+
+
+def test_split_prefill_switch_prefills_the_batch_together(lm, monkeypatch):
+    """``TOKRAG_SPLIT_PREFILL=0`` prefills a batch's queries in one padded pass."""
+    from tokrag_integrations.accel import packed
+
+    monkeypatch.setattr(packed, "SPLIT_PREFILL_TOKENS", 1)
+    monkeypatch.setenv("TOKRAG_SPLIT_PREFILL", "0")
+    calls = []
+    real = packed.prefill_roles
+
+    def spy(roles, per_query, *a, **k):
+        calls.append(len(per_query))
+        return real(roles, per_query, *a, **k)
+
+    monkeypatch.setattr(packed, "prefill_roles", spy)
+    pol = get_policy("tokrag")
+    per_query, roles = role_setup(lm, _plans(lm), pol)
+    with torch.inference_mode():
+        accel.prefill(roles, per_query, lm, pol)
+    assert calls == [3]

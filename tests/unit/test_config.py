@@ -18,7 +18,7 @@ NAMES = sorted(v for k, v in vars(config).items() if k.isupper() and isinstance(
 def test_every_variable_is_in_the_docstring_table():
     table = set(re.findall(r"^``(TOKRAG_[A-Z_]+)``", config.__doc__, flags=re.M))
     assert table == set(NAMES)
-    assert len(NAMES) == 14
+    assert len(NAMES) == 15
 
 
 def test_no_other_module_reads_the_environment():
@@ -45,6 +45,7 @@ def test_defaults_when_unset_or_empty(monkeypatch):
     assert config.cache_dir() is None and config.data_dir() is None
     assert config.cpu_kernels() == "auto" and config.packed_head() == "auto"
     assert config.fuse_contexts() and config.packed_prefill() and config.kernel_plan_cache()
+    assert config.split_prefill()
     assert not config.verbose()
     assert config.pg_connect_timeout() == 5 and config.pg_pool_size() == 10
     assert config.pg_pool_timeout() == 30.0 and config.stream_idle_timeout() == 30.0

@@ -200,6 +200,21 @@ def test_left_padded_layer_holds_what_cat_gives():
     assert k.shape == (3, 3, 10, 4) and torch.equal(k[:, :, :9], want_k)
 
 
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4], [1, 2, 4], [4, 0, 3], [2]])
+@pytest.mark.parametrize("start", [0, 3])
+def test_kept_rows_hold_what_indexing_gives_and_keep_growing(rows, start):
+    k, v = torch.randn(5, 3, 9, 4), torch.randn(5, 3, 9, 4)
+    layer = GrowableLayer()
+    layer.update(k, v)
+    layer.keep_rows(torch.tensor(rows), start)
+    assert torch.equal(layer.keys, k[rows, :, start:]) and torch.equal(layer.values, v[rows, :, start:])
+    assert layer.get_seq_length() == 9 - start
+    new_k, new_v = torch.randn(len(rows), 3, 1, 4), torch.randn(len(rows), 3, 1, 4)
+    got_k, got_v = layer.update(new_k, new_v)
+    assert torch.equal(got_k, torch.cat([k[rows, :, start:], new_k], 2))
+    assert torch.equal(got_v, torch.cat([v[rows, :, start:], new_v], 2))
+
+
 def _head(n=2048, k=64, bias=False):
     head = torch.nn.Linear(k, n, bias=bias)
     setattr(head, K._HEAD_OK, True)

@@ -112,9 +112,28 @@ class GrowableLayer(DynamicLayer):
 
     def keep_rows(self, rows: torch.Tensor, start: int = 0) -> None:
         """Keep only batch rows ``rows`` (in that order), from position ``start`` on (the
-        positions before it must be padding in every kept row): one copy of what is kept."""
-        if self.get_seq_length() > 0:
-            self._reindex(self.keys[rows, ..., start:, :], self.values[rows, ..., start:, :])
+        positions before it must be padding in every kept row): what is kept is copied once,
+        run by run of consecutive rows, into a new buffer with spare capacity."""
+        if self.get_seq_length() == 0:
+            return
+        keys, values = self.keys, self.values
+        n = self._n - start
+        cap = n + max(MIN_SPARE, int(n * SPARE_SHARE))
+        kbuf = keys.new_empty((len(rows), *keys.shape[1:-2], cap, keys.shape[-1]))
+        vbuf = values.new_empty((len(rows), *values.shape[1:-2], cap, values.shape[-1]))
+        order = [int(r) for r in rows]
+        i = 0
+        while i < len(order):
+            j = i + 1
+            while j < len(order) and order[j] == order[j - 1] + 1:
+                j += 1
+            a = order[i]
+            kbuf[i:j, ..., :n, :] = keys[a : a + j - i, ..., start:, :]
+            vbuf[i:j, ..., :n, :] = values[a : a + j - i, ..., start:, :]
+            i = j
+        self._kbuf, self._vbuf, self._n = kbuf, vbuf, n
+        self.keys = kbuf[..., :n, :]
+        self.values = vbuf[..., :n, :]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.get_seq_length() > 0:

@@ -288,6 +288,9 @@ def prefill(
     if packed is not None:
         rows = {role: {0: (packed, r)} for r, role in enumerate(roles)}
         return Prefilled({packed.role: packed}, rows, fused=True, packed=True)
+    split = split_prefill(roles, per_query, lm, policy, fuse)
+    if split is not None:
+        return split
     batches = prefill_roles(roles, per_query, lm, policy.probe_roles)
     reused = reused_seconds(batches)
     fused = fuse_batches(list(batches.values())) if fuse else None
@@ -299,6 +302,85 @@ def prefill(
         rows[role] = {q: (fused, start + r) for r, q in enumerate(b.query_idx)}
         start += len(b.query_idx)
     return Prefilled({fused.role: fused}, rows, fused=True, reused_s=reused)
+
+
+#: On CPU a batch's queries are prefilled in groups of at most this many prompt positions
+#: (queries × the group's longest prompt; a longer query is a group of its own), then merged
+#: into one batch: a padded many-prompt pass costs more per query than one prompt at a time
+#: there (docs/results.md, "Prefill a few prompts at a time").
+SPLIT_PREFILL_TOKENS = 512
+
+
+def prefill_groups(
+    per_query: Sequence[dict[str, ContextSpec]], tokens: int | None = None
+) -> list[list[int]]:
+    """Consecutive queries in groups whose padded prompt positions (queries × longest
+    prompt) stay within ``tokens`` (default :data:`SPLIT_PREFILL_TOKENS`); every group holds
+    at least one query."""
+    tokens = SPLIT_PREFILL_TOKENS if tokens is None else tokens
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for q, contexts in enumerate(per_query):
+        n = max((len(s.ids) for s in contexts.values()), default=0)
+        if cur and (len(cur) + 1) * max(longest, n) > tokens:
+            groups.append(cur)
+            cur, longest = [], 0
+        cur.append(q)
+        longest = max(longest, n)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def split_prefill(
+    roles: Sequence[str],
+    per_query: Sequence[dict[str, ContextSpec]],
+    lm: LoadedModel,
+    policy: Policy,
+    fuse: bool,
+) -> Prefilled | None:
+    """The prefill of several queries on CPU as :func:`prefill_groups` groups, each prefilled
+    on its own (:func:`..engine.prefill.prefill_roles`), then merged: every role into one
+    batch with :func:`fuse_batches`, all roles into one where ``fuse``, roles in ``roles``
+    order (a fused batch is all pure rows, then all RAG rows, as when prefilled together).
+    Every row computes what it computes in a prefill of its own query. None where it does
+    not apply (``TOKRAG_SPLIT_PREFILL=0``, not on CPU, one group, or batches that cannot be
+    merged): the caller prefills the queries as one batch."""
+    if not config.split_prefill() or lm.model.device.type != "cpu":
+        return None
+    groups = prefill_groups(per_query)
+    if len(groups) < 2:
+        return None
+    parts: dict[str, list[RoleBatch]] = {role: [] for role in roles}
+    reused = 0.0
+    for g in groups:
+        here = [r for r in roles if any(r in per_query[q] for q in g)]
+        batches = prefill_roles(here, [per_query[q] for q in g], lm, policy.probe_roles)
+        reused += reused_seconds(batches)
+        for role, b in batches.items():
+            b.query_idx = [g[q] for q in b.query_idx]  # rebound, never written in place
+            parts[role].append(b)
+    merged: dict[str, RoleBatch] = {}
+    for role in roles:
+        bs = parts[role]
+        if not bs:
+            continue
+        one = bs[0] if len(bs) == 1 else fuse_batches(bs)
+        if one is None:
+            return None
+        one.role = role
+        merged[role] = one
+    if fuse and len(merged) > 1:
+        fused = fuse_batches(list(merged.values()))
+        if fused is not None:
+            rows: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
+            start = 0
+            for role, b in merged.items():
+                rows[role] = {q: (fused, start + r) for r, q in enumerate(b.query_idx)}
+                start += len(b.query_idx)
+            return Prefilled({fused.role: fused}, rows, fused=True, reused_s=reused)
+    return Prefilled(merged, row_map(merged), reused_s=reused)
 
 
 def join_batches(running: RoleBatch, new: RoleBatch) -> RoleBatch | None:
