@@ -431,33 +431,39 @@ def test_a_batched_stream_refuses_bad_input_at_the_call(lm):
 
 @pytest.mark.parametrize("policy", ["tokrag", "rag"])
 def test_queries_prefilled_apart_then_merged_get_their_tokens_alone(lm, solo, monkeypatch, policy):
-    """With every query prefilled on its own (the CPU default for long prompts) and merged
-    into one batch, each query gets its solo tokens and decisions; the merged batch is laid
-    out as a batch prefilled together (all pure rows, then all RAG rows)."""
+    """With every query prefilled on its own (the CPU default for long prompts: one packed
+    sequence for Tok-RAG's two contexts) and merged into one batch, each query gets its solo
+    tokens and decisions; the merged batch is laid out as a batch prefilled together (all
+    pure rows, then all RAG rows)."""
     from tokrag_integrations.accel import packed
 
     if lm.model.device.type != "cpu":
         pytest.skip("the split prefill applies on CPU")
     monkeypatch.setattr(packed, "SPLIT_PREFILL_TOKENS", 1)  # one query per group
     calls = []
-    real = packed.prefill_roles
+    for name in ("prefill_roles", "prefill_packed"):
+        real = getattr(packed, name)
 
-    def spy(roles, per_query, *a, **k):
-        calls.append(len(per_query))
-        return real(roles, per_query, *a, **k)
+        def spy(roles, per_query, *a, _real=real, _name=name, **k):
+            got = _real(roles, per_query, *a, **k)
+            calls.append((_name, len(per_query), got is not None))
+            return got
 
-    monkeypatch.setattr(packed, "prefill_roles", spy)
+        monkeypatch.setattr(packed, name, spy)
     pol = get_policy(policy)
     per_query, roles = role_setup(lm, _plans(lm), pol)
     with torch.inference_mode():
         ready = accel.prefill(roles, per_query, lm, pol)
-    assert calls == [1, 1, 1]
+    made = [(name, n) for name, n, ok in calls if ok]
+    want = "prefill_packed" if policy == "tokrag" else "prefill_roles"
+    assert made == [(want, 1)] * 3
     (batch,) = ready.batches.values()
     assert batch.query_idx == [q for _ in roles for q in range(3)]
+    assert [ready.rows[role][q][1] for role in roles for q in range(3)] == list(range(3 * len(roles)))
     calls.clear()
     qs = QS4 if policy == "tokrag" else QS
     out = generate_batch(lm, qs, PS4[: len(qs)], policy=policy, max_new_tokens=N_TOKENS)
-    assert calls == [1] * len(qs)
+    assert [(name, n) for name, n, ok in calls if ok] == [(want, 1)] * len(qs)
     for b, one in zip(out, solo[policy], strict=True):
         assert b.token_ids == one.token_ids
         assert [(s.source, s.signals.get("benefit"), s.signals.get("l_star")) for s in b.trace.steps] == [

@@ -38,7 +38,20 @@ def fuse_batches(batches: Sequence[RoleBatch]) -> RoleBatch | None:
     rounding of a different kernel. Returns None where rows cannot share a batch: caches
     that are not full-attention (sliding windows), or roles probed differently.
     """
-    if len(batches) < 2 or len({b.probe for b in batches}) != 1:
+    if len(batches) < 2:
+        return None
+    fused = fuse_rows([(b, r) for b in batches for r in range(len(b.query_idx))])
+    if fused is not None:
+        fused.role = "+".join(b.role for b in batches)
+    return fused
+
+
+def fuse_rows(rows: Sequence[tuple[RoleBatch, int]]) -> RoleBatch | None:
+    """One batch holding the given rows of prefilled batches, in that order (each ``(batch,
+    row)``), left-padded to the longest as in :func:`fuse_batches`; each row's keys and
+    values are copied once. None where they cannot share a batch (see there)."""
+    batches = list({id(b): b for b, _ in rows}.values())
+    if not rows or len({b.probe for b in batches}) != 1:
         return None
     if any(not is_full_layer(layer) for b in batches for layer in b.cache.layers):
         return None
@@ -48,10 +61,10 @@ def fuse_batches(batches: Sequence[RoleBatch]) -> RoleBatch | None:
     n = max(b.mask.shape[1] for b in batches)
     fused = object.__new__(RoleBatch)
     fused.__dict__.update(first.__dict__)
-    fused.role = "+".join(b.role for b in batches)
-    fused.query_idx = [q for b in batches for q in b.query_idx]
-    fused.specs = [s for b in batches for s in b.specs]
-    fused.pad = [p + n - b.mask.shape[1] for b in batches for p in b.pad]
+    fused.role = "+".join(dict.fromkeys(b.role for b in batches))
+    fused.query_idx = [b.query_idx[r] for b, r in rows]
+    fused.specs = [b.specs[r] for b, r in rows]
+    fused.pad = [b.pad[r] + n - b.mask.shape[1] for b, r in rows]
 
     def left(x: torch.Tensor, extra: int, value: float, dim: int) -> torch.Tensor:
         if not extra:
@@ -60,22 +73,32 @@ def fuse_batches(batches: Sequence[RoleBatch]) -> RoleBatch | None:
         shape[dim] = extra
         return torch.cat([x.new_full(shape, value), x], dim=dim)
 
+    # Runs of consecutive rows of one batch are taken as one slice.
+    runs: list[tuple[RoleBatch, int, int]] = []
+    for b, r in rows:
+        if runs and runs[-1][0] is b and runs[-1][2] == r:
+            runs[-1] = (b, runs[-1][1], r + 1)
+        else:
+            runs.append((b, r, r + 1))
     fused.ids = torch.cat(
-        [left(b.ids, n - b.mask.shape[1], first.lm.pad_token_id, 1) for b in batches]
+        [left(b.ids[a:e], n - b.mask.shape[1], first.lm.pad_token_id, 1) for b, a, e in runs]
     )
-    fused.mask = torch.cat([left(b.mask, n - b.mask.shape[1], 0, 1) for b in batches])
-    fused.logits = torch.cat([b.logits for b in batches])
+    fused.mask = torch.cat([left(b.mask[a:e], n - b.mask.shape[1], 0, 1) for b, a, e in runs])
+    fused.logits = torch.cat([b.logits[a:e] for b, a, e in runs])
     cache = new_cache(first.lm.model)
     for i, layer in enumerate(cache.layers):
         if not isinstance(layer, GrowableLayer):  # pragma: no cover - guarded above
             return None
-        # Each role's cache covers its mask (a fresh prefill: the mask's length).
+        # Each batch's cache covers its mask (a fresh prefill: the mask's length).
         layer.set_left_padded(
-            [b.cache.layers[i].keys for b in batches], [b.cache.layers[i].values for b in batches]
+            [b.cache.layers[i].keys[a:e] for b, a, e in runs],
+            [b.cache.layers[i].values[a:e] for b, a, e in runs],
         )
     fused.cache = cache
     if first.probe:
-        fused.records = ProbeRecord.cat([b.records for b in batches])  # type: ignore[misc]
+        fused.records = ProbeRecord.cat(
+            [b.records.select(list(range(a, e))) for b, a, e in runs]  # type: ignore[union-attr]
+        )
     return fused
 
 
@@ -341,45 +364,53 @@ def split_prefill(
     fuse: bool,
 ) -> Prefilled | None:
     """The prefill of several queries on CPU as :func:`prefill_groups` groups, each prefilled
-    on its own (:func:`..engine.prefill.prefill_roles`), then merged: every role into one
-    batch with :func:`fuse_batches`, all roles into one where ``fuse``, roles in ``roles``
-    order (a fused batch is all pure rows, then all RAG rows, as when prefilled together).
-    Every row computes what it computes in a prefill of its own query. None where it does
-    not apply (``TOKRAG_SPLIT_PREFILL=0``, not on CPU, one group, or batches that cannot be
-    merged): the caller prefills the queries as one batch."""
+    on its own, then merged (:func:`fuse_rows`): every role into one batch, all roles into
+    one where ``fuse``, in ``roles`` order (a fused batch is all pure rows, then all RAG
+    rows, as when prefilled together). A query alone in its group is prefilled as one packed
+    sequence where that applies (:func:`prefill_packed`, then unpacked into rows), else with
+    :func:`..engine.prefill.prefill_roles`. Every row computes what it computes in a prefill
+    of its own query. None where it does not apply (``TOKRAG_SPLIT_PREFILL=0``, not on CPU,
+    one group, or rows that cannot be merged): the caller prefills the queries as one batch."""
     if not config.split_prefill() or lm.model.device.type != "cpu":
         return None
     groups = prefill_groups(per_query)
     if len(groups) < 2:
         return None
-    parts: dict[str, list[RoleBatch]] = {role: [] for role in roles}
+    entries: dict[str, list[tuple[RoleBatch, int]]] = {role: [] for role in roles}
     reused = 0.0
     for g in groups:
         here = [r for r in roles if any(r in per_query[q] for q in g)]
+        one = None
+        if fuse and len(g) == 1:
+            one = prefill_packed(here, [per_query[g[0]]], lm, policy.probe_roles)
+        if isinstance(one, _PackedBatch) and all(isinstance(x, GrowableLayer) for x in one.cache.layers):
+            rows = one.unpacked()
+            rows.query_idx = [g[0]] * len(here)
+            for r, role in enumerate(here):
+                entries[role].append((rows, r))
+            continue
         batches = prefill_roles(here, [per_query[q] for q in g], lm, policy.probe_roles)
         reused += reused_seconds(batches)
         for role, b in batches.items():
             b.query_idx = [g[q] for q in b.query_idx]  # rebound, never written in place
-            parts[role].append(b)
-    merged: dict[str, RoleBatch] = {}
-    for role in roles:
-        bs = parts[role]
-        if not bs:
-            continue
-        one = bs[0] if len(bs) == 1 else fuse_batches(bs)
-        if one is None:
-            return None
-        one.role = role
-        merged[role] = one
-    if fuse and len(merged) > 1:
-        fused = fuse_batches(list(merged.values()))
+            entries[role] += [(b, r) for r in range(len(b.query_idx))]
+    used = [role for role in roles if entries[role]]
+    if fuse and len(used) > 1:
+        fused = fuse_rows([e for role in used for e in entries[role]])
         if fused is not None:
-            rows: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
+            out: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
             start = 0
-            for role, b in merged.items():
-                rows[role] = {q: (fused, start + r) for r, q in enumerate(b.query_idx)}
-                start += len(b.query_idx)
-            return Prefilled({fused.role: fused}, rows, fused=True, reused_s=reused)
+            for role in used:
+                out[role] = {b.query_idx[r]: (fused, start + i) for i, (b, r) in enumerate(entries[role])}
+                start += len(entries[role])
+            return Prefilled({fused.role: fused}, out, fused=True, reused_s=reused)
+    merged: dict[str, RoleBatch] = {}
+    for role in used:
+        one_role = fuse_rows(entries[role])
+        if one_role is None:
+            return None
+        one_role.role = role
+        merged[role] = one_role
     return Prefilled(merged, row_map(merged), reused_s=reused)
 
 
