@@ -204,6 +204,7 @@ def prefill_packed(
     per_query: Sequence[dict[str, ContextSpec]],
     lm: LoadedModel,
     probe_roles: frozenset[str] | set[str],
+    shared: bool = False,
 ) -> RoleBatch | None:
     """Prefill one query's two contexts in one forward pass, as one packed sequence that is
     then decoded in one pass per step (:class:`_PackedBatch`; rows in ``roles`` order).
@@ -214,7 +215,8 @@ def prefill_packed(
     products by :func:`.cpu_kernels.few_query_attention`). Costs about what prefilling the
     longer prompt alone does: the short part rides in a pass that is compute-bound, instead
     of a pass of its own that reads every weight. Returns None where this does not apply
-    (not one query with two contexts, a shared-prefill store active, attention other than
+    (not one query with two contexts, a shared-prefill store active unless ``shared``
+    (the batch is not offered to it), attention other than
     this package's CPU path, caches that are not full attention, sliding-window layers,
     retrieved positions in the
     shorter prompt past the shared head, ``TOKRAG_PACKED_PREFILL=0``).
@@ -223,7 +225,7 @@ def prefill_packed(
 
     if len(per_query) != 1 or len(roles) != 2 or not packed_prefill_enabled():
         return None
-    if _SHARED_PREFILL.get() is not None:
+    if _SHARED_PREFILL.get() is not None and not shared:
         return None
     if getattr(lm.model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         return None
@@ -382,7 +384,10 @@ def split_prefill(
         here = [r for r in roles if any(r in per_query[q] for q in g)]
         one = None
         if fuse and len(g) == 1:
-            one = prefill_packed(here, [per_query[g[0]]], lm, policy.probe_roles)
+            # Packed even inside the harness's shared-prefill store (``shared``): its rows are
+            # then not offered to the other policies, which prefill their own (each policy
+            # is charged its own prefill either way).
+            one = prefill_packed(here, [per_query[g[0]]], lm, policy.probe_roles, shared=True)
         if isinstance(one, _PackedBatch) and all(isinstance(x, GrowableLayer) for x in one.cache.layers):
             rows = one.unpacked()
             rows.query_idx = [g[0]] * len(here)
