@@ -22,6 +22,11 @@ MIN_SPARE = 128
 SPARE_SHARE = 0.25
 
 
+def _capacity(need: int) -> int:
+    """Positions to allocate for ``need`` positions: the need plus its spare."""
+    return need + max(MIN_SPARE, int(need * SPARE_SHARE))
+
+
 class GrowableLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys/values are views of a buffer with spare capacity."""
 
@@ -32,7 +37,7 @@ class GrowableLayer(DynamicLayer):
         self._n = 0
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
-        cap = need + max(MIN_SPARE, int(need * SPARE_SHARE))
+        cap = _capacity(need)
         kshape = (*key_states.shape[:-2], cap, key_states.shape[-1])
         vshape = (*value_states.shape[:-2], cap, value_states.shape[-1])
         kbuf = key_states.new_empty(kshape)
@@ -93,7 +98,7 @@ class GrowableLayer(DynamicLayer):
         self.lazy_initialization(keys[0], values[0])
         n = max(k.shape[-2] for k in keys)
         rows = sum(k.shape[0] for k in keys)
-        cap = n + max(MIN_SPARE, int(n * SPARE_SHARE))
+        cap = _capacity(n)
         k0, v0 = keys[0], values[0]
         kbuf = k0.new_empty((rows, *k0.shape[1:-2], cap, k0.shape[-1]))
         vbuf = v0.new_empty((rows, *v0.shape[1:-2], cap, v0.shape[-1]))
@@ -118,7 +123,7 @@ class GrowableLayer(DynamicLayer):
             return
         keys, values = self.keys, self.values
         n = self._n - start
-        cap = n + max(MIN_SPARE, int(n * SPARE_SHARE))
+        cap = _capacity(n)
         kbuf = keys.new_empty((len(rows), *keys.shape[1:-2], cap, keys.shape[-1]))
         vbuf = values.new_empty((len(rows), *values.shape[1:-2], cap, values.shape[-1]))
         order = [int(r) for r in rows]

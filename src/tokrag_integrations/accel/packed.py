@@ -321,12 +321,21 @@ def prefill(
     fused = fuse_batches(list(batches.values())) if fuse else None
     if fused is None:
         return Prefilled(batches, row_map(batches), reused_s=reused)
-    rows = {}
+    counts = [(role, len(b.query_idx)) for role, b in batches.items()]
+    return Prefilled({fused.role: fused}, _fused_row_map(fused, counts), fused=True, reused_s=reused)
+
+
+def _fused_row_map(
+    fused: RoleBatch, counts: Sequence[tuple[str, int]]
+) -> dict[str, dict[int, tuple[RoleBatch, int]]]:
+    """role -> query -> (``fused``, row) for a batch whose rows are ``counts``' roles in order,
+    each role's rows in a run (``(role, number of rows)``)."""
+    out: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
     start = 0
-    for role, b in batches.items():
-        rows[role] = {q: (fused, start + r) for r, q in enumerate(b.query_idx)}
-        start += len(b.query_idx)
-    return Prefilled({fused.role: fused}, rows, fused=True, reused_s=reused)
+    for role, n in counts:
+        out[role] = {q: (fused, start + i) for i, q in enumerate(fused.query_idx[start : start + n])}
+        start += n
+    return out
 
 
 #: On CPU a batch's queries are prefilled in groups of at most this many prompt positions
@@ -388,7 +397,7 @@ def split_prefill(
             # then not offered to the other policies, which prefill their own (each policy
             # is charged its own prefill either way).
             one = prefill_packed(here, [per_query[g[0]]], lm, policy.probe_roles, shared=True)
-        if isinstance(one, _PackedBatch) and all(isinstance(x, GrowableLayer) for x in one.cache.layers):
+        if isinstance(one, _PackedBatch):  # its cache layers are GrowableLayers
             rows = one.unpacked()
             rows.query_idx = [g[0]] * len(here)
             for r, role in enumerate(here):
@@ -403,12 +412,8 @@ def split_prefill(
     if fuse and len(used) > 1:
         fused = fuse_rows([e for role in used for e in entries[role]])
         if fused is not None:
-            out: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
-            start = 0
-            for role in used:
-                out[role] = {b.query_idx[r]: (fused, start + i) for i, (b, r) in enumerate(entries[role])}
-                start += len(entries[role])
-            return Prefilled({fused.role: fused}, out, fused=True, reused_s=reused)
+            counts = [(role, len(entries[role])) for role in used]
+            return Prefilled({fused.role: fused}, _fused_row_map(fused, counts), fused=True, reused_s=reused)
     merged: dict[str, RoleBatch] = {}
     for role in used:
         one_role = fuse_rows(entries[role])
