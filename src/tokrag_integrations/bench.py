@@ -11,7 +11,7 @@ two positions per step; several queries as one batch), with wall time per questi
 generated token, peak memory, the counts (agreement rate, disagreement steps per answer,
 tokens per block), whether the fast arms gave exactly the tokens and decisions of
 ``tokrag-step``, and the ratios.
-``--throughput 1,4,16`` adds tokens/s with that many queries decoded as one batch.
+``--throughput 1,4,16`` adds tokens/s and questions/s with that many queries decoded as one batch.
 
 Timing interleaves the policies question by question (rotating their order) so that drift in
 machine load affects all of them alike. Peak memory is measured in a fresh subprocess per
@@ -307,7 +307,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-questions", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.add_argument(
-        "--throughput", default="", help="comma list of batch sizes for tokens/s, e.g. 1,4,16"
+        "--throughput", default="", help="comma list of batch sizes for tokens/s and questions/s, e.g. 1,4,16"
     )
     p.add_argument(
         "--throughput-only",

@@ -172,15 +172,24 @@ def _throughput_lines(tp: dict[str, Any]) -> list[str]:
             )
             + " |"
         )
-    for name, v in tp["ratios"].items():
+    for name, v in tp["arms"].items():
         lines.append(
-            f"| {name}, per round: median [min, max] | "
+            f"| {name}, questions / s | "
             + " | ".join(
-                f"{v[str(n)]['median']:.3f} [{v[str(n)]['min']:.2f}, {v[str(n)]['max']:.2f}]"
-                if str(n) in v
-                else "n/a"
-                for n in sizes
+                f"{v[str(n)].get('questions_per_s', nan):.2f}" if str(n) in v else "n/a" for n in sizes
             )
             + " |"
         )
+    for label, key in (("", "ratios"), (" of questions / s", "question_ratios")):
+        for name, v in (tp.get(key) or {}).items():
+            lines.append(
+                f"| {name}{label}, per round: median [min, max] | "
+                + " | ".join(
+                    f"{v[str(n)]['median']:.3f} [{v[str(n)]['min']:.2f}, {v[str(n)]['max']:.2f}]"
+                    if str(n) in v
+                    else "n/a"
+                    for n in sizes
+                )
+                + " |"
+            )
     return lines

@@ -27,10 +27,14 @@ def _throughput(
     The arms are interleaved: each round runs every batch size, and at each size every arm
     on the same ``n`` questions (the next ``n`` of ``items`` per round), in an order rotated
     from one size and round to the next, so that drift in machine load falls on all arms
-    alike. Returns ``{"rounds", "arms": {arm: {n: {"tokens_per_s", "per_round"}}}, "ratios":
-    {"arm / rag": {n: {"median", "min", "max"}}}}``: tokens/s over all rounds (total tokens
-    / total seconds), each round's tokens/s, and the per-round ratio of tokens/s to ``rag``'s
-    (measured side by side) with its median and spread.
+    alike. Returns ``{"rounds", "arms": {arm: {n: {"tokens_per_s", "per_round",
+    "decode_tokens_per_s", "questions_per_s"}}}, "ratios": {"arm / rag": {n: {"median", "min",
+    "max"}}}, "question_ratios": {"arm / rag": {n: ...}}}``: tokens/s over all rounds (total
+    tokens / total seconds), each round's tokens/s, the decode loop's tokens/s, answered
+    questions per second, and the per-round ratio to ``rag``'s (measured side by side), with
+    its median and spread, of tokens/s and of questions/s. The two ratios differ where the
+    arms' answers differ in length: tokens/s counts a shorter answer as less work done, and
+    questions/s counts every answer as one.
     """
     from tqdm.auto import tqdm
 
@@ -74,23 +78,26 @@ def _throughput(
                 # Tokens per second of the decode loop alone (prefill excluded): with short
                 # answers the prefill dominates, and tokens/s then rewards long answers.
                 "decode_tokens_per_s": sum(t for t, _ in v) / sum(decode[name][n]),
+                "questions_per_s": n * len(v) / sum(d for _, d in v),
             }
             for n, v in per.items()
         }
     if "rag" in raw:
+        out["question_ratios"] = {}
         for name in arms:
             if name == "rag":
                 continue
-            ratios = {}
+            per_token, per_question = {}, {}
             for n in sizes:
-                rr = [
-                    (t / d) / (tr / dr)
-                    for (t, d), (tr, dr) in zip(raw[name][n], raw["rag"][n], strict=True)
-                ]
-                ratios[str(n)] = {
-                    "median": statistics.median(rr),
-                    "min": min(rr),
-                    "max": max(rr),
-                }
-            out["ratios"][f"{name} / rag"] = ratios
+                pairs = list(zip(raw[name][n], raw["rag"][n], strict=True))
+                per_token[str(n)] = _spread([(t / d) / (tr / dr) for (t, d), (tr, dr) in pairs])
+                # The same n questions in both arms: the ratio of questions/s is rag's seconds
+                # over this arm's.
+                per_question[str(n)] = _spread([dr / d for (_, d), (_, dr) in pairs])
+            out["ratios"][f"{name} / rag"] = per_token
+            out["question_ratios"][f"{name} / rag"] = per_question
     return out
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}

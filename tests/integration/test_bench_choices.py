@@ -45,3 +45,5 @@ def test_throughput_on_the_real_model(lm):
         for n in ("1", "2"):
             assert out["arms"][arm][n]["tokens_per_s"] > 0
             assert out["arms"][arm][n]["decode_tokens_per_s"] > 0
+            assert out["arms"][arm][n]["questions_per_s"] > 0
+    assert set(out["question_ratios"]) == {"floor / rag", "tokrag / rag"}

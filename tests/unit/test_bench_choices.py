@@ -136,6 +136,40 @@ def test_throughput_interleaves_the_arms_and_pairs_the_ratios(monkeypatch):
         bench._throughput(lambda name: None, items, (1,), 4, ("rag",), False, 0)
 
 
+def test_throughput_reports_questions_per_second_beside_tokens_per_second(monkeypatch):
+    # A clock the fake decode advances: tokrag takes 1.1 s a batch and writes 3 tokens an
+    # answer, rag 1.0 s and 4 tokens. Tokens/s then counts tokrag's shorter answers against
+    # it; questions/s does not.
+    from tokrag_integrations import bench_throughput as BT
+
+    now = [0.0]
+
+    class R:
+        def __init__(self, n):
+            self.trace = type("T", (), {"steps": [0] * n, "timings": {"decode_s": 0.5}})()
+
+    def fake_batch(lm, queries, passages, *, policy, max_new_tokens, **opts):
+        now[0] += 1.1 if policy == "tokrag" else 1.0
+        return [R(3 if policy == "tokrag" else 4) for _ in queries]
+
+    monkeypatch.setattr("tokrag_integrations.api.generate_batch", fake_batch)
+    monkeypatch.setattr(BT, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    items = [(f"q{i}", ["p"]) for i in range(4)]
+    out = bench._throughput(lambda name: None, items, (2,), 4, ("rag", "tokrag"), False, 2)
+    assert out["arms"]["rag"]["2"]["questions_per_s"] == pytest.approx(2.0)
+    assert out["arms"]["tokrag"]["2"]["questions_per_s"] == pytest.approx(2 / 1.1)
+    assert out["question_ratios"]["tokrag / rag"]["2"]["median"] == pytest.approx(1 / 1.1)
+    assert out["ratios"]["tokrag / rag"]["2"]["median"] == pytest.approx((3 / 1.1) / 4)
+    report = bench.format_report(
+        {
+            "model": "m", "device": "cpu", "torch_threads": 1, "questions": 1, "passages": 1,
+            "mean_prompt_tokens": 1.0, "max_new_tokens": 4, "policies": {}, "throughput": out,
+        }
+    )
+    assert "| tokrag / rag of questions / s, per round: median [min, max] | 0.909" in report
+    assert "| rag, questions / s | 2.00 |" in report
+
+
 def test_bench_refuses_bad_batch_sizes():
     with pytest.raises(SystemExit, match="batch sizes"):
         bench._sizes("1,x")
