@@ -158,12 +158,18 @@ class Policy:
         batched chooser shares the rows of :meth:`first_lens_rows` between them first)."""
         return [self.choose(v, lm) for v in views]
 
+    def choice_without_signals(self, views: dict[str, View]) -> Choice | None:
+        """The choice :meth:`choose` makes at this step without reading the model's layers (the
+        contexts agree, a gated word, ...), or None where it reads them (the default). The
+        engine's batched chooser asks this first and takes the answer as the step's choice."""
+        return None
+
     def first_lens_rows(self, views: dict[str, View]) -> torch.Tensor | None:
         """[R, d] hidden-state rows whose logit lens the rule reads first at this step, or None
-        where it reads none (the default). Where several queries of a batch return rows, the
-        engine lenses them in one product and hands each query its part as
-        ``views["rag"].lens_first``; the rule must then read the same values it would have
-        computed itself."""
+        where it reads none (the default); asked only where :meth:`choice_without_signals` is
+        None. Where several queries of a batch return rows, the engine lenses them in one
+        product and hands each query its part as ``views["rag"].lens_first``; the rule must
+        then read the same values it would have computed itself."""
         return None
 
     #: Whether :meth:`first_lens_rows` are lensed with the final norm.

@@ -294,7 +294,7 @@ class TokRAG(Policy):
 
     # ------------------------------------------------------------------ rule
     def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
-        gated = self._gated(views)
+        gated = self.choice_without_signals(views)
         if gated is not None:
             return gated
         pure, rag = views["pure"], views["rag"]
@@ -314,27 +314,10 @@ class TokRAG(Policy):
 
     def first_lens_rows(self, views: dict[str, View]) -> torch.Tensor | None:
         """The rows of the l* search's first logit-lens product (:meth:`_first_chunk`) where
-        this step reaches the signals of Eq. 13-18 and searches l*, else None."""
+        this step searches l* (the paper variant without a fixed layer), else None."""
         if self.variant != "paper" or self.fixed_layer is not None:
             return None
-        if self._gated(views, keep=True) is not None:
-            return None
         return self._first_chunk(views["pure"], views["rag"])
-
-    def _gated(self, views: dict[str, View], keep: bool = False) -> Choice | None:
-        """:meth:`_choice_without_signals` of this step's ``views``, computed once per step: a
-        batched step asks :meth:`first_lens_rows` first (``keep``: remember it), then
-        :meth:`choose` (which takes what was remembered)."""
-        memo = self.__dict__.setdefault("_gated_memo", {})
-        hit = memo.pop(id(views), None)
-        if hit is not None and hit[0] is views:
-            return hit[1]
-        got = self._choice_without_signals(views)
-        if keep:
-            if len(memo) > 4096:  # steps whose choice was never asked for (an error)
-                memo.clear()
-            memo[id(views)] = (views, got)
-        return got
 
     def _first_chunk(self, pure: View, rag: View) -> torch.Tensor:
         """The hidden-state rows of :meth:`_fusion_layer`'s first logit-lens product."""
@@ -377,7 +360,7 @@ class TokRAG(Policy):
         rows = [h_pure[p_layers], h_rag[layers], h_rag[extra]]
         return rows, layers, extra, share0, len(p_layers)
 
-    def _choice_without_signals(self, views: dict[str, View]) -> Choice | None:
+    def choice_without_signals(self, views: dict[str, View]) -> Choice | None:
         """The choice made without the signals (the contexts agree, no retrieved tokens, a
         gated word), or None where the signals decide."""
         pure, rag = views["pure"], views["rag"]
