@@ -10,6 +10,10 @@ per mode). The switch is read per call, so every run shares one loaded model.
 
     python benchmarks/split_prefill.py --sizes 4,16 --rounds 1 \
         --json benchmarks/results/split_prefill.json
+
+``--prompts samples`` decodes the packaged sample questions with their BM25 top-3 chunks
+instead (the prompts of ``benchmarks/load_serve.py``); ``--max-new-tokens 1`` times the
+prefill alone.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="4,16")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", choices=("squad", "samples"), default="squad")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -38,7 +43,15 @@ def main() -> None:
     sizes = [int(x) for x in args.sizes.split(",")]
     lm = load_model("default")
     pool = max(sizes) * args.rounds
-    items = load_items(args.data, pool, 5)
+    if args.prompts == "samples":
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from load_serve import workload
+
+        items = workload()
+    else:
+        items = load_items(args.data, pool, 5)
     generate_batch(lm, [items[0][0]], [items[0][1]], policy="tokrag", max_new_tokens=2)  # warm-up
     runs: list[dict[str, Any]] = []
     turn = 0
