@@ -24,8 +24,12 @@ def choose_many(policy: Policy, views: list[dict[str, View]], lm: LoadedModel) -
     """``policy.choose`` for every query of one step (``views``, one dict per query, in
     order): the choices the rule makes without its signals first, then the first logit-lens
     rows of the queries left lensed together, then the rule's choices for those."""
-    choices = [policy.choice_without_signals(v) for v in views]
-    left = [i for i, c in enumerate(choices) if c is None]
+    decided: dict[int, Choice] = {}
+    for i, v in enumerate(views):
+        gated = policy.choice_without_signals(v)
+        if gated is not None:
+            decided[i] = gated
+    left = [i for i in range(len(views)) if i not in decided]
     need = []
     for i in left:
         rows = policy.first_lens_rows(views[i])
@@ -38,6 +42,5 @@ def choose_many(policy: Policy, views: list[dict[str, View]], lm: LoadedModel) -
         parts = logp.split([rows.shape[0] for _, rows in need])
         for (v, _), part in zip(need, parts, strict=True):
             v["rag"].lens_first = part
-    for i, c in zip(left, policy.choose_many([views[i] for i in left], lm), strict=True):
-        choices[i] = c
-    return choices  # type: ignore[return-value]
+    decided.update(zip(left, policy.choose_many([views[i] for i in left], lm), strict=True))
+    return [decided[i] for i in range(len(views))]
