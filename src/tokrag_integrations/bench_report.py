@@ -157,29 +157,18 @@ def _throughput_lines(tp: dict[str, Any]) -> list[str]:
         "| tokens / s | " + " | ".join(f"batch {n}" for n in sizes) + " |",
         "| --- |" + " --- |" * len(sizes),
     ]
-    for name, v in tp["arms"].items():
-        lines.append(
-            f"| {name} | "
-            + " | ".join(f"{v[str(n)]['tokens_per_s']:.1f}" if str(n) in v else "n/a" for n in sizes)
-            + " |"
-        )
-    for name, v in tp["arms"].items():
-        lines.append(
-            f"| {name}, decode loop only | "
-            + " | ".join(
-                f"{v[str(n)].get('decode_tokens_per_s', nan):.1f}" if str(n) in v else "n/a"
-                for n in sizes
+    # One row per arm and measure: tokens/s, the decode loop's tokens/s, questions/s.
+    for label, key, fmt in (
+        ("", "tokens_per_s", ".1f"),
+        (", decode loop only", "decode_tokens_per_s", ".1f"),
+        (", questions / s", "questions_per_s", ".2f"),
+    ):
+        for name, v in tp["arms"].items():
+            lines.append(
+                f"| {name}{label} | "
+                + " | ".join(format(v[str(n)].get(key, nan), fmt) if str(n) in v else "n/a" for n in sizes)
+                + " |"
             )
-            + " |"
-        )
-    for name, v in tp["arms"].items():
-        lines.append(
-            f"| {name}, questions / s | "
-            + " | ".join(
-                f"{v[str(n)].get('questions_per_s', nan):.2f}" if str(n) in v else "n/a" for n in sizes
-            )
-            + " |"
-        )
     for label, key in (("", "ratios"), (" of questions / s", "question_ratios")):
         for name, v in (tp.get(key) or {}).items():
             lines.append(

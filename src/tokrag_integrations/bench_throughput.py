@@ -87,15 +87,15 @@ def _throughput(
         for name in arms:
             if name == "rag":
                 continue
-            per_token, per_question = {}, {}
+            by_tokens, by_questions = {}, {}
             for n in sizes:
                 pairs = list(zip(raw[name][n], raw["rag"][n], strict=True))
-                per_token[str(n)] = _spread([(t / d) / (tr / dr) for (t, d), (tr, dr) in pairs])
+                by_tokens[str(n)] = _spread([(t / d) / (tr / dr) for (t, d), (tr, dr) in pairs])
                 # The same n questions in both arms: the ratio of questions/s is rag's seconds
                 # over this arm's.
-                per_question[str(n)] = _spread([dr / d for (_, d), (_, dr) in pairs])
-            out["ratios"][f"{name} / rag"] = per_token
-            out["question_ratios"][f"{name} / rag"] = per_question
+                by_questions[str(n)] = _spread([dr / d for (_, d), (_, dr) in pairs])
+            out["ratios"][f"{name} / rag"] = by_tokens
+            out["question_ratios"][f"{name} / rag"] = by_questions
     return out
 
 
