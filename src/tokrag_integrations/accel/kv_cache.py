@@ -11,6 +11,7 @@ only shortens the view. The attention kernels read the views as they are.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,6 +21,18 @@ from transformers.cache_utils import DynamicLayer
 #: share of the length for long sequences (growth is geometric, so appends stay O(1)).
 MIN_SPARE = 128
 SPARE_SHARE = 0.25
+
+
+def row_runs(rows: Sequence[tuple[Any, int]]) -> list[tuple[Any, int, int]]:
+    """``rows`` (``(source, row)`` pairs, in order) as runs of consecutive rows of one source,
+    ``(source, start, end)``: each run is one slice to copy."""
+    runs: list[tuple[Any, int, int]] = []
+    for src, r in rows:
+        if runs and runs[-1][0] is src and runs[-1][2] == r:
+            runs[-1] = (src, runs[-1][1], r + 1)
+        else:
+            runs.append((src, r, r + 1))
+    return runs
 
 
 def _capacity(need: int) -> int:
@@ -126,15 +139,11 @@ class GrowableLayer(DynamicLayer):
         cap = _capacity(n)
         kbuf = keys.new_empty((len(rows), *keys.shape[1:-2], cap, keys.shape[-1]))
         vbuf = values.new_empty((len(rows), *values.shape[1:-2], cap, values.shape[-1]))
-        order = [int(r) for r in rows]
         i = 0
-        while i < len(order):
-            j = i + 1
-            while j < len(order) and order[j] == order[j - 1] + 1:
-                j += 1
-            a = order[i]
-            kbuf[i:j, ..., :n, :] = keys[a : a + j - i, ..., start:, :]
-            vbuf[i:j, ..., :n, :] = values[a : a + j - i, ..., start:, :]
+        for _, a, e in row_runs([(None, int(r)) for r in rows]):
+            j = i + e - a
+            kbuf[i:j, ..., :n, :] = keys[a:e, ..., start:, :]
+            vbuf[i:j, ..., :n, :] = values[a:e, ..., start:, :]
             i = j
         self._kbuf, self._vbuf, self._n = kbuf, vbuf, n
         self.keys = kbuf[..., :n, :]

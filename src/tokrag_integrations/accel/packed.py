@@ -20,7 +20,7 @@ from ..engine.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, reused_s
 from ..engine.speed import Speed
 from ..models import LoadedModel
 from ..policies.base import ContextSpec, Policy
-from .kv_cache import GrowableLayer, has_sliding_window, is_full_layer, new_cache
+from .kv_cache import GrowableLayer, has_sliding_window, is_full_layer, new_cache, row_runs
 
 
 def fuse_contexts() -> bool:
@@ -73,13 +73,7 @@ def fuse_rows(rows: Sequence[tuple[RoleBatch, int]]) -> RoleBatch | None:
         shape[dim] = extra
         return torch.cat([x.new_full(shape, value), x], dim=dim)
 
-    # Runs of consecutive rows of one batch are taken as one slice.
-    runs: list[tuple[RoleBatch, int, int]] = []
-    for b, r in rows:
-        if runs and runs[-1][0] is b and runs[-1][2] == r:
-            runs[-1] = (b, runs[-1][1], r + 1)
-        else:
-            runs.append((b, r, r + 1))
+    runs = row_runs(rows)  # consecutive rows of one batch: one slice each
     fused.ids = torch.cat(
         [left(b.ids[a:e], n - b.mask.shape[1], first.lm.pad_token_id, 1) for b, a, e in runs]
     )
