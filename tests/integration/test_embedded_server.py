@@ -263,15 +263,25 @@ def test_sigterm_stops_the_embedded_server(tmp_path):
 
 # ============================================================================ 8: stopped outside
 def _stop_from_outside(server: object) -> None:
-    """What an operator's ``pg_ctl stop`` does to the server under a running process."""
+    """What an operator's ``pg_ctl stop`` does to the server under a running process.
+
+    It holds the lock a restart in this process takes: a pool worker that finds the server gone while
+    ``pg_ctl stop -w`` still polls the PID file would start a new server in that gap, and
+    ``pg_ctl`` would then wait out its 60 s for the new one and fail. The restart itself is
+    what the test checks; it happens once the lock is released.
+    """
     from pgserver._commands import POSTGRES_BIN_PATH
 
+    from tokrag_integrations.postgres.embedded import _PGSERVER_LOCK
+
     as_server = {"user": server.system_user} if server.system_user else {}
-    subprocess.run(
-        [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(server.pgdata), "-m", "fast", "-w", "stop"],
-        check=True, capture_output=True, timeout=120, **as_server,
-    )  # fmt: skip
-    assert not (server.pgdata / "postmaster.pid").exists()
+    with _PGSERVER_LOCK:
+        done = subprocess.run(
+            [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(server.pgdata), "-m", "fast", "-w", "stop"],
+            capture_output=True, text=True, timeout=120, **as_server,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert not (server.pgdata / "postmaster.pid").exists()
 
 
 def _restart_warnings(seen: list) -> list:
