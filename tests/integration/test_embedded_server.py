@@ -262,26 +262,24 @@ def test_sigterm_stops_the_embedded_server(tmp_path):
 
 
 # ============================================================================ 8: stopped outside
-def _stop_from_outside(server: object) -> None:
-    """What an operator's ``pg_ctl stop`` does to the server under a running process.
-
-    It holds the lock a restart in this process takes: a pool worker that finds the server gone while
-    ``pg_ctl stop -w`` still polls the PID file would start a new server in that gap, and
-    ``pg_ctl`` would then wait out its 60 s for the new one and fail. The restart itself is
-    what the test checks; it happens once the lock is released.
-    """
+def _pg_ctl_stop(server: object, wait: bool = True) -> subprocess.Popen:
+    """An operator's ``pg_ctl stop`` of the server under a running process (as the server's
+    user when tokrag runs it as pgserver's user)."""
     from pgserver._commands import POSTGRES_BIN_PATH
 
-    from tokrag_integrations.postgres.embedded import _PGSERVER_LOCK
-
     as_server = {"user": server.system_user} if server.system_user else {}
-    with _PGSERVER_LOCK:
-        done = subprocess.run(
-            [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(server.pgdata), "-m", "fast", "-w", "stop"],
-            capture_output=True, text=True, timeout=120, **as_server,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert not (server.pgdata / "postmaster.pid").exists()
+    return subprocess.Popen(
+        [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(server.pgdata), "-m", "fast", "-w", "stop"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **as_server,
+    )  # fmt: skip
+
+
+def _stop_from_outside(server: object) -> None:
+    """``pg_ctl stop -w`` ends well although this process's pool workers may start the
+    server again as soon as it is down."""
+    proc = _pg_ctl_stop(server)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
 
 
 def _restart_warnings(seen: list) -> list:
@@ -319,5 +317,33 @@ def test_embedded_server_stopped_from_outside_is_started_again(tmp_path_factory,
                     while not _restart_warnings(seen) and time.monotonic() < deadline:
                         time.sleep(0.1)
                 assert _restart_warnings(seen), [str(w.message) for w in seen]
+    finally:
+        _stop(folder, server)
+
+
+def test_a_restart_waits_for_an_outside_pg_ctl_stop_to_end(tmp_path_factory):
+    """A worker that finds the server gone while ``pg_ctl stop -w`` still waits for the PID
+    file to go starts it again only after ``pg_ctl`` has ended: ``pg_ctl`` reports a clean
+    stop instead of waiting out its 60 s on the new server."""
+    import psycopg
+
+    from tokrag_integrations.postgres.embedded import _start_again_if_stopped
+    from tokrag_integrations.postgres.server import libpq_conninfo
+
+    folder = tmp_path_factory.mktemp("pgserver_pg_ctl") / "pg"
+    dsn, server = _start(folder)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            proc = _pg_ctl_stop(server)
+            deadline = time.monotonic() + 120
+            while not _start_again_if_stopped(server):  # polled as a pool worker would
+                assert time.monotonic() < deadline, "the server was never found stopped"
+                time.sleep(0.005)
+            out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        assert _restart_warnings(seen), [str(w.message) for w in seen]
+        with psycopg.connect(libpq_conninfo(dsn)) as conn:
+            assert conn.execute("select 1").fetchone() == (1,)
     finally:
         _stop(folder, server)

@@ -66,3 +66,19 @@ def test_unreachable_socket_hint_does_not_send_to_the_embedded_server(tmp_path):
     message = str(info.value)
     assert "Nothing listens on the socket in" in message and "starts it again" in message
     assert "to use the embedded server" not in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("args", "folder"),
+    [
+        (["-D", "/srv/pg", "-m", "fast", "stop"], "/srv/pg"),
+        (["-D/srv/pg", "stop"], "/srv/pg"),
+        (["--pgdata=/srv/pg", "-w", "restart"], "/srv/pg"),
+        (["--pgdata", "rel/pg", "stop"], "rel/pg"),
+        (["-m", "fast", "stop"], None),  # acts on $PGDATA
+    ],
+)
+def test_pg_ctl_command_line_names_its_data_folder(args, folder):
+    from tokrag_integrations.postgres.embedded import _pg_ctl_folder
+
+    assert _pg_ctl_folder(args) == folder

@@ -110,6 +110,52 @@ def _process_alive(pid: int) -> bool:
         return psutil.pid_exists(pid)
 
 
+#: Longest wait for an outside ``pg_ctl stop`` or ``restart`` of the server's folder before
+#: starting it again (pg_ctl's own wait is 60 s).
+OUTSIDE_PG_CTL_WAIT = 90.0
+
+
+def _pg_ctl_folder(args: list[str]) -> str | None:
+    """The data folder named on a ``pg_ctl`` command line: ``-D F``, ``-DF``,
+    ``--pgdata=F`` or ``--pgdata F`` (None: it acts on ``$PGDATA``)."""
+    for i, arg in enumerate(args):
+        if arg in ("-D", "--pgdata") and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--pgdata="):
+            return arg.split("=", 1)[1]
+        if arg.startswith("-D") and len(arg) > 2:
+            return arg[2:]
+    return None
+
+
+def _outside_pg_ctl(pgdata: Path) -> list[Any]:
+    """The ``pg_ctl stop`` and ``pg_ctl restart`` processes now acting on ``pgdata``.
+
+    ``pg_ctl stop -w`` polls the folder's PID file until it is gone; a server started again
+    in that gap would leave it waiting its 60 s on the new server and report that the server
+    did not shut down. A restart waits for these processes first.
+    """
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            args = proc.info["cmdline"] or []
+            if proc.info["name"] != "pg_ctl" or not {"stop", "restart"} & set(args):
+                continue
+            folder = _pg_ctl_folder(args[1:])
+            if folder is None:
+                folder = proc.environ().get("PGDATA")
+            if folder is None:
+                continue
+            path = Path(folder) if os.path.isabs(folder) else Path(proc.cwd(), folder)
+            if path.resolve() == pgdata.resolve():
+                found.append(proc)
+        except (psutil.Error, OSError):  # ended meanwhile, or another user's we cannot read
+            continue
+    return found
+
+
 def prune_stale_handles(data_dir: str | Path) -> list[int]:
     """Drop processes that no longer exist from pgserver's handle list; returns their PIDs.
 
@@ -428,6 +474,7 @@ def _start_again_if_stopped(server: Any) -> bool:
     Raises:
         PostgresSetupError: It cannot be started again (the message names the server log).
     """
+    import psutil
     from pgserver.utils import PostmasterInfo
 
     with _PGSERVER_LOCK, server._lock:
@@ -436,6 +483,11 @@ def _start_again_if_stopped(server: Any) -> bool:
         info = PostmasterInfo.read_from_pgdata(server.pgdata)
         if info is not None and info.is_running():
             return False
+        psutil.wait_procs(_outside_pg_ctl(Path(server.pgdata)), timeout=OUTSIDE_PG_CTL_WAIT)
+        info = PostmasterInfo.read_from_pgdata(server.pgdata)
+        if info is not None and info.is_running():  # an outside ``pg_ctl restart``
+            server.ensure_postgres_running()  # records where it listens
+            return True
         server.ensure_postgres_running()
         # Warned before the lock is released: a thread that finds it running afterwards (a
         # pool's other worker) hands out a connection only after the warning.
