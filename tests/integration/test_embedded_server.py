@@ -262,7 +262,7 @@ def test_sigterm_stops_the_embedded_server(tmp_path):
 
 
 # ============================================================================ 8: stopped outside
-def _pg_ctl_stop(server: object, wait: bool = True) -> subprocess.Popen:
+def _pg_ctl_stop(server: object) -> subprocess.Popen:
     """An operator's ``pg_ctl stop`` of the server under a running process (as the server's
     user when tokrag runs it as pgserver's user)."""
     from pgserver._commands import POSTGRES_BIN_PATH
