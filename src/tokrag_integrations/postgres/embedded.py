@@ -485,10 +485,10 @@ def _start_again_if_stopped(server: Any) -> bool:
             return False
         psutil.wait_procs(_outside_pg_ctl(Path(server.pgdata)), timeout=OUTSIDE_PG_CTL_WAIT)
         info = PostmasterInfo.read_from_pgdata(server.pgdata)
-        if info is not None and info.is_running():  # an outside ``pg_ctl restart``
-            server.ensure_postgres_running()  # records where it listens
+        restarted_outside = info is not None and info.is_running()  # ``pg_ctl restart``
+        server.ensure_postgres_running()  # starts it, or records where it now listens
+        if restarted_outside:
             return True
-        server.ensure_postgres_running()
         # Warned before the lock is released: a thread that finds it running afterwards (a
         # pool's other worker) hands out a connection only after the warning.
         warnings.warn(
