@@ -172,7 +172,7 @@ def _messages(value: Any, limits: Limits) -> tuple[str, list[dict[str, str]], st
                 system.append(text)
         elif role in ("user", "assistant"):
             if role == "assistant" and m.get("tool_calls"):
-                raise RequestError("this server has no tool calling; messages[{i}] holds "
+                raise RequestError(f"this server has no tool calling; messages[{i}] holds "
                                    "tool_calls", f"messages[{i}]")
             turns.append({"role": role, "content": _content(m, i)})
         else:

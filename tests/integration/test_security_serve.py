@@ -1,0 +1,63 @@
+"""Issue 43 (server): hostile and careless requests against ``tokrag serve`` on the packaged
+model, over real HTTP. Every refused request must be a 4xx that names its field, with no
+traceback and no server path; the keep-alive connection survives it.
+
+Cases that need no model or server are in ``tests/unit/test_security_serve.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from _helpers import LiveServer  # noqa: E402
+
+QUESTION = "Who founded Quillfeather Aerospace?"
+DOCS = ["Quillfeather Aerospace was founded in 1987 by the engineer Mara Ellison in Tromsø, Norway."]
+
+
+def _start(lm, **config):
+    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+
+    service = ChatService(lm, ServeConfig(max_new_tokens=4, **config))
+    return LiveServer(create_app(service))
+
+
+@pytest.fixture(scope="module")
+def server(lm):
+    live = _start(lm)
+    yield live
+    live.stop()
+
+
+def _body(**change):
+    return {"model": "default", "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 4, "documents": DOCS, **change}
+
+
+def _post(server, body=None, content=None, headers=None):
+    kw = {"content": content} if content is not None else {"json": body}
+    return httpx.post(f"{server.url}/v1/chat/completions", headers=headers or {}, timeout=120, **kw)
+
+
+def _refused(r, param, *words, status=400):
+    """``r`` is a JSON error of ``status`` naming ``param``, its message holding ``words``."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    for w in words:
+        assert w in err["message"], err
+    assert "Traceback" not in r.text and "/src/" not in r.text and ".py" not in r.text
+    return err
+
+
+def test_13_tool_calls_error_names_the_message_index(server):
+    body = _body(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+        {"role": "user", "content": QUESTION},
+    ])
+    err = _refused(_post(server, body), "messages[1]", "messages[1] holds tool_calls")
+    assert "{" not in err["message"]
