@@ -61,3 +61,23 @@ def test_13_tool_calls_error_names_the_message_index(server):
     ])
     err = _refused(_post(server, body), "messages[1]", "messages[1] holds tool_calls")
     assert "{" not in err["message"]
+
+
+def test_08_openapi_schema_needs_the_key_when_one_is_set(lm, monkeypatch):
+    monkeypatch.setenv("TOKRAG_API_KEY", "s3cret")
+    live = _start(lm)
+    try:
+        r = httpx.get(f"{live.url}/openapi.json", timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.get(f"{live.url}/openapi.json", timeout=30,
+                      headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and "/v1/chat/completions" in r.json()["paths"]
+        for page in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+            assert httpx.get(f"{live.url}{page}", timeout=30).status_code == 404
+    finally:
+        live.stop()
+
+
+def test_08_openapi_schema_is_open_without_a_key(server):
+    r = httpx.get(f"{server.url}/openapi.json", timeout=30)
+    assert r.status_code == 200 and "/v1/models" in r.json()["paths"]

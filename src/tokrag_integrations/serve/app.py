@@ -125,7 +125,10 @@ def create_app(
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="tokrag", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # No docs pages (/docs, /redoc) at all; the OpenAPI schema is served by the route below,
+    # behind the API key when one is set (it lists the routes and every field they take).
+    app = FastAPI(title="tokrag", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.add_middleware(_ReplicaHeader)
 
     @app.exception_handler(RequestError)
@@ -161,6 +164,11 @@ def create_app(
                              "max_prefill_tokens": b.max_prefill_tokens,
                              "batches": b.batches, "batched_calls": b.batched_calls,
                              "joined_calls": b.joined_calls, "peak_rows": b.peak_rows}}
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(request: Request) -> Any:
+        authorize(request)
+        return JSONResponse(app.openapi())
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
