@@ -163,8 +163,9 @@ def _positive(name: str, kind: type, default: float, what: str, finite: bool = T
 
 
 def api_key() -> str | None:
-    """``$TOKRAG_API_KEY`` as given: the bearer token of ``tokrag serve``, or ``None``."""
-    return os.environ.get(API_KEY) or None
+    """``$TOKRAG_API_KEY`` as given (set but empty: ``""``, which ``tokrag serve`` refuses):
+    the bearer token of ``tokrag serve``, or ``None`` when unset."""
+    return os.environ.get(API_KEY)
 
 
 def cache_dir() -> Path | None:

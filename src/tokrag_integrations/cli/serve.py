@@ -178,6 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             stacklevel=2,
         )
     config = config_from_args(args)
+    config.resolved_api_key()  # a key no client could send fails before the model loads
     if args.ray:
         from ..serve.ray_app import run_ray
 

@@ -18,7 +18,7 @@ from .. import config
 from ..defaults import ANSWER_STOP, TOP_K
 from .schemas import ChatRequest, Limits, RequestError
 
-__all__ = ["ChatService", "ServeConfig", "API_KEY_ENV"]
+__all__ = ["ChatService", "ServeConfig", "API_KEY_ENV", "checked_api_key"]
 
 #: Environment variable holding the bearer token when ``--api-key`` is not given.
 API_KEY_ENV = config.API_KEY
@@ -44,7 +44,8 @@ class ServeConfig:
     max_queue: int = 64
     """Requests admitted at once (decoding or waiting); one more gets 429."""
     api_key: str | None = None
-    """Bearer token required on ``/v1/*`` (None: no auth)."""
+    """Bearer token required on ``/v1/*`` and ``/openapi.json`` (None: no auth; an empty key is
+    refused)."""
     max_batch: int | None = None
     """Largest batch of the micro-batcher (None: its default)."""
     batch_wait_s: float | None = None
@@ -85,8 +86,32 @@ class ServeConfig:
         self.policy_options = {**self.policy_options, **options}
 
     def resolved_api_key(self) -> str | None:
-        """``api_key``, else ``$TOKRAG_API_KEY``, else None (empty strings count as none)."""
-        return self.api_key or config.api_key()
+        """``api_key``, else ``$TOKRAG_API_KEY``, else None (no auth), checked by
+        :func:`checked_api_key`.
+
+        Raises:
+            ValueError: the key given is one no client could send (empty...).
+        """
+        if self.api_key is not None:
+            return checked_api_key(self.api_key, "--api-key")
+        return checked_api_key(config.api_key(), f"${API_KEY_ENV}")
+
+
+def checked_api_key(key: str | None, where: str) -> str | None:
+    """``key`` when a client can send it as ``Authorization: Bearer <key>``; ``where`` names
+    it in the error. An empty key is refused rather than read as "no auth": the operator
+    asked for a key, and a server that quietly serves everyone is the worse surprise.
+
+    Raises:
+        ValueError: ``key`` is empty.
+    """
+    if key is None:
+        return None
+    if not key:
+        raise ValueError(
+            f"{where} is empty: give a key, or leave it unset to serve without authentication"
+        )
+    return key
 
 
 def _deprecated_options(self: ServeConfig) -> dict[str, Any]:
