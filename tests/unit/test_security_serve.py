@@ -41,3 +41,34 @@ def test_09_cli_refuses_an_empty_key_before_loading(monkeypatch, capsys):
     monkeypatch.setenv("TOKRAG_API_KEY", "")
     assert main(["serve"]) == 2
     assert "$TOKRAG_API_KEY is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("key", "words"),
+    [
+        ("k3y ", "whitespace"),
+        (" k3y", "whitespace"),
+        ("k3y\n", "whitespace"),
+        ("k3\ty", "'\\t' at position 2"),
+        ("k3y\x00x", "'\\x00' at position 3"),
+        ("k3y\x7f", "'\\x7f' at position 3"),
+        ("clé", "'\\xe9' at position 2"),
+    ],
+)
+def test_10_key_no_client_could_send_is_refused(key, words, monkeypatch):
+    if "\x00" not in key:  # an environment variable cannot hold NUL
+        monkeypatch.setenv("TOKRAG_API_KEY", key)
+        with pytest.raises(ValueError, match=r"\$TOKRAG_API_KEY") as info:
+            _app()
+        assert words in str(info.value)
+        monkeypatch.delenv("TOKRAG_API_KEY")
+    with pytest.raises(ValueError, match="--api-key") as info:
+        _app(api_key=key)
+    assert words in str(info.value)
+
+
+def test_10_printable_keys_with_inner_spaces_are_kept(monkeypatch):
+    from tokrag_integrations.serve import ServeConfig
+
+    monkeypatch.setenv("TOKRAG_API_KEY", "a b~!{}")
+    assert ServeConfig().resolved_api_key() == "a b~!{}"

@@ -100,16 +100,30 @@ class ServeConfig:
 def checked_api_key(key: str | None, where: str) -> str | None:
     """``key`` when a client can send it as ``Authorization: Bearer <key>``; ``where`` names
     it in the error. An empty key is refused rather than read as "no auth": the operator
-    asked for a key, and a server that quietly serves everyone is the worse surprise.
+    asked for a key, and a server that quietly serves everyone is the worse surprise. A key
+    with surrounding whitespace or a character outside printable ASCII is refused too: HTTP
+    clients strip the one and cannot send the other, so every request would get 401.
 
     Raises:
-        ValueError: ``key`` is empty.
+        ValueError: ``key`` is empty, has surrounding whitespace or a character outside
+            printable ASCII (a control character, a line break...).
     """
     if key is None:
         return None
     if not key:
         raise ValueError(
             f"{where} is empty: give a key, or leave it unset to serve without authentication"
+        )
+    if key != key.strip():
+        raise ValueError(
+            f"{where} starts or ends with whitespace, which clients strip from the header, so "
+            "every request would be refused; remove it"
+        )
+    bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise ValueError(
+            f"{where} holds {ascii(key[bad])} at position {bad}: a key is printable ASCII "
+            "(it travels in an HTTP header)"
         )
     return key
 
