@@ -81,3 +81,40 @@ def test_08_openapi_schema_needs_the_key_when_one_is_set(lm, monkeypatch):
 def test_08_openapi_schema_is_open_without_a_key(server):
     r = httpx.get(f"{server.url}/openapi.json", timeout=30)
     assert r.status_code == 200 and "/v1/models" in r.json()["paths"]
+
+
+def _same_connection(server, *bodies):
+    """POST each body on one keep-alive connection; the responses (status, JSON), and whether
+    the connection stayed open throughout."""
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    out, socks = [], []
+    try:
+        for body in bodies:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            conn.request("POST", "/v1/chat/completions", body=data,
+                         headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            out.append((r.status, json.loads(r.read())))
+            socks.append(conn.sock)
+    finally:
+        conn.close()
+    return out, all(s is not None and s is socks[0] for s in socks)
+
+
+def test_11_body_nested_200k_deep_is_a_400_on_a_kept_connection(server):
+    deep = b"[" * 200_000 + b"]" * 200_000
+    body = b'{"messages": ' + deep + b"}"
+    (first, second), kept = _same_connection(server, body, {"messages": 5})
+    assert first[0] == 400, first
+    assert "deeper than this server's limit of 32 levels" in first[1]["error"]["message"]
+    assert second[0] == 400 and second[1]["error"]["param"] == "messages"
+    assert kept  # the refusal did not drop the connection
+
+
+def test_11_integer_of_thousands_of_digits_is_a_400(server):
+    r = _post(server, content=b'{"max_tokens": ' + b"9" * 5000 + b"}",
+              headers={"Content-Type": "application/json"})
+    _refused(r, None, "not valid JSON")

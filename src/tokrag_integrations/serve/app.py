@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
-from .schemas import ChatRequest, RequestError, parse_chat_request
+from .schemas import ChatRequest, RequestError, parse_chat_request, too_deep
 from .service import ChatService, ServeConfig
 
 __all__ = ["create_app", "FINISH_REASONS"]
@@ -256,7 +256,9 @@ async def _read_json(request: Any, max_body_bytes: int) -> Any:
             raise too_big
     try:
         return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:  # nested past the decoder's stack; the depth check reads the rest
+        raise too_deep() from None
+    except ValueError as exc:  # bad JSON or UTF-8; an integer of over 4300 digits
         raise RequestError(f"the body is not valid JSON: {exc}") from None
 
 

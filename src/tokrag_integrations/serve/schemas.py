@@ -15,7 +15,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ChatRequest", "Limits", "RequestError", "parse_chat_request", "parse_documents"]
+__all__ = [
+    "MAX_JSON_DEPTH", "ChatRequest", "Limits", "RequestError", "parse_chat_request",
+    "parse_documents",
+]
 
 #: Keys of the request's ``tokrag`` object.
 TOKRAG_KEYS = ("policy", "policy_options", "options", "filters", "top_k", "trace")
@@ -43,6 +46,18 @@ class RequestError(ValueError):
         """The OpenAI error body: ``{"error": {message, type, param, code}}``."""
         return {"error": {"message": str(self), "type": self.kind, "param": self.param,
                           "code": None}}
+
+
+#: Deepest nesting of arrays and objects in a request body (an OpenAI chat body needs 4).
+MAX_JSON_DEPTH = 32
+
+
+def too_deep(where: str | None = None) -> RequestError:
+    """The 400 of a body (or of its field ``where``) nested deeper than :data:`MAX_JSON_DEPTH`."""
+    return RequestError(
+        f"{where or 'the body'} nests arrays and objects deeper than this server's limit of "
+        f"{MAX_JSON_DEPTH} levels", where
+    )
 
 
 @dataclass
