@@ -118,3 +118,27 @@ def test_11_integer_of_thousands_of_digits_is_a_400(server):
     r = _post(server, content=b'{"max_tokens": ' + b"9" * 5000 + b"}",
               headers={"Content-Type": "application/json"})
     _refused(r, None, "not valid JSON")
+
+
+def _nested(levels):
+    meta = {"leaf": 1}
+    for _ in range(levels - 1):
+        meta = {"k": meta}
+    return meta
+
+
+def test_12_metadata_nested_300_deep_is_refused_before_the_decode(server):
+    docs = [{"text": DOCS[0], "metadata": _nested(300)}]
+    (first, second), kept = _same_connection(server, _body(documents=docs), _body())
+    assert first[0] == 400, first
+    err = first[1]["error"]
+    assert err["param"].startswith("documents[0].metadata.k.k")
+    assert "deeper than this server's limit of 32 levels" in err["message"]
+    assert second[0] == 200 and kept
+
+
+def test_12_metadata_within_the_limit_comes_back(server):
+    meta = _nested(28)  # body, documents, documents[0], metadata: 31 levels with the leaf's
+    r = _post(server, _body(documents=[{"text": DOCS[0], "metadata": meta}]))
+    assert r.status_code == 200, r.text
+    assert r.json()["tokrag"]["sources"][0]["metadata"] == meta

@@ -60,6 +60,34 @@ def too_deep(where: str | None = None) -> RequestError:
     )
 
 
+def _path(where: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{where}[{key}]"
+    return f"{where}.{key}" if where else key
+
+
+def check_json_values(body: Any) -> None:
+    """Refuse a decoded body whose arrays and objects nest deeper than
+    :data:`MAX_JSON_DEPTH` (deep metadata would come back in every response and fail there,
+    after the whole decode), naming the field where the limit is passed.
+
+    Raises:
+        RequestError: the first problem found, naming its field.
+    """
+    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, Mapping):
+            items: Any = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise too_deep(where or None)
+        stack.extend((v, _path(where, k), depth + 1) for k, v in items)
+
+
 @dataclass
 class Limits:
     """Per-request limits of the server (``tokrag serve`` flags of the same names)."""
@@ -336,6 +364,7 @@ def parse_chat_request(body: Any, limits: Limits, policies: Sequence[str]) -> Ch
     """
     if not isinstance(body, Mapping):
         raise RequestError(f"the body must be a JSON object, got {_type_name(body)}")
+    check_json_values(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError(f"'model' must be a string, got {_type_name(model)}", "model")
