@@ -142,3 +142,32 @@ def test_12_metadata_within_the_limit_comes_back(server):
     r = _post(server, _body(documents=[{"text": DOCS[0], "metadata": meta}]))
     assert r.status_code == 200, r.text
     assert r.json()["tokrag"]["sources"][0]["metadata"] == meta
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "got"),
+    [
+        (b'{"text": "d", "score": 1' + b"0" * 400 + b"}", "documents[0].score",
+         "an integer of 401 digits"),
+        (b'{"text": "d", "score": 1e400}', "documents[0].score", "Infinity"),
+        (b'{"text": "d", "score": -Infinity}', "documents[0].score", "-Infinity"),
+        (b'{"text": "d", "score": NaN}', "documents[0].score", "NaN"),
+        (b'{"text": "d", "metadata": {"page": NaN}}', "documents[0].metadata.page", "NaN"),
+    ],
+)
+def test_14_numbers_out_of_range_are_a_400_naming_the_field(server, raw, param, got):
+    body = (b'{"messages": [{"role": "user", "content": "Who?"}], "max_tokens": 4, '
+            b'"documents": [' + raw + b"]}")
+    r = _post(server, content=body, headers={"Content-Type": "application/json"})
+    _refused(r, param, "must be a finite number", got)
+
+
+def test_14_number_out_of_range_in_options_and_filters(server):
+    r = _post(server, content=b'{"messages": [{"role": "user", "content": "Who?"}], '
+              b'"tokrag": {"filters": {"chunk": {"$gt": 1' + b"0" * 400 + b'}}}}',
+              headers={"Content-Type": "application/json"})
+    _refused(r, "tokrag.filters.chunk.$gt", "an integer of 401 digits")
+    r = _post(server, content=b'{"messages": [{"role": "user", "content": "Who?"}], '
+              b'"tokrag": {"policy_options": {"threshold": Infinity}}}',
+              headers={"Content-Type": "application/json"})
+    _refused(r, "tokrag.policy_options.threshold", "Infinity")

@@ -10,7 +10,9 @@ and named in the response's ``tokrag.warnings``.
 
 from __future__ import annotations
 
+import math
 import numbers
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,10 +68,24 @@ def _path(where: str, key: str | int) -> str:
     return f"{where}.{key}" if where else key
 
 
+def _number(value: Any, where: str) -> None:
+    """Refuse NaN, the infinities (Python's JSON decoder reads ``NaN`` and ``Infinity``) and
+    integers a float cannot hold (``10**400``): no field of the server takes them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        got = "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
+        got = f"an integer of {len(str(abs(value)))} digits"
+    else:
+        return
+    raise RequestError(f"'{where}' must be a finite number of at most "
+                       f"{sys.float_info.max:.1e} in size, got {got}", where)
+
+
 def check_json_values(body: Any) -> None:
     """Refuse a decoded body whose arrays and objects nest deeper than
     :data:`MAX_JSON_DEPTH` (deep metadata would come back in every response and fail there,
-    after the whole decode), naming the field where the limit is passed.
+    after the whole decode), or that holds a number out of range (NaN, infinite, too large
+    for a float), naming the field.
 
     Raises:
         RequestError: the first problem found, naming its field.
@@ -82,6 +98,7 @@ def check_json_values(body: Any) -> None:
         elif isinstance(value, list):
             items = enumerate(value)
         else:
+            _number(value, where)
             continue
         if depth > MAX_JSON_DEPTH:
             raise too_deep(where or None)
