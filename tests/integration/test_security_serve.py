@@ -171,3 +171,11 @@ def test_14_number_out_of_range_in_options_and_filters(server):
               b'"tokrag": {"policy_options": {"threshold": Infinity}}}',
               headers={"Content-Type": "application/json"})
     _refused(r, "tokrag.policy_options.threshold", "Infinity")
+
+
+def test_15_nan_score_on_a_stream_is_refused_before_the_first_byte(server):
+    body = (b'{"messages": [{"role": "user", "content": "Who?"}], "max_tokens": 4, '
+            b'"stream": true, "documents": [{"text": "d", "score": NaN}]}')
+    r = _post(server, content=body, headers={"Content-Type": "application/json"})
+    _refused(r, "documents[0].score", "NaN")
+    assert r.headers["content-type"].startswith("application/json")

@@ -72,3 +72,24 @@ def test_10_printable_keys_with_inner_spaces_are_kept(monkeypatch):
 
     monkeypatch.setenv("TOKRAG_API_KEY", "a b~!{}")
     assert ServeConfig().resolved_api_key() == "a b~!{}"
+
+
+# ============================================================================ streams (15)
+def _strict(text):
+    import json
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} in an event")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_15_stream_events_never_hold_nan_or_infinity():
+    from tokrag_integrations.serve.app import _sse
+
+    data = {"score": float("nan"), "steps": [{"gap": float("inf")}, (float("-inf"), 1.5)],
+            "text": "é", "n": 3}
+    event = _sse(data).decode()
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    assert _strict(event[len("data: "):]) == {
+        "score": None, "steps": [{"gap": None}, [None, 1.5]], "text": "é", "n": 3}

@@ -27,6 +27,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -322,8 +323,22 @@ async def _unless_disconnected(request: Any, work: Any) -> Any:
         raise
 
 
+def _finite(data: Any) -> Any:
+    """``data`` with NaN and the infinities as None (JSON has no such numbers; the plain
+    answer's encoder writes them as null too)."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_finite(v) for v in data]
+    return data
+
+
 def _sse(data: Any) -> bytes:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    """One server-sent event of ``data`` as strict JSON (never a bare ``NaN``)."""
+    text = json.dumps(_finite(data), ensure_ascii=False, allow_nan=False)
+    return f"data: {text}\n\n".encode()
 
 
 async def _events(
