@@ -179,3 +179,17 @@ def test_15_nan_score_on_a_stream_is_refused_before_the_first_byte(server):
     r = _post(server, content=body, headers={"Content-Type": "application/json"})
     _refused(r, "documents[0].score", "NaN")
     assert r.headers["content-type"].startswith("application/json")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_16_option_the_model_refuses_is_a_400_plain_and_streamed(server, lm, stream):
+    from tokrag_integrations.attention.parts import model_parts
+
+    depth = model_parts(lm.model).num_layers
+    body = _body(stream=stream, tokrag={"policy_options": {"fixed_layer": 1_000_000}})
+    r = _post(server, body)
+    _refused(r, "tokrag.policy_options", f"fixed_layer must be in [1, {depth}]")
+    assert r.headers["content-type"].startswith("application/json")
+    # The refusal left nothing behind: the slot is free, no stream was cut.
+    health = server.health()
+    assert health["active"] == 0 and health["streams_cut"] == 0

@@ -228,6 +228,26 @@ class ChatService:
             kw["system_prompt"] = req.system_prompt
         return kw
 
+    async def checked_settings(self, req: ChatRequest) -> dict[str, Any]:
+        """:meth:`settings`, with the policy also fitted to the loaded model (off the loop:
+        the first call builds its vocabulary masks), so that an option checked against the
+        model (``fixed_layer`` beyond its depth...) is a 400 before a stream sends its first
+        byte, as it is for a plain request.
+
+        Raises:
+            RequestError: the policy options are refused by the policy or the model.
+        """
+        from ..policies import get_policy
+
+        kw = self.settings(req)
+        try:
+            await asyncio.to_thread(
+                get_policy(kw["policy"], **kw["policy_options"]).prepare, self.lm
+            )
+        except (TypeError, ValueError) as exc:
+            raise RequestError(str(exc), req.options_key) from None
+        return kw
+
     async def passages(self, req: ChatRequest) -> tuple[list[Any] | None, list[str]]:
         """The request's documents, else the store's top chunks for its question, else None.
 
@@ -268,7 +288,7 @@ class ChatService:
         request from its batch (or stops its decode at the next step)."""
         from ..api import run_cancellable
 
-        kw = self.settings(req)
+        kw = await self.checked_settings(req)
         batcher = self.batcher
         try:
             return await run_cancellable(
@@ -280,7 +300,7 @@ class ChatService:
     async def open_stream(self, req: ChatRequest, passages: list[Any] | None) -> Any:
         """A started-on-first-read :class:`~tokrag_integrations.api.TokenStream` for ``req``
         (validation errors are raised here, before any byte of the response is sent)."""
-        kw = self.settings(req)
+        kw = await self.checked_settings(req)
         try:
             return await asyncio.to_thread(self.batcher.stream, req.query, passages, **kw)
         except (TypeError, ValueError) as exc:
