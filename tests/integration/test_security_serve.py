@@ -193,3 +193,10 @@ def test_16_option_the_model_refuses_is_a_400_plain_and_streamed(server, lm, str
     # The refusal left nothing behind: the slot is free, no stream was cut.
     health = server.health()
     assert health["active"] == 0 and health["streams_cut"] == 0
+
+
+def test_17_non_number_option_is_a_400_naming_it(server):
+    for stream in (False, True):
+        r = _post(server, _body(stream=stream, tokrag={"policy_options": {"threshold": "abc"}}))
+        _refused(r, "tokrag.policy_options",
+                 "option 'threshold' of policy 'tokrag' must be a number, got 'abc'")

@@ -83,7 +83,7 @@ def test_cad_contrast_rule_and_alpha_zero():
 @pytest.mark.parametrize("alpha", [-0.1, float("nan"), "0.5", True])
 def test_cad_rejects_bad_alpha(alpha):
     # NaN is refused for every policy option before CAD's own check (issue 29, item 15).
-    with pytest.raises(ValueError, match="alpha must be a number >= 0|'alpha' of policy 'cad' must be a number, got NaN"):
+    with pytest.raises(ValueError, match="alpha must be a number >= 0|'alpha' of policy 'cad' must be a number, got"):
         get_policy("cad", alpha=alpha)
 
 

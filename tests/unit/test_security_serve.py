@@ -93,3 +93,26 @@ def test_15_stream_events_never_hold_nan_or_infinity():
     assert event.startswith("data: ") and event.endswith("\n\n")
     assert _strict(event[len("data: "):]) == {
         "score": None, "steps": [{"gap": None}, [None, 1.5]], "text": "é", "n": 3}
+
+
+# ============================================================================ policy options (17, 18)
+@pytest.mark.parametrize(
+    ("policy", "option", "value"),
+    [("tokrag", "threshold", "abc"), ("tokrag", "jsd_threshold", [1]),
+     ("tokrag", "plausibility_alpha", {}), ("rag_token", "temperature", "hot"),
+     ("cad", "alpha", "0.5"), ("tokrag", "threshold", True)],
+)
+def test_17_non_number_for_a_number_option_names_it(policy, option, value):
+    from tokrag_integrations.policies import get_policy
+
+    with pytest.raises(ValueError) as info:
+        get_policy(policy, **{option: value})
+    assert str(info.value) == (
+        f"option {option!r} of policy {policy!r} must be a number, got {value!r}")
+
+
+def test_17_numbers_and_none_still_pass():
+    from tokrag_integrations.policies import get_policy
+
+    p = get_policy("tokrag", threshold=0.25, top_k=None, fixed_layer=3, plausibility_alpha=None)
+    assert (p.threshold, p.top_k, p.fixed_layer) == (0.25, None, 3)

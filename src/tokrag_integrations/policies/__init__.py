@@ -14,6 +14,7 @@ import importlib
 import inspect
 import math
 import numbers
+import re
 import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -135,11 +136,27 @@ def _checked_options(name: str, cls: type, options: dict[str, Any]) -> dict[str,
                 f"option {key!r} of policy {name!r} must be a number, got NaN (not a number)"
             )
         param = known[key]
+        if value is not None and _is_numeric(param) and (
+            isinstance(value, bool) or not isinstance(value, numbers.Real)
+        ):
+            raise ValueError(
+                f"option {key!r} of policy {name!r} must be a number, got {value!r}"
+            )
         if param.annotation in (bool, "bool") or (
             param.annotation is inspect.Parameter.empty and isinstance(param.default, bool)
         ):
             out[key] = _as_bool(name, key, value)
     return out
+
+
+def _is_numeric(param: inspect.Parameter) -> bool:
+    """Whether the option ``param`` takes numbers only (annotated ``int`` or ``float``,
+    maybe ``| None``; the annotations are strings under ``from __future__ import
+    annotations``), so that ``"abc"`` is refused by name rather than by ``float()``."""
+    ann = param.annotation
+    text = ann.__name__ if isinstance(ann, type) else ann if isinstance(ann, str) else ""
+    names = set(re.findall(r"[A-Za-z_]\w*", text))
+    return bool(names) and names <= {"int", "float", "None", "Optional"}
 
 
 def _legacy_speed_param(key: str, default: Any) -> inspect.Parameter:
