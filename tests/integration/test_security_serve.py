@@ -14,6 +14,8 @@ httpx = pytest.importorskip("httpx")
 
 from _helpers import LiveServer  # noqa: E402
 
+from tokrag_integrations.defaults import ANSWER_STOP  # noqa: E402
+
 QUESTION = "Who founded Quillfeather Aerospace?"
 DOCS = ["Quillfeather Aerospace was founded in 1987 by the engineer Mara Ellison in Tromsø, Norway."]
 
@@ -200,3 +202,19 @@ def test_17_non_number_option_is_a_400_naming_it(server):
         r = _post(server, _body(stream=stream, tokrag={"policy_options": {"threshold": "abc"}}))
         _refused(r, "tokrag.policy_options",
                  "option 'threshold' of policy 'tokrag' must be a number, got 'abc'")
+
+
+def test_18_cad_alpha_out_of_range_is_a_400_and_the_largest_still_answers(server, lm):
+    from tokrag_integrations import generate
+
+    for stream in (False, True):
+        r = _post(server, _body(stream=stream, tokrag={"policy": "cad",
+                                                       "policy_options": {"alpha": 1e308}}))
+        _refused(r, "tokrag.policy_options", "alpha must be at most 1000")
+    # At the bound the contrast is still finite: the answer is the core's, and not empty.
+    r = _post(server, _body(tokrag={"policy": "cad", "policy_options": {"alpha": 1000}}))
+    assert r.status_code == 200, r.text
+    want = generate(lm, QUESTION, DOCS, policy="cad", policy_options={"alpha": 1000},
+                    max_new_tokens=4, stop=list(ANSWER_STOP))
+    assert r.json()["choices"][0]["message"]["content"] == want.text
+    assert want.token_ids and all(s.token_id is not None for s in want.trace.steps)

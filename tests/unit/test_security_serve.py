@@ -116,3 +116,12 @@ def test_17_numbers_and_none_still_pass():
 
     p = get_policy("tokrag", threshold=0.25, top_k=None, fixed_layer=3, plausibility_alpha=None)
     assert (p.threshold, p.top_k, p.fixed_layer) == (0.25, None, 3)
+
+
+@pytest.mark.parametrize("alpha", [1e308, float("inf"), 1000.5, 10**400])
+def test_18_cad_refuses_an_absurd_alpha_with_its_range(alpha):
+    from tokrag_integrations.policies import get_policy
+
+    with pytest.raises(ValueError, match=r"alpha must be at most 1000 \(the CAD paper uses 0.5"):
+        get_policy("cad", alpha=alpha)
+    assert get_policy("cad", alpha=1000).alpha == 1000.0

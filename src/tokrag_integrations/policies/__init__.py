@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import numbers
 import re
 import warnings
@@ -172,7 +171,8 @@ def _is_nan(value: Any) -> bool:
             value = float(value)
         except ValueError:
             return False
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isnan(value)
+    # ``value != value`` rather than math.isnan: an integer too large for a float overflows it.
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value != value
 
 
 def _as_bool(policy: str, key: str, value: Any) -> bool:

@@ -37,11 +37,18 @@ def _source(tid: int, a: int, b: int) -> str:
     return MIX
 
 
+#: Largest α of :class:`CAD`. Far beyond any useful contrast (the paper uses 0.5), and far
+#: below where ``(1 + α)·logits`` overflows float32 to inf - inf = NaN at every token (an
+#: α of 1e308 or infinity decoded an empty answer).
+MAX_ALPHA = 1000.0
+
+
 class CAD(Policy):
     """Context-aware decoding with a fixed α.
 
     Args:
-        alpha: contrast strength, >= 0 (0 = standard RAG; the CAD paper uses 0.5).
+        alpha: contrast strength, in [0, :data:`MAX_ALPHA`] (0 = standard RAG; the CAD paper
+            uses 0.5).
     """
 
     name = "cad"
@@ -50,6 +57,11 @@ class CAD(Policy):
     def __init__(self, alpha: float = 0.5):
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha >= 0:
             raise ValueError(f"alpha must be a number >= 0 (0 = standard RAG), got {alpha!r}")
+        if not alpha <= MAX_ALPHA:
+            raise ValueError(
+                f"alpha must be at most {MAX_ALPHA:g} (the CAD paper uses 0.5; a larger alpha "
+                f"overflows the contrasted logits), got {alpha!r}"
+            )
         self.alpha = float(alpha)
 
     def options(self) -> dict[str, Any]:
