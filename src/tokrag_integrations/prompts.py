@@ -158,7 +158,11 @@ class PromptBuilder:
     ):
         self.tokenizer = tokenizer
         self.context_window = int(context_window)
-        self.system_prompt = system_prompt
+        # Lone surrogates replaced with a warning, as in the query, messages and passages.
+        self.system_prompt = (
+            clean_text(system_prompt, "system_prompt", stacklevel=5)
+            if isinstance(system_prompt, str) else system_prompt
+        )
         self.delimiter = delimiter
         self.use_chat = bool(getattr(tokenizer, "chat_template", None))
 

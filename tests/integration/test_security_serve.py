@@ -218,3 +218,32 @@ def test_18_cad_alpha_out_of_range_is_a_400_and_the_largest_still_answers(server
                     max_new_tokens=4, stop=list(ANSWER_STOP))
     assert r.json()["choices"][0]["message"]["content"] == want.text
     assert want.token_ids and all(s.token_id is not None for s in want.trace.steps)
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'"messages": [{"role": "user", "content": "Who\\ud800?"}]', "messages[0].content"),
+        (b'"messages": [{"role": "system", "content": "be \\udfff"}, '
+         b'{"role": "user", "content": "Who?"}]', "messages[0].content"),
+        (b'"messages": [{"role": "user", "content": "Who?"}], "stop": ["\\ud83d"]', "stop[0]"),
+        (b'"messages": [{"role": "user", "content": "Who?"}], '
+         b'"documents": [{"text": "d", "metadata": {"\\ud800k": 1}}]', "documents[0].metadata"),
+        (b'"messages": [{"role": "user", "content": "Who?"}], '
+         b'"tokrag": {"filters": {"file_name": "a\\udc80b"}}', "tokrag.filters.file_name"),
+    ],
+)
+def test_19_lone_surrogate_in_any_string_is_a_400_naming_it(server, raw, param):
+    r = _post(server, content=b"{" + raw + b', "max_tokens": 4}',
+              headers={"Content-Type": "application/json"})
+    _refused(r, param, "is not valid Unicode", "lone surrogate")
+
+
+def test_19_system_prompt_with_a_lone_surrogate_is_cleaned_like_the_query(lm):
+    from tokrag_integrations import generate
+
+    with pytest.warns(UserWarning, match="system_prompt contains 1 lone surrogate"):
+        got = generate(lm, QUESTION, DOCS, system_prompt="Answer briefly.\ud800",
+                       max_new_tokens=4)
+    want = generate(lm, QUESTION, DOCS, system_prompt="Answer briefly.\ufffd", max_new_tokens=4)
+    assert got.text == want.text

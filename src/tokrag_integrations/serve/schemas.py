@@ -81,11 +81,24 @@ def _number(value: Any, where: str) -> None:
                        f"{sys.float_info.max:.1e} in size, got {got}", where)
 
 
+def _unicode(text: str, where: str, what: str = "") -> None:
+    """Refuse a string with a lone surrogate (JSON's ``"\\ud800"`` escape decodes to one): no
+    tokenizer, database or client takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        name = f"'{where}'" if where else "the body"
+        raise RequestError(
+            f"{name}{what} is not valid Unicode: it holds the lone surrogate "
+            f"{ascii(text[exc.start])} at position {exc.start}", where or None
+        ) from None
+
+
 def check_json_values(body: Any) -> None:
     """Refuse a decoded body whose arrays and objects nest deeper than
     :data:`MAX_JSON_DEPTH` (deep metadata would come back in every response and fail there,
     after the whole decode), or that holds a number out of range (NaN, infinite, too large
-    for a float), naming the field.
+    for a float) or a string that is not valid Unicode, naming the field.
 
     Raises:
         RequestError: the first problem found, naming its field.
@@ -95,8 +108,13 @@ def check_json_values(body: Any) -> None:
         value, where, depth = stack.pop()
         if isinstance(value, Mapping):
             items: Any = value.items()
+            for key in value:
+                _unicode(key, where, " has a key that")
         elif isinstance(value, list):
             items = enumerate(value)
+        elif isinstance(value, str):
+            _unicode(value, where)
+            continue
         else:
             _number(value, where)
             continue
