@@ -6,6 +6,8 @@ Cases that need no model or server are in ``tests/unit/test_security_serve.py``.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("fastapi")
@@ -247,3 +249,31 @@ def test_19_system_prompt_with_a_lone_surrogate_is_cleaned_like_the_query(lm):
                        max_new_tokens=4)
     want = generate(lm, QUESTION, DOCS, system_prompt="Answer briefly.\ufffd", max_new_tokens=4)
     assert got.text == want.text
+
+
+def test_21_health_shows_no_pid_and_no_load_error_text(server, tmp_path):
+    import os
+
+    from tokrag_integrations.serve import ServeConfig, create_app
+
+    r = httpx.get(f"{server.url}/health", timeout=30)
+    h = r.json()
+    assert "pid" not in h
+    assert h["replica"] == r.headers["x-tokrag-replica"] != str(os.getpid())
+    secret = tmp_path / "private-models" / "weights"
+
+    def loader():
+        raise FileNotFoundError(f"no model at {secret}")
+
+    live = LiveServer(create_app(loader=loader, config=ServeConfig()))
+    try:
+        deadline = time.monotonic() + 60
+        while (r := httpx.get(f"{live.url}/health", timeout=30)).json()["status"] == "loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert r.status_code == 503 and r.json()["error"] == "FileNotFoundError; see the server log"
+        chat = _post(live, _body())
+        assert chat.status_code == 503 and "FileNotFoundError" in chat.text
+        assert str(tmp_path) not in r.text + chat.text
+    finally:
+        live.stop()

@@ -28,7 +28,6 @@ import hmac
 import json
 import logging
 import math
-import os
 import threading
 import time
 import uuid
@@ -103,6 +102,8 @@ def create_app(
         raise ValueError("give a service or a loader, not both and not neither")
     cfg = config or (service.config if service is not None else ServeConfig())
     state: dict[str, Any] = {"service": service, "error": None}
+    # Which replica answered, without saying anything about the host (a pid would).
+    replica = uuid.uuid4().hex[:12]
     api_key = cfg.resolved_api_key()
     limits = cfg.limits
 
@@ -111,7 +112,9 @@ def create_app(
             state["service"] = loader()  # type: ignore[misc]
         except Exception as exc:  # reported by /health and every request
             log.exception("loading the model failed")
-            state["error"] = f"{type(exc).__name__}: {exc}"
+            # The message stays in the log: it may name the model's folder, and /health is
+            # open to anyone who can reach the port.
+            state["error"] = f"{type(exc).__name__}; see the server log"
 
     @asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
@@ -130,7 +133,7 @@ def create_app(
     # behind the API key when one is set (it lists the routes and every field they take).
     app = FastAPI(title="tokrag", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.add_middleware(_ReplicaHeader)
+    app.add_middleware(_ReplicaHeader, replica=replica)
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> Any:
@@ -160,7 +163,7 @@ def create_app(
         b = svc.batcher
         return {"status": "ok", "model": svc.model_id, "active": svc.active,
                 "streams_cut": svc.streams_cut,
-                "max_queue": cfg.max_queue, "pid": os.getpid(),
+                "max_queue": cfg.max_queue, "replica": replica,
                 "batching": {"continuous": b.continuous, "max_rows": b.max_rows,
                              "max_prefill_tokens": b.max_prefill_tokens,
                              "batches": b.batches, "batched_calls": b.batched_calls,
@@ -284,13 +287,14 @@ def _completion(
 
 
 class _ReplicaHeader:
-    """ASGI middleware: every HTTP response says which process answered (``X-TokRAG-Replica``;
-    with several Ray Serve replicas, the one that decoded). Plain ASGI, not Starlette's
+    """ASGI middleware: every HTTP response says which app answered (``X-TokRAG-Replica``, a
+    random id drawn when the app is made, the ``replica`` of ``/health``; with several Ray
+    Serve replicas, the one that decoded). Plain ASGI, not Starlette's
     ``BaseHTTPMiddleware``, so streaming and disconnect detection pass through untouched."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, replica: str) -> None:
         self.app = app
-        self.header = (b"x-tokrag-replica", str(os.getpid()).encode())
+        self.header = (b"x-tokrag-replica", replica.encode())
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
