@@ -71,7 +71,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     limits.add_argument("--max-queue", type=_positive_int, default=64,
                         help="requests admitted at once; one more gets 429 (default 64)")
     limits.add_argument("--api-key", default=None,
-                        help="bearer token required on /v1/* (default: $TOKRAG_API_KEY; none)")
+                        help="bearer token required on /v1/* and /openapi.json (default: "
+                             "$TOKRAG_API_KEY; none); an empty key, or one with surrounding "
+                             "whitespace or characters outside printable ASCII, is refused")
     batching = p.add_argument_group("batching")
     batching.add_argument("--max-batch", type=_positive_int, default=None,
                           help="largest batch of concurrent requests decoded together")
