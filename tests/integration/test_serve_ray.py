@@ -84,3 +84,24 @@ def test_two_replicas_answer_like_the_core(ray_url, lm):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
         want[QUESTIONS[0]].text
     )
+
+
+@pytest.mark.slow
+def test_replicas_refuse_hostile_bodies_like_the_single_process_server(ray_url):
+    """Issue 43: the Ray path runs the same boundary checks (a 400 naming the field, before
+    the decode), streamed or not, and /health shows no pid."""
+    import httpx
+
+    body = (b'{"messages": [{"role": "user", "content": "Who?"}], "max_tokens": 4, '
+            b'"stream": %s, "documents": [{"text": "d", "score": NaN}]}')
+    for stream in (b"false", b"true"):
+        r = httpx.post(f"{ray_url}/v1/chat/completions", content=body % stream,
+                       headers={"Content-Type": "application/json"}, timeout=120)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "documents[0].score"
+    r = httpx.post(f"{ray_url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "Who?"}], "stream": True,
+        "tokrag": {"policy_options": {"fixed_layer": 1_000_000}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokrag.policy_options"
+    health = httpx.get(f"{ray_url}/health", timeout=60).json()
+    assert "pid" not in health and health["replica"]
