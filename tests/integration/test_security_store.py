@@ -105,3 +105,138 @@ def test_sigterm_stops_tokrag_serve_and_its_embedded_server(tmp_path, data_folde
             proc.kill()
         if postmaster is not None and postmaster.is_running():
             postmaster.terminate()  # never leave a server behind
+
+
+# ============================================================================ a store and its server
+@pytest.fixture(scope="module")
+def store(lm, tmp_path_factory):
+    """A real embedded server holding DOCS in table ``probe`` (with its full-text column),
+    its knowledge base, and ``tokrag serve --store postgres`` over it (in this process)."""
+    import shutil
+    import tempfile
+    from types import SimpleNamespace
+
+    from _helpers import LiveServer
+
+    from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
+    from tokrag_integrations.postgres.server import start_embedded
+    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+
+    parent = Path(tempfile.mkdtemp(prefix="tokrag-store-"))  # see data_folder
+    parent.chmod(0o755)
+    folder = parent / "pg"
+    dsn, pg = start_embedded(folder)
+    docs = _write_docs(tmp_path_factory.mktemp("store") / "docs")
+    ingest([docs], dsn=dsn, table="probe", progress=False)
+    kb = PostgresKnowledgeBase(dsn, "probe")
+    config = ServeConfig(store="postgres", dsn=dsn, table="probe", top_k=2, max_new_tokens=2)
+    live = LiveServer(create_app(ChatService(lm, config, kb)))
+    yield SimpleNamespace(kb=kb, live=live, dsn=dsn, folder=folder, docs=docs)
+    live.stop()
+    kb.close()
+    pg.cleanup()
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+def _post(store, body: str):
+    """A chat request whose JSON body is written by hand (a lone surrogate, a NUL escape, a
+    number no JSON library writes), as a client may send it."""
+    import httpx
+
+    return httpx.post(f"{store.live.url}/v1/chat/completions", content=body.encode(),
+                      headers={"Content-Type": "application/json"}, timeout=120)
+
+
+def _chat(question: str = "How many days of annual leave?", filters: str | None = None) -> str:
+    tokrag = "" if filters is None else f', "tokrag": {{"filters": {filters}}}'
+    return ('{"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": '
+            f'"{question}"}}]{tokrag}}}')
+
+
+def _refused(store, response, param: str, name: str) -> str:
+    """The 400's message, checked to name the field and nothing of the server."""
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert name in error["message"]
+    for secret in (str(store.folder), str(store.docs), "SELECT", "Traceback", "psycopg"):
+        assert secret not in error["message"]
+    return error["message"]
+
+
+# ============================================================================ 7: NUL in search input
+@pytest.mark.parametrize("search", ["vector", "text", "hybrid"])
+def test_nul_in_the_question_is_a_value_error_naming_it(store, search):
+    from tokrag_integrations.postgres import SearchInputError
+
+    with pytest.raises(SearchInputError, match="^The query holds a NUL character") as info:
+        store.kb.retrieve("annual\x00leave", search=search)
+    assert info.value.field == "query"
+    assert str(store.folder) not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [
+        {"file_name": "a\x00b"},
+        {"file_name": ["leave.md", "a\x00b"]},
+        {"file_name": {"$ne": "a\x00b"}},
+        {"file_name": {"$contains": "\x00"}},
+        ["file_name=a\x00b"],
+    ],
+    ids=["eq", "in", "ne", "contains", "cli"],
+)
+def test_nul_in_a_filter_value_is_a_value_error_naming_the_key(store, filters):
+    from tokrag_integrations.postgres import SearchInputError
+
+    with pytest.raises(SearchInputError, match=r"^Filter 'file_name' \$\w+: the value holds a NUL"):
+        store.kb.retrieve("annual leave", filters=filters)
+    # the answer for the same filter without the NUL is unchanged by the check
+    assert [c.source for c in store.kb.retrieve("annual leave", filters={"file_name": "leave.md"})]
+
+
+def test_nul_over_http_is_a_400_naming_the_field(store):
+    message = _refused(store, _post(store, _chat("annual\\u0000leave")), "messages", "query")
+    assert "NUL" in message
+    _refused(store, _post(store, _chat(filters='{"file_name": "a\\u0000b"}')),
+             "tokrag.filters", "'file_name'")
+
+
+def test_a_database_failure_is_a_503_without_server_paths(store, lm):
+    """The reason (which names the socket folder) goes to the server's log only."""
+    from types import SimpleNamespace
+
+    import psycopg
+    from _helpers import LiveServer
+
+    from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
+    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+
+    ingest([store.docs], dsn=store.dsn, table="dropped", progress=False)
+    kb = PostgresKnowledgeBase(store.dsn, "dropped")
+    with psycopg.connect(store.dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE data_dropped")
+    config = ServeConfig(store="postgres", dsn=store.dsn, table="dropped", max_new_tokens=2)
+    live = LiveServer(create_app(ChatService(lm, config, kb)))
+    try:
+        response = _post(SimpleNamespace(live=live), _chat())
+    finally:
+        live.stop()
+        kb.close()
+    assert response.status_code == 503, response.text
+    message = response.json()["error"]["message"]
+    assert message.startswith("retrieval failed")
+    assert str(store.folder) not in message and "data_dropped" not in message
+
+
+def test_a_document_holding_nul_is_refused_with_its_reason(store, tmp_path):
+    """Ingest's side: a text file holding NUL bytes is reported as binary and not stored (a
+    PDF's or HTML's extracted text has its NUL characters dropped instead)."""
+    from tokrag_integrations.postgres import ingest
+
+    docs = tmp_path / "nul"
+    docs.mkdir()
+    (docs / "n.txt").write_bytes(b"Alpha beta\x00gamma delta.\n")
+    summary = ingest([docs], dsn=store.dsn, table="probe_nul", progress=False)
+    [report] = [r for r in summary.files if Path(r.path).name == "n.txt"]
+    assert report.status == "failed" and "NUL" in report.reason

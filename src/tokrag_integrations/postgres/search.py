@@ -30,6 +30,10 @@ ANDed): ``$eq $ne $in $nin $gt $gte $lt $lte $contains``. A number is compared a
 number (the stored value is cast to ``double precision``), a string as text. ``$ne`` and
 ``$nin`` also match rows without the key. ``$contains`` matches a stored list holding the
 value, or a stored string containing it.
+
+**Inputs no query can carry** are refused with a :class:`~.errors.SearchInputError` (a
+``ValueError``) naming the field before any SQL runs (:func:`check_text`): a NUL character
+(PostgreSQL text cannot hold one) in the question or a filter value.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ __all__ = [
     "Filters",
     "SearchMode",
     "check_search",
+    "check_text",
     "compile_conditions",
     "parse_filter_args",
     "search_statement",
@@ -108,6 +113,22 @@ def ts_config_exists(conn: Any, config: str) -> None:
     )
 
 
+def check_text(value: str, field: str, name: str) -> str:
+    """``value`` if a query can carry it: no NUL character (PostgreSQL text cannot hold
+    one); else a :class:`~.errors.SearchInputError` for ``field`` whose
+    message names ``name`` ("the query", "filter 'file_name' $eq") and where, not the value.
+    """
+    from .errors import SearchInputError
+
+    at = value.find("\x00")
+    if at >= 0:
+        raise SearchInputError(
+            field, f"{name[0].upper()}{name[1:]} holds a NUL character (position {at}), which "
+            "PostgreSQL text cannot hold; remove it."
+        )
+    return value
+
+
 # ============================================================================ filters
 def validate_filter_key(key: str) -> str:
     """``key`` if it is a plain ASCII identifier, else a ``ValueError`` saying so."""
@@ -139,6 +160,8 @@ def _check_value(key: str, op: str, value: Any) -> Any:
         raise ValueError(
             f"Filter {key!r} {op}: values must be strings or numbers, got {type(value).__name__}."
         )
+    if isinstance(value, str):
+        return check_text(value, f"filters.{key}", f"filter {key!r} {op}: the value")
     if isinstance(value, float) and value != value:  # NaN
         raise ValueError(f"Filter {key!r} {op}: NaN is not a value to compare with.")
     return value

@@ -46,6 +46,7 @@ from .search import (  # noqa: F401 - MAX_TOP_K, Filters re-exported
     _check_fusion,
     _check_top_k,
     check_search,
+    check_text,
     parse_filter_args,
     search_statement,
     to_conditions,
@@ -295,10 +296,13 @@ class PostgresKnowledgeBase(FrameworkStores):
             ValueError: Empty query, ``top_k`` outside 1..1000, a bad filter or search mode,
                 text or hybrid search on a table without a full-text column, or a number
                 given as the value of a key whose stored values are text.
+                :class:`~.errors.SearchInputError` (a ``ValueError``, naming the field):
+                a NUL character in the query or a filter value.
             PostgresQueryError: The database refused the query (e.g. no SELECT privilege).
         """
         if not isinstance(query, str) or not query.strip():
             raise ValueError("The query is empty; pass a question to retrieve chunks for.")
+        check_text(query, "query", "the query")
         conditions, mode, (k, wv, wt), depth = self._check_request(
             top_k,
             filters,

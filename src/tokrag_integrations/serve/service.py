@@ -10,6 +10,7 @@ HTTP onto it, and the Ray Serve deployment (:mod:`.ray_app`) builds one per repl
 from __future__ import annotations
 
 import asyncio
+import logging
 import warnings
 from dataclasses import InitVar, dataclass, field
 from typing import Any
@@ -210,13 +211,20 @@ class ChatService:
         top_k = req.top_k or self.config.top_k
         try:
             chunks = await asyncio.to_thread(self.kb.retrieve, req.query, top_k, req.filters)
-        except ValueError as exc:  # a bad filter
-            raise RequestError(str(exc), "tokrag.filters") from None
+        except ValueError as exc:  # a bad filter, or a question no query can carry
+            field = getattr(exc, "field", None)  # a SearchInputError's: "query", "filters.<key>"
+            raise RequestError(str(exc), "messages" if field == "query" else "tokrag.filters") from None
         except Exception as exc:
             from ..postgres import PostgresConnectionError
 
             if isinstance(exc, PostgresConnectionError):
-                raise RequestError(f"retrieval failed: {exc}", None, 503, "server_error") from None
+                # The reason names the database and its socket folder: the operator's log
+                # gets it, the client a sentence without server paths.
+                logging.getLogger("tokrag.serve").error("retrieval failed: %s", exc)
+                raise RequestError(
+                    "retrieval failed: the database could not be searched (the server's log "
+                    "says why)", None, 503, "server_error",
+                ) from None
             raise
         return [
             Passage(c.text, score=c.score,
