@@ -240,3 +240,31 @@ def test_a_document_holding_nul_is_refused_with_its_reason(store, tmp_path):
     summary = ingest([docs], dsn=store.dsn, table="probe_nul", progress=False)
     [report] = [r for r in summary.files if Path(r.path).name == "n.txt"]
     assert report.status == "failed" and "NUL" in report.reason
+
+
+# ============================================================================ 14: numbers in filters
+@pytest.mark.parametrize(
+    "value",
+    [10**400, -(10**400), 2**63, -(2**63) - 1, float("nan"), float("inf"), float("-inf")],
+    ids=["huge", "-huge", "bigint+1", "bigint-1", "nan", "inf", "-inf"],
+)
+@pytest.mark.parametrize("op", ["$gt", "$eq", "$in"])
+def test_a_filter_number_out_of_range_is_a_value_error_naming_the_key(store, value, op):
+    from tokrag_integrations.postgres import SearchInputError
+
+    spec = {op: [3, value] if op == "$in" else value}
+    with pytest.raises(SearchInputError, match=rf"^Filter 'chunk' \{op}: ") as info:
+        store.kb.retrieve("annual leave", filters={"chunk": spec})
+    assert info.value.field == "filters.chunk"
+
+
+def test_the_bigint_bounds_themselves_are_accepted(store):
+    for bound in (2**63 - 1, -(2**63)):
+        assert store.kb.retrieve("annual leave", filters={"chunk": {"$lt": bound}}) is not None
+    assert len(store.kb.retrieve("annual leave", filters={"chunk": {"$lt": 2**63 - 1}})) == 2
+
+
+@pytest.mark.parametrize("number", ["1" + "0" * 400, "1e400", "NaN", "-Infinity"])
+def test_a_filter_number_out_of_range_over_http_is_a_400(store, number):
+    _refused(store, _post(store, _chat(filters=f'{{"chunk": {{"$gt": {number}}}}}')),
+             "tokrag.filters", "'chunk'")

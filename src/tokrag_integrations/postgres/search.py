@@ -33,11 +33,13 @@ value, or a stored string containing it.
 
 **Inputs no query can carry** are refused with a :class:`~.errors.SearchInputError` (a
 ``ValueError``) naming the field before any SQL runs (:func:`check_text`): a NUL character
-(PostgreSQL text cannot hold one) in the question or a filter value.
+(PostgreSQL text cannot hold one) in the question or a filter value, and a filter number that is NaN, infinite, or an integer outside
+PostgreSQL's ``bigint`` range.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -72,6 +74,9 @@ TSV_COLUMN = "text_search_tsv"
 FILTER_OPERATORS: tuple[str, ...] = (
     "$eq", "$ne", "$in", "$nin", "$gt", "$gte", "$lt", "$lte", "$contains",
 )  # fmt: skip
+
+#: PostgreSQL's ``bigint`` range: a filter integer outside it is refused.
+BIGINT_MIN, BIGINT_MAX = -(2**63), 2**63 - 1
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _TS_CONFIG_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -160,10 +165,20 @@ def _check_value(key: str, op: str, value: Any) -> Any:
         raise ValueError(
             f"Filter {key!r} {op}: values must be strings or numbers, got {type(value).__name__}."
         )
+    from .errors import SearchInputError
+
     if isinstance(value, str):
         return check_text(value, f"filters.{key}", f"filter {key!r} {op}: the value")
-    if isinstance(value, float) and value != value:  # NaN
-        raise ValueError(f"Filter {key!r} {op}: NaN is not a value to compare with.")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SearchInputError(
+            f"filters.{key}", f"Filter {key!r} {op}: {'NaN' if value != value else 'infinity'} is not a "
+            "value to compare with; give a finite number."
+        )
+    if isinstance(value, int) and not BIGINT_MIN <= value <= BIGINT_MAX:
+        raise SearchInputError(
+            f"filters.{key}", f"Filter {key!r} {op}: the number is outside PostgreSQL's bigint "
+            f"range ({BIGINT_MIN}..{BIGINT_MAX})."
+        )
     return value
 
 
