@@ -268,3 +268,34 @@ def test_the_bigint_bounds_themselves_are_accepted(store):
 def test_a_filter_number_out_of_range_over_http_is_a_400(store, number):
     _refused(store, _post(store, _chat(filters=f'{{"chunk": {{"$gt": {number}}}}}')),
              "tokrag.filters", "'chunk'")
+
+
+# ============================================================================ 19: lone surrogates
+@pytest.mark.parametrize("search", ["vector", "text", "hybrid"])
+def test_a_lone_surrogate_in_the_question_is_a_value_error_naming_it(store, search):
+    from tokrag_integrations.postgres import SearchInputError
+
+    with pytest.raises(SearchInputError, match="^The query holds a lone surrogate") as info:
+        store.kb.retrieve("annual \ud800 leave", search=search)
+    assert info.value.field == "query"
+
+
+@pytest.mark.parametrize(
+    "filters",
+    [{"file_name": "a\udfffb"}, {"file_name": {"$nin": ["leave.md", "\ud83d"]}},
+     ["file_name~=\udc80"]],
+    ids=["eq", "nin", "cli"],
+)
+def test_a_lone_surrogate_in_a_filter_value_is_a_value_error_naming_the_key(store, filters):
+    from tokrag_integrations.postgres import SearchInputError
+
+    with pytest.raises(SearchInputError, match=r"^Filter 'file_name' \$\w+: the value holds a lone"):
+        store.kb.retrieve("annual leave", filters=filters)
+
+
+def test_a_lone_surrogate_over_http_is_a_400_naming_the_field(store):
+    _refused(store, _post(store, _chat("annual \\ud800 leave")), "messages", "query")
+    _refused(store, _post(store, _chat(filters='{"file_name": "a\\udfffb"}')),
+             "tokrag.filters", "'file_name'")
+    # a surrogate pair is one character, not a lone surrogate: answered
+    assert _post(store, _chat("annual leave \\ud83d\\ude00")).status_code == 200

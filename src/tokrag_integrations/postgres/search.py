@@ -33,7 +33,8 @@ value, or a stored string containing it.
 
 **Inputs no query can carry** are refused with a :class:`~.errors.SearchInputError` (a
 ``ValueError``) naming the field before any SQL runs (:func:`check_text`): a NUL character
-(PostgreSQL text cannot hold one) in the question or a filter value, and a filter number that is NaN, infinite, or an integer outside
+(PostgreSQL text cannot hold one) or a lone surrogate (not encodable as UTF-8) in the
+question or a filter value, and a filter number that is NaN, infinite, or an integer outside
 PostgreSQL's ``bigint`` range.
 """
 
@@ -120,7 +121,8 @@ def ts_config_exists(conn: Any, config: str) -> None:
 
 def check_text(value: str, field: str, name: str) -> str:
     """``value`` if a query can carry it: no NUL character (PostgreSQL text cannot hold
-    one); else a :class:`~.errors.SearchInputError` for ``field`` whose
+    one) and no lone surrogate (UTF-8, and so the database and the embedder's tokenizer,
+    cannot encode one); else a :class:`~.errors.SearchInputError` for ``field`` whose
     message names ``name`` ("the query", "filter 'file_name' $eq") and where, not the value.
     """
     from .errors import SearchInputError
@@ -131,6 +133,13 @@ def check_text(value: str, field: str, name: str) -> str:
             field, f"{name[0].upper()}{name[1:]} holds a NUL character (position {at}), which "
             "PostgreSQL text cannot hold; remove it."
         )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SearchInputError(
+            field, f"{name[0].upper()}{name[1:]} holds a lone surrogate (position {exc.start}), "
+            "which is not Unicode text; send the text as valid UTF-8."
+        ) from None
     return value
 
 

@@ -297,8 +297,8 @@ class PostgresKnowledgeBase(FrameworkStores):
                 text or hybrid search on a table without a full-text column, or a number
                 given as the value of a key whose stored values are text.
                 :class:`~.errors.SearchInputError` (a ``ValueError``, naming the field):
-                a NUL character in the query or a filter value, a filter number that is
-                NaN, infinite or outside ``bigint``.
+                a NUL character or a lone surrogate in the query or a filter value, a
+                filter number that is NaN, infinite or outside ``bigint``.
             PostgresQueryError: The database refused the query (e.g. no SELECT privilege).
         """
         if not isinstance(query, str) or not query.strip():
