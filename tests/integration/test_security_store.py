@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -114,7 +115,6 @@ def store(lm, tmp_path_factory):
     its knowledge base, and ``tokrag serve --store postgres`` over it (in this process)."""
     import shutil
     import tempfile
-    from types import SimpleNamespace
 
     from _helpers import LiveServer
 
@@ -204,8 +204,6 @@ def test_nul_over_http_is_a_400_naming_the_field(store):
 
 def test_a_database_failure_is_a_503_without_server_paths(store, lm):
     """The reason (which names the socket folder) goes to the server's log only."""
-    from types import SimpleNamespace
-
     import psycopg
     from _helpers import LiveServer
 
@@ -299,3 +297,38 @@ def test_a_lone_surrogate_over_http_is_a_400_naming_the_field(store):
              "tokrag.filters", "'file_name'")
     # a surrogate pair is one character, not a lone surrogate: answered
     assert _post(store, _chat("annual leave \\ud83d\\ude00")).status_code == 200
+
+
+# ============================================================================ 21: sources
+def _sources(live) -> list[dict]:
+    response = _post(SimpleNamespace(live=live), _chat())
+    assert response.status_code == 200, response.text
+    return [s["metadata"] for s in response.json()["tokrag"]["sources"]]
+
+
+def test_sources_are_the_stored_absolute_paths_by_default(store):
+    shown = _sources(store.live)
+    assert {m["source"] for m in shown} == {str((store.docs / n).resolve()) for n in DOCS}
+
+
+def test_sources_relative_to_the_ingested_folder(store, lm):
+    from _helpers import LiveServer
+
+    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+
+    config = ServeConfig(store="postgres", dsn=store.dsn, table="probe", top_k=2,
+                         max_new_tokens=2, sources_relative_to=str(store.docs))
+    live = LiveServer(create_app(ChatService(lm, config, store.kb)))
+    try:
+        shown = _sources(live)
+    finally:
+        live.stop()
+    assert {m["source"] for m in shown} == set(DOCS)
+    assert all(str(store.docs) not in json.dumps(m) for m in shown)
+
+
+def test_sources_relative_to_needs_the_store(capsys):
+    from tokrag_integrations.cli import main
+
+    assert main(["serve", "--sources-relative-to", "/srv/docs"]) == 2
+    assert "--sources-relative-to applies to --store postgres" in capsys.readouterr().err

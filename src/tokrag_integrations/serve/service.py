@@ -13,6 +13,7 @@ import asyncio
 import logging
 import warnings
 from dataclasses import InitVar, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .. import config
@@ -69,6 +70,10 @@ class ServeConfig:
     top_k: int = TOP_K
     embed_model: str | None = None
     data_dir: str | None = None
+    sources_relative_to: str | None = None
+    """A folder: the store's ``source`` (and ``file_path``) of each answer's sources are
+    given relative to it, and those outside it as their file name alone, so clients do not
+    see the server's folders (None: the absolute paths ingest stored)."""
     options: InitVar[dict[str, Any] | None] = None
     """Deprecated spelling of ``policy_options`` (a DeprecationWarning names the new one)."""
 
@@ -114,6 +119,9 @@ class ChatService:
         self.lm = lm
         self.config = config or ServeConfig()
         self.kb = kb
+        root = self.config.sources_relative_to
+        #: Where ``sources_relative_to`` lies, resolved as ingest resolves the files it stores.
+        self.source_root = None if root is None else Path(root).expanduser().resolve()
         self.policies = available_policies()
         if self.config.policy not in self.policies:
             raise ValueError(
@@ -228,9 +236,20 @@ class ChatService:
             raise
         return [
             Passage(c.text, score=c.score,
-                    metadata={**c.metadata, "source": c.source, "chunk": c.chunk})
+                    metadata=self._shown({**c.metadata, "source": c.source, "chunk": c.chunk}))
             for c in chunks
         ], []
+
+    def _shown(self, metadata: dict[str, Any]) -> dict[str, Any]:
+        """A chunk's metadata as clients see it: paths relative to ``sources_relative_to``."""
+        if self.source_root is None:
+            return metadata
+        from ..postgres.results import PATH_KEYS, relative_source
+
+        return {
+            k: relative_source(v, self.source_root) if k in PATH_KEYS and isinstance(v, str) else v
+            for k, v in metadata.items()
+        }
 
     async def complete(self, req: ChatRequest, passages: list[Any] | None) -> Any:
         """Decode ``req`` through the micro-batcher; cancelling the awaiting task drops the
