@@ -332,3 +332,13 @@ def test_sources_relative_to_needs_the_store(capsys):
 
     assert main(["serve", "--sources-relative-to", "/srv/docs"]) == 2
     assert "--sources-relative-to applies to --store postgres" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source", ["leave\x00.md", "leave\ud800.md"], ids=["nul", "surrogate"])
+def test_count_of_a_source_no_path_can_hold_names_it(store, source):
+    from tokrag_integrations.postgres import SearchInputError
+
+    with pytest.raises(SearchInputError, match="^The source holds a") as info:
+        store.kb.count(source=store.docs / source)
+    assert info.value.field == "source"
+    assert store.kb.count(source=store.docs / "leave.md") == 1

@@ -358,8 +358,16 @@ class PostgresKnowledgeBase(FrameworkStores):
         return await asyncio.to_thread(self.retrieve, query, top_k, filters, **search_options)
 
     def count(self, source: str | Path | None = None) -> int:
-        """Chunks in the table (for one source path when given)."""
+        """Chunks in the table (for one source path when given).
+
+        Raises:
+            ValueError: ``source`` holds a NUL character or a lone surrogate
+                (:class:`~.errors.SearchInputError`).
+        """
         from psycopg import sql
+
+        if source is not None:
+            check_text(str(source), "source", "the source")
 
         lay = self.layout
         table = sql.Identifier(lay.table)
