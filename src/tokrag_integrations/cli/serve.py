@@ -97,6 +97,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                        help="retrieve from an ingested Postgres table")
     store.add_argument("--top-k", type=_positive_int, default=TOP_K,
                        help=f"chunks retrieved per question (default {TOP_K})")
+    store.add_argument("--sources-relative-to", metavar="FOLDER", default=None,
+                       help="give each answer's sources relative to FOLDER (the folder that was "
+                       "ingested), those outside it as their file name alone (default: the "
+                       "absolute paths ingest stored)")
     add_store_arguments(store)  # --dsn, --table, --embed-model, --data-dir
     ray = p.add_argument_group("Ray Serve (the ray extra)")
     ray.add_argument("--ray", action="store_true",
@@ -147,6 +151,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         top_k=args.top_k,
         embed_model=args.embed_model,
         data_dir=args.data_dir,
+        sources_relative_to=args.sources_relative_to,
     )
 
 
@@ -179,6 +184,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             UserWarning,
             stacklevel=2,
         )
+    if args.sources_relative_to is not None and args.store is None:
+        raise ValueError("--sources-relative-to applies to --store postgres; give both")
     config = config_from_args(args)
     config.resolved_api_key()  # a key no client could send fails before the model loads
     if args.ray:

@@ -41,6 +41,7 @@ _EXPORTS = {
     "check_connection": "server",
     "PostgresConnectionError": "server",
     "PostgresSetupError": "server",
+    "SearchInputError": "errors",
     "DEFAULT_TABLE": "server",
     "load_embedder": "embeddings",
 }

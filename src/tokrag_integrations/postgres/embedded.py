@@ -47,6 +47,7 @@ __all__ = [
     "prune_stale_handles",
     "start_again_if_stopped",
     "start_embedded",
+    "stop_on_sigterm",
 ]
 
 #: Environment variable holding a production connection string.
@@ -392,13 +393,16 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _stop_on_sigterm() -> None:
+def stop_on_sigterm() -> None:
     """Make SIGTERM end the process as Ctrl-C does, so the embedded server is stopped at exit.
 
     SIGTERM's default action (``timeout``, systemd, ``docker stop``) kills Python without
     running ``atexit``, where pgserver stops the server, so it would keep running. Installed
-    only while SIGTERM still has its default action, from the main thread: a handler the
-    application set is left alone.
+    only while SIGTERM still has its default action, from the main thread (Python runs
+    signal handlers there only): a handler the application set is left alone. A process
+    that opens the store in a worker thread calls it from its main thread first
+    (``tokrag serve`` does, before uvicorn runs: uvicorn restores the handler it found and
+    raises the signal again once it has shut down).
     """
     import signal
 
@@ -416,7 +420,7 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     was killed (SIGKILL) cannot stop it: the server then keeps running until the next
     process using the folder exits, which first removes the dead process from pgserver's
     handle list (:func:`prune_stale_handles`). SIGTERM ends the process as Ctrl-C does (exit
-    status 143), so the server is stopped then too (:func:`_stop_on_sigterm`). Its socket is
+    status 143), so the server is stopped then too (:func:`stop_on_sigterm`). Its socket is
     private to the server's OS user (see the module docstring).
 
     Raises:
@@ -461,7 +465,7 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
                 ) from exc
             _SERVERS[key] = server
     _start_again_if_stopped(server)
-    _stop_on_sigterm()
+    stop_on_sigterm()
     return server.get_uri(), server
 
 

@@ -6,6 +6,7 @@ __all__ = [
     "PostgresConnectionError",
     "PostgresQueryError",
     "PostgresSetupError",
+    "SearchInputError",
     "is_driver_error",
     "sqlstate_of",
 ]
@@ -25,6 +26,16 @@ class PostgresQueryError(PostgresConnectionError):
 
 class PostgresSetupError(RuntimeError):
     """The embedded server cannot be started (or would be started in an unsafe place)."""
+
+
+class SearchInputError(ValueError):
+    """A search input no query can carry (a NUL character, a lone surrogate, a number out of
+    range), refused before any SQL runs; the message names the field, never the value's
+    server, and :attr:`field` says which: ``"query"`` or ``"filters.<key>"``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 # SQLSTATE class or code -> what to do about it (https://www.postgresql.org/docs/16/errcodes-appendix.html).

@@ -4,11 +4,17 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
 
-__all__ = ["PostgresAnswer", "RetrievedChunk"]
+__all__ = ["PATH_KEYS", "PostgresAnswer", "RetrievedChunk", "relative_source"]
+
+#: Metadata keys holding a file's path on the machine that ingested it: ``source`` (tokrag's
+#: ingest, the resolved absolute path) and ``file_path`` (LlamaIndex's readers).
+PATH_KEYS = ("source", "file_path")
 
 # LlamaIndex's bookkeeping keys, dropped from the metadata we hand to prompts and users.
 _INTERNAL_KEYS = frozenset({"_node_content", "_node_type", "doc_id", "document_id", "ref_doc_id"})
@@ -45,6 +51,18 @@ class PostgresAnswer:
 
     def __iter__(self) -> Any:
         return iter((self.result, self.chunks))
+
+
+def relative_source(source: str, root: str | PurePath) -> str:
+    """``source`` relative to the folder ``root`` (``/srv/docs/hr/leave.md`` under
+    ``/srv/docs``: ``hr/leave.md``), or its last component alone when it is not under
+    ``root``; for clients that should not learn the server's folders. ``root`` is taken as
+    written: give it as absolute and resolved, as ingest stores sources."""
+    path = PurePath(os.path.normpath(source))  # "docs/../etc" is not under "docs"
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return path.name
 
 
 def _clean_metadata(meta: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -30,10 +30,17 @@ ANDed): ``$eq $ne $in $nin $gt $gte $lt $lte $contains``. A number is compared a
 number (the stored value is cast to ``double precision``), a string as text. ``$ne`` and
 ``$nin`` also match rows without the key. ``$contains`` matches a stored list holding the
 value, or a stored string containing it.
+
+**Inputs no query can carry** are refused with a :class:`~.errors.SearchInputError` (a
+``ValueError``) naming the field before any SQL runs (:func:`check_text`): a NUL character
+(PostgreSQL text cannot hold one) or a lone surrogate (not encodable as UTF-8) in the
+question or a filter value, and a filter number that is NaN, infinite, or an integer outside
+PostgreSQL's ``bigint`` range.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,6 +55,7 @@ __all__ = [
     "Filters",
     "SearchMode",
     "check_search",
+    "check_text",
     "compile_conditions",
     "parse_filter_args",
     "search_statement",
@@ -67,6 +75,9 @@ TSV_COLUMN = "text_search_tsv"
 FILTER_OPERATORS: tuple[str, ...] = (
     "$eq", "$ne", "$in", "$nin", "$gt", "$gte", "$lt", "$lte", "$contains",
 )  # fmt: skip
+
+#: PostgreSQL's ``bigint`` range: a filter integer outside it is refused.
+BIGINT_MIN, BIGINT_MAX = -(2**63), 2**63 - 1
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _TS_CONFIG_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -108,6 +119,30 @@ def ts_config_exists(conn: Any, config: str) -> None:
     )
 
 
+def check_text(value: str, field: str, name: str) -> str:
+    """``value`` if a query can carry it: no NUL character (PostgreSQL text cannot hold
+    one) and no lone surrogate (UTF-8, and so the database and the embedder's tokenizer,
+    cannot encode one); else a :class:`~.errors.SearchInputError` for ``field`` whose
+    message names ``name`` ("the query", "filter 'file_name' $eq") and where, not the value.
+    """
+    from .errors import SearchInputError
+
+    at = value.find("\x00")
+    if at >= 0:
+        raise SearchInputError(
+            field, f"{name[0].upper()}{name[1:]} holds a NUL character (position {at}), which "
+            "PostgreSQL text cannot hold; remove it."
+        )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SearchInputError(
+            field, f"{name[0].upper()}{name[1:]} holds a lone surrogate (position {exc.start}), "
+            "which is not Unicode text; send the text as valid UTF-8."
+        ) from None
+    return value
+
+
 # ============================================================================ filters
 def validate_filter_key(key: str) -> str:
     """``key`` if it is a plain ASCII identifier, else a ``ValueError`` saying so."""
@@ -139,8 +174,20 @@ def _check_value(key: str, op: str, value: Any) -> Any:
         raise ValueError(
             f"Filter {key!r} {op}: values must be strings or numbers, got {type(value).__name__}."
         )
-    if isinstance(value, float) and value != value:  # NaN
-        raise ValueError(f"Filter {key!r} {op}: NaN is not a value to compare with.")
+    from .errors import SearchInputError
+
+    if isinstance(value, str):
+        return check_text(value, f"filters.{key}", f"filter {key!r} {op}: the value")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SearchInputError(
+            f"filters.{key}", f"Filter {key!r} {op}: {'NaN' if value != value else 'infinity'} is not a "
+            "value to compare with; give a finite number."
+        )
+    if isinstance(value, int) and not BIGINT_MIN <= value <= BIGINT_MAX:
+        raise SearchInputError(
+            f"filters.{key}", f"Filter {key!r} {op}: the number is outside PostgreSQL's bigint "
+            f"range ({BIGINT_MIN}..{BIGINT_MAX})."
+        )
     return value
 
 

@@ -46,6 +46,7 @@ from .search import (  # noqa: F401 - MAX_TOP_K, Filters re-exported
     _check_fusion,
     _check_top_k,
     check_search,
+    check_text,
     parse_filter_args,
     search_statement,
     to_conditions,
@@ -295,10 +296,14 @@ class PostgresKnowledgeBase(FrameworkStores):
             ValueError: Empty query, ``top_k`` outside 1..1000, a bad filter or search mode,
                 text or hybrid search on a table without a full-text column, or a number
                 given as the value of a key whose stored values are text.
+                :class:`~.errors.SearchInputError` (a ``ValueError``, naming the field):
+                a NUL character or a lone surrogate in the query or a filter value, a
+                filter number that is NaN, infinite or outside ``bigint``.
             PostgresQueryError: The database refused the query (e.g. no SELECT privilege).
         """
         if not isinstance(query, str) or not query.strip():
             raise ValueError("The query is empty; pass a question to retrieve chunks for.")
+        check_text(query, "query", "the query")
         conditions, mode, (k, wv, wt), depth = self._check_request(
             top_k,
             filters,
@@ -353,8 +358,16 @@ class PostgresKnowledgeBase(FrameworkStores):
         return await asyncio.to_thread(self.retrieve, query, top_k, filters, **search_options)
 
     def count(self, source: str | Path | None = None) -> int:
-        """Chunks in the table (for one source path when given)."""
+        """Chunks in the table (for one source path when given).
+
+        Raises:
+            ValueError: ``source`` holds a NUL character or a lone surrogate
+                (:class:`~.errors.SearchInputError`).
+        """
         from psycopg import sql
+
+        if source is not None:
+            check_text(str(source), "source", "the source")
 
         lay = self.layout
         table = sql.Identifier(lay.table)

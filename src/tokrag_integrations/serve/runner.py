@@ -47,12 +47,20 @@ def warn_if_open(host: str, config: ServeConfig) -> None:
 def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", **uvicorn_kwargs: Any) -> None:
     """Start uvicorn on ``host:port``; the model loads in the background (``/health`` is 503
-    until it is ready). Blocks until the server stops."""
+    until it is ready). Blocks until the server stops.
+
+    SIGTERM ends it as Ctrl-C does: uvicorn shuts down, then raises the signal again under
+    the handler it found, which is set here, from the main thread, to exit through
+    ``atexit`` (the store, opened in the loading thread, cannot set it), so an embedded
+    Postgres is stopped and its handle cleared (:func:`~..postgres.embedded.stop_on_sigterm`).
+    """
     require_serve_extra()
     import uvicorn
 
+    from ..postgres.embedded import stop_on_sigterm
     from .app import create_app
 
     warn_if_open(host, config)
+    stop_on_sigterm()
     app = create_app(loader=lambda: ChatService.load(config), config=config)
     uvicorn.run(app, host=host, port=port, log_level=log_level, **uvicorn_kwargs)

@@ -10,8 +10,10 @@ HTTP onto it, and the Ray Serve deployment (:mod:`.ray_app`) builds one per repl
 from __future__ import annotations
 
 import asyncio
+import logging
 import warnings
 from dataclasses import InitVar, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .. import config
@@ -69,6 +71,10 @@ class ServeConfig:
     top_k: int = TOP_K
     embed_model: str | None = None
     data_dir: str | None = None
+    sources_relative_to: str | None = None
+    """A folder: the store's ``source`` (and ``file_path``) of each answer's sources are
+    given relative to it, and those outside it as their file name alone, so clients do not
+    see the server's folders (None: the absolute paths ingest stored)."""
     options: InitVar[dict[str, Any] | None] = None
     """Deprecated spelling of ``policy_options`` (a DeprecationWarning names the new one)."""
 
@@ -152,6 +158,9 @@ class ChatService:
         self.lm = lm
         self.config = config or ServeConfig()
         self.kb = kb
+        root = self.config.sources_relative_to
+        #: Where ``sources_relative_to`` lies, resolved as ingest resolves the files it stores.
+        self.source_root = None if root is None else Path(root).expanduser().resolve()
         self.policies = available_policies()
         if self.config.policy not in self.policies:
             raise ValueError(
@@ -269,19 +278,37 @@ class ChatService:
         top_k = req.top_k or self.config.top_k
         try:
             chunks = await asyncio.to_thread(self.kb.retrieve, req.query, top_k, req.filters)
-        except ValueError as exc:  # a bad filter
-            raise RequestError(str(exc), "tokrag.filters") from None
+        except ValueError as exc:  # a bad filter, or a question no query can carry
+            field = getattr(exc, "field", None)  # a SearchInputError's: "query", "filters.<key>"
+            raise RequestError(str(exc), "messages" if field == "query" else "tokrag.filters") from None
         except Exception as exc:
             from ..postgres import PostgresConnectionError
 
             if isinstance(exc, PostgresConnectionError):
-                raise RequestError(f"retrieval failed: {exc}", None, 503, "server_error") from None
+                # The reason names the database and its socket folder: the operator's log
+                # gets it, the client a sentence without server paths.
+                logging.getLogger("tokrag.serve").error("retrieval failed: %s", exc)
+                raise RequestError(
+                    "retrieval failed: the database could not be searched (the server's log "
+                    "says why)", None, 503, "server_error",
+                ) from None
             raise
         return [
             Passage(c.text, score=c.score,
-                    metadata={**c.metadata, "source": c.source, "chunk": c.chunk})
+                    metadata=self._shown({**c.metadata, "source": c.source, "chunk": c.chunk}))
             for c in chunks
         ], []
+
+    def _shown(self, metadata: dict[str, Any]) -> dict[str, Any]:
+        """A chunk's metadata as clients see it: paths relative to ``sources_relative_to``."""
+        if self.source_root is None:
+            return metadata
+        from ..postgres.results import PATH_KEYS, relative_source
+
+        return {
+            k: relative_source(v, self.source_root) if k in PATH_KEYS and isinstance(v, str) else v
+            for k, v in metadata.items()
+        }
 
     async def complete(self, req: ChatRequest, passages: list[Any] | None) -> Any:
         """Decode ``req`` through the micro-batcher; cancelling the awaiting task drops the
