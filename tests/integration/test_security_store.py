@@ -154,10 +154,11 @@ def _chat(question: str = "How many days of annual leave?", filters: str | None 
 
 
 def _refused(store, response, param: str, name: str) -> str:
-    """The 400's message, checked to name the field and nothing of the server."""
+    """The 400's message, checked to name the field (the server's own boundary check may name
+    it more closely: ``tokrag.filters.chunk.$gt``) and nothing of the server."""
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == param
+    assert error["param"] == param or error["param"].startswith((param + ".", param + "[")), error
     assert name in error["message"]
     for secret in (str(store.folder), str(store.docs), "SELECT", "Traceback", "psycopg"):
         assert secret not in error["message"]
@@ -265,7 +266,7 @@ def test_the_bigint_bounds_themselves_are_accepted(store):
 @pytest.mark.parametrize("number", ["1" + "0" * 400, "1e400", "NaN", "-Infinity"])
 def test_a_filter_number_out_of_range_over_http_is_a_400(store, number):
     _refused(store, _post(store, _chat(filters=f'{{"chunk": {{"$gt": {number}}}}}')),
-             "tokrag.filters", "'chunk'")
+             "tokrag.filters", "chunk")
 
 
 # ============================================================================ 19: lone surrogates
@@ -292,9 +293,10 @@ def test_a_lone_surrogate_in_a_filter_value_is_a_value_error_naming_the_key(stor
 
 
 def test_a_lone_surrogate_over_http_is_a_400_naming_the_field(store):
-    _refused(store, _post(store, _chat("annual \\ud800 leave")), "messages", "query")
+    # the server's boundary check (check_json_values) refuses these before the store's own
+    _refused(store, _post(store, _chat("annual \\ud800 leave")), "messages", "messages")
     _refused(store, _post(store, _chat(filters='{"file_name": "a\\udfffb"}')),
-             "tokrag.filters", "'file_name'")
+             "tokrag.filters", "file_name")
     # a surrogate pair is one character, not a lone surrogate: answered
     assert _post(store, _chat("annual leave \\ud83d\\ude00")).status_code == 200
 
