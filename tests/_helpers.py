@@ -3,10 +3,28 @@ puts this folder on ``sys.path``)."""
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
+
+import pytest
+
+
+def require(module: str, package: str | None = None) -> ModuleType:
+    """Import ``module``, which the ``dev`` extra installs (``package``: its PyPI name, if it
+    differs). Missing, the test fails naming the package and the extra: a skip would hide a
+    dependency dropped from the extra, and every test that needs it with it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        pytest.fail(
+            f"{module} cannot be imported ({exc}): the 'dev' extra installs it (PyPI "
+            f"{package or module}); run `pip install -e '.[dev]'` or `make install`",
+            pytrace=False,
+        )
 
 
 def forward_inputs(lm: Any, call: Callable[[], Any]) -> list[list[list[int]]]:

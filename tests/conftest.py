@@ -28,6 +28,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(folder)
 
 
+#: Set by ``.ci/run``: there the evaluation sets must be found, and a test that needs them fails
+#: when they are missing instead of skipping.
+REQUIRE_EVAL_DATA = "TOKRAG_REQUIRE_EVAL_DATA"
+
+
+def eval_data_dir() -> Path:
+    """Where the evaluation sets are: ``$TOKRAG_EVAL_DATA``, else ``shared/data`` beside the
+    checkout (``../shared/data`` from its root, as CI lays it out)."""
+    env = os.environ.get("TOKRAG_EVAL_DATA")
+    return Path(env) if env else _HERE.parent.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def eval_data():
+    """``eval_data(name)``: the path of the evaluation set ``name`` (e.g.
+    ``"rgb_en_fact_dev.jsonl"``). A missing set skips the test, or fails it under
+    ``$TOKRAG_REQUIRE_EVAL_DATA=1`` (CI), naming the folder that was searched."""
+
+    def find(name: str) -> Path:
+        path = eval_data_dir() / name
+        if path.is_file():
+            return path
+        message = (f"evaluation set {name} not found in {path.parent} (set $TOKRAG_EVAL_DATA "
+                   "to the folder that holds it)")
+        if os.environ.get(REQUIRE_EVAL_DATA) == "1":
+            pytest.fail(f"{message}; ${REQUIRE_EVAL_DATA}=1 requires it", pytrace=False)
+        pytest.skip(message)
+
+    return find
+
+
 @pytest.fixture(scope="session")
 def lm():
     """The packaged default model (SmolLM2-135M-Instruct), shared by every test."""

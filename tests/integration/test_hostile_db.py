@@ -25,6 +25,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from _helpers import require
 
 from tokrag_integrations.postgres.server import (
     PostgresQueryError,
@@ -77,7 +78,7 @@ def test_bad_connect_timeout_env_is_one_sentence(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def pg_dsn(tmp_path_factory):
     """An embedded PostgreSQL + pgvector for this module, in a temporary folder."""
-    pytest.importorskip("pgserver")
+    require("pgserver")
     from tokrag_integrations.postgres.server import start_embedded
 
     folder = tmp_path_factory.mktemp("pgserver_hostile") / "pg"
@@ -315,7 +316,7 @@ def _postmaster_pid(folder: Path) -> int | None:
 
 @pytest.mark.postgres
 def test_server_of_a_killed_process_is_stopped_by_the_next_one(tmp_path):
-    pytest.importorskip("pgserver")
+    require("pgserver")
     import psutil
 
     from tokrag_integrations.postgres import server

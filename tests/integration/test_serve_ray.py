@@ -13,10 +13,11 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from _helpers import require
 
-pytest.importorskip("ray.serve")
-pytest.importorskip("fastapi")
-openai = pytest.importorskip("openai")
+require("ray.serve", "ray[serve]")
+require("fastapi")
+openai = require("openai")
 
 from tokrag_integrations import generate  # noqa: E402
 from tokrag_integrations.defaults import ANSWER_STOP  # noqa: E402
