@@ -67,6 +67,16 @@ def lm():
     return load_model("default", device="cpu")
 
 
+@pytest.fixture
+def cli_shares_model(lm):
+    """In-process CLI runs of this test use the session's model instead of loading the
+    packaged model again (see :func:`_helpers.sharing_model`)."""
+    from _helpers import sharing_model
+
+    with sharing_model(lm):
+        yield lm
+
+
 def write_pdf(path, pages: list[str]) -> None:
     """Write a minimal valid PDF with one line of Helvetica text per page (for loader tests)."""
     objects = ["<< /Type /Catalog /Pages 2 0 R >>", ""]

@@ -17,7 +17,8 @@ import pytest
 from _cli_fakes import run_cli
 
 import tokrag_integrations
-from tokrag_integrations import cli
+from tokrag_integrations import cli, generate
+from tokrag_integrations.defaults import ANSWER_STOP
 from tokrag_integrations.retrieval import get_sample_questions
 
 
@@ -144,6 +145,34 @@ def test_real_ask_writes_html_and_json(real_run: dict[str, Any]) -> None:
     assert QUESTION["answer"] in data["text"]
     assert len(data["passages"]) == 3
     assert "Tok-RAG trace" in real_run["out"]  # --explain rendered the trace
+
+
+def test_real_ask_tokrag_gives_the_core_answer_and_decisions(tmp_path: Path, cli_shares_model) -> None:
+    """The default policy through the command line, with a policy option: the streamed
+    answer, the trace's decisions and its options are those of the core API on the same
+    passages (a fact the model cannot know, so the rule meets disagreements)."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("Zorbin Quell owns a grey cat named Pistachio.", encoding="utf-8")
+    js = tmp_path / "trace.json"
+    question = "What is the name of the cat owned by Zorbin Quell?"
+    code, out, err = run_cli(
+        [
+            "ask", question, "--docs", str(docs), "--top-k", "1", "--max-new-tokens", "8",
+            "--option", "threshold=0.2", "--device", "cpu", "--json", str(js),
+        ]
+    )  # fmt: skip
+    assert code == 0, err
+    data = json.loads(js.read_text(encoding="utf-8"))
+    want = generate(cli_shares_model, question, [p["text"] for p in data["passages"]],
+                    policy="tokrag", policy_options={"threshold": 0.2}, max_new_tokens=8,
+                    stop=list(ANSWER_STOP))
+    assert data["policy"] == "tokrag" and data["options"]["threshold"] == 0.2
+    assert data["text"] == want.text and out.startswith(want.text)
+    assert [(s["token_id"], s["source"]) for s in data["steps"]] == [
+        (s.token_id, s.source) for s in want.trace.steps
+    ]
+    assert any(len({c["token_id"] for c in s["candidates"].values()}) > 1 for s in data["steps"])
 
 
 def test_real_ask_policy_llm_retrieves_nothing(tmp_path: Path) -> None:
