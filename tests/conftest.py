@@ -8,6 +8,9 @@ the folder does."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -75,6 +78,41 @@ def cli_shares_model(lm):
 
     with sharing_model(lm):
         yield lm
+
+
+@pytest.fixture(scope="session")
+def embedded_pg():
+    """One embedded PostgreSQL + pgvector for the whole run, started on first use, in a
+    folder outside pytest's (a concurrent pytest run resets those to 0700, locking out the
+    server's user when the tests run as root). Modules reach it through
+    :func:`module_pg_dsn`; tests that stop, restart or break a server start their own."""
+    from _helpers import require
+
+    require("pgserver")
+    from tokrag_integrations.postgres.server import start_embedded
+
+    folder = Path(tempfile.mkdtemp(prefix="tokrag-pg-tests-"))
+    dsn, server = start_embedded(folder / "pg")
+    yield dsn
+    server.cleanup()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def module_pg_dsn(embedded_pg, request):
+    """A database of the requesting module's own on the shared server (made empty), so the
+    modules stay independent: their tables, extensions and data never meet."""
+    from psycopg import sql
+    from psycopg.conninfo import make_conninfo
+
+    from tokrag_integrations.postgres.dsn import dsn_params
+    from tokrag_integrations.postgres.server import connect
+
+    name = "t_" + re.sub(r"\W", "_", request.module.__name__.rsplit(".", 1)[-1]).lower()[:50]
+    with connect(embedded_pg, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return make_conninfo(**{**dsn_params(embedded_pg), "dbname": name})
 
 
 def write_pdf(path, pages: list[str]) -> None:

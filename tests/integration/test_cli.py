@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from _cli_fakes import run_cli
+from _helpers import sharing_model
 
 import tokrag_integrations
 from tokrag_integrations import cli, generate
@@ -114,18 +115,18 @@ QUESTION = next(q for q in get_sample_questions() if q["source"] == "company_ove
 
 
 @pytest.fixture(scope="module")
-def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One real ``tokrag ask`` on the default model over the sample docs (slow: loads the
-    model and MiniLM, retrieves, decodes)."""
+def real_run(tmp_path_factory: pytest.TempPathFactory, lm: Any) -> dict[str, Any]:
+    """One real ``tokrag ask`` on the default model (the session's) over the sample docs."""
     folder = tmp_path_factory.mktemp("cli")
     html, js = folder / "trace.html", folder / "trace.json"
-    code, out, err = run_cli(
-        [
-            "ask", QUESTION["question"], "--docs", "sample", "--top-k", "3",
-            "--policy", "rag", "--max-new-tokens", "24", "--device", "cpu",
-            "--explain", "--html", str(html), "--json", str(js),
-        ]
-    )  # fmt: skip
+    with sharing_model(lm):
+        code, out, err = run_cli(
+            [
+                "ask", QUESTION["question"], "--docs", "sample", "--top-k", "3",
+                "--policy", "rag", "--max-new-tokens", "24", "--device", "cpu",
+                "--explain", "--html", str(html), "--json", str(js),
+            ]
+        )  # fmt: skip
     return {"code": code, "out": out, "err": err, "html": html, "json": js}
 
 
@@ -175,7 +176,7 @@ def test_real_ask_tokrag_gives_the_core_answer_and_decisions(tmp_path: Path, cli
     assert any(len({c["token_id"] for c in s["candidates"].values()}) > 1 for s in data["steps"])
 
 
-def test_real_ask_policy_llm_retrieves_nothing(tmp_path: Path) -> None:
+def test_real_ask_policy_llm_retrieves_nothing(tmp_path: Path, cli_shares_model) -> None:
     """The pure model reads no passage, so ``--docs`` is neither read nor embedded."""
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -194,7 +195,7 @@ def test_real_ask_policy_llm_retrieves_nothing(tmp_path: Path) -> None:
     assert "a.md" not in err  # no retrieved chunk listed
 
 
-def test_real_ask_docs_twice_embeds_nothing_the_second_time(tmp_path: Path) -> None:
+def test_real_ask_docs_twice_embeds_nothing_the_second_time(tmp_path: Path, cli_shares_model) -> None:
     """``ask --docs`` keeps chunk embeddings in the cache folder: the same folder asked
     about again embeds 0 chunks (issue 32)."""
     import uuid
@@ -213,7 +214,7 @@ def test_real_ask_docs_twice_embeds_nothing_the_second_time(tmp_path: Path) -> N
     assert "Embedding 0 chunk(s); 1 read from the cache." in err
 
 
-def test_real_ask_sources_prints_every_passage_in_full() -> None:
+def test_real_ask_sources_prints_every_passage_in_full(cli_shares_model) -> None:
     """``--sources`` lists each passage's source and score and its whole text, wrapped to
     the console width, not cut (issue 32)."""
     code, out, err = run_cli(

