@@ -3,10 +3,52 @@ puts this folder on ``sys.path``)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
+
+import pytest
+
+
+def require(module: str, package: str | None = None) -> ModuleType:
+    """Import ``module``, which the ``dev`` extra installs (``package``: its PyPI name, if it
+    differs). Missing, the test fails naming the package and the extra: a skip would hide a
+    dependency dropped from the extra, and every test that needs it with it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        pytest.fail(
+            f"{module} cannot be imported ({exc}): the 'dev' extra installs it (PyPI "
+            f"{package or module}); run `pip install -e '.[dev]'` or `make install`",
+            pytrace=False,
+        )
+
+
+@contextlib.contextmanager
+def sharing_model(lm: Any) -> Iterator[None]:
+    """While open, in-process command-line runs get ``lm`` (the session's packaged model)
+    where they would load the packaged model again: ``load_model("default")`` with no
+    option other than ``device="cpu"`` returns it; any other load is a real one. The
+    command's own messages around the load are unchanged."""
+    import tokrag_integrations
+    from tokrag_integrations import models
+
+    real = models.load_model
+
+    def load(model: Any = "default", **kwargs: Any) -> Any:
+        options = {k: v for k, v in kwargs.items() if v is not None}
+        if model == "default" and options.get("device", "cpu") == "cpu" and set(options) <= {"device"}:
+            return lm
+        return real(model, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(models, "load_model", load)
+        mp.setattr(tokrag_integrations, "load_model", load)
+        yield
 
 
 def forward_inputs(lm: Any, call: Callable[[], Any]) -> list[list[list[int]]]:

@@ -8,6 +8,9 @@ the folder does."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,12 +31,88 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(folder)
 
 
+#: Set by ``.ci/run``: there the evaluation sets must be found, and a test that needs them fails
+#: when they are missing instead of skipping.
+REQUIRE_EVAL_DATA = "TOKRAG_REQUIRE_EVAL_DATA"
+
+
+def eval_data_dir() -> Path:
+    """Where the evaluation sets are: ``$TOKRAG_EVAL_DATA``, else ``shared/data`` beside the
+    checkout (``../shared/data`` from its root, as CI lays it out)."""
+    env = os.environ.get("TOKRAG_EVAL_DATA")
+    return Path(env) if env else _HERE.parent.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def eval_data():
+    """``eval_data(name)``: the path of the evaluation set ``name`` (e.g.
+    ``"rgb_en_fact_dev.jsonl"``). A missing set skips the test, or fails it under
+    ``$TOKRAG_REQUIRE_EVAL_DATA=1`` (CI), naming the folder that was searched."""
+
+    def find(name: str) -> Path:
+        path = eval_data_dir() / name
+        if path.is_file():
+            return path
+        message = (f"evaluation set {name} not found in {path.parent} (set $TOKRAG_EVAL_DATA "
+                   "to the folder that holds it)")
+        if os.environ.get(REQUIRE_EVAL_DATA) == "1":
+            pytest.fail(f"{message}; ${REQUIRE_EVAL_DATA}=1 requires it", pytrace=False)
+        pytest.skip(message)
+
+    return find
+
+
 @pytest.fixture(scope="session")
 def lm():
     """The packaged default model (SmolLM2-135M-Instruct), shared by every test."""
     from tokrag_integrations import load_model
 
     return load_model("default", device="cpu")
+
+
+@pytest.fixture
+def cli_shares_model(lm):
+    """In-process CLI runs of this test use the session's model instead of loading the
+    packaged model again (see :func:`_helpers.sharing_model`)."""
+    from _helpers import sharing_model
+
+    with sharing_model(lm):
+        yield lm
+
+
+@pytest.fixture(scope="session")
+def embedded_pg():
+    """One embedded PostgreSQL + pgvector for the whole run, started on first use, in a
+    folder outside pytest's (a concurrent pytest run resets those to 0700, locking out the
+    server's user when the tests run as root). Modules reach it through
+    :func:`module_pg_dsn`; tests that stop, restart or break a server start their own."""
+    from _helpers import require
+
+    require("pgserver")
+    from tokrag_integrations.postgres.server import start_embedded
+
+    folder = Path(tempfile.mkdtemp(prefix="tokrag-pg-tests-"))
+    dsn, server = start_embedded(folder / "pg")
+    yield dsn
+    server.cleanup()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def module_pg_dsn(embedded_pg, request):
+    """A database of the requesting module's own on the shared server (made empty), so the
+    modules stay independent: their tables, extensions and data never meet."""
+    from psycopg import sql
+    from psycopg.conninfo import make_conninfo
+
+    from tokrag_integrations.postgres.dsn import dsn_params
+    from tokrag_integrations.postgres.server import connect
+
+    name = "t_" + re.sub(r"\W", "_", request.module.__name__.rsplit(".", 1)[-1]).lower()[:50]
+    with connect(embedded_pg, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return make_conninfo(**{**dsn_params(embedded_pg), "dbname": name})
 
 
 def write_pdf(path, pages: list[str]) -> None:

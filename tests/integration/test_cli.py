@@ -15,9 +15,11 @@ from typing import Any
 
 import pytest
 from _cli_fakes import run_cli
+from _helpers import sharing_model
 
 import tokrag_integrations
-from tokrag_integrations import cli
+from tokrag_integrations import cli, generate
+from tokrag_integrations.defaults import ANSWER_STOP
 from tokrag_integrations.retrieval import get_sample_questions
 
 
@@ -113,18 +115,18 @@ QUESTION = next(q for q in get_sample_questions() if q["source"] == "company_ove
 
 
 @pytest.fixture(scope="module")
-def real_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One real ``tokrag ask`` on the default model over the sample docs (slow: loads the
-    model and MiniLM, retrieves, decodes)."""
+def real_run(tmp_path_factory: pytest.TempPathFactory, lm: Any) -> dict[str, Any]:
+    """One real ``tokrag ask`` on the default model (the session's) over the sample docs."""
     folder = tmp_path_factory.mktemp("cli")
     html, js = folder / "trace.html", folder / "trace.json"
-    code, out, err = run_cli(
-        [
-            "ask", QUESTION["question"], "--docs", "sample", "--top-k", "3",
-            "--policy", "rag", "--max-new-tokens", "24", "--device", "cpu",
-            "--explain", "--html", str(html), "--json", str(js),
-        ]
-    )  # fmt: skip
+    with sharing_model(lm):
+        code, out, err = run_cli(
+            [
+                "ask", QUESTION["question"], "--docs", "sample", "--top-k", "3",
+                "--policy", "rag", "--max-new-tokens", "24", "--device", "cpu",
+                "--explain", "--html", str(html), "--json", str(js),
+            ]
+        )  # fmt: skip
     return {"code": code, "out": out, "err": err, "html": html, "json": js}
 
 
@@ -146,7 +148,35 @@ def test_real_ask_writes_html_and_json(real_run: dict[str, Any]) -> None:
     assert "Tok-RAG trace" in real_run["out"]  # --explain rendered the trace
 
 
-def test_real_ask_policy_llm_retrieves_nothing(tmp_path: Path) -> None:
+def test_real_ask_tokrag_gives_the_core_answer_and_decisions(tmp_path: Path, cli_shares_model) -> None:
+    """The default policy through the command line, with a policy option: the streamed
+    answer, the trace's decisions and its options are those of the core API on the same
+    passages (a fact the model cannot know, so the rule meets disagreements)."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("Zorbin Quell owns a grey cat named Pistachio.", encoding="utf-8")
+    js = tmp_path / "trace.json"
+    question = "What is the name of the cat owned by Zorbin Quell?"
+    code, out, err = run_cli(
+        [
+            "ask", question, "--docs", str(docs), "--top-k", "1", "--max-new-tokens", "8",
+            "--option", "threshold=0.2", "--device", "cpu", "--json", str(js),
+        ]
+    )  # fmt: skip
+    assert code == 0, err
+    data = json.loads(js.read_text(encoding="utf-8"))
+    want = generate(cli_shares_model, question, [p["text"] for p in data["passages"]],
+                    policy="tokrag", policy_options={"threshold": 0.2}, max_new_tokens=8,
+                    stop=list(ANSWER_STOP))
+    assert data["policy"] == "tokrag" and data["options"]["threshold"] == 0.2
+    assert data["text"] == want.text and out.startswith(want.text)
+    assert [(s["token_id"], s["source"]) for s in data["steps"]] == [
+        (s.token_id, s.source) for s in want.trace.steps
+    ]
+    assert any(len({c["token_id"] for c in s["candidates"].values()}) > 1 for s in data["steps"])
+
+
+def test_real_ask_policy_llm_retrieves_nothing(tmp_path: Path, cli_shares_model) -> None:
     """The pure model reads no passage, so ``--docs`` is neither read nor embedded."""
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -165,7 +195,7 @@ def test_real_ask_policy_llm_retrieves_nothing(tmp_path: Path) -> None:
     assert "a.md" not in err  # no retrieved chunk listed
 
 
-def test_real_ask_docs_twice_embeds_nothing_the_second_time(tmp_path: Path) -> None:
+def test_real_ask_docs_twice_embeds_nothing_the_second_time(tmp_path: Path, cli_shares_model) -> None:
     """``ask --docs`` keeps chunk embeddings in the cache folder: the same folder asked
     about again embeds 0 chunks (issue 32)."""
     import uuid
@@ -184,7 +214,7 @@ def test_real_ask_docs_twice_embeds_nothing_the_second_time(tmp_path: Path) -> N
     assert "Embedding 0 chunk(s); 1 read from the cache." in err
 
 
-def test_real_ask_sources_prints_every_passage_in_full() -> None:
+def test_real_ask_sources_prints_every_passage_in_full(cli_shares_model) -> None:
     """``--sources`` lists each passage's source and score and its whole text, wrapped to
     the console width, not cut (issue 32)."""
     code, out, err = run_cli(

@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from _helpers import require
 
 pytestmark = pytest.mark.postgres
 
@@ -24,7 +25,7 @@ SOCKET = ".s.PGSQL.5432"
 
 
 def _start(folder: Path) -> tuple[str, object]:
-    pytest.importorskip("pgserver")
+    require("pgserver")
     from tokrag_integrations.postgres.server import start_embedded
 
     return start_embedded(folder)
@@ -109,7 +110,7 @@ def test_running_server_with_a_reachable_socket_is_refused(tmp_path_factory):
 
     from tokrag_integrations.postgres.server import PostgresSetupError
 
-    pytest.importorskip("pgserver")
+    require("pgserver")
     base = tmp_path_factory.mktemp("pgserver_old")
     folder = (base / ("o" * max(1, 104 - len(str(base)))) / "pg").resolve()
     folder.parent.mkdir()
@@ -226,7 +227,7 @@ def test_sigterm_stops_the_embedded_server(tmp_path):
 
     import psutil
 
-    pytest.importorskip("pgserver")
+    require("pgserver")
     folder = (tmp_path / "pg").resolve()
     script = textwrap.dedent(
         f"""

@@ -6,27 +6,17 @@ This file holds the cases that need the real model, a database, a server or a su
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
-import pytest
 
 from tokrag_integrations.evaluation import (
     EvalItem,
     load_items,
 )
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-RGB = DATA / "rgb_en_fact_dev.jsonl"
-# The evaluation sets live beside the repository (shared/data, as in CI); a checkout
-# without them skips the tests that read them instead of failing on a missing file.
-needs_data = pytest.mark.skipif(not RGB.exists(), reason=f"evaluation data not found at {DATA}")
 
-
-@needs_data
-def test_token_level_on_the_real_model(lm, tmp_path):
+def test_token_level_on_the_real_model(lm, tmp_path, eval_data):
     from tokrag_integrations.evaluation import run_token_level
 
-    items = load_items(RGB, limit=1)
+    items = load_items(eval_data("rgb_en_fact_dev.jsonl"), limit=1)
     s = run_token_level(lm, items, records_path=tmp_path / "t.jsonl", ratios=[1.0], cf_ratios=[1.0],
                         tokrag_configs={"tokrag (default)": {}}, progress=False)
     rec = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
@@ -59,11 +49,10 @@ def test_token_level_popqa_on_the_real_model(lm, tmp_path):
         assert set(smp["scores"]) == {"tokrag[min_fusion_layer=0]", "logprob", "entropy"}
 
 
-@needs_data
-def test_tiny_end_to_end_cli_and_resume(tmp_path, capsys):
+def test_tiny_end_to_end_cli_and_resume(tmp_path, capsys, eval_data, cli_shares_model):
     from tokrag_integrations.cli.eval import main
 
-    argv = ["noise", "--data", str(RGB), "--limit", "2", "--policies", "llm,rag,tokrag", "--ratios", "0,1",
+    argv = ["noise", "--data", str(eval_data("rgb_en_fact_dev.jsonl")), "--limit", "2", "--policies", "llm,rag,tokrag", "--ratios", "0,1",
             "--k", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "res"), "--records", str(tmp_path / "runs"),
             "--no-progress"]
     assert main(argv) == 0

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _helpers import require
 
 from tokrag_integrations.retrieval import get_sample_questions
 
@@ -61,7 +62,7 @@ def pg_data_dir(tmp_path_factory):
     """``$TOKRAG_DATA_DIR`` for the Postgres examples: the embedded server lives in
     ``<dir>/pg``; each example starts it and stops it at exit. A server left behind by an
     example that was killed (timeout) is stopped at teardown."""
-    pytest.importorskip("pgserver")
+    require("pgserver")
     folder = tmp_path_factory.mktemp("examples_data")
     yield folder
     if (folder / "pg" / "postmaster.pid").exists():

@@ -25,6 +25,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from _helpers import require
 
 from tokrag_integrations.postgres.server import (
     PostgresQueryError,
@@ -75,15 +76,9 @@ def test_bad_connect_timeout_env_is_one_sentence(tmp_path, monkeypatch):
 
 # ============================================================================ fixtures
 @pytest.fixture(scope="module")
-def pg_dsn(tmp_path_factory):
-    """An embedded PostgreSQL + pgvector for this module, in a temporary folder."""
-    pytest.importorskip("pgserver")
-    from tokrag_integrations.postgres.server import start_embedded
-
-    folder = tmp_path_factory.mktemp("pgserver_hostile") / "pg"
-    dsn, server = start_embedded(folder)
-    yield dsn
-    server.cleanup()
+def pg_dsn(module_pg_dsn):
+    """This module's database on the run's shared embedded PostgreSQL + pgvector."""
+    return module_pg_dsn
 
 
 def _ingest_parser() -> argparse.ArgumentParser:
@@ -315,7 +310,7 @@ def _postmaster_pid(folder: Path) -> int | None:
 
 @pytest.mark.postgres
 def test_server_of_a_killed_process_is_stopped_by_the_next_one(tmp_path):
-    pytest.importorskip("pgserver")
+    require("pgserver")
     import psutil
 
     from tokrag_integrations.postgres import server

@@ -13,9 +13,9 @@ import sys
 import warnings
 
 import pytest
-from _helpers import forward_inputs, sample_documents
+from _helpers import forward_inputs, require, sample_documents
 
-pytest.importorskip("llama_index.core")
+require("llama_index.core", "llama-index-core")
 
 import llama_index.core.instrumentation as instrument  # noqa: E402
 from llama_index.core import Settings, VectorStoreIndex  # noqa: E402

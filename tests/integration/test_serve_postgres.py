@@ -4,12 +4,11 @@ ingested table itself (a real embedded PostgreSQL + pgvector from pgserver)."""
 from __future__ import annotations
 
 import pytest
+from _helpers import LiveServer, require
 
-pytest.importorskip("fastapi")
-pytest.importorskip("pgserver")
-openai = pytest.importorskip("openai")
-
-from _helpers import LiveServer  # noqa: E402
+require("fastapi")
+require("pgserver")
+openai = require("openai")
 
 from tokrag_integrations import generate  # noqa: E402
 from tokrag_integrations.defaults import ANSWER_STOP  # noqa: E402
@@ -22,13 +21,12 @@ TOP_K = 3
 
 
 @pytest.fixture(scope="module")
-def store_server(lm, tmp_path_factory):
+def store_server(lm, module_pg_dsn):
     from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
-    from tokrag_integrations.postgres.server import start_embedded
     from tokrag_integrations.retrieval import get_sample_docs_path
     from tokrag_integrations.serve import ChatService, ServeConfig, create_app
 
-    dsn, pg = start_embedded(tmp_path_factory.mktemp("pgserve") / "pg")
+    dsn = module_pg_dsn
     ingest([get_sample_docs_path()], dsn=dsn, table="serve_docs", progress=False)
     kb = PostgresKnowledgeBase(dsn, "serve_docs")
     config = ServeConfig(store="postgres", dsn=dsn, table="serve_docs", top_k=TOP_K,
@@ -38,7 +36,6 @@ def store_server(lm, tmp_path_factory):
     yield live
     live.stop()
     kb.close()
-    pg.cleanup()
 
 
 def _ask(live, **extra):

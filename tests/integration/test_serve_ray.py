@@ -13,10 +13,11 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from _helpers import require
 
-pytest.importorskip("ray.serve")
-pytest.importorskip("fastapi")
-openai = pytest.importorskip("openai")
+require("ray.serve", "ray[serve]")
+require("fastapi")
+openai = require("openai")
 
 from tokrag_integrations import generate  # noqa: E402
 from tokrag_integrations.defaults import ANSWER_STOP  # noqa: E402
@@ -24,6 +25,9 @@ from tokrag_integrations.defaults import ANSWER_STOP  # noqa: E402
 DOCS = ["Quillfeather Aerospace was founded in 1987 by the engineer Mara Ellison in Tromsø."]
 QUESTIONS = ["Who founded Quillfeather Aerospace?", "Where was Quillfeather Aerospace founded?"]
 MAX_TOKENS = 12
+#: The deployment's bearer token (``ServeConfig.api_key``, what ``tokrag serve --ray --api-key``
+#: hands to Ray): every replica demands it.
+KEY = "r4y-k3y"
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +46,7 @@ def ray_url():
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(ray_deployment(ServeConfig(max_new_tokens=MAX_TOKENS), replicas=2),
+        serve.run(ray_deployment(ServeConfig(max_new_tokens=MAX_TOKENS, api_key=KEY), replicas=2),
                   name="tokrag", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -56,8 +60,14 @@ def test_two_replicas_answer_like_the_core(ray_url, lm):
 
     states = serve.status().applications["tokrag"].deployments["tokrag"].replica_states
     assert states == {"RUNNING": 2}
-    client = openai.OpenAI(base_url=f"{ray_url}/v1", api_key="unused", max_retries=0,
+    client = openai.OpenAI(base_url=f"{ray_url}/v1", api_key=KEY, max_retries=0,
                            timeout=300)
+    wrong = openai.OpenAI(base_url=f"{ray_url}/v1", api_key="wrong", max_retries=0, timeout=300)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model="default", max_tokens=MAX_TOKENS,
+                                      messages=[{"role": "user", "content": QUESTIONS[0]}])
 
     def ask(question):
         return client.chat.completions.with_raw_response.create(

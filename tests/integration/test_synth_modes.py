@@ -11,8 +11,9 @@ import json
 import warnings
 
 import pytest
+from _helpers import require
 
-pytest.importorskip("llama_index.core")
+require("llama_index.core", "llama-index-core")
 
 import llama_index.core.instrumentation as instrument  # noqa: E402
 from llama_index.core import Settings  # noqa: E402

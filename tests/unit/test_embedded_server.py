@@ -10,12 +10,13 @@ import stat
 from pathlib import Path
 
 import pytest
+from _helpers import require
 
 pytestmark = pytest.mark.postgres
 
 
 def _start(folder: Path) -> tuple[str, object]:
-    pytest.importorskip("pgserver")
+    require("pgserver")
     from tokrag_integrations.postgres.server import start_embedded
 
     return start_embedded(folder)

@@ -9,7 +9,6 @@ import json
 import math
 import random
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -28,12 +27,6 @@ from tokrag_integrations.evaluation import (
     run_noise_sweep,
 )
 from tokrag_integrations.evaluation.metrics import macro_f1
-
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-RGB = DATA / "rgb_en_fact_dev.jsonl"
-# The evaluation sets live beside the repository (shared/data, as in CI); a checkout
-# without them skips the tests that read them instead of failing on a missing file.
-needs_data = pytest.mark.skipif(not RGB.exists(), reason=f"evaluation data not found at {DATA}")
 
 
 def _item(i: int = 0, n_pos: int = 4, n_neg: int = 6, n_cf: int = 3) -> EvalItem:
@@ -132,9 +125,8 @@ def test_f1():
     assert macro_f1([1, 1, 0, 0], [1, 0, 1, 0]) == pytest.approx(0.5)
 
 
-@needs_data
-def test_load_items_reads_the_shared_format(tmp_path):
-    items = load_items(RGB, limit=3)
+def test_load_items_reads_the_shared_format(tmp_path, eval_data):
+    items = load_items(eval_data("rgb_en_fact_dev.jsonl"), limit=3)
     assert len(items) == 3 and items[0].answers and items[0].counterfactuals
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x", "question": "q"}\n')
@@ -443,11 +435,10 @@ def test_synthetic_popqa_passages():
     assert m.counts == {"pos": 1, "neg": 0, "cf": 1}
 
 
-@needs_data
-def test_synthetic_popqa_on_the_dev_file():
+def test_synthetic_popqa_on_the_dev_file(eval_data):
     from tokrag_integrations.evaluation.data import select_popular, synthesize_popqa
 
-    every = load_items(DATA / "popqa_dev.jsonl")
+    every = load_items(eval_data("popqa_dev.jsonl"))
     top = select_popular(synthesize_popqa(every), 4)
     assert len(top) == 120 and top[0].popularity >= top[-1].popularity
     with_cf = [it for it in top if it.counterfactuals]

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from _helpers import require
 
 from tokrag_integrations.engine.stats import distribution_stats
 from tokrag_integrations.gating import Gate, GECEGate
@@ -113,7 +114,7 @@ def test_count_sketch_preserves_dot_products():
 
 
 def test_gated_query_engine_keeps_the_callers_callback_manager() -> None:
-    pytest.importorskip("llama_index.core")
+    require("llama_index.core", "llama-index-core")
     from llama_index.core import Settings
     from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 

@@ -6,7 +6,6 @@ This file holds the cases that need no model, database or server; the others are
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -83,14 +82,25 @@ def test_root_refuses_data_dir_in_root_home(monkeypatch):
     assert server.default_data_dir() == Path("/srv/tokrag/pg")
 
 
-def test_unreachable_dsn_fails_fast_without_password():
+def test_unreachable_dsn_fails_fast_without_password(monkeypatch):
+    """Fast: one connection attempt, bounded by the connect timeout, and no retry."""
+    import psycopg
+
     from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
 
+    attempts = []
+    real_connect = psycopg.connect
+
+    def counted(conninfo, **kwargs):
+        attempts.append(kwargs.get("connect_timeout"))
+        return real_connect(conninfo, **kwargs)
+
+    monkeypatch.setattr(psycopg, "connect", counted)
+    monkeypatch.setenv("TOKRAG_PG_CONNECT_TIMEOUT", "3")
     dsn = "postgresql://alice:S3cr3t-pw%21@127.0.0.1:1/rag"
-    start = time.perf_counter()
     with pytest.raises(PostgresConnectionError) as info:
         PostgresKnowledgeBase(dsn)
-    assert time.perf_counter() - start < 10
+    assert attempts == [3]
     message = str(info.value)
     assert "S3cr3t" not in message and "127.0.0.1" in message and "alice:***@" in message
     with pytest.raises(PostgresConnectionError) as info:

@@ -6,9 +6,10 @@ This file holds the cases that need no model, database or server; the others are
 from __future__ import annotations
 
 import pytest
+from _helpers import require
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
+require("fastapi")
+require("uvicorn")
 
 
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from _helpers import require
 
 STRINGS = ["False", "false", "0", "", "no"]
 
@@ -115,8 +116,8 @@ def test_boolean_options_refuse_strings(tmp_path, value):
 @pytest.mark.parametrize("value", ["False", "0"])
 def test_adapter_boolean_options_refuse_strings(value):
     """The LlamaIndex and LangChain classes refuse before any model is loaded."""
-    pytest.importorskip("llama_index.core")
-    pytest.importorskip("langchain_core")
+    require("llama_index.core", "llama-index-core")
+    require("langchain_core", "langchain-core")
     from pydantic import ValidationError
 
     from tokrag_integrations.langchain import ChatTokRAG
@@ -167,7 +168,7 @@ def test_environment_switches_are_read_strictly(monkeypatch, name):
 def test_verbose_false_keeps_loading_quiet(monkeypatch):
     from tokrag_integrations import models
 
-    pytest.importorskip("transformers")
+    require("transformers")
     from transformers.utils import logging as hf_logging
 
     monkeypatch.setenv("TOKRAG_VERBOSE", "false")
