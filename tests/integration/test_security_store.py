@@ -111,22 +111,19 @@ def test_sigterm_stops_tokrag_serve_and_its_embedded_server(tmp_path, data_folde
 
 # ============================================================================ a store and its server
 @pytest.fixture(scope="module")
-def store(lm, tmp_path_factory):
-    """A real embedded server holding DOCS in table ``probe`` (with its full-text column),
-    its knowledge base, and ``tokrag serve --store postgres`` over it (in this process)."""
-    import shutil
-    import tempfile
-
+def store(lm, module_pg_dsn, tmp_path_factory):
+    """The run's embedded server (this module's own database) holding DOCS in table
+    ``probe`` (with its full-text column), its knowledge base, and ``tokrag serve --store
+    postgres`` over it (in this process). ``folder``: the server's socket folder, which no
+    client-facing message may name."""
     from _helpers import LiveServer
 
     from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
-    from tokrag_integrations.postgres.server import start_embedded
+    from tokrag_integrations.postgres.dsn import dsn_params
     from tokrag_integrations.serve import ChatService, ServeConfig, create_app
 
-    parent = Path(tempfile.mkdtemp(prefix="tokrag-store-"))  # see data_folder
-    parent.chmod(0o755)
-    folder = parent / "pg"
-    dsn, pg = start_embedded(folder)
+    dsn = module_pg_dsn
+    folder = Path(dsn_params(dsn)["host"])
     docs = _write_docs(tmp_path_factory.mktemp("store") / "docs")
     ingest([docs], dsn=dsn, table="probe", progress=False)
     kb = PostgresKnowledgeBase(dsn, "probe")
@@ -135,8 +132,6 @@ def store(lm, tmp_path_factory):
     yield SimpleNamespace(kb=kb, live=live, dsn=dsn, folder=folder, docs=docs)
     live.stop()
     kb.close()
-    pg.cleanup()
-    shutil.rmtree(parent, ignore_errors=True)
 
 
 def _post(store, body: str):
