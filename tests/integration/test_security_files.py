@@ -1,5 +1,8 @@
 """Issue 29, files: symbolic links leaving the folder (3), unreadable sub-folders (6), file
-names and documents holding newlines and escape sequences (10).
+names and documents holding newlines and escape sequences (10). Issue 43, files named on the
+command line and swapped after the listing: a link to ``/dev/zero`` (1), a FIFO (2), a link
+leaving its folder (3), a file swapped for a FIFO (4) or a link (5), a file over the size cap
+(20).
 
 The ingestion cases run against a real PostgreSQL 16 + pgvector (``pgserver``). Root reads
 a ``chmod 000`` folder, so the unreadable-folder case runs in a fresh process that is not
@@ -216,3 +219,55 @@ def test_unreadable_sub_folder_is_reported_not_a_traceback(tmp_path):
     assert "NAMED 1" in out and f"  skipped {docs / 'sub' / 'b.md'}: cannot be read (Permission denied)" in out
     assert f"WARNING {docs / 'sub'}: folder cannot be read (Permission denied); skipped." in out
     assert f"WARNING {docs / 'locked.md'}: could not be read (Permission denied); skipped." in out
+
+
+# ============================================================================ issue 43: named files
+#: A child process may use at most this much address space (the embedder included), so a
+#: regression that reads /dev/zero fails with a MemoryError instead of eating the machine.
+_CHILD_MEMORY = 8 << 30
+
+_CHILD_INGEST = f"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, ({_CHILD_MEMORY}, {_CHILD_MEMORY}))
+from tokrag_integrations.cli import main
+print("STATUS", main(["ingest", *sys.argv[1:], "--no-progress"]), flush=True)
+"""
+
+
+def _ingest_child(*argv: str | Path, code: str = _CHILD_INGEST, timeout: float = 240):
+    """``tokrag ingest ARGV`` in a fresh process with a memory and a time limit."""
+    env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, argv)],
+        capture_output=True, text=True, timeout=timeout, env=env, check=False,
+    )
+
+
+@pytest.fixture
+def named(tmp_path):
+    """d/ with a.md and b.md, and the outside/ secret; the tests add the hostile entries."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.md").write_text(f"# Secret\n\n{SECRET}\n")
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.md").write_text("# A\n\nThe Dunmore bridge opened in 1911.\n")
+    (d / "b.md").write_text("# B\n\nThe Velloy tunnel closed in 1987.\n")
+    return d
+
+
+@pytest.mark.postgres
+def test_ingest_named_link_to_dev_zero_is_refused(pg_dsn, named):
+    """Issue 43.1 (high): ``tokrag ingest d/z.txt`` where ``z.txt -> /dev/zero`` read until
+    the process was killed. It is reported as skipped (a link leaving d/; with
+    ``--follow-links``, a character device), in a child with a memory limit."""
+    (named / "z.txt").symlink_to("/dev/zero")
+    common = ["--dsn", pg_dsn, "--table", "zero"]
+    proc = _ingest_child(named / "z.txt", named / "a.md", *common)
+    assert "STATUS 1" in proc.stdout, proc.stderr[-3000:]
+    assert f"  skipped {named.resolve() / 'z.txt'}: a symbolic link to /dev/zero, outside {named.resolve()}; not followed" in proc.stdout
+    proc = _ingest_child(named / "z.txt", *common, "--follow-links")
+    assert "STATUS 1" in proc.stdout, proc.stderr[-3000:]
+    assert f"  skipped {named.resolve() / 'z.txt'}: not a regular file but a character device" in proc.stdout
+    assert "following a symbolic link to /dev/zero" in proc.stderr
+    assert _sources(pg_dsn, "zero") == {str(named.resolve() / "a.md")}

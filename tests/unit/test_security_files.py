@@ -1,16 +1,23 @@
 """Issue 29, files: symbolic links leaving the folder (3), unreadable sub-folders (6), file
-names and documents holding newlines and escape sequences (10).
+names and documents holding newlines and escape sequences (10). Issue 43, files: a named link
+to ``/dev/zero`` (1), a named FIFO (2), a named link leaving its folder (3), a file swapped for
+a FIFO (4) or a link (5) after the listing, a file over the size cap (20).
 
 This file holds the cases that need no model, database or server; the others are in
 ``tests/integration/test_security_files.py``."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
 from pathlib import Path
 
 import pytest
 
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 SECRET = "The vault code is 4417-Quasar."
 
 
@@ -50,3 +57,59 @@ def test_links_leaving_the_folder_are_not_followed_by_ask_docs(tree):
         docs = load_documents(tree, follow_links=True)
     assert sorted(Path(d.source).name for d in docs) == ["a.md", "leak.md", "more.md", "same.md"]
     assert sum("following a symbolic link" in str(w.message) for w in caught) == 2
+
+
+# ============================================================================ issue 43: named files
+#: A child process may use at most this much address space, so a regression that reads
+#: /dev/zero fails the test with a MemoryError instead of eating the machine's memory.
+_CHILD_MEMORY = 2 << 30
+
+_CHILD_PRELUDE = f"""
+import resource, sys, warnings
+resource.setrlimit(resource.RLIMIT_AS, ({_CHILD_MEMORY}, {_CHILD_MEMORY}))
+warnings.simplefilter("always")
+from pathlib import Path
+"""
+
+
+def _child(code: str, *args: str | Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``code`` run in a fresh Python with a memory limit and a time limit (a FIFO that
+    blocks, or /dev/zero read to the end, fails the test instead of hanging it)."""
+    env = {**os.environ, "PYTHONPATH": SRC}
+    return subprocess.run(
+        [sys.executable, "-c", _CHILD_PRELUDE + textwrap.dedent(code), *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, env=env, check=False,
+    )
+
+
+@pytest.fixture
+def named(tmp_path):
+    """d/ with a.md and the outside/ secret; the tests add the hostile entries."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.md").write_text(f"# Secret\n\n{SECRET}\n")
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.md").write_text("# A\n\nThe Dunmore bridge opened in 1911.\n")
+    return d
+
+
+_LOAD_NAMED = """
+from tokrag_integrations.retrieval import load_documents
+paths = sys.argv[2:]
+for follow in (False, True):
+    docs = load_documents(paths, follow_links=follow)
+    print("LOADED", follow, sorted(Path(d.source).name for d in docs), flush=True)
+"""
+
+
+def test_named_link_to_dev_zero_is_refused(named):
+    """Issue 43.1 (high): ``ask --docs d/z.txt`` where ``z.txt -> /dev/zero`` read without end.
+    The opener refuses the link (it leaves d/), and with ``follow_links`` the character
+    device it leads to; a child with 2 GB of address space finishes with a warning."""
+    (named / "z.txt").symlink_to("/dev/zero")
+    proc = _child(_LOAD_NAMED, "", named / "z.txt", named / "a.md")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "LOADED False ['a.md']" in proc.stdout and "LOADED True ['a.md']" in proc.stdout
+    assert f"{named / 'z.txt'}: a symbolic link to /dev/zero, outside {named.resolve()}; not followed" in proc.stderr
+    assert f"{named / 'z.txt'}: not a regular file but a character device; skipped." in proc.stderr

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from .. import config
 from ..booleans import require_bool
 from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP
 from .chunking import chunk_documents, chunk_text
@@ -60,6 +61,7 @@ from .index import (  # noqa: F401 - importable from here as before
     EmbeddingCache,
     get_embedder,
 )
+from .opener import DEFAULT_MAX_FILE_MB, given_roots, link_leaving, max_file_bytes
 
 __all__ = [
     "TEXT_SUFFIXES",
@@ -77,6 +79,7 @@ __all__ = [
     "read_document",
     "supported_types",
     "load_documents",
+    "DEFAULT_MAX_FILE_MB",
     "list_folder",
     "FolderListing",
     "printable",
@@ -139,7 +142,10 @@ def _warn_listing(listing: FolderListing) -> None:
 
 
 def load_documents(
-    paths: str | Path | Iterable[str | Path], *, follow_links: bool = False
+    paths: str | Path | Iterable[str | Path],
+    *,
+    follow_links: bool = False,
+    max_file_mb: float | None = None,
 ) -> list[Document]:
     """Load text, Markdown, reStructuredText, HTML and PDF files from files and folders.
 
@@ -149,28 +155,36 @@ def load_documents(
 
     Args:
         paths: One path or several.
-        follow_links: Also read symbolic links inside a folder whose target is outside it
-            (with a warning each); by default they are skipped with a warning.
+        follow_links: Also read symbolic links whose target is outside the given folders
+            (with a warning each); by default they are skipped with a warning. A file named
+            directly counts its own folder as its root: ``docs/pw.md -> /etc/shadow`` is
+            skipped, as it is in a scan of ``docs``.
+        max_file_mb: The largest file read, in MB; bigger files are skipped with a warning.
+            ``None``: ``$TOKRAG_MAX_FILE_MB``, else 100.
 
     Returns:
         The documents, in the order the paths were given (folders sorted by path).
 
     Raises:
         FileNotFoundError: A path does not exist.
-        ValueError: A file named explicitly has an unsupported suffix, or no document at all
-            was found under ``paths``.
+        ValueError: A file named explicitly has an unsupported suffix, no document at all
+            was found under ``paths``, or ``max_file_mb`` is not a number above 0.
 
     Warns:
         UnicodeWarning: A file is not valid UTF-8 (it is loaded with replacement characters).
         UserWarning: A file or sub-folder cannot be read, a file is empty, a broken PDF or
-            binary (NUL bytes, mostly invalid UTF-8; see :func:`binary_reason`), or a symbolic
-            link leaves its folder: it is skipped (one warning each). A folder holds files of
+            binary (NUL bytes, mostly invalid UTF-8; see :func:`binary_reason`), not a
+            regular file (a FIFO, a device), over ``max_file_mb``, or a symbolic link leaves
+            its folder: it is skipped (one warning each). A folder holds files of
             other types: they are skipped (one warning per folder).
         ResourceWarning: The files add up to more than :data:`LARGE_INPUT_BYTES`.
     """
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     if not path_list:
         raise ValueError("No document paths were given; pass at least one file or folder.")
+    cap = max_file_mb if max_file_mb is not None else config.max_file_mb()
+    max_file_bytes(cap)  # a bad cap fails before any file is read
+    roots = given_roots(path_list)
     documents: list[Document] = []
     files: list[Path] = []
     for path in path_list:
@@ -186,6 +200,13 @@ def load_documents(
             _warn_listing(listing)
             _warn_unsupported(path, listing.other_types)
         elif path.suffix.lower() in SUPPORTED_SUFFIXES:
+            target = link_leaving(path, roots) if follow_links else None
+            if target is not None:
+                warnings.warn(
+                    f"{printable(path)}: following a symbolic link to {printable(target)}, "
+                    "outside the given folders (follow_links is on).",
+                    stacklevel=2,
+                )
             files.append(path)
         else:
             raise ValueError(
@@ -193,7 +214,7 @@ def load_documents(
             )
     _warn_if_large(files)
     for file in files:
-        doc = _read_document(file)
+        doc = _read_document(file, roots=roots, follow_links=follow_links, max_file_mb=cap)
         if doc is not None:
             documents.append(doc)
     if not documents:
@@ -212,6 +233,7 @@ def build_retriever(
     progress: bool = False,
     follow_links: bool = False,
     cache: bool = False,
+    max_file_mb: float | None = None,
 ) -> DenseRetriever | BM25Retriever:
     """Load, chunk and index in one call.
 
@@ -224,6 +246,7 @@ def build_retriever(
         device: Torch device for the dense embedder.
         progress: Say on stderr what is being indexed, with a progress bar while embedding.
         follow_links: See :func:`load_documents`.
+        max_file_mb: See :func:`load_documents`.
         cache: Dense only: keep chunk embeddings on disk and reuse them (see
             :class:`EmbeddingCache`), so a folder indexed again embeds only what changed.
 
@@ -243,7 +266,9 @@ def build_retriever(
         chunks = chunk_documents(items, max_chars=max_chars, overlap=overlap)
     else:
         chunks = chunk_documents(
-            load_documents(items, follow_links=follow_links), max_chars=max_chars, overlap=overlap
+            load_documents(items, follow_links=follow_links, max_file_mb=max_file_mb),
+            max_chars=max_chars,
+            overlap=overlap,
         )
     if progress:
         n_docs = len({c.source for c in chunks})
