@@ -271,3 +271,14 @@ def test_ingest_named_link_to_dev_zero_is_refused(pg_dsn, named):
     assert f"  skipped {named.resolve() / 'z.txt'}: not a regular file but a character device" in proc.stdout
     assert "following a symbolic link to /dev/zero" in proc.stderr
     assert _sources(pg_dsn, "zero") == {str(named.resolve() / "a.md")}
+
+
+@pytest.mark.postgres
+def test_ingest_named_fifo_is_not_opened(pg_dsn, named):
+    """Issue 43.2: ``tokrag ingest d/f.txt`` on a FIFO hung forever; it is reported as
+    skipped and the other file is stored."""
+    os.mkfifo(named / "f.txt")
+    proc = _ingest_child(named / "f.txt", named / "a.md", "--dsn", pg_dsn, "--table", "fifo", timeout=120)
+    assert "STATUS 1" in proc.stdout, proc.stderr[-3000:]
+    assert f"  skipped {named.resolve() / 'f.txt'}: not a regular file but a FIFO (named pipe)" in proc.stdout
+    assert _sources(pg_dsn, "fifo") == {str(named.resolve() / "a.md")}

@@ -113,3 +113,13 @@ def test_named_link_to_dev_zero_is_refused(named):
     assert "LOADED False ['a.md']" in proc.stdout and "LOADED True ['a.md']" in proc.stdout
     assert f"{named / 'z.txt'}: a symbolic link to /dev/zero, outside {named.resolve()}; not followed" in proc.stderr
     assert f"{named / 'z.txt'}: not a regular file but a character device; skipped." in proc.stderr
+
+
+def test_named_fifo_is_not_opened(named):
+    """Issue 43.2: ``ask --docs d/f.txt`` on a FIFO blocked forever; it is skipped with a
+    warning (the child would time out if the open blocked)."""
+    os.mkfifo(named / "f.txt")
+    proc = _child(_LOAD_NAMED, "", named / "f.txt", named / "a.md", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "LOADED False ['a.md']" in proc.stdout and "LOADED True ['a.md']" in proc.stdout
+    assert f"{named / 'f.txt'}: not a regular file but a FIFO (named pipe); skipped." in proc.stderr
