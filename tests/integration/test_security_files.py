@@ -282,3 +282,25 @@ def test_ingest_named_fifo_is_not_opened(pg_dsn, named):
     assert "STATUS 1" in proc.stdout, proc.stderr[-3000:]
     assert f"  skipped {named.resolve() / 'f.txt'}: not a regular file but a FIFO (named pipe)" in proc.stdout
     assert _sources(pg_dsn, "fifo") == {str(named.resolve() / "a.md")}
+
+
+@pytest.mark.postgres
+def test_ingest_named_link_leaving_its_folder(pg_dsn, named, capsys):
+    """Issue 43.3: ``tokrag ingest d/*`` stored ``d/pw.md -> ../outside/secret.md`` with no
+    warning. The link is judged against its own folder: skipped with the reason, nothing
+    stored for it; ``--follow-links`` stores it under the link's path, with a warning."""
+    secret = named.parent / "outside" / "secret.md"
+    (named / "pw.md").symlink_to(secret)
+    globbed = [str(p) for p in sorted(named.iterdir())]  # what the shell's d/* passes
+    common = ["--dsn", pg_dsn, "--table", "named"]
+    assert _ingest_cli(*globbed, *common) == 1
+    root = named.resolve()
+    out = capsys.readouterr().out
+    assert f"  skipped {root / 'pw.md'}: a symbolic link to {secret.resolve()}, outside {root}; not followed" in out
+    assert SECRET not in out
+    assert _sources(pg_dsn, "named") == {str(root / "a.md"), str(root / "b.md")}
+    with pytest.warns(UserWarning, match="following a symbolic link to") as record:
+        assert _ingest_cli(*globbed, *common, "--follow-links") == 0
+    assert len(record) == 1
+    assert _sources(pg_dsn, "named") == {str(root / n) for n in ("a.md", "b.md", "pw.md")}
+

@@ -123,3 +123,32 @@ def test_named_fifo_is_not_opened(named):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "LOADED False ['a.md']" in proc.stdout and "LOADED True ['a.md']" in proc.stdout
     assert f"{named / 'f.txt'}: not a regular file but a FIFO (named pipe); skipped." in proc.stderr
+
+
+def test_named_link_leaving_its_folder_is_not_followed(named):
+    """Issue 43.3: ``ask --docs d/*`` read ``d/pw.md -> ../outside/secret.md`` silently. A
+    file named directly counts its own folder as its root: the link is skipped with a
+    warning, read with ``follow_links`` (warned), and read when its target lies in another
+    folder given; a link inside the folder is read."""
+    from tokrag_integrations.retrieval import load_documents
+
+    secret = named.parent / "outside" / "secret.md"
+    (named / "pw.md").symlink_to(secret)
+    (named / "same.md").symlink_to(named / "a.md")
+    globbed = sorted(named.iterdir())  # what the shell's d/* passes
+    with pytest.warns(UserWarning) as record:
+        docs = load_documents(globbed)
+    assert sorted(Path(d.source).name for d in docs) == ["a.md", "same.md"]
+    assert SECRET not in "".join(d.text for d in docs)
+    assert [str(w.message) for w in record] == [
+        f"{named / 'pw.md'}: a symbolic link to {secret.resolve()}, outside {named.resolve()}; "
+        "not followed (--follow-links / follow_links=True reads it); skipped."
+    ]
+    with pytest.warns(UserWarning, match="following a symbolic link") as record:
+        docs = load_documents(globbed, follow_links=True)
+    assert sorted(Path(d.source).name for d in docs) == ["a.md", "pw.md", "same.md"]
+    assert len(record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        docs = load_documents([named / "pw.md", secret.parent])  # its target's folder is given
+    assert SECRET in docs[0].text
