@@ -304,3 +304,40 @@ def test_ingest_named_link_leaving_its_folder(pg_dsn, named, capsys):
     assert len(record) == 1
     assert _sources(pg_dsn, "named") == {str(root / n) for n in ("a.md", "b.md", "pw.md")}
 
+
+
+_INGEST_SWAPPED = f"""
+import os, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, ({_CHILD_MEMORY}, {_CHILD_MEMORY}))
+from pathlib import Path
+import tokrag_integrations.postgres.ingest_files as ingest_files
+from tokrag_integrations.cli import main
+
+folder, swap = Path(sys.argv[1]), sys.argv[2]
+listed = ingest_files.list_folder
+
+
+def list_then_swap(root, **options):
+    found = listed(root, **options)
+    (folder / "b.md").unlink()
+    if swap == "fifo":
+        os.mkfifo(folder / "b.md")
+    else:
+        (folder / "b.md").symlink_to(swap)
+    return found
+
+
+ingest_files.list_folder = list_then_swap
+print("STATUS", main(["ingest", str(folder), *sys.argv[3:], "--no-progress"]), flush=True)
+"""
+
+
+@pytest.mark.postgres
+def test_ingest_file_swapped_for_a_fifo_after_the_listing(pg_dsn, named):
+    """Issue 43.4: b.md replaced by a FIFO between the folder listing and its open blocked
+    ``tokrag ingest`` for minutes; it is reported as skipped and the ingest ends."""
+    common = ["--dsn", pg_dsn, "--table", "swap_fifo"]
+    proc = _ingest_child(named, "fifo", *common, code=_INGEST_SWAPPED, timeout=120)
+    assert "STATUS 1" in proc.stdout, proc.stderr[-3000:]
+    assert f"  skipped {named.resolve() / 'b.md'}: not a regular file but a FIFO (named pipe)" in proc.stdout
+    assert _sources(pg_dsn, "swap_fifo") == {str(named.resolve() / "a.md")}

@@ -152,3 +152,56 @@ def test_named_link_leaving_its_folder_is_not_followed(named):
         warnings.simplefilter("error")
         docs = load_documents([named / "pw.md", secret.parent])  # its target's folder is given
     assert SECRET in docs[0].text
+
+
+_SWAP_FOR_FIFO = """
+import os
+import tokrag_integrations.retrieval as retrieval
+
+folder = Path(sys.argv[1])
+listed = retrieval.list_folder
+
+
+def list_then_swap(root, **options):
+    found = listed(root, **options)
+    (folder / "b.md").unlink()
+    os.mkfifo(folder / "b.md")  # after the listing, before the open
+    return found
+
+
+retrieval.list_folder = list_then_swap
+print("LISTING", sorted(Path(d.source).name for d in retrieval.load_documents(folder)), flush=True)
+retrieval.list_folder = listed
+
+(folder / "b.md").unlink()
+(folder / "b.md").write_text("# B\\n\\nThe Velloy tunnel closed in 1987.\\n")
+seen, swapped = os.lstat, []
+
+
+def lstat_then_swap(path, *args, **kwargs):
+    found = seen(path, *args, **kwargs)
+    if str(path).endswith("b.md") and not swapped:
+        swapped.append(path)
+        os.unlink(path)
+        os.mkfifo(path)  # after the opener's lstat, before its open
+    return found
+
+
+os.lstat = lstat_then_swap
+print("OPEN", sorted(Path(d.source).name for d in retrieval.load_documents(folder)), flush=True)
+"""
+
+
+def test_file_swapped_for_a_fifo_after_the_listing_is_not_opened(named):
+    """Issue 43.4: a regular file replaced by a FIFO after the folder listing blocked the
+    reader. Swapped after the listing, the opener's ``lstat`` refuses it; swapped after
+    that ``lstat``, the ``O_NONBLOCK`` open returns and ``fstat`` refuses it."""
+    (named / "b.md").write_text("# B\n\nThe Velloy tunnel closed in 1987.\n")
+    proc = _child(_SWAP_FOR_FIFO, named, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "LISTING ['a.md']" in proc.stdout and "OPEN ['a.md']" in proc.stdout
+    assert f"{named / 'b.md'}: not a regular file but a FIFO (named pipe); skipped." in proc.stderr
+    assert (
+        f"{named / 'b.md'}: not a regular file but a FIFO (named pipe), swapped in while it "
+        "was being opened; skipped."
+    ) in proc.stderr
