@@ -341,3 +341,50 @@ def test_ingest_file_swapped_for_a_fifo_after_the_listing(pg_dsn, named):
     assert "STATUS 1" in proc.stdout, proc.stderr[-3000:]
     assert f"  skipped {named.resolve() / 'b.md'}: not a regular file but a FIFO (named pipe)" in proc.stdout
     assert _sources(pg_dsn, "swap_fifo") == {str(named.resolve() / "a.md")}
+
+
+def _texts(dsn: str, table: str) -> str:
+    from tokrag_integrations.postgres.server import connect
+
+    with connect(dsn, autocommit=True) as conn:
+        return "\n".join(r[0] for r in conn.execute(f"SELECT text FROM data_{table}").fetchall())
+
+
+@pytest.mark.postgres
+def test_ingest_file_swapped_for_a_link_after_the_listing(pg_dsn, named, monkeypatch):
+    """Issue 43.5: b.md replaced by a link to a secret outside the folder after the listing:
+    the secret was stored and b.md listed as both added and stale. Now b.md is failed with
+    the reason, nothing of the secret is stored, and chunks stored for b.md before are kept
+    (stale: the link leaves the folder)."""
+    import tokrag_integrations.postgres.ingest_files as ingest_files
+    from tokrag_integrations.postgres import ingest
+
+    secret = named.parent / "outside" / "secret.md"
+    listed = ingest_files.list_folder
+
+    def list_then_swap(root, **options):
+        found = listed(root, **options)
+        (named / "b.md").unlink()
+        (named / "b.md").symlink_to(secret)
+        return found
+
+    def statuses(summary):
+        return sorted((Path(f.path).name, f.status) for f in [*summary.files, *summary.gone])
+
+    monkeypatch.setattr(ingest_files, "list_folder", list_then_swap)
+    summary = ingest([named], dsn=pg_dsn, table="swap_link", progress=False)
+    assert statuses(summary) == [("a.md", "added"), ("b.md", "failed")]
+    assert "a symbolic link to" in summary.failed[0].reason and "not followed" in summary.failed[0].reason
+    assert SECRET not in _texts(pg_dsn, "swap_link")
+
+    monkeypatch.setattr(ingest_files, "list_folder", listed)
+    (named / "b.md").unlink()
+    (named / "b.md").write_text("# B\n\nThe Velloy tunnel closed in 1987.\n")
+    assert statuses(ingest([named], dsn=pg_dsn, table="swap_link", progress=False)) == [
+        ("a.md", "unchanged"), ("b.md", "added")
+    ]
+    monkeypatch.setattr(ingest_files, "list_folder", list_then_swap)
+    summary = ingest([named], dsn=pg_dsn, table="swap_link", progress=False)
+    assert statuses(summary) == [("a.md", "unchanged"), ("b.md", "failed"), ("b.md", "stale")]
+    texts = _texts(pg_dsn, "swap_link")
+    assert SECRET not in texts and "Velloy tunnel" in texts

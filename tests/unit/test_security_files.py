@@ -205,3 +205,48 @@ def test_file_swapped_for_a_fifo_after_the_listing_is_not_opened(named):
         f"{named / 'b.md'}: not a regular file but a FIFO (named pipe), swapped in while it "
         "was being opened; skipped."
     ) in proc.stderr
+
+
+def test_file_swapped_for_a_link_after_the_listing_is_not_followed(named, monkeypatch):
+    """Issue 43.5: a regular file replaced by a link to a secret outside the folder after the
+    listing was read. Swapped after the listing, the opener's ``lstat`` sees the link and
+    refuses it; swapped after that ``lstat``, the ``O_NOFOLLOW`` open refuses it."""
+    import tokrag_integrations.retrieval as retrieval
+    from tokrag_integrations.retrieval import opener
+
+    secret = named.parent / "outside" / "secret.md"
+    (named / "b.md").write_text("# B\n\nThe Velloy tunnel closed in 1987.\n")
+    listed = retrieval.list_folder
+
+    def list_then_swap(root, **options):
+        found = listed(root, **options)
+        (named / "b.md").unlink()
+        (named / "b.md").symlink_to(secret)
+        return found
+
+    monkeypatch.setattr(retrieval, "list_folder", list_then_swap)
+    with pytest.warns(UserWarning, match="not followed") as record:
+        docs = retrieval.load_documents(named)
+    assert [Path(d.source).name for d in docs] == ["a.md"]
+    assert [str(w.message) for w in record] == [
+        f"{named / 'b.md'}: a symbolic link to {secret.resolve()}, outside {named.resolve()}; "
+        "not followed (--follow-links / follow_links=True reads it); skipped."
+    ]
+
+    monkeypatch.setattr(retrieval, "list_folder", listed)
+    (named / "b.md").unlink()
+    (named / "b.md").write_text("# B\n\nThe Velloy tunnel closed in 1987.\n")
+    seen, swapped = os.lstat, []
+
+    def lstat_then_swap(path, *args, **kwargs):
+        found = seen(path, *args, **kwargs)
+        if str(path).endswith("b.md") and not swapped:
+            swapped.append(path)
+            os.unlink(path)
+            os.symlink(secret, path)  # after the opener's lstat, before its open
+        return found
+
+    monkeypatch.setattr(opener.os, "lstat", lstat_then_swap)
+    with pytest.warns(UserWarning, match="became a symbolic link while it was being opened"):
+        docs = retrieval.load_documents(named)
+    assert [Path(d.source).name for d in docs] == ["a.md"]
