@@ -388,3 +388,32 @@ def test_ingest_file_swapped_for_a_link_after_the_listing(pg_dsn, named, monkeyp
     assert statuses(summary) == [("a.md", "unchanged"), ("b.md", "failed"), ("b.md", "stale")]
     texts = _texts(pg_dsn, "swap_link")
     assert SECRET not in texts and "Velloy tunnel" in texts
+
+
+@pytest.mark.postgres
+def test_ingest_file_over_the_size_cap_and_progress(pg_dsn, named, capsys, monkeypatch):
+    """Issue 43.20: a 200 MB text file gave no output for minutes and took 1.5 GB. A file
+    over the cap (default 100 MB, ``--max-file-mb``) is skipped with the option named; a big
+    file under it (over ``LARGE_INPUT_BYTES``, 10 MB, lowered here to keep the test short)
+    is announced on stderr before it is read."""
+    import tokrag_integrations.retrieval as retrieval
+    from tokrag_integrations.cli.pg import add_ingest_parser
+
+    monkeypatch.setattr(retrieval, "LARGE_INPUT_BYTES", 4096)
+
+    with open(named / "huge.txt", "wb") as file:  # sparse: 101 MB on paper, no disk used
+        file.truncate(101 * 2**20)
+    (named / "big.md").write_text("# Big\n\n" + "The Velloy tunnel closed in 1987. " * 200)
+    parser = argparse.ArgumentParser()
+    add_ingest_parser(parser.add_subparsers())
+    args = parser.parse_args(["ingest", str(named), "--dsn", pg_dsn, "--table", "cap", "--max-file-mb", "12"])
+    assert args.func(args) == 1
+    out, err = capsys.readouterr()
+    root = named.resolve()
+    assert (
+        f"  skipped {root / 'huge.txt'}: is 101.0 MB, over the limit of 12.0 MB per file "
+        "(raise it with --max-file-mb, max_file_mb= or $TOKRAG_MAX_FILE_MB)"
+    ) in out
+    assert f"ingest: reading {root / 'big.md'} (0.0 MB); a big file takes minutes" in err
+    assert err.index("ingest: reading") < err.index(f"ingest: added {root / 'big.md'}")
+    assert _sources(pg_dsn, "cap") == {str(root / n) for n in ("a.md", "b.md", "big.md")}

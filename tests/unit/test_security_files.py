@@ -250,3 +250,51 @@ def test_file_swapped_for_a_link_after_the_listing_is_not_followed(named, monkey
     with pytest.warns(UserWarning, match="became a symbolic link while it was being opened"):
         docs = retrieval.load_documents(named)
     assert [Path(d.source).name for d in docs] == ["a.md"]
+
+
+def test_file_over_the_size_cap_is_skipped_naming_the_option(named, monkeypatch):
+    """Issue 43.20: a 200 MB text file was read whole, silently, into 1.5 GB of memory. Files
+    over ``max_file_mb`` (default ``$TOKRAG_MAX_FILE_MB``, else 100 MB) are skipped with a
+    warning that names the option; the size is taken from ``fstat``, nothing is read."""
+    from tokrag_integrations.config import ConfigError
+    from tokrag_integrations.retrieval import load_documents
+    from tokrag_integrations.retrieval.opener import max_file_bytes
+
+    with open(named / "huge.txt", "wb") as file:  # sparse: 101 MB on paper, no disk used
+        file.truncate(101 * 2**20)
+    with pytest.warns(UserWarning) as record:
+        docs = load_documents(named)
+    assert [Path(d.source).name for d in docs] == ["a.md"]
+    assert [str(w.message) for w in record] == [
+        f"{named / 'huge.txt'}: is 101.0 MB, over the limit of 100.0 MB per file (raise it with "
+        "--max-file-mb, max_file_mb= or $TOKRAG_MAX_FILE_MB); skipped."
+    ]
+    (named / "huge.txt").unlink()
+    (named / "big.md").write_text("# Big\n\n" + "The Velloy tunnel closed in 1987. " * 40_000)
+    with pytest.warns(UserWarning, match=r"big.md: is 1.3 MB, over the limit of 1.0 MB per file"):
+        assert len(load_documents(named, max_file_mb=1)) == 1
+    assert len(load_documents(named, max_file_mb=2)) == 2
+    monkeypatch.setenv("TOKRAG_MAX_FILE_MB", "0.5")
+    assert max_file_bytes() == 2**19
+    with pytest.warns(UserWarning, match=r"over the limit of 0.5 MB per file"):
+        assert len(load_documents(named)) == 1
+    monkeypatch.setenv("TOKRAG_MAX_FILE_MB", "lots")
+    with pytest.raises(ConfigError, match="TOKRAG_MAX_FILE_MB must be a number of MB"):
+        load_documents(named)
+    monkeypatch.delenv("TOKRAG_MAX_FILE_MB")
+    for bad in (0, -1, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(ValueError, match="max_file_mb must be a number of MB above 0"):
+            load_documents(named, max_file_mb=bad)
+
+
+@pytest.mark.parametrize("command", [["ask", "Q", "--docs", "d"], ["ingest", "d"]])
+def test_max_file_mb_option_is_checked(command, capsys):
+    """Issue 43.20: ``--max-file-mb`` on ``ask`` and ``ingest`` takes a number of MB above 0."""
+    from tokrag_integrations.cli import build_parser
+
+    assert build_parser().parse_args([*command, "--max-file-mb", "2.5"]).max_file_mb == 2.5
+    assert build_parser().parse_args(command).max_file_mb is None
+    for bad in ("0", "-1", "nan", "inf", "lots"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*command, "--max-file-mb", bad])
+        assert "--max-file-mb" in capsys.readouterr().err

@@ -107,16 +107,19 @@ def _warn_unsupported(root: Path, unsupported: Sequence[Path]) -> None:
 LARGE_INPUT_BYTES = 10 * 1024 * 1024
 
 
-def _warn_if_large(files: Sequence[Path]) -> None:
-    """One warning when the files add up to more than :data:`LARGE_INPUT_BYTES`."""
+def _warn_if_large(files: Sequence[Path], cap: int) -> None:
+    """One warning when the files add up to more than :data:`LARGE_INPUT_BYTES` (files over
+    the size cap ``cap`` are not counted: they are skipped with a warning of their own)."""
     sizes = []
     for file in files:
         try:
-            sizes.append((file.stat().st_size, file))
+            size = file.stat().st_size
         except OSError:
             continue
+        if size <= cap:
+            sizes.append((size, file))
     total = sum(size for size, _ in sizes)
-    if total <= LARGE_INPUT_BYTES:
+    if not sizes or total <= LARGE_INPUT_BYTES:
         return
     size, biggest = max(sizes, key=lambda item: item[0])
     warnings.warn(
@@ -212,7 +215,7 @@ def load_documents(
             raise ValueError(
                 f"Unsupported document type: {path} (supported: {supported_types()})."
             )
-    _warn_if_large(files)
+    _warn_if_large(files, max_file_bytes(cap))
     for file in files:
         doc = _read_document(file, roots=roots, follow_links=follow_links, max_file_mb=cap)
         if doc is not None:
