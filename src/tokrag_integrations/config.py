@@ -26,8 +26,6 @@ variable                       default          meaning
 ``TOKRAG_PACKED_PREFILL``      on               prefill both contexts in one padded batch
 ``TOKRAG_SPLIT_PREFILL``       on               on CPU, prefill a batch's queries a few at a
                                                 time, then merge them into one batch
-``TOKRAG_MAX_FILE_MB``         100              largest document file read by ``ingest`` and
-                                                ``ask --docs``, in MB (``--max-file-mb`` wins)
 ``TOKRAG_PG_CONNECT_TIMEOUT``  5                seconds to wait for a Postgres connection
                                                 (rounded up to whole seconds, at least 1)
 ``TOKRAG_PG_DSN``              none             Postgres connection string; unset: the
@@ -64,7 +62,6 @@ __all__ = [
     "env_switch",
     "fuse_contexts",
     "kernel_plan_cache",
-    "max_file_mb",
     "packed_head",
     "packed_prefill",
     "pg_connect_timeout",
@@ -84,7 +81,6 @@ CPU_KERNELS = "TOKRAG_CPU_KERNELS"
 DATA_DIR = "TOKRAG_DATA_DIR"
 FUSE_CONTEXTS = "TOKRAG_FUSE_CONTEXTS"
 KERNEL_PLAN_CACHE = "TOKRAG_KERNEL_PLAN_CACHE"
-MAX_FILE_MB = "TOKRAG_MAX_FILE_MB"
 PACKED_HEAD = "TOKRAG_PACKED_HEAD"
 PACKED_PREFILL = "TOKRAG_PACKED_PREFILL"
 PG_CONNECT_TIMEOUT = "TOKRAG_PG_CONNECT_TIMEOUT"
@@ -95,7 +91,6 @@ SPLIT_PREFILL = "TOKRAG_SPLIT_PREFILL"
 STREAM_IDLE_TIMEOUT = "TOKRAG_STREAM_IDLE_TIMEOUT"
 VERBOSE = "TOKRAG_VERBOSE"
 
-DEFAULT_MAX_FILE_MB = 100.0
 DEFAULT_PG_CONNECT_TIMEOUT_S = 5
 DEFAULT_PG_POOL_SIZE = 10
 DEFAULT_PG_POOL_TIMEOUT_S = 30.0
@@ -229,11 +224,6 @@ def split_prefill() -> bool:
 def verbose() -> bool:
     """``$TOKRAG_VERBOSE`` (default off)."""
     return env_switch(VERBOSE, False)
-
-
-def max_file_mb() -> float:
-    """``$TOKRAG_MAX_FILE_MB``: the size cap on one document file, in MB (default 100)."""
-    return _positive(MAX_FILE_MB, float, DEFAULT_MAX_FILE_MB, "a number of MB")
 
 
 def pg_dsn() -> str | None:

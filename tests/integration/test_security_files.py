@@ -412,7 +412,7 @@ def test_ingest_file_over_the_size_cap_and_progress(pg_dsn, named, capsys, monke
     root = named.resolve()
     assert (
         f"  skipped {root / 'huge.txt'}: is 101.0 MB, over the limit of 12.0 MB per file "
-        "(raise it with --max-file-mb, max_file_mb= or $TOKRAG_MAX_FILE_MB)"
+        "(raise it with --max-file-mb or max_file_mb=)"
     ) in out
     assert f"ingest: reading {root / 'big.md'} (0.0 MB); a big file takes minutes" in err
     assert err.index("ingest: reading") < err.index(f"ingest: added {root / 'big.md'}")

@@ -110,7 +110,6 @@ def _megabytes(text: str) -> float:
 
 def add_max_file_argument(parser: argparse.ArgumentParser, what: str = "") -> None:
     """Add ``--max-file-mb`` (the size cap of the one document opener)."""
-    from ..config import MAX_FILE_MB
     from ..retrieval import DEFAULT_MAX_FILE_MB
 
     parser.add_argument(
@@ -118,8 +117,8 @@ def add_max_file_argument(parser: argparse.ArgumentParser, what: str = "") -> No
         type=_megabytes,
         default=None,
         metavar="MB",
-        help=f"{what}skip (and report) files bigger than this many MB (default: ${MAX_FILE_MB}, "
-        f"else {DEFAULT_MAX_FILE_MB:g})",
+        help=f"{what}skip (and report) files bigger than this many MB (default "
+        f"{DEFAULT_MAX_FILE_MB:g})",
     )
 
 

@@ -52,7 +52,7 @@ class FolderRetriever(BaseRetriever):
     """Read files through symbolic links that leave the folders."""
     max_file_mb: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """The largest file read, in MB (bigger ones are skipped with a warning); ``None``:
-    ``$TOKRAG_MAX_FILE_MB``, else 100."""
+    100 MB."""
     progress: StrictBool = False
     """Say on stderr what is being indexed (plain lines when not a terminal)."""
 

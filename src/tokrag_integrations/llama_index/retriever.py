@@ -54,7 +54,7 @@ class FolderRetriever(BaseRetriever):
         cache: keep the chunk embeddings on disk (dense only).
         follow_links: read files through symbolic links that leave the folders.
         max_file_mb: the largest file read, in MB (bigger ones are skipped with a warning;
-            default ``$TOKRAG_MAX_FILE_MB`` or 100).
+            default 100).
         progress: say on stderr what is being indexed (plain lines when not a terminal).
 
     Raises:

@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import config
 from ..booleans import require_bool
 from ..retrieval import (
     Document,
@@ -387,7 +386,7 @@ def ingest(
             default such links are reported as failed and not read. A file named directly
             counts its own folder as its root (``docs/pw.md -> /etc/shadow`` is refused).
         max_file_mb: The largest file read, in MB; a bigger one is reported as failed with
-            the reason. ``None``: ``$TOKRAG_MAX_FILE_MB``, else 100.
+            the reason. ``None``: 100 MB.
         text_search_config: Text search configuration of the full-text column of a new
             table (``english`` by default; any of the server's ``pg_ts_config``).
         upgrade: Add the full-text column to an existing table that has none (otherwise
@@ -422,10 +421,9 @@ def ingest(
     layout = TableLayout.for_target(table, target)
     chunk_text("check", max_chars=max_chars, overlap=overlap)  # bad chunking fails here, once
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
-    cap = max_file_mb if max_file_mb is not None else config.max_file_mb()
-    max_file_bytes(cap)  # a bad cap fails before anything is opened
+    max_file_bytes(max_file_mb)  # a bad cap fails before anything is opened
     files, rejected = discover_files(path_list, follow_links=follow_links)
-    read_options = {"roots": given_roots(path_list), "follow_links": follow_links, "max_file_mb": cap}
+    read_options = {"roots": given_roots(path_list), "follow_links": follow_links, "max_file_mb": max_file_mb}
     roots = [p.resolve() for p in path_list if unreadable_reason(p) is None and p.is_dir()]
     db = resolve_dsn(dsn, data_dir=data_dir)
     with database_errors(db.dsn, "open a connection pool"):

@@ -30,7 +30,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import config
 from ..booleans import require_bool
 from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP
 from .chunking import chunk_documents, chunk_text
@@ -163,7 +162,7 @@ def load_documents(
             directly counts its own folder as its root: ``docs/pw.md -> /etc/shadow`` is
             skipped, as it is in a scan of ``docs``.
         max_file_mb: The largest file read, in MB; bigger files are skipped with a warning.
-            ``None``: ``$TOKRAG_MAX_FILE_MB``, else 100.
+            ``None``: 100 MB.
 
     Returns:
         The documents, in the order the paths were given (folders sorted by path).
@@ -185,8 +184,7 @@ def load_documents(
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     if not path_list:
         raise ValueError("No document paths were given; pass at least one file or folder.")
-    cap = max_file_mb if max_file_mb is not None else config.max_file_mb()
-    max_file_bytes(cap)  # a bad cap fails before any file is read
+    cap = max_file_bytes(max_file_mb)  # a bad cap fails before any file is read
     roots = given_roots(path_list)
     documents: list[Document] = []
     files: list[Path] = []
@@ -215,9 +213,9 @@ def load_documents(
             raise ValueError(
                 f"Unsupported document type: {path} (supported: {supported_types()})."
             )
-    _warn_if_large(files, max_file_bytes(cap))
+    _warn_if_large(files, cap)
     for file in files:
-        doc = _read_document(file, roots=roots, follow_links=follow_links, max_file_mb=cap)
+        doc = _read_document(file, roots=roots, follow_links=follow_links, max_file_mb=max_file_mb)
         if doc is not None:
             documents.append(doc)
     if not documents:

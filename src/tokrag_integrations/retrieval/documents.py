@@ -241,7 +241,7 @@ def read_document(
     format's bytes come from :func:`.opener.read_file_bytes`, the one opener: a symbolic
     link leaving ``roots`` (default: the file's own folder) is refused unless
     ``follow_links``, so are FIFOs, devices and sockets, and files over ``max_file_mb``
-    (default ``$TOKRAG_MAX_FILE_MB`` or 100).
+    (default 100 MB).
 
     Raises:
         DocumentError: The file is refused by the opener, cannot be read, is binary (see

@@ -14,8 +14,7 @@ gigabytes. :func:`read_file_bytes` therefore decides at open time, on what is th
    no bigger than the size cap;
 4. read at most the cap (plus one byte, to catch a file that grew meanwhile).
 
-The cap is ``max_file_mb`` (``--max-file-mb``), else ``$TOKRAG_MAX_FILE_MB``, else
-:data:`DEFAULT_MAX_FILE_MB`.
+The cap is ``max_file_mb`` (``--max-file-mb``), else :data:`DEFAULT_MAX_FILE_MB`.
 """
 
 from __future__ import annotations
@@ -26,8 +25,6 @@ import os
 import stat
 from collections.abc import Sequence
 from pathlib import Path
-
-from .. import config
 
 __all__ = [
     "DEFAULT_MAX_FILE_MB",
@@ -42,7 +39,7 @@ __all__ = [
 #: are PDFs: image-heavy manuals and slide decks reach tens of MB. Plain text of 100 MB is
 #: about 50,000 pages; reading, chunking and embedding it takes ~8 times its size in memory
 #: and many minutes, so a file above it is almost surely a log, a dump or a mistake.
-DEFAULT_MAX_FILE_MB = config.DEFAULT_MAX_FILE_MB
+DEFAULT_MAX_FILE_MB = 100.0
 
 _KINDS = (
     (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -58,14 +55,13 @@ class FileRefused(ValueError):  # noqa: N818 - a refusal, not an internal error
 
 
 def max_file_bytes(max_file_mb: float | None = None) -> int:
-    """The size cap in bytes: ``max_file_mb``, else ``$TOKRAG_MAX_FILE_MB``, else the default.
+    """The size cap in bytes: ``max_file_mb``, else :data:`DEFAULT_MAX_FILE_MB`.
 
     Raises:
         ValueError: ``max_file_mb`` is not a number above 0 (the message names it).
-        ConfigError: ``$TOKRAG_MAX_FILE_MB`` is not a number above 0.
     """
     if max_file_mb is None:
-        max_file_mb = config.max_file_mb()
+        max_file_mb = DEFAULT_MAX_FILE_MB
     elif (
         isinstance(max_file_mb, bool)
         or not isinstance(max_file_mb, (int, float))
@@ -187,6 +183,5 @@ def read_file_bytes(
 def _over_cap(size: int, cap: int) -> str:
     return (
         f"is {_mb(size)}, over the limit of {_mb(cap)} per file (raise it with "
-        "--max-file-mb, "
-        f"max_file_mb= or ${config.MAX_FILE_MB})"
+        "--max-file-mb or max_file_mb=)"
     )
