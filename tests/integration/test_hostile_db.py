@@ -136,14 +136,16 @@ def test_ingest_reports_and_skips_every_bad_file(pg_dsn, tmp_path, monkeypatch, 
     (docs / "f_latin1.txt").write_bytes(latin1.encode("latin-1"))
     (docs / "z_after.md").write_text("# After\n\nThe Marwick pump moves 40 litres a minute.\n")
 
-    real_read_bytes = Path.read_bytes
+    from tokrag_integrations.retrieval import documents
 
-    def read_bytes(self):  # root can read a chmod 000 file, so refuse it here
-        if self.name == "d_unreadable.md":
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_read_bytes(self)
+    real_read = documents.read_file_bytes
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    def read_file_bytes(path, **options):  # root can read a chmod 000 file, so refuse it here
+        if Path(path).name == "d_unreadable.md":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read(path, **options)
+
+    monkeypatch.setattr(documents, "read_file_bytes", read_file_bytes)
     summary = ingest([docs], dsn=pg_dsn, table="badfiles", progress=False)
     failed = {Path(f.path).name: f.reason for f in summary.failed}
     assert set(failed) == {"b_nul_heading.md", "c_binary.txt", "d_unreadable.md", "e_caf\\xe9.md"}

@@ -1,5 +1,8 @@
 """Issue 29, files: symbolic links leaving the folder (3), unreadable sub-folders (6), file
-names and documents holding newlines and escape sequences (10).
+names and documents holding newlines and escape sequences (10). Issue 43, files named on the
+command line and swapped after the listing: a link to ``/dev/zero`` (1), a FIFO (2), a link
+leaving its folder (3), a file swapped for a FIFO (4) or a link (5), a file over the size cap
+(20).
 
 The ingestion cases run against a real PostgreSQL 16 + pgvector (``pgserver``). Root reads
 a ``chmod 000`` folder, so the unreadable-folder case runs in a fresh process that is not
@@ -216,3 +219,201 @@ def test_unreadable_sub_folder_is_reported_not_a_traceback(tmp_path):
     assert "NAMED 1" in out and f"  skipped {docs / 'sub' / 'b.md'}: cannot be read (Permission denied)" in out
     assert f"WARNING {docs / 'sub'}: folder cannot be read (Permission denied); skipped." in out
     assert f"WARNING {docs / 'locked.md'}: could not be read (Permission denied); skipped." in out
+
+
+# ============================================================================ issue 43: named files
+#: A child process may use at most this much address space (the embedder included), so a
+#: regression that reads /dev/zero fails with a MemoryError instead of eating the machine.
+_CHILD_MEMORY = 8 << 30
+
+_CHILD_INGEST = f"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, ({_CHILD_MEMORY}, {_CHILD_MEMORY}))
+from tokrag_integrations.cli import main
+print("STATUS", main(["ingest", *sys.argv[1:], "--no-progress"]), flush=True)
+"""
+
+
+def _ingest_child(*argv: str | Path, code: str = _CHILD_INGEST, timeout: float = 240):
+    """``tokrag ingest ARGV`` in a fresh process with a memory and a time limit."""
+    env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, argv)],
+        capture_output=True, text=True, timeout=timeout, env=env, check=False,
+    )
+
+
+@pytest.fixture
+def named(tmp_path):
+    """d/ with a.md and b.md, and the outside/ secret; the tests add the hostile entries."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.md").write_text(f"# Secret\n\n{SECRET}\n")
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "a.md").write_text("# A\n\nThe Dunmore bridge opened in 1911.\n")
+    (d / "b.md").write_text("# B\n\nThe Velloy tunnel closed in 1987.\n")
+    return d
+
+
+@pytest.mark.postgres
+def test_ingest_named_link_to_dev_zero_is_refused(pg_dsn, named):
+    """Issue 43.1 (high): ``tokrag ingest d/z.txt`` where ``z.txt -> /dev/zero`` read until
+    the process was killed. It is reported as skipped (a link leaving d/; with
+    ``--follow-links``, a character device), in a child with a memory limit."""
+    (named / "z.txt").symlink_to("/dev/zero")
+    common = ["--dsn", pg_dsn, "--table", "zero"]
+    proc = _ingest_child(named / "z.txt", named / "a.md", *common)
+    assert "STATUS 1" in proc.stdout, proc.stderr[-3000:]
+    assert f"  skipped {named.resolve() / 'z.txt'}: a symbolic link to /dev/zero, outside {named.resolve()}; not followed" in proc.stdout
+    proc = _ingest_child(named / "z.txt", *common, "--follow-links")
+    assert "STATUS 1" in proc.stdout, proc.stderr[-3000:]
+    assert f"  skipped {named.resolve() / 'z.txt'}: not a regular file but a character device" in proc.stdout
+    assert "following a symbolic link to /dev/zero" in proc.stderr
+    assert _sources(pg_dsn, "zero") == {str(named.resolve() / "a.md")}
+
+
+@pytest.mark.postgres
+def test_ingest_named_fifo_is_not_opened(pg_dsn, named):
+    """Issue 43.2: ``tokrag ingest d/f.txt`` on a FIFO hung forever; it is reported as
+    skipped and the other file is stored."""
+    os.mkfifo(named / "f.txt")
+    proc = _ingest_child(named / "f.txt", named / "a.md", "--dsn", pg_dsn, "--table", "fifo", timeout=120)
+    assert "STATUS 1" in proc.stdout, proc.stderr[-3000:]
+    assert f"  skipped {named.resolve() / 'f.txt'}: not a regular file but a FIFO (named pipe)" in proc.stdout
+    assert _sources(pg_dsn, "fifo") == {str(named.resolve() / "a.md")}
+
+
+@pytest.mark.postgres
+def test_ingest_named_link_leaving_its_folder(pg_dsn, named, capsys):
+    """Issue 43.3: ``tokrag ingest d/*`` stored ``d/pw.md -> ../outside/secret.md`` with no
+    warning. The link is judged against its own folder: skipped with the reason, nothing
+    stored for it; ``--follow-links`` stores it under the link's path, with a warning."""
+    secret = named.parent / "outside" / "secret.md"
+    (named / "pw.md").symlink_to(secret)
+    globbed = [str(p) for p in sorted(named.iterdir())]  # what the shell's d/* passes
+    common = ["--dsn", pg_dsn, "--table", "named"]
+    assert _ingest_cli(*globbed, *common) == 1
+    root = named.resolve()
+    out = capsys.readouterr().out
+    assert f"  skipped {root / 'pw.md'}: a symbolic link to {secret.resolve()}, outside {root}; not followed" in out
+    assert SECRET not in out
+    assert _sources(pg_dsn, "named") == {str(root / "a.md"), str(root / "b.md")}
+    with pytest.warns(UserWarning, match="following a symbolic link to") as record:
+        assert _ingest_cli(*globbed, *common, "--follow-links") == 0
+    assert len(record) == 1
+    assert _sources(pg_dsn, "named") == {str(root / n) for n in ("a.md", "b.md", "pw.md")}
+
+
+
+_INGEST_SWAPPED = f"""
+import os, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, ({_CHILD_MEMORY}, {_CHILD_MEMORY}))
+from pathlib import Path
+import tokrag_integrations.postgres.ingest_files as ingest_files
+from tokrag_integrations.cli import main
+
+folder, swap = Path(sys.argv[1]), sys.argv[2]
+listed = ingest_files.list_folder
+
+
+def list_then_swap(root, **options):
+    found = listed(root, **options)
+    (folder / "b.md").unlink()
+    if swap == "fifo":
+        os.mkfifo(folder / "b.md")
+    else:
+        (folder / "b.md").symlink_to(swap)
+    return found
+
+
+ingest_files.list_folder = list_then_swap
+print("STATUS", main(["ingest", str(folder), *sys.argv[3:], "--no-progress"]), flush=True)
+"""
+
+
+@pytest.mark.postgres
+def test_ingest_file_swapped_for_a_fifo_after_the_listing(pg_dsn, named):
+    """Issue 43.4: b.md replaced by a FIFO between the folder listing and its open blocked
+    ``tokrag ingest`` for minutes; it is reported as skipped and the ingest ends."""
+    common = ["--dsn", pg_dsn, "--table", "swap_fifo"]
+    proc = _ingest_child(named, "fifo", *common, code=_INGEST_SWAPPED, timeout=120)
+    assert "STATUS 1" in proc.stdout, proc.stderr[-3000:]
+    assert f"  skipped {named.resolve() / 'b.md'}: not a regular file but a FIFO (named pipe)" in proc.stdout
+    assert _sources(pg_dsn, "swap_fifo") == {str(named.resolve() / "a.md")}
+
+
+def _texts(dsn: str, table: str) -> str:
+    from tokrag_integrations.postgres.server import connect
+
+    with connect(dsn, autocommit=True) as conn:
+        return "\n".join(r[0] for r in conn.execute(f"SELECT text FROM data_{table}").fetchall())
+
+
+@pytest.mark.postgres
+def test_ingest_file_swapped_for_a_link_after_the_listing(pg_dsn, named, monkeypatch):
+    """Issue 43.5: b.md replaced by a link to a secret outside the folder after the listing:
+    the secret was stored and b.md listed as both added and stale. Now b.md is failed with
+    the reason, nothing of the secret is stored, and chunks stored for b.md before are kept
+    (stale: the link leaves the folder)."""
+    import tokrag_integrations.postgres.ingest_files as ingest_files
+    from tokrag_integrations.postgres import ingest
+
+    secret = named.parent / "outside" / "secret.md"
+    listed = ingest_files.list_folder
+
+    def list_then_swap(root, **options):
+        found = listed(root, **options)
+        (named / "b.md").unlink()
+        (named / "b.md").symlink_to(secret)
+        return found
+
+    def statuses(summary):
+        return sorted((Path(f.path).name, f.status) for f in [*summary.files, *summary.gone])
+
+    monkeypatch.setattr(ingest_files, "list_folder", list_then_swap)
+    summary = ingest([named], dsn=pg_dsn, table="swap_link", progress=False)
+    assert statuses(summary) == [("a.md", "added"), ("b.md", "failed")]
+    assert "a symbolic link to" in summary.failed[0].reason and "not followed" in summary.failed[0].reason
+    assert SECRET not in _texts(pg_dsn, "swap_link")
+
+    monkeypatch.setattr(ingest_files, "list_folder", listed)
+    (named / "b.md").unlink()
+    (named / "b.md").write_text("# B\n\nThe Velloy tunnel closed in 1987.\n")
+    assert statuses(ingest([named], dsn=pg_dsn, table="swap_link", progress=False)) == [
+        ("a.md", "unchanged"), ("b.md", "added")
+    ]
+    monkeypatch.setattr(ingest_files, "list_folder", list_then_swap)
+    summary = ingest([named], dsn=pg_dsn, table="swap_link", progress=False)
+    assert statuses(summary) == [("a.md", "unchanged"), ("b.md", "failed"), ("b.md", "stale")]
+    texts = _texts(pg_dsn, "swap_link")
+    assert SECRET not in texts and "Velloy tunnel" in texts
+
+
+@pytest.mark.postgres
+def test_ingest_file_over_the_size_cap_and_progress(pg_dsn, named, capsys, monkeypatch):
+    """Issue 43.20: a 200 MB text file gave no output for minutes and took 1.5 GB. A file
+    over the cap (default 100 MB, ``--max-file-mb``) is skipped with the option named; a big
+    file under it (over ``LARGE_INPUT_BYTES``, 10 MB, lowered here to keep the test short)
+    is announced on stderr before it is read."""
+    import tokrag_integrations.retrieval as retrieval
+    from tokrag_integrations.cli.pg import add_ingest_parser
+
+    monkeypatch.setattr(retrieval, "LARGE_INPUT_BYTES", 4096)
+
+    with open(named / "huge.txt", "wb") as file:  # sparse: 101 MB on paper, no disk used
+        file.truncate(101 * 2**20)
+    (named / "big.md").write_text("# Big\n\n" + "The Velloy tunnel closed in 1987. " * 200)
+    parser = argparse.ArgumentParser()
+    add_ingest_parser(parser.add_subparsers())
+    args = parser.parse_args(["ingest", str(named), "--dsn", pg_dsn, "--table", "cap", "--max-file-mb", "12"])
+    assert args.func(args) == 1
+    out, err = capsys.readouterr()
+    root = named.resolve()
+    assert (
+        f"  skipped {root / 'huge.txt'}: is 101.0 MB, over the limit of 12.0 MB per file "
+        "(raise it with --max-file-mb or max_file_mb=)"
+    ) in out
+    assert f"ingest: reading {root / 'big.md'} (0.0 MB); a big file takes minutes" in err
+    assert err.index("ingest: reading") < err.index(f"ingest: added {root / 'big.md'}")
+    assert _sources(pg_dsn, "cap") == {str(root / n) for n in ("a.md", "b.md", "big.md")}

@@ -72,6 +72,9 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
         help="--docs: also read files through symbolic links that leave the given folders "
         "(a warning names each one; default: skip them with a warning)",
     )
+    from .pg import add_max_file_argument
+
+    add_max_file_argument(p, "--docs: ")
     p.add_argument(
         "--retriever",
         choices=("dense", "bm25"),
@@ -228,6 +231,7 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
         device="cpu",
         progress=True,
         follow_links=args.follow_links,
+        max_file_mb=args.max_file_mb,
         cache=True,  # a folder asked about again embeds only the chunks that changed
     )
     hits = retriever.retrieve(args.question, top_k=args.top_k)

@@ -21,6 +21,7 @@ given; the summary counts them as stale (or pruned).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -95,6 +96,30 @@ def warn_password_on_command_line(dsn: str | None) -> None:
             UserWarning,
             stacklevel=2,
         )
+
+
+def _megabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MB, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of MB above 0, got {text!r}")
+    return value
+
+
+def add_max_file_argument(parser: argparse.ArgumentParser, what: str = "") -> None:
+    """Add ``--max-file-mb`` (the size cap of the one document opener)."""
+    from ..retrieval import DEFAULT_MAX_FILE_MB
+
+    parser.add_argument(
+        "--max-file-mb",
+        type=_megabytes,
+        default=None,
+        metavar="MB",
+        help=f"{what}skip (and report) files bigger than this many MB (default "
+        f"{DEFAULT_MAX_FILE_MB:g})",
+    )
 
 
 def add_filter_argument(parser: argparse.ArgumentParser) -> None:
@@ -177,16 +202,18 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
     p.add_argument(
         "--follow-links",
         action="store_true",
-        help="also read files through symbolic links that leave the given folders (a warning "
-        "names each one; default: report them as skipped)",
+        help="also read files through symbolic links that leave the given folders, or the "
+        "folder of a file named directly (a warning names each one; default: report them as "
+        "skipped)",
     )
+    add_max_file_argument(p)
     p.set_defaults(func=cmd_ingest)
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     """Run ``tokrag ingest``; prints the summary to stdout, errors to stderr."""
     from ..postgres.ingestion import FileReport, ingest
-    from ..retrieval import printable
+    from ..retrieval import LARGE_INPUT_BYTES, printable
 
     # On a terminal tqdm draws a bar; redirected (a log, CI), one plain line per file instead,
     # so a long ingest is never silent.
@@ -195,6 +222,19 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     def say(item: FileReport) -> None:
         chunks = f" ({item.chunks} chunks)" if item.chunks else ""
         print(f"ingest: {item.status} {printable(item.path)}{chunks}", file=sys.stderr, flush=True)
+
+    def starting(path: Path) -> None:
+        try:
+            size = path.stat().st_size
+        except OSError:  # reported with the file
+            return
+        if size > LARGE_INPUT_BYTES:
+            print(
+                f"ingest: reading {printable(path)} ({size / 2**20:.1f} MB); a big file takes "
+                "minutes to chunk and embed…",
+                file=sys.stderr,
+                flush=True,
+            )
 
     if plain:
         print(
@@ -216,6 +256,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             prune=args.prune,
             follow_links=args.follow_links,
             on_file=say if plain else None,
+            on_start=starting if plain else None,
+            max_file_mb=args.max_file_mb,
             text_search_config=args.text_search_config,
             upgrade=args.upgrade,
         )

@@ -50,6 +50,9 @@ class FolderRetriever(BaseRetriever):
     """Keep the chunk embeddings on disk (dense only)."""
     follow_links: StrictBool = False
     """Read files through symbolic links that leave the folders."""
+    max_file_mb: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """The largest file read, in MB (bigger ones are skipped with a warning); ``None``:
+    100 MB."""
     progress: StrictBool = False
     """Say on stderr what is being indexed (plain lines when not a terminal)."""
 
@@ -63,6 +66,7 @@ class FolderRetriever(BaseRetriever):
             overlap=self.overlap,
             cache=self.cache,
             follow_links=self.follow_links,
+            max_file_mb=self.max_file_mb,
             progress=self.progress,
         )
 

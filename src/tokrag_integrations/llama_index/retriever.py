@@ -53,6 +53,8 @@ class FolderRetriever(BaseRetriever):
         max_chars / overlap: chunking, see :func:`tokrag_integrations.retrieval.chunk_text`.
         cache: keep the chunk embeddings on disk (dense only).
         follow_links: read files through symbolic links that leave the folders.
+        max_file_mb: the largest file read, in MB (bigger ones are skipped with a warning;
+            default 100).
         progress: say on stderr what is being indexed (plain lines when not a terminal).
 
     Raises:
@@ -70,6 +72,7 @@ class FolderRetriever(BaseRetriever):
         overlap: int = CHUNK_OVERLAP,
         cache: bool = True,
         follow_links: bool = False,
+        max_file_mb: float | None = None,
         progress: bool = False,
         callback_manager: CallbackManager | None = None,
     ) -> None:
@@ -83,6 +86,7 @@ class FolderRetriever(BaseRetriever):
             overlap=overlap,
             cache=cache,
             follow_links=follow_links,
+            max_file_mb=max_file_mb,
             progress=progress,
         )
         super().__init__(callback_manager=callback_manager)

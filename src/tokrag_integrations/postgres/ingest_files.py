@@ -17,6 +17,7 @@ from ..retrieval import (
     supported_types,
     unreadable_reason,
 )
+from ..retrieval.opener import given_roots, link_leaving
 from .reports import FileReport
 
 __all__ = ["INGEST_SUFFIXES", "ParseError", "discover_files", "parse_file"]
@@ -41,8 +42,9 @@ def discover_files(
     ``follow_links``, which warns for each one followed), a broken link or a special file is
     reported as failed.
 
-    A file's path is its resolved path, except for a link followed outside its folder: that
-    file keeps the link's path, so that it is stored under the folder and pruned with it.
+    A file's path is its resolved path, except for a link leaving its folder (followed, or
+    named directly): that file keeps the link's path, so that it is stored under the folder
+    and pruned with it, and :func:`parse_file` judges the link when it opens it.
 
     Raises:
         FileNotFoundError: A path does not exist.
@@ -54,6 +56,7 @@ def discover_files(
     files: list[Path] = []
     rejected: list[FileReport] = []
     seen: set[Path] = set()
+    roots = given_roots(path_list)
     for path in path_list:
         reason = unreadable_reason(path)
         if reason is not None:
@@ -77,7 +80,19 @@ def discover_files(
                     stacklevel=2,
                 )
         elif path.suffix.lower() in INGEST_SUFFIXES:
-            candidates = [(path, path.resolve())]
+            # A link named directly is judged when it is opened (parse_file), against the
+            # folder it lies in and the given folders; one leaving them keeps the link's path.
+            target = link_leaving(path, roots)
+            if target is None:
+                candidates = [(path, path.resolve())]
+            else:
+                candidates = [(path, path.absolute().parent.resolve() / path.name)]
+                if follow_links:
+                    warnings.warn(
+                        f"{printable(path.absolute())}: following a symbolic link to "
+                        f"{printable(target)}, outside the given folders (follow_links is on)",
+                        stacklevel=2,
+                    )
         else:
             rejected.append(
                 FileReport(
@@ -95,23 +110,34 @@ def discover_files(
     return files, rejected
 
 
-def parse_file(path: str | Path) -> tuple[Document, list[str]]:
+def parse_file(
+    path: str | Path,
+    *,
+    roots: Sequence[Path] | None = None,
+    follow_links: bool = False,
+    max_file_mb: float | None = None,
+) -> tuple[Document, list[str]]:
     """One file as a :class:`~tokrag_integrations.retrieval.Document`, plus notes.
 
     The file is read by :func:`tokrag_integrations.retrieval.read_document`, the loader
-    ``tokrag ask --docs`` uses, so the text, ``title`` and ``format`` match; the notes are its
-    warnings (e.g. a file that is not valid UTF-8), without the path.
+    ``tokrag ask --docs`` uses, so the text, ``title`` and ``format`` match, and the same
+    opener refuses what it refuses (``roots``, ``follow_links`` and ``max_file_mb`` are
+    passed on); the notes are its warnings (e.g. a file that is not valid UTF-8), without
+    the path.
 
     Raises:
         ParseError: The file is binary (a NUL byte anywhere, or mostly invalid UTF-8; see
             :func:`~tokrag_integrations.retrieval.binary_reason`), an unreadable PDF, empty,
-            or cannot be read.
+            cannot be read, or is refused by the opener (a link leaving ``roots``, a FIFO or
+            device, over ``max_file_mb``).
     """
     path = Path(path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            doc = read_document(path)
+            doc = read_document(
+                path, roots=roots, follow_links=follow_links, max_file_mb=max_file_mb
+            )
         except DocumentError as exc:
             raise ParseError(str(exc)) from None
     notes = [str(w.message).replace(f"{printable(path)}: ", "") for w in caught]

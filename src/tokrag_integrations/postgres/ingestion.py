@@ -56,6 +56,7 @@ from ..retrieval import (
     chunk_text,
     unreadable_reason,
 )
+from ..retrieval.opener import given_roots, max_file_bytes
 from .embeddings import Embedder, load_embedder
 from .ingest_files import (  # noqa: F401 - re-exported: this was their module
     INGEST_SUFFIXES,
@@ -276,6 +277,7 @@ def _ingest_file(
     summary: IngestSummary,
     chunking: tuple[int, int],
     batch_size: int,
+    read_options: dict[str, Any],
 ) -> FileReport:
     """Read, chunk, embed and write one file (one transaction); its report. The embedding
     and writing times are added to ``summary``.
@@ -292,7 +294,7 @@ def _ingest_file(
             "UTF-8 text); rename the file",
         )
     try:
-        doc, notes = parse_file(path)
+        doc, notes = parse_file(path, **read_options)
     except (ParseError, OSError, UnicodeError) as exc:
         return FileReport(str(path), "failed", reason=str(exc))
     prep = _prepare(doc, chunking[0], chunking[1], embedder.name)
@@ -350,8 +352,10 @@ def ingest(
     progress: bool = True,
     data_dir: str | Path | None = None,
     on_file: Callable[[FileReport], None] | None = None,
+    on_start: Callable[[Path], None] | None = None,
     prune: bool = False,
     follow_links: bool = False,
+    max_file_mb: float | None = None,
     text_search_config: str = "english",
     upgrade: bool = False,
     pool_size: int | None = None,
@@ -371,13 +375,18 @@ def ingest(
         progress: Show a progress bar (``tqdm``, on stderr).
         data_dir: Data folder of the embedded server.
         on_file: Called with each file's :class:`FileReport` as soon as it is done.
+        on_start: Called with each file's path before it is read (``tokrag ingest`` says
+            there when a big file will take a while).
         prune: Delete the chunks of stored files under the given *folders* that are no
             longer there: deleted, or now a symbolic link leaving the folders (unless
             ``follow_links``). Without it they are kept (and still retrieved) and counted as
             stale in the summary. Files under a sub-folder that cannot be read are kept.
         follow_links: Also ingest files reached through symbolic links that leave the given
             folders (a warning names each one; they are stored under the link's path). By
-            default such links are reported as failed and not read.
+            default such links are reported as failed and not read. A file named directly
+            counts its own folder as its root (``docs/pw.md -> /etc/shadow`` is refused).
+        max_file_mb: The largest file read, in MB; a bigger one is reported as failed with
+            the reason. ``None``: 100 MB.
         text_search_config: Text search configuration of the full-text column of a new
             table (``english`` by default; any of the server's ``pg_ts_config``).
         upgrade: Add the full-text column to an existing table that has none (otherwise
@@ -387,15 +396,16 @@ def ingest(
 
     Returns:
         The :class:`IngestSummary`. A file that cannot be used (unreadable, binary, NUL
-        bytes, not UTF-8, a file name that is not UTF-8, content Postgres rejects), an
+        bytes, not UTF-8, a file name that is not UTF-8, content Postgres rejects, not a
+        regular file when it is opened, over ``max_file_mb``), an
         unreadable sub-folder and a symbolic link not followed are reported there as failed
         and skipped, one by one; the other files are still ingested.
 
     Raises:
         FileNotFoundError: A path does not exist.
         TypeError: ``progress`` or ``prune`` is not ``True`` or ``False``.
-        ValueError: Bad table name, target, chunking, or an embedding model that does not
-            fit the table.
+        ValueError: Bad table name, target, chunking, ``max_file_mb``, or an embedding
+            model that does not fit the table.
         PostgresConnectionError: The database is unreachable (fails fast, password masked),
             or refused an operation (:class:`PostgresQueryError`: privileges, a table of that
             name that is not tokrag's).
@@ -411,7 +421,9 @@ def ingest(
     layout = TableLayout.for_target(table, target)
     chunk_text("check", max_chars=max_chars, overlap=overlap)  # bad chunking fails here, once
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    max_file_bytes(max_file_mb)  # a bad cap fails before anything is opened
     files, rejected = discover_files(path_list, follow_links=follow_links)
+    read_options = {"roots": given_roots(path_list), "follow_links": follow_links, "max_file_mb": max_file_mb}
     roots = [p.resolve() for p in path_list if unreadable_reason(p) is None and p.is_dir()]
     db = resolve_dsn(dsn, data_dir=data_dir)
     with database_errors(db.dsn, "open a connection pool"):
@@ -441,8 +453,15 @@ def ingest(
     ):
         for path in bar:
             shown = _display(path)
-            bar.set_postfix_str(shown[-30:], refresh=False)
-            report(_ingest_file(conn, path, db, layout, embedder, summary, (max_chars, overlap), batch_size))
+            bar.set_postfix_str(shown[-30:])  # drawn now: a big file takes a while
+            if on_start is not None:
+                on_start(path)
+            report(
+                _ingest_file(
+                    conn, path, db, layout, embedder, summary, (max_chars, overlap),
+                    batch_size, read_options,
+                )
+            )
         bar.close()
         summary.gone = _gone_files(conn, layout, roots, prune, follow_links)
     summary.seconds = time.perf_counter() - start

@@ -60,6 +60,7 @@ from .index import (  # noqa: F401 - importable from here as before
     EmbeddingCache,
     get_embedder,
 )
+from .opener import DEFAULT_MAX_FILE_MB, given_roots, link_leaving, max_file_bytes
 
 __all__ = [
     "TEXT_SUFFIXES",
@@ -77,6 +78,7 @@ __all__ = [
     "read_document",
     "supported_types",
     "load_documents",
+    "DEFAULT_MAX_FILE_MB",
     "list_folder",
     "FolderListing",
     "printable",
@@ -104,16 +106,19 @@ def _warn_unsupported(root: Path, unsupported: Sequence[Path]) -> None:
 LARGE_INPUT_BYTES = 10 * 1024 * 1024
 
 
-def _warn_if_large(files: Sequence[Path]) -> None:
-    """One warning when the files add up to more than :data:`LARGE_INPUT_BYTES`."""
+def _warn_if_large(files: Sequence[Path], cap: int) -> None:
+    """One warning when the files add up to more than :data:`LARGE_INPUT_BYTES` (files over
+    the size cap ``cap`` are not counted: they are skipped with a warning of their own)."""
     sizes = []
     for file in files:
         try:
-            sizes.append((file.stat().st_size, file))
+            size = file.stat().st_size
         except OSError:
             continue
+        if size <= cap:
+            sizes.append((size, file))
     total = sum(size for size, _ in sizes)
-    if total <= LARGE_INPUT_BYTES:
+    if not sizes or total <= LARGE_INPUT_BYTES:
         return
     size, biggest = max(sizes, key=lambda item: item[0])
     warnings.warn(
@@ -139,7 +144,10 @@ def _warn_listing(listing: FolderListing) -> None:
 
 
 def load_documents(
-    paths: str | Path | Iterable[str | Path], *, follow_links: bool = False
+    paths: str | Path | Iterable[str | Path],
+    *,
+    follow_links: bool = False,
+    max_file_mb: float | None = None,
 ) -> list[Document]:
     """Load text, Markdown, reStructuredText, HTML and PDF files from files and folders.
 
@@ -149,28 +157,35 @@ def load_documents(
 
     Args:
         paths: One path or several.
-        follow_links: Also read symbolic links inside a folder whose target is outside it
-            (with a warning each); by default they are skipped with a warning.
+        follow_links: Also read symbolic links whose target is outside the given folders
+            (with a warning each); by default they are skipped with a warning. A file named
+            directly counts its own folder as its root: ``docs/pw.md -> /etc/shadow`` is
+            skipped, as it is in a scan of ``docs``.
+        max_file_mb: The largest file read, in MB; bigger files are skipped with a warning.
+            ``None``: 100 MB.
 
     Returns:
         The documents, in the order the paths were given (folders sorted by path).
 
     Raises:
         FileNotFoundError: A path does not exist.
-        ValueError: A file named explicitly has an unsupported suffix, or no document at all
-            was found under ``paths``.
+        ValueError: A file named explicitly has an unsupported suffix, no document at all
+            was found under ``paths``, or ``max_file_mb`` is not a number above 0.
 
     Warns:
         UnicodeWarning: A file is not valid UTF-8 (it is loaded with replacement characters).
         UserWarning: A file or sub-folder cannot be read, a file is empty, a broken PDF or
-            binary (NUL bytes, mostly invalid UTF-8; see :func:`binary_reason`), or a symbolic
-            link leaves its folder: it is skipped (one warning each). A folder holds files of
+            binary (NUL bytes, mostly invalid UTF-8; see :func:`binary_reason`), not a
+            regular file (a FIFO, a device), over ``max_file_mb``, or a symbolic link leaves
+            its folder: it is skipped (one warning each). A folder holds files of
             other types: they are skipped (one warning per folder).
         ResourceWarning: The files add up to more than :data:`LARGE_INPUT_BYTES`.
     """
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     if not path_list:
         raise ValueError("No document paths were given; pass at least one file or folder.")
+    cap = max_file_bytes(max_file_mb)  # a bad cap fails before any file is read
+    roots = given_roots(path_list)
     documents: list[Document] = []
     files: list[Path] = []
     for path in path_list:
@@ -186,14 +201,21 @@ def load_documents(
             _warn_listing(listing)
             _warn_unsupported(path, listing.other_types)
         elif path.suffix.lower() in SUPPORTED_SUFFIXES:
+            target = link_leaving(path, roots) if follow_links else None
+            if target is not None:
+                warnings.warn(
+                    f"{printable(path)}: following a symbolic link to {printable(target)}, "
+                    "outside the given folders (follow_links is on).",
+                    stacklevel=2,
+                )
             files.append(path)
         else:
             raise ValueError(
                 f"Unsupported document type: {path} (supported: {supported_types()})."
             )
-    _warn_if_large(files)
+    _warn_if_large(files, cap)
     for file in files:
-        doc = _read_document(file)
+        doc = _read_document(file, roots=roots, follow_links=follow_links, max_file_mb=max_file_mb)
         if doc is not None:
             documents.append(doc)
     if not documents:
@@ -212,6 +234,7 @@ def build_retriever(
     progress: bool = False,
     follow_links: bool = False,
     cache: bool = False,
+    max_file_mb: float | None = None,
 ) -> DenseRetriever | BM25Retriever:
     """Load, chunk and index in one call.
 
@@ -224,6 +247,7 @@ def build_retriever(
         device: Torch device for the dense embedder.
         progress: Say on stderr what is being indexed, with a progress bar while embedding.
         follow_links: See :func:`load_documents`.
+        max_file_mb: See :func:`load_documents`.
         cache: Dense only: keep chunk embeddings on disk and reuse them (see
             :class:`EmbeddingCache`), so a folder indexed again embeds only what changed.
 
@@ -243,7 +267,9 @@ def build_retriever(
         chunks = chunk_documents(items, max_chars=max_chars, overlap=overlap)
     else:
         chunks = chunk_documents(
-            load_documents(items, follow_links=follow_links), max_chars=max_chars, overlap=overlap
+            load_documents(items, follow_links=follow_links, max_file_mb=max_file_mb),
+            max_chars=max_chars,
+            overlap=overlap,
         )
     if progress:
         n_docs = len({c.source for c in chunks})

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any, Protocol
 
 from ..defaults import TOP_K
+from .opener import FileRefused, max_file_bytes, read_file_bytes
 
 #: Plain-text formats, read as they are.
 TEXT_SUFFIXES: frozenset[str] = frozenset({".txt", ".md", ".markdown", ".rst"})
@@ -208,32 +210,43 @@ def _markdown_title(text: str) -> str:
     return match.group(1).strip() if match else ""
 
 
-def _pdf_text(path: Path) -> str:
-    """The text layer of a PDF, page by page (blank pages dropped)."""
+def _pdf_text(data: bytes) -> str:
+    """The text layer of a PDF's bytes, page by page (blank pages dropped)."""
     try:
         import pypdf
     except ImportError:
         raise DocumentError("PDF support needs the 'pypdf' package: pip install pypdf") from None
+    import io
+
     try:
-        reader = pypdf.PdfReader(str(path))
+        reader = pypdf.PdfReader(io.BytesIO(data))
         pages = [page.extract_text() or "" for page in reader.pages]
-    except OSError:
-        raise
     except Exception as exc:  # noqa: BLE001 - any parser failure means "cannot read this PDF"
         raise DocumentError(f"not a readable PDF ({type(exc).__name__}: {exc})") from None
     return "\n\n".join(p.strip() for p in pages if p.strip())
 
 
-def read_document(path: str | Path) -> Document:
+def read_document(
+    path: str | Path,
+    *,
+    roots: Sequence[Path] | None = None,
+    follow_links: bool = False,
+    max_file_mb: float | None = None,
+) -> Document:
     """One file as a :class:`Document`: text and Markdown as they are, HTML reduced to its
     visible text, PDF through ``pypdf``.
 
     This is the one loader behind ``tokrag ask --docs`` (:func:`load_documents`) and
-    ``tokrag ingest`` (:func:`tokrag_integrations.postgres.ingestion.parse_file`).
+    ``tokrag ingest`` (:func:`tokrag_integrations.postgres.ingestion.parse_file`). Every
+    format's bytes come from :func:`.opener.read_file_bytes`, the one opener: a symbolic
+    link leaving ``roots`` (default: the file's own folder) is refused unless
+    ``follow_links``, so are FIFOs, devices and sockets, and files over ``max_file_mb``
+    (default 100 MB).
 
     Raises:
-        DocumentError: The file cannot be read, is binary (see :func:`binary_reason`), is a
-            broken PDF, or holds no text.
+        DocumentError: The file is refused by the opener, cannot be read, is binary (see
+            :func:`binary_reason`), is a broken PDF, or holds no text.
+        ValueError: ``max_file_mb`` is not a number above 0.
 
     Warns:
         UnicodeWarning: The file is not valid UTF-8; it is decoded with replacement characters.
@@ -241,18 +254,18 @@ def read_document(path: str | Path) -> Document:
     path = Path(path)
     suffix = path.suffix.lower()
     metadata: dict[str, Any] = {"file_name": path.name, "format": suffix.lstrip(".")}
+    cap = max_file_bytes(max_file_mb)
+    try:
+        data = read_file_bytes(path, roots=roots, follow_links=follow_links, max_bytes=cap)
+    except FileRefused as exc:
+        raise DocumentError(str(exc)) from None
+    except OSError as exc:
+        raise DocumentError(f"could not be read ({exc.strerror or exc})") from None
     if suffix in PDF_SUFFIXES:
-        try:
-            text = _pdf_text(path)
-        except OSError as exc:
-            raise DocumentError(f"could not be read ({exc.strerror or exc})") from None
+        text = _pdf_text(data)
         if not text.strip():
             raise DocumentError("the PDF contains no extractable text (scanned images need OCR)")
         return Document(text=text, source=str(path), metadata=metadata)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise DocumentError(f"could not be read ({exc.strerror or exc})") from None
     reason = binary_reason(data)
     if reason is not None:
         raise DocumentError(f"looks binary, not a {suffix or 'text'} text file: {reason}")
@@ -270,10 +283,10 @@ def read_document(path: str | Path) -> Document:
     return Document(text=text, source=str(path), metadata=metadata)
 
 
-def _read_document(path: Path) -> Document | None:
+def _read_document(path: Path, **options: Any) -> Document | None:
     """:func:`read_document`, or ``None`` with a warning naming the file and the reason."""
     try:
-        return read_document(path)
+        return read_document(path, **options)
     except DocumentError as exc:
         warnings.warn(f"{printable(path)}: {printable(str(exc))}; skipped.", stacklevel=3)
         return None

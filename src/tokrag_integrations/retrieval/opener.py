@@ -1,0 +1,187 @@
+"""The one way a document file is opened, for folder scans and files named directly alike.
+
+A folder listing and the moment a file is read are apart in time, and a file named on the
+command line (``tokrag ingest docs/*``) was never listed at all; either may be a symbolic
+link to ``/dev/zero`` or to a secret elsewhere, a FIFO that blocks the reader, or a file of
+gigabytes. :func:`read_file_bytes` therefore decides at open time, on what is there then:
+
+1. ``lstat`` the path: a symbolic link is followed only when its target lies inside one of
+   the given roots, or when ``follow_links`` is on; anything that is not a regular file (a
+   FIFO, a device, a socket) is refused;
+2. open it (the resolved target, for an accepted link) with ``O_NOFOLLOW | O_NONBLOCK``, so
+   a link swapped in after the ``lstat`` is not followed and a FIFO does not block;
+3. ``fstat`` the opened descriptor: it must be a regular file (the same one ``lstat`` saw)
+   no bigger than the size cap;
+4. read at most the cap (plus one byte, to catch a file that grew meanwhile).
+
+The cap is ``max_file_mb`` (``--max-file-mb``), else :data:`DEFAULT_MAX_FILE_MB`.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = [
+    "DEFAULT_MAX_FILE_MB",
+    "FileRefused",
+    "given_roots",
+    "link_leaving",
+    "max_file_bytes",
+    "read_file_bytes",
+]
+
+#: Default cap on one document file, in MB (2**20 bytes). The largest documents people keep
+#: are PDFs: image-heavy manuals and slide decks reach tens of MB. Plain text of 100 MB is
+#: about 50,000 pages; reading, chunking and embedding it takes ~8 times its size in memory
+#: and many minutes, so a file above it is almost surely a log, a dump or a mistake.
+DEFAULT_MAX_FILE_MB = 100.0
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a folder"),
+)
+
+
+class FileRefused(ValueError):  # noqa: N818 - a refusal, not an internal error
+    """A path that is not opened as a document; the message says why, without the path."""
+
+
+def max_file_bytes(max_file_mb: float | None = None) -> int:
+    """The size cap in bytes: ``max_file_mb``, else :data:`DEFAULT_MAX_FILE_MB`.
+
+    Raises:
+        ValueError: ``max_file_mb`` is not a number above 0 (the message names it).
+    """
+    if max_file_mb is None:
+        max_file_mb = DEFAULT_MAX_FILE_MB
+    elif (
+        isinstance(max_file_mb, bool)
+        or not isinstance(max_file_mb, (int, float))
+        or not math.isfinite(max_file_mb)
+        or max_file_mb <= 0
+    ):
+        raise ValueError(f"max_file_mb must be a number of MB above 0, got {max_file_mb!r}")
+    return int(max_file_mb * 2**20)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "a special file")
+
+
+def _mb(size: int) -> str:
+    return f"{size / 2**20:.1f} MB"
+
+
+def _inside(target: Path, roots: Sequence[Path]) -> bool:
+    return any(target.is_relative_to(root) for root in roots)
+
+
+def given_roots(paths: Sequence[Path]) -> list[Path]:
+    """The folders a symbolic link may point into (resolved): every folder given, and the
+    folder holding each file given, so a file named directly (``docs/*``) is judged by its
+    own folder, as a folder scan judges its files."""
+    roots: list[Path] = []
+    for path in paths:
+        try:
+            root = path.resolve() if path.is_dir() else path.absolute().parent.resolve()
+        except (OSError, RuntimeError):  # unreadable or a link loop: reported by the caller
+            continue
+        if root not in roots:
+            roots.append(root)
+    return roots
+
+
+def link_leaving(path: Path, roots: Sequence[Path]) -> Path | None:
+    """The target of ``path`` when it is a symbolic link whose target (existing) lies
+    outside ``roots``; otherwise ``None``."""
+    try:
+        if not path.is_symlink():
+            return None
+        target = path.resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None
+    return None if _inside(target, roots) else target
+
+
+def read_file_bytes(
+    path: str | Path,
+    *,
+    roots: Sequence[Path] | None = None,
+    follow_links: bool = False,
+    max_bytes: int | None = None,
+) -> bytes:
+    """The bytes of document file ``path``, opened safely (see the module docstring).
+
+    Args:
+        path: The file (as listed, or as named by the user).
+        roots: Resolved folders a symbolic link may point into. ``None``: the file's own
+            folder (how a file named directly is treated).
+        follow_links: Also follow a link whose target is outside ``roots``.
+        max_bytes: The size cap; ``None``: :func:`max_file_bytes`.
+
+    Raises:
+        FileRefused: A link leaving ``roots``, a broken link, not a regular file, a file
+            over the cap, or a file swapped while it was being opened.
+        OSError: The file cannot be opened or read (permissions, gone).
+    """
+    path = Path(path)
+    cap = max_file_bytes() if max_bytes is None else max_bytes
+    if roots is None:
+        roots = [path.absolute().parent.resolve()]
+    seen = os.lstat(path)
+    target = path
+    if stat.S_ISLNK(seen.st_mode):
+        try:
+            target = path.resolve(strict=True)
+        except FileNotFoundError:
+            raise FileRefused(f"a broken symbolic link (to {path.resolve()})") from None
+        except RuntimeError:
+            raise FileRefused("a symbolic link loop") from None
+        if not follow_links and not _inside(target, roots):
+            where = roots[0] if len(roots) == 1 else "the given folders"
+            raise FileRefused(
+                f"a symbolic link to {target}, outside {where}; not followed "
+                "(--follow-links / follow_links=True reads it)"
+            )
+        seen = os.stat(target)
+    if not stat.S_ISREG(seen.st_mode):
+        raise FileRefused(f"not a regular file but {_kind(seen.st_mode)}")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(target, flags)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW met a link (EMLINK: BSD)
+            raise FileRefused(
+                "became a symbolic link while it was being opened; not followed"
+            ) from None
+        raise
+    with os.fdopen(fd, "rb") as file:
+        opened = os.fstat(file.fileno())
+        if not stat.S_ISREG(opened.st_mode):
+            raise FileRefused(
+                f"not a regular file but {_kind(opened.st_mode)}, swapped in while it was "
+                "being opened"
+            )
+        if (opened.st_dev, opened.st_ino) != (seen.st_dev, seen.st_ino):
+            raise FileRefused("replaced by another file while it was being opened")
+        if opened.st_size > cap:
+            raise FileRefused(_over_cap(opened.st_size, cap))
+        data = file.read(cap + 1)
+    if len(data) > cap:
+        raise FileRefused(_over_cap(len(data), cap))
+    return data
+
+
+def _over_cap(size: int, cap: int) -> str:
+    return (
+        f"is {_mb(size)}, over the limit of {_mb(cap)} per file (raise it with "
+        "--max-file-mb or max_file_mb=)"
+    )
