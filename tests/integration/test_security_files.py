@@ -22,6 +22,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _helpers import require
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 SECRET = "The vault code is 4417-Quasar."
@@ -47,20 +48,9 @@ def tree(tmp_path):
 
 # ============================================================================ database
 @pytest.fixture(scope="module")
-def pg_dsn():
-    """An embedded PostgreSQL + pgvector for this module, in a temporary folder outside
-    pytest's (a concurrent pytest run resets that one to 0700, locking out the server's user
-    when the tests run as root)."""
-    pytest.importorskip("pgserver")
-    import tempfile
-
-    from tokrag_integrations.postgres.server import start_embedded
-
-    folder = Path(tempfile.mkdtemp(prefix="tokrag-pg-files-"))
-    dsn, server = start_embedded(folder / "pg")
-    yield dsn
-    server.cleanup()
-    shutil.rmtree(folder, ignore_errors=True)
+def pg_dsn(module_pg_dsn):
+    """This module's own database on the run's embedded PostgreSQL + pgvector."""
+    return module_pg_dsn
 
 
 def _ingest_cli(*argv: str) -> int:
@@ -202,7 +192,7 @@ def test_unreadable_sub_folder_is_reported_not_a_traceback(tmp_path):
     """Issue 29.6: a sub-folder (and a file) ingested earlier, then made unreadable: no
     PermissionError from the prune check, each reported in the summary, its chunks kept; the
     loader of ``ask --docs`` warns about each too."""
-    pytest.importorskip("pgserver")
+    require("pgserver")
     env = {**os.environ, "PYTHONPATH": SRC, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
         [*_unprivileged(), sys.executable, "-c", textwrap.dedent(_UNREADABLE), str(tmp_path)],
