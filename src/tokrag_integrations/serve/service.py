@@ -14,11 +14,14 @@ import logging
 import warnings
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import config
 from ..defaults import ANSWER_STOP, TOP_K
 from .schemas import ChatRequest, Limits, RequestError
+
+if TYPE_CHECKING:
+    from ..policies.base import Policy
 
 __all__ = ["ChatService", "ServeConfig", "API_KEY_ENV", "checked_api_key"]
 
@@ -215,6 +218,10 @@ class ChatService:
         Raises:
             RequestError: the policy options are refused by the policy.
         """
+        return self._settings(req)[0]
+
+    def _settings(self, req: ChatRequest) -> tuple[dict[str, Any], Policy]:
+        """:meth:`settings`, and the policy built from them to check the options."""
         from ..policies import get_policy
 
         policy = req.policy or self.config.policy
@@ -222,7 +229,7 @@ class ChatService:
         base = self.config.policy_options if policy == self.config.policy else {}
         options = {**base, **req.options}
         try:
-            get_policy(policy, **options)  # checked here, so a bad option is a 400 at once
+            checked = get_policy(policy, **options)  # checked here: a bad option is a 400 at once
         except (TypeError, ValueError) as exc:
             raise RequestError(str(exc), req.options_key) from None
         stop = req.stop if req.stop is not None else list(self.config.stop or ())
@@ -235,7 +242,7 @@ class ChatService:
         }
         if req.system_prompt is not None:
             kw["system_prompt"] = req.system_prompt
-        return kw
+        return kw, checked
 
     async def checked_settings(self, req: ChatRequest) -> dict[str, Any]:
         """:meth:`settings`, with the policy also fitted to the loaded model (off the loop:
@@ -246,13 +253,9 @@ class ChatService:
         Raises:
             RequestError: the policy options are refused by the policy or the model.
         """
-        from ..policies import get_policy
-
-        kw = self.settings(req)
+        kw, policy = self._settings(req)
         try:
-            await asyncio.to_thread(
-                get_policy(kw["policy"], **kw["policy_options"]).prepare, self.lm
-            )
+            await asyncio.to_thread(policy.prepare, self.lm)
         except (TypeError, ValueError) as exc:
             raise RequestError(str(exc), req.options_key) from None
         return kw
