@@ -16,6 +16,7 @@ from ..retrieval import (
     read_document,
     supported_types,
     unreadable_reason,
+    warn_followed_link,
 )
 from ..retrieval.opener import given_roots, link_leaving
 from .reports import FileReport
@@ -74,11 +75,7 @@ def discover_files(
             ]
             rejected += [FileReport(str(p.absolute()), "failed", reason=r) for p, r in listing.skipped]
             for link, target in listing.followed_links:
-                warnings.warn(
-                    f"{printable(link.absolute())}: following a symbolic link to "
-                    f"{printable(target)}, outside {printable(path)} (follow_links is on)",
-                    stacklevel=2,
-                )
+                warn_followed_link(link.absolute(), target, path, stacklevel=2)
         elif path.suffix.lower() in INGEST_SUFFIXES:
             # A link named directly is judged when it is opened (parse_file), against the
             # folder it lies in and the given folders; one leaving them keeps the link's path.
@@ -88,11 +85,7 @@ def discover_files(
             else:
                 candidates = [(path, path.absolute().parent.resolve() / path.name)]
                 if follow_links:
-                    warnings.warn(
-                        f"{printable(path.absolute())}: following a symbolic link to "
-                        f"{printable(target)}, outside the given folders (follow_links is on)",
-                        stacklevel=2,
-                    )
+                    warn_followed_link(path.absolute(), target, "the given folders", stacklevel=2)
         else:
             rejected.append(
                 FileReport(

@@ -52,6 +52,7 @@ from .documents import (
     read_document,
     supported_types,
     unreadable_reason,
+    warn_followed_link,
 )
 from .index import (  # noqa: F401 - importable from here as before
     EMBEDDER_ID,
@@ -82,6 +83,7 @@ __all__ = [
     "list_folder",
     "FolderListing",
     "printable",
+    "warn_followed_link",
     "chunk_text",
     "chunk_documents",
     "build_retriever",
@@ -136,11 +138,7 @@ def _warn_listing(listing: FolderListing) -> None:
     for path, reason in listing.skipped:
         warnings.warn(f"{printable(path)}: {printable(reason)}; skipped.", stacklevel=3)
     for path, target in listing.followed_links:
-        warnings.warn(
-            f"{printable(path)}: following a symbolic link to {printable(target)}, outside the "
-            "given folder (follow_links is on).",
-            stacklevel=3,
-        )
+        warn_followed_link(path, target, "the given folder", stacklevel=3)
 
 
 def load_documents(
@@ -203,11 +201,7 @@ def load_documents(
         elif path.suffix.lower() in SUPPORTED_SUFFIXES:
             target = link_leaving(path, roots) if follow_links else None
             if target is not None:
-                warnings.warn(
-                    f"{printable(path)}: following a symbolic link to {printable(target)}, "
-                    "outside the given folders (follow_links is on).",
-                    stacklevel=2,
-                )
+                warn_followed_link(path, target, "the given folders", stacklevel=2)
             files.append(path)
         else:
             raise ValueError(

@@ -309,6 +309,16 @@ def printable(text: str | Path) -> str:
     return _CONTROL_CHARS.sub(lambda m: repr(m.group(0))[1:-1], text)
 
 
+def warn_followed_link(link: str | Path, target: Path, outside: str | Path, stacklevel: int) -> None:
+    """The warning for a symbolic link ``link`` followed to ``target``, outside ``outside``
+    (a folder, or words such as "the given folders"), because ``follow_links`` is on."""
+    warnings.warn(
+        f"{printable(link)}: following a symbolic link to {printable(target)}, outside "
+        f"{printable(outside)} (follow_links is on).",
+        stacklevel=stacklevel + 1,
+    )
+
+
 def unreadable_reason(path: Path) -> str | None:
     """Why ``path`` cannot even be looked at (a folder on its way is not readable), or None
     (it exists, or plainly does not)."""
