@@ -21,7 +21,6 @@ given; the summary counts them as stale (or pruned).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import warnings
 from pathlib import Path
@@ -99,12 +98,16 @@ def warn_password_on_command_line(dsn: str | None) -> None:
 
 
 def _megabytes(text: str) -> float:
+    from ..retrieval.opener import max_file_bytes
+
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of MB, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number of MB above 0, got {text!r}")
+    try:
+        max_file_bytes(value)  # the opener's own rule for a cap
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of MB above 0, got {text!r}") from None
     return value
 
 

@@ -46,6 +46,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .errors import SearchInputError
+
 __all__ = [
     "FILTER_OPERATORS",
     "MAX_TOP_K",
@@ -125,8 +127,6 @@ def check_text(value: str, field: str, name: str) -> str:
     cannot encode one); else a :class:`~.errors.SearchInputError` for ``field`` whose
     message names ``name`` ("the query", "filter 'file_name' $eq") and where, not the value.
     """
-    from .errors import SearchInputError
-
     at = value.find("\x00")
     if at >= 0:
         raise SearchInputError(
@@ -174,8 +174,6 @@ def _check_value(key: str, op: str, value: Any) -> Any:
         raise ValueError(
             f"Filter {key!r} {op}: values must be strings or numbers, got {type(value).__name__}."
         )
-    from .errors import SearchInputError
-
     if isinstance(value, str):
         return check_text(value, f"filters.{key}", f"filter {key!r} {op}: the value")
     if isinstance(value, float) and not math.isfinite(value):
