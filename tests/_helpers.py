@@ -135,3 +135,33 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=60)
+
+
+def wait_until_healthy(proc: Any, port: int, log: Any, timeout: float = 300) -> None:
+    """Wait for a ``tokrag serve`` subprocess ``proc`` to answer ``/health`` with 200 on
+    ``port``; fail with its log (the path ``log``) if it exits or is not healthy in time."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "tokrag serve did not become healthy"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
+def assert_process_ended(pid: int) -> None:
+    """The process ``pid`` (a stopped postmaster) has ended within 60 s, or is a zombie
+    waiting for its parent to reap it."""
+    import psutil
+
+    try:
+        psutil.Process(pid).wait(60)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

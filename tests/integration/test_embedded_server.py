@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from _helpers import require
+from _helpers import assert_process_ended, require
 
 pytestmark = pytest.mark.postgres
 
@@ -251,10 +251,7 @@ def test_sigterm_stops_the_embedded_server(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 128 + signal.SIGTERM
         assert not (folder / "postmaster.pid").exists()
-        try:  # gone, or a zombie waiting for its parent to be reaped
-            postmaster.wait(60)
-        except psutil.TimeoutExpired:
-            assert postmaster.status() == psutil.STATUS_ZOMBIE
+        assert_process_ended(postmaster.pid)
     finally:
         if proc.poll() is None:
             proc.kill()

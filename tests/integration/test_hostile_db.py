@@ -25,7 +25,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from _helpers import require
+from _helpers import assert_process_ended, require
 
 from tokrag_integrations.postgres.server import (
     PostgresQueryError,
@@ -339,10 +339,7 @@ def test_server_of_a_killed_process_is_stopped_by_the_next_one(tmp_path):
         assert json.loads((folder / server.HANDLE_FILE).read_text()) == [os.getpid()]
         handle.cleanup()  # what atexit does when this process ends
         assert _postmaster_pid(folder) is None  # pg_ctl stop removes it once the server is down
-        try:  # gone, or a zombie waiting for PID 1 (it was the killed process's child)
-            psutil.Process(postmaster).wait(60)
-        except psutil.TimeoutExpired:
-            assert psutil.Process(postmaster).status() == psutil.STATUS_ZOMBIE
+        assert_process_ended(postmaster)  # a zombie: it was the killed process's child
     finally:
         with server._SERVERS_LOCK:
             server._SERVERS.pop(folder, None)

@@ -11,12 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from _helpers import require
+from _helpers import assert_process_ended, require, wait_until_healthy
 
 require("pgserver")
 
@@ -56,7 +55,6 @@ def test_sigterm_stops_tokrag_serve_and_its_embedded_server(tmp_path, data_folde
     that must end the process through ``atexit``, as Ctrl-C does, so pgserver stops the
     server and removes this process from its handle file (slow: a second process loads the
     model)."""
-    import httpx
     import psutil
 
     from tokrag_integrations.postgres import ingest
@@ -82,26 +80,14 @@ def test_sigterm_stops_tokrag_serve_and_its_embedded_server(tmp_path, data_folde
         )  # fmt: skip
     postmaster = None
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "tokrag serve did not become healthy"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_until_healthy(proc, port, log_path)
         assert json.loads((folder / HANDLE_FILE).read_text()) == [proc.pid]
         postmaster = psutil.Process(int((folder / "postmaster.pid").read_text().split()[0]))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 128 + signal.SIGTERM, log_path.read_text()
         assert not (folder / "postmaster.pid").exists()
         assert json.loads((folder / HANDLE_FILE).read_text()) == []
-        try:  # gone, or a zombie waiting for its parent to be reaped
-            postmaster.wait(60)
-        except psutil.TimeoutExpired:
-            assert postmaster.status() == psutil.STATUS_ZOMBIE
+        assert_process_ended(postmaster.pid)
     finally:
         if proc.poll() is None:
             proc.kill()

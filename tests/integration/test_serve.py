@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from _helpers import LiveServer, require
+from _helpers import LiveServer, require, wait_until_healthy
 
 require("fastapi")
 require("uvicorn")
@@ -456,16 +456,7 @@ def test_tokrag_serve_command_answers_over_http(lm, tmp_path):
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            assert time.monotonic() < deadline, "tokrag serve did not become healthy"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_until_healthy(proc, port, tmp_path / "serve.log")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3y",
                                max_retries=0, timeout=300)
         assert _ask(client).choices[0].message.content == _core(lm).text
