@@ -14,14 +14,20 @@ counted:
   ``import a.b.c`` is an edge to ``a.b.c`` only: the parent packages it initialises on the
   way are not counted (otherwise every package whose ``__init__`` re-exports a submodule
   would be a cycle with it);
-* names resolved at run time (``importlib.import_module`` of a registry entry, the lazy
-  ``__getattr__`` exports of ``tokrag_integrations``, ``.policies`` and ``.postgres``) are
-  not statements and not counted.
+* an import made at run time is an edge like a statement: ``importlib.import_module(name,
+  package)`` and ``__import__(name)`` with a string constant (a relative name resolved against
+  ``package``), and any string constant that spells a package module in full
+  (``"tokrag_integrations.policies.tokrag"``, or ``"...tokrag:TokRAG"`` as a registry entry
+  writes it) — a registry of dotted names is an import as much as a statement is;
+* a call to ``importlib.import_module`` / ``__import__`` whose name is not a constant cannot be
+  read statically, so it is allowed only where it loads a user's own plugin by name (the
+  policy and gate registries); :func:`test_no_import_the_graph_cannot_read` lists the rest.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = "tokrag_integrations"
@@ -66,6 +72,42 @@ def _targets(
     return out
 
 
+_DOTTED = re.compile(rf"^{PACKAGE}(?:\.\w+)+(?::[\w.]+)?$")
+
+
+def _is_import_call(node: ast.AST) -> bool:
+    """``importlib.import_module(...)``, ``import_module(...)`` or ``__import__(...)``."""
+    if not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+    return name in ("import_module", "__import__")
+
+
+def _runtime_targets(module: str, is_package: bool, tree: ast.AST, modules: dict) -> list[tuple[str, int]]:
+    """Edges made at run time: import calls with a constant name, and full dotted names."""
+    out = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if _is_import_call(node) and node.args and isinstance(node.args[0], ast.Constant):
+            name = str(node.args[0].value)
+            if name.startswith("."):
+                level = len(name) - len(name.lstrip("."))
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (level - 1)]
+                name = ".".join(base + [name.lstrip(".")]).rstrip(".")
+            names.append(name)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _DOTTED.match(node.value):
+            names.append(node.value.split(":")[0])
+        for name in names:
+            parts = name.split(".")
+            while parts and ".".join(parts) not in modules:
+                parts.pop()
+            if parts:
+                out.append((".".join(parts), node.lineno))
+    return out
+
+
 def import_graph() -> dict[str, dict[str, int]]:
     """module -> {imported package module: line of the first such import}."""
     modules = _modules()
@@ -77,6 +119,9 @@ def import_graph() -> dict[str, dict[str, int]]:
             for target in _targets(name, is_package, node, modules):
                 if target != name:
                     edges.setdefault(target, node.lineno)
+        for target, line in _runtime_targets(name, is_package, tree, modules):
+            if target != name:
+                edges.setdefault(target, line)
         graph[name] = edges
     return graph
 
@@ -201,3 +246,32 @@ def test_no_algorithm_module_imports_accel():
     # The seam is used from above: the runner picks the speed paths, load_model the kernels.
     assert accel in graph[f"{PACKAGE}.runner"]
     assert f"{accel}.cpu_kernels" in graph[f"{PACKAGE}.models"]
+
+
+#: Modules that load a user's own plugin by a name given at run time ("package.module:Class"
+#: in a registry or an option): the only place a name-not-constant import is allowed.
+PLUGIN_LOADERS = frozenset({f"{PACKAGE}.policies", f"{PACKAGE}.gating.base"})
+
+
+def test_no_import_the_graph_cannot_read():
+    """Every import a module makes is one the walker reads (a statement, or a run-time import
+    of a constant name): a computed name hides an edge, and a hidden edge can hide a cycle."""
+    hidden = []
+    for name, (path, _) in _modules().items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if _is_import_call(node) and not (node.args and isinstance(node.args[0], ast.Constant)):
+                if name not in PLUGIN_LOADERS:
+                    hidden.append(f"{name} line {node.lineno}")
+    assert not hidden, "imports by computed name (not counted in the graph): " + "; ".join(hidden)
+
+
+def test_the_walker_counts_run_time_imports():
+    tree = ast.parse(
+        'import importlib\n'
+        'importlib.import_module(".engine.view", __package__)\n'
+        f'REGISTRY = {{"tokrag": "{PACKAGE}.trace:Trace"}}\n'
+    )
+    modules = {f"{PACKAGE}.engine.view": None, f"{PACKAGE}.trace": None, f"{PACKAGE}.engine": None}
+    got = _runtime_targets(f"{PACKAGE}.x", False, tree, modules)
+    assert got == [(f"{PACKAGE}.engine.view", 2), (f"{PACKAGE}.trace", 3)]
