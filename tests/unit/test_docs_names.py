@@ -65,7 +65,9 @@ class _Module:
 
 
 def _class_info(node: ast.ClassDef) -> _Class:
-    info = _Class(bases=[b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases])
+    info = _Class(
+        bases=[b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+    )
     for item in node.body:
         if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             info.members.add(item.name)
@@ -76,7 +78,11 @@ def _class_info(node: ast.ClassDef) -> _Class:
     for sub in ast.walk(node):
         targets = sub.targets if isinstance(sub, ast.Assign) else [getattr(sub, "target", None)]
         for t in targets:
-            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+            if (
+                isinstance(t, ast.Attribute)
+                and isinstance(t.value, ast.Name)
+                and t.value.id == "self"
+            ):
                 info.members.add(t.attr)
     return info
 
@@ -186,7 +192,7 @@ def _qualified(line: str) -> list[str]:
     out = []
     for m in re.finditer(r"`((?:[A-Za-z_][A-Za-z0-9_]*/)*[A-Za-z_][A-Za-z0-9_]*)\.py`:", line):
         module = m.group(1).replace("/", ".")
-        tail = re.split(r"[;|]", line[m.end():], maxsplit=1)[0]
+        tail = re.split(r"[;|]", line[m.end() :], maxsplit=1)[0]
         for span in re.findall(r"`([^`]+)`", tail):
             span = _CALL.sub("", span)
             if re.fullmatch(rf"{_IDENT}(?:\.{_IDENT})*", span):
