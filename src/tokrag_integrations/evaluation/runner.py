@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..booleans import require_bool
+from ..config import require_bool
 from .accuracy import (  # noqa: F401 - re-exported: this was their module
     _figures,
     _index,

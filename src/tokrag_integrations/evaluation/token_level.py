@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..booleans import require_bool
+from ..config import require_bool
 from ..prompts import PromptBuilder
 from .data import DEFAULT_SEED, EvalItem, Mix, mix_counterfactuals, mix_passages
 from .metrics import (
