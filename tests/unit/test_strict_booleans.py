@@ -58,8 +58,7 @@ def _entry_points(tmp_path: Path) -> dict[str, tuple[object, str]]:
     import torch
 
     from tokrag_integrations import batching, load_model, models, retrieval
-    from tokrag_integrations.evaluation import cost
-    from tokrag_integrations.evaluation import runner
+    from tokrag_integrations.evaluation import cost, runner
     from tokrag_integrations.gating.ctrla import CtrlAMonitorPolicy
     from tokrag_integrations.policies.tokrag import TokRAG
     from tokrag_integrations.postgres import ingest
