@@ -58,7 +58,7 @@ def _entry_points(tmp_path: Path) -> dict[str, tuple[object, str]]:
     import torch
 
     from tokrag_integrations import batching, load_model, models, retrieval
-    from tokrag_integrations.evaluation import cost, runner
+    from tokrag_integrations.evaluation import cost, harness, token_level
     from tokrag_integrations.gating.ctrla import CtrlAMonitorPolicy
     from tokrag_integrations.policies.tokrag import TokRAG
     from tokrag_integrations.postgres import ingest
@@ -89,11 +89,11 @@ def _entry_points(tmp_path: Path) -> dict[str, tuple[object, str]]:
         "DenseRetriever progress": (lambda v: retrieval.DenseRetriever([], progress=v), "progress"),
         "run_bench memory": (lambda v: cost.run_bench(memory=v), "memory"),
         "run_noise_sweep keep_traces": (
-            lambda v: runner.run_noise_sweep(None, [], records_path=records, keep_traces=v),
+            lambda v: harness.run_noise_sweep(None, [], records_path=records, keep_traces=v),
             "keep_traces",
         ),
         "run_token_level progress": (
-            lambda v: runner.run_token_level(None, [], records_path=records, progress=v),
+            lambda v: token_level.run_token_level(None, [], records_path=records, progress=v),
             "progress",
         ),
         "TokRAG speculative": (lambda v: TokRAG(speculative=v), "speculative"),

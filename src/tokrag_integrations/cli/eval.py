@@ -64,7 +64,7 @@ def _specs(text: str) -> list[str]:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``eval`` sub-command to an ``argparse`` sub-parser set."""
     from ..evaluation.data import DEFAULT_RATIOS, DEFAULT_SEED
-    from ..evaluation.runner import DEFAULT_CF_RATIOS, DEFAULT_POLICIES
+    from ..evaluation.harness import DEFAULT_CF_RATIOS, DEFAULT_POLICIES
 
     p = subparsers.add_parser(
         "eval",
@@ -142,8 +142,8 @@ def _command(args: argparse.Namespace) -> str:
 def _validate(args: argparse.Namespace) -> None:
     """Every argument checked before any model is loaded (ValueError with one sentence, which
     ``tokrag`` prints as ``tokrag: error: ...`` with exit status 2)."""
-    from ..evaluation.runner import scorer_configs
     from ..evaluation.specs import parse_specs, validate_specs
+    from ..evaluation.token_level import scorer_configs
     from ..policies import available_policies, get_policy
 
     if args.limit is not None and args.limit < 1:
@@ -174,7 +174,7 @@ def _token_items(args: argparse.Namespace) -> list[Any]:
 
 def _run_pool(args: argparse.Namespace, out: Path, command: str) -> int:
     from ..evaluation import report
-    from ..evaluation.runner import pool_token_records, summarize_token_level
+    from ..evaluation.token_level import pool_token_records, summarize_token_level
 
     records = pool_token_records(args.records)
     name = args.name or "token_pool"
@@ -192,7 +192,8 @@ def run_eval(args: argparse.Namespace) -> int:
     """Run one evaluation task; prints the Markdown table and the files written."""
     from ..evaluation import report
     from ..evaluation.data import load_items
-    from ..evaluation.runner import run_misleading, run_noise_sweep, run_token_level, scorer_configs
+    from ..evaluation.harness import run_misleading, run_noise_sweep
+    from ..evaluation.token_level import run_token_level, scorer_configs
 
     _validate(args)
     out = Path(args.out)

@@ -1,6 +1,6 @@
 """Token-level classification (Table 3 protocol): gold continuations teacher-forced in the
 pure and RAG contexts, the samples where exactly one of them predicts the gold token, and the
-AUC / F1 of each scorer on them (see :mod:`.runner` for the three data sources)."""
+AUC / F1 of each scorer on them (see :mod:`.harness` for the three data sources)."""
 
 from __future__ import annotations
 

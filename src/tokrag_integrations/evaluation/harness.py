@@ -59,34 +59,15 @@ from pathlib import Path
 from typing import Any
 
 from ..config import require_bool
-from .accuracy import (  # noqa: F401 - re-exported: this was their module
-    _figures,
-    _index,
-    _record,
-    compare_policies,
-    item_matrix,
-    summarize_accuracy,
-)
+from .accuracy import summarize_accuracy
 from .data import DEFAULT_RATIOS, DEFAULT_SEED, EvalItem, Mix, mix_counterfactuals, mix_passages
-from .metrics import (
-    cover_em,
-)
-from .records import NO_PASSAGES, RecordStore, _progress  # noqa: F401 - re-exported
+from .metrics import cover_em
+from .records import NO_PASSAGES, RecordStore, _progress
 from .specs import parse_specs
-from .token_level import (  # noqa: F401 - re-exported: this was their module
-    TARGETS,
-    TOKRAG_CONFIGS,
-    evidence_sentence,
-    gold_target,
-    pool_token_records,
-    run_token_level,
-    scorer_configs,
-    summarize_token_level,
-    target_kind,
-)
 
 DEFAULT_POLICIES = ("llm", "rag", "tokrag", "cad", "adacad", "logprob", "entropy", "rag_token")
 DEFAULT_CF_RATIOS = (0.0, 0.5, 1.0)
+
 
 def _default_decode(lm: Any, queries: list[str], passages: list[list[str]], **kw: Any) -> list[Any]:
     from ..api import generate_batch
