@@ -218,3 +218,30 @@ def _sdpa_reference(q, k, v, mask, scale):
         q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), attn_mask=mask, scale=scale
     )
     return out.transpose(1, 2)
+
+
+def test_bench_questions_come_from_data_or_the_data_folder(tmp_path, monkeypatch):
+    """No path walking into a checkout: ``--data``, else ``$TOKRAG_DATA_DIR/squad_dev.jsonl``,
+    else an error naming both."""
+    from tokrag_integrations.evaluation.cost import arm, bench_items, data_path
+
+    monkeypatch.delenv("TOKRAG_DATA_DIR", raising=False)
+    with pytest.raises(FileNotFoundError, match=r"--data PATH.*\$TOKRAG_DATA_DIR"):
+        data_path(None)
+    rows = [
+        {"id": i, "question": f"q{i}", "answers": ["a"], "positives": ["pos"], "negatives": [f"n{j}" for j in range(k)]}
+        for i, k in enumerate((4, 2, 6))
+    ]
+    (tmp_path / "squad_dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("TOKRAG_DATA_DIR", str(tmp_path))
+    assert data_path(None) == tmp_path / "squad_dev.jsonl"
+    assert data_path("x.jsonl").name == "x.jsonl"
+    items = bench_items(data_path(None), 5, 5)
+    # Items with fewer than 5 passages are skipped; the positive and the first negatives are kept.
+    assert [q for q, _ in items] == ["q0", "q2"]
+    assert sorted(items[1][1]) == ["n0", "n1", "n2", "n3", "pos"]
+    assert items == bench_items(data_path(None), 5, 5)  # a fixed shuffle
+    with pytest.raises(ValueError, match="no usable items"):
+        bench_items(data_path(None), 5, 8)
+    assert arm("tokrag-step") == ("tokrag", {"speed": "reference"})
+    assert arm("tokrag[min_fusion_layer=0]") == ("tokrag", {"policy_options": {"min_fusion_layer": 0}})

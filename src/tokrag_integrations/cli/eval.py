@@ -209,11 +209,14 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.task == "cost":
         from ..evaluation.cost import run_bench
+        from ..evaluation.data import mix_passages
 
-        n = args.limit or 3
+        # The Table 6 protocol: 40 % noise among k passages, answers up to the first newline.
+        mixed = [(it.question, mix_passages(it, 0.4, k=args.k or 5, seed=args.seed).passages) for it in items]
         res = run_bench(
-            model=args.model, data=args.data, questions=n, passages=args.k or 5, max_new_tokens=args.max_new_tokens,
-            policies=tuple(args.policies), device=args.device, memory_questions=n, progress=progress,
+            model=args.model, items=mixed[: args.limit or 3], passages=args.k or 5, max_new_tokens=args.max_new_tokens,
+            policies=tuple(args.policies), device=args.device, memory_questions=args.limit or 3, progress=progress,
+            stop=stop,
         )
         report.write_json(out / f"{name}.json", {**res, "command": command})
         table = report.bench_table(res)
@@ -281,7 +284,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--passages", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--policies", default=",".join(cost.DEFAULT_POLICIES),
-                   help="comma list of arms: rag, rag-stock, floor, tokrag-step, tokrag or any policy name")
+                   help="comma list of arms: rag, rag-stock, floor, tokrag-step, tokrag, or any policy spec")
     p.add_argument("--device", default=None)
     p.add_argument("--no-memory", action="store_true", help="skip the per-policy memory subprocesses")
     p.add_argument("--memory-questions", type=int, default=3)

@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +111,12 @@ def run_bench(
     throughput: tuple[int, ...] = (),
     rounds: int = 3,
     latency: bool = True,
+    items: list[tuple[str, list[str]]] | None = None,
+    stop: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark and return its figures (see the module docstring)."""
+    """Run the benchmark and return its figures (see the module docstring). ``items``
+    (question, passages) replace the ``questions`` read from ``data``; ``stop`` goes to every
+    decode (default: ``generate``'s)."""
     import torch
 
     from ..accel import speed_paths
@@ -120,8 +125,9 @@ def run_bench(
     require_bool(memory, "memory")
     require_bool(progress, "progress")
     require_bool(latency, "latency")
-    data = data_path(data)
-    items = bench_items(data, questions, passages)
+    if items is None:
+        items = bench_items(data_path(data), questions, passages)
+    extra = {} if stop is None else {"stop": list(stop)}
     lm = _load(model, device, "")
     stock = _load(model, device, "rag-stock") if STOCK_ARMS & set(policies) else None
 
@@ -130,9 +136,9 @@ def run_bench(
 
     for name in policies:  # warm-up (allocator, kernels): the first timed question is no outlier
         pol, opts = arm(name)
-        generate(model_of(name), items[0][0], items[0][1], policy=pol, max_new_tokens=4, **opts)
+        generate(model_of(name), items[0][0], items[0][1], policy=pol, max_new_tokens=4, **opts, **extra)
     rows, decisions, prompt_tokens = _timed_runs(
-        model_of, items if latency else [], policies, max_new_tokens, progress
+        model_of, items if latency else [], policies, max_new_tokens, progress, extra
     )
     out: dict[str, Any] = {
         "model": lm.name,
@@ -148,8 +154,8 @@ def run_bench(
     if memory:
         for pol in policies:
             m = _measure_memory(
-                policy=pol, model=model, data=str(data), passages=passages,
-                max_new_tokens=max_new_tokens, questions=memory_questions, device=device,
+                policy=pol, model=model, device=device, items=items[:memory_questions],
+                max_new_tokens=max_new_tokens, extra=extra,
             )
             out["policies"][pol].update(
                 peak_mb=m["peak_mb"], peak_over_model_mb=m["peak_mb"] - m["base_mb"]
@@ -168,6 +174,7 @@ def _timed_runs(
     policies: tuple[str, ...],
     max_new_tokens: int,
     progress: bool,
+    extra: dict[str, Any],
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[Any]], list[int]]:
     """Every arm on every question, their order rotated per question: per arm its timed rows
     and its decisions, and the RAG prompt lengths."""
@@ -183,7 +190,7 @@ def _timed_runs(
         for name in policies[i % len(policies) :] + policies[: i % len(policies)]:
             pol, opts = arm(name)
             t0 = time.perf_counter()
-            r = generate(model_of(name), q, ps, policy=pol, max_new_tokens=max_new_tokens, **opts)
+            r = generate(model_of(name), q, ps, policy=pol, max_new_tokens=max_new_tokens, **opts, **extra)
             dt = time.perf_counter() - t0
             steps, timings = r.trace.steps, r.trace.timings
             rows[name].append(
@@ -272,11 +279,11 @@ def _reset_peak_rss() -> bool:
 
 
 def _memory_child(
-    policy: str, model: str, data: str, passages: int, max_new_tokens: int, questions: int,
-    device: str | None,
+    policy: str, model: str, device: str | None, items: list[Any], max_new_tokens: int,
+    extra: dict[str, Any],
 ) -> dict[str, Any]:
-    """One arm on a few questions in this (fresh) process: ``base_mb`` after loading and a
-    warm-up, and ``peak_mb`` while decoding."""
+    """One arm on ``items`` in this (fresh) process: ``base_mb`` after loading and a warm-up,
+    and ``peak_mb`` while decoding."""
     import resource
 
     import torch
@@ -284,7 +291,6 @@ def _memory_child(
     from ..api import generate
 
     lm = _load(model, device, policy)
-    items = bench_items(data, questions, passages)
     cuda = lm.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -296,7 +302,7 @@ def _memory_child(
         base = _status_mb("VmRSS")
     pol, opts = arm(policy)
     for q, ps in items:
-        generate(lm, q, ps, policy=pol, max_new_tokens=max_new_tokens, **opts)
+        generate(lm, q, ps, policy=pol, max_new_tokens=max_new_tokens, **opts, **extra)
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20
     elif reset:
@@ -307,9 +313,9 @@ def _memory_child(
 
 
 def _measure_memory(**child: Any) -> dict[str, float]:
-    """:func:`_memory_child` with ``child`` as its arguments, in a fresh subprocess."""
+    """:func:`_memory_child` with ``child`` as its arguments (JSON on stdin), in a fresh process."""
     res = subprocess.run(
-        [sys.executable, "-m", __name__, json.dumps(child)],
+        [sys.executable, "-m", __name__], input=json.dumps(child),
         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     if res.returncode != 0:
@@ -402,4 +408,4 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_memory_child(**json.loads(sys.argv[1]))))
+    print(json.dumps(_memory_child(**json.loads(sys.stdin.read()))))

@@ -13,18 +13,6 @@ the same contexts of the same item batch gets a copy of one prefilled KV cache);
 prefill it took from another's decode (``prefill_reused_s``); :mod:`.cost` measures cost in
 isolation. Accuracy comes with 95 % percentile-bootstrap intervals over items, and the paired
 difference of each policy to ``rag`` (:func:`.accuracy.compare_policies`).
-
-Token-level data sources (:func:`.token_level.run_token_level` needs positions where the pure
-model predicts the gold token and RAG does not):
-
-* RGB (``rgb_en_fact``): the counterfactual conditions ``cf=0.5`` / ``cf=1`` (k = 2);
-  target: the evidence sentence.
-* ConflictQA (``conflictqa_strategyqa``, yes/no): its positive and its counterfactual passage
-  through the same ``cf=`` conditions; with ``target="auto"`` the target is the bare verdict.
-* PopQA (no passages): :func:`.data.select_popular` keeps the top popularity quintile, most
-  popular first; :func:`.data.synthesize_popqa` gives each a template sentence with the gold
-  answer and a counterfactual one with another item's answer of the same relation. Target:
-  the bare first gold answer (this measures knowledge conflict, not retrieval).
 """
 
 from __future__ import annotations

@@ -124,6 +124,15 @@ def _plt() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p)
+    plt.close(fig)
+    return p
+
+
 def plot_accuracy(summary: dict[str, Any], path: str | Path, title: str = "", key: str = "accuracy") -> Path:
     """Accuracy vs condition (noise ratio) per policy."""
     plt = _plt()
@@ -143,12 +152,7 @@ def plot_accuracy(summary: dict[str, Any], path: str | Path, title: str = "", ke
     ax.set_title(title or f"n = {summary['n_items']} items")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p)
-    plt.close(fig)
-    return p
+    return _save(plt, fig, path)
 
 
 def plot_auc(summary: dict[str, Any], path: str | Path, title: str = "") -> Path:
@@ -170,21 +174,18 @@ def plot_auc(summary: dict[str, Any], path: str | Path, title: str = "") -> Path
     ax.set_xlim(0, 100)
     ax.invert_yaxis()
     ax.set_title(title or f"token level: {summary['n_samples']} samples ({summary['n_benefit']} benefit)", fontsize=9)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p)
-    plt.close(fig)
-    return p
+    return _save(plt, fig, path)
+
+
+def _header(title: str, command: str) -> list[str]:
+    return [f"## {title}", ""] + (["```", command, "```", ""] if command else [])
 
 
 def write_accuracy_report(summary: dict[str, Any], out_dir: str | Path, name: str, title: str, command: str = "") -> list[Path]:
     """``<name>.json``, ``<name>.md`` and ``<name>.png`` (+ ``<name>_cf_repeat.png``) in out_dir."""
     out = Path(out_dir)
     files = [write_json(out / f"{name}.json", {**summary, "command": command})]
-    md = [f"## {title}", ""]
-    if command:
-        md += ["```", command, "```", ""]
+    md = _header(title, command)
     md += ["Accuracy (cover EM, %; [95% bootstrap interval over items]):", "", accuracy_table(summary), ""]
     # Repeat rates only mean something where counterfactual passages were given.
     has_cf = any(summary.get("mean_passages", {}).get(c, {}).get("cf") for c in summary["conditions"])
@@ -218,9 +219,7 @@ def write_accuracy_report(summary: dict[str, Any], out_dir: str | Path, name: st
 def write_token_report(summary: dict[str, Any], out_dir: str | Path, name: str, title: str, command: str = "") -> list[Path]:
     out = Path(out_dir)
     files = [write_json(out / f"{name}.json", {**summary, "command": command})]
-    md = [f"## {title}", ""]
-    if command:
-        md += ["```", command, "```", ""]
+    md = _header(title, command)
     md += [
         f"{summary['n_samples']} labelled positions: {summary['n_benefit']} label 1 (only RAG predicts the gold "
         f"token), {summary['n_samples'] - summary['n_benefit']} label 0 (only the pure LLM does). AUC in %, 95% "
