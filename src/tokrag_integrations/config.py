@@ -231,7 +231,8 @@ def packed_head() -> str:
 
 
 def data_dir() -> Path | None:
-    """``$TOKRAG_DATA_DIR`` with ``~`` expanded, or ``None``."""
+    """``$TOKRAG_DATA_DIR`` with ``~`` expanded, or ``None`` (the embedded Postgres lives in
+    ``<it>/pg``; ``tokrag bench`` without ``--data`` reads ``<it>/squad_dev.jsonl``)."""
     raw = os.environ.get(DATA_DIR)
     return Path(raw).expanduser() if raw else None
 
