@@ -47,10 +47,6 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
 
 
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def _specs(text: str) -> list[str]:
     """``--policies`` / ``--scorers``: normalised spec strings (``tokrag[lens_norm=False]``)."""
     from ..evaluation.specs import parse_specs
@@ -315,6 +311,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     """``tokrag bench``: run the benchmark, print its report, write ``--json``."""
     from ..evaluation.cost import run_bench
     from ..evaluation.report import bench_table
+    from ..evaluation.specs import split_specs
 
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
@@ -322,7 +319,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         raise ValueError("--throughput-only needs --throughput SIZES, e.g. --throughput 1,4,16")
     res = run_bench(
         model=args.model, data=args.data, questions=args.questions, passages=args.passages,
-        max_new_tokens=args.max_new_tokens, policies=tuple(_names(args.policies)), device=args.device,
+        max_new_tokens=args.max_new_tokens, policies=tuple(split_specs(args.policies)), device=args.device,
         memory=not (args.no_memory or args.throughput_only), latency=not args.throughput_only,
         memory_questions=args.memory_questions, throughput=args.throughput, rounds=args.rounds,
     )
