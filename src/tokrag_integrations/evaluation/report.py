@@ -243,7 +243,7 @@ def bench_table(res: dict[str, Any]) -> str:
     prompt = res.get("mean_prompt_tokens")
     lines = [
         f"model {res['model']} on {res['device']} ({res['torch_threads']} threads), "
-        f"{res['questions']} SQuAD dev questions, {res['passages']} passages "
+        f"{res['questions']} questions, {res['passages']} passages "
         + (f"(mean RAG prompt {prompt:.0f} tokens)" if prompt is not None else "")
         + f", max_new_tokens {res['max_new_tokens']}",
         "",
