@@ -26,7 +26,7 @@ from ..config import require_bool
 from .accuracy import summarize_accuracy
 from .data import DEFAULT_RATIOS, DEFAULT_SEED, EvalItem, Mix, mix_counterfactuals, mix_passages
 from .metrics import cover_em
-from .records import NO_PASSAGES, RecordStore, _progress
+from .records import NO_PASSAGES, RecordStore, progress_bar
 from .specs import parse_specs
 
 DEFAULT_POLICIES = ("llm", "rag", "tokrag", "cad", "adacad", "logprob", "entropy", "rag_token")
@@ -70,7 +70,7 @@ def _run_generation(
     total = len(items) * (len(no_passages) + len(with_passages) * len(conditions))
     done = sum(1 for it in items for p in no_passages if (it.id, NO_PASSAGES, p) in store)
     done += sum(1 for it in items for p in with_passages for c, _ in conditions if (it.id, c, p) in store)
-    bar = _progress(total, done, f"{task} ({lm_name(lm)})", progress)
+    bar = progress_bar(total, done, f"{task} ({lm_name(lm)})", progress)
 
     def run(policy: str, cond: str, batch: list[EvalItem], mixes: list[Mix]) -> None:
         t0 = time.perf_counter()

@@ -37,7 +37,7 @@ from .metrics import (
     is_yes_no,
     macro_f1,
 )
-from .records import RecordStore, _progress
+from .records import RecordStore, progress_bar
 from .specs import parse_specs, validate_specs
 
 __all__ = [
@@ -206,7 +206,7 @@ def run_token_level(
     store = RecordStore(records_path)
     conds = _token_conditions(ratios, cf_ratios, k, cf_k, seed)
     units = [(it, c, m) for it in items for c, m in conds if not c.startswith("cf=") or it.counterfactuals]
-    bar = _progress(len(units), sum(1 for it, c, _ in units if (it.id, c, "token") in store), "token level", progress)
+    bar = progress_bar(len(units), sum(1 for it, c, _ in units if (it.id, c, "token") in store), "token level", progress)
     try:
         for it, cond, mixer in units:
             if (it.id, cond, "token") in store:
