@@ -3,7 +3,7 @@ benefit/detriment classification (Table 3) and cost (Table 6) over JSONL evaluat
 
     >>> from tokrag_integrations.evaluation import load_items, run_noise_sweep
     >>> items = load_items("shared/data/squad_dev.jsonl", limit=20)
-    >>> summary = run_noise_sweep(lm, items, policies=["rag", "tokrag"], out_dir="runs/squad")
+    >>> summary = run_noise_sweep(lm, items, policies=["rag", "tokrag"], records_path="runs/squad.jsonl")
 
 Data format: ``shared/data/README.md``. Every runner appends one JSON line per
 (item id, condition, policy) to a records file and skips the keys already there, so an
