@@ -339,13 +339,12 @@ def measure_throughput(
 ) -> dict[str, Any]:
     """Tokens per second with ``n`` queries decoded as one batch, per arm and size ``n``.
 
-    Each round runs every size, and at each size every arm on the same ``n`` questions (the
-    next ``n`` of ``items`` per round), in an order rotated from one size and round to the
-    next, so that drift in machine load falls on all arms alike. Returns ``{"rounds", "arms":
-    {arm: {n: {"tokens_per_s", "per_round", "decode_tokens_per_s", "questions_per_s"}}},
-    "ratios": {"arm / rag": {n: {"median", "min", "max"}}}, "question_ratios": {...}}``: the
-    per-round ratio to ``rag`` of tokens/s and of questions/s. They differ where the arms'
-    answers differ in length: tokens/s counts a shorter answer as less work done.
+    Each round runs every size, and at each size every arm on the same ``n`` questions, in an
+    order rotated from one size and round to the next. Returns ``{"rounds", "arms": {arm: {n:
+    {"tokens_per_s", "per_round", "decode_tokens_per_s", "questions_per_s"}}}, "ratios":
+    {"arm / rag": {n: {"median", "min", "max"}}}, "question_ratios": {...}}``: per round, the
+    ratio to ``rag`` of tokens/s and of questions/s (tokens/s counts a shorter answer as less
+    work done; questions/s counts every answer as one).
     """
     from tqdm.auto import tqdm
 
