@@ -48,7 +48,7 @@ test-all: install
 	$(PY) -m pytest -q
 
 bench: install
-	$(VENV)/bin/tokrag bench --questions 20 --throughput 1,4,16
+	$(VENV)/bin/tokrag bench --data ../shared/data/squad_dev.jsonl --questions 20 --throughput 1,4,16
 
 lint: install
 	$(VENV)/bin/ruff check src tests examples benchmarks

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 ARMS = ("rag", "tokrag")
+SQUAD = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_dev.jsonl"
 
 
 def _kv_bytes(ready: Any) -> int:
@@ -81,10 +82,10 @@ def main() -> None:
 
     from tokrag_integrations import generate_batch, load_model
     from tokrag_integrations.accel import speed_paths
-    from tokrag_integrations.bench import default_data_path, load_items
+    from tokrag_integrations.evaluation.cost import bench_items
 
     lm = load_model("default", device="cpu")
-    items = load_items(default_data_path(), max(8, max(sizes) * args.rounds))
+    items = bench_items(SQUAD, max(8, max(sizes) * args.rounds))
     generate_batch(lm, [items[0][0]], [items[0][1]], policy="tokrag", max_new_tokens=2)  # warm-up
     raw: dict[str, dict[int, list[tuple[int, float, float]]]] = {a: {n: [] for n in sizes} for a in ARMS}
     turn = 0

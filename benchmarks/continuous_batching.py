@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+SQUAD = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_dev.jsonl"
+
 
 def one_round(lm: Any, items: list, policy: str, gap: float, max_new_tokens: int, continuous: bool) -> dict[str, Any]:
     from tokrag_integrations.batching import MicroBatcher
@@ -70,10 +72,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from tokrag_integrations import generate, load_model
-    from tokrag_integrations.bench import default_data_path, load_items
+    from tokrag_integrations.evaluation.cost import bench_items
 
     lm = load_model(args.model)
-    items = load_items(default_data_path(), args.n, 5)
+    items = bench_items(SQUAD, args.n, 5)
     solo = {
         i: [(s.token_id, s.source) for s in generate(lm, q, ps, policy=args.policy, max_new_tokens=args.max_new_tokens).trace.steps]
         for i, (q, ps) in enumerate(items)

@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from tokrag_integrations.api import generate_batch
-    from tokrag_integrations.bench import load_items
+    from tokrag_integrations.evaluation.cost import bench_items
     from tokrag_integrations.models import load_model
 
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -51,7 +51,7 @@ def main() -> None:
 
         items = workload()
     else:
-        items = load_items(args.data, pool, 5)
+        items = bench_items(args.data, pool, 5)
     generate_batch(lm, [items[0][0]], [items[0][1]], policy="tokrag", max_new_tokens=2)  # warm-up
     runs: list[dict[str, Any]] = []
     turn = 0

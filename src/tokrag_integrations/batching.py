@@ -38,7 +38,7 @@ from typing import Any
 
 from . import api
 from .api import GenerationResult
-from .booleans import require_bool
+from .config import require_bool
 from .defaults import MAX_NEW_TOKENS
 from .engine.decoder import Decoder
 from .models import LoadedModel

@@ -44,7 +44,8 @@ Switches (``FUSE_CONTEXTS``, ``KERNEL_PLAN_CACHE``, ``PACKED_PREFILL``, ``SPLIT_
 an error rather than a silent *yes*. ``XDG_CACHE_HOME`` and ``XDG_DATA_HOME`` (the
 freedesktop base folders) are read here too.
 
-This module imports only the standard library, so anything may import it.
+Also here: the cache folder (:func:`cache_dir`) and :func:`require_bool`, the strict reading
+of boolean options. This module imports only the standard library, so anything may import it.
 """
 
 from __future__ import annotations
@@ -52,11 +53,14 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 __all__ = [
+    "CacheDirError",
     "ConfigError",
     "api_key",
     "cache_dir",
+    "cache_write_error",
     "cpu_kernels",
     "data_dir",
     "env_switch",
@@ -68,10 +72,10 @@ __all__ = [
     "pg_dsn",
     "pg_pool_size",
     "pg_pool_timeout",
+    "require_bool",
     "split_prefill",
     "stream_idle_timeout",
     "verbose",
-    "xdg_cache_home",
     "xdg_data_home",
 ]
 
@@ -105,6 +109,20 @@ _MODES = ("auto", "on", "off")
 
 class ConfigError(ValueError):
     """An environment variable holds a value tokrag cannot use (the message names it)."""
+
+
+def require_bool(value: Any, name: str) -> bool:
+    """``value`` when it is ``True`` or ``False``; otherwise a ``TypeError`` naming ``name``.
+
+    Every public boolean option is read this way, never by truthiness: ``bool("False")`` is
+    ``True``, and ``trust_remote_code="False"`` once ran a model folder's code (issue 29).
+    """
+    if isinstance(value, bool):
+        return value
+    raise TypeError(
+        f"{name} must be True or False, got {value!r} ({type(value).__name__}); strings are not "
+        "read as booleans."
+    )
 
 
 def _raw(name: str) -> str | None:
@@ -168,16 +186,32 @@ def api_key() -> str | None:
     return os.environ.get(API_KEY)
 
 
-def cache_dir() -> Path | None:
-    """``$TOKRAG_CACHE_DIR`` as given (``~`` not expanded), or ``None`` (see :mod:`.paths`)."""
+def cache_dir() -> Path:
+    """tokrag's cache folder (converted models, chunk embeddings, kernel plans):
+    ``$TOKRAG_CACHE_DIR``, else ``$XDG_CACHE_HOME/tokrag``, else ``~/.cache/tokrag``."""
     raw = os.environ.get(CACHE_DIR)
-    return Path(raw) if raw else None
+    if raw:
+        return Path(raw)
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "tokrag"
 
 
-def xdg_cache_home() -> Path | None:
-    """``$XDG_CACHE_HOME``, or ``None``."""
-    raw = os.environ.get("XDG_CACHE_HOME")
-    return Path(raw) if raw else None
+class CacheDirError(OSError):
+    """tokrag's cache folder cannot be created or written (the message names the folder and
+    ``$TOKRAG_CACHE_DIR``)."""
+
+
+def cache_write_error(error: OSError, what: str, folder: Path) -> OSError:
+    """The error for writing ``what`` into ``folder`` failing with ``error``: a
+    :class:`CacheDirError` naming ``$TOKRAG_CACHE_DIR`` when ``folder`` is inside the cache
+    folder, else an ``OSError`` naming ``folder``."""
+    reason = f"{error.strerror or error}: {error.filename or folder}"
+    root = cache_dir()
+    if Path(os.path.abspath(folder)).is_relative_to(os.path.abspath(root)):
+        return CacheDirError(
+            f"Cannot write {what} into tokrag's cache folder {root} ({reason}); set "
+            f"${CACHE_DIR} to a writable folder."
+        )
+    return OSError(f"Cannot write {what} into {folder} ({reason}).")
 
 
 def xdg_data_home() -> Path | None:
@@ -197,7 +231,8 @@ def packed_head() -> str:
 
 
 def data_dir() -> Path | None:
-    """``$TOKRAG_DATA_DIR`` with ``~`` expanded, or ``None``."""
+    """``$TOKRAG_DATA_DIR`` with ``~`` expanded, or ``None`` (the embedded Postgres lives in
+    ``<it>/pg``; ``tokrag bench`` without ``--data`` reads ``<it>/squad_dev.jsonl``)."""
     raw = os.environ.get(DATA_DIR)
     return Path(raw).expanduser() if raw else None
 

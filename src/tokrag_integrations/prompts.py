@@ -5,45 +5,211 @@ context inserts ``[Retrieved Passage]``-delimited passages before the question. 
 built segment by segment so the exact token positions of every passage are known (those are
 the "retrieved tokens" rt_1..rt_m of Eq. 15–16; delimiters and template tokens are not).
 
-User text never becomes a control token (:mod:`.user_text`).
+User text never becomes a control token. Passages, the question and every chat turn's content
+(system prompt included) are encoded by :func:`encode_user_text` (a whole conversation:
+:func:`encode_chat`): a ``<|im_start|>`` written inside them is encoded as the plain characters
+``<``, ``|``, ``im``..., so a document cannot forge a chat turn or end the prompt. Only the chat
+template's own markers are control tokens. Text without control-token strings encodes exactly
+as ``tokenizer(text)`` does.
 """
 
 from __future__ import annotations
 
 import numbers
+import re
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .trace import PassageRecord
-from .user_text import (  # noqa: F401 - re-exported: this was their module
-    _MARK_END,
-    _MARK_START,
-    _SENTINEL,
-    CHAT_ROLES,
-    _adds_bos,
-    _control_pattern,
-    _encode_marked,
-    _encode_plain,
-    _mark_user_text,
-    check_messages,
-    clean_text,
-    encode_chat,
-    encode_user_text,
-)
 
 DELIMITER = "[Retrieved Passage]"
 DEFAULT_SYSTEM_PROMPT = "Answer the question with a short, factual answer."
 #: A passage cut to fit the window keeps at least this many tokens, otherwise it is dropped.
 MIN_CUT_TOKENS = 16
+
+
+# ---------------------------------------------------------------- user text
+_SENTINEL = "\u241eTOKRAG_USER_CONTENT\u241e"
+#: Chat roles a prompt may hold (the ones every chat template knows).
+CHAT_ROLES = ("system", "user", "assistant")
+# Unicode noncharacters wrapping a control-token string of user text while the chat frame is
+# rendered, so the encoder tells it from the template's markers (removed from user text first).
+_MARK_START, _MARK_END = "\ufdd0", "\ufdd1"
+_CONTROL_CACHE: weakref.WeakKeyDictionary[Any, tuple[Any, re.Pattern[str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _control_pattern(tokenizer: Any) -> re.Pattern[str]:
+    """A regex of the tokenizer's control-token strings, longest first: its special added
+    tokens and the added tokens its chat template writes; whitespace tokens are ordinary text."""
+    template = getattr(tokenizer, "chat_template", None)
+    key = (template, len(tokenizer))  # cheap: the added-token table is read only on a change
+    try:
+        cached = _CONTROL_CACHE.get(tokenizer)
+    except TypeError:  # pragma: no cover - a tokenizer that cannot be weakly referenced
+        cached = None
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    tokens = {str(t) for t in getattr(tokenizer, "all_special_tokens", []) or []}
+    for token in added.values():
+        content = getattr(token, "content", str(token))
+        if getattr(token, "special", False) or (isinstance(template, str) and content in template):
+            tokens.add(content)
+    tokens = {t for t in tokens if t and not t.isspace()}
+    pattern = re.compile("|".join(map(re.escape, sorted(tokens, key=len, reverse=True))) or "(?!)")
+    try:
+        _CONTROL_CACHE[tokenizer] = (key, pattern)
+    except TypeError:  # pragma: no cover
+        pass
+    return pattern
+
+
+def _mark_user_text(tokenizer: Any, text: str) -> str:
+    """``text`` with each control-token string wrapped in private markers (see module doc)."""
+    text = text.replace(_MARK_START, "").replace(_MARK_END, "")
+    return _control_pattern(tokenizer).sub(lambda m: _MARK_START + m.group(0) + _MARK_END, text)
+
+
+def _encode_plain(tokenizer: Any, text: str) -> list[int]:
+    """``text`` encoded with no added token matched, as a piece in the middle of a prompt.
+
+    Runs the backend's normalizer, pre-tokenizer and model directly, which hold no state
+    (``split_special_tokens=True`` flips a flag a concurrent thread can undo). Encoded after a
+    newline that is then removed, so SentencePiece adds no word-start space.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+
+    def encode(piece: str) -> list[int]:
+        if backend is None:  # a Python tokenizer: split_special_tokens is a per-call option there
+            return list(
+                tokenizer(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            )
+        if backend.normalizer is not None:
+            piece = backend.normalizer.normalize_str(piece)
+        splits = [piece]
+        if backend.pre_tokenizer is not None:
+            splits = [split for split, _ in backend.pre_tokenizer.pre_tokenize_str(piece)]
+        return [token.id for split in splits for token in backend.model.tokenize(split)]
+
+    newline = encode("\n")
+    ids = encode("\n" + text)
+    return ids[len(newline) :] if ids[: len(newline)] == newline else encode(text)
+
+
+def _encode_marked(tokenizer: Any, text: str) -> list[int]:
+    """Ids of ``text`` (template text holding user text marked by :func:`_mark_user_text`): the
+    template's control tokens as control tokens, the marked ones as plain text."""
+    if _MARK_START not in text:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+    pieces = re.split(f"{_MARK_START}(.*?){_MARK_END}", text, flags=re.DOTALL)
+    ids: list[int] = []
+    for i, piece in enumerate(pieces):
+        if not piece:
+            continue
+        if i % 2:  # a control-token string from user text
+            plain = _encode_plain(tokenizer, piece)
+            if tokenizer.convert_tokens_to_ids(piece) in plain:
+                raise ValueError(f"cannot encode {piece!r} as plain text with this tokenizer")
+            ids += plain
+        else:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def encode_user_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of text from a user or a document, any control-token string in it
+    (``<|im_start|>``, ``<s>``...) encoded as plain text; other text gives exactly
+    ``tokenizer(text, add_special_tokens=False)``. Thread-safe."""
+    return _encode_marked(tokenizer, _mark_user_text(tokenizer, text)) if text else []
+
+
+def encode_chat(
+    tokenizer: Any, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of ``messages`` rendered by the chat template, every turn's content encoded
+    as user text (:func:`encode_user_text`); without control-token strings this equals
+    ``tokenizer.apply_chat_template(messages, tokenize=True)``. TypeError / ValueError: bad
+    messages (:func:`check_messages`) or a tokenizer without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this tokenizer has no chat template; encode the text with encode_user_text")
+    marked = [
+        {"role": m["role"], "content": _mark_user_text(tokenizer, m["content"])}
+        for m in check_messages(messages)
+    ]
+    rendered = tokenizer.apply_chat_template(
+        marked, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    return _encode_marked(tokenizer, rendered)
+
+
+def check_messages(messages: Any) -> list[dict[str, str]]:
+    """Chat turns checked: a list of dicts whose ``role`` is one of :data:`CHAT_ROLES` and whose
+    ``content`` is a string; else TypeError / ValueError naming the bad turn."""
+    if messages is None:
+        return []
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence):
+        raise TypeError(
+            f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {type(messages).__name__}"
+        )
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise TypeError(f"messages[{i}] must be a dict with 'role' and 'content', got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise ValueError(
+                f"messages[{i}] has role {role!r}; use one of {', '.join(map(repr, CHAT_ROLES))}"
+            )
+        if not isinstance(content, str):
+            raise ValueError(
+                f"messages[{i}] ({role}) needs a 'content' string, got {type(content).__name__}"
+            )
+        out.append({"role": role, "content": clean_text(content, f"messages[{i}]", stacklevel=5)})
+    return out
+
+
+def _adds_bos(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` starts an encoded text with BOS (a plain prompt, encoded by segments,
+    adds it itself). Read off an encoding: Gemma's post-processor adds it while
+    ``add_bos_token`` says False."""
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if bos_id is None:
+        return False
+    if getattr(tokenizer, "add_bos_token", False):
+        return True
+    try:
+        ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    except Exception:  # pragma: no cover - exotic tokenizers
+        return False
+    return bool(ids) and int(ids[0]) == int(bos_id)
+
+
+def clean_text(text: str, what: str, stacklevel: int = 3) -> str:
+    """``text`` with lone surrogates (text that is not valid Unicode, e.g. from
+    ``surrogateescape``-decoded bytes) replaced by U+FFFD, with a warning naming ``what``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        n = sum(1 for c in text if "\ud800" <= c <= "\udfff")
+        warnings.warn(
+            f"{what} contains {n} lone surrogate character(s) (not valid Unicode); "
+            "they were replaced with U+FFFD",
+            stacklevel=stacklevel,
+        )
+        return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+    return text
+
+
+# ---------------------------------------------------------------- passages and prompts
 @dataclass
 class Passage:
-    """A retrieved passage: its text, the retriever's score (higher = better) and metadata.
-
-    ``text`` must be a string (lone surrogates are replaced by U+FFFD with a warning);
-    ``score`` a number or None.
-    """
+    """A retrieved passage: its text (lone surrogates replaced by U+FFFD, with a warning), the
+    retriever's score (a number or None, higher = better) and metadata."""
 
     text: str
     score: float | None = None
@@ -61,9 +227,6 @@ class Passage:
             self.metadata = {}
         elif not isinstance(self.metadata, dict):
             raise TypeError(f"Passage metadata must be a dict, got {type(self.metadata).__name__}")
-
-
-PassageLike = "str | Passage"
 
 
 def as_passages(items: Sequence[Any] | None) -> list[Passage]:
@@ -125,13 +288,10 @@ class PromptPlan:
 
 @dataclass
 class RenderedPrompt:
-    """A RAG prompt formatted by the caller's own template (a framework's prompt template).
-
-    Exactly one of ``messages`` (chat turns, rendered with the tokenizer's chat template and
-    an assistant prefix) or ``text`` (a finished prompt, encoded as given) holds the whole RAG
-    prompt; ``context`` is the value the template's context variable received. Its first
-    occurrence in the prompt is the retrieved span (the rt_1..rt_m of Eq. 15-16); everything
-    else in the prompt (the template's wording, the question) is not retrieved.
+    """A RAG prompt formatted by the caller's (a framework's) template: exactly one of
+    ``messages`` (chat turns, rendered with the chat template) or ``text`` (a finished prompt,
+    encoded as given). ``context`` is what the template's context variable received; its first
+    occurrence is the retrieved span (rt_1..rt_m of Eq. 15-16), the rest is not retrieved.
     """
 
     context: str
@@ -166,7 +326,11 @@ class PromptBuilder:
         self.delimiter = delimiter
         self.use_chat = bool(getattr(tokenizer, "chat_template", None))
 
-    # ----------------------------------------------------------------- helpers
+    def _budget(self, max_context_tokens: int | None, max_new_tokens: int) -> tuple[int, int]:
+        """The window and the tokens left in it for the prompt."""
+        window = self.context_window if max_context_tokens is None else min(self.context_window, max_context_tokens)
+        return window, window - int(max_new_tokens)
+
     def _encode(self, text: str) -> list[int]:
         """Ids of the builder's own text (delimiter, separators): no user text in it."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
@@ -175,13 +339,9 @@ class PromptBuilder:
         return _mark_user_text(self.tokenizer, text)
 
     def _frame(self, messages: list[dict[str, str]] | None, query: str = "") -> tuple[str, str]:
-        """Template text before and after the content of the final user turn, with every
-        turn's content (and the system prompt) marked as user text: encode it with
-        :func:`_encode_marked`.
-
-        ``messages`` are the earlier turns; if the caller passed the whole conversation (its
-        last turn is the user's ``query`` itself) that turn is not repeated.
-        """
+        """Template text before and after the final user turn's content, every turn's content
+        (and the system prompt) marked as user text. ``messages`` are the earlier turns; a last
+        turn that is ``query`` itself is not repeated."""
         history = check_messages(messages)
         if history and history[-1]["role"] == "user" and history[-1]["content"].strip() == query.strip():
             history = history[:-1]
@@ -216,26 +376,21 @@ class PromptBuilder:
         max_context_tokens: int | None = None,
         prompt_format: str = "qa",
     ) -> PromptPlan:
-        """Build both contexts for ``query`` and ranked ``passages`` (best first).
+        """Both contexts for ``query`` and ranked ``passages`` (best first).
 
-        ``prompt_format`` applies only without passages (the raw-prompt path of the adapters):
-        ``"qa"`` (default) frames the query as ``Question: ...``; ``"chat"`` puts it, as is,
-        as the final user turn of the chat template; ``"text"`` sends exactly
-        ``tokenizer(query)`` (the caller formatted the prompt, as ``formatted=True``).
+        ``prompt_format`` applies only without passages: ``"qa"`` frames the query as
+        ``Question: ...``; ``"chat"`` makes it the final user turn as is; ``"text"`` sends exactly
+        ``tokenizer(query)`` (``formatted=True`` in the adapters).
 
-        Passages that would push the prompt past ``min(context_window, max_context_tokens)
-        - max_new_tokens`` are dropped from the lowest-ranked up; the last one that partly
-        fits is cut (at least ``MIN_CUT_TOKENS`` tokens kept). Each drop or cut emits a
-        warning that is also recorded in the plan (and so in the trace).
-
-        Raises:
-            ValueError: empty query, or a question that alone does not fit the window.
+        Passages that would push the prompt past ``min(context_window, max_context_tokens) -
+        max_new_tokens`` are dropped lowest-ranked first; the last that partly fits is cut (at
+        least ``MIN_CUT_TOKENS`` kept), with a warning also kept in the plan. ValueError: an
+        empty query, or a question that alone does not fit.
         """
         if query is None or not str(query).strip():
             raise ValueError("The query is empty: pass a non-empty question.")
         plist = as_passages(passages)
-        window = self.context_window if max_context_tokens is None else min(self.context_window, max_context_tokens)
-        budget = window - int(max_new_tokens)
+        window, budget = self._budget(max_context_tokens, max_new_tokens)
         notes: list[str] = []
 
         if prompt_format not in ("qa", "chat", "text"):
@@ -313,10 +468,8 @@ class PromptBuilder:
         sep_ids: list[int],
         notes: list[str],
     ) -> tuple[list[PassageRecord], list[int], list[tuple[int, int]], list[list[int]], list[Passage]]:
-        """The passages, best first, that fit ``budget`` tokens next to a ``prompt_tokens``
-        prompt (the last one that partly fits is cut): their records, the RAG ids so far
-        (``head_ids`` then the passages), the passage spans, segments and the kept passages.
-        An empty passage is noted in ``notes``."""
+        """The passages, best first, that fit ``budget`` next to a ``prompt_tokens`` prompt (the
+        last that partly fits is cut): records, RAG ids so far, spans, segments, kept passages."""
         records: list[PassageRecord] = []
         rag_ids = list(head_ids)
         spans: list[tuple[int, int]] = []
@@ -368,13 +521,11 @@ class PromptBuilder:
     ) -> PromptPlan:
         """Both contexts when the RAG prompt comes from the caller's template.
 
-        The RAG context is ``rendered`` exactly as formatted; its retrieved positions are where
-        ``rendered.context`` lands in it. The pure context is the one :meth:`build` makes for
-        ``query`` without passages (the question alone after ``messages``, under this builder's
-        system prompt), so a template changes the RAG side only. A context that does not fit
-        the window is cut from its end (at least ``MIN_CUT_TOKENS`` kept, else left out), with
-        a warning; a prompt in which the context cannot be found is answered from the pure
-        context, with a warning.
+        The RAG context is ``rendered`` as formatted, its retrieved positions where
+        ``rendered.context`` lands; the pure context is :meth:`build`'s without passages, so a
+        template changes the RAG side only. A context that does not fit is cut from its end (at
+        least ``MIN_CUT_TOKENS`` kept, else left out) and one not found in the prompt leaves
+        the pure context alone, each with a warning.
         """
         plan = self.build(
             query, None, max_new_tokens=max_new_tokens, messages=messages,
@@ -383,8 +534,7 @@ class PromptBuilder:
         plan.warnings.clear()
         record = PassageRecord(rank=0, text=rendered.context, score=None, metadata={"source": "template context"})
         plan.passages = [record]
-        window = self.context_window if max_context_tokens is None else min(self.context_window, max_context_tokens)
-        budget = window - int(max_new_tokens)
+        window, budget = self._budget(max_context_tokens, max_new_tokens)
         head, tail, found = self._split_rendered(rendered)
         context = rendered.context
         if not context.strip() or not found:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from tokrag_integrations import bench
 from tokrag_integrations.accel import cpu_kernels as K
 from tokrag_integrations.accel import speed_paths
+from tokrag_integrations.evaluation.cost import measure_throughput
 
 
 def test_the_real_model_never_keeps_a_bucket_measured_slower(lm):
@@ -40,7 +40,7 @@ def test_throughput_on_the_real_model(lm):
         ("What is the capital of France?", ["Paris is the capital of France."]),
         ("Who wrote Hamlet?", ["Hamlet was written by William Shakespeare."]),
     ]
-    out = bench._throughput(lambda name: lm, items, (1, 2), 3, ("rag", "floor", "tokrag"), False, 1)
+    out = measure_throughput(lambda name: lm, items, (1, 2), 3, ("rag", "floor", "tokrag"), False, 1)
     for arm in ("rag", "floor", "tokrag"):
         for n in ("1", "2"):
             assert out["arms"][arm][n]["tokens_per_s"] > 0

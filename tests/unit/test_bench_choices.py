@@ -6,13 +6,18 @@ This file holds the cases that need a model, a database or a server are in
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 import torch
 
-from tokrag_integrations import bench
 from tokrag_integrations.accel import cpu_kernels as K
+from tokrag_integrations.cli import build_parser
+from tokrag_integrations.cli.eval import _sizes
+from tokrag_integrations.evaluation import cost as BT
+from tokrag_integrations.evaluation.cost import measure_throughput
+from tokrag_integrations.evaluation.report import bench_table
 
 
 def _routed_model() -> torch.nn.Module:
@@ -112,7 +117,7 @@ def test_throughput_interleaves_the_arms_and_pairs_the_ratios(monkeypatch):
 
     monkeypatch.setattr("tokrag_integrations.api.generate_batch", fake_batch)
     items = [(f"q{i}", ["p"]) for i in range(5)]
-    out = bench._throughput(lambda name: None, items, (1, 2), 4, ("rag", "floor", "tokrag"), False, 3)
+    out = measure_throughput(lambda name: None, items, (1, 2), 4, ("rag", "floor", "tokrag"), False, 3)
     assert len(calls) == 3 * 2 * 3
     # Each size of each round runs all three arms, starting with a different arm each time.
     groups = [calls[i : i + 3] for i in range(0, len(calls), 3)]
@@ -123,7 +128,7 @@ def test_throughput_interleaves_the_arms_and_pairs_the_ratios(monkeypatch):
     r = out["ratios"]["tokrag / rag"]["2"]
     assert r["min"] <= r["median"] <= r["max"]
     assert len(out["arms"]["rag"]["2"]["per_round"]) == 3
-    report = bench.format_report(
+    report = bench_table(
         {
             "model": "m", "device": "cpu", "torch_threads": 1, "questions": 1, "passages": 1,
             "mean_prompt_tokens": 1.0, "max_new_tokens": 4, "policies": {},
@@ -133,15 +138,13 @@ def test_throughput_interleaves_the_arms_and_pairs_the_ratios(monkeypatch):
     assert "| tokrag / rag, per round: median [min, max] |" in report
     assert "- cpu_kernels: on" in report
     with pytest.raises(ValueError, match="rounds"):
-        bench._throughput(lambda name: None, items, (1,), 4, ("rag",), False, 0)
+        measure_throughput(lambda name: None, items, (1,), 4, ("rag",), False, 0)
 
 
 def test_throughput_reports_questions_per_second_beside_tokens_per_second(monkeypatch):
     # A clock the fake decode advances: tokrag takes 1.1 s a batch and writes 3 tokens an
     # answer, rag 1.0 s and 4 tokens. Tokens/s then counts tokrag's shorter answers against
     # it; questions/s does not.
-    from tokrag_integrations import bench_throughput as BT
-
     now = [0.0]
 
     class R:
@@ -155,12 +158,12 @@ def test_throughput_reports_questions_per_second_beside_tokens_per_second(monkey
     monkeypatch.setattr("tokrag_integrations.api.generate_batch", fake_batch)
     monkeypatch.setattr(BT, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
     items = [(f"q{i}", ["p"]) for i in range(4)]
-    out = bench._throughput(lambda name: None, items, (2,), 4, ("rag", "tokrag"), False, 2)
+    out = measure_throughput(lambda name: None, items, (2,), 4, ("rag", "tokrag"), False, 2)
     assert out["arms"]["rag"]["2"]["questions_per_s"] == pytest.approx(2.0)
     assert out["arms"]["tokrag"]["2"]["questions_per_s"] == pytest.approx(2 / 1.1)
     assert out["question_ratios"]["tokrag / rag"]["2"]["median"] == pytest.approx(1 / 1.1)
     assert out["ratios"]["tokrag / rag"]["2"]["median"] == pytest.approx((3 / 1.1) / 4)
-    report = bench.format_report(
+    report = bench_table(
         {
             "model": "m", "device": "cpu", "torch_threads": 1, "questions": 1, "passages": 1,
             "mean_prompt_tokens": 1.0, "max_new_tokens": 4, "policies": {}, "throughput": out,
@@ -171,11 +174,13 @@ def test_throughput_reports_questions_per_second_beside_tokens_per_second(monkey
 
 
 def test_bench_refuses_bad_batch_sizes():
-    with pytest.raises(SystemExit, match="batch sizes"):
-        bench._sizes("1,x")
-    with pytest.raises(SystemExit, match=">= 1"):
-        bench._sizes("0,4")
-    assert bench._sizes("1, 4,16") == (1, 4, 16)
+    with pytest.raises(argparse.ArgumentTypeError, match="batch sizes"):
+        _sizes("1,x")
+    with pytest.raises(argparse.ArgumentTypeError, match=">= 1"):
+        _sizes("0,4")
+    assert _sizes("1, 4,16") == (1, 4, 16)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--throughput", "0,4"])
 
 
 def test_left_padded_rows_attend_in_runs_from_their_first_keys():
@@ -213,3 +218,30 @@ def _sdpa_reference(q, k, v, mask, scale):
         q, k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), attn_mask=mask, scale=scale
     )
     return out.transpose(1, 2)
+
+
+def test_bench_questions_come_from_data_or_the_data_folder(tmp_path, monkeypatch):
+    """No path walking into a checkout: ``--data``, else ``$TOKRAG_DATA_DIR/squad_dev.jsonl``,
+    else an error naming both."""
+    from tokrag_integrations.evaluation.cost import arm, bench_items, data_path
+
+    monkeypatch.delenv("TOKRAG_DATA_DIR", raising=False)
+    with pytest.raises(FileNotFoundError, match=r"--data PATH.*\$TOKRAG_DATA_DIR"):
+        data_path(None)
+    rows = [
+        {"id": i, "question": f"q{i}", "answers": ["a"], "positives": ["pos"], "negatives": [f"n{j}" for j in range(k)]}
+        for i, k in enumerate((4, 2, 6))
+    ]
+    (tmp_path / "squad_dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("TOKRAG_DATA_DIR", str(tmp_path))
+    assert data_path(None) == tmp_path / "squad_dev.jsonl"
+    assert data_path("x.jsonl").name == "x.jsonl"
+    items = bench_items(data_path(None), 5, 5)
+    # Items with fewer than 5 passages are skipped; the positive and the first negatives are kept.
+    assert [q for q, _ in items] == ["q0", "q2"]
+    assert sorted(items[1][1]) == ["n0", "n1", "n2", "n3", "pos"]
+    assert items == bench_items(data_path(None), 5, 5)  # a fixed shuffle
+    with pytest.raises(ValueError, match="no usable items"):
+        bench_items(data_path(None), 5, 8)
+    assert arm("tokrag-step") == ("tokrag", {"speed": "reference"})
+    assert arm("tokrag[min_fusion_layer=0]") == ("tokrag", {"policy_options": {"min_fusion_layer": 0}})

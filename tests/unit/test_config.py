@@ -42,7 +42,8 @@ def test_defaults_when_unset_or_empty(monkeypatch):
     for name in NAMES:
         monkeypatch.delenv(name, raising=False)
     assert config.api_key() is None and config.pg_dsn() is None
-    assert config.cache_dir() is None and config.data_dir() is None
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert config.cache_dir() == Path("~/.cache/tokrag").expanduser() and config.data_dir() is None
     assert config.cpu_kernels() == "auto" and config.packed_head() == "auto"
     assert config.fuse_contexts() and config.packed_prefill() and config.kernel_plan_cache()
     assert config.split_prefill()

@@ -216,7 +216,7 @@ def test_misleading_reports_counterfactual_repeats(tmp_path):
 
 
 def test_evidence_sentence_picks_the_answer_bearing_sentence():
-    from tokrag_integrations.evaluation.runner import evidence_sentence
+    from tokrag_integrations.evaluation.token_level import evidence_sentence
 
     it = _item()
     it.positives = ["Lyon is big. The capital is Paris, of course. Other text.", "pos 2"]
@@ -448,7 +448,7 @@ def test_synthetic_popqa_on_the_dev_file(eval_data):
 
 
 def test_target_kind_and_evidence_for_yes_no():
-    from tokrag_integrations.evaluation.runner import evidence_sentence, target_kind
+    from tokrag_integrations.evaluation.token_level import evidence_sentence, target_kind
 
     yn = _item()
     yn.answers, yn.positives = ["yes"], ["His eyes are blue. Yes, it is."]
@@ -524,7 +524,7 @@ def test_auc_interval_groups_samples_by_item():
 
 
 def test_scorer_configs():
-    from tokrag_integrations.evaluation.runner import TOKRAG_CONFIGS, scorer_configs
+    from tokrag_integrations.evaluation.token_level import TOKRAG_CONFIGS, scorer_configs
 
     assert scorer_configs(None) == TOKRAG_CONFIGS
     # The built-in labels are the specs that reproduce them.

@@ -14,7 +14,7 @@ def test_unwritable_cache_folder_is_named_with_its_variable(tmp_path, monkeypatc
     folder and names $TOKRAG_CACHE_DIR (before the slow model conversion)."""
     from tokrag_integrations import load_model
     from tokrag_integrations.cli import main
-    from tokrag_integrations.paths import CacheDirError
+    from tokrag_integrations.config import CacheDirError
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

@@ -57,8 +57,8 @@ def _entry_points(tmp_path: Path) -> dict[str, tuple[object, str]]:
     """Public entry point -> (a call with one boolean option given as ``value``, its name)."""
     import torch
 
-    from tokrag_integrations import batching, bench, load_model, models, retrieval
-    from tokrag_integrations.evaluation import runner
+    from tokrag_integrations import batching, load_model, models, retrieval
+    from tokrag_integrations.evaluation import cost, harness, token_level
     from tokrag_integrations.gating.ctrla import CtrlAMonitorPolicy
     from tokrag_integrations.policies.tokrag import TokRAG
     from tokrag_integrations.postgres import ingest
@@ -87,13 +87,13 @@ def _entry_points(tmp_path: Path) -> dict[str, tuple[object, str]]:
             "progress",
         ),
         "DenseRetriever progress": (lambda v: retrieval.DenseRetriever([], progress=v), "progress"),
-        "run_bench memory": (lambda v: bench.run_bench(memory=v), "memory"),
+        "run_bench memory": (lambda v: cost.run_bench(memory=v), "memory"),
         "run_noise_sweep keep_traces": (
-            lambda v: runner.run_noise_sweep(None, [], records_path=records, keep_traces=v),
+            lambda v: harness.run_noise_sweep(None, [], records_path=records, keep_traces=v),
             "keep_traces",
         ),
         "run_token_level progress": (
-            lambda v: runner.run_token_level(None, [], records_path=records, progress=v),
+            lambda v: token_level.run_token_level(None, [], records_path=records, progress=v),
             "progress",
         ),
         "TokRAG speculative": (lambda v: TokRAG(speculative=v), "speculative"),
@@ -139,13 +139,13 @@ def test_adapter_boolean_options_refuse_strings(value):
 def _switch_readers() -> dict[str, object]:
     """Environment variable -> the package's own reading of it (True = on)."""
     from tokrag_integrations.accel import cpu_kernels, packed
-    from tokrag_integrations.booleans import env_flag
+    from tokrag_integrations.config import env_switch
 
     return {
         "TOKRAG_FUSE_CONTEXTS": packed.fuse_contexts,
         "TOKRAG_PACKED_PREFILL": packed.packed_prefill_enabled,
         "TOKRAG_KERNEL_PLAN_CACHE": lambda: cpu_kernels._plan_file() is not None,
-        "TOKRAG_VERBOSE": lambda: env_flag("TOKRAG_VERBOSE", False),  # models._loading_quietly
+        "TOKRAG_VERBOSE": lambda: env_switch("TOKRAG_VERBOSE", False),  # models._loading_quietly
     }
 
 

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import config
-from ..paths import cache_dir
+from ..config import cache_dir
 
 #: Calls with more rows than this use ``F.linear`` (GEMM-shaped work, e.g. prefill).
 MAX_ROWS = 64

@@ -5,7 +5,7 @@
 This module holds ``main`` and the parser; each command group lives in its own module next
 to it: :mod:`.ask` (``tokrag ask``), :mod:`.eval` (``tokrag eval``), :mod:`.pg` (``tokrag ingest`` and the ``--store
 postgres`` options of ``ask``), :mod:`.gate` (``ask --gate``), :mod:`.serve` (``tokrag
-serve``); ``tokrag bench`` is :mod:`..bench`; the helpers they share are in :mod:`._common`.
+serve``); ``tokrag bench`` is in :mod:`.eval`; the helpers they share are in :mod:`._common`.
 
 Each subcommand is one ``add_*_parser(subparsers)`` function that adds its parser and sets
 ``func`` (a ``(args) -> int`` handler) as a default; :data:`SUBCOMMANDS` lists them. A new
@@ -75,7 +75,7 @@ def _lazy(module: str, func: str) -> AddParser:
 
 
 SUBCOMMANDS += [
-    _lazy("bench", "add_parser"),
+    _lazy("cli.eval", "add_bench_parser"),
     _lazy("cli.eval", "add_parser"),
     _lazy("cli.pg", "add_ingest_parser"),
     _lazy("cli.serve", "add_parser"),
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     they print ``tokrag: error: <message>`` to stderr and return 2. Python warnings raised
     meanwhile (e.g. a document that is not UTF-8) are printed as one-line warnings.
     """
-    from ..paths import CacheDirError
+    from ..config import CacheDirError
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""``tokrag eval``: the evaluation harness on the command line.
+"""``tokrag eval`` and ``tokrag bench``: the evaluation harness on the command line.
 
     tokrag eval noise --data shared/data/squad_dev.jsonl --limit 40 --policies rag,tokrag,cad
     tokrag eval misleading --data shared/data/rgb_en_fact_dev.jsonl
@@ -7,6 +7,7 @@
     tokrag eval token --data shared/data/popqa_dev.jsonl --limit 40 --scorers "tokrag,tokrag[lens_norm=false]"
     tokrag eval token-pool --records runs/token_rgb_en_fact_dev.jsonl runs/token_popqa_dev.jsonl
     tokrag eval cost --data shared/data/squad_dev.jsonl --limit 3
+    tokrag bench --data shared/data/squad_dev.jsonl --questions 20 --throughput 1,4,16
 
 Policies (and token scorers) are specs: a name or name[key=value,...]; the list is split on
 the commas outside brackets. Values are read as int, float, true/false, none or text. The
@@ -46,10 +47,6 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
 
 
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def _specs(text: str) -> list[str]:
     """``--policies`` / ``--scorers``: normalised spec strings (``tokrag[lens_norm=False]``)."""
     from ..evaluation.specs import parse_specs
@@ -63,7 +60,7 @@ def _specs(text: str) -> list[str]:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``eval`` sub-command to an ``argparse`` sub-parser set."""
     from ..evaluation.data import DEFAULT_RATIOS, DEFAULT_SEED
-    from ..evaluation.runner import DEFAULT_CF_RATIOS, DEFAULT_POLICIES
+    from ..evaluation.harness import DEFAULT_CF_RATIOS, DEFAULT_POLICIES
 
     p = subparsers.add_parser(
         "eval",
@@ -141,8 +138,8 @@ def _command(args: argparse.Namespace) -> str:
 def _validate(args: argparse.Namespace) -> None:
     """Every argument checked before any model is loaded (ValueError with one sentence, which
     ``tokrag`` prints as ``tokrag: error: ...`` with exit status 2)."""
-    from ..evaluation.runner import scorer_configs
     from ..evaluation.specs import parse_specs, validate_specs
+    from ..evaluation.token_level import scorer_configs
     from ..policies import available_policies, get_policy
 
     if args.limit is not None and args.limit < 1:
@@ -173,7 +170,7 @@ def _token_items(args: argparse.Namespace) -> list[Any]:
 
 def _run_pool(args: argparse.Namespace, out: Path, command: str) -> int:
     from ..evaluation import report
-    from ..evaluation.runner import pool_token_records, summarize_token_level
+    from ..evaluation.token_level import pool_token_records, summarize_token_level
 
     records = pool_token_records(args.records)
     name = args.name or "token_pool"
@@ -191,7 +188,8 @@ def run_eval(args: argparse.Namespace) -> int:
     """Run one evaluation task; prints the Markdown table and the files written."""
     from ..evaluation import report
     from ..evaluation.data import load_items
-    from ..evaluation.runner import run_misleading, run_noise_sweep, run_token_level, scorer_configs
+    from ..evaluation.harness import run_misleading, run_noise_sweep
+    from ..evaluation.token_level import run_token_level, scorer_configs
 
     _validate(args)
     out = Path(args.out)
@@ -206,14 +204,18 @@ def run_eval(args: argparse.Namespace) -> int:
     progress = not args.no_progress
 
     if args.task == "cost":
-        from ..evaluation.cost import cost_table, measure_costs
+        from ..evaluation.cost import run_bench
+        from ..evaluation.data import mix_passages
 
-        res = measure_costs(
-            args.policies, data=args.data, model=args.model, limit=args.limit or 3,
-            k=args.k or 5, max_new_tokens=args.max_new_tokens, device=args.device,
+        # The Table 6 protocol: 40 % noise among k passages, answers up to the first newline.
+        mixed = [(it.question, mix_passages(it, 0.4, k=args.k or 5, seed=args.seed).passages) for it in items]
+        res = run_bench(
+            model=args.model, items=mixed[: args.limit or 3], passages=args.k or 5, max_new_tokens=args.max_new_tokens,
+            policies=tuple(args.policies), device=args.device, memory_questions=args.limit or 3, progress=progress,
+            stop=stop,
         )
         report.write_json(out / f"{name}.json", {**res, "command": command})
-        table = cost_table(res)
+        table = report.bench_table(res)
         (out / f"{name}.md").write_text(f"## Cost ({stem})\n\n```\n{command}\n```\n\n{table}\n", encoding="utf-8")
         print(table)
         print(f"wrote {out / (name + '.json')}, {out / (name + '.md')}")
@@ -257,6 +259,73 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.task != "token" and summary.get("paired"):
         print(report.paired_table(summary))
     print("wrote " + ", ".join(str(f) for f in files) + f"; records in {records}")
+    return 0
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``tokrag bench`` (:mod:`..evaluation.cost`) to an ``argparse`` sub-parser set."""
+    from ..evaluation import cost
+
+    p = subparsers.add_parser(
+        "bench",
+        help="time rag vs the two-context floor vs tokrag, step by step and packed (paper Table 6)",
+        description=cost.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="default")
+    p.add_argument("--data", default=None,
+                   help=f"SQuAD-format JSONL (default: $TOKRAG_DATA_DIR/{cost.DATA_FILE}; in a checkout "
+                        f"../shared/data/{cost.DATA_FILE})")
+    p.add_argument("--questions", type=int, default=20)
+    p.add_argument("--passages", type=int, default=5)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--policies", default=",".join(cost.DEFAULT_POLICIES),
+                   help="comma list of arms: rag, rag-stock, floor, tokrag-step, tokrag, or any policy spec")
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-memory", action="store_true", help="skip the per-policy memory subprocesses")
+    p.add_argument("--memory-questions", type=int, default=3)
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--throughput", type=_sizes, default=(),
+                   help="comma list of batch sizes for tokens/s and questions/s, e.g. 1,4,16")
+    p.add_argument("--throughput-only", action="store_true",
+                   help="only the --throughput measurement (no per-question timing, no memory)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the interleaved --throughput measurement")
+    p.set_defaults(func=run_bench_command)
+    return p
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """``--throughput``'s batch sizes: a comma list of positive ints."""
+    try:
+        sizes = tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--throughput must be a comma list of batch sizes, e.g. 1,4,16; got {text!r}"
+        ) from None
+    if any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"--throughput batch sizes must be >= 1, got {text!r}")
+    return sizes
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    """``tokrag bench``: run the benchmark, print its report, write ``--json``."""
+    from ..evaluation.cost import run_bench
+    from ..evaluation.report import bench_table
+    from ..evaluation.specs import split_specs
+
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    if args.throughput_only and not args.throughput:
+        raise ValueError("--throughput-only needs --throughput SIZES, e.g. --throughput 1,4,16")
+    res = run_bench(
+        model=args.model, data=args.data, questions=args.questions, passages=args.passages,
+        max_new_tokens=args.max_new_tokens, policies=tuple(split_specs(args.policies)), device=args.device,
+        memory=not (args.no_memory or args.throughput_only), latency=not args.throughput_only,
+        memory_questions=args.memory_questions, throughput=args.throughput, rounds=args.rounds,
+    )
+    print(bench_table(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
     return 0
 
 

@@ -3,7 +3,7 @@ benefit/detriment classification (Table 3) and cost (Table 6) over JSONL evaluat
 
     >>> from tokrag_integrations.evaluation import load_items, run_noise_sweep
     >>> items = load_items("shared/data/squad_dev.jsonl", limit=20)
-    >>> summary = run_noise_sweep(lm, items, policies=["rag", "tokrag"], out_dir="runs/squad")
+    >>> summary = run_noise_sweep(lm, items, policies=["rag", "tokrag"], records_path="runs/squad.jsonl")
 
 Data format: ``shared/data/README.md``. Every runner appends one JSON line per
 (item id, condition, policy) to a records file and skips the keys already there, so an
@@ -13,6 +13,7 @@ interrupted run continues where it stopped. Policies are specs (``tokrag[min_fus
 
 from __future__ import annotations
 
+from .accuracy import compare_policies, summarize_accuracy
 from .data import (
     EvalItem,
     load_items,
@@ -21,6 +22,7 @@ from .data import (
     select_popular,
     synthesize_popqa,
 )
+from .harness import run_misleading, run_noise_sweep
 from .metrics import (
     auc,
     bootstrap_auc_ci,
@@ -30,18 +32,9 @@ from .metrics import (
     normalize_answer,
     paired_bootstrap_diff,
 )
-from .runner import (
-    RecordStore,
-    compare_policies,
-    pool_token_records,
-    run_misleading,
-    run_noise_sweep,
-    run_token_level,
-    scorer_configs,
-    summarize_accuracy,
-    summarize_token_level,
-)
+from .records import RecordStore
 from .specs import PolicySpec, parse_spec, parse_specs
+from .token_level import pool_token_records, run_token_level, scorer_configs, summarize_token_level
 
 __all__ = [
     "EvalItem",

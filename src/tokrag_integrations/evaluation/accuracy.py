@@ -58,14 +58,20 @@ def _column_mean(matrix: list[list[float]], j: int) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def _figures(matrix: list[list[float]], conditions: Sequence[str], seed: int) -> dict[str, Any]:
-    """Per condition: mean and bootstrap CI; over conditions: mean and CI (items resampled)."""
-    return {
-        "by_condition": {c: _column_mean(matrix, j) for j, c in enumerate(conditions)},
-        "ci": {c: list(bootstrap_ci([[row[j]] for row in matrix], seed=seed)) for j, c in enumerate(conditions)},
-        "mean": mean_over_conditions(matrix),
-        "mean_ci": list(bootstrap_ci(matrix, seed=seed)),
-    }
+def _figures(
+    name: str, index: dict[tuple[str, str, str], dict[str, Any]], items: Sequence[EvalItem],
+    policies: Sequence[str], conditions: Sequence[str], key: str, seed: int,
+) -> dict[str, Any]:
+    """``name`` (per policy and condition), ``name_ci`` (bootstrap CI), ``name_mean`` and
+    ``name_mean_ci`` (over conditions, items resampled) of the records' ``key``."""
+    out: dict[str, Any] = {name: {}, f"{name}_ci": {}, f"{name}_mean": {}, f"{name}_mean_ci": {}}
+    for p in policies:
+        m = item_matrix(index, items, p, conditions, key)
+        out[name][p] = {c: _column_mean(m, j) for j, c in enumerate(conditions)}
+        out[f"{name}_ci"][p] = {c: list(bootstrap_ci([[row[j]] for row in m], seed=seed)) for j, c in enumerate(conditions)}
+        out[f"{name}_mean"][p] = mean_over_conditions(m)
+        out[f"{name}_mean_ci"][p] = list(bootstrap_ci(m, seed=seed))
+    return out
 
 
 def compare_policies(
@@ -95,12 +101,9 @@ def summarize_accuracy(
     seed: int = BOOTSTRAP_SEED,
 ) -> dict[str, Any]:
     """Accuracy / counterfactual-repeat rate / time per policy and condition (percent), with
-    95 % bootstrap intervals (items resampled, :data:`BOOTSTRAP_RESAMPLES` times, fixed
-    seed) per condition and for the mean over conditions, and the paired difference of every
-    policy to ``baseline`` (when it was run).
-
-    ``llm`` records (condition ``none``) count for every condition. Only the given items
-    enter the figures, so a records file shared by larger runs does not leak in.
+    95 % bootstrap intervals (items resampled) per condition and for the mean over conditions,
+    and the paired difference of every policy to ``baseline`` (when it was run). ``llm``
+    records count for every condition; only the given items enter the figures.
     """
     records = list(records)
     items = list({it.id: it for it in items}.values())
@@ -112,13 +115,8 @@ def summarize_accuracy(
         "n_items": len(ids),
         "bootstrap": {"resamples": BOOTSTRAP_RESAMPLES, "seed": seed, "level": CI_LEVEL, "unit": "item"},
     }
-    for key in ("accuracy", "cf_repeat"):
-        field = "correct" if key == "accuracy" else "cf_repeat"
-        figs = {p: _figures(item_matrix(index, items, p, conditions, field), conditions, seed) for p in policies}
-        out[key] = {p: f["by_condition"] for p, f in figs.items()}
-        out[f"{key}_ci"] = {p: f["ci"] for p, f in figs.items()}
-        out[f"{key}_mean"] = {p: f["mean"] for p, f in figs.items()}
-        out[f"{key}_mean_ci"] = {p: f["mean_ci"] for p, f in figs.items()}
+    out.update(_figures("accuracy", index, items, policies, conditions, "correct", seed))
+    out.update(_figures("cf_repeat", index, items, policies, conditions, "cf_repeat", seed))
     out["n"] = {
         p: {c: sum(1 for row in item_matrix(index, items, p, [c]) if not math.isnan(row[0])) for c in conditions}
         for p in policies
@@ -154,15 +152,11 @@ def _verdict_figures(index: dict[tuple[str, str, str], dict[str, Any]], items: S
     for key, r in index.items():
         stated = first_yes_no(r["text"]) is not None
         verdicts[key] = {**r, "verdict": stated, "verdict_correct": r["correct"] if stated else None}
-    out: dict[str, Any] = {"n_yes_no_items": len(items)}
-    for key in ("verdict", "verdict_correct"):
-        figs = {p: _figures(item_matrix(verdicts, items, p, conditions, key), conditions, seed) for p in policies}
-        name = "verdict_rate" if key == "verdict" else "verdict_accuracy"
-        out[name] = {p: f["by_condition"] for p, f in figs.items()}
-        out[f"{name}_ci"] = {p: f["ci"] for p, f in figs.items()}
-        out[f"{name}_mean"] = {p: f["mean"] for p, f in figs.items()}
-        out[f"{name}_mean_ci"] = {p: f["mean_ci"] for p, f in figs.items()}
-    return out
+    return {
+        "n_yes_no_items": len(items),
+        **_figures("verdict_rate", verdicts, items, policies, conditions, "verdict", seed),
+        **_figures("verdict_accuracy", verdicts, items, policies, conditions, "verdict_correct", seed),
+    }
 
 
 def _tokens(r: dict[str, Any] | None) -> int | None:
@@ -208,6 +202,3 @@ def _passage_counts(records: list[dict[str, Any]], ids: set[str], conditions: Se
                 for kind in ("pos", "neg", "cf")
             }
     return passages, short
-
-
-# --------------------------------------------------------------------------- token level

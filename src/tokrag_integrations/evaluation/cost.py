@@ -1,141 +1,410 @@
-"""Cost (Tok-RAG Table 6 protocol): time per question and peak memory per policy.
+"""Cost (paper Table 6, docs/algorithm.md "Cost"): ``tokrag bench`` and ``tokrag eval cost``.
 
-Each policy runs in its own subprocess so that peak memory is not shared between policies:
-the child loads the model, answers one warm-up question with ``llm``, reads its peak resident
-set size (``resource.getrusage(RUSAGE_SELF).ru_maxrss``), then answers the measured questions
-one at a time under the policy. Reported: mean wall time per question and the growth of the
-peak RSS above the post-warm-up level (on CUDA also ``torch.cuda.max_memory_allocated``).
+Side by side in one run, on the same questions: ``rag`` (one context), ``rag-stock`` (the same
+on transformers' stock CPU kernels), ``floor`` (both contexts decoded together, no signals),
+``tokrag-step`` (one forward pass per context: the reference every fast path must equal) and
+``tokrag`` (the default decoder); any other policy name or spec (``tokrag[lens_norm=false]``)
+is its own arm. Reported: wall time per question, time per generated token, prefill and
+decode time, peak memory, the agreement counts, whether ``tokrag`` gave exactly the tokens
+and decisions of ``tokrag-step``, and the ratios; ``throughput`` adds tokens/s and
+questions/s with several queries decoded as one batch (:func:`measure_throughput`).
 
-    python -m tokrag_integrations.evaluation.cost --policy tokrag --data D.jsonl --limit 3
+Timing interleaves the arms question by question (their order rotated) so that drift in
+machine load affects all of them alike. Peak memory is measured in a fresh subprocess per arm:
+on CPU the peak RSS while decoding (VmHWM reset after loading and a warm-up), on CUDA
+``torch.cuda.max_memory_allocated``; both the total and the increment over the loaded model.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import resource
+import random
+import statistics
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from .data import DEFAULT_SEED, load_items, mix_passages
+from .. import config
+from ..config import require_bool
+from .data import load_items
 from .specs import parse_spec
 
+#: Arm name -> (policy, generate options). ``rag-stock`` runs on a second copy of the model
+#: loaded with the stock kernels (:data:`STOCK_ARMS`).
+ARMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "rag": ("rag", {}),
+    "rag-stock": ("rag", {}),
+    "floor": ("floor", {}),
+    "tokrag-step": ("tokrag", {"speed": "reference"}),
+    "tokrag": ("tokrag", {}),
+}
+STOCK_ARMS = frozenset({"rag-stock"})
+DEFAULT_POLICIES = ("rag", "floor", "tokrag-step", "tokrag", "rag-stock")
+#: Fast arms whose tokens and decisions must equal ``tokrag-step``'s.
+EXACT_ARMS = ("tokrag",)
+#: The file ``tokrag bench`` reads from ``$TOKRAG_DATA_DIR`` when no ``--data`` is given.
+DATA_FILE = "squad_dev.jsonl"
 
-def _measure(model: str, data: str, policy: str, limit: int, k: int, ratio: float, max_new_tokens: int, device: str | None) -> dict[str, Any]:
-    import torch
 
-    from ..api import generate
-    from ..models import load_model
+def arm(name: str) -> tuple[str, dict[str, Any]]:
+    """``(policy, options)`` of an arm: a named arm, else a policy spec."""
+    if name in ARMS:
+        return ARMS[name]
+    spec = parse_spec(name)
+    return spec.name, ({"policy_options": spec.options} if spec.options else {})
 
-    warnings.simplefilter("ignore")
-    spec = parse_spec(policy)  # a name or name[key=value,...]
-    lm = load_model(model, device=device) if device else load_model(model)
-    items = load_items(data, limit=limit)
-    mixes = [mix_passages(it, ratio, k=k, seed=DEFAULT_SEED).passages for it in items]
-    generate(lm, items[0].question, None, policy="llm", max_new_tokens=4)
-    cuda = torch.cuda.is_available() and str(lm.device).startswith("cuda")
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base_cuda = torch.cuda.max_memory_allocated()
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    times, tokens, prefill = [], [], []
-    for it, ps in zip(items, mixes, strict=True):
-        t0 = time.perf_counter()
-        r = generate(lm, it.question, ps, policy=spec.name, max_new_tokens=max_new_tokens, stop=["\n"], policy_options=spec.options)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        tokens.append(len(r.token_ids))
-        prefill.append(r.trace.timings.get("prefill_s", 0.0))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = {
-        "policy": policy,
-        "n": len(items),
-        "time_per_question_s": sum(times) / len(times),
-        "prefill_per_question_s": sum(prefill) / len(prefill),
-        "tokens_per_question": sum(tokens) / len(tokens),
-        "peak_rss_mb": peak / 1024,
-        "peak_rss_growth_mb": (peak - base) / 1024,
-        "device": str(lm.device),
-        "threads": torch.get_num_threads(),
-    }
-    if cuda:
-        out["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
-        out["cuda_peak_growth_mb"] = (torch.cuda.max_memory_allocated() - base_cuda) / 2**20
+
+def data_path(data: str | Path | None) -> Path:
+    """``data``, else ``$TOKRAG_DATA_DIR/squad_dev.jsonl``; an error naming the fix otherwise."""
+    if data:
+        return Path(data)
+    folder = config.data_dir()
+    if folder is not None and (folder / DATA_FILE).is_file():
+        return folder / DATA_FILE
+    raise FileNotFoundError(
+        f"no benchmark questions: pass --data PATH (a SQuAD-format JSONL file such as "
+        f"shared/data/{DATA_FILE} in a checkout), or put {DATA_FILE} in $TOKRAG_DATA_DIR."
+    )
+
+
+def bench_items(
+    path: str | Path, n: int, n_passages: int = 5, seed: int = 0
+) -> list[tuple[str, list[str]]]:
+    """The first ``n`` questions with ``n_passages`` passages: the positive first, then hard
+    negatives, shuffled with a fixed seed (so the answer's rank varies)."""
+    out = []
+    for it in load_items(path):
+        ps = (it.positives[:1] + it.negatives)[:n_passages]
+        if len(ps) < n_passages:
+            continue
+        random.Random(f"{seed}-{it.id}").shuffle(ps)
+        out.append((it.question, ps))
+        if len(out) >= n:
+            break
+    if not out:
+        raise ValueError(f"no usable items in {path} (need {n_passages} passages each)")
     return out
 
 
-def measure_costs(
-    policies: Sequence[str],
+def _load(model: str, device: str | None, name: str) -> Any:
+    from ..models import load_model
+
+    return load_model(model, device=device, cpu_kernels="off" if name in STOCK_ARMS else None)
+
+
+def run_bench(
     *,
-    data: str,
     model: str = "default",
-    limit: int = 3,
-    k: int = 5,
-    ratio: float = 0.4,
-    max_new_tokens: int = 24,
+    data: str | Path | None = None,
+    questions: int = 20,
+    passages: int = 5,
+    max_new_tokens: int = 64,
+    policies: tuple[str, ...] = DEFAULT_POLICIES,
     device: str | None = None,
-    nice: int = 0,
+    memory: bool = True,
+    memory_questions: int = 3,
+    progress: bool = True,
+    throughput: tuple[int, ...] = (),
+    rounds: int = 3,
+    latency: bool = True,
+    items: list[tuple[str, list[str]]] | None = None,
+    stop: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Run one subprocess per policy; returns {"policies": {name: figures}, "ratios": {...}}."""
-    res: dict[str, Any] = {}
-    for p in policies:
-        cmd = [sys.executable, "-m", __name__, "--policy", p, "--data", str(data), "--model", model,
-               "--limit", str(limit), "--k", str(k), "--ratio", str(ratio), "--max-new-tokens", str(max_new_tokens)]
-        if device:
-            cmd += ["--device", device]
-        if nice:
-            cmd = ["nice", "-n", str(nice), *cmd]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        if proc.returncode != 0:
-            raise RuntimeError(f"cost run for {p!r} failed:\n{proc.stderr[-2000:]}")
-        res[p] = json.loads(proc.stdout.strip().splitlines()[-1])
-    ratios: dict[str, dict[str, float]] = {}
-    if "rag" in res:
-        r0 = res["rag"]
-        for p, v in res.items():
-            ratios[p] = {
-                "time_vs_rag": v["time_per_question_s"] / r0["time_per_question_s"],
-                "peak_rss_vs_rag": v["peak_rss_mb"] / r0["peak_rss_mb"],
-            }
-    return {"policies": res, "vs_rag": ratios, "limit": limit, "k": k, "ratio": ratio, "max_new_tokens": max_new_tokens}
+    """Run the benchmark and return its figures (see the module docstring). ``items``
+    (question, passages) replace the ``questions`` read from ``data``; ``stop`` goes to every
+    decode (default: ``generate``'s)."""
+    import torch
 
+    from ..accel import speed_paths
+    from ..api import generate
 
-def cost_table(summary: dict[str, Any]) -> str:
-    lines = [
-        "| policy | s / question | prefill s | tokens | peak RSS MB | RSS growth MB | time ×rag | peak ×rag |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for p, v in summary["policies"].items():
-        r = summary["vs_rag"].get(p, {})
-        lines.append(
-            f"| {p} | {v['time_per_question_s']:.2f} | {v['prefill_per_question_s']:.2f} | {v['tokens_per_question']:.1f} | "
-            f"{v['peak_rss_mb']:.0f} | {v['peak_rss_growth_mb']:.0f} | {r.get('time_vs_rag', float('nan')):.2f} | "
-            f"{r.get('peak_rss_vs_rag', float('nan')):.2f} |"
+    require_bool(memory, "memory")
+    require_bool(progress, "progress")
+    require_bool(latency, "latency")
+    if items is None:
+        items = bench_items(data_path(data), questions, passages)
+    extra = {} if stop is None else {"stop": list(stop)}
+    lm = _load(model, device, "")
+    stock = _load(model, device, "rag-stock") if STOCK_ARMS & set(policies) else None
+
+    def model_of(name: str) -> Any:
+        return stock if name in STOCK_ARMS else lm
+
+    for name in policies:  # warm-up (allocator, kernels): the first timed question is no outlier
+        pol, opts = arm(name)
+        generate(model_of(name), items[0][0], items[0][1], policy=pol, max_new_tokens=4, **opts, **extra)
+    rows, decisions, prompt_tokens = _timed_runs(
+        model_of, items if latency else [], policies, max_new_tokens, progress, extra
+    )
+    out: dict[str, Any] = {
+        "model": lm.name,
+        "device": str(lm.device),
+        "questions": len(items),
+        "passages": passages,
+        "max_new_tokens": max_new_tokens,
+        "mean_prompt_tokens": statistics.mean(prompt_tokens) if prompt_tokens else None,
+        "torch_threads": torch.get_num_threads(),
+        "policies": {pol: policy_figures(rs) for pol, rs in rows.items()},
+    }
+    out.update(paired_figures(rows, decisions))
+    if memory:
+        for pol in policies:
+            m = _measure_memory(
+                policy=pol, model=model, device=device, items=items[:memory_questions],
+                max_new_tokens=max_new_tokens, extra=extra,
+            )
+            out["policies"][pol].update(
+                peak_mb=m["peak_mb"], peak_over_model_mb=m["peak_mb"] - m["base_mb"]
+            )
+    out["paths"] = speed_paths(lm.model)
+    if throughput:
+        out["throughput"] = measure_throughput(
+            model_of, items, throughput, max_new_tokens, policies, progress, rounds
         )
-    return "\n".join(lines)
+    return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--policy", required=True, help="policy spec: name or name[key=value,...]")
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--limit", type=int, default=3)
-    ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--ratio", type=float, default=0.4)
-    ap.add_argument("--max-new-tokens", type=int, default=24)
-    ap.add_argument("--device", default=None)
-    a = ap.parse_args(argv)
-    print(json.dumps(_measure(a.model, a.data, a.policy, a.limit, a.k, a.ratio, a.max_new_tokens, a.device)))
-    return 0
+def _timed_runs(
+    model_of: Any,
+    items: list[tuple[str, list[str]]],
+    policies: tuple[str, ...],
+    max_new_tokens: int,
+    progress: bool,
+    extra: dict[str, Any],
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[Any]], list[int]]:
+    """Every arm on every question, their order rotated per question: per arm its timed rows
+    and its decisions, and the RAG prompt lengths."""
+    from tqdm.auto import tqdm
+
+    from ..api import generate
+
+    rows: dict[str, list[dict[str, Any]]] = {p: [] for p in policies} if items else {}
+    decisions: dict[str, list[Any]] = {p: [] for p in policies} if items else {}
+    prompt_tokens = []
+    bar = tqdm(total=len(items) * len(policies), desc="bench", disable=not progress)
+    for i, (q, ps) in enumerate(items):
+        for name in policies[i % len(policies) :] + policies[: i % len(policies)]:
+            pol, opts = arm(name)
+            t0 = time.perf_counter()
+            r = generate(model_of(name), q, ps, policy=pol, max_new_tokens=max_new_tokens, **opts, **extra)
+            dt = time.perf_counter() - t0
+            steps, timings = r.trace.steps, r.trace.timings
+            rows[name].append(
+                {
+                    "seconds": dt,
+                    "tokens": len(steps),
+                    "disagreements": sum(1 for s in steps if s.disagreement),
+                    "signal_steps": sum(1 for s in steps if "cos_ir" in s.signals),
+                    # Charged the prefill it reused from another arm (shared-prefill store).
+                    "prefill_s": timings.get("prefill_s", 0.0) + timings.get("prefill_reused_s", 0.0),
+                    "decode_s": timings.get("decode_s", 0.0),
+                }
+            )
+            decisions[name].append([(s.token_id, s.source, s.signals.get("benefit")) for s in steps])
+            if name == "rag":
+                prompt_tokens.append(r.trace.prompt_tokens.get("rag", 0))
+            bar.update(1)
+    bar.close()
+    return rows, decisions, prompt_tokens
+
+
+def policy_figures(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of one arm from its timed rows (one per question). The prefill is paid
+    once per question, the decode once per token: an arm whose answers are shorter pays its
+    prefill over fewer tokens (its ``s_per_token`` rises)."""
+    sec = [r["seconds"] for r in rs]
+    tok = [r["tokens"] for r in rs]
+    return {
+        "s_per_question": statistics.mean(sec),
+        "s_per_token": sum(sec) / max(1, sum(tok)),
+        "tokens_per_question": statistics.mean(tok),
+        "agreement_rate": 1 - sum(r["disagreements"] for r in rs) / max(1, sum(tok)),
+        "disagreements_per_question": statistics.mean(r["disagreements"] for r in rs),
+        "signal_steps_per_question": statistics.mean(r["signal_steps"] for r in rs),
+        "prefill_s_per_question": statistics.mean(r["prefill_s"] for r in rs),
+        "decode_s_per_token": sum(r["decode_s"] for r in rs) / max(1, sum(tok)),
+    }
+
+
+def paired_figures(
+    rows: dict[str, list[dict[str, Any]]], decisions: dict[str, list[Any]]
+) -> dict[str, Any]:
+    """``paired``: per question, the ratio of two arms' time per token (median and quartiles:
+    robust to a question that met a burst of load); ``identical_to_step``: how many answers
+    of each fast arm equal ``tokrag-step``'s, token and decision."""
+    out: dict[str, Any] = {}
+    for a, b in (("tokrag", "rag"), ("floor", "rag")):
+        if a in rows and b in rows:
+            rr = [
+                (x["seconds"] / max(1, x["tokens"])) / (y["seconds"] / max(1, y["tokens"]))
+                for x, y in zip(rows[a], rows[b], strict=True)
+            ]
+            qs = statistics.quantiles(rr, n=4) if len(rr) > 1 else [rr[0]] * 3
+            out.setdefault("paired", {})[f"{a} / {b}"] = {
+                "median": statistics.median(rr), "q1": qs[0], "q3": qs[2]
+            }
+    for name in EXACT_ARMS:
+        if name in decisions and "tokrag-step" in decisions:
+            same = [a == b for a, b in zip(decisions[name], decisions["tokrag-step"], strict=True)]
+            out.setdefault("identical_to_step", {})[name] = {
+                "questions": len(same), "identical": sum(same)
+            }
+    return out
+
+
+def _status_mb(field: str) -> float:
+    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``) in MiB; NaN off Linux."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:  # pragma: no cover - non-Linux
+        pass
+    return float("nan")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) so loading the model does not count."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:  # pragma: no cover - non-Linux or not permitted
+        return False
+
+
+def _memory_child(
+    policy: str, model: str, device: str | None, items: list[Any], max_new_tokens: int,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """One arm on ``items`` in this (fresh) process: ``base_mb`` after loading and a warm-up,
+    and ``peak_mb`` while decoding."""
+    import resource
+
+    import torch
+
+    from ..api import generate
+
+    lm = _load(model, device, policy)
+    cuda = lm.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        generate(lm, items[0][0], items[0][1], policy="llm", max_new_tokens=2)
+        reset = _reset_peak_rss()
+        base = _status_mb("VmRSS")
+    pol, opts = arm(policy)
+    for q, ps in items:
+        generate(lm, q, ps, policy=pol, max_new_tokens=max_new_tokens, **opts, **extra)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    elif reset:
+        peak = _status_mb("VmHWM")
+    else:  # pragma: no cover - includes the loading spike
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"policy": policy, "base_mb": base, "peak_mb": peak}
+
+
+def _measure_memory(**child: Any) -> dict[str, float]:
+    """:func:`_memory_child` with ``child`` as its arguments (JSON on stdin), in a fresh process."""
+    res = subprocess.run(
+        [sys.executable, "-m", __name__], input=json.dumps(child),
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    if res.returncode != 0:
+        raise RuntimeError(f"memory measurement for {child['policy']} failed:\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+#: Arms timed by ``--throughput`` (those of the run's policies that are in it, in this
+#: order): one context, both contexts without signals, the default decoder.
+THROUGHPUT_ARMS = ("rag", "floor", "tokrag")
+
+
+def measure_throughput(
+    model_of: Any,
+    items: list[tuple[str, list[str]]],
+    sizes: tuple[int, ...],
+    max_new_tokens: int,
+    policies: tuple[str, ...],
+    progress: bool,
+    rounds: int = 3,
+) -> dict[str, Any]:
+    """Tokens per second with ``n`` queries decoded as one batch, per arm and size ``n``.
+
+    Each round runs every size, and at each size every arm on the same ``n`` questions, in an
+    order rotated from one size and round to the next. Returns ``{"rounds", "arms": {arm: {n:
+    {"tokens_per_s", "per_round", "decode_tokens_per_s", "questions_per_s"}}}, "ratios":
+    {"arm / rag": {n: {"median", "min", "max"}}}, "question_ratios": {...}}``: per round, the
+    ratio to ``rag`` of tokens/s and of questions/s (tokens/s counts a shorter answer as less
+    work done; questions/s counts every answer as one).
+    """
+    from tqdm.auto import tqdm
+
+    from ..api import generate_batch
+
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    arms = [p for p in THROUGHPUT_ARMS if p in policies] or list(policies)
+    raw: dict[str, dict[int, list[tuple[int, float]]]] = {a: {n: [] for n in sizes} for a in arms}
+    decode: dict[str, dict[int, list[float]]] = {a: {n: [] for n in sizes} for a in arms}
+    bar = tqdm(total=rounds * len(arms) * len(sizes), desc="throughput", disable=not progress)
+    turn = 0
+    for r in range(rounds):
+        for n in sizes:
+            batch = [items[(r * n + i) % len(items)] for i in range(n)]
+            for name in arms[turn % len(arms) :] + arms[: turn % len(arms)]:
+                pol, opts = arm(name)
+                t0 = time.perf_counter()
+                rs = generate_batch(
+                    model_of(name), [q for q, _ in batch], [ps for _, ps in batch],
+                    policy=pol, max_new_tokens=max_new_tokens, **opts,
+                )
+                dt = time.perf_counter() - t0
+                raw[name][n].append((sum(len(x.trace.steps) for x in rs), dt))
+                timings = getattr(rs[0].trace, "timings", None) or {}
+                decode[name][n].append(float(timings.get("decode_s", float("nan"))))
+                bar.update(1)
+            turn += 1
+    bar.close()
+    out: dict[str, Any] = {"rounds": rounds, "arms": {}, "ratios": {}}
+    for name, per in raw.items():
+        out["arms"][name] = {
+            str(n): {
+                "tokens_per_s": sum(t for t, _ in v) / sum(d for _, d in v),
+                "per_round": [t / d for t, d in v],
+                # The decode loop alone: with short answers the prefill dominates tokens/s.
+                "decode_tokens_per_s": sum(t for t, _ in v) / sum(decode[name][n]),
+                "questions_per_s": n * len(v) / sum(d for _, d in v),
+            }
+            for n, v in per.items()
+        }
+    if "rag" in raw:
+        out["question_ratios"] = {}
+        for name in arms:
+            if name == "rag":
+                continue
+            pairs = {n: list(zip(raw[name][n], raw["rag"][n], strict=True)) for n in sizes}
+            out["ratios"][f"{name} / rag"] = {
+                str(n): _spread([(t / d) / (tr / dr) for (t, d), (tr, dr) in p]) for n, p in pairs.items()
+            }
+            # The same n questions in both arms: the ratio of questions/s is rag's seconds over this arm's.
+            out["question_ratios"][f"{name} / rag"] = {
+                str(n): _spread([dr / d for (_, d), (_, dr) in p]) for n, p in pairs.items()
+            }
+    return out
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    print(json.dumps(_memory_child(**json.loads(sys.stdin.read()))))

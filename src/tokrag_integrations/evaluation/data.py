@@ -34,11 +34,7 @@ _REQUIRED = ("id", "question", "answers")
 
 def load_items(path: str | Path, limit: int | None = None) -> list[EvalItem]:
     """Read a JSONL evaluation set; ``limit`` keeps the first n items (file order).
-
-    Raises:
-        FileNotFoundError / ValueError: missing file, bad JSON or a missing required field,
-        naming the line.
-    """
+    FileNotFoundError / ValueError (naming the line): a missing file, bad JSON or field."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"Evaluation data not found: {p}. Pass a JSONL file (format: shared/data/README.md).")
@@ -112,12 +108,9 @@ def _mix(item: EvalItem, want: dict[str, int], seed: int, condition: str) -> Mix
 
 
 def mix_passages(item: EvalItem, ratio: float, k: int = 5, seed: int = DEFAULT_SEED) -> Mix:
-    """Table 1 protocol: k passages, round((1 − ratio)·k) positives, the rest hard negatives.
-
-    Uses what the item has (fewer passages when a pool is too small; ``Mix.short`` says so),
-    sampled and shuffled with a generator seeded by (seed, item id, ratio), so every policy
-    and every run sees the same list.
-    """
+    """Table 1 protocol: k passages, round((1 − ratio)·k) positives, the rest hard negatives
+    (fewer when a pool is too small: ``Mix.short``), sampled and shuffled with a generator
+    seeded by (seed, item id, ratio), so every policy and run sees the same list."""
     if not 0.0 <= ratio <= 1.0:
         raise ValueError(f"noise ratio must be in [0, 1], got {ratio}")
     if k < 1:
@@ -189,14 +182,11 @@ def _wrong_answer(item: EvalItem, pool: list[EvalItem], seed: int) -> str | None
 
 
 def synthesize_popqa(items: list[EvalItem], *, pool: list[EvalItem] | None = None, seed: int = DEFAULT_SEED) -> list[EvalItem]:
-    """PopQA items (no passages) with synthetic passages for the token-level protocol.
-
-    For each item: ``positives`` = [the relation's template sentence with the first gold
-    answer] (e.g. "The capital of Belarus is Minsk."); ``counterfactuals`` = [the same
-    sentence with another item's first answer of the same relation], drawn from ``pool``
-    (default: ``items``) by :func:`_wrong_answer`; ``counterfactual_answers`` = [that answer].
-    Negatives stay empty. Items with no usable other answer get no counterfactual (and so
-    no ``cf=`` condition).
+    """PopQA items (no passages) with synthetic passages for the token-level protocol:
+    ``positives`` = [the relation's template sentence with the first gold answer] ("The
+    capital of Belarus is Minsk."); ``counterfactuals`` = [the same sentence with another
+    item's answer of the same relation from ``pool``, :func:`_wrong_answer`], or none when
+    there is no usable one; ``counterfactual_answers`` = [that answer]; no negatives.
     """
     pool = items if pool is None else pool
     out = []

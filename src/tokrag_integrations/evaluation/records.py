@@ -54,7 +54,7 @@ class RecordStore:
         return list(self.records.values())
 
 
-def _progress(total: int, initial: int, desc: str, enabled: bool) -> Any:
+def progress_bar(total: int, initial: int, desc: str, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, unit="answer")

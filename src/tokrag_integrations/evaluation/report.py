@@ -124,6 +124,15 @@ def _plt() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p)
+    plt.close(fig)
+    return p
+
+
 def plot_accuracy(summary: dict[str, Any], path: str | Path, title: str = "", key: str = "accuracy") -> Path:
     """Accuracy vs condition (noise ratio) per policy."""
     plt = _plt()
@@ -143,12 +152,7 @@ def plot_accuracy(summary: dict[str, Any], path: str | Path, title: str = "", ke
     ax.set_title(title or f"n = {summary['n_items']} items")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p)
-    plt.close(fig)
-    return p
+    return _save(plt, fig, path)
 
 
 def plot_auc(summary: dict[str, Any], path: str | Path, title: str = "") -> Path:
@@ -170,21 +174,18 @@ def plot_auc(summary: dict[str, Any], path: str | Path, title: str = "") -> Path
     ax.set_xlim(0, 100)
     ax.invert_yaxis()
     ax.set_title(title or f"token level: {summary['n_samples']} samples ({summary['n_benefit']} benefit)", fontsize=9)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p)
-    plt.close(fig)
-    return p
+    return _save(plt, fig, path)
+
+
+def _header(title: str, command: str) -> list[str]:
+    return [f"## {title}", ""] + (["```", command, "```", ""] if command else [])
 
 
 def write_accuracy_report(summary: dict[str, Any], out_dir: str | Path, name: str, title: str, command: str = "") -> list[Path]:
     """``<name>.json``, ``<name>.md`` and ``<name>.png`` (+ ``<name>_cf_repeat.png``) in out_dir."""
     out = Path(out_dir)
     files = [write_json(out / f"{name}.json", {**summary, "command": command})]
-    md = [f"## {title}", ""]
-    if command:
-        md += ["```", command, "```", ""]
+    md = _header(title, command)
     md += ["Accuracy (cover EM, %; [95% bootstrap interval over items]):", "", accuracy_table(summary), ""]
     # Repeat rates only mean something where counterfactual passages were given.
     has_cf = any(summary.get("mean_passages", {}).get(c, {}).get("cf") for c in summary["conditions"])
@@ -218,9 +219,7 @@ def write_accuracy_report(summary: dict[str, Any], out_dir: str | Path, name: st
 def write_token_report(summary: dict[str, Any], out_dir: str | Path, name: str, title: str, command: str = "") -> list[Path]:
     out = Path(out_dir)
     files = [write_json(out / f"{name}.json", {**summary, "command": command})]
-    md = [f"## {title}", ""]
-    if command:
-        md += ["```", command, "```", ""]
+    md = _header(title, command)
     md += [
         f"{summary['n_samples']} labelled positions: {summary['n_benefit']} label 1 (only RAG predicts the gold "
         f"token), {summary['n_samples'] - summary['n_benefit']} label 0 (only the pure LLM does). AUC in %, 95% "
@@ -235,3 +234,84 @@ def write_token_report(summary: dict[str, Any], out_dir: str | Path, name: str, 
     files.append(out / f"{name}.md")
     files.append(plot_auc(summary, out / f"{name}.png", title))
     return files
+
+
+def bench_table(res: dict[str, Any]) -> str:
+    """The Markdown report of ``tokrag bench`` (:func:`.cost.run_bench`): per arm, the ratios,
+    the paired ratios, exactness, throughput and the speed paths chosen."""
+    P = res["policies"]
+    prompt = res.get("mean_prompt_tokens")
+    lines = [
+        f"model {res['model']} on {res['device']} ({res['torch_threads']} threads), "
+        f"{res['questions']} questions, {res['passages']} passages "
+        + (f"(mean RAG prompt {prompt:.0f} tokens)" if prompt is not None else "")
+        + f", max_new_tokens {res['max_new_tokens']}",
+        "",
+        "| arm | s / question | ms / token | tokens / question | agreement rate "
+        "| disagreement steps / question | peak MB | peak over model MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    nan = float("nan")
+    for pol, p in P.items():
+        lines.append(
+            f"| {pol} | {p['s_per_question']:.3f} | {1000 * p['s_per_token']:.1f} | {p['tokens_per_question']:.1f} | "
+            f"{p['agreement_rate']:.3f} | {p['disagreements_per_question']:.1f} | "
+            f"{p.get('peak_mb', nan):.0f} | {p.get('peak_over_model_mb', nan):.0f} |"
+        )
+
+    def ratio(a: str, b: str, key: str) -> str:
+        if key in P[a] and P[b].get(key):
+            return f"{P[a][key] / P[b][key]:.3f}"
+        return "n/a"
+
+    keys = ("s_per_question", "s_per_token", "prefill_s_per_question", "decode_s_per_token",
+            "peak_mb", "peak_over_model_mb")
+    lines += [
+        "",
+        "| ratio | per question | per token | prefill per question | decode per token | peak memory | peak over model |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for a, b in (("tokrag", "rag"), ("tokrag", "floor"), ("tokrag", "tokrag-step"), ("tokrag-step", "rag"),
+                 ("floor", "rag"), ("rag", "rag-stock"), ("tokrag", "rag-stock")):
+        if a in P and b in P:
+            lines.append(f"| {a} / {b} | " + " | ".join(ratio(a, b, k) for k in keys) + " |")
+    for name, v in (res.get("paired") or {}).items():
+        lines += ["", f"{name}, per token, per question (paired): median {v['median']:.3f} "
+                  f"[quartiles {v['q1']:.3f}, {v['q3']:.3f}]"]
+    for name, ident in (res.get("identical_to_step") or {}).items():
+        lines += ["", f"{name} = tokrag-step, tokens and decisions: {ident['identical']} / {ident['questions']} questions"]
+    if res.get("throughput"):
+        lines += _throughput_lines(res["throughput"])
+    if res.get("paths"):
+        lines += ["", "speed paths chosen on this machine:"]
+        lines += [f"- {k}: {v}" for k, v in res["paths"].items()]
+    return "\n".join(lines)
+
+
+def _throughput_lines(tp: dict[str, Any]) -> list[str]:
+    """The ``--throughput`` table: tokens/s per arm and batch size, and the ratios."""
+    nan = float("nan")
+    sizes = sorted({int(n) for v in tp["arms"].values() for n in v})
+    lines = [
+        "",
+        f"tokens / s, queries decoded as one batch; arms interleaved, {tp['rounds']} round(s)",
+        "",
+        "| tokens / s | " + " | ".join(f"batch {n}" for n in sizes) + " |",
+        "| --- |" + " --- |" * len(sizes),
+    ]
+    for label, key, fmt in (
+        ("", "tokens_per_s", ".1f"),
+        (", decode loop only", "decode_tokens_per_s", ".1f"),
+        (", questions / s", "questions_per_s", ".2f"),
+    ):
+        for name, v in tp["arms"].items():
+            cells = (format(v[str(n)].get(key, nan), fmt) if str(n) in v else "n/a" for n in sizes)
+            lines.append(f"| {name}{label} | " + " | ".join(cells) + " |")
+    for label, key in (("", "ratios"), (" of questions / s", "question_ratios")):
+        for name, v in (tp.get(key) or {}).items():
+            cells = (
+                f"{v[str(n)]['median']:.3f} [{v[str(n)]['min']:.2f}, {v[str(n)]['max']:.2f}]" if str(n) in v else "n/a"
+                for n in sizes
+            )
+            lines.append(f"| {name}{label}, per round: median [min, max] | " + " | ".join(cells) + " |")
+    return lines

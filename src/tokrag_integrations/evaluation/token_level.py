@@ -1,6 +1,20 @@
 """Token-level classification (Table 3 protocol): gold continuations teacher-forced in the
 pure and RAG contexts, the samples where exactly one of them predicts the gold token, and the
-AUC / F1 of each scorer on them (see :mod:`.runner` for the three data sources)."""
+AUC / F1 of each scorer on them.
+
+Label-0 samples (the pure model right, RAG wrong) need items the pure model knows; with the
+135M model three sources give them:
+
+* RGB (``rgb_en_fact``): the counterfactual conditions ``cf=0.5`` / ``cf=1`` (k = 2);
+  target: the evidence sentence.
+* ConflictQA (``conflictqa_strategyqa``, yes/no): its positive and its counterfactual passage
+  (arguing the other verdict) through the same ``cf=`` conditions; with ``target="auto"`` the
+  target is the bare verdict "Yes" / "No".
+* PopQA (no passages): :func:`.data.select_popular` keeps the top popularity quintile, most
+  popular first; :func:`.data.synthesize_popqa` gives each a template sentence with the gold
+  answer and a counterfactual one with another item's answer of the same relation. Target:
+  the bare first gold answer (this measures knowledge conflict, not retrieval).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..booleans import require_bool
+from ..config import require_bool
 from ..prompts import PromptBuilder
 from .data import DEFAULT_SEED, EvalItem, Mix, mix_counterfactuals, mix_passages
 from .metrics import (
@@ -23,7 +37,7 @@ from .metrics import (
     is_yes_no,
     macro_f1,
 )
-from .records import RecordStore, _progress
+from .records import RecordStore, progress_bar
 from .specs import parse_specs, validate_specs
 
 __all__ = [
@@ -172,21 +186,13 @@ def run_token_level(
 ) -> dict[str, Any]:
     """Table 3 protocol on gold continuations (seed 000, Section 4.1).
 
-    For every (item, passage condition) the gold continuation (:func:`gold_target`: the
-    answer-bearing evidence sentence, the bare answer, or per item with ``"auto"``) is fed
-    token by token after the question (teacher forcing) to both the pure and the RAG
-    context. Where exactly one of them predicts the gold next token there is a sample: label
-    1 if RAG is the one (benefit outweighs detriment), 0 if the pure LLM is. Each scorer gives
-    a number that is > 0 when it would keep the RAG token: Tok-RAG's cos(w_RAG, w_IR) −
-    cos(w_RAG, w_LLM) for each option set in ``tokrag_configs`` (label -> ``TokRAG``
-    options; default :data:`TOKRAG_CONFIGS`, see :func:`scorer_configs`), the top-1 log-prob
-    margin and the entropy margin.
-
-    Label-0 samples need items the pure model knows: counterfactual conditions (``cf=``) of
-    RGB and ConflictQA (yes/no: target "Yes"/"No" with ``target="auto"``; the opposite
-    passage argues the other verdict), and popular PopQA items with synthetic passages
-    (:func:`.data.synthesize_popqa`, :func:`.data.select_popular`; target = the bare answer).
-    Records carry the item's ``source`` so that pooled summaries report each source.
+    For every (item, passage condition) the gold continuation (:func:`gold_target`) is fed
+    token by token after the question (teacher forcing) to the pure and the RAG context.
+    Where exactly one of them predicts the gold next token there is a sample: label 1 if RAG
+    is the one (benefit outweighs detriment), 0 if the pure LLM is. Each scorer gives a number
+    > 0 when it would keep the RAG token: Tok-RAG's cos(w_RAG, w_IR) − cos(w_RAG, w_LLM) per
+    option set in ``tokrag_configs`` (default :data:`TOKRAG_CONFIGS`), the top-1 log-prob
+    margin and the entropy margin. Records carry the item's ``source``.
     """
     from ..policies.tokrag import TokRAG
 
@@ -200,7 +206,7 @@ def run_token_level(
     store = RecordStore(records_path)
     conds = _token_conditions(ratios, cf_ratios, k, cf_k, seed)
     units = [(it, c, m) for it in items for c, m in conds if not c.startswith("cf=") or it.counterfactuals]
-    bar = _progress(len(units), sum(1 for it, c, _ in units if (it.id, c, "token") in store), "token level", progress)
+    bar = progress_bar(len(units), sum(1 for it, c, _ in units if (it.id, c, "token") in store), "token level", progress)
     try:
         for it, cond, mixer in units:
             if (it.id, cond, "token") in store:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..booleans import require_bool
+from ..config import require_bool
 from ..models import LoadedModel
 from ..policies.base import Choice, ContextView, Policy
 from ..trace import FROM_LLM

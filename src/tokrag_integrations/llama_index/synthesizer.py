@@ -33,7 +33,7 @@ from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from .. import batching as _batching
 from ..api import GenerationResult
-from ..booleans import require_bool
+from ..config import require_bool
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy
 from ..policies import get_policy, merge_policy_options

@@ -22,7 +22,7 @@ import re
 import threading
 from typing import Any
 
-from ..booleans import require_bool
+from ..config import require_bool
 from .layout import TableLayout
 from .search import Filters, validate_filter_key, validate_ts_config
 from .server import (

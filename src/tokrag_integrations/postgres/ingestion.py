@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..booleans import require_bool
+from ..config import require_bool
 from ..retrieval import (
     Document,
     chunk_text,

@@ -1,6 +1,6 @@
 """The HTML page's stylesheet and script (static text)."""
 
-_CSS = """
+CSS = """
 :root {
   --fg: #1f2937; --muted: #6b7280; --line: #e5e7eb; --bg: #f6f7f9; --card: #ffffff;
   --agree-bg: #eceff3; --agree-bd: #c3c9d2;
@@ -99,7 +99,7 @@ tr.hl td { background: #fffbe6; }
 """
 
 # Clicking a token pins its tooltip (useful on touch screens); clicking again unpins it.
-_JS = """
+JS = """
 document.querySelectorAll('.tok').forEach(function (t) {
   t.addEventListener('click', function (e) {
     if (e.target.closest('.tip')) return;

@@ -10,29 +10,29 @@ from ..labels import AGREE, FROM_LLM, FROM_RAG
 from ._view import PassageView, StepView
 
 #: Human-readable meaning of the two-context source labels.
-_SOURCE_LABELS: dict[str, str] = {
+SOURCE_LABELS: dict[str, str] = {
     AGREE: "both contexts agree",
     FROM_RAG: "from retrieval",
     FROM_LLM: "from the model",
 }
 #: Display names of the context roles found in ``StepView.candidates``.
-_ROLE_LABELS: dict[str, str] = {"rag": "RAG context", "pure": "LLM context", "llm": "LLM context"}
+ROLE_LABELS: dict[str, str] = {"rag": "RAG context", "pure": "LLM context", "llm": "LLM context"}
 #: Signals shown first (in this order) wherever signals are listed; others follow sorted.
 _SIGNAL_ORDER = ("l_star", "cos_ir", "cos_llm", "fusion_attn_layer", "fusion_jsd_layer")
-#: Terminal styles per source; unknown labels get ``_RICH_OTHER``.
-_RICH_STYLES: dict[str, str] = {AGREE: "", FROM_RAG: "bold green", FROM_LLM: "bold blue"}
-_RICH_OTHER = "bold dark_orange"
+#: Terminal styles per source; unknown labels get ``RICH_OTHER``.
+RICH_STYLES: dict[str, str] = {AGREE: "", FROM_RAG: "bold green", FROM_LLM: "bold blue"}
+RICH_OTHER = "bold dark_orange"
 
 
 # ============================================================================ helpers
 def source_label(source: str) -> str:
     """What a source label means, for legends and tooltips (unknown labels as they are)."""
-    return _SOURCE_LABELS.get(source, source)
+    return SOURCE_LABELS.get(source, source)
 
 
-def _source_class(source: str) -> str:
+def source_class(source: str) -> str:
     """CSS class for a source: one per known label, one shared neutral-amber class otherwise."""
-    return f"src-{source}" if source in _SOURCE_LABELS else "src-other"
+    return f"src-{source}" if source in SOURCE_LABELS else "src-other"
 
 
 def format_value(value: Any) -> str:
@@ -71,7 +71,7 @@ def format_timing(key: str, value: Any) -> str:
     return format_value(value)
 
 
-def _visible(text: str) -> str:
+def visible(text: str) -> str:
     """Token text with whitespace made visible, for tables (one line, no escaping)."""
     if text == "":
         return "∅"
@@ -79,20 +79,20 @@ def _visible(text: str) -> str:
     return "".join(c if c >= " " or c in "↵⇥" else f"\\x{ord(c):02x}" for c in out)
 
 
-def _ordered_signals(signals: Mapping[str, Any]) -> list[tuple[str, Any]]:
+def ordered_signals(signals: Mapping[str, Any]) -> list[tuple[str, Any]]:
     known = [(k, signals[k]) for k in _SIGNAL_ORDER if k in signals]
     rest = sorted((k, v) for k, v in signals.items() if k not in _SIGNAL_ORDER)
     return known + rest
 
 
-def _signal_keys(steps: Iterable[StepView]) -> list[str]:
+def signal_keys(steps: Iterable[StepView]) -> list[str]:
     keys: set[str] = set()
     for s in steps:
         keys.update(s.signals)
     return [k for k in _SIGNAL_ORDER if k in keys] + sorted(keys - set(_SIGNAL_ORDER))
 
 
-def _roles(steps: Iterable[StepView]) -> list[str]:
+def roles_of(steps: Iterable[StepView]) -> list[str]:
     """CandidateView roles in a stable order: rag, pure/llm, then the rest as first seen."""
     seen: list[str] = []
     for s in steps:
@@ -103,13 +103,13 @@ def _roles(steps: Iterable[StepView]) -> list[str]:
     return first + [r for r in seen if r not in first]
 
 
-def _passage_status(p: PassageView) -> str:
+def passage_status(p: PassageView) -> str:
     if not p.kept:
         return "dropped"
     return "cut" if p.cut else "kept"
 
 
-def _passage_source(p: PassageView) -> str:
+def passage_source(p: PassageView) -> str:
     md = p.metadata or {}
     for key in ("source", "file_name", "file_path", "url", "id"):
         if md.get(key) not in (None, ""):
@@ -117,7 +117,7 @@ def _passage_source(p: PassageView) -> str:
     return ""
 
 
-def _stop_text(stop_reason: str | None) -> str:
+def stop_text(stop_reason: str | None) -> str:
     """The stop reason, saying so when the answer was cut at the token limit."""
     if stop_reason == "length":
         return "length (cut at max_new_tokens)"

@@ -8,21 +8,21 @@ import html
 from typing import Any
 
 from ..labels import AGREE, FROM_LLM, FROM_RAG
-from ._assets import _CSS, _JS
+from ._assets import CSS, JS
 from ._common import (
-    _ROLE_LABELS,
-    _SOURCE_LABELS,
-    _ordered_signals,
-    _passage_source,
-    _passage_status,
-    _roles,
-    _signal_keys,
-    _source_class,
-    _stop_text,
-    _visible,
+    ROLE_LABELS,
+    SOURCE_LABELS,
     format_timing,
     format_value,
+    ordered_signals,
+    passage_source,
+    passage_status,
+    roles_of,
+    signal_keys,
+    source_class,
     source_label,
+    stop_text,
+    visible,
 )
 from ._view import CandidateView, StepView, TraceView
 
@@ -64,17 +64,17 @@ def _tooltip_html(step: StepView) -> str:
         mark = " ✓" if chosen else ""
         cls = ' class="chosen"' if chosen else ""
         rows.append(
-            f'<tr{cls}><td class="k">{_esc(_ROLE_LABELS.get(role, role))}</td>'
-            f"<td>{_esc(_visible(cand.text))}</td><td>p={format_value(cand.prob)}{mark}</td></tr>"
+            f'<tr{cls}><td class="k">{_esc(ROLE_LABELS.get(role, role))}</td>'
+            f"<td>{_esc(visible(cand.text))}</td><td>p={format_value(cand.prob)}{mark}</td></tr>"
         )
     sig_rows = "".join(
         f'<tr><td class="k">{_esc(k)}</td><td colspan="2">{_esc(format_value(v))}</td></tr>'
-        for k, v in _ordered_signals(step.signals)
+        for k, v in ordered_signals(step.signals)
     )
     parts = [
         f'<div class="th">step {step.index} · {_esc(step.source)} · '
         f"{_esc(source_label(step.source))}</div>",
-        f"<div>token <b>{_esc(_visible(step.text))}</b> (id {step.token_id})</div>",
+        f"<div>token <b>{_esc(visible(step.text))}</b> (id {step.token_id})</div>",
     ]
     if rows:
         parts.append(f'<div class="sep"></div><table>{"".join(rows)}</table>')
@@ -88,7 +88,7 @@ def _answer_html(trace: TraceView) -> str:
         return f'<div class="answer">{_esc(trace.text) or "<span class=muted>(empty)</span>"}</div>'
     spans = []
     for step in trace.steps:
-        classes = f"tok {_source_class(step.source)}" + (" dis" if step.disagreement else "")
+        classes = f"tok {source_class(step.source)}" + (" dis" if step.disagreement else "")
         spans.append(
             f'<span class="{classes}" tabindex="0" data-step="{step.index}" '
             f'data-source="{_esc(step.source)}">{_token_html(step.text)}{_tooltip_html(step)}</span>'
@@ -100,8 +100,8 @@ def _legend_html(trace: TraceView) -> str:
     labels = [AGREE, FROM_RAG, FROM_LLM]
     labels += sorted({s.source for s in trace.steps} - set(labels))
     items = "".join(
-        f'<span><span class="sw {_source_class(lab)}"></span><b>{_esc(lab)}</b> '
-        f"— {_esc(source_label(lab) if lab in _SOURCE_LABELS else 'other policy label')}</span>"
+        f'<span><span class="sw {source_class(lab)}"></span><b>{_esc(lab)}</b> '
+        f"— {_esc(source_label(lab) if lab in SOURCE_LABELS else 'other policy label')}</span>"
         for lab in labels
     )
     return (
@@ -119,7 +119,7 @@ def _summary_html(trace: TraceView) -> str:
         ("Model", trace.model or "—"),
         ("Generated tokens", str(total)),
         ("Disagreement steps", str(n_dis)),
-        ("Stop reason", _stop_text(trace.stop_reason)),
+        ("Stop reason", stop_text(trace.stop_reason)),
     ]
     if trace.prompt_tokens:
         stats.append(
@@ -136,12 +136,12 @@ def _summary_html(trace: TraceView) -> str:
     order = [AGREE, FROM_RAG, FROM_LLM] + sorted(set(counts) - {AGREE, FROM_RAG, FROM_LLM})
     present = [lab for lab in order if counts.get(lab)]
     bar = "".join(
-        f'<span class="{_source_class(lab)}" style="width:{100 * counts[lab] / total:.2f}%" '
+        f'<span class="{source_class(lab)}" style="width:{100 * counts[lab] / total:.2f}%" '
         f'title="{_esc(lab)}: {counts[lab]}"></span>'
         for lab in present
     )
     chips = "".join(
-        f'<span class="chip {_source_class(lab)}"><b>{_esc(lab)}</b> {counts[lab]} '
+        f'<span class="chip {source_class(lab)}"><b>{_esc(lab)}</b> {counts[lab]} '
         f'<span class="muted">({100 * counts[lab] / total:.0f} %)</span></span>'
         for lab in present
     )
@@ -170,8 +170,8 @@ def _passages_html(trace: TraceView) -> str:
         )
     rows = []
     for p in trace.passages:
-        status = _passage_status(p)
-        source = _passage_source(p)
+        status = passage_status(p)
+        source = passage_source(p)
         preview = p.text if len(p.text) <= 140 else p.text[:140].rstrip() + "…"
         source_html = f'<div class="muted">{_esc(source)}</div>' if source else ""
         rows.append(
@@ -202,11 +202,11 @@ def _disagreements_html(trace: TraceView) -> str:
             '<section class="card"><h2>Disagreement steps</h2><p class="muted" style="margin:0">'
             "The contexts agreed on every token.</p></section>"
         )
-    roles = _roles(steps)
-    keys = _signal_keys(steps)
+    roles = roles_of(steps)
+    keys = signal_keys(steps)
     head = (
         "<th>Step</th><th>Chosen</th>"
-        + "".join(f"<th>{_esc(_ROLE_LABELS.get(r, r))}</th>" for r in roles)
+        + "".join(f"<th>{_esc(ROLE_LABELS.get(r, r))}</th>" for r in roles)
         # long signal names may wrap after an underscore, never inside a word
         + "".join(f"<th>{_esc(k).replace('_', '_<wbr>')}</th>" for k in keys)
     )
@@ -214,7 +214,7 @@ def _disagreements_html(trace: TraceView) -> str:
     for s in steps:
         cells = [
             f'<td class="num">{s.index}</td>',
-            f'<td style="white-space:nowrap">{_code(s.text)} <span class="badge {_source_class(s.source)}">'
+            f'<td style="white-space:nowrap">{_code(s.text)} <span class="badge {source_class(s.source)}">'
             f"{_esc(s.source)}</span></td>",
         ]
         for role in roles:
@@ -265,6 +265,6 @@ def trace_to_html(trace: TraceView) -> str:
     return (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
-        f"<title>{_esc(title)}</title>\n<style>{_CSS}</style>\n</head>\n<body>{body}\n"
-        f"<script>{_JS}</script>\n</body>\n</html>\n"
+        f"<title>{_esc(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>{body}\n"
+        f"<script>{JS}</script>\n</body>\n</html>\n"
     )

@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..labels import AGREE, FROM_LLM, FROM_RAG
 from ._common import (
-    _RICH_OTHER,
-    _RICH_STYLES,
-    _SOURCE_LABELS,
-    _roles,
-    _stop_text,
-    _visible,
+    RICH_OTHER,
+    RICH_STYLES,
+    SOURCE_LABELS,
     format_value,
+    roles_of,
     source_label,
+    stop_text,
+    visible,
 )
 from ._view import CandidateView, StepView, TraceView
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from rich.table import Table
 
 def _rich_style(source: str) -> str:
-    return _RICH_STYLES.get(source, _RICH_OTHER)
+    return RICH_STYLES.get(source, RICH_OTHER)
 
 
 def _margin(signals: Mapping[str, Any]) -> float | None:
@@ -56,7 +56,7 @@ def _disagreement_table(trace: TraceView, steps: Sequence[StepView]) -> Table:
     from rich.table import Table
     from rich.text import Text
 
-    roles = _roles(steps)
+    roles = roles_of(steps)
     other_roles = [r for r in roles if r not in ("rag", "pure", "llm")]
     threshold = _margin_threshold(trace, steps)
     title = f"Disagreement steps ({len(steps)})"
@@ -81,7 +81,7 @@ def _disagreement_table(trace: TraceView, steps: Sequence[StepView]) -> Table:
         table.add_column("kept by")
 
     def cand_text(cand: CandidateView | None) -> str:
-        return "—" if cand is None else f"{_visible(cand.text)} ({format_value(cand.prob)})"
+        return "—" if cand is None else f"{visible(cand.text)} ({format_value(cand.prob)})"
 
     for s in steps:
         llm_cand = s.candidates.get("pure") or s.candidates.get("llm")
@@ -94,7 +94,7 @@ def _disagreement_table(trace: TraceView, steps: Sequence[StepView]) -> Table:
             row.append(
                 Text("; ".join(f"{r}: {cand_text(s.candidates.get(r))}" for r in other_roles))
             )
-        row.append(Text(f"{_visible(s.text)} ({s.source})", style=_rich_style(s.source)))
+        row.append(Text(f"{visible(s.text)} ({s.source})", style=_rich_style(s.source)))
         row += [format_value(s.signals.get(k)) for k in ("l_star", "cos_ir", "cos_llm")]
         if threshold is not None:
             row.append(format_value(_margin(s.signals)))
@@ -141,7 +141,7 @@ def render_trace(trace: TraceView, console: Console | None = None) -> None:
         if i:
             legend.append("  ")
         legend.append(f"■ {lab}", style=_rich_style(lab) or "grey62")
-        meaning = source_label(lab) if lab in _SOURCE_LABELS else "other policy label"
+        meaning = source_label(lab) if lab in SOURCE_LABELS else "other policy label"
         legend.append(f" ({meaning})", style="dim")
     console.print(legend)
 
@@ -149,7 +149,7 @@ def render_trace(trace: TraceView, console: Console | None = None) -> None:
     count_text = ", ".join(f"{k} {v}" for k, v in counts.items()) or "no tokens"
     summary = (
         f"policy {trace.policy or '—'} · model {trace.model or '—'} · {count_text}"
-        f" · stop: {_stop_text(trace.stop_reason)}"
+        f" · stop: {stop_text(trace.stop_reason)}"
     )
     console.print(Text(summary, style="dim"))
 

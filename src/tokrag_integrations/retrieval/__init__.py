@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from ..booleans import require_bool
+from ..config import require_bool
 from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP
 from .chunking import chunk_documents, chunk_text
 from .documents import (

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..booleans import require_bool
+from ..config import require_bool
 from ..defaults import TOP_K
 from .documents import Chunk, ScoredChunk
 
@@ -90,7 +90,7 @@ class EmbeddingCache:
     """
 
     def __init__(self, embedder_name: str, folder: Path | None = None) -> None:
-        from ..paths import cache_dir
+        from ..config import cache_dir
 
         self.name = embedder_name
         self.folder = Path(folder) if folder is not None else cache_dir() / "embeddings"

@@ -1,54 +1,18 @@
-"""Runners: noise sweep, misleading passages and token-level classification.
+"""Runners: noise sweep (Table 1) and misleading passages; token level is :mod:`.token_level`.
 
 Each runner appends one JSON line per (item id, condition, policy) to ``records_path`` as
-soon as it is known and skips the keys already in the file, so a run that was interrupted
-(Ctrl-C, a killed job) continues where it stopped when started again with the same
-arguments.
+soon as it is known and skips the keys already there, so an interrupted run continues where
+it stopped. Policies are specs, ``name`` or ``name[key=value,...]`` (:mod:`.specs`): the
+normalised spec is the record's ``policy`` and the table label, its options go to
+``generate_batch(..., policy_options=...)``.
 
-What is shared between policies: the passage mix of an (item, condition) (seeded, identical
-for every policy); the prompt prefill (inside :func:`..engine.prefill.shared_prefill` every policy
-that decodes the same pure / RAG context of the same item batch gets a copy of one prefilled
-KV cache; the per-passage contexts of ``rag_token`` / ``rag_sequence`` are prefilled
-separately); and the ``llm`` answer, which ignores passages and is decoded once per item and
-reused for every condition. ``time_s`` in the records charges a policy the prefill it took
-from another policy's decode (``prefill_reused_s``), so the policy that happens to run first
-does not look dearer; it is still timed inside a shared run, and :mod:`.cost` measures cost
-in isolation.
-
-Policies are given as specs, ``name`` or ``name[key=value,...]`` (:mod:`.specs`), e.g.
-``tokrag[min_fusion_layer=0]``: the normalised spec string is the record's ``policy`` and the
-table label, and its options go to ``generate_batch(..., policy=name, policy_options=options)``. Every spec
-is one more policy inside the shared prefill (two ``tokrag`` specs share it: probing does not
-depend on the options).
-
-Accuracy summaries carry 95 % percentile-bootstrap intervals (items resampled 2000 times,
-fixed seed) per condition and for the mean over conditions, and the paired difference of each
-policy to ``rag`` (the same item resample for both; :func:`compare_policies`).
-
-Token level (:func:`run_token_level`) needs label-0 samples, positions where the pure model
-predicts the gold token and RAG does not. With the 135M model these come from items the pure
-model knows, so three sources are used:
-
-* RGB (``rgb_en_fact``): the counterfactual conditions ``cf=0.5`` / ``cf=1`` (k = 2
-  passages, counterfactual passages from the data); target: the evidence sentence.
-* ConflictQA (``conflictqa_strategyqa``, yes/no): its positive and its counterfactual
-  passage (which argues the opposite verdict) through the same ``cf=`` conditions (the noise
-  conditions give the positive alone; there are no negatives); with ``target="auto"`` the
-  target is the bare verdict "Yes" / "No" (``--target evidence``: the positive's first
-  sentence).
-* PopQA (``popqa``, no passages): :func:`.data.select_popular` keeps the top popularity
-  quintile (``meta.pop_bin`` >= 4, 120 dev items), most popular first; :func:`.data.
-  synthesize_popqa` gives each a supporting passage, one template sentence per relation
-  (``meta.prop``) with the first gold answer ("The capital of Belarus is Minsk."), and a
-  counterfactual passage, the same sentence with the first answer of another PopQA item of the
-  same relation (from the whole file) that overlaps no gold answer and whose sentence covers
-  none, drawn with a generator seeded by (seed, item id) (``counterfactual_answers`` holds it;
-  no usable answer: no counterfactual). No negatives. Target: the bare first gold answer.
-  The passages are synthetic one-liners, so this measures knowledge conflict, not retrieval.
-
-Every record carries its item's ``source``; :func:`summarize_token_level` reports AUC (with a
-95 % bootstrap interval, items resampled) and the label counts per source and pooled, and
-:func:`pool_token_records` reads the records of several runs into one table.
+Shared between policies: the passage mix of an (item, condition) (seeded, the same for every
+policy); the prefill (inside :func:`..engine.prefill.shared_prefill` every policy decoding
+the same contexts of the same item batch gets a copy of one prefilled KV cache); and the
+``llm`` answer, decoded once per item for every condition. ``time_s`` charges a policy the
+prefill it took from another's decode (``prefill_reused_s``); :mod:`.cost` measures cost in
+isolation. Accuracy comes with 95 % percentile-bootstrap intervals over items, and the paired
+difference of each policy to ``rag`` (:func:`.accuracy.compare_policies`).
 """
 
 from __future__ import annotations
@@ -58,35 +22,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..booleans import require_bool
-from .accuracy import (  # noqa: F401 - re-exported: this was their module
-    _figures,
-    _index,
-    _record,
-    compare_policies,
-    item_matrix,
-    summarize_accuracy,
-)
+from ..config import require_bool
+from .accuracy import summarize_accuracy
 from .data import DEFAULT_RATIOS, DEFAULT_SEED, EvalItem, Mix, mix_counterfactuals, mix_passages
-from .metrics import (
-    cover_em,
-)
-from .records import NO_PASSAGES, RecordStore, _progress  # noqa: F401 - re-exported
+from .metrics import cover_em
+from .records import NO_PASSAGES, RecordStore, progress_bar
 from .specs import parse_specs
-from .token_level import (  # noqa: F401 - re-exported: this was their module
-    TARGETS,
-    TOKRAG_CONFIGS,
-    evidence_sentence,
-    gold_target,
-    pool_token_records,
-    run_token_level,
-    scorer_configs,
-    summarize_token_level,
-    target_kind,
-)
 
 DEFAULT_POLICIES = ("llm", "rag", "tokrag", "cad", "adacad", "logprob", "entropy", "rag_token")
 DEFAULT_CF_RATIOS = (0.0, 0.5, 1.0)
+
 
 def _default_decode(lm: Any, queries: list[str], passages: list[list[str]], **kw: Any) -> list[Any]:
     from ..api import generate_batch
@@ -125,7 +70,7 @@ def _run_generation(
     total = len(items) * (len(no_passages) + len(with_passages) * len(conditions))
     done = sum(1 for it in items for p in no_passages if (it.id, NO_PASSAGES, p) in store)
     done += sum(1 for it in items for p in with_passages for c, _ in conditions if (it.id, c, p) in store)
-    bar = _progress(total, done, f"{task} ({lm_name(lm)})", progress)
+    bar = progress_bar(total, done, f"{task} ({lm_name(lm)})", progress)
 
     def run(policy: str, cond: str, batch: list[EvalItem], mixes: list[Mix]) -> None:
         t0 = time.perf_counter()
