@@ -5,7 +5,7 @@
 This module holds ``main`` and the parser; each command group lives in its own module next
 to it: :mod:`.ask` (``tokrag ask``), :mod:`.eval` (``tokrag eval``), :mod:`.pg` (``tokrag ingest`` and the ``--store
 postgres`` options of ``ask``), :mod:`.gate` (``ask --gate``), :mod:`.serve` (``tokrag
-serve``); ``tokrag bench`` is :mod:`..bench`; the helpers they share are in :mod:`._common`.
+serve``); ``tokrag bench`` is :mod:`..bench`; the helpers they share are in :mod:`.console`.
 
 Each subcommand is one ``add_*_parser(subparsers)`` function that adds its parser and sets
 ``func`` (a ``(args) -> int`` handler) as a default; :data:`SUBCOMMANDS` lists them. A new
@@ -25,60 +25,40 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ._common import (  # noqa: F401 - importable from here as before
-    _CONTROL_PICTURES,
-    _STREAM_STYLES,
-    EXIT_USAGE,
-    SAMPLE_DOCS,
-    AddParser,
-    _check_output_path,
-    _consoles,
-    _positive_int,
-    _print_warning,
-    _resolve_docs,
-    _SanitizedRenderable,
-    _short_source,
-    _Status,
-    _stop_strings,
-    _visible_controls,
-    _VisibleControls,
-    parse_option,
-)
-from .ask import (  # noqa: F401 - importable from here as before
-    _check_before_loading,
-    _placement,
-    _print_sources,
-    _retrieve,
-    cmd_ask,
-)
 from .ask import add_parser as add_ask_parser
+from .console import EXIT_USAGE, AddParser, _consoles, _print_warning, parse_option
 
 __all__ = ["main", "build_parser", "register_subcommand", "SUBCOMMANDS", "parse_option"]
 
-# ============================================================================ parser
-#: The subcommands, each an ``add_*_parser(subparsers)`` function. Append to add one.
-SUBCOMMANDS: list[AddParser] = [add_ask_parser]
+
+def add_bench_parser(subparsers: Any) -> None:
+    from ..bench import add_parser
+
+    add_parser(subparsers)
 
 
-def _lazy(module: str, func: str) -> AddParser:
-    """A subcommand defined in another module of the package (``module`` relative to
-    ``tokrag_integrations``), imported only when the parser is built."""
+def add_eval_parser(subparsers: Any) -> None:
+    from .eval import add_parser
 
-    def add(subparsers: Any) -> Any:
-        import importlib
-
-        package = __name__.rpartition(".")[0]
-        return getattr(importlib.import_module(f"{package}.{module}"), func)(subparsers)
-
-    add.__name__ = f"{module}.{func}"
-    return add
+    add_parser(subparsers)
 
 
-SUBCOMMANDS += [
-    _lazy("bench", "add_parser"),
-    _lazy("cli.eval", "add_parser"),
-    _lazy("cli.pg", "add_ingest_parser"),
-    _lazy("cli.serve", "add_parser"),
+def add_ingest_parser(subparsers: Any) -> None:
+    from .pg import add_ingest_parser
+
+    add_ingest_parser(subparsers)
+
+
+def add_serve_parser(subparsers: Any) -> None:
+    from .serve import add_parser
+
+    add_parser(subparsers)
+
+
+#: The subcommands, each an ``add_*_parser(subparsers)`` function (their modules are
+#: imported when the parser is built). Append to add one.
+SUBCOMMANDS: list[AddParser] = [
+    add_ask_parser, add_bench_parser, add_eval_parser, add_ingest_parser, add_serve_parser,
 ]
 
 

@@ -18,7 +18,7 @@ __all__ = ["add_parser", "cmd_serve", "config_from_args"]
 
 
 def _positive_int(text: str) -> int:
-    from ._common import _positive_int as check
+    from .console import _positive_int as check
 
     return check(text)
 
@@ -36,7 +36,7 @@ def _non_negative_float(text: str) -> float:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``tokrag serve``."""
     from ..policies import available_policies
-    from ._common import parse_option
+    from .console import parse_option
     from .pg import add_store_arguments
 
     p = subparsers.add_parser(
@@ -199,7 +199,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             num_cpus=args.num_cpus, num_gpus=args.num_gpus, blocking=True,
         )
         return 0
-    from ..serve.runner import serve
+    from ..serve.app import serve
 
     serve(config, host=args.host, port=args.port)
     return 0

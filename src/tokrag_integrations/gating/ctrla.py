@@ -43,10 +43,10 @@ from typing import Any
 import torch
 
 from ..booleans import require_bool
-from ..models import LoadedModel
+from ..loaded_model import LoadedModel
 from ..policies.base import Choice, ContextView, Policy
 from ..trace import FROM_LLM
-from .base import Gate
+from .gate_base import Gate
 from .statements import INSTRUCTION, PERSONAS, STATEMENTS
 
 #: A small English stopword list (function words, auxiliaries, common fillers).
