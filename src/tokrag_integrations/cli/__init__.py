@@ -2,19 +2,13 @@
 
     tokrag ask "Who founded Quillfeather Aerospace?" --docs sample --explain --html trace.html
 
-This module holds ``main`` and the parser; each command group lives in its own module next
-to it: :mod:`.ask` (``tokrag ask``), :mod:`.eval` (``tokrag eval``), :mod:`.pg` (``tokrag ingest`` and the ``--store
-postgres`` options of ``ask``), :mod:`.gate` (``ask --gate``), :mod:`.serve` (``tokrag
-serve``); ``tokrag bench`` is :mod:`..bench`; the helpers they share are in :mod:`.console`.
-
-Each subcommand is one ``add_*_parser(subparsers)`` function that adds its parser and sets
-``func`` (a ``(args) -> int`` handler) as a default; :data:`SUBCOMMANDS` lists them. A new
-subcommand (``bench``, ``eval``, ``ingest``...) is a new pair of functions added to that list,
-or registered from another module with :func:`register_subcommand`.
-
-Importing this module is cheap: torch, transformers and the retrievers load only when a
-command runs. User errors (``ValueError`` / ``FileNotFoundError`` from the library) end the
-command with a one-line message and exit status 2, without a traceback.
+``main`` and the parser live here; each command in its own module: :mod:`.ask`,
+:mod:`.eval`, :mod:`.pg` (``ingest`` and ``ask --store postgres``), :mod:`.gate` (``ask
+--gate``), :mod:`.serve`; ``tokrag bench`` is :mod:`..bench`; shared helpers in
+:mod:`.console`. A subcommand is an ``add_*_parser(subparsers)`` function that sets
+``func`` (``(args) -> int``); :data:`SUBCOMMANDS` lists them, :func:`register_subcommand`
+adds one. Importing this is cheap (torch loads when a command runs); user errors end with
+a one-line message and exit status 2.
 """
 
 from __future__ import annotations
@@ -27,6 +21,7 @@ from typing import Any
 
 from .ask import add_parser as add_ask_parser
 from .console import EXIT_USAGE, AddParser, _consoles, _print_warning, parse_option
+from .pg import EXIT_DATABASE
 
 __all__ = ["main", "build_parser", "register_subcommand", "SUBCOMMANDS", "parse_option"]
 
@@ -132,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not _is_database_error(exc):
             raise
         print(f"tokrag: database error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 3
+        return EXIT_DATABASE
     finally:
         warnings.showwarning = previous
 
@@ -140,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _is_database_error(exc: BaseException) -> bool:
     if "tokrag_integrations.postgres.server" not in sys.modules:
         return False
-    from ..postgres.server import PostgresConnectionError, PostgresSetupError
+    from .pg import _database_errors
 
-    return isinstance(exc, (PostgresConnectionError, PostgresSetupError, LookupError))
+    return isinstance(exc, _database_errors())
 

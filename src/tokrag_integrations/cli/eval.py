@@ -33,8 +33,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-#: Exit status of a usage error, as ``tokrag`` and argparse use.
-EXIT_USAGE = 2
+from .console import EXIT_USAGE
 
 TASKS = ("noise", "misleading", "token", "token-pool", "cost")
 
@@ -44,10 +43,6 @@ def _floats(text: str) -> list[float]:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
-
-
-def _names(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def _specs(text: str) -> list[str]:

@@ -13,14 +13,9 @@ import argparse
 from typing import Any
 
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS, TOP_K
+from .console import _positive_int, parse_option
 
 __all__ = ["add_parser", "cmd_serve", "config_from_args"]
-
-
-def _positive_int(text: str) -> int:
-    from .console import _positive_int as check
-
-    return check(text)
 
 
 def _non_negative_float(text: str) -> float:
@@ -36,7 +31,6 @@ def _non_negative_float(text: str) -> float:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``tokrag serve``."""
     from ..policies import available_policies
-    from .console import parse_option
     from .pg import add_store_arguments
 
     p = subparsers.add_parser(

@@ -180,10 +180,6 @@ class ConfidenceGate(Gate):
         if threshold is not None:
             self.threshold = float(threshold)
 
-    @property
-    def name_with_metric(self) -> str:
-        return f"confidence:{self.metric}"
-
     def config(self) -> dict[str, Any]:
         return {"metric": self.metric, "max_new_tokens": self.max_new_tokens}
 

@@ -3,22 +3,16 @@
     from tokrag_integrations.serve import ChatService, ServeConfig, create_app
     app = create_app(ChatService.load(ServeConfig(policy="tokrag")))   # any ASGI server runs it
 
-A chat completion is the standard OpenAI object plus a top-level ``tokrag`` object: the
-policy, the token counts per source, the token-level trace, warnings and the sources (the
-passages as they entered the RAG context). Streamed (``"stream": true``) answers are
-server-sent events of ``chat.completion.chunk`` objects; each content chunk carries
-``tokrag.source`` (where its token came from) and the last one the full ``tokrag`` object.
+A chat completion is the standard OpenAI object plus a top-level ``tokrag`` object (policy,
+counts per source, trace, warnings, sources); streamed answers are ``chat.completion.chunk``
+server-sent events, each content chunk with ``tokrag.source``, the last with the full
+``tokrag`` object. Refusals are OpenAI-style JSON errors: 400 bad body, 401 no bearer token,
+413 body over the limit, 429 ``max_queue`` reached, 503 while the model loads.
 
-A request the server refuses gets an OpenAI-style JSON error (``{"error": {"message",
-"type", "param", "code"}}``): 400 for a bad body, 401 without the configured bearer token,
-413 for a body over the limit, 429 when ``max_queue`` requests are already admitted, 503
-while the model loads; never a traceback.
-
-Decoding never runs on the event loop. Every request goes through the model's micro-batcher,
-so concurrent requests with the same settings decode as one batch, and a request that
-arrives mid-decode joins it at the next step, streamed or not; a stream's events are queued
-for its client as the decode chooses them, so a slow reader never holds the others; a client
-that disconnects cancels its request (it leaves the decode at the next step, or its queue).
+Decoding never runs on the event loop; every request goes through the model's micro-batcher
+(concurrent requests decode as one batch, a late one joins at the next step); a stream's
+events are queued for its client, so a slow reader holds no one; a client that disconnects
+cancels its request.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations (``Request``)

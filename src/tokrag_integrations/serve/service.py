@@ -1,10 +1,7 @@
-"""The model side of the server: one loaded model, its micro-batcher and optional Postgres store.
-
-:class:`ChatService` takes a checked :class:`~.schemas.ChatRequest` and answers it with the
-core API: a plain request through the model's micro-batcher (:mod:`..batching`: concurrent
-requests with the same settings decode as one batch, each gets the tokens it gets alone), a
-streamed one through :func:`~tokrag_integrations.stream`. No FastAPI here; :mod:`.app` maps
-HTTP onto it, and the Ray Serve deployment (:mod:`.ray_app`) builds one per replica.
+"""The model side of the server: one loaded model, its micro-batcher and optional Postgres
+store. :class:`ChatService` answers a checked :class:`~.schemas.ChatRequest` through the
+micro-batcher (concurrent requests decode as one batch); no FastAPI here (:mod:`.app` maps
+HTTP onto it, :mod:`.ray_app` builds one per replica).
 """
 
 from __future__ import annotations
