@@ -352,38 +352,47 @@ class Session:
                     if i not in node["calls"]:
                         node["calls"].append(i)
                     node["parts"] += 1
-        used = [n["node_id"] for n in nodes if n["kept"]]
-        cut = [n["node_id"] for n in nodes if n["cut"]]
-        empty = [n["node_id"] for n in nodes if n["empty"]]
-        dropped = [n["node_id"] for n in nodes if not n["kept"] and not n["empty"]]
-        reason = None
-        if not used:
-            reason = "no node had usable text"
-        elif policy == "llm":
-            reason = "policy 'llm' ignores retrieval"
         counts, notes, total = totals(calls, self.notes)
         return {
             "response_mode": self.mode,
-            "policy": policy,
-            "policy_used": "llm" if reason else policy,
-            "answered_from": "pure_context" if reason else "retrieval",
-            "pure_context_reason": reason,
-            "counts": final.counts,
+            **_answer_fields(nodes, policy, None, "no node had usable text", final, self.gate),
             "counts_all_calls": counts,
-            "model": final.trace.model,
-            "stop_reason": final.trace.stop_reason,
-            "gate": self.gate,
-            "passages": nodes,
-            "nodes_used": used,
-            "nodes_cut": cut,
-            "nodes_dropped": dropped,
-            "n_nodes_dropped": len(dropped),
-            "nodes_skipped_empty": empty,
             "warnings": notes,
             "trace": calls[-1]["trace"],
             "calls": calls,
             "usage": total,
         }
+
+
+def _answer_fields(
+    records: list[dict[str, Any]], policy: str, reason: str | None, no_text: str,
+    result: GenerationResult, gate: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """What the metadata says of the answer and the nodes (``records``: one per node, with
+    ``node_id``, ``kept``, ``cut``, ``empty``); ``reason`` why no passage was given, else
+    ``no_text`` when none was kept."""
+    used = [r["node_id"] for r in records if r["kept"]]
+    dropped = [r["node_id"] for r in records if not r["kept"] and not r["empty"]]
+    if reason is None and not used:
+        reason = no_text
+    if reason is None and policy == "llm":
+        reason = "policy 'llm' ignores retrieval"
+    return {
+        "policy": policy,
+        "policy_used": "llm" if reason else policy,
+        "answered_from": "pure_context" if reason else "retrieval",
+        "pure_context_reason": reason,
+        "counts": result.counts,
+        "model": result.trace.model,
+        "stop_reason": result.trace.stop_reason,
+        "gate": gate,
+        "passages": records,
+        "nodes_used": used,
+        "nodes_cut": [r["node_id"] for r in records if r["kept"] and r["cut"]],
+        "nodes_dropped": dropped,
+        "n_nodes_dropped": len(dropped),
+        "nodes_skipped_empty": [r["node_id"] for r in records if not r["kept"] and r["empty"]],
+    }
 
 
 def totals(
@@ -418,10 +427,8 @@ def response_metadata(
     passage was given (None when some were)."""
     tr = result.trace
     records = []
-    used, dropped, cut, empty = [], [], [], []
     for rec in tr.passages:
         nid = rec.metadata.get("node_id", node_ids[rec.rank] if rec.rank < len(node_ids) else None)
-        is_empty = not rec.text.strip()
         records.append(
             {
                 "node_id": nid,
@@ -429,37 +436,13 @@ def response_metadata(
                 "score": rec.score,
                 "kept": rec.kept,
                 "cut": rec.cut,
-                "empty": is_empty,
+                "empty": not rec.text.strip(),
                 "n_tokens": rec.n_tokens,
             }
         )
-        if rec.kept:
-            used.append(nid)
-            if rec.cut:
-                cut.append(nid)
-        elif is_empty:
-            empty.append(nid)
-        else:
-            dropped.append(nid)
-    if pure_reason is None and not used:
-        pure_reason = "no node had usable text" if node_ids else "no nodes were retrieved"
-    if pure_reason is None and policy == "llm":
-        pure_reason = "policy 'llm' ignores retrieval"
+    no_text = "no node had usable text" if node_ids else "no nodes were retrieved"
     return {
-        "policy": policy,
-        "policy_used": "llm" if pure_reason else policy,
-        "answered_from": "pure_context" if pure_reason else "retrieval",
-        "pure_context_reason": pure_reason,
-        "counts": result.counts,
-        "model": tr.model,
-        "stop_reason": tr.stop_reason,
-        "gate": gate,
-        "passages": records,
-        "nodes_used": used,
-        "nodes_cut": cut,
-        "nodes_dropped": dropped,
-        "n_nodes_dropped": len(dropped),
-        "nodes_skipped_empty": empty,
+        **_answer_fields(records, policy, pure_reason, no_text, result, gate),
         "warnings": list(tr.warnings),
         "trace": tr.to_dict(),
     }
