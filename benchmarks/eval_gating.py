@@ -133,7 +133,7 @@ def popqa(lm, args, out: dict) -> None:
     """One greedy pure draft per query through :class:`ConfidenceGate` (its details carry
     all five metrics); GECE on a stratified subset; CtrlA optionally (a second decode)."""
     from tokrag_integrations.gating import ConfidenceGate, GECEGate
-    from tokrag_integrations.gating.metrics import METRICS
+    from tokrag_integrations.gating.confidence import METRICS
 
     items = load("popqa", args.popqa_limit, stratify=True)
     gate = ConfidenceGate(lm, "self_certainty", max_new_tokens=args.max_new_tokens)
@@ -309,8 +309,8 @@ def summarise_qa(t: dict, metric: str, percentiles: list[float]) -> dict:
     A gated pipeline answers with the gate's own pure draft unless the gate retrieves, then
     with the RAG answer; its time = the gate's cost (its draft included) + the RAG decode
     when it retrieves. Thresholds: percentiles of the set's own scores (in-sample)."""
-    from tokrag_integrations.gating.base import Gate
-    from tokrag_integrations.gating.metrics import METRICS
+    from tokrag_integrations.gating.confidence import METRICS
+    from tokrag_integrations.gating.gate_base import Gate
 
     recs = t["rows"]
     acc = {

@@ -13,9 +13,9 @@ from langchain_core.runnables import RunnableLambda
 
 from tokrag_integrations import load_model
 from tokrag_integrations.gating import CtrlAGate
-from tokrag_integrations.gating.langchain import gated_router
 from tokrag_integrations.gating.statements import STATEMENTS
 from tokrag_integrations.langchain import ChatTokRAG, create_tokrag_chain
+from tokrag_integrations.langchain.gated_router import gated_router
 from tokrag_integrations.retrieval import (
     build_retriever,
     get_sample_docs_path,

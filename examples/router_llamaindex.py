@@ -16,8 +16,8 @@ from llama_index.core.tools import QueryEngineTool
 
 from tokrag_integrations import load_model
 from tokrag_integrations.gating import ConfidenceGate
-from tokrag_integrations.gating.llama_index import gate_selector
 from tokrag_integrations.llama_index import TokRAGLLM, TokRAGSynthesizer
+from tokrag_integrations.llama_index.gated_engine import gate_selector
 from tokrag_integrations.retrieval import (
     build_retriever,
     get_sample_docs_path,
@@ -81,7 +81,7 @@ def main() -> None:
         decision["threshold"],
     )
     # The same routing as one engine, without RouterQueryEngine (decision in metadata["gate"]):
-    #   from tokrag_integrations.gating.llama_index import gated_query_engine
+    #   from tokrag_integrations.llama_index.gated_engine import gated_query_engine
     #   gated_query_engine(gate, SampleDocsRetriever(), synth).query(question)
 
 

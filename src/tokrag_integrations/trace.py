@@ -37,7 +37,7 @@ class TraceStep:
     ``fusion_jsd_layer``). ``stats`` maps each context role to a cheap summary of its
     next-token distribution at this step, evaluated at the chosen token (``logp``,
     ``entropy``, ``gini``, ``mean_logp``; see :func:`.engine.stats.distribution_stats`); the
-    confidence metrics of :mod:`..gating.metrics` are computed from it without re-running
+    confidence metrics of :mod:`..gating.confidence` are computed from it without re-running
     the model.
     """
 

@@ -47,8 +47,8 @@ def test_langchain_router_routes_both_ways(lm, threshold, route):
     from langchain_core.documents import Document
     from langchain_core.runnables import RunnableLambda
 
-    from tokrag_integrations.gating.langchain import gated_router
     from tokrag_integrations.langchain import ChatTokRAG, create_tokrag_chain
+    from tokrag_integrations.langchain.gated_router import gated_router
 
     ret = _retriever()
     lc_ret = RunnableLambda(
@@ -73,8 +73,8 @@ def test_langchain_router_streams_and_awaits_the_chosen_branch(lm, threshold, ro
     from langchain_core.runnables import RunnableLambda
     from langchain_core.tracers.context import collect_runs
 
-    from tokrag_integrations.gating.langchain import gated_router
     from tokrag_integrations.langchain import ChatTokRAG, create_tokrag_chain
+    from tokrag_integrations.langchain.gated_router import gated_router
 
     ret = _retriever()
     lc_ret = RunnableLambda(
@@ -116,8 +116,8 @@ def test_llamaindex_router_routes_both_ways(lm, threshold, route):
     from llama_index.core.schema import NodeWithScore, TextNode
     from llama_index.core.tools import QueryEngineTool
 
-    from tokrag_integrations.gating.llama_index import gate_selector, gated_query_engine
     from tokrag_integrations.llama_index import TokRAGLLM, TokRAGSynthesizer
+    from tokrag_integrations.llama_index.gated_engine import gate_selector, gated_query_engine
 
     ret = _retriever()
 

@@ -28,8 +28,8 @@ from tokrag_integrations.langchain import (
     create_tokrag_chain,
     create_tokrag_documents_chain,
 )
-from tokrag_integrations.langchain.chains import format_documents
 from tokrag_integrations.langchain.chat_models import NO_PASSAGES_WARNING
+from tokrag_integrations.langchain.tokrag_chain import format_documents
 from tokrag_integrations.retrieval import chunk_documents, get_sample_docs_path, load_documents
 
 QUESTION = "Who founded Quillfeather Aerospace?"

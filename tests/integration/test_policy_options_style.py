@@ -1,6 +1,6 @@
 """One policy-options style at the integration entry points (issue 34): ``policy="tokrag",
-policy_options={...}``; policy options as loose keyword arguments still work, with a
-DeprecationWarning naming the new spelling; the policy registry checks the options."""
+policy_options={...}``; the policy registry checks the options. Policy options as loose
+keyword arguments (the spelling before issue 44) are refused, naming the accepted ones."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_merge_keeps_the_dict_and_warns_only_for_loose_keywords() -> None:
         merge_policy_options(["pr_norm"], {}, "X")  # type: ignore[arg-type]
 
 
-def test_chain_factories_take_policy_options_and_warn_on_the_old_spelling() -> None:
+def test_chain_factories_take_policy_options_and_refuse_the_old_spelling() -> None:
     from tokrag_integrations.langchain import ChatTokRAG
     from tokrag_integrations.langchain.chains import _chat_model
 
@@ -46,24 +46,22 @@ def test_chain_factories_take_policy_options_and_warn_on_the_old_spelling() -> N
 
     new = _no_deprecation(lambda: build({"pr_norm": "softmax"}))
     assert new["policy_options"] == {"pr_norm": "softmax"}
-    with pytest.warns(DeprecationWarning, match="create_tokrag_chain: .*policy_options="):
-        old = build(None, pr_norm="softmax")
-    assert old == new
-    # The registry checks the options, whichever way they came.
+    with pytest.raises(TypeError, match="create_tokrag_chain .*'pr_norm'.*accepted: .*policy_options"):
+        build(None, pr_norm="softmax")
+    # The registry checks the options.
     with pytest.raises(TypeError, match="unknown option 'no_such_option'"):
         build({"no_such_option": 1})
     with pytest.raises(ValueError, match="pr_norm"):
         build({"pr_norm": "nope"})
 
 
-def test_synthesizer_takes_policy_options_and_warns_on_the_old_spelling(lm) -> None:
+def test_synthesizer_takes_policy_options_and_refuses_the_old_spelling(lm) -> None:
     from tokrag_integrations.llama_index import TokRAGSynthesizer
 
     new = _no_deprecation(lambda: TokRAGSynthesizer(lm, policy_options={"pr_norm": "softmax"}))
-    with pytest.warns(DeprecationWarning, match="TokRAGSynthesizer: .*policy_options="):
-        old = TokRAGSynthesizer(lm, pr_norm="softmax")
-    assert new._gen_kwargs == old._gen_kwargs
     assert new._gen_kwargs["policy_options"] == {"pr_norm": "softmax"}
+    with pytest.raises(TypeError, match="TokRAGSynthesizer .*'pr_norm'.*accepted: .*policy_options"):
+        TokRAGSynthesizer(lm, pr_norm="softmax")
     with pytest.raises(TypeError, match="unknown option 'no_such_option'"):
         TokRAGSynthesizer(lm, policy_options={"no_such_option": 1})
 
@@ -79,9 +77,9 @@ def test_chat_model_call_options(lm) -> None:
     new = _no_deprecation(
         lambda: chat._prepare(msgs, None, {"passages": passages, "policy_options": {"pr_norm": "softmax"}})
     )
-    with pytest.warns(DeprecationWarning, match="ChatTokRAG: .*policy_options="):
-        old = chat._prepare(msgs, None, {"passages": passages, "pr_norm": "softmax"})
-    assert new.kwargs == old.kwargs and new.kwargs["policy_options"]["pr_norm"] == "softmax"
+    assert new.kwargs["policy_options"]["pr_norm"] == "softmax"
+    with pytest.raises(TypeError, match="'pr_norm'.*accepted: .*policy_options"):
+        chat._prepare(msgs, None, {"passages": passages, "pr_norm": "softmax"})
 
 
 def test_server_config_and_request_spellings() -> None:
@@ -91,9 +89,8 @@ def test_server_config_and_request_spellings() -> None:
     assert _no_deprecation(lambda: ServeConfig(policy_options={"pr_norm": "softmax"})).policy_options == {
         "pr_norm": "softmax"
     }
-    with pytest.warns(DeprecationWarning, match=r"ServeConfig\(options=\.\.\.\) is deprecated"):
-        old = ServeConfig(options={"pr_norm": "softmax"})
-    assert old.policy_options == {"pr_norm": "softmax"}
+    with pytest.raises(TypeError, match="options"):
+        ServeConfig(options={"pr_norm": "softmax"})  # type: ignore[call-arg]
 
     def parse(tokrag):
         body = {"model": "default", "messages": [{"role": "user", "content": QUESTION}],
@@ -101,10 +98,6 @@ def test_server_config_and_request_spellings() -> None:
         return parse_chat_request(body, Limits(), ["rag", "tokrag"])
 
     new = parse({"policy_options": {"pr_norm": "softmax"}})
-    assert new.options == {"pr_norm": "softmax"} and new.options_key == "tokrag.policy_options"
-    assert not any("deprecated" in w for w in new.warnings)
-    old_req = parse({"options": {"pr_norm": "softmax"}})
-    assert old_req.options == new.options and old_req.options_key == "tokrag.options"
-    assert any("'tokrag.policy_options'" in w for w in old_req.warnings)
-    with pytest.raises(RequestError, match="not both"):
-        parse({"options": {}, "policy_options": {}})
+    assert new.options == {"pr_norm": "softmax"} and not new.warnings
+    with pytest.raises(RequestError, match="unknown key.*options.*policy_options"):
+        parse({"options": {"pr_norm": "softmax"}})

@@ -67,7 +67,7 @@ def test_closed_stream_then_exit_is_clean(case):
 def test_nan_threshold_is_refused(lm):
     """Issue 29.15: a NaN threshold (policy option or gate) is refused, not silently used."""
     from tokrag_integrations import generate
-    from tokrag_integrations.gating.base import Gate
+    from tokrag_integrations.gating.gate_base import Gate
 
     for value in (float("nan"), "nan"):
         with pytest.raises(ValueError, match="'threshold' of policy 'tokrag' must be a number, got NaN"):

@@ -237,7 +237,7 @@ def _raw(server, body, headers=None, content=None):
         ({"tokrag": {"policy": "nope"}}, "tokrag.policy"),
         ({"tokrag": {"policy": 3}}, "tokrag.policy"),
         ({"tokrag": {"polcy": "rag"}}, "tokrag"),
-        ({"tokrag": {"options": {"no_such_option": 1}}}, "tokrag.options"),
+        ({"tokrag": {"policy_options": {"no_such_option": 1}}}, "tokrag.policy_options"),
         ({"tokrag": {"filters": {"a": "b"}}}, "tokrag"),
         ({"model": 7}, "model"),
     ],
@@ -261,7 +261,7 @@ def test_bad_requests_through_the_openai_client(server):
     with pytest.raises(openai.BadRequestError, match="limit of 512"):
         _ask(client, max_tokens=100_000)
     with pytest.raises(openai.BadRequestError, match="no_such_option"):
-        _ask(client, stream=True, extra_body={"tokrag": {"options": {"no_such_option": 1}}})
+        _ask(client, stream=True, extra_body={"tokrag": {"policy_options": {"no_such_option": 1}}})
     assert server.health()["active"] == 0
 
 

@@ -12,6 +12,7 @@ import io
 import pytest
 
 from tokrag_integrations import cli
+from tokrag_integrations.cli.console import stop_strings
 from tokrag_integrations.defaults import (
     ANSWER_STOP,
     CHUNK_CHARS,
@@ -38,7 +39,7 @@ def test_every_entry_point_reads_the_same_defaults() -> None:
 
     args = cli.build_parser().parse_args(["ask", "q"])
     assert (args.top_k, args.max_new_tokens) == (TOP_K, MAX_NEW_TOKENS)
-    assert cli._stop_strings(args) == list(ANSWER_STOP)
+    assert stop_strings(args) == list(ANSWER_STOP)
     assert _defaults(chunk_text) == {"max_chars": CHUNK_CHARS, "overlap": CHUNK_OVERLAP}
     assert {k: _defaults(build_retriever)[k] for k in ("max_chars", "overlap")} == {
         "max_chars": CHUNK_CHARS,
@@ -60,9 +61,9 @@ def test_every_entry_point_reads_the_same_defaults() -> None:
 
 def test_cli_stop_options() -> None:
     parse = cli.build_parser().parse_args
-    assert cli._stop_strings(parse(["ask", "q", "--no-stop"])) == []
-    assert cli._stop_strings(parse(["ask", "q", "--stop", "\\n", "--stop", "END"])) == ["\n", "END"]
+    assert stop_strings(parse(["ask", "q", "--no-stop"])) == []
+    assert stop_strings(parse(["ask", "q", "--stop", "\\n", "--stop", "END"])) == ["\n", "END"]
     with pytest.raises(ValueError, match="--stop needs a non-empty text"):
-        cli._stop_strings(parse(["ask", "q", "--stop", ""]))
+        stop_strings(parse(["ask", "q", "--stop", ""]))
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
         parse(["ask", "q", "--stop", "x", "--no-stop"])  # one or the other

@@ -13,8 +13,8 @@ from _helpers import require
 
 from tokrag_integrations.engine.stats import distribution_stats
 from tokrag_integrations.gating import Gate, GECEGate
+from tokrag_integrations.gating.confidence import metrics_from_probs, metrics_from_stats
 from tokrag_integrations.gating.gece import CountSketch, meteor
-from tokrag_integrations.gating.metrics import metrics_from_probs, metrics_from_stats
 
 
 def test_metrics_on_hand_made_distributions():
@@ -118,7 +118,7 @@ def test_gated_query_engine_keeps_the_callers_callback_manager() -> None:
     from llama_index.core import Settings
     from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 
-    from tokrag_integrations.gating.llama_index import gated_query_engine
+    from tokrag_integrations.llama_index.gated_engine import gated_query_engine
 
     mine = CallbackManager([TokenCountingHandler()])
     assert gated_query_engine(None, None, None, callback_manager=mine).callback_manager is mine

@@ -13,7 +13,7 @@ from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
 from tokrag_integrations.langchain import ChatTokRAG
-from tokrag_integrations.langchain._convert import messages_to_prompt, to_passages
+from tokrag_integrations.langchain.messages import messages_to_prompt, to_passages
 from tokrag_integrations.prompts import Passage
 
 

@@ -10,8 +10,8 @@ from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.prompts import PromptTemplate
 
-from tokrag_integrations.langchain._convert import rendered_prompt
-from tokrag_integrations.langchain.chains import format_documents
+from tokrag_integrations.langchain.messages import rendered_prompt
+from tokrag_integrations.langchain.tokrag_chain import format_documents
 
 QUESTION = "Who founded Quillfeather Aerospace?"
 

@@ -32,7 +32,7 @@ def test_09_cli_refuses_an_empty_key_before_loading(monkeypatch, capsys):
     from tokrag_integrations.cli import main
 
     monkeypatch.delenv("TOKRAG_API_KEY", raising=False)
-    import tokrag_integrations.serve.runner as runner
+    import tokrag_integrations.serve.app as runner
 
     # Were the key let through, the command would start a server: fail loudly instead.
     monkeypatch.setattr(runner, "serve", lambda *a, **k: pytest.fail("the server started"))

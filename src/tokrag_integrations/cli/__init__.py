@@ -2,19 +2,13 @@
 
     tokrag ask "Who founded Quillfeather Aerospace?" --docs sample --explain --html trace.html
 
-This module holds ``main`` and the parser; each command group lives in its own module next
-to it: :mod:`.ask` (``tokrag ask``), :mod:`.eval` (``tokrag eval``), :mod:`.pg` (``tokrag ingest`` and the ``--store
-postgres`` options of ``ask``), :mod:`.gate` (``ask --gate``), :mod:`.serve` (``tokrag
-serve``); ``tokrag bench`` is in :mod:`.eval`; the helpers they share are in :mod:`._common`.
-
-Each subcommand is one ``add_*_parser(subparsers)`` function that adds its parser and sets
-``func`` (a ``(args) -> int`` handler) as a default; :data:`SUBCOMMANDS` lists them. A new
-subcommand (``bench``, ``eval``, ``ingest``...) is a new pair of functions added to that list,
-or registered from another module with :func:`register_subcommand`.
-
-Importing this module is cheap: torch, transformers and the retrievers load only when a
-command runs. User errors (``ValueError`` / ``FileNotFoundError`` from the library) end the
-command with a one-line message and exit status 2, without a traceback.
+``main`` and the parser live here; each command in its own module: :mod:`.ask`,
+:mod:`.eval`, :mod:`.pg` (``ingest`` and ``ask --store postgres``), :mod:`.gate` (``ask
+--gate``), :mod:`.serve`; ``tokrag bench`` is in :mod:`.eval`; shared helpers in
+:mod:`.console`. A subcommand is an ``add_*_parser(subparsers)`` function that sets
+``func`` (``(args) -> int``); :data:`SUBCOMMANDS` lists them, :func:`register_subcommand`
+adds one. Importing this is cheap (torch loads when a command runs); user errors end with
+a one-line message and exit status 2.
 """
 
 from __future__ import annotations
@@ -25,60 +19,41 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ._common import (  # noqa: F401 - importable from here as before
-    _CONTROL_PICTURES,
-    _STREAM_STYLES,
-    EXIT_USAGE,
-    SAMPLE_DOCS,
-    AddParser,
-    _check_output_path,
-    _consoles,
-    _positive_int,
-    _print_warning,
-    _resolve_docs,
-    _SanitizedRenderable,
-    _short_source,
-    _Status,
-    _stop_strings,
-    _visible_controls,
-    _VisibleControls,
-    parse_option,
-)
-from .ask import (  # noqa: F401 - importable from here as before
-    _check_before_loading,
-    _placement,
-    _print_sources,
-    _retrieve,
-    cmd_ask,
-)
 from .ask import add_parser as add_ask_parser
+from .console import EXIT_USAGE, AddParser, _consoles, _print_warning, parse_option
+from .pg import EXIT_DATABASE
 
 __all__ = ["main", "build_parser", "register_subcommand", "SUBCOMMANDS", "parse_option"]
 
-# ============================================================================ parser
-#: The subcommands, each an ``add_*_parser(subparsers)`` function. Append to add one.
-SUBCOMMANDS: list[AddParser] = [add_ask_parser]
+
+def add_bench_parser(subparsers: Any) -> None:
+    from .eval import add_bench_parser as add
+
+    add(subparsers)
 
 
-def _lazy(module: str, func: str) -> AddParser:
-    """A subcommand defined in another module of the package (``module`` relative to
-    ``tokrag_integrations``), imported only when the parser is built."""
+def add_eval_parser(subparsers: Any) -> None:
+    from .eval import add_parser
 
-    def add(subparsers: Any) -> Any:
-        import importlib
-
-        package = __name__.rpartition(".")[0]
-        return getattr(importlib.import_module(f"{package}.{module}"), func)(subparsers)
-
-    add.__name__ = f"{module}.{func}"
-    return add
+    add_parser(subparsers)
 
 
-SUBCOMMANDS += [
-    _lazy("cli.eval", "add_bench_parser"),
-    _lazy("cli.eval", "add_parser"),
-    _lazy("cli.pg", "add_ingest_parser"),
-    _lazy("cli.serve", "add_parser"),
+def add_ingest_parser(subparsers: Any) -> None:
+    from .pg import add_ingest_parser
+
+    add_ingest_parser(subparsers)
+
+
+def add_serve_parser(subparsers: Any) -> None:
+    from .serve import add_parser
+
+    add_parser(subparsers)
+
+
+#: The subcommands, each an ``add_*_parser(subparsers)`` function (their modules are
+#: imported when the parser is built). Append to add one.
+SUBCOMMANDS: list[AddParser] = [
+    add_ask_parser, add_bench_parser, add_eval_parser, add_ingest_parser, add_serve_parser,
 ]
 
 
@@ -152,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not _is_database_error(exc):
             raise
         print(f"tokrag: database error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 3
+        return EXIT_DATABASE
     finally:
         warnings.showwarning = previous
 
@@ -160,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _is_database_error(exc: BaseException) -> bool:
     if "tokrag_integrations.postgres.server" not in sys.modules:
         return False
-    from ..postgres.server import PostgresConnectionError, PostgresSetupError
+    from .pg import _database_errors
 
-    return isinstance(exc, (PostgresConnectionError, PostgresSetupError, LookupError))
+    return isinstance(exc, _database_errors())
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..defaults import MAX_NEW_TOKENS, TOP_K
-from ._common import (
+from .console import (
     _STREAM_STYLES,
     SAMPLE_DOCS,
     _check_output_path,
@@ -18,8 +18,8 @@ from ._common import (
     _resolve_docs,
     _short_source,
     _Status,
-    _stop_strings,
     parse_option,
+    stop_strings,
 )
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -388,7 +388,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     _check_output_path(args.html, "--html")
     _check_output_path(args.json, "--json")
     policy_options = dict(args.option)
-    stop = _stop_strings(args)
+    stop = stop_strings(args)
     uses_passages = _check_before_loading(args, policy_options)
 
     from transformers.utils import logging as hf_logging

@@ -34,8 +34,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-#: Exit status of a usage error, as ``tokrag`` and argparse use.
-EXIT_USAGE = 2
+from .console import EXIT_USAGE
 
 TASKS = ("noise", "misleading", "token", "token-pool", "cost")
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..defaults import MAX_NEW_TOKENS
 from ..gating import GATES
-from ..gating.base import Gate
+from ..gating.gate_base import Gate
 
 
 def build_gate(

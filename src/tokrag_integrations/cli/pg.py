@@ -4,11 +4,9 @@
     tokrag ingest docs/ --dsn postgresql://rag:...@db:5432/rag    # or TOKRAG_PG_DSN=...
     tokrag ask "How many approvals?" --store postgres --table handbook --filter format=md
 
-For :mod:`tokrag_integrations.cli`: :func:`add_ingest_parser` registers ``ingest`` (pass it to
-``register_subcommand`` or append it to ``SUBCOMMANDS``); :func:`add_store_arguments` adds
-``--dsn``, ``--table``, ``--filter``, ``--embed-model`` and ``--data-dir`` to the ``ask``
-parser; :func:`retrieve_from_postgres` returns passages for ``ask`` to decode (stream or
-not), and :func:`tokrag_integrations.postgres.answer_from_postgres` does both steps.
+For :mod:`tokrag_integrations.cli`: :func:`add_ingest_parser` registers ``ingest``;
+:func:`add_store_arguments` adds the store options; :func:`retrieve_from_postgres` returns
+passages for ``ask`` to decode.
 
 Exit status of ``ingest``: 0 when every file was ingested or unchanged, 1 when some file
 was skipped (each is listed with its reason), 2 for usage errors (bad table name, missing

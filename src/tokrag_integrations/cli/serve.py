@@ -13,14 +13,9 @@ import argparse
 from typing import Any
 
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS, TOP_K
+from .console import _positive_int, parse_option
 
 __all__ = ["add_parser", "cmd_serve", "config_from_args"]
-
-
-def _positive_int(text: str) -> int:
-    from ._common import _positive_int as check
-
-    return check(text)
 
 
 def _non_negative_float(text: str) -> float:
@@ -36,7 +31,6 @@ def _non_negative_float(text: str) -> float:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``tokrag serve``."""
     from ..policies import available_policies
-    from ._common import parse_option
     from .pg import add_store_arguments
 
     p = subparsers.add_parser(
@@ -199,7 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             num_cpus=args.num_cpus, num_gpus=args.num_gpus, blocking=True,
         )
         return 0
-    from ..serve.runner import serve
+    from ..serve.app import serve
 
     serve(config, host=args.host, port=args.port)
     return 0

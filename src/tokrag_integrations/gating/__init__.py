@@ -1,7 +1,8 @@
 """Retrieval gating: decide per query whether to retrieve, with the score behind the decision.
 
-Gates (all framework-free; the LlamaIndex / LangChain routers live in :mod:`.llama_index`
-and :mod:`.langchain` and import their frameworks lazily):
+Gates (all framework-free; the routers are in the framework packages:
+:mod:`~tokrag_integrations.llama_index.gated_engine`,
+:mod:`~tokrag_integrations.langchain.gated_router`):
 
 * :class:`ConfidenceGate` - the five Confident-RAG metrics of a pure draft (seed 003);
 * :class:`GECEGate` - long-tail detection, Eq. 2 of seed 004 (``reference`` / ``self``);
@@ -11,12 +12,17 @@ and :mod:`.langchain` and import their frameworks lazily):
 
 from __future__ import annotations
 
-from .base import Gate, GateDecision
-from .confidence import ConfidenceGate
+from .confidence import (
+    METRICS,
+    ConfidenceGate,
+    ConfidenceScores,
+    metrics_from_probs,
+    metrics_from_stats,
+)
 from .confident_rag import ConfidentRAGResult, confident_rag
 from .ctrla import CtrlAGate
+from .gate_base import Gate, GateDecision
 from .gece import GECEGate
-from .metrics import METRICS, ConfidenceScores, metrics_from_probs, metrics_from_stats
 
 GATES = {"confidence": ConfidenceGate, "gece": GECEGate, "ctrla": CtrlAGate}
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .metrics import METRICS, metrics_from_result
+from .confidence import METRICS, metrics_from_result
 
 
 @dataclass

@@ -46,7 +46,7 @@ from ..config import require_bool
 from ..models import LoadedModel
 from ..policies.base import Choice, ContextView, Policy
 from ..trace import FROM_LLM
-from .base import Gate
+from .gate_base import Gate
 from .statements import INSTRUCTION, PERSONAS, STATEMENTS
 
 #: A small English stopword list (function words, auxiliaries, common fillers).

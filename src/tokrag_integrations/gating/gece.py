@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from .base import Gate
 from .confidence import draft_answer
+from .gate_base import Gate
 
 _WORD = re.compile(r"[A-Za-z0-9]+(?:'[A-Za-z]+)?")
 

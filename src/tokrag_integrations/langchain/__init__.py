@@ -1,8 +1,6 @@
-"""LangChain adapters for Tok-RAG: a chat model, a retrieval chain, a documents chain and a
-local embedding.
-
-These classes translate LangChain types into the core API (:mod:`tokrag_integrations.api`)
-and back; no decoding logic lives here.
+"""LangChain adapters for Tok-RAG: a chat model, a retrieval chain, a documents chain, a
+folder retriever, a local embedding and a gated router. They translate LangChain types into
+the core API and back; no decoding logic lives here.
 
     >>> from tokrag_integrations.langchain import ChatTokRAG, create_tokrag_chain, local_embeddings
     >>> from langchain_core.vectorstores import InMemoryVectorStore
@@ -19,17 +17,18 @@ Importing :mod:`tokrag_integrations` never imports LangChain; only this subpacka
 from __future__ import annotations
 
 try:
-    import langchain_core  # noqa: F401
-except ImportError as e:  # pragma: no cover - depends on the environment
+    from .chains import TokRAGChain, create_tokrag_chain, create_tokrag_documents_chain
+    from .chat_models import ChatTokRAG
+    from .embeddings import local_embeddings
+    from .gated_router import gated_router
+    from .retrievers import FolderRetriever
+except ModuleNotFoundError as e:  # pragma: no cover - depends on the environment
+    if not (e.name or "").startswith("langchain"):
+        raise
     raise ImportError(
         "tokrag_integrations.langchain needs LangChain, which is not installed. "
         "Install it with: pip install 'tokrag-integrations[langchain]'"
     ) from e
-
-from .chains import TokRAGChain, create_tokrag_chain, create_tokrag_documents_chain
-from .chat_models import ChatTokRAG
-from .embeddings import local_embeddings
-from .retrievers import FolderRetriever
 
 __all__ = [
     "ChatTokRAG",
@@ -37,5 +36,6 @@ __all__ = [
     "TokRAGChain",
     "create_tokrag_chain",
     "create_tokrag_documents_chain",
+    "gated_router",
     "local_embeddings",
 ]

@@ -1,8 +1,7 @@
 """``create_tokrag_chain``: any LangChain retriever in front of a Tok-RAG decoded answer;
 ``create_tokrag_documents_chain``: the same answer step for documents retrieved elsewhere.
 
-The chain itself is :class:`~.tokrag_chain.TokRAGChain`; the inputs' helpers are in
-:mod:`._chain_inputs`. Every name stays importable from here.
+The chain itself, and the inputs' helpers, are in :mod:`.tokrag_chain`.
 """
 
 from __future__ import annotations
@@ -17,39 +16,26 @@ from langchain_core.prompts import BasePromptTemplate
 from langchain_core.runnables import Runnable, RunnableLambda, RunnablePassthrough
 
 from ..defaults import ANSWER_STOP
-from ..models import LoadedModel, check_greedy
-from ..policies import get_policy, merge_policy_options
-from ._chain_inputs import (  # noqa: F401 - importable from here as before
-    DEFAULT_DOCUMENT_PROMPT,
+from ..models import LoadedModel, check_greedy, unknown_arguments
+from ..translate import LOAD_FIELDS, checked_policy
+from .chat_models import ChatTokRAG
+from .tokrag_chain import (
     DEFAULT_DOCUMENT_SEPARATOR,
     DOCUMENTS_KEY,
-    OUTPUT_KEYS,
-    _check_prompt,
-    _input_documents,
-    _own_messages,
-    _passages,
-    _question,
+    TokRAGChain,
+    as_passages,
+    check_prompt,
     format_documents,
+    input_documents,
+    own_messages,
+    question_of,
 )
-from .chat_models import CHAT_LOAD_OPTIONS, ChatTokRAG
-from .tokrag_chain import TokRAGChain
 
-#: Arguments of create_tokrag_chain other than load options and the policy's options.
+#: Arguments of create_tokrag_chain other than load options.
 _CHAIN_ARGUMENTS = (
-    "policy_options",
-    "retriever",
-    "model",
-    "prompt",
-    "document_prompt",
-    "document_separator",
-    "temperature",
-    "policy",
-    "system_prompt",
-    "max_tokens",
-    "stop",
-    "max_context_tokens",
+    "policy_options", "retriever", "model", "prompt", "document_prompt", "document_separator",
+    "temperature", "policy", "system_prompt", "max_tokens", "stop", "max_context_tokens",
 )
-
 
 
 def _chat_model(
@@ -65,39 +51,36 @@ def _chat_model(
     options: Mapping[str, Any] | None = None,
 ) -> tuple[ChatTokRAG, dict[str, Any]]:
     """(the chat model, the call keywords that override its settings) of a chain constructor;
-    every argument is checked here, before anything is loaded or decoded.
-
-    ``options`` are the constructor's other keyword arguments: the load options of a model
-    spec, and policy options in the deprecated spelling."""
+    every argument is checked here, before anything is loaded or decoded. ``options`` are
+    the load options of a model spec."""
     check_greedy(temperature, where)
-    loose = dict(options or {})
-    load_options = {k: loose.pop(k) for k in CHAT_LOAD_OPTIONS if k in loose}
-    policy_options = merge_policy_options(policy_options, loose, where, stacklevel=4)
+    options = dict(options or {})
+    unknown = set(options) - set(LOAD_FIELDS)
+    if unknown:
+        accepted = _CHAIN_ARGUMENTS + LOAD_FIELDS
+        if where == "create_tokrag_documents_chain":
+            accepted = tuple(a for a in accepted if a != "retriever") + ("output_parser",)
+        raise unknown_arguments(where, unknown, accepted)
+    if policy_options is not None and not isinstance(policy_options, Mapping):
+        raise TypeError(
+            f"policy_options must be a dict of option names to values, got {type(policy_options).__name__}"
+        )
     if isinstance(model, ChatTokRAG):
-        if load_options:
+        if options:
             raise ValueError(
-                f"{', '.join(load_options)}: load options go with a model spec, not with a "
+                f"{', '.join(options)}: load options go with a model spec, not with a "
                 "ChatTokRAG (set them on the ChatTokRAG)"
             )
     elif isinstance(model, (LoadedModel, str, os.PathLike)) or hasattr(model, "config"):
-        model = ChatTokRAG(model=model, **load_options)
+        model = ChatTokRAG(model=model, **options)
     else:
         raise TypeError(
             f"model must be a ChatTokRAG, a LoadedModel, a model name or path, or a loaded "
             f"PreTrainedModel, not {type(model).__name__}"
         )
-    try:
-        get_policy(policy or model.policy, **{**model.policy_options, **policy_options})
-    except ValueError as e:
-        if "unknown option" not in str(e):
-            raise
-        accepted = _CHAIN_ARGUMENTS + CHAT_LOAD_OPTIONS
-        if where == "create_tokrag_documents_chain":
-            accepted = tuple(a for a in accepted if a != "retriever") + ("output_parser",)
-        raise TypeError(
-            f"{where} got an unknown keyword argument ({e}); besides the policy's "
-            f"options it accepts: {', '.join(accepted)}"
-        ) from e
+    policy_options = dict(policy_options or {})
+    options = {**model.policy_options, **policy_options}
+    checked_policy(policy or model.policy, options, where, _CHAIN_ARGUMENTS + LOAD_FIELDS)
     model_kwargs: dict[str, Any] = {}
     if policy is not None:
         model_kwargs["policy"] = policy
@@ -112,7 +95,7 @@ def _chat_model(
     if max_context_tokens is not None:
         model_kwargs["max_context_tokens"] = max_context_tokens
     if policy_options:
-        model_kwargs["policy_options"] = dict(policy_options)
+        model_kwargs["policy_options"] = policy_options
     return model, model_kwargs
 
 
@@ -134,81 +117,48 @@ def create_tokrag_chain(
 ) -> TokRAGChain:
     """A Runnable that retrieves documents for a question and answers from them with Tok-RAG.
 
-    Without ``prompt`` the question and the documents reach the decoder separately: the
-    documents become the ranked passages of the package's RAG prompt, the question the final
-    user turn (the pure context sees only the question).
-
-    With ``prompt`` (the ``ChatPromptTemplate`` you would give ``create_stuff_documents_chain``
-    and ``create_retrieval_chain``: ``{context}`` and usually ``{input}``) Tok-RAG runs on your
-    prompt: ``{context}`` receives the documents, each formatted by ``document_prompt`` and
-    joined by ``document_separator``; the RAG context is the prompt exactly as formatted and
-    its retrieved tokens (Eq. 14-16) are where the ``{context}`` text lands; the pure context
-    is the question alone after the conversation (the prompt's human/AI turns that do not
-    hold the context, e.g. a ``MessagesPlaceholder("chat_history")``), under the prompt's
-    system messages that do not hold the context (else the core's default system prompt).
+    Without ``prompt`` the documents become the ranked passages of the package's RAG prompt
+    and the question the final user turn (the pure context sees only the question). With
+    ``prompt`` (what you would give ``create_stuff_documents_chain``: ``{context}`` and
+    usually ``{input}``) ``{context}`` receives the documents, each formatted by
+    ``document_prompt`` and joined by ``document_separator``; the RAG context is the prompt
+    as formatted, its retrieved tokens (Eq. 14-16) are where the ``{context}`` text lands,
+    and the pure context is the question after the prompt's turns and system messages that
+    do not hold the context.
 
     Args:
-        retriever: any LangChain retriever (or Runnable str -> list[Document]): vector-store
-            retrievers, BM25, ensembles, Postgres... Its order is the ranking (best first).
+        retriever: any LangChain retriever (or Runnable str -> list[Document]); its order is
+            the ranking (best first).
         model: a :class:`ChatTokRAG` (its settings are the defaults), a ``LoadedModel``, or
-            what :func:`~tokrag_integrations.load_model` takes (``"default"``, a hub id in the
-            local cache, a folder, a ``.gguf`` path, a loaded ``PreTrainedModel``), with its
-            keyword options (``tokenizer``, ``device``, ``device_map``, ``dtype``,
-            ``model_kwargs``, ``tokenizer_kwargs``, ``trust_remote_code``, ``revision``).
-        prompt: a prompt template taking ``{context}`` (the formatted documents) and any
-            input keys (``{input}`` is always the question); None: the package's prompt.
-        document_prompt: formats each document (default ``"{page_content}"``, as
-            ``create_stuff_documents_chain``); without ``prompt`` it formats each passage.
-        document_separator: joins the formatted documents in ``{context}`` (default
-            ``"\n\n"``); used only with ``prompt``.
+            what :func:`~tokrag_integrations.load_model` takes, with its keyword options
+            (``tokenizer``, ``device``, ``device_map``, ``dtype``, ``model_kwargs``...).
+        prompt: a prompt template taking ``{context}``; None: the package's prompt.
+        document_prompt: formats each document (default ``"{page_content}"``).
+        document_separator: joins the formatted documents in ``{context}`` (default ``"\n\n"``).
         temperature: only None or 0 (greedy decoding).
         policy: decoding policy; None keeps the model's (``"tokrag"`` for a LoadedModel).
-        system_prompt: a system message before the question (None: the core default); only
-            without ``prompt`` (a user prompt carries its own system message).
-        max_tokens / stop / max_context_tokens: override the model's settings. Without
-            ``stop`` here or on the ChatTokRAG, the answer stops at
-            :data:`~tokrag_integrations.defaults.ANSWER_STOP`, as ``tokrag ask``'s.
-        policy_options: the policy's options as a dict (e.g. ``{"pr_norm": "softmax"}``),
-            checked by :func:`~tokrag_integrations.policies.get_policy`.
-        **options: the load options of a model spec (above); policy options given here
-            still work but are deprecated (a DeprecationWarning names ``policy_options=``).
+        system_prompt: a system message before the question; only without ``prompt``.
+        max_tokens / stop / max_context_tokens: override the model's settings; without
+            ``stop`` here or on the ChatTokRAG the answer stops at ``defaults.ANSWER_STOP``.
+        policy_options: the policy's options as a dict (e.g. ``{"pr_norm": "softmax"}``).
+        **options: the load options of a model spec (above).
 
-    Input: a question string, or a dict with ``"input"`` (the ``create_retrieval_chain``
-    convention) or ``"question"``, optional ``"chat_history"`` (messages placed between the
-    system prompt and the question; with ``prompt``, wherever the prompt puts them) and any
-    other keys, which are returned unchanged (and, with ``prompt``, fill its variables).
-
-    ``invoke`` / ``ainvoke`` / ``batch`` / ``abatch`` return the input's keys (``{"input":
-    question}`` for a string input) plus::
-
-        {"answer": str,                # the generated answer
-         "context": list[Document],    # the retrieved documents, in retriever order
-         "sources": list[str],         # per generated token: "agree" | "rag" | "llm" | ...
-         "trace": dict,                # the full trace (Trace.to_dict() as JSON data): its
-                                       # "policy", "counts", "prompt_tokens"; with prompt=,
-                                       # its one passage is the formatted {context}
-         "warnings": list[str],        # empty retrieval, skipped/dropped/cut passages...
-         "retrieval_empty": bool}      # True: no documents, answered from the pure context
-
-    ``stream`` / ``astream`` yield dict chunks, in this order:
-
-    1. the input's keys with ``{"context": docs, "retrieval_empty": bool}`` once retrieval succeeded and the first
-       token was chosen;
-    2. ``{"answer": delta, "sources": [source]}`` per chosen token, as it is chosen
-       (``delta`` may be ``""`` while a possible stop string is held back; a final
-       ``{"answer": delta}`` without sources may flush held-back text at end of sequence);
-    3. ``{"trace": dict, "warnings": [...]}`` last.
-
-    Adding the chunks with ``+`` gives the ``invoke`` output (up to the trace's timings).
-
-    Errors: a retriever that raises surfaces as ``RuntimeError("retriever <name> failed for
-    question ...")`` chained to the original error, before anything is yielded.
+    Input: a question string, or a dict with ``"input"`` (or ``"question"``), optional
+    ``"chat_history"`` and other keys, returned unchanged (and, with ``prompt``, filling its
+    variables). ``invoke`` / ``batch`` and their async forms return the input's keys (or
+    ``{"input": question}``) plus ``answer``, ``context`` (the documents), ``sources`` (per
+    token: ``agree`` / ``rag`` / ``llm``), ``trace`` (``Trace.to_dict()``), ``warnings`` and
+    ``retrieval_empty`` (no documents: answered from the pure context). ``stream`` /
+    ``astream`` yield the input's keys with ``context`` and ``retrieval_empty`` once the first
+    token is chosen, then ``{"answer": delta, "sources": [source]}`` per token, then
+    ``{"trace", "warnings"}``; the chunks add up to the ``invoke`` output. A retriever that
+    raises surfaces as ``RuntimeError("retriever <name> failed for question ...")``.
     """
     if not isinstance(retriever, Runnable):
         raise TypeError(
             f"retriever must be a LangChain retriever or Runnable, not {type(retriever).__name__}"
         )
-    _check_prompt(prompt, system_prompt, "create_tokrag_chain")
+    check_prompt(prompt, system_prompt, "create_tokrag_chain")
     chat, model_kwargs = _chat_model(
         model,
         "create_tokrag_chain",
@@ -249,30 +199,15 @@ def create_tokrag_documents_chain(
 ) -> Runnable[dict[str, Any], Any]:
     """``create_stuff_documents_chain`` decoded with Tok-RAG, for your own retrieval step.
 
-    Input: a dict with ``"context"`` (a list of Documents, best first) and ``"input"`` (or
-    ``"question"``), plus any variables of ``prompt`` (``chat_history``...). Output: the
-    answer string (``output_parser``, default ``StrOutputParser()``; pass
-    ``RunnablePassthrough()`` to get the ``AIMessage``, whose ``response_metadata`` holds
-    ``policy``, ``counts``, ``token_sources`` and ``trace``). ``invoke``, ``batch``,
-    ``stream`` (token by token) and their async forms all work, as for any LCEL chain.
-
-    With ``prompt`` it is ``create_stuff_documents_chain``'s composition: the documents are
-    formatted into ``{context}`` (``document_prompt``, ``document_separator``) by
-    ``RunnablePassthrough.assign``, then ``prompt | model``, where the model is told which
-    text filled ``{context}`` so that the RAG context is the formatted prompt and the
-    retrieved tokens are where that text lands (see :func:`create_tokrag_chain`). Without
-    ``prompt`` the documents are the passages of the package's prompt. The other arguments
-    are those of :func:`create_tokrag_chain`.
-
-    Example:
-        .. code-block:: python
-
-            answer = create_tokrag_documents_chain(ChatTokRAG(model=lm), prompt)
-            chain = RunnablePassthrough.assign(
-                context=(lambda x: x["input"]) | retriever
-            ).assign(answer=answer)   # create_retrieval_chain's shape
+    Input: a dict with ``"context"`` (Documents, best first), ``"input"`` (or
+    ``"question"``) and any variables of ``prompt``. Output: ``output_parser``'s (default
+    ``StrOutputParser()``; ``RunnablePassthrough()`` gives the ``AIMessage`` with its
+    provenance metadata). With ``prompt`` the documents are formatted into ``{context}``,
+    then ``prompt | model`` with the model told which text filled ``{context}``; without it
+    they are the passages of the package's prompt. The other arguments are those of
+    :func:`create_tokrag_chain`.
     """
-    _check_prompt(prompt, system_prompt, "create_tokrag_documents_chain")
+    check_prompt(prompt, system_prompt, "create_tokrag_documents_chain")
     chat, model_kwargs = _chat_model(
         model,
         "create_tokrag_documents_chain",
@@ -288,17 +223,17 @@ def create_tokrag_documents_chain(
     if prompt is None:
 
         def own_prompt(inputs: dict[str, Any]) -> Runnable[Any, Any]:
-            docs = _input_documents(inputs)
-            question = _question(inputs)
-            messages = _own_messages(question, inputs, system_prompt)
-            model_step = chat.bind(passages=_passages(docs, document_prompt), **model_kwargs)
+            docs = input_documents(inputs)
+            question = question_of(inputs)
+            messages = own_messages(question, inputs, system_prompt)
+            model_step = chat.bind(passages=as_passages(docs, document_prompt), **model_kwargs)
             return RunnableLambda(lambda _: messages, name="format_messages") | model_step
 
         answer: Runnable[Any, Any] = RunnableLambda(own_prompt, name="tokrag_answer")
     else:
 
         def format_docs(inputs: dict[str, Any]) -> str:
-            docs = _input_documents(inputs)
+            docs = input_documents(inputs)
             return format_documents(docs, document_prompt, document_separator)
 
         def prompt_and_model(inputs: dict[str, Any]) -> Runnable[Any, Any]:
@@ -307,7 +242,7 @@ def create_tokrag_documents_chain(
             return prompt | chat.bind(context=context, question=question, **model_kwargs)
 
         format_inputs = RunnablePassthrough.assign(
-            **{DOCUMENTS_KEY: format_docs, "input": _question}
+            **{DOCUMENTS_KEY: format_docs, "input": question_of}
         ).with_config(run_name="format_inputs")
         answer = format_inputs | RunnableLambda(prompt_and_model, name="tokrag_answer")
     return (answer | parser).with_config(run_name="tokrag_documents_chain")

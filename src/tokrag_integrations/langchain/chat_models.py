@@ -21,8 +21,9 @@ from .. import batching
 from ..api import GenerationResult, TokenEvent
 from ..defaults import MAX_NEW_TOKENS
 from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
-from ..policies import get_policy, merge_policy_options
-from ._convert import (
+from ..policies import get_policy
+from ..translate import LOAD_FIELDS, given_options, model_label
+from .messages import (
     final_metadata,
     messages_to_prompt,
     rendered_prompt,
@@ -35,17 +36,10 @@ from ._convert import (
 #: accepted (so ``ChatTokRAG`` drops into code written for hosted models) and ignored.
 _REMOTE_ONLY_PARAMS = ("api_key", "timeout", "max_retries")
 
-#: Per-call keyword arguments handled here; any other keyword is a policy option (the
-#: deprecated spelling of ``policy_options={...}``).
+#: Per-call keyword arguments (besides ``stop`` and ``temperature``).
 _CALL_KWARGS = (
-    "passages",
-    "context",
-    "question",
-    "policy",
-    "policy_options",
-    "max_tokens",
-    "max_context_tokens",
-    "model",
+    "passages", "context", "question", "policy", "policy_options", "max_tokens",
+    "max_context_tokens", "model",
 )
 
 #: Said once per instance when a call has no passages (the plain model answers).
@@ -60,18 +54,6 @@ NO_PASSAGES_WARNING = (
 )
 _WARN_LOCK = threading.Lock()
 
-#: load_model() options that ChatTokRAG takes as fields (the same names).
-CHAT_LOAD_OPTIONS = (
-    "tokenizer",
-    "device",
-    "device_map",
-    "dtype",
-    "model_kwargs",
-    "tokenizer_kwargs",
-    "trust_remote_code",
-    "revision",
-)
-
 _MODEL_CACHE: dict[tuple[str, str], LoadedModel] = {}
 _MODEL_CACHE_LOCK = threading.Lock()
 
@@ -79,7 +61,7 @@ _MODEL_CACHE_LOCK = threading.Lock()
 def _load_cached(name: str, options: dict[str, Any]) -> LoadedModel:
     """Load a model by name or path once per process and set of load options (later calls
     share it)."""
-    options = {k: v for k, v in options.items() if v not in (None, False, {})}
+    options = given_options(**options)
     key = (name, repr(sorted(options.items())))
     with _MODEL_CACHE_LOCK:
         if key not in _MODEL_CACHE:
@@ -211,17 +193,14 @@ class ChatTokRAG(BaseChatModel):
 
     def __init__(self, **kwargs: Any) -> None:
         lm = kwargs.get("model", kwargs.get("model_name"))
-        if isinstance(lm, LoadedModel):
+        if lm is not None and not isinstance(lm, str):
             kwargs.pop("model_name", None)
-            kwargs["model"] = lm.name
-        elif lm is not None and not isinstance(lm, str):
-            kwargs.pop("model_name", None)
-            kwargs["model"] = str(lm) if isinstance(lm, os.PathLike) else type(lm).__name__
+            kwargs["model"] = model_label(lm)
         if kwargs.get("dtype") is not None:
             kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
         super().__init__(**kwargs)
         if isinstance(lm, LoadedModel):
-            given = [k for k in CHAT_LOAD_OPTIONS if k != "device" and kwargs.get(k) not in (None, False, {})]
+            given = [k for k in given_options(**{k: kwargs.get(k) for k in LOAD_FIELDS}) if k != "device"]
             if given:
                 raise ValueError(
                     f"{', '.join(given)} apply to loading a model; this LoadedModel is already loaded"
@@ -295,17 +274,7 @@ class ChatTokRAG(BaseChatModel):
 
     def _load_options(self) -> dict[str, Any]:
         """The keyword arguments of :func:`~tokrag_integrations.load_model` set on this model."""
-        options = {
-            "tokenizer": self.tokenizer,
-            "device": self.device,
-            "device_map": self.device_map,
-            "dtype": self.dtype,
-            "model_kwargs": self.model_kwargs or None,
-            "tokenizer_kwargs": self.tokenizer_kwargs or None,
-            "trust_remote_code": self.trust_remote_code,
-            "revision": self.revision,
-        }
-        return {k: v for k, v in options.items() if v not in (None, False)}
+        return given_options(**{k: getattr(self, k) for k in LOAD_FIELDS})
 
     def _resolve_model(self, model: Any) -> LoadedModel:
         if model is None:
@@ -329,10 +298,11 @@ class ChatTokRAG(BaseChatModel):
         }
         self._greedy_only(kwargs.pop("temperature", None))
         call = {k: kwargs.pop(k) for k in _CALL_KWARGS if k in kwargs}
-        # Per call, policy options go in policy_options={...}; loose keywords still work (warned).
-        call_options = merge_policy_options(
-            call.get("policy_options"), kwargs, "ChatTokRAG", stacklevel=_caller_stacklevel() + 1
-        )
+        if kwargs:
+            raise unknown_arguments("ChatTokRAG call", kwargs, (*_CALL_KWARGS, "stop", "temperature"))
+        call_options = call.get("policy_options") or {}
+        if not isinstance(call_options, dict):
+            raise TypeError(f"policy_options must be a dict, got {type(call_options).__name__}")
         options = {**self.policy_options, **call_options}
         policy = call.get("policy", self.policy)
         get_policy(policy, **options)  # unknown policy or option: fail before loading anything

@@ -1,5 +1,7 @@
-"""TokRAGChain: any LangChain retriever in front of a Tok-RAG decoded answer (the
-Runnable that :func:`~tokrag_integrations.langchain.chains.create_tokrag_chain` builds)."""
+"""TokRAGChain: any LangChain retriever in front of a Tok-RAG decoded answer (the Runnable
+that :func:`~tokrag_integrations.langchain.chains.create_tokrag_chain` builds), and what
+the chains share: their inputs (question, documents, prompt variables), the package's own
+prompt and the checks of a user prompt."""
 
 from __future__ import annotations
 
@@ -9,21 +11,111 @@ from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForChainRun, CallbackManagerForChainRun
 from langchain_core.documents import Document
-from langchain_core.messages import BaseMessage
-from langchain_core.prompts import BasePromptTemplate
+from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage, convert_to_messages
+from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_document
 from langchain_core.runnables import Runnable, RunnableConfig
 from pydantic import BaseModel, ConfigDict, create_model
 
-from ._chain_inputs import (
-    DEFAULT_DOCUMENT_SEPARATOR,
-    _own_messages,
-    _passages,
-    _prompt_values,
-    _question,
-    _runnable_name,
-    format_documents,
-)
 from .chat_models import ChatTokRAG
+
+#: Keys of every output (``invoke``) and of the aggregated stream.
+OUTPUT_KEYS = ("answer", "context", "sources", "trace", "warnings", "retrieval_empty")
+#: ``create_stuff_documents_chain``'s defaults: documents joined by a blank line, each one
+#: formatted as its page content.
+DEFAULT_DOCUMENT_SEPARATOR = "\n\n"
+DEFAULT_DOCUMENT_PROMPT = PromptTemplate.from_template("{page_content}")
+#: The prompt variable that receives the formatted documents (as LangChain's chains).
+DOCUMENTS_KEY = "context"
+
+
+def question_of(input_: Any) -> str:
+    """The question of a chain input: a string, or the ``"input"`` / ``"question"`` key."""
+    if isinstance(input_, Mapping):
+        key = "input" if "input" in input_ else "question"
+        if key not in input_:
+            raise ValueError(
+                f"The chain input has no 'input' or 'question' key (keys: {sorted(input_)}); "
+                "pass a string, {'input': ...} or {'question': ...}."
+            )
+        input_ = input_[key]
+    if not isinstance(input_, str):
+        raise TypeError(
+            f"The question must be a string, not {type(input_).__name__}; pass a string, "
+            "{'input': ...} or {'question': ...}."
+        )
+    if not input_.strip():
+        raise ValueError("The question is empty: pass a non-empty question.")
+    return input_
+
+
+def own_messages(question: str, input_: Any, system_prompt: str | None) -> list[BaseMessage]:
+    """The package's own prompt: optional system message, ``chat_history``, the question (the
+    documents go to the decoder separately, as ranked passages)."""
+    msgs: list[BaseMessage] = [] if system_prompt is None else [SystemMessage(system_prompt)]
+    if isinstance(input_, Mapping) and input_.get("chat_history"):
+        msgs += convert_to_messages(input_["chat_history"])
+    return [*msgs, HumanMessage(question)]
+
+
+def as_passages(docs: list[Document], document_prompt: BasePromptTemplate | None) -> list[Document]:
+    """The documents as ranked passages, each formatted by ``document_prompt`` when given."""
+    if document_prompt is None:
+        return list(docs)
+    return [
+        Document(page_content=format_document(d, document_prompt), metadata=dict(d.metadata))
+        for d in docs
+    ]
+
+
+def format_documents(
+    docs: Sequence[Document],
+    document_prompt: BasePromptTemplate | None = None,
+    document_separator: str = DEFAULT_DOCUMENT_SEPARATOR,
+) -> str:
+    """The ``{context}`` text ``create_stuff_documents_chain`` makes: every document formatted
+    by ``document_prompt`` (default ``"{page_content}"``), joined by ``document_separator``."""
+    document_prompt = document_prompt or DEFAULT_DOCUMENT_PROMPT
+    return document_separator.join(format_document(d, document_prompt) for d in docs)
+
+
+def check_prompt(prompt: Any, system_prompt: str | None, where: str) -> None:
+    """Refuse a user prompt that is not a template, lacks ``{context}``, or comes with
+    ``system_prompt=``."""
+    if prompt is None:
+        return
+    if not isinstance(prompt, BasePromptTemplate):
+        raise TypeError(
+            f"{where}: prompt must be a LangChain prompt template (ChatPromptTemplate, "
+            f"PromptTemplate), not {type(prompt).__name__}"
+        )
+    if DOCUMENTS_KEY not in prompt.input_variables:
+        raise ValueError(
+            f"{where}: the prompt must take {{{DOCUMENTS_KEY}}}, where the documents go "
+            f"(as with create_stuff_documents_chain); its input variables are "
+            f"{prompt.input_variables}"
+        )
+    if system_prompt is not None:
+        raise ValueError(
+            f"{where}: system_prompt= belongs to the package's own prompt; with prompt= put "
+            "the system message in your prompt"
+        )
+
+
+def input_documents(inputs: Any) -> list[Document]:
+    """The ``"context"`` documents of a documents chain's input."""
+    if not isinstance(inputs, Mapping) or DOCUMENTS_KEY not in inputs:
+        got = sorted(inputs) if isinstance(inputs, Mapping) else type(inputs).__name__
+        raise ValueError(
+            "A documents chain takes a dict with 'context' (a list of Documents) and 'input' "
+            f"(the question); got {got}."
+        )
+    docs = inputs[DOCUMENTS_KEY]
+    if not isinstance(docs, Sequence) or not all(isinstance(d, Document) for d in docs):
+        raise TypeError(
+            f"The 'context' input is a {type(docs).__name__}; pass a list of langchain_core "
+            "Documents (a retriever's output)."
+        )
+    return list(docs)
 
 
 class TokRAGChain(Runnable[Any, dict[str, Any]]):
@@ -53,7 +145,6 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         self.document_prompt = document_prompt
         self.document_separator = document_separator
 
-    # ------------------------------------------------------------------ schemas
     def get_input_schema(self, config: RunnableConfig | None = None) -> type[BaseModel]:
         """``{"input" | "question": str, "chat_history": [messages], ...}`` (extra keys allowed)."""
         return create_model(
@@ -78,19 +169,9 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         )
 
     # ------------------------------------------------------------------ translation
-    def _retrieval_error(self, question: str, error: Exception) -> RuntimeError:
-        return RuntimeError(
-            f"retriever {_runnable_name(self.retriever)} failed for question {question!r}: "
-            f"{type(error).__name__}: {error}"
-        )
-
-    def _check_docs(self, docs: Any) -> list[Document]:
-        if not isinstance(docs, Sequence) or not all(isinstance(d, Document) for d in docs):
-            raise TypeError(
-                f"retriever {_runnable_name(self.retriever)} returned {type(docs).__name__}; "
-                "a retriever must return a list of langchain_core Documents."
-            )
-        return list(docs)
+    def _retriever_name(self) -> str:
+        r = self.retriever
+        return r.get_name() if isinstance(r, Runnable) else type(r).__name__
 
     def _retrieve(self, question: str, config: RunnableConfig) -> list[Document]:
         try:
@@ -106,47 +187,78 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
             raise self._retrieval_error(question, e) from e
         return self._check_docs(docs)
 
-    @staticmethod
-    def _passthrough(input_: Any, question: str) -> dict[str, Any]:
-        """The input's keys, returned with the output as ``create_retrieval_chain`` does."""
-        if isinstance(input_, Mapping):
-            return dict(input_)
-        return {"input": question}
+    def _check_docs(self, docs: Any) -> list[Document]:
+        if not isinstance(docs, Sequence) or not all(isinstance(d, Document) for d in docs):
+            raise TypeError(
+                f"retriever {self._retriever_name()} returned {type(docs).__name__}; "
+                "a retriever must return a list of langchain_core Documents."
+            )
+        return list(docs)
 
-    def _model_input(
-        self, input_: Any, question: str, docs: list[Document], config: RunnableConfig
-    ) -> tuple[list[BaseMessage], dict[str, Any]]:
-        """(messages, call keywords) of the model call.
-
-        The package's prompt: the documents are the passages, in the retriever's order (the
-        core drops the lowest-ranked first). A user prompt: formatted with the documents as
-        ``{context}``, which the model is told (``context=``) so that where it lands are the
-        retrieved tokens; ``question=`` is the pure context's question.
-        """
-        if self.prompt is None:
-            messages = _own_messages(question, input_, self.system_prompt)
-            return messages, {
-                **self.model_kwargs,
-                "passages": _passages(docs, self.document_prompt),
-            }
-        context = format_documents(docs, self.document_prompt, self.document_separator)
-        value = self.prompt.invoke(_prompt_values(input_, question, context), config)
-        kwargs = {**self.model_kwargs, "context": context, "question": question}
-        return value.to_messages(), kwargs
-
-    def _empty_note(self, question: str, docs: list[Document]) -> list[str]:
-        if docs:
-            return []
-        msg = (
-            f"retriever {_runnable_name(self.retriever)} returned no documents for question "
-            f"{question!r}: answered from the pure context"
+    def _retrieval_error(self, question: str, error: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"retriever {self._retriever_name()} failed for question {question!r}: "
+            f"{type(error).__name__}: {error}"
         )
-        warnings.warn(msg, stacklevel=4)
-        return [msg]
+
+    def _prepare(
+        self, input_: Any, question: str, docs: list[Document], config: RunnableConfig
+    ) -> tuple[dict[str, Any], list[str], list[BaseMessage], dict[str, Any]]:
+        """(the output's head, warnings, the model's messages, its call keywords).
+
+        The package's prompt: the documents are the passages, in the retriever's order. A
+        user prompt: formatted with the documents as ``{context}``, which the model is told
+        (``context=``) so that where it lands are the retrieved tokens; ``question=`` is the
+        pure context's question.
+        """
+        head = {
+            **(dict(input_) if isinstance(input_, Mapping) else {"input": question}),
+            "context": docs,
+            "retrieval_empty": not docs,
+        }
+        notes = []
+        if not docs:
+            notes.append(
+                f"retriever {self._retriever_name()} returned no documents for question "
+                f"{question!r}: answered from the pure context"
+            )
+            warnings.warn(notes[0], stacklevel=4)
+        if self.prompt is None:
+            messages = own_messages(question, input_, self.system_prompt)
+            kwargs = {**self.model_kwargs, "passages": as_passages(docs, self.document_prompt)}
+            return head, notes, messages, kwargs
+        context = format_documents(docs, self.document_prompt, self.document_separator)
+        values = dict(input_) if isinstance(input_, Mapping) else {}
+        values.setdefault("input", question)
+        values[DOCUMENTS_KEY] = context
+        messages = self.prompt.invoke(values, config).to_messages()
+        return head, notes, messages, {**self.model_kwargs, "context": context, "question": question}
 
     @staticmethod
-    def _tail(metadata: Mapping[str, Any], notes: list[str]) -> dict[str, Any]:
-        return {"trace": metadata["trace"], "warnings": notes + list(metadata["warnings"])}
+    def _output(head: dict[str, Any], notes: list[str], msg: Any) -> dict[str, Any]:
+        meta = msg.response_metadata
+        out = {k: v for k, v in head.items() if k not in ("context", "retrieval_empty")}
+        return {
+            **out,
+            "answer": msg.text,
+            "context": head["context"],
+            "sources": list(meta["token_sources"]),
+            "trace": meta["trace"],
+            "warnings": notes + list(meta["warnings"]),
+            "retrieval_empty": head["retrieval_empty"],
+        }
+
+    @staticmethod
+    def _stream_item(chunk: Any, notes: list[str]) -> Iterator[dict[str, Any]]:
+        meta = chunk.response_metadata
+        if "trace" in meta:
+            yield {"trace": meta["trace"], "warnings": notes + list(meta["warnings"])}
+            return
+        item: dict[str, Any] = {"answer": chunk.text}
+        if meta.get("token_sources"):
+            item["sources"] = list(meta["token_sources"])
+        if item["answer"] or "sources" in item:
+            yield item
 
     # ------------------------------------------------------------------ invoke
     def invoke(
@@ -157,19 +269,10 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
     def _invoke(
         self, input_: Any, run_manager: CallbackManagerForChainRun, config: RunnableConfig
     ) -> dict[str, Any]:
-        question = _question(input_)
+        question = question_of(input_)
         docs = self._retrieve(question, config)
-        notes = self._empty_note(question, docs)
-        messages, kwargs = self._model_input(input_, question, docs, config)
-        msg = self.model.invoke(messages, config, **kwargs)
-        return {
-            **self._passthrough(input_, question),
-            "answer": msg.text,
-            "context": docs,
-            "sources": list(msg.response_metadata["token_sources"]),
-            **self._tail(msg.response_metadata, notes),
-            "retrieval_empty": not docs,
-        }
+        head, notes, messages, kwargs = self._prepare(input_, question, docs, config)
+        return self._output(head, notes, self.model.invoke(messages, config, **kwargs))
 
     async def ainvoke(
         self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
@@ -179,27 +282,16 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
     async def _ainvoke(
         self, input_: Any, run_manager: AsyncCallbackManagerForChainRun, config: RunnableConfig
     ) -> dict[str, Any]:
-        question = _question(input_)
+        question = question_of(input_)
         docs = await self._aretrieve(question, config)
-        notes = self._empty_note(question, docs)
-        messages, kwargs = self._model_input(input_, question, docs, config)
-        msg = await self.model.ainvoke(messages, config, **kwargs)
-        return {
-            **self._passthrough(input_, question),
-            "answer": msg.text,
-            "context": docs,
-            "sources": list(msg.response_metadata["token_sources"]),
-            **self._tail(msg.response_metadata, notes),
-            "retrieval_empty": not docs,
-        }
+        head, notes, messages, kwargs = self._prepare(input_, question, docs, config)
+        return self._output(head, notes, await self.model.ainvoke(messages, config, **kwargs))
 
     # ------------------------------------------------------------------ stream
     def stream(
         self, input: Any, config: RunnableConfig | None = None, **kwargs: Any
     ) -> Iterator[dict[str, Any]]:
-        yield from self._transform_stream_with_config(
-            iter([input]), self._transform, config, **kwargs
-        )
+        yield from self.transform(iter([input]), config, **kwargs)
 
     def transform(
         self, input: Iterator[Any], config: RunnableConfig | None = None, **kwargs: Any
@@ -207,22 +299,20 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         yield from self._transform_stream_with_config(input, self._transform, config, **kwargs)
 
     def _transform(
-        self,
-        inputs: Iterator[Any],
-        run_manager: CallbackManagerForChainRun,
-        config: RunnableConfig,
+        self, inputs: Iterator[Any], run_manager: CallbackManagerForChainRun, config: RunnableConfig
     ) -> Iterator[dict[str, Any]]:
-        input_ = _last(inputs)
-        question = _question(input_)
+        *_, input_ = inputs
+        question = question_of(input_)
         docs = self._retrieve(question, config)
-        notes = self._empty_note(question, docs)
-        messages, kwargs = self._model_input(input_, question, docs, config)
+        head, notes, messages, kwargs = self._prepare(input_, question, docs, config)
         chunks = self.model.stream(messages, config, **kwargs)
         # Pull the first token before yielding anything, so a failing call (bad option,
         # question too long...) raises with nothing half-written.
         first = next(chunks, None)
-        yield {**self._passthrough(input_, question), "context": docs, "retrieval_empty": not docs}
-        for chunk in _chain_first(first, chunks):
+        yield head
+        for chunk in ([] if first is None else [first]):
+            yield from self._stream_item(chunk, notes)
+        for chunk in chunks:
             yield from self._stream_item(chunk, notes)
 
     async def astream(
@@ -231,9 +321,7 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         async def one() -> AsyncIterator[Any]:
             yield input
 
-        async for item in self._atransform_stream_with_config(
-            one(), self._atransform, config, **kwargs
-        ):
+        async for item in self.atransform(one(), config, **kwargs):
             yield item
 
     async def atransform(
@@ -250,43 +338,15 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         run_manager: AsyncCallbackManagerForChainRun,
         config: RunnableConfig,
     ) -> AsyncIterator[dict[str, Any]]:
-        last: Any = None
-        async for item in inputs:
-            last = item
-        question = _question(last)
+        input_ = [item async for item in inputs][-1]
+        question = question_of(input_)
         docs = await self._aretrieve(question, config)
-        notes = self._empty_note(question, docs)
-        messages, kwargs = self._model_input(last, question, docs, config)
+        head, notes, messages, kwargs = self._prepare(input_, question, docs, config)
         chunks = self.model.astream(messages, config, **kwargs)
         first = await anext(chunks, None)
-        yield {**self._passthrough(last, question), "context": docs, "retrieval_empty": not docs}
-        if first is not None:
-            for out in self._stream_item(first, notes):
-                yield out
+        yield head
+        for out in [] if first is None else self._stream_item(first, notes):
+            yield out
         async for chunk in chunks:
             for out in self._stream_item(chunk, notes):
                 yield out
-
-    def _stream_item(self, chunk: Any, notes: list[str]) -> Iterator[dict[str, Any]]:
-        meta = chunk.response_metadata
-        if "trace" in meta:
-            yield self._tail(meta, notes)
-            return
-        item: dict[str, Any] = {"answer": chunk.text}
-        if meta.get("token_sources"):
-            item["sources"] = list(meta["token_sources"])
-        if item["answer"] or "sources" in item:
-            yield item
-
-
-def _last(inputs: Iterator[Any]) -> Any:
-    last: Any = None
-    for item in inputs:
-        last = item
-    return last
-
-
-def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    if first is not None:
-        yield first
-    yield from rest

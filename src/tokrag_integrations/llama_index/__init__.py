@@ -1,7 +1,5 @@
-"""LlamaIndex adapters for Tok-RAG: a response synthesizer, an LLM and a local embedding.
-
-The adapters translate types only (nodes -> :class:`~tokrag_integrations.Passage`, core
-results -> LlamaIndex responses); every decoding decision lives in the core.
+"""LlamaIndex adapters for Tok-RAG: a response synthesizer, an LLM, a folder retriever, a
+local embedding and gate routing. They translate types only; decoding lives in the core.
 
     >>> from tokrag_integrations.llama_index import TokRAGSynthesizer, local_embedding
     >>> index = VectorStoreIndex.from_documents(docs, embed_model=local_embedding())
@@ -16,21 +14,20 @@ itself never imports LlamaIndex.
 
 from __future__ import annotations
 
-# embeddings.py imports nothing from LlamaIndex at module level: safe before the check below.
-from .embeddings import INSTALL_HINT
+from .embeddings import INSTALL_HINT, local_embedding
 
 try:
-    import llama_index.core  # noqa: F401
-except ImportError as e:  # pragma: no cover - exercised only without the extra
+    from .gated_engine import gate_selector, gated_query_engine
+    from .llm import TokRAGLLM
+    from .retriever import FolderRetriever
+    from .synthesizer import RESPONSE_MODES, TokRAGSynthesizer
+except ModuleNotFoundError as e:  # pragma: no cover - exercised only without the extra
+    if not (e.name or "").startswith("llama_index"):
+        raise
     raise ImportError(
         "tokrag_integrations.llama_index needs LlamaIndex (llama-index-core 0.14), which is not "
         f"installed. Install the extra: {INSTALL_HINT}"
     ) from e
-
-from .embeddings import local_embedding  # noqa: E402
-from .llm import TokRAGLLM  # noqa: E402
-from .retriever import FolderRetriever  # noqa: E402
-from .synthesizer import RESPONSE_MODES, TokRAGSynthesizer  # noqa: E402
 
 __all__ = [
     "INSTALL_HINT",
@@ -38,5 +35,7 @@ __all__ = [
     "FolderRetriever",
     "TokRAGLLM",
     "TokRAGSynthesizer",
+    "gate_selector",
+    "gated_query_engine",
     "local_embedding",
 ]

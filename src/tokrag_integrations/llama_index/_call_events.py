@@ -16,8 +16,8 @@ from llama_index.core.instrumentation.events.llm import (
 
 from .. import batching
 from ..api import GenerationResult
-from ._convert import result_kwargs, usage
-from ._modes import _Call, _Session
+from ..synthesis import Call, Session
+from ..translate import result_summary, usage
 
 dispatcher = instrument.get_dispatcher(__name__.rsplit(".", 1)[0] + ".synthesizer")
 
@@ -34,7 +34,7 @@ class _CallEvents:
     _batching: bool
     _gen_kwargs: dict[str, Any]
 
-    def _llm_start(self, sess: _Session, call: _Call) -> tuple[str, str]:
+    def _llm_start(self, sess: Session, call: Call) -> tuple[str, str]:
         """Emit the LLM start events of one call; (event id, prompt text)."""
         prompt = sess.prompt_text(call)
         llm = self._llm
@@ -59,12 +59,12 @@ class _CallEvents:
         return event_id, prompt
 
     def _llm_end(
-        self, sess: _Session, call: _Call, event_id: str, prompt: str, result: GenerationResult
+        self, sess: Session, call: Call, event_id: str, prompt: str, result: GenerationResult
     ) -> None:
         sess.record(call, result)
         response = CompletionResponse(
             text=result.text,
-            additional_kwargs=result_kwargs(result),
+            additional_kwargs=result_summary(result),
             raw={"usage": usage(result, self._roles)},
         )
         self._callback_manager.on_event_end(
@@ -79,7 +79,7 @@ class _CallEvents:
             CBEventType.LLM, payload={EventPayload.EXCEPTION: error}, event_id=event_id
         )
 
-    def _call(self, sess: _Session, call: _Call) -> GenerationResult:
+    def _call(self, sess: Session, call: Call) -> GenerationResult:
         event_id, prompt = self._llm_start(sess, call)
         try:
             result = batching.generate(
@@ -91,7 +91,7 @@ class _CallEvents:
         self._llm_end(sess, call, event_id, prompt, result)
         return result
 
-    async def _acall(self, sess: _Session, call: _Call) -> GenerationResult:
+    async def _acall(self, sess: Session, call: Call) -> GenerationResult:
         event_id, prompt = self._llm_start(sess, call)
         try:
             result = await batching.agenerate(

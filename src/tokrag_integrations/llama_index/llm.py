@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -31,7 +30,8 @@ from ..api import GenerationResult, TokenEvent
 from ..defaults import MAX_NEW_TOKENS
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
 from ..prompts import RenderedPrompt
-from ._convert import jsonable, messages_to_dicts, messages_to_turns, result_kwargs, to_passages
+from ..translate import LOAD_FIELDS, given_options, jsonable, model_label, result_summary
+from .nodes import messages_to_dicts, messages_to_turns, to_passages
 
 #: Template variables that carry retrieved text in LlamaIndex's prompts (text QA, summary
 #: and chat-engine context templates: ``context_str``; refine templates: ``context_msg``).
@@ -186,9 +186,8 @@ class TokRAGLLM(CustomLLM):
         tokenizer = kwargs.pop("tokenizer", None)
         spec = kwargs.get("model", "default")
         if isinstance(spec, LoadedModel):
-            lm, kwargs["model"] = spec, spec.name
-        elif isinstance(spec, os.PathLike) or not isinstance(spec, str):
-            kwargs["model"] = str(spec) if isinstance(spec, os.PathLike) else type(spec).__name__
+            lm = spec
+        kwargs["model"] = model_label(spec)
         if kwargs.get("dtype") is not None:
             kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
         super().__init__(**kwargs)
@@ -199,17 +198,9 @@ class TokRAGLLM(CustomLLM):
                 "a model; this LoadedModel is already loaded"
             )
         if lm is None:
-            options = {
-                "device": self.device,
-                "device_map": self.device_map,
-                "dtype": self.dtype,
-                "model_kwargs": self.model_kwargs or None,
-                "tokenizer_kwargs": self.tokenizer_kwargs or None,
-                "trust_remote_code": self.trust_remote_code,
-                "revision": self.revision,
-                "tokenizer": tokenizer,
-            }
-            options = {k: v for k, v in options.items() if v not in (None, False)}
+            options = given_options(
+                tokenizer=tokenizer, **{k: getattr(self, k) for k in LOAD_FIELDS[1:]}
+            )
             both = sorted(set(options) & set(self.load_options))
             if both:
                 raise ValueError(f"{', '.join(both)} given both as arguments and in load_options")
@@ -329,7 +320,7 @@ class TokRAGLLM(CustomLLM):
         self._record(result)
         return CompletionResponse(
             text=result.text,
-            additional_kwargs=result_kwargs(result),
+            additional_kwargs=result_summary(result),
             raw=jsonable(result.trace.to_dict()),
         )
 
@@ -337,7 +328,7 @@ class TokRAGLLM(CustomLLM):
         self._record(result)
         return ChatResponse(
             message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
-            additional_kwargs=result_kwargs(result),
+            additional_kwargs=result_summary(result),
             raw=jsonable(result.trace.to_dict()),
         )
 
@@ -353,7 +344,7 @@ class TokRAGLLM(CustomLLM):
         yield CompletionResponse(
             text=text,
             delta="",
-            additional_kwargs=result_kwargs(final),
+            additional_kwargs=result_summary(final),
             raw=jsonable(final.trace.to_dict()),
         )
 
@@ -404,7 +395,7 @@ class TokRAGLLM(CustomLLM):
                     yield CompletionResponse(
                         text=text,
                         delta="",
-                        additional_kwargs=result_kwargs(item),
+                        additional_kwargs=result_summary(item),
                         raw=jsonable(item.trace.to_dict()),
                     )
                 elif item.text:
@@ -452,7 +443,7 @@ class TokRAGLLM(CustomLLM):
                     yield ChatResponse(
                         message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
                         delta="",
-                        additional_kwargs=result_kwargs(item),
+                        additional_kwargs=result_summary(item),
                         raw=jsonable(item.trace.to_dict()),
                     )
                 elif item.text:

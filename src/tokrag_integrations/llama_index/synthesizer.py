@@ -1,9 +1,8 @@
 """TokRAGSynthesizer: a LlamaIndex response synthesizer that decodes with a Tok-RAG policy.
 
-The multi-call modes (compact, refine, tree_summarize) are planned in :mod:`._modes`: unlike
-LlamaIndex's loops of the same names, Tok-RAG needs the question alone as every call's pure
-context and a per-token trace of every call. The template path (LlamaIndex's own
-synthesizers through :class:`TokRAGLLM`) is in :mod:`._synth_templates`.
+The multi-call modes (compact, refine, tree_summarize) are planned by
+:mod:`tokrag_integrations.synthesis`; with a prompt template (or LlamaIndex's other modes)
+LlamaIndex's own synthesizer runs through a :class:`TokRAGLLM` that keeps its calls' results.
 """
 
 from __future__ import annotations
@@ -26,8 +25,14 @@ from llama_index.core.instrumentation.events.synthesis import (
     SynthesizeStartEvent,
 )
 from llama_index.core.prompts.base import BasePromptTemplate
+from llama_index.core.prompts.default_prompt_selectors import (
+    DEFAULT_REFINE_PROMPT_SEL,
+    DEFAULT_TEXT_QA_PROMPT_SEL,
+    DEFAULT_TREE_SUMMARIZE_PROMPT_SEL,
+)
 from llama_index.core.prompts.mixin import PromptDictType
 from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTextType
+from llama_index.core.response_synthesizers.factory import get_response_synthesizer
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
@@ -35,23 +40,13 @@ from .. import batching as _batching
 from ..api import GenerationResult
 from ..config import require_bool
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
-from ..models import LOAD_OPTIONS, LoadedModel, check_greedy
-from ..policies import get_policy, merge_policy_options
+from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, unknown_arguments
 from ..policies.base import Policy
+from ..synthesis import Session, Setup, call_summary, totals
+from ..translate import checked_policy, jsonable
 from ._call_events import _CallEvents
-from ._convert import jsonable
-from ._modes import EXISTING_ANSWER_PREFIX, _Session, _Setup
-from ._synth_templates import (
-    _DEFAULT_TEMPLATES,
-    NATIVE_MODES,
-    RESPONSE_MODES,
-    TEMPLATE_KEYS,
-    _metadata_mode,
-    _mode_name,
-    _template,
-    _TemplatePath,
-)
 from .llm import TokRAGLLM
+from .nodes import node_to_passage, order_nodes
 
 dispatcher = instrument.get_dispatcher(__name__)
 
@@ -79,20 +74,6 @@ def _check_budget(max_new_tokens: Any, max_context_tokens: Any, gate: Any) -> No
         raise TypeError(f"gate must have a decide(query) method, got {type(gate).__name__}")
 
 
-def _checked_policy(policy: str | Policy, options: dict[str, Any]) -> Policy:
-    """The policy, built by the registry (which checks the options): unknown policies or
-    options fail here, not at the first query."""
-    try:
-        return get_policy(policy, **options)
-    except ValueError as e:
-        if "unknown option" not in str(e):
-            raise
-        raise TypeError(
-            f"TokRAGSynthesizer got an unknown keyword argument ({e}); besides the policy's "
-            f"options it accepts: {', '.join(_OWN_ARGUMENTS + LOAD_OPTIONS)}"
-        ) from e
-
-
 def _the_llm(
     lm: Any, model: Any, load_options: dict[str, Any], max_new_tokens: int
 ) -> TokRAGLLM:
@@ -107,93 +88,116 @@ def _the_llm(
     raise TypeError(f"lm must be a LoadedModel, a TokRAGLLM or None, got {type(lm).__name__}")
 
 
-class TokRAGSynthesizer(_CallEvents, _TemplatePath, BaseSynthesizer):
+#: ``response_mode`` values with the package's own prompt: one decode over every node that
+#: fits (the default), or LlamaIndex's multi-call modes of the same names.
+NATIVE_MODES = ("one_pass", "compact", "refine", "tree_summarize")
+#: Every ``response_mode``: the native ones, and LlamaIndex's other built-in modes, which
+#: run LlamaIndex's own synthesizer with its templates through :class:`TokRAGLLM`.
+RESPONSE_MODES = (*NATIVE_MODES, "simple_summarize", "accumulate", "compact_accumulate", "no_text")
+#: The prompt templates of LlamaIndex's synthesizers that this one takes.
+TEMPLATE_KEYS = ("text_qa_template", "refine_template", "summary_template")
+_DEFAULT_TEMPLATES = {
+    "text_qa_template": DEFAULT_TEXT_QA_PROMPT_SEL,
+    "refine_template": DEFAULT_REFINE_PROMPT_SEL,
+    "summary_template": DEFAULT_TREE_SUMMARIZE_PROMPT_SEL,
+}
+
+
+def _mode_name(response_mode: Any) -> str:
+    mode = getattr(response_mode, "value", response_mode)
+    if mode not in RESPONSE_MODES:
+        raise ValueError(
+            f"Unknown response_mode {response_mode!r}; TokRAGSynthesizer accepts "
+            + ", ".join(repr(m) for m in RESPONSE_MODES)
+            + " ('one_pass' is the default)."
+        )
+    return str(mode)
+
+
+async def _no_tokens() -> AsyncGenerator[str, None]:
+    return
+    yield  # an async generator that yields nothing
+
+
+def _template(key: str, value: Any) -> BasePromptTemplate | None:
+    if value is None or isinstance(value, BasePromptTemplate):
+        return value
+    raise TypeError(
+        f"{key} must be a LlamaIndex prompt template (PromptTemplate, ChatPromptTemplate...), "
+        f"got {type(value).__name__}"
+    )
+
+
+def _metadata_mode(metadata_mode: Any) -> MetadataMode:
+    try:
+        return MetadataMode(getattr(metadata_mode, "value", metadata_mode))
+    except ValueError:
+        raise ValueError(
+            f"Unknown metadata_mode {metadata_mode!r}; use one of "
+            + ", ".join(f"MetadataMode.{m.name}" for m in MetadataMode)
+        ) from None
+
+
+class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
     """Answers from the retrieved nodes with a decoding policy (default ``tokrag``).
 
-    The query and the node texts go to the core separately (no prompt template is
-    formatted here): nodes become :class:`~tokrag_integrations.Passage` objects (text from
-    ``node.get_content(metadata_mode=...)``), best score first, so when they do not fit the
-    window the lowest-scored are dropped first.
+    The query and the node texts go to the core separately: nodes become
+    :class:`~tokrag_integrations.Passage` objects (``node.get_content(metadata_mode=...)``),
+    best score first, so the lowest-scored are dropped first when the window is full.
 
     ``response_mode`` (a string or LlamaIndex's ``ResponseMode``):
 
-    * ``"one_pass"`` (default): one decode over every node that fits the window; the rest
-      are listed in ``nodes_dropped`` / ``n_nodes_dropped``.
-    * ``"compact"``: nodes are packed, best first, into chunks that fill the window (token
-      counts from the model's tokenizer, the same budget the one-pass prompt has; a node
-      longer than a whole chunk is split); the first chunk is answered, and each next chunk
-      refines that answer (the answer so far goes in as the first passage, "Existing
-      answer: ...", see :data:`EXISTING_ANSWER_PREFIX`).
-    * ``"refine"``: the same with one node (or one part of a long node) per call.
-    * ``"tree_summarize"``: every packed chunk is answered, then the answers are packed and
-      answered again, level by level, until one call remains.
+    * ``"one_pass"`` (default): one decode over every node that fits the window.
+    * ``"compact"``: nodes packed, best first, into chunks that fill the window (a node longer
+      than a chunk is split); the first chunk is answered, each next chunk refines that
+      answer, given as the first passage ("Existing answer: ...").
+    * ``"refine"``: the same with one node (or part of one) per call.
+    * ``"tree_summarize"``: every chunk answered, then the answers packed and answered again,
+      level by level, until one call remains.
     * ``"simple_summarize"``, ``"accumulate"``, ``"compact_accumulate"``, ``"no_text"``:
       LlamaIndex's own synthesizer of that name (``no_text`` makes no call).
 
-    Prompt templates: the native modes above use the package's own prompt (passages each
-    behind a ``[Retrieved Passage]`` line, then ``Question: ...``) while no template is set.
-    Give ``text_qa_template``, ``refine_template`` or ``summary_template`` (or set them with
-    ``update_prompts``) and every mode runs LlamaIndex's synthesizer of the same name
-    (``one_pass`` as ``compact``) with your templates, LlamaIndex's defaults filling the
-    others, through a :class:`TokRAGLLM` with this synthesizer's settings: the RAG context is
-    your template as formatted and Tok-RAG compares it with the question alone. This is the
-    path ``Settings.llm = TokRAGLLM(...)`` takes, token for token. ``get_prompts()`` returns
-    the templates that path uses.
+    Prompt templates: the native modes use the package's own prompt while no template is
+    set. With ``text_qa_template``, ``refine_template`` or ``summary_template`` (or
+    ``update_prompts``) every mode runs LlamaIndex's synthesizer of the same name
+    (``one_pass`` as ``compact``) with your templates through a :class:`TokRAGLLM` with these
+    settings: the RAG context is your template as formatted, the pure context the question.
 
-    Every call decodes under the synthesizer's policy with the same question. With
-    ``streaming=True`` the earlier calls run when the response is made and the last call
-    streams. Each call emits LlamaIndex's LLM callback event (``CBEventType.LLM`` with the
-    prompt and a ``CompletionResponse`` whose ``raw["usage"]`` holds the exact token counts,
-    so ``TokenCountingHandler`` counts them) and the ``LLMCompletionStart/EndEvent``
-    instrumentation events.
+    Every call decodes under the policy with the same question; with ``streaming=True`` the
+    last call streams. Each call emits ``CBEventType.LLM`` (a ``CompletionResponse`` whose
+    ``raw["usage"]`` holds the exact token counts, for ``TokenCountingHandler``) and the
+    ``LLMCompletionStart/EndEvent`` instrumentation events.
 
-    ``response.metadata`` holds ``response_mode``, ``policy``, ``policy_used`` (``"llm"``
-    when answered from the pure context), ``answered_from`` (``"retrieval"`` or
-    ``"pure_context"``) and ``pure_context_reason``, ``counts`` (generated tokens per source
-    in the final answer: ``agree``/``rag``/``llm``), ``passages`` (per node: node id, rank,
-    score, kept/cut/empty, tokens; in the multi-call modes also ``calls`` and ``parts``),
-    ``nodes_used``, ``nodes_cut``, ``nodes_dropped``, ``n_nodes_dropped``,
-    ``nodes_skipped_empty``, ``warnings``, ``gate`` (the gate's decision or None), ``model``,
-    ``stop_reason``, ``trace`` (the final call's ``Trace.to_dict()``, JSON-safe), ``usage``
-    (prompt/completion tokens over all calls) and ``calls`` (one entry per model call:
-    ``index``, ``kind`` (answer/refine/summarize/combine), ``node_ids``, ``answers_from``,
-    ``text``, ``counts``, ``usage``, ``nodes_used``/``cut``/``dropped``, ``warnings``,
-    ``trace``; ``level`` in tree_summarize); the multi-call modes add ``counts_all_calls``.
-    With ``streaming=True`` the metadata dict is filled in place once the token generator is
-    exhausted (``policy``, ``gate`` and ``response_mode`` are there from the start).
+    ``response.metadata``: ``response_mode``, ``policy``, ``policy_used``, ``answered_from``
+    (``"retrieval"`` / ``"pure_context"``), ``pure_context_reason``, ``counts`` (tokens per
+    source in the final answer), ``passages`` (per node: id, rank, score, kept/cut/empty,
+    tokens), ``nodes_used`` / ``nodes_cut`` / ``nodes_dropped`` / ``n_nodes_dropped`` /
+    ``nodes_skipped_empty``, ``warnings``, ``gate``, ``model``, ``stop_reason``, ``trace``
+    (the final call's ``Trace.to_dict()``), ``usage`` (over all calls) and ``calls`` (per
+    model call: ``index``, ``kind``, ``node_ids``, ``answers_from``, ``text``, ``counts``,
+    ``usage``, ``warnings``, ``trace``...); multi-call modes add ``counts_all_calls``. When
+    streaming, the dict is filled once the generator is exhausted (``policy``, ``gate`` and
+    ``response_mode`` are there from the start).
 
     Args:
         lm: a LoadedModel, a :class:`TokRAGLLM` to share, or None to load ``model``.
-        model: what :func:`~tokrag_integrations.load_model` takes (``"default"``, a hub id
-            in the local cache, a folder, a ``.gguf`` path, a loaded ``PreTrainedModel``),
-            with its keyword options (``tokenizer``, ``device``, ``device_map``, ``dtype``,
-            ``model_kwargs``, ``tokenizer_kwargs``, ``trust_remote_code``, ``revision``...).
+        model: what :func:`~tokrag_integrations.load_model` takes, with its keyword options
+            (``tokenizer``, ``device``, ``device_map``, ``dtype``, ``model_kwargs``...).
         temperature: only None or 0 (greedy decoding).
         policy: decoding policy name or instance (``"tokrag"``, ``"rag"``, ``"llm"``...).
-        max_new_tokens: answer budget in tokens (per call; default
-            :data:`~tokrag_integrations.defaults.MAX_NEW_TOKENS`, as ``tokrag ask``).
-        stop: stop strings (EOS always stops); default
-            :data:`~tokrag_integrations.defaults.ANSWER_STOP` (a blank line or a heading
-            ends the answer, as ``tokrag ask``); None or ``[]``: none.
+        policy_options: the policy's options as a dict (e.g. ``{"pr_norm": "softmax"}``).
+        max_new_tokens: answer budget per call (default ``defaults.MAX_NEW_TOKENS``).
+        stop: stop strings (default ``defaults.ANSWER_STOP``; None or ``[]``: none).
         max_context_tokens: a tighter context budget than the model's window.
         system_prompt: override the core's default system prompt (None = no system turn).
-        gate: optional object with ``decide(query)`` returning a decision with ``.retrieve``
-            (bool), ``.score`` (float) and ``.to_dict()``; when it says no, the answer comes
-            from the pure context (one call in every mode) and the decision is in the metadata.
+        gate: an object with ``decide(query)`` (``.retrieve``, ``.score``, ``.to_dict()``);
+            when it says no, the answer comes from the pure context in one call.
         streaming: return ``StreamingResponse`` / ``AsyncStreamingResponse``.
-        callback_manager: LlamaIndex callback manager (default ``Settings.callback_manager``).
-        response_mode: ``"one_pass"`` (default), ``"compact"``, ``"refine"`` or
-            ``"tree_summarize"``.
-        metadata_mode: which node metadata goes into the passage text (default
-            ``MetadataMode.LLM``, as LlamaIndex's synthesizers; ``MetadataMode.NONE`` for
-            the text alone).
-        batching: decode concurrent calls (``asyncio.gather`` over ``aquery``, threads,
-            streamed answers included) together as one batch
-            (:mod:`tokrag_integrations.batching`); False decodes them one at a time.
-        policy_options: the policy's options as a dict (e.g. ``{"pr_norm": "softmax"}``);
-            checked by :func:`~tokrag_integrations.policies.get_policy`.
-        **options: the load options of ``model`` (above); policy options given here still
-            work but are deprecated (a DeprecationWarning names ``policy_options=``).
+        callback_manager: default ``Settings.callback_manager``.
+        response_mode: see above.
+        metadata_mode: node metadata in the passage text (default ``MetadataMode.LLM``).
+        batching: decode concurrent calls together as one batch; False: one at a time.
+        **options: the load options of ``model``.
     """
 
     def __init__(
@@ -234,12 +238,18 @@ class TokRAGSynthesizer(_CallEvents, _TemplatePath, BaseSynthesizer):
         require_bool(batching, "batching")
         mode = _mode_name(response_mode)
         meta_mode = _metadata_mode(metadata_mode)
-        load_options = {k: options.pop(k) for k in LOAD_OPTIONS if k in options}
-        opts = merge_policy_options(policy_options, options, "TokRAGSynthesizer")
-        pol = _checked_policy(policy, opts)
+        unknown = set(options) - set(LOAD_OPTIONS)
+        if unknown:
+            raise unknown_arguments("TokRAGSynthesizer", unknown, _OWN_ARGUMENTS + LOAD_OPTIONS)
+        if policy_options is not None and not isinstance(policy_options, Mapping):
+            raise TypeError(
+                f"policy_options must be a dict of option names to values, got {type(policy_options).__name__}"
+            )
+        opts = dict(policy_options or {})
+        pol = checked_policy(policy, opts, "TokRAGSynthesizer", _OWN_ARGUMENTS + LOAD_OPTIONS)
         self._policy_name = pol.name
         self._roles: tuple[str, ...] = tuple(pol.roles)
-        llm = _the_llm(lm, model, load_options, max_new_tokens)
+        llm = _the_llm(lm, model, options, max_new_tokens)
         super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming)
         self._lm: LoadedModel = llm.loaded_model
         self._gate = gate
@@ -310,12 +320,14 @@ class TokRAGSynthesizer(_CallEvents, _TemplatePath, BaseSynthesizer):
 
     def _session(
         self, query: str, nodes: Sequence[NodeWithScore], decision: Any = None
-    ) -> _Session:
-        setup = _Setup(
-            self._lm, self._gen_kwargs, self._mode, self._metadata_mode, self._policy_name,
-            self._roles,
-        )
-        return _Session(setup, query, nodes, decision, self._gate_dict(decision))
+    ) -> Session:
+        setup = Setup(self._lm, self._gen_kwargs, self._mode, self._policy_name, self._roles)
+        ordered = [
+            (n.node.node_id, None if n.score is None else float(n.score),
+             node_to_passage(n, self._metadata_mode))
+            for n in order_nodes(nodes)
+        ]
+        return Session(setup, query, ordered, decision, self._gate_dict(decision))
 
     @staticmethod
     def _chunk_nodes(text_chunks: Sequence[str]) -> list[NodeWithScore]:
@@ -325,7 +337,7 @@ class TokRAGSynthesizer(_CallEvents, _TemplatePath, BaseSynthesizer):
         ]
 
     # ------------------------------------------------------------------ running a session
-    def _run(self, sess: _Session) -> tuple[Any, dict[str, Any]]:
+    def _run(self, sess: Session) -> tuple[Any, dict[str, Any]]:
         """(answer text, or a token generator when streaming; the metadata dict)."""
         program = sess.program()
         call = next(program)
@@ -356,7 +368,7 @@ class TokRAGSynthesizer(_CallEvents, _TemplatePath, BaseSynthesizer):
 
         return gen(), metadata
 
-    async def _arun(self, sess: _Session) -> tuple[Any, dict[str, Any]]:
+    async def _arun(self, sess: Session) -> tuple[Any, dict[str, Any]]:
         """Async :meth:`_run`: every call runs in a worker thread."""
         program = sess.program()
         call = next(program)
@@ -383,6 +395,103 @@ class TokRAGSynthesizer(_CallEvents, _TemplatePath, BaseSynthesizer):
                 if len(sess.calls) == 0 or sess.calls[-1][0] is not last:
                     self._llm_error(event_id, e)
                 raise
+
+        return agen(), metadata
+
+    # ------------------------------------------------------------------ the template path
+    def _template_llm(self) -> TokRAGLLM:
+        """A TokRAGLLM with this synthesizer's settings that keeps its calls' results."""
+        kw = self._gen_kwargs
+        own: dict[str, Any] = {
+            "policy": self._policy_name,
+            "max_new_tokens": kw["max_new_tokens"],
+            "stop": [kw["stop"]] if isinstance(kw["stop"], str) else kw["stop"],
+            "max_context_tokens": kw["max_context_tokens"],
+            "policy_options": self._policy_options,
+            "batching": self._batching,
+        }
+        if "system_prompt" in kw:
+            own["system_prompt"] = kw["system_prompt"]
+        llm = TokRAGLLM(self._lm, callback_manager=self._callback_manager, **own)
+        llm._results = []
+        return llm
+
+    def _template_synth(self, llm: TokRAGLLM) -> BaseSynthesizer | None:
+        """LlamaIndex's synthesizer for the mode (None for ``no_text``: no call at all)."""
+        if self._mode == "no_text":
+            return None
+        mode = "compact" if self._mode == "one_pass" else self._mode
+        return get_response_synthesizer(
+            llm=llm,
+            response_mode=mode,
+            streaming=self._streaming,
+            callback_manager=self._callback_manager,
+            **self._templates,
+        )
+
+    def _template_metadata(
+        self, llm: TokRAGLLM, nodes: Sequence[NodeWithScore], gate: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        results = list(llm._results or [])
+        calls = [call_summary(i, "template", r, [{}], roles=self._roles) for i, r in enumerate(results)]
+        final = results[-1] if results else None
+        policy_used = final.trace.policy if final is not None else None
+        counts, notes, total = totals(calls, [])
+        return {
+            "response_mode": self._mode,
+            "templates": sorted(self._templates),
+            "policy": self._policy_name,
+            "policy_used": policy_used,
+            "answered_from": "retrieval" if policy_used not in (None, "llm") else "pure_context",
+            "counts": final.counts if final is not None else {},
+            "counts_all_calls": counts,
+            "model": self._lm.name,
+            "stop_reason": final.trace.stop_reason if final is not None else None,
+            "gate": gate,
+            "nodes_used": [n.node.node_id for n in nodes],
+            "warnings": notes,
+            "trace": calls[-1]["trace"] if calls else None,
+            "calls": calls,
+            "usage": total,
+        }
+
+    def _template_chunks(self, nodes: Sequence[NodeWithScore]) -> list[str]:
+        return [n.node.get_content(metadata_mode=self._metadata_mode) for n in nodes]
+
+    def _run_templates(
+        self, query: str, nodes: Sequence[NodeWithScore], gate: dict[str, Any] | None
+    ) -> tuple[Any, dict[str, Any]]:
+        llm = self._template_llm()
+        synth = self._template_synth(llm)
+        if synth is None:
+            return (iter(()) if self._streaming else ""), self._template_metadata(llm, nodes, gate)
+        answer = synth.get_response(query, self._template_chunks(nodes))
+        if not self._streaming or isinstance(answer, str):
+            return answer, self._template_metadata(llm, nodes, gate)
+        metadata = {"policy": self._policy_name, "gate": gate, "response_mode": self._mode}
+
+        def gen() -> Generator[str, None, None]:
+            yield from answer
+            metadata.update(self._template_metadata(llm, nodes, gate))
+
+        return gen(), metadata
+
+    async def _arun_templates(
+        self, query: str, nodes: Sequence[NodeWithScore], gate: dict[str, Any] | None
+    ) -> tuple[Any, dict[str, Any]]:
+        llm = self._template_llm()
+        synth = self._template_synth(llm)
+        if synth is None:
+            return (_no_tokens() if self._streaming else ""), self._template_metadata(llm, nodes, gate)
+        answer = await synth.aget_response(query, self._template_chunks(nodes))
+        if not self._streaming or isinstance(answer, str):
+            return answer, self._template_metadata(llm, nodes, gate)
+        metadata = {"policy": self._policy_name, "gate": gate, "response_mode": self._mode}
+
+        async def agen() -> AsyncGenerator[str, None]:
+            async for token in answer:
+                yield token
+            metadata.update(self._template_metadata(llm, nodes, gate))
 
         return agen(), metadata
 
@@ -473,7 +582,6 @@ class TokRAGSynthesizer(_CallEvents, _TemplatePath, BaseSynthesizer):
 
 
 __all__ = [
-    "EXISTING_ANSWER_PREFIX",
     "NATIVE_MODES",
     "RESPONSE_MODES",
     "TEMPLATE_KEYS",

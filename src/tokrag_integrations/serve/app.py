@@ -3,43 +3,39 @@
     from tokrag_integrations.serve import ChatService, ServeConfig, create_app
     app = create_app(ChatService.load(ServeConfig(policy="tokrag")))   # any ASGI server runs it
 
-A chat completion is the standard OpenAI object plus a top-level ``tokrag`` object: the
-policy, the token counts per source, the token-level trace, warnings and the sources (the
-passages as they entered the RAG context). Streamed (``"stream": true``) answers are
-server-sent events of ``chat.completion.chunk`` objects; each content chunk carries
-``tokrag.source`` (where its token came from) and the last one the full ``tokrag`` object.
+A chat completion is the standard OpenAI object plus a top-level ``tokrag`` object (policy,
+counts per source, trace, warnings, sources); streamed answers are ``chat.completion.chunk``
+server-sent events, each content chunk with ``tokrag.source``, the last with the full
+``tokrag`` object. Refusals are OpenAI-style JSON errors: 400 bad body, 401 no bearer token,
+413 body over the limit, 429 ``max_queue`` reached, 503 while the model loads.
 
-A request the server refuses gets an OpenAI-style JSON error (``{"error": {"message",
-"type", "param", "code"}}``): 400 for a bad body, 401 without the configured bearer token,
-413 for a body over the limit, 429 when ``max_queue`` requests are already admitted, 503
-while the model loads; never a traceback.
-
-Decoding never runs on the event loop. Every request goes through the model's micro-batcher,
-so concurrent requests with the same settings decode as one batch, and a request that
-arrives mid-decode joins it at the next step, streamed or not; a stream's events are queued
-for its client as the decode chooses them, so a slow reader never holds the others; a client
-that disconnects cancels its request (it leaves the decode at the next step, or its queue).
+Decoding never runs on the event loop; every request goes through the model's micro-batcher
+(concurrent requests decode as one batch, a late one joins at the next step); a stream's
+events are queued for its client, so a slow reader holds no one; a client that disconnects
+cancels its request.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations (``Request``)
 # at definition time, and ``Request`` is imported inside create_app to keep imports lazy.
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import math
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
 from typing import Any
 
 from .schemas import ChatRequest, RequestError, parse_chat_request, too_deep
-from .service import ChatService, ServeConfig
+from .service import API_KEY_ENV, ChatService, ServeConfig
 
-__all__ = ["create_app", "FINISH_REASONS"]
+__all__ = ["create_app", "serve", "FINISH_REASONS"]
 
 log = logging.getLogger("tokrag.serve")
 
@@ -414,3 +410,52 @@ async def _events(
         if not finished:
             svc.streams_cut += 1
         svc.active -= 1
+
+
+def is_local(host: str) -> bool:
+    """Whether ``host`` binds to the loopback interface only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_open(host: str, config: ServeConfig) -> None:
+    """Warn when the server listens beyond this machine without a bearer token."""
+    if not is_local(host) and config.resolved_api_key() is None:
+        warnings.warn(
+            f"serving on {host} without an API key: anyone who can reach this port can use the "
+            f"model; pass --api-key or set ${API_KEY_ENV}",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info", **uvicorn_kwargs: Any) -> None:
+    """``tokrag serve`` in one process: uvicorn on ``host:port``; the model loads in the
+    background (``/health`` is 503 until it is ready). Blocks until the server stops.
+
+    SIGTERM ends it as Ctrl-C does: uvicorn shuts down, then raises the signal again under
+    the handler set here, from the main thread, to exit through ``atexit`` (the store,
+    opened in the loading thread, cannot set it), so an embedded Postgres is stopped
+    (:func:`~..postgres.embedded.stop_on_sigterm`).
+    """
+    from ..postgres.embedded import stop_on_sigterm
+
+    try:
+        import uvicorn
+
+        app = create_app(loader=lambda: ChatService.load(config), config=config)
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("fastapi", "uvicorn", "starlette"):
+            raise
+        raise ImportError(
+            f"tokrag serve needs FastAPI and uvicorn ({exc.name} is missing): "
+            "pip install 'tokrag-integrations[serve]'"
+        ) from None
+    warn_if_open(host, config)
+    stop_on_sigterm()
+    uvicorn.run(app, host=host, port=port, log_level=log_level, **uvicorn_kwargs)

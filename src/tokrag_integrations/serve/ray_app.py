@@ -110,7 +110,7 @@ def run_ray(
     serve = require_ray()
     import ray
 
-    from .runner import warn_if_open
+    from .app import warn_if_open
 
     warn_if_open(host, config)
     address = address or os.environ.get("RAY_ADDRESS")

@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 #: Keys of the request's ``tokrag`` object.
-TOKRAG_KEYS = ("policy", "policy_options", "options", "filters", "top_k", "trace")
+TOKRAG_KEYS = ("policy", "policy_options", "filters", "top_k", "trace")
 
 #: OpenAI fields the server takes; others are ignored with a warning.
 _KNOWN = {
@@ -157,9 +157,7 @@ class ChatRequest:
     model: str | None = None
     policy: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
-    """The policy options (``tokrag.policy_options``, or the deprecated ``tokrag.options``)."""
-    options_key: str = "tokrag.policy_options"
-    """Where the options came from, for error messages."""
+    """The policy options (``tokrag.policy_options``)."""
     filters: Any = None
     top_k: int | None = None
     trace: bool = True
@@ -336,26 +334,17 @@ def _bool(body: Mapping[str, Any], key: str, param: str | None = None) -> bool:
 
 
 def _policy_options(value: Mapping[str, Any], req: ChatRequest) -> None:
-    """``tokrag.policy_options`` (or the deprecated ``tokrag.options``, which adds a warning
-    to the response) into ``req.options``; the policy registry checks them later."""
-    if "policy_options" in value and "options" in value:
-        raise RequestError("give 'tokrag.policy_options' or the deprecated 'tokrag.options', "
-                           "not both", "tokrag")
-    key = "policy_options" if "policy_options" in value else "options"
-    options = value.get(key)
+    """``tokrag.policy_options`` into ``req.options``; the policy registry checks them later."""
+    options = value.get("policy_options")
     if options is None:
         return
-    where = f"tokrag.{key}"
+    where = "tokrag.policy_options"
     if not isinstance(options, Mapping):
         raise RequestError(f"'{where}' must be an object, got {_type_name(options)}", where)
     reserved = sorted(set(options) & {"prompt_format", "rendered"})
     if reserved:
         raise RequestError(f"'{where}' cannot set {', '.join(reserved)}", where)
     req.options = dict(options)
-    req.options_key = where
-    if key == "options":
-        req.warnings.append("'tokrag.options' is deprecated; send the policy options as "
-                            "'tokrag.policy_options'")
 
 
 def _tokrag(value: Any, req: ChatRequest, policies: Sequence[str]) -> None:

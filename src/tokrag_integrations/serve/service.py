@@ -1,18 +1,14 @@
-"""The model side of the server: one loaded model, its micro-batcher and optional Postgres store.
-
-:class:`ChatService` takes a checked :class:`~.schemas.ChatRequest` and answers it with the
-core API: a plain request through the model's micro-batcher (:mod:`..batching`: concurrent
-requests with the same settings decode as one batch, each gets the tokens it gets alone), a
-streamed one through :func:`~tokrag_integrations.stream`. No FastAPI here; :mod:`.app` maps
-HTTP onto it, and the Ray Serve deployment (:mod:`.ray_app`) builds one per replica.
+"""The model side of the server: one loaded model, its micro-batcher and optional Postgres
+store. :class:`ChatService` answers a checked :class:`~.schemas.ChatRequest` through the
+micro-batcher (concurrent requests decode as one batch); no FastAPI here (:mod:`.app` maps
+HTTP onto it, :mod:`.ray_app` builds one per replica).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import warnings
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,22 +74,6 @@ class ServeConfig:
     """A folder: the store's ``source`` (and ``file_path``) of each answer's sources are
     given relative to it, and those outside it as their file name alone, so clients do not
     see the server's folders (None: the absolute paths ingest stored)."""
-    options: InitVar[dict[str, Any] | None] = None
-    """Deprecated spelling of ``policy_options`` (a DeprecationWarning names the new one)."""
-
-    def __post_init__(self, options: dict[str, Any] | None) -> None:
-        if options is None:
-            return
-        warnings.warn(
-            "ServeConfig(options=...) is deprecated; pass policy_options={...}",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        both = sorted(set(options) & set(self.policy_options))
-        if both:
-            raise ValueError(f"ServeConfig: {', '.join(both)} given in both options and policy_options")
-        self.policy_options = {**self.policy_options, **options}
-
     def resolved_api_key(self) -> str | None:
         """``api_key``, else ``$TOKRAG_API_KEY``, else None (no auth), checked by
         :func:`checked_api_key`.
@@ -135,20 +115,6 @@ def checked_api_key(key: str | None, where: str) -> str | None:
             "(it travels in an HTTP header)"
         )
     return key
-
-
-def _deprecated_options(self: ServeConfig) -> dict[str, Any]:
-    warnings.warn(
-        "ServeConfig.options is deprecated; read ServeConfig.policy_options",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return self.policy_options
-
-
-# ``ServeConfig(options=...)`` is an init-only argument (its default was taken when the
-# dataclass was made); reading ``config.options`` still gives the policy options, warned.
-ServeConfig.options = property(_deprecated_options)  # type: ignore[assignment,method-assign]
 
 
 class ChatService:
@@ -231,7 +197,7 @@ class ChatService:
         try:
             checked = get_policy(policy, **options)  # checked here: a bad option is a 400 at once
         except (TypeError, ValueError) as exc:
-            raise RequestError(str(exc), req.options_key) from None
+            raise RequestError(str(exc), "tokrag.policy_options") from None
         stop = req.stop if req.stop is not None else list(self.config.stop or ())
         kw: dict[str, Any] = {
             "policy": policy,
@@ -257,7 +223,7 @@ class ChatService:
         try:
             await asyncio.to_thread(policy.prepare, self.lm)
         except (TypeError, ValueError) as exc:
-            raise RequestError(str(exc), req.options_key) from None
+            raise RequestError(str(exc), "tokrag.policy_options") from None
         return kw
 
     async def passages(self, req: ChatRequest) -> tuple[list[Any] | None, list[str]]:

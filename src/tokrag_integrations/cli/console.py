@@ -130,7 +130,7 @@ def _short_source(source: str, roots: Sequence[Path]) -> str:
     return source
 
 
-def _stop_strings(args: argparse.Namespace) -> list[str]:
+def stop_strings(args: argparse.Namespace) -> list[str]:
     """The answer's stop strings: ``--stop`` texts (``\\n`` and ``\\t`` read as a newline
     and a tab), none with ``--no-stop``, else :data:`~tokrag_integrations.defaults.ANSWER_STOP`."""
     if getattr(args, "no_stop", False):

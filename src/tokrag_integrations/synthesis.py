@@ -1,10 +1,12 @@
-"""The package's own compact / refine / tree_summarize loops behind :class:`TokRAGSynthesizer`.
+"""The multi-call synthesis behind the LlamaIndex synthesizer's compact / refine /
+tree_summarize modes, framework-free: the token budget, the calls in order, and the metadata
+they give.
 
-LlamaIndex has loops of these names, but they format a refine prompt that puts the answer so
-far into every call's only context and give back text alone; Tok-RAG needs the question to
-stay the pure context of every call and a per-token trace of each call, so the calls are
-planned here (token budgets from the model's tokenizer) and decoded by the core.
-:class:`_Session` is one synthesis: the calls it makes, in order, and the metadata they give.
+LlamaIndex has loops of these names, but they put the answer so far into every call's only
+context and give back text alone; Tok-RAG needs the question to stay the pure context of
+every call and a per-token trace of each call, so the calls are planned here (token budgets
+from the model's tokenizer) and decoded by the core. Nodes come in as ``(node_id, score,
+passage)``, best first.
 """
 
 from __future__ import annotations
@@ -15,43 +17,34 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llama_index.core.schema import MetadataMode, NodeWithScore
-
-from ..api import GenerationResult
-from ..models import LoadedModel
-from ..prompts import MIN_CUT_TOKENS, Passage, PromptBuilder, PromptPlan
-from ._convert import call_summary, node_to_passage, order_nodes, response_metadata
+from .api import GenerationResult
+from .models import LoadedModel
+from .prompts import MIN_CUT_TOKENS, Passage, PromptBuilder, PromptPlan
+from .translate import usage
 
 _GATE_SKIP = "the gate decided not to use retrieval"
-#: A refine step gives the answer so far as the *first* passage, with this prefix, and the
-#: next node(s) after it. Why a passage and not a refine prompt: the question stays the same
-#: in every call, so the pure context Tok-RAG compares the RAG context with is the same
-#: question-only prompt as in one pass (a refine prompt would put the earlier answer, i.e.
-#: retrieved text, into the "pure" side). Why first: measured on the packaged SmolLM2-135M
-#: (3 fictional facts x 2 cases, 14 new tokens): with the answer so far first, a right
-#: answer survived an unrelated new passage 3/3 times (rag and tokrag) and a wrong one was
-#: replaced by the fact in the new passage 2/3 (rag) and 1/3, a 2nd cut short (tokrag); with
-#: the answer placed last, after the new passage, the right one survived 2/3 and the wrong
-#: one was replaced 0/3 (the model copied it). Wordings such as "Draft answer, check it
-#: against the passages below:" did no better. The order is also that of LlamaIndex's
-#: refine prompt (existing answer, then the new context).
+#: A refine step gives the answer so far as the *first* passage, with this prefix, then the
+#: next node(s). A passage, not a refine prompt, so the question alone stays the pure context
+#: (a refine prompt would put retrieved text on the pure side). First, because on SmolLM2-135M
+#: (3 fictional facts x 2 cases) a right answer placed first survived an unrelated passage 3/3
+#: and a wrong one was replaced 2/3 (rag) and 1/3 (tokrag); placed last, 2/3 and 0/3. It is
+#: also LlamaIndex's refine order (existing answer, then the new context).
 EXISTING_ANSWER_PREFIX = "Existing answer: "
 
 
 @dataclass(frozen=True)
-class _Setup:
+class Setup:
     """What a session needs from its synthesizer."""
 
     lm: LoadedModel
     gen_kwargs: dict[str, Any]
     mode: str
-    metadata_mode: MetadataMode
     policy: str
     roles: tuple[str, ...]
 
 
 @dataclass
-class _Piece:
+class Piece:
     """A passage waiting to be given to the core, and where it came from: ``{"node_id",
     "rank", "part"}`` for (a part of) a node, ``{"answer_of": call index}`` for an answer."""
 
@@ -60,9 +53,9 @@ class _Piece:
 
 
 @dataclass
-class _Call:
+class Call:
     kind: str  # "answer", "refine", "summarize" or "combine"
-    pieces: list[_Piece]
+    pieces: list[Piece]
     final: bool
     level: int | None = None
 
@@ -71,7 +64,7 @@ class _Call:
         return [p.passage for p in self.pieces] or None
 
 
-class _Packer:
+class Packer:
     """The token budget of one synthesis, with the prompt builder the core uses: how many
     passage tokens fit next to the question (window, or ``max_context_tokens``, minus
     ``max_new_tokens`` minus the question and template), and what one passage costs
@@ -134,10 +127,10 @@ class _Packer:
             f"{self.max_new_tokens}): raise max_context_tokens or lower max_new_tokens."
         )
 
-    def take(self, pieces: deque[_Piece], room: int, *, one: bool = False) -> list[_Piece]:
+    def take(self, pieces: deque[Piece], room: int, *, one: bool = False) -> list[Piece]:
         """Pop the next pieces that fit ``room`` (only one with ``one``); a piece too long
         for an empty chunk is split, its rest staying first in the queue."""
-        chunk: list[_Piece] = []
+        chunk: list[Piece] = []
         left = room
         while pieces:
             cost = self.cost(pieces[0].passage.text)
@@ -152,9 +145,9 @@ class _Packer:
             p = pieces[0]
             head, rest = self.split(p.passage.text, left)
             part = p.source.get("part") or 0
-            chunk.append(_Piece(_with_text(p.passage, head, part), {**p.source, "part": part}))
+            chunk.append(Piece(_with_text(p.passage, head, part), {**p.source, "part": part}))
             if rest.strip():
-                pieces[0] = _Piece(
+                pieces[0] = Piece(
                     _with_text(p.passage, rest, part + 1), {**p.source, "part": part + 1}
                 )
             else:
@@ -162,7 +155,7 @@ class _Packer:
             break
         return chunk
 
-    def pack(self, pieces: Sequence[_Piece], *, at_least: int = 1) -> list[list[_Piece]]:
+    def pack(self, pieces: Sequence[Piece], *, at_least: int = 1) -> list[list[Piece]]:
         """All ``pieces`` in order, in chunks that each fit the budget (``at_least`` pieces a
         chunk even when they do not fit, so a tree level always shrinks; the core then cuts)."""
         queue = deque(pieces)
@@ -179,14 +172,14 @@ def _with_text(p: Passage, text: str, part: int) -> Passage:
     return Passage(text=text, score=p.score, metadata={**p.metadata, "part": part})
 
 
-class _Session:
+class Session:
     """One synthesis: the nodes, the calls made so far, and the metadata they give."""
 
     def __init__(
         self,
-        setup: _Setup,
+        setup: Setup,
         query: str,
-        nodes: Sequence[NodeWithScore],
+        nodes: Sequence[tuple[str, float | None, Passage]],
         decision: Any,
         gate: dict[str, Any] | None,
     ) -> None:
@@ -194,103 +187,100 @@ class _Session:
         self.query = query
         self.mode = setup.mode
         self.gate = gate
-        self.packer = _Packer(setup.lm, query, setup.gen_kwargs)
+        self.packer = Packer(setup.lm, query, setup.gen_kwargs)
         self.reason: str | None = None
+        self.nodes = list(nodes)
         if decision is not None and not decision.retrieve:
-            self.ordered: list[NodeWithScore] = []
-            self.reason = _GATE_SKIP
+            self.nodes, self.reason = [], _GATE_SKIP
         elif not nodes:
-            self.ordered = []
             self.reason = "no nodes were retrieved"
-        else:
-            self.ordered = order_nodes(nodes)
-        self.passages = [node_to_passage(n, setup.metadata_mode) for n in self.ordered]
+        self.passages = [p for _, _, p in self.nodes]
         self.notes: list[str] = []
-        self.calls: list[tuple[_Call, GenerationResult]] = []
+        self.calls: list[tuple[Call, GenerationResult]] = []
 
     @property
     def single(self) -> bool:
         """One call whose metadata is the one-pass kind."""
         return self.mode == "one_pass" or self.reason is not None
 
-    def _node_pieces(self) -> list[_Piece]:
+    def _node_pieces(self) -> list[Piece]:
         out = []
-        for rank, (n, p) in enumerate(zip(self.ordered, self.passages, strict=True)):
-            src = {"node_id": n.node.node_id, "rank": rank}
+        for rank, (node_id, _, p) in enumerate(self.nodes):
+            src = {"node_id": node_id, "rank": rank}
             if self.mode != "one_pass" and not p.text.strip():
-                note = f"node {n.node.node_id!r} (rank {rank}) is empty and was skipped"
+                note = f"node {node_id!r} (rank {rank}) is empty and was skipped"
                 self.notes.append(note)
                 warnings.warn(note, stacklevel=6)
                 continue
-            out.append(_Piece(p, src))
+            out.append(Piece(p, src))
         return out
 
-    def program(self) -> Generator[_Call, GenerationResult, None]:
+    def program(self) -> Generator[Call, GenerationResult, None]:
         """The calls of this synthesis, in order; each gets the previous call's result."""
         if self.reason is not None:
-            yield _Call("answer", [], final=True)
+            yield Call("answer", [], final=True)
             return
         pieces = self._node_pieces()
         if self.mode == "one_pass":
-            yield _Call("answer", pieces, final=True)
+            yield Call("answer", pieces, final=True)
         elif not pieces:
-            yield _Call("answer", [], final=True)
+            yield Call("answer", [], final=True)
         elif self.mode == "tree_summarize":
             yield from self._tree(pieces)
         else:
             yield from self._refine(deque(pieces), one=self.mode == "refine")
 
     def _refine(
-        self, queue: deque[_Piece], *, one: bool
-    ) -> Generator[_Call, GenerationResult, None]:
-        answer: _Piece | None = None
+        self, queue: deque[Piece], *, one: bool
+    ) -> Generator[Call, GenerationResult, None]:
+        answer: Piece | None = None
         while queue:
             first = [answer] if answer is not None else []
             room = self.packer.room - sum(self.packer.cost(p.passage.text) for p in first)
             chunk = self.packer.take(queue, room, one=one)
-            result = yield _Call("refine" if first else "answer", first + chunk, final=not queue)
+            result = yield Call("refine" if first else "answer", first + chunk, final=not queue)
             text = result.text.strip()
             if text:  # an empty answer leaves the previous one standing
                 index = len(self.calls) - 1
-                answer = _Piece(
+                answer = Piece(
                     Passage(EXISTING_ANSWER_PREFIX + text, metadata={"answer_of": index}),
                     {"answer_of": index},
                 )
 
-    def _tree(self, pieces: list[_Piece]) -> Generator[_Call, GenerationResult, None]:
+    def _tree(self, pieces: list[Piece]) -> Generator[Call, GenerationResult, None]:
         level = 0
         while True:
             kind = "summarize" if level == 0 else "combine"
             chunks = self.packer.pack(pieces, at_least=1 if level == 0 else 2)
             if len(chunks) == 1:
-                yield _Call(kind, chunks[0], final=True, level=level)
+                yield Call(kind, chunks[0], final=True, level=level)
                 return
             answers = []
             for chunk in chunks:
-                result = yield _Call(kind, chunk, final=False, level=level)
+                result = yield Call(kind, chunk, final=False, level=level)
                 if result.text.strip():
                     index = len(self.calls) - 1
                     answers.append(
-                        _Piece(
+                        Piece(
                             Passage(result.text.strip(), metadata={"answer_of": index}),
                             {"answer_of": index},
                         )
                     )
             if not answers:
                 self.notes.append("every partial answer was empty: the last call has no passages")
-                yield _Call("combine", [], final=True, level=level + 1)
+                yield Call("combine", [], final=True, level=level + 1)
                 return
             pieces, level = answers, level + 1
 
     # -------------------------------------------------------------- per call
-    def prompt_text(self, call: _Call) -> str:
+    def prompt_text(self, call: Call) -> str:
         """The prompt of this call as text (the RAG prompt when the policy reads it)."""
         plan = self.packer.plan(call.passages)
         roles = set(self.setup.roles)
         rag = plan.has_passages and ("rag" in roles or not roles & {"pure", "rag"})
         return self.packer.decode(plan.rag_ids if rag else plan.pure_ids)
 
-    def record(self, call: _Call, result: GenerationResult) -> None:
+    def record(self, call: Call, result: GenerationResult) -> None:
         self.calls.append((call, result))
 
     # -------------------------------------------------------------- metadata
@@ -320,7 +310,7 @@ class _Session:
             call, result = self.calls[-1]
             md = response_metadata(
                 result,
-                self.ordered,
+                [node_id for node_id, _, _ in self.nodes],
                 policy=self.setup.policy,
                 gate=self.gate,
                 pure_reason=self.reason,
@@ -336,12 +326,12 @@ class _Session:
         final = self.calls[-1][1]
         policy = self.setup.policy
         nodes: list[dict[str, Any]] = []
-        for rank, (n, p) in enumerate(zip(self.ordered, self.passages, strict=True)):
+        for rank, (node_id, score, p) in enumerate(self.nodes):
             nodes.append(
                 {
-                    "node_id": n.node.node_id,
+                    "node_id": node_id,
                     "rank": rank,
-                    "score": None if n.score is None else float(n.score),
+                    "score": score,
                     "n_tokens": self.packer.n_tokens(p.text) if p.text.strip() else 0,
                     "parts": 0,
                     "calls": [],
@@ -362,33 +352,11 @@ class _Session:
                     if i not in node["calls"]:
                         node["calls"].append(i)
                     node["parts"] += 1
-        used = [n["node_id"] for n in nodes if n["kept"]]
-        cut = [n["node_id"] for n in nodes if n["cut"]]
-        empty = [n["node_id"] for n in nodes if n["empty"]]
-        dropped = [n["node_id"] for n in nodes if not n["kept"] and not n["empty"]]
-        reason = None
-        if not used:
-            reason = "no node had usable text"
-        elif policy == "llm":
-            reason = "policy 'llm' ignores retrieval"
-        counts, notes, total = _totals(calls, self.notes)
+        counts, notes, total = totals(calls, self.notes)
         return {
             "response_mode": self.mode,
-            "policy": policy,
-            "policy_used": "llm" if reason else policy,
-            "answered_from": "pure_context" if reason else "retrieval",
-            "pure_context_reason": reason,
-            "counts": final.counts,
+            **_answer_fields(nodes, policy, None, "no node had usable text", final, self.gate),
             "counts_all_calls": counts,
-            "model": final.trace.model,
-            "stop_reason": final.trace.stop_reason,
-            "gate": self.gate,
-            "passages": nodes,
-            "nodes_used": used,
-            "nodes_cut": cut,
-            "nodes_dropped": dropped,
-            "n_nodes_dropped": len(dropped),
-            "nodes_skipped_empty": empty,
             "warnings": notes,
             "trace": calls[-1]["trace"],
             "calls": calls,
@@ -396,7 +364,38 @@ class _Session:
         }
 
 
-def _totals(
+def _answer_fields(
+    records: list[dict[str, Any]], policy: str, reason: str | None, no_text: str,
+    result: GenerationResult, gate: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """What the metadata says of the answer and the nodes (``records``: one per node, with
+    ``node_id``, ``kept``, ``cut``, ``empty``); ``reason`` why no passage was given, else
+    ``no_text`` when none was kept."""
+    used = [r["node_id"] for r in records if r["kept"]]
+    dropped = [r["node_id"] for r in records if not r["kept"] and not r["empty"]]
+    if reason is None and not used:
+        reason = no_text
+    if reason is None and policy == "llm":
+        reason = "policy 'llm' ignores retrieval"
+    return {
+        "policy": policy,
+        "policy_used": "llm" if reason else policy,
+        "answered_from": "pure_context" if reason else "retrieval",
+        "pure_context_reason": reason,
+        "counts": result.counts,
+        "model": result.trace.model,
+        "stop_reason": result.trace.stop_reason,
+        "gate": gate,
+        "passages": records,
+        "nodes_used": used,
+        "nodes_cut": [r["node_id"] for r in records if r["kept"] and r["cut"]],
+        "nodes_dropped": dropped,
+        "n_nodes_dropped": len(dropped),
+        "nodes_skipped_empty": [r["node_id"] for r in records if not r["kept"] and r["empty"]],
+    }
+
+
+def totals(
     calls: Sequence[dict[str, Any]], notes: Sequence[str]
 ) -> tuple[dict[str, int], list[str], dict[str, int]]:
     """Over every call's summary: tokens per source, ``notes`` then each call's warnings
@@ -414,3 +413,85 @@ def _totals(
     }
     return counts, warned, {**usage, "calls": len(calls)}
 
+
+def response_metadata(
+    result: GenerationResult,
+    node_ids: Sequence[str],
+    *,
+    policy: str,
+    gate: dict[str, Any] | None,
+    pure_reason: str | None,
+) -> dict[str, Any]:
+    """``Response.metadata`` of a one-call answer: ``node_ids`` in the order their passages
+    were given to the core, ``gate`` the decision as a dict (or None), ``pure_reason`` why no
+    passage was given (None when some were)."""
+    tr = result.trace
+    records = []
+    for rec in tr.passages:
+        nid = rec.metadata.get("node_id", node_ids[rec.rank] if rec.rank < len(node_ids) else None)
+        records.append(
+            {
+                "node_id": nid,
+                "rank": rec.rank,
+                "score": rec.score,
+                "kept": rec.kept,
+                "cut": rec.cut,
+                "empty": not rec.text.strip(),
+                "n_tokens": rec.n_tokens,
+            }
+        )
+    no_text = "no node had usable text" if node_ids else "no nodes were retrieved"
+    return {
+        **_answer_fields(records, policy, pure_reason, no_text, result, gate),
+        "warnings": list(tr.warnings),
+        "trace": tr.to_dict(),
+    }
+
+
+def call_summary(
+    index: int,
+    kind: str,
+    result: GenerationResult,
+    sources: Sequence[dict[str, Any]],
+    *,
+    level: int | None = None,
+    roles: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """One entry of ``Response.metadata["calls"]``: what one model call was given and did.
+
+    ``kind``: ``"answer"``, ``"refine"`` (nodes plus the answer so far), ``"summarize"`` (a
+    tree leaf) or ``"combine"`` (a tree level over earlier answers); ``sources``: per passage
+    given to the core, ``{"node_id", "part"}`` or ``{"answer_of": call index}``; ``level``:
+    the tree level (tree_summarize); ``roles``: the policy's context roles (for usage).
+    """
+    tr = result.trace
+    used, cut, dropped = [], [], []
+    for rec in tr.passages:
+        src = sources[rec.rank] if rec.rank < len(sources) else {}
+        nid = src.get("node_id")
+        if nid is None or not rec.text.strip():
+            continue
+        if rec.kept:
+            used.append(nid)
+            if rec.cut:
+                cut.append(nid)
+        else:
+            dropped.append(nid)
+    entry: dict[str, Any] = {
+        "index": index,
+        "kind": kind,
+        "node_ids": [s["node_id"] for s in sources if "node_id" in s],
+        "answers_from": [s["answer_of"] for s in sources if "answer_of" in s],
+        "text": result.text,
+        "counts": result.counts,
+        "stop_reason": tr.stop_reason,
+        "usage": usage(result, roles),
+        "nodes_used": used,
+        "nodes_cut": cut,
+        "nodes_dropped": dropped,
+        "warnings": list(tr.warnings),
+        "trace": tr.to_dict(),
+    }
+    if level is not None:
+        entry["level"] = level
+    return entry

@@ -1,8 +1,7 @@
-"""Type translation between LangChain objects and the core API (no logic beyond mapping)."""
+"""LangChain messages and documents into the core API's arguments, results into response metadata."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,12 +18,8 @@ from langchain_core.messages.ai import UsageMetadata
 
 from ..api import GenerationResult
 from ..models import LoadedModel
-from ..policies import get_policy
 from ..prompts import Passage, RenderedPrompt
-from ..trace import Trace
-
-#: The core's stop reasons mapped onto LangChain's usual ``finish_reason`` values.
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+from ..translate import FINISH_REASONS, usage
 
 
 def to_passage(item: Any) -> Any:
@@ -183,27 +178,15 @@ def rendered_prompt(
     )
 
 
-def trace_dict(trace: Trace) -> dict[str, Any]:
-    """The trace as plain JSON data (tensors and numpy scalars converted)."""
-    return json.loads(trace.to_json(indent=None))
-
-
-# ---------------------------------------------------------------- response metadata
 def usage_metadata(result: GenerationResult) -> UsageMetadata:
-    """Input tokens: every context the policy prefilled (``tokrag`` and the other two-context
-    rules prefill both the pure and the RAG prompt, so both are counted; ``rag`` only the
-    RAG prompt, ``llm`` only the pure one; per context in ``response_metadata
-    ["prompt_tokens"]``); output tokens: one per decoding step."""
-    prompt = result.trace.prompt_tokens
-    try:
-        roles = set(get_policy(result.trace.policy).roles)
-    except (KeyError, ValueError, TypeError):
-        roles = {"rag"} if prompt.get("rag") else {"pure"}
-    if not prompt.get("rag"):  # no usable passage: answered from the pure context alone
-        roles = {"pure"}
-    n_in = sum(int(prompt.get(r) or 0) for r in roles & {"pure", "rag"})
-    n_out = len(result.trace.steps)
-    return UsageMetadata(input_tokens=n_in, output_tokens=n_out, total_tokens=n_in + n_out)
+    """Input tokens: every context the policy prefilled (:func:`~..translate.usage`; per
+    context in ``response_metadata["prompt_tokens"]``); output tokens: one per step."""
+    u = usage(result)
+    return UsageMetadata(
+        input_tokens=u["prompt_tokens"],
+        output_tokens=u["completion_tokens"],
+        total_tokens=u["total_tokens"],
+    )
 
 
 def final_metadata(result: GenerationResult, lm: LoadedModel) -> dict[str, Any]:
@@ -218,7 +201,7 @@ def final_metadata(result: GenerationResult, lm: LoadedModel) -> dict[str, Any]:
         "counts": trace.counts(),
         "prompt_tokens": dict(trace.prompt_tokens),
         "warnings": list(trace.warnings),
-        "trace": trace_dict(trace),
+        "trace": trace.to_dict(),
     }
 
 

@@ -218,13 +218,19 @@ class Gate:
                 f"no gate calibration at {path}: run calibrate() and save() first."
             )
         data = json.loads(path.read_text(encoding="utf-8"))
-        target = cls
-        if cls is Gate:
-            import importlib
-
-            mod, qual = data["class"].split(":")
-            target = getattr(importlib.import_module(mod), qual)
+        target = cls if cls is not Gate else _gate_class(data["class"])
         args = {**data.get("config", {}), **kwargs}
         gate = target(lm, **args) if lm is not None else target(**args)
         gate.load_state(data)
         return gate
+
+
+def _gate_class(name: str) -> type[Gate]:
+    """The imported :class:`Gate` subclass saved as ``"module:qualname"``."""
+    todo = [Gate]
+    while todo:
+        c = todo.pop()
+        if f"{c.__module__}:{c.__qualname__}" == name:
+            return c
+        todo += c.__subclasses__()
+    raise ValueError(f"unknown gate class {name!r}: import the module that defines it first")

@@ -1,0 +1,118 @@
+"""Framework-free translation shared by the LlamaIndex and LangChain adapters: token usage,
+JSON-safe copies, a result's provenance summary, a gate decision's summary, model specs."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+#: The ``load_model()`` options that the adapters take as fields of the same names.
+LOAD_FIELDS = (
+    "tokenizer", "device", "device_map", "dtype", "model_kwargs", "tokenizer_kwargs",
+    "trust_remote_code", "revision",
+)
+#: The core's stop reasons as the ``finish_reason`` values of chat APIs.
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def jsonable(obj: Any) -> Any:
+    """A JSON-safe deep copy (tensors/numpy scalars to numbers, unknown objects to str)."""
+
+    def default(o: Any) -> Any:
+        if hasattr(o, "tolist"):
+            return o.tolist()
+        if hasattr(o, "item"):
+            return o.item()
+        if isinstance(o, (set, tuple)):
+            return list(o)
+        return str(o)
+
+    return json.loads(json.dumps(obj, default=default, ensure_ascii=False))
+
+
+def usage(result: Any, roles: Sequence[str] | None = None) -> dict[str, Any]:
+    """Token usage of one decode (``prompt_tokens``, ``completion_tokens``,
+    ``total_tokens``, ``prompt_tokens_by_context``).
+
+    ``prompt_tokens`` counts every context the policy prefilled (``tokrag`` and the other
+    two-context rules: the pure and the RAG prompt; ``rag``: the RAG prompt; ``llm``: the
+    pure one; per-passage rules: the RAG prompt stands in; no usable passage: the pure
+    prompt); ``completion_tokens`` is one per decoding step. ``roles`` are the policy's
+    context roles (looked up by the trace's policy name if None).
+    """
+    from .policies import get_policy
+
+    tr = result.trace
+    prompt = {k: int(v or 0) for k, v in tr.prompt_tokens.items()}
+    if roles is None:
+        try:
+            roles = get_policy(tr.policy).roles
+        except (KeyError, ValueError, TypeError):
+            roles = ()
+    used = set(roles) & {"pure", "rag"} or {"rag"}
+    if not prompt.get("rag"):
+        used = {"pure"}
+    n_in = sum(prompt.get(r, 0) for r in used)
+    n_out = len(tr.steps)
+    return {
+        "prompt_tokens": n_in,
+        "completion_tokens": n_out,
+        "total_tokens": n_in + n_out,
+        "prompt_tokens_by_context": prompt,
+    }
+
+
+def result_summary(result: Any) -> dict[str, Any]:
+    """A result's provenance: policy, counts per source, stop reason, warnings, model."""
+    tr = result.trace
+    return {
+        "policy": tr.policy,
+        "counts": result.counts,
+        "stop_reason": tr.stop_reason,
+        "warnings": list(tr.warnings),
+        "model": tr.model,
+    }
+
+
+def gate_summary(decision: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(a gate decision's dict without ``details``, its details without the draft's result
+    and tokens)."""
+    d = decision.to_dict()
+    details = {k: v for k, v in d.pop("details", {}).items() if k not in ("result", "tokens")}
+    return d, details
+
+
+def model_label(spec: Any) -> Any:
+    """What a ``model`` field holds for a model spec: a name or path as given, a
+    ``LoadedModel``'s name, a loaded object's class name."""
+    from .models import LoadedModel
+
+    if isinstance(spec, LoadedModel):
+        return spec.name
+    if isinstance(spec, os.PathLike):
+        return str(spec)
+    return spec if isinstance(spec, str) or spec is None else type(spec).__name__
+
+
+def given_options(**options: Any) -> dict[str, Any]:
+    """The load options actually set (None, False and empty dicts dropped)."""
+    return {k: v for k, v in options.items() if v is not None and v is not False and v != {}}
+
+
+def checked_policy(policy: Any, options: dict[str, Any], owner: str, accepted: Sequence[str]) -> Any:
+    """The policy built by the registry, which checks ``options``: an unknown policy or
+    option fails when the adapter is made, not at its first call (an unknown option as a
+    ``TypeError`` naming ``owner``'s own arguments)."""
+    from .policies import get_policy
+
+    try:
+        return get_policy(policy, **options)
+    except ValueError as e:
+        if "unknown option" not in str(e):
+            raise
+        raise TypeError(
+            f"{owner}: {e}. policy_options={{...}} holds the policy's options; {owner}'s own "
+            f"arguments are: {', '.join(accepted)}"
+        ) from e
