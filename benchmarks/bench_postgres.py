@@ -78,9 +78,12 @@ def load_table(
 ) -> dict:
     """Fill ``data_<table>``; returns timing figures."""
     from tokrag_integrations.postgres import ingestion
-    from tokrag_integrations.postgres.embeddings import DEFAULT_EMBED_MODEL_NAME
-    from tokrag_integrations.postgres.server import connect
-    from tokrag_integrations.postgres.store import close_llamaindex_store, make_llamaindex_store
+    from tokrag_integrations.postgres.connection import connect
+    from tokrag_integrations.postgres.frameworks import (
+        close_llamaindex_store,
+        make_llamaindex_store,
+    )
+    from tokrag_integrations.retrieval.embedder import DEFAULT_EMBED_MODEL_NAME
 
     layout = ingestion.TableLayout.for_target(table)
     with connect(db.dsn, autocommit=True) as conn:
@@ -141,8 +144,11 @@ def query_figures(
     from llama_index.core.vector_stores.types import VectorStoreQuery
 
     from tokrag_integrations.postgres import ingestion
-    from tokrag_integrations.postgres.server import connect
-    from tokrag_integrations.postgres.store import close_llamaindex_store, make_llamaindex_store
+    from tokrag_integrations.postgres.connection import connect
+    from tokrag_integrations.postgres.frameworks import (
+        close_llamaindex_store,
+        make_llamaindex_store,
+    )
 
     layout = ingestion.TableLayout.for_target(table)
     store = make_llamaindex_store(db, layout, DIM, ef_search=40)
@@ -217,8 +223,9 @@ def main() -> None:
     parser.add_argument("--json", default="benchmarks/bench_postgres.json")
     args = parser.parse_args()
 
-    from tokrag_integrations.postgres.embeddings import load_embedder
-    from tokrag_integrations.postgres.server import ResolvedDatabase, start_embedded
+    from tokrag_integrations.postgres.connection import ResolvedDatabase
+    from tokrag_integrations.postgres.embedded import start_embedded
+    from tokrag_integrations.retrieval.embedder import load_embedder
 
     if args.dsn:
         db = ResolvedDatabase(args.dsn, "argument")

@@ -158,9 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _is_database_error(exc: BaseException) -> bool:
-    if "tokrag_integrations.postgres.server" not in sys.modules:
+    if "tokrag_integrations.postgres.dsn" not in sys.modules:
         return False
-    from ..postgres.server import PostgresConnectionError, PostgresSetupError
+    from ..postgres.dsn import PostgresConnectionError, PostgresSetupError
 
     return isinstance(exc, (PostgresConnectionError, PostgresSetupError, LookupError))
 

