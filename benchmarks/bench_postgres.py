@@ -77,7 +77,7 @@ def load_table(
     db: Any, table: str, texts: list[str], vectors: np.ndarray, via_ingest: bool
 ) -> dict:
     """Fill ``data_<table>``; returns timing figures."""
-    from tokrag_integrations.postgres import ingestion
+    from tokrag_integrations.postgres import TableLayout, ingestion
     from tokrag_integrations.postgres.connection import connect
     from tokrag_integrations.postgres.frameworks import (
         close_llamaindex_store,
@@ -85,7 +85,7 @@ def load_table(
     )
     from tokrag_integrations.retrieval.embedder import DEFAULT_EMBED_MODEL_NAME
 
-    layout = ingestion.TableLayout.for_target(table)
+    layout = TableLayout.for_target(table)
     with connect(db.dsn, autocommit=True) as conn:
         conn.execute(f"DROP TABLE IF EXISTS {layout.table}")
     store = make_llamaindex_store(db, layout, DIM, setup=True)
@@ -143,14 +143,14 @@ def query_figures(
     from llama_index.core.vector_stores import SimpleVectorStore
     from llama_index.core.vector_stores.types import VectorStoreQuery
 
-    from tokrag_integrations.postgres import ingestion
+    from tokrag_integrations.postgres import TableLayout
     from tokrag_integrations.postgres.connection import connect
     from tokrag_integrations.postgres.frameworks import (
         close_llamaindex_store,
         make_llamaindex_store,
     )
 
-    layout = ingestion.TableLayout.for_target(table)
+    layout = TableLayout.for_target(table)
     store = make_llamaindex_store(db, layout, DIM, ef_search=40)
     hnsw_ms, hnsw_ids = [], []
     for q in queries:

@@ -166,7 +166,7 @@ def growth(dsn: str, sizes: list[int], queries: int, seed: int = 0) -> dict[str,
 
     from tokrag_integrations.postgres import PostgresKnowledgeBase, ingestion
     from tokrag_integrations.postgres.connection import pooled, resolve_dsn
-    from tokrag_integrations.postgres.layout import TableLayout
+    from tokrag_integrations.postgres.layout import TableLayout, ensure_table
     from tokrag_integrations.retrieval.embedder import load_embedder
 
     source = PostgresKnowledgeBase(dsn, "squad_dev")
@@ -188,7 +188,7 @@ def growth(dsn: str, sizes: list[int], queries: int, seed: int = 0) -> dict[str,
         layout = TableLayout.for_target(f"grow_{size}", "llamaindex")
         with pooled(dsn) as conn:  # a fresh table each run
             conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(layout.table)))
-        ingestion.ensure_table(db, layout, embedder)
+        ensure_table(db, layout, embedder)
         write_s = 0.0
         written = 0
         with pooled(dsn) as conn:
