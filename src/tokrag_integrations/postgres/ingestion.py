@@ -86,8 +86,8 @@ class IngestSummary:
     embed_seconds: float = 0.0
     write_seconds: float = 0.0
 
-    def _count(self, status: str) -> int:
-        return sum(1 for f in self.files if f.status == status)
+    def _count(self, status: str, reports: list[FileReport] | None = None) -> int:
+        return sum(1 for f in (self.files if reports is None else reports) if f.status == status)
 
     @property
     def added(self) -> int:
@@ -112,12 +112,12 @@ class IngestSummary:
     @property
     def pruned(self) -> int:
         """Files whose chunks were deleted because the file no longer exists."""
-        return sum(1 for f in self.gone if f.status == "pruned")
+        return self._count("pruned", self.gone)
 
     @property
     def stale(self) -> int:
         """Files no longer present whose chunks are still stored (not pruned)."""
-        return sum(1 for f in self.gone if f.status == "stale")
+        return self._count("stale", self.gone)
 
     @property
     def skipped(self) -> int:
@@ -129,7 +129,8 @@ class IngestSummary:
         lines = [
             f"{len(self.files)} files into {self.table} ({self.target} layout) at {self.database}: "
             f"{self.added} added, {self.replaced} replaced, {self.unchanged} unchanged, "
-            f"{len(self.failed)} failed, {self._gone_text()}; {self.chunks_written} chunks written in "
+            f"{len(self.failed)} failed, {f'{self.pruned} pruned' if self.pruned else f'{self.stale} stale'}; "
+            f"{self.chunks_written} chunks written in "
             f"{self.seconds:.1f} s (embedding {self.embed_seconds:.1f} s, writing "
             f"{self.write_seconds:.1f} s)."
         ]
@@ -147,9 +148,6 @@ class IngestSummary:
                 "  Stale files are still retrieved; re-run with --prune to delete their chunks."
             )
         return "\n".join(lines)
-
-    def _gone_text(self) -> str:
-        return f"{self.pruned} pruned" if self.pruned else f"{self.stale} stale"
 
 
 def discover_files(

@@ -264,13 +264,6 @@ def _vector_dim(conn: Any, layout: TableLayout) -> int | None:
     return int(digits) if digits else None
 
 
-def _stored_models(conn: Any, layout: TableLayout) -> set[str]:
-    rows = conn.execute(
-        f"SELECT DISTINCT {layout.metadata_column}->>'embed_model' FROM {layout.table}"
-    ).fetchall()
-    return {r[0] for r in rows if r[0] is not None}
-
-
 def ensure_table(
     db: ResolvedDatabase,
     layout: TableLayout,
@@ -314,7 +307,10 @@ def ensure_table(
                     f"{embedder.name} makes {embedder.dim}-dimensional ones. Use the model the "
                     "table was built with (--embed-model), or another --table."
                 )
-            others = _stored_models(conn, layout) - {embedder.name}
+            models = conn.execute(
+                f"SELECT DISTINCT {layout.metadata_column}->>'embed_model' FROM {layout.table}"
+            ).fetchall()
+            others = {r[0] for r in models if r[0] is not None} - {embedder.name}
             if not others and dim == embedder.dim and text_search_column(conn, layout)[0] is None:
                 if upgrade:
                     add_text_search(conn, layout, text_search_config)

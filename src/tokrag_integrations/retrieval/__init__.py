@@ -90,14 +90,6 @@ def _warn_if_large(files: Sequence[Path], cap: int) -> None:
     )
 
 
-def _warn_listing(listing: FolderListing) -> None:
-    """One warning per entry of a folder that was not read, and per link followed outside."""
-    for path, reason in listing.skipped:
-        warnings.warn(f"{printable(path)}: {printable(reason)}; skipped.", stacklevel=3)
-    for path, target in listing.followed_links:
-        warn_followed_link(path, target, "the given folder", stacklevel=3)
-
-
 def load_documents(
     paths: str | Path | Iterable[str | Path],
     *,
@@ -141,7 +133,10 @@ def load_documents(
         if path.is_dir():
             listing = list_folder(path, follow_links=follow_links)
             files.extend(listing.files)
-            _warn_listing(listing)
+            for entry, reason in listing.skipped:
+                warnings.warn(f"{printable(entry)}: {printable(reason)}; skipped.", stacklevel=2)
+            for link, target in listing.followed_links:
+                warn_followed_link(link, target, "the given folder", stacklevel=2)
             _warn_unsupported(path, listing.other_types)
         elif path.suffix.lower() in SUPPORTED_SUFFIXES:
             target = link_leaving(path, roots) if follow_links else None
