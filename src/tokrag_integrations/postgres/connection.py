@@ -1,11 +1,6 @@
-"""Where the Postgres comes from, and the connections to it.
-
-:func:`resolve_dsn` picks ``--dsn``, else ``$TOKRAG_PG_DSN``, else the embedded server
-(:mod:`.embedded`). :func:`connect` makes one checked connection (pgvector created if
-needed); :func:`pooled` lends one of the process's ``psycopg_pool.ConnectionPool`` per
-database, shared by retrieval, ``count``, the layout checks and ingestion. A connection
-string is only ever shown masked (:func:`~.dsn.mask_dsn`).
-"""
+"""Where the Postgres comes from (:func:`resolve_dsn`: ``--dsn``, ``$TOKRAG_PG_DSN``, else
+the embedded server) and the connections to it: :func:`connect` (checked, pgvector created if
+needed) and :func:`pooled` (the process's one ``psycopg_pool.ConnectionPool`` per database)."""
 
 from __future__ import annotations
 

@@ -103,7 +103,7 @@ class TableLayout:
 
     @property
     def where_sql(self) -> Any:
-        """``psycopg.sql`` restricting rows to this layout's (the collection, for legacy)."""
+        """``psycopg.sql`` restricting rows to the legacy layout's collection."""
         from psycopg import sql
 
         if self.collection_id is None:

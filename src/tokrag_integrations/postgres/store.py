@@ -1,9 +1,6 @@
-"""Reading an ingested table: :class:`PostgresKnowledgeBase` (vector, full-text or hybrid
-search, both frameworks' retrievers and stores, answers) and :func:`answer_from_postgres`.
-
-:meth:`~PostgresKnowledgeBase.retrieve` runs one SQL statement (:mod:`.search`) on a
-connection of the process's shared pool, for every layout tokrag reads (:mod:`.layout`).
-"""
+"""Reading an ingested table: :class:`PostgresKnowledgeBase` (one SQL statement per search,
+:mod:`.search`, on the shared pool; both frameworks' retrievers and stores; answers) and
+:func:`answer_from_postgres`."""
 
 from __future__ import annotations
 

@@ -313,13 +313,10 @@ class FolderListing:
     files: list[Path] = field(default_factory=list)
     """Files of a supported type, in path order (as found under the folder, not resolved)."""
     other_types: list[Path] = field(default_factory=list)
-    """Files of other types (skipped)."""
     skipped: list[tuple[Path, str]] = field(default_factory=list)
-    """Entries that were not read, with the reason: unreadable folders, symbolic links that
-    leave the folder (unless followed), broken links, special files."""
+    """Entries not read, with the reason (see :func:`list_folder`)."""
     followed_links: list[tuple[Path, Path]] = field(default_factory=list)
-    """Symbolic links that leave the folder and were followed (``follow_links=True``), with
-    their targets."""
+    """Links leaving the folder followed with ``follow_links=True``, with their targets."""
 
 
 def list_folder(root: Path, *, follow_links: bool = False) -> FolderListing:
