@@ -77,12 +77,15 @@ def load_table(
     db: Any, table: str, texts: list[str], vectors: np.ndarray, via_ingest: bool
 ) -> dict:
     """Fill ``data_<table>``; returns timing figures."""
-    from tokrag_integrations.postgres import ingestion
-    from tokrag_integrations.postgres.embeddings import DEFAULT_EMBED_MODEL_NAME
-    from tokrag_integrations.postgres.server import connect
-    from tokrag_integrations.postgres.store import close_llamaindex_store, make_llamaindex_store
+    from tokrag_integrations.postgres import TableLayout, ingestion
+    from tokrag_integrations.postgres.connection import connect
+    from tokrag_integrations.postgres.frameworks import (
+        close_llamaindex_store,
+        make_llamaindex_store,
+    )
+    from tokrag_integrations.retrieval.embedder import DEFAULT_EMBED_MODEL_NAME
 
-    layout = ingestion.TableLayout.for_target(table)
+    layout = TableLayout.for_target(table)
     with connect(db.dsn, autocommit=True) as conn:
         conn.execute(f"DROP TABLE IF EXISTS {layout.table}")
     store = make_llamaindex_store(db, layout, DIM, setup=True)
@@ -140,11 +143,14 @@ def query_figures(
     from llama_index.core.vector_stores import SimpleVectorStore
     from llama_index.core.vector_stores.types import VectorStoreQuery
 
-    from tokrag_integrations.postgres import ingestion
-    from tokrag_integrations.postgres.server import connect
-    from tokrag_integrations.postgres.store import close_llamaindex_store, make_llamaindex_store
+    from tokrag_integrations.postgres import TableLayout
+    from tokrag_integrations.postgres.connection import connect
+    from tokrag_integrations.postgres.frameworks import (
+        close_llamaindex_store,
+        make_llamaindex_store,
+    )
 
-    layout = ingestion.TableLayout.for_target(table)
+    layout = TableLayout.for_target(table)
     store = make_llamaindex_store(db, layout, DIM, ef_search=40)
     hnsw_ms, hnsw_ids = [], []
     for q in queries:
@@ -217,8 +223,9 @@ def main() -> None:
     parser.add_argument("--json", default="benchmarks/bench_postgres.json")
     args = parser.parse_args()
 
-    from tokrag_integrations.postgres.embeddings import load_embedder
-    from tokrag_integrations.postgres.server import ResolvedDatabase, start_embedded
+    from tokrag_integrations.postgres.connection import ResolvedDatabase
+    from tokrag_integrations.postgres.embedded import start_embedded
+    from tokrag_integrations.retrieval.embedder import load_embedder
 
     if args.dsn:
         db = ResolvedDatabase(args.dsn, "argument")

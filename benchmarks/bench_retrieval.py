@@ -134,7 +134,7 @@ def ef_recall(kb: Any, query_vectors: list[Any], efs: tuple[int, ...] = (10, 20,
     import numpy as np
     from psycopg import sql
 
-    from tokrag_integrations.postgres.pool import pooled
+    from tokrag_integrations.postgres.connection import pooled
 
     lay = kb.layout
     statement = sql.SQL(
@@ -165,10 +165,9 @@ def growth(dsn: str, sizes: list[int], queries: int, seed: int = 0) -> dict[str,
     from psycopg import sql
 
     from tokrag_integrations.postgres import PostgresKnowledgeBase, ingestion
-    from tokrag_integrations.postgres.embeddings import load_embedder
-    from tokrag_integrations.postgres.layout import TableLayout
-    from tokrag_integrations.postgres.pool import pooled
-    from tokrag_integrations.postgres.server import resolve_dsn
+    from tokrag_integrations.postgres.connection import pooled, resolve_dsn
+    from tokrag_integrations.postgres.layout import TableLayout, ensure_table
+    from tokrag_integrations.retrieval.embedder import load_embedder
 
     source = PostgresKnowledgeBase(dsn, "squad_dev")
     with pooled(dsn) as conn:
@@ -189,7 +188,7 @@ def growth(dsn: str, sizes: list[int], queries: int, seed: int = 0) -> dict[str,
         layout = TableLayout.for_target(f"grow_{size}", "llamaindex")
         with pooled(dsn) as conn:  # a fresh table each run
             conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(layout.table)))
-        ingestion.ensure_table(db, layout, embedder)
+        ensure_table(db, layout, embedder)
         write_s = 0.0
         written = 0
         with pooled(dsn) as conn:
@@ -306,7 +305,7 @@ def main() -> None:
         server = None
         dsn = args.dsn
         if not dsn:
-            from tokrag_integrations.postgres.server import start_embedded
+            from tokrag_integrations.postgres.embedded import start_embedded
 
             dsn, server = start_embedded(work / "pg")
         folder = work / "squad"
@@ -321,7 +320,7 @@ def main() -> None:
         if args.plot and args.sizes:
             plot(res, args.plot)
         if server is not None:
-            from tokrag_integrations.postgres.pool import close_pools
+            from tokrag_integrations.postgres.connection import close_pools
 
             close_pools()
             server.cleanup()

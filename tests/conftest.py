@@ -89,7 +89,7 @@ def embedded_pg():
     from _helpers import require
 
     require("pgserver")
-    from tokrag_integrations.postgres.server import start_embedded
+    from tokrag_integrations.postgres.embedded import start_embedded
 
     folder = Path(tempfile.mkdtemp(prefix="tokrag-pg-tests-"))
     dsn, server = start_embedded(folder / "pg")
@@ -105,8 +105,8 @@ def module_pg_dsn(embedded_pg, request):
     from psycopg import sql
     from psycopg.conninfo import make_conninfo
 
+    from tokrag_integrations.postgres.connection import connect
     from tokrag_integrations.postgres.dsn import dsn_params
-    from tokrag_integrations.postgres.server import connect
 
     name = "t_" + re.sub(r"\W", "_", request.module.__name__.rsplit(".", 1)[-1]).lower()[:50]
     with connect(embedded_pg, autocommit=True) as conn:

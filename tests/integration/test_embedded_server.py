@@ -26,13 +26,13 @@ SOCKET = ".s.PGSQL.5432"
 
 def _start(folder: Path) -> tuple[str, object]:
     require("pgserver")
-    from tokrag_integrations.postgres.server import start_embedded
+    from tokrag_integrations.postgres.embedded import start_embedded
 
     return start_embedded(folder)
 
 
 def _stop(folder: Path, server: object) -> None:
-    from tokrag_integrations.postgres import server as pg
+    from tokrag_integrations.postgres import embedded as pg
 
     server.cleanup()
     with pg._SERVERS_LOCK:
@@ -60,7 +60,7 @@ def long_path_dsn(tmp_path_factory):
 
 
 def _socket_folder(dsn: str) -> Path:
-    from tokrag_integrations.postgres.server import dsn_params
+    from tokrag_integrations.postgres.dsn import dsn_params
 
     return Path(dsn_params(dsn)["host"])
 
@@ -68,7 +68,7 @@ def _socket_folder(dsn: str) -> Path:
 # ============================================================================ 2: private socket
 @pytest.mark.parametrize("which", ["pg_dsn", "long_path_dsn"])
 def test_embedded_socket_is_private_to_the_server_user(request, which):
-    from tokrag_integrations.postgres.server import check_connection
+    from tokrag_integrations.postgres.connection import check_connection
 
     dsn = request.getfixturevalue(which)
     folder = _socket_folder(dsn)
@@ -108,7 +108,7 @@ def test_running_server_with_a_reachable_socket_is_refused(tmp_path_factory):
     """A server started the old way (pgserver's world-writable fallback folder) is not used."""
     import sys
 
-    from tokrag_integrations.postgres.server import PostgresSetupError
+    from tokrag_integrations.postgres.dsn import PostgresSetupError
 
     require("pgserver")
     base = tmp_path_factory.mktemp("pgserver_old")
@@ -130,7 +130,7 @@ def test_running_server_with_a_reachable_socket_is_refused(tmp_path_factory):
 
 # ============================================================================ 11: odd data folders
 def test_data_folder_with_a_space_works_quietly(tmp_path_factory, capfd):
-    from tokrag_integrations.postgres.server import check_connection
+    from tokrag_integrations.postgres.connection import check_connection
 
     folder = tmp_path_factory.mktemp("pgserver space") / "my data" / "pg"
     dsn, server = _start(folder)
@@ -145,7 +145,7 @@ def test_data_folder_with_a_space_works_quietly(tmp_path_factory, capfd):
 
 # ============================================================================ 7: reserved words
 def _tables(dsn: str, *names: str) -> list[str]:
-    from tokrag_integrations.postgres.server import connect
+    from tokrag_integrations.postgres.connection import connect
 
     with connect(dsn, autocommit=True) as conn:
         rows = conn.execute(
@@ -155,8 +155,8 @@ def _tables(dsn: str, *names: str) -> list[str]:
 
 
 def test_every_reserved_word_of_the_server_is_refused_as_langchain_table(pg_dsn):
+    from tokrag_integrations.postgres.connection import connect
     from tokrag_integrations.postgres.layout import TableLayout
-    from tokrag_integrations.postgres.server import connect
 
     with connect(pg_dsn, autocommit=True) as conn:
         words = [r[0] for r in conn.execute(
@@ -183,13 +183,9 @@ def test_reserved_word_langchain_table_is_refused_and_leaves_no_table(pg_dsn, tm
 
 def test_langchain_table_without_its_indexes_is_dropped(pg_dsn):
     """Whatever makes the index creation fail, the just-created table does not stay behind."""
-    from tokrag_integrations.postgres.ingestion import _create_langchain_table
-    from tokrag_integrations.postgres.layout import TableLayout
-    from tokrag_integrations.postgres.server import (
-        PostgresQueryError,
-        ResolvedDatabase,
-        database_errors,
-    )
+    from tokrag_integrations.postgres.connection import ResolvedDatabase
+    from tokrag_integrations.postgres.dsn import PostgresQueryError, database_errors
+    from tokrag_integrations.postgres.layout import TableLayout, _create_langchain_table
 
     unchecked = TableLayout("langchain", "user", "langchain_id", "content", "langchain_metadata")
     db = ResolvedDatabase(dsn=pg_dsn, origin="argument")
@@ -205,7 +201,8 @@ def test_read_only_role_creating_a_table_is_one_sentence(pg_dsn, tmp_path, caplo
     from psycopg.conninfo import make_conninfo
 
     from tokrag_integrations.postgres import ingest
-    from tokrag_integrations.postgres.server import PostgresQueryError, connect, dsn_params
+    from tokrag_integrations.postgres.connection import connect
+    from tokrag_integrations.postgres.dsn import PostgresQueryError, dsn_params
 
     with connect(pg_dsn, autocommit=True) as conn:
         conn.execute("DROP ROLE IF EXISTS tokrag_reader")
@@ -232,7 +229,8 @@ def test_sigterm_stops_the_embedded_server(tmp_path):
     script = textwrap.dedent(
         f"""
         import time
-        from tokrag_integrations.postgres.server import check_connection, start_embedded
+        from tokrag_integrations.postgres.connection import check_connection
+        from tokrag_integrations.postgres.embedded import start_embedded
         dsn, _ = start_embedded({str(folder)!r})
         check_connection(dsn)
         print("ready", flush=True)
@@ -325,8 +323,8 @@ def test_a_restart_waits_for_an_outside_pg_ctl_stop_to_end(tmp_path_factory):
     stop instead of waiting out its 60 s on the new server."""
     import psycopg
 
+    from tokrag_integrations.postgres.dsn import libpq_conninfo
     from tokrag_integrations.postgres.embedded import _start_again_if_stopped
-    from tokrag_integrations.postgres.server import libpq_conninfo
 
     folder = tmp_path_factory.mktemp("pgserver_pg_ctl") / "pg"
     dsn, server = _start(folder)

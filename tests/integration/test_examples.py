@@ -66,7 +66,7 @@ def pg_data_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("examples_data")
     yield folder
     if (folder / "pg" / "postmaster.pid").exists():
-        from tokrag_integrations.postgres.server import start_embedded
+        from tokrag_integrations.postgres.embedded import start_embedded
 
         _, server = start_embedded(folder / "pg")  # drops the dead handles, then owns it
         server.cleanup()

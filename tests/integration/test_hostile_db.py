@@ -27,11 +27,7 @@ from urllib.parse import quote
 import pytest
 from _helpers import assert_process_ended, require
 
-from tokrag_integrations.postgres.server import (
-    PostgresQueryError,
-    PostgresSetupError,
-    dsn_params,
-)
+from tokrag_integrations.postgres.dsn import PostgresQueryError, PostgresSetupError, dsn_params
 
 
 def _leaks(password: str, text: str) -> bool:
@@ -50,7 +46,7 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 def test_bad_connect_timeout_env_is_one_sentence(tmp_path, monkeypatch):
-    from tokrag_integrations.postgres.server import connect_timeout, resolve_dsn
+    from tokrag_integrations.postgres.connection import connect_timeout, resolve_dsn
 
     monkeypatch.setenv("TOKRAG_PG_CONNECT_TIMEOUT", "5s")
     with pytest.raises(PostgresSetupError, match="TOKRAG_PG_CONNECT_TIMEOUT='5s'"):
@@ -206,7 +202,7 @@ def test_deleted_files_are_stale_then_pruned(pg_dsn, tmp_path, capsys, target):
 @pytest.mark.postgres
 def test_concurrent_first_ingest_into_new_table(pg_dsn, tmp_path):
     from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
-    from tokrag_integrations.postgres.embeddings import load_embedder
+    from tokrag_integrations.retrieval.embedder import load_embedder
 
     load_embedder(None)  # loaded once, so the four threads reach the table at the same time
     for i in range(3):
@@ -240,7 +236,7 @@ def limited_dsn(pg_dsn):
     """The same server as a login role without any privilege on the public schema."""
     from psycopg.conninfo import make_conninfo
 
-    from tokrag_integrations.postgres.server import connect
+    from tokrag_integrations.postgres.connection import connect
 
     with connect(pg_dsn, autocommit=True) as conn:
         conn.execute("DROP ROLE IF EXISTS tokrag_limited")
@@ -267,7 +263,7 @@ def test_missing_privileges_are_one_sentence(pg_dsn, limited_dsn, tmp_path, caps
 @pytest.mark.postgres
 def test_table_of_another_application_is_refused(pg_dsn, tmp_path, capsys):
     from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
-    from tokrag_integrations.postgres.server import connect
+    from tokrag_integrations.postgres.connection import connect
 
     with connect(pg_dsn, autocommit=True) as conn:
         conn.execute("DROP TABLE IF EXISTS data_foreign")
@@ -315,13 +311,15 @@ def test_server_of_a_killed_process_is_stopped_by_the_next_one(tmp_path):
     require("pgserver")
     import psutil
 
-    from tokrag_integrations.postgres import server
+    from tokrag_integrations.postgres import embedded as server
+    from tokrag_integrations.postgres.connection import check_connection
 
     folder = (tmp_path / "pg").resolve()
     script = textwrap.dedent(
         f"""
         import os, signal
-        from tokrag_integrations.postgres.server import check_connection, start_embedded
+        from tokrag_integrations.postgres.connection import check_connection
+        from tokrag_integrations.postgres.embedded import start_embedded
         dsn, _ = start_embedded({str(folder)!r})
         print(check_connection(dsn), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -335,7 +333,7 @@ def test_server_of_a_killed_process_is_stopped_by_the_next_one(tmp_path):
         handles = json.loads((folder / server.HANDLE_FILE).read_text())
         assert handles and not any(psutil.pid_exists(p) for p in handles)  # the dead PID
         dsn, handle = server.start_embedded(folder)
-        assert server.check_connection(dsn)
+        assert check_connection(dsn)
         assert json.loads((folder / server.HANDLE_FILE).read_text()) == [os.getpid()]
         handle.cleanup()  # what atexit does when this process ends
         assert _postmaster_pid(folder) is None  # pg_ctl stop removes it once the server is down

@@ -56,10 +56,13 @@ def ops(pg_dsn, tmp_path_factory):
     from llama_index.core.schema import TextNode
 
     from tokrag_integrations.postgres import PostgresKnowledgeBase
-    from tokrag_integrations.postgres.embeddings import load_embedder
+    from tokrag_integrations.postgres.connection import resolve_dsn
+    from tokrag_integrations.postgres.frameworks import (
+        close_llamaindex_store,
+        make_llamaindex_store,
+    )
     from tokrag_integrations.postgres.layout import TableLayout
-    from tokrag_integrations.postgres.server import resolve_dsn
-    from tokrag_integrations.postgres.store import close_llamaindex_store, make_llamaindex_store
+    from tokrag_integrations.retrieval.embedder import load_embedder
 
     embedder = load_embedder()
     rows = [
@@ -88,7 +91,7 @@ def ops(pg_dsn, tmp_path_factory):
 # ============================================================================ search modes
 @pytest.mark.postgres
 def test_new_table_has_generated_tsvector_with_gin_index(tickets):
-    from tokrag_integrations.postgres.server import connect
+    from tokrag_integrations.postgres.connection import connect
 
     assert tickets.layout.tsv_column == "text_search_tsv" and tickets.layout.ts_config == "english"
     with connect(tickets.db.dsn, autocommit=True) as conn:
@@ -180,7 +183,7 @@ def test_old_table_is_upgraded_on_request(pg_dsn, tmp_path, capsys):
     """A table made before the full-text column existed: a clear message, then --upgrade."""
     from tokrag_integrations.cli.pg import add_ingest_parser
     from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
-    from tokrag_integrations.postgres.server import connect
+    from tokrag_integrations.postgres.connection import connect
 
     (tmp_path / "a.md").write_text("# A\n\nValve ZX-9 opens at 4 bar.\n")
     ingest([tmp_path], dsn=pg_dsn, table="old", progress=False)
@@ -316,13 +319,13 @@ def test_pgvectorstore_hybrid_table_is_read_as_it_is(ops):
 def test_legacy_pgvector_collection_is_read(pg_dsn):
     from langchain_postgres import PGVector
 
+    from tokrag_integrations.langchain.embeddings import local_embeddings
     from tokrag_integrations.postgres import PostgresKnowledgeBase
-    from tokrag_integrations.postgres.embeddings import load_embedder
-    from tokrag_integrations.postgres.server import sqlalchemy_url
+    from tokrag_integrations.postgres.dsn import sqlalchemy_url
 
-    embedder = load_embedder()
+    embeddings = local_embeddings()
     store = PGVector(
-        embeddings=embedder.langchain(),
+        embeddings=embeddings,
         connection=sqlalchemy_url(pg_dsn),
         collection_name="legacy_notes",
         use_jsonb=True,
@@ -332,7 +335,7 @@ def test_legacy_pgvector_collection_is_read(pg_dsn):
         metadatas=[{"source": "kiln.md", "chunk": 0}, {"source": "parts.md", "chunk": 3}, {"source": "x.md"}],
         ids=["k1", "k2", "k3"],
     )
-    other = PGVector(embeddings=embedder.langchain(), connection=sqlalchemy_url(pg_dsn), collection_name="other", use_jsonb=True)
+    other = PGVector(embeddings=embeddings, connection=sqlalchemy_url(pg_dsn), collection_name="other", use_jsonb=True)
     other.add_texts(["The Arbroath kiln fires at 100 degrees."], ids=["o1"])
     store._engine.dispose()
     other._engine.dispose()
@@ -362,7 +365,7 @@ def test_legacy_pgvector_collection_is_read(pg_dsn):
 # ============================================================================ pool and async
 @pytest.mark.postgres
 def test_sixteen_concurrent_retrievals_share_a_small_pool(tickets):
-    from tokrag_integrations.postgres.pool import shared_pool
+    from tokrag_integrations.postgres.connection import shared_pool
 
     questions = [f"What was the fix for ticket {t}?" for t in TICKETS] + ["lock timeout"] * 4
     modes = ["vector", "text", "hybrid", "hybrid"] * 4
@@ -386,7 +389,7 @@ def test_sixteen_concurrent_retrievals_share_a_small_pool(tickets):
         t.join(300)
     assert not errors, errors
     assert [results[i] for i in range(16)] == sequential
-    from tokrag_integrations.postgres.pool import pooled
+    from tokrag_integrations.postgres.connection import pooled
 
     with pooled(tickets.db.dsn) as conn:  # every search planned afresh (no cached generic plan)
         assert conn.prepare_threshold is None and conn.autocommit
@@ -398,7 +401,7 @@ def test_sixteen_concurrent_retrievals_share_a_small_pool(tickets):
 @pytest.mark.postgres
 def test_pool_settings_are_checked(pg_dsn, monkeypatch):
     from tokrag_integrations.postgres import PostgresKnowledgeBase
-    from tokrag_integrations.postgres.server import PostgresSetupError
+    from tokrag_integrations.postgres.dsn import PostgresSetupError
 
     with pytest.raises(ValueError, match="pool_size must be a positive number"):
         PostgresKnowledgeBase(pg_dsn, "tickets", pool_size=0)

@@ -74,7 +74,7 @@ def sample_kb(pg_dsn, docs_dir):
 
 
 def _ids_by_source(kb):
-    from tokrag_integrations.postgres.server import connect
+    from tokrag_integrations.postgres.connection import connect
 
     with connect(kb.db.dsn, autocommit=True) as conn:
         rows = conn.execute(
@@ -99,7 +99,7 @@ def test_ingest_counts_match(sample_kb, docs_dir):
     for source, n in expected.items():
         assert sample_kb.count(source) == n
     # metadata: source path, chunk numbers 0..n-1, one content hash per file
-    from tokrag_integrations.postgres.server import connect
+    from tokrag_integrations.postgres.connection import connect
 
     with connect(sample_kb.db.dsn, autocommit=True) as conn:
         rows = conn.execute(

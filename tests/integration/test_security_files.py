@@ -63,7 +63,7 @@ def _ingest_cli(*argv: str) -> int:
 
 
 def _sources(dsn: str, table: str) -> set[str]:
-    from tokrag_integrations.postgres.server import connect
+    from tokrag_integrations.postgres.connection import connect
 
     with connect(dsn, autocommit=True) as conn:
         rows = conn.execute(f"SELECT DISTINCT metadata_->>'source' FROM data_{table}").fetchall()
@@ -144,7 +144,7 @@ _UNREADABLE = """
 import os, sys, warnings
 from pathlib import Path
 from tokrag_integrations.cli import main
-from tokrag_integrations.postgres.server import start_embedded
+from tokrag_integrations.postgres.embedded import start_embedded
 from tokrag_integrations.retrieval import load_documents
 
 work = Path(sys.argv[1])
@@ -300,7 +300,7 @@ _INGEST_SWAPPED = f"""
 import os, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, ({_CHILD_MEMORY}, {_CHILD_MEMORY}))
 from pathlib import Path
-import tokrag_integrations.postgres.ingest_files as ingest_files
+import tokrag_integrations.postgres.ingestion as ingest_files
 from tokrag_integrations.cli import main
 
 folder, swap = Path(sys.argv[1]), sys.argv[2]
@@ -334,7 +334,7 @@ def test_ingest_file_swapped_for_a_fifo_after_the_listing(pg_dsn, named):
 
 
 def _texts(dsn: str, table: str) -> str:
-    from tokrag_integrations.postgres.server import connect
+    from tokrag_integrations.postgres.connection import connect
 
     with connect(dsn, autocommit=True) as conn:
         return "\n".join(r[0] for r in conn.execute(f"SELECT text FROM data_{table}").fetchall())
@@ -346,7 +346,7 @@ def test_ingest_file_swapped_for_a_link_after_the_listing(pg_dsn, named, monkeyp
     the secret was stored and b.md listed as both added and stale. Now b.md is failed with
     the reason, nothing of the secret is stored, and chunks stored for b.md before are kept
     (stale: the link leaves the folder)."""
-    import tokrag_integrations.postgres.ingest_files as ingest_files
+    import tokrag_integrations.postgres.ingestion as ingest_files
     from tokrag_integrations.postgres import ingest
 
     secret = named.parent / "outside" / "secret.md"

@@ -58,8 +58,7 @@ def test_sigterm_stops_tokrag_serve_and_its_embedded_server(tmp_path, data_folde
     import psutil
 
     from tokrag_integrations.postgres import ingest
-    from tokrag_integrations.postgres.embedded import HANDLE_FILE
-    from tokrag_integrations.postgres.server import start_embedded
+    from tokrag_integrations.postgres.embedded import HANDLE_FILE, start_embedded
 
     folder = data_folder
     _, pg = start_embedded(folder)

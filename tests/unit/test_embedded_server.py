@@ -17,13 +17,13 @@ pytestmark = pytest.mark.postgres
 
 def _start(folder: Path) -> tuple[str, object]:
     require("pgserver")
-    from tokrag_integrations.postgres.server import start_embedded
+    from tokrag_integrations.postgres.embedded import start_embedded
 
     return start_embedded(folder)
 
 
 def _socket_folder(dsn: str) -> Path:
-    from tokrag_integrations.postgres.server import dsn_params
+    from tokrag_integrations.postgres.dsn import dsn_params
 
     return Path(dsn_params(dsn)["host"])
 
@@ -33,7 +33,7 @@ def test_socket_folder_prepared_by_another_user_is_refused(tmp_path, monkeypatch
     made first (or that is open to others) is never used."""
     import tempfile
 
-    from tokrag_integrations.postgres import server as pg
+    from tokrag_integrations.postgres import embedded as pg
 
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
     uid, gid = os.geteuid(), os.getegid()
@@ -51,7 +51,7 @@ def test_socket_folder_prepared_by_another_user_is_refused(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("name", ['a"b', "a$HOME", "a`id`", "a\\b", "a\nb"])
 def test_data_folder_pg_ctl_cannot_quote_is_one_sentence(tmp_path, name):
-    from tokrag_integrations.postgres.server import PostgresSetupError
+    from tokrag_integrations.postgres.dsn import PostgresSetupError
 
     with pytest.raises(PostgresSetupError, match="pg_ctl passes it through a shell") as info:
         _start(tmp_path / name / "pg")
@@ -60,7 +60,8 @@ def test_data_folder_pg_ctl_cannot_quote_is_one_sentence(tmp_path, name):
 
 
 def test_unreachable_socket_hint_does_not_send_to_the_embedded_server(tmp_path):
-    from tokrag_integrations.postgres.server import PostgresConnectionError, check_connection
+    from tokrag_integrations.postgres.connection import check_connection
+    from tokrag_integrations.postgres.dsn import PostgresConnectionError
 
     with pytest.raises(PostgresConnectionError) as info:
         check_connection(f"postgresql://postgres:@/postgres?host={tmp_path}")

@@ -13,9 +13,9 @@ from urllib.parse import quote
 
 import pytest
 
-from tokrag_integrations.postgres.server import (
+from tokrag_integrations.postgres.connection import ResolvedDatabase
+from tokrag_integrations.postgres.dsn import (
     PostgresConnectionError,
-    ResolvedDatabase,
     dsn_params,
     mask_dsn,
     sqlalchemy_url,
@@ -90,8 +90,11 @@ def test_connection_errors_hide_password(password, caplog):
 
 
 def test_llamaindex_store_repr_hides_password():
-    from tokrag_integrations.postgres.ingestion import TableLayout
-    from tokrag_integrations.postgres.store import close_llamaindex_store, make_llamaindex_store
+    from tokrag_integrations.postgres.frameworks import (
+        close_llamaindex_store,
+        make_llamaindex_store,
+    )
+    from tokrag_integrations.postgres.layout import TableLayout
 
     password = "ab/cd#Secret"
     db = ResolvedDatabase(dsn=f"postgresql://rag:{password}@127.0.0.1:1/rag", origin="argument")

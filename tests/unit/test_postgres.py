@@ -10,15 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tokrag_integrations.postgres.server import (
-    PostgresConnectionError,
-    PostgresSetupError,
-    mask_dsn,
-    validate_table_name,
-)
-from tokrag_integrations.postgres.store import (
-    normalize_filters,
+from tokrag_integrations.postgres.dsn import PostgresConnectionError, PostgresSetupError, mask_dsn
+from tokrag_integrations.postgres.layout import validate_table_name
+from tokrag_integrations.postgres.search import (
     parse_filter_args,
+    to_conditions,
     validate_filter_key,
 )
 
@@ -58,7 +54,7 @@ def test_hostile_filter_keys_rejected(key):
     with pytest.raises(ValueError, match="Invalid filter key"):
         validate_filter_key(key)
     with pytest.raises(ValueError):
-        normalize_filters({key: "v"})
+        to_conditions({key: "v"})
 
 
 def test_parse_filter_args_groups_repeated_keys():
@@ -71,15 +67,15 @@ def test_parse_filter_args_groups_repeated_keys():
 
 
 def test_root_refuses_data_dir_in_root_home(monkeypatch):
-    from tokrag_integrations.postgres import embedded, server
+    from tokrag_integrations.postgres import embedded
 
     monkeypatch.setattr(embedded, "_is_root", lambda: True)  # where default_data_dir reads it
     monkeypatch.delenv("TOKRAG_DATA_DIR", raising=False)
-    assert server.default_data_dir() == Path("/var/lib/tokrag/pg")
+    assert embedded.default_data_dir() == Path("/var/lib/tokrag/pg")
     with pytest.raises(PostgresSetupError, match="world-readable"):
-        server.start_embedded("/root/.local/share/tokrag/pg")
+        embedded.start_embedded("/root/.local/share/tokrag/pg")
     monkeypatch.setenv("TOKRAG_DATA_DIR", "/srv/tokrag")
-    assert server.default_data_dir() == Path("/srv/tokrag/pg")
+    assert embedded.default_data_dir() == Path("/srv/tokrag/pg")
 
 
 def test_unreachable_dsn_fails_fast_without_password(monkeypatch):
@@ -132,7 +128,7 @@ def test_cli_unreachable_dsn_exit_status(capsys, tmp_path):
 
 
 def test_bad_scheme_rejected():
-    from tokrag_integrations.postgres.server import sqlalchemy_url
+    from tokrag_integrations.postgres.dsn import sqlalchemy_url
 
     with pytest.raises(PostgresConnectionError, match="Not a Postgres"):
         sqlalchemy_url("mysql://u:topsecret@h/db")

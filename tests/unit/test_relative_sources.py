@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokrag_integrations.postgres.results import relative_source
+from tokrag_integrations.postgres.store import relative_source
 
 
 @pytest.mark.parametrize(

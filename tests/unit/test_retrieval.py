@@ -20,9 +20,9 @@ from tokrag_integrations.retrieval import (
     chunk_text,
     get_sample_docs_path,
     get_sample_questions,
-    html_to_text,
     load_documents,
 )
+from tokrag_integrations.retrieval.documents import html_to_text
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -62,9 +62,9 @@ def _entry_points(tmp_path: Path) -> dict[str, tuple[object, str]]:
     from tokrag_integrations.gating.ctrla import CtrlAMonitorPolicy
     from tokrag_integrations.policies.tokrag import TokRAG
     from tokrag_integrations.postgres import ingest
+    from tokrag_integrations.postgres.connection import ResolvedDatabase
+    from tokrag_integrations.postgres.frameworks import make_llamaindex_store
     from tokrag_integrations.postgres.layout import TableLayout
-    from tokrag_integrations.postgres.server import ResolvedDatabase
-    from tokrag_integrations.postgres.store import make_llamaindex_store
 
     doc = tmp_path / "a.md"
     doc.write_text("# A\n\nText.\n")

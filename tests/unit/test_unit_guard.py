@@ -20,7 +20,7 @@ def test_loading_a_real_model_is_refused_and_recorded(tmp_path):
 
 
 def test_starting_the_embedded_postgres_is_refused(tmp_path):
-    from tokrag_integrations.postgres.server import start_embedded
+    from tokrag_integrations.postgres.embedded import start_embedded
 
     seen: list[str] = []
     with guarded(seen), pytest.raises(Exception, match="a unit test started the embedded Postgres"):

@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _is_database_error(exc: BaseException) -> bool:
-    if "tokrag_integrations.postgres.server" not in sys.modules:
+    if "tokrag_integrations.postgres.dsn" not in sys.modules:
         return False
     from .pg import _database_errors
 

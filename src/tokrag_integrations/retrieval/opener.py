@@ -1,20 +1,10 @@
 """The one way a document file is opened, for folder scans and files named directly alike.
 
-A folder listing and the moment a file is read are apart in time, and a file named on the
-command line (``tokrag ingest docs/*``) was never listed at all; either may be a symbolic
-link to ``/dev/zero`` or to a secret elsewhere, a FIFO that blocks the reader, or a file of
-gigabytes. :func:`read_file_bytes` therefore decides at open time, on what is there then:
-
-1. ``lstat`` the path: a symbolic link is followed only when its target lies inside one of
-   the given roots, or when ``follow_links`` is on; anything that is not a regular file (a
-   FIFO, a device, a socket) is refused;
-2. open it (the resolved target, for an accepted link) with ``O_NOFOLLOW | O_NONBLOCK``, so
-   a link swapped in after the ``lstat`` is not followed and a FIFO does not block;
-3. ``fstat`` the opened descriptor: it must be a regular file (the same one ``lstat`` saw)
-   no bigger than the size cap;
-4. read at most the cap (plus one byte, to catch a file that grew meanwhile).
-
-The cap is ``max_file_mb`` (``--max-file-mb``), else :data:`DEFAULT_MAX_FILE_MB`.
+A listed or named path may, by the time it is read, be a link to ``/dev/zero`` or a secret,
+a FIFO, or a file of gigabytes, so :func:`read_file_bytes` decides at open time: ``lstat``
+(a link is followed only into the given roots, or with ``follow_links``; only regular
+files), open with ``O_NOFOLLOW | O_NONBLOCK``, ``fstat`` the descriptor (the same regular
+file, under the cap), and read at most the cap plus one byte.
 """
 
 from __future__ import annotations
@@ -26,19 +16,8 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = [
-    "DEFAULT_MAX_FILE_MB",
-    "FileRefused",
-    "given_roots",
-    "link_leaving",
-    "max_file_bytes",
-    "read_file_bytes",
-]
-
-#: Default cap on one document file, in MB (2**20 bytes). The largest documents people keep
-#: are PDFs: image-heavy manuals and slide decks reach tens of MB. Plain text of 100 MB is
-#: about 50,000 pages; reading, chunking and embedding it takes ~8 times its size in memory
-#: and many minutes, so a file above it is almost surely a log, a dump or a mistake.
+#: Default cap on one document file, in MB (2**20 bytes): image-heavy PDFs reach tens of MB;
+#: 100 MB of text (~50,000 pages) is almost surely a log, a dump or a mistake.
 DEFAULT_MAX_FILE_MB = 100.0
 
 _KINDS = (
@@ -119,13 +98,8 @@ def read_file_bytes(
     max_bytes: int | None = None,
 ) -> bytes:
     """The bytes of document file ``path``, opened safely (see the module docstring).
-
-    Args:
-        path: The file (as listed, or as named by the user).
-        roots: Resolved folders a symbolic link may point into. ``None``: the file's own
-            folder (how a file named directly is treated).
-        follow_links: Also follow a link whose target is outside ``roots``.
-        max_bytes: The size cap; ``None``: :func:`max_file_bytes`.
+    ``roots``: resolved folders a link may point into (default: the file's own folder);
+    ``max_bytes``: the cap (default :func:`max_file_bytes`).
 
     Raises:
         FileRefused: A link leaving ``roots``, a broken link, not a regular file, a file

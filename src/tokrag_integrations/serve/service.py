@@ -272,7 +272,7 @@ class ChatService:
         """A chunk's metadata as clients see it: paths relative to ``sources_relative_to``."""
         if self.source_root is None:
             return metadata
-        from ..postgres.results import PATH_KEYS, relative_source
+        from ..postgres.store import PATH_KEYS, relative_source
 
         return {
             k: relative_source(v, self.source_root) if k in PATH_KEYS and isinstance(v, str) else v

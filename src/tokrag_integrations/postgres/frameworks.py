@@ -1,17 +1,11 @@
-"""LlamaIndex's and LangChain's own stores over the ingested table, and the retrievers.
+"""LlamaIndex's and LangChain's views of an ingested table: their own stores, and retrievers
+over :meth:`PostgresKnowledgeBase.retrieve` (they translate types and nothing else; async
+calls go to ``aretrieve``). Classes are built on first use, so importing this module imports
+neither framework.
 
-**Metadata filters are parameterised.** Values (and keys) are bound parameters; keys are
-also checked by :func:`validate_filter_key` (ASCII identifiers only). Values may contain
-anything (quotes, semicolons, unicode). ``PGVectorStore`` (llama-index-vector-stores-postgres
-0.9) formats filter keys *and values* into SQL text; :func:`make_llamaindex_store` (kept for
-direct use of LlamaIndex's store and for creating tables) returns a subclass whose
-``_build_filter_clause`` builds SQLAlchemy expressions with bound parameters instead.
-
-The same table can also be read by ``langchain-postgres``' ``PGVectorStore`` with custom
-column names (:meth:`~PostgresKnowledgeBase.langchain_store`)::
-
-    table_name="data_<table>", id_column="node_id", content_column="text",
-    embedding_column="embedding", metadata_json_column="metadata_"
+``PGVectorStore`` (llama-index-vector-stores-postgres 0.9) formats filter keys *and values*
+into SQL text; :func:`make_llamaindex_store` returns a subclass whose ``_build_filter_clause``
+binds them as parameters (keys also checked by :func:`~.search.validate_filter_key`).
 """
 
 from __future__ import annotations
@@ -20,28 +14,19 @@ import json
 import logging
 import re
 import threading
+from functools import cache
 from typing import Any
 
 from ..config import require_bool
-from .layout import TableLayout
-from .search import Filters, validate_filter_key, validate_ts_config
-from .server import (
-    ResolvedDatabase,
-    connect_timeout,
-    sqlalchemy_url,
-    start_again_if_stopped,
-)
-
-__all__ = ["FrameworkStores", "close_llamaindex_store", "make_llamaindex_store"]
-
-_SAFE_STORE_CLASS: Any = None
+from .connection import ResolvedDatabase, connect_timeout
+from .dsn import sqlalchemy_url
+from .embedded import start_again_if_stopped
+from .search import validate_filter_key, validate_ts_config
 
 
+@cache
 def _safe_store_class() -> Any:
     """``PGVectorStore`` with bound-parameter metadata filters (see the module docstring)."""
-    global _SAFE_STORE_CLASS
-    if _SAFE_STORE_CLASS is not None:
-        return _SAFE_STORE_CLASS
     import sqlalchemy
     from llama_index.core.vector_stores.types import FilterOperator
     from llama_index.vector_stores.postgres import PGVectorStore
@@ -115,13 +100,12 @@ def _safe_store_class() -> Any:
                 "in, nin, contains, any, all, text_match or is_empty."
             )
 
-    _SAFE_STORE_CLASS = SafeFilterPGVectorStore
-    return _SAFE_STORE_CLASS
+    return SafeFilterPGVectorStore
 
 
 def make_llamaindex_store(
     db: ResolvedDatabase,
-    layout: TableLayout,
+    layout: Any,
     embed_dim: int,
     *,
     setup: bool = False,
@@ -131,12 +115,9 @@ def make_llamaindex_store(
 ) -> Any:
     """A LlamaIndex ``PGVectorStore`` (safe-filter subclass) over ``layout``'s table.
 
-    With ``setup=True`` the store creates the extension, table, ``ref_doc_id`` index and the
-    HNSW index (``m=16, ef_construction=64``, cosine) on first use; errors are raised, not
-    logged and swallowed. With ``hybrid_search=True`` the table also gets LlamaIndex's
-    generated ``text_search_tsv`` column (``to_tsvector(text_search_config, text)``) and its
-    GIN index; ``text_search_config`` is checked to be a plain name first (LlamaIndex
-    formats it into its DDL).
+    With ``setup=True`` it creates the table, its ``ref_doc_id`` index and the HNSW index
+    (``m=16, ef_construction=64``, cosine) on first use, raising errors; ``hybrid_search``
+    adds LlamaIndex's generated ``text_search_tsv`` column and its GIN index.
     """
     require_bool(setup, "setup")
     require_bool(hybrid_search, "hybrid_search")
@@ -163,8 +144,8 @@ def make_llamaindex_store(
     async_engine = create_async_engine(
         sqlalchemy_url(db.dsn, "psycopg"), connect_args=connect_args, pool_pre_ping=True
     )
-    _start_again_before_connecting(engine, db.dsn)
-    _start_again_before_connecting(async_engine, db.dsn)
+    start_again_before_connecting(engine, db.dsn)
+    start_again_before_connecting(async_engine, db.dsn)
     # The engines above are what the store uses; the strings are only kept as pydantic fields
     # (shown by repr and model_dump), so they are given with the password hidden.
     return _safe_store_class()(
@@ -183,11 +164,9 @@ def make_llamaindex_store(
     )
 
 
-def _start_again_before_connecting(engine: Any, dsn: str) -> None:
-    """Before ``engine`` opens a connection, start this process's embedded server again if
-    it was stopped from outside (:func:`~.server.start_again_if_stopped`). With
-    ``pool_pre_ping`` the pooled connections to the stopped server are replaced, so the call
-    that finds it stopped goes on after the restart."""
+def start_again_before_connecting(engine: Any, dsn: str) -> None:
+    """Before ``engine`` connects, start this process's embedded server again if it was
+    stopped from outside (with ``pool_pre_ping``, stale connections are replaced)."""
     from sqlalchemy import event
 
     def before_connect(*_: Any) -> None:  # returning None: connect as usual
@@ -204,97 +183,104 @@ def close_llamaindex_store(store: Any) -> None:
         engine.dispose()
 
 
-class FrameworkStores:
-    """The framework views of :class:`~.store.PostgresKnowledgeBase` (a mixin: it uses the
-    knowledge base's ``db``, ``layout``, ``embedder``, ``_lock`` and ``_check_request``)."""
+@cache
+def _llamaindex_class() -> type:
+    from llama_index.core.retrievers import BaseRetriever
+    from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-    db: ResolvedDatabase
-    layout: TableLayout
-    embedder: Any
-    ef_search: int
-    text_search_config: str
+    class PostgresRetriever(BaseRetriever):
+        """A LlamaIndex retriever over a :class:`PostgresKnowledgeBase` (vector, text or hybrid)."""
 
-    def llamaindex_store(self) -> Any:
-        """The LlamaIndex ``PGVectorStore`` over the table (created once, shared).
+        def __init__(self, kb: Any, top_k: int, filters: Any, options: dict[str, Any]) -> None:
+            super().__init__()
+            self.kb = kb
+            self.similarity_top_k = top_k
+            self.filters = filters
+            self.options = options
 
-        Only for code that needs LlamaIndex's store itself; :meth:`llamaindex_retriever` and
-        :meth:`retrieve` do not use it.
-        """
-        with self._lock:
-            if self._li_store is None:
-                self._li_store = make_llamaindex_store(
-                    self.db,
-                    self.layout,
-                    self.embedder.dim,
-                    ef_search=self.ef_search,
-                    # its own hybrid / sparse queries need the column in its table class
-                    hybrid_search=self.layout.tsv_column is not None,
-                    text_search_config=self.layout.ts_config or self.text_search_config,
+        @staticmethod
+        def _nodes(chunks: list[Any]) -> list[NodeWithScore]:
+            # Metadata stays out of what the LLM and embedder read, as in the nodes ingest
+            # writes: a prompt holds the chunk's text only.
+            return [
+                NodeWithScore(
+                    node=TextNode(
+                        id_=c.node_id or None,
+                        text=c.text,
+                        metadata=dict(c.metadata),
+                        excluded_llm_metadata_keys=list(c.metadata),
+                        excluded_embed_metadata_keys=list(c.metadata),
+                    ),
+                    score=c.score,
                 )
-            return self._li_store
+                for c in chunks
+            ]
 
-    def llamaindex_retriever(
-        self, top_k: int = 4, filters: Filters = None, **search_options: Any
-    ) -> Any:
-        """A LlamaIndex ``BaseRetriever`` over the table (sync and async), with filters.
-
-        ``search_options`` are :meth:`retrieve`'s keyword arguments (``search``, ``rrf_k``,
-        ``vector_weight``, ``text_weight``, ``candidates``); they are checked here.
-        """
-        from .adapters import llamaindex_retriever
-
-        self._check_request(top_k, filters, **search_options)
-        return llamaindex_retriever(self, top_k=top_k, filters=filters, **search_options)
-
-    def langchain_store(self) -> Any:
-        """A ``langchain_postgres.PGVectorStore`` over the same table (custom column names).
-
-        Only for code that needs LangChain's store itself; :meth:`langchain_retriever` and
-        :meth:`retrieve` do not use it.
-        """
-        if self.layout.target == "langchain_legacy":
-            raise ValueError(
-                f"Collection {self.layout.collection!r} is a legacy langchain-postgres PGVector "
-                "collection; read it with langchain_postgres.PGVector(collection_name=...) or "
-                "through langchain_retriever()."
+        def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+            return self._nodes(
+                self.kb.retrieve(
+                    query_bundle.query_str, self.similarity_top_k, self.filters, **self.options
+                )
             )
-        with self._lock:
-            if self._lc_store is None:
-                from langchain_postgres import PGEngine, PGVectorStore
 
-                self._lc_engine = PGEngine.from_connection_string(
-                    sqlalchemy_url(self.db.dsn),
-                    connect_args={"connect_timeout": connect_timeout()},
-                    pool_pre_ping=True,
+        async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+            return self._nodes(
+                await self.kb.aretrieve(
+                    query_bundle.query_str, self.similarity_top_k, self.filters, **self.options
                 )
-                _start_again_before_connecting(self._lc_engine._pool, self.db.dsn)
-                lay = self.layout
-                self._lc_store = PGVectorStore.create_sync(
-                    self._lc_engine,
-                    embedding_service=self.embedder.langchain(),
-                    table_name=lay.table,
-                    id_column=lay.id_column,
-                    content_column=lay.text_column,
-                    embedding_column=lay.embedding_column,
-                    metadata_json_column=lay.metadata_column,
-                )
-            return self._lc_store
+            )
 
-    def langchain_retriever(self, k: int = 4, filters: Filters = None, **search_options: Any) -> Any:
-        """A LangChain ``BaseRetriever`` over the table (``invoke`` / ``ainvoke``), with filters;
-        ``search_options`` as for :meth:`llamaindex_retriever`."""
-        from .adapters import langchain_retriever
+    return PostgresRetriever
 
-        self._check_request(k, filters, name="k", **search_options)
-        return langchain_retriever(self, k=k, filters=filters, **search_options)
 
-    def _close_stores(self) -> None:
-        """Release the framework stores' engines."""
-        with self._lock:
-            if self._li_store is not None:
-                close_llamaindex_store(self._li_store)
-                self._li_store = None
-            if self._lc_engine is not None:
-                self._lc_engine._run_as_sync(self._lc_engine._pool.dispose())
-                self._lc_engine = None
-                self._lc_store = None
+@cache
+def _langchain_class() -> type:
+    from langchain_core.callbacks import (
+        AsyncCallbackManagerForRetrieverRun,
+        CallbackManagerForRetrieverRun,
+    )
+    from langchain_core.documents import Document
+    from langchain_core.retrievers import BaseRetriever
+
+    class PostgresRetriever(BaseRetriever):
+        """A LangChain retriever over a :class:`PostgresKnowledgeBase` (vector, text or hybrid)."""
+
+        kb: Any
+        """The knowledge base."""
+        k: int = 4
+        """Documents to return."""
+        filters: Any = None
+        """Metadata filters (see :func:`~.search.to_conditions`)."""
+        options: dict[str, Any] = {}
+        """:meth:`PostgresKnowledgeBase.retrieve` keyword arguments (``search``...)."""
+
+        @staticmethod
+        def _documents(chunks: list[Any]) -> list[Document]:
+            return [
+                Document(page_content=c.text, metadata=dict(c.metadata), id=c.node_id or None)
+                for c in chunks
+            ]
+
+        def _get_relevant_documents(
+            self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+        ) -> list[Document]:
+            return self._documents(self.kb.retrieve(query, self.k, self.filters, **self.options))
+
+        async def _aget_relevant_documents(
+            self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
+        ) -> list[Document]:
+            return self._documents(
+                await self.kb.aretrieve(query, self.k, self.filters, **self.options)
+            )
+
+    return PostgresRetriever
+
+
+def llamaindex_retriever(kb: Any, *, top_k: int, filters: Any = None, **options: Any) -> Any:
+    """A LlamaIndex ``BaseRetriever`` returning ``NodeWithScore`` (score as ``retrieve``'s)."""
+    return _llamaindex_class()(kb, top_k, filters, options)
+
+
+def langchain_retriever(kb: Any, *, k: int, filters: Any = None, **options: Any) -> Any:
+    """A LangChain ``BaseRetriever`` returning ``Document`` objects (metadata as ``retrieve``'s)."""
+    return _langchain_class()(kb=kb, k=k, filters=filters, options=options)
