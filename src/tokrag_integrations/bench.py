@@ -97,7 +97,7 @@ def _memory_child(args: argparse.Namespace) -> None:
 
     import torch
 
-    from .api import generate
+    from .batching import generate
     from .models import load_model
 
     lm = (
@@ -144,7 +144,7 @@ def run_bench(
     latency: bool = True,
 ) -> dict[str, Any]:
     """Run the benchmark and return its figures (see module docstring)."""
-    from .api import generate
+    from .batching import generate
     from .models import load_model
 
     require_bool(memory, "memory")
@@ -206,7 +206,7 @@ def _timed_runs(
     and its decisions, and the RAG prompt lengths."""
     from tqdm.auto import tqdm
 
-    from .api import generate
+    from .batching import generate
 
     rows: dict[str, list[dict[str, Any]]] = {p: [] for p in policies} if items else {}
     decisions: dict[str, list[Any]] = {p: [] for p in policies} if items else {}

@@ -38,7 +38,7 @@ def _throughput(
     """
     from tqdm.auto import tqdm
 
-    from .api import generate_batch
+    from .batching import generate_batch
 
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")

@@ -284,7 +284,7 @@ def test_punctuation_gate_keeps_rags_token_where_the_pure_model_offers_punctuati
 
 
 def test_verdict_mask_covers_verdicts_and_negators_whole_tokens_only(lm):
-    from tokrag_integrations.policies.tokrag_reference import vocab_texts
+    from tokrag_integrations.policies.vocab import vocab_texts
     from tokrag_integrations.policies.verdict import verdict_mask
 
     texts = vocab_texts(lm.tokenizer)
@@ -338,7 +338,7 @@ def test_tokrag_options_run_and_are_recorded(lm, options):
     if "fixed_layer" in options:
         assert all(s.signals["l_star"] == 15 for s in r.trace.disagreement_steps)
     if options.get("function_word_gate"):
-        from tokrag_integrations.policies.tokrag_reference import gate_mask
+        from tokrag_integrations.policies.vocab import gate_mask
 
         gate = gate_mask(lm.tokenizer)
         for s in r.trace.disagreement_steps:
@@ -346,8 +346,8 @@ def test_tokrag_options_run_and_are_recorded(lm, options):
 
 
 def test_reference_variant_compares_at_every_step(lm):
-    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag", variant="reference", max_new_tokens=12)
-    assert r.trace.options["variant"] == "reference"
+    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag_reference", max_new_tokens=12)
+    assert r.trace.policy == "tokrag_reference"
     gated = [s for s in r.trace.steps if s.signals.get("note") == "gated: function word"]
     compared = [s for s in r.trace.steps if "cos_ir" in s.signals]
     assert len(gated) + len(compared) == len(r.trace.steps)  # also at agreeing steps
@@ -493,7 +493,7 @@ def test_async_and_batch_validation(lm):
 
 
 def test_punctuation_mask_marks_tokens_without_letters_or_digits(lm):
-    from tokrag_integrations.policies.tokrag_reference import punctuation_mask
+    from tokrag_integrations.policies.vocab import punctuation_mask
 
     tok = lm.tokenizer
     mask = punctuation_mask(tok, vocab_size=lm.vocab_size)
@@ -514,7 +514,7 @@ def test_punctuation_mask_marks_tokens_without_letters_or_digits(lm):
 def test_pr_skip_leaves_skipped_tokens_out_of_p_r(lm, pr_skip):
     """p_R (Eq. 16) holds no skipped retrieved token, and skipping changes it where the
     passage's punctuation drew attention; f of Eq. 14 is left as it was (same l* inputs)."""
-    from tokrag_integrations.policies.tokrag_reference import punctuation_mask, skip_mask
+    from tokrag_integrations.policies.vocab import punctuation_mask, skip_mask
 
     build = punctuation_mask if pr_skip == "punctuation" else skip_mask
     mask = build(lm.tokenizer, vocab_size=lm.vocab_size)

@@ -1,6 +1,6 @@
 """One policy-options style at the integration entry points (issue 34): ``policy="tokrag",
-policy_options={...}``; policy options as loose keyword arguments still work, with a
-DeprecationWarning naming the new spelling; the policy registry checks the options."""
+policy_options={...}``; policy options as loose keyword arguments are refused with a
+TypeError naming the spelling to use; the policy registry checks the options."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from tokrag_integrations.policies import merge_policy_options
+from tokrag_integrations.policies import checked_policy_options
 
 QUESTION = "Who founded Quillfeather Aerospace?"
 
@@ -19,21 +19,18 @@ def _no_deprecation(call):
         return call()
 
 
-def test_merge_keeps_the_dict_and_warns_only_for_loose_keywords() -> None:
-    assert _no_deprecation(lambda: merge_policy_options({"pr_norm": "softmax"}, {}, "X")) == {
+def test_policy_options_are_a_dict_and_loose_keywords_are_refused() -> None:
+    assert _no_deprecation(lambda: checked_policy_options({"pr_norm": "softmax"}, {}, "X")) == {
         "pr_norm": "softmax"
     }
-    assert _no_deprecation(lambda: merge_policy_options(None, {}, "X")) == {}
-    with pytest.warns(DeprecationWarning, match=r"X: .*\(pr_norm\).*policy_options=\{'pr_norm': 'softmax'\}"):
-        out = merge_policy_options({"threshold": 0.1}, {"pr_norm": "softmax"}, "X")
-    assert out == {"threshold": 0.1, "pr_norm": "softmax"}
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="'pr_norm' given twice"):
-        merge_policy_options({"pr_norm": "sum"}, {"pr_norm": "softmax"}, "X")
+    assert _no_deprecation(lambda: checked_policy_options(None, {}, "X")) == {}
+    with pytest.raises(TypeError, match=r"X: .*pr_norm.*policy_options=\{'pr_norm': 'softmax'\}"):
+        checked_policy_options({"threshold": 0.1}, {"pr_norm": "softmax"}, "X")
     with pytest.raises(TypeError, match="policy_options must be a dict"):
-        merge_policy_options(["pr_norm"], {}, "X")  # type: ignore[arg-type]
+        checked_policy_options(["pr_norm"], {}, "X")  # type: ignore[arg-type]
 
 
-def test_chain_factories_take_policy_options_and_warn_on_the_old_spelling() -> None:
+def test_chain_factories_take_policy_options_and_refuse_the_old_spelling() -> None:
     from tokrag_integrations.langchain import ChatTokRAG
     from tokrag_integrations.langchain.chains import _chat_model
 
@@ -46,9 +43,8 @@ def test_chain_factories_take_policy_options_and_warn_on_the_old_spelling() -> N
 
     new = _no_deprecation(lambda: build({"pr_norm": "softmax"}))
     assert new["policy_options"] == {"pr_norm": "softmax"}
-    with pytest.warns(DeprecationWarning, match="create_tokrag_chain: .*policy_options="):
-        old = build(None, pr_norm="softmax")
-    assert old == new
+    with pytest.raises(TypeError, match="create_tokrag_chain: .*policy_options="):
+        build(None, pr_norm="softmax")
     # The registry checks the options, whichever way they came.
     with pytest.raises(TypeError, match="unknown option 'no_such_option'"):
         build({"no_such_option": 1})
@@ -56,13 +52,12 @@ def test_chain_factories_take_policy_options_and_warn_on_the_old_spelling() -> N
         build({"pr_norm": "nope"})
 
 
-def test_synthesizer_takes_policy_options_and_warns_on_the_old_spelling(lm) -> None:
+def test_synthesizer_takes_policy_options_and_refuses_the_old_spelling(lm) -> None:
     from tokrag_integrations.llama_index import TokRAGSynthesizer
 
     new = _no_deprecation(lambda: TokRAGSynthesizer(lm, policy_options={"pr_norm": "softmax"}))
-    with pytest.warns(DeprecationWarning, match="TokRAGSynthesizer: .*policy_options="):
-        old = TokRAGSynthesizer(lm, pr_norm="softmax")
-    assert new._gen_kwargs == old._gen_kwargs
+    with pytest.raises(TypeError, match="TokRAGSynthesizer: .*policy_options="):
+        TokRAGSynthesizer(lm, pr_norm="softmax")
     assert new._gen_kwargs["policy_options"] == {"pr_norm": "softmax"}
     with pytest.raises(TypeError, match="unknown option 'no_such_option'"):
         TokRAGSynthesizer(lm, policy_options={"no_such_option": 1})
@@ -79,9 +74,9 @@ def test_chat_model_call_options(lm) -> None:
     new = _no_deprecation(
         lambda: chat._prepare(msgs, None, {"passages": passages, "policy_options": {"pr_norm": "softmax"}})
     )
-    with pytest.warns(DeprecationWarning, match="ChatTokRAG: .*policy_options="):
-        old = chat._prepare(msgs, None, {"passages": passages, "pr_norm": "softmax"})
-    assert new.kwargs == old.kwargs and new.kwargs["policy_options"]["pr_norm"] == "softmax"
+    with pytest.raises(TypeError, match="ChatTokRAG: .*policy_options="):
+        chat._prepare(msgs, None, {"passages": passages, "pr_norm": "softmax"})
+    assert new.kwargs["policy_options"]["pr_norm"] == "softmax"
 
 
 def test_server_config_and_request_spellings() -> None:

@@ -206,7 +206,3 @@ class RoleBatch:
                 if s > m:
                     mask[r, mask.shape[1] - (s - m) :] = 0
             self.mask = mask
-
-
-#: The name the loops and tests have used (kept for compatibility).
-_RoleBatch = RoleBatch

@@ -29,7 +29,7 @@ from .specs import parse_spec
 def _measure(model: str, data: str, policy: str, limit: int, k: int, ratio: float, max_new_tokens: int, device: str | None) -> dict[str, Any]:
     import torch
 
-    from ..api import generate
+    from ..batching import generate
     from ..models import load_model
 
     warnings.simplefilter("ignore")

@@ -17,7 +17,7 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import UsageMetadata
 
-from ..api import GenerationResult
+from ..results import GenerationResult
 from ..models import LoadedModel
 from ..policies import get_policy
 from ..prompts import Passage, RenderedPrompt

@@ -18,7 +18,7 @@ from langchain_core.runnables import Runnable, RunnableLambda, RunnablePassthrou
 
 from ..defaults import ANSWER_STOP
 from ..models import LoadedModel, check_greedy
-from ..policies import get_policy, merge_policy_options
+from ..policies import checked_policy_options, get_policy
 from ._chain_inputs import (  # noqa: F401 - importable from here as before
     DEFAULT_DOCUMENT_PROMPT,
     DEFAULT_DOCUMENT_SEPARATOR,
@@ -72,7 +72,7 @@ def _chat_model(
     check_greedy(temperature, where)
     loose = dict(options or {})
     load_options = {k: loose.pop(k) for k in CHAT_LOAD_OPTIONS if k in loose}
-    policy_options = merge_policy_options(policy_options, loose, where, stacklevel=4)
+    policy_options = checked_policy_options(policy_options, loose, where)
     if isinstance(model, ChatTokRAG):
         if load_options:
             raise ValueError(

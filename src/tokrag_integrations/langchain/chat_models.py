@@ -18,10 +18,10 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, field_validator, model_validator
 
 from .. import batching
-from ..api import GenerationResult, TokenEvent
+from ..results import GenerationResult, TokenEvent
 from ..defaults import MAX_NEW_TOKENS
 from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
-from ..policies import get_policy, merge_policy_options
+from ..policies import checked_policy_options, get_policy
 from ._convert import (
     final_metadata,
     messages_to_prompt,
@@ -330,9 +330,7 @@ class ChatTokRAG(BaseChatModel):
         self._greedy_only(kwargs.pop("temperature", None))
         call = {k: kwargs.pop(k) for k in _CALL_KWARGS if k in kwargs}
         # Per call, policy options go in policy_options={...}; loose keywords still work (warned).
-        call_options = merge_policy_options(
-            call.get("policy_options"), kwargs, "ChatTokRAG", stacklevel=_caller_stacklevel() + 1
-        )
+        call_options = checked_policy_options(call.get("policy_options"), kwargs, "ChatTokRAG")
         options = {**self.policy_options, **call_options}
         policy = call.get("policy", self.policy)
         get_policy(policy, **options)  # unknown policy or option: fail before loading anything

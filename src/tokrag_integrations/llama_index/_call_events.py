@@ -15,7 +15,7 @@ from llama_index.core.instrumentation.events.llm import (
 )
 
 from .. import batching
-from ..api import GenerationResult
+from ..results import GenerationResult
 from ._convert import result_kwargs, usage
 from ._modes import _Call, _Session
 

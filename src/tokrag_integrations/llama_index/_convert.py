@@ -9,7 +9,7 @@ from typing import Any
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
-from ..api import GenerationResult
+from ..results import GenerationResult
 from ..policies import get_policy
 from ..prompts import Passage
 

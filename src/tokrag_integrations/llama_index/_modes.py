@@ -17,7 +17,7 @@ from typing import Any
 
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
-from ..api import GenerationResult
+from ..results import GenerationResult
 from ..models import LoadedModel
 from ..prompts import MIN_CUT_TOKENS, Passage, PromptBuilder, PromptPlan
 from ._convert import call_summary, node_to_passage, order_nodes, response_metadata

@@ -32,11 +32,11 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, Te
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from .. import batching as _batching
-from ..api import GenerationResult
+from ..results import GenerationResult
 from ..booleans import require_bool
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy
-from ..policies import get_policy, merge_policy_options
+from ..policies import checked_policy_options, get_policy
 from ..policies.base import Policy
 from ._call_events import _CallEvents
 from ._convert import jsonable
@@ -235,7 +235,7 @@ class TokRAGSynthesizer(_CallEvents, _TemplatePath, BaseSynthesizer):
         mode = _mode_name(response_mode)
         meta_mode = _metadata_mode(metadata_mode)
         load_options = {k: options.pop(k) for k in LOAD_OPTIONS if k in options}
-        opts = merge_policy_options(policy_options, options, "TokRAGSynthesizer")
+        opts = checked_policy_options(policy_options, options, "TokRAGSynthesizer")
         pol = _checked_policy(policy, opts)
         self._policy_name = pol.name
         self._roles: tuple[str, ...] = tuple(pol.roles)
