@@ -235,60 +235,42 @@ def _run(
     p = _prepare(lm, queries, passages, **kwargs)
     if not p.plans:
         return iter(())
-    return _events(
-        lm, p.policies, p.groups, p.plans, p.traces, p.trackers, holder,
-        max_new_tokens=kwargs["max_new_tokens"], stop=p.stops, speed=p.speed, cancel=cancel,
-    )
+    return _events(lm, p, holder, max_new_tokens=kwargs["max_new_tokens"], cancel=cancel)
 
 
 def _events(
-    lm: LoadedModel,
-    policies: dict[str, Policy],
-    groups: dict[str, list[int]],
-    plans: list[PromptPlan],
-    traces: list[Trace],
-    trackers: list[_TextTracker],
-    holder: list[GenerationResult],
-    *,
-    max_new_tokens: int,
-    stop: list[str],
-    speed: Speed,
+    lm: LoadedModel, p: _Prepared, holder: list[GenerationResult], *, max_new_tokens: int,
     cancel: threading.Event | None,
 ) -> Iterator[TokenEvent]:
-    """Decode prepared queries to the end, under ``lm.lock``: each group of queries (``groups``: name -> query indices)
-    under its policy (``policies[name]``), one :class:`TokenEvent` per chosen token; at the
-    end, one :class:`GenerationResult` per query appended to ``holder``."""
-    # The model lock is taken on the first next(), not when the stream is created, so
-    # an unread stream never blocks other users of the model.
+    """Decode the prepared queries ``p`` to the end, under ``lm.lock`` (taken on the first
+    ``next()``, so that an unread stream never blocks other users of the model): each group of
+    queries under its policy, one :class:`TokenEvent` per chosen token; at the end, one
+    :class:`GenerationResult` per query appended to ``holder``."""
     _acquire(lm.lock, cancel)
     try:
         if cancel is not None and cancel.is_set():
             raise _Cancelled
-        for group, idx in groups.items():
+        for group, idx in p.groups.items():
             timings: dict[str, float] = {}
             t0 = time.perf_counter()
-            for ev in decode_loop(
-                lm,
-                [plans[i] for i in idx],
-                policies[group],
-                max_new_tokens=max_new_tokens,
-                stop=stop,
-                timings=timings,
-                speed=speed,
-            ):
+            events = decode_loop(
+                lm, [p.plans[i] for i in idx], p.policies[group], max_new_tokens=max_new_tokens,
+                stop=p.stops, timings=timings, speed=p.speed,
+            )
+            for ev in events:
                 q = idx[ev.query_idx]
-                delta = _record_event(traces[q], trackers[q], ev)
+                delta = _record_event(p.traces[q], p.trackers[q], ev)
                 if ev.stop_reason != "eos" or delta:
                     yield TokenEvent(q, ev.step.index, ev.step.token_id, delta, ev.step.source, ev.step)
                 if cancel is not None and cancel.is_set():
                     raise _Cancelled
             total = time.perf_counter() - t0
             for i in idx:
-                traces[i].timings = {**timings, "total_s": total, "queries_in_batch": float(len(idx))}
+                p.traces[i].timings = {**timings, "total_s": total, "queries_in_batch": float(len(idx))}
     finally:
         lm.lock.release()
-    for q, tr in enumerate(traces):
-        holder.append(_result(tr, trackers[q]))
+    for q, tr in enumerate(p.traces):
+        holder.append(_result(tr, p.trackers[q]))
 
 
 @dataclass

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from .. import config
-from ..attention import ProbeRecord, install_taps, model_parts
+from ..attention.parts import model_parts
+from ..attention.probe import ProbeRecord, install_taps
 from ..engine.batch import RoleBatch
 from ..engine.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, reused_seconds, row_map
 from ..engine.speed import Speed

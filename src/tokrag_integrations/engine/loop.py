@@ -1,19 +1,11 @@
-"""The loops on the :class:`.decoder.Decoder`: a decode from start to end, teacher forcing,
-and the loop of a sequence-level rule (RAG-Sequence).
-
-A sequence-level rule (:class:`..policies.base.SequencePolicy`) is decoded in three steps:
-
-1. Each query's candidate contexts (``rule.candidate_plans``: one prompt per kept passage)
-   are greedy-decoded under ``rule.candidate_policy`` (all candidates of all queries in one
-   batch); a query without passages is decoded once under ``rule.fallback_policy``.
-2. Every distinct candidate of a query is scored under every context of ``rule.contexts``
-   by teacher forcing: the sum of its tokens' log-probabilities per context. A candidate that
-   ended with EOS is scored with its EOS (an empty answer pays for stopping at once); one cut
-   by ``max_new_tokens`` or a stop string on its tokens only.
-3. ``rule.log_p`` turns a candidate's per-context scores into its score; the best candidate
-   is replayed token by token, so that streams and traces look like any other policy's.
-   Step 0 of the trace carries every candidate, the passage that produced it and its
-   log-scores (``signals[rule.name]``).
+"""The loops on the :class:`.decoder.Decoder`: a decode from start to end
+(:func:`decode_loop`), teacher forcing (:func:`teacher_force`), and the loop of a
+sequence-level rule (RAG-Sequence, :class:`..policies.base.SequencePolicy`): each query's
+candidates greedy-decoded (``rule.candidate_plans`` under ``rule.candidate_policy``; a query
+without passages once under ``rule.fallback_policy``), every distinct candidate scored under
+every context of ``rule.contexts`` by teacher forcing (with its EOS where it ended with one),
+``rule.log_p`` picks one, which is replayed token by token (step 0 of the trace carries every
+candidate and its log-scores, ``signals[rule.name]``).
 """
 
 from __future__ import annotations

@@ -10,14 +10,14 @@ from collections.abc import Callable
 
 import torch
 
-from ..attention import (
-    ProbeRecord,
+from ..attention.parts import model_parts
+from ..attention.probe import ProbeRecord
+from ..attention.rows import (
     attention_from_queries,
     attention_row,
     attention_rows,
     cached_keys,
     logit_lens,
-    model_parts,
 )
 from ..models import LoadedModel
 from ..policies.base import ContextSpec, Lens

@@ -55,7 +55,7 @@ TOKRAG_CONFIGS: dict[str, dict[str, Any]] = {
     "tokrag[min_fusion_layer=0.3125]": {"min_fusion_layer": 0.3125},
     "tokrag[fixed_layer=15]": {"fixed_layer": 15},
     "tokrag[scorer=distribution]": {"scorer": "distribution"},
-    "tokrag_reference": {},
+    "tokrag_reference": {"policy": "tokrag_reference"},
 }
 
 
@@ -107,15 +107,16 @@ def gold_target(tokenizer: Any, item: EvalItem, target: str = "evidence", max_to
 
 def scorer_configs(specs: str | Sequence[str] | None) -> dict[str, dict[str, Any]]:
     """Token scorers from specs (``"tokrag,tokrag[min_fusion_layer=0,lens_norm=false]"``):
-    label -> ``TokRAG`` options. None: :data:`TOKRAG_CONFIGS`. Each spec must name ``tokrag``
-    and its options must build ``TokRAG(**options)``; else ValueError (one sentence)."""
+    label -> ``TokRAG`` options (``"policy": "tokrag_reference"`` for the authors' rule). None:
+    :data:`TOKRAG_CONFIGS`. Each spec must name ``tokrag`` or ``tokrag_reference`` with options
+    its policy takes; else ValueError (one sentence)."""
     if specs is None:
         return dict(TOKRAG_CONFIGS)
     from ..policies import get_policy
 
     parsed = parse_specs(specs)
     validate_specs(parsed, ["tokrag", "tokrag_reference"], get_policy)
-    return {str(sp): dict(sp.options) for sp in parsed}
+    return {str(sp): {**({"policy": sp.name} if sp.name != "tokrag" else {}), **sp.options} for sp in parsed}
 
 
 def _token_conditions(ratios: Sequence[float], cf_ratios: Sequence[float], k: int, cf_k: int, seed: int) -> list[tuple[str, Callable[[EvalItem], Mix]]]:
@@ -194,7 +195,7 @@ def run_token_level(
 
     require_bool(progress, "progress")
     configs = dict(TOKRAG_CONFIGS if tokrag_configs is None else tokrag_configs)
-    scorers = {name: get_policy(parse_specs(name)[0].name, **opts) for name, opts in configs.items()}
+    scorers = {name: get_policy(**{"name": "tokrag", **opts}) for name, opts in configs.items()}
     for sc in scorers.values():
         sc.prepare(lm)
     walker = TokRAG()

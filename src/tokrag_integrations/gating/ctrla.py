@@ -107,7 +107,7 @@ def last_token_states(
 
     Prompts are left-padded into batches; ``attention.Probe`` records the last position.
     """
-    from ..attention import Probe
+    from ..attention.probe import Probe
 
     out = []
     for i in range(0, len(prompts), batch_size):
@@ -183,7 +183,7 @@ def steering(
     lm: LoadedModel, direction: torch.Tensor, lam: float, layers: Sequence[int]
 ) -> Iterator[None]:
     """Add ``lam * direction[l]`` to the output of each 1-based layer l in ``layers``."""
-    from ..attention import model_parts
+    from ..attention.parts import model_parts
 
     parts = model_parts(lm.model)
     handles = []

@@ -37,7 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..attention import ProbeRecord
+from ..attention.probe import ProbeRecord
 from ..models import LoadedModel
 from ..prompts import PromptPlan
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .. import signals as S
-from ..attention import model_parts
+from ..attention.parts import model_parts
 from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
 from . import vocab
@@ -47,36 +47,14 @@ Signals = Generator[torch.Tensor, torch.Tensor, dict[str, Any]]
 _LENS_FIRST = 5
 _LENS_CHUNK = 3
 
-#: Eq. 19's margin threshold: benefit wins iff the margin >= this. Fixed on the dev sets
-#: (docs/results.md, "Choosing the defaults"); the paper's rule is 0.
-DEFAULT_THRESHOLD = -0.1
-
-#: α of DoLa's plausibility constraint on x^{l'-l*}: the rising token is searched among the
-#: tokens with p_final >= α·max p_final. Fixed on the dev sets (docs/results.md, "The rising
-#: token among RAG's leading candidates"); DoLa's own value, the paper rule's (docs/algorithm.md, "Presets"), is 0.1.
-DEFAULT_PLAUSIBILITY_ALPHA = 0.5
-
-#: Which retrieved tokens Eq. 15-16 leave out of p_R: those with no letter or digit. Attention
-#: sinks on punctuation otherwise carry most of p_R on some models. Fixed on the dev sets
-#: (docs/results.md, "Punctuation out of p_R"); the paper keeps every retrieved token (None).
-DEFAULT_PR_SKIP = "punctuation"
-
-#: Where either candidate is a verdict word (yes / no, a negator) RAG's token is kept without
-#: comparing: a verdict is inferred from the passage, not copied from it, so w_IR cannot stand
-#: for it, and the answer states RAG's verdict. Fixed on the dev sets (docs/results.md, "Verdict
-#: words", "`verdict_gate="either"` and the punctuation gate"); the paper compares there (None).
-DEFAULT_VERDICT_GATE = "either"
-
-#: Where Eq. 19 would drop RAG's token although it is x^{l'-l*} (the token RAG's layers after
-#: the fusion layer raised most among its plausible ones), RAG's token is kept: Eq. 19 then
-#: overrules RAG only where RAG's own later layers did not single out its token. Fixed on the
-#: dev sets (docs/results.md, "RAG's rising token"); the paper lets Eq. 19 decide (False).
-DEFAULT_RISING_GATE = True
-
-#: Where the pure model's token is punctuation, RAG's is kept without comparing (see
-#: ``punctuation_gate``). Fixed on the dev sets (docs/results.md, "`verdict_gate="either"` and
-#: the punctuation gate"); the paper compares there (False).
-DEFAULT_PUNCTUATION_GATE = True
+#: The defaults that differ from the paper's rule, each fixed on the dev sets (docs/results.md,
+#: "Choosing the defaults" and the sections on each gate); the class docstring says what each does.
+DEFAULT_THRESHOLD = -0.1  # Eq. 19's margin threshold (paper: 0)
+DEFAULT_PLAUSIBILITY_ALPHA = 0.5  # DoLa's α on x^{l'-l*} (paper rule: 0.1)
+DEFAULT_PR_SKIP = "punctuation"  # retrieved tokens left out of p_R (paper: None)
+DEFAULT_VERDICT_GATE = "either"  # (paper: None)
+DEFAULT_RISING_GATE = True  # (paper: False)
+DEFAULT_PUNCTUATION_GATE = True  # (paper: False)
 
 
 class TokRAG(Policy):

@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from ..attention import model_parts
+from ..attention.parts import model_parts
 from ..models import LoadedModel
 from ..prompts import PromptPlan
 from ..trace import AGREE, FROM_LLM, FROM_RAG
