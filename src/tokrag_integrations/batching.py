@@ -1,28 +1,19 @@
 """The one scheduler, and the entry points that use it: :func:`generate`, :func:`stream`,
 :func:`generate_batch`, :func:`agenerate`, :func:`astream`, :func:`astream_with_result` (the
-package root exports them; the framework adapters and the server call them).
+package root exports them; the framework adapters and the server call them). Every decode
+runs the engine's step loop (:class:`.engine.decoder.Decoder`).
 
-Every entry point takes ``policy=`` and its ``policy_options={...}`` (checked once, by
-:func:`.policies.get_policy`), and ``speed=`` (:class:`.engine.speed.Speed`: how fast, never
-what is decided). Every decode runs the engine's step loop (:class:`.engine.decoder.Decoder`).
-
-Calls are micro-batched, continuously (``batching=True``, the default): the first call with a
-given set of decoding settings waits ``wait_s`` for others with the same settings, then
-decodes all of them together (one forward pass per step for all their contexts), in a thread
-of its own. Until that decode ends, a call with the same settings joins it at the next step
-boundary (Orca's iteration-level scheduling, Yu et al., OSDI 2022): it is prefilled on its
-own and its rows are merged into the running batch. A finished call leaves at once and
-returns its result; the others go on. ``max_rows`` (context rows: two per Tok-RAG query, one
-per RAG query) and ``max_positions`` (rows times key/value positions the merged batch can
-reach) bound the memory: a call that does not fit waits for rows to free up;
-``max_prefill_tokens`` (no bound by default) bounds what is prefilled at one step boundary.
-Calls with different settings never share a decode. A stream joins like any call, its
-tokens handed on as they are chosen. Every call gets the tokens and decisions it gets alone
-(tests/integration/test_batching.py checks it on the packaged model). A call whose input is
-bad gets its error at the call site; the others are not affected. A sequence-level rule
-(RAG-Sequence) cannot take queries mid-decode: the calls collected together are decoded as
-one batch, and calls arriving meanwhile form the next one. ``batching=False`` (and
-:func:`generate_batch`) decodes the given queries alone, in the calling thread.
+``batching=True`` (the default): the first call with a given set of settings (policy, its
+options, speed, max_new_tokens, stop, system prompt, budget) waits ``wait_s`` for companions,
+then decodes them together in a thread of its own; until that decode ends, a call with the
+same settings joins it at the next step boundary (iteration-level scheduling, Orca, OSDI
+2022), and a finished call leaves at once with its result. ``max_rows`` (context rows: two
+per Tok-RAG query) and ``max_positions`` (rows times key/value positions) bound the memory, a
+call that does not fit waits; ``max_prefill_tokens`` bounds what one step boundary prefills.
+Every call gets the tokens and decisions it gets alone (tests/integration/test_batching.py);
+a bad input fails its own call, at the call site. A sequence-level rule cannot take queries
+mid-decode: its calls are decoded batch by batch. ``batching=False`` (and
+:func:`generate_batch`): the given queries decoded alone, in the calling thread.
 """
 
 from __future__ import annotations
@@ -752,6 +743,8 @@ def _join_decodes_at_exit() -> None:
 
 def batcher_for(lm: LoadedModel) -> MicroBatcher:
     """The model's shared batcher (one per loaded model, kept on the model handle)."""
+    if not isinstance(lm, LoadedModel):
+        raise TypeError("the first argument must be a LoadedModel from tokrag_integrations.load_model()")
     with _BATCHERS_LOCK:
         b = lm.__dict__.get("_micro_batcher")
         if b is None:

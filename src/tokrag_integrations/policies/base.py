@@ -22,6 +22,10 @@ context) and a :data:`Lens`; the rule returns one :class:`Choice` per query::
 
     register_policy("confident", "my_package.rules:Confident")
 
+A rule that reads the lens a few rows at a time (Tok-RAG's l* search) writes one
+:data:`Signals` generator per query and runs them with :func:`lens_rounds`: one lens call per
+round for the whole batch.
+
 A sequence-level rule (RAG-Sequence) is not decided token by token: it subclasses
 :class:`SequencePolicy`, whose members the engine reads instead of calling ``choose``
 (greedy candidates under ``candidate_policy``, each scored under every context by teacher
@@ -31,7 +35,7 @@ rule's business: that is ``speed=`` (:class:`..engine.speed.Speed`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -41,7 +45,7 @@ from ..attention.probe import ProbeRecord
 from ..models import LoadedModel
 from ..prompts import PromptPlan
 
-__all__ = ["Choice", "ContextSpec", "Lens", "Policy", "SequencePolicy", "View"]
+__all__ = ["Choice", "ContextSpec", "Lens", "Policy", "SequencePolicy", "Signals", "View", "lens_rounds"]
 
 
 @dataclass
@@ -98,6 +102,33 @@ class View(Protocol):
 #: order; ``final_norm`` applies the model's final norm before the LM head. The engine may
 #: read the LM head once for all blocks; each block gets the values it gets alone (to rounding).
 Lens = Callable[..., list[torch.Tensor]]
+
+#: One query's signals at one step as a generator: it yields the hidden-state rows [R, d]
+#: whose logit lens it reads, is sent their log-probabilities [R, V], and returns the signals.
+Signals = Generator[torch.Tensor, torch.Tensor, dict[str, Any]]
+
+
+def lens_rounds(gens: list[Signals], lens: Lens, final_norm: bool) -> list[dict[str, Any]]:
+    """Run the :data:`Signals` of several queries to their end: each round, the rows every
+    query still asks for go to the engine's ``lens`` in one call."""
+    out: list[Any] = [None] * len(gens)
+    asks: dict[int, torch.Tensor] = {}
+
+    def send(i: int, value: Any) -> None:
+        try:
+            asks[i] = gens[i].send(value)
+        except StopIteration as done:
+            out[i] = done.value
+
+    for i in range(len(gens)):
+        send(i, None)
+    while asks:
+        idx, rows = list(asks), list(asks.values())
+        asks.clear()
+        for i, logp in zip(idx, lens(rows, final_norm=final_norm), strict=True):
+            send(i, logp)
+    return out
+
 
 
 @dataclass

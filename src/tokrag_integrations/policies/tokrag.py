@@ -34,12 +34,8 @@ from ..attention.parts import model_parts
 from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
 from . import vocab
-from .base import Choice, ContextSpec, Lens, Policy, View
+from .base import Choice, ContextSpec, Lens, Policy, Signals, View, lens_rounds
 from .verdict import verdict_mask
-
-#: A step's signals as a generator: it yields the hidden-state rows [R, d] whose logit lens
-#: it reads and is sent their log-probabilities [R, V]; it returns the signals.
-Signals = Generator[torch.Tensor, torch.Tensor, dict[str, Any]]
 
 #: Layers per logit-lens product, from the start of the l* search: the first one and the later
 #: ones (each product reads the LM head once for both contexts plus the rows x^{l'-l*} may
@@ -151,16 +147,13 @@ class TokRAG(Policy):
             )
         if plausibility_alpha is not None and not 0.0 < float(plausibility_alpha) <= 1.0:
             raise ValueError(f"plausibility_alpha must be in (0, 1] or None, got {plausibility_alpha!r}")
-        if not isinstance(function_word_gate, bool):
-            raise ValueError(f"function_word_gate must be True or False, got {function_word_gate!r}")
         if verdict_gate not in (None, "rag", "either"):
             raise ValueError(f"verdict_gate must be None, 'rag' or 'either', got {verdict_gate!r}")
-        if not isinstance(rising_gate, bool):
-            raise ValueError(f"rising_gate must be True or False, got {rising_gate!r}")
-        if not isinstance(punctuation_gate, bool):
-            raise ValueError(f"punctuation_gate must be True or False, got {punctuation_gate!r}")
-        if not isinstance(lens_norm, bool):
-            raise ValueError(f"lens_norm must be True or False, got {lens_norm!r}")
+        flags = {"function_word_gate": function_word_gate, "rising_gate": rising_gate,
+                 "punctuation_gate": punctuation_gate, "lens_norm": lens_norm}
+        for key, value in flags.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be True or False, got {value!r}")
         if jsd_threshold < 0:
             raise ValueError(f"jsd_threshold must be >= 0, got {jsd_threshold}")
         if fixed_layer is not None and (isinstance(fixed_layer, bool) or not isinstance(fixed_layer, int)):
@@ -233,7 +226,7 @@ class TokRAG(Policy):
     # ------------------------------------------------------------------ rule
     def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
         """The gates first; where none decides, Eq. 19 on the signals (one lens request of
-        every query left per round, :func:`lens_rounds`)."""
+        every query left per round, :func:`.base.lens_rounds`)."""
         out = [self._gated(v["pure"], v["rag"]) for v in views]
         todo = [i for i, c in enumerate(out) if c is None]
         sigs = lens_rounds([self.signals(views[i]["pure"], views[i]["rag"]) for i in todo], lens, self.lens_norm)
@@ -394,25 +387,3 @@ class TokRAG(Policy):
             f, g, vocab_size=V, threshold=self.jsd_threshold, min_fusion_layer=self._lo
         )
         return l_star, f_layer, g_layer, rag_logp
-
-
-def lens_rounds(gens: list[Signals], lens: Lens, final_norm: bool) -> list[dict[str, Any]]:
-    """Run the :data:`Signals` of several queries to their end: each round, the rows every
-    query still asks for go to the engine's ``lens`` in one call."""
-    out: list[Any] = [None] * len(gens)
-    asks: dict[int, torch.Tensor] = {}
-
-    def send(i: int, value: Any) -> None:
-        try:
-            asks[i] = gens[i].send(value)
-        except StopIteration as done:
-            out[i] = done.value
-
-    for i in range(len(gens)):
-        send(i, None)
-    while asks:
-        idx, rows = list(asks), list(asks.values())
-        asks.clear()
-        for i, logp in zip(idx, lens(rows, final_norm=final_norm), strict=True):
-            send(i, logp)
-    return out
