@@ -280,8 +280,8 @@ def test_max_rows_bounds_a_continuous_decode(lm, solo, monkeypatch):
 
 
 def test_a_call_cancelled_while_waiting_to_join_never_decodes(lm, solo, monkeypatch):
-    from tokrag_integrations.streams import _Cancelled
     from tokrag_integrations.batching import MicroBatcher
+    from tokrag_integrations.streams import _Cancelled
 
     b = MicroBatcher(lm)
     _hold_first_step_until(monkeypatch, lambda: sum(len(r.queue) for r in b._running.values()) == 1)

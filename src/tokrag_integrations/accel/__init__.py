@@ -18,17 +18,15 @@ The functions here import their module on first use, so that importing
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from ..engine.batch import RoleBatch
-    from ..engine.loop import StepEvent
     from ..engine.prefill import Prefilled
     from ..engine.speed import Speed
     from ..models import LoadedModel
     from ..policies.base import ContextSpec
-    from ..prompts import PromptPlan
 
 
 def install_kernels(model: Any, mode: str | None = None) -> bool:

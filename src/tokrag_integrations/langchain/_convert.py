@@ -17,10 +17,10 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import UsageMetadata
 
-from ..results import GenerationResult
 from ..models import LoadedModel
 from ..policies import get_policy
 from ..prompts import Passage, RenderedPrompt
+from ..results import GenerationResult
 from ..trace import Trace
 
 #: The core's stop reasons mapped onto LangChain's usual ``finish_reason`` values.

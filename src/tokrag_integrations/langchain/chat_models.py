@@ -18,10 +18,10 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, field_validator, model_validator
 
 from .. import batching
-from ..results import GenerationResult, TokenEvent
 from ..defaults import MAX_NEW_TOKENS
 from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
 from ..policies import checked_policy_options, get_policy
+from ..results import GenerationResult, TokenEvent
 from ._convert import (
     final_metadata,
     messages_to_prompt,

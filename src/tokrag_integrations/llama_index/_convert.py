@@ -9,9 +9,9 @@ from typing import Any
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
-from ..results import GenerationResult
 from ..policies import get_policy
 from ..prompts import Passage
+from ..results import GenerationResult
 
 #: LlamaIndex chat roles mapped onto the three roles a chat template knows.
 _ROLE_MAP = {

@@ -17,9 +17,9 @@ from typing import Any
 
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
-from ..results import GenerationResult
 from ..models import LoadedModel
 from ..prompts import MIN_CUT_TOKENS, Passage, PromptBuilder, PromptPlan
+from ..results import GenerationResult
 from ._convert import call_summary, node_to_passage, order_nodes, response_metadata
 
 _GATE_SKIP = "the gate decided not to use retrieval"

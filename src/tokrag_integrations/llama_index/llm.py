@@ -27,10 +27,10 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 from pydantic import StrictBool
 
 from .. import batching
-from ..results import GenerationResult, TokenEvent
 from ..defaults import MAX_NEW_TOKENS
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
 from ..prompts import RenderedPrompt
+from ..results import GenerationResult, TokenEvent
 from ._convert import jsonable, messages_to_dicts, messages_to_turns, result_kwargs, to_passages
 
 #: Template variables that carry retrieved text in LlamaIndex's prompts (text QA, summary

@@ -32,12 +32,12 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, Te
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from .. import batching as _batching
-from ..results import GenerationResult
 from ..booleans import require_bool
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy
 from ..policies import checked_policy_options, get_policy
 from ..policies.base import Policy
+from ..results import GenerationResult
 from ._call_events import _CallEvents
 from ._convert import jsonable
 from ._modes import EXISTING_ANSWER_PREFIX, _Session, _Setup
