@@ -3,7 +3,8 @@
 package root exports them; the framework adapters and the server call them). Every decode
 runs the engine's step loop (:class:`.engine.decoder.Decoder`).
 
-``batching=True`` (the default): the first call with a given set of settings (policy, its
+``batching=True`` (what the framework adapters and the server use): the first call with a
+given set of settings (policy, its
 options, speed, max_new_tokens, stop, system prompt, budget) waits ``wait_s`` for companions,
 then decodes them together in a thread of its own; until that decode ends, a call with the
 same settings joins it at the next step boundary (iteration-level scheduling, Orca, OSDI
@@ -12,8 +13,9 @@ per Tok-RAG query) and ``max_positions`` (rows times key/value positions) bound 
 call that does not fit waits; ``max_prefill_tokens`` bounds what one step boundary prefills.
 Every call gets the tokens and decisions it gets alone (tests/integration/test_batching.py);
 a bad input fails its own call, at the call site. A sequence-level rule cannot take queries
-mid-decode: its calls are decoded batch by batch. ``batching=False`` (and
-:func:`generate_batch`): the given queries decoded alone, in the calling thread.
+mid-decode: its calls are decoded batch by batch. ``batching=False`` (the default, and
+:func:`generate_batch`): the given queries decoded alone, in the calling thread, holding
+``lm.lock`` (one decode at a time per model; other threads wait).
 """
 
 from __future__ import annotations
@@ -769,7 +771,7 @@ def generate(
     max_context_tokens: int | None = None,
     prompt_format: str = "qa",
     rendered: RenderedPrompt | None = None,
-    batching: bool = True,
+    batching: bool = False,
 ) -> GenerationResult:
     """Answer ``query`` with ``passages`` (ranked, best first) under a decoding ``policy``.
 
@@ -793,8 +795,8 @@ def generate(
         rendered: a ``RenderedPrompt`` instead of ``passages``: the RAG context is the
             caller's own formatted prompt and its retrieved tokens are where its context
             variable landed (the framework adapters' path; see ``PromptBuilder.build_rendered``).
-        batching: decode together with concurrent calls on ``lm`` (the module docstring);
-            False: alone, in the calling thread, holding ``lm.lock``.
+        batching: True: decode together with concurrent calls on ``lm`` (the module
+            docstring); False (default): alone, in the calling thread, holding ``lm.lock``.
 
     Raises:
         TypeError / ValueError: a bad argument (checked before anything is decoded).
@@ -836,7 +838,7 @@ def stream(
     passages: Sequence[Any] | None = None,
     *,
     idle_timeout: float | None = None,
-    batching: bool = True,
+    batching: bool = False,
     **kwargs: Any,
 ) -> TokenStream:
     """Like :func:`generate` (the same keyword arguments) but yields a :class:`TokenEvent`
@@ -915,7 +917,7 @@ def generate_batch(
 
 
 async def agenerate(
-    lm: LoadedModel, query: str, passages: Sequence[Any] | None = None, *, batching: bool = True, **kwargs: Any
+    lm: LoadedModel, query: str, passages: Sequence[Any] | None = None, *, batching: bool = False, **kwargs: Any
 ) -> GenerationResult:
     """Async :func:`generate`: the model runs in a worker thread, never on the event loop.
 

@@ -77,7 +77,8 @@ def test_threads_with_mixed_policies_each_get_their_solo_answer(lm, solo):
 
     def call(i: int) -> dict[str, Any]:
         q, p, o, n, streamed = REQUESTS[i]
-        kw = {"policy": p, "policy_options": o, "max_new_tokens": n, "stop": list(ANSWER_STOP)}
+        kw = {"policy": p, "policy_options": o, "max_new_tokens": n, "stop": list(ANSWER_STOP),
+              "batching": True}
         start.wait()
         if not streamed:
             return _of_result(batching.generate(lm, q, DOCS, **kw))
