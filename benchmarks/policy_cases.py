@@ -47,7 +47,7 @@ COLUMNS = {
         {"function_word_gate": False, "verdict_gate": None, "rising_gate": False, "punctuation_gate": False, "threshold": 0.0, "pr_skip": None, "min_fusion_layer": 0,
          "plausibility_alpha": None, "lens_norm": False},
     ),
-    '`tokrag variant="reference"`': ("tokrag", {"variant": "reference"}),
+    '`tokrag_reference`': ("tokrag_reference", {}),
 }
 
 
@@ -63,7 +63,7 @@ def main() -> None:
     for kind, question, passage in CASES:
         cells = []
         for policy, opts in COLUMNS.values():
-            r = generate(lm, question, [passage], policy=policy, max_new_tokens=args.max_new_tokens, **opts)
+            r = generate(lm, question, [passage], policy=policy, max_new_tokens=args.max_new_tokens, policy_options=opts)
             text = r.text.strip().replace("|", "\\|").replace("\n", " ")
             if policy == "tokrag":
                 counts = ", ".join(f"{k} {v}" for k, v in r.trace.counts().items() if v)

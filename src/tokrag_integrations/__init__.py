@@ -14,33 +14,41 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "load_model": "models",
-    "LoadedModel": "models",
-    "generate": "api",
-    "stream": "api",
-    "generate_batch": "api",
-    "agenerate": "api",
-    "astream": "api",
-    "astream_with_result": "api",
-    "GenerationResult": "api",
-    "TokenEvent": "api",
-    "Passage": "prompts",
-    "PromptBuilder": "prompts",
-    "RenderedPrompt": "prompts",
-    "Trace": "trace",
-    "TraceStep": "trace",
-    "get_policy": "policies",
-    "available_policies": "policies",
-}
-
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "GenerationResult",
+    "LoadedModel",
+    "Passage",
+    "PromptBuilder",
+    "RenderedPrompt",
+    "TokenEvent",
+    "Trace",
+    "TraceStep",
+    "agenerate",
+    "astream",
+    "astream_with_result",
+    "available_policies",
+    "generate",
+    "generate_batch",
+    "get_policy",
+    "load_model",
+    "stream",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        import importlib
-
-        mod = importlib.import_module(f".{_EXPORTS[name]}", __name__)
-        return getattr(mod, name)
-    raise AttributeError(f"module 'tokrag_integrations' has no attribute {name!r}")
+    """The exports, imported on first use (importing the package loads no torch)."""
+    if name in ("load_model", "LoadedModel"):
+        from . import models as module
+    elif name in ("generate", "stream", "generate_batch", "agenerate", "astream", "astream_with_result"):
+        from . import batching as module
+    elif name in ("GenerationResult", "TokenEvent"):
+        from . import results as module
+    elif name in ("Passage", "PromptBuilder", "RenderedPrompt"):
+        from . import prompts as module
+    elif name in ("Trace", "TraceStep"):
+        from . import trace as module
+    elif name in ("get_policy", "available_policies"):
+        from . import policies as module
+    else:
+        raise AttributeError(f"module 'tokrag_integrations' has no attribute {name!r}")
+    return getattr(module, name)

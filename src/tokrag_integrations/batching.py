@@ -1,51 +1,61 @@
-"""Micro-batching of concurrent calls, continuous: calls share one decode, and a call that
-arrives while a decode runs joins it at the next step.
+"""The one scheduler, and the entry points that use it: :func:`generate`, :func:`stream`,
+:func:`generate_batch`, :func:`agenerate`, :func:`astream`, :func:`astream_with_result` (the
+package root exports them; the framework adapters and the server call them). Every decode
+runs the engine's step loop (:class:`.engine.decoder.Decoder`).
 
-The framework adapters answer concurrent calls (LangChain ``batch``/``abatch``, LlamaIndex
-``asyncio.gather`` over ``acomplete``, the HTTP server) through :func:`generate`. The first
-call with a given set of decoding settings waits ``wait_s`` for others with the same
-settings, then decodes all of them together (one forward pass per step for all their
-contexts), in a thread of its own. Until that decode ends, a call with the same settings joins it at the next step
-boundary (Orca's iteration-level scheduling, Yu et al., OSDI 2022): it is prefilled on its
-own and its rows are merged into the running batch (:class:`.engine.decoder.Decoder`). A
-finished call leaves at once and returns its result, the first call included; the others
-go on. ``max_rows`` (context
-rows: two per Tok-RAG query, one per RAG query) and ``max_positions`` (rows times key/value
-positions the merged batch can reach) bound the memory: a call that does not fit waits for
-rows to free up; ``max_prefill_tokens`` (no bound by default) what is prefilled at one step
-boundary, so that a burst of calls joins over several steps. Calls with different settings (policy, its options, max_new_tokens, stop,
-system prompt, budget) never share a decode. A stream (:meth:`MicroBatcher.stream`) joins
-like any call, its tokens handed on as they are chosen. Every call gets the
-tokens and decisions it gets alone (tests/integration/test_batching.py checks it on the
-packaged model).
-
-A call whose input is bad gets its error; the others are not affected. Rules that cannot
-take queries mid-decode (sequence-level rules, blockwise verification) decode the calls
-collected together as one batch; calls arriving meanwhile form the next one.
+``batching=True`` (what the framework adapters and the server use): the first call with a
+given set of settings (policy, its
+options, speed, max_new_tokens, stop, system prompt, budget) waits ``wait_s`` for companions,
+then decodes them together in a thread of its own; until that decode ends, a call with the
+same settings joins it at the next step boundary (iteration-level scheduling, Orca, OSDI
+2022), and a finished call leaves at once with its result. ``max_rows`` (context rows: two
+per Tok-RAG query) and ``max_positions`` (rows times key/value positions) bound the memory, a
+call that does not fit waits; ``max_prefill_tokens`` bounds what one step boundary prefills.
+Every call gets the tokens and decisions it gets alone (tests/integration/test_batching.py);
+a bad input fails its own call, at the call site. A sequence-level rule cannot take queries
+mid-decode: its calls are decoded batch by batch. ``batching=False`` (the default, and
+:func:`generate_batch`): the given queries decoded alone, in the calling thread, holding
+``lm.lock`` (one decode at a time per model; other threads wait).
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import functools
 import queue
 import threading
 import time
+import warnings
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import api
-from .api import GenerationResult
 from .config import require_bool
 from .defaults import MAX_NEW_TOKENS
-from .engine.decoder import Decoder
+from .engine.decoder import Decoder, StepEvent
+from .engine.loop import decode_loop
+from .engine.speed import Speed, speed_of
+from .inputs import _DEFAULT, _check_inputs, _check_query, _plans
 from .models import LoadedModel
-from .policies import get_policy
-from .results import TokenEvent
-from .runner import continuous_supported, decoder
-from .streams import TokenStream
+from .policies import get_policy, uses_passages
+from .policies.base import Policy, SequencePolicy
+from .prompts import PromptPlan, RenderedPrompt
+from .results import GenerationResult, TokenEvent, _stop_list, _TextTracker
+from .streams import _END, TokenStream, _acquire, _Cancelled, idle_timeout_from, run_cancellable
+from .trace import Trace
+
+__all__ = [
+    "MicroBatcher",
+    "agenerate",
+    "astream",
+    "astream_with_result",
+    "batcher_for",
+    "generate",
+    "generate_batch",
+    "stream",
+]
 
 #: Default wait for companions (seconds) and largest batch of a rule decoded batch by batch.
 WAIT_S = 0.01
@@ -77,6 +87,185 @@ _SETTINGS = (
 )
 
 
+def _speed_paths_off(lm: LoadedModel) -> dict[str, Any]:
+    """``{"speed_paths_off": {path: reason}}`` for the trace options where some speed path is
+    off on this model (non-CPU device, non-float32 dtype, architecture outside the tested
+    matrix, ``cpu_kernels='off'``), else nothing."""
+    from .accel import speed_paths
+
+    # "on" may carry what was measured ("on (...)"): only the paths that are off count.
+    off = {k: v.removeprefix("off: ") for k, v in speed_paths(lm.model).items() if v.startswith("off")}
+    return {"speed_paths_off": off} if off else {}
+
+
+@dataclass
+class _Prepared:
+    """A decode ready to run: the policies by group (``main``, and ``llm`` for queries
+    without usable passages), the groups' query indices, and per query its prompt plan,
+    trace and text tracker."""
+
+    policies: dict[str, Policy]
+    groups: dict[str, list[int]]
+    plans: list[PromptPlan]
+    traces: list[Trace]
+    trackers: list[_TextTracker]
+    stops: list[str]
+    speed: Speed
+
+
+def _record_event(trace: Trace, tracker: _TextTracker, ev: StepEvent) -> str | None:
+    """Add a decode event to its query's trace and text; returns the new text (None or ``""``
+    where there is none: an EOS adds no step)."""
+    is_eos = ev.stop_reason == "eos"
+    if not is_eos:
+        trace.steps.append(ev.step)
+    delta = tracker.push(None if is_eos else ev.step.token_id, ev.finished)
+    if ev.finished:
+        trace.stop_reason = ev.stop_reason
+    return delta
+
+
+def _result(trace: Trace, tracker: _TextTracker) -> GenerationResult:
+    """The finished query's result (its text, trace and token ids)."""
+    trace.text = tracker.final if tracker.final is not None else tracker.text()
+    return GenerationResult(text=trace.text, trace=trace, token_ids=list(tracker.ids))
+
+
+def _prepare(
+    lm: LoadedModel,
+    queries: Sequence[str],
+    passages: Sequence[Sequence[Any] | None],
+    *,
+    policy: str | Policy,
+    max_new_tokens: int,
+    stop: str | Sequence[str] | None,
+    messages: Sequence[list[dict[str, str]] | None] | None,
+    system_prompt: Any,
+    max_context_tokens: int | None,
+    rendered: Sequence[RenderedPrompt | None] | None = None,
+    policy_options: Mapping[str, Any] | None = None,
+    speed: Speed | str | Mapping[str, Any] | None = None,
+    prompt_format: str = "qa",
+) -> _Prepared:
+    """Validate everything and build the prompts, traces and text trackers of a decode
+    (``queries`` may be empty: then ``plans`` is empty too).
+
+    Raises:
+        TypeError / ValueError: a bad argument, before anything is decoded.
+    """
+    if not isinstance(lm, LoadedModel):
+        raise TypeError("the first argument must be a LoadedModel from tokrag_integrations.load_model()")
+    if isinstance(queries, str):
+        raise TypeError("queries must be a list of strings")
+    if len(queries) != len(passages):
+        raise ValueError(f"got {len(queries)} queries but {len(passages)} passage lists")
+    queries = [_check_query(q, i if len(queries) > 1 else None) for i, q in enumerate(queries)]
+    _check_inputs(queries, passages, rendered, max_new_tokens, max_context_tokens)
+    if not queries:
+        return _Prepared({}, {}, [], [], [], [], speed_of(speed))
+    if policy_options is not None and not isinstance(policy_options, Mapping):
+        raise TypeError(
+            f"policy_options must be a dict of option names to values, got {type(policy_options).__name__}"
+        )
+    pol = get_policy(policy, **dict(policy_options or {}))
+    chosen_speed = speed_of(speed)
+    stops = _stop_list(stop)
+    plans = _plans(
+        lm,
+        queries,
+        passages,
+        max_new_tokens=max_new_tokens,
+        messages=messages,
+        system_prompt=system_prompt,
+        max_context_tokens=max_context_tokens,
+        prompt_format=prompt_format,
+        rendered=rendered,
+    )
+    # Queries without usable passages are answered from the pure context (and say so).
+    groups: dict[str, list[int]] = {}
+    llm_pol = get_policy("llm")
+    for i, p in enumerate(plans):
+        fallback = uses_passages(pol) and not p.has_passages
+        if fallback:
+            msg = f"query {i}: no usable passages, answered from the pure context (policy 'llm' instead of {pol.name!r})"
+            p.warnings.append(msg)
+            if passages[i]:
+                warnings.warn(msg, stacklevel=5)
+        groups.setdefault("llm" if fallback else "main", []).append(i)
+
+    traces = [
+        Trace(
+            query=queries[i],
+            policy=pol.name,
+            model=lm.name,
+            options={**pol.options(), **chosen_speed.options(), **_speed_paths_off(lm)},
+            passages=plans[i].passages,
+            warnings=list(plans[i].warnings),
+            prompt_tokens={"pure": len(plans[i].pure_ids), "rag": len(plans[i].rag_ids) if plans[i].has_passages else 0},
+        )
+        for i in range(len(queries))
+    ]
+    trackers = [_TextTracker(lm.tokenizer, stops) for _ in queries]
+
+    return _Prepared(
+        {"main": pol, "llm": llm_pol}, groups, plans, traces, trackers, stops, chosen_speed
+    )
+
+
+def _run(
+    lm: LoadedModel,
+    queries: Sequence[str],
+    passages: Sequence[Sequence[Any] | None],
+    *,
+    holder: list[GenerationResult],
+    cancel: threading.Event | None = None,
+    **kwargs: Any,
+) -> Iterator[TokenEvent]:
+    """Validate everything, build the prompts (:func:`_prepare`, which takes the other
+    keyword arguments), and return the (not yet started) decode (:func:`_events`): it takes
+    ``lm.lock`` on its first step and releases it when it ends or is closed; with ``cancel``
+    it stops (``_Cancelled``) at the first step after ``cancel`` is set."""
+    p = _prepare(lm, queries, passages, **kwargs)
+    if not p.plans:
+        return iter(())
+    return _events(lm, p, holder, max_new_tokens=kwargs["max_new_tokens"], cancel=cancel)
+
+
+def _events(
+    lm: LoadedModel, p: _Prepared, holder: list[GenerationResult], *, max_new_tokens: int,
+    cancel: threading.Event | None,
+) -> Iterator[TokenEvent]:
+    """Decode the prepared queries ``p`` to the end, under ``lm.lock`` (taken on the first
+    ``next()``, so that an unread stream never blocks other users of the model): each group of
+    queries under its policy, one :class:`TokenEvent` per chosen token; at the end, one
+    :class:`GenerationResult` per query appended to ``holder``."""
+    _acquire(lm.lock, cancel)
+    try:
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled
+        for group, idx in p.groups.items():
+            timings: dict[str, float] = {}
+            t0 = time.perf_counter()
+            events = decode_loop(
+                lm, [p.plans[i] for i in idx], p.policies[group], max_new_tokens=max_new_tokens,
+                stop=p.stops, timings=timings, speed=p.speed,
+            )
+            for ev in events:
+                q = idx[ev.query_idx]
+                delta = _record_event(p.traces[q], p.trackers[q], ev)
+                if ev.stop_reason != "eos" or delta:
+                    yield TokenEvent(q, ev.step.index, ev.step.token_id, delta, ev.step.source, ev.step)
+                if cancel is not None and cancel.is_set():
+                    raise _Cancelled
+            total = time.perf_counter() - t0
+            for i in idx:
+                p.traces[i].timings = {**timings, "total_s": total, "queries_in_batch": float(len(idx))}
+    finally:
+        lm.lock.release()
+    for q, tr in enumerate(p.traces):
+        holder.append(_result(tr, p.trackers[q]))
+
+
 @dataclass
 class _Request:
     query: str
@@ -87,7 +276,7 @@ class _Request:
     cancel: threading.Event = field(default_factory=threading.Event)
     result: GenerationResult | None = None
     error: BaseException | None = None
-    #: The continuous decode's preparation of this call (``api._Prepared``), and the context
+    #: The continuous decode's preparation of this call (:class:`_Prepared`), and the context
     #: rows and longest row it needs (computed once, checked at every step it waits).
     prepared: Any = None
     need: tuple[int, int, int] | None = None
@@ -156,13 +345,17 @@ class MicroBatcher:
     def generate(
         self, query: str, passages: Any = None, *, _cancel: threading.Event | None = None, **kwargs: Any
     ) -> GenerationResult:
-        """Like :func:`api.generate`, decoded together with concurrent compatible calls."""
+        """:func:`generate` decoded together with concurrent compatible calls (its input
+        checked here, at the call site)."""
         key = self._key(kwargs)
         if key is None:
-            return api._generate(self.lm, query, passages, cancel=_cancel, **kwargs)
+            return _generate(self.lm, query, passages, cancel=_cancel, **kwargs)
         req = _Request(query, passages, kwargs.get("messages"), kwargs.get("rendered"))
         if _cancel is not None:
             req.cancel = _cancel
+        settings = {k: v for k, v in kwargs.items() if k not in _PER_CALL}
+        if self.continuous and _continuous_ok(settings):
+            req.prepared = _prepare(self.lm, [query], [passages], **_api_kwargs(settings, [req]))
         self._submit(key, req, kwargs)
         req.done.wait()
         if req.error is not None:
@@ -172,22 +365,20 @@ class MicroBatcher:
 
     def stream(self, query: str, passages: Any = None, *, idle_timeout: float | None = None,
                **kwargs: Any) -> TokenStream:
-        """Like :func:`api.stream` (the same arguments and errors, raised here), but the
+        """Like :func:`stream` alone (the same arguments and errors, raised here), but the
         stream's query joins the continuous decode of concurrent calls with the same
         settings, plain calls and streams alike. Its events are queued as the shared decode
         chooses them, so a slow reader never holds the others back; a stream closed or
         abandoned (``idle_timeout``) leaves the decode at its next step. Where the rule
-        cannot decode continuously, or batching is off, it is :func:`api.stream`."""
+        cannot decode continuously, or batching is off, it is decoded alone."""
         key = self._key(kwargs)
         settings = {k: v for k, v in kwargs.items() if k not in _PER_CALL}
         if key is None or not self.continuous or not _continuous_ok(settings):
-            return api.stream(self.lm, query, passages, idle_timeout=idle_timeout, **kwargs)
+            return stream(self.lm, query, passages, idle_timeout=idle_timeout, batching=False, **kwargs)
         req = _Request(query, passages, kwargs.get("messages"), kwargs.get("rendered"),
                        events=queue.SimpleQueue())
         # Validated and prompted here, so that a bad input fails at the call site.
-        req.prepared = api._prepare(
-            self.lm, [query], [passages], caller="stream", **_api_kwargs(settings, [req])
-        )
+        req.prepared = _prepare(self.lm, [query], [passages], **_api_kwargs(settings, [req]))
         holder: list[GenerationResult] = []
         return TokenStream(self._stream_events(key, req, kwargs, holder), holder, stop=req.cancel,
                            idle_timeout=idle_timeout, model_lock=self.lm.lock)
@@ -303,7 +494,7 @@ class MicroBatcher:
     def _decode(self, reqs: list[_Request], settings: dict[str, Any]) -> None:
         for r in reqs:
             if r.cancel.is_set():  # cancelled while waiting for its batch: never decoded
-                r.error = api._Cancelled()
+                r.error = _Cancelled()
                 r.done.set()
         reqs = [r for r in reqs if not r.done.is_set()]
         if len(reqs) > 1:
@@ -321,7 +512,7 @@ class MicroBatcher:
                 return
         for r in reqs:
             try:
-                r.result = api._generate(
+                r.result = _generate(
                     self.lm, r.query, r.passages, messages=r.messages, rendered=r.rendered,
                     cancel=r.cancel, **settings,
                 )
@@ -331,14 +522,14 @@ class MicroBatcher:
 
 
 def _continuous_ok(settings: dict[str, Any]) -> bool:
-    """Whether calls with ``settings`` can join a running decode: a step-by-step rule
-    (:func:`.runner.continuous_supported`) given its options the current way."""
-    if any(k not in _SETTINGS for k in settings):  # deprecated **options: batch by batch
+    """Whether calls with ``settings`` can join a running decode: a step-by-step rule (not
+    a :class:`.policies.base.SequencePolicy`) and settings that are all known."""
+    if any(k not in _SETTINGS for k in settings):  # an unknown keyword: each call gets its error
         return False
     try:
         pol = get_policy(settings.get("policy", "tokrag"), **dict(settings.get("policy_options") or {}))
-        return continuous_supported(pol, settings.get("speed"))
-    except Exception:  # noqa: BLE001 - a bad setting: each call gets its error the old way
+        return not isinstance(pol, SequencePolicy)
+    except Exception:  # noqa: BLE001 - a bad setting: each call gets its error at its call
         return False
 
 
@@ -360,9 +551,7 @@ class _Continuous:
         self.served = 0
 
     def _prepare(self, r: _Request) -> Any:
-        return api._prepare(
-            self.b.lm, [r.query], [r.passages], caller="generate", **_api_kwargs(self.settings, [r])
-        )
+        return _prepare(self.b.lm, [r.query], [r.passages], **_api_kwargs(self.settings, [r]))
 
     def _rows(self) -> tuple[int, int]:
         """Context rows held and the longest row, over every group's decoder."""
@@ -385,7 +574,7 @@ class _Continuous:
                 waiting.append(r)
                 continue
             if r.cancel.is_set():
-                r.error = api._Cancelled()
+                r.error = _Cancelled()
                 r.done.set()
                 continue
             try:
@@ -432,7 +621,7 @@ class _Continuous:
         (group,) = p.groups
         d = self.decoders.get(group)
         if d is None:
-            d = self.decoders[group] = decoder(
+            d = self.decoders[group] = Decoder(
                 self.b.lm, p.policies[group], max_new_tokens=self.max_new_tokens, stop=p.stops, speed=p.speed
             )
             self.owners[group] = {}
@@ -466,20 +655,20 @@ class _Continuous:
                 r = owners[q][0]
                 if r.cancel.is_set():  # leaves the batch; the others go on
                     d.cancel(q)
-                    r.error = api._Cancelled()
+                    r.error = _Cancelled()
                     r.done.set()
             if not d.active:
                 continue
             for ev in d.choose():
                 r, trace, tracker, t, t0, t1 = owners[ev.query_idx]
                 t["queries_in_batch"] = max(t["queries_in_batch"], float(n_active))
-                delta = api._record_event(trace, tracker, ev)
+                delta = _record_event(trace, tracker, ev)
                 if r.events is not None and (ev.stop_reason != "eos" or delta):
                     r.events.put(TokenEvent(0, ev.step.index, ev.step.token_id, delta, ev.step.source, ev.step))
                 if ev.finished:
                     end = time.perf_counter()
                     trace.timings = {**t, "decode_s": end - t1, "total_s": end - t0}
-                    r.result = api._result(trace, tracker)
+                    r.result = _result(trace, tracker)
                     r.done.set()
                     if r.events is not None:
                         r.events.put(None)
@@ -498,7 +687,7 @@ class _Continuous:
 
     def run(self) -> None:
         lm = self.b.lm
-        api._acquire(lm.lock, None)
+        _acquire(lm.lock, None)
         try:
             while True:
                 self._admit()
@@ -511,9 +700,8 @@ class _Continuous:
 
 
 def _api_kwargs(settings: dict[str, Any], reqs: list[_Request]) -> dict[str, Any]:
-    """The keywords of :func:`api._prepare` / :func:`api._run` for ``reqs`` decoded under
-    ``settings`` (the entry point's defaults where a setting was not given; settings that
-    are not in :data:`_SETTINGS` are the deprecated policy ``**options``)."""
+    """The keywords of :func:`_prepare` / :func:`_run` for ``reqs`` decoded under
+    ``settings`` (the entry point's defaults where a setting was not given)."""
     messages = [r.messages for r in reqs]
     rendered = [r.rendered for r in reqs]
     return {
@@ -524,16 +712,15 @@ def _api_kwargs(settings: dict[str, Any], reqs: list[_Request]) -> dict[str, Any
         "max_new_tokens": settings.get("max_new_tokens", MAX_NEW_TOKENS),
         "stop": settings.get("stop"),
         "messages": messages if any(messages) else None,
-        "system_prompt": settings.get("system_prompt", api._DEFAULT),
+        "system_prompt": settings.get("system_prompt", _DEFAULT),
         "max_context_tokens": settings.get("max_context_tokens"),
-        "options": {k: v for k, v in settings.items() if k not in _SETTINGS},
         "rendered": rendered if any(r is not None for r in rendered) else None,
     }
 
 
 def _decode_batch(lm: LoadedModel, reqs: list[_Request], settings: dict[str, Any]) -> list[GenerationResult]:
     holder: list[GenerationResult] = []
-    for _ in api._run(
+    for _ in _run(
         lm, [r.query for r in reqs], [r.passages for r in reqs], holder=holder, **_api_kwargs(settings, reqs)
     ):
         pass
@@ -558,6 +745,8 @@ def _join_decodes_at_exit() -> None:
 
 def batcher_for(lm: LoadedModel) -> MicroBatcher:
     """The model's shared batcher (one per loaded model, kept on the model handle)."""
+    if not isinstance(lm, LoadedModel):
+        raise TypeError("the first argument must be a LoadedModel from tokrag_integrations.load_model()")
     with _BATCHERS_LOCK:
         b = lm.__dict__.get("_micro_batcher")
         if b is None:
@@ -565,42 +754,221 @@ def batcher_for(lm: LoadedModel) -> MicroBatcher:
         return b
 
 
+
+# ---------------------------------------------------------------------- entry points
 def generate(
-    lm: LoadedModel, query: str, passages: Any = None, *, batching: bool = True, **kwargs: Any
+    lm: LoadedModel,
+    query: str,
+    passages: Sequence[Any] | None = None,
+    *,
+    policy: str | Policy = "tokrag",
+    policy_options: Mapping[str, Any] | None = None,
+    speed: Speed | str | Mapping[str, Any] | None = None,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    stop: str | Sequence[str] | None = None,
+    messages: list[dict[str, str]] | None = None,
+    system_prompt: Any = _DEFAULT,
+    max_context_tokens: int | None = None,
+    prompt_format: str = "qa",
+    rendered: RenderedPrompt | None = None,
+    batching: bool = False,
 ) -> GenerationResult:
-    """:func:`api.generate`, micro-batched with concurrent calls on ``lm`` unless
-    ``batching=False``."""
+    """Answer ``query`` with ``passages`` (ranked, best first) under a decoding ``policy``.
+
+    Args:
+        lm: from :func:`tokrag_integrations.load_model`.
+        query: the question (the content of the final user turn).
+        passages: a list of strings, :class:`Passage` objects or (text, score) pairs; empty
+            or None answers from the pure context and records that in the trace.
+        policy: ``"tokrag"`` (default), ``"rag"``, ``"llm"``... or a Policy instance.
+        policy_options: the policy's options (e.g. ``{"pr_norm": "softmax"}``), checked by
+            :func:`.policies.get_policy`.
+        speed: how fast, never what is decided: a :class:`.engine.speed.Speed`, a preset
+            (``"auto"``, the default; ``"reference"``, the step-by-step loop as written) or a
+            dict of its fields (``{"fuse": False}``).
+        max_new_tokens / stop: stopping rules (EOS always stops).
+        messages: earlier chat turns (role/content dicts) placed before the question.
+        system_prompt: override the builder's default system prompt (None = no system turn).
+        max_context_tokens: a tighter context budget than the model's window.
+        prompt_format: ``"chat"``/``"text"`` (without passages: the query as the raw user
+            turn or the exact prompt, no default system prompt; see ``PromptBuilder.build``).
+        rendered: a ``RenderedPrompt`` instead of ``passages``: the RAG context is the
+            caller's own formatted prompt and its retrieved tokens are where its context
+            variable landed (the framework adapters' path; see ``PromptBuilder.build_rendered``).
+        batching: True: decode together with concurrent calls on ``lm`` (the module
+            docstring); False (default): alone, in the calling thread, holding ``lm.lock``.
+
+    Raises:
+        TypeError / ValueError: a bad argument (checked before anything is decoded).
+    """
+    kwargs = dict(
+        policy=policy, policy_options=policy_options, speed=speed, max_new_tokens=max_new_tokens,
+        stop=stop, messages=messages, system_prompt=system_prompt,
+        max_context_tokens=max_context_tokens, prompt_format=prompt_format, rendered=rendered,
+    )
     if not require_bool(batching, "batching"):
-        return api.generate(lm, query, passages, **kwargs)
+        return _generate(lm, query, passages, **kwargs)
     return batcher_for(lm).generate(query, passages, **kwargs)
 
 
+def _generate(
+    lm: LoadedModel,
+    query: str,
+    passages: Sequence[Any] | None = None,
+    *,
+    messages: list[dict[str, str]] | None = None,
+    rendered: RenderedPrompt | None = None,
+    cancel: threading.Event | None = None,
+    **kwargs: Any,
+) -> GenerationResult:
+    """One call decoded alone (the other keywords: :func:`_prepare`'s, with their defaults
+    from :func:`_api_kwargs`)."""
+    _check_keywords(kwargs)
+    holder: list[GenerationResult] = []
+    settings = _api_kwargs(kwargs, [])
+    settings.update(messages=[messages] if messages else None, rendered=None if rendered is None else [rendered])
+    for _ in _run(lm, [query], [passages], holder=holder, cancel=cancel, **settings):
+        pass
+    return holder[0]
+
+
 def stream(
-    lm: LoadedModel, query: str, passages: Any = None, *, batching: bool = True, **kwargs: Any
+    lm: LoadedModel,
+    query: str,
+    passages: Sequence[Any] | None = None,
+    *,
+    idle_timeout: float | None = None,
+    batching: bool = False,
+    **kwargs: Any,
 ) -> TokenStream:
-    """:func:`api.stream`, its query decoded in the continuous decode of concurrent calls on
-    ``lm`` (:meth:`MicroBatcher.stream`) unless ``batching=False``."""
-    if not require_bool(batching, "batching"):
-        return api.stream(lm, query, passages, **kwargs)
-    return batcher_for(lm).stream(query, passages, **kwargs)
+    """Like :func:`generate` (the same keyword arguments) but yields a :class:`TokenEvent`
+    per chosen token as it is chosen.
+
+    Validation (empty query, unknown policy, bad arguments, prompt too long) happens here,
+    before the first token, so errors surface at the call site.
+
+    The returned :class:`TokenStream` may be read from any thread. It holds the model from its
+    first ``next()`` until it is exhausted, closed, garbage collected or abandoned: once
+    started, a stream nobody reads for ``idle_timeout`` seconds (default
+    ``$TOKRAG_STREAM_IDLE_TIMEOUT`` or 30) is closed to free the model, and reading it again
+    raises :class:`StreamAbandoned`. Use ``with stream(...) as s:`` or ``s.close()`` to stop
+    early.
+    """
+    timeout = idle_timeout_from(idle_timeout)
+    if require_bool(batching, "batching"):
+        return batcher_for(lm).stream(query, passages, idle_timeout=timeout, **kwargs)
+    _check_keywords(kwargs)
+    holder: list[GenerationResult] = []
+    stop_event = threading.Event()
+    settings = _api_kwargs(kwargs, [])
+    messages, rendered = kwargs.get("messages"), kwargs.get("rendered")
+    settings.update(messages=[messages] if messages else None, rendered=None if rendered is None else [rendered])
+    gen = _run(lm, [query], [passages], holder=holder, cancel=stop_event, **settings)
+    return TokenStream(gen, holder, stop=stop_event, idle_timeout=timeout, model_lock=lm.lock)
 
 
-async def astream_with_result(
-    lm: LoadedModel, query: str, passages: Any = None, *, batching: bool = True, **kwargs: Any
-) -> AsyncIterator[TokenEvent | GenerationResult]:
-    """:func:`api.astream_with_result` over :func:`stream`: every event, then the result."""
-    require_bool(batching, "batching")
-    async for item in api._aiterate(functools.partial(stream, lm, query, passages, batching=batching, **kwargs)):
-        yield item
+def _check_keywords(kwargs: Mapping[str, Any]) -> None:
+    """Refuse a keyword no entry point takes (the message names the known ones)."""
+    unknown = sorted(set(kwargs) - set(_SETTINGS) - set(_PER_CALL))
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument {unknown[0]!r}; policy options go in "
+            f"policy_options={{...}}; keywords: {', '.join(_SETTINGS + _PER_CALL)}"
+        )
+
+
+def generate_batch(
+    lm: LoadedModel,
+    queries: Sequence[str],
+    passages: Sequence[Sequence[Any] | None] | None = None,
+    *,
+    policy: str | Policy = "tokrag",
+    policy_options: Mapping[str, Any] | None = None,
+    speed: Speed | str | Mapping[str, Any] | None = None,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    stop: str | Sequence[str] | None = None,
+    max_context_tokens: int | None = None,
+    system_prompt: Any = _DEFAULT,
+    prompt_format: str = "qa",
+) -> list[GenerationResult]:
+    """Decode several queries as one batch (one forward pass per context role per step),
+    in the calling thread; the arguments are those of :func:`generate`.
+
+    ``queries`` is a list of strings and ``passages`` (if given) one list of passages per
+    query; a single string for either is refused.
+    """
+    if isinstance(queries, (str, bytes)) or not isinstance(queries, Sequence):
+        raise TypeError(
+            f"queries must be a list of strings, got a {type(queries).__name__}; "
+            "for one question use generate() or pass [question]"
+        )
+    if passages is not None and (isinstance(passages, (str, bytes)) or not isinstance(passages, Sequence)):
+        raise TypeError(f"passages must be a list with one list of passages per query, got a {type(passages).__name__}")
+    holder: list[GenerationResult] = []
+    plist = list(passages) if passages is not None else [None] * len(queries)
+    for _ in _run(
+        lm, list(queries), plist, holder=holder, policy=policy, policy_options=policy_options,
+        speed=speed, max_new_tokens=max_new_tokens, stop=stop, messages=None,
+        system_prompt=system_prompt, max_context_tokens=max_context_tokens,
+        prompt_format=prompt_format,
+    ):
+        pass
+    return holder
 
 
 async def agenerate(
-    lm: LoadedModel, query: str, passages: Any = None, *, batching: bool = True, **kwargs: Any
+    lm: LoadedModel, query: str, passages: Sequence[Any] | None = None, *, batching: bool = False, **kwargs: Any
 ) -> GenerationResult:
-    """Async :func:`generate` (the decode runs in a worker thread). Cancelling a call that is
-    decoded alone stops it at its next step, as :func:`api.agenerate` does; a cancelled call
-    that shares a batch is dropped while the batch goes on for the others."""
+    """Async :func:`generate`: the model runs in a worker thread, never on the event loop.
+
+    Cancelling the task stops the decode at its next step (or while it waits for the model);
+    a cancelled call that shares a batch is dropped while the batch goes on for the others.
+    The cancellation is re-raised once the worker has let go of the model.
+    """
     if not require_bool(batching, "batching"):
-        return await api.agenerate(lm, query, passages, **kwargs)
+        return await run_cancellable(lambda cancel: _generate(lm, query, passages, cancel=cancel, **kwargs))
     batcher = batcher_for(lm)
-    return await api.run_cancellable(lambda cancel: batcher.generate(query, passages, _cancel=cancel, **kwargs))
+    return await run_cancellable(lambda cancel: batcher.generate(query, passages, _cancel=cancel, **kwargs))
+
+
+async def astream(
+    lm: LoadedModel, query: str, passages: Sequence[Any] | None = None, **kwargs: Any
+) -> AsyncIterator[TokenEvent]:
+    """Async :func:`stream`: tokens are produced in a worker thread and handed to the loop.
+
+    Yields only :class:`TokenEvent` objects; use :func:`astream_with_result` to also receive
+    the final :class:`GenerationResult`. Cancelling the consuming task (or closing the
+    iterator) stops the decode at its next step.
+    """
+    async for ev in astream_with_result(lm, query, passages, **kwargs):
+        if isinstance(ev, TokenEvent):
+            yield ev
+
+
+async def astream_with_result(
+    lm: LoadedModel, query: str, passages: Sequence[Any] | None = None, **kwargs: Any
+) -> AsyncIterator[TokenEvent | GenerationResult]:
+    """Yields every :class:`TokenEvent` and finally the :class:`GenerationResult`.
+
+    Cancelling the consuming task or closing the iterator early stops the decode at its next
+    step and waits (off the loop) until the model is free again.
+    """
+    async for item in _aiterate(functools.partial(stream, lm, query, passages, **kwargs)):
+        yield item
+
+
+async def _aiterate(open_stream: Callable[[], TokenStream]) -> AsyncIterator[TokenEvent | GenerationResult]:
+    """The events of the stream ``open_stream()`` opens (in a worker thread), then its result,
+    read off the event loop; the stream is closed however the iteration ends."""
+    loop = asyncio.get_running_loop()
+    s = await asyncio.to_thread(open_stream)
+    try:
+        while True:
+            item = await loop.run_in_executor(None, s._next_or_end)
+            if item is _END:
+                break
+            yield item
+        yield s.result
+    finally:
+        s.close()
+        await loop.run_in_executor(None, s._worker.join)

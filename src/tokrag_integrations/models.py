@@ -646,7 +646,7 @@ def _finish(
 
     maybe_install(model, cpu_kernels)
     if require_signals:
-        from .attention import check_supported
+        from .attention.parts import check_supported
 
         check_supported(model)
         devices = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}

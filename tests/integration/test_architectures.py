@@ -214,7 +214,8 @@ def test_signals_read_the_model_past_the_window(models, arch, cpu_kernels):
     """After a prefill and one decode step through the engine's own batch, every layer's
     attention row (from the kept queries with the CPU kernels, recomputed from the attention
     input without) equals eager attention, and the lens of the last layer the logits."""
-    from tokrag_integrations.attention import logit_lens, model_parts
+    from tokrag_integrations.attention.parts import model_parts
+    from tokrag_integrations.attention.rows import logit_lens
     from tokrag_integrations.engine.batch import RoleBatch as _RoleBatch
     from tokrag_integrations.policies.base import ContextSpec, ContextView
 

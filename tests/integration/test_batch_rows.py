@@ -12,7 +12,7 @@ import torch
 from tokrag_integrations import accel, generate, generate_batch
 from tokrag_integrations.engine import decoder
 from tokrag_integrations.engine.batch import RoleBatch
-from tokrag_integrations.engine.loop import role_setup, views_for
+from tokrag_integrations.engine.decoder import Decoder, role_setup, views_for
 from tokrag_integrations.policies import get_policy
 from tokrag_integrations.prompts import PromptBuilder
 
@@ -53,9 +53,9 @@ def _plans(lm):
 
 def test_kept_rows_compute_what_they_computed_in_the_full_batch(lm):
     policy = get_policy("tokrag")
-    per_query, roles = role_setup(lm, _plans(lm), policy)
+    per_query, roles, probe = role_setup(lm, _plans(lm), policy)
     with torch.inference_mode():
-        full = accel.prefill(roles, per_query, lm, policy)
+        full = accel.prefill(roles, per_query, lm, probe)
         (batch,) = full.batches.values()
         assert batch.can_keep_rows() and len(batch.query_idx) == 6
         twin = batch.fork(probe=True)
@@ -113,9 +113,9 @@ def test_finished_queries_leave_and_the_others_get_their_tokens_alone(lm, solo, 
 
 def test_a_packed_batch_cannot_drop_rows(lm):
     policy = get_policy("tokrag")
-    per_query, roles = role_setup(lm, _plans(lm)[:1], policy)
+    per_query, roles, probe = role_setup(lm, _plans(lm)[:1], policy)
     with torch.inference_mode():
-        ready = accel.prefill(roles, per_query, lm, policy)
+        ready = accel.prefill(roles, per_query, lm, probe)
     (b,) = ready.batches.values()
     if not ready.packed:
         pytest.skip("packed prefill does not apply to this model")
@@ -125,19 +125,25 @@ def test_a_packed_batch_cannot_drop_rows(lm):
 
 
 def test_signals_of_several_queries_share_one_lens_product(lm, solo, monkeypatch):
-    """At a step where several queries reach the signals, their first logit-lens rows go
-    through one product (``TokRAG.choose_many``); every query still gets the tokens,
-    decisions, l* and (to rounding) the cosines it gets alone."""
-    from tokrag_integrations.policies.tokrag import TokRAG
+    """At a step where several queries reach the signals, their logit-lens rows go to the
+    engine's lens in one call (one product); every query still gets the tokens, decisions,
+    l* and (to rounding) the cosines it gets alone."""
+    from tokrag_integrations.engine import decoder
 
     shared = []
-    real = TokRAG._first_chunk
+    real = decoder.make_lens
 
-    def spy(self, pure, rag):
-        shared.append(1)
-        return real(self, pure, rag)
+    def spy(lm, share=True):
+        lens = real(lm, share)
 
-    monkeypatch.setattr(TokRAG, "_first_chunk", spy)
+        def counted(blocks, final_norm=True):
+            if len(blocks) > 1:
+                shared.append(len(blocks))
+            return lens(blocks, final_norm)
+
+        return counted
+
+    monkeypatch.setattr(decoder, "make_lens", spy)
     batch = generate_batch(lm, QS4, PS4, policy="tokrag", max_new_tokens=N_TOKENS)
     assert shared  # some step had several queries reaching the signals
     for b, one in zip(batch, solo["tokrag"], strict=True):
@@ -181,10 +187,8 @@ def test_queries_join_a_running_decode_and_get_their_tokens_alone(lm, solo, poli
     """Continuous batching at the engine: query 0 decodes alone, query 1 joins it after two
     steps and the rest after four (prefilled as rows and merged into the running batch);
     every query gets the tokens, sources and decisions it gets alone."""
-    from tokrag_integrations.runner import decoder as make_decoder
-
     plans = _plans4(lm)[: len(solo[policy])]
-    d = make_decoder(lm, get_policy(policy), max_new_tokens=N_TOKENS)
+    d = Decoder(lm, get_policy(policy), max_new_tokens=N_TOKENS)
     schedule = {0: [0], 2: [1], 4: list(range(2, len(plans)))}
     got: dict[int, list] = {}
     step = 0
@@ -276,8 +280,8 @@ def test_max_rows_bounds_a_continuous_decode(lm, solo, monkeypatch):
 
 
 def test_a_call_cancelled_while_waiting_to_join_never_decodes(lm, solo, monkeypatch):
-    from tokrag_integrations.api import _Cancelled
     from tokrag_integrations.batching import MicroBatcher
+    from tokrag_integrations.streams import _Cancelled
 
     b = MicroBatcher(lm)
     _hold_first_step_until(monkeypatch, lambda: sum(len(r.queue) for r in b._running.values()) == 1)
@@ -451,9 +455,9 @@ def test_queries_prefilled_apart_then_merged_get_their_tokens_alone(lm, solo, mo
 
         monkeypatch.setattr(packed, name, spy)
     pol = get_policy(policy)
-    per_query, roles = role_setup(lm, _plans(lm), pol)
+    per_query, roles, probe = role_setup(lm, _plans(lm), pol)
     with torch.inference_mode():
-        ready = accel.prefill(roles, per_query, lm, pol)
+        ready = accel.prefill(roles, per_query, lm, probe)
     made = [(name, n) for name, n, ok in calls if ok]
     want = "prefill_packed" if policy == "tokrag" else "prefill_roles"
     assert made == [(want, 1)] * 3
@@ -486,7 +490,7 @@ def test_split_prefill_switch_prefills_the_batch_together(lm, monkeypatch):
 
     monkeypatch.setattr(packed, "prefill_roles", spy)
     pol = get_policy("tokrag")
-    per_query, roles = role_setup(lm, _plans(lm), pol)
+    per_query, roles, probe = role_setup(lm, _plans(lm), pol)
     with torch.inference_mode():
-        accel.prefill(roles, per_query, lm, pol)
+        accel.prefill(roles, per_query, lm, probe)
     assert calls == [3]

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from tokrag_integrations import Passage, generate, generate_batch, stream
-from tokrag_integrations.attention import Probe, attention_row, cached_keys, model_parts
+from tokrag_integrations.attention.parts import model_parts
+from tokrag_integrations.attention.probe import Probe
+from tokrag_integrations.attention.rows import attention_row, cached_keys
 from tokrag_integrations.models import cache_argument
 from tokrag_integrations.prompts import PromptBuilder
 
@@ -191,7 +193,7 @@ PAPER_RULE = {
 @pytest.mark.parametrize("options", [{}, PAPER_RULE], ids=["default", "paper-rule"])
 @pytest.mark.parametrize("question,passage,fact", BENEFIT_CASES, ids=["cat", "capital", "founder", "year"])
 def test_tokrag_answers_passage_only_facts_from_the_passage(lm, question, passage, fact, options):
-    r = generate(lm, question, [passage], policy="tokrag", max_new_tokens=24, **options)
+    r = generate(lm, question, [passage], policy="tokrag", max_new_tokens=24, policy_options=options)
     assert fact in r.text, r.text
     assert any(s.source == "rag" for s in r.trace.disagreement_steps)
 
@@ -199,7 +201,7 @@ def test_tokrag_answers_passage_only_facts_from_the_passage(lm, question, passag
 @pytest.mark.parametrize("options", [{}, PAPER_RULE], ids=["default", "paper-rule"])
 def test_tokrag_keeps_the_known_fact_against_a_contradicting_passage(lm, options):
     assert "Marseille" in generate(lm, CONTRA_Q, CONTRA_P, policy="rag", max_new_tokens=12).text
-    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag", max_new_tokens=12, **options)
+    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag", max_new_tokens=12, policy_options=options)
     assert "Paris" in r.text and "Marseille" not in r.text, r.text
     paris = [s for s in r.trace.disagreement_steps if s.source == "llm"]
     assert paris and paris[0].signals["benefit"] is False
@@ -219,7 +221,7 @@ VERDICT_CASES = [
 @pytest.mark.parametrize("question,passage", VERDICT_CASES, ids=["beach", "menthol"])
 def test_verdict_gate_keeps_rags_verdict_that_eq19_drops(lm, question, passage):
     assert generate(lm, question, [passage], policy="rag", max_new_tokens=8).text.startswith("No")
-    plain = generate(lm, question, [passage], policy="tokrag", max_new_tokens=8, verdict_gate=None, rising_gate=False)
+    plain = generate(lm, question, [passage], policy="tokrag", max_new_tokens=8, policy_options={"verdict_gate": None, "rising_gate": False})
     assert not plain.text.startswith("No") and plain.trace.steps[0].signals["benefit"] is False
     r = generate(lm, question, [passage], policy="tokrag", max_new_tokens=8)  # the default gate
     assert r.trace.options["verdict_gate"] == "either" and r.text.startswith("No"), r.text
@@ -235,9 +237,9 @@ def test_verdict_gate_on_rags_side_leaves_the_pure_models_verdict_to_eq19(lm):
     ``"either"`` gates the pure model's verdict word too and takes RAG's opening."""
     q = "Was Ottoline Varga a chef before founding Quillfeather Aerospace?"
     p = ["Ottoline Varga founded Quillfeather Aerospace in 2009 after twelve years as a propulsion engineer."]
-    r = generate(lm, q, p, policy="tokrag", max_new_tokens=8, verdict_gate="rag")
+    r = generate(lm, q, p, policy="tokrag", max_new_tokens=8, policy_options={"verdict_gate": "rag"})
     assert r.text.startswith("No") and "benefit" in r.trace.steps[0].signals
-    e = generate(lm, q, p, policy="tokrag", max_new_tokens=8, verdict_gate="either")
+    e = generate(lm, q, p, policy="tokrag", max_new_tokens=8, policy_options={"verdict_gate": "either"})
     assert not e.text.startswith("No") and e.trace.steps[0].signals == {"note": "gated: verdict word"}
     _check_trace(r), _check_trace(e)
 
@@ -271,7 +273,7 @@ def test_punctuation_gate_keeps_rags_token_where_the_pure_model_offers_punctuati
     punctuation gate (default) keeps RAG's token without comparing."""
     q = "Would a Muslim eat a McRib sandwich?"
     p = ["The McRib is a pork sandwich sold by McDonald's. Islamic dietary law forbids eating pork."]
-    plain = generate(lm, q, p, policy="tokrag", max_new_tokens=10, punctuation_gate=False)
+    plain = generate(lm, q, p, policy="tokrag", max_new_tokens=10, policy_options={"punctuation_gate": False})
     gated = generate(lm, q, p, policy="tokrag", max_new_tokens=10)
     assert plain.trace.options["punctuation_gate"] is False and gated.trace.options["punctuation_gate"] is True
     (i,) = [s.index for s in gated.trace.steps if s.signals.get("note") == "gated: pure punctuation"]
@@ -284,8 +286,8 @@ def test_punctuation_gate_keeps_rags_token_where_the_pure_model_offers_punctuati
 
 
 def test_verdict_mask_covers_verdicts_and_negators_whole_tokens_only(lm):
-    from tokrag_integrations.policies.tokrag_reference import vocab_texts
     from tokrag_integrations.policies.verdict import verdict_mask
+    from tokrag_integrations.policies.vocab import vocab_texts
 
     texts = vocab_texts(lm.tokenizer)
     mask = verdict_mask(lm.tokenizer, vocab_size=len(texts) + 3, texts=texts)
@@ -301,7 +303,7 @@ def test_literal_reading_stays_reachable_and_misses_the_passage_fact(lm):
     Drelmoria case from the pure model's hallucination, the reason it is not the default."""
     literal = {**PAPER_RULE, "min_fusion_layer": 0, "plausibility_alpha": None, "lens_norm": False}
     q, p, fact = BENEFIT_CASES[1]
-    r = generate(lm, q, [p], policy="tokrag", max_new_tokens=24, **literal)
+    r = generate(lm, q, [p], policy="tokrag", max_new_tokens=24, policy_options=literal)
     assert fact not in r.text
     assert all(r.trace.options[k] == v for k, v in literal.items())
     assert all(s.signals["fusion_attn_layer"] < 15 or s.signals["fusion_jsd_layer"] < 15
@@ -327,7 +329,7 @@ def test_literal_reading_stays_reachable_and_misses_the_passage_fact(lm):
     ],
 )
 def test_tokrag_options_run_and_are_recorded(lm, options):
-    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag", max_new_tokens=12, **options)
+    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag", max_new_tokens=12, policy_options=options)
     _check_trace(r)
     for k, v in options.items():
         assert r.trace.options[k] == v
@@ -338,7 +340,7 @@ def test_tokrag_options_run_and_are_recorded(lm, options):
     if "fixed_layer" in options:
         assert all(s.signals["l_star"] == 15 for s in r.trace.disagreement_steps)
     if options.get("function_word_gate"):
-        from tokrag_integrations.policies.tokrag_reference import gate_mask
+        from tokrag_integrations.policies.vocab import gate_mask
 
         gate = gate_mask(lm.tokenizer)
         for s in r.trace.disagreement_steps:
@@ -346,8 +348,8 @@ def test_tokrag_options_run_and_are_recorded(lm, options):
 
 
 def test_reference_variant_compares_at_every_step(lm):
-    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag", variant="reference", max_new_tokens=12)
-    assert r.trace.options["variant"] == "reference"
+    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag_reference", max_new_tokens=12)
+    assert r.trace.policy == "tokrag_reference"
     gated = [s for s in r.trace.steps if s.signals.get("note") == "gated: function word"]
     compared = [s for s in r.trace.steps if "cos_ir" in s.signals]
     assert len(gated) + len(compared) == len(r.trace.steps)  # also at agreeing steps
@@ -422,8 +424,10 @@ def test_empty_query_and_unknown_policy_are_clear_errors(lm):
     with pytest.raises(ValueError, match="Unknown policy 'tokrog'.*tokrag"):
         generate(lm, CONTRA_Q, CONTRA_P, policy="tokrog")
     with pytest.raises(ValueError, match="pr_norm"):
-        generate(lm, CONTRA_Q, CONTRA_P, pr_norm="max")
+        generate(lm, CONTRA_Q, CONTRA_P, policy_options={"pr_norm": "max"})
     with pytest.raises(ValueError, match="Bad options"):
+        generate(lm, CONTRA_Q, CONTRA_P, policy="rag", policy_options={"no_such_option": 1})
+    with pytest.raises(TypeError, match="no_such_option"):
         generate(lm, CONTRA_Q, CONTRA_P, policy="rag", no_such_option=1)
 
 
@@ -493,7 +497,7 @@ def test_async_and_batch_validation(lm):
 
 
 def test_punctuation_mask_marks_tokens_without_letters_or_digits(lm):
-    from tokrag_integrations.policies.tokrag_reference import punctuation_mask
+    from tokrag_integrations.policies.vocab import punctuation_mask
 
     tok = lm.tokenizer
     mask = punctuation_mask(tok, vocab_size=lm.vocab_size)
@@ -514,15 +518,13 @@ def test_punctuation_mask_marks_tokens_without_letters_or_digits(lm):
 def test_pr_skip_leaves_skipped_tokens_out_of_p_r(lm, pr_skip):
     """p_R (Eq. 16) holds no skipped retrieved token, and skipping changes it where the
     passage's punctuation drew attention; f of Eq. 14 is left as it was (same l* inputs)."""
-    from tokrag_integrations.policies.tokrag_reference import punctuation_mask, skip_mask
+    from tokrag_integrations.policies.vocab import punctuation_mask, skip_mask
 
     build = punctuation_mask if pr_skip == "punctuation" else skip_mask
     mask = build(lm.tokenizer, vocab_size=lm.vocab_size)
     q, p, _ = BENEFIT_CASES[2]
-    base = generate(lm, q, [p + " (See: records, 1994.)"], policy="tokrag", max_new_tokens=16,
-                    function_word_gate=False, pr_skip=None)
-    skip = generate(lm, q, [p + " (See: records, 1994.)"], policy="tokrag", max_new_tokens=16,
-                    function_word_gate=False, pr_skip=pr_skip)
+    base = generate(lm, q, [p + " (See: records, 1994.)"], policy="tokrag", max_new_tokens=16, policy_options={"function_word_gate": False, "pr_skip": None})
+    skip = generate(lm, q, [p + " (See: records, 1994.)"], policy="tokrag", max_new_tokens=16, policy_options={"function_word_gate": False, "pr_skip": pr_skip})
     compared = [(a, b) for a, b in zip(base.trace.steps, skip.trace.steps, strict=False) if "p_r_top" in b.signals]
     assert compared
     for a, b in compared:
@@ -541,7 +543,7 @@ def test_rising_gate_keeps_rags_token_where_it_is_the_rising_token(lm):
     ``rising_gate=True`` keeps it and says why, and leaves the signals as computed."""
     q = "When did the Venetians take total control of Cyprus?"
     p = ["The Venetians took full control of Cyprus in 1489 after Queen Catherine Cornaro abdicated."]
-    off = generate(lm, q, p, policy="tokrag", max_new_tokens=12, rising_gate=False)
+    off = generate(lm, q, p, policy="tokrag", max_new_tokens=12, policy_options={"rising_gate": False})
     on = generate(lm, q, p, policy="tokrag", max_new_tokens=12)  # the default
     lost = next(s for s in off.trace.steps if s.source == "llm")
     assert lost.candidates["rag"].text == " total" == lost.signals["rising_token"]

@@ -67,7 +67,8 @@ def test_recomputed_attention_and_lens_match_the_model_past_the_window(gemma):
     logit lens of the last layer equals the model's logits."""
     from transformers import AutoModelForCausalLM
 
-    from tokrag_integrations.attention import logit_lens, model_parts
+    from tokrag_integrations.attention.parts import model_parts
+    from tokrag_integrations.attention.rows import logit_lens
     from tokrag_integrations.engine.batch import RoleBatch as _RoleBatch
     from tokrag_integrations.policies.base import ContextSpec, ContextView
     from tokrag_integrations.prompts import PromptBuilder

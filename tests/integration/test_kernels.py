@@ -167,12 +167,8 @@ def test_fused_and_unfused_loops_agree(lm, policy, monkeypatch):
 
 @torch.inference_mode()
 def test_attention_rows_of_all_layers_equal_the_per_layer_rows(lm):
-    from tokrag_integrations.attention import (
-        attention_row,
-        attention_rows,
-        cached_keys,
-        model_parts,
-    )
+    from tokrag_integrations.attention.parts import model_parts
+    from tokrag_integrations.attention.rows import attention_row, attention_rows, cached_keys
 
     tok = lm.tokenizer
     prompts = [tok.encode("Who wrote Hamlet?"), tok.encode("The play Hamlet was written by Shakespeare.")]
@@ -199,14 +195,14 @@ def test_lazy_chunked_signals_equal_a_full_computation(lm, monkeypatch):
     """The lens is read a few layers at a time, with shared and extra rows; a plain
     computation over every layer must give the same fusion layers, l* and rising token."""
     from tokrag_integrations import signals as S
-    from tokrag_integrations.attention import logit_lens
+    from tokrag_integrations.attention.rows import logit_lens
     from tokrag_integrations.policies.tokrag import TokRAG
 
     seen = []
     orig = TokRAG.signals
 
     def checked(self, pure, rag):
-        out = orig(self, pure, rag)
+        out = yield from orig(self, pure, rag)  # the signals ask the engine's lens for rows
         parts, L = self._parts, self._L
         attn = torch.stack([rag.attention(i) for i in range(L)])
         f = S.retrieved_attention_mass(attn, rag.rt_positions)
@@ -231,7 +227,7 @@ def test_lazy_chunked_signals_equal_a_full_computation(lm, monkeypatch):
     for q, ps in (CONTRA, FICTION):
         literal = {"lens_norm": False, "top_k": None, "min_fusion_layer": 0, "plausibility_alpha": None}
         for opts in ({}, literal):
-            generate(lm, q, ps, policy="tokrag", max_new_tokens=24, **opts)
+            generate(lm, q, ps, policy="tokrag", max_new_tokens=24, policy_options=opts)
     assert len(seen) >= 4
     assert len({s[2] for s in seen}) > 1  # crossings in more than one lens chunk
 
@@ -276,7 +272,8 @@ def test_packed_head_changes_no_decision_on_the_real_model(lm, monkeypatch):
     """The logit lens through the packed head equals the routed one to float rounding, and
     tokrag gives the same tokens and decisions with it on and off (the trace's signals
     come from the lens)."""
-    from tokrag_integrations.attention import logit_lens, model_parts
+    from tokrag_integrations.attention.parts import model_parts
+    from tokrag_integrations.attention.rows import logit_lens
 
     head = lm.model.get_output_embeddings()
     parts = model_parts(lm.model)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from _helpers import LiveServer
 
-from tokrag_integrations import api, batching
+from tokrag_integrations import batching
 from tokrag_integrations.defaults import ANSWER_STOP
 
 DOCS = [
@@ -58,8 +58,8 @@ def _of_result(r: Any) -> dict[str, Any]:
 def solo(lm) -> list[dict[str, Any]]:
     """Each request decoded alone (batching off), with the server's stop strings."""
     return [
-        _of_result(api.generate(lm, q, DOCS, policy=p, policy_options=o, max_new_tokens=n,
-                                stop=list(ANSWER_STOP)))
+        _of_result(batching.generate(lm, q, DOCS, policy=p, policy_options=o, max_new_tokens=n,
+                                     stop=list(ANSWER_STOP), batching=False))
         for q, p, o, n, _ in REQUESTS
     ]
 
@@ -77,7 +77,8 @@ def test_threads_with_mixed_policies_each_get_their_solo_answer(lm, solo):
 
     def call(i: int) -> dict[str, Any]:
         q, p, o, n, streamed = REQUESTS[i]
-        kw = {"policy": p, "policy_options": o, "max_new_tokens": n, "stop": list(ANSWER_STOP)}
+        kw = {"policy": p, "policy_options": o, "max_new_tokens": n, "stop": list(ANSWER_STOP),
+              "batching": True}
         start.wait()
         if not streamed:
             return _of_result(batching.generate(lm, q, DOCS, **kw))

@@ -14,7 +14,7 @@ import torch
 
 from tokrag_integrations.accel import cpu_kernels as K
 from tokrag_integrations.accel.packed import fuse_batches, prefill_packed
-from tokrag_integrations.api import generate
+from tokrag_integrations.batching import generate
 from tokrag_integrations.engine.prefill import prefill_roles, shared_prefill
 from tokrag_integrations.policies.base import ContextSpec, ContextView
 from tokrag_integrations.prompts import PromptBuilder

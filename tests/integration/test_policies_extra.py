@@ -25,14 +25,15 @@ def test_rag_token_single_passage_equals_rag(lm):
     tok = generate(lm, Q, [Passage(P1, score=0.3)], policy="rag_token", max_new_tokens=10)
     assert tok.token_ids == rag.token_ids and tok.text == rag.text
     assert {s.source for s in tok.trace.steps} == {"passage:0"}
-    cad0 = generate(lm, Q, [P1], policy="cad", alpha=0.0, max_new_tokens=10)
+    cad0 = generate(lm, Q, [P1], policy="cad", max_new_tokens=10, policy_options={"alpha": 0.0})
     assert cad0.token_ids == rag.token_ids
-    # Shared prefill (evaluation harness): a copied KV cache decodes exactly like a fresh one.
+    # Shared prefill (evaluation harness, decoding in its own thread): a copied KV cache
+    # decodes exactly like a fresh one.
     from tokrag_integrations.engine.prefill import shared_prefill
 
     with shared_prefill() as store:
-        first = generate(lm, Q, [P1], policy="cad", alpha=0.0, max_new_tokens=10)
-        second = generate(lm, Q, [P1], policy="rag", max_new_tokens=10)
+        first = generate(lm, Q, [P1], policy="cad", max_new_tokens=10, policy_options={"alpha": 0.0}, batching=False)
+        second = generate(lm, Q, [P1], policy="rag", max_new_tokens=10, batching=False)
         assert len(store) == 2  # pure and rag contexts, prefilled once
     assert first.token_ids == second.token_ids == rag.token_ids
 

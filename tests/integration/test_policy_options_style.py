@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from tokrag_integrations.policies import merge_policy_options
+from tokrag_integrations.policies import checked_policy_options
 
 QUESTION = "Who founded Quillfeather Aerospace?"
 
@@ -19,18 +19,15 @@ def _no_deprecation(call):
         return call()
 
 
-def test_merge_keeps_the_dict_and_warns_only_for_loose_keywords() -> None:
-    assert _no_deprecation(lambda: merge_policy_options({"pr_norm": "softmax"}, {}, "X")) == {
+def test_policy_options_are_a_dict_and_loose_keywords_are_refused() -> None:
+    assert _no_deprecation(lambda: checked_policy_options({"pr_norm": "softmax"}, {}, "X")) == {
         "pr_norm": "softmax"
     }
-    assert _no_deprecation(lambda: merge_policy_options(None, {}, "X")) == {}
-    with pytest.warns(DeprecationWarning, match=r"X: .*\(pr_norm\).*policy_options=\{'pr_norm': 'softmax'\}"):
-        out = merge_policy_options({"threshold": 0.1}, {"pr_norm": "softmax"}, "X")
-    assert out == {"threshold": 0.1, "pr_norm": "softmax"}
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="'pr_norm' given twice"):
-        merge_policy_options({"pr_norm": "sum"}, {"pr_norm": "softmax"}, "X")
+    assert _no_deprecation(lambda: checked_policy_options(None, {}, "X")) == {}
+    with pytest.raises(TypeError, match=r"X: .*pr_norm.*policy_options=\{'pr_norm': 'softmax'\}"):
+        checked_policy_options({"threshold": 0.1}, {"pr_norm": "softmax"}, "X")
     with pytest.raises(TypeError, match="policy_options must be a dict"):
-        merge_policy_options(["pr_norm"], {}, "X")  # type: ignore[arg-type]
+        checked_policy_options(["pr_norm"], {}, "X")  # type: ignore[arg-type]
 
 
 def test_chain_factories_take_policy_options_and_refuse_the_old_spelling() -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tokrag_integrations.policies import tokrag_reference as R
+from tokrag_integrations.policies import vocab as V
 
 
 def attention(m_or_values, *, heads: int = 2, extra: int = 0) -> torch.Tensor:
@@ -32,7 +33,7 @@ def _id(tok, text: str) -> int:
 
 
 def test_skip_mask_default_tokenizer(lm, tok):
-    mask = R.skip_mask(tok, vocab_size=lm.vocab_size)
+    mask = V.skip_mask(tok, vocab_size=lm.vocab_size)
     assert mask.dtype == torch.bool and mask.numel() == lm.vocab_size
     for s in [".", "1", "0", "7", ")", ":", "'", "-", "]", "]:", "}:", " ", " ["]:
         assert mask[_id(tok, s)], s
@@ -45,13 +46,13 @@ def test_skip_mask_default_tokenizer(lm, tok):
 
 
 def test_skip_mask_all_special(lm, tok):
-    mask = R.skip_mask(tok, vocab_size=lm.vocab_size, all_special=True)
+    mask = V.skip_mask(tok, vocab_size=lm.vocab_size, all_special=True)
     for i in tok.all_special_ids:
         assert mask[i]
 
 
 def test_gate_mask_default_tokenizer(lm, tok):
-    gate = R.gate_mask(tok, vocab_size=lm.vocab_size)
+    gate = V.gate_mask(tok, vocab_size=lm.vocab_size)
     for s in [" the", "the", " The", " a", " an", " in", " for", ".", ":", " ", "Query", " ["]:
         assert gate[_id(tok, s)], s
     for s in [" Paris", "1", " London", ","]:
@@ -61,7 +62,7 @@ def test_gate_mask_default_tokenizer(lm, tok):
 def test_end_to_end_with_real_embeddings(lm, tok):
     """The skip mask drops a '.' that holds the most attention; the answer token wins."""
     A = lm.model.get_input_embeddings().weight.detach()
-    skip = R.skip_mask(tok, vocab_size=A.shape[0])
+    skip = V.skip_mask(tok, vocab_size=A.shape[0])
     ids = [_id(tok, s) for s in [" capital", " of", " France", " is", " Paris", "."]]
     Vv = A.shape[0]
     rag = torch.zeros(Vv)
@@ -88,12 +89,12 @@ def test_vocab_masks_built_once_per_model(lm, tok):
     first.prepare(lm)
     second.prepare(lm)
     assert second._gate is first._gate
-    assert torch.equal(first._gate, R.gate_mask(tok, vocab_size=lm.vocab_size))
-    ref1, ref2 = TokRAG(variant="reference"), TokRAG(variant="reference")
+    assert torch.equal(first._gate, V.gate_mask(tok, vocab_size=lm.vocab_size))
+    ref1, ref2 = R.TokRAGReference(), R.TokRAGReference()
     ref1.prepare(lm)
     ref2.prepare(lm)
     assert ref2._skip is ref1._skip
-    assert torch.equal(ref1._skip, R.skip_mask(tok, vocab_size=lm.vocab_size))
+    assert torch.equal(ref1._skip, V.skip_mask(tok, vocab_size=lm.vocab_size))
 
 
 def test_model_memo_keys_apart(lm):

@@ -71,10 +71,10 @@ def test_nan_threshold_is_refused(lm):
 
     for value in (float("nan"), "nan"):
         with pytest.raises(ValueError, match="'threshold' of policy 'tokrag' must be a number, got NaN"):
-            generate(lm, "Who?", ["A passage."], threshold=value, max_new_tokens=1)
+            generate(lm, "Who?", ["A passage."], max_new_tokens=1, policy_options={"threshold": value})
     with pytest.raises(ValueError, match="threshold must be a number, got NaN"):
         Gate().threshold = float("nan")
-    assert generate(lm, "Who?", ["A passage."], threshold=float("-inf"), max_new_tokens=1).text is not None
+    assert generate(lm, "Who?", ["A passage."], max_new_tokens=1, policy_options={"threshold": float("-inf")}).text is not None
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,6 @@ def test_verdict_gate_is_checked():
     for bad in ("pure", True, "RAG"):
         with pytest.raises(ValueError, match="verdict_gate"):
             TokRAG(verdict_gate=bad)
-    assert TokRAG(variant="reference", verdict_gate="rag").verdict_gate is None  # paper variant only
 
 
 def test_rising_gate_is_checked():
@@ -30,7 +29,6 @@ def test_rising_gate_is_checked():
     with pytest.raises(ValueError, match="rising_gate"):
         TokRAG(rising_gate="yes")
     assert TokRAG().options()["rising_gate"] is True and TokRAG(rising_gate=False).options()["rising_gate"] is False
-    assert TokRAG(variant="reference").rising_gate is False  # paper variant only
 
 
 def test_punctuation_gate_is_checked():
@@ -39,4 +37,3 @@ def test_punctuation_gate_is_checked():
     with pytest.raises(ValueError, match="punctuation_gate"):
         TokRAG(punctuation_gate="yes")
     assert TokRAG().options()["punctuation_gate"] is True and TokRAG(punctuation_gate=False).options()["punctuation_gate"] is False
-    assert TokRAG(variant="reference", punctuation_gate=True).punctuation_gate is False  # paper variant only

@@ -28,14 +28,13 @@ def test_passage_text_and_score_are_checked():
 def test_bool_policy_options_are_parsed_strictly():
     for text, value in [("False", False), ("false", False), ("0", False), (0, False), ("TRUE", True), ("1", True), (True, True)]:
         assert get_policy("tokrag", lens_norm=text).lens_norm is value, text
-        assert get_policy("tokrag", fuse=text).fuse is value, text
     for bad in ["yes", "False!", "", 2, 0.0, None]:
         with pytest.raises(ValueError, match="option 'lens_norm' of policy 'tokrag' must be true or false"):
             get_policy("tokrag", lens_norm=bad)
 
 
 def test_unknown_policy_options_name_the_policy_and_list_its_options():
-    with pytest.raises(ValueError, match=r"unknown option 'nonsense'; options: variant, pr_norm, pr_skip, top_k"):
+    with pytest.raises(ValueError, match=r"unknown option 'nonsense'; options: pr_norm, pr_skip, top_k"):
         get_policy("tokrag", nonsense=1)
     with pytest.raises(ValueError, match=r"policy 'rag': unknown option 'alpha'; options: none"):
         get_policy("rag", alpha=0.5)
@@ -89,7 +88,7 @@ def _one_line_error(code: int, err: str) -> str:
         (["--device", "gpu0"], "unknown device 'gpu0'"),
         (["--dtype", "float99"], "unknown dtype 'float99'; use one of float32, float16, bfloat16"),
         (["--policy", "tokrog"], "Unknown policy 'tokrog'. Available policies: adacad"),
-        (["--option", "nonsense=1"], "unknown option 'nonsense'; options: variant, pr_norm"),
+        (["--option", "nonsense=1"], "unknown option 'nonsense'; options: pr_norm"),
         (["--option", "lens_norm=maybe"], "option 'lens_norm' of policy 'tokrag' must be true or false"),
         (["--policy", "rag", "--option", "alpha=0.5"], "policy 'rag': unknown option 'alpha'; options: none"),
         (["--gate", "confidence", "--option", "nonsense=1"], "unknown option 'nonsense'"),

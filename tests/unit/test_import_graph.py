@@ -222,14 +222,15 @@ def _algorithm_modules(graph: dict[str, dict[str, int]]) -> list[str]:
     p = PACKAGE
     fixed = {f"{p}.signals", f"{p}.trace"}
     fixed |= {
-        f"{p}.engine.{m}" for m in ("loop", "prefill", "stats", "view", "sequence", "speed")
+        f"{p}.engine.{m}" for m in ("loop", "prefill", "stats", "view", "speed")
     } | {f"{p}.engine"}
     policies = {m for m in graph if m == f"{p}.policies" or m.startswith(f"{p}.policies.")}
     return sorted(fixed | policies)
 
 
 def test_no_algorithm_module_imports_accel():
-    """The speed paths sit behind one seam (``accel``), chosen by the runner: no module of
+    """The speed paths sit behind one seam (``accel``), chosen by the step loop's decoder
+    from ``speed=``: no module of
     the algorithm side imports it, at module level or lazily inside a function. (The role
     batch, ``engine.batch``, is mechanism: it builds its KV cache with ``accel.kv_cache``.)"""
     graph = import_graph()
@@ -243,8 +244,8 @@ def test_no_algorithm_module_imports_accel():
         if t == accel or t.startswith(accel + ".")
     ]
     assert not bad, "algorithm modules import accel: " + "; ".join(bad)
-    # The seam is used from above: the runner picks the speed paths, load_model the kernels.
-    assert accel in graph[f"{PACKAGE}.runner"]
+    # The seam is used from the decoder (by ``Speed``) and load_model (the kernels).
+    assert f"{accel}.packed" in graph[f"{PACKAGE}.engine.decoder"]
     assert f"{accel}.cpu_kernels" in graph[f"{PACKAGE}.models"]
 
 

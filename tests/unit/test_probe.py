@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from tokrag_integrations.accel import cpu_kernels as K
-from tokrag_integrations.attention import (
-    ACTIVE_TAP,
-    attention_from_queries,
-)
+from tokrag_integrations.attention.probe import ACTIVE_TAP
+from tokrag_integrations.attention.rows import attention_from_queries
 
 
 class _Attn(torch.nn.Module):
@@ -27,7 +25,7 @@ class _Attn(torch.nn.Module):
 def test_attention_function_keeps_the_rotated_queries(rows, mask_kind):
     """Under a probe, the one-query attention computes the same output as without one and
     leaves each row's query and the scaling in the tap."""
-    from tokrag_integrations.attention import _Tap
+    from tokrag_integrations.attention.probe import _Tap
 
     torch.manual_seed(rows)
     h, hkv, hd, t = 6, 2, 8, 11
@@ -66,7 +64,7 @@ def test_attention_function_keeps_the_rotated_queries(rows, mask_kind):
 
 def test_probe_positions_keep_those_positions():
     """A probe on chosen positions of a one-sequence batch keeps those queries as rows."""
-    from tokrag_integrations.attention import _Tap
+    from tokrag_integrations.attention.probe import _Tap
 
     torch.manual_seed(0)
     q = torch.randn(1, 6, 3, 8)

@@ -96,8 +96,7 @@ def _entry_points(tmp_path: Path) -> dict[str, tuple[object, str]]:
             lambda v: token_level.run_token_level(None, [], records_path=records, progress=v),
             "progress",
         ),
-        "TokRAG speculative": (lambda v: TokRAG(speculative=v), "speculative"),
-        "TokRAG fuse": (lambda v: TokRAG(fuse=v), "fuse"),
+        "TokRAG lens_norm": (lambda v: TokRAG(lens_norm=v), "lens_norm"),
         "CtrlAMonitorPolicy stop_on_trigger": (
             lambda v: CtrlAMonitorPolicy(torch.zeros(4), [0], "q", stop_on_trigger=v),
             "stop_on_trigger",

@@ -8,8 +8,6 @@
 * :mod:`.kv_cache`: a KV cache layer that grows in place (every role batch uses it).
 * :mod:`.packed`: all contexts of a decode in one pass per step (packed or fused);
   :func:`prefill` is what the runner hands to the step-by-step loop.
-* :mod:`.speculative`: blockwise verification of a pure/RAG rule.
-* :mod:`.shared_lens`: one logit-lens product for the queries of a batch.
 
 Which of them a decode uses is its :class:`..engine.speed.Speed` (the ``speed=`` argument of
 the runner and the API).
@@ -20,17 +18,15 @@ The functions here import their module on first use, so that importing
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from ..engine.batch import RoleBatch
-    from ..engine.loop import StepEvent
     from ..engine.prefill import Prefilled
     from ..engine.speed import Speed
     from ..models import LoadedModel
-    from ..policies.base import Choice, ContextSpec, Policy, View
-    from ..prompts import PromptPlan
+    from ..policies.base import ContextSpec
 
 
 def install_kernels(model: Any, mode: str | None = None) -> bool:
@@ -53,7 +49,7 @@ def prefill(
     roles: Sequence[str],
     per_query: Sequence[dict[str, ContextSpec]],
     lm: LoadedModel,
-    policy: Policy,
+    probe_roles: frozenset[str],
     speed: Speed | None = None,
     pack: bool = True,
 ) -> Prefilled:
@@ -62,7 +58,7 @@ def prefill(
     :func:`join_batches` can merge)."""
     from .packed import prefill as packed_prefill
 
-    return packed_prefill(roles, per_query, lm, policy, speed, pack)
+    return packed_prefill(roles, per_query, lm, probe_roles, speed, pack)
 
 
 def join_batches(running: RoleBatch, new: RoleBatch) -> RoleBatch | None:
@@ -71,27 +67,3 @@ def join_batches(running: RoleBatch, new: RoleBatch) -> RoleBatch | None:
     from .packed import join_batches as join
 
     return join(running, new)
-
-
-def choose_many(policy: Policy, views: list[dict[str, View]], lm: LoadedModel) -> list[Choice]:
-    """The choices of one step of a batch, the rule's first logit-lens rows of every query
-    in one product (:func:`.shared_lens.choose_many`)."""
-    from .shared_lens import choose_many as shared
-
-    return shared(policy, views, lm)
-
-
-def blockwise(lm: LoadedModel, policy: Policy) -> bool:
-    """Whether blockwise verification applies to ``policy`` on ``lm``."""
-    from .speculative import blockwise_supported
-
-    return blockwise_supported(lm, policy)
-
-
-def blockwise_loop(
-    lm: LoadedModel, plans: Sequence[PromptPlan], policy: Policy, **kwargs: Any
-) -> Iterator[StepEvent]:
-    """Decode by blockwise verification (:func:`.speculative.blockwise_loop`)."""
-    from .speculative import blockwise_loop as loop
-
-    return loop(lm, plans, policy, **kwargs)

@@ -196,7 +196,7 @@ def has_sliding_window(model: Any) -> bool:
     types_ = getattr(cfg, "layer_types", None) or []
     if any("sliding" in str(t) for t in types_):
         return True
-    from ..attention import attention_window, model_parts
+    from ..attention.parts import attention_window, model_parts
 
     try:
         attn = model_parts(model).attn

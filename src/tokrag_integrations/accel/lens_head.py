@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .. import config
-from ..attention import set_lens_head_product
+from ..attention.rows import set_lens_head_product
 from . import cpu_kernels as K
 
 #: Rows at which :func:`packed_head` compares the two products (a logit lens of one

@@ -14,12 +14,13 @@ from collections.abc import Sequence
 import torch
 
 from .. import config
-from ..attention import ProbeRecord, install_taps, model_parts
+from ..attention.parts import model_parts
+from ..attention.probe import ProbeRecord, install_taps
 from ..engine.batch import RoleBatch
 from ..engine.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, reused_seconds, row_map
 from ..engine.speed import Speed
 from ..models import LoadedModel
-from ..policies.base import ContextSpec, Policy
+from ..policies.base import ContextSpec
 from .kv_cache import GrowableLayer, has_sliding_window, is_full_layer, new_cache, row_runs
 
 
@@ -288,7 +289,7 @@ def prefill(
     roles: Sequence[str],
     per_query: Sequence[dict[str, ContextSpec]],
     lm: LoadedModel,
-    policy: Policy,
+    probe_roles: frozenset[str],
     speed: Speed | None = None,
     pack: bool = True,
 ) -> Prefilled:
@@ -303,14 +304,14 @@ def prefill(
 
     want = speed.fuse if speed is not None else True
     fuse = fuse_contexts() and want and fusion_off_reason(lm.model) is None
-    packed = prefill_packed(roles, per_query, lm, policy.probe_roles) if fuse and pack else None
+    packed = prefill_packed(roles, per_query, lm, probe_roles) if fuse and pack else None
     if packed is not None:
         rows = {role: {0: (packed, r)} for r, role in enumerate(roles)}
         return Prefilled({packed.role: packed}, rows, fused=True, packed=True)
-    split = split_prefill(roles, per_query, lm, policy, fuse)
+    split = split_prefill(roles, per_query, lm, probe_roles, fuse)
     if split is not None:
         return split
-    batches = prefill_roles(roles, per_query, lm, policy.probe_roles)
+    batches = prefill_roles(roles, per_query, lm, probe_roles)
     reused = reused_seconds(batches)
     fused = fuse_batches(list(batches.values())) if fuse else None
     if fused is None:
@@ -365,7 +366,7 @@ def split_prefill(
     roles: Sequence[str],
     per_query: Sequence[dict[str, ContextSpec]],
     lm: LoadedModel,
-    policy: Policy,
+    probe_roles: frozenset[str],
     fuse: bool,
 ) -> Prefilled | None:
     """The prefill of several queries on CPU as :func:`prefill_groups` groups, each prefilled
@@ -390,14 +391,14 @@ def split_prefill(
             # Packed even inside the harness's shared-prefill store (``shared``): its rows are
             # then not offered to the other policies, which prefill their own (each policy
             # is charged its own prefill either way).
-            one = prefill_packed(here, [per_query[g[0]]], lm, policy.probe_roles, shared=True)
+            one = prefill_packed(here, [per_query[g[0]]], lm, probe_roles, shared=True)
         if isinstance(one, _PackedBatch):  # its cache layers are GrowableLayers
             rows = one.unpacked()
             rows.query_idx = [g[0]] * len(here)
             for r, role in enumerate(here):
                 entries[role].append((rows, r))
             continue
-        batches = prefill_roles(here, [per_query[q] for q in g], lm, policy.probe_roles)
+        batches = prefill_roles(here, [per_query[q] for q in g], lm, probe_roles)
         reused += reused_seconds(batches)
         for role, b in batches.items():
             b.query_idx = [g[q] for q in b.query_idx]  # rebound, never written in place

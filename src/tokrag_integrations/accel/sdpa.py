@@ -24,7 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention import ACTIVE_TAP, attention_window
+from ..attention.parts import attention_window
+from ..attention.probe import ACTIVE_TAP
 from .cpu_kernels import MAX_ROWS
 
 ATTN_IMPLEMENTATION = "tokrag_sdpa"

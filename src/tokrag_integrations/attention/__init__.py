@@ -22,35 +22,6 @@ its rotary function, its scaling, soft-capping and sliding window) and is tested
 ``output_attentions=True`` of an eager model to 1e-4.
 
 The work is split by job: :mod:`.parts` (what a model is made of), :mod:`.probe` (the taps
-and records of a forward pass), :mod:`.rows` (attention rows and the logit lens). Every name
-stays importable from here.
+and records of a forward pass), :mod:`.rows` (attention rows and the logit lens). Import each
+name from the module that defines it.
 """
-
-from __future__ import annotations
-
-from .parts import (  # noqa: F401 - importable from here as before
-    ModelParts,
-    _find_backbone,
-    _has_query_projection,
-    attention_window,
-    check_supported,
-    model_parts,
-    query_projection,
-)
-from .probe import (  # noqa: F401 - importable from here as before
-    ACTIVE_TAP,
-    Probe,
-    ProbeRecord,
-    _last,
-    _Tap,
-    _tapped_forward,
-    install_taps,
-)
-from .rows import (  # noqa: F401 - importable from here as before
-    attention_from_queries,
-    attention_row,
-    attention_rows,
-    cached_keys,
-    logit_lens,
-    set_lens_head_product,
-)

@@ -295,12 +295,13 @@ def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> 
     the policy reads passages at all."""
     from ..models import check_device_and_dtype
     from ..policies import available_policies, get_policy
+    from ..policies import uses_passages as policy_uses_passages
 
     if args.policy not in available_policies():  # before get_policy, which imports torch (~2 s)
         raise ValueError(
             f"Unknown policy {args.policy!r}. Available policies: {', '.join(available_policies())}."
         )
-    uses_passages = bool(get_policy(args.policy, **options).uses_passages)
+    uses_passages = policy_uses_passages(get_policy(args.policy, **options))
     check_device_and_dtype(args.device, args.dtype)
     if args.device is not None and getattr(args, "device_map", None) is not None:
         raise ValueError("pass --device or --device-map, not both")

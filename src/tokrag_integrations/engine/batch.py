@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ..accel.kv_cache import is_full_layer, new_cache
-from ..attention import ModelParts, Probe, ProbeRecord, model_parts
+from ..attention.parts import ModelParts, model_parts
+from ..attention.probe import Probe, ProbeRecord
 from ..models import LoadedModel, cache_argument, model_cache
 from ..policies.base import ContextSpec
 
@@ -206,7 +207,3 @@ class RoleBatch:
                 if s > m:
                     mask[r, mask.shape[1] - (s - m) :] = 0
             self.mask = mask
-
-
-#: The name the loops and tests have used (kept for compatibility).
-_RoleBatch = RoleBatch

@@ -1,42 +1,42 @@
-"""The step loop as an object: queries can be admitted between steps and leave when done.
+"""The step loop: queries are admitted between steps and leave when done.
 
-:func:`.loop.decode_loop` admits its queries once and steps until all are done; the
-continuous micro-batcher (:mod:`..batching`) admits a request that arrives while others are
-decoding at the next step boundary. A step is :meth:`Decoder.choose` (every active query's
-token, from the logits of its contexts) then :meth:`Decoder.advance` (every batch fed the
-chosen tokens). Newly admitted queries are prefilled between the two, so their first choice
-is made together with the others' next one.
+A step is :meth:`Decoder.choose` (every active query's token, from the views of its contexts,
+by one call of the policy for the whole batch) then :meth:`Decoder.advance` (every batch fed
+the chosen tokens; finished rows retired first). Queries admitted between the two are
+prefilled there, so their first choice is made together with the others' next one. The one
+scheduler (:mod:`..batching`), :func:`.loop.decode_loop`, teacher forcing and RAG-Sequence
+all run on this loop.
 
-How batches are prefilled and whether a newly prefilled batch is merged into a running one
-(one forward pass for both) are the ``prefill`` and ``join`` arguments: the runner passes
-the speed paths of :mod:`..accel`; this module never imports them. Without ``join`` each
-admission keeps its own batches (one more forward pass per step while both decode).
+Speed is chosen here, from ``speed=`` (:class:`.speed.Speed`) only: the prefill of
+:func:`..accel.packed.prefill` (packed / fused contexts), :func:`..accel.packed.join_batches`
+(an admitted query's rows merged into the running batch where contexts are fused) and the
+lens handed to the policy (:func:`.view.make_lens`, ``share_lens``).
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ..accel.packed import join_batches
+from ..accel.packed import prefill as speed_prefill
 from ..models import LoadedModel
 from ..policies.base import Choice, ContextSpec, Policy
 from ..prompts import PromptPlan
 from ..trace import Candidate, TraceStep
 from .batch import RoleBatch
-from .prefill import Prefilled, plain_prefill
+from .prefill import Prefilled
+from .speed import Speed, speed_of
 from .stats import distribution_stats_rows
-from .view import ContextView
+from .view import ContextView, make_lens
 
-#: ``prefill(roles, per_query, lm, policy)``: the prefilled batches of an admission.
-PrefillFn = Callable[[Sequence[str], Sequence[dict[str, ContextSpec]], LoadedModel, Policy], Prefilled]
-#: ``choose_many(policy, views, lm)``: the choices of one step for several queries.
-ChooseFn = Callable[[Policy, list[dict[str, ContextView]], LoadedModel], list[Choice]]
-#: ``join(running, new)``: one batch holding both batches' rows (``running``'s first), or
-#: None where they cannot share one.
-JoinFn = Callable[[RoleBatch, RoleBatch], RoleBatch | None]
+#: ``prefill(roles, per_query, lm, probe_roles)``: the prefilled batches of an admission.
+PrefillFn = Callable[[Sequence[str], Sequence[dict[str, ContextSpec]], LoadedModel, frozenset[str]], Prefilled]
 
 #: A batch drops the rows of finished queries once they are at least this share of its rows
 #: (each drop copies the kept rows' KV cache once, so not for every single finished row).
@@ -105,14 +105,16 @@ def step_event(
 
 def role_setup(
     lm: LoadedModel, plans: Sequence[PromptPlan], policy: Policy
-) -> tuple[list[dict[str, ContextSpec]], list[str]]:
-    """Prepare ``policy`` and build every query's contexts; returns them and the roles in
-    use (the policy's roles in its order, then any other role its contexts name, sorted)."""
+) -> tuple[list[dict[str, ContextSpec]], list[str], frozenset[str]]:
+    """Prepare ``policy`` and build every query's contexts; returns them, the roles in use
+    (the policy's roles in its order, then any other role its contexts name, sorted) and the
+    probed roles."""
     policy.prepare(lm)
     per_query = [policy.contexts(p) for p in plans]
     roles = [r for r in policy.roles if any(r in c for c in per_query)]
     roles += sorted({r for c in per_query for r in c} - set(roles))
-    return per_query, roles
+    probe = frozenset(r for c in per_query for r, s in c.items() if s.probe)
+    return per_query, roles, probe
 
 
 def views_for(rows: dict[str, dict[int, tuple[RoleBatch, int]]], q: int) -> dict[str, ContextView]:
@@ -140,11 +142,13 @@ def _moved_into(
 
 
 class Decoder:
-    """Greedy multi-context decoding of a changing set of queries under one policy.
+    """Greedy multi-context decoding of a changing set of queries under one policy, with
+    the speed paths of ``speed`` (a :class:`.speed.Speed`, a preset name or a dict).
 
     Query ids are given in admission order (0, 1, ...). ``timings`` collects ``prefill_s``
     (all admissions), ``fused`` / ``packed`` (of the last admission) and
-    ``prefill_reused_s``; the caller times the steps.
+    ``prefill_reused_s``; the caller times the steps. ``prefill`` replaces the speed paths'
+    prefill (teacher forcing prefills each role on its own).
     """
 
     def __init__(
@@ -155,26 +159,20 @@ class Decoder:
         max_new_tokens: int = 64,
         stop: Sequence[str] = (),
         timings: dict[str, float] | None = None,
+        speed: Speed | str | Mapping[str, Any] | None = None,
         prefill: PrefillFn | None = None,
-        choose_many: ChooseFn | None = None,
-        join: JoinFn | None = None,
-        join_prefill: PrefillFn | None = None,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if policy.sequence_level or policy.decode is not None:
-            raise ValueError(
-                f"policy {policy.name!r} decodes whole sequences or owns its decoding: "
-                "decode it with runner.decode_loop"
-            )
         self.lm, self.policy = lm, policy
         self.max_new_tokens, self.stop = max_new_tokens, stop
         self.timings = timings if timings is not None else {}
-        self._prefill = prefill or plain_prefill
-        #: The prefill of queries admitted while others decode (default: ``prefill``); the
-        #: runner passes one whose batches ``join`` can merge.
-        self._join_prefill = join_prefill or self._prefill
-        self._choose_many, self._join = choose_many, join
+        self.speed = speed_of(speed)
+        self._prefill = prefill or functools.partial(speed_prefill, speed=self.speed)
+        #: A query admitted while others decode is prefilled as rows ``join`` can merge.
+        self._join_prefill = prefill or functools.partial(speed_prefill, speed=self.speed, pack=False)
+        self._join = join_batches if self.speed.fuse and prefill is None else None
+        self._lens = make_lens(lm, share=self.speed.share_lens)
         self.batches: list[RoleBatch] = []
         self.rows: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
         self.generated: list[list[int]] = []
@@ -202,11 +200,11 @@ class Decoder:
         first token is chosen at the next :meth:`choose`."""
         if not plans:
             return []
-        per_query, roles = role_setup(self.lm, plans, self.policy)
+        per_query, roles, probe = role_setup(self.lm, plans, self.policy)
         prefill = self._join_prefill if self.batches else self._prefill
         t0 = time.perf_counter()
         with torch.inference_mode():
-            ready = prefill(roles, per_query, self.lm, self.policy)
+            ready = prefill(roles, per_query, self.lm, probe)
         t = self.timings
         t["prefill_s"] = t.get("prefill_s", 0.0) + time.perf_counter() - t0
         t["fused"], t["packed"] = float(ready.fused), float(ready.packed)
@@ -268,12 +266,7 @@ class Decoder:
     def _choose(self) -> list[StepEvent]:
         active = self.active
         all_views = [views_for(self.rows, q) for q in active]
-        if len(active) == 1:
-            choices = [self.policy.choose(all_views[0], self.lm)]
-        elif self._choose_many is not None:
-            choices = self._choose_many(self.policy, all_views, self.lm)
-        else:
-            choices = self.policy.choose_many(all_views, self.lm)
+        choices = self.policy.choose(all_views, self._lens)
         events = []
         for q, views, choice in zip(active, all_views, choices, strict=True):
             ev = step_event(
@@ -285,9 +278,12 @@ class Decoder:
             events.append(ev)
         return events
 
-    def advance(self) -> None:
+    def advance(self, tokens: dict[int, int] | None = None) -> None:
         """Feed every batch the tokens chosen at the last :meth:`choose` (padding for
-        finished rows), after dropping finished rows and batches."""
+        finished rows), after dropping finished rows and batches; ``tokens`` (query ->
+        token, teacher forcing): feed those instead, padding for the other queries."""
+        if tokens is not None:
+            self._chosen = dict(tokens)
         self._retire()
         if not self.batches:
             self._chosen.clear()

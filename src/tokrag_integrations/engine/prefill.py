@@ -121,8 +121,8 @@ def plain_prefill(
     roles: Sequence[str],
     per_query: Sequence[dict[str, ContextSpec]],
     lm: LoadedModel,
-    policy: Any,
+    probe_roles: frozenset[str],
 ) -> Prefilled:
     """One prefilled batch per role (:func:`prefill_roles`), decoded one pass per role."""
-    batches = prefill_roles(roles, per_query, lm, policy.probe_roles)
+    batches = prefill_roles(roles, per_query, lm, probe_roles)
     return Prefilled(batches, row_map(batches), reused_s=reused_seconds(batches))

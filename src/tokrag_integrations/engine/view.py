@@ -1,8 +1,8 @@
-"""What a policy sees of one context at one step: :class:`ContextView`, one row of a role
-batch (:mod:`.batch`). It satisfies the protocol the policies are written against
-(:class:`..policies.base.View`): next-token logits and probabilities, the retrieved-token
-positions and ids, per-layer states and attention rows, the latter recomputed on demand from
-the batch's KV cache."""
+"""What a policy sees at one step: :class:`ContextView`, one row of a role batch
+(:mod:`.batch`), the protocol :class:`..policies.base.View` (next-token logits and
+probabilities, the retrieved-token positions and ids, per-layer states and attention rows
+recomputed on demand from the batch's KV cache); and :func:`make_lens`, the
+:data:`..policies.base.Lens` the engine hands the policy."""
 
 from __future__ import annotations
 
@@ -10,50 +10,54 @@ from collections.abc import Callable
 
 import torch
 
-from ..attention import (
-    ProbeRecord,
+from ..attention.parts import model_parts
+from ..attention.probe import ProbeRecord
+from ..attention.rows import (
     attention_from_queries,
     attention_row,
     attention_rows,
     cached_keys,
+    logit_lens,
 )
-from ..policies.base import ContextSpec
+from ..models import LoadedModel
+from ..policies.base import ContextSpec, Lens
 from .batch import RoleBatch
 
-__all__ = ["ContextView"]
+__all__ = ["ContextView", "make_lens"]
+
+
+def make_lens(lm: LoadedModel, share: bool = True) -> Lens:
+    """The logit lens of ``lm`` as a :data:`..policies.base.Lens`: with ``share`` (the
+    ``share_lens`` of :class:`.speed.Speed`) every block of one call in one product (the LM
+    head read once), else one product per block."""
+
+    def lens(blocks: list[torch.Tensor], final_norm: bool = True) -> list[torch.Tensor]:
+        parts = model_parts(lm.model)
+        if share and len(blocks) > 1:
+            out = logit_lens(parts, torch.cat(blocks), final_norm=final_norm)
+            return list(torch.log_softmax(out, dim=-1).split([b.shape[0] for b in blocks]))
+        return [torch.log_softmax(logit_lens(parts, b, final_norm=final_norm), dim=-1) for b in blocks]
+
+    return lens
 
 
 class ContextView:
-    """What a policy sees of one context at one step (one row of a role batch).
-
-    ``record`` may be given as a zero-argument callable: it is then built on first access
-    (the blockwise loop builds per-layer states only at the steps whose rule reads them).
-    ``logits``/``seen_len`` override the batch's latest logits and cache length when the
-    view is of an earlier position of a block (the cache then holds later positions too).
-    """
+    """What a policy sees of one context at one step (one row of a role batch). ``record``
+    may be a zero-argument callable: it is then built on first access (most steps never
+    read it)."""
 
     def __init__(
-        self,
-        batch: RoleBatch,
-        row: int,
-        record: ProbeRecord | Callable[[], ProbeRecord] | None,
-        *,
-        logits: torch.Tensor | None = None,
-        seen_len: int | None = None,
+        self, batch: RoleBatch, row: int, record: ProbeRecord | Callable[[], ProbeRecord] | None
     ):
         self._batch = batch
         self._row = row
         self._record = record
-        self.logits: torch.Tensor = batch.logits[row] if logits is None else logits
+        self.logits: torch.Tensor = batch.logits[row]
         self.spec: ContextSpec = batch.specs[row]
-        self._seen = batch.mask.shape[1] if seen_len is None else seen_len
+        self._seen = batch.mask.shape[1]
         self._probs: torch.Tensor | None = None
         self._attn: dict[int, torch.Tensor] = {}
         self._attn_all: torch.Tensor | None = None
-        #: Log-probabilities of a rule's first logit-lens rows, computed for several queries
-        #: in one product by the batched chooser of the speed paths (None: the rule computes
-        #: them when it reads them).
-        self.lens_first: torch.Tensor | None = None
 
     @property
     def record(self) -> ProbeRecord | None:

@@ -34,7 +34,7 @@ DEFAULT_CF_RATIOS = (0.0, 0.5, 1.0)
 
 
 def _default_decode(lm: Any, queries: list[str], passages: list[list[str]], **kw: Any) -> list[Any]:
-    from ..api import generate_batch
+    from ..batching import generate_batch
 
     return generate_batch(lm, queries, passages, **kw)
 
@@ -64,9 +64,14 @@ def _run_generation(
     options, pols = build_policies(policies, policy_options)
     # Probing policies first (the most probed roles first), so the prefill they leave behind
     # serves every other policy: a probed prefill serves a non-probing decode, not the reverse.
-    order = sorted(pols, key=lambda p: -len(pols[p].probe_roles))
-    no_passages = [p for p in order if not pols[p].uses_passages]
-    with_passages = [p for p in order if pols[p].uses_passages]
+    from types import SimpleNamespace
+
+    from ..policies import uses_passages
+
+    empty = SimpleNamespace(pure_ids=[], rag_ids=[], retrieved_positions=[], kept_passages=[])
+    order = sorted(pols, key=lambda p: -sum(s.probe for s in pols[p].contexts(empty).values()))
+    no_passages = [p for p in order if not uses_passages(pols[p])]
+    with_passages = [p for p in order if uses_passages(pols[p])]
     total = len(items) * (len(no_passages) + len(with_passages) * len(conditions))
     done = sum(1 for it in items for p in no_passages if (it.id, NO_PASSAGES, p) in store)
     done += sum(1 for it in items for p in with_passages for c, _ in conditions if (it.id, c, p) in store)

@@ -69,7 +69,7 @@ TOKRAG_CONFIGS: dict[str, dict[str, Any]] = {
     "tokrag[min_fusion_layer=0.3125]": {"min_fusion_layer": 0.3125},
     "tokrag[fixed_layer=15]": {"fixed_layer": 15},
     "tokrag[scorer=distribution]": {"scorer": "distribution"},
-    "tokrag[variant=reference]": {"variant": "reference"},
+    "tokrag_reference": {"policy": "tokrag_reference"},
 }
 
 
@@ -121,15 +121,16 @@ def gold_target(tokenizer: Any, item: EvalItem, target: str = "evidence", max_to
 
 def scorer_configs(specs: str | Sequence[str] | None) -> dict[str, dict[str, Any]]:
     """Token scorers from specs (``"tokrag,tokrag[min_fusion_layer=0,lens_norm=false]"``):
-    label -> ``TokRAG`` options. None: :data:`TOKRAG_CONFIGS`. Each spec must name ``tokrag``
-    and its options must build ``TokRAG(**options)``; else ValueError (one sentence)."""
+    label -> ``TokRAG`` options (``"policy": "tokrag_reference"`` for the authors' rule). None:
+    :data:`TOKRAG_CONFIGS`. Each spec must name ``tokrag`` or ``tokrag_reference`` with options
+    its policy takes; else ValueError (one sentence)."""
     if specs is None:
         return dict(TOKRAG_CONFIGS)
-    from ..policies.tokrag import TokRAG
+    from ..policies import get_policy
 
     parsed = parse_specs(specs)
-    validate_specs(parsed, ["tokrag"], lambda name, **o: TokRAG(**o))
-    return {str(sp): dict(sp.options) for sp in parsed}
+    validate_specs(parsed, ["tokrag", "tokrag_reference"], get_policy)
+    return {str(sp): {**({"policy": sp.name} if sp.name != "tokrag" else {}), **sp.options} for sp in parsed}
 
 
 def _token_conditions(ratios: Sequence[float], cf_ratios: Sequence[float], k: int, cf_k: int, seed: int) -> list[tuple[str, Callable[[EvalItem], Mix]]]:
@@ -147,6 +148,7 @@ def _token_samples(lm: Any, builder: Any, walker: Any, scorers: dict[str, Any], 
     import warnings
 
     from ..engine.loop import teacher_force
+    from ..engine.view import make_lens
     from ..policies.selection import entropy_margin, logprob_margin
 
     with warnings.catch_warnings():
@@ -162,7 +164,7 @@ def _token_samples(lm: Any, builder: Any, walker: Any, scorers: dict[str, Any], 
             b = int(rag.logits.argmax().item())
             if (a == target[i]) == (b == target[i]):
                 continue
-            scores = {name: _safe_score(sc, pure, rag) for name, sc in scorers.items()}
+            scores = {name: _safe_score(sc, pure, rag, make_lens(lm)) for name, sc in scorers.items()}
             scores["logprob"] = logprob_margin(pure.probs, rag.probs)
             scores["entropy"] = entropy_margin(pure.probs, rag.probs)
             samples.append({"pos": i, "label": int(b == target[i]), "scores": scores})
@@ -194,11 +196,12 @@ def run_token_level(
     option set in ``tokrag_configs`` (default :data:`TOKRAG_CONFIGS`), the top-1 log-prob
     margin and the entropy margin. Records carry the item's ``source``.
     """
+    from ..policies import get_policy
     from ..policies.tokrag import TokRAG
 
     require_bool(progress, "progress")
     configs = dict(TOKRAG_CONFIGS if tokrag_configs is None else tokrag_configs)
-    scorers = {name: TokRAG(**opts) for name, opts in configs.items()}
+    scorers = {name: get_policy(**{"name": "tokrag", **opts}) for name, opts in configs.items()}
     for sc in scorers.values():
         sc.prepare(lm)
     walker = TokRAG()
@@ -226,9 +229,9 @@ def run_token_level(
     return summarize_token_level([r for r in store.values() if r["item"] in ids_])
 
 
-def _safe_score(scorer: Any, pure: Any, rag: Any) -> float:
+def _safe_score(scorer: Any, pure: Any, rag: Any, lens: Any) -> float:
     try:
-        return float(scorer.score(pure, rag))
+        return float(scorer.score(pure, rag, lens))
     except (ValueError, RuntimeError):
         return math.nan
 

@@ -44,7 +44,7 @@ import torch
 
 from ..config import require_bool
 from ..models import LoadedModel
-from ..policies.base import Choice, ContextView, Policy
+from ..policies.base import Choice, ContextSpec, Lens, Policy, View
 from ..trace import FROM_LLM
 from .gate_base import Gate
 from .statements import INSTRUCTION, PERSONAS, STATEMENTS
@@ -107,7 +107,7 @@ def last_token_states(
 
     Prompts are left-padded into batches; ``attention.Probe`` records the last position.
     """
-    from ..attention import Probe
+    from ..attention.probe import Probe
 
     out = []
     for i in range(0, len(prompts), batch_size):
@@ -183,7 +183,7 @@ def steering(
     lm: LoadedModel, direction: torch.Tensor, lam: float, layers: Sequence[int]
 ) -> Iterator[None]:
     """Add ``lam * direction[l]`` to the output of each 1-based layer l in ``layers``."""
-    from ..attention import model_parts
+    from ..attention.parts import model_parts
 
     parts = model_parts(lm.model)
     handles = []
@@ -219,8 +219,6 @@ class CtrlAMonitorPolicy(Policy):
 
     name = "ctrla_monitor"
     roles = ("pure",)
-    probe_roles = frozenset({"pure"})
-    uses_passages = False
 
     def __init__(
         self,
@@ -246,8 +244,16 @@ class CtrlAMonitorPolicy(Policy):
     def options(self) -> dict[str, Any]:
         return {"layers": self.layers, "tau": self.tau}
 
-    def choose(self, views: dict[str, ContextView], lm: LoadedModel) -> Choice:
-        v = views["pure"]
+    def contexts(self, plan: Any) -> dict[str, ContextSpec]:
+        return {"pure": ContextSpec(plan.pure_ids, probe=True)}  # reads the pure layers
+
+    def prepare(self, lm: LoadedModel) -> None:
+        self._lm = lm
+
+    def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
+        return [self._one(v["pure"], self._lm) for v in views]
+
+    def _one(self, v: View, lm: LoadedModel) -> Choice:
         tid = int(torch.argmax(v.logits).item())
         resid = v.record.resid[self.layers, 0, :].float()  # [band, d]
         dirs = self.direction[self.layers].to(resid.device)
@@ -372,7 +378,7 @@ class CtrlAGate(Gate):
         self, query: str, *, stop_on_trigger: bool = False, max_new_tokens: int | None = None
     ) -> tuple[Any, CtrlAMonitorPolicy]:
         """One monitored greedy decode of the pure context (steered if ``lam``)."""
-        from ..api import generate
+        from ..batching import generate
 
         self.fit_directions()
         pol = CtrlAMonitorPolicy(
@@ -456,7 +462,7 @@ class CtrlAGate(Gate):
         """CtrlA inference: decode while monitoring; on a trigger stop, form the CAQ query,
         retrieve and regenerate with the passages. Returns the answer, the decision and
         (when it retrieved) the CAQ query and passages."""
-        from ..api import generate
+        from ..batching import generate
 
         if self.threshold is None or self.mean is None:
             raise RuntimeError("CtrlAGate needs calibrate(queries) or load(path) before answer().")

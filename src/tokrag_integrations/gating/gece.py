@@ -114,7 +114,7 @@ def average_word_frequency(text: str, lang: str = "en") -> float:
 
 def ffn_parameters(model: Any, fraction: float = 1 / 8) -> list[tuple[str, torch.nn.Parameter]]:
     """FFN weight matrices of the last ``ceil(fraction * L)`` decoder layers."""
-    from ..attention import model_parts
+    from ..attention.parts import model_parts
 
     layers = model_parts(model).layers
     n = max(1, math.ceil(fraction * len(layers)))

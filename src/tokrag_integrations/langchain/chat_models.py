@@ -18,10 +18,10 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, field_validator, model_validator
 
 from .. import batching
-from ..api import GenerationResult, TokenEvent
 from ..defaults import MAX_NEW_TOKENS
 from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
 from ..policies import get_policy
+from ..results import GenerationResult, TokenEvent
 from ..translate import LOAD_FIELDS, given_options, model_label
 from .messages import (
     final_metadata,

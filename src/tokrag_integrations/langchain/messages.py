@@ -16,9 +16,9 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import UsageMetadata
 
-from ..api import GenerationResult
 from ..models import LoadedModel
 from ..prompts import Passage, RenderedPrompt
+from ..results import GenerationResult
 from ..translate import FINISH_REASONS, usage
 
 

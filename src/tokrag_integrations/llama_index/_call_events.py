@@ -15,7 +15,7 @@ from llama_index.core.instrumentation.events.llm import (
 )
 
 from .. import batching
-from ..api import GenerationResult
+from ..results import GenerationResult
 from ..synthesis import Call, Session
 from ..translate import result_summary, usage
 

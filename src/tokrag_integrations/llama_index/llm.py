@@ -26,10 +26,10 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 from pydantic import StrictBool
 
 from .. import batching
-from ..api import GenerationResult, TokenEvent
 from ..defaults import MAX_NEW_TOKENS
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
 from ..prompts import RenderedPrompt
+from ..results import GenerationResult, TokenEvent
 from ..translate import LOAD_FIELDS, given_options, jsonable, model_label, result_summary
 from .nodes import messages_to_dicts, messages_to_turns, to_passages
 

@@ -37,11 +37,11 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, Te
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from .. import batching as _batching
-from ..api import GenerationResult
 from ..config import require_bool
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, unknown_arguments
 from ..policies.base import Policy
+from ..results import GenerationResult
 from ..synthesis import Session, Setup, call_summary, totals
 from ..translate import checked_policy, jsonable
 from ._call_events import _CallEvents

@@ -1,11 +1,11 @@
-"""Decoding policies: one rule per module over the shared loop in :mod:`..engine.loop`.
+"""Decoding policies: one rule per module, over the engine's step loop.
 
 ``get_policy(name, **options)`` builds a policy by name and is the one place a policy's
 options are checked (:func:`_checked_options`); ``available_policies()`` lists the names;
-:func:`merge_policy_options` reads the ``policy_options=`` of the entry points (and their
-deprecated ``**options``). For policy authors: :class:`Policy`, :class:`View`, :class:`Choice`
-and :class:`ContextSpec` (defined in :mod:`.base`) are importable from here, and
-``register_policy(name, "module:Class")`` adds a rule to the registry.
+``register_policy(name, "module:Class")`` adds a rule. The contract a rule is written
+against (:class:`.base.Policy`, :class:`.base.View`, :class:`.base.Choice`,
+:class:`.base.ContextSpec`) is in :mod:`.base`; importing this package stays cheap (no torch:
+the CLI lists names without it).
 """
 
 from __future__ import annotations
@@ -14,58 +14,50 @@ import importlib
 import inspect
 import numbers
 import re
-import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # importing this package stays cheap (the CLI lists names without torch)
-    from .base import Choice, ContextSpec, ContextView, Policy, View
+if TYPE_CHECKING:
+    from .base import Policy
 
 __all__ = [
-    "Choice",
-    "ContextSpec",
-    "ContextView",
-    "Policy",
-    "View",
     "available_policies",
+    "checked_policy_options",
     "get_policy",
-    "merge_policy_options",
     "policy_options",
     "register_policy",
+    "uses_passages",
 ]
-
-#: The policy contract, loaded from :mod:`.base` on first access (it imports torch).
-_CONTRACT = frozenset({"Choice", "ContextSpec", "ContextView", "Policy", "View"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _CONTRACT:
-        from . import base
-
-        return getattr(base, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: Strings accepted for a bool option (case-insensitive), e.g. from ``--option fuse=false``.
 _BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
 
-#: name -> "module:Class". A new policy is a new small module plus one line here.
+_P = "tokrag_integrations.policies"
+#: name -> "module:Class" (full dotted module names). A new policy is a new small module
+#: plus one line here.
 _REGISTRY: dict[str, str] = {
-    "llm": "baselines:PureLLM",
-    "rag": "baselines:StandardRAG",
-    "floor": "baselines:TwoContextFloor",
-    "tokrag": "tokrag:TokRAG",
-    "logprob": "selection:LogprobSelection",
-    "entropy": "selection:EntropySelection",
-    "cad": "cad:CAD",
-    "adacad": "cad:AdaCAD",
-    "rag_token": "rag_token:RAGToken",
-    "rag_sequence": "rag_sequence:RAGSequence",
+    "llm": f"{_P}.baselines:PureLLM",
+    "rag": f"{_P}.baselines:StandardRAG",
+    "floor": f"{_P}.baselines:TwoContextFloor",
+    "tokrag": f"{_P}.tokrag:TokRAG",
+    "tokrag_reference": f"{_P}.tokrag_reference:TokRAGReference",
+    "logprob": f"{_P}.selection:LogprobSelection",
+    "entropy": f"{_P}.selection:EntropySelection",
+    "cad": f"{_P}.cad:CAD",
+    "adacad": f"{_P}.cad:AdaCAD",
+    "rag_token": f"{_P}.rag_token:RAGToken",
+    "rag_sequence": f"{_P}.rag_sequence:RAGSequence",
 }
 
 
 def register_policy(name: str, target: str) -> None:
-    """Register ``"module:Class"`` (module relative to this package, or absolute) as ``name``."""
+    """Register ``"module:Class"`` (a full dotted module name) as ``name``."""
     _REGISTRY[name] = target
+
+
+def uses_passages(policy: Policy) -> bool:
+    """Whether ``policy`` reads passages at all (``llm`` does not: its only role is pure)."""
+    return tuple(policy.roles) != ("pure",)
 
 
 def available_policies() -> list[str]:
@@ -89,8 +81,7 @@ def get_policy(name: str | Policy, **options: Any) -> Policy:
             f"Unknown policy {name!r}. Available policies: {', '.join(available_policies())}."
         )
     mod_name, cls_name = _REGISTRY[name].split(":")
-    mod = importlib.import_module(mod_name if "." in mod_name and not mod_name.startswith(".") else f"{__name__}.{mod_name}")
-    cls = getattr(mod, cls_name)
+    cls = getattr(importlib.import_module(mod_name), cls_name)
     options = _checked_options(name, cls, options)
     try:
         return cls(**options)
@@ -103,7 +94,7 @@ def policy_options(cls: type) -> dict[str, inspect.Parameter] | None:
     if cls.__init__ is object.__init__:
         return {}
     params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD and p.name != "legacy_speed" for p in params):
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
     return {
         p.name: p
@@ -118,11 +109,6 @@ def _checked_options(name: str, cls: type, options: dict[str, Any]) -> dict[str,
     known = policy_options(cls)
     if known is None:
         return options
-    if any(p.name == "legacy_speed" for p in inspect.signature(cls.__init__).parameters.values()):
-        # The deprecated speed options (``fuse=False``...), read as before; the class warns.
-        from .legacy_speed import SPEED_KEYS
-
-        known = {**known, **{k: _legacy_speed_param(k, d) for k, d in SPEED_KEYS.items()}}
     out = dict(options)
     for key, value in options.items():
         if key not in known:
@@ -158,11 +144,6 @@ def _is_numeric(param: inspect.Parameter) -> bool:
     return bool(names) and names <= {"int", "float", "None", "Optional"}
 
 
-def _legacy_speed_param(key: str, default: Any) -> inspect.Parameter:
-    annotation = bool if isinstance(default, bool) else inspect.Parameter.empty
-    return inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
-
-
 def _is_nan(value: Any) -> bool:
     """``value`` is NaN, or a string that ``float()`` reads as NaN (a NaN compares False with
     everything, so a NaN threshold would silently pick one side at every step)."""
@@ -187,37 +168,23 @@ def _as_bool(policy: str, key: str, value: Any) -> bool:
     )
 
 
-def merge_policy_options(
-    policy_options: Mapping[str, Any] | None,
-    legacy: Mapping[str, Any] | None,
-    caller: str,
-    *,
-    stacklevel: int = 3,
+def checked_policy_options(
+    policy_options: Mapping[str, Any] | None, loose: Mapping[str, Any] | None, caller: str
 ) -> dict[str, Any]:
-    """The policy options of one call of the entry point ``caller``: ``policy_options=``
-    (a dict), plus the options given the deprecated way (``legacy``: keyword arguments mixed
-    with the entry point's own), with a ``DeprecationWarning`` naming the new spelling. The
-    options are checked later, once, by :func:`get_policy`. ``stacklevel``: the warning's,
-    counted from this function (3: the caller of the function that calls this one).
+    """The policy options of one call of the entry point ``caller``: its ``policy_options=``
+    as a dict (checked later, once, by :func:`get_policy`). ``loose``: the call's keyword
+    arguments that the entry point does not take; any is refused, naming the spelling to use.
 
     Raises:
-        TypeError: ``policy_options`` is not a dict.
-        ValueError: an option given both ways.
+        TypeError: ``policy_options`` is not a dict, or ``loose`` is not empty.
     """
     if policy_options is not None and not isinstance(policy_options, Mapping):
         raise TypeError(
             f"policy_options must be a dict of option names to values, got {type(policy_options).__name__}"
         )
-    merged = dict(policy_options or {})
-    if legacy:
-        warnings.warn(
-            f"{caller}: policy options as keyword arguments ({', '.join(sorted(legacy))}) are "
-            f"deprecated; pass them as {caller}(..., policy_options={dict(legacy)!r})",
-            DeprecationWarning,
-            stacklevel=stacklevel,
+    if loose:
+        raise TypeError(
+            f"{caller}: unexpected keyword arguments {', '.join(sorted(loose))}; policy options "
+            f"go in {caller}(..., policy_options={dict(loose)!r})"
         )
-        both = sorted(set(merged) & set(legacy))
-        if both:
-            raise ValueError(f"option {both[0]!r} given twice: in policy_options and as a keyword")
-        merged.update(legacy)
-    return merged
+    return dict(policy_options or {})

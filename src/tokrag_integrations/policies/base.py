@@ -1,11 +1,11 @@
-"""The contract between a decoding rule and the loop that runs it, for policy authors.
+"""The contract between a decoding rule and the engine that runs it, for policy authors.
 
-A policy is a rule over the shared multi-context loop (:mod:`..engine.loop`): it names the
-contexts it needs (:meth:`Policy.contexts`, one :class:`ContextSpec` each), and at every step
-turns what it sees of them (one :class:`View` per context, the engine's
-:class:`..engine.view.ContextView`: next-token logits, retrieved-token positions, per-layer
-states and attention rows on demand) into a :class:`Choice` (the token, where it came from,
-and the numbers behind the decision)::
+A policy has six members: ``name``, ``roles`` (its context roles), :meth:`Policy.contexts`
+(one :class:`ContextSpec` per context of a query; ``probe=True`` where the rule reads the
+context's per-layer states), :meth:`Policy.prepare` (once per decode, with the model),
+:meth:`Policy.choose` and :meth:`Policy.options`. At every step the engine hands
+:meth:`Policy.choose` the views of every active query of the batch (one :class:`View` per
+context) and a :data:`Lens`; the rule returns one :class:`Choice` per query::
 
     from tokrag_integrations.policies import Choice, Policy, register_policy
 
@@ -13,76 +13,70 @@ and the numbers behind the decision)::
         name = "confident"
         roles = ("pure", "rag")
 
-        def choose(self, views, lm):
-            pure, rag = views["pure"].probs, views["rag"].probs
-            if pure.max() > rag.max():
-                return Choice(int(pure.argmax()), "llm")
-            return Choice(int(rag.argmax()), "rag")
+        def choose(self, views, lens):
+            out = []
+            for v in views:
+                side = "pure" if v["pure"].probs.max() > v["rag"].probs.max() else "rag"
+                out.append(Choice(int(v[side].probs.argmax()), "llm" if side == "pure" else "rag"))
+            return out
 
     register_policy("confident", "my_package.rules:Confident")
 
-Everything a loop may read from a policy is declared on :class:`Policy` with its default,
-so a rule overrides only what it changes. How fast a rule is decoded is not the rule's
-business: that is the ``speed=`` of the runner and the API (:class:`..engine.speed.Speed`).
+A rule that reads the lens a few rows at a time (Tok-RAG's l* search) writes one
+:data:`Signals` generator per query and runs them with :func:`lens_rounds`: one lens call per
+round for the whole batch.
+
+A sequence-level rule (RAG-Sequence) is not decided token by token: it subclasses
+:class:`SequencePolicy`, whose members the engine reads instead of calling ``choose``
+(greedy candidates under ``candidate_policy``, each scored under every context by teacher
+forcing, :meth:`SequencePolicy.log_p` picks one). How fast a rule is decoded is not the
+rule's business: that is ``speed=`` (:class:`..engine.speed.Speed`).
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..attention import ProbeRecord
+from ..attention.probe import ProbeRecord
 from ..models import LoadedModel
 from ..prompts import PromptPlan
-from .legacy_speed import add_speed_properties
 
-__all__ = ["Choice", "ContextSpec", "Policy", "View"]
-
-
-def __getattr__(name: str) -> Any:
-    # ``ContextView`` moved to the engine (:mod:`..engine.view`): rules are written against
-    # :class:`View`. Resolved at run time so that this module never imports the engine (the
-    # engine imports it).
-    if name == "ContextView":
-        return importlib.import_module("..engine.view", __package__).ContextView
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["Choice", "ContextSpec", "Lens", "Policy", "SequencePolicy", "Signals", "View", "lens_rounds"]
 
 
 @dataclass
 class ContextSpec:
-    """One context of one query: its prompt ids and which positions are retrieved tokens."""
+    """One context of one query: its prompt ids, which positions are retrieved tokens, its
+    weight (RAG-Token's p(z|x)) and whether the rule reads its per-layer states (``probe``:
+    :attr:`View.record` and the attention rows; only those contexts are probed)."""
 
     ids: list[int]
     rt_positions: list[int] = field(default_factory=list)
     weight: float | None = None
+    probe: bool = False
 
 
 @runtime_checkable
 class View(Protocol):
-    """What a rule reads of one context at one step (the engine's
-    :class:`..engine.view.ContextView` is the implementation; a test may pass any object with
-    these members).
+    """What a rule reads of one context at one step (the engine's ``ContextView``; a test may
+    pass any object with these members).
 
     Shapes: V the vocabulary, L the number of layers, H the heads, T the cached positions.
     """
 
     #: [V] next-token logits of this context.
     logits: torch.Tensor
-    #: The context's prompt ids and retrieved positions (as the rule's :meth:`Policy.contexts`
-    #: built it).
+    #: The context as the rule's :meth:`Policy.contexts` built it.
     spec: ContextSpec
-    #: [R, V] log-probabilities of the rule's first logit-lens rows when the engine computed
-    #: them for several queries in one product (:meth:`Policy.first_lens_rows`), else None.
-    lens_first: torch.Tensor | None
 
     @property
     def record(self) -> ProbeRecord | None:
         """Per-layer states of the last position (``resid`` [L+1, 1, d] ...), or None where
-        the rule did not ask for them (:attr:`Policy.probe_roles`)."""
+        the context is not probed (:attr:`ContextSpec.probe`)."""
 
     @property
     def probs(self) -> torch.Tensor:
@@ -103,6 +97,40 @@ class View(Protocol):
         """[L, H, T] attention of the last position at every layer."""
 
 
+#: ``lens(blocks, final_norm=True)``: the logit lens of hidden-state rows, computed by the
+#: engine: one block [R_i, d] per query in, their log-probabilities [R_i, V] (float32) out, in
+#: order; ``final_norm`` applies the model's final norm before the LM head. The engine may
+#: read the LM head once for all blocks; each block gets the values it gets alone (to rounding).
+Lens = Callable[..., list[torch.Tensor]]
+
+#: One query's signals at one step as a generator: it yields the hidden-state rows [R, d]
+#: whose logit lens it reads, is sent their log-probabilities [R, V], and returns the signals.
+Signals = Generator[torch.Tensor, torch.Tensor, dict[str, Any]]
+
+
+def lens_rounds(gens: list[Signals], lens: Lens, final_norm: bool) -> list[dict[str, Any]]:
+    """Run the :data:`Signals` of several queries to their end: each round, the rows every
+    query still asks for go to the engine's ``lens`` in one call."""
+    out: list[Any] = [None] * len(gens)
+    asks: dict[int, torch.Tensor] = {}
+
+    def send(i: int, value: Any) -> None:
+        try:
+            asks[i] = gens[i].send(value)
+        except StopIteration as done:
+            out[i] = done.value
+
+    for i in range(len(gens)):
+        send(i, None)
+    while asks:
+        idx, rows = list(asks), list(asks.values())
+        asks.clear()
+        for i, logp in zip(idx, lens(rows, final_norm=final_norm), strict=True):
+            send(i, logp)
+    return out
+
+
+
 @dataclass
 class Choice:
     """A policy's decision at one step."""
@@ -113,32 +141,16 @@ class Choice:
 
 
 class Policy:
-    """A decoding rule over the multi-context loop.
+    """A decoding rule over the engine's step loop (see the module docstring)."""
 
-    Subclasses set ``name`` and ``roles`` and implement :meth:`choose`. ``probe_roles`` lists
-    the roles whose per-layer states the rule reads (only those are probed). The other
-    attributes are optional hooks, declared here with the default the loops use.
-    """
-
+    #: The rule's registry name (recorded in the trace).
     name: str = ""
+    #: Its context roles, in order. ``("pure",)`` alone: the rule reads no passages.
     roles: tuple[str, ...] = ()
-    probe_roles: frozenset[str] = frozenset()
-    #: Whether the rule needs passages at all (``llm`` does not).
-    uses_passages: bool = True
-    #: A sequence-level rule (RAG-Sequence) is not decided token by token: the engine decodes
-    #: it with :func:`..engine.sequence.decode_sequence`, which calls the rule's own
-    #: equations; :meth:`choose` is never called.
-    sequence_level: bool = False
-    #: A rule that owns its decoding altogether may set this to a method
-    #: ``decode(lm, plans, *, max_new_tokens, stop=(), timings=None)`` yielding the loop's
-    #: ``StepEvent`` objects; None (the default): the loop calls :meth:`choose` at every step.
-    decode: Callable[..., Iterator[Any]] | None = None
-    #: Speed options given to the rule the old way (``TokRAG(speculative=True)``); the runner
-    #: reads them where no ``speed=`` is given. Deprecated: pass ``speed=`` instead.
-    legacy_speed: dict[str, Any] = {}  # noqa: RUF012 - never mutated, replaced per instance
 
     def contexts(self, plan: PromptPlan) -> dict[str, ContextSpec]:
-        """The contexts this rule decodes for one query (default: pure and RAG)."""
+        """The contexts this rule decodes for one query (default: its ``pure`` / ``rag``
+        roles, not probed)."""
         out: dict[str, ContextSpec] = {}
         if "pure" in self.roles:
             out["pure"] = ContextSpec(plan.pure_ids)
@@ -147,39 +159,36 @@ class Policy:
         return out
 
     def prepare(self, lm: LoadedModel) -> None:
-        """Called once per decode with the model (cache embeddings etc.)."""
+        """Called once per decode with the model (cache embeddings, vocabulary masks...)."""
 
-    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
-        """The token to emit at this step, given one view per context role."""
+    def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
+        """The token of every query at this step: ``views`` holds one dict (role -> view)
+        per active query of the batch; one :class:`Choice` per query, in order."""
         raise NotImplementedError
-
-    def choose_many(self, views: list[dict[str, View]], lm: LoadedModel) -> list[Choice]:
-        """:meth:`choose` for several queries at the same step, in order (the engine's
-        batched chooser shares the rows of :meth:`first_lens_rows` between them first)."""
-        return [self.choose(v, lm) for v in views]
-
-    def choice_without_signals(self, views: dict[str, View]) -> Choice | None:
-        """The choice :meth:`choose` makes at this step without reading the model's layers (the
-        contexts agree, a gated word, ...), or None where it reads them (the default). The
-        engine's batched chooser asks this first and takes the answer as the step's choice."""
-        return None
-
-    def first_lens_rows(self, views: dict[str, View]) -> torch.Tensor | None:
-        """[R, d] hidden-state rows whose logit lens the rule reads first at this step, or None
-        where it reads none (the default); asked only where :meth:`choice_without_signals` is
-        None. Where several queries of a batch return rows, the engine lenses them in one
-        product and hands each query its part as ``views["rag"].lens_first``; the rule must
-        then read the same values it would have computed itself."""
-        return None
-
-    #: Whether :meth:`first_lens_rows` are lensed with the final norm.
-    lens_norm: bool = True
 
     def options(self) -> dict[str, Any]:
         """The rule's options as recorded in the trace (``Trace.options``)."""
         return {}
 
 
-# Deprecated: ``policy.fuse``, ``policy.speculative``, ``policy.block``, ``policy.drafter``
-# (speed choices, now the ``speed=`` of the runner and the API), see :mod:`.legacy_speed`.
-add_speed_properties(Policy)
+class SequencePolicy(Policy):
+    """A sequence-level rule: whole answers, then one choice (the engine's
+    ``decode_sequence``). ``contexts`` are the contexts every candidate is scored under."""
+
+    #: The rule decoding the candidates of :meth:`candidate_plans`, and a query without
+    #: passages.
+    candidate_policy: Policy
+    fallback_policy: Policy
+
+    def candidate_plans(self, plan: PromptPlan) -> list[PromptPlan]:
+        """The prompts whose greedy answers are the candidates."""
+        raise NotImplementedError
+
+    def log_p(self, weights: Sequence[float | None], log_p_contexts: Sequence[float]) -> float:
+        """A candidate's score from its log-probability under each context."""
+        raise NotImplementedError
+
+    def candidate_source(self, passage: int | None) -> str:
+        """The trace source of the tokens of a candidate from ``candidate_plans()[passage]``
+        (None: the fallback's)."""
+        raise NotImplementedError

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models import LoadedModel
-from ..trace import FROM_LLM, FROM_RAG
-from .base import Choice, Policy, View
+from ..trace import AGREE, FROM_LLM, FROM_RAG
+from .base import Choice, Lens, Policy, View
 
 
 class PureLLM(Policy):
@@ -14,10 +13,9 @@ class PureLLM(Policy):
 
     name = "llm"
     roles = ("pure",)
-    uses_passages = False
 
-    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
-        return Choice(int(torch.argmax(views["pure"].logits).item()), FROM_LLM)
+    def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
+        return [Choice(int(torch.argmax(v["pure"].logits).item()), FROM_LLM) for v in views]
 
 
 class StandardRAG(Policy):
@@ -26,8 +24,8 @@ class StandardRAG(Policy):
     name = "rag"
     roles = ("rag",)
 
-    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
-        return Choice(int(torch.argmax(views["rag"].logits).item()), FROM_RAG)
+    def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
+        return [Choice(int(torch.argmax(v["rag"].logits).item()), FROM_RAG) for v in views]
 
 
 class TwoContextFloor(Policy):
@@ -37,7 +35,9 @@ class TwoContextFloor(Policy):
     name = "floor"
     roles = ("pure", "rag")
 
-    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
-        a = int(torch.argmax(views["pure"].logits).item())
-        b = int(torch.argmax(views["rag"].logits).item())
-        return Choice(b, "agree" if a == b else FROM_RAG)
+    def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
+        out = []
+        for v in views:
+            a, b = int(torch.argmax(v["pure"].logits).item()), int(torch.argmax(v["rag"].logits).item())
+            out.append(Choice(b, AGREE if a == b else FROM_RAG))
+        return out

@@ -13,9 +13,8 @@ from typing import Any
 import torch
 
 from .. import signals as S
-from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
-from .base import Choice, Policy, View
+from .base import Choice, Lens, Policy, View
 
 #: Source label of a token chosen from a blend of both contexts that neither context's
 #: top-1 proposes on its own.
@@ -70,13 +69,15 @@ class CAD(Policy):
     def step_alpha(self, pure: View, rag: View) -> float:
         return self.alpha
 
-    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
-        pure, rag = views["pure"], views["rag"]
-        a = int(torch.argmax(pure.logits).item())
-        b = int(torch.argmax(rag.logits).item())
-        alpha = self.step_alpha(pure, rag)
-        tid = int(torch.argmax(contrast_logits(rag.logits, pure.logits, alpha)).item())
-        return Choice(tid, _source(tid, a, b), {"alpha": alpha})
+    def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
+        out = []
+        for v in views:
+            pure, rag = v["pure"], v["rag"]
+            a, b = int(torch.argmax(pure.logits).item()), int(torch.argmax(rag.logits).item())
+            alpha = self.step_alpha(pure, rag)
+            tid = int(torch.argmax(contrast_logits(rag.logits, pure.logits, alpha)).item())
+            out.append(Choice(tid, _source(tid, a, b), {"alpha": alpha}))
+        return out
 
 
 class AdaCAD(CAD):

@@ -1,6 +1,6 @@
 """RAG-Sequence (seed 001): one answer per passage, rescored under every passage.
 
-The rule, whose loop is :func:`..engine.sequence.decode_sequence`:
+A :class:`.base.SequencePolicy`, decoded by the engine's loop (:mod:`..engine.loop`):
 
 1. For each kept passage z, a greedy answer y_z from a context holding only z (standard RAG
    over single-passage prompts; :meth:`RAGSequence.candidate_plans`).
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..prompts import PromptPlan
-from .base import ContextSpec, Policy
+from .base import ContextSpec, Policy, SequencePolicy
 from .baselines import PureLLM, StandardRAG
 from .rag_token import RAGToken, passage_role
 
@@ -42,7 +42,7 @@ def single_passage_plan(plan: PromptPlan, j: int) -> PromptPlan:
     )
 
 
-class RAGSequence(Policy):
+class RAGSequence(SequencePolicy):
     """RAG-Sequence decoding (thorough: every candidate scored under every passage).
 
     Args:
@@ -51,7 +51,6 @@ class RAGSequence(Policy):
 
     name = "rag_sequence"
     roles = ()
-    sequence_level = True
     #: Step 1's rule for the single-passage candidates, and for a query without passages.
     candidate_policy: Policy = StandardRAG()
     fallback_policy: Policy = PureLLM()
@@ -62,9 +61,6 @@ class RAGSequence(Policy):
 
     def options(self) -> dict[str, Any]:
         return {"temperature": self.temperature}
-
-    def choose(self, views, lm):  # pragma: no cover - the sequence loop never calls it
-        raise RuntimeError("rag_sequence is a sequence-level rule; the engine decodes it")
 
     def candidate_plans(self, plan: PromptPlan) -> list[PromptPlan]:
         """Step 1's prompts: one per kept passage (none without passages)."""

@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-from ..models import LoadedModel
 from ..prompts import Passage, PromptPlan
-from .base import Choice, ContextSpec, Policy, View
+from .base import Choice, ContextSpec, Lens, Policy, View
 
 
 def passage_weights(passages: Sequence[Passage], temperature: float = 1.0) -> list[float]:
@@ -62,7 +61,10 @@ class RAGToken(Policy):
             out[passage_role(j)] = ContextSpec(ids, rt, weight=w)
         return out
 
-    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
+    def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
+        return [self._one(v) for v in views]
+
+    def _one(self, views: dict[str, View]) -> Choice:
         roles = sorted(views, key=lambda r: int(r.split(":")[1]))
         w = torch.tensor([views[r].spec.weight for r in roles], dtype=torch.float32)
         probs = torch.stack([views[r].probs for r in roles])  # [K, V]

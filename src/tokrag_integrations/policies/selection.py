@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from .. import signals as S
-from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
-from .base import Choice, Policy, View
+from .base import Choice, Lens, Policy, View
 
 
 def logprob_margin(pure_probs: torch.Tensor, rag_probs: torch.Tensor) -> float:
@@ -33,8 +32,10 @@ class _MarginSelection(Policy):
     def margin(self, pure_probs: torch.Tensor, rag_probs: torch.Tensor) -> float:
         raise NotImplementedError
 
-    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
-        pure, rag = views["pure"], views["rag"]
+    def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
+        return [self._one(v["pure"], v["rag"]) for v in views]
+
+    def _one(self, pure: View, rag: View) -> Choice:
         a = int(torch.argmax(pure.logits).item())
         b = int(torch.argmax(rag.logits).item())
         if a == b:

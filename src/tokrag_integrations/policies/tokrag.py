@@ -18,28 +18,23 @@ x^{l'-l*} itself and threshold −0.1. The paper's rule as written is
 threshold=0, plausibility_alpha=0.1, pr_skip=None`` (DoLa's α); the literal reading of Eq.
 14-15 adds ``min_fusion_layer=0, plausibility_alpha=None, lens_norm=False``.
 
-``variant="reference"`` reproduces what the authors' released decoder does instead
-(:mod:`.tokrag_reference`, with file and line citations): RAG's token taken at once when it
-is a function word, else a fixed attention layer, no WordSim / p_R but the best single-token
-cosine around the 3 most-attended retrieved positions, and a comparison at every step. Its
-known first-token bug (the attention row of the wrong query position) is not copied.
+The authors' released rule is its own policy, ``tokrag_reference`` (:mod:`.tokrag_reference`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Generator
 from typing import Any
 
 import torch
 
 from .. import signals as S
-from ..attention import logit_lens, model_parts
+from ..attention.parts import model_parts
 from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
-from . import tokrag_reference as REF
 from . import vocab
-from .base import Choice, Policy, View
-from .legacy_speed import legacy_speed_options
+from .base import Choice, ContextSpec, Lens, Policy, Signals, View, lens_rounds
 from .verdict import verdict_mask
 
 #: Layers per logit-lens product, from the start of the l* search: the first one and the later
@@ -48,51 +43,25 @@ from .verdict import verdict_mask
 _LENS_FIRST = 5
 _LENS_CHUNK = 3
 
-#: Eq. 19's margin threshold: benefit wins iff the margin >= this. Fixed on the dev sets
-#: (docs/results.md, "Choosing the defaults"); the paper's rule is 0.
-DEFAULT_THRESHOLD = -0.1
-
-#: α of DoLa's plausibility constraint on x^{l'-l*}: the rising token is searched among the
-#: tokens with p_final >= α·max p_final. Fixed on the dev sets (docs/results.md, "The rising
-#: token among RAG's leading candidates"); DoLa's own value, the paper rule's (docs/algorithm.md, "Presets"), is 0.1.
-DEFAULT_PLAUSIBILITY_ALPHA = 0.5
-
-#: Which retrieved tokens Eq. 15-16 leave out of p_R: those with no letter or digit. Attention
-#: sinks on punctuation otherwise carry most of p_R on some models. Fixed on the dev sets
-#: (docs/results.md, "Punctuation out of p_R"); the paper keeps every retrieved token (None).
-DEFAULT_PR_SKIP = "punctuation"
-
-#: Where either candidate is a verdict word (yes / no, a negator) RAG's token is kept without
-#: comparing: a verdict is inferred from the passage, not copied from it, so w_IR cannot stand
-#: for it, and the answer states RAG's verdict. Fixed on the dev sets (docs/results.md, "Verdict
-#: words", "`verdict_gate="either"` and the punctuation gate"); the paper compares there (None).
-DEFAULT_VERDICT_GATE = "either"
-
-#: Where Eq. 19 would drop RAG's token although it is x^{l'-l*} (the token RAG's layers after
-#: the fusion layer raised most among its plausible ones), RAG's token is kept: Eq. 19 then
-#: overrules RAG only where RAG's own later layers did not single out its token. Fixed on the
-#: dev sets (docs/results.md, "RAG's rising token"); the paper lets Eq. 19 decide (False).
-DEFAULT_RISING_GATE = True
-
-#: Where the pure model's token is punctuation, RAG's is kept without comparing (see
-#: ``punctuation_gate``). Fixed on the dev sets (docs/results.md, "`verdict_gate="either"` and
-#: the punctuation gate"); the paper compares there (False).
-DEFAULT_PUNCTUATION_GATE = True
+#: The defaults that differ from the paper's rule, each fixed on the dev sets (docs/results.md,
+#: "Choosing the defaults" and the sections on each gate); the class docstring says what each does.
+DEFAULT_THRESHOLD = -0.1  # Eq. 19's margin threshold (paper: 0)
+DEFAULT_PLAUSIBILITY_ALPHA = 0.5  # DoLa's α on x^{l'-l*} (paper rule: 0.1)
+DEFAULT_PR_SKIP = "punctuation"  # retrieved tokens left out of p_R (paper: None)
+DEFAULT_VERDICT_GATE = "either"  # (paper: None)
+DEFAULT_RISING_GATE = True  # (paper: False)
+DEFAULT_PUNCTUATION_GATE = True  # (paper: False)
 
 
 class TokRAG(Policy):
     """Tok-RAG decoding.
 
     Args:
-        variant: ``"paper"`` (Eq. 13–19, docs/algorithm.md) or ``"reference"`` (authors' code,
-            docs/algorithm.md, "The authors' released rule").
         min_fusion_layer: first layer searched by both terms of Eq. 14: an int is a layer
             (0 = the literal all-layer argmax), a float in (0, 1) a fraction of the depth L
             (0.3125 = round(L·10/32), the authors' end of the shallow stage), None = L/2, the
             start that measured best on dev (:data:`..signals.DEFAULT_FUSION_FRACTION`).
-        fixed_layer: paper variant: use this l* instead of Eq. 14 (None = Eq. 14); reference
-            variant: the 1-based layer whose attention it reads (default: their 0-based
-            layer 20 of 32 scaled to L, plus one).
+        fixed_layer: use this l* instead of Eq. 14 (None = Eq. 14).
         plausibility_alpha: x^{l'−l*} is searched among the tokens with p_final >= α·max
             p_final (DoLa's constraint; None = the whole vocabulary, the literal reading). The
             default, 0.5, keeps the search among RAG's own leading candidates and was fixed on
@@ -115,39 +84,34 @@ class TokRAG(Policy):
             only orders the margin, so the default, -0.1, was fixed on the dev sets
             (docs/results.md, "Choosing the defaults"); ``threshold=0`` is the paper's rule.
         jsd_threshold: Eq. 14's a, per vocabulary entry.
-        function_word_gate: paper variant: where RAG's token is a function word (the authors'
+        function_word_gate: where RAG's token is a function word (the authors'
             list, :func:`.vocab.gate_mask`) keep it without comparing, as their
             released decoder does (its step 1); the comparison of Eq. 19 is then made only
             where the candidates differ in content (default, chosen on the dev sets). False:
             Eq. 19 at every disagreement, the paper's loop.
-        verdict_gate: paper variant: where a disagreement decides the answer's polarity, keep
+        verdict_gate: where a disagreement decides the answer's polarity, keep
             RAG's token without comparing (:mod:`.verdict`: w_IR, a mixture of retrieved
             tokens, cannot stand for a verdict or a negation). ``"either"`` (default, chosen
             on the dev sets): where either candidate is a verdict word (it overrides a
             pure-model "No" too, so the answer states RAG's verdict); ``"rag"``: where RAG's
             token is one; None: Eq. 19 decides (the paper).
-        punctuation_gate: paper variant: where the pure model's token has no letter or digit
+        punctuation_gate: where the pure model's token has no letter or digit
             (:func:`.vocab.punctuation_mask`) and RAG's differs, keep RAG's token without
             comparing: a punctuation token states nothing the pure model knows, so Eq. 19 can
             only change the answer's framing there (quoting the question instead of answering
             it). The authors' gate does the same for RAG's punctuation. Default True (chosen on
             the dev sets); False: Eq. 19 decides (the paper).
-        rising_gate: paper variant: where Eq. 19 would keep the pure model's token but RAG's
+        rising_gate: where Eq. 19 would keep the pure model's token but RAG's
             token is x^{l'−l*} itself (of RAG's plausible tokens, the one its layers after the
             fusion layer l* raised most), keep RAG's token (default True, chosen on the dev
             sets); False: Eq. 19 decides (the paper).
-        **legacy_speed: deprecated (``speculative``, ``block``, ``drafter``, ``fuse``): speed
-            choices, now ``speed={...}`` of :func:`..api.generate` and the runner; given here
-            they still apply, with a ``DeprecationWarning``.
     """
 
     name = "tokrag"
     roles = ("pure", "rag")
-    probe_roles = frozenset({"pure", "rag"})
 
     def __init__(
         self,
-        variant: str = "paper",
         pr_norm: str = "sum",
         pr_skip: str | None = DEFAULT_PR_SKIP,
         top_k: int | None = 3,
@@ -162,10 +126,7 @@ class TokRAG(Policy):
         verdict_gate: str | None = DEFAULT_VERDICT_GATE,
         rising_gate: bool = DEFAULT_RISING_GATE,
         punctuation_gate: bool = DEFAULT_PUNCTUATION_GATE,
-        **legacy_speed: Any,
     ):
-        if variant not in ("paper", "reference"):
-            raise ValueError(f"variant must be 'paper' or 'reference', got {variant!r}")
         if pr_norm not in ("sum", "softmax"):
             raise ValueError(f"pr_norm must be 'sum' or 'softmax', got {pr_norm!r}")
         if pr_skip not in (None, "punctuation", "reference"):
@@ -186,62 +147,39 @@ class TokRAG(Policy):
             )
         if plausibility_alpha is not None and not 0.0 < float(plausibility_alpha) <= 1.0:
             raise ValueError(f"plausibility_alpha must be in (0, 1] or None, got {plausibility_alpha!r}")
-        if not isinstance(function_word_gate, bool):
-            raise ValueError(f"function_word_gate must be True or False, got {function_word_gate!r}")
         if verdict_gate not in (None, "rag", "either"):
             raise ValueError(f"verdict_gate must be None, 'rag' or 'either', got {verdict_gate!r}")
-        if not isinstance(rising_gate, bool):
-            raise ValueError(f"rising_gate must be True or False, got {rising_gate!r}")
-        if not isinstance(punctuation_gate, bool):
-            raise ValueError(f"punctuation_gate must be True or False, got {punctuation_gate!r}")
-        if not isinstance(lens_norm, bool):
-            raise ValueError(f"lens_norm must be True or False, got {lens_norm!r}")
+        flags = {"function_word_gate": function_word_gate, "rising_gate": rising_gate,
+                 "punctuation_gate": punctuation_gate, "lens_norm": lens_norm}
+        for key, value in flags.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be True or False, got {value!r}")
         if jsd_threshold < 0:
             raise ValueError(f"jsd_threshold must be >= 0, got {jsd_threshold}")
         if fixed_layer is not None and (isinstance(fixed_layer, bool) or not isinstance(fixed_layer, int)):
             raise ValueError(f"fixed_layer must be an int or None, got {fixed_layer!r}")
-        self.variant = variant
-        self.pr_norm = pr_norm
-        self.pr_skip = pr_skip if variant == "paper" else None
-        self.scorer = scorer
-        self.threshold = float(threshold)
-        self.top_k = top_k if variant == "paper" else None  # the reference uses 2 and 3
-        self.min_fusion_layer = min_fusion_layer
-        self.lens_norm = lens_norm if variant == "paper" else False
+        self.pr_norm, self.pr_skip, self.scorer = pr_norm, pr_skip, scorer
+        self.threshold, self.top_k = float(threshold), top_k
+        self.min_fusion_layer, self.lens_norm = min_fusion_layer, lens_norm
         self.plausibility_alpha = None if plausibility_alpha is None else float(plausibility_alpha)
-        self.jsd_threshold = float(jsd_threshold)
-        self.fixed_layer = fixed_layer
-        self.function_word_gate = function_word_gate if variant == "paper" else True
-        self.verdict_gate = verdict_gate if variant == "paper" else None
-        self.rising_gate = rising_gate if variant == "paper" else False
-        self.punctuation_gate = punctuation_gate if variant == "paper" else False
-        self.legacy_speed = legacy_speed_options(self.name, legacy_speed)
+        self.jsd_threshold, self.fixed_layer = float(jsd_threshold), fixed_layer
+        self.function_word_gate, self.verdict_gate = function_word_gate, verdict_gate
+        self.rising_gate, self.punctuation_gate = rising_gate, punctuation_gate
 
     def options(self) -> dict[str, Any]:
-        paper = self.variant == "paper"
+        keys = (
+            "scorer", "threshold", "pr_norm", "pr_skip", "top_k", "min_fusion_layer",
+            "plausibility_alpha", "lens_norm", "jsd_threshold", "function_word_gate",
+            "verdict_gate", "rising_gate", "punctuation_gate",
+        )
+        out = {k: getattr(self, k) for k in keys}
+        return out if self.fixed_layer is None else {**out, "fixed_layer": self.fixed_layer}
+
+    def contexts(self, plan: Any) -> dict[str, ContextSpec]:
+        """Both contexts, probed (the signals read their layers)."""
         return {
-            "variant": self.variant,
-            **(
-                {"scorer": self.scorer, "threshold": self.threshold, "pr_norm": self.pr_norm, "pr_skip": self.pr_skip}
-                if paper
-                else {}
-            ),
-            **({"top_k": self.top_k} if paper else {}),
-            **(
-                {
-                    "min_fusion_layer": self.min_fusion_layer,
-                    "plausibility_alpha": self.plausibility_alpha,
-                    "lens_norm": self.lens_norm,
-                    "jsd_threshold": self.jsd_threshold,
-                    "function_word_gate": self.function_word_gate,
-                    "verdict_gate": self.verdict_gate,
-                    "rising_gate": self.rising_gate,
-                    "punctuation_gate": self.punctuation_gate,
-                }
-                if paper
-                else {}
-            ),
-            **({"fixed_layer": self.fixed_layer} if self.fixed_layer is not None or not paper else {}),
+            "pure": ContextSpec(plan.pure_ids, probe=True),
+            "rag": ContextSpec(plan.rag_ids, plan.retrieved_positions, probe=True),
         }
 
     def prepare(self, lm: LoadedModel) -> None:
@@ -259,21 +197,14 @@ class TokRAG(Policy):
             raise ValueError(
                 f"min_fusion_layer={self._lo} exceeds the model's {self._L} layers"
             )
-        if self.variant == "paper" and self.fixed_layer is not None and not 1 <= self.fixed_layer <= self._L:
+        if self.fixed_layer is not None and not 1 <= self.fixed_layer <= self._L:
             raise ValueError(f"fixed_layer must be in [1, {self._L}], got {self.fixed_layer}")
-        if self.variant == "reference":
-            fl = self.fixed_layer if self.fixed_layer is not None else REF.reference_layer(self._L) + 1
-            if not 1 <= fl <= self._L:
-                raise ValueError(f"fixed_layer must be in [1, {self._L}], got {fl}")
-            self._fixed = fl
         # Vocabulary masks depend only on the tokenizer: built once per model. Each reads every
         # token decoded; the decoding is shared by the masks built in this call.
         V = self._A.shape[0]
         key = (id(lm.tokenizer), len(lm.tokenizer), V)
         texts = functools.cache(lambda: vocab.vocab_texts(lm.tokenizer))
 
-        if self.variant == "reference":
-            self._skip = lm.memo(("skip_mask", *key), lambda: vocab.skip_mask(lm.tokenizer, vocab_size=V))
         if self.pr_skip == "punctuation" or self.punctuation_gate:
             self._punct = lm.memo(
                 ("pr_skip:punctuation", *key), lambda: vocab.punctuation_mask(lm.tokenizer, vocab_size=V, texts=texts())
@@ -293,92 +224,43 @@ class TokRAG(Policy):
         self._tok = lm.tokenizer
 
     # ------------------------------------------------------------------ rule
-    def choose(self, views: dict[str, View], lm: LoadedModel) -> Choice:
-        gated = self.choice_without_signals(views)
-        if gated is not None:
-            return gated
-        pure, rag = views["pure"], views["rag"]
+    def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
+        """The gates first; where none decides, Eq. 19 on the signals (one lens request of
+        every query left per round, :func:`.base.lens_rounds`)."""
+        out = [self._gated(v["pure"], v["rag"]) for v in views]
+        todo = [i for i, c in enumerate(out) if c is None]
+        sigs = lens_rounds([self.signals(views[i]["pure"], views[i]["rag"]) for i in todo], lens, self.lens_norm)
+        for i, sig in zip(todo, sigs, strict=True):
+            out[i] = self._decide(views[i]["pure"], views[i]["rag"], sig)
+        return out
+
+    def _decide(self, pure: View, rag: View, sig: dict[str, Any]) -> Choice:
+        """Eq. 19 (and the rising gate) on one query's signals."""
         a = int(torch.argmax(pure.logits).item())
         b = int(torch.argmax(rag.logits).item())
-        sig = (
-            self.reference_signals(pure, rag)
-            if self.variant == "reference"
-            else self.signals(pure, rag)
-        )
         rising = sig.pop("rising_id", None)
-        if a == b:
-            return Choice(a, AGREE, sig)
         if self.rising_gate and not sig["benefit"] and rising == b:
             sig = {**sig, "benefit": True, "note": "gated: RAG's rising token"}
         return Choice(b if sig["benefit"] else a, FROM_RAG if sig["benefit"] else FROM_LLM, sig)
 
-    def first_lens_rows(self, views: dict[str, View]) -> torch.Tensor | None:
-        """The rows of the l* search's first logit-lens product (:meth:`_first_chunk`) where
-        this step searches l* (the paper variant without a fixed layer), else None."""
-        if self.variant != "paper" or self.fixed_layer is not None:
-            return None
-        return self._first_chunk(views["pure"], views["rag"])
-
-    def _first_chunk(self, pure: View, rag: View) -> torch.Tensor:
-        """The hidden-state rows of :meth:`_fusion_layer`'s first logit-lens product."""
-        attn = rag.attention_all()
-        f = S.retrieved_attention_mass(attn, rag.rt_positions)
-        lo = max(1, self._lo)
-        f_arg = lo + int(torch.argmax(f[lo - 1 :]).item())
-        rows, *_ = self._chunk_rows(pure, rag, f_arg, lo - 1, lo - 2, True, {})
-        return torch.cat(rows)
-
-    def _chunk_rows(
-        self,
-        pure: View,
-        rag: View,
-        f_arg: int,
-        start: int,
-        done_to: int,
-        first: bool,
-        rag_logp: dict[int, torch.Tensor],
-    ) -> tuple[list[torch.Tensor], list[int], list[int], bool, int]:
-        """The rows of one logit-lens product of the l* search (layers ``done_to + 1`` to the
-        chunk's end): the pure rows (layer 0 shared with the RAG row when both contexts were
-        fed the same token), the RAG rows, the extra RAG rows; with the chunk's layers, its
-        extra layers, whether layer 0 is shared and the number of pure rows."""
-        L = self._L
-        h_pure = pure.record.resid[:, 0]  # [L+1, d]
-        h_rag = rag.record.resid[:, 0]
-        stop = min(start + (_LENS_FIRST if first else _LENS_CHUNK) - 1, L)
-        layers = list(range(done_to + 1, stop + 1))
-        # Extra RAG rows for x^{l'-l*}: the final layer (when it is not the model's own
-        # output) and every l* a crossing in this chunk would give, so that no second
-        # read of the LM head is needed.
-        lo = max(1, self._lo)
-        extra = [L] if not self.lens_norm else []
-        extra += [(f_arg + c) // 2 for c in range(max(start, lo), stop + 1)]
-        extra = sorted({x for x in extra if x not in rag_logp and x not in layers})
-        # Layer 0 is the embedding of the token both contexts were fed: one row for both.
-        share0 = layers[0] == 0 and torch.equal(h_pure[0], h_rag[0])
-        p_layers = layers[1:] if share0 else layers
-        rows = [h_pure[p_layers], h_rag[layers], h_rag[extra]]
-        return rows, layers, extra, share0, len(p_layers)
-
-    def choice_without_signals(self, views: dict[str, View]) -> Choice | None:
+    def _gated(self, pure: View, rag: View) -> Choice | None:
         """The choice made without the signals (the contexts agree, no retrieved tokens, a
         gated word), or None where the signals decide."""
-        pure, rag = views["pure"], views["rag"]
         a = int(torch.argmax(pure.logits).item())
         b = int(torch.argmax(rag.logits).item())
-        if self.variant == "paper" and a == b:
+        if a == b:
             return Choice(a, AGREE)
-        if rag.spec.rt_positions == []:
-            return Choice(a, AGREE if a == b else FROM_LLM, {"note": "no retrieved tokens"})
+        if not rag.spec.rt_positions:
+            return Choice(a, FROM_LLM, {"note": "no retrieved tokens"})
         if self.function_word_gate and bool(self._gate[b]):  # the authors' function-word gate
-            return Choice(b, AGREE if a == b else FROM_RAG, {"note": "gated: function word"})
+            return Choice(b, FROM_RAG, {"note": "gated: function word"})
         if self.verdict_gate is not None and (
             bool(self._verdict[b]) or (self.verdict_gate == "either" and bool(self._verdict[a]))
         ):
-            return Choice(b, AGREE if a == b else FROM_RAG, {"note": "gated: verdict word"})
-        if self.punctuation_gate and a != b and bool(self._punct[a]):
+            return Choice(b, FROM_RAG, {"note": "gated: verdict word"})
+        if self.punctuation_gate and bool(self._punct[a]):
             return Choice(b, FROM_RAG, {"note": "gated: pure punctuation"})
-        if a != b and self._rising_is_rags_token(rag):
+        if self._rising_is_rags_token(rag):
             return Choice(b, FROM_RAG, {"note": "gated: RAG alone plausible"})
         return None
 
@@ -392,20 +274,19 @@ class TokRAG(Policy):
         final = torch.log_softmax(rag.logits.float(), dim=-1)  # as :meth:`signals` computes it
         return int(S.plausible_tokens(final, self.plausibility_alpha).sum()) == 1
 
-    def score(self, pure: View, rag: View) -> float:
+    def score(self, pure: View, rag: View, lens: Lens) -> float:
         """A number > 0 where benefit wins (token-level AUC): cos(w_RAG, w_IR) − cos(w_RAG,
         w_LLM) for the cosine scorer, JSD(p_RAG, p_LLM) − JSD(p_RAG, p_R) for the distribution
         scorer."""
-        if self.variant == "reference":
-            return self.reference_signals(pure, rag)["margin"]
-        sig = self.signals(pure, rag)
+        sig = lens_rounds([self.signals(pure, rag)], lens, self.lens_norm)[0]
         if self.scorer == "distribution":
             return sig["jsd_llm"] - sig["jsd_ir"]
         return sig["cos_ir"] - sig["cos_llm"]
 
     # ------------------------------------------------------------------ signals (Eq. 13–18)
-    def signals(self, pure: View, rag: View) -> dict[str, Any]:
-        L, A, parts = self._L, self._A, self._parts
+    def signals(self, pure: View, rag: View) -> Signals:
+        """Eq. 13-18 at one step where the candidates differ (a :data:`Signals` generator)."""
+        L, A = self._L, self._A
         rt = rag.rt_positions
         rt_ids = rag.rt_token_ids
         h_rag = rag.record.resid[:, 0]  # [L+1, d]
@@ -414,7 +295,7 @@ class TokRAG(Policy):
             attn_star = rag.attention(l_star - 1)
         else:
             attn = rag.attention_all()  # [L, H, T]
-            l_star, f_layer, g_layer, rag_logp = self._fusion_layer(pure, rag, attn)
+            l_star, f_layer, g_layer, rag_logp = yield from self._fusion_layer(pure, rag, attn)
             attn_star = attn[l_star - 1]
 
         # Eq. 15–16: Att ⊙ WordSim over the retrieved positions -> p_R -> w_IR.
@@ -423,12 +304,11 @@ class TokRAG(Policy):
             if bool(keep.any()):
                 rt, rt_ids = rt[keep], rt_ids[keep]
         att = S.renormalised_attention(attn_star, rt)
-        if L not in rag_logp:  # the final layer: the model's own output unless lens_norm=False
-            final = rag.logits if self.lens_norm else logit_lens(parts, h_rag[L], final_norm=False)
-            rag_logp[L] = torch.log_softmax(final.float(), dim=-1)
-        if l_star not in rag_logp:
-            lens = logit_lens(parts, h_rag[l_star], final_norm=self.lens_norm)
-            rag_logp[l_star] = torch.log_softmax(lens, dim=-1)
+        if L not in rag_logp and self.lens_norm:  # the final layer: the model's own output
+            rag_logp[L] = torch.log_softmax(rag.logits.float(), dim=-1)
+        need = [x for x in dict.fromkeys((L, l_star)) if x not in rag_logp]
+        if need:
+            rag_logp.update(zip(need, (yield h_rag[need]), strict=True))
         x_rise = S.rising_token(rag_logp[L], rag_logp[l_star], alpha=self.plausibility_alpha)
         wordsim = S.word_similarity(A, x_rise, rt_ids)
         p_r = S.retrieval_distribution(att, wordsim, pr_norm=self.pr_norm)
@@ -461,73 +341,49 @@ class TokRAG(Policy):
 
     def _fusion_layer(
         self, pure: View, rag: View, attn: torch.Tensor
-    ) -> tuple[int, int, int, dict[int, torch.Tensor]]:
+    ) -> Generator[torch.Tensor, torch.Tensor, tuple[int, int, int, dict[int, torch.Tensor]]]:
         """l* of Eq. 14 searched from ``self._lo``; also returns the RAG context's lensed
-        log-probabilities computed on the way ({layer: [V]}), reused for x^{l'-l*}."""
-        L, A, parts = self._L, self._A, self._parts
+        log-probabilities computed on the way ({layer: [V]}), reused for x^{l'-l*}.
+
+        g(l), Eq. 13, is computed lazily: only up to the first layer crossing the threshold,
+        a few layers per lens request (each request reads the LM head once): the pure rows
+        (layer 0 shared with the RAG row when both contexts were fed the same token), the
+        RAG rows, and the extra RAG rows x^{l'-l*} may need (the final layer when it is not
+        the model's own output, and every l* a crossing in this chunk would give)."""
+        L = self._L
+        V = self._A.shape[0]
+        h_pure, h_rag = pure.record.resid[:, 0], rag.record.resid[:, 0]  # [L+1, d]
         f = S.retrieved_attention_mass(attn, rag.rt_positions)
-        # g(l), Eq. 13, computed lazily: only up to the first layer crossing the threshold,
-        # a few layers per LM-head product (each product reads the LM head once).
         lo = max(1, self._lo)
-        bound = self.jsd_threshold * A.shape[0]
+        bound = self.jsd_threshold * V
         g = torch.full((L,), float("nan"))
         f_arg = lo + int(torch.argmax(f[lo - 1 :]).item())
         rag_logp: dict[int, torch.Tensor] = {}  # layer -> log phi(h~^l)
-        prev_p = prev_r = None
+        prev: tuple[torch.Tensor, torch.Tensor] | None = None
         start, done_to = lo - 1, lo - 2  # lens rows of layers start..stop, then stop+1...
         while done_to < L:
-            rows, layers, extra, share0, n_p = self._chunk_rows(
-                pure, rag, f_arg, start, done_to, prev_p is None, rag_logp
-            )
-            stop = layers[-1]
-            n = len(layers)
-            if prev_p is None and rag.lens_first is not None:
-                logp = rag.lens_first  # the same rows, lensed with other queries' (first_lens_rows)
-            else:
-                logp = torch.log_softmax(
-                    logit_lens(parts, torch.cat(rows), final_norm=self.lens_norm), dim=-1
-                )
-            lp, lr = logp[:n_p], logp[n_p : n_p + n]
+            stop = min(start + (_LENS_FIRST if prev is None else _LENS_CHUNK) - 1, L)
+            layers = list(range(done_to + 1, stop + 1))
+            extra = ([L] if not self.lens_norm else []) + [(f_arg + c) // 2 for c in range(max(start, lo), stop + 1)]
+            extra = sorted({x for x in extra if x not in rag_logp and x not in layers})
+            share0 = layers[0] == 0 and torch.equal(h_pure[0], h_rag[0])
+            p_layers = layers[1:] if share0 else layers
+            logp = yield torch.cat([h_pure[p_layers], h_rag[layers], h_rag[extra]])
+            n_p = len(p_layers)
+            lp, lr = logp[:n_p], logp[n_p : n_p + len(layers)]
             if share0:
                 lp = torch.cat([lr[:1], lp])
-            for j, layer in enumerate(layers):
-                rag_logp[layer] = lr[j]
-            for j, layer in enumerate(extra):
-                rag_logp[layer] = logp[n_p + n + j]
-            if prev_p is not None:
-                lp = torch.cat([prev_p[None], lp])
-                lr = torch.cat([prev_r[None], lr])
+            rag_logp.update(zip(layers + extra, logp[n_p:], strict=True))
+            if prev is not None:
+                lp, lr = torch.cat([prev[0][None], lp]), torch.cat([prev[1][None], lr])
             shift = S.layer_shift_jsd_logp(torch.stack([lr, lp]))  # both contexts at once
-            gap = S.distribution_change_gap(shift[0], shift[1])
-            first = layers[0] + (1 if prev_p is None else 0)  # 1-based layer of gap[0]
-            g[first - 1 : stop] = gap.float()
-            prev_p, prev_r = lp[-1], lr[-1]
-            done_to = stop
+            first = layers[0] + (1 if prev is None else 0)  # 1-based layer of gap[0]
+            g[first - 1 : stop] = S.distribution_change_gap(shift[0], shift[1]).float()
+            prev, done_to = (lp[-1], lr[-1]), stop
             if S.first_crossing(g[:stop], bound, start_layer=lo) is not None:
                 break
             start = stop + 1
         l_star, f_layer, g_layer = S.fusion_layer(
-            f, g, vocab_size=A.shape[0], threshold=self.jsd_threshold, min_fusion_layer=self._lo
+            f, g, vocab_size=V, threshold=self.jsd_threshold, min_fusion_layer=self._lo
         )
         return l_star, f_layer, g_layer, rag_logp
-
-    def reference_signals(self, pure: View, rag: View) -> dict[str, Any]:
-        """The authors' released-code rule (docs/algorithm.md, "The authors' released rule")."""
-        sig = REF.reference_signals(
-            rag.attention(self._fixed - 1),
-            rag.rt_positions,
-            rag.rt_token_ids,
-            rag.probs,
-            pure.probs,
-            self._A,
-            skip=self._skip,
-            **REF.preset_kwargs("generation"),
-        )
-        return {
-            "l_star": self._fixed,
-            "cos_ir": sig["cos_ir"],
-            "cos_llm": sig["cos_llm"],
-            "benefit": sig["benefit"],
-            "margin": sig["margin"],
-            "attended": [self._tok.decode([t]) for t in sig["attended"]],
-        }

@@ -57,8 +57,8 @@ Their token-level script differs (comparing_benefit_and_detriment.py): 0-based l
 718-722), the maximum over attention ranks 3-7 only (``cos_sim[2:7]``, 715-716, no 0
 floor), benefit iff that maximum > cos_LLM (726-729), at every answer token (696).
 
-Nothing here reads the model: the caller passes the step's tensors (see
-:func:`reference_signals`).
+The functions here read no model: the caller passes the step's tensors (see
+:func:`reference_signals`); :class:`TokRAGReference` is the rule as a policy.
 """
 
 from __future__ import annotations
@@ -68,18 +68,12 @@ from typing import Any
 
 import torch
 
-# The vocabulary masks moved to :mod:`.vocab` (the default Tok-RAG path needs them without
-# this module); re-exported here for existing imports.
-from .vocab import (  # noqa: F401
-    FILTER_WORDS,
-    SKIP_PIECES,
-    _boundary_marker,
-    _ids,
-    gate_mask,
-    punctuation_mask,
-    skip_mask,
-    vocab_texts,
-)
+from ..attention.parts import model_parts
+from ..models import LoadedModel
+from ..prompts import PromptPlan
+from ..trace import AGREE, FROM_LLM, FROM_RAG
+from .base import Choice, ContextSpec, Lens, Policy, View
+from .vocab import gate_mask, skip_mask
 
 #: Settings of the three places the rule is implemented (see the module docstring).
 #: ``layer_fraction``: 0-based decoder layer / 32 (LLaMA-2-7B). ``max_ranked``: how many
@@ -297,3 +291,86 @@ def reference_signals(
         "attended_index": chosen,
         "best_token": best_token,
     }
+
+
+class TokRAGReference(Policy):
+    """The authors' released rule as a decoder (the ``"generation"`` preset): RAG's token
+    taken at once where it is a function word (step 1), else steps 2-9 at every step,
+    whether or not the candidates differ (docs/algorithm.md, "The authors' released rule").
+    Their first-token bug (the attention row of the wrong query position) is not copied.
+
+    Args:
+        fixed_layer: the 1-based layer whose attention the rule reads (default: their
+            0-based layer 20 of 32 scaled to L, plus one; :func:`reference_layer`).
+    """
+
+    name = "tokrag_reference"
+    roles = ("pure", "rag")
+
+    def __init__(self, fixed_layer: int | None = None):
+        if fixed_layer is not None and (isinstance(fixed_layer, bool) or not isinstance(fixed_layer, int)):
+            raise ValueError(f"fixed_layer must be an int or None, got {fixed_layer!r}")
+        self.fixed_layer = fixed_layer
+
+    def options(self) -> dict[str, Any]:
+        return {"fixed_layer": self.fixed_layer}
+
+    def contexts(self, plan: PromptPlan) -> dict[str, ContextSpec]:
+        """Both contexts; the RAG one probed (the rule reads one layer's attention)."""
+        return {
+            "pure": ContextSpec(plan.pure_ids),
+            "rag": ContextSpec(plan.rag_ids, plan.retrieved_positions, probe=True),
+        }
+
+    def prepare(self, lm: LoadedModel) -> None:
+        parts = model_parts(lm.model)
+        self._A = parts.embedding_matrix.detach()
+        L = parts.num_layers
+        self._fixed = self.fixed_layer if self.fixed_layer is not None else reference_layer(L) + 1
+        if not 1 <= self._fixed <= L:
+            raise ValueError(f"fixed_layer must be in [1, {L}], got {self._fixed}")
+        V = self._A.shape[0]
+        key = (id(lm.tokenizer), len(lm.tokenizer), V)
+        self._gate = lm.memo(("gate_mask", *key), lambda: gate_mask(lm.tokenizer, vocab_size=V))
+        self._skip = lm.memo(("skip_mask", *key), lambda: skip_mask(lm.tokenizer, vocab_size=V))
+        self._tok = lm.tokenizer
+
+    def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
+        return [self._one(v["pure"], v["rag"]) for v in views]
+
+    def _one(self, pure: View, rag: View) -> Choice:
+        a = int(torch.argmax(pure.logits).item())
+        b = int(torch.argmax(rag.logits).item())
+        if not rag.spec.rt_positions:
+            return Choice(a, AGREE if a == b else FROM_LLM, {"note": "no retrieved tokens"})
+        if bool(self._gate[b]):  # step 1: the function-word gate
+            return Choice(b, AGREE if a == b else FROM_RAG, {"note": "gated: function word"})
+        sig = self.signals(pure, rag)
+        if a == b:
+            return Choice(a, AGREE, sig)
+        return Choice(b if sig["benefit"] else a, FROM_RAG if sig["benefit"] else FROM_LLM, sig)
+
+    def score(self, pure: View, rag: View, lens: Lens) -> float:
+        """``rate * cos_IR - cos_LLM`` (> 0 where benefit wins; token-level AUC)."""
+        return self.signals(pure, rag)["margin"]
+
+    def signals(self, pure: View, rag: View) -> dict[str, Any]:
+        """Steps 2-9 at one step (:func:`reference_signals`, the "generation" preset)."""
+        sig = reference_signals(
+            rag.attention(self._fixed - 1),
+            rag.rt_positions,
+            rag.rt_token_ids,
+            rag.probs,
+            pure.probs,
+            self._A,
+            skip=self._skip,
+            **preset_kwargs("generation"),
+        )
+        return {
+            "l_star": self._fixed,
+            "cos_ir": sig["cos_ir"],
+            "cos_llm": sig["cos_llm"],
+            "benefit": sig["benefit"],
+            "margin": sig["margin"],
+            "attended": [self._tok.decode([t]) for t in sig["attended"]],
+        }

@@ -394,7 +394,7 @@ class PostgresKnowledgeBase:
     ) -> PostgresAnswer:
         """Retrieve (with ``search``), then decode with the core
         :func:`~tokrag_integrations.generate`."""
-        from ..api import generate
+        from ..batching import generate
 
         chunks = self.retrieve(question, top_k=top_k, filters=filters, search=search)
         result = generate(lm, question, [c.to_passage() for c in chunks], policy=policy, **options)

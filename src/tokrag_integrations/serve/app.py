@@ -348,7 +348,7 @@ async def _events(
     """Server-sent events for one stream. The decode is read by a thread of its own as fast
     as the model goes and queued here, so the model is released when the answer is done,
     however slowly the client reads; closing this generator (the client left) stops it."""
-    from ..api import TokenEvent
+    from ..results import TokenEvent
 
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Any] = asyncio.Queue()

@@ -282,7 +282,7 @@ class ChatService:
     async def complete(self, req: ChatRequest, passages: list[Any] | None) -> Any:
         """Decode ``req`` through the micro-batcher; cancelling the awaiting task drops the
         request from its batch (or stops its decode at the next step)."""
-        from ..api import run_cancellable
+        from ..streams import run_cancellable
 
         kw = await self.checked_settings(req)
         batcher = self.batcher
