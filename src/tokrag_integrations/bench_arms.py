@@ -5,28 +5,25 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "SPEC_COUNTS","ARMS", "DEFAULT_POLICIES", "EXACT_ARMS", "STOCK_ARMS", "THROUGHPUT_ARMS", "arm"]
+    "ARMS", "DEFAULT_POLICIES", "EXACT_ARMS", "STOCK_ARMS", "THROUGHPUT_ARMS", "arm"]
 
 #: Benchmark arms: name -> (policy, options). ``tokrag`` is the default decoder (the pure and
 #: RAG contexts decoded together, step by step: packed into one sequence for one query); ``tokrag-step`` the step-by-step loop as
-#: written (one forward pass per context), which every fast path must equal;
-#: ``tokrag-blockwise`` blockwise verification (issue 8's idea). ``rag-stock`` is ``rag`` on
+#: written (one forward pass per context), which every fast path must equal. ``rag-stock`` is ``rag`` on
 #: the same model with transformers' stock CPU kernels (``TOKRAG_CPU_KERNELS=off``).
 ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "rag": ("rag", {}),
     "rag-stock": ("rag", {}),
     "floor": ("floor", {}),
     "tokrag-step": ("tokrag", {"speed": "reference"}),
-    "tokrag-blockwise": ("tokrag", {"speed": {"speculative": True}}),
     "tokrag": ("tokrag", {}),
     "llm": ("llm", {}),
 }
 #: Arms that run on a second copy of the model loaded with the stock kernels.
 STOCK_ARMS = frozenset({"rag-stock"})
-DEFAULT_POLICIES = ("rag", "floor", "tokrag-step", "tokrag-blockwise", "tokrag", "rag-stock")
-SPEC_COUNTS = ("blocks", "drafted", "accepted", "verifier_wins", "stale")
+DEFAULT_POLICIES = ("rag", "floor", "tokrag-step", "tokrag", "rag-stock")
 #: Fast arms whose tokens and decisions must equal ``tokrag-step``'s.
-EXACT_ARMS = ("tokrag", "tokrag-blockwise")
+EXACT_ARMS = ("tokrag",)
 #: Arms timed by ``--throughput`` (those of the run's ``--policies`` that are in it, in this
 #: order): one context, both contexts without signals, the default decoder.
 THROUGHPUT_ARMS = ("rag", "floor", "tokrag")

@@ -27,16 +27,6 @@ def policy_figures(rs: list[dict[str, Any]]) -> dict[str, Any]:
         # answers are shorter pays its prefill over fewer tokens (s_per_token rises).
         d["prefill_s_per_question"] = statistics.mean(r["prefill_s"] for r in rs)
         d["decode_s_per_token"] = sum(r["decode_s"] for r in rs) / max(1, sum(tok))
-    blocks = sum(r["blocks"] for r in rs)
-    if blocks:
-        drafted = sum(r["drafted"] for r in rs)
-        d.update(
-            blocks_per_question=blocks / len(rs),
-            # Step 0 is read off the prefill; every other token comes out of a block.
-            tokens_per_block=(sum(tok) - len(rs)) / blocks,
-            draft_acceptance=sum(r["accepted"] for r in rs) / max(1, drafted),
-            stale_per_question=sum(r["stale"] for r in rs) / len(rs),
-        )
     return d
 
 
@@ -87,15 +77,14 @@ def format_report(res: dict[str, Any]) -> str:
         + f", max_new_tokens {res['max_new_tokens']}",
         "",
         "| arm | s / question | ms / token | tokens / question | agreement rate | disagreement steps / question "
-        "| tokens / block | draft acceptance | peak MB | peak over model MB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| peak MB | peak over model MB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     nan = float("nan")
     for pol, p in P.items():
         lines.append(
             f"| {pol} | {p['s_per_question']:.3f} | {1000 * p['s_per_token']:.1f} | {p['tokens_per_question']:.1f} | "
             f"{p['agreement_rate']:.3f} | {p['disagreements_per_question']:.1f} | "
-            f"{p.get('tokens_per_block', nan):.2f} | {p.get('draft_acceptance', nan):.2f} | "
             f"{p.get('peak_mb', nan):.0f} | {p.get('peak_over_model_mb', nan):.0f} |"
         )
     lines.append("")
@@ -113,8 +102,6 @@ def format_report(res: dict[str, Any]) -> str:
         ("tokrag", "rag"),
         ("tokrag", "floor"),
         ("tokrag", "tokrag-step"),
-        ("tokrag-blockwise", "rag"),
-        ("tokrag-blockwise", "tokrag-step"),
         ("tokrag-step", "rag"),
         ("floor", "rag"),
         ("rag", "rag-stock"),

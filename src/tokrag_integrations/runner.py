@@ -1,10 +1,9 @@
 """Which loop decodes a policy, and with which speed paths (the ``speed=`` argument).
 
-A sequence-level rule (RAG-Sequence) is decoded by :func:`.engine.sequence.decode_sequence`.
-Otherwise blockwise verification (:func:`.accel.blockwise_loop`) where ``speed`` asks for
-it (``speculative``) and it applies (:func:`.accel.blockwise`); else the step-by-step loop
-:func:`.engine.loop.decode_loop` with the packed / fused prefill of :func:`.accel.prefill`
-and, in a batch, the shared logit-lens product of :func:`.accel.choose_many`. All give the
+A sequence-level rule (RAG-Sequence) is decoded by :func:`.engine.sequence.decode_sequence`;
+else the step-by-step loop
+:func:`.engine.loop.decode_loop` with the packed / fused prefill of :func:`.accel.packed.prefill`
+and, in a batch, the shared logit-lens product of :func:`.accel.shared_lens.choose_many`. All give the
 same tokens, sources and signals. The choice is made here, above the engine and the speed
 paths, so that the algorithm side (engine loop, policies, signals) never imports
 :mod:`.accel`.
@@ -16,7 +15,8 @@ import functools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from . import accel
+from .accel.packed import join_batches, prefill
+from .accel.shared_lens import choose_many
 from .engine import loop
 from .engine.decoder import Decoder
 from .engine.loop import StepEvent
@@ -29,7 +29,7 @@ from .prompts import PromptPlan
 
 def resolve_speed(speed: Speed | str | Mapping[str, Any] | None, policy: Policy) -> Speed:
     """The :class:`Speed` of a decode: ``speed`` (None: ``"auto"``), with the speed options
-    a policy was given the deprecated way (``TokRAG(speculative=True)``) applied where
+    a policy was given the deprecated way (``TokRAG(fuse=False)``) applied where
     ``speed`` is None.
 
     Raises:
@@ -65,23 +65,20 @@ def decode_loop(
     if policy.sequence_level:
         yield from decode_sequence(lm, plans, policy, **kwargs)
         return
-    if max_new_tokens >= 1 and chosen.speculative and accel.blockwise(lm, policy):
-        yield from accel.blockwise_loop(lm, plans, policy, speed=chosen, **kwargs)
-        return
     yield from loop.decode_loop(
         lm,
         plans,
         policy,
-        prefill=functools.partial(accel.prefill, speed=chosen),
-        choose_many=accel.choose_many if chosen.share_lens else None,
+        prefill=functools.partial(prefill, speed=chosen),
+        choose_many=choose_many if chosen.share_lens else None,
         **kwargs,
     )
 
 
 def continuous_supported(policy: Policy, speed: Speed | str | Mapping[str, Any] | None = None) -> bool:
     """Whether queries can join a running decode of ``policy`` (:func:`decoder`): a
-    step-by-step rule (not sequence-level, not blockwise, no decoding of its own)."""
-    return not (policy.sequence_level or policy.decode is not None or resolve_speed(speed, policy).speculative)
+    step-by-step rule (not sequence-level, no decoding of its own)."""
+    return not (policy.sequence_level or policy.decode is not None)
 
 
 def decoder(
@@ -96,7 +93,7 @@ def decoder(
     """A :class:`.engine.decoder.Decoder` with the speed paths ``speed`` asks for: queries
     admitted alone are prefilled as :func:`decode_loop` does; a query admitted while others
     decode is prefilled as plain rows and merged into the running batch
-    (:func:`.accel.join_batches`) where contexts are fused. Raises ``ValueError`` where
+    (:func:`.accel.packed.join_batches`) where contexts are fused. Raises ``ValueError`` where
     :func:`continuous_supported` is False."""
     chosen = resolve_speed(speed, policy)
     if not continuous_supported(policy, chosen):
@@ -107,8 +104,8 @@ def decoder(
         max_new_tokens=max_new_tokens,
         stop=stop,
         timings=timings,
-        prefill=functools.partial(accel.prefill, speed=chosen),
-        join_prefill=functools.partial(accel.prefill, speed=chosen, pack=False),
-        choose_many=accel.choose_many if chosen.share_lens else None,
-        join=accel.join_batches if chosen.fuse else None,
+        prefill=functools.partial(prefill, speed=chosen),
+        join_prefill=functools.partial(prefill, speed=chosen, pack=False),
+        choose_many=choose_many if chosen.share_lens else None,
+        join=join_batches if chosen.fuse else None,
     )

@@ -10,7 +10,7 @@ import pytest
 
 from tokrag_integrations import bench
 from tokrag_integrations.accel import cpu_kernels as K
-from tokrag_integrations.accel import speed_paths
+from tokrag_integrations.accel.install import speed_paths
 
 
 def test_the_real_model_never_keeps_a_bucket_measured_slower(lm):

@@ -13,6 +13,7 @@ import torch
 
 from tokrag_integrations import bench
 from tokrag_integrations.accel import cpu_kernels as K
+from tokrag_integrations.accel import install as accel_install
 
 
 def _routed_model() -> torch.nn.Module:
@@ -71,7 +72,7 @@ def test_a_bucket_slower_on_the_whole_model_goes_back_to_the_stock_path(monkeypa
 
 
 def speed_paths_of(model: torch.nn.Module) -> str:
-    return K._kernel_detail(model)
+    return accel_install._kernel_detail(model)
 
 
 def test_plans_are_chosen_by_the_median_of_interleaved_rounds(monkeypatch):
@@ -182,7 +183,7 @@ def test_left_padded_rows_attend_in_runs_from_their_first_keys():
     """A fused batch of many rows (pure rows padded far to the left, then RAG rows) attends
     in runs of rows that start close together, each from its own first key: the same
     attention as the masked product over every key."""
-    from tokrag_integrations.accel.cpu_kernels import _pad_segments, few_query_attention
+    from tokrag_integrations.accel.sdpa import _pad_segments, few_query_attention
 
     torch.manual_seed(5)
     b, h, hkv, t, hd = 8, 9, 3, 400, 16

@@ -13,14 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from tokrag_integrations.accel import cpu_kernels as K
-from tokrag_integrations.accel.cpu_kernels import (
-    few_query_attention,
-    few_row_linear,
-    install,
-    installed,
-    skinny_linear,
-    uninstall,
-)
+from tokrag_integrations.accel.cpu_kernels import few_row_linear, install, installed, skinny_linear, uninstall
+from tokrag_integrations.accel.sdpa import few_query_attention
 from tokrag_integrations.accel.kv_cache import GrowableLayer
 
 
@@ -167,7 +161,7 @@ def test_few_query_attention_equals_sdpa_with_masks(q_len):
 
 
 def test_left_padding_rows_attend_row_by_row():
-    from tokrag_integrations.accel.cpu_kernels import _left_pad_starts
+    from tokrag_integrations.accel.sdpa import _left_pad_starts
 
     torch.manual_seed(3)
     b, h, hkv, t, hd = 2, 9, 3, 30, 16

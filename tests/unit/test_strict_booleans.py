@@ -96,7 +96,6 @@ def _entry_points(tmp_path: Path) -> dict[str, tuple[object, str]]:
             lambda v: runner.run_token_level(None, [], records_path=records, progress=v),
             "progress",
         ),
-        "TokRAG speculative": (lambda v: TokRAG(speculative=v), "speculative"),
         "TokRAG fuse": (lambda v: TokRAG(fuse=v), "fuse"),
         "CtrlAMonitorPolicy stop_on_trigger": (
             lambda v: CtrlAMonitorPolicy(torch.zeros(4), [0], "q", stop_on_trigger=v),
@@ -138,12 +137,13 @@ def test_adapter_boolean_options_refuse_strings(value):
 
 def _switch_readers() -> dict[str, object]:
     """Environment variable -> the package's own reading of it (True = on)."""
-    from tokrag_integrations.accel import cpu_kernels, packed
+    from tokrag_integrations.accel import cpu_kernels
     from tokrag_integrations.booleans import env_flag
+    from tokrag_integrations.engine.speed import Speed
 
     return {
-        "TOKRAG_FUSE_CONTEXTS": packed.fuse_contexts,
-        "TOKRAG_PACKED_PREFILL": packed.packed_prefill_enabled,
+        "TOKRAG_FUSE_CONTEXTS": lambda: Speed().fuse,
+        "TOKRAG_PACKED_PREFILL": lambda: Speed().packed_prefill,
         "TOKRAG_KERNEL_PLAN_CACHE": lambda: cpu_kernels._plan_file() is not None,
         "TOKRAG_VERBOSE": lambda: env_flag("TOKRAG_VERBOSE", False),  # models._loading_quietly
     }

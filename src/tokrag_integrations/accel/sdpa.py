@@ -9,7 +9,7 @@ kernel with the mask and ``enable_gqa``, and in a left-padded batch each row ove
 keys only; several: the query heads grouped per key/value head) and delegates everything
 else (prefill, no mask, CUDA, soft-capping, sinks) to transformers' SDPA function. It is
 registered as the attention implementation ``"tokrag_sdpa"`` (SDPA's boolean masks) and set
-by :func:`maybe_install` on float32 CPU models unless ``TOKRAG_CPU_KERNELS=off``.
+by :func:`.install.maybe_install` on float32 CPU models unless ``Speed.cpu_kernels`` is ``off``.
 
 A prefill that packs two contexts of one query into one sequence (the RAG prompt, then the
 part of the pure prompt after the head both share: :data:`PACKED_PREFILL`) attends as two

@@ -38,7 +38,7 @@ def _speed_property(key: str, default: Any) -> property:
 
 
 #: The speed choices that used to be policy options, with their old defaults.
-SPEED_KEYS: dict[str, Any] = {"fuse": True, "speculative": False, "block": None, "drafter": "auto"}
+SPEED_KEYS: dict[str, Any] = {"fuse": True}
 
 
 def legacy_speed_options(policy: str, given: dict[str, Any]) -> dict[str, Any]:

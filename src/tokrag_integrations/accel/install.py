@@ -7,11 +7,9 @@ from typing import Any
 
 import torch
 
-from .. import config
-from .cpu_kernels import _HEAD, _HEAD_OK, _VERDICT, install, installed
-from .lens_head import HEAD_MIN_ROWS
+from ..engine.speed import Speed
+from .cpu_kernels import _HEAD, _HEAD_OK, _VERDICT, HEAD_MIN_ROWS, install, installed, verify_install
 from .sdpa import ATTN_IMPLEMENTATION, install_attention
-from .verify import verify_install
 
 #: ``config.model_type`` of the architectures the speed paths are measured correct on: the
 #: matrix of ``tests/integration/test_architectures.py`` (tiny random models, float32 and bfloat16) and
@@ -111,17 +109,15 @@ def speed_paths(model: Any) -> dict[str, str]:
 
 def maybe_install(model: Any, mode: str | None = None) -> bool:
     """On a float32 CPU model: the few-query attention path and, per ``mode`` (default
-    ``$TOKRAG_CPU_KERNELS``), the few-row linear plans. Returns whether any linear module was
+    ``Speed().cpu_kernels``), the few-row linear plans. Returns whether any linear module was
     changed.
 
     ``mode``: ``auto`` (default: measured plans per weight shape), ``on`` (the transposed
     product for every few-row call) or ``off`` (stock paths throughout).
     """
-    if mode is None:
-        mode = config.cpu_kernels()
-    mode = mode.strip().lower()
+    mode = Speed().cpu_kernels if mode is None else mode.strip().lower()
     if mode not in ("auto", "on", "off"):
-        raise ValueError(f"cpu_kernels (TOKRAG_CPU_KERNELS) must be 'auto', 'on' or 'off', got {mode!r}")
+        raise ValueError(f"cpu_kernels must be 'auto', 'on' or 'off', got {mode!r}")
     if mode == "off":
         setattr(model, _SPEED_OFF, "cpu_kernels='off'")
         return False
