@@ -140,11 +140,6 @@ def few_row_linear(
     return _few_rows(x, weight, bias, lambda m: kernel(strategy, _bucket_top(m)))
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed as ``(weight @ x.T).T`` for few rows."""
-    return few_row_linear(x, weight, bias, "wxt")
-
-
 def _time(fn: Any, reps: int, warm: bool = True) -> float:
     """Best of ``reps`` timed runs of ``fn`` (after one untimed run unless ``warm=False``)."""
     if warm:
@@ -193,15 +188,19 @@ def _disk_key(key: tuple[Any, ...]) -> str:
     return f"{n}x{k}:{str(dtype).removeprefix('torch.')}:{threads}"
 
 
-def _load_plans(path: Path) -> dict[str, tuple[str, ...]]:
-    """The plans in ``path``; entries that are not valid plans (or an unreadable file) are
-    ignored, so a damaged file only costs a new measurement."""
+def _read_json(path: Path | None) -> dict[str, Any]:
+    """The dict stored in ``path``; {} for no path or an unreadable or damaged file (which
+    only costs a new measurement)."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8")) if path is not None else {}
     except (OSError, ValueError):
         return {}
-    if not isinstance(raw, dict):
-        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _load_plans(path: Path) -> dict[str, tuple[str, ...]]:
+    """The valid plans in ``path``."""
+    raw = _read_json(path)
     return {
         k: tuple(v)
         for k, v in raw.items()
@@ -229,18 +228,14 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def plan_for(weights: torch.Tensor | list[torch.Tensor], reps: int = 1) -> tuple[str, ...]:
-    """The fastest strategy for each of :data:`BUCKETS` on a weight shape, measured on this
-    machine: each timing runs the product over every weight given (all the model's matrices
-    of that shape), so that, as in a decode step, they stream from memory rather than sit in
-    cache. After one warm-up run of each, the strategies are timed in :data:`PLAN_ROUNDS`
-    rounds (``reps`` runs each, best kept), in an order rotated from round to round, and
-    each is compared with ``F.linear`` timed in the same round: a strategy replaces it only
-    if the median of its per-round ratios is below :data:`MIN_GAIN` (a burst of load from
-    another process falls on one round, not on one strategy). A few seconds for
-    SmolLM2-135M; kept per shape and thread count for the process and, per machine (CPU,
-    torch version), in ``$TOKRAG_CACHE_DIR/kernel_plans`` for later processes
-    (``TOKRAG_KERNEL_PLAN_CACHE=0``: measure in every process). :func:`verify_install`
-    then checks the plans on the whole model."""
+    """The fastest strategy for each of :data:`BUCKETS` on a weight shape, measured here.
+
+    Each timing runs the product over every weight given (all the model's matrices of that
+    shape: they stream from memory, as in a decode step). The strategies are timed in
+    :data:`PLAN_ROUNDS` rounds in a rotated order, each against ``F.linear`` in the same
+    round; one replaces it only if the median of its ratios is below :data:`MIN_GAIN`. Kept
+    for the process and, per machine, in ``$TOKRAG_CACHE_DIR/kernel_plans`` (unless
+    ``Speed.kernel_plan_cache`` is off)."""
     ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
     n, k = ws[0].shape
     key = (n, k, ws[0].dtype, torch.get_num_threads())
@@ -402,27 +397,18 @@ def _model_step(model: torch.nn.Module, rows: int) -> Callable[[], Any]:
 
 def verify_install(model: torch.nn.Module, rounds: int = VERIFY_ROUNDS) -> dict[str, dict[str, Any]]:
     """Check the installed plans on the whole model, per bucket of row counts: a forward
-    pass of the bucket's timed row count with the plans and with the stock ``nn.Linear``
-    paths, in :data:`VERIFY_ROUNDS` interleaved rounds (the order alternating); where the
-    median of the per-round ratios is not below :data:`VERIFY_GAIN`, the bucket goes back to
-    ``F.linear`` in every module (and a module left with ``F.linear`` throughout gets its
-    stock ``forward`` back). So a row count never runs a path measured slower than the plain
-    one on this model, whatever the per-shape timings said. The verdicts are kept per
-    machine next to the plans (a later process applies them untimed) and on the model
-    (``{"rows lo-hi": {"ratio", "kept"}}``, for ``install.speed_paths``)."""
+    pass with the plans against one with the stock ``nn.Linear`` paths, in
+    :data:`VERIFY_ROUNDS` interleaved rounds; where the median ratio is not below
+    :data:`VERIFY_GAIN` the bucket goes back to ``F.linear`` in every module. The verdicts
+    are kept per machine next to the plans and on the model (``{"rows lo-hi": {"ratio",
+    "kept"}}``, for ``install.speed_paths``)."""
     mods = _routed(model)
     if not mods:
         setattr(model, _VERDICT, {})
         return {}
     key = _verify_key(mods)
     path = _verify_file()
-    stored: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-            stored = raw if isinstance(raw, dict) else {}
-        except (OSError, ValueError):
-            stored = {}
+    stored = _read_json(path)
     known = stored.get(key) if isinstance(stored.get(key), dict) else None
     verdict: dict[str, dict[str, Any]] = {}
     lo = 1
@@ -502,21 +488,10 @@ def _head_file() -> Path | None:
     return None if path is None else path.with_name(path.stem + ".head.json")
 
 
-def _stored_head_choices() -> dict[str, Any]:
-    path = _head_file()
-    if path is None:
-        return {}
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return raw if isinstance(raw, dict) else {}
-
-
 def _known_head_choice(key: str) -> bool | None:
     """The choice measured for ``key`` in this process or kept on disk, or None."""
     if key not in _HEAD_CHOICE:
-        stored = _stored_head_choices().get(key)
+        stored = _read_json(_head_file()).get(key)
         if not isinstance(stored, bool):
             return None
         _HEAD_CHOICE[key] = stored
@@ -527,22 +502,19 @@ def _remember_head_choice(key: str, choice: bool) -> None:
     _HEAD_CHOICE[key] = choice
     path = _head_file()
     if path is not None:
-        _write_json(path, {**_stored_head_choices(), key: choice})
+        _write_json(path, {**_read_json(_head_file()), key: choice})
 
 
 def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A faster many-row product with a model's LM head, or None: the weight reordered once
     into oneDNN's blocked layout and multiplied by oneDNN's GEMM.
 
-    The logit lens of a Tok-RAG disagreement step multiplies ~10-16 rows by the large head,
-    a shape where oneDNN on a reordered weight can beat MKL by about 2x (figures in
-    docs/results.md); at 1-2 rows the routed product stays faster. The copy costs the
-    weight's size again, so it is made only where it is measured at :data:`HEAD_ROWS` rows to take less than :data:`HEAD_GAIN` of the
-    routed product's time (kept per machine next to the kernel plans), and only for calls of
-    at least :data:`HEAD_MIN_ROWS` rows. ``TOKRAG_PACKED_HEAD``: ``auto`` (default),
-    ``on`` (always, where oneDNN is available), ``off``. The sums are the same dot products
-    in another order (last-bit differences, as between any two BLAS kernels); the
-    step-by-step and fast decoders share it, so their decisions stay identical.
+    A disagreement step's logit lens multiplies ~10-16 rows by the head, where this can
+    beat MKL by about 2x. The copy costs the weight's size again, so it is made only where
+    it takes less than :data:`HEAD_GAIN` of the routed product's time at :data:`HEAD_ROWS`
+    rows (``Speed.packed_head`` ``auto``; ``on``: always, ``off``: never), and used for
+    calls of at least :data:`HEAD_MIN_ROWS` rows. The step-by-step and fast decoders share
+    it, so their decisions stay identical.
     """
     cached = getattr(head, _HEAD, None)
     if cached is not None:

@@ -114,15 +114,11 @@ class _PackedBatch(RoleBatch):
         self.mask = torch.cat([self.mask, torch.eye(2, dtype=self.mask.dtype, device=dev)], dim=1)
         pos = self._next[None].clone()
         self._next = self._next + 1
-        self._step(new_ids.view(1, 2).to(dev), pos, t + 2)
-
-    def _step(self, inp: torch.Tensor, pos: torch.Tensor, n: int) -> None:
-        visible = self.mask[:, :n].bool()
+        visible = self.mask[:, : t + 2].bool()
         # Additive: 0 where a context sees a key, -inf elsewhere (the CPU flash path).
-        mask = torch.zeros(visible.shape, dtype=self.lm.model.dtype, device=visible.device)
+        mask = torch.zeros(visible.shape, dtype=self.lm.model.dtype, device=dev)
         mask = mask.masked_fill_(~visible, float("-inf"))[None, None]
-        logits = self._run(inp, pos, mask, keep=inp.shape[1], positions=[0, 1])
-        self.logits = logits[0]
+        self.logits = self._run(new_ids.view(1, 2).to(dev), pos, mask, keep=2, positions=[0, 1])[0]
 
     def _run(
         self,
@@ -178,17 +174,13 @@ def prefill_packed(
     """Prefill one query's two contexts in one forward pass, as one packed sequence that is
     then decoded in one pass per step (:class:`_PackedBatch`; rows in ``roles`` order).
 
-    The pure prompt is the RAG prompt's head plus the question, so the pass runs the longer
-    prompt followed by the shorter one's part after the head they share; positions restart
-    at the head for that part, and a 4D mask keeps the two apart (computed as two causal
-    products by :func:`.sdpa.few_query_attention`). Costs about what prefilling the
-    longer prompt alone does: the short part rides in a pass that is compute-bound, instead
-    of a pass of its own that reads every weight. Returns None where this does not apply
-    (not one query with two contexts, a shared-prefill store active unless ``shared``
-    (the batch is not offered to it), attention other than
-    this package's CPU path, caches that are not full attention, sliding-window layers,
-    retrieved positions in the shorter prompt past the shared head); the caller checks
-    ``Speed.packed_prefill``.
+    The pass runs the longer prompt, then the shorter one's part after the head they share
+    (positions restart at the head; a 4D mask keeps the two apart, computed as two causal
+    products by :func:`.sdpa.few_query_attention`): about the cost of the longer prompt
+    alone. None where this does not apply (not one query with two contexts, a shared-prefill
+    store active unless ``shared``, attention other than ``tokrag_sdpa``, caches that are
+    not full attention, sliding windows, retrieved positions in the shorter prompt past the
+    shared head); the caller checks ``Speed.packed_prefill``.
     """
     if len(per_query) != 1 or len(roles) != 2:
         return None
