@@ -217,7 +217,7 @@ def _summary(res: dict[str, Any]) -> str:
     lines = [f"# GPU check ({res['device']}, {res.get('gpu') or 'no GPU'}), {res['seconds']:.0f} s", ""]
     for part in ("exactness", "bench", "throughput", "serve"):
         r = res[part]
-        lines.append(f"- {part}: {'ok' if r.get('ok') else 'FAILED'}")
+        lines.append(f"- {part}: {'skipped' if r.get('skipped') else 'ok' if r.get('ok') else 'FAILED'}")
         if "error" in r:
             lines.append(f"  - error: {r['error'].splitlines()[-1]}")
     ex = res["exactness"]
