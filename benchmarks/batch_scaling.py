@@ -42,7 +42,7 @@ def kv_per_query(lm: Any, items: list[tuple[str, list[str]]], policy: str, n: in
     """KV-cache bytes per query after the prefill of a batch of ``n`` queries."""
     import torch
 
-    from tokrag_integrations import accel
+    from tokrag_integrations.accel.packed import prefill
     from tokrag_integrations.engine.loop import role_setup
     from tokrag_integrations.policies import get_policy
     from tokrag_integrations.prompts import PromptBuilder
@@ -52,7 +52,7 @@ def kv_per_query(lm: Any, items: list[tuple[str, list[str]]], policy: str, n: in
     plans = [builder.build(q, ps) for q, ps in items[:n]]
     per_query, roles = role_setup(lm, plans, pol)
     with torch.inference_mode():
-        ready = accel.prefill(roles, per_query, lm, pol)
+        ready = prefill(roles, per_query, lm, pol)
     return _kv_bytes(ready) / n
 
 
@@ -81,7 +81,7 @@ def main() -> None:
     import torch
 
     from tokrag_integrations import generate_batch, load_model
-    from tokrag_integrations.accel import speed_paths
+    from tokrag_integrations.accel.install import speed_paths
     from tokrag_integrations.evaluation.cost import bench_items
 
     lm = load_model("default", device="cpu")

@@ -10,11 +10,10 @@ Compared with it, one query at a time:
   prefill pass, one pass of two positions per step);
 * ``unpacked``: the same with ``TOKRAG_PACKED_PREFILL=0`` (each context prefilled on its own,
   then both as a two-row batch per step, as a batch of several queries decodes);
-* ``blockwise``: blockwise verification (``speed={"speculative": True}``);
 * ``stock``: the step-by-step loop on the same model with transformers' stock CPU kernels
   (``TOKRAG_CPU_KERNELS=off``), to check that the few-row kernels change no decision;
 
-and (``--batch N``) ``fused`` and ``blockwise`` again with N questions per batch. Per step the
+and (``--batch N``) ``fused`` again with N questions per batch. Per step the
 token id, source and the decision signals (``benefit``, ``l_star``) must be equal; for
 ``cos_ir``/``cos_llm`` the largest absolute difference is reported.
 
@@ -84,8 +83,8 @@ def main() -> None:
     )
     ap.add_argument(
         "--arms",
-        default="fused,unpacked,blockwise,stock",
-        help="comma list of fused, unpacked, blockwise, stock",
+        default="fused,unpacked,stock",
+        help="comma list of fused, unpacked, stock",
     )
     ap.add_argument("--json", default=None)
     ap.add_argument("--data-dir", default=str(DATA), help="folder of the dev sets' JSONL files")
@@ -114,7 +113,6 @@ def main() -> None:
     arms = {
         "fused": (lm, {"speed": "auto"}),
         "unpacked": (lm, {"speed": "auto"}),
-        "blockwise": (lm, {"speed": {"speculative": True}}),
         "stock": (stock, {"speed": "reference"}),
     }
     arms = {k: v for k, v in arms.items() if k in args.arms}
@@ -122,7 +120,6 @@ def main() -> None:
 
     rows = []
     seconds = {"step": 0.0, **dict.fromkeys(arms, 0.0)}
-    counts = {k: 0.0 for k in ("blocks", "drafted", "accepted", "verifier_wins", "stale")}
     for cid, q, ps in tqdm(cases, desc="step vs " + ", ".join(arms)):
         t0 = time.perf_counter()
         ref = generate(lm, q, ps, policy="tokrag", max_new_tokens=args.max_new_tokens, **ref_opts)
@@ -143,16 +140,13 @@ def main() -> None:
             finally:
                 os.environ.pop("TOKRAG_PACKED_PREFILL", None)
             seconds[name] += time.perf_counter() - t0
-            if name == "blockwise":
-                for k in counts:
-                    counts[k] += r.trace.timings.get(k, 0.0)
             row[name] = compare(a, steps_of(r))
         rows.append(row)
 
     batched: dict[str, list[dict[str, Any]]] = {}
     sizes = [int(x) for x in str(args.batch).split(",") if x.strip() and int(x) > 0]
     for size in sizes:
-        for name in ("fused", "blockwise"):
+        for name in ("fused",):
             if name not in arms:
                 continue
             opts = arms[name][1]
@@ -199,13 +193,6 @@ def main() -> None:
         "disagreement_steps": dis,
         "agreement_rate": 1 - dis / max(1, tokens),
         "arms": per_arm,
-        "blockwise": {
-            "tokens_per_block": (tokens - n) / max(1, counts["blocks"]),
-            "draft_acceptance": counts["accepted"] / max(1, counts["drafted"]),
-            **counts,
-        }
-        if "blockwise" in arms
-        else None,
         "seconds": seconds,
         "threads": __import__("torch").get_num_threads(),
     }

@@ -91,7 +91,7 @@ def _speed_paths_off(lm: LoadedModel) -> dict[str, Any]:
     """``{"speed_paths_off": {path: reason}}`` for the trace options where some speed path is
     off on this model (non-CPU device, non-float32 dtype, architecture outside the tested
     matrix, ``cpu_kernels='off'``), else nothing."""
-    from .accel import speed_paths
+    from .accel.install import speed_paths
 
     # "on" may carry what was measured ("on (...)"): only the paths that are off count.
     off = {k: v.removeprefix("off: ") for k, v in speed_paths(lm.model).items() if v.startswith("off")}

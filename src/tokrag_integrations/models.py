@@ -642,7 +642,7 @@ def _finish(
     model.eval()
     # The CPU speed paths (measured few-row kernels, masked attention, packed LM head): the
     # one place loading touches accel (not the package: its loops import this module).
-    from .accel.cpu_kernels import maybe_install
+    from .accel.install import maybe_install
 
     maybe_install(model, cpu_kernels)
     if require_signals:

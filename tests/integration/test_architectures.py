@@ -9,7 +9,7 @@ downloaded. For Llama, Mistral (sliding window), Qwen2, Qwen3 (per-head q/k norm
 
 * ``rag`` and ``llm`` equal ``model.generate(do_sample=False)`` token for token;
 * ``tokrag`` runs with finite signals and a consistent trace;
-* every fast path (packed prefill, fused contexts, blockwise verification, CPU kernels on
+* every fast path (packed prefill, fused contexts, CPU kernels on
   and off) gives the step-by-step decoder's tokens and sources (on Llama, Gemma 3 and Phi-3
   by default, on every architecture with ``-m slow``);
 * (float32) the attention rows the signals read equal eager attention past the sliding
@@ -172,7 +172,7 @@ def _decode(tiny, **options):
 @pytest.mark.parametrize("arch,dtype", CASES)
 def test_tokrag_runs_with_finite_signals_and_a_consistent_trace(models, arch, dtype):
     tiny, _ = models(arch, dtype)
-    r = _decode(tiny, speculative=False, fuse=False)
+    r = _decode(tiny, speed={"fuse": False})
     steps = r.trace.steps
     assert steps and [s.token_id for s in steps] == r.token_ids
     assert r.text == tiny.tokenizer.decode(r.token_ids, skip_special_tokens=True)
@@ -191,17 +191,14 @@ def test_tokrag_runs_with_finite_signals_and_a_consistent_trace(models, arch, dt
 @pytest.mark.parametrize("arch,dtype", SPEED_CASES)  # five decodes per case
 def test_fast_paths_give_the_step_by_step_tokens(models, arch, dtype, monkeypatch):
     tiny, _ = models(arch, dtype)
-    step = _decode(tiny, speculative=False, fuse=False)
+    step = _decode(tiny, speed={"fuse": False})
     want = (step.token_ids, [s.source for s in step.trace.steps])
 
     def got(r):
         return r.token_ids, [s.source for s in r.trace.steps]
 
     assert got(_decode(tiny)) == want, "packed prefill + fused steps (the default)"
-    assert got(_decode(tiny, speculative=True)) == want, "blockwise verification"
-    monkeypatch.setenv("TOKRAG_PACKED_PREFILL", "0")
-    assert got(_decode(tiny)) == want, "fused contexts, separate prefills"
-    monkeypatch.delenv("TOKRAG_PACKED_PREFILL")
+    assert got(_decode(tiny, speed={"packed_prefill": False})) == want, "fused contexts, separate prefills"
     if dtype == "float32":  # the CPU kernels are installed on float32 CPU models only
         for mode in ("off", "on"):
             other, _ = models(arch, dtype, mode)
@@ -267,7 +264,7 @@ def test_fused_interleaved_qkv_is_refused_with_the_fix(lm, arch):
 def test_speed_paths_switch_off_where_not_measured(models, lm):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from tokrag_integrations.accel.cpu_kernels import speed_off_reason, speed_paths
+    from tokrag_integrations.accel.install import speed_off_reason, speed_paths
 
     fp32, _ = models("qwen2", "float32")
     paths = speed_paths(fp32.model)

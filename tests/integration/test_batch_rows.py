@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from tokrag_integrations import accel, generate, generate_batch
+from tokrag_integrations import generate, generate_batch
+from tokrag_integrations.accel.packed import prefill
 from tokrag_integrations.engine import decoder
 from tokrag_integrations.engine.batch import RoleBatch
 from tokrag_integrations.engine.decoder import Decoder, role_setup, views_for
@@ -55,7 +56,7 @@ def test_kept_rows_compute_what_they_computed_in_the_full_batch(lm):
     policy = get_policy("tokrag")
     per_query, roles, probe = role_setup(lm, _plans(lm), policy)
     with torch.inference_mode():
-        full = accel.prefill(roles, per_query, lm, probe)
+        full = prefill(roles, per_query, lm, probe)
         (batch,) = full.batches.values()
         assert batch.can_keep_rows() and len(batch.query_idx) == 6
         twin = batch.fork(probe=True)
@@ -115,7 +116,7 @@ def test_a_packed_batch_cannot_drop_rows(lm):
     policy = get_policy("tokrag")
     per_query, roles, probe = role_setup(lm, _plans(lm)[:1], policy)
     with torch.inference_mode():
-        ready = accel.prefill(roles, per_query, lm, probe)
+        ready = prefill(roles, per_query, lm, probe)
     (b,) = ready.batches.values()
     if not ready.packed:
         pytest.skip("packed prefill does not apply to this model")
@@ -457,7 +458,7 @@ def test_queries_prefilled_apart_then_merged_get_their_tokens_alone(lm, solo, mo
     pol = get_policy(policy)
     per_query, roles, probe = role_setup(lm, _plans(lm), pol)
     with torch.inference_mode():
-        ready = accel.prefill(roles, per_query, lm, probe)
+        ready = prefill(roles, per_query, lm, probe)
     made = [(name, n) for name, n, ok in calls if ok]
     want = "prefill_packed" if policy == "tokrag" else "prefill_roles"
     assert made == [(want, 1)] * 3
@@ -492,5 +493,5 @@ def test_split_prefill_switch_prefills_the_batch_together(lm, monkeypatch):
     pol = get_policy("tokrag")
     per_query, roles, probe = role_setup(lm, _plans(lm), pol)
     with torch.inference_mode():
-        accel.prefill(roles, per_query, lm, probe)
+        prefill(roles, per_query, lm, probe)
     assert calls == [3]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tokrag_integrations.accel import cpu_kernels as K
-from tokrag_integrations.accel import speed_paths
+from tokrag_integrations.accel.install import speed_paths
 from tokrag_integrations.evaluation.cost import measure_throughput
 
 

@@ -12,15 +12,11 @@ import torch
 
 from tokrag_integrations import generate, generate_batch
 from tokrag_integrations.accel import cpu_kernels as K
-from tokrag_integrations.accel.cpu_kernels import (
-    ATTN_IMPLEMENTATION,
-    install,
-    installed,
-    maybe_install,
-    uninstall,
-)
+from tokrag_integrations.accel.cpu_kernels import install, installed, uninstall
+from tokrag_integrations.accel.install import maybe_install
 from tokrag_integrations.accel.kv_cache import GrowableLayer
 from tokrag_integrations.accel.packed import fuse_batches
+from tokrag_integrations.accel.sdpa import ATTN_IMPLEMENTATION
 from tokrag_integrations.engine.batch import RoleBatch as _RoleBatch
 from tokrag_integrations.engine.prefill import prefill_roles
 from tokrag_integrations.policies.base import ContextSpec

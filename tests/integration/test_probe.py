@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokrag_integrations.accel import cpu_kernels as K
+from tokrag_integrations.accel import sdpa as S
 from tokrag_integrations.accel.packed import fuse_batches
 from tokrag_integrations.attention.parts import model_parts
 from tokrag_integrations.attention.probe import ACTIVE_TAP, Probe, ProbeRecord
@@ -117,7 +117,7 @@ def test_kept_queries_give_the_recomputed_rows(lm):
     """A probed decode step of a fused (left-padded) batch keeps each row's rotated query;
     the attention row computed from it equals the row recomputed from the attention input
     (query projection, rotary), with zeros on the padding."""
-    if lm.model.config._attn_implementation != K.ATTN_IMPLEMENTATION:
+    if lm.model.config._attn_implementation != S.ATTN_IMPLEMENTATION:
         pytest.skip("model not on the few-query attention path")
     parts = model_parts(lm.model)
     pure, rag = _ids(lm, *FICTION)

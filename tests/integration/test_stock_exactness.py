@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from tokrag_integrations import generate, generate_batch, load_model
-from tokrag_integrations.accel import speed_paths
+from tokrag_integrations.accel.install import speed_paths
 from tokrag_integrations.retrieval import (
     BM25Retriever,
     chunk_documents,

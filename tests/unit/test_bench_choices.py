@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tokrag_integrations.accel import cpu_kernels as K
+from tokrag_integrations.accel import install as accel_install
 from tokrag_integrations.cli import build_parser
 from tokrag_integrations.cli.eval import _sizes
 from tokrag_integrations.evaluation import cost as BT
@@ -76,7 +77,7 @@ def test_a_bucket_slower_on_the_whole_model_goes_back_to_the_stock_path(monkeypa
 
 
 def speed_paths_of(model: torch.nn.Module) -> str:
-    return K._kernel_detail(model)
+    return accel_install._kernel_detail(model)
 
 
 def test_plans_are_chosen_by_the_median_of_interleaved_rounds(monkeypatch):
@@ -183,18 +184,14 @@ def test_bench_refuses_bad_batch_sizes():
         build_parser().parse_args(["bench", "--throughput", "0,4"])
 
 
-def test_left_padded_rows_attend_in_runs_from_their_first_keys():
-    """A fused batch of many rows (pure rows padded far to the left, then RAG rows) attends
-    in runs of rows that start close together, each from its own first key: the same
-    attention as the masked product over every key."""
-    from tokrag_integrations.accel.cpu_kernels import _pad_segments, few_query_attention
+def test_left_padded_rows_of_a_wide_batch_attend_as_the_masked_product():
+    """A fused batch of many rows (pure rows padded far to the left, then RAG rows): the
+    same attention as the masked product over every key."""
+    from tokrag_integrations.accel.sdpa import few_query_attention
 
     torch.manual_seed(5)
     b, h, hkv, t, hd = 8, 9, 3, 400, 16
     starts = [350, 340, 355, 350, 0, 20, 5, 0]
-    assert _pad_segments(starts, t) == [(0, 4, 340), (4, 8, 0)]
-    assert _pad_segments([0, 0, 0], t) == [(0, 3, 0)]
-    assert _pad_segments([10, 300, 12], t) == [(0, 1, 10), (1, 2, 300), (2, 3, 12)]
     q = torch.randn(b, h, 1, hd)
     k = torch.randn(b, hkv, t, hd)
     v = torch.randn(b, hkv, t, hd)

@@ -13,15 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from tokrag_integrations.accel import cpu_kernels as K
-from tokrag_integrations.accel.cpu_kernels import (
-    few_query_attention,
-    few_row_linear,
-    install,
-    installed,
-    skinny_linear,
-    uninstall,
-)
+from tokrag_integrations.accel.cpu_kernels import few_row_linear, install, installed, uninstall
 from tokrag_integrations.accel.kv_cache import GrowableLayer
+from tokrag_integrations.accel.sdpa import few_query_attention
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 64, 65, 200])
@@ -40,7 +34,7 @@ def test_few_row_strategies_equal_linear(rows, out_features, strategy):
     # A column-major input (what an elementwise op on a transposed output gives) too.
     xt = torch.randn(576, rows).t()[None]
     assert torch.allclose(few_row_linear(xt, w, None, strategy), F.linear(xt, w), atol=1e-4, rtol=1e-5)
-    assert torch.allclose(skinny_linear(xt, w, None), F.linear(xt, w), atol=1e-4, rtol=1e-5)
+    assert torch.allclose(few_row_linear(xt, w, None, "wxt"), F.linear(xt, w), atol=1e-4, rtol=1e-5)
 
 
 def test_tiled_strategy_keeps_gradients():
@@ -166,9 +160,7 @@ def test_few_query_attention_equals_sdpa_with_masks(q_len):
     assert torch.isfinite(out).all()
 
 
-def test_left_padding_rows_attend_row_by_row():
-    from tokrag_integrations.accel.cpu_kernels import _left_pad_starts
-
+def test_left_padded_rows_attend_as_the_masked_product():
     torch.manual_seed(3)
     b, h, hkv, t, hd = 2, 9, 3, 30, 16
     q = torch.randn(b, h, 1, hd)
@@ -176,10 +168,8 @@ def test_left_padding_rows_attend_row_by_row():
     v = torch.randn(b, hkv, t, hd)
     mask = torch.ones(b, 1, 1, t, dtype=torch.bool)
     mask[0, ..., :12] = False
-    assert _left_pad_starts(mask) == [12, 0]
     holes = mask.clone()
     holes[1, ..., 5] = False
-    assert _left_pad_starts(holes) is None  # not left padding: the masked path
     module = torch.nn.Module()
     module.num_key_value_groups = 3
     for m in (mask, holes):

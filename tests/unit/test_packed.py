@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokrag_integrations.accel import cpu_kernels as K
+from tokrag_integrations.accel import sdpa as S
 
 
 class _Attn(torch.nn.Module):
@@ -29,11 +29,11 @@ def test_packed_attention_equals_the_masked_product(head):
     mask = torch.ones(n, n, dtype=torch.bool).tril_()
     mask[r:, head:r] = False
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
-    token = K.PACKED_PREFILL.set((r, head))
+    token = S.PACKED_PREFILL.set((r, head))
     try:
-        got, _ = K.few_query_attention(_Attn(), q, k, v, mask[None, None], scaling=8**-0.5)
+        got, _ = S.few_query_attention(_Attn(), q, k, v, mask[None, None], scaling=8**-0.5)
     finally:
-        K.PACKED_PREFILL.reset(token)
+        S.PACKED_PREFILL.reset(token)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
@@ -51,5 +51,5 @@ def test_two_queries_of_one_sequence_attend_under_an_additive_mask():
     visible[1, 11] = True
     mask = torch.zeros(2, 12).masked_fill_(~visible, float("-inf"))[None, None]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True, scale=0.2)
-    got, _ = K.few_query_attention(_Attn(), q, k, v, mask, scaling=0.2)
+    got, _ = S.few_query_attention(_Attn(), q, k, v, mask, scaling=0.2)
     torch.testing.assert_close(got, want.transpose(1, 2), atol=1e-5, rtol=0)

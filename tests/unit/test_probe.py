@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokrag_integrations.accel import cpu_kernels as K
+from tokrag_integrations.accel import sdpa as S
 from tokrag_integrations.attention.probe import ACTIVE_TAP
 from tokrag_integrations.attention.rows import attention_from_queries
 
@@ -50,7 +50,7 @@ def test_attention_function_keeps_the_rotated_queries(rows, mask_kind):
     tap = _Tap(1)
     token = ACTIVE_TAP.set((tap,))
     try:
-        got, weights = K.few_query_attention(_Attn(), q, k, v, mask, scaling=0.3)
+        got, weights = S.few_query_attention(_Attn(), q, k, v, mask, scaling=0.3)
     finally:
         ACTIVE_TAP.reset(token)
     assert weights is None
@@ -76,7 +76,7 @@ def test_probe_positions_keep_those_positions():
         tap = _Tap(1, positions)
         token = ACTIVE_TAP.set((tap,))
         try:
-            K.few_query_attention(_Attn(), q, k, v, mask, scaling=0.5)
+            S.few_query_attention(_Attn(), q, k, v, mask, scaling=0.5)
         finally:
             ACTIVE_TAP.reset(token)
         want = q[0, :, positions].transpose(0, 1)

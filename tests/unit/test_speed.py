@@ -11,14 +11,37 @@ from tokrag_integrations.policies import checked_policy_options, get_policy
 
 
 def test_presets_and_dicts_give_speeds():
-    assert speed_of(None) == speed_of("auto") == Speed() == PRESETS["auto"]
+    assert speed_of(None) == speed_of("auto") == Speed() == Speed(**PRESETS["auto"])
     ref = speed_of("reference")
-    assert (ref.fuse, ref.speculative, ref.share_lens) == (False, False, False)
-    got = speed_of({"speculative": "true", "block": 4})
-    assert got == Speed(speculative=True, block=4) and got.drafter == "auto"
+    assert (ref.fuse, ref.share_lens) == (False, False)
+    got = speed_of({"packed_prefill": "false", "cpu_kernels": " OFF "})
+    assert got == Speed(packed_prefill=False, cpu_kernels="off") and got.fuse is True
     assert speed_of(got) is got
-    assert Speed().options() == {"speculative": False, "fuse": True}
-    assert got.options() == {"speculative": True, "block": 4, "drafter": "auto"}
+    assert Speed().options() == {"fuse": True}
+    assert Speed(fuse=False).options() == {"fuse": False}
+
+
+def test_each_speed_variable_is_the_default_of_one_field(monkeypatch):
+    """The ``TOKRAG_*`` speed variables are read in one place: the defaults of :class:`Speed`,
+    when one is made (a preset or a dict keeps the variables for the fields it leaves)."""
+    env = {
+        "TOKRAG_FUSE_CONTEXTS": ("0", "fuse", False),
+        "TOKRAG_PACKED_PREFILL": ("0", "packed_prefill", False),
+        "TOKRAG_SPLIT_PREFILL": ("0", "split_prefill", False),
+        "TOKRAG_CPU_KERNELS": ("off", "cpu_kernels", "off"),
+        "TOKRAG_PACKED_HEAD": ("on", "packed_head", "on"),
+        "TOKRAG_KERNEL_PLAN_CACHE": ("0", "kernel_plan_cache", False),
+    }
+    for name, (value, field, want) in env.items():
+        monkeypatch.setenv(name, value)
+        assert getattr(Speed(), field) == want, name
+        assert getattr(speed_of("reference"), field) == (False if field == "fuse" else want), name
+        assert getattr(speed_of({"fuse": True}), field) == (True if field == "fuse" else want), name
+        monkeypatch.delenv(name)
+        assert getattr(Speed(), field) != want, name
+    monkeypatch.setenv("TOKRAG_PACKED_HEAD", "sometimes")
+    with pytest.raises(ValueError, match="TOKRAG_PACKED_HEAD"):
+        Speed()
 
 
 @pytest.mark.parametrize(
@@ -26,8 +49,8 @@ def test_presets_and_dicts_give_speeds():
     [
         ("fast", ValueError, "unknown speed preset 'fast'; presets: auto, reference"),
         ({"fsue": False}, ValueError, "unknown speed option 'fsue'"),
-        ({"block": 0}, ValueError, "block must be a positive int or None, got 0"),
-        ({"drafter": "both"}, ValueError, "drafter must be 'auto', 'pure' or 'rag'"),
+        ({"speculative": True}, ValueError, "unknown speed option 'speculative'"),
+        ({"cpu_kernels": "sometimes"}, ValueError, "cpu_kernels must be 'auto', 'on' or 'off'"),
         ({"fuse": "yes"}, ValueError, "fuse must be True or False"),
         (3, TypeError, "speed must be a Speed, a preset name or a dict, got int"),
     ],
@@ -38,8 +61,8 @@ def test_bad_speeds_are_refused_with_a_sentence(value, error, match):
 
 
 def test_a_speed_field_given_as_a_string_is_refused_by_the_dataclass():
-    with pytest.raises(ValueError, match="speculative must be True or False, got 'False'"):
-        Speed(speculative="False")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="share_lens must be True or False, got 'False'"):
+        Speed(share_lens="False")  # type: ignore[arg-type]
 
 
 def test_speed_choices_are_not_policy_options():

@@ -1,39 +1,27 @@
-"""Faster CPU paths for the few-row work of decoding: the linear layers.
+"""Faster CPU paths for the few-row work of decoding, chosen by measuring them.
 
-Linear layers
--------------
+A decode step multiplies a few rows (one token per step, two in a packed or fused step, a
+dozen in a logit lens) by every weight matrix; BLAS picks its kernel by shape, often poorly
+for such skinny products and differently from one CPU to the next (figures in
+docs/results.md, "Speed paths kept"). So nothing is assumed:
 
-Decoding multiplies a few rows (one token per step, two in a fused pure+RAG step, ``k``
-tokens in a blockwise verifier pass, a dozen rows in a logit lens) by every weight matrix of
-the model. BLAS libraries pick their kernel by shape, and for such skinny products the pick
-is often poor, in ways that differ from one CPU to the next and are not monotone in the
-number of rows (the figures are in docs/results.md, "Speed-path measurements moved from
-docstrings").
+* :func:`plan_for` times the :data:`STRATEGIES` per weight shape and bucket of row counts
+  (:data:`BUCKETS`) and keeps the fastest; :func:`install` routes each ``nn.Linear`` call of
+  at most :data:`MAX_ROWS` rows to its plan (``Speed.cpu_kernels``: ``auto`` measures, ``on``
+  forces ``W @ x.T``, ``off`` keeps the stock paths);
+* :func:`verify_install` checks the plans on the whole model, per bucket, and sends a
+  bucket that does not win back to ``F.linear``;
+* :func:`packed_head` gives the logit lens a oneDNN copy of the LM head where measured
+  faster (``Speed.packed_head``).
 
-So nothing is assumed: :func:`plan_for` times, for each weight shape of the model and each
-bucket of row counts (1, 2, 3-4, 5-8, 9-16, 17-32, 33-64, each timed at a count inside it),
-the strategies of :data:`STRATEGIES` (``linear``: ``F.linear``; ``dup``: one row
-duplicated, then ``F.linear``; ``wxt``: the transposed product ``W @ x.T``, one row
-duplicated; ``tiled``: ``F.linear`` on slices of :data:`TILE` output features; ``pad``: zero
-rows up to the bucket's top, then ``F.linear``) and keeps the fastest per bucket. :func:`install` routes each
-``nn.Linear`` call with at most :data:`MAX_ROWS` rows to its plan; shapes where ``F.linear``
-wins every bucket keep the stock ``forward``. It is applied by :func:`..models.load_model` to
-float32 models on CPU (``TOKRAG_CPU_KERNELS=auto`` (default) measures, ``on`` forces the
-transposed product, ``off`` keeps the stock paths). The numbers are those of the same dot
-products summed in a different order (differences in the last bits, as between any two BLAS
-kernels).
-
-The whole-model check of the plans (:func:`verify_install`) is in :mod:`.verify`, the
-few-query attention (``tokrag_sdpa``) in :mod:`.sdpa`, the packed LM head of the logit lens
-in :mod:`.lens_head`, and the choice of the speed paths per model (:func:`maybe_install`,
-:func:`speed_paths`) in :mod:`.paths`; their names are importable from here too.
+Results are the same dot products summed in another order (last-bit differences, as
+between any two BLAS kernels).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
 import json
 import os
 import statistics
@@ -46,8 +34,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import config
+from ..attention.rows import set_lens_head_product
 from ..config import cache_dir
+from ..engine.speed import Speed
 
 #: Calls with more rows than this use ``F.linear`` (GEMM-shaped work, e.g. prefill).
 MAX_ROWS = 64
@@ -68,14 +57,13 @@ PLAN_ROUNDS = 3
 _ATTR = "_tokrag_skinny"
 _PLAN = "_tokrag_plan"
 _PLAN_NAMES = "_tokrag_plan_names"
-#: On a model: :func:`verify_install`'s verdict per bucket (read by :func:`speed_paths`).
+#: On a model: :func:`verify_install`'s verdict per bucket (read by ``install.speed_paths``).
 _VERDICT = "_tokrag_verdict"
 #: Marks the LM head of a model set up by :func:`install` (not the stock paths), and holds
 #: its :func:`packed_head` product (False: measured slower).
 _HEAD_OK = "_tokrag_head_ok"
 _HEAD = "_tokrag_packed_head"
-#: :func:`.lens_head.packed_head`'s measured choices per machine and weight shape, for the
-#: process (kept here, with the kernel plans).
+#: :func:`packed_head`'s measured choices per machine and weight shape, for the process.
 _HEAD_CHOICE: dict[str, bool] = {}
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -152,11 +140,6 @@ def few_row_linear(
     return _few_rows(x, weight, bias, lambda m: kernel(strategy, _bucket_top(m)))
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed as ``(weight @ x.T).T`` for few rows."""
-    return few_row_linear(x, weight, bias, "wxt")
-
-
 def _time(fn: Any, reps: int, warm: bool = True) -> float:
     """Best of ``reps`` timed runs of ``fn`` (after one untimed run unless ``warm=False``)."""
     if warm:
@@ -195,7 +178,7 @@ def _machine_id() -> str:
 def _plan_file() -> Path | None:
     """Where measured plans persist between processes (``$TOKRAG_CACHE_DIR/kernel_plans``),
     or None when ``TOKRAG_KERNEL_PLAN_CACHE=0``."""
-    if not config.kernel_plan_cache():
+    if not Speed().kernel_plan_cache:
         return None
     return cache_dir() / "kernel_plans" / f"{_machine_id()}.json"
 
@@ -205,15 +188,19 @@ def _disk_key(key: tuple[Any, ...]) -> str:
     return f"{n}x{k}:{str(dtype).removeprefix('torch.')}:{threads}"
 
 
-def _load_plans(path: Path) -> dict[str, tuple[str, ...]]:
-    """The plans in ``path``; entries that are not valid plans (or an unreadable file) are
-    ignored, so a damaged file only costs a new measurement."""
+def _read_json(path: Path | None) -> dict[str, Any]:
+    """The dict stored in ``path``; {} for no path or an unreadable or damaged file (which
+    only costs a new measurement)."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8")) if path is not None else {}
     except (OSError, ValueError):
         return {}
-    if not isinstance(raw, dict):
-        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _load_plans(path: Path) -> dict[str, tuple[str, ...]]:
+    """The valid plans in ``path``."""
+    raw = _read_json(path)
     return {
         k: tuple(v)
         for k, v in raw.items()
@@ -241,18 +228,14 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def plan_for(weights: torch.Tensor | list[torch.Tensor], reps: int = 1) -> tuple[str, ...]:
-    """The fastest strategy for each of :data:`BUCKETS` on a weight shape, measured on this
-    machine: each timing runs the product over every weight given (all the model's matrices
-    of that shape), so that, as in a decode step, they stream from memory rather than sit in
-    cache. After one warm-up run of each, the strategies are timed in :data:`PLAN_ROUNDS`
-    rounds (``reps`` runs each, best kept), in an order rotated from round to round, and
-    each is compared with ``F.linear`` timed in the same round: a strategy replaces it only
-    if the median of its per-round ratios is below :data:`MIN_GAIN` (a burst of load from
-    another process falls on one round, not on one strategy). A few seconds for
-    SmolLM2-135M; kept per shape and thread count for the process and, per machine (CPU,
-    torch version), in ``$TOKRAG_CACHE_DIR/kernel_plans`` for later processes
-    (``TOKRAG_KERNEL_PLAN_CACHE=0``: measure in every process). :func:`verify_install`
-    then checks the plans on the whole model."""
+    """The fastest strategy for each of :data:`BUCKETS` on a weight shape, measured here.
+
+    Each timing runs the product over every weight given (all the model's matrices of that
+    shape: they stream from memory, as in a decode step). The strategies are timed in
+    :data:`PLAN_ROUNDS` rounds in a rotated order, each against ``F.linear`` in the same
+    round; one replaces it only if the median of its ratios is below :data:`MIN_GAIN`. Kept
+    for the process and, per machine, in ``$TOKRAG_CACHE_DIR/kernel_plans`` (unless
+    ``Speed.kernel_plan_cache`` is off)."""
     ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
     n, k = ws[0].shape
     key = (n, k, ws[0].dtype, torch.get_num_threads())
@@ -378,38 +361,212 @@ def model_plans(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     return out
 
 
-#: Names defined in the modules split off this one, importable from here as before (resolved
-#: on first access: those modules import this one).
-_MOVED = {
-    "sdpa": (
-        "ATTN_IMPLEMENTATION", "PACKED_PREFILL", "MAX_SPLIT_ROWS", "SEGMENT_KEYS",
-        "few_query_attention", "install_attention", "_left_pad_starts", "_pad_segments",
-        "_packed_attention", "_plain_attention", "_grouped_attention", "_keep_queries",
-        "_register_attention",
-    ),
-    "paths": (
-        "COVERED_ARCHITECTURES", "fusion_off_reason", "maybe_install", "speed_off_reason",
-        "speed_paths", "_SPEED_OFF", "_architecture_reason", "_first_parameter",
-        "_head_detail", "_kernel_detail",
-    ),
-    "verify": (
-        "VERIFY_GAIN", "VERIFY_ROUNDS", "verify_install", "_model_step", "_routed",
-        "_verify_bucket", "_verify_file", "_verify_key",
-    ),
-    "lens_head": (
-        "HEAD_GAIN", "HEAD_MIN_ROWS", "HEAD_ROUNDS", "HEAD_ROWS", "packed_head", "_head_file",
-        "_known_head_choice", "_remember_head_choice", "_stored_head_choices",
-    ),
-}
-_WHERE = {name: module for module, names in _MOVED.items() for name in names}
+#: Interleaved rounds of :func:`verify_install`, and the share of the stock model's time a
+#: bucket's plans must take there to be kept (a tie goes to the stock path).
+VERIFY_ROUNDS = 5
+VERIFY_GAIN = 0.98
 
 
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        return getattr(importlib.import_module(f".{_WHERE[name]}", __package__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def _verify_file() -> Path | None:
+    path = _plan_file()
+    return None if path is None else path.with_name(path.stem + ".verify.json")
 
 
-# The logit lens reads many rows through the packed head where it is measured faster: the
-# head module registers its product with :mod:`..attention` when it is imported.
-importlib.import_module(".lens_head", __package__)
+def _routed(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if getattr(m, _ATTR, False)]
+
+
+def _verify_key(mods: list[torch.nn.Module]) -> str:
+    """What a verdict depends on: every routed module's shape and plan, and the threads."""
+    plans = sorted(
+        f"{m.weight.shape[0]}x{m.weight.shape[1]}:{str(m.weight.dtype).removeprefix('torch.')}:"
+        + ",".join(getattr(m, _PLAN_NAMES, ()))
+        for m in mods
+    )
+    return hashlib.sha1(f"{plans}|{torch.get_num_threads()}".encode()).hexdigest()[:16]
+
+
+def _model_step(model: torch.nn.Module, rows: int) -> Callable[[], Any]:
+    """One pass of ``rows`` token positions through ``model`` with the logits of every one:
+    the linear layers and LM head see ``rows`` rows, as in a decode step of ``rows`` rows."""
+    vocab = int(getattr(model.config, "vocab_size", 2) or 2)
+    gen = torch.Generator().manual_seed(rows)
+    ids = torch.randint(0, vocab, (1, rows), generator=gen)
+    return lambda: model(input_ids=ids, use_cache=False)
+
+
+def verify_install(model: torch.nn.Module, rounds: int = VERIFY_ROUNDS) -> dict[str, dict[str, Any]]:
+    """Check the installed plans on the whole model, per bucket of row counts: a forward
+    pass with the plans against one with the stock ``nn.Linear`` paths, in
+    :data:`VERIFY_ROUNDS` interleaved rounds; where the median ratio is not below
+    :data:`VERIFY_GAIN` the bucket goes back to ``F.linear`` in every module. The verdicts
+    are kept per machine next to the plans and on the model (``{"rows lo-hi": {"ratio",
+    "kept"}}``, for ``install.speed_paths``)."""
+    mods = _routed(model)
+    if not mods:
+        setattr(model, _VERDICT, {})
+        return {}
+    key = _verify_key(mods)
+    path = _verify_file()
+    stored = _read_json(path)
+    known = stored.get(key) if isinstance(stored.get(key), dict) else None
+    verdict: dict[str, dict[str, Any]] = {}
+    lo = 1
+    timed = False
+    for i, (m, hi) in enumerate(BUCKETS):
+        label = f"rows {lo}-{hi}" if hi > lo else f"rows {lo}"
+        rows = range(lo, hi + 1)
+        lo = hi + 1
+        if all(getattr(mod, _PLAN_NAMES)[i] == "linear" for mod in mods):
+            continue
+        ratio = known.get(label) if known is not None else None
+        if not isinstance(ratio, int | float):
+            ratio = _verify_bucket(model, mods, m, rounds)
+            timed = True
+        kept = ratio < VERIFY_GAIN
+        verdict[label] = {"ratio": float(ratio), "kept": kept}
+        if not kept:
+            for mod in mods:
+                table = getattr(mod, _PLAN)
+                for r in rows:
+                    table[r] = _k_linear
+                names = list(getattr(mod, _PLAN_NAMES))
+                names[i] = "linear"
+                setattr(mod, _PLAN_NAMES, tuple(names))
+    for mod in mods:
+        if all(p == "linear" for p in getattr(mod, _PLAN_NAMES)):
+            del mod.forward
+            setattr(mod, _ATTR, False)
+    if timed and path is not None:
+        _write_json(path, {**stored, key: {k: v["ratio"] for k, v in verdict.items()}})
+    setattr(model, _VERDICT, verdict)
+    return verdict
+
+
+def _verify_bucket(model: torch.nn.Module, mods: list[torch.nn.Module], rows: int, rounds: int) -> float:
+    """Median over ``rounds`` of (model pass with the plans) / (the same with the stock
+    ``nn.Linear`` forward), ``rows`` positions, the two timed side by side."""
+    step = _model_step(model, rows)
+
+    def plans_on(on: bool) -> None:
+        for mod in mods:
+            if on:
+                mod.forward = types.MethodType(_forward, mod)
+            elif "forward" in mod.__dict__:
+                del mod.forward
+
+    ratios = []
+    try:
+        with torch.inference_mode():
+            for on in (True, False):  # warm-up
+                plans_on(on)
+                step()
+            for r in range(rounds):
+                t = {}
+                for on in ((True, False) if r % 2 == 0 else (False, True)):
+                    plans_on(on)
+                    t[on] = _time(step, 1, warm=False)
+                ratios.append(t[True] / t[False])
+    finally:
+        plans_on(True)
+    return statistics.median(ratios)
+
+
+#: Rows at which :func:`packed_head` compares the two products (a logit lens of one
+#: disagreement step reads ~10-16 rows), and below which the routed product is kept.
+HEAD_ROWS = 14
+HEAD_MIN_ROWS = 6
+#: The packed product replaces the routed one only below this share of its time (it costs a
+#: second copy of the weight, so a marginal gain is not worth it).
+HEAD_GAIN = 0.75
+#: Interleaved rounds of that comparison (the median of the per-round ratios decides).
+HEAD_ROUNDS = 5
+
+
+def _head_file() -> Path | None:
+    path = _plan_file()
+    return None if path is None else path.with_name(path.stem + ".head.json")
+
+
+def _known_head_choice(key: str) -> bool | None:
+    """The choice measured for ``key`` in this process or kept on disk, or None."""
+    if key not in _HEAD_CHOICE:
+        stored = _read_json(_head_file()).get(key)
+        if not isinstance(stored, bool):
+            return None
+        _HEAD_CHOICE[key] = stored
+    return _HEAD_CHOICE[key]
+
+
+def _remember_head_choice(key: str, choice: bool) -> None:
+    _HEAD_CHOICE[key] = choice
+    path = _head_file()
+    if path is not None:
+        _write_json(path, {**_read_json(_head_file()), key: choice})
+
+
+def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A faster many-row product with a model's LM head, or None: the weight reordered once
+    into oneDNN's blocked layout and multiplied by oneDNN's GEMM.
+
+    A disagreement step's logit lens multiplies ~10-16 rows by the head, where this can
+    beat MKL by about 2x. The copy costs the weight's size again, so it is made only where
+    it takes less than :data:`HEAD_GAIN` of the routed product's time at :data:`HEAD_ROWS`
+    rows (``Speed.packed_head`` ``auto``; ``on``: always, ``off``: never), and used for
+    calls of at least :data:`HEAD_MIN_ROWS` rows. The step-by-step and fast decoders share
+    it, so their decisions stay identical.
+    """
+    cached = getattr(head, _HEAD, None)
+    if cached is not None:
+        return cached or None
+    mode = Speed().packed_head
+    w = head.weight
+    usable = (
+        mode != "off"
+        and getattr(head, _HEAD_OK, False)
+        and w.device.type == "cpu"
+        and w.dtype == torch.float32
+        and w.dim() == 2
+        and torch.backends.mkldnn.is_available()
+    )
+    if not usable:
+        return None  # not cached: the environment variable may change between calls
+    key = f"{w.shape[0]}x{w.shape[1]}:{torch.get_num_threads()}"
+    known = _known_head_choice(key) if mode == "auto" else True
+    if known is False:  # measured slower on this machine: no copy at all
+        setattr(head, _HEAD, False)
+        return None
+    with torch.inference_mode():
+        packed = w.detach().to_mkldnn()
+    bias = None if head.bias is None else head.bias.detach()
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] < HEAD_MIN_ROWS or x.dtype != torch.float32 or x.requires_grad:
+            return head(x)
+        out = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
+        return out + bias if bias is not None else out
+
+    if known is None:  # auto, not measured yet on this machine
+        x = torch.randn(HEAD_ROWS, w.shape[1])
+        with torch.inference_mode():
+            head(x), product(x)  # warm-up
+            ratios = []
+            for r in range(HEAD_ROUNDS):  # interleaved, the order alternating
+                t = {}
+                for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+                    fn = product if which else head
+                    t[which] = _time(lambda fn=fn: fn(x), 1, warm=False)
+                ratios.append(t[1] / t[0])
+        faster = statistics.median(ratios) < HEAD_GAIN
+        _remember_head_choice(key, faster)
+        if not faster:
+            del packed
+            setattr(head, _HEAD, False)
+            return None
+    setattr(head, _HEAD, product)
+    return product
+
+
+# The logit lens of :mod:`..attention` reads many rows through the packed head where it is
+# measured faster (the lens module imports no speed path; this one registers itself there).
+set_lens_head_product(packed_head)

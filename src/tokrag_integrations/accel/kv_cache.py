@@ -1,12 +1,9 @@
 """A KV cache that grows in place: no copy of the cache per generated token.
 
-transformers' ``DynamicLayer`` appends a step's keys and values with ``torch.cat``, so every
-token copies the whole cache of every layer into a freshly allocated tensor (a sizeable
-share of a CPU step with long RAG prompts; docs/results.md).
-:class:`GrowableLayer` keeps the keys and values in a buffer with spare capacity (grown
-geometrically) and exposes ``keys``/``values`` as views of its first ``n`` positions, so an
-update writes only the new positions and :meth:`crop` (the blockwise verifier's rollback)
-only shortens the view. The attention kernels read the views as they are.
+transformers' ``DynamicLayer`` appends with ``torch.cat``, copying every layer's cache at
+every token (9 ms of a 34 ms CPU step with long RAG prompts; docs/results.md).
+:class:`GrowableLayer` keeps keys and values in a buffer with spare capacity and exposes
+views of its first ``n`` positions: an update writes only the new positions.
 """
 
 from __future__ import annotations
@@ -17,8 +14,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
-#: Spare positions allocated beyond what is needed (one answer's worth), and the spare as a
-#: share of the length for long sequences (growth is geometric, so appends stay O(1)).
+#: Spare positions allocated beyond what is needed, at least and as a share of the length.
 MIN_SPARE = 128
 SPARE_SHARE = 0.25
 
@@ -169,14 +165,10 @@ class GrowableLayer(DynamicLayer):
 def new_cache(model: Any) -> Any:
     """A ``DynamicCache`` for ``model`` whose layers grow in place and keep every position.
 
-    Sliding-window layers (Gemma 2/3, Mistral...) get a full layer too: transformers'
-    ``DynamicSlidingWindowLayer`` keeps only the last ``window - 1`` positions, so the keys an
-    attention row is recomputed from after a step would lack the oldest one the step attended
-    to, and it cannot be rolled back (``crop``) past the window. The window itself is still
-    applied, by the sliding-window mask transformers builds from the config (over cache
-    positions, as the model's own attention; read by :func:`.attention.attention_row`).
-    The cost is the keys/values outside the window (a few MB for the packaged models).
-    Other layer kinds (quantised, offloaded...) are kept as transformers builds them."""
+    Sliding-window layers get a full layer too (transformers' keeps only the last
+    ``window - 1`` positions, so an attention row recomputed after a step would lack the
+    oldest key it attended to); the window is still applied by the mask transformers builds
+    from the config. Other layer kinds (quantised, offloaded...) are kept as built."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
@@ -189,9 +181,8 @@ def new_cache(model: Any) -> Any:
 
 
 def has_sliding_window(model: Any) -> bool:
-    """Whether some attention layer of ``model`` attends over a sliding window (its cache
-    keeps every position, see :func:`new_cache`, but a custom 4D mask would bypass the
-    window: the packed two-context prefill does not apply to it)."""
+    """Whether some attention layer of ``model`` attends over a sliding window (a custom 4D
+    mask would bypass it: the packed prefill does not apply)."""
     cfg = getattr(model, "config", None)
     types_ = getattr(cfg, "layer_types", None) or []
     if any("sliding" in str(t) for t in types_):

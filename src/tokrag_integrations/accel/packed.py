@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import config
 from ..attention.parts import model_parts
 from ..attention.probe import ProbeRecord, install_taps
 from ..engine.batch import RoleBatch
@@ -21,13 +20,9 @@ from ..engine.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, reused_s
 from ..engine.speed import Speed
 from ..models import LoadedModel
 from ..policies.base import ContextSpec
+from .install import fusion_off_reason
 from .kv_cache import GrowableLayer, has_sliding_window, is_full_layer, new_cache, row_runs
-
-
-def fuse_contexts() -> bool:
-    """Whether multi-context rules decode all their contexts as one batch
-    (``TOKRAG_FUSE_CONTEXTS``, default on; ``0`` decodes one batch per role)."""
-    return config.fuse_contexts()
+from .sdpa import ATTN_IMPLEMENTATION, PACKED_PREFILL
 
 
 def fuse_batches(batches: Sequence[RoleBatch]) -> RoleBatch | None:
@@ -97,13 +92,6 @@ def fuse_rows(rows: Sequence[tuple[RoleBatch, int]]) -> RoleBatch | None:
     return fused
 
 
-def packed_prefill_enabled() -> bool:
-    """Whether one query's two contexts are decoded as one packed sequence
-    (``TOKRAG_PACKED_PREFILL``, default on; ``0`` prefills each context on its own and
-    decodes them as a fused two-row batch)."""
-    return config.packed_prefill()
-
-
 class _PackedBatch(RoleBatch):
     """One query's two contexts in one sequence of one KV cache.
 
@@ -127,15 +115,11 @@ class _PackedBatch(RoleBatch):
         self.mask = torch.cat([self.mask, torch.eye(2, dtype=self.mask.dtype, device=dev)], dim=1)
         pos = self._next[None].clone()
         self._next = self._next + 1
-        self._step(new_ids.view(1, 2).to(dev), pos, t + 2)
-
-    def _step(self, inp: torch.Tensor, pos: torch.Tensor, n: int) -> None:
-        visible = self.mask[:, :n].bool()
+        visible = self.mask[:, : t + 2].bool()
         # Additive: 0 where a context sees a key, -inf elsewhere (the CPU flash path).
-        mask = torch.zeros(visible.shape, dtype=self.lm.model.dtype, device=visible.device)
+        mask = torch.zeros(visible.shape, dtype=self.lm.model.dtype, device=dev)
         mask = mask.masked_fill_(~visible, float("-inf"))[None, None]
-        logits = self._run(inp, pos, mask, keep=inp.shape[1], positions=[0, 1])
-        self.logits = logits[0]
+        self.logits = self._run(new_ids.view(1, 2).to(dev), pos, mask, keep=2, positions=[0, 1])[0]
 
     def _run(
         self,
@@ -151,9 +135,6 @@ class _PackedBatch(RoleBatch):
             probe=self.probe,
             positions=positions,
         )
-
-    def extend(self, new_ids: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("a packed batch advances one token per context at a time")
 
     def unpacked(self) -> RoleBatch:
         """The same two contexts as a plain two-row batch (so that other rows can join it):
@@ -183,16 +164,6 @@ class _PackedBatch(RoleBatch):
     def fork(self, probe: bool) -> RoleBatch:
         raise RuntimeError("a packed batch is not shared")
 
-    def rollback(self, stale: Sequence[int]) -> None:
-        """Forget each context's last ``k`` tokens (the same ``k`` for both)."""
-        if len(set(stale)) != 1:
-            raise ValueError(f"a packed batch rolls both contexts back alike, got {list(stale)}")
-        k = int(stale[0])
-        if k:
-            self.cache.crop(-2 * k)
-            self.mask = self.mask[:, : -2 * k]
-            self._next = self._next - k
-
 
 def prefill_packed(
     roles: Sequence[str],
@@ -204,21 +175,15 @@ def prefill_packed(
     """Prefill one query's two contexts in one forward pass, as one packed sequence that is
     then decoded in one pass per step (:class:`_PackedBatch`; rows in ``roles`` order).
 
-    The pure prompt is the RAG prompt's head plus the question, so the pass runs the longer
-    prompt followed by the shorter one's part after the head they share; positions restart
-    at the head for that part, and a 4D mask keeps the two apart (computed as two causal
-    products by :func:`.cpu_kernels.few_query_attention`). Costs about what prefilling the
-    longer prompt alone does: the short part rides in a pass that is compute-bound, instead
-    of a pass of its own that reads every weight. Returns None where this does not apply
-    (not one query with two contexts, a shared-prefill store active unless ``shared``
-    (the batch is not offered to it), attention other than
-    this package's CPU path, caches that are not full attention, sliding-window layers,
-    retrieved positions in the
-    shorter prompt past the shared head, ``TOKRAG_PACKED_PREFILL=0``).
+    The pass runs the longer prompt, then the shorter one's part after the head they share
+    (positions restart at the head; a 4D mask keeps the two apart, computed as two causal
+    products by :func:`.sdpa.few_query_attention`): about the cost of the longer prompt
+    alone. None where this does not apply (not one query with two contexts, a shared-prefill
+    store active unless ``shared``, attention other than ``tokrag_sdpa``, caches that are
+    not full attention, sliding windows, retrieved positions in the shorter prompt past the
+    shared head); the caller checks ``Speed.packed_prefill``.
     """
-    from .sdpa import ATTN_IMPLEMENTATION, PACKED_PREFILL
-
-    if len(per_query) != 1 or len(roles) != 2 or not packed_prefill_enabled():
+    if len(per_query) != 1 or len(roles) != 2:
         return None
     if _SHARED_PREFILL.get() is not None and not shared:
         return None
@@ -297,18 +262,16 @@ def prefill(
     sequence for one query's two contexts (unless ``pack`` is False: a query joining a
     running decode is prefilled as rows that :func:`join_batches` can merge), else all
     roles fused into one batch (a 2-row pass costs about what a 1-row pass does on a CPU),
-    else one batch per role. Fusion is off with ``TOKRAG_FUSE_CONTEXTS=0``, ``speed.fuse =
-    False`` (:class:`..engine.speed.Speed`) or where :func:`.cpu_kernels.fusion_off_reason`
-    gives a reason."""
-    from .paths import fusion_off_reason
-
-    want = speed.fuse if speed is not None else True
-    fuse = fuse_contexts() and want and fusion_off_reason(lm.model) is None
+    else one batch per role; each as ``speed`` (default ``Speed()``) allows. Fusion is also
+    off where :func:`.install.fusion_off_reason` gives a reason."""
+    speed = Speed() if speed is None else speed
+    fuse = speed.fuse and fusion_off_reason(lm.model) is None
+    pack = pack and speed.packed_prefill
     packed = prefill_packed(roles, per_query, lm, probe_roles) if fuse and pack else None
     if packed is not None:
         rows = {role: {0: (packed, r)} for r, role in enumerate(roles)}
         return Prefilled({packed.role: packed}, rows, fused=True, packed=True)
-    split = split_prefill(roles, per_query, lm, probe_roles, fuse)
+    split = split_prefill(roles, per_query, lm, probe_roles, fuse, speed.packed_prefill) if speed.split_prefill else None
     if split is not None:
         return split
     batches = prefill_roles(roles, per_query, lm, probe_roles)
@@ -368,16 +331,17 @@ def split_prefill(
     lm: LoadedModel,
     probe_roles: frozenset[str],
     fuse: bool,
+    pack: bool = True,
 ) -> Prefilled | None:
     """The prefill of several queries on CPU as :func:`prefill_groups` groups, each prefilled
     on its own, then merged (:func:`fuse_rows`): every role into one batch, all roles into
     one where ``fuse``, in ``roles`` order (a fused batch is all pure rows, then all RAG
     rows, as when prefilled together). A query alone in its group is prefilled as one packed
-    sequence where that applies (:func:`prefill_packed`, then unpacked into rows), else with
+    sequence where ``pack`` and it applies (:func:`prefill_packed`, then unpacked), else with
     :func:`..engine.prefill.prefill_roles`. Every row computes what it computes in a prefill
-    of its own query. None where it does not apply (``TOKRAG_SPLIT_PREFILL=0``, not on CPU,
-    one group, or rows that cannot be merged): the caller prefills the queries as one batch."""
-    if not config.split_prefill() or lm.model.device.type != "cpu":
+    of its own query. None where it does not apply (not on CPU, one group, or rows that
+    cannot be merged): the caller prefills the queries as one batch."""
+    if lm.model.device.type != "cpu":
         return None
     groups = prefill_groups(per_query)
     if len(groups) < 2:
@@ -387,7 +351,7 @@ def split_prefill(
     for g in groups:
         here = [r for r in roles if any(r in per_query[q] for q in g)]
         one = None
-        if fuse and len(g) == 1:
+        if fuse and pack and len(g) == 1:
             # Packed even inside the harness's shared-prefill store (``shared``): its rows are
             # then not offered to the other policies, which prefill their own (each policy
             # is charged its own prefill either way).

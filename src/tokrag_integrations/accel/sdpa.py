@@ -1,15 +1,14 @@
 """The few-query attention path ``tokrag_sdpa`` (CPU speed work).
 
-With a KV cache and a mask (more than one new position, a left-padded batch, a cache with
-rolled-back holes), transformers' SDPA path repeats the key/value heads for grouped-query
-attention and torch falls back to its math kernel: a 2-token pass then costs about twice a
-1-token step. :func:`few_query_attention` computes the same attention for up to
+With a KV cache and a mask (a left-padded batch, several new positions), transformers' SDPA
+path repeats the key/value heads for grouped-query attention and torch falls back to its
+math kernel. :func:`few_query_attention` computes the same attention for up to
 :data:`MAX_ROWS` query positions without repeating keys (one query per row: torch's flash
-kernel with the mask and ``enable_gqa``, and in a left-padded batch each row over its own
-keys only; several: the query heads grouped per key/value head) and delegates everything
-else (prefill, no mask, CUDA, soft-capping, sinks) to transformers' SDPA function. It is
+kernel with the mask and ``enable_gqa``; several: the query heads grouped per key/value
+head) and delegates everything else (prefill, no mask, CUDA, soft-capping, sinks) to
+transformers' SDPA function. It is
 registered as the attention implementation ``"tokrag_sdpa"`` (SDPA's boolean masks) and set
-by :func:`maybe_install` on float32 CPU models unless ``TOKRAG_CPU_KERNELS=off``.
+by :func:`.install.maybe_install` on float32 CPU models unless ``Speed.cpu_kernels`` is ``off``.
 
 A prefill that packs two contexts of one query into one sequence (the RAG prompt, then the
 part of the pure prompt after the head both share: :data:`PACKED_PREFILL`) attends as two
@@ -37,52 +36,6 @@ ATTN_IMPLEMENTATION = "tokrag_sdpa"
 PACKED_PREFILL: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
     "tokrag_packed_prefill", default=None
 )
-#: One-query batches up to this many rows attend row by row when the mask is left padding.
-MAX_SPLIT_ROWS = 4
-
-# (mask, starts) of the last mask seen; replaced as one tuple so threads never mix two.
-_pad_cache: tuple[torch.Tensor | None, list[int] | None] = (None, None)
-
-
-def _left_pad_starts(mask: torch.Tensor) -> list[int] | None:
-    """Per row, the first attended key of a [B, 1, 1, T] boolean mask that is left padding
-    only (False..False True..True), else None. Computed once per forward pass: every layer
-    gets the same mask tensor."""
-    global _pad_cache
-    if mask.dtype != torch.bool or mask.shape[1] != 1 or mask.shape[2] != 1:
-        return None
-    cached_mask, cached = _pad_cache
-    if cached_mask is mask:
-        return cached
-    m = mask[:, 0, 0, :]
-    starts_t = (~m).sum(-1)
-    expected = torch.arange(m.shape[-1], device=m.device)[None, :] >= starts_t[:, None]
-    ok = torch.equal(m, expected) and bool((starts_t < m.shape[-1]).all())
-    starts = [int(x) for x in starts_t] if ok else None
-    _pad_cache = (mask, starts)
-    return starts
-
-
-#: Rows of a left-padded batch whose first keys lie within this many keys of each other (or
-#: a quarter of the keys, if more) attend in one call, from the earliest of their first keys.
-SEGMENT_KEYS = 64
-
-
-def _pad_segments(starts: list[int], n_keys: int) -> list[tuple[int, int, int]]:
-    """Consecutive rows of a left-padded batch in runs whose first attended keys are close
-    (:data:`SEGMENT_KEYS`): ``(first row, end row, first key of the run)`` per run."""
-    gap = max(SEGMENT_KEYS, n_keys // 4)
-    segs = []
-    a, lo, hi = 0, starts[0], starts[0]
-    for r in range(1, len(starts)):
-        x = starts[r]
-        if max(hi, x) - min(lo, x) > gap:
-            segs.append((a, r, lo))
-            a, lo, hi = r, x, x
-        else:
-            lo, hi = min(lo, x), max(hi, x)
-    segs.append((a, len(starts), lo))
-    return segs
 
 
 def few_query_attention(
@@ -122,41 +75,6 @@ def few_query_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     scale = scaling if scaling is not None else hd**-0.5
-    if q == 1 and b <= MAX_SPLIT_ROWS:
-        starts = _left_pad_starts(attention_mask)
-        if starts is not None:
-            # Left padding only (a fused pure+RAG batch): each row attends to its own keys,
-            # so a short row does not pay for the padding up to the longest one.
-            out = torch.cat(
-                [
-                    F.scaled_dot_product_attention(
-                        query[r : r + 1],
-                        key[r : r + 1, :, s_:],
-                        value[r : r + 1, :, s_:],
-                        scale=scale,
-                        enable_gqa=True,
-                    )
-                    for r, s_ in enumerate(starts)
-                ]
-            )
-            return out.transpose(1, 2).contiguous(), None
-    if q == 1 and b > MAX_SPLIT_ROWS:
-        starts = _left_pad_starts(attention_mask)
-        segs = _pad_segments(starts, key.shape[2]) if starts is not None else None
-        if segs is not None and (len(segs) > 1 or segs[0][2] > 0):
-            # Left padding only, in runs of rows that start close together (a fused batch is
-            # all pure rows, then all RAG rows): each run attends from its own first key, so
-            # the short rows do not read the padding up to the longest one.
-            outs = []
-            for a, e, lo in segs:
-                m = None if all(x == lo for x in starts[a:e]) else attention_mask[a:e, :, :, lo:]
-                outs.append(
-                    F.scaled_dot_product_attention(
-                        query[a:e], key[a:e, :, lo:], value[a:e, :, lo:],
-                        attn_mask=m, scale=scale, enable_gqa=True,
-                    )
-                )
-            return torch.cat(outs).transpose(1, 2).contiguous(), None
     if q == 1 or (b == 1 and attention_mask.dtype != torch.bool):
         # One query per row (a decode step of a padded or fused batch), or several queries of
         # one sequence under an additive mask (a packed two-context step): torch's CPU flash
@@ -165,7 +83,7 @@ def few_query_attention(
             query, key, value, attn_mask=attention_mask, scale=scale, enable_gqa=True
         )
         return out.transpose(1, 2).contiguous(), None
-    return _grouped_attention(query, key, value, attention_mask, scale)[0], None
+    return _grouped_attention(query, key, value, attention_mask, scale), None
 
 
 def _packed_attention(
@@ -224,12 +142,11 @@ def _grouped_attention(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Masked attention with the query heads grouped per key/value head (no repeated keys).
 
     ``query`` [B, H, q, hd], ``key``/``value`` [B, Hkv, T, hd], ``attention_mask`` None or
-    [B, 1, q, T] (bool or additive). Returns the output [B, q, H, hd] and the probabilities
-    [B, Hkv, g, q, T] (query head i*g + j is ``[:, i, j]``; masked keys get 0)."""
+    [B, 1, q, T] (bool or additive). Returns [B, q, H, hd]."""
     b, h, q, hd = query.shape
     hkv, t = key.shape[1], key.shape[2]
     g = h // hkv
@@ -245,7 +162,7 @@ def _grouped_attention(
             scores = scores.add_(mask)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(probs.view(b, hkv, g * q, t), value)  # [B, Hkv, g*q, hd]
-    return out.view(b, h, q, hd).transpose(1, 2).contiguous(), probs
+    return out.view(b, h, q, hd).transpose(1, 2).contiguous()
 
 
 def _keep_queries(

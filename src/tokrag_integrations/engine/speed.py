@@ -1,81 +1,81 @@
 """How fast a decode runs, chosen apart from what it decides: the ``speed=`` argument.
 
-The runner (:func:`..runner.decode_loop`) and every entry point of :mod:`..api` take one
-``speed=``: a :class:`Speed`, a preset name or a dict of its fields. Every choice gives the
-same tokens, sources and decisions as the step-by-step loop (the exactness benchmark,
-``benchmarks/exactness.py``, checks it); they differ in time only.
+Every entry point takes one ``speed=``: a :class:`Speed`, a preset name or a dict of its
+fields. Every choice gives the tokens, sources and decisions of the step-by-step loop
+(``benchmarks/exactness.py`` checks it); they differ in time only.
 
-Presets:
+Presets: ``"auto"`` (the default: every field at its default) and ``"reference"`` (the
+step-by-step loop as written: one forward pass per context per step, no logit-lens rows
+shared between the queries of a batch).
 
-* ``"auto"`` (the default): contexts fused into one batch where the model allows it (one
-  forward pass per step), the step-by-step loop otherwise; no blockwise verification.
-* ``"reference"``: the step-by-step loop as written: one forward pass per context per step,
-  no fusing, no blockwise verification, no logit-lens rows shared between the queries of a
-  batch.
-
-This module imports nothing of the package: the policies' deprecated speed options are
-validated here too.
+This is the one place where the ``TOKRAG_*`` speed variables are read: each is the default
+of one field (read when the :class:`Speed` is made, so a variable set later applies to the
+next decode). The speed paths read their choices from a :class:`Speed` only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from .. import config
 
 __all__ = ["PRESETS", "Speed", "speed_of"]
 
 _BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
-_BOOL_FIELDS = ("fuse", "speculative", "share_lens")
+_MODES = ("auto", "on", "off")
+_MODE_FIELDS = ("cpu_kernels", "packed_head")
 
 
 @dataclass(frozen=True)
 class Speed:
-    """The speed paths of one decode.
+    """The speed paths of one decode (and of a model's load: ``cpu_kernels``).
 
     Args:
-        fuse: decode the contexts of a query as one batch (one forward pass per step, the
-            shorter rows left-padded) where the model allows it; ``False`` runs one pass per
-            context role.
-        speculative: decode a pure/RAG rule by blockwise verification
-            (:mod:`..accel.speculative`): one context drafts a block of tokens, the other
-            checks it in one forward pass. Off by default: on the CPUs measured the fused
-            step-by-step loop is faster.
-        block: fixed block length for ``speculative`` (None: adaptive, 2-16).
-        drafter: which context drafts: ``"auto"`` (the one winning more disagreements),
-            ``"rag"`` or ``"pure"``.
-        share_lens: in a batch, compute the first logit-lens rows of every query that needs
-            them in one product (the LM head read once per step, not once per query).
+        fuse: decode the contexts of a query as one batch (one forward pass per step)
+            where the model allows it; False: one pass per context role
+            (``TOKRAG_FUSE_CONTEXTS``, default on).
+        packed_prefill: one query's two contexts as one packed sequence
+            (``TOKRAG_PACKED_PREFILL``, default on; needs ``fuse``).
+        split_prefill: on CPU, prefill a batch's queries a few at a time, then merge them
+            (``TOKRAG_SPLIT_PREFILL``, default on).
+        share_lens: in a batch, the first logit-lens rows of every query in one product.
+        cpu_kernels: ``"auto"`` (measured few-row plans), ``"on"`` or ``"off"``: the CPU
+            kernels a float32 model gets when loaded (``TOKRAG_CPU_KERNELS``).
+        packed_head: ``"auto"`` (where measured faster), ``"on"`` or ``"off"``: the packed
+            LM head of the logit lens on CPU (``TOKRAG_PACKED_HEAD``).
+        kernel_plan_cache: keep measured kernel plans on disk for later processes
+            (``TOKRAG_KERNEL_PLAN_CACHE``, default on).
     """
 
-    fuse: bool = True
-    speculative: bool = False
-    block: int | None = None
-    drafter: str = "auto"
+    fuse: bool = field(default_factory=config.fuse_contexts)
+    packed_prefill: bool = field(default_factory=config.packed_prefill)
+    split_prefill: bool = field(default_factory=config.split_prefill)
     share_lens: bool = True
+    cpu_kernels: str = field(default_factory=config.cpu_kernels)
+    packed_head: str = field(default_factory=config.packed_head)
+    kernel_plan_cache: bool = field(default_factory=config.kernel_plan_cache)
 
     def __post_init__(self) -> None:
-        for name in _BOOL_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        block = self.block
-        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
-            raise ValueError(f"block must be a positive int or None, got {block!r}")
-        if self.drafter not in ("auto", "pure", "rag"):
-            raise ValueError(f"drafter must be 'auto', 'pure' or 'rag', got {self.drafter!r}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _MODE_FIELDS:
+                if value not in _MODES:
+                    raise ValueError(f"{f.name} must be 'auto', 'on' or 'off', got {value!r}")
+            elif not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be True or False, got {value!r}")
 
     def options(self) -> dict[str, Any]:
         """The speed as the trace records it (``Trace.options``)."""
-        if self.speculative:
-            return {"speculative": True, "block": self.block, "drafter": self.drafter}
-        return {"speculative": False, "fuse": self.fuse}
+        return {"fuse": self.fuse}
 
 
-#: The named presets of ``speed=``.
-PRESETS: dict[str, Speed] = {
-    "auto": Speed(),
-    "reference": Speed(fuse=False, speculative=False, share_lens=False),
+#: The named presets of ``speed=``: the fields each sets (the others keep their defaults).
+PRESETS: dict[str, dict[str, Any]] = {
+    "auto": {},
+    "reference": {"fuse": False, "share_lens": False},
 }
 
 
@@ -93,14 +93,14 @@ def _as_bool(name: str, value: Any) -> bool:
 
 def speed_of(value: Speed | str | Mapping[str, Any] | None = None) -> Speed:
     """``speed=`` as a :class:`Speed`: a Speed as is, None or a preset name (``"auto"``,
-    ``"reference"``), or a dict of fields (``{"speculative": True, "block": 4}``; the fields
-    not named keep the ``"auto"`` values; a bool field may be given as ``"true"``/``"0"``...).
+    ``"reference"``), or a dict of fields (``{"fuse": False}``; the fields not named keep
+    their defaults; a bool field may be given as ``"true"``/``"0"``...).
 
     Raises:
         ValueError: an unknown preset or field, or a field's bad value (one sentence).
     """
     if value is None:
-        return PRESETS["auto"]
+        return Speed()
     if isinstance(value, Speed):
         return value
     if isinstance(value, str):
@@ -109,15 +109,17 @@ def speed_of(value: Speed | str | Mapping[str, Any] | None = None) -> Speed:
                 f"unknown speed preset {value!r}; presets: {', '.join(PRESETS)} "
                 "(or a dict of Speed fields)"
             )
-        return PRESETS[value]
+        return Speed(**PRESETS[value])
     if isinstance(value, Mapping):
-        fields = {f.name for f in dataclasses.fields(Speed)}
-        unknown = sorted(set(value) - fields)
+        fields = {f.name: f for f in dataclasses.fields(Speed)}
+        unknown = sorted(set(value) - set(fields))
         if unknown:
             raise ValueError(
                 f"unknown speed option {unknown[0]!r}; options: {', '.join(sorted(fields))}"
             )
-        given = {k: _as_bool(k, v) if k in _BOOL_FIELDS else v for k, v in value.items()}
+        given = {
+            k: str(v).strip().lower() if k in _MODE_FIELDS else _as_bool(k, v) for k, v in value.items()
+        }
         return Speed(**given)
     raise TypeError(
         f"speed must be a Speed, a preset name or a dict, got {type(value).__name__}"

@@ -119,7 +119,7 @@ def run_bench(
     decode (default: ``generate``'s)."""
     import torch
 
-    from ..accel import speed_paths
+    from ..accel.install import speed_paths
     from ..batching import generate
 
     require_bool(memory, "memory")

@@ -7,11 +7,17 @@ from typing import Any
 
 import torch
 
-from .. import config
-from .cpu_kernels import _HEAD, _HEAD_OK, _VERDICT, install, installed
-from .lens_head import HEAD_MIN_ROWS
+from ..engine.speed import Speed
+from .cpu_kernels import (
+    _HEAD,
+    _HEAD_OK,
+    _VERDICT,
+    HEAD_MIN_ROWS,
+    install,
+    installed,
+    verify_install,
+)
 from .sdpa import ATTN_IMPLEMENTATION, install_attention
-from .verify import verify_install
 
 #: ``config.model_type`` of the architectures the speed paths are measured correct on: the
 #: matrix of ``tests/integration/test_architectures.py`` (tiny random models, float32 and bfloat16) and
@@ -38,9 +44,8 @@ def _architecture_reason(model: Any) -> str | None:
 
 
 def speed_off_reason(model: Any) -> str | None:
-    """Why the CPU speed paths (few-row kernels, few-query attention, packed prefill, packed
-    LM head) do not apply to ``model``, in a few words, or None where they do: they are
-    measured correct on CPU, in float32, for the architectures of the matrix only."""
+    """Why the CPU speed paths (kernels, attention, packed prefill and head) do not apply to
+    ``model``, or None: they are measured on CPU, in float32, on the matrix's architectures."""
     p = _first_parameter(model)
     if p is None:
         return "the model has no parameters"
@@ -52,9 +57,8 @@ def speed_off_reason(model: Any) -> str | None:
 
 
 def fusion_off_reason(model: Any) -> str | None:
-    """Why contexts are not fused into one batch on ``model`` (None where they are): fusing
-    is measured to give the step-by-step tokens on CPU, in float32 and bfloat16, for the
-    architectures of the matrix; a GPU kernel may round a padded batch differently."""
+    """Why contexts are not fused into one batch on ``model``, or None: fusing is measured
+    exact on CPU (float32 and bfloat16) for the matrix's architectures only."""
     p = _first_parameter(model)
     if p is not None and p.device.type != "cpu":
         return f"device {p.device.type}: fused contexts are measured on CPU only"
@@ -82,10 +86,9 @@ def _head_detail(model: Any) -> str:
 
 
 def speed_paths(model: Any) -> dict[str, str]:
-    """Each speed path of ``model``: ``"on"`` or ``"off: <reason>"`` (``cpu_kernels``,
-    ``packed_prefill``, ``packed_head``, ``fused_contexts``; environment switches are read
-    per decode and not reflected here), with what was measured where a path was chosen by
-    timing on this machine."""
+    """Each speed path of ``model`` (``cpu_kernels``, ``packed_prefill``, ``packed_head``,
+    ``fused_contexts``): ``"on"`` (with what was measured here) or ``"off: <reason>"``; a
+    decode's :class:`..engine.speed.Speed` may still turn a path off."""
     off = getattr(model, _SPEED_OFF, None)
     attention = getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
     kernels = installed(model)
@@ -111,17 +114,15 @@ def speed_paths(model: Any) -> dict[str, str]:
 
 def maybe_install(model: Any, mode: str | None = None) -> bool:
     """On a float32 CPU model: the few-query attention path and, per ``mode`` (default
-    ``$TOKRAG_CPU_KERNELS``), the few-row linear plans. Returns whether any linear module was
+    ``Speed().cpu_kernels``), the few-row linear plans. Returns whether any linear module was
     changed.
 
     ``mode``: ``auto`` (default: measured plans per weight shape), ``on`` (the transposed
     product for every few-row call) or ``off`` (stock paths throughout).
     """
-    if mode is None:
-        mode = config.cpu_kernels()
-    mode = mode.strip().lower()
+    mode = Speed().cpu_kernels if mode is None else mode.strip().lower()
     if mode not in ("auto", "on", "off"):
-        raise ValueError(f"cpu_kernels (TOKRAG_CPU_KERNELS) must be 'auto', 'on' or 'off', got {mode!r}")
+        raise ValueError(f"cpu_kernels must be 'auto', 'on' or 'off', got {mode!r}")
     if mode == "off":
         setattr(model, _SPEED_OFF, "cpu_kernels='off'")
         return False
