@@ -14,7 +14,7 @@ import asyncio
 import time
 
 from tokrag_integrations import load_model
-from tokrag_integrations.batching import batcher_for
+from tokrag_integrations.engine.scheduler import batcher_for
 from tokrag_integrations.langchain import ChatTokRAG
 from tokrag_integrations.retrieval import (
     build_retriever,

@@ -1,7 +1,7 @@
 """Continuous batching against batch-by-batch micro-batching, under staggered arrivals.
 
 ``n`` SQuAD dev questions (5 passages each) arrive one every ``gap`` seconds, each in its own
-thread, through a fresh :class:`tokrag_integrations.batching.MicroBatcher` of the same
+thread, through a fresh :class:`tokrag_integrations.engine.scheduler.MicroBatcher` of the same
 loaded model: ``continuous=True`` (a call arriving mid-decode joins the running decode at
 the next step) and ``continuous=False`` (it waits for the running batch to finish, then
 decodes with the calls that queued meanwhile). The two modes are interleaved, the order
@@ -28,7 +28,7 @@ SQUAD = Path(__file__).resolve().parents[2] / "shared" / "data" / "squad_dev.jso
 
 
 def one_round(lm: Any, items: list, policy: str, gap: float, max_new_tokens: int, continuous: bool) -> dict[str, Any]:
-    from tokrag_integrations.batching import MicroBatcher
+    from tokrag_integrations.engine.scheduler import MicroBatcher
 
     b = MicroBatcher(lm, continuous=continuous)
     out: dict[int, Any] = {}

@@ -43,9 +43,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from tokrag_integrations import generate, load_model
-    from tokrag_integrations import signals as S
     from tokrag_integrations.evaluation.data import load_items, mix_passages
     from tokrag_integrations.evaluation.metrics import cover_em
+    from tokrag_integrations.policies import signals as S
 
     lm = load_model("default", device="cpu")
     cases = []

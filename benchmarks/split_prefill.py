@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from tokrag_integrations.batching import generate_batch
+    from tokrag_integrations.engine.scheduler import generate_batch
     from tokrag_integrations.evaluation.cost import bench_items
     from tokrag_integrations.models import load_model
 

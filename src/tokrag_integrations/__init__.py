@@ -40,7 +40,7 @@ def __getattr__(name: str) -> Any:
     if name in ("load_model", "LoadedModel"):
         from . import models as module
     elif name in ("generate", "stream", "generate_batch", "agenerate", "astream", "astream_with_result"):
-        from . import batching as module
+        from .engine import scheduler as module
     elif name in ("GenerationResult", "TokenEvent"):
         from . import results as module
     elif name in ("Passage", "PromptBuilder", "RenderedPrompt"):

@@ -250,7 +250,7 @@ def _concurrent(batcher, idx, policy="tokrag"):
 
 
 def test_calls_arriving_mid_decode_join_it_through_the_micro_batcher(lm, solo, monkeypatch):
-    from tokrag_integrations.batching import MicroBatcher
+    from tokrag_integrations.engine.scheduler import MicroBatcher
 
     b = MicroBatcher(lm)
     _hold_first_step_until(monkeypatch, lambda: sum(len(r.queue) for r in b._running.values()) == 3)
@@ -270,7 +270,7 @@ def test_calls_arriving_mid_decode_join_it_through_the_micro_batcher(lm, solo, m
 def test_max_rows_bounds_a_continuous_decode(lm, solo, monkeypatch):
     """With room for one Tok-RAG query (two rows), calls that arrive mid-decode wait for it
     to finish instead of joining; each still gets its solo answer."""
-    from tokrag_integrations.batching import MicroBatcher
+    from tokrag_integrations.engine.scheduler import MicroBatcher
 
     b = MicroBatcher(lm, max_rows=2)
     _hold_first_step_until(monkeypatch, lambda: sum(len(r.queue) for r in b._running.values()) == 2)
@@ -281,8 +281,8 @@ def test_max_rows_bounds_a_continuous_decode(lm, solo, monkeypatch):
 
 
 def test_a_call_cancelled_while_waiting_to_join_never_decodes(lm, solo, monkeypatch):
-    from tokrag_integrations.batching import MicroBatcher
-    from tokrag_integrations.streams import _Cancelled
+    from tokrag_integrations.engine.scheduler import MicroBatcher
+    from tokrag_integrations.engine.streams import _Cancelled
 
     b = MicroBatcher(lm)
     _hold_first_step_until(monkeypatch, lambda: sum(len(r.queue) for r in b._running.values()) == 1)
@@ -330,7 +330,7 @@ def test_signals_run_in_inference_mode_alone_and_in_a_batch(lm, monkeypatch):
 def test_the_first_call_returns_when_its_own_answer_is_done(lm, solo, monkeypatch):
     """The decode runs in a thread of its own: the call that started it returns as soon as
     its answer is done, while a call that joined it and has a longer answer still decodes."""
-    from tokrag_integrations.batching import MicroBatcher
+    from tokrag_integrations.engine.scheduler import MicroBatcher
 
     lengths = [len(r.token_ids) for r in solo["tokrag"]]
     short, long_ = lengths.index(min(lengths)), lengths.index(max(lengths))
@@ -364,7 +364,7 @@ def test_streams_join_a_running_decode_and_get_their_tokens_alone(lm, solo, monk
     """Streams join a continuous decode like plain calls: two streams arrive while a plain
     call decodes, all three end up in one batch, and each stream's events and result are
     its solo answer."""
-    from tokrag_integrations.batching import MicroBatcher
+    from tokrag_integrations.engine.scheduler import MicroBatcher
 
     b = MicroBatcher(lm)
     _hold_first_step_until(monkeypatch, lambda: sum(len(r.queue) for r in b._running.values()) == 2)
@@ -399,7 +399,7 @@ def test_streams_join_a_running_decode_and_get_their_tokens_alone(lm, solo, monk
 def test_a_stream_leads_a_decode_that_calls_join_and_a_closed_stream_leaves_it(lm, solo, monkeypatch):
     """A stream read first starts the decode; a plain call joins it. A second stream closed
     after its first token leaves at the next step; the others keep their solo answers."""
-    from tokrag_integrations.batching import MicroBatcher
+    from tokrag_integrations.engine.scheduler import MicroBatcher
 
     b = MicroBatcher(lm)
     _hold_first_step_until(monkeypatch, lambda: sum(len(r.queue) for r in b._running.values()) == 2)
@@ -426,7 +426,7 @@ def test_a_stream_leads_a_decode_that_calls_join_and_a_closed_stream_leaves_it(l
 
 
 def test_a_batched_stream_refuses_bad_input_at_the_call(lm):
-    from tokrag_integrations.batching import MicroBatcher
+    from tokrag_integrations.engine.scheduler import MicroBatcher
 
     b = MicroBatcher(lm)
     with pytest.raises(ValueError, match="[Qq]uery|empty"):

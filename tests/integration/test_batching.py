@@ -1,4 +1,4 @@
-"""Micro-batching of concurrent calls (tokrag_integrations.batching) on the packaged model:
+"""Micro-batching of concurrent calls (tokrag_integrations.engine.scheduler) on the packaged model:
 concurrent calls are decoded together and each gets exactly what it gets alone.
 
 Each input is decoded alone once (the module's ``solo`` fixture, through ``ChatTokRAG`` with
@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from tokrag_integrations.batching import batcher_for
+from tokrag_integrations.engine.scheduler import batcher_for
 from tokrag_integrations.retrieval import (
     build_retriever,
     get_sample_docs_path,

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tokrag_integrations import Passage, agenerate, astream, generate, generate_batch, stream
-from tokrag_integrations.streams import StreamAbandoned
+from tokrag_integrations.engine.streams import StreamAbandoned
 
 #: A question SmolLM2 answers at length (it runs to any max_new_tokens up to 200).
 LONG_Q = "List the numbers from 1 to 100, one per line."

@@ -190,8 +190,8 @@ def test_attention_rows_of_all_layers_equal_the_per_layer_rows(lm):
 def test_lazy_chunked_signals_equal_a_full_computation(lm, monkeypatch):
     """The lens is read a few layers at a time, with shared and extra rows; a plain
     computation over every layer must give the same fusion layers, l* and rising token."""
-    from tokrag_integrations import signals as S
     from tokrag_integrations.attention.rows import logit_lens
+    from tokrag_integrations.policies import signals as S
     from tokrag_integrations.policies.tokrag import TokRAG
 
     seen = []

@@ -127,7 +127,7 @@ def _assert_same(got: Any, want: Any, path: str = "out") -> None:
 # ------------------------------------------------------------------ pure translation
 def test_core_import_does_not_import_langchain() -> None:
     code = (
-        "import sys, tokrag_integrations, tokrag_integrations.batching, tokrag_integrations.trace;"
+        "import sys, tokrag_integrations, tokrag_integrations.engine.scheduler, tokrag_integrations.trace;"
         "bad = [m for m in sys.modules if m.startswith(('langchain', 'llama_index'))];"
         "assert not bad, bad"
     )

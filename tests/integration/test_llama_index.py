@@ -98,7 +98,7 @@ def _node(text, node_id, score):
 def test_core_does_not_import_llama_index_and_missing_extra_gives_hint():
     code = (
         "import sys\n"
-        "import tokrag_integrations, tokrag_integrations.batching, tokrag_integrations.trace\n"
+        "import tokrag_integrations, tokrag_integrations.engine.scheduler, tokrag_integrations.trace\n"
         "assert not any(m == 'llama_index' or m.startswith('llama_index.') for m in sys.modules)\n"
         "sys.modules['llama_index'] = None\n"
         "try:\n"

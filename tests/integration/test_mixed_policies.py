@@ -18,8 +18,8 @@ import httpx
 import pytest
 from _helpers import LiveServer
 
-from tokrag_integrations import batching
 from tokrag_integrations.defaults import ANSWER_STOP
+from tokrag_integrations.engine import scheduler as batching
 
 DOCS = [
     "Quillfeather Aerospace was founded in 1987 by the engineer Mara Ellison in Tromsø, Norway.",
@@ -127,7 +127,7 @@ def _post(url: str, question: str, policy: str, options: dict[str, Any] | None, 
 
 
 def test_server_with_mixed_policies_answers_each_as_alone(lm, solo):
-    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+    from tokrag_integrations.server import ChatService, ServeConfig, create_app
 
     service = ChatService(lm, ServeConfig(max_new_tokens=N_TOKENS))
     live = LiveServer(create_app(service))

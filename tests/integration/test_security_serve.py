@@ -22,7 +22,7 @@ DOCS = ["Quillfeather Aerospace was founded in 1987 by the engineer Mara Ellison
 
 
 def _start(lm, **config):
-    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+    from tokrag_integrations.server import ChatService, ServeConfig, create_app
 
     service = ChatService(lm, ServeConfig(max_new_tokens=4, **config))
     return LiveServer(create_app(service))
@@ -253,7 +253,7 @@ def test_19_system_prompt_with_a_lone_surrogate_is_cleaned_like_the_query(lm):
 def test_21_health_shows_no_pid_and_no_load_error_text(server, tmp_path):
     import os
 
-    from tokrag_integrations.serve import ServeConfig, create_app
+    from tokrag_integrations.server import ServeConfig, create_app
 
     r = httpx.get(f"{server.url}/health", timeout=30)
     h = r.json()

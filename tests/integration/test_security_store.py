@@ -105,7 +105,7 @@ def store(lm, module_pg_dsn, tmp_path_factory):
 
     from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
     from tokrag_integrations.postgres.dsn import dsn_params
-    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+    from tokrag_integrations.server import ChatService, ServeConfig, create_app
 
     dsn = module_pg_dsn
     folder = Path(dsn_params(dsn)["host"])
@@ -190,7 +190,7 @@ def test_a_database_failure_is_a_503_without_server_paths(store, lm):
     from _helpers import LiveServer
 
     from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
-    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+    from tokrag_integrations.server import ChatService, ServeConfig, create_app
 
     ingest([store.docs], dsn=store.dsn, table="dropped", progress=False)
     kb = PostgresKnowledgeBase(store.dsn, "dropped")
@@ -297,7 +297,7 @@ def test_sources_are_the_stored_absolute_paths_by_default(store):
 def test_sources_relative_to_the_ingested_folder(store, lm):
     from _helpers import LiveServer
 
-    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+    from tokrag_integrations.server import ChatService, ServeConfig, create_app
 
     config = ServeConfig(store="postgres", dsn=store.dsn, table="probe", top_k=2,
                          max_new_tokens=2, sources_relative_to=str(store.docs))

@@ -39,7 +39,7 @@ MAX_TOKENS = 16
 
 
 def _start(lm, **config):
-    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+    from tokrag_integrations.server import ChatService, ServeConfig, create_app
 
     service = ChatService(lm, ServeConfig(**config))
     return LiveServer(create_app(service)), service
@@ -331,7 +331,7 @@ def _serve_command(lm, monkeypatch, capsys, argv):
     import uvicorn
 
     from tokrag_integrations import cli
-    from tokrag_integrations.serve import ChatService
+    from tokrag_integrations.server import ChatService
 
     monkeypatch.delenv("TOKRAG_API_KEY", raising=False)
     monkeypatch.setattr(ChatService, "load", classmethod(lambda cls, config: cls(lm, config)))
@@ -360,7 +360,7 @@ def test_serve_command_ray_api_key_flag_reaches_the_deployment(monkeypatch, caps
     """``tokrag serve --ray --api-key``: the deployment is given the key (the replicas'
     answers to it are in tests/integration/test_serve_ray.py, marked slow)."""
     from tokrag_integrations import cli
-    from tokrag_integrations.serve import ray_app
+    from tokrag_integrations.server import ray_app
 
     monkeypatch.delenv("TOKRAG_API_KEY", raising=False)
     calls = []
@@ -371,7 +371,7 @@ def test_serve_command_ray_api_key_flag_reaches_the_deployment(monkeypatch, caps
 
 
 def test_health_is_503_while_the_model_loads(lm):
-    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+    from tokrag_integrations.server import ChatService, ServeConfig, create_app
 
     release = threading.Event()
 
@@ -420,8 +420,8 @@ def test_llama_index_openai_like_against_the_server(server, lm):
 
 
 def test_server_default_options_apply_to_its_own_policy_only(lm):
-    from tokrag_integrations.serve import ChatService, ServeConfig
-    from tokrag_integrations.serve.schemas import Limits, parse_chat_request
+    from tokrag_integrations.server import ChatService, ServeConfig
+    from tokrag_integrations.server.schemas import Limits, parse_chat_request
 
     svc = ChatService(lm, ServeConfig(policy="tokrag", policy_options={"pr_norm": "softmax"}))
     body = {"messages": [{"role": "user", "content": QUESTION}]}

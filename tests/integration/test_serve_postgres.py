@@ -24,7 +24,7 @@ TOP_K = 3
 def store_server(lm, module_pg_dsn):
     from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
     from tokrag_integrations.retrieval import get_sample_docs_path
-    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+    from tokrag_integrations.server import ChatService, ServeConfig, create_app
 
     dsn = module_pg_dsn
     ingest([get_sample_docs_path()], dsn=dsn, table="serve_docs", progress=False)

@@ -35,7 +35,7 @@ def ray_url():
     import ray
     from ray import serve
 
-    from tokrag_integrations.serve import ServeConfig, ray_deployment
+    from tokrag_integrations.server import ServeConfig, ray_deployment
 
     env = {k: os.environ[k] for k in ("PYTHONPATH", "HF_HUB_OFFLINE") if k in os.environ}
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

@@ -116,7 +116,7 @@ def test_throughput_interleaves_the_arms_and_pairs_the_ratios(monkeypatch):
         calls.append((policy, len(queries)))
         return [R(4) for _ in queries]
 
-    monkeypatch.setattr("tokrag_integrations.batching.generate_batch", fake_batch)
+    monkeypatch.setattr("tokrag_integrations.engine.scheduler.generate_batch", fake_batch)
     items = [(f"q{i}", ["p"]) for i in range(5)]
     out = measure_throughput(lambda name: None, items, (1, 2), 4, ("rag", "floor", "tokrag"), False, 3)
     assert len(calls) == 3 * 2 * 3
@@ -156,7 +156,7 @@ def test_throughput_reports_questions_per_second_beside_tokens_per_second(monkey
         now[0] += 1.1 if policy == "tokrag" else 1.0
         return [R(3 if policy == "tokrag" else 4) for _ in queries]
 
-    monkeypatch.setattr("tokrag_integrations.batching.generate_batch", fake_batch)
+    monkeypatch.setattr("tokrag_integrations.engine.scheduler.generate_batch", fake_batch)
     monkeypatch.setattr(BT, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: now[0])}))
     items = [(f"q{i}", ["p"]) for i in range(4)]
     out = measure_throughput(lambda name: None, items, (2,), 4, ("rag", "tokrag"), False, 2)

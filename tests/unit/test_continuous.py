@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tokrag_integrations.batching import MicroBatcher, _Continuous, _Request, _Running
+from tokrag_integrations.engine.scheduler import MicroBatcher, _Continuous, _Request, _Running
 
 
 class _Policy:

@@ -35,11 +35,14 @@ def test_no_two_modules_share_a_file_name():
 
 
 def test_no_compatibility_leftovers():
-    """No deprecation paths and no re-export aliases (``noqa: F401``) in an unreleased package."""
+    """No deprecation paths and no re-export aliases (an import of the package's own names kept
+    only to be imported from here, ``noqa: F401``) in an unreleased package. (An import of a
+    third-party module for its side effect is not a re-export.)"""
     found = []
     for p in SOURCES:
         for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-            if "DeprecationWarning" in line or "noqa: F401" in line:
+            own = line.lstrip().startswith("from .") or "tokrag_integrations" in line
+            if "DeprecationWarning" in line or ("noqa: F401" in line and own):
                 found.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not found, "\n".join(found)
 

@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from tokrag_integrations import signals as S
 from tokrag_integrations.policies import available_policies, get_policy
+from tokrag_integrations.policies import signals as S
 from tokrag_integrations.policies.base import ContextSpec
 from tokrag_integrations.policies.rag_token import passage_weights
 from tokrag_integrations.policies.selection import entropy_margin, logprob_margin

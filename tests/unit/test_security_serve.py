@@ -11,7 +11,7 @@ require("uvicorn")
 
 
 def _app(**config):
-    from tokrag_integrations.serve import ServeConfig, create_app
+    from tokrag_integrations.server import ServeConfig, create_app
 
     return create_app(loader=lambda: None, config=ServeConfig(**config))
 
@@ -32,7 +32,7 @@ def test_09_cli_refuses_an_empty_key_before_loading(monkeypatch, capsys):
     from tokrag_integrations.cli import main
 
     monkeypatch.delenv("TOKRAG_API_KEY", raising=False)
-    import tokrag_integrations.serve.app as runner
+    import tokrag_integrations.server.app as runner
 
     # Were the key let through, the command would start a server: fail loudly instead.
     monkeypatch.setattr(runner, "serve", lambda *a, **k: pytest.fail("the server started"))
@@ -69,7 +69,7 @@ def test_10_key_no_client_could_send_is_refused(key, words, monkeypatch):
 
 
 def test_10_printable_keys_with_inner_spaces_are_kept(monkeypatch):
-    from tokrag_integrations.serve import ServeConfig
+    from tokrag_integrations.server import ServeConfig
 
     monkeypatch.setenv("TOKRAG_API_KEY", "a b~!{}")
     assert ServeConfig().resolved_api_key() == "a b~!{}"
@@ -86,7 +86,7 @@ def _strict(text):
 
 
 def test_15_stream_events_never_hold_nan_or_infinity():
-    from tokrag_integrations.serve.app import _sse
+    from tokrag_integrations.server.app import _sse
 
     data = {"score": float("nan"), "steps": [{"gap": float("inf")}, (float("-inf"), 1.5)],
             "text": "é", "n": 3}

@@ -51,8 +51,8 @@ def test_cli_serve_refuses_bad_flags_before_loading(argv, message, capsys):
 
 
 def test_binding_beyond_localhost_without_a_key_warns(monkeypatch):
-    from tokrag_integrations.serve.app import is_local, warn_if_open
-    from tokrag_integrations.serve.service import ServeConfig
+    from tokrag_integrations.server.app import is_local, warn_if_open
+    from tokrag_integrations.server.service import ServeConfig
 
     monkeypatch.delenv("TOKRAG_API_KEY", raising=False)
     assert is_local("127.0.0.1") and is_local("::1") and is_local("localhost")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tokrag_integrations import signals as S
+from tokrag_integrations.policies import signals as S
 
 
 def test_jsd_symmetric_bounded_and_zero_on_identity():

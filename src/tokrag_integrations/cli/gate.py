@@ -63,7 +63,7 @@ def gated_ask(
     percentile: float | None = None,
 ) -> dict[str, Any]:
     """Decide with the gate, retrieve only if it says so, answer."""
-    from ..batching import generate
+    from ..engine.scheduler import generate
 
     g = (
         gate

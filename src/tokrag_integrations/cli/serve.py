@@ -117,9 +117,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    """The :class:`~tokrag_integrations.serve.ServeConfig` the flags describe."""
-    from ..serve.schemas import Limits
-    from ..serve.service import ServeConfig
+    """The :class:`~tokrag_integrations.server.ServeConfig` the flags describe."""
+    from ..server.schemas import Limits
+    from ..server.service import ServeConfig
 
     return ServeConfig(
         model=args.model,
@@ -183,7 +183,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     config.resolved_api_key()  # a key no client could send fails before the model loads
     if args.ray:
-        from ..serve.ray_app import run_ray
+        from ..server.ray_app import run_ray
 
         run_ray(
             config, host=args.host, port=args.port, replicas=args.replicas,
@@ -193,7 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             num_cpus=args.num_cpus, num_gpus=args.num_gpus, blocking=True,
         )
         return 0
-    from ..serve.app import serve
+    from ..server.app import serve
 
     serve(config, host=args.host, port=args.port)
     return 0

@@ -120,7 +120,7 @@ def run_bench(
     import torch
 
     from ..accel.install import speed_paths
-    from ..batching import generate
+    from ..engine.scheduler import generate
 
     require_bool(memory, "memory")
     require_bool(progress, "progress")
@@ -180,7 +180,7 @@ def _timed_runs(
     and its decisions, and the RAG prompt lengths."""
     from tqdm.auto import tqdm
 
-    from ..batching import generate
+    from ..engine.scheduler import generate
 
     rows: dict[str, list[dict[str, Any]]] = {p: [] for p in policies} if items else {}
     decisions: dict[str, list[Any]] = {p: [] for p in policies} if items else {}
@@ -288,7 +288,7 @@ def _memory_child(
 
     import torch
 
-    from ..batching import generate
+    from ..engine.scheduler import generate
 
     lm = _load(model, device, policy)
     cuda = lm.device.type == "cuda"
@@ -348,7 +348,7 @@ def measure_throughput(
     """
     from tqdm.auto import tqdm
 
-    from ..batching import generate_batch
+    from ..engine.scheduler import generate_batch
 
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")

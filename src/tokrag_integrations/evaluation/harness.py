@@ -34,7 +34,7 @@ DEFAULT_CF_RATIOS = (0.0, 0.5, 1.0)
 
 
 def _default_decode(lm: Any, queries: list[str], passages: list[list[str]], **kw: Any) -> list[Any]:
-    from ..batching import generate_batch
+    from ..engine.scheduler import generate_batch
 
     return generate_batch(lm, queries, passages, **kw)
 

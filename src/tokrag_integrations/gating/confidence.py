@@ -141,7 +141,7 @@ def draft_answer(
     lm: Any, query: str, *, max_new_tokens: int = 16, policy: Any = "llm", stop: Any = ("\n",)
 ) -> Any:
     """One greedy answer of the pure context (a ``GenerationResult``)."""
-    from ..batching import generate
+    from ..engine.scheduler import generate
 
     return generate(lm, query, None, policy=policy, max_new_tokens=max_new_tokens, stop=list(stop))
 

@@ -78,7 +78,7 @@ def confident_rag(
     )
     if not named:
         raise ValueError("confident_rag needs at least one retriever.")
-    from ..batching import generate
+    from ..engine.scheduler import generate
 
     cands = []
     for name, ret in named.items():

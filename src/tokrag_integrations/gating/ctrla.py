@@ -378,7 +378,7 @@ class CtrlAGate(Gate):
         self, query: str, *, stop_on_trigger: bool = False, max_new_tokens: int | None = None
     ) -> tuple[Any, CtrlAMonitorPolicy]:
         """One monitored greedy decode of the pure context (steered if ``lam``)."""
-        from ..batching import generate
+        from ..engine.scheduler import generate
 
         self.fit_directions()
         pol = CtrlAMonitorPolicy(
@@ -462,7 +462,7 @@ class CtrlAGate(Gate):
         """CtrlA inference: decode while monitoring; on a trigger stop, form the CAQ query,
         retrieve and regenerate with the passages. Returns the answer, the decision and
         (when it retrieved) the CAQ query and passages."""
-        from ..batching import generate
+        from ..engine.scheduler import generate
 
         if self.threshold is None or self.mean is None:
             raise RuntimeError("CtrlAGate needs calibrate(queries) or load(path) before answer().")

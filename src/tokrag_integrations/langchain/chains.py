@@ -15,9 +15,9 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import BasePromptTemplate
 from langchain_core.runnables import Runnable, RunnableLambda, RunnablePassthrough
 
+from ..adapters.translate import LOAD_FIELDS, checked_policy
 from ..defaults import ANSWER_STOP
 from ..models import LoadedModel, check_greedy, unknown_arguments
-from ..translate import LOAD_FIELDS, checked_policy
 from .chat_models import ChatTokRAG
 from .tokrag_chain import (
     DEFAULT_DOCUMENT_SEPARATOR,

@@ -17,12 +17,12 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, field_validator, model_validator
 
-from .. import batching
+from ..adapters.translate import LOAD_FIELDS, given_options, model_label
 from ..defaults import MAX_NEW_TOKENS
+from ..engine import scheduler as batching
 from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
 from ..policies import get_policy
 from ..results import GenerationResult, TokenEvent
-from ..translate import LOAD_FIELDS, given_options, model_label
 from .messages import (
     final_metadata,
     messages_to_prompt,
@@ -186,7 +186,7 @@ class ChatTokRAG(BaseChatModel):
     """Concurrent calls on the same model (``batch``, ``abatch``, threads, ``asyncio.gather``)
     with the same settings are decoded together as one batch, streams included (a call or
     stream arriving mid-decode joins it at the next step), each getting the tokens it gets
-    alone (:mod:`tokrag_integrations.batching`); ``False`` decodes them one at a time."""
+    alone (:mod:`tokrag_integrations.engine.scheduler`); ``False`` decodes them one at a time."""
 
     _lm: LoadedModel | None = PrivateAttr(default=None)
     _warned_no_passages: bool = PrivateAttr(default=False)

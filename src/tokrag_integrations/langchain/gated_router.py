@@ -18,7 +18,7 @@ from langchain_core.runnables import Runnable
 from langchain_core.runnables.config import patch_config
 from langchain_core.runnables.utils import AddableDict
 
-from ..translate import gate_summary
+from ..adapters.translate import gate_summary
 
 
 def _question(inp: Any) -> str:

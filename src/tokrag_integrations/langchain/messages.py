@@ -16,10 +16,10 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import UsageMetadata
 
+from ..adapters.translate import FINISH_REASONS, usage
 from ..models import LoadedModel
 from ..prompts import Passage, RenderedPrompt
 from ..results import GenerationResult
-from ..translate import FINISH_REASONS, usage
 
 
 def to_passage(item: Any) -> Any:

@@ -14,7 +14,7 @@ itself never imports LlamaIndex.
 
 from __future__ import annotations
 
-from .embeddings import INSTALL_HINT, local_embedding
+from .local_embedding import INSTALL_HINT, local_embedding
 
 try:
     from .gated_engine import gate_selector, gated_query_engine

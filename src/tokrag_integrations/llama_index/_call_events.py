@@ -14,10 +14,10 @@ from llama_index.core.instrumentation.events.llm import (
     LLMCompletionStartEvent,
 )
 
-from .. import batching
+from ..adapters.synthesis import Call, Session
+from ..adapters.translate import result_summary, usage
+from ..engine import scheduler as batching
 from ..results import GenerationResult
-from ..synthesis import Call, Session
-from ..translate import result_summary, usage
 
 dispatcher = instrument.get_dispatcher(__name__.rsplit(".", 1)[0] + ".synthesizer")
 

@@ -17,7 +17,7 @@ from llama_index.core import Settings
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_selector import BaseSelector, SelectorResult, SingleSelection
 
-from ..translate import gate_summary
+from ..adapters.translate import gate_summary
 
 _BRIEF = ("gate", "retrieve", "score", "threshold", "retrieve_when")
 

@@ -25,12 +25,12 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 from pydantic import StrictBool
 
-from .. import batching
+from ..adapters.translate import LOAD_FIELDS, given_options, jsonable, model_label, result_summary
 from ..defaults import MAX_NEW_TOKENS
+from ..engine import scheduler as batching
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
 from ..prompts import RenderedPrompt
 from ..results import GenerationResult, TokenEvent
-from ..translate import LOAD_FIELDS, given_options, jsonable, model_label, result_summary
 from .nodes import messages_to_dicts, messages_to_turns, to_passages
 
 #: Template variables that carry retrieved text in LlamaIndex's prompts (text QA, summary

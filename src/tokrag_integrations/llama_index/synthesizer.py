@@ -1,7 +1,7 @@
 """TokRAGSynthesizer: a LlamaIndex response synthesizer that decodes with a Tok-RAG policy.
 
 The multi-call modes (compact, refine, tree_summarize) are planned by
-:mod:`tokrag_integrations.synthesis`; with a prompt template (or LlamaIndex's other modes)
+:mod:`tokrag_integrations.adapters.synthesis`; with a prompt template (or LlamaIndex's other modes)
 LlamaIndex's own synthesizer runs through a :class:`TokRAGLLM` that keeps its calls' results.
 """
 
@@ -36,14 +36,14 @@ from llama_index.core.response_synthesizers.factory import get_response_synthesi
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
-from .. import batching as _batching
+from ..adapters.synthesis import Session, Setup, call_summary, totals
+from ..adapters.translate import checked_policy, jsonable
 from ..config import require_bool
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
+from ..engine import scheduler as _batching
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, unknown_arguments
 from ..policies.base import Policy
 from ..results import GenerationResult
-from ..synthesis import Session, Setup, call_summary, totals
-from ..translate import checked_policy, jsonable
 from ._call_events import _CallEvents
 from .llm import TokRAGLLM
 from .nodes import node_to_passage, order_nodes

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .. import signals as S
 from ..trace import AGREE, FROM_LLM, FROM_RAG
+from . import signals as S
 from .base import Choice, Lens, Policy, View
 
 #: Source label of a token chosen from a blend of both contexts that neither context's

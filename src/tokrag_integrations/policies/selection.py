@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import signals as S
 from ..trace import AGREE, FROM_LLM, FROM_RAG
+from . import signals as S
 from .base import Choice, Lens, Policy, View
 
 

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from .. import signals as S
 from ..attention.parts import model_parts
 from ..models import LoadedModel
 from ..trace import AGREE, FROM_LLM, FROM_RAG
+from . import signals as S
 from . import vocab
 from .base import Choice, ContextSpec, Lens, Policy, Signals, View, lens_rounds
 from .verdict import verdict_mask

@@ -394,7 +394,7 @@ class PostgresKnowledgeBase:
     ) -> PostgresAnswer:
         """Retrieve (with ``search``), then decode with the core
         :func:`~tokrag_integrations.generate`."""
-        from ..batching import generate
+        from ..engine.scheduler import generate
 
         chunks = self.retrieve(question, top_k=top_k, filters=filters, search=search)
         result = generate(lm, question, [c.to_passage() for c in chunks], policy=policy, **options)
@@ -439,7 +439,7 @@ class PostgresKnowledgeBase:
             if self._lc_store is None:
                 from langchain_postgres import PGEngine, PGVectorStore
 
-                from ..langchain.embeddings import LocalEmbeddings
+                from ..langchain.local_embeddings import LocalEmbeddings
 
                 self._lc_engine = PGEngine.from_connection_string(
                     sqlalchemy_url(self.db.dsn),

@@ -17,9 +17,9 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .models import LoadedModel
-from .prompts import MIN_CUT_TOKENS, Passage, PromptBuilder, PromptPlan
-from .results import GenerationResult
+from ..models import LoadedModel
+from ..prompts import MIN_CUT_TOKENS, Passage, PromptBuilder, PromptPlan
+from ..results import GenerationResult
 from .translate import usage
 
 _GATE_SKIP = "the gate decided not to use retrieval"

@@ -42,7 +42,7 @@ def usage(result: Any, roles: Sequence[str] | None = None) -> dict[str, Any]:
     prompt); ``completion_tokens`` is one per decoding step. ``roles`` are the policy's
     context roles (looked up by the trace's policy name if None).
     """
-    from .policies import get_policy
+    from ..policies import get_policy
 
     tr = result.trace
     prompt = {k: int(v or 0) for k, v in tr.prompt_tokens.items()}
@@ -87,7 +87,7 @@ def gate_summary(decision: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 def model_label(spec: Any) -> Any:
     """What a ``model`` field holds for a model spec: a name or path as given, a
     ``LoadedModel``'s name, a loaded object's class name."""
-    from .models import LoadedModel
+    from ..models import LoadedModel
 
     if isinstance(spec, LoadedModel):
         return spec.name
@@ -105,7 +105,7 @@ def checked_policy(policy: Any, options: dict[str, Any], owner: str, accepted: S
     """The policy built by the registry, which checks ``options``: an unknown policy or
     option fails when the adapter is made, not at its first call (an unknown option as a
     ``TypeError`` naming ``owner``'s own arguments)."""
-    from .policies import get_policy
+    from ..policies import get_policy
 
     try:
         return get_policy(policy, **options)

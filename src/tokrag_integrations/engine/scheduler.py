@@ -32,19 +32,19 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import require_bool
-from .defaults import MAX_NEW_TOKENS
-from .engine.decoder import Decoder, StepEvent
-from .engine.loop import decode_loop
-from .engine.speed import Speed, speed_of
-from .inputs import _DEFAULT, _check_inputs, _check_query, _plans
-from .models import LoadedModel
-from .policies import get_policy, uses_passages
-from .policies.base import Policy, SequencePolicy
-from .prompts import PromptPlan, RenderedPrompt
-from .results import GenerationResult, TokenEvent, _stop_list, _TextTracker
+from ..config import require_bool
+from ..defaults import MAX_NEW_TOKENS
+from ..inputs import _DEFAULT, _check_inputs, _check_query, _plans
+from ..models import LoadedModel
+from ..policies import get_policy, uses_passages
+from ..policies.base import Policy, SequencePolicy
+from ..prompts import PromptPlan, RenderedPrompt
+from ..results import GenerationResult, TokenEvent, _stop_list, _TextTracker
+from ..trace import Trace
+from .decoder import Decoder, StepEvent
+from .loop import decode_loop
+from .speed import Speed, speed_of
 from .streams import _END, TokenStream, _acquire, _Cancelled, idle_timeout_from, run_cancellable
-from .trace import Trace
 
 __all__ = [
     "MicroBatcher",
@@ -91,7 +91,7 @@ def _speed_paths_off(lm: LoadedModel) -> dict[str, Any]:
     """``{"speed_paths_off": {path: reason}}`` for the trace options where some speed path is
     off on this model (non-CPU device, non-float32 dtype, architecture outside the tested
     matrix, ``cpu_kernels='off'``), else nothing."""
-    from .accel.install import speed_paths
+    from ..accel.install import speed_paths
 
     # "on" may carry what was measured ("on (...)"): only the paths that are off count.
     off = {k: v.removeprefix("off: ") for k, v in speed_paths(lm.model).items() if v.startswith("off")}

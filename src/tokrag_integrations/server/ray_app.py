@@ -1,6 +1,6 @@
 """The same app on Ray Serve: N replicas, one model each (``tokrag serve --ray``).
 
-    from tokrag_integrations.serve import ServeConfig, ray_deployment
+    from tokrag_integrations.server import ServeConfig, ray_deployment
     from ray import serve
     serve.run(ray_deployment(ServeConfig(), replicas=2), route_prefix="/")
 

@@ -121,7 +121,7 @@ class ChatService:
     """Answers chat requests on one loaded model (thread-safe; all decoding off the loop)."""
 
     def __init__(self, lm: Any, config: ServeConfig | None = None, kb: Any = None) -> None:
-        from ..batching import MicroBatcher, batcher_for
+        from ..engine.scheduler import MicroBatcher, batcher_for
         from ..policies import available_policies
 
         self.lm = lm
@@ -282,7 +282,7 @@ class ChatService:
     async def complete(self, req: ChatRequest, passages: list[Any] | None) -> Any:
         """Decode ``req`` through the micro-batcher; cancelling the awaiting task drops the
         request from its batch (or stops its decode at the next step)."""
-        from ..streams import run_cancellable
+        from ..engine.streams import run_cancellable
 
         kw = await self.checked_settings(req)
         batcher = self.batcher

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app (FastAPI): ``/health``, ``/v1/models``, ``/v1/chat/completions``.
 
-    from tokrag_integrations.serve import ChatService, ServeConfig, create_app
+    from tokrag_integrations.server import ChatService, ServeConfig, create_app
     app = create_app(ChatService.load(ServeConfig(policy="tokrag")))   # any ASGI server runs it
 
 A chat completion is the standard OpenAI object plus a top-level ``tokrag`` object (policy,

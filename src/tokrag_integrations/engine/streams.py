@@ -15,8 +15,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import config
-from .results import GenerationResult, TokenEvent
+from .. import config
+from ..results import GenerationResult, TokenEvent
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT",
