@@ -214,7 +214,8 @@ def test_signals_read_the_model_past_the_window(models, arch, cpu_kernels):
     from tokrag_integrations.attention.parts import model_parts
     from tokrag_integrations.attention.rows import logit_lens
     from tokrag_integrations.engine.batch import RoleBatch as _RoleBatch
-    from tokrag_integrations.policies.base import ContextSpec, ContextView
+    from tokrag_integrations.engine.view import ContextView
+    from tokrag_integrations.policies.base import ContextSpec
 
     tiny, reference = models(arch, "float32", cpu_kernels)
     eager = copy.deepcopy(reference)

@@ -16,8 +16,9 @@ from tokrag_integrations.accel import sdpa as S
 from tokrag_integrations.accel.packed import fuse_batches, prefill, prefill_packed
 from tokrag_integrations.engine.prefill import prefill_roles, shared_prefill
 from tokrag_integrations.engine.scheduler import generate
+from tokrag_integrations.engine.view import ContextView
 from tokrag_integrations.policies import get_policy
-from tokrag_integrations.policies.base import ContextSpec, ContextView
+from tokrag_integrations.policies.base import ContextSpec
 from tokrag_integrations.prompts import PromptBuilder
 
 FICTION = (
