@@ -8,8 +8,6 @@ import warnings
 
 import pytest
 
-from tokrag_integrations.policies import checked_policy_options
-
 QUESTION = "Who founded Quillfeather Aerospace?"
 
 
@@ -17,17 +15,6 @@ def _no_deprecation(call):
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         return call()
-
-
-def test_policy_options_are_a_dict_and_loose_keywords_are_refused() -> None:
-    assert _no_deprecation(lambda: checked_policy_options({"pr_norm": "softmax"}, {}, "X")) == {
-        "pr_norm": "softmax"
-    }
-    assert _no_deprecation(lambda: checked_policy_options(None, {}, "X")) == {}
-    with pytest.raises(TypeError, match=r"X: .*pr_norm.*policy_options=\{'pr_norm': 'softmax'\}"):
-        checked_policy_options({"threshold": 0.1}, {"pr_norm": "softmax"}, "X")
-    with pytest.raises(TypeError, match="policy_options must be a dict"):
-        checked_policy_options(["pr_norm"], {}, "X")  # type: ignore[arg-type]
 
 
 def test_chain_factories_take_policy_options_and_refuse_the_old_spelling() -> None:
@@ -98,3 +85,14 @@ def test_server_config_and_request_spellings() -> None:
     assert new.options == {"pr_norm": "softmax"} and not new.warnings
     with pytest.raises(RequestError, match="unknown key.*options.*policy_options"):
         parse({"options": {"pr_norm": "softmax"}})
+
+
+def test_entry_points_refuse_policy_options_as_keywords(lm) -> None:
+    from tokrag_integrations import generate, generate_batch
+
+    passages = ["Quillfeather Aerospace was founded by Mira Okafor."]
+    for batching in (False, True):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'pr_norm'"):
+            generate(lm, QUESTION, passages, policy="tokrag", pr_norm="softmax", batching=batching)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'pr_norm'"):
+        generate_batch(lm, [QUESTION], [passages], policy="tokrag", pr_norm="softmax")

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 from tokrag_integrations.engine.speed import PRESETS, Speed, speed_of
-from tokrag_integrations.policies import checked_policy_options, get_policy
+from tokrag_integrations.policies import get_policy
 
 
 def test_presets_and_dicts_give_speeds():
@@ -69,14 +67,3 @@ def test_speed_choices_are_not_policy_options():
     for name in ("rag", "tokrag"):
         with pytest.raises(ValueError, match="unknown option 'fuse'"):
             get_policy(name, fuse=False)  # speed=, never an option of a rule
-
-
-def test_policy_options_dict_and_loose_keywords():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert checked_policy_options({"top_k": 2}, {}, "generate") == {"top_k": 2}
-        assert checked_policy_options(None, None, "generate") == {}
-    with pytest.raises(TypeError, match=r"policy_options=\{'top_k': 2\}"):
-        checked_policy_options(None, {"top_k": 2}, "generate")
-    with pytest.raises(TypeError, match="policy_options must be a dict"):
-        checked_policy_options(["top_k"], None, "generate")  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ A step is :meth:`Decoder.choose` (every active query's token, from the views of 
 by one call of the policy for the whole batch) then :meth:`Decoder.advance` (every batch fed
 the chosen tokens; finished rows retired first). Queries admitted between the two are
 prefilled there, so their first choice is made together with the others' next one. The one
-scheduler (:mod:`..batching`), :func:`.loop.decode_loop`, teacher forcing and RAG-Sequence
+scheduler (:mod:`.scheduler`), :func:`.loop.decode_loop`, teacher forcing and RAG-Sequence
 all run on this loop.
 
 Speed is chosen here, from ``speed=`` (:class:`.speed.Speed`) only: the prefill of

@@ -19,7 +19,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, field_validator
 
 from ..adapters.translate import LOAD_FIELDS, given_options, model_label
 from ..defaults import MAX_NEW_TOKENS
-from ..engine import scheduler as batching
+from ..engine import scheduler
 from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
 from ..policies import get_policy
 from ..results import GenerationResult, TokenEvent
@@ -396,7 +396,7 @@ class ChatTokRAG(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         call = self._prepare(messages, stop, kwargs)
-        result = batching.generate(
+        result = scheduler.generate(
             call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
         )
         return self._result(result, call.lm)
@@ -409,7 +409,7 @@ class ChatTokRAG(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         call = self._prepare(messages, stop, kwargs)
-        tokens = batching.stream(call.lm, call.query, call.passages, batching=self.batching, **call.kwargs)
+        tokens = scheduler.stream(call.lm, call.query, call.passages, batching=self.batching, **call.kwargs)
         eos = call.eos_ids()
         for ev in tokens:
             chunk = self._token_chunk(ev, eos)
@@ -433,7 +433,7 @@ class ChatTokRAG(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         call = await self._aprepare(messages, stop, kwargs)
-        result = await batching.agenerate(
+        result = await scheduler.agenerate(
             call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
         )
         return self._result(result, call.lm)
@@ -447,7 +447,7 @@ class ChatTokRAG(BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         call = await self._aprepare(messages, stop, kwargs)
         eos = call.eos_ids()
-        async for item in batching.astream_with_result(
+        async for item in scheduler.astream_with_result(
             call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
         ):
             if isinstance(item, GenerationResult):

@@ -16,7 +16,7 @@ from llama_index.core.instrumentation.events.llm import (
 
 from ..adapters.synthesis import Call, Session
 from ..adapters.translate import result_summary, usage
-from ..engine import scheduler as batching
+from ..engine import scheduler
 from ..results import GenerationResult
 
 dispatcher = instrument.get_dispatcher(__name__.rsplit(".", 1)[0] + ".synthesizer")
@@ -82,7 +82,7 @@ class _CallEvents:
     def _call(self, sess: Session, call: Call) -> GenerationResult:
         event_id, prompt = self._llm_start(sess, call)
         try:
-            result = batching.generate(
+            result = scheduler.generate(
                 self._lm, sess.query, call.passages, batching=self._batching, **self._gen_kwargs
             )
         except BaseException as e:
@@ -94,7 +94,7 @@ class _CallEvents:
     async def _acall(self, sess: Session, call: Call) -> GenerationResult:
         event_id, prompt = self._llm_start(sess, call)
         try:
-            result = await batching.agenerate(
+            result = await scheduler.agenerate(
                 self._lm, sess.query, call.passages, batching=self._batching, **self._gen_kwargs
             )
         except BaseException as e:

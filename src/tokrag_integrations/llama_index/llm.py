@@ -27,7 +27,7 @@ from pydantic import StrictBool
 
 from ..adapters.translate import LOAD_FIELDS, given_options, jsonable, model_label, result_summary
 from ..defaults import MAX_NEW_TOKENS
-from ..engine import scheduler as batching
+from ..engine import scheduler
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
 from ..prompts import RenderedPrompt
 from ..results import GenerationResult, TokenEvent
@@ -349,10 +349,10 @@ class TokRAGLLM(CustomLLM):
         )
 
     def _generate(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> GenerationResult:
-        return batching.generate(self._lm, query, passages, batching=self.batching, **gen_kw)
+        return scheduler.generate(self._lm, query, passages, batching=self.batching, **gen_kw)
 
     async def _agenerate(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> GenerationResult:
-        return await batching.agenerate(self._lm, query, passages, batching=self.batching, **gen_kw)
+        return await scheduler.agenerate(self._lm, query, passages, batching=self.batching, **gen_kw)
 
     # ------------------------------------------------------------------ completion
     @llm_completion_callback()
@@ -367,7 +367,7 @@ class TokRAGLLM(CustomLLM):
     ) -> CompletionResponseGen:
         """Like :meth:`complete`, one response per chosen token (``delta`` = its text)."""
         prompt, passages, gen_kw = self._prompt_args(prompt, formatted, kwargs)
-        s = batching.stream(self._lm, prompt, passages, batching=self.batching, **gen_kw)
+        s = scheduler.stream(self._lm, prompt, passages, batching=self.batching, **gen_kw)
         return self._completion_stream(s, lambda: s.result)
 
     @llm_completion_callback()
@@ -387,7 +387,7 @@ class TokRAGLLM(CustomLLM):
 
         async def gen() -> CompletionResponseAsyncGen:
             text = ""
-            async for item in batching.astream_with_result(
+            async for item in scheduler.astream_with_result(
                 self._lm, prompt, passages, batching=self.batching, **gen_kw
             ):
                 if isinstance(item, GenerationResult):
@@ -417,7 +417,7 @@ class TokRAGLLM(CustomLLM):
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         """Like :meth:`chat`, one response per chosen token (``delta`` = its text)."""
         query, passages, gen_kw = self._chat_args(messages, kwargs)
-        s = batching.stream(self._lm, query, passages, batching=self.batching, **gen_kw)
+        s = scheduler.stream(self._lm, query, passages, batching=self.batching, **gen_kw)
         return _chat_stream(self._completion_stream(s, lambda: s.result))
 
     @llm_chat_callback()
@@ -435,7 +435,7 @@ class TokRAGLLM(CustomLLM):
 
         async def gen() -> ChatResponseAsyncGen:
             text = ""
-            async for item in batching.astream_with_result(
+            async for item in scheduler.astream_with_result(
                 self._lm, query, passages, batching=self.batching, **gen_kw
             ):
                 if isinstance(item, GenerationResult):

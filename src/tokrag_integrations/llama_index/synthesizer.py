@@ -40,7 +40,7 @@ from ..adapters.synthesis import Session, Setup, call_summary, totals
 from ..adapters.translate import checked_policy, jsonable
 from ..config import require_bool
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
-from ..engine import scheduler as _batching
+from ..engine import scheduler
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, unknown_arguments
 from ..policies.base import Policy
 from ..results import GenerationResult
@@ -349,7 +349,7 @@ class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
         metadata = sess.partial_metadata()
         event_id, prompt = self._llm_start(sess, call)
         try:
-            s = _batching.stream(self._lm, sess.query, call.passages, batching=self._batching,
+            s = scheduler.stream(self._lm, sess.query, call.passages, batching=self._batching,
                                  **self._gen_kwargs)
         except BaseException as e:
             self._llm_error(event_id, e)
@@ -383,7 +383,7 @@ class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
         async def agen() -> AsyncGenerator[str, None]:
             event_id, prompt = self._llm_start(sess, last)
             try:
-                async for item in _batching.astream_with_result(
+                async for item in scheduler.astream_with_result(
                     lm, sess.query, last.passages, batching=self._batching, **kw
                 ):
                     if isinstance(item, GenerationResult):

@@ -14,7 +14,6 @@ import importlib
 import inspect
 import numbers
 import re
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,7 +21,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "available_policies",
-    "checked_policy_options",
     "get_policy",
     "policy_options",
     "register_policy",
@@ -166,25 +164,3 @@ def _as_bool(policy: str, key: str, value: Any) -> bool:
     raise ValueError(
         f"option {key!r} of policy {policy!r} must be true or false (or 1/0), got {value!r}"
     )
-
-
-def checked_policy_options(
-    policy_options: Mapping[str, Any] | None, loose: Mapping[str, Any] | None, caller: str
-) -> dict[str, Any]:
-    """The policy options of one call of the entry point ``caller``: its ``policy_options=``
-    as a dict (checked later, once, by :func:`get_policy`). ``loose``: the call's keyword
-    arguments that the entry point does not take; any is refused, naming the spelling to use.
-
-    Raises:
-        TypeError: ``policy_options`` is not a dict, or ``loose`` is not empty.
-    """
-    if policy_options is not None and not isinstance(policy_options, Mapping):
-        raise TypeError(
-            f"policy_options must be a dict of option names to values, got {type(policy_options).__name__}"
-        )
-    if loose:
-        raise TypeError(
-            f"{caller}: unexpected keyword arguments {', '.join(sorted(loose))}; policy options "
-            f"go in {caller}(..., policy_options={dict(loose)!r})"
-        )
-    return dict(policy_options or {})
