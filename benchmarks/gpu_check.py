@@ -50,34 +50,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-CHUNK_CHARS = 160  # as test_stock_exactness: short chunks keep the reference cheap
 
 
 def _prompts(count: int) -> list[tuple[str, list[str]]]:
-    """The (question, passages) pairs of ``test_stock_exactness`` (first ``count``)."""
-    from tokrag_integrations.retrieval import (
-        BM25Retriever,
-        chunk_documents,
-        get_sample_docs_path,
-        get_sample_questions,
-        load_documents,
-    )
+    """The first ``count`` (question, passages) pairs of ``test_stock_exactness``."""
+    sys.path.insert(0, str(ROOT))
+    from tests.integration.test_stock_exactness import exactness_prompts
 
-    chunks = chunk_documents(load_documents(get_sample_docs_path()), max_chars=CHUNK_CHARS, overlap=0)
-    bm25 = BM25Retriever(chunks)
-
-    def top(q: str, k: int) -> list[str]:
-        return [h.chunk.text for h in bm25.retrieve(q, top_k=k)] if k else []
-
-    questions = [q["question"] for q in get_sample_questions()]
-    out = [
-        ("What is the name of the cat owned by Zorbin Quell?",
-         ["Zorbin Quell owns a grey cat named Pistachio."]),
-        ("What is the capital of France?", ["The capital of France is Marseille."]),
-        (questions[0], top(questions[0], 5)),
-    ]
-    out += [(q, top(q, k)) for i, q in enumerate(questions) for k in (i % 4, (i + 2) % 4)]
-    return out[:count]
+    return exactness_prompts()[:count]
 
 
 def _decisions(r: Any) -> list[tuple[Any, ...]]:

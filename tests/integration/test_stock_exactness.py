@@ -37,10 +37,10 @@ LONG_QUESTION = (
 )
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[tuple[str, list[str]]]:
+def exactness_prompts() -> list[tuple[str, list[str]]]:
     """24 (question, passages) pairs: four hand-made cases (an unknown fact, a contradiction,
-    a long question, five passages), then each sample question with two passage counts."""
+    a long question, five passages), then each sample question with two passage counts.
+    (``benchmarks/gpu_check.py`` runs the same prompts on a GPU.)"""
     chunks = chunk_documents(load_documents(get_sample_docs_path()), max_chars=CHUNK_CHARS, overlap=0)
     bm25 = BM25Retriever(chunks)
 
@@ -58,6 +58,11 @@ def prompts() -> list[tuple[str, list[str]]]:
     out += [(q, top(q, k)) for i, q in enumerate(questions) for k in (i % 4, (i + 2) % 4)]
     assert len(out) == 24
     return out
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[tuple[str, list[str]]]:
+    return exactness_prompts()
 
 
 @pytest.fixture(scope="module")
