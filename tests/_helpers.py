@@ -165,3 +165,25 @@ def assert_process_ended(pid: int) -> None:
         pass
     except psutil.TimeoutExpired:
         assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def assert_sigterm_stops_postmaster(proc: Any, folder: Any, log_path: Any) -> None:
+    """SIGTERM to ``proc`` (a process running the embedded server in ``folder``) ends it with
+    128 + SIGTERM and stops its postmaster: the pid file is gone and the process has ended.
+    ``proc`` is killed and the postmaster terminated if a check fails (never left behind)."""
+    import signal
+
+    import psutil
+
+    postmaster = None
+    try:
+        postmaster = psutil.Process(int((folder / "postmaster.pid").read_text().split()[0]))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM, log_path.read_text()
+        assert not (folder / "postmaster.pid").exists()
+        assert_process_ended(postmaster.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if postmaster is not None and postmaster.is_running():
+            postmaster.terminate()

@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from _helpers import assert_process_ended, require
+from _helpers import assert_sigterm_stops_postmaster, require
 
 pytestmark = pytest.mark.postgres
 
@@ -218,11 +218,9 @@ def test_read_only_role_creating_a_table_is_one_sentence(pg_dsn, tmp_path, caplo
 
 # ============================================================================ 12: SIGTERM
 def test_sigterm_stops_the_embedded_server(tmp_path):
-    import signal
     import sys
     import textwrap
 
-    import psutil
 
     require("pgserver")
     folder = (tmp_path / "pg").resolve()
@@ -242,19 +240,12 @@ def test_sigterm_stops_the_embedded_server(tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=stderr, text=True
         )
-    postmaster = None
     try:
         assert proc.stdout.readline().strip() == "ready", log.read_text()
-        postmaster = psutil.Process(int((folder / "postmaster.pid").read_text().split()[0]))
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
-        assert not (folder / "postmaster.pid").exists()
-        assert_process_ended(postmaster.pid)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if postmaster is not None and postmaster.is_running():
-            postmaster.terminate()  # never leave a server behind
+    except BaseException:
+        proc.kill()
+        raise
+    assert_sigterm_stops_postmaster(proc, folder, log)
 
 
 # ============================================================================ 8: stopped outside

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +14,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from _helpers import assert_process_ended, require, wait_until_healthy
+from _helpers import (
+    assert_sigterm_stops_postmaster,
+    require,
+    wait_until_healthy,
+)
 
 require("pgserver")
 
@@ -55,7 +58,6 @@ def test_sigterm_stops_tokrag_serve_and_its_embedded_server(tmp_path, data_folde
     that must end the process through ``atexit``, as Ctrl-C does, so pgserver stops the
     server and removes this process from its handle file (slow: a second process loads the
     model)."""
-    import psutil
 
     from tokrag_integrations.postgres import ingest
     from tokrag_integrations.postgres.embedded import HANDLE_FILE, start_embedded
@@ -77,21 +79,14 @@ def test_sigterm_stops_tokrag_serve_and_its_embedded_server(tmp_path, data_folde
              "--store", "postgres", "--data-dir", str(folder), "--table", "probe"],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
-    postmaster = None
     try:
         wait_until_healthy(proc, port, log_path)
         assert json.loads((folder / HANDLE_FILE).read_text()) == [proc.pid]
-        postmaster = psutil.Process(int((folder / "postmaster.pid").read_text().split()[0]))
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 128 + signal.SIGTERM, log_path.read_text()
-        assert not (folder / "postmaster.pid").exists()
-        assert json.loads((folder / HANDLE_FILE).read_text()) == []
-        assert_process_ended(postmaster.pid)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if postmaster is not None and postmaster.is_running():
-            postmaster.terminate()  # never leave a server behind
+    except BaseException:
+        proc.kill()
+        raise
+    assert_sigterm_stops_postmaster(proc, folder, log_path)
+    assert json.loads((folder / HANDLE_FILE).read_text()) == []
 
 
 # ============================================================================ a store and its server
