@@ -145,7 +145,7 @@ def attention_from_queries(
     n_heads, head_dim = queries[0].shape
     n_kv = keys[0].shape[1]
     groups = n_heads // n_kv
-    scores = torch.empty(n_layers, n_kv, groups, seen_len - start)
+    scores = torch.empty(n_layers, n_kv, groups, seen_len - start, device=keys[0].device)
     for i in range(n_layers):
         qg = queries[i].reshape(n_kv, groups, head_dim).float()
         torch.matmul(qg, keys[i][0, :, start:seen_len].float().transpose(-1, -2), out=scores[i])
@@ -153,7 +153,7 @@ def attention_from_queries(
     if len(set(scales)) == 1:
         scores.mul_(scales[0])
     else:
-        scores.mul_(torch.tensor(scales, dtype=scores.dtype)[:, None, None])
+        scores.mul_(torch.tensor(scales, dtype=scores.dtype, device=scores.device)[:, None, None])
     scores = scores.masked_fill_(~valid[None, None, start:], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.nn.functional.pad(probs, (start, 0)) if start else probs

@@ -66,8 +66,8 @@ class RAGToken(Policy):
 
     def _one(self, views: dict[str, View]) -> Choice:
         roles = sorted(views, key=lambda r: int(r.split(":")[1]))
-        w = torch.tensor([views[r].spec.weight for r in roles], dtype=torch.float32)
         probs = torch.stack([views[r].probs for r in roles])  # [K, V]
+        w = torch.tensor([views[r].spec.weight for r in roles], dtype=probs.dtype, device=probs.device)
         mixed = w @ probs
         tid = int(torch.argmax(mixed).item())
         per = probs[:, tid]

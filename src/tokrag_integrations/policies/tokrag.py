@@ -209,10 +209,13 @@ class TokRAG(Policy):
             self._punct = lm.memo(
                 ("pr_skip:punctuation", *key), lambda: vocab.punctuation_mask(lm.tokenizer, vocab_size=V, texts=texts())
             )
+        # p_R's skip mask is indexed by the retrieved tokens' ids, which live on the model's
+        # device; the gates' masks are read one token at a time and stay on the CPU.
         if self.pr_skip == "punctuation":
-            self._pr_skip = self._punct
+            self._pr_skip = self._punct.to(self._A.device)
         elif self.pr_skip == "reference":
-            self._pr_skip = lm.memo(("skip_mask", *key), lambda: vocab.skip_mask(lm.tokenizer, vocab_size=V))
+            mask = lm.memo(("skip_mask", *key), lambda: vocab.skip_mask(lm.tokenizer, vocab_size=V))
+            self._pr_skip = mask.to(self._A.device)
         if self.function_word_gate:
             self._gate = lm.memo(
                 ("gate_mask", *key), lambda: vocab.gate_mask(lm.tokenizer, vocab_size=V, texts=texts())
