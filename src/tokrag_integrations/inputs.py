@@ -18,7 +18,7 @@ def _plans(
     *,
     max_new_tokens: int,
     messages: Sequence[list[dict[str, str]] | None] | None,
-    system_prompt: str | None | type,
+    system_prompt: Any,
     max_context_tokens: int | None,
     prompt_format: str = "qa",
     rendered: Sequence[RenderedPrompt | None] | None = None,
@@ -50,11 +50,8 @@ def _plans(
     ]
 
 
-class _Default:
-    pass
-
-
-_DEFAULT = _Default
+#: ``system_prompt`` not given: the builder's default (none for a raw prompt).
+_DEFAULT: Any = object()
 
 
 def _where(what: str, i: int | None) -> str:

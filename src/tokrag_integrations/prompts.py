@@ -331,10 +331,6 @@ class PromptBuilder:
         window = self.context_window if max_context_tokens is None else min(self.context_window, max_context_tokens)
         return window, window - int(max_new_tokens)
 
-    def _encode(self, text: str) -> list[int]:
-        """Ids of the builder's own text (delimiter, separators): no user text in it."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-
     def _mark(self, text: str) -> str:
         return _mark_user_text(self.tokenizer, text)
 
@@ -404,8 +400,8 @@ class PromptBuilder:
             question = self._mark(query if raw else f"Question: {query.strip()}")
             tail_ids = _encode_marked(self.tokenizer, question + tail)
         head_ids = _encode_marked(self.tokenizer, head)
-        delim_ids = self._encode(self.delimiter + "\n")
-        sep_ids = self._encode("\n\n")
+        delim_ids = _encode_marked(self.tokenizer, self.delimiter + "\n")
+        sep_ids = _encode_marked(self.tokenizer, "\n\n")
         pure_ids = head_ids + tail_ids
         if len(pure_ids) > budget and int(max_new_tokens) >= window:
             raise ValueError(
@@ -476,6 +472,7 @@ class PromptBuilder:
         segments: list[list[int]] = []
         kept: list[Passage] = []
         used = prompt_tokens
+        frame = len(delim_ids) + len(sep_ids)
         full = False
         for rank, p in enumerate(plist):
             rec = PassageRecord(rank=rank, text=p.text, score=p.score, metadata=dict(p.metadata))
@@ -486,28 +483,25 @@ class PromptBuilder:
                 continue
             body = encode_user_text(self.tokenizer, p.text.strip())
             rec.n_tokens = len(body)
-            cost = len(delim_ids) + len(body) + len(sep_ids)
-            if full:
-                rec.kept = False
-                continue
-            if used + cost > budget:
-                room = budget - used - len(delim_ids) - len(sep_ids)
+            if not full and used + frame + len(body) > budget:
+                full = True
+                room = budget - used - frame
                 if room >= MIN_CUT_TOKENS:
                     body = body[:room]
                     rec.cut = True
                     rec.n_tokens = len(body)
-                    cost = len(delim_ids) + len(body) + len(sep_ids)
                 else:
                     rec.kept = False
-                full = True
-                if not rec.kept:
-                    continue
+            elif full:
+                rec.kept = False
+            if not rec.kept:
+                continue
             start = len(rag_ids) + len(delim_ids)
             rag_ids += delim_ids + body + sep_ids
             spans.append((start, start + len(body)))
             segments.append(delim_ids + body + sep_ids)
             kept.append(p)
-            used += cost
+            used += frame + len(body)
         return records, rag_ids, spans, segments, kept
 
     def build_rendered(

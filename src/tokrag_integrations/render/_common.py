@@ -25,9 +25,10 @@ RICH_OTHER = "bold dark_orange"
 
 
 # ============================================================================ helpers
-def source_label(source: str) -> str:
-    """What a source label means, for legends and tooltips (unknown labels as they are)."""
-    return SOURCE_LABELS.get(source, source)
+def legend(sources: Iterable[str]) -> list[tuple[str, str]]:
+    """``(label, meaning)`` for the three two-context labels, then any other of ``sources``."""
+    labels = list(SOURCE_LABELS) + sorted(set(sources) - set(SOURCE_LABELS))
+    return [(lab, SOURCE_LABELS.get(lab, "other policy label")) for lab in labels]
 
 
 def source_class(source: str) -> str:

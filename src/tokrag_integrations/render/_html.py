@@ -7,20 +7,19 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from ..labels import AGREE, FROM_LLM, FROM_RAG
 from ._assets import CSS, JS
 from ._common import (
     ROLE_LABELS,
     SOURCE_LABELS,
     format_timing,
     format_value,
+    legend,
     ordered_signals,
     passage_source,
     passage_status,
     roles_of,
     signal_keys,
     source_class,
-    source_label,
     stop_text,
     visible,
 )
@@ -73,7 +72,7 @@ def _tooltip_html(step: StepView) -> str:
     )
     parts = [
         f'<div class="th">step {step.index} · {_esc(step.source)} · '
-        f"{_esc(source_label(step.source))}</div>",
+        f"{_esc(SOURCE_LABELS.get(step.source, step.source))}</div>",
         f"<div>token <b>{_esc(visible(step.text))}</b> (id {step.token_id})</div>",
     ]
     if rows:
@@ -97,12 +96,10 @@ def _answer_html(trace: TraceView) -> str:
 
 
 def _legend_html(trace: TraceView) -> str:
-    labels = [AGREE, FROM_RAG, FROM_LLM]
-    labels += sorted({s.source for s in trace.steps} - set(labels))
     items = "".join(
         f'<span><span class="sw {source_class(lab)}"></span><b>{_esc(lab)}</b> '
-        f"— {_esc(source_label(lab) if lab in SOURCE_LABELS else 'other policy label')}</span>"
-        for lab in labels
+        f"— {_esc(meaning)}</span>"
+        for lab, meaning in legend(s.source for s in trace.steps)
     )
     return (
         f'<div class="legend">{items}<span>Underlined tokens: the contexts disagreed. '
@@ -133,8 +130,7 @@ def _summary_html(trace: TraceView) -> str:
         f'<div class="stat"><div class="k">{_esc(k)}</div><div class="v">{_esc(v)}</div></div>'
         for k, v in stats
     )
-    order = [AGREE, FROM_RAG, FROM_LLM] + sorted(set(counts) - {AGREE, FROM_RAG, FROM_LLM})
-    present = [lab for lab in order if counts.get(lab)]
+    present = [lab for lab, _ in legend(counts) if counts.get(lab)]
     bar = "".join(
         f'<span class="{source_class(lab)}" style="width:{100 * counts[lab] / total:.2f}%" '
         f'title="{_esc(lab)}: {counts[lab]}"></span>'

@@ -6,14 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..labels import AGREE, FROM_LLM, FROM_RAG
 from ._common import (
     RICH_OTHER,
     RICH_STYLES,
-    SOURCE_LABELS,
     format_value,
+    legend,
     roles_of,
-    source_label,
     stop_text,
     visible,
 )
@@ -134,16 +132,13 @@ def render_trace(trace: TraceView, console: Console | None = None) -> None:
         answer.append(trace.text)
     console.print(answer)
 
-    legend = Text("Legend: ", style="dim")
-    labels = [AGREE, FROM_RAG, FROM_LLM]
-    labels += sorted({s.source for s in trace.steps} - set(labels))
-    for i, lab in enumerate(labels):
+    key = Text("Legend: ", style="dim")
+    for i, (lab, meaning) in enumerate(legend(s.source for s in trace.steps)):
         if i:
-            legend.append("  ")
-        legend.append(f"■ {lab}", style=_rich_style(lab) or "grey62")
-        meaning = source_label(lab) if lab in SOURCE_LABELS else "other policy label"
-        legend.append(f" ({meaning})", style="dim")
-    console.print(legend)
+            key.append("  ")
+        key.append(f"■ {lab}", style=_rich_style(lab) or "grey62")
+        key.append(f" ({meaning})", style="dim")
+    console.print(key)
 
     counts = trace.counts()
     count_text = ", ".join(f"{k} {v}" for k, v in counts.items()) or "no tokens"
