@@ -29,25 +29,18 @@ def _plans(
     elif prompt_format != "qa":
         kw["system_prompt"] = None  # a raw prompt gets no injected wording
     builder = PromptBuilder(lm.tokenizer, **kw)
-    return [
-        builder.build_rendered(
-            q,
-            rendered[i],
-            max_new_tokens=max_new_tokens,
-            messages=(messages[i] if messages else None),
-            max_context_tokens=max_context_tokens,
-        )
-        if rendered and rendered[i] is not None
-        else builder.build(
-            q,
-            p,
-            max_new_tokens=max_new_tokens,
-            messages=(messages[i] if messages else None),
-            max_context_tokens=max_context_tokens,
-            prompt_format=prompt_format,
-        )
-        for i, (q, p) in enumerate(zip(queries, passages, strict=True))
-    ]
+    plans = []
+    for i, (q, p) in enumerate(zip(queries, passages, strict=True)):
+        limits = {
+            "max_new_tokens": max_new_tokens,
+            "messages": messages[i] if messages else None,
+            "max_context_tokens": max_context_tokens,
+        }
+        if rendered and rendered[i] is not None:
+            plans.append(builder.build_rendered(q, rendered[i], **limits))
+        else:
+            plans.append(builder.build(q, p, prompt_format=prompt_format, **limits))
+    return plans
 
 
 #: ``system_prompt`` not given: the builder's default (none for a raw prompt).

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import config
-from .config import cache_dir, cache_write_error, require_bool
+from .config import cache_dir, cache_write_error, require_bool, verbose
 
 
 @dataclass
@@ -255,7 +254,7 @@ def show_loading_progress(enabled: bool = True) -> None:
 def _loading_quietly() -> Iterator[None]:
     """Load or convert weights without transformers' progress bars (on stderr they land in the
     middle of a streamed answer), unless ``$TOKRAG_VERBOSE`` or :func:`show_loading_progress`."""
-    if _show_loading_progress or config.verbose():
+    if _show_loading_progress or verbose():
         yield
         return
     from functools import partial
@@ -549,12 +548,9 @@ def _adopt_loaded(
 ) -> tuple[Any, Any, str, str]:
     """An already loaded model, moved to ``device`` / ``dtype`` when given: ``(model,
     tokenizer, display name, path)``."""
-    if tokenizer is None:
-        folder = Path(str(getattr(model, "name_or_path", "") or ""))
-        fallback = (folder, None) if folder.is_dir() and str(folder) not in ("", ".") else None
-        tokenizer = source.tokenizer(None, fallback)
-    else:
-        tokenizer = source.tokenizer(tokenizer, None)
+    folder = Path(str(getattr(model, "name_or_path", "") or ""))
+    fallback = (folder, None) if folder.is_dir() and str(folder) not in ("", ".") else None
+    tokenizer = source.tokenizer(tokenizer, fallback)
     archs = [type(model).__name__]
     if not _is_causal_lm(archs):
         raise ValueError(

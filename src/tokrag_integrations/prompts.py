@@ -416,9 +416,43 @@ class PromptBuilder:
                 "question or lower max_new_tokens."
             )
 
-        records, rag_ids, spans, segments, kept = self._fit_passages(
-            plist, head_ids, len(pure_ids), budget, delim_ids, sep_ids, notes
-        )
+        # The passages, best first, that fit the budget; the last that partly fits is cut.
+        records: list[PassageRecord] = []
+        rag_ids = list(head_ids)
+        spans: list[tuple[int, int]] = []
+        segments: list[list[int]] = []
+        kept: list[Passage] = []
+        used = len(pure_ids)
+        frame = len(delim_ids) + len(sep_ids)
+        full = False
+        for rank, p in enumerate(plist):
+            rec = PassageRecord(rank=rank, text=p.text, score=p.score, metadata=dict(p.metadata))
+            records.append(rec)
+            if not p.text or not p.text.strip():
+                rec.kept = False
+                notes.append(f"passage {rank} is empty and was skipped")
+                continue
+            body = encode_user_text(self.tokenizer, p.text.strip())
+            rec.n_tokens = len(body)
+            if not full and used + frame + len(body) > budget:
+                full = True
+                room = budget - used - frame
+                if room >= MIN_CUT_TOKENS:
+                    body = body[:room]
+                    rec.cut = True
+                    rec.n_tokens = len(body)
+                else:
+                    rec.kept = False
+            elif full:
+                rec.kept = False
+            if not rec.kept:
+                continue
+            start = len(rag_ids) + len(delim_ids)
+            rag_ids += delim_ids + body + sep_ids
+            spans.append((start, start + len(body)))
+            segments.append(delim_ids + body + sep_ids)
+            kept.append(p)
+            used += frame + len(body)
         dropped = [r.rank for r in records if not r.kept and r.text.strip()]
         cut = [r.rank for r in records if r.cut]
         if dropped or cut:
@@ -453,56 +487,6 @@ class PromptBuilder:
         )
         plan._delim_len = len(delim_ids)
         return plan
-
-    def _fit_passages(
-        self,
-        plist: list[Passage],
-        head_ids: list[int],
-        prompt_tokens: int,
-        budget: int,
-        delim_ids: list[int],
-        sep_ids: list[int],
-        notes: list[str],
-    ) -> tuple[list[PassageRecord], list[int], list[tuple[int, int]], list[list[int]], list[Passage]]:
-        """The passages, best first, that fit ``budget`` next to a ``prompt_tokens`` prompt (the
-        last that partly fits is cut): records, RAG ids so far, spans, segments, kept passages."""
-        records: list[PassageRecord] = []
-        rag_ids = list(head_ids)
-        spans: list[tuple[int, int]] = []
-        segments: list[list[int]] = []
-        kept: list[Passage] = []
-        used = prompt_tokens
-        frame = len(delim_ids) + len(sep_ids)
-        full = False
-        for rank, p in enumerate(plist):
-            rec = PassageRecord(rank=rank, text=p.text, score=p.score, metadata=dict(p.metadata))
-            records.append(rec)
-            if not p.text or not p.text.strip():
-                rec.kept = False
-                notes.append(f"passage {rank} is empty and was skipped")
-                continue
-            body = encode_user_text(self.tokenizer, p.text.strip())
-            rec.n_tokens = len(body)
-            if not full and used + frame + len(body) > budget:
-                full = True
-                room = budget - used - frame
-                if room >= MIN_CUT_TOKENS:
-                    body = body[:room]
-                    rec.cut = True
-                    rec.n_tokens = len(body)
-                else:
-                    rec.kept = False
-            elif full:
-                rec.kept = False
-            if not rec.kept:
-                continue
-            start = len(rag_ids) + len(delim_ids)
-            rag_ids += delim_ids + body + sep_ids
-            spans.append((start, start + len(body)))
-            segments.append(delim_ids + body + sep_ids)
-            kept.append(p)
-            used += frame + len(body)
-        return records, rag_ids, spans, segments, kept
 
     def build_rendered(
         self,

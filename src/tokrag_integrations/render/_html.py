@@ -5,6 +5,7 @@ passages and a table of the steps where the contexts disagreed."""
 from __future__ import annotations
 
 import html
+import re
 from typing import Any
 
 from ._assets import CSS, JS
@@ -35,19 +36,13 @@ def _token_html(text: str) -> str:
     line breaks), other control characters as ``\\xNN``, an empty token as ``∅``."""
     if text == "":
         return '<span class="ws">∅</span>'
-    out: list[str] = []
-    for ch in text:
-        if ch == "\n":
-            out.append('<span class="ws">↵</span>\n')
-        elif ch == "\t":
-            out.append('<span class="ws">⇥</span>\t')
-        elif ch == "\r":
-            out.append('<span class="ws">␍</span>')
-        elif ch < " " or ch == "\x7f":
-            out.append(f'<span class="ws">\\x{ord(ch):02x}</span>')
-        else:
-            out.append(html.escape(ch, quote=True))
-    return "".join(out)
+
+    def mark(m: re.Match[str]) -> str:
+        ch = m.group(0)
+        shown = {"\n": "↵", "\t": "⇥", "\r": "␍"}.get(ch, f"\\x{ord(ch):02x}")
+        return f'<span class="ws">{shown}</span>' + (ch if ch in "\n\t" else "")
+
+    return re.sub("[\x00-\x1f\x7f]", mark, _esc(text))
 
 
 def _code(text: str, *, chosen: bool = False) -> str:
@@ -233,17 +228,8 @@ def _disagreements_html(trace: TraceView) -> str:
 
 
 def trace_to_html(trace: TraceView) -> str:
-    """A standalone HTML page explaining ``trace``.
-
-    The page has inline CSS and a few lines of inline JavaScript (click to pin a tooltip);
-    it loads nothing from the network. Every string from the trace is HTML-escaped.
-
-    Sections: the question; the answer with one coloured span per generated token (hover
-    for both contexts' candidates, their probabilities and the step's signals) and a legend;
-    a summary (policy, model, tokens per source, stop reason, prompt sizes, timings); the
-    warnings; the passages (rank, score, kept/cut/dropped, tokens); and a table of the steps
-    where the contexts disagreed.
-    """
+    """A standalone HTML page explaining ``trace`` (inline CSS and script, nothing loaded from
+    the network; every string from the trace HTML-escaped)."""
     title = f"Tok-RAG trace — {trace.query}" if trace.query else "Tok-RAG trace"
     sub = " · ".join(x for x in (trace.policy, trace.model) if x)
     body = f"""

@@ -177,11 +177,6 @@ def _decode(data: bytes, path: Path) -> tuple[str, bool]:
         return data.decode("utf-8", errors="replace"), True
 
 
-def _markdown_title(text: str) -> str:
-    match = re.search(r"^#\s+(.+?)\s*#*\s*$", text, flags=re.MULTILINE)
-    return match.group(1).strip() if match else ""
-
-
 def _pdf_text(data: bytes) -> str:
     """The text layer of a PDF's bytes, page by page (blank pages dropped)."""
     try:
@@ -239,7 +234,9 @@ def read_document(
     if suffix in HTML_SUFFIXES:
         text, title = html_to_text(text)
     else:
-        title = _markdown_title(text) if suffix in {".md", ".markdown"} else ""
+        markdown = suffix in {".md", ".markdown"}
+        match = re.search(r"^#\s+(.+?)\s*#*\s*$", text, flags=re.MULTILINE) if markdown else None
+        title = match.group(1).strip() if match else ""
     if title:
         metadata["title"] = title
     if had_errors:
