@@ -31,7 +31,6 @@ DEFAULT_SYSTEM_PROMPT = "Answer the question with a short, factual answer."
 MIN_CUT_TOKENS = 16
 
 
-# ---------------------------------------------------------------- user text
 _SENTINEL = "\u241eTOKRAG_USER_CONTENT\u241e"
 #: Chat roles a prompt may hold (the ones every chat template knows).
 CHAT_ROLES = ("system", "user", "assistant")
@@ -205,7 +204,6 @@ def clean_text(text: str, what: str, stacklevel: int = 3) -> str:
     return text
 
 
-# ---------------------------------------------------------------- passages and prompts
 @dataclass
 class Passage:
     """A retrieved passage: its text (lone surrogates replaced by U+FFFD, with a warning), the
@@ -361,7 +359,6 @@ class PromptBuilder:
                 head = bos + head
         return head, tail
 
-    # ----------------------------------------------------------------- build
     def build(
         self,
         query: str,

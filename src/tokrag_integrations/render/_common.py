@@ -21,7 +21,6 @@ ROLE_LABELS: dict[str, str] = {"rag": "RAG context", "pure": "LLM context", "llm
 _SIGNAL_ORDER = ("l_star", "cos_ir", "cos_llm", "fusion_attn_layer", "fusion_jsd_layer")
 
 
-# ============================================================================ helpers
 def legend(sources: Iterable[str]) -> list[tuple[str, str]]:
     """``(label, meaning)`` for the three two-context labels, then any other of ``sources``."""
     labels = list(SOURCE_LABELS) + sorted(set(sources) - set(SOURCE_LABELS))

@@ -203,7 +203,6 @@ def build_retriever(
     return BM25Retriever(chunks)
 
 
-# ============================================================================ sample data
 def get_sample_docs_path() -> Path:
     """Folder of the packaged sample documents (a fictional company's handbook)."""
     return Path(__file__).resolve().parent.parent / "sample_docs"

@@ -35,7 +35,6 @@ class DocumentError(ValueError):
     the message says why, without the path."""
 
 
-# ============================================================================ data types
 @dataclass
 class Document:
     """One loaded file: its ``text`` (visible text only, for HTML), the ``source`` path, and
@@ -76,7 +75,6 @@ class ScoredChunk:
         return self.chunk.source
 
 
-# ============================================================================ loading
 class _HTMLTextExtractor(HTMLParser):
     """Collects the visible text of an HTML page, one line per block element."""
 
