@@ -1,48 +1,12 @@
 """Every environment variable tokrag reads, in one place.
 
-Each variable has one small accessor here that reads the environment when it is called (not
-at import), so a variable set after import, or by a test, takes effect on the next call. A
-value that cannot be used raises :class:`ConfigError` (a ``ValueError``) whose message names
-the variable, the value and what it should be. An unset or empty variable means its default.
-
-============================== ================ ==============================================
-variable                       default          meaning
-============================== ================ ==============================================
-``TOKRAG_API_KEY``             none             bearer token ``tokrag serve`` requires on
-                                                ``/v1/*`` (``--api-key`` wins)
-``TOKRAG_CACHE_DIR``           ``$XDG_CACHE_H   cache folder: converted models, chunk
-                               OME/tokrag``     embeddings, kernel plans
-                               (``~/.cache/
-                               tokrag``)
-``TOKRAG_CPU_KERNELS``         ``auto``         few-row CPU matrix products on float32 models:
-                                                ``auto`` (measured per shape), ``on``, ``off``
-``TOKRAG_DATA_DIR``            ``$XDG_DATA_HOME data folder of the embedded Postgres is
-                               /tokrag``        ``<this>/pg`` (``/var/lib/tokrag/pg`` as root)
-``TOKRAG_FUSE_CONTEXTS``       on               decode the two contexts in one forward pass
-``TOKRAG_KERNEL_PLAN_CACHE``   on               keep measured kernel plans on disk for later
-                                                processes (off: measure in every process)
-``TOKRAG_PACKED_HEAD``         ``auto``         packed copy of the output head on CPU:
-                                                ``auto`` (when measured faster), ``on``, ``off``
-``TOKRAG_PACKED_PREFILL``      on               prefill both contexts in one padded batch
-``TOKRAG_SPLIT_PREFILL``       on               on CPU, prefill a batch's queries a few at a
-                                                time, then merge them into one batch
-``TOKRAG_PG_CONNECT_TIMEOUT``  5                seconds to wait for a Postgres connection
-                                                (rounded up to whole seconds, at least 1)
-``TOKRAG_PG_DSN``              none             Postgres connection string; unset: the
-                                                embedded server (``--dsn`` wins)
-``TOKRAG_PG_POOL_SIZE``        10               most connections one Postgres pool opens
-``TOKRAG_PG_POOL_TIMEOUT``     30               seconds a caller waits for a pooled connection
-``TOKRAG_STREAM_IDLE_TIMEOUT`` 30               seconds a stream may be left unread before it
-                                                is closed to free the model
-``TOKRAG_VERBOSE``             off              show the libraries' model-loading progress
-                                                bars (``tokrag -v`` does it for one run)
-============================== ================ ==============================================
-
-Switches (``FUSE_CONTEXTS``, ``KERNEL_PLAN_CACHE``, ``PACKED_PREFILL``, ``SPLIT_PREFILL``,
-``VERBOSE``) take
+Each variable has one accessor here that reads the environment when it is called (not at
+import), so a variable set after import, or by a test, takes effect on the next call. A value
+that cannot be used raises :class:`ConfigError` (a ``ValueError``) naming the variable, the
+value and what it should be; an unset or empty variable means its default. The variables, their
+defaults and meanings are tabled in README.md ("Environment variables"). Switches take
 ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` in any case; any other word is
-an error rather than a silent *yes*. ``XDG_CACHE_HOME`` and ``XDG_DATA_HOME`` (the
-freedesktop base folders) are read here too.
+an error rather than a silent *yes*.
 
 Also here: the cache folder (:func:`cache_dir`) and :func:`require_bool`, the strict reading
 of boolean options. This module imports only the standard library, so anything may import it.
@@ -55,49 +19,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "CacheDirError",
-    "ConfigError",
-    "api_key",
-    "cache_dir",
-    "cache_write_error",
-    "cpu_kernels",
-    "data_dir",
-    "env_switch",
-    "fuse_contexts",
-    "kernel_plan_cache",
-    "packed_head",
-    "packed_prefill",
-    "pg_connect_timeout",
-    "pg_dsn",
-    "pg_pool_size",
-    "pg_pool_timeout",
-    "require_bool",
-    "split_prefill",
-    "stream_idle_timeout",
-    "verbose",
-    "xdg_data_home",
-]
-
 API_KEY = "TOKRAG_API_KEY"
 CACHE_DIR = "TOKRAG_CACHE_DIR"
-CPU_KERNELS = "TOKRAG_CPU_KERNELS"
 DATA_DIR = "TOKRAG_DATA_DIR"
-FUSE_CONTEXTS = "TOKRAG_FUSE_CONTEXTS"
-KERNEL_PLAN_CACHE = "TOKRAG_KERNEL_PLAN_CACHE"
-PACKED_HEAD = "TOKRAG_PACKED_HEAD"
-PACKED_PREFILL = "TOKRAG_PACKED_PREFILL"
-PG_CONNECT_TIMEOUT = "TOKRAG_PG_CONNECT_TIMEOUT"
 PG_DSN = "TOKRAG_PG_DSN"
-PG_POOL_SIZE = "TOKRAG_PG_POOL_SIZE"
-PG_POOL_TIMEOUT = "TOKRAG_PG_POOL_TIMEOUT"
-SPLIT_PREFILL = "TOKRAG_SPLIT_PREFILL"
 STREAM_IDLE_TIMEOUT = "TOKRAG_STREAM_IDLE_TIMEOUT"
 VERBOSE = "TOKRAG_VERBOSE"
-
-DEFAULT_PG_CONNECT_TIMEOUT_S = 5
-DEFAULT_PG_POOL_SIZE = 10
-DEFAULT_PG_POOL_TIMEOUT_S = 30.0
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 30.0
 
 _SWITCH_WORDS = {
@@ -115,7 +42,7 @@ def require_bool(value: Any, name: str) -> bool:
     """``value`` when it is ``True`` or ``False``; otherwise a ``TypeError`` naming ``name``.
 
     Every public boolean option is read this way, never by truthiness: ``bool("False")`` is
-    ``True``, and ``trust_remote_code="False"`` once ran a model folder's code (issue 29).
+    ``True``, and ``trust_remote_code="False"`` must not run a model folder's code.
     """
     if isinstance(value, bool):
         return value
@@ -221,13 +148,11 @@ def xdg_data_home() -> Path | None:
 
 
 def cpu_kernels() -> str:
-    """``$TOKRAG_CPU_KERNELS``: ``"auto"`` (default), ``"on"`` or ``"off"``."""
-    return _mode(CPU_KERNELS)
+    return _mode("TOKRAG_CPU_KERNELS")
 
 
 def packed_head() -> str:
-    """``$TOKRAG_PACKED_HEAD``: ``"auto"`` (default), ``"on"`` or ``"off"``."""
-    return _mode(PACKED_HEAD)
+    return _mode("TOKRAG_PACKED_HEAD")
 
 
 def data_dir() -> Path | None:
@@ -238,27 +163,22 @@ def data_dir() -> Path | None:
 
 
 def fuse_contexts() -> bool:
-    """``$TOKRAG_FUSE_CONTEXTS`` (default on)."""
-    return env_switch(FUSE_CONTEXTS, True)
+    return env_switch("TOKRAG_FUSE_CONTEXTS", True)
 
 
 def kernel_plan_cache() -> bool:
-    """``$TOKRAG_KERNEL_PLAN_CACHE`` (default on)."""
-    return env_switch(KERNEL_PLAN_CACHE, True)
+    return env_switch("TOKRAG_KERNEL_PLAN_CACHE", True)
 
 
 def packed_prefill() -> bool:
-    """``$TOKRAG_PACKED_PREFILL`` (default on)."""
-    return env_switch(PACKED_PREFILL, True)
+    return env_switch("TOKRAG_PACKED_PREFILL", True)
 
 
 def split_prefill() -> bool:
-    """``$TOKRAG_SPLIT_PREFILL`` (default on)."""
-    return env_switch(SPLIT_PREFILL, True)
+    return env_switch("TOKRAG_SPLIT_PREFILL", True)
 
 
 def verbose() -> bool:
-    """``$TOKRAG_VERBOSE`` (default off)."""
     return env_switch(VERBOSE, False)
 
 
@@ -269,20 +189,16 @@ def pg_dsn() -> str | None:
 
 def pg_connect_timeout() -> int:
     """``$TOKRAG_PG_CONNECT_TIMEOUT`` in whole seconds, rounded up (at least 1; default 5)."""
-    value = _positive(PG_CONNECT_TIMEOUT, float, DEFAULT_PG_CONNECT_TIMEOUT_S, "a number of seconds")
+    value = _positive("TOKRAG_PG_CONNECT_TIMEOUT", float, 5, "a number of seconds")
     return max(1, math.ceil(value))
 
 
 def pg_pool_size() -> int:
-    """``$TOKRAG_PG_POOL_SIZE`` (default 10)."""
-    return int(_positive(PG_POOL_SIZE, int, DEFAULT_PG_POOL_SIZE, "a whole number"))
+    return int(_positive("TOKRAG_PG_POOL_SIZE", int, 10, "a whole number"))
 
 
 def pg_pool_timeout() -> float:
-    """``$TOKRAG_PG_POOL_TIMEOUT`` in seconds (default 30)."""
-    return _positive(
-        PG_POOL_TIMEOUT, float, DEFAULT_PG_POOL_TIMEOUT_S, "a number of seconds", finite=False
-    )
+    return _positive("TOKRAG_PG_POOL_TIMEOUT", float, 30, "a number of seconds", finite=False)
 
 
 def stream_idle_timeout() -> float:

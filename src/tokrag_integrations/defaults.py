@@ -1,11 +1,8 @@
 """The one set of retrieval and generation defaults.
 
-``tokrag ask``, the examples and the framework adapters all read these, so a question asked
-through the CLI, a LlamaIndex query engine built like ``examples/llamaindex_quickstart.py``
-or a LangChain chain built like ``examples/langchain_quickstart.py`` sees the same chunks,
-the same number of passages and the same answer budget, and stops at the same place.
-Changing a value here changes every entry point at once; each entry point still takes its
-own argument to override it.
+``tokrag ask``, the examples and the framework adapters all read these, so every entry point
+sees the same chunks, the same number of passages and the same answer budget, and stops at
+the same place; each entry point still takes its own argument to override them.
 """
 
 from __future__ import annotations
@@ -24,10 +21,7 @@ TOP_K = 5
 #: New tokens per answer; an answer that reaches it is cut (``stop_reason == "length"``).
 MAX_NEW_TOKENS = 64
 
-#: Stop strings of every question-answering entry point, besides the model's end of turn
-#: (EOS always stops). A small model given document chunks often ends its answer with a
-#: blank line and then goes on copying the document: the next paragraph, or a Markdown
-#: heading (``### 4 ...``). The answer therefore ends at its first blank line or at a line
-#: that starts a heading; the stop string itself is not part of the answer. Pass ``stop=[]``
-#: (``--no-stop`` on the command line) to decode up to the token budget.
+#: Stop strings of every question-answering entry point besides EOS (not part of the answer):
+#: a blank line, or a line starting a Markdown heading, where a small model given document
+#: chunks goes on copying the document. ``stop=[]`` (``--no-stop``) decodes to the budget.
 ANSWER_STOP: tuple[str, ...] = ("\n\n", "\n#")

@@ -18,7 +18,7 @@ def _plans(
     *,
     max_new_tokens: int,
     messages: Sequence[list[dict[str, str]] | None] | None,
-    system_prompt: str | None | type,
+    system_prompt: Any,
     max_context_tokens: int | None,
     prompt_format: str = "qa",
     rendered: Sequence[RenderedPrompt | None] | None = None,
@@ -29,32 +29,22 @@ def _plans(
     elif prompt_format != "qa":
         kw["system_prompt"] = None  # a raw prompt gets no injected wording
     builder = PromptBuilder(lm.tokenizer, **kw)
-    return [
-        builder.build_rendered(
-            q,
-            rendered[i],
-            max_new_tokens=max_new_tokens,
-            messages=(messages[i] if messages else None),
-            max_context_tokens=max_context_tokens,
-        )
-        if rendered and rendered[i] is not None
-        else builder.build(
-            q,
-            p,
-            max_new_tokens=max_new_tokens,
-            messages=(messages[i] if messages else None),
-            max_context_tokens=max_context_tokens,
-            prompt_format=prompt_format,
-        )
-        for i, (q, p) in enumerate(zip(queries, passages, strict=True))
-    ]
+    plans = []
+    for i, (q, p) in enumerate(zip(queries, passages, strict=True)):
+        limits = {
+            "max_new_tokens": max_new_tokens,
+            "messages": messages[i] if messages else None,
+            "max_context_tokens": max_context_tokens,
+        }
+        if rendered and rendered[i] is not None:
+            plans.append(builder.build_rendered(q, rendered[i], **limits))
+        else:
+            plans.append(builder.build(q, p, prompt_format=prompt_format, **limits))
+    return plans
 
 
-class _Default:
-    pass
-
-
-_DEFAULT = _Default
+#: ``system_prompt`` not given: the builder's default (none for a raw prompt).
+_DEFAULT: Any = object()
 
 
 def _where(what: str, i: int | None) -> str:

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import config
-from .config import cache_dir, cache_write_error, require_bool
+from .config import cache_dir, cache_write_error, require_bool, verbose
 
 
 @dataclass
@@ -109,24 +108,19 @@ def check_device_and_dtype(device: Any, dtype: Any) -> tuple[str | None, Any]:
             dev = torch.device(name)
         except (RuntimeError, ValueError, TypeError):
             raise ValueError(f"unknown device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'") from None
-        if dev.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(
-                    f"device {name!r} was requested but CUDA is not available on this machine; "
-                    "use device 'cpu'"
-                )
-            count = torch.cuda.device_count()
-            if dev.index is not None and dev.index >= count:
-                raise ValueError(
-                    f"device {name!r} was requested but this machine has {count} CUDA device(s)"
-                )
-        elif dev.type == "mps" and not torch.backends.mps.is_available():
-            raise ValueError(
-                f"device {name!r} was requested but MPS is not available on this machine; "
-                "use device 'cpu'"
-            )
-        elif dev.type not in ("cpu", "cuda", "mps"):
+        if dev.type not in ("cpu", "cuda", "mps"):
             raise ValueError(f"unsupported device {name!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'")
+        backend = {"cuda": torch.cuda, "mps": torch.backends.mps}.get(dev.type)
+        if backend is not None and not backend.is_available():
+            raise ValueError(
+                f"device {name!r} was requested but {dev.type.upper()} is not available on this "
+                "machine; use device 'cpu'"
+            )
+        count = torch.cuda.device_count() if dev.type == "cuda" else 0
+        if dev.type == "cuda" and dev.index is not None and dev.index >= count:
+            raise ValueError(
+                f"device {name!r} was requested but this machine has {count} CUDA device(s)"
+            )
         device = name
     if dtype is not None and not isinstance(dtype, torch.dtype):
         name = str(dtype).strip().removeprefix("torch.")
@@ -246,7 +240,6 @@ GEMMA_MODEL_NAME = "gemma-3-270m"
 GEMMA_ALIASES = ("gemma3-270m", "gemma-3-270m", "gemma3_270m")
 _GEMMA_INSTALL = 'pip install -c constraints.txt -e ".[gemma]"'
 
-VERBOSE_ENV = config.VERBOSE
 _show_loading_progress = False
 
 
@@ -261,7 +254,7 @@ def show_loading_progress(enabled: bool = True) -> None:
 def _loading_quietly() -> Iterator[None]:
     """Load or convert weights without transformers' progress bars (on stderr they land in the
     middle of a streamed answer), unless ``$TOKRAG_VERBOSE`` or :func:`show_loading_progress`."""
-    if _show_loading_progress or config.verbose():
+    if _show_loading_progress or verbose():
         yield
         return
     from functools import partial
@@ -296,7 +289,7 @@ def _smollm2_folder() -> Path:
 def default_model_path() -> Path:
     """The safetensors copy of SmolLM2-135M-Instruct, converted once."""
     target = cache_dir() / "models" / "smollm2-135m-instruct"
-    if not ((target / "model.safetensors").exists() and (target / "tokenizer.json").exists()):
+    if not _converted(target):
         convert_gguf(_smollm2_folder() / _SMOLLM2_GGUF, target)
     return target
 
@@ -411,12 +404,6 @@ def _resolve(
     )
 
 
-def _is_loaded_model(obj: Any) -> bool:
-    import torch
-
-    return isinstance(obj, torch.nn.Module) and hasattr(obj, "config")
-
-
 #: from_pretrained arguments that load_model sets from its own parameters.
 _OWN_KWARGS = {
     "dtype": "dtype",
@@ -496,7 +483,9 @@ def load_model(
         if key in model_kwargs:
             raise ValueError(f"model_kwargs[{key!r}] has its own argument: pass {own}= to load_model")
     source = _Source(revision, trust_remote_code, local_files_only, dict(tokenizer_kwargs or {}))
-    if _is_loaded_model(model):
+    import torch
+
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
         given = {"device_map": device_map, "model_kwargs": model_kwargs or None, "revision": revision}
         bad = [k for k, v in given.items() if v is not None]
         if bad:
@@ -559,12 +548,9 @@ def _adopt_loaded(
 ) -> tuple[Any, Any, str, str]:
     """An already loaded model, moved to ``device`` / ``dtype`` when given: ``(model,
     tokenizer, display name, path)``."""
-    if tokenizer is None:
-        folder = Path(str(getattr(model, "name_or_path", "") or ""))
-        fallback = (folder, None) if folder.is_dir() and str(folder) not in ("", ".") else None
-        tokenizer = source.tokenizer(None, fallback)
-    else:
-        tokenizer = source.tokenizer(tokenizer, None)
+    folder = Path(str(getattr(model, "name_or_path", "") or ""))
+    fallback = (folder, None) if folder.is_dir() and str(folder) not in ("", ".") else None
+    tokenizer = source.tokenizer(tokenizer, fallback)
     archs = [type(model).__name__]
     if not _is_causal_lm(archs):
         raise ValueError(

@@ -31,7 +31,6 @@ DEFAULT_SYSTEM_PROMPT = "Answer the question with a short, factual answer."
 MIN_CUT_TOKENS = 16
 
 
-# ---------------------------------------------------------------- user text
 _SENTINEL = "\u241eTOKRAG_USER_CONTENT\u241e"
 #: Chat roles a prompt may hold (the ones every chat template knows).
 CHAT_ROLES = ("system", "user", "assistant")
@@ -205,7 +204,6 @@ def clean_text(text: str, what: str, stacklevel: int = 3) -> str:
     return text
 
 
-# ---------------------------------------------------------------- passages and prompts
 @dataclass
 class Passage:
     """A retrieved passage: its text (lone surrogates replaced by U+FFFD, with a warning), the
@@ -331,10 +329,6 @@ class PromptBuilder:
         window = self.context_window if max_context_tokens is None else min(self.context_window, max_context_tokens)
         return window, window - int(max_new_tokens)
 
-    def _encode(self, text: str) -> list[int]:
-        """Ids of the builder's own text (delimiter, separators): no user text in it."""
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-
     def _mark(self, text: str) -> str:
         return _mark_user_text(self.tokenizer, text)
 
@@ -365,7 +359,6 @@ class PromptBuilder:
                 head = bos + head
         return head, tail
 
-    # ----------------------------------------------------------------- build
     def build(
         self,
         query: str,
@@ -404,8 +397,8 @@ class PromptBuilder:
             question = self._mark(query if raw else f"Question: {query.strip()}")
             tail_ids = _encode_marked(self.tokenizer, question + tail)
         head_ids = _encode_marked(self.tokenizer, head)
-        delim_ids = self._encode(self.delimiter + "\n")
-        sep_ids = self._encode("\n\n")
+        delim_ids = _encode_marked(self.tokenizer, self.delimiter + "\n")
+        sep_ids = _encode_marked(self.tokenizer, "\n\n")
         pure_ids = head_ids + tail_ids
         if len(pure_ids) > budget and int(max_new_tokens) >= window:
             raise ValueError(
@@ -420,9 +413,43 @@ class PromptBuilder:
                 "question or lower max_new_tokens."
             )
 
-        records, rag_ids, spans, segments, kept = self._fit_passages(
-            plist, head_ids, len(pure_ids), budget, delim_ids, sep_ids, notes
-        )
+        # The passages, best first, that fit the budget; the last that partly fits is cut.
+        records: list[PassageRecord] = []
+        rag_ids = list(head_ids)
+        spans: list[tuple[int, int]] = []
+        segments: list[list[int]] = []
+        kept: list[Passage] = []
+        used = len(pure_ids)
+        frame = len(delim_ids) + len(sep_ids)
+        full = False
+        for rank, p in enumerate(plist):
+            rec = PassageRecord(rank=rank, text=p.text, score=p.score, metadata=dict(p.metadata))
+            records.append(rec)
+            if not p.text or not p.text.strip():
+                rec.kept = False
+                notes.append(f"passage {rank} is empty and was skipped")
+                continue
+            body = encode_user_text(self.tokenizer, p.text.strip())
+            rec.n_tokens = len(body)
+            if not full and used + frame + len(body) > budget:
+                full = True
+                room = budget - used - frame
+                if room >= MIN_CUT_TOKENS:
+                    body = body[:room]
+                    rec.cut = True
+                    rec.n_tokens = len(body)
+                else:
+                    rec.kept = False
+            elif full:
+                rec.kept = False
+            if not rec.kept:
+                continue
+            start = len(rag_ids) + len(delim_ids)
+            rag_ids += delim_ids + body + sep_ids
+            spans.append((start, start + len(body)))
+            segments.append(delim_ids + body + sep_ids)
+            kept.append(p)
+            used += frame + len(body)
         dropped = [r.rank for r in records if not r.kept and r.text.strip()]
         cut = [r.rank for r in records if r.cut]
         if dropped or cut:
@@ -457,58 +484,6 @@ class PromptBuilder:
         )
         plan._delim_len = len(delim_ids)
         return plan
-
-    def _fit_passages(
-        self,
-        plist: list[Passage],
-        head_ids: list[int],
-        prompt_tokens: int,
-        budget: int,
-        delim_ids: list[int],
-        sep_ids: list[int],
-        notes: list[str],
-    ) -> tuple[list[PassageRecord], list[int], list[tuple[int, int]], list[list[int]], list[Passage]]:
-        """The passages, best first, that fit ``budget`` next to a ``prompt_tokens`` prompt (the
-        last that partly fits is cut): records, RAG ids so far, spans, segments, kept passages."""
-        records: list[PassageRecord] = []
-        rag_ids = list(head_ids)
-        spans: list[tuple[int, int]] = []
-        segments: list[list[int]] = []
-        kept: list[Passage] = []
-        used = prompt_tokens
-        full = False
-        for rank, p in enumerate(plist):
-            rec = PassageRecord(rank=rank, text=p.text, score=p.score, metadata=dict(p.metadata))
-            records.append(rec)
-            if not p.text or not p.text.strip():
-                rec.kept = False
-                notes.append(f"passage {rank} is empty and was skipped")
-                continue
-            body = encode_user_text(self.tokenizer, p.text.strip())
-            rec.n_tokens = len(body)
-            cost = len(delim_ids) + len(body) + len(sep_ids)
-            if full:
-                rec.kept = False
-                continue
-            if used + cost > budget:
-                room = budget - used - len(delim_ids) - len(sep_ids)
-                if room >= MIN_CUT_TOKENS:
-                    body = body[:room]
-                    rec.cut = True
-                    rec.n_tokens = len(body)
-                    cost = len(delim_ids) + len(body) + len(sep_ids)
-                else:
-                    rec.kept = False
-                full = True
-                if not rec.kept:
-                    continue
-            start = len(rag_ids) + len(delim_ids)
-            rag_ids += delim_ids + body + sep_ids
-            spans.append((start, start + len(body)))
-            segments.append(delim_ids + body + sep_ids)
-            kept.append(p)
-            used += cost
-        return records, rag_ids, spans, segments, kept
 
     def build_rendered(
         self,

@@ -79,11 +79,10 @@ class _TextTracker:
         if token_id is not None:
             self.ids.append(token_id)
         t = self.text()
+        safe = len(t)
         if finished:
             self.final = t
-            safe = len(t)
         else:
-            safe = len(t)
             if t.endswith("\ufffd"):
                 safe = len(t.rstrip("\ufffd"))
             for s in self.stop:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,9 @@ class TraceStep:
     (``"pure"``, ``"rag"``, ``"passage:0"``...) to its top-1 token; ``signals`` holds the
     numbers behind the decision (for Tok-RAG at a disagreement step: ``l_star``,
     ``cos_ir`` = cos(w_RAG, w_IR), ``cos_llm`` = cos(w_RAG, w_LLM), ``fusion_attn_layer``,
-    ``fusion_jsd_layer``). ``stats`` maps each context role to a cheap summary of its
-    next-token distribution at this step, evaluated at the chosen token (``logp``,
-    ``entropy``, ``gini``, ``mean_logp``; see :func:`.engine.stats.distribution_stats`); the
-    confidence metrics of :mod:`..gating.confidence` are computed from it without re-running
-    the model.
+    ``fusion_jsd_layer``). ``stats`` maps each context role to a summary of its next-token
+    distribution at the chosen token (:func:`.engine.stats.distribution_stats`), which the
+    confidence metrics of :mod:`..gating.confidence` read.
     """
 
     index: int
@@ -84,19 +83,14 @@ class Trace:
     prompt_tokens: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
-    # ------------------------------------------------------------------ summaries
     def counts(self) -> dict[str, int]:
         """Number of generated tokens per source label."""
-        out: dict[str, int] = {}
-        for s in self.steps:
-            out[s.source] = out.get(s.source, 0) + 1
-        return out
+        return dict(Counter(s.source for s in self.steps))
 
     @property
     def disagreement_steps(self) -> list[TraceStep]:
         return [s for s in self.steps if s.disagreement]
 
-    # ------------------------------------------------------------------ export
     def to_dict(self) -> dict[str, Any]:
         """The trace as JSON data: ``json.dumps`` takes it as is, and ``json.loads`` of that
         gives it back equal (tensors and numpy values become numbers or nested lists, sets
@@ -131,13 +125,6 @@ class Trace:
         passages = [PassageRecord(**p) for p in d.pop("passages", [])]
         return cls(steps=steps, passages=passages, **d)
 
-    @classmethod
-    def from_json(cls, text_or_path: str | Path) -> Trace:
-        p = Path(text_or_path) if not str(text_or_path).lstrip().startswith("{") else None
-        text = p.read_text(encoding="utf-8") if p is not None else str(text_or_path)
-        return cls.from_dict(json.loads(text))
-
-    # ------------------------------------------------------------------ rendering
     def to_html(self, path: str | Path | None = None) -> str:
         """A standalone HTML page colouring each token by its source (scores on hover)."""
         from .render import trace_to_html

@@ -91,16 +91,17 @@ def test_model_loading_is_quiet_unless_verbose(
 ) -> None:
     from transformers.utils import logging as hf_logging
 
-    from tokrag_integrations.models import VERBOSE_ENV, load_model
+    from tokrag_integrations.config import VERBOSE
+    from tokrag_integrations.models import load_model
 
     was = hf_logging.is_progress_bar_enabled()
     hf_logging.enable_progress_bar()  # as in a fresh process (`tokrag ask` turns it off)
     try:
-        monkeypatch.delenv(VERBOSE_ENV, raising=False)
+        monkeypatch.delenv(VERBOSE, raising=False)
         load_model("default", device="cpu")
         quiet = capfd.readouterr().err
         restored = hf_logging.is_progress_bar_enabled()  # the quiet load put the switch back
-        monkeypatch.setenv(VERBOSE_ENV, "1")
+        monkeypatch.setenv(VERBOSE, "1")
         load_model("default", device="cpu")
         verbose = capfd.readouterr().err
     finally:

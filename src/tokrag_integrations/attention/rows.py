@@ -14,9 +14,7 @@ from .probe import ProbeRecord
 
 def cached_keys(cache: Any, layer_idx: int) -> torch.Tensor:
     """Keys of one layer from a transformers cache: [B, kv_heads, T_kept, hd]."""
-    if hasattr(cache, "layers"):
-        return cache.layers[layer_idx].keys
-    return cache.key_cache[layer_idx]  # pragma: no cover - transformers < 4.56
+    return cache.layers[layer_idx].keys
 
 
 def attention_row(

@@ -9,8 +9,8 @@ a token in the page shows each context's top-1 candidate and the signals behind 
 
 from __future__ import annotations
 
-from ._common import format_timing, format_value, source_label
+from ._common import format_value
 from ._html import trace_to_html
 from ._terminal import render_trace
 
-__all__ = ["trace_to_html", "render_trace", "source_label", "format_value", "format_timing"]
+__all__ = ["trace_to_html", "render_trace", "format_value"]

@@ -19,15 +19,12 @@ SOURCE_LABELS: dict[str, str] = {
 ROLE_LABELS: dict[str, str] = {"rag": "RAG context", "pure": "LLM context", "llm": "LLM context"}
 #: Signals shown first (in this order) wherever signals are listed; others follow sorted.
 _SIGNAL_ORDER = ("l_star", "cos_ir", "cos_llm", "fusion_attn_layer", "fusion_jsd_layer")
-#: Terminal styles per source; unknown labels get ``RICH_OTHER``.
-RICH_STYLES: dict[str, str] = {AGREE: "", FROM_RAG: "bold green", FROM_LLM: "bold blue"}
-RICH_OTHER = "bold dark_orange"
 
 
-# ============================================================================ helpers
-def source_label(source: str) -> str:
-    """What a source label means, for legends and tooltips (unknown labels as they are)."""
-    return SOURCE_LABELS.get(source, source)
+def legend(sources: Iterable[str]) -> list[tuple[str, str]]:
+    """``(label, meaning)`` for the three two-context labels, then any other of ``sources``."""
+    labels = list(SOURCE_LABELS) + sorted(set(sources) - set(SOURCE_LABELS))
+    return [(lab, SOURCE_LABELS.get(lab, "other policy label")) for lab in labels]
 
 
 def source_class(source: str) -> str:
@@ -86,19 +83,12 @@ def ordered_signals(signals: Mapping[str, Any]) -> list[tuple[str, Any]]:
 
 
 def signal_keys(steps: Iterable[StepView]) -> list[str]:
-    keys: set[str] = set()
-    for s in steps:
-        keys.update(s.signals)
-    return [k for k in _SIGNAL_ORDER if k in keys] + sorted(keys - set(_SIGNAL_ORDER))
+    return [k for k, _ in ordered_signals({k: None for s in steps for k in s.signals})]
 
 
 def roles_of(steps: Iterable[StepView]) -> list[str]:
     """CandidateView roles in a stable order: rag, pure/llm, then the rest as first seen."""
-    seen: list[str] = []
-    for s in steps:
-        for role in s.candidates:
-            if role not in seen:
-                seen.append(role)
+    seen = list(dict.fromkeys(role for s in steps for role in s.candidates))
     first = [r for r in ("rag", "pure", "llm") if r in seen]
     return first + [r for r in seen if r not in first]
 

@@ -5,22 +5,22 @@ passages and a table of the steps where the contexts disagreed."""
 from __future__ import annotations
 
 import html
+import re
 from typing import Any
 
-from ..labels import AGREE, FROM_LLM, FROM_RAG
 from ._assets import CSS, JS
 from ._common import (
     ROLE_LABELS,
     SOURCE_LABELS,
     format_timing,
     format_value,
+    legend,
     ordered_signals,
     passage_source,
     passage_status,
     roles_of,
     signal_keys,
     source_class,
-    source_label,
     stop_text,
     visible,
 )
@@ -36,19 +36,13 @@ def _token_html(text: str) -> str:
     line breaks), other control characters as ``\\xNN``, an empty token as ``∅``."""
     if text == "":
         return '<span class="ws">∅</span>'
-    out: list[str] = []
-    for ch in text:
-        if ch == "\n":
-            out.append('<span class="ws">↵</span>\n')
-        elif ch == "\t":
-            out.append('<span class="ws">⇥</span>\t')
-        elif ch == "\r":
-            out.append('<span class="ws">␍</span>')
-        elif ch < " " or ch == "\x7f":
-            out.append(f'<span class="ws">\\x{ord(ch):02x}</span>')
-        else:
-            out.append(html.escape(ch, quote=True))
-    return "".join(out)
+
+    def mark(m: re.Match[str]) -> str:
+        ch = m.group(0)
+        shown = {"\n": "↵", "\t": "⇥", "\r": "␍"}.get(ch, f"\\x{ord(ch):02x}")
+        return f'<span class="ws">{shown}</span>' + (ch if ch in "\n\t" else "")
+
+    return re.sub("[\x00-\x1f\x7f]", mark, _esc(text))
 
 
 def _code(text: str, *, chosen: bool = False) -> str:
@@ -73,7 +67,7 @@ def _tooltip_html(step: StepView) -> str:
     )
     parts = [
         f'<div class="th">step {step.index} · {_esc(step.source)} · '
-        f"{_esc(source_label(step.source))}</div>",
+        f"{_esc(SOURCE_LABELS.get(step.source, step.source))}</div>",
         f"<div>token <b>{_esc(visible(step.text))}</b> (id {step.token_id})</div>",
     ]
     if rows:
@@ -97,12 +91,10 @@ def _answer_html(trace: TraceView) -> str:
 
 
 def _legend_html(trace: TraceView) -> str:
-    labels = [AGREE, FROM_RAG, FROM_LLM]
-    labels += sorted({s.source for s in trace.steps} - set(labels))
     items = "".join(
         f'<span><span class="sw {source_class(lab)}"></span><b>{_esc(lab)}</b> '
-        f"— {_esc(source_label(lab) if lab in SOURCE_LABELS else 'other policy label')}</span>"
-        for lab in labels
+        f"— {_esc(meaning)}</span>"
+        for lab, meaning in legend(s.source for s in trace.steps)
     )
     return (
         f'<div class="legend">{items}<span>Underlined tokens: the contexts disagreed. '
@@ -133,8 +125,7 @@ def _summary_html(trace: TraceView) -> str:
         f'<div class="stat"><div class="k">{_esc(k)}</div><div class="v">{_esc(v)}</div></div>'
         for k, v in stats
     )
-    order = [AGREE, FROM_RAG, FROM_LLM] + sorted(set(counts) - {AGREE, FROM_RAG, FROM_LLM})
-    present = [lab for lab in order if counts.get(lab)]
+    present = [lab for lab, _ in legend(counts) if counts.get(lab)]
     bar = "".join(
         f'<span class="{source_class(lab)}" style="width:{100 * counts[lab] / total:.2f}%" '
         f'title="{_esc(lab)}: {counts[lab]}"></span>'
@@ -237,17 +228,8 @@ def _disagreements_html(trace: TraceView) -> str:
 
 
 def trace_to_html(trace: TraceView) -> str:
-    """A standalone HTML page explaining ``trace``.
-
-    The page has inline CSS and a few lines of inline JavaScript (click to pin a tooltip);
-    it loads nothing from the network. Every string from the trace is HTML-escaped.
-
-    Sections: the question; the answer with one coloured span per generated token (hover
-    for both contexts' candidates, their probabilities and the step's signals) and a legend;
-    a summary (policy, model, tokens per source, stop reason, prompt sizes, timings); the
-    warnings; the passages (rank, score, kept/cut/dropped, tokens); and a table of the steps
-    where the contexts disagreed.
-    """
+    """A standalone HTML page explaining ``trace`` (inline CSS and script, nothing loaded from
+    the network; every string from the trace HTML-escaped)."""
     title = f"Tok-RAG trace — {trace.query}" if trace.query else "Tok-RAG trace"
     sub = " · ".join(x for x in (trace.policy, trace.model) if x)
     body = f"""

@@ -7,24 +7,19 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..labels import AGREE, FROM_LLM, FROM_RAG
-from ._common import (
-    RICH_OTHER,
-    RICH_STYLES,
-    SOURCE_LABELS,
-    format_value,
-    roles_of,
-    source_label,
-    stop_text,
-    visible,
-)
+from ._common import format_value, legend, roles_of, stop_text, visible
 from ._view import CandidateView, StepView, TraceView
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from rich.console import Console
     from rich.table import Table
 
+#: Terminal styles per source; other labels are dark orange.
+_RICH_STYLES = {AGREE: "", FROM_RAG: "bold green", FROM_LLM: "bold blue"}
+
+
 def _rich_style(source: str) -> str:
-    return RICH_STYLES.get(source, RICH_OTHER)
+    return _RICH_STYLES.get(source, "bold dark_orange")
 
 
 def _margin(signals: Mapping[str, Any]) -> float | None:
@@ -100,23 +95,13 @@ def _disagreement_table(trace: TraceView, steps: Sequence[StepView]) -> Table:
             row.append(format_value(_margin(s.signals)))
         if gated:
             note = s.signals.get("note") or ""
-            row.append(note.removeprefix("gated: ") if note.startswith("gated: ") else note)
+            row.append(note.removeprefix("gated: "))
         table.add_row(*row)
     return table
 
 
 def render_trace(trace: TraceView, console: Console | None = None) -> None:
-    """Print ``trace`` to the terminal with rich.
-
-    Shows the question, the answer with tokens coloured by source, a legend, a one-line
-    summary, a table of the disagreement steps (step, RAG and LLM candidates, chosen token,
-    l*, cos_ir, cos_llm and, for a policy with a margin threshold, the margin, with the
-    threshold in the table's title) and the warnings.
-
-    Args:
-        trace: The trace to show.
-        console: Where to print; a new :class:`rich.console.Console` by default.
-    """
+    """Print ``trace`` with rich on ``console`` (default: a new :class:`rich.console.Console`)."""
     from rich.console import Console
     from rich.text import Text
 
@@ -134,16 +119,13 @@ def render_trace(trace: TraceView, console: Console | None = None) -> None:
         answer.append(trace.text)
     console.print(answer)
 
-    legend = Text("Legend: ", style="dim")
-    labels = [AGREE, FROM_RAG, FROM_LLM]
-    labels += sorted({s.source for s in trace.steps} - set(labels))
-    for i, lab in enumerate(labels):
+    key = Text("Legend: ", style="dim")
+    for i, (lab, meaning) in enumerate(legend(s.source for s in trace.steps)):
         if i:
-            legend.append("  ")
-        legend.append(f"■ {lab}", style=_rich_style(lab) or "grey62")
-        meaning = source_label(lab) if lab in SOURCE_LABELS else "other policy label"
-        legend.append(f" ({meaning})", style="dim")
-    console.print(legend)
+            key.append("  ")
+        key.append(f"■ {lab}", style=_rich_style(lab) or "grey62")
+        key.append(f" ({meaning})", style="dim")
+    console.print(key)
 
     counts = trace.counts()
     count_text = ", ".join(f"{k} {v}" for k, v in counts.items()) or "no tokens"

@@ -3,7 +3,7 @@
 :class:`~tokrag_integrations.trace.Trace` and its parts satisfy these protocols; naming them
 here keeps the renderers free of any import of :mod:`tokrag_integrations.trace` (which
 imports the renderers for ``Trace.to_html`` and ``Trace.render``), so the two never form an
-import cycle, not even a type-only one.
+import cycle, not even a type-only one. Members holding other views are read-only properties.
 """
 
 from __future__ import annotations
@@ -15,29 +15,22 @@ from typing import Any, Protocol
 class CandidateView(Protocol):
     """One context's top-1 candidate at a step."""
 
-    @property
-    def token_id(self) -> int: ...
-    @property
-    def text(self) -> str: ...
-    @property
-    def prob(self) -> float: ...
+    token_id: int
+    text: str
+    prob: float
 
 
 class StepView(Protocol):
     """One generated token, its candidates per context and the signals behind the choice."""
 
-    @property
-    def index(self) -> int: ...
-    @property
-    def token_id(self) -> int: ...
-    @property
-    def text(self) -> str: ...
-    @property
-    def source(self) -> str: ...
+    index: int
+    token_id: int
+    text: str
+    source: str
+    signals: dict[str, Any]
+
     @property
     def candidates(self) -> Mapping[str, CandidateView]: ...
-    @property
-    def signals(self) -> Mapping[str, Any]: ...
     @property
     def disagreement(self) -> bool: ...
 
@@ -45,47 +38,32 @@ class StepView(Protocol):
 class PassageView(Protocol):
     """One passage given to the model, and whether it fit."""
 
-    @property
-    def rank(self) -> int: ...
-    @property
-    def text(self) -> str: ...
-    @property
-    def score(self) -> float | None: ...
-    @property
-    def n_tokens(self) -> int: ...
-    @property
-    def kept(self) -> bool: ...
-    @property
-    def cut(self) -> bool: ...
-    @property
-    def metadata(self) -> Mapping[str, Any]: ...
+    rank: int
+    text: str
+    score: float | None
+    n_tokens: int
+    kept: bool
+    cut: bool
+    metadata: dict[str, Any]
 
 
 class TraceView(Protocol):
     """A whole decode: question, answer, steps, passages, settings and timings."""
 
-    @property
-    def query(self) -> str: ...
-    @property
-    def policy(self) -> str: ...
-    @property
-    def model(self) -> str: ...
-    @property
-    def options(self) -> Mapping[str, Any]: ...
+    query: str
+    policy: str
+    model: str
+    options: dict[str, Any]
+    warnings: list[str]
+    text: str
+    stop_reason: str
+    prompt_tokens: dict[str, int]
+    timings: dict[str, float]
+
     @property
     def passages(self) -> Sequence[PassageView]: ...
     @property
-    def warnings(self) -> Sequence[str]: ...
-    @property
     def steps(self) -> Sequence[StepView]: ...
-    @property
-    def text(self) -> str: ...
-    @property
-    def stop_reason(self) -> str: ...
-    @property
-    def prompt_tokens(self) -> Mapping[str, int]: ...
-    @property
-    def timings(self) -> Mapping[str, float]: ...
     @property
     def disagreement_steps(self) -> Sequence[StepView]: ...
     def counts(self) -> dict[str, int]: ...

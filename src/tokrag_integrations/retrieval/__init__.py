@@ -19,17 +19,11 @@ from ..config import require_bool
 from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP
 from .chunking import chunk_documents, chunk_text
 from .documents import (
-    HTML_SUFFIXES,
-    PDF_SUFFIXES,
     SUPPORTED_SUFFIXES,
-    TEXT_SUFFIXES,
     Chunk,
     Document,
     DocumentError,
-    FolderListing,
-    Retriever,
     ScoredChunk,
-    binary_reason,
     list_folder,
     printable,
     read_document,
@@ -41,25 +35,11 @@ from .index import BM25Retriever, DenseRetriever
 from .opener import DEFAULT_MAX_FILE_MB, given_roots, link_leaving, max_file_bytes
 
 __all__ = [
-    "TEXT_SUFFIXES", "HTML_SUFFIXES", "PDF_SUFFIXES", "SUPPORTED_SUFFIXES", "DEFAULT_MAX_FILE_MB",
-    "DocumentError", "Document", "Chunk", "ScoredChunk", "Retriever", "FolderListing",
-    "DenseRetriever", "BM25Retriever", "binary_reason", "read_document", "supported_types",
-    "load_documents", "list_folder", "printable", "warn_followed_link", "chunk_text",
-    "chunk_documents", "build_retriever", "get_sample_docs_path", "get_sample_questions",
+    "SUPPORTED_SUFFIXES", "DEFAULT_MAX_FILE_MB", "Document", "Chunk",
+    "ScoredChunk", "DenseRetriever", "BM25Retriever", "read_document", "supported_types",
+    "load_documents", "list_folder", "printable", "chunk_text", "chunk_documents",
+    "build_retriever", "get_sample_docs_path", "get_sample_questions",
 ]  # fmt: skip
-
-
-def _warn_unsupported(root: Path, unsupported: Sequence[Path]) -> None:
-    """One warning for the files of other types found in folder ``root``."""
-    if not unsupported:
-        return
-    suffixes = sorted({p.suffix.lower() or "no suffix" for p in unsupported})
-    warnings.warn(
-        f"{printable(root)}: {len(unsupported)} file(s) of other types skipped ({', '.join(suffixes)}); "
-        f"supported: {supported_types()}.",
-        stacklevel=3,
-    )
-
 
 #: Total input size above which :func:`load_documents` warns that in-memory indexing is slow.
 LARGE_INPUT_BYTES = 10 * 1024 * 1024
@@ -137,7 +117,13 @@ def load_documents(
                 warnings.warn(f"{printable(entry)}: {printable(reason)}; skipped.", stacklevel=2)
             for link, target in listing.followed_links:
                 warn_followed_link(link, target, "the given folder", stacklevel=2)
-            _warn_unsupported(path, listing.other_types)
+            if listing.other_types:
+                suffixes = sorted({p.suffix.lower() or "no suffix" for p in listing.other_types})
+                warnings.warn(
+                    f"{printable(path)}: {len(listing.other_types)} file(s) of other types "
+                    f"skipped ({', '.join(suffixes)}); supported: {supported_types()}.",
+                    stacklevel=2,
+                )
         elif path.suffix.lower() in SUPPORTED_SUFFIXES:
             target = link_leaving(path, roots) if follow_links else None
             if target is not None:
@@ -217,7 +203,6 @@ def build_retriever(
     return BM25Retriever(chunks)
 
 
-# ============================================================================ sample data
 def get_sample_docs_path() -> Path:
     """Folder of the packaged sample documents (a fictional company's handbook)."""
     return Path(__file__).resolve().parent.parent / "sample_docs"

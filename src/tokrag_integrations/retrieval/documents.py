@@ -10,9 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from ..defaults import TOP_K
 from .opener import FileRefused, max_file_bytes, read_file_bytes
 
 #: Plain-text formats, read as they are.
@@ -36,65 +35,46 @@ class DocumentError(ValueError):
     the message says why, without the path."""
 
 
-# ============================================================================ data types
 @dataclass
 class Document:
-    """One loaded file."""
+    """One loaded file: its ``text`` (visible text only, for HTML), the ``source`` path, and
+    ``metadata``: ``file_name``, ``format``, ``title`` where found, ``decode_errors`` when the
+    file was not valid UTF-8."""
 
     text: str
-    """The file's text (visible text only, for HTML)."""
     source: str
-    """Path of the file it came from."""
     metadata: dict[str, Any] = field(default_factory=dict)
-    """``file_name``, ``format`` and, where found, ``title``; ``decode_errors`` when the
-    file was not valid UTF-8."""
 
 
 @dataclass
 class Chunk:
-    """A piece of a document small enough to be one passage of a prompt."""
+    """A piece of a document small enough to be one passage of a prompt: its ``text``, the
+    ``source`` document's path, its ``index`` within the document (from 0) and the
+    document's ``metadata``."""
 
     text: str
-    """The chunk's text."""
     source: str
-    """Path of the document it came from."""
     index: int
-    """Position of the chunk within its document, from 0."""
     metadata: dict[str, Any] = field(default_factory=dict)
-    """The document's metadata."""
 
 
 @dataclass
 class ScoredChunk:
-    """A chunk with its retrieval score (higher is better)."""
+    """A chunk with its retrieval ``score`` (cosine similarity for dense, BM25 score for bm25;
+    higher is better)."""
 
     chunk: Chunk
-    """The retrieved chunk."""
     score: float
-    """Cosine similarity (dense) or BM25 score (bm25)."""
 
     @property
     def text(self) -> str:
-        """The chunk's text."""
         return self.chunk.text
 
     @property
     def source(self) -> str:
-        """Path of the document the chunk came from."""
         return self.chunk.source
 
 
-class Retriever(Protocol):
-    """What every retriever here offers."""
-
-    chunks: list[Chunk]
-
-    def retrieve(self, query: str, top_k: int = TOP_K) -> list[ScoredChunk]:
-        """The ``top_k`` best chunks for ``query``, best first."""
-        ...
-
-
-# ============================================================================ loading
 class _HTMLTextExtractor(HTMLParser):
     """Collects the visible text of an HTML page, one line per block element."""
 
@@ -195,11 +175,6 @@ def _decode(data: bytes, path: Path) -> tuple[str, bool]:
         return data.decode("utf-8", errors="replace"), True
 
 
-def _markdown_title(text: str) -> str:
-    match = re.search(r"^#\s+(.+?)\s*#*\s*$", text, flags=re.MULTILINE)
-    return match.group(1).strip() if match else ""
-
-
 def _pdf_text(data: bytes) -> str:
     """The text layer of a PDF's bytes, page by page (blank pages dropped)."""
     try:
@@ -257,7 +232,9 @@ def read_document(
     if suffix in HTML_SUFFIXES:
         text, title = html_to_text(text)
     else:
-        title = _markdown_title(text) if suffix in {".md", ".markdown"} else ""
+        markdown = suffix in {".md", ".markdown"}
+        match = re.search(r"^#\s+(.+?)\s*#*\s*$", text, flags=re.MULTILINE) if markdown else None
+        title = match.group(1).strip() if match else ""
     if title:
         metadata["title"] = title
     if had_errors:
@@ -310,13 +287,13 @@ def unreadable_reason(path: Path) -> str | None:
 class FolderListing:
     """What :func:`list_folder` found under one folder."""
 
+    #: Files of a supported type, in path order (as found under the folder, not resolved).
     files: list[Path] = field(default_factory=list)
-    """Files of a supported type, in path order (as found under the folder, not resolved)."""
     other_types: list[Path] = field(default_factory=list)
+    #: Entries not read, with the reason.
     skipped: list[tuple[Path, str]] = field(default_factory=list)
-    """Entries not read, with the reason (see :func:`list_folder`)."""
+    #: Links leaving the folder followed with ``follow_links=True``, with their targets.
     followed_links: list[tuple[Path, Path]] = field(default_factory=list)
-    """Links leaving the folder followed with ``follow_links=True``, with their targets."""
 
 
 def list_folder(root: Path, *, follow_links: bool = False) -> FolderListing:

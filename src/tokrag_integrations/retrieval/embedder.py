@@ -24,14 +24,12 @@ _LOCK = threading.Lock()
 
 @dataclass
 class Embedder:
-    """A loaded sentence-transformers model and the name it is recorded under."""
+    """A loaded ``SentenceTransformer``, the ``name`` it is recorded under (``all-MiniLM-L6-v2``
+    for the packaged model, else the folder's resolved path) and its embedding size ``dim``."""
 
     model: Any
-    """The ``SentenceTransformer``."""
     name: str
-    """``all-MiniLM-L6-v2`` for the packaged model, else the folder's resolved path."""
     dim: int
-    """Embedding size."""
 
     def encode(self, texts: list[str], batch_size: int = 64, progress: bool = False) -> Any:
         """L2-normalised embeddings, ``float32`` array of shape ``(len(texts), dim)``."""

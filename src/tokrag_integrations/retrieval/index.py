@@ -27,12 +27,8 @@ def _check_query(query: str, top_k: int) -> str:
 
 
 def index_text(title: str, text: str) -> str:
-    """What a chunk is indexed (and embedded) as: its document's title, then the chunk.
-
-    Chunks from the middle of a document often lack the words that say what it is about
-    (a post-mortem's "Root cause" section does not repeat the incident number); the title
-    supplies them. The chunk's own text, which goes into the prompt, is unchanged.
-    """
+    """What a chunk is indexed (and embedded) as: its document's title, which supplies the
+    words a chunk from the middle often lacks, then the chunk (its prompt text is unchanged)."""
     title = str(title).strip()
     return f"{title}\n\n{text}" if title and title not in text else text
 
