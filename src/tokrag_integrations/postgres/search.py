@@ -26,9 +26,8 @@ BIGINT_MIN, BIGINT_MAX = -(2**63), 2**63 - 1
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _TS_CONFIG_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-# CLI operators, longest first so ">=" is not read as ">" then "=value".
-_CLI_OPS = (("!=", "$ne"), (">=", "$gte"), ("<=", "$lte"), ("~=", "$contains"),
-            ("=", "$eq"), (">", "$gt"), ("<", "$lt"))  # fmt: skip
+_CLI_OPS = {"!=": "$ne", ">=": "$gte", "<=": "$lte", "~=": "$contains", "=": "$eq", ">": "$gt",
+            "<": "$lt"}  # fmt: skip
 
 
 class SearchInputError(ValueError):
@@ -173,7 +172,7 @@ def _cli_value(text: str) -> str | float:
         number = float(text)
     except ValueError:
         return text
-    return text if number != number or number in (float("inf"), float("-inf")) else number
+    return number if math.isfinite(number) else text
 
 
 def _parse_cli(args: Sequence[str]) -> list[Condition]:
@@ -181,6 +180,7 @@ def _parse_cli(args: Sequence[str]) -> list[Condition]:
     out: list[Condition] = []
     for arg in args:
         text = str(arg)
+        # operators longest first, so ">=" is not read as ">" then "=value"
         match = re.match(r"^\s*([^=!<>~]*?)\s*(!=|>=|<=|~=|=|>|<)(.*)$", text, flags=re.DOTALL)
         if not match:
             raise ValueError(
@@ -189,7 +189,7 @@ def _parse_cli(args: Sequence[str]) -> list[Condition]:
             )
         key, symbol, value = match.groups()
         key = validate_filter_key(key)
-        op = dict(_CLI_OPS)[symbol]
+        op = _CLI_OPS[symbol]
         if op == "$eq":
             equal.setdefault(key, []).append(value)  # repeated key: any of these values
         elif op in ("$gt", "$gte", "$lt", "$lte"):

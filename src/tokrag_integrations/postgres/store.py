@@ -118,6 +118,7 @@ def _chunk(node_id: str, text: str, meta: Any, score: Any) -> RetrievedChunk:
 # ============================================================================ knowledge base
 class PostgresKnowledgeBase:
     """An ingested table plus the embedder it was built with; thread-safe for querying.
+
     Connects at construction (fails fast) and detects the layout (:mod:`.layout`).
 
     Args:
