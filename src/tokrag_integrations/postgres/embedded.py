@@ -308,11 +308,8 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def stop_on_sigterm() -> None:
-    """Make SIGTERM end the process as Ctrl-C does, so ``atexit`` stops the embedded server.
-
-    Installed only from the main thread and while SIGTERM has its default action (an
-    application's own handler is left alone); ``tokrag serve`` calls it before uvicorn runs.
-    """
+    """Make SIGTERM end the process as Ctrl-C does, so ``atexit`` stops the embedded server
+    (only from the main thread, and only while SIGTERM has its default action)."""
     import signal
 
     if threading.current_thread() is not threading.main_thread():
@@ -323,7 +320,7 @@ def stop_on_sigterm() -> None:
 
 def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     """Start (or attach to) the embedded server, once per data folder and process; returns
-    ``(dsn, server_handle)``. pgserver stops it when the last process using it exits.
+    ``(dsn, server_handle)``.
 
     Raises:
         PostgresSetupError: ``pgserver`` is missing, the folder is unsafe (root), or the

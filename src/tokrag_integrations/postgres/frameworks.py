@@ -106,12 +106,9 @@ def make_llamaindex_store(
     hybrid_search: bool = False,
     text_search_config: str = "english",
 ) -> Any:
-    """A LlamaIndex ``PGVectorStore`` (safe-filter subclass) over ``layout``'s table.
-
-    With ``setup=True`` it creates the table, its ``ref_doc_id`` index and the HNSW index
-    (``m=16, ef_construction=64``, cosine) on first use, raising errors; ``hybrid_search``
-    adds LlamaIndex's generated ``text_search_tsv`` column and its GIN index.
-    """
+    """A LlamaIndex ``PGVectorStore`` (safe-filter subclass) over ``layout``'s table; with
+    ``setup=True`` it creates the table and its indexes (HNSW ``m=16, ef_construction=64``,
+    cosine) on first use, with ``hybrid_search`` the ``text_search_tsv`` column too."""
     require_bool(setup, "setup")
     require_bool(hybrid_search, "hybrid_search")
     validate_ts_config(text_search_config)

@@ -203,9 +203,9 @@ def text_search_column(conn: Any, layout: TableLayout) -> tuple[str | None, str 
 
 
 def add_text_search(conn: Any, layout: TableLayout, config: str, *, lock: bool = True) -> None:
-    """Add the generated full-text column (``to_tsvector(config, text)``, stored) and its GIN
-    index to ``layout``'s table, in one transaction (rewrites the table); nothing when it has
-    one. ``lock=False`` when the caller holds the table's creation lock already.
+    """Add the generated full-text column (``to_tsvector(config, text)``) and its GIN index
+    to ``layout``'s table, in one transaction; nothing when it has one. ``lock=False`` when
+    the caller holds the table's creation lock already.
 
     Raises:
         ValueError: The server has no text search configuration ``config``.
