@@ -183,15 +183,19 @@ def test_reserved_word_langchain_table_is_refused_and_leaves_no_table(pg_dsn, tm
 
 def test_langchain_table_without_its_indexes_is_dropped(pg_dsn):
     """Whatever makes the index creation fail, the just-created table does not stay behind."""
-    from tokrag_integrations.postgres.connection import ResolvedDatabase
+    from tokrag_integrations.postgres.connection import ResolvedDatabase, pooled
     from tokrag_integrations.postgres.dsn import PostgresQueryError, database_errors
-    from tokrag_integrations.postgres.layout import TableLayout, _create_langchain_table
+    from tokrag_integrations.postgres.layout import TableLayout, _create_table
 
-    unchecked = TableLayout("langchain", "user", "langchain_id", "content", "langchain_metadata")
+    layout = TableLayout.for_target("wide", "langchain")
     db = ResolvedDatabase(dsn=pg_dsn, origin="argument")
-    with pytest.raises(PostgresQueryError, match="syntax error"), database_errors(pg_dsn, "create"):
-        _create_langchain_table(db, unchecked, 384)
-    assert _tables(pg_dsn, "user") == []
+    with (
+        pytest.raises(PostgresQueryError, match="2000 dimensions"),
+        database_errors(pg_dsn, "create"),
+    ):
+        with pooled(pg_dsn) as conn:  # HNSW indexes at most 2000 dimensions: the index fails
+            _create_table(db, conn, layout, 2001, "english")
+    assert _tables(pg_dsn, "wide") == []
 
 
 # ============================================================================ 9: read-only role
@@ -220,7 +224,6 @@ def test_read_only_role_creating_a_table_is_one_sentence(pg_dsn, tmp_path, caplo
 def test_sigterm_stops_the_embedded_server(tmp_path):
     import sys
     import textwrap
-
 
     require("pgserver")
     folder = (tmp_path / "pg").resolve()
@@ -271,8 +274,10 @@ def _stop_from_outside(server: object) -> None:
 
 def _restart_warnings(seen: list) -> list:
     return [
-        w for w in seen
-        if issubclass(w.category, RuntimeWarning) and "stopped from outside this process" in str(w.message)
+        w
+        for w in seen
+        if issubclass(w.category, RuntimeWarning)
+        and "stopped from outside this process" in str(w.message)
     ]
 
 

@@ -13,7 +13,6 @@ import pytest
 from tokrag_integrations.postgres.dsn import PostgresConnectionError, PostgresSetupError, mask_dsn
 from tokrag_integrations.postgres.layout import validate_table_name
 from tokrag_integrations.postgres.search import (
-    parse_filter_args,
     to_conditions,
     validate_filter_key,
 )
@@ -55,15 +54,6 @@ def test_hostile_filter_keys_rejected(key):
         validate_filter_key(key)
     with pytest.raises(ValueError):
         to_conditions({key: "v"})
-
-
-def test_parse_filter_args_groups_repeated_keys():
-    assert parse_filter_args(["file_name=a.md", "format=md", "file_name=b=c.md"]) == {
-        "file_name": ["a.md", "b=c.md"],
-        "format": ["md"],
-    }
-    with pytest.raises(ValueError, match="key=value"):
-        parse_filter_args(["nokey"])
 
 
 def test_root_refuses_data_dir_in_root_home(monkeypatch):

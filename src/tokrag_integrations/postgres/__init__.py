@@ -1,15 +1,8 @@
-"""Enterprise RAG over Postgres + pgvector (docs/postgres.md).
-
-* :func:`ingest` — files into a pgvector table (LlamaIndex's ``PGVectorStore`` schema, or
-  langchain-postgres'), idempotently and one transaction per file (``tokrag ingest``).
-* :class:`PostgresKnowledgeBase` — the table as a LlamaIndex or LangChain retriever or plain
-  :class:`RetrievedChunk` lists, by vector, full-text or hybrid search with metadata
-  filters, sync or async over one shared pool; answers with any decoding policy.
-* :func:`answer_from_postgres` — one call for ``tokrag ask --store postgres``.
-* :func:`resolve_dsn` — ``--dsn``, ``$TOKRAG_PG_DSN``, or an embedded server (``pgserver``).
-
-Needs the ``postgres`` extra: ``pip install 'tokrag-integrations[postgres]'``. Importing this
-package is cheap; the database drivers and frameworks load on first use.
+"""Enterprise RAG over Postgres + pgvector (docs/postgres.md): :func:`ingest` files into a
+table, read it with :class:`PostgresKnowledgeBase` (vector, text or hybrid search, both
+frameworks' retrievers) or :func:`answer_from_postgres`; :func:`resolve_dsn` finds the
+database (``--dsn``, ``$TOKRAG_PG_DSN`` or the embedded server). Needs the ``postgres`` extra;
+the drivers and frameworks load on first use.
 """
 
 from .connection import ResolvedDatabase, check_connection, resolve_dsn
@@ -21,7 +14,6 @@ from .search import (
     FILTER_OPERATORS,
     SEARCH_MODES,
     SearchInputError,
-    parse_filter_args,
     to_conditions,
     validate_filter_key,
 )
@@ -49,7 +41,6 @@ __all__ = [
     "default_data_dir",
     "ingest",
     "mask_dsn",
-    "parse_filter_args",
     "resolve_dsn",
     "start_embedded",
     "to_conditions",

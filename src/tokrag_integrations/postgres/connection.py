@@ -1,6 +1,6 @@
-"""Where the Postgres comes from (:func:`resolve_dsn`: ``--dsn``, ``$TOKRAG_PG_DSN``, else
-the embedded server) and the connections to it: :func:`connect` (checked, pgvector created if
-needed) and :func:`pooled` (the process's one ``psycopg_pool.ConnectionPool`` per database)."""
+"""Where the Postgres comes from (:func:`resolve_dsn`) and the connections to it:
+:func:`connect` (checked, pgvector created if needed) and :func:`pooled` (the process's one
+``psycopg_pool.ConnectionPool`` per database)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,9 @@ from .dsn import (
     PostgresConnectionError,
     PostgresSetupError,
     dsn_params,
+    first_line,
     libpq_conninfo,
     mask_dsn,
-    scrub,
 )
 from .embedded import DSN_ENV, start_again_if_stopped, start_embedded
 
@@ -78,11 +79,6 @@ def resolve_dsn(dsn: str | None = None, *, data_dir: str | Path | None = None) -
     return ResolvedDatabase(dsn=uri, origin="embedded", server=server)
 
 
-def _first_line(exc: BaseException, dsn: str) -> str:
-    text = str(exc).strip()
-    return scrub(text.splitlines()[0] if text else type(exc).__name__, dsn)
-
-
 def connect(dsn: str, **kwargs: Any) -> Any:
     """A psycopg 3 connection with pgvector registered (the extension created if missing).
 
@@ -111,7 +107,7 @@ def connect(dsn: str, **kwargs: Any) -> Any:
                 "unset to use the embedded server"
             )
         raise PostgresConnectionError(
-            f"Cannot connect to Postgres at {mask_dsn(dsn)}: {_first_line(exc, dsn)}. {hint}."
+            f"Cannot connect to Postgres at {mask_dsn(dsn)}: {first_line(exc, dsn)}. {hint}."
         ) from None
     try:
         # Checked first, so a user without CREATE privilege can use an installed extension,
@@ -127,7 +123,7 @@ def connect(dsn: str, **kwargs: Any) -> Any:
     except psycopg.Error as exc:
         conn.close()
         raise PostgresConnectionError(
-            f"Postgres at {mask_dsn(dsn)} cannot use pgvector: {_first_line(exc, dsn)}. Install "
+            f"Postgres at {mask_dsn(dsn)} cannot use pgvector: {first_line(exc, dsn)}. Install "
             "the pgvector extension on that server (https://github.com/pgvector/pgvector) or "
             "ask its administrator to run CREATE EXTENSION vector."
         ) from None
@@ -166,28 +162,23 @@ def pool_settings(size: int | None = None, timeout: float | None = None) -> tupl
     return out[0], out[1]
 
 
-def _connection_class(dsn: str) -> type:
+@cache
+def _connection_class() -> type:
     import psycopg
 
-    class _RestartingConnection(psycopg.Connection):  # type: ignore[type-arg]
+    class RestartingConnection(psycopg.Connection):  # type: ignore[type-arg]
         """Starts this process's embedded server again when it was stopped from outside."""
 
         @classmethod
-        def connect(cls, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:  # type: ignore[override]
             try:
-                return super().connect(*args, **kwargs)
+                return super().connect(conninfo, **kwargs)
             except psycopg.OperationalError:
-                if start_again_if_stopped(dsn):
-                    return super().connect(*args, **kwargs)
+                if start_again_if_stopped(conninfo):
+                    return super().connect(conninfo, **kwargs)
                 raise
 
-    return _RestartingConnection
-
-
-def _configure(conn: Any) -> None:
-    from pgvector.psycopg import register_vector
-
-    register_vector(conn)
+    return RestartingConnection
 
 
 def shared_pool(dsn: str, size: int | None = None, timeout: float | None = None) -> Any:
@@ -198,15 +189,15 @@ def shared_pool(dsn: str, size: int | None = None, timeout: float | None = None)
         pool = _POOLS.get(dsn)
         if pool is not None and not pool.closed:
             return pool
+        from pgvector.psycopg import register_vector
         from psycopg_pool import ConnectionPool
 
         connect(dsn, autocommit=True).close()
         pool = ConnectionPool(
             libpq_conninfo(dsn),
-            connection_class=_connection_class(dsn),
-            # prepare_threshold=None: no server-side prepared statements, so every search
-            # is planned with its own parameters and settings (a cached generic plan would
-            # keep a sequential scan chosen under other settings, or an unknown LIMIT)
+            connection_class=_connection_class(),
+            # no server-side prepared statements: every search is planned with its own
+            # parameters and settings
             kwargs={
                 "autocommit": True,
                 "connect_timeout": connect_timeout(),
@@ -215,7 +206,7 @@ def shared_pool(dsn: str, size: int | None = None, timeout: float | None = None)
             min_size=0,  # none kept open when idle: nothing reconnects to a stopped server
             max_size=size,
             timeout=timeout,
-            configure=_configure,
+            configure=register_vector,
             check=ConnectionPool.check_connection,
             name=f"tokrag:{mask_dsn(dsn)}",
             open=True,
@@ -235,8 +226,8 @@ def pooled(dsn: str) -> Iterator[Any]:
 
     pool = shared_pool(dsn)
     try:
-        cm = pool.connection()
-        conn = cm.__enter__()
+        with pool.connection() as conn:
+            yield conn
     except PoolTimeout:
         raise PostgresConnectionError(
             f"No connection to Postgres at {mask_dsn(dsn)} within {pool.timeout:g} s (pool of "
@@ -244,13 +235,6 @@ def pooled(dsn: str) -> Iterator[Any]:
             "pool_size / $TOKRAG_PG_POOL_SIZE or pool_timeout / $TOKRAG_PG_POOL_TIMEOUT, or "
             "check the server."
         ) from None
-    try:
-        yield conn
-    except BaseException as exc:
-        if not cm.__exit__(type(exc), exc, exc.__traceback__):
-            raise
-    else:
-        cm.__exit__(None, None, None)
 
 
 def close_pools() -> None:

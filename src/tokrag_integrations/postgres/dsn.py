@@ -1,16 +1,10 @@
-"""Connection strings and the errors of the Postgres layer; no message ever holds a password.
-
-Parsing is libpq's (``psycopg.conninfo``); URLs are rendered by SQLAlchemy's ``URL``. Written
-here because the libraries lack it: lenient URL credentials (a password holding ``@ / ? #``
-as users paste it), a masked form that still shows an empty password field and a socket
-folder, and scrubbing a password out of a driver's error message.
-"""
+"""Connection strings (parsed by libpq, rendered by SQLAlchemy's ``URL``) and the errors of
+the Postgres layer; no message ever holds a password."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 
 class PostgresConnectionError(ConnectionError):
@@ -73,7 +67,9 @@ def _parse(dsn: str) -> tuple[dict[str, str], bool, bool]:
             "The connection string is empty; use postgresql://USER:PASSWORD@HOST:PORT/DATABASE."
         )
     scheme, sep, rest = dsn.partition("://")
-    is_url = bool(sep and scheme) and all(c.isascii() and (c.isalnum() or c in "+-.") for c in scheme)
+    is_url = bool(sep and scheme) and all(
+        c.isascii() and (c.isalnum() or c in "+-.") for c in scheme
+    )
     has_password = False
     text = dsn
     if is_url:
@@ -89,7 +85,7 @@ def _parse(dsn: str) -> tuple[dict[str, str], bool, bool]:
             userinfo = quote(unquote(user), safe="")
             if colon:
                 userinfo += ":" + quote(unquote(password), safe="")
-            rest = f"{userinfo}@{rest[at + 1:]}"
+            rest = f"{userinfo}@{rest[at + 1 :]}"
         text = f"postgresql://{rest}"
     try:
         params = {k: str(v) for k, v in conninfo_to_dict(text).items()}
@@ -109,28 +105,19 @@ def dsn_params(dsn: str) -> dict[str, str]:
 
 def mask_dsn(dsn: str) -> str:
     """``dsn`` with its password replaced by ``***``, rebuilt from libpq's parse of it (a
-    string that cannot be parsed is not shown at all).
-
-    >>> mask_dsn("postgresql://alice:s3cret@db.example:5432/rag")
-    'postgresql://alice:***@db.example:5432/rag'
-    >>> mask_dsn("host=db user=alice password='a b' dbname=rag")
-    'host=db user=alice password=*** dbname=rag'
-    """
+    string that cannot be parsed is not shown at all)."""
     from psycopg.conninfo import make_conninfo
 
     try:
-        params, is_url, has_password = _parse(dsn)
+        params, is_url, _ = _parse(dsn)
     except PostgresConnectionError:
         return "<connection string not shown: it cannot be parsed>"
     if not is_url:
         order = ["host", "port", "user", "password", "dbname"]
         keys = [k for k in order if k in params] + [k for k in params if k not in order]
         return make_conninfo(**{k: ("***" if k in _SECRET_KEYS else params[k]) for k in keys})
-    rest = {k: v for k, v in params.items() if k not in _SECRET_KEYS}
-    # An empty password field (``alice:@db``) is shown as ``***`` too: SQLAlchemy would drop it.
-    text = _url(rest, "", "***" if has_password else None).render_as_string(hide_password=True)
     # SQLAlchemy percent-encodes "/" in query values; a socket folder stays readable.
-    base, sep, query = text.partition("?")
+    base, sep, query = sqlalchemy_url(dsn, "", hide_password=True).partition("?")
     return base + sep + query.replace("%2F", "/")
 
 
@@ -149,12 +136,19 @@ def scrub(message: str, dsn: str) -> str:
     return out
 
 
-def _url(params: dict[str, str], driver: str, password: str | None) -> Any:
-    """A SQLAlchemy ``URL`` from libpq parameters: one TCP host and its numeric port in the
-    netloc, everything else (socket folders, host lists) in the query."""
+def sqlalchemy_url(dsn: str, driver: str = "psycopg", *, hide_password: bool = False) -> str:
+    """``dsn`` as a SQLAlchemy URL with the given driver (``""``: none), built from libpq's
+    parse of it, so both read the same user, password and host: one TCP host and its numeric
+    port in the netloc, everything else (socket folders, host lists) in the query.
+    ``hide_password`` shows a password field (an empty one too) as ``***`` and drops
+    ``sslpassword``."""
     from sqlalchemy.engine import URL
 
-    params = dict(params)
+    params, _, has_password = _parse(dsn)
+    password = params.pop("password", None)
+    if hide_password:
+        password = "***" if has_password else None
+        params.pop("sslpassword", None)
     user, host = params.pop("user", None), params.pop("host", None)
     port, dbname = params.pop("port", None), params.pop("dbname", None)
     query: dict[str, str] = {}
@@ -171,7 +165,7 @@ def _url(params: dict[str, str], driver: str, password: str | None) -> Any:
         if port is not None:
             query["port"] = port
     query.update(params)
-    return URL.create(
+    url = URL.create(
         f"postgresql+{driver}" if driver else "postgresql",
         username=user,
         password=password,
@@ -180,16 +174,7 @@ def _url(params: dict[str, str], driver: str, password: str | None) -> Any:
         database=dbname,
         query=query,
     )
-
-
-def sqlalchemy_url(dsn: str, driver: str = "psycopg", *, hide_password: bool = False) -> str:
-    """``dsn`` as a SQLAlchemy URL with the given driver, built from libpq's parse of it (so
-    both read the same user, password and host); ``hide_password`` renders secrets as ``***``."""
-    params = dsn_params(dsn)
-    password = params.pop("password", None)
-    if hide_password and "sslpassword" in params:
-        params["sslpassword"] = "***"
-    return _url(params, driver, password).render_as_string(hide_password=hide_password)
+    return url.render_as_string(hide_password=hide_password)
 
 
 def libpq_conninfo(dsn: str) -> str:
@@ -199,11 +184,15 @@ def libpq_conninfo(dsn: str) -> str:
     return make_conninfo(**dsn_params(dsn))
 
 
+def first_line(exc: BaseException, dsn: str) -> str:
+    """The first line of ``exc``'s message (its type when empty), password scrubbed."""
+    text = str(exc).strip()
+    return scrub(text.splitlines()[0].strip() if text else type(exc).__name__, dsn)
+
+
 def query_error(exc: BaseException, dsn: str, action: str) -> PostgresQueryError:
     """One sentence for a driver error while doing ``action`` (password scrubbed)."""
-    base = getattr(exc, "orig", None) or exc
-    lines = [line.strip() for line in str(base).strip().splitlines() if line.strip()]
-    reason = scrub(lines[0] if lines else type(base).__name__, dsn).rstrip(".")
+    reason = first_line(getattr(exc, "orig", None) or exc, dsn).rstrip(".")
     code = sqlstate_of(exc) or ""
     hint = _SQLSTATE_HINTS.get(code) or _SQLSTATE_HINTS.get(code[:2])
     hint = hint or f"see the server log for details (SQLSTATE {code or 'unknown'})"

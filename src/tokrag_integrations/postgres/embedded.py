@@ -1,12 +1,6 @@
 """The embedded PostgreSQL 16 + pgvector from ``pgserver``, for when no connection string
-is given (see docs/postgres.md for the data folder and the root-user caveat).
-
-No other local user can reach it: it listens on a Unix socket only, in a folder only the
-server's OS user may enter (0700): the data folder, or ``$TMPDIR/tokrag-pg-<uid>/<hash>``
-when that path is too long for a socket (never pgserver's world-writable fallback). tokrag
-starts the server itself (:func:`_server_class`); pgserver creates the data folder and the
-system user (as root) and stops the server when the last process using it exits.
-"""
+is given; listening only on a Unix socket in a folder private to the server's OS user (see
+docs/postgres.md: data folder, root, who can reach it, restarts)."""
 
 from __future__ import annotations
 
@@ -75,15 +69,6 @@ _PGSERVER_LOCK = threading.RLock()
 HANDLE_FILE = ".handle_pids.json"
 
 
-def _process_alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:  # NoSuchProcess, AccessDenied on a reused pid we cannot see
-        return psutil.pid_exists(pid)
-
-
 #: Longest wait for an outside ``pg_ctl stop`` / ``restart`` before a restart (pg_ctl waits 60 s).
 OUTSIDE_PG_CTL_WAIT = 90.0
 
@@ -124,31 +109,32 @@ def _outside_pg_ctl(pgdata: Path) -> list[Any]:
     return found
 
 
-def prune_stale_handles(data_dir: str | Path) -> list[int]:
-    """Drop dead processes from pgserver's handle list; returns their PIDs.
+def _process_alive(pid: int) -> bool:
+    import psutil
 
-    pgserver stops the server when the last listed process exits; a SIGKILLed one never
-    leaves the list, so without this the server would run forever.
-    """
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:  # NoSuchProcess, AccessDenied on a reused pid we cannot see
+        return psutil.pid_exists(pid)
+
+
+def _prune_stale_handles(pgdata: Path) -> None:
+    """Drop dead processes from pgserver's handle list: a SIGKILLed one never leaves it, and
+    pgserver stops the server only when the last listed process exits."""
     import json
 
-    handle_file = Path(data_dir).expanduser().resolve() / HANDLE_FILE
+    handle_file = pgdata / HANDLE_FILE
     if not handle_file.exists():
-        return []
-    PostgresServer = _import_pgserver().postgres_server.PostgresServer
-
-    with PostgresServer._lock:
+        return
+    with _import_pgserver().postgres_server.PostgresServer._lock:
         try:
             pids = json.loads(handle_file.read_text())
         except (OSError, ValueError):
-            return []
-        if not isinstance(pids, list):
-            return []
-        alive = [p for p in pids if isinstance(p, int) and _process_alive(p)]
-        dead = [p for p in pids if p not in alive]
-        if dead:
-            handle_file.write_text(json.dumps(alive))
-    return dead
+            return
+        if isinstance(pids, list):
+            alive = [p for p in pids if isinstance(p, int) and _process_alive(p)]
+            if alive != pids:
+                handle_file.write_text(json.dumps(alive))
 
 
 def _import_pgserver() -> Any:
@@ -161,7 +147,7 @@ def _import_pgserver() -> Any:
     return pgserver
 
 
-#: Longest Unix socket path: ``sun_path`` holds 108 bytes on Linux, 104 on macOS (with the NUL).
+#: Longest Unix socket path (``sun_path`` holds 108 bytes on Linux, 104 on macOS, with the NUL).
 _SOCKET_PATH_MAX = 103 if sys.platform == "darwin" else 107
 #: The socket file Postgres creates in its socket folder (the port is always the default).
 _SOCKET_NAME = ".s.PGSQL.5432"
@@ -252,9 +238,8 @@ def _log_reason(log: Path) -> str:
 
 @cache
 def _server_class() -> Any:
-    """pgserver's ``PostgresServer`` with its start (``ensure_postgres_running``) replaced:
-    pgserver's own may put the socket in a world-writable folder and passes the data folder
-    unquoted."""
+    """pgserver's ``PostgresServer`` with its own start: pgserver's may put the socket in a
+    world-writable folder and passes the data folder unquoted."""
     from pgserver._commands import POSTGRES_BIN_PATH
     from pgserver.postgres_server import PostgresServer
     from pgserver.utils import PostmasterInfo
@@ -298,9 +283,7 @@ def _server_class() -> Any:
         def _start(self, uid: int, gid: int) -> None:
             socket_folder = _socket_folder(self.pgdata, uid, gid)
             # pg_ctl runs the server through /bin/sh: -o is shell text, so the folder is quoted.
-            options = (
-                f"-h '' -k {shlex.quote(str(socket_folder))} -c unix_socket_permissions=0700"
-            )
+            options = f"-h '' -k {shlex.quote(str(socket_folder))} -c unix_socket_permissions=0700"
             command = [str(POSTGRES_BIN_PATH / "pg_ctl"), "-D", str(self.pgdata), "-w",
                        "-t", "60", "-o", options, "-l", str(self.log), "start"]  # fmt: skip
             as_user: dict[str, Any] = {}
@@ -325,11 +308,8 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def stop_on_sigterm() -> None:
-    """Make SIGTERM end the process as Ctrl-C does, so ``atexit`` stops the embedded server.
-
-    Installed only from the main thread and while SIGTERM has its default action (an
-    application's own handler is left alone); ``tokrag serve`` calls it before uvicorn runs.
-    """
+    """Make SIGTERM end the process as Ctrl-C does, so ``atexit`` stops the embedded server
+    (only from the main thread, and only while SIGTERM has its default action)."""
     import signal
 
     if threading.current_thread() is not threading.main_thread():
@@ -340,7 +320,7 @@ def stop_on_sigterm() -> None:
 
 def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
     """Start (or attach to) the embedded server, once per data folder and process; returns
-    ``(dsn, server_handle)``. pgserver stops it when the last process using it exits.
+    ``(dsn, server_handle)``.
 
     Raises:
         PostgresSetupError: ``pgserver`` is missing, the folder is unsafe (root), or the
@@ -365,7 +345,7 @@ def start_embedded(data_dir: str | Path | None = None) -> tuple[str, Any]:
                 folder.parent.mkdir(parents=True, exist_ok=True)
                 pgdata = folder.resolve()
                 pgdata.mkdir(mode=0o700, exist_ok=True)
-                prune_stale_handles(pgdata)
+                _prune_stale_handles(pgdata)
                 server_class = _server_class()
                 server = server_class._instances.get(pgdata)
                 if server is None:

@@ -1,17 +1,12 @@
 """LlamaIndex's and LangChain's views of an ingested table: their own stores, and retrievers
-over :meth:`PostgresKnowledgeBase.retrieve` (they translate types and nothing else; async
-calls go to ``aretrieve``). Classes are built on first use, so importing this module imports
-neither framework.
-
-``PGVectorStore`` (llama-index-vector-stores-postgres 0.9) formats filter keys *and values*
-into SQL text; :func:`make_llamaindex_store` returns a subclass whose ``_build_filter_clause``
-binds them as parameters (keys also checked by :func:`~.search.validate_filter_key`).
-"""
+over :meth:`PostgresKnowledgeBase.retrieve` that only translate types. Classes are built on
+first use, so importing this module imports neither framework."""
 
 from __future__ import annotations
 
 import json
 import logging
+import operator
 import re
 import threading
 from functools import cache
@@ -26,7 +21,8 @@ from .search import validate_filter_key, validate_ts_config
 
 @cache
 def _safe_store_class() -> Any:
-    """``PGVectorStore`` with bound-parameter metadata filters (see the module docstring)."""
+    """``PGVectorStore`` (llama-index-vector-stores-postgres 0.9 formats filter keys *and
+    values* into SQL text) whose ``_build_filter_clause`` binds them as parameters."""
     import sqlalchemy
     from llama_index.core.vector_stores.types import FilterOperator
     from llama_index.vector_stores.postgres import PGVectorStore
@@ -35,9 +31,8 @@ def _safe_store_class() -> Any:
         """``PGVectorStore`` whose metadata filters are bound parameters, never SQL text."""
 
         def _initialize(self) -> None:
-            # tokrag sets initialization_fail_on_error, so a setup error (e.g. no CREATE
-            # privilege) is raised and reported in one sentence; PGVectorStore would first log
-            # it as a warning with its whole SQL statement. Dropped in this thread only.
+            # A setup error is raised (initialization_fail_on_error) and reported in one
+            # sentence; PGVectorStore's warning with its whole SQL statement is dropped.
             if not self.perform_setup or self._is_initialized:
                 return super()._initialize()
             thread = threading.get_ident()
@@ -57,22 +52,18 @@ def _safe_store_class() -> Any:
             field_ = self._table_class.metadata_[key].astext  # ->> with the key bound too
             op, value = filter_.operator, filter_.value
 
-            def typed(v: Any) -> Any:
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    return sqlalchemy.cast(field_, sqlalchemy.Float), float(v)
-                return field_, str(v)
-
-            if op in (FilterOperator.EQ, FilterOperator.NE, FilterOperator.GT, FilterOperator.LT,
-                      FilterOperator.GTE, FilterOperator.LTE):  # fmt: skip
-                column, bound = typed(value)
-                return {
-                    FilterOperator.EQ: column == bound,
-                    FilterOperator.NE: column != bound,
-                    FilterOperator.GT: column > bound,
-                    FilterOperator.LT: column < bound,
-                    FilterOperator.GTE: column >= bound,
-                    FilterOperator.LTE: column <= bound,
-                }[op]
+            compare = {
+                FilterOperator.EQ: operator.eq,
+                FilterOperator.NE: operator.ne,
+                FilterOperator.GT: operator.gt,
+                FilterOperator.LT: operator.lt,
+                FilterOperator.GTE: operator.ge,
+                FilterOperator.LTE: operator.le,
+            }
+            if op in compare:
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    return compare[op](sqlalchemy.cast(field_, sqlalchemy.Float), float(value))
+                return compare[op](field_, str(value))
             if op in (FilterOperator.IN, FilterOperator.NIN):
                 values = [str(v) for v in value]
                 return field_.in_(values) if op == FilterOperator.IN else field_.not_in(values)
@@ -90,7 +81,9 @@ def _safe_store_class() -> Any:
                 values = list(value) if isinstance(value, (list, tuple)) else [value]
 
                 def holds(items: list[Any]) -> Any:  # the JSON array is a bound parameter
-                    return stored.op("@>")(sqlalchemy.cast(sqlalchemy.literal(json.dumps(items)), JSONB))
+                    return stored.op("@>")(
+                        sqlalchemy.cast(sqlalchemy.literal(json.dumps(items)), JSONB)
+                    )
 
                 if op == FilterOperator.ANY:
                     return sqlalchemy.or_(*(holds([v]) for v in values))
@@ -113,12 +106,9 @@ def make_llamaindex_store(
     hybrid_search: bool = False,
     text_search_config: str = "english",
 ) -> Any:
-    """A LlamaIndex ``PGVectorStore`` (safe-filter subclass) over ``layout``'s table.
-
-    With ``setup=True`` it creates the table, its ``ref_doc_id`` index and the HNSW index
-    (``m=16, ef_construction=64``, cosine) on first use, raising errors; ``hybrid_search``
-    adds LlamaIndex's generated ``text_search_tsv`` column and its GIN index.
-    """
+    """A LlamaIndex ``PGVectorStore`` (safe-filter subclass) over ``layout``'s table; with
+    ``setup=True`` it creates the table and its indexes (HNSW ``m=16, ef_construction=64``,
+    cosine) on first use, with ``hybrid_search`` the ``text_search_tsv`` column too."""
     require_bool(setup, "setup")
     require_bool(hybrid_search, "hybrid_search")
     validate_ts_config(text_search_config)
@@ -133,21 +123,14 @@ def make_llamaindex_store(
     hnsw = {"hnsw_ef_search": ef_search}
     if setup:
         hnsw.update(hnsw_m=16, hnsw_ef_construction=64, hnsw_dist_method="vector_cosine_ops")
-    connect_args = {"connect_timeout": connect_timeout()}
-    # The sync engine uses psycopg2: PGVectorStore runs ``SET hnsw.ef_search = :value``, which
-    # only works with client-side parameter binding (psycopg 3 binds on the server, where SET
-    # takes no parameters). The async path formats that value into the SQL itself, so it can
-    # use psycopg 3's async driver.
-    engine = create_engine(
-        sqlalchemy_url(db.dsn, "psycopg2"), connect_args=connect_args, pool_pre_ping=True
-    )
-    async_engine = create_async_engine(
-        sqlalchemy_url(db.dsn, "psycopg"), connect_args=connect_args, pool_pre_ping=True
-    )
-    start_again_before_connecting(engine, db.dsn)
-    start_again_before_connecting(async_engine, db.dsn)
-    # The engines above are what the store uses; the strings are only kept as pydantic fields
-    # (shown by repr and model_dump), so they are given with the password hidden.
+    options = {"connect_args": {"connect_timeout": connect_timeout()}, "pool_pre_ping": True}
+    # psycopg2 binds ``SET hnsw.ef_search = :value`` on the client (psycopg 3 cannot); the
+    # async path formats the value into the SQL itself.
+    engine = create_engine(sqlalchemy_url(db.dsn, "psycopg2"), **options)
+    async_engine = create_async_engine(sqlalchemy_url(db.dsn, "psycopg"), **options)
+    for each in (engine, async_engine):
+        start_again_before_connecting(each, db.dsn)
+    # The store uses the engines; the strings are only shown (repr, model_dump): no password.
     return _safe_store_class()(
         connection_string=sqlalchemy_url(db.dsn, "psycopg2", hide_password=True),
         async_connection_string=sqlalchemy_url(db.dsn, "psycopg", hide_password=True),
@@ -161,6 +144,35 @@ def make_llamaindex_store(
         initialization_fail_on_error=True,
         engine=engine,
         async_engine=async_engine,
+    )
+
+
+def make_langchain_store(db: ResolvedDatabase, layout: Any, embedder: Any) -> Any:
+    """LangChain's own ``PGVectorStore`` over ``layout``'s table (custom column names)."""
+    if layout.target == "langchain_legacy":
+        raise ValueError(
+            f"Collection {layout.collection!r} is a legacy langchain-postgres PGVector "
+            "collection; read it with langchain_postgres.PGVector(collection_name=...) or "
+            "through langchain_retriever()."
+        )
+    from langchain_postgres import PGEngine, PGVectorStore
+
+    from ..langchain.local_embeddings import LocalEmbeddings
+
+    engine = PGEngine.from_connection_string(
+        sqlalchemy_url(db.dsn),
+        connect_args={"connect_timeout": connect_timeout()},
+        pool_pre_ping=True,
+    )
+    start_again_before_connecting(engine._pool, db.dsn)
+    return PGVectorStore.create_sync(
+        engine,
+        embedding_service=LocalEmbeddings(embedder),
+        table_name=layout.table,
+        id_column=layout.id_column,
+        content_column=layout.text_column,
+        embedding_column=layout.embedding_column,
+        metadata_json_column=layout.metadata_column,
     )
 
 

@@ -1,15 +1,7 @@
-"""``tokrag ingest``: files into pgvector, idempotently, one transaction per file.
-
-Each file is read by :func:`~tokrag_integrations.retrieval.documents.read_document` (the
-loader of ``tokrag ask --docs``), cut by :func:`~tokrag_integrations.retrieval.chunk_text`,
-embedded, and written with its metadata (``source``, ``file_name``, ``chunk``,
-``content_hash``, ``chunk_hash``, ``chunker``, ``embed_model``, ``format``, ``title``). A
-file whose stored chunks carry the same hashes, chunker and model is skipped before it is
-embedded. ``PGVectorStore`` deletes and adds in two transactions, so the table is created by
-it (:func:`~.layout.ensure_table`) but each file's delete + insert runs here in one, under an
-advisory lock on (table, source), with rows written exactly as ``PGVectorStore.add`` writes
-them: a killed process leaves the previous version. See docs/postgres.md.
-"""
+"""``tokrag ingest``: files into pgvector, idempotently (a file whose stored chunks carry the
+same hashes, chunker and model is skipped before it is embedded), each file's delete + insert
+in one transaction under an advisory lock on (table, source), rows written exactly as
+``PGVectorStore.add`` writes them. See docs/postgres.md."""
 
 from __future__ import annotations
 
@@ -36,11 +28,11 @@ from ..retrieval.documents import (
     unreadable_reason,
     warn_followed_link,
 )
-from ..retrieval.embedder import Embedder, load_embedder
+from ..retrieval.embedder import load_embedder
 from ..retrieval.index import index_text
 from ..retrieval.opener import given_roots, link_leaving, max_file_bytes
-from .connection import ResolvedDatabase, pooled, resolve_dsn, shared_pool
-from .dsn import PostgresConnectionError, database_errors
+from .connection import pooled, resolve_dsn, shared_pool
+from .dsn import PostgresConnectionError, database_errors, first_line
 from .layout import DEFAULT_TABLE, TableLayout, Target, ensure_table
 from .search import validate_ts_config
 
@@ -60,8 +52,7 @@ class FileReport:
     """The file's absolute path (undecodable bytes of a file name shown as ``\\xNN``)."""
     status: Literal["added", "replaced", "unchanged", "failed", "pruned", "stale"]
     chunks: int = 0
-    """Chunks written (added/replaced), already stored (unchanged), or stored for a file
-    that no longer exists (stale, pruned)."""
+    """Chunks written, already stored (unchanged), or stored for a file now gone."""
     removed: int = 0
     """Old chunks deleted (replaced, pruned)."""
     reason: str = ""
@@ -119,11 +110,6 @@ class IngestSummary:
         """Files no longer present whose chunks are still stored (not pruned)."""
         return self._count("stale", self.gone)
 
-    @property
-    def skipped(self) -> int:
-        """Files not written: unchanged plus failed."""
-        return self.unchanged + len(self.failed)
-
     def to_text(self) -> str:
         """A human summary (several lines when files failed)."""
         lines = [
@@ -153,14 +139,11 @@ class IngestSummary:
 def discover_files(
     paths: str | Path | Iterable[str | Path], *, follow_links: bool = False
 ) -> tuple[list[Path], list[FileReport]]:
-    """Files to ingest under ``paths`` and reports for what was not read.
-
-    Folders are listed by :func:`~tokrag_integrations.retrieval.documents.list_folder`
-    (other suffixes in them ignored); a file named explicitly with an unsupported suffix, an
-    unreadable sub-folder, a link leaving its folder (unless ``follow_links``), a broken link
-    or a special file is reported as failed. A file's path is its resolved path, except for
-    a link leaving its folder: it keeps the link's path, so it is stored and pruned with the
-    folder, and :func:`parse_file` judges the link when it opens it.
+    """Files to ingest under ``paths`` and failed reports for what cannot be read (a file
+    named with an unsupported suffix, an unreadable sub-folder, a link leaving its folder
+    unless ``follow_links``, a broken link, a special file). A file's path is its resolved
+    path, except for a link leaving its folder: it keeps the link's path, so it is stored and
+    pruned with the folder, and :func:`parse_file` judges the link when it opens it.
 
     Raises:
         FileNotFoundError: A path does not exist.
@@ -185,10 +168,17 @@ def discover_files(
             real_root = path.resolve()
             # a file reached through a link leaving the folder is stored under the folder
             candidates = [
-                (p, p.resolve() if p.resolve().is_relative_to(real_root) else real_root / p.relative_to(path))
+                (
+                    p,
+                    p.resolve()
+                    if p.resolve().is_relative_to(real_root)
+                    else real_root / p.relative_to(path),
+                )
                 for p in listing.files
             ]
-            rejected += [FileReport(str(p.absolute()), "failed", reason=r) for p, r in listing.skipped]
+            rejected += [
+                FileReport(str(p.absolute()), "failed", reason=r) for p, r in listing.skipped
+            ]
             for link, target in listing.followed_links:
                 warn_followed_link(link.absolute(), target, path, stacklevel=2)
         elif path.suffix.lower() in SUPPORTED_SUFFIXES:
@@ -251,14 +241,6 @@ def parse_file(
     return doc, notes
 
 
-def _name_is_utf8(path: str | Path) -> bool:
-    try:
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:  # os.fsdecode turned undecodable bytes into lone surrogates
-        return False
-    return True
-
-
 def _is_gone(source: str, roots: Sequence[Path], follow_links: bool) -> bool | None:
     """Whether stored file ``source`` is no longer under ``roots``: it does not exist, or it
     is now a symbolic link leaving them (unless ``follow_links``). ``None`` when it cannot be
@@ -298,23 +280,19 @@ def _prepare(doc: Document, max_chars: int, overlap: int, embed_model: str) -> _
 
 
 def _stored_state(
-    conn: Any, layout: TableLayout, source: str
-) -> tuple[int, set[tuple[str, str, str]]]:
-    """How many chunks are stored for ``source`` and their distinct (hash, chunker, model)."""
+    conn: Any, layout: TableLayout, prep: _PreparedFile, model: str
+) -> tuple[int, bool]:
+    """How many chunks are stored for ``prep.source``, and whether they are exactly the
+    chunks ``prep`` would write (same count, hashes, chunker and model)."""
     m = layout.metadata_column
     rows = conn.execute(
         f"SELECT count(*), {m}->>'content_hash', {m}->>'chunker', {m}->>'embed_model' "
         f"FROM {layout.table} WHERE {layout.source_expr} = %s GROUP BY 2, 3, 4",
-        (source,),
+        (prep.source,),
     ).fetchall()
-    return sum(r[0] for r in rows), {(r[1], r[2], r[3]) for r in rows}
-
-
-def _is_unchanged(
-    state: tuple[int, set[tuple[str, str, str]]], prep: _PreparedFile, model: str
-) -> bool:
-    count, keys = state
-    return count == len(prep.chunks) and keys == {(prep.content_hash, prep.chunker, model)}
+    count = sum(r[0] for r in rows)
+    keys = {(r[1], r[2], r[3]) for r in rows}
+    return count, count == len(prep.chunks) and keys == {(prep.content_hash, prep.chunker, model)}
 
 
 def _rows(layout: TableLayout, prep: _PreparedFile, embeddings: Any) -> list[tuple[Any, ...]]:
@@ -355,11 +333,15 @@ def _rows(layout: TableLayout, prep: _PreparedFile, embeddings: Any) -> list[tup
 
 def _lock_source(conn: Any, layout: TableLayout, source: str) -> None:
     """The transaction's advisory lock on (table, source): concurrent writers of one file queue."""
-    conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"{layout.table}\x1f{source}",))
+    conn.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (f"{layout.table}\x1f{source}",)
+    )
 
 
 def _delete_source(conn: Any, layout: TableLayout, source: str) -> int:
-    return conn.execute(f"DELETE FROM {layout.table} WHERE {layout.source_expr} = %s", (source,)).rowcount
+    return conn.execute(
+        f"DELETE FROM {layout.table} WHERE {layout.source_expr} = %s", (source,)
+    ).rowcount
 
 
 def _write_file(
@@ -371,8 +353,8 @@ def _write_file(
     cast = "::uuid" if layout.target == "langchain" else ""
     with conn.transaction():
         _lock_source(conn, layout, prep.source)
-        state = _stored_state(conn, layout, prep.source)
-        if _is_unchanged(state, prep, model):
+        stored, unchanged = _stored_state(conn, layout, prep, model)
+        if unchanged:
             return "unchanged", 0
         removed = _delete_source(conn, layout, prep.source)
         rows = _rows(layout, prep, embeddings)
@@ -380,17 +362,10 @@ def _write_file(
             cur.executemany(
                 f"INSERT INTO {layout.table} ({cols}) VALUES (%s{cast}, %s, %s, %s)", rows
             )
-    return ("replaced" if state[0] else "added"), removed
+    return ("replaced" if stored else "added"), removed
 
 
 # ============================================================================ ingest
-def _rejected_by_postgres(exc: BaseException) -> bool:
-    """A write failed because of this file's content (not the connection or a bug)."""
-    import psycopg
-
-    return isinstance(exc, (psycopg.DataError, psycopg.errors.ProgramLimitExceeded))
-
-
 def _gone_files(
     conn: Any, layout: TableLayout, roots: Sequence[Path], prune: bool, follow_links: bool = False
 ) -> list[FileReport]:
@@ -420,77 +395,6 @@ def _gone_files(
                 removed = _delete_source(conn, layout, source)
             reports.append(FileReport(source, "pruned", chunks=removed, removed=removed))
     return reports
-
-
-def _ingest_file(
-    conn: Any,
-    path: Path,
-    db: ResolvedDatabase,
-    layout: TableLayout,
-    embedder: Embedder,
-    summary: IngestSummary,
-    chunking: tuple[int, int],
-    batch_size: int,
-    read_options: dict[str, Any],
-) -> FileReport:
-    """Read, chunk, embed and write one file (one transaction); its report. The embedding
-    and writing times are added to ``summary``.
-
-    Raises:
-        PostgresConnectionError: The connection was lost (files written before are kept).
-    """
-    shown = printable(path)
-    if not _name_is_utf8(path):
-        return FileReport(
-            shown,
-            "failed",
-            reason="the file name is not valid UTF-8 (Postgres stores paths as "
-            "UTF-8 text); rename the file",
-        )
-    try:
-        doc, notes = parse_file(path, **read_options)
-    except (ParseError, OSError, UnicodeError) as exc:
-        return FileReport(str(path), "failed", reason=str(exc))
-    prep = _prepare(doc, chunking[0], chunking[1], embedder.name)
-    if not prep.chunks:
-        return FileReport(str(path), "failed", reason="no text after chunking")
-    if _is_unchanged(_stored_state(conn, layout, prep.source), prep, embedder.name):
-        return FileReport(str(path), "unchanged", chunks=len(prep.chunks))
-    t0 = time.perf_counter()
-    embeddings = embedder.encode(prep.index_texts, batch_size=batch_size)
-    t1 = time.perf_counter()
-    try:
-        status, removed = _write_file(conn, layout, prep, embedder.name, embeddings)
-    except PostgresConnectionError:
-        raise
-    except Exception as exc:
-        import psycopg
-
-        if isinstance(exc, psycopg.OperationalError) and conn.closed:
-            raise PostgresConnectionError(
-                f"Lost the connection to {db.masked} while writing {shown}; files "
-                "written before it are committed, this one is unchanged. Re-run to "
-                "continue."
-            ) from None
-        if not _rejected_by_postgres(exc):
-            raise
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return FileReport(
-            str(path),
-            "failed",
-            reason=f"Postgres rejected its content ({first}); its stored chunks, "
-            "if any, are unchanged",
-        )
-    finally:
-        summary.embed_seconds += t1 - t0
-        summary.write_seconds += time.perf_counter() - t1
-    return FileReport(
-        str(path),
-        status,  # type: ignore[arg-type]
-        chunks=len(prep.chunks),
-        removed=removed,
-        reason="; ".join(notes),
-    )
 
 
 def ingest(
@@ -555,7 +459,6 @@ def ingest(
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     max_file_bytes(max_file_mb)  # a bad cap fails before anything is opened
     files, rejected = discover_files(path_list, follow_links=follow_links)
-    read_options = {"roots": given_roots(path_list), "follow_links": follow_links, "max_file_mb": max_file_mb}
     roots = [p.resolve() for p in path_list if unreadable_reason(p) is None and p.is_dir()]
     db = resolve_dsn(dsn, data_dir=data_dir)
     with database_errors(db.dsn, "open a connection pool"):
@@ -564,9 +467,60 @@ def ingest(
     note = ensure_table(
         db, layout, embedder, text_search_config=text_search_config, upgrade=upgrade
     )
-    summary = IngestSummary(table=layout.table, target=layout.target, database=db.masked)
-    if note:
-        summary.notes.append(note)
+    summary = IngestSummary(layout.table, layout.target, db.masked, notes=[note] if note else [])
+    read_options = {
+        "roots": given_roots(path_list),
+        "follow_links": follow_links,
+        "max_file_mb": max_file_mb,
+    }
+
+    def ingest_file(conn: Any, path: Path) -> FileReport:
+        """Read, chunk, embed and write one file (one transaction)."""
+        try:
+            str(path).encode("utf-8")
+        except UnicodeEncodeError:  # os.fsdecode turned undecodable bytes into lone surrogates
+            return FileReport(
+                printable(path),
+                "failed",
+                reason="the file name is not valid UTF-8 (Postgres stores paths as UTF-8 text); "
+                "rename the file",
+            )
+        try:
+            doc, notes = parse_file(path, **read_options)
+        except (ParseError, OSError, UnicodeError) as exc:
+            return FileReport(str(path), "failed", reason=str(exc))
+        prep = _prepare(doc, max_chars, overlap, embedder.name)
+        if not prep.chunks:
+            return FileReport(str(path), "failed", reason="no text after chunking")
+        if _stored_state(conn, layout, prep, embedder.name)[1]:
+            return FileReport(str(path), "unchanged", chunks=len(prep.chunks))
+        t0 = time.perf_counter()
+        embeddings = embedder.encode(prep.index_texts, batch_size=batch_size)
+        t1 = time.perf_counter()
+        import psycopg
+
+        try:
+            status, removed = _write_file(conn, layout, prep, embedder.name, embeddings)
+        except psycopg.Error as exc:
+            if isinstance(exc, psycopg.OperationalError) and conn.closed:
+                raise PostgresConnectionError(
+                    f"Lost the connection to {db.masked} while writing {printable(path)}; files "
+                    "written before it are committed, this one is unchanged. Re-run to continue."
+                ) from None
+            if not isinstance(exc, (psycopg.DataError, psycopg.errors.ProgramLimitExceeded)):
+                raise
+            return FileReport(  # this file's content, not the connection or a bug
+                str(path),
+                "failed",
+                reason=f"Postgres rejected its content ({first_line(exc, db.dsn)}); its stored "
+                "chunks, if any, are unchanged",
+            )
+        finally:
+            summary.embed_seconds += t1 - t0
+            summary.write_seconds += time.perf_counter() - t1
+        return FileReport(
+            str(path), status, chunks=len(prep.chunks), removed=removed, reason="; ".join(notes)
+        )
 
     def report(item: FileReport) -> None:
         summary.files.append(item)
@@ -579,21 +533,12 @@ def ingest(
     from tqdm.auto import tqdm
 
     bar = tqdm(files, unit="file", desc="ingest", disable=not progress, leave=False)
-    with (
-        database_errors(db.dsn, f"ingest into {layout.table}"),
-        pooled(db.dsn) as conn,
-    ):
+    with database_errors(db.dsn, f"ingest into {layout.table}"), pooled(db.dsn) as conn:
         for path in bar:
-            shown = printable(path)
-            bar.set_postfix_str(shown[-30:])  # drawn now: a big file takes a while
+            bar.set_postfix_str(printable(path)[-30:])  # drawn now: a big file takes a while
             if on_start is not None:
                 on_start(path)
-            report(
-                _ingest_file(
-                    conn, path, db, layout, embedder, summary, (max_chars, overlap),
-                    batch_size, read_options,
-                )
-            )
+            report(ingest_file(conn, path))
         bar.close()
         summary.gone = _gone_files(conn, layout, roots, prune, follow_links)
     summary.seconds = time.perf_counter() - start

@@ -1,10 +1,6 @@
-"""The tables tokrag writes and reads: their layouts, the check that a table of that name is
-one, its full-text column, and creating it (:func:`ensure_table`).
-
-Written and read: LlamaIndex's ``PGVectorStore`` schema (``data_<name>``, also as made by
-``PGVectorStore(hybrid_search=True)``) and ``langchain-postgres``' ``PGEngine`` default
-columns. Read only: a collection of the older langchain-postgres ``PGVector``.
-"""
+"""The tables tokrag writes and reads (LlamaIndex's ``PGVectorStore`` schema and
+langchain-postgres' ``PGEngine`` default columns; read only, the older ``PGVector``
+collections), their full-text column, and creating them (:func:`ensure_table`)."""
 
 from __future__ import annotations
 
@@ -13,8 +9,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from ..retrieval.embedder import Embedder
-from .connection import ResolvedDatabase, connect, connect_timeout, pooled
-from .dsn import PostgresQueryError, database_errors, sqlalchemy_url
+from .connection import ResolvedDatabase, pooled
+from .dsn import PostgresQueryError, database_errors
 from .search import ts_config_exists
 
 #: Table name used when none is given (LlamaIndex stores it as ``data_<name>``).
@@ -63,9 +59,9 @@ class TableLayout:
     id_column: str
     text_column: str
     metadata_column: str
+    key_column: str
+    """The primary key (joins in hybrid search)."""
     embedding_column: str = "embedding"
-    key_column: str = ""
-    """The primary key (joins in hybrid search); the id column when empty."""
     tsv_column: str | None = None
     """The full-text column, when the table has one (see :func:`text_search_column`)."""
     ts_config: str | None = None
@@ -75,16 +71,12 @@ class TableLayout:
     collection: str | None = None
     """The collection's name, for ``langchain_legacy``."""
 
-    def __post_init__(self) -> None:
-        if not self.key_column:
-            object.__setattr__(self, "key_column", self.id_column)
-
     @classmethod
     def for_target(cls, name: str, target: Target = "llamaindex") -> TableLayout:
         """The layout for logical table ``name`` (validated, lower-cased)."""
         name = validate_table_name(name)
         if target == "llamaindex":
-            return cls("llamaindex", f"data_{name}", "node_id", "text", "metadata_", key_column="id")
+            return cls("llamaindex", f"data_{name}", "node_id", "text", "metadata_", "id")
         if target == "langchain":
             if is_reserved_word(name):  # the physical name: SQL here and in LangChain's code
                 raise ValueError(
@@ -92,7 +84,9 @@ class TableLayout:
                     f"in PostgreSQL; choose another name (e.g. '{name}_docs'), or use the "
                     f"llamaindex target (stored as data_{name})."
                 )
-            return cls("langchain", name, "langchain_id", "content", "langchain_metadata")
+            return cls(
+                "langchain", name, "langchain_id", "content", "langchain_metadata", "langchain_id"
+            )
         raise ValueError(f"Unknown target {target!r}; use 'llamaindex' or 'langchain'.")
 
     @property
@@ -100,6 +94,11 @@ class TableLayout:
         """SQL for a row's source path (indexed: LlamaIndex's ``ref_doc_id`` index, or ours)."""
         key = "ref_doc_id" if self.target == "llamaindex" else "source"
         return f"({self.metadata_column}->>'{key}')"
+
+    @property
+    def lock_key(self) -> str:
+        """Key of the advisory lock held while the table is created or altered."""
+        return f"tokrag:create:{self.table}"
 
     @property
     def where_sql(self) -> Any:
@@ -140,26 +139,73 @@ def check_layout(conn: Any, layout: TableLayout, where: str) -> bool:
     return True
 
 
-# ============================================================================ full text
-def text_search_column(conn: Any, layout: TableLayout) -> tuple[str | None, str | None]:
-    """``(column, configuration)`` of the table's ``tsvector`` column :data:`TSV_COLUMN`, or
-    ``(None, None)``; the configuration is read from its generation expression."""
+def _column_type(conn: Any, table: str, column: str) -> tuple[str, str | None]:
+    """``(type, generation expression)`` of a column of ``table``; ``("", None)`` if none."""
     row = conn.execute(
         "SELECT format_type(a.atttypid, a.atttypmod), pg_get_expr(d.adbin, d.adrelid) "
         "FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum "
         "WHERE a.attrelid = to_regclass(%s) AND a.attname = %s AND NOT a.attisdropped",
-        (layout.table, TSV_COLUMN),
+        (table, column),
     ).fetchone()
-    if not row or row[0] != "tsvector":
+    return (str(row[0]), row[1]) if row else ("", None)
+
+
+def check_embedder(conn: Any, layout: TableLayout, embedder: Embedder) -> None:
+    """Refuse ``embedder`` for a table holding embeddings of another size or chunks embedded
+    by another model (mixing models would make every similarity meaningless).
+
+    Raises:
+        ValueError: Naming both sizes or models and the fix.
+    """
+    from psycopg import sql
+
+    names = dict(
+        meta=sql.Identifier(layout.metadata_column),
+        emb=sql.Identifier(layout.embedding_column),
+        table=sql.Identifier(layout.table),
+        where=layout.where_sql,
+    )
+    kind = _column_type(conn, layout.table, layout.embedding_column)[0]
+    digits = "".join(ch for ch in kind if ch.isdigit())
+    if digits:
+        dim = int(digits)
+    else:  # an untyped vector column (legacy PGVector): the stored embeddings say
+        query = sql.SQL("SELECT vector_dims({emb}) FROM {table} WHERE {where} LIMIT 1")
+        row = conn.execute(query.format(**names)).fetchone()
+        dim = row[0] if row else embedder.dim
+    if dim != embedder.dim:
+        raise ValueError(
+            f"Table {layout.table} stores {dim}-dimensional embeddings but {embedder.name} "
+            f"makes {embedder.dim}-dimensional ones. Use the model the table was built with "
+            "(--embed-model), or another --table."
+        )
+    query = sql.SQL(
+        "SELECT {meta}->>'embed_model' FROM {table} WHERE {where} "
+        "AND {meta}->>'embed_model' <> %s LIMIT 1"
+    )
+    other = conn.execute(query.format(**names), (embedder.name,)).fetchone()
+    if other:
+        raise ValueError(
+            f"Table {layout.table} holds chunks embedded with {other[0]!r}, not "
+            f"{embedder.name!r}; pass the same --embed-model as at ingest, or use another --table."
+        )
+
+
+# ============================================================================ full text
+def text_search_column(conn: Any, layout: TableLayout) -> tuple[str | None, str | None]:
+    """``(column, configuration)`` of the table's ``tsvector`` column :data:`TSV_COLUMN`, or
+    ``(None, None)``; the configuration is read from its generation expression."""
+    kind, expression = _column_type(conn, layout.table, TSV_COLUMN)
+    if kind != "tsvector":
         return None, None
-    match = _TS_EXPR.search(row[1] or "")
+    match = _TS_EXPR.search(expression or "")
     return TSV_COLUMN, match.group(1) if match else None
 
 
 def add_text_search(conn: Any, layout: TableLayout, config: str, *, lock: bool = True) -> None:
-    """Add the generated full-text column (``to_tsvector(config, text)``, stored) and its GIN
-    index to ``layout``'s table, in one transaction (rewrites the table); nothing when it has
-    one. ``lock=False`` when the caller holds the table's creation lock already.
+    """Add the generated full-text column (``to_tsvector(config, text)``) and its GIN index
+    to ``layout``'s table, in one transaction; nothing when it has one. ``lock=False`` when
+    the caller holds the table's creation lock already.
 
     Raises:
         ValueError: The server has no text search configuration ``config``.
@@ -170,8 +216,7 @@ def add_text_search(conn: Any, layout: TableLayout, config: str, *, lock: bool =
     with conn.transaction():
         if lock:
             conn.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                (f"tokrag:create:{layout.table}",),
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", (layout.lock_key,)
             )
         if text_search_column(conn, layout)[0]:
             return
@@ -206,9 +251,11 @@ def legacy_collection(conn: Any, name: str) -> TableLayout | None:
         return None
     if not needed <= embeddings:
         return None
-    row = conn.execute("SELECT uuid::text FROM langchain_pg_collection WHERE name = %s", (name,)).fetchone()
+    row = conn.execute(
+        "SELECT uuid::text FROM langchain_pg_collection WHERE name = %s", (name,)
+    ).fetchone()
     return row and TableLayout(
-        "langchain_legacy", "langchain_pg_embedding", "id", "document", "cmetadata",
+        "langchain_legacy", "langchain_pg_embedding", "id", "document", "cmetadata", "id",
         collection_id=row[0], collection=name,
     )  # fmt: skip
 
@@ -252,18 +299,6 @@ def detect_layout(
 
 
 # ============================================================================ creation
-def _vector_dim(conn: Any, layout: TableLayout) -> int | None:
-    row = conn.execute(
-        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
-        "WHERE attrelid = to_regclass(%s) AND attname = %s AND NOT attisdropped",
-        (layout.table, layout.embedding_column),
-    ).fetchone()
-    if not row:
-        return None
-    digits = "".join(ch for ch in str(row[0]) if ch.isdigit())
-    return int(digits) if digits else None
-
-
 def ensure_table(
     db: ResolvedDatabase,
     layout: TableLayout,
@@ -272,73 +307,50 @@ def ensure_table(
     text_search_config: str = "english",
     upgrade: bool = False,
 ) -> str:
-    """Create the table (HNSW index, full-text column and GIN index) if missing, or check
-    that an existing one fits; returns a note for the summary (``""`` when none). A table
-    without the full-text column gets it when ``upgrade``, else the note says how.
-
-    Creation runs under an advisory lock on the table name, so concurrent first ingests
-    create it once (``CREATE TABLE IF NOT EXISTS`` races on ``pg_class_relname_nsp_index``).
+    """Create the table (HNSW index, full-text column and GIN index) if missing, under an
+    advisory lock on its name so concurrent first ingests create it once, or check that an
+    existing one fits; returns a note for the summary (``""`` when none). A table without
+    the full-text column gets it when ``upgrade``, else the note says how.
 
     Raises:
-        ValueError: The table exists with another embedding size or holds chunks embedded by
-            a different model (mixing models would make every similarity meaningless).
+        ValueError: The table does not fit ``embedder`` (:func:`check_embedder`).
         PostgresQueryError: A table of that name exists but is not a tokrag table, or the
             database user may not create or read it.
     """
-    note = ""
-    with database_errors(db.dsn, f"prepare table {layout.table}"):
-        with pooled(db.dsn) as conn:
-            ts_config_exists(conn, text_search_config)
-            conn.execute(
-                "SELECT pg_advisory_lock(hashtextextended(%s, 0))", (f"tokrag:create:{layout.table}",)
+    with database_errors(db.dsn, f"prepare table {layout.table}"), pooled(db.dsn) as conn:
+        ts_config_exists(conn, text_search_config)
+        conn.execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (layout.lock_key,))
+        try:
+            if not check_layout(conn, layout, db.masked):
+                _create_table(db, conn, layout, embedder.dim, text_search_config)
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (layout.lock_key,))
+        check_embedder(conn, layout, embedder)
+        if text_search_column(conn, layout)[0] is not None:
+            return ""
+        if not upgrade:
+            return (
+                f"table {layout.table} has no full-text column (it was made before tokrag "
+                "added one), so search='text' and 'hybrid' cannot use it; re-run with "
+                "--upgrade (upgrade=True) to add it (rewrites the table once)"
             )
-            try:
-                if not check_layout(conn, layout, db.masked):
-                    _create_table(db, layout, embedder.dim, text_search_config)
-                dim = _vector_dim(conn, layout)
-            finally:
-                conn.execute(
-                    "SELECT pg_advisory_unlock(hashtextextended(%s, 0))",
-                    (f"tokrag:create:{layout.table}",),
-                )
-            if dim != embedder.dim:
-                raise ValueError(
-                    f"Table {layout.table} stores {dim}-dimensional embeddings but "
-                    f"{embedder.name} makes {embedder.dim}-dimensional ones. Use the model the "
-                    "table was built with (--embed-model), or another --table."
-                )
-            models = conn.execute(
-                f"SELECT DISTINCT {layout.metadata_column}->>'embed_model' FROM {layout.table}"
-            ).fetchall()
-            others = {r[0] for r in models if r[0] is not None} - {embedder.name}
-            if not others and dim == embedder.dim and text_search_column(conn, layout)[0] is None:
-                if upgrade:
-                    add_text_search(conn, layout, text_search_config)
-                    note = (
-                        f"added the full-text column ({text_search_config}) and its GIN index "
-                        f"to {layout.table}: text and hybrid search work now"
-                    )
-                else:
-                    note = (
-                        f"table {layout.table} has no full-text column (it was made before "
-                        "tokrag added one), so search='text' and 'hybrid' cannot use it; re-run "
-                        "with --upgrade (upgrade=True) to add it (rewrites the table once)"
-                    )
-    if others:
-        raise ValueError(
-            f"Table {layout.table} holds chunks embedded with {sorted(others)}, not "
-            f"{embedder.name}; pass the same --embed-model, or use another --table."
-        )
-    return note
+        add_text_search(conn, layout, text_search_config)
+    return (
+        f"added the full-text column ({text_search_config}) and its GIN index to "
+        f"{layout.table}: text and hybrid search work now"
+    )
 
 
 def _create_table(
-    db: ResolvedDatabase, layout: TableLayout, dim: int, ts_config: str = "english"
+    db: ResolvedDatabase, conn: Any, layout: TableLayout, dim: int, ts_config: str
 ) -> None:
+    """Create ``layout``'s table: LlamaIndex's by its ``PGVectorStore`` (with its own
+    full-text column and GIN index); LangChain's with ``PGEngine.init_vectorstore_table``'s
+    columns, its HNSW and source indexes and the full-text column, in one transaction, so a
+    failure leaves nothing behind."""
     if layout.target == "llamaindex":
         from .frameworks import close_llamaindex_store, make_llamaindex_store
 
-        # hybrid_search=True: LlamaIndex's own generated text_search_tsv column and GIN index
         store = make_llamaindex_store(
             db, layout, dim, setup=True, hybrid_search=True, text_search_config=ts_config
         )
@@ -346,37 +358,16 @@ def _create_table(
             store.add([])  # the public way to run PGVectorStore's table/index setup
         finally:
             close_llamaindex_store(store)
-    else:
-        _create_langchain_table(db, layout, dim, ts_config)
-
-
-def _create_langchain_table(
-    db: ResolvedDatabase, layout: TableLayout, dim: int, ts_config: str = "english"
-) -> None:
-    from langchain_postgres import PGEngine
-    from psycopg import sql
-
-    engine = PGEngine.from_connection_string(
-        sqlalchemy_url(db.dsn), connect_args={"connect_timeout": connect_timeout()}
-    )
-    try:
-        engine.init_vectorstore_table(layout.table, dim)
-    finally:
-        engine._run_as_sync(engine._pool.dispose())
-    # The table was just created (under ensure_table's lock): without its indexes it is
-    # dropped again, so a failure leaves nothing half-made behind.
-    with connect(db.dsn, autocommit=True) as conn:
-        try:
-            with conn.transaction():
-                conn.execute(
-                    f"CREATE INDEX IF NOT EXISTS {layout.table}_hnsw_idx ON {layout.table} USING "
-                    f"hnsw ({layout.embedding_column} vector_cosine_ops) WITH (m = 16, ef_construction = 64)"
-                )
-                conn.execute(
-                    f"CREATE INDEX IF NOT EXISTS {layout.table}_source_idx ON {layout.table} "
-                    f"({layout.source_expr})"
-                )
-            add_text_search(conn, layout, ts_config, lock=False)  # ensure_table holds it
-        except Exception:
-            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(layout.table)))
-            raise
+        return
+    t, embedding = layout.table, layout.embedding_column
+    with conn.transaction():
+        conn.execute(
+            f"CREATE TABLE {t} ({layout.id_column} uuid PRIMARY KEY, {layout.text_column} text "
+            f"NOT NULL, {embedding} vector({dim}) NOT NULL, {layout.metadata_column} json)"
+        )
+        conn.execute(
+            f"CREATE INDEX IF NOT EXISTS {t}_hnsw_idx ON {t} USING hnsw "
+            f"({embedding} vector_cosine_ops) WITH (m = 16, ef_construction = 64)"
+        )
+        conn.execute(f"CREATE INDEX IF NOT EXISTS {t}_source_idx ON {t} ({layout.source_expr})")
+        add_text_search(conn, layout, ts_config, lock=False)  # ensure_table holds the lock

@@ -1,18 +1,13 @@
 """The SQL behind :meth:`PostgresKnowledgeBase.retrieve`: vector, full-text and hybrid
-search with metadata filters (the modes, operators and scores: docs/postgres.md).
-
-Every statement is built with :mod:`psycopg.sql`: names are validated
-:class:`~psycopg.sql.Identifier` objects and every value (the query, its embedding, filter
-keys and values, the text search configuration, ``k`` and the weights) a bound parameter.
-Inputs no query can carry (a NUL character, a lone surrogate, a NaN or out-of-``bigint``
-number) are refused with a :class:`SearchInputError` before any SQL runs.
-"""
+search with metadata filters (modes, operators and scores: docs/postgres.md), built with
+:mod:`psycopg.sql`: names are :class:`~psycopg.sql.Identifier` objects, every value a bound
+parameter. Inputs no query can carry are refused with a :class:`SearchInputError` first."""
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,9 +26,8 @@ BIGINT_MIN, BIGINT_MAX = -(2**63), 2**63 - 1
 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 _TS_CONFIG_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-# CLI operators, longest first so ">=" is not read as ">" then "=value".
-_CLI_OPS = (("!=", "$ne"), (">=", "$gte"), ("<=", "$lte"), ("~=", "$contains"),
-            ("=", "$eq"), (">", "$gt"), ("<", "$lt"))  # fmt: skip
+_CLI_OPS = {"!=": "$ne", ">=": "$gte", "<=": "$lte", "~=": "$contains", "=": "$eq", ">": "$gt",
+            "<": "$lt"}  # fmt: skip
 
 
 class SearchInputError(ValueError):
@@ -71,8 +65,7 @@ def ts_config_exists(conn: Any, config: str) -> None:
         return
     names = [r[0] for r in conn.execute("SELECT cfgname FROM pg_ts_config ORDER BY 1")]
     raise ValueError(
-        f"The server has no text search configuration {config!r}; use one of: "
-        f"{', '.join(names)}."
+        f"The server has no text search configuration {config!r}; use one of: {', '.join(names)}."
     )
 
 
@@ -82,15 +75,17 @@ def check_text(value: str, field: str, name: str) -> str:
     at = value.find("\x00")
     if at >= 0:
         raise SearchInputError(
-            field, f"{name[0].upper()}{name[1:]} holds a NUL character (position {at}), which "
-            "PostgreSQL text cannot hold; remove it."
+            field,
+            f"{name[0].upper()}{name[1:]} holds a NUL character (position {at}), which "
+            "PostgreSQL text cannot hold; remove it.",
         )
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise SearchInputError(
-            field, f"{name[0].upper()}{name[1:]} holds a lone surrogate (position {exc.start}), "
-            "which is not Unicode text; send the text as valid UTF-8."
+            field,
+            f"{name[0].upper()}{name[1:]} holds a lone surrogate (position {exc.start}), "
+            "which is not Unicode text; send the text as valid UTF-8.",
         ) from None
     return value
 
@@ -130,13 +125,15 @@ def _check_value(key: str, op: str, value: Any) -> Any:
         return check_text(value, f"filters.{key}", f"filter {key!r} {op}: the value")
     if isinstance(value, float) and not math.isfinite(value):
         raise SearchInputError(
-            f"filters.{key}", f"Filter {key!r} {op}: {'NaN' if value != value else 'infinity'} is not a "
-            "value to compare with; give a finite number."
+            f"filters.{key}",
+            f"Filter {key!r} {op}: {'NaN' if value != value else 'infinity'} is not a "
+            "value to compare with; give a finite number.",
         )
     if isinstance(value, int) and not BIGINT_MIN <= value <= BIGINT_MAX:
         raise SearchInputError(
-            f"filters.{key}", f"Filter {key!r} {op}: the number is outside PostgreSQL's bigint "
-            f"range ({BIGINT_MIN}..{BIGINT_MAX})."
+            f"filters.{key}",
+            f"Filter {key!r} {op}: the number is outside PostgreSQL's bigint "
+            f"range ({BIGINT_MIN}..{BIGINT_MAX}).",
         )
     return value
 
@@ -156,22 +153,17 @@ def _condition(key: str, op: str, value: Any) -> Condition:
                 f"Filter {key!r} {op}: mix of strings and numbers; give all values as strings "
                 "or all as numbers."
             )
-        return Condition(key, op, sorted(values, key=str) if isinstance(value, (set, frozenset)) else values)
+        return Condition(
+            key, op, sorted(values, key=str) if isinstance(value, (set, frozenset)) else values
+        )
     return Condition(key, op, _check_value(key, op, value))
 
 
-def parse_filter_args(args: Iterable[str]) -> dict[str, list[str]]:
-    """``["file_name=a.md", "file_name=b.md", "format=md"]`` -> ``{key: [values]}`` (a
-    repeated key: any of the values; different keys must all match)."""
-    out: dict[str, list[str]] = {}
-    for arg in args:
-        key, sep, value = str(arg).partition("=")
-        if not sep:
-            raise ValueError(
-                f"--filter {arg!r} is not key=value (e.g. --filter file_name=guide.md)."
-            )
-        out.setdefault(validate_filter_key(key.strip()), []).append(value)
-    return out
+def _any_of(key: str, values: Any) -> Condition:
+    """``$eq`` for one value, ``$in`` for several."""
+    if len(values) == 1:
+        return _condition(key, "$eq", next(iter(values)))
+    return _condition(key, "$in", values)
 
 
 def _cli_value(text: str) -> str | float:
@@ -180,7 +172,7 @@ def _cli_value(text: str) -> str | float:
         number = float(text)
     except ValueError:
         return text
-    return text if number != number or number in (float("inf"), float("-inf")) else number
+    return number if math.isfinite(number) else text
 
 
 def _parse_cli(args: Sequence[str]) -> list[Condition]:
@@ -188,6 +180,7 @@ def _parse_cli(args: Sequence[str]) -> list[Condition]:
     out: list[Condition] = []
     for arg in args:
         text = str(arg)
+        # operators longest first, so ">=" is not read as ">" then "=value"
         match = re.match(r"^\s*([^=!<>~]*?)\s*(!=|>=|<=|~=|=|>|<)(.*)$", text, flags=re.DOTALL)
         if not match:
             raise ValueError(
@@ -196,15 +189,14 @@ def _parse_cli(args: Sequence[str]) -> list[Condition]:
             )
         key, symbol, value = match.groups()
         key = validate_filter_key(key)
-        op = dict(_CLI_OPS)[symbol]
+        op = _CLI_OPS[symbol]
         if op == "$eq":
             equal.setdefault(key, []).append(value)  # repeated key: any of these values
         elif op in ("$gt", "$gte", "$lt", "$lte"):
             out.append(_condition(key, op, _cli_value(value)))
         else:
             out.append(_condition(key, op, value))
-    eq = [_condition(k, "$eq", v[0]) if len(v) == 1 else _condition(k, "$in", v) for k, v in equal.items()]
-    return eq + out
+    return [_any_of(k, v) for k, v in equal.items()] + out
 
 
 def to_conditions(filters: Any) -> list[Condition]:
@@ -236,10 +228,7 @@ def to_conditions(filters: Any) -> list[Condition]:
         elif isinstance(spec, (list, tuple, set, frozenset)):
             if not spec:
                 raise ValueError(f"Filter {key!r} has no values.")
-            values = list(spec)
-            out.append(
-                _condition(key, "$eq", values[0]) if len(values) == 1 else _condition(key, "$in", spec)
-            )
+            out.append(_any_of(key, spec))
         else:
             out.append(_condition(key, "$eq", spec))
     return out
@@ -312,61 +301,50 @@ def search_statement(
     one identifier are told apart."""
     from psycopg import sql
 
-    params: dict[str, Any] = {"top_k": top_k}
-    table = sql.Identifier(layout.table)
-    key = sql.Identifier(layout.key_column)
-    node_id = sql.Identifier(layout.id_column)
-    text = sql.Identifier(layout.text_column)
+    params: dict[str, Any] = dict(
+        top_k=top_k, candidates=candidates, rrf_k=float(rrf_k), vw=float(vector_weight),
+        tw=float(text_weight), embedding=embedding, query=query, ts_config=ts_config,
+    )  # fmt: skip
     meta = sql.Identifier(layout.metadata_column)
-    emb = sql.Identifier(layout.embedding_column)
-    where = compile_conditions(conditions, meta, params)
-    if layout.collection_id is not None:  # a legacy langchain-postgres collection
-        params["collection"] = layout.collection_id
-        where = sql.SQL("collection_id = %(collection)s::uuid AND {}").format(where)
-    fields = dict(table=table, key=key, node_id=node_id, text=text, meta=meta, emb=emb, where=where)
-    if search in ("vector", "hybrid"):
-        params["embedding"] = embedding
-    if search in ("text", "hybrid"):
-        fields["tsv"] = sql.Identifier(layout.tsv_column)
-        params["ts_config"] = ts_config
-        params["query"] = query
+    conditions_sql = compile_conditions(conditions, meta, params)
     # Every word of the question (plainto_tsquery ANDs them) and any of them (OR), written
-    # out where used rather than as a CTE: a CTE read twice is materialised, and a join to
-    # it hides the query from the GIN index (measured: a sequential scan of 100k rows).
-    every_word = "plainto_tsquery(%(ts_config)s::regconfig, %(query)s)"
-    any_word = (
-        "replace(plainto_tsquery(%(ts_config)s::regconfig, %(query)s)::text, ' & ', ' | ')::tsquery"
+    # out where used: a CTE read twice is materialised and hides the query from the GIN index.
+    every = "plainto_tsquery(%(ts_config)s::regconfig, %(query)s)"
+    fields = dict(
+        table=sql.Identifier(layout.table),
+        key=sql.Identifier(layout.key_column),
+        node_id=sql.Identifier(layout.id_column),
+        text=sql.Identifier(layout.text_column),
+        meta=meta,
+        emb=sql.Identifier(layout.embedding_column),
+        tsv=sql.Identifier(layout.tsv_column) if layout.tsv_column else sql.SQL("NULL"),
+        where=sql.SQL("{} AND {}").format(layout.where_sql, conditions_sql),
+        every=sql.SQL(every),
+        any=sql.SQL(f"replace({every}::text, ' & ', ' | ')::tsquery"),
     )
     if search == "vector":
-        statement = sql.SQL(
+        statement = (
             "SELECT {node_id}::text, {text}, {meta}, 1 - ({emb} <=> %(embedding)s) AS score "
             "FROM {table} WHERE {where} ORDER BY {emb} <=> %(embedding)s LIMIT %(top_k)s"
-        ).format(**fields)
+        )
     elif search == "text":
-        statement = sql.SQL(
+        statement = (
             "SELECT node_id_, text_, meta_, score FROM ("
-            "  SELECT {key} AS key_, {node_id}::text AS node_id_, {text} AS text_, {meta} AS meta_, "
-            "  ({tsv} @@ " + every_word + ")::int"
-            "    + ts_rank({tsv}, " + any_word + ") / (1 + ts_rank({tsv}, " + any_word + ")) AS score"
-            "  FROM {table} WHERE {tsv} @@ " + any_word + " AND {where}) AS s "
+            "  SELECT {key} AS key_, {node_id}::text AS node_id_, {text} AS text_, {meta} AS meta_,"
+            "  ({tsv} @@ {every})::int + ts_rank({tsv}, {any}) / (1 + ts_rank({tsv}, {any})) AS score"
+            "  FROM {table} WHERE {tsv} @@ {any} AND {where}) AS s "
             "ORDER BY score DESC, key_ LIMIT %(top_k)s"
-        ).format(**fields)
+        )
     else:
-        params.update(
-            candidates=candidates, rrf_k=float(rrf_k), vw=float(vector_weight), tw=float(text_weight)
-        )
-        ranked = (
-            "SELECT {key} AS id, ts_rank({tsv}, " + any_word + ") AS rank FROM {table} "
-            "WHERE {tsv} @@ TSQUERY AND {where}"
-        )
-        statement = sql.SQL(
+        statement = (
             "WITH v AS (SELECT id, row_number() OVER (ORDER BY d, id) AS r FROM ("
             "  SELECT {key} AS id, {emb} <=> %(embedding)s AS d FROM {table} WHERE {where}"
             "  ORDER BY {emb} <=> %(embedding)s LIMIT %(candidates)s) AS s), "
-            # the text ranking votes for the chunks holding every word when there are any
-            "t_all AS (" + ranked.replace("TSQUERY", every_word) + " ORDER BY rank DESC LIMIT %(candidates)s), "
-            "t_any AS (" + ranked.replace("TSQUERY", any_word) + " AND NOT EXISTS (SELECT 1 FROM {table} "
-            "  WHERE {tsv} @@ " + every_word + " AND {where}) ORDER BY rank DESC LIMIT %(candidates)s), "
+            "t_all AS (SELECT {key} AS id, ts_rank({tsv}, {any}) AS rank FROM {table} "
+            "  WHERE {tsv} @@ {every} AND {where} ORDER BY rank DESC LIMIT %(candidates)s), "
+            "t_any AS (SELECT {key} AS id, ts_rank({tsv}, {any}) AS rank FROM {table} "
+            "  WHERE {tsv} @@ {any} AND {where} AND NOT EXISTS (SELECT 1 FROM {table} "
+            "  WHERE {tsv} @@ {every} AND {where}) ORDER BY rank DESC LIMIT %(candidates)s), "
             "t AS (SELECT id, row_number() OVER (ORDER BY rank DESC, id) AS r FROM ("
             "  SELECT * FROM t_all UNION ALL SELECT * FROM t_any) AS u), "
             "f AS (SELECT coalesce(v.id, t.id) AS id, "
@@ -374,8 +352,8 @@ def search_statement(
             "  FROM v FULL OUTER JOIN t ON v.id = t.id) "
             "SELECT x.{node_id}::text, x.{text}, x.{meta}, f.score FROM f JOIN {table} AS x "
             "ON x.{key} = f.id ORDER BY f.score DESC, f.id LIMIT %(top_k)s"
-        ).format(**fields)
-    return statement, params
+        )
+    return sql.SQL(statement).format(**fields), params
 
 
 def check_top_k(top_k: Any, name: str = "top_k") -> None:
@@ -389,11 +367,17 @@ def check_top_k(top_k: Any, name: str = "top_k") -> None:
 
 
 def check_fusion(rrf_k: Any, vector_weight: Any, text_weight: Any) -> tuple[float, float, float]:
-    for name, value in (("rrf_k", rrf_k), ("vector_weight", vector_weight), ("text_weight", text_weight)):
+    for name, value in (
+        ("rrf_k", rrf_k),
+        ("vector_weight", vector_weight),
+        ("text_weight", text_weight),
+    ):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value == value:
             raise ValueError(f"{name} must be a number, got {value!r}.")
         if value < 0 or (name == "rrf_k" and value == 0) or value == float("inf"):
-            raise ValueError(f"{name} must be {'positive' if name == 'rrf_k' else '>= 0'} and finite, got {value!r}.")
+            raise ValueError(
+                f"{name} must be {'positive' if name == 'rrf_k' else '>= 0'} and finite, got {value!r}."
+            )
     if vector_weight == 0 and text_weight == 0:
         raise ValueError("vector_weight and text_weight are both 0; give at least one a weight.")
     return float(rrf_k), float(vector_weight), float(text_weight)

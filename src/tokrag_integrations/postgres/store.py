@@ -1,6 +1,5 @@
-"""Reading an ingested table: :class:`PostgresKnowledgeBase` (one SQL statement per search,
-:mod:`.search`, on the shared pool; both frameworks' retrievers and stores; answers) and
-:func:`answer_from_postgres`."""
+"""Reading an ingested table: :class:`PostgresKnowledgeBase` (searches, both frameworks'
+retrievers and stores, answers) and :func:`answer_from_postgres`."""
 
 from __future__ import annotations
 
@@ -13,26 +12,26 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from ..retrieval.embedder import Embedder, load_embedder
-from .connection import connect_timeout, pool_settings, pooled, resolve_dsn, shared_pool
-from .dsn import database_errors, is_driver_error, query_error, sqlalchemy_url, sqlstate_of
+from .connection import pool_settings, pooled, resolve_dsn, shared_pool
+from .dsn import database_errors, is_driver_error, query_error, sqlstate_of
 from .frameworks import (
     close_llamaindex_store,
     langchain_retriever,
     llamaindex_retriever,
+    make_langchain_store,
     make_llamaindex_store,
-    start_again_before_connecting,
 )
 from .layout import (
     DEFAULT_TABLE,
     Target,
     add_text_search,
+    check_embedder,
     detect_layout,
     text_search_column,
     validate_table_name,
 )
 from .search import (
     MAX_TOP_K,
-    Condition,
     Filters,
     SearchMode,
     check_fusion,
@@ -120,7 +119,7 @@ def _chunk(node_id: str, text: str, meta: Any, score: Any) -> RetrievedChunk:
 class PostgresKnowledgeBase:
     """An ingested table plus the embedder it was built with; thread-safe for querying.
 
-    Connects at construction (fails fast, masked) and detects the layout (:mod:`.layout`).
+    Connects at construction (fails fast) and detects the layout (:mod:`.layout`).
 
     Args:
         dsn: Connection URL; ``None`` uses ``$TOKRAG_PG_DSN`` or the embedded server.
@@ -171,10 +170,10 @@ class PostgresKnowledgeBase:
             with self._connection() as conn:
                 self.layout = detect_layout(conn, self.table, self.db.masked, target, collection)
             self.embedder: Embedder = load_embedder(embed_model)
-            self._check_embedder()
+            with self._connection() as conn:
+                check_embedder(conn, self.layout, self.embedder)
         self._lock = threading.Lock()
         self._li_store: Any = None
-        self._lc_engine: Any = None
         self._lc_store: Any = None
 
     def __repr__(self) -> str:
@@ -184,38 +183,14 @@ class PostgresKnowledgeBase:
         shared_pool(self.db.dsn, self.pool_size, self.pool_timeout)
         return pooled(self.db.dsn)
 
-    def _check_embedder(self) -> None:
-        from psycopg import sql
-
-        lay = self.layout
-        with self._connection() as conn:
-            row = conn.execute(
-                sql.SQL(
-                    "SELECT {m}->>'embed_model', vector_dims({e}) FROM {t} WHERE {w} LIMIT 1"
-                ).format(
-                    m=sql.Identifier(lay.metadata_column),
-                    e=sql.Identifier(lay.embedding_column),
-                    t=sql.Identifier(lay.table),
-                    w=lay.where_sql,
-                )
-            ).fetchone()
-        if row and row[0] and row[0] != self.embedder.name:
-            raise ValueError(
-                f"Table {lay.table} was embedded with {row[0]!r}, but the query embedder "
-                f"is {self.embedder.name!r}; pass the same --embed-model as at ingest."
-            )
-        if row and row[1] is not None and int(row[1]) != self.embedder.dim:
-            raise ValueError(
-                f"Table {lay.table} holds {row[1]}-dimensional embeddings but the query "
-                f"embedder {self.embedder.name!r} makes {self.embedder.dim}-dimensional ones; "
-                "pass the --embed-model the table was built with."
-            )
-
     def _refresh_text_search(self, add: str | None = None) -> None:
         """Read the table's full-text column again (another process may have added it),
         after adding it with configuration ``add`` when given."""
-        action = f"add a full-text column to {self.layout.table}" if add else f"open table {self.layout.table}"
-        with database_errors(self.db.dsn, action), self._connection() as conn:
+        action = "add a full-text column to" if add else "open table"
+        with (
+            database_errors(self.db.dsn, f"{action} {self.layout.table}"),
+            self._connection() as conn,
+        ):
             if add:
                 add_text_search(conn, self.layout, add)
             column, config = text_search_column(conn, self.layout)
@@ -247,20 +222,21 @@ class PostgresKnowledgeBase:
         vector_weight: float | None = None,
         text_weight: float | None = None,
         candidates: int | None = None,
-    ) -> tuple[list[Condition], str, tuple[float, float, float], int]:
+    ) -> dict[str, Any]:
+        """The keyword arguments of :func:`~.search.search_statement` for one request."""
         check_top_k(top_k, name)
         conditions = to_conditions(filters)
         mode = check_search(self.search if search is None else search)
-        fusion = check_fusion(
+        rrf_k, vector_weight, text_weight = check_fusion(
             self.rrf_k if rrf_k is None else rrf_k,
             self.vector_weight if vector_weight is None else vector_weight,
             self.text_weight if text_weight is None else text_weight,
         )
         if candidates is None:
-            depth = min(max(top_k, 50), MAX_TOP_K)
+            candidates = min(max(top_k, 50), MAX_TOP_K)
         else:
             check_top_k(candidates, "candidates")
-            depth = max(candidates, top_k)
+            candidates = max(candidates, top_k)
         if mode != "vector" and self.layout.tsv_column is None:
             self._refresh_text_search()
         if mode != "vector" and self.layout.tsv_column is None:
@@ -271,7 +247,10 @@ class PostgresKnowledgeBase:
                 "PostgresKnowledgeBase.add_text_search() (rewrites the table once), or use "
                 "search='vector'."
             )
-        return conditions, mode, fusion, depth
+        return dict(
+            search=mode, conditions=conditions, top_k=top_k, candidates=candidates,
+            rrf_k=rrf_k, vector_weight=vector_weight, text_weight=text_weight,
+        )  # fmt: skip
 
     def retrieve(
         self,
@@ -303,45 +282,33 @@ class PostgresKnowledgeBase:
         if not isinstance(query, str) or not query.strip():
             raise ValueError("The query is empty; pass a question to retrieve chunks for.")
         check_text(query, "query", "the query")
-        conditions, mode, (k, wv, wt), depth = self._check_request(
-            top_k,
-            filters,
-            search=search,
-            rrf_k=rrf_k,
-            vector_weight=vector_weight,
-            text_weight=text_weight,
-            candidates=candidates,
-        )
-        query = query.strip()
+        request = self._check_request(
+            top_k, filters, search=search, rrf_k=rrf_k, vector_weight=vector_weight,
+            text_weight=text_weight, candidates=candidates,
+        )  # fmt: skip
+        query, mode = query.strip(), request["search"]
         embedding = None
-        if mode in ("vector", "hybrid"):
+        if mode != "text":
             import numpy as np
 
             embedding = np.asarray(self.embedder.embed_query(query), dtype=np.float32)
         statement, params = search_statement(
             self.layout,
-            mode,
-            conditions,
-            top_k=top_k,
-            candidates=depth,
-            rrf_k=k,
-            vector_weight=wv,
-            text_weight=wt,
             embedding=embedding,
             query=query,
             ts_config=self.layout.ts_config or self.text_search_config,
+            **request,
         )
+        depth = request["candidates"] if mode == "hybrid" else 0
+        ef_search = min(max(self.ef_search, top_k, depth), MAX_TOP_K)
         try:
             with self._connection() as conn, conn.transaction():
-                conn.execute(
-                    "SELECT set_config('hnsw.ef_search', %s, true)",
-                    (str(min(max(self.ef_search, top_k, depth if mode == "hybrid" else 0), MAX_TOP_K)),),
-                )
+                conn.execute("SELECT set_config('hnsw.ef_search', %s, true)", (str(ef_search),))
                 rows = conn.execute(statement, params).fetchall()
         except Exception as exc:
             if not is_driver_error(exc):
                 raise
-            numeric = sorted({c.key for c in conditions if c.numeric})
+            numeric = sorted({c.key for c in request["conditions"] if c.numeric})
             if numeric and sqlstate_of(exc) == "22P02":  # invalid_text_representation
                 raise ValueError(
                     f"Filter {', '.join(numeric)}: a number was given, but the stored values "
@@ -351,7 +318,9 @@ class PostgresKnowledgeBase:
             raise query_error(exc, self.db.dsn, f"search table {self.layout.table}") from None
         return [_chunk(node_id, text, meta, score) for node_id, text, meta, score in rows]
 
-    async def aretrieve(self, query: str, top_k: int = 4, filters: Filters = None, **search_options: Any) -> list[RetrievedChunk]:
+    async def aretrieve(
+        self, query: str, top_k: int = 4, filters: Filters = None, **search_options: Any
+    ) -> list[RetrievedChunk]:
         """:meth:`retrieve` without blocking the event loop: it runs in a worker thread on a
         connection of the same pool (the query embedding is computed there too)."""
         return await asyncio.to_thread(self.retrieve, query, top_k, filters, **search_options)
@@ -360,25 +329,16 @@ class PostgresKnowledgeBase:
         """Chunks in the table (for one source path when given)."""
         from psycopg import sql
 
-        if source is not None:
-            check_text(str(source), "source", "the source")
         lay = self.layout
-        table = sql.Identifier(lay.table)
-        with (
-            database_errors(self.db.dsn, f"count rows of {lay.table}"),
-            self._connection() as conn,
-        ):
-            if source is None:
-                row = conn.execute(
-                    sql.SQL("SELECT count(*) FROM {} WHERE {}").format(table, lay.where_sql)
-                ).fetchone()
-            else:
-                row = conn.execute(
-                    sql.SQL("SELECT count(*) FROM {} WHERE {} AND {} = %s").format(
-                        table, lay.where_sql, sql.SQL(lay.source_expr)
-                    ),
-                    (str(Path(source).resolve()),),
-                ).fetchone()
+        query = sql.SQL("SELECT count(*) FROM {} WHERE {}").format(
+            sql.Identifier(lay.table), lay.where_sql
+        )
+        params: tuple[str, ...] = ()
+        if source is not None:
+            query = sql.SQL("{} AND {} = %s").format(query, sql.SQL(lay.source_expr))
+            params = (str(Path(check_text(str(source), "source", "the source")).resolve()),)
+        with database_errors(self.db.dsn, f"count rows of {lay.table}"), self._connection() as conn:
+            row = conn.execute(query, params).fetchone()
         return int(row[0]) if row else 0
 
     def answer(
@@ -429,37 +389,14 @@ class PostgresKnowledgeBase:
     def langchain_store(self) -> Any:
         """LangChain's own ``langchain_postgres.PGVectorStore`` over the table (custom column
         names; the retrievers do not use it)."""
-        if self.layout.target == "langchain_legacy":
-            raise ValueError(
-                f"Collection {self.layout.collection!r} is a legacy langchain-postgres PGVector "
-                "collection; read it with langchain_postgres.PGVector(collection_name=...) or "
-                "through langchain_retriever()."
-            )
         with self._lock:
             if self._lc_store is None:
-                from langchain_postgres import PGEngine, PGVectorStore
-
-                from ..langchain.local_embeddings import LocalEmbeddings
-
-                self._lc_engine = PGEngine.from_connection_string(
-                    sqlalchemy_url(self.db.dsn),
-                    connect_args={"connect_timeout": connect_timeout()},
-                    pool_pre_ping=True,
-                )
-                start_again_before_connecting(self._lc_engine._pool, self.db.dsn)
-                lay = self.layout
-                self._lc_store = PGVectorStore.create_sync(
-                    self._lc_engine,
-                    embedding_service=LocalEmbeddings(self.embedder),
-                    table_name=lay.table,
-                    id_column=lay.id_column,
-                    content_column=lay.text_column,
-                    embedding_column=lay.embedding_column,
-                    metadata_json_column=lay.metadata_column,
-                )
+                self._lc_store = make_langchain_store(self.db, self.layout, self.embedder)
             return self._lc_store
 
-    def langchain_retriever(self, k: int = 4, filters: Filters = None, **search_options: Any) -> Any:
+    def langchain_retriever(
+        self, k: int = 4, filters: Filters = None, **search_options: Any
+    ) -> Any:
         """A LangChain ``BaseRetriever`` over the table (``invoke`` / ``ainvoke``), with filters;
         ``search_options`` as for :meth:`llamaindex_retriever`."""
         self._check_request(k, filters, name="k", **search_options)
@@ -472,9 +409,9 @@ class PostgresKnowledgeBase:
             if self._li_store is not None:
                 close_llamaindex_store(self._li_store)
                 self._li_store = None
-            if self._lc_engine is not None:
-                self._lc_engine._run_as_sync(self._lc_engine._pool.dispose())
-                self._lc_engine = None
+            if self._lc_store is not None:
+                engine = self._lc_store._engine
+                engine._run_as_sync(engine._pool.dispose())
                 self._lc_store = None
 
     def __enter__(self) -> PostgresKnowledgeBase:
@@ -527,4 +464,6 @@ def answer_from_postgres(
 
     lm = model if isinstance(model, LoadedModel) else load_model(model or "default")
     kb = _knowledge_base(dsn, table, embed_model, data_dir)
-    return kb.answer(question, lm, policy=policy, top_k=top_k, filters=filters, search=search, **options)
+    return kb.answer(
+        question, lm, policy=policy, top_k=top_k, filters=filters, search=search, **options
+    )
