@@ -203,10 +203,13 @@ def steering(
             h.remove()
 
 
-def _is_content(token_text: str, question_words: set[str]) -> bool:
-    """A token carrying a word that is neither a stopword nor a word of the question."""
-    words = [w.lower() for w in _WORD.findall(token_text)]
-    return any(w not in STOPWORDS and w not in question_words for w in words)
+def _words(text: str) -> set[str]:
+    return {w.lower() for w in _WORD.findall(text)}
+
+
+def _refuses(text: str) -> bool:
+    low = text.lower()
+    return any(p in low for p in REFUSALS)
 
 
 class CtrlAMonitorPolicy(Policy):
@@ -234,7 +237,7 @@ class CtrlAMonitorPolicy(Policy):
     ):
         self.direction = direction
         self.layers = list(layers)
-        self.question_words = {w.lower() for w in _WORD.findall(question)}
+        self.question_words = _words(question)
         self.mean, self.std, self.tau = mean, std, tau
         self.stop_on_trigger = require_bool(stop_on_trigger, "stop_on_trigger")
         self.eos_id = eos_id
@@ -259,7 +262,10 @@ class CtrlAMonitorPolicy(Policy):
         dirs = self.direction[self.layers].to(resid.device)
         m = float((resid * dirs).sum(-1).mean())
         text = lm.tokenizer.decode([tid])
-        content = tid not in lm.eos_token_ids and _is_content(text, self.question_words)
+        # content: a word that is neither a stopword nor a word of the question
+        content = tid not in lm.eos_token_ids and any(
+            w not in STOPWORDS and w not in self.question_words for w in _words(text)
+        )
         z = (m - self.mean) / self.std if self.mean is not None and self.std else None
         sig: dict[str, Any] = {"ctrla_m": m, "ctrla_content": content}
         if z is not None:
@@ -278,13 +284,13 @@ class CtrlAMonitorPolicy(Policy):
         return Choice(tid, FROM_LLM, sig)
 
 
-def masked_query(query: str, tokens: Sequence[dict[str, Any]], tau: float, question: str) -> str:
+def masked_query(query: str, tokens: Sequence[dict[str, Any]], tau: float) -> str:
     """CAQ: ``query`` + the answer with new unconfident content tokens masked out."""
-    qwords = {w.lower() for w in _WORD.findall(question)}
+    qwords = _words(query)
     seen: set[str] = set()
     kept: list[str] = []
     for t in tokens:
-        words = {w.lower() for w in _WORD.findall(t["text"])}
+        words = _words(t["text"])
         new = bool(words) and not (words <= qwords or words <= seen)
         unconfident = t["content"] and t["z"] is not None and t["z"] < tau
         if not (new and unconfident):
@@ -309,6 +315,7 @@ class CtrlAGate(Gate):
     name = "ctrla"
     retrieve_when = "below"
     default_percentile = 50.0
+    config_keys = ("read_band", "steer_band", "lam", "max_new_tokens", "seed")
 
     def __init__(
         self,
@@ -323,7 +330,7 @@ class CtrlAGate(Gate):
         seed: int = 0,
         threshold: float | None = None,
     ):
-        super().__init__()
+        super().__init__(threshold)
         self.lm = lm
         self.read_band = tuple(read_band)
         self.steer_band = tuple(steer_band)
@@ -340,17 +347,6 @@ class CtrlAGate(Gate):
             }
         self.mean: float | None = None
         self.std: float | None = None
-        if threshold is not None:
-            self.threshold = float(threshold)
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "read_band": list(self.read_band),
-            "steer_band": list(self.steer_band),
-            "lam": self.lam,
-            "max_new_tokens": self.max_new_tokens,
-            "seed": self.seed,
-        }
 
     def state(self) -> dict[str, Any]:
         return {
@@ -408,8 +404,8 @@ class CtrlAGate(Gate):
         return r, pol
 
     def score_tokens(self, text: str, tokens: Sequence[dict[str, Any]]) -> float:
-        low = text.lower()
-        if any(p in low for p in REFUSALS):
+        """min z over content tokens; -inf on a refusal, +inf without a content token."""
+        if _refuses(text):
             return -math.inf
         zs = [t["z"] for t in tokens if t["content"] and t["z"] is not None]
         return min(zs) if zs else math.inf
@@ -427,12 +423,8 @@ class CtrlAGate(Gate):
             "read_layers": self.read_layers,
         }
 
-    def calibrate(
-        self, queries: Sequence[str], percentile: float | None = None, **kwargs: Any
-    ) -> list[float]:
-        queries = list(queries)
-        if not queries:
-            raise ValueError("calibrate() needs at least one query.")
+    def calibration_scores(self, queries: list[str], **kwargs: Any) -> list[float]:
+        """Fits the z-score statistics on the calibration answers' content tokens."""
         runs = [self.monitor(q) for q in queries]
         ms = [t["m"] for _, pol in runs for t in pol.tokens if t["content"]]
         if len(ms) < 2:
@@ -444,9 +436,6 @@ class CtrlAGate(Gate):
             for tk in pol.tokens:
                 tk["z"] = (tk["m"] - self.mean) / self.std
             scores.append(self.score_tokens(r.text, pol.tokens))
-        self.set_threshold_from_scores(
-            scores, self.default_percentile if percentile is None else percentile
-        )
         return scores
 
     # ------------------------------------------------------------------ the pipeline
@@ -467,8 +456,7 @@ class CtrlAGate(Gate):
         if self.threshold is None or self.mean is None:
             raise RuntimeError("CtrlAGate needs calibrate(queries) or load(path) before answer().")
         r, pol = self.monitor(query, stop_on_trigger=True, max_new_tokens=max_new_tokens)
-        refusal = any(p in r.text.lower() for p in REFUSALS)
-        triggered = pol.triggered_at is not None or refusal
+        triggered = pol.triggered_at is not None or _refuses(r.text)
         out: dict[str, Any] = {
             "retrieve": triggered,
             "trigger_step": pol.triggered_at,
@@ -480,7 +468,7 @@ class CtrlAGate(Gate):
         if not triggered:
             out["text"], out["result"] = r.text, r
             return out
-        caq = masked_query(query, pol.tokens, self.threshold, query)
+        caq = masked_query(query, pol.tokens, self.threshold)
         out["query"] = caq
         passages: list[Any] = []
         if retriever is not None:

@@ -15,7 +15,7 @@
   ``sketch_dim=k`` replaces each gradient by a CountSketch S g in R^k (each coordinate hashed
   to one of k buckets with a random sign, fixed by ``seed``); E[<S a, S b>] = <a, b>, so the
   dot product is unbiased, with variance about (|a|^2 |b|^2 + <a, b>^2) / k. ``sketch_dim=None``
-  uses exact gradients (fine for 135M: 10.6M numbers per gradient).
+  uses exact gradients.
   A dot product at or below zero would flip the sign of Eq. 2; the denominator uses
   ``max(dot, 1e-3 * |E(grad)|^2)`` so such instances score as the most long-tail.
 
@@ -147,6 +147,13 @@ class CountSketch:
         return out.float()
 
 
+def _pure_ids(lm: Any, query: str, max_new_tokens: int) -> list[int]:
+    from ..prompts import PromptBuilder
+
+    builder = PromptBuilder(lm.tokenizer, context_window=lm.context_window)
+    return builder.build(query, None, max_new_tokens=max_new_tokens).pure_ids
+
+
 def answer_gradient(
     lm: Any, query: str, answer: str, params: Sequence[torch.nn.Parameter]
 ) -> list[torch.Tensor]:
@@ -155,10 +162,7 @@ def answer_gradient(
     The loss is the mean token cross-entropy of the answer tokens (prompt tokens are
     context only), as in fine-tuning on (query -> answer).
     """
-    from ..prompts import PromptBuilder
-
-    builder = PromptBuilder(lm.tokenizer, context_window=lm.context_window)
-    prompt_ids = builder.build(query, None, max_new_tokens=1).pure_ids
+    prompt_ids = _pure_ids(lm, query, 1)
     ans_ids = list(
         lm.tokenizer(
             " " + answer.strip() if not answer.startswith(" ") else answer, add_special_tokens=False
@@ -196,6 +200,16 @@ class GECEGate(Gate):
     name = "gece"
     retrieve_when = "above"
     default_percentile = 80.0
+    config_keys = (
+        "mode",
+        "n_samples",
+        "max_new_tokens",
+        "layer_fraction",
+        "sketch_dim",
+        "seed",
+        "temperature",
+        "top_p",
+    )
 
     def __init__(
         self,
@@ -211,7 +225,7 @@ class GECEGate(Gate):
         top_p: float = 0.9,
         threshold: float | None = None,
     ):
-        super().__init__()
+        super().__init__(threshold)
         if mode not in ("self", "reference"):
             raise ValueError(f"mode must be 'self' or 'reference', got {mode!r}")
         if n_samples < 1:
@@ -232,20 +246,6 @@ class GECEGate(Gate):
             else None
         )
         self.mean_grad: torch.Tensor | None = None
-        if threshold is not None:
-            self.threshold = float(threshold)
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "n_samples": self.n_samples,
-            "max_new_tokens": self.max_new_tokens,
-            "layer_fraction": self.layer_fraction,
-            "sketch_dim": self.sketch_dim,
-            "seed": self.seed,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-        }
 
     # ------------------------------------------------------------------ terms
     def gradient(self, query: str, answer: str) -> torch.Tensor:
@@ -257,11 +257,8 @@ class GECEGate(Gate):
 
     def samples(self, query: str) -> list[str]:
         """``n_samples`` sampled answers of the pure model (self mode's references)."""
-        from ..prompts import PromptBuilder
-
         lm = self.lm
-        builder = PromptBuilder(lm.tokenizer, context_window=lm.context_window)
-        ids = builder.build(query, None, max_new_tokens=self.max_new_tokens).pure_ids
+        ids = _pure_ids(lm, query, self.max_new_tokens)
         inp = torch.tensor([ids], dtype=torch.long, device=lm.model.device)
         torch.manual_seed(self.seed + zlib.crc32(query.encode("utf-8")))
         with lm.lock, torch.inference_mode():
@@ -345,35 +342,20 @@ class GECEGate(Gate):
             self.terms(q, references[i] if references is not None else None)
             for i, q in enumerate(queries)
         ]
-        if self.sketch is not None:
-            self.mean_grad = torch.stack([t["grad"] for t in all_terms]).mean(0)
-        else:
-            acc = torch.zeros_like(all_terms[0]["grad"])
-            for t in all_terms:
-                acc += t["grad"]
-            self.mean_grad = acc / len(all_terms)
+        acc = torch.zeros_like(all_terms[0]["grad"])
+        for t in all_terms:
+            acc += t["grad"]
+        self.mean_grad = acc / len(all_terms)
         return all_terms
 
-    def calibrate(
-        self,
-        queries: Sequence[str],
-        percentile: float | None = None,
-        references: Sequence[Any] | None = None,
-        **kwargs: Any,
+    def calibration_scores(
+        self, queries: list[str], references: Sequence[Any] | None = None, **kwargs: Any
     ) -> list[float]:
-        queries = list(queries)
-        if not queries:
-            raise ValueError("calibrate() needs at least one query.")
         if self.mode == "reference" and references is None:
             raise ValueError(
                 "GECE 'reference' mode calibrates with references=[gold answers per query]."
             )
-        all_terms = self.fit_mean_gradient(queries, references)
-        scores = [self.gece(t)[0] for t in all_terms]
-        self.set_threshold_from_scores(
-            scores, self.default_percentile if percentile is None else percentile
-        )
-        return scores
+        return [self.gece(t)[0] for t in self.fit_mean_gradient(queries, references)]
 
     def state(self) -> dict[str, Any]:
         if self.mean_grad is None:
