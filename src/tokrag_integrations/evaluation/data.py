@@ -37,7 +37,9 @@ def load_items(path: str | Path, limit: int | None = None) -> list[EvalItem]:
     FileNotFoundError / ValueError (naming the line): a missing file, bad JSON or field."""
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"Evaluation data not found: {p}. Pass a JSONL file (format: shared/data/README.md).")
+        raise FileNotFoundError(
+            f"Evaluation data not found: {p}. Pass a JSONL file (format: shared/data/README.md)."
+        )
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     items: list[EvalItem] = []
@@ -119,7 +121,9 @@ def mix_passages(item: EvalItem, ratio: float, k: int = 5, seed: int = DEFAULT_S
     return _mix(item, {"pos": n_pos, "neg": k - n_pos}, seed, f"noise={ratio:g}/k={k}")
 
 
-def mix_counterfactuals(item: EvalItem, cf_ratio: float, k: int = 2, seed: int = DEFAULT_SEED) -> Mix:
+def mix_counterfactuals(
+    item: EvalItem, cf_ratio: float, k: int = 2, seed: int = DEFAULT_SEED
+) -> Mix:
     """Misleading passages: k passages, round(cf_ratio·k) counterfactuals, the rest positives."""
     if not 0.0 <= cf_ratio <= 1.0:
         raise ValueError(f"counterfactual ratio must be in [0, 1], got {cf_ratio}")
@@ -175,13 +179,19 @@ def _wrong_answer(item: EvalItem, pool: list[EvalItem], seed: int) -> str | None
 
     gold = [_norm(a) for a in item.answers if a.strip()]
     prop = item.meta.get("prop")
-    cands = sorted({o.answers[0] for o in pool if o.id != item.id and o.meta.get("prop") == prop and o.answers})
-    cands = [c for c in cands if c.strip() and not any(g in _norm(c) or _norm(c) in g for g in gold)]
+    cands = sorted(
+        {o.answers[0] for o in pool if o.id != item.id and o.meta.get("prop") == prop and o.answers}
+    )
+    cands = [
+        c for c in cands if c.strip() and not any(g in _norm(c) or _norm(c) in g for g in gold)
+    ]
     cands = [c for c in cands if not cover_em(popqa_passage(item, c), item.answers)]
     return _rng(seed, item.id, "popqa-counterfactual").choice(cands) if cands else None
 
 
-def synthesize_popqa(items: list[EvalItem], *, pool: list[EvalItem] | None = None, seed: int = DEFAULT_SEED) -> list[EvalItem]:
+def synthesize_popqa(
+    items: list[EvalItem], *, pool: list[EvalItem] | None = None, seed: int = DEFAULT_SEED
+) -> list[EvalItem]:
     """PopQA items (no passages) with synthetic passages for the token-level protocol:
     ``positives`` = [the relation's template sentence with the first gold answer] ("The
     capital of Belarus is Minsk."); ``counterfactuals`` = [the same sentence with another
@@ -196,12 +206,16 @@ def synthesize_popqa(items: list[EvalItem], *, pool: list[EvalItem] | None = Non
         wrong = _wrong_answer(it, pool, seed)
         out.append(
             EvalItem(
-                id=it.id, question=it.question, answers=list(it.answers),
+                id=it.id,
+                question=it.question,
+                answers=list(it.answers),
                 positives=[popqa_passage(it, it.answers[0])],
                 negatives=[],
                 counterfactuals=[popqa_passage(it, wrong)] if wrong else [],
                 counterfactual_answers=[wrong] if wrong else [],
-                source=it.source, meta={**it.meta, "synthetic_passages": True}, popularity=it.popularity,
+                source=it.source,
+                meta={**it.meta, "synthetic_passages": True},
+                popularity=it.popularity,
             )
         )
     return out
@@ -217,5 +231,6 @@ def select_popular(items: list[EvalItem], min_pop_bin: int = 4) -> list[EvalItem
 def is_popqa(items: list[EvalItem]) -> bool:
     """PopQA-style items: no passages at all, each with a relation in ``meta.prop``."""
     return bool(items) and all(
-        not (it.positives or it.negatives or it.counterfactuals) and "prop" in it.meta for it in items
+        not (it.positives or it.negatives or it.counterfactuals) and "prop" in it.meta
+        for it in items
     )

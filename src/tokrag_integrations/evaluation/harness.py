@@ -74,7 +74,9 @@ def _run_generation(
     with_passages = [p for p in order if uses_passages(pols[p])]
     total = len(items) * (len(no_passages) + len(with_passages) * len(conditions))
     done = sum(1 for it in items for p in no_passages if (it.id, NO_PASSAGES, p) in store)
-    done += sum(1 for it in items for p in with_passages for c, _ in conditions if (it.id, c, p) in store)
+    done += sum(
+        1 for it in items for p in with_passages for c, _ in conditions if (it.id, c, p) in store
+    )
     bar = progress_bar(total, done, f"{task} ({lm_name(lm)})", progress)
 
     def run(policy: str, cond: str, batch: list[EvalItem], mixes: list[Mix]) -> None:
@@ -97,7 +99,9 @@ def _run_generation(
                 "policy": policy,
                 "text": res.text,
                 "correct": cover_em(res.text, it.answers),
-                "cf_repeat": cover_em(res.text, it.counterfactual_answers) if it.counterfactual_answers else None,
+                "cf_repeat": cover_em(res.text, it.counterfactual_answers)
+                if it.counterfactual_answers
+                else None,
                 "passages": mix.counts,
                 "short": mix.short,
                 "counts": res.trace.counts(),
@@ -126,7 +130,11 @@ def _run_generation(
                 # One prefill of each (item batch, condition) serves every policy.
                 with shared_prefill():
                     for policy in with_passages:
-                        sub = [(it, m) for it, m in zip(batch, mixes, strict=True) if (it.id, cond, policy) not in store]
+                        sub = [
+                            (it, m)
+                            for it, m in zip(batch, mixes, strict=True)
+                            if (it.id, cond, policy) not in store
+                        ]
                         if sub:
                             run(policy, cond, [it for it, _ in sub], [m for _, m in sub])
     finally:
@@ -152,7 +160,11 @@ def build_policies(
     options: dict[str, tuple[str, dict[str, Any]]] = {}
     for spec in parse_specs(list(policies)):
         label = str(spec)
-        opts = {**policy_options.get(spec.name, {}), **policy_options.get(label, {}), **spec.options}
+        opts = {
+            **policy_options.get(spec.name, {}),
+            **policy_options.get(label, {}),
+            **spec.options,
+        }
         options[label] = (spec.name, opts)
     return options, {label: get_policy(name, **opts) for label, (name, opts) in options.items()}
 
@@ -181,11 +193,23 @@ def run_noise_sweep(
     """Table 1 protocol: accuracy (cover EM) per policy and noise ratio. Returns the summary."""
     conditions = [(f"{r:g}", (lambda it, r=r: mix_passages(it, r, k=k, seed=seed))) for r in ratios]
     store = _run_generation(
-        "noise", lm, items, conditions, policies=policies, records_path=records_path,
-        max_new_tokens=max_new_tokens, stop=stop, batch_size=batch_size, policy_options=policy_options,
-        keep_traces=keep_traces, progress=progress, decode=decode,
+        "noise",
+        lm,
+        items,
+        conditions,
+        policies=policies,
+        records_path=records_path,
+        max_new_tokens=max_new_tokens,
+        stop=stop,
+        batch_size=batch_size,
+        policy_options=policy_options,
+        keep_traces=keep_traces,
+        progress=progress,
+        decode=decode,
     )
-    return summarize_accuracy(store.values(), items, policy_labels(policies), [c for c, _ in conditions])
+    return summarize_accuracy(
+        store.values(), items, policy_labels(policies), [c for c, _ in conditions]
+    )
 
 
 def run_misleading(
@@ -210,13 +234,28 @@ def run_misleading(
     counterfactual answer."""
     items = [it for it in items if it.counterfactuals]
     if not items:
-        raise ValueError("no item has counterfactual passages: use rgb_en_fact or conflictqa_strategyqa data")
-    conditions = [(f"cf={r:g}", (lambda it, r=r: mix_counterfactuals(it, r, k=k, seed=seed))) for r in cf_ratios]
+        raise ValueError(
+            "no item has counterfactual passages: use rgb_en_fact or conflictqa_strategyqa data"
+        )
+    conditions = [
+        (f"cf={r:g}", (lambda it, r=r: mix_counterfactuals(it, r, k=k, seed=seed)))
+        for r in cf_ratios
+    ]
     store = _run_generation(
-        "misleading", lm, items, conditions, policies=policies, records_path=records_path,
-        max_new_tokens=max_new_tokens, stop=stop, batch_size=batch_size, policy_options=policy_options,
-        keep_traces=keep_traces, progress=progress, decode=decode,
+        "misleading",
+        lm,
+        items,
+        conditions,
+        policies=policies,
+        records_path=records_path,
+        max_new_tokens=max_new_tokens,
+        stop=stop,
+        batch_size=batch_size,
+        policy_options=policy_options,
+        keep_traces=keep_traces,
+        progress=progress,
+        decode=decode,
     )
-    return summarize_accuracy(store.values(), items, policy_labels(policies), [c for c, _ in conditions])
-
-
+    return summarize_accuracy(
+        store.values(), items, policy_labels(policies), [c for c, _ in conditions]
+    )

@@ -118,7 +118,9 @@ def _mean_over_conditions(weights: Any, matrix: Any) -> Any:
     with np.errstate(invalid="ignore", divide="ignore"):
         cols = sums / counts
         has = ~np.isnan(cols)
-        return np.where(has.any(axis=1), np.nansum(cols, axis=1) / np.maximum(has.sum(axis=1), 1), np.nan)
+        return np.where(
+            has.any(axis=1), np.nansum(cols, axis=1) / np.maximum(has.sum(axis=1), 1), np.nan
+        )
 
 
 def _interval(stats: Any, level: float) -> tuple[float, float]:
@@ -155,7 +157,9 @@ def bootstrap_ci(
     m = np.asarray(matrix, dtype=float)
     if m.ndim != 2 or not m.shape[0]:
         return (math.nan, math.nan)
-    return _interval(_mean_over_conditions(_resample_weights(m.shape[0], resamples, seed), m), level)
+    return _interval(
+        _mean_over_conditions(_resample_weights(m.shape[0], resamples, seed), m), level
+    )
 
 
 def paired_bootstrap_diff(
@@ -173,12 +177,17 @@ def paired_bootstrap_diff(
 
     ma, mb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if ma.shape[0] != mb.shape[0]:
-        raise ValueError(f"paired comparison needs the same items: {ma.shape[0]} vs {mb.shape[0]} rows")
+        raise ValueError(
+            f"paired comparison needs the same items: {ma.shape[0]} vs {mb.shape[0]} rows"
+        )
     if not ma.shape[0]:
         return {"diff": math.nan, "ci": [math.nan, math.nan]}
     w = _resample_weights(ma.shape[0], resamples, seed)
     diffs = _mean_over_conditions(w, ma) - _mean_over_conditions(w, mb)
-    return {"diff": mean_over_conditions(ma) - mean_over_conditions(mb), "ci": list(_interval(diffs, level))}
+    return {
+        "diff": mean_over_conditions(ma) - mean_over_conditions(mb),
+        "ci": list(_interval(diffs, level)),
+    }
 
 
 def _weighted_auc(scores: Any, labels: Any, weights: Any) -> Any:
@@ -197,7 +206,11 @@ def _weighted_auc(scores: Any, labels: Any, weights: Any) -> Any:
     pos_w = w * y
     n_pos, n_neg = pos_w.sum(axis=1), neg[:, -1]
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where((n_pos > 0) & (n_neg > 0), (pos_w * (below + 0.5 * at)).sum(axis=1) / (n_pos * n_neg), np.nan)
+        return np.where(
+            (n_pos > 0) & (n_neg > 0),
+            (pos_w * (below + 0.5 * at)).sum(axis=1) / (n_pos * n_neg),
+            np.nan,
+        )
 
 
 def bootstrap_auc_ci(

@@ -23,7 +23,9 @@ def _ci(ci: Any, nd: int = 1) -> str:
 
 
 def _with_ci(x: Any, ci: Any) -> str:
-    return _fmt(x) + (_ci(ci) if x is not None and not (isinstance(x, float) and math.isnan(x)) else "")
+    return _fmt(x) + (
+        _ci(ci) if x is not None and not (isinstance(x, float) and math.isnan(x)) else ""
+    )
 
 
 def accuracy_table(summary: dict[str, Any], key: str = "accuracy", label: str = "policy") -> str:
@@ -57,7 +59,9 @@ def paired_table(summary: dict[str, Any]) -> str:
     the paired bootstrap 95 % interval (same items resampled for both)."""
     base = summary.get("paired_baseline", "rag")
     paired = summary.get("paired", {})
-    has_cf = any(not math.isnan(d.get("cf_repeat", {}).get("diff", math.nan)) for d in paired.values())
+    has_cf = any(
+        not math.isnan(d.get("cf_repeat", {}).get("diff", math.nan)) for d in paired.values()
+    )
     head = f"| policy | accuracy − {base} | 95% interval says |"
     head += f" cf-repeat − {base} |" if has_cf else ""
     lines = [head, "|---" * (4 if has_cf else 3) + "|"]
@@ -76,14 +80,25 @@ def passages_table(summary: dict[str, Any]) -> str:
     mp = summary.get("mean_passages", {})
     for kind in ("pos", "neg", "cf"):
         if any(mp.get(c, {}).get(kind) for c in conds):
-            lines.append(f"| mean {kind} passages | " + " | ".join(_fmt(mp.get(c, {}).get(kind), 2) for c in conds) + " |")
-    lines.append("| items lacking passages | " + " | ".join(str(summary["items_short"].get(c, 0)) for c in conds) + " |")
+            lines.append(
+                f"| mean {kind} passages | "
+                + " | ".join(_fmt(mp.get(c, {}).get(kind), 2) for c in conds)
+                + " |"
+            )
+    lines.append(
+        "| items lacking passages | "
+        + " | ".join(str(summary["items_short"].get(c, 0)) for c in conds)
+        + " |"
+    )
     return "\n".join(lines)
 
 
 def token_table(summary: dict[str, Any]) -> str:
     """Markdown table per scorer: AUC with its 95 % interval, F1, macro-F1 and label counts."""
-    lines = ["| scorer | AUC [95% CI] | F1 | macro-F1 | samples | label 1 | label 0 |", "|---" * 7 + "|"]
+    lines = [
+        "| scorer | AUC [95% CI] | F1 | macro-F1 | samples | label 1 | label 0 |",
+        "|---" * 7 + "|",
+    ]
     for name, s in summary["scorers"].items():
         lines.append(
             f"| {name} | {_fmt(s['auc'])}{_ci(s.get('auc_ci'))} | {_fmt(s['f1'])} | {_fmt(s['macro_f1'])} | {s['n']} | "
@@ -96,7 +111,10 @@ def token_sources_table(summary: dict[str, Any]) -> str:
     """Markdown table: label counts and each scorer's AUC [95% CI] per source and pooled."""
     names = list(summary["scorers"])
     rows = [*summary.get("sources", {}).items(), ("pooled", summary)]
-    lines = ["| source | label 1 | label 0 | " + " | ".join(names) + " |", "|---" * (len(names) + 3) + "|"]
+    lines = [
+        "| source | label 1 | label 0 | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 3) + "|",
+    ]
     for src, s in rows:
         cells = []
         for n in names:
@@ -109,7 +127,9 @@ def token_sources_table(summary: dict[str, Any]) -> str:
 def write_json(path: str | Path, data: Any) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(data, indent=2, ensure_ascii=False, allow_nan=True) + "\n", encoding="utf-8")
+    p.write_text(
+        json.dumps(data, indent=2, ensure_ascii=False, allow_nan=True) + "\n", encoding="utf-8"
+    )
     return p
 
 
@@ -133,7 +153,9 @@ def _save(plt: Any, fig: Any, path: str | Path) -> Path:
     return p
 
 
-def plot_accuracy(summary: dict[str, Any], path: str | Path, title: str = "", key: str = "accuracy") -> Path:
+def plot_accuracy(
+    summary: dict[str, Any], path: str | Path, title: str = "", key: str = "accuracy"
+) -> Path:
     """Accuracy vs condition (noise ratio) per policy."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
@@ -144,10 +166,15 @@ def plot_accuracy(summary: dict[str, Any], path: str | Path, title: str = "", ke
         ys = [summary[key][p].get(c, math.nan) for c in conds]
         style = {"linewidth": 2.6, "color": "black"} if p == "tokrag" else {"linewidth": 1.3}
         ci = [cis.get(p, {}).get(c) or [y, y] for c, y in zip(conds, ys, strict=True)]
-        err = [[max(y - lo, 0) for y, (lo, _) in zip(ys, ci, strict=True)], [max(hi - y, 0) for y, (_, hi) in zip(ys, ci, strict=True)]]
+        err = [
+            [max(y - lo, 0) for y, (lo, _) in zip(ys, ci, strict=True)],
+            [max(hi - y, 0) for y, (_, hi) in zip(ys, ci, strict=True)],
+        ]
         ax.errorbar(x, ys, yerr=err, marker="o", label=p, capsize=2, elinewidth=0.8, **style)
     ax.set_xticks(x, conds)
-    ax.set_xlabel("noise ratio" if key == "accuracy" and not conds[0].startswith("cf") else "condition")
+    ax.set_xlabel(
+        "noise ratio" if key == "accuracy" and not conds[0].startswith("cf") else "condition"
+    )
     ax.set_ylabel("cover EM (%)" if key == "accuracy" else "counterfactual repeat (%)")
     ax.set_title(title or f"n = {summary['n_items']} items")
     ax.grid(alpha=0.3)
@@ -161,8 +188,10 @@ def plot_auc(summary: dict[str, Any], path: str | Path, title: str = "") -> Path
     names = list(summary["scorers"])
     vals = [summary["scorers"][n]["auc"] for n in names]
     cis = [summary["scorers"][n].get("auc_ci") or [v, v] for n, v in zip(names, vals, strict=True)]
-    err = [[0 if math.isnan(v - lo) else max(v - lo, 0) for v, (lo, _) in zip(vals, cis, strict=True)],
-           [0 if math.isnan(hi - v) else max(hi - v, 0) for v, (_, hi) in zip(vals, cis, strict=True)]]
+    err = [
+        [0 if math.isnan(v - lo) else max(v - lo, 0) for v, (lo, _) in zip(vals, cis, strict=True)],
+        [0 if math.isnan(hi - v) else max(hi - v, 0) for v, (_, hi) in zip(vals, cis, strict=True)],
+    ]
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
     colors = ["#c44" if n in ("logprob", "entropy") else "#468" for n in names]
     ax.barh(names, vals, xerr=err, color=colors, capsize=2)
@@ -173,7 +202,10 @@ def plot_auc(summary: dict[str, Any], path: str | Path, title: str = "") -> Path
     ax.set_xlabel("AUC (%)")
     ax.set_xlim(0, 100)
     ax.invert_yaxis()
-    ax.set_title(title or f"token level: {summary['n_samples']} samples ({summary['n_benefit']} benefit)", fontsize=9)
+    ax.set_title(
+        title or f"token level: {summary['n_samples']} samples ({summary['n_benefit']} benefit)",
+        fontsize=9,
+    )
     return _save(plt, fig, path)
 
 
@@ -181,42 +213,85 @@ def _header(title: str, command: str) -> list[str]:
     return [f"## {title}", ""] + (["```", command, "```", ""] if command else [])
 
 
-def write_accuracy_report(summary: dict[str, Any], out_dir: str | Path, name: str, title: str, command: str = "") -> list[Path]:
+def write_accuracy_report(
+    summary: dict[str, Any], out_dir: str | Path, name: str, title: str, command: str = ""
+) -> list[Path]:
     """``<name>.json``, ``<name>.md`` and ``<name>.png`` (+ ``<name>_cf_repeat.png``) in out_dir."""
     out = Path(out_dir)
     files = [write_json(out / f"{name}.json", {**summary, "command": command})]
     md = _header(title, command)
-    md += ["Accuracy (cover EM, %; [95% bootstrap interval over items]):", "", accuracy_table(summary), ""]
+    md += [
+        "Accuracy (cover EM, %; [95% bootstrap interval over items]):",
+        "",
+        accuracy_table(summary),
+        "",
+    ]
     # Repeat rates only mean something where counterfactual passages were given.
-    has_cf = any(summary.get("mean_passages", {}).get(c, {}).get("cf") for c in summary["conditions"])
+    has_cf = any(
+        summary.get("mean_passages", {}).get(c, {}).get("cf") for c in summary["conditions"]
+    )
     if has_cf:
-        md += ["Answers repeating the counterfactual answer (%):", "", accuracy_table(summary, "cf_repeat"), ""]
+        md += [
+            "Answers repeating the counterfactual answer (%):",
+            "",
+            accuracy_table(summary, "cf_repeat"),
+            "",
+        ]
     if summary.get("paired"):
-        md += [f"Paired differences to {summary.get('paired_baseline', 'rag')} (mean over conditions, "
-               "percentage points, 95% bootstrap interval over items):", "", paired_table(summary), ""]
+        md += [
+            f"Paired differences to {summary.get('paired_baseline', 'rag')} (mean over conditions, "
+            "percentage points, 95% bootstrap interval over items):",
+            "",
+            paired_table(summary),
+            "",
+        ]
     if summary.get("verdict_rate"):
-        md += [f"Yes/no items ({summary['n_yes_no_items']}): answers stating a verdict (a standalone yes or no, %):",
-               "", accuracy_table(summary, "verdict_rate"), ""]
-        md += ["Accuracy among the answers that state a verdict (%):", "", accuracy_table(summary, "verdict_accuracy"), ""]
+        md += [
+            f"Yes/no items ({summary['n_yes_no_items']}): answers stating a verdict (a standalone yes or no, %):",
+            "",
+            accuracy_table(summary, "verdict_rate"),
+            "",
+        ]
+        md += [
+            "Accuracy among the answers that state a verdict (%):",
+            "",
+            accuracy_table(summary, "verdict_accuracy"),
+            "",
+        ]
     if summary.get("mean_tokens"):
         line = "Mean answer length (tokens): " + ", ".join(
-            f"{p} {_fmt(summary['mean_tokens'][p])}" for p in summary["policies"])
+            f"{p} {_fmt(summary['mean_tokens'][p])}" for p in summary["policies"]
+        )
         if summary.get("length_ratio"):
             base = summary.get("paired_baseline", "rag")
             line += f"; against {base} on the same answers: " + ", ".join(
-                f"{p} {_fmt(r, 2)}x" for p, r in summary["length_ratio"].items())
+                f"{p} {_fmt(r, 2)}x" for p, r in summary["length_ratio"].items()
+            )
         md += [line, ""]
     md += ["Passages given:", "", passages_table(summary), ""]
-    md += ["Mean seconds per question: " + ", ".join(f"{p} {_fmt(summary['mean_time_s'][p], 2)}" for p in summary["policies"]), ""]
+    md += [
+        "Mean seconds per question: "
+        + ", ".join(f"{p} {_fmt(summary['mean_time_s'][p], 2)}" for p in summary["policies"]),
+        "",
+    ]
     (out / f"{name}.md").write_text("\n".join(md), encoding="utf-8")
     files.append(out / f"{name}.md")
     files.append(plot_accuracy(summary, out / f"{name}.png", f"{title} (n = {summary['n_items']})"))
     if has_cf:
-        files.append(plot_accuracy(summary, out / f"{name}_cf_repeat.png", title + " (counterfactual repeats)", key="cf_repeat"))
+        files.append(
+            plot_accuracy(
+                summary,
+                out / f"{name}_cf_repeat.png",
+                title + " (counterfactual repeats)",
+                key="cf_repeat",
+            )
+        )
     return files
 
 
-def write_token_report(summary: dict[str, Any], out_dir: str | Path, name: str, title: str, command: str = "") -> list[Path]:
+def write_token_report(
+    summary: dict[str, Any], out_dir: str | Path, name: str, title: str, command: str = ""
+) -> list[Path]:
     out = Path(out_dir)
     files = [write_json(out / f"{name}.json", {**summary, "command": command})]
     md = _header(title, command)
@@ -229,7 +304,12 @@ def write_token_report(summary: dict[str, Any], out_dir: str | Path, name: str, 
         "",
     ]
     if summary.get("sources"):
-        md += ["Per source (AUC [95% CI]; pooled = all samples):", "", token_sources_table(summary), ""]
+        md += [
+            "Per source (AUC [95% CI]; pooled = all samples):",
+            "",
+            token_sources_table(summary),
+            "",
+        ]
     (out / f"{name}.md").write_text("\n".join(md), encoding="utf-8")
     files.append(out / f"{name}.md")
     files.append(plot_auc(summary, out / f"{name}.png", title))
@@ -264,22 +344,41 @@ def bench_table(res: dict[str, Any]) -> str:
             return f"{P[a][key] / P[b][key]:.3f}"
         return "n/a"
 
-    keys = ("s_per_question", "s_per_token", "prefill_s_per_question", "decode_s_per_token",
-            "peak_mb", "peak_over_model_mb")
+    keys = (
+        "s_per_question",
+        "s_per_token",
+        "prefill_s_per_question",
+        "decode_s_per_token",
+        "peak_mb",
+        "peak_over_model_mb",
+    )
     lines += [
         "",
         "| ratio | per question | per token | prefill per question | decode per token | peak memory | peak over model |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for a, b in (("tokrag", "rag"), ("tokrag", "floor"), ("tokrag", "tokrag-step"), ("tokrag-step", "rag"),
-                 ("floor", "rag"), ("rag", "rag-stock"), ("tokrag", "rag-stock")):
+    for a, b in (
+        ("tokrag", "rag"),
+        ("tokrag", "floor"),
+        ("tokrag", "tokrag-step"),
+        ("tokrag-step", "rag"),
+        ("floor", "rag"),
+        ("rag", "rag-stock"),
+        ("tokrag", "rag-stock"),
+    ):
         if a in P and b in P:
             lines.append(f"| {a} / {b} | " + " | ".join(ratio(a, b, k) for k in keys) + " |")
     for name, v in (res.get("paired") or {}).items():
-        lines += ["", f"{name}, per token, per question (paired): median {v['median']:.3f} "
-                  f"[quartiles {v['q1']:.3f}, {v['q3']:.3f}]"]
+        lines += [
+            "",
+            f"{name}, per token, per question (paired): median {v['median']:.3f} "
+            f"[quartiles {v['q1']:.3f}, {v['q3']:.3f}]",
+        ]
     for name, ident in (res.get("identical_to_step") or {}).items():
-        lines += ["", f"{name} = tokrag-step, tokens and decisions: {ident['identical']} / {ident['questions']} questions"]
+        lines += [
+            "",
+            f"{name} = tokrag-step, tokens and decisions: {ident['identical']} / {ident['questions']} questions",
+        ]
     if res.get("throughput"):
         lines += _throughput_lines(res["throughput"])
     if res.get("paths"):
@@ -310,8 +409,12 @@ def _throughput_lines(tp: dict[str, Any]) -> list[str]:
     for label, key in (("", "ratios"), (" of questions / s", "question_ratios")):
         for name, v in (tp.get(key) or {}).items():
             cells = (
-                f"{v[str(n)]['median']:.3f} [{v[str(n)]['min']:.2f}, {v[str(n)]['max']:.2f}]" if str(n) in v else "n/a"
+                f"{v[str(n)]['median']:.3f} [{v[str(n)]['min']:.2f}, {v[str(n)]['max']:.2f}]"
+                if str(n) in v
+                else "n/a"
                 for n in sizes
             )
-            lines.append(f"| {name}{label}, per round: median [min, max] | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {name}{label}, per round: median [min, max] | " + " | ".join(cells) + " |"
+            )
     return lines

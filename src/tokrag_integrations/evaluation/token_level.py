@@ -60,7 +60,9 @@ __all__ = [
 TOKRAG_CONFIGS: dict[str, dict[str, Any]] = {
     "tokrag": {},
     "tokrag[lens_norm=False,min_fusion_layer=0,plausibility_alpha=None]": {
-        "lens_norm": False, "min_fusion_layer": 0, "plausibility_alpha": None,
+        "lens_norm": False,
+        "min_fusion_layer": 0,
+        "plausibility_alpha": None,
     },
     "tokrag[min_fusion_layer=0]": {"min_fusion_layer": 0},
     "tokrag[plausibility_alpha=None]": {"plausibility_alpha": None},
@@ -101,10 +103,14 @@ def target_kind(item: EvalItem, target: str = "auto") -> str:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     if target != "auto":
         return target
-    return "answer" if is_yes_no(item.answers) or item.meta.get("synthetic_passages") else "evidence"
+    return (
+        "answer" if is_yes_no(item.answers) or item.meta.get("synthetic_passages") else "evidence"
+    )
 
 
-def gold_target(tokenizer: Any, item: EvalItem, target: str = "evidence", max_tokens: int = 32) -> list[int]:
+def gold_target(
+    tokenizer: Any, item: EvalItem, target: str = "evidence", max_tokens: int = 32
+) -> list[int]:
     """Token ids of the gold continuation fed after the question.
 
     ``"answer"``: the first gold answer (capitalised, as a reply would open: "Yes", "Minsk");
@@ -130,19 +136,34 @@ def scorer_configs(specs: str | Sequence[str] | None) -> dict[str, dict[str, Any
 
     parsed = parse_specs(specs)
     validate_specs(parsed, ["tokrag", "tokrag_reference"], get_policy)
-    return {str(sp): {**({"policy": sp.name} if sp.name != "tokrag" else {}), **sp.options} for sp in parsed}
+    return {
+        str(sp): {**({"policy": sp.name} if sp.name != "tokrag" else {}), **sp.options}
+        for sp in parsed
+    }
 
 
-def _token_conditions(ratios: Sequence[float], cf_ratios: Sequence[float], k: int, cf_k: int, seed: int) -> list[tuple[str, Callable[[EvalItem], Mix]]]:
+def _token_conditions(
+    ratios: Sequence[float], cf_ratios: Sequence[float], k: int, cf_k: int, seed: int
+) -> list[tuple[str, Callable[[EvalItem], Mix]]]:
     conds: list[tuple[str, Callable[[EvalItem], Mix]]] = [
         (f"{r:g}", (lambda it, r=r: mix_passages(it, r, k=k, seed=seed))) for r in ratios
     ]
-    conds += [(f"cf={r:g}", (lambda it, r=r: mix_counterfactuals(it, r, k=cf_k, seed=seed))) for r in cf_ratios]
+    conds += [
+        (f"cf={r:g}", (lambda it, r=r: mix_counterfactuals(it, r, k=cf_k, seed=seed)))
+        for r in cf_ratios
+    ]
     return conds
 
 
-def _token_samples(lm: Any, builder: Any, walker: Any, scorers: dict[str, Any], question: str,
-                   passages: list[str], target: list[int]) -> list[dict[str, Any]]:
+def _token_samples(
+    lm: Any,
+    builder: Any,
+    walker: Any,
+    scorers: dict[str, Any],
+    question: str,
+    passages: list[str],
+    target: list[int],
+) -> list[dict[str, Any]]:
     """Teacher-force ``target`` after the question in the pure and RAG contexts; one sample
     per position where exactly one of them predicts the gold token."""
     import warnings
@@ -164,7 +185,9 @@ def _token_samples(lm: Any, builder: Any, walker: Any, scorers: dict[str, Any], 
             b = int(rag.logits.argmax().item())
             if (a == target[i]) == (b == target[i]):
                 continue
-            scores = {name: _safe_score(sc, pure, rag, make_lens(lm)) for name, sc in scorers.items()}
+            scores = {
+                name: _safe_score(sc, pure, rag, make_lens(lm)) for name, sc in scorers.items()
+            }
             scores["logprob"] = logprob_margin(pure.probs, rag.probs)
             scores["entropy"] = entropy_margin(pure.probs, rag.probs)
             samples.append({"pos": i, "label": int(b == target[i]), "scores": scores})
@@ -208,20 +231,42 @@ def run_token_level(
     builder = PromptBuilder(lm.tokenizer, context_window=lm.context_window)
     store = RecordStore(records_path)
     conds = _token_conditions(ratios, cf_ratios, k, cf_k, seed)
-    units = [(it, c, m) for it in items for c, m in conds if not c.startswith("cf=") or it.counterfactuals]
-    bar = progress_bar(len(units), sum(1 for it, c, _ in units if (it.id, c, "token") in store), "token level", progress)
+    units = [
+        (it, c, m)
+        for it in items
+        for c, m in conds
+        if not c.startswith("cf=") or it.counterfactuals
+    ]
+    bar = progress_bar(
+        len(units),
+        sum(1 for it, c, _ in units if (it.id, c, "token") in store),
+        "token level",
+        progress,
+    )
     try:
         for it, cond, mixer in units:
             if (it.id, cond, "token") in store:
                 continue
             mix = mixer(it)
             ids = gold_target(lm.tokenizer, it, target, max_target_tokens)
-            samples = _token_samples(lm, builder, walker, scorers, it.question, mix.passages, ids) if mix.passages and ids else []
-            store.add({
-                "task": "token", "item": it.id, "condition": cond, "policy": "token", "source": it.source,
-                "samples": samples, "n_target_tokens": len(ids), "target": target_kind(it, target),
-                "passages": mix.counts,
-            })
+            samples = (
+                _token_samples(lm, builder, walker, scorers, it.question, mix.passages, ids)
+                if mix.passages and ids
+                else []
+            )
+            store.add(
+                {
+                    "task": "token",
+                    "item": it.id,
+                    "condition": cond,
+                    "policy": "token",
+                    "source": it.source,
+                    "samples": samples,
+                    "n_target_tokens": len(ids),
+                    "target": target_kind(it, target),
+                    "passages": mix.counts,
+                }
+            )
             bar.update(1)
     finally:
         bar.close()
@@ -258,7 +303,9 @@ def _scorer_names(samples: list[dict[str, Any]]) -> list[str]:
     return names
 
 
-def _scorer_figures(samples: list[tuple[str, dict[str, Any]]], name: str, seed: int) -> dict[str, Any]:
+def _scorer_figures(
+    samples: list[tuple[str, dict[str, Any]]], name: str, seed: int
+) -> dict[str, Any]:
     """AUC (with its 95 % interval, samples resampled grouped by item), F1, macro-F1 and the
     label counts of the samples this scorer scored."""
     kept = [(g, smp["scores"].get(name, math.nan), smp["label"]) for g, smp in samples]
@@ -278,7 +325,9 @@ def _scorer_figures(samples: list[tuple[str, dict[str, Any]]], name: str, seed: 
 
 
 def _token_figures(records: list[dict[str, Any]], seed: int) -> dict[str, Any]:
-    samples = [(f"{r.get('source', '')}/{r['item']}", smp) for r in records for smp in r.get("samples", [])]
+    samples = [
+        (f"{r.get('source', '')}/{r['item']}", smp) for r in records for smp in r.get("samples", [])
+    ]
     labels = [smp["label"] for _, smp in samples]
     return {
         "n_samples": len(samples),
@@ -286,11 +335,15 @@ def _token_figures(records: list[dict[str, Any]], seed: int) -> dict[str, Any]:
         "n_label1": sum(labels),
         "n_label0": len(labels) - sum(labels),
         "n_records": len(records),
-        "scorers": {n: _scorer_figures(samples, n, seed) for n in _scorer_names([s for _, s in samples])},
+        "scorers": {
+            n: _scorer_figures(samples, n, seed) for n in _scorer_names([s for _, s in samples])
+        },
     }
 
 
-def summarize_token_level(records: Iterable[dict[str, Any]], seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
+def summarize_token_level(
+    records: Iterable[dict[str, Any]], seed: int = BOOTSTRAP_SEED
+) -> dict[str, Any]:
     """AUC (95 % bootstrap interval, items resampled) and F1 (decision: score >= 0 keeps RAG)
     per scorer, with the label counts (n label 1 / n label 0): pooled over all records, and
     per ``source`` under ``"sources"``."""
@@ -300,5 +353,10 @@ def summarize_token_level(records: Iterable[dict[str, Any]], seed: int = BOOTSTR
     for r in records:
         by_source.setdefault(str(r.get("source") or "items"), []).append(r)
     out["sources"] = {src: _token_figures(rs, seed) for src, rs in sorted(by_source.items())}
-    out["bootstrap"] = {"resamples": BOOTSTRAP_RESAMPLES, "seed": seed, "level": CI_LEVEL, "unit": "item"}
+    out["bootstrap"] = {
+        "resamples": BOOTSTRAP_RESAMPLES,
+        "seed": seed,
+        "level": CI_LEVEL,
+        "unit": "item",
+    }
     return out
