@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..config import require_bool
 from ..prompts import PromptBuilder
-from .data import DEFAULT_SEED, EvalItem, Mix, mix_counterfactuals, mix_passages
+from .data import DEFAULT_SEED, EvalItem, cf_conditions, noise_conditions
 from .metrics import (
     BOOTSTRAP_RESAMPLES,
     BOOTSTRAP_SEED,
@@ -52,11 +52,9 @@ __all__ = [
     "target_kind",
 ]
 
-#: Tok-RAG scorers measured at token level when ``--scorers`` is not given: the defaults, each
-#: corrected reading of docs/algorithm.md undone alone, all of them undone (the literal reading), DoLa's
-#: own α = 0.1 for the rising token, the search start 10/32 of the depth (docs/algorithm.md, "Eq. 14"), a fixed
-#: mid-depth l*, the Theorem-3 scorer and the authors' released rule. Labels are the specs
-#: that reproduce them.
+#: Tok-RAG scorers measured at token level when ``--scorers`` is not given (docs/algorithm.md):
+#: the defaults, each corrected reading undone alone and all together, DoLa's α = 0.1, the
+#: search start 10/32 of the depth, a fixed l*, the Theorem-3 scorer and the authors' rule.
 TOKRAG_CONFIGS: dict[str, dict[str, Any]] = {
     "tokrag": {},
     "tokrag[lens_norm=False,min_fusion_layer=0,plausibility_alpha=None]": {
@@ -142,19 +140,6 @@ def scorer_configs(specs: str | Sequence[str] | None) -> dict[str, dict[str, Any
     }
 
 
-def _token_conditions(
-    ratios: Sequence[float], cf_ratios: Sequence[float], k: int, cf_k: int, seed: int
-) -> list[tuple[str, Callable[[EvalItem], Mix]]]:
-    conds: list[tuple[str, Callable[[EvalItem], Mix]]] = [
-        (f"{r:g}", (lambda it, r=r: mix_passages(it, r, k=k, seed=seed))) for r in ratios
-    ]
-    conds += [
-        (f"cf={r:g}", (lambda it, r=r: mix_counterfactuals(it, r, k=cf_k, seed=seed)))
-        for r in cf_ratios
-    ]
-    return conds
-
-
 def _token_samples(
     lm: Any,
     builder: Any,
@@ -230,7 +215,7 @@ def run_token_level(
     walker = TokRAG()
     builder = PromptBuilder(lm.tokenizer, context_window=lm.context_window)
     store = RecordStore(records_path)
-    conds = _token_conditions(ratios, cf_ratios, k, cf_k, seed)
+    conds = noise_conditions(ratios, k, seed) + cf_conditions(cf_ratios, cf_k, seed)
     units = [
         (it, c, m)
         for it in items
@@ -296,13 +281,6 @@ def pool_token_records(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     return out
 
 
-def _scorer_names(samples: list[dict[str, Any]]) -> list[str]:
-    names: list[str] = []
-    for smp in samples:
-        names += [n for n in smp["scores"] if n not in names]
-    return names
-
-
 def _scorer_figures(
     samples: list[tuple[str, dict[str, Any]]], name: str, seed: int
 ) -> dict[str, Any]:
@@ -336,7 +314,8 @@ def _token_figures(records: list[dict[str, Any]], seed: int) -> dict[str, Any]:
         "n_label0": len(labels) - sum(labels),
         "n_records": len(records),
         "scorers": {
-            n: _scorer_figures(samples, n, seed) for n in _scorer_names([s for _, s in samples])
+            n: _scorer_figures(samples, n, seed)
+            for n in dict.fromkeys(name for _, smp in samples for name in smp["scores"])
         },
     }
 
