@@ -22,23 +22,22 @@ from .records import NO_PASSAGES
 
 __all__ = ["compare_policies", "item_matrix", "summarize_accuracy"]
 
+#: (policy, condition, item) -> record.
+Index = dict[tuple[str, str, str], dict[str, Any]]
 
-def _index(
-    records: Iterable[dict[str, Any]], ids: set[str]
-) -> dict[tuple[str, str, str], dict[str, Any]]:
+
+def _index(records: Iterable[dict[str, Any]], ids: set[str]) -> Index:
     return {(r["policy"], r["condition"], r["item"]): r for r in records if r["item"] in ids}
 
 
-def _record(
-    index: dict[tuple[str, str, str], dict[str, Any]], policy: str, condition: str, item_id: str
-) -> dict[str, Any] | None:
+def _record(index: Index, policy: str, condition: str, item_id: str) -> dict[str, Any] | None:
     """The record of ``policy`` on ``item_id`` under ``condition``; ``llm`` records (condition
     ``none``) stand for every condition."""
     return index.get((policy, condition, item_id)) or index.get((policy, NO_PASSAGES, item_id))
 
 
 def item_matrix(
-    index: dict[tuple[str, str, str], dict[str, Any]],
+    index: Index,
     items: Sequence[EvalItem],
     policy: str,
     conditions: Sequence[str],
@@ -56,14 +55,13 @@ def item_matrix(
     return [[cell(it, c) for c in conditions] for it in items]
 
 
-def _column_mean(matrix: list[list[float]], j: int) -> float:
-    vals = [row[j] for row in matrix if not math.isnan(row[j])]
-    return sum(vals) / len(vals) if vals else math.nan
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
 
 
 def _figures(
     name: str,
-    index: dict[tuple[str, str, str], dict[str, Any]],
+    index: Index,
     items: Sequence[EvalItem],
     policies: Sequence[str],
     conditions: Sequence[str],
@@ -75,11 +73,9 @@ def _figures(
     out: dict[str, Any] = {name: {}, f"{name}_ci": {}, f"{name}_mean": {}, f"{name}_mean_ci": {}}
     for p in policies:
         m = item_matrix(index, items, p, conditions, key)
-        out[name][p] = {c: _column_mean(m, j) for j, c in enumerate(conditions)}
-        out[f"{name}_ci"][p] = {
-            c: list(bootstrap_ci([[row[j]] for row in m], seed=seed))
-            for j, c in enumerate(conditions)
-        }
+        cols = {c: [[row[j]] for row in m] for j, c in enumerate(conditions)}
+        out[name][p] = {c: mean_over_conditions(col) for c, col in cols.items()}
+        out[f"{name}_ci"][p] = {c: list(bootstrap_ci(col, seed=seed)) for c, col in cols.items()}
         out[f"{name}_mean"][p] = mean_over_conditions(m)
         out[f"{name}_mean_ci"][p] = list(bootstrap_ci(m, seed=seed))
     return out
@@ -165,13 +161,18 @@ def summarize_accuracy(
             for p in policies
             if p != baseline
         }
-    out["mean_time_s"] = _mean_times(index, items, policies, conditions)
+    out["mean_time_s"] = {
+        p: _mean(
+            [r["time_s"] for c in conditions for it in items if (r := _record(index, p, c, it.id))]
+        )
+        for p in policies
+    }
     out["mean_passages"], out["items_short"] = _passage_counts(records, ids, conditions)
     return out
 
 
 def _verdict_figures(
-    index: dict[tuple[str, str, str], dict[str, Any]],
+    index: Index,
     items: Sequence[EvalItem],
     policies: Sequence[str],
     conditions: Sequence[str],
@@ -202,7 +203,7 @@ def _tokens(r: dict[str, Any] | None) -> int | None:
 
 
 def _mean_tokens(
-    index: dict[tuple[str, str, str], dict[str, Any]],
+    index: Index,
     items: Sequence[EvalItem],
     policy: str,
     conditions: Sequence[str],
@@ -218,25 +219,11 @@ def _mean_tokens(
                 paired_with is None or _tokens(_record(index, paired_with, c, it.id)) is not None
             ):
                 lengths.append(n)
-    return sum(lengths) / len(lengths) if lengths else math.nan
+    return _mean(lengths)
 
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
-
-
-def _mean_times(
-    index: dict[tuple[str, str, str], dict[str, Any]],
-    items: Sequence[EvalItem],
-    policies: Sequence[str],
-    conditions: Sequence[str],
-) -> dict[str, float]:
-    secs: dict[str, float] = {}
-    for p in policies:
-        rs = [_record(index, p, c, it.id) for c in conditions for it in items]
-        times = [r["time_s"] for r in rs if r is not None]
-        secs[p] = sum(times) / len(times) if times else math.nan
-    return secs
 
 
 def _passage_counts(
