@@ -55,24 +55,14 @@ def auc(scores: Sequence[float], labels: Sequence[int]) -> float:
 
     Returns NaN when one class is absent.
     """
+    import numpy as np
+
     if len(scores) != len(labels):
         raise ValueError(f"got {len(scores)} scores but {len(labels)} labels")
-    pairs = sorted(zip(scores, labels, strict=True), key=lambda x: x[0])
-    n_pos = sum(1 for _, y in pairs if y)
-    n_neg = len(pairs) - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    # Mann–Whitney U with average ranks for ties.
-    rank_sum = 0.0
-    i = 0
-    while i < len(pairs):
-        j = i
-        while j + 1 < len(pairs) and pairs[j + 1][0] == pairs[i][0]:
-            j += 1
-        avg = (i + j) / 2 + 1
-        rank_sum += avg * sum(1 for t in range(i, j + 1) if pairs[t][1])
-        i = j + 1
-    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+    if not len(scores):
+        return math.nan
+    x, y = np.asarray(scores, dtype=float), np.asarray(labels, dtype=int)
+    return float(_weighted_auc(x, y, np.ones((1, len(x))))[0])
 
 
 def f1_score(predictions: Sequence[int], labels: Sequence[int]) -> float:
