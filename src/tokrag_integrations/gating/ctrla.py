@@ -1,35 +1,24 @@
 """CtrlAGate: confidence monitoring from the model's own representations (seed 002, CtrlA).
 
-1. **Directions** (:func:`extract_directions`). For each statement s_i of a project-authored
-   set (:mod:`.statements`), two prompts "Pretend you're {a confident | an unconfident}
-   person making statements about the world." + s_i (and {an honest | a dishonest} for the
-   honesty direction) are run; the last-token residual state r^l after every layer l is
-   read (``attention.Probe``); v_i^l = r_i^{l,+} - r_i^{l,-}; the first principal component
-   of {v_i^l} per layer (pair signs randomly flipped before centring, as RepE does, so the
-   component is the contrast axis) is the direction, oriented so the mean of
-   v_i^l . v^l is positive (positive side = confident / honest), unit norm.
-2. **Monitoring** (:class:`CtrlAMonitorPolicy`). At every decoding step k the residual state
-   of the last position (the state that chooses token k) is projected on v_c^l and
-   mean-pooled over a band of layers: m~_k = meanpool_l(r_k^l . v_c^l). ``scale`` is a
-   z-score with the mean and standard deviation of m~ over the calibration answers' content
-   tokens (the paper's running min-max over a 5-token answer is degenerate), and
-   m_k = z_k - tau. A content token (not a stopword, not a word of the question) with
-   m_k < 0, or a refusal phrase ("I don't know"...), triggers retrieval, mid-answer: the
-   decode stops at that token.
-3. **CAQ**: the retrieval query is the original query plus the generated text with the
-   new, unconfident tokens (content tokens below tau that appear neither in the question nor
-   earlier in the answer) masked out.
+1. **Directions** (:func:`extract_directions`): for each statement s_i (:mod:`.statements`),
+   the last-token residual r^l after every layer l of "Pretend you're {a confident | an
+   unconfident} person making statements about the world." + s_i ({an honest | a dishonest}
+   for honesty); v_i^l = r_i^{l,+} - r_i^{l,-}; per layer, the first principal component of
+   {v_i^l} (pair signs randomly flipped before centring, as RepE does), oriented so the mean
+   of v_i^l . v^l is positive (positive side = confident / honest), unit norm.
+2. **Monitoring** (:class:`CtrlAMonitorPolicy`): at decoding step k the last position's
+   residual (the state that chooses token k) gives m~_k = meanpool_l(r_k^l . v_c^l) over the
+   read band; z_k is its z-score over the calibration answers' content tokens. A content
+   token (not a stopword, not a word of the question) with z_k < tau, or a refusal phrase,
+   triggers retrieval mid-answer: the decode stops at that token.
+3. **CAQ** (:func:`masked_query`): the query plus the generated text with the new,
+   unconfident tokens masked out; the answer is regenerated from the retrieved passages.
 4. **Honesty steering** (optional, :func:`steering`): lambda * v_h^l is added to the output
-   of every layer of a control band (lambda = 0.3 in the paper's best run).
+   of every layer of the steer band (lambda = 0.3 in the paper's best run).
 
-Layer bands are relative to depth: the public CtrlA config reads layers -10..-24 and
-steers layers -5..-17 of Mistral-7B's 32, i.e. (0.28, 0.72) and (0.50, 0.88).
-On retrieval the answer is regenerated from the RAG context (CtrlA regenerates the current
-sentence with the retrieved contents; our short answers are one sentence).
-
-The gate's score is min_k z_k over content tokens (-inf on a refusal, +inf when the answer has
-no content token: nothing to doubt, no retrieval), retrieve when below tau = the calibrated
-threshold.
+Bands are fractions of depth: the public CtrlA config reads layers -10..-24 and steers -5..-17
+of Mistral-7B's 32. The score is min_k z_k over content tokens (-inf on a refusal, +inf with
+no content token); retrieve when below tau, the calibrated threshold.
 """
 
 from __future__ import annotations
@@ -38,6 +27,7 @@ import contextlib
 import math
 import re
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -355,7 +345,7 @@ class CtrlAGate(Gate):
             "directions": {k: v.tolist() for k, v in self.directions.items()},
         }
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: dict[str, Any], folder: Path) -> None:
         self.mean = state.get("mean")
         self.std = state.get("std")
         for k, v in (state.get("directions") or {}).items():

@@ -99,8 +99,8 @@ class Gate:
         """Calibrated state besides the threshold (e.g. GECE's mean gradient)."""
         return {}
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state`."""
+    def set_state(self, state: dict[str, Any], folder: Path) -> None:
+        """Restore :meth:`state` (files it names are in ``folder``)."""
 
     def calibration_scores(self, queries: list[str], **kwargs: Any) -> list[float]:
         """The scores of the calibration queries; a gate may fit its statistics here first
@@ -215,7 +215,7 @@ class Gate:
         gate.threshold = data.get("threshold")
         gate.percentile = data.get("percentile")
         gate.calibration = dict(data.get("calibration") or {})
-        gate.set_state(dict(data.get("state") or {}))
+        gate.set_state(dict(data.get("state") or {}), path.parent)
         return gate
 
 

@@ -2,31 +2,21 @@
 
     GECE = |M(pred, ref) - (1/n) sum_i p(t_i)| / (alpha * [E(grad) . grad_ins])
 
-* ``M``: METEOR between prediction and reference (:func:`meteor`). WordNet is not shipped
-  with any installed package and nothing is downloaded at run time, so METEOR runs its
-  *exact* and *Porter-stem* matching stages only (no synonym stage), with the standard
-  parameters (F_mean = 10PR / (R + 9P), fragmentation penalty 0.5 (chunks/matches)^3).
-* ``(1/n) sum p(t_i)``: mean probability of the generated tokens, read from the decoder's
-  per-step statistics (no second run).
-* ``alpha``: mean ``wordfreq`` frequency (English) of the instance's words (query + answer).
-* ``grad_ins``: gradient of the LM loss of (query -> answer) w.r.t. the FFN weights
-  (gate/up/down projections) of the last eighth of the layers (the paper: layers 29-32 of 32;
-  SmolLM2-135M: layers 27-30 of 30). ``E(grad)``: its mean over a calibration set.
-  ``sketch_dim=k`` replaces each gradient by a CountSketch S g in R^k (each coordinate hashed
-  to one of k buckets with a random sign, fixed by ``seed``); E[<S a, S b>] = <a, b>, so the
-  dot product is unbiased, with variance about (|a|^2 |b|^2 + <a, b>^2) / k. ``sketch_dim=None``
-  uses exact gradients.
-  A dot product at or below zero would flip the sign of Eq. 2; the denominator uses
-  ``max(dot, 1e-3 * |E(grad)|^2)`` so such instances score as the most long-tail.
+* ``M``: METEOR (:func:`meteor`), exact and Porter-stem stages only (no WordNet data is
+  shipped and nothing is downloaded), F_mean = 10PR / (R + 9P), penalty 0.5 (chunks/matches)^3.
+* ``(1/n) sum p(t_i)``: mean probability of the generated tokens (the decoder's step stats).
+* ``alpha``: mean ``wordfreq`` frequency (English) of the words of query + answer.
+* ``grad_ins``: gradient of the LM loss of (query -> answer) w.r.t. the FFN weights of the
+  last eighth of the layers; ``E(grad)``: its mean over a calibration set. ``sketch_dim=k``
+  replaces each gradient by a CountSketch S g in R^k (coordinate hashed to one of k buckets
+  with a random sign, fixed by ``seed``): E[<S a, S b>] = <a, b>, variance about
+  (|a|^2 |b|^2 + <a, b>^2) / k; ``sketch_dim=None`` uses exact gradients. The denominator
+  uses ``max(dot, 1e-3 * |E(grad)|^2)``, so a dot product <= 0 scores as the most long-tail.
 
-Modes: ``reference`` is Eq. 2 exactly with gold answers (labelling, evaluation;
-``score(query, reference=[...])``); ``self`` (our adaptation for inference, where no gold
-answer exists) takes ref = ``n_samples`` sampled answers of the model itself (temperature
-0.6, top-p 0.9 as in the paper's Llama-2 setup), pred = the greedy answer, M = mean METEOR
-of pred against the samples, and the gradient of (query -> greedy answer).
-
-Larger GECE = more long-tail = retrieve; the default threshold is the 80th percentile of the
-calibration scores (the paper retrieves for the top 20 %).
+Modes: ``reference`` is Eq. 2 with gold answers (``score(query, reference=[...])``); ``self``
+(inference, no gold answer) takes ref = ``n_samples`` sampled answers (temperature 0.6,
+top-p 0.9), pred = the greedy answer, M = mean METEOR of pred against the samples. Larger
+GECE = more long-tail = retrieve; the default threshold is the 80th percentile.
 """
 
 from __future__ import annotations
@@ -373,16 +363,8 @@ class GECEGate(Gate):
             self._grad_file = grad_file.name
         return super().save(path)
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: dict[str, Any], folder: Path) -> None:
         if "mean_grad_sketch" in state:
             self.mean_grad = torch.tensor(state["mean_grad_sketch"], dtype=torch.float32)
         elif state.get("mean_grad_file"):
-            self._pending_grad_file = state["mean_grad_file"]
-
-    @classmethod
-    def load(cls, path: str | Path, lm: Any = None, **kwargs: Any) -> GECEGate:
-        gate = super().load(path, lm, **kwargs)
-        pending = getattr(gate, "_pending_grad_file", None)
-        if pending:
-            gate.mean_grad = torch.load(Path(path).parent / pending)
-        return gate  # type: ignore[return-value]
+            self.mean_grad = torch.load(folder / state["mean_grad_file"])
