@@ -2,18 +2,10 @@
 pure and RAG contexts, the samples where exactly one of them predicts the gold token, and the
 AUC / F1 of each scorer on them.
 
-Label-0 samples (the pure model right, RAG wrong) need items the pure model knows; with the
-135M model three sources give them:
-
-* RGB (``rgb_en_fact``): the counterfactual conditions ``cf=0.5`` / ``cf=1`` (k = 2);
-  target: the evidence sentence.
-* ConflictQA (``conflictqa_strategyqa``, yes/no): its positive and its counterfactual passage
-  (arguing the other verdict) through the same ``cf=`` conditions; with ``target="auto"`` the
-  target is the bare verdict "Yes" / "No".
-* PopQA (no passages): :func:`.data.select_popular` keeps the top popularity quintile, most
-  popular first; :func:`.data.synthesize_popqa` gives each a template sentence with the gold
-  answer and a counterfactual one with another item's answer of the same relation. Target:
-  the bare first gold answer (this measures knowledge conflict, not retrieval).
+Label-0 samples (the pure model right, RAG wrong) need items the pure model knows: RGB's and
+ConflictQA's counterfactual conditions (``cf=``; ConflictQA's yes/no target is the bare
+verdict with ``target="auto"``), and PopQA's most popular items with synthetic passages
+(:func:`.data.select_popular`, :func:`.data.synthesize_popqa`; target: the bare gold answer).
 """
 
 from __future__ import annotations
@@ -38,7 +30,7 @@ from .metrics import (
     macro_f1,
 )
 from .records import RecordStore, progress_bar
-from .specs import parse_specs, validate_specs
+from .specs import PolicySpec, parse_specs, validate_specs
 
 __all__ = [
     "TARGETS",
@@ -52,25 +44,26 @@ __all__ = [
     "target_kind",
 ]
 
+
+def _configs(specs: Iterable[PolicySpec]) -> dict[str, dict[str, Any]]:
+    """Spec label -> ``TokRAG`` options (``"policy"`` names the authors' rule)."""
+    return {
+        str(sp): {**({"policy": sp.name} if sp.name != "tokrag" else {}), **sp.options}
+        for sp in specs
+    }
+
+
 #: Tok-RAG scorers measured at token level when ``--scorers`` is not given (docs/algorithm.md):
 #: the defaults, each corrected reading undone alone and all together, DoLa's α = 0.1, the
 #: search start 10/32 of the depth, a fixed l*, the Theorem-3 scorer and the authors' rule.
-TOKRAG_CONFIGS: dict[str, dict[str, Any]] = {
-    "tokrag": {},
-    "tokrag[lens_norm=False,min_fusion_layer=0,plausibility_alpha=None]": {
-        "lens_norm": False,
-        "min_fusion_layer": 0,
-        "plausibility_alpha": None,
-    },
-    "tokrag[min_fusion_layer=0]": {"min_fusion_layer": 0},
-    "tokrag[plausibility_alpha=None]": {"plausibility_alpha": None},
-    "tokrag[plausibility_alpha=0.1]": {"plausibility_alpha": 0.1},
-    "tokrag[pr_skip=None]": {"pr_skip": None},
-    "tokrag[min_fusion_layer=0.3125]": {"min_fusion_layer": 0.3125},
-    "tokrag[fixed_layer=15]": {"fixed_layer": 15},
-    "tokrag[scorer=distribution]": {"scorer": "distribution"},
-    "tokrag_reference": {"policy": "tokrag_reference"},
-}
+TOKRAG_CONFIGS = _configs(
+    parse_specs(
+        "tokrag,tokrag[lens_norm=False,min_fusion_layer=0,plausibility_alpha=None],"
+        "tokrag[min_fusion_layer=0],tokrag[plausibility_alpha=None],tokrag[plausibility_alpha=0.1],"
+        "tokrag[pr_skip=None],tokrag[min_fusion_layer=0.3125],tokrag[fixed_layer=15],"
+        "tokrag[scorer=distribution],tokrag_reference"
+    )
+)
 
 
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
@@ -134,10 +127,7 @@ def scorer_configs(specs: str | Sequence[str] | None) -> dict[str, dict[str, Any
 
     parsed = parse_specs(specs)
     validate_specs(parsed, ["tokrag", "tokrag_reference"], get_policy)
-    return {
-        str(sp): {**({"policy": sp.name} if sp.name != "tokrag" else {}), **sp.options}
-        for sp in parsed
-    }
+    return _configs(parsed)
 
 
 def _token_samples(
