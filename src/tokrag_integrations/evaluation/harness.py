@@ -6,12 +6,9 @@ it stopped. Policies are specs, ``name`` or ``name[key=value,...]`` (:mod:`.spec
 normalised spec is the record's ``policy`` and the table label, its options go to
 ``generate_batch(..., policy_options=...)``.
 
-Shared between policies: the passage mix of an (item, condition) (seeded, the same for every
-policy); the prefill (inside :func:`..engine.prefill.shared_prefill` every policy decoding
-the same contexts of the same item batch gets a copy of one prefilled KV cache); and the
-``llm`` answer, decoded once per item for every condition. ``time_s`` charges a policy the
-prefill it took from another's decode (``prefill_reused_s``); :mod:`.cost` measures cost in
-isolation.
+Shared between policies: the seeded passage mix of an (item, condition); the prefill of an
+item batch's contexts (:func:`..engine.prefill.shared_prefill`), charged to every policy that
+reuses it in ``time_s``; and the ``llm`` answer, decoded once per item for every condition.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,7 +43,6 @@ class ConfidenceScores:
     n_tokens: int
     role: str = "pure"
     mean_prob: float = float("nan")
-    per_token: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def confidence(self) -> dict[str, float]:
@@ -100,7 +99,7 @@ def metrics_from_stats(
         "self_certainty": sum(-log_v - r["mean_logp"] for r in rows) / n,
     }
     mean_prob = sum(math.exp(r["logp"]) for r in rows) / n
-    return ConfidenceScores(raw, n, role, mean_prob, list(rows))
+    return ConfidenceScores(raw, n, role, mean_prob)
 
 
 def check_metric(metric: str) -> str:

@@ -51,18 +51,10 @@ STOPWORDS = frozenset(
     yourselves also answer question yes well one may might must shall like known called""".split()
 )
 
-REFUSALS = (
-    "i don't know",
-    "i do not know",
-    "i'm not sure",
-    "i am not sure",
-    "not sure",
-    "no information",
-    "i cannot",
-    "i can't",
-    "unknown",
-    "i'm sorry",
-    "i am sorry",
+#: Phrases of a refusal (lower case); one in the answer triggers retrieval.
+REFUSALS = tuple(
+    "i don't know|i do not know|i'm not sure|i am not sure|not sure|no information|i cannot|"
+    "i can't|unknown|i'm sorry|i am sorry".split("|")
 )
 
 _WORD = re.compile(r"[A-Za-z0-9]+")

@@ -102,20 +102,18 @@ def average_word_frequency(text: str, lang: str = "en") -> float:
     return sum(word_frequency(w, lang) for w in ws) / len(ws)
 
 
-def ffn_parameters(model: Any, fraction: float = 1 / 8) -> list[tuple[str, torch.nn.Parameter]]:
+def ffn_parameters(model: Any, fraction: float = 1 / 8) -> list[torch.nn.Parameter]:
     """FFN weight matrices of the last ``ceil(fraction * L)`` decoder layers."""
     from ..attention.parts import model_parts
 
     layers = model_parts(model).layers
     n = max(1, math.ceil(fraction * len(layers)))
-    out: list[tuple[str, torch.nn.Parameter]] = []
+    out: list[torch.nn.Parameter] = []
     for li in range(len(layers) - n, len(layers)):
         mlp = getattr(layers[li], "mlp", None)
         if mlp is None:
             raise ValueError(f"layer {li} has no .mlp: GECE's gradient term needs an FFN block.")
-        for pname, prm in mlp.named_parameters():
-            if pname.endswith("weight"):
-                out.append((f"layers.{li}.mlp.{pname}", prm))
+        out += [prm for pname, prm in mlp.named_parameters() if pname.endswith("weight")]
     return out
 
 
@@ -231,16 +229,14 @@ class GECEGate(Gate):
         self.top_p = float(top_p)
         self.params = ffn_parameters(lm.model, layer_fraction)
         self.sketch = (
-            CountSketch([p.numel() for _, p in self.params], sketch_dim, seed)
-            if sketch_dim
-            else None
+            CountSketch([p.numel() for p in self.params], sketch_dim, seed) if sketch_dim else None
         )
         self.mean_grad: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ terms
     def gradient(self, query: str, answer: str) -> torch.Tensor:
         """grad_ins (flattened, or its sketch)."""
-        grads = answer_gradient(self.lm, query, answer, [p for _, p in self.params])
+        grads = answer_gradient(self.lm, query, answer, self.params)
         if self.sketch is not None:
             return self.sketch(grads)
         return torch.cat([g.reshape(-1) for g in grads])
