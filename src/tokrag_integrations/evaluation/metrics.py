@@ -8,6 +8,8 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation) | {"‘", "’", "“", "”", "–", "—"}
 _YES_NO = {"yes", "no"}
@@ -55,8 +57,6 @@ def auc(scores: Sequence[float], labels: Sequence[int]) -> float:
 
     Returns NaN when one class is absent.
     """
-    import numpy as np
-
     if len(scores) != len(labels):
         raise ValueError(f"got {len(scores)} scores but {len(labels)} labels")
     if not len(scores):
@@ -90,8 +90,6 @@ CI_LEVEL = 0.95
 def _resample_weights(n: int, resamples: int, seed: int) -> Any:
     """[resamples, n] counts: how often each of n items is drawn in each resample (drawing n
     with replacement), from a generator seeded with ``seed`` only."""
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     return rng.multinomial(n, np.full(n, 1.0 / n), size=resamples).astype(float)
 
@@ -99,8 +97,6 @@ def _resample_weights(n: int, resamples: int, seed: int) -> Any:
 def _mean_over_conditions(weights: Any, matrix: Any) -> Any:
     """Per resample: the mean over columns (conditions) of each column's weighted mean over
     rows (items), NaN cells skipped; [resamples] (percent when the cells are 0/1 * 100)."""
-    import numpy as np
-
     m = np.asarray(matrix, dtype=float)
     ok = ~np.isnan(m)
     sums = weights @ np.where(ok, m, 0.0)
@@ -114,8 +110,6 @@ def _mean_over_conditions(weights: Any, matrix: Any) -> Any:
 
 
 def _interval(stats: Any, level: float) -> tuple[float, float]:
-    import numpy as np
-
     s = np.asarray(stats, dtype=float)
     s = s[~np.isnan(s)]
     if not s.size:
@@ -127,8 +121,6 @@ def _interval(stats: Any, level: float) -> tuple[float, float]:
 def mean_over_conditions(matrix: Sequence[Sequence[float]]) -> float:
     """The point estimate the intervals belong to: the mean over conditions (columns) of each
     condition's mean over items (rows), NaN cells skipped."""
-    import numpy as np
-
     m = np.asarray(matrix, dtype=float)
     return float(_mean_over_conditions(np.ones((1, m.shape[0])), m)[0]) if m.size else math.nan
 
@@ -142,8 +134,6 @@ def bootstrap_ci(
 ) -> tuple[float, float]:
     """Percentile bootstrap interval of :func:`mean_over_conditions` resampling items (rows)
     with replacement. A one-column matrix gives the interval of one condition's mean."""
-    import numpy as np
-
     m = np.asarray(matrix, dtype=float)
     if m.ndim != 2 or not m.shape[0]:
         return (math.nan, math.nan)
@@ -163,8 +153,6 @@ def paired_bootstrap_diff(
     """Policy A − policy B of the mean over conditions, on the same items (row i of ``a`` and
     of ``b`` is the same item): the difference and its bootstrap interval, with the same item
     resample for both. ``{"diff": d, "ci": [lo, hi]}``."""
-    import numpy as np
-
     ma, mb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if ma.shape[0] != mb.shape[0]:
         raise ValueError(
@@ -183,8 +171,6 @@ def paired_bootstrap_diff(
 def _weighted_auc(scores: Any, labels: Any, weights: Any) -> Any:
     """AUC (ties ½) of every row of ``weights`` ([R, n] sample weights), vectorised: each
     positive's weight times the negative weight below its score (+ ½ the weight at it)."""
-    import numpy as np
-
     order = np.argsort(scores, kind="mergesort")
     s, y, w = scores[order], labels[order].astype(bool), weights[:, order]
     neg = np.cumsum(w * ~y, axis=1)
@@ -215,8 +201,6 @@ def bootstrap_auc_ci(
     """Percentile bootstrap interval of :func:`auc`, resampling ``groups`` (e.g. the item of
     each sample: its samples are drawn together) or, without groups, samples. Resamples
     lacking one class are skipped."""
-    import numpy as np
-
     if len(scores) != len(labels) or (groups is not None and len(groups) != len(scores)):
         raise ValueError("scores, labels and groups must have the same length")
     if not scores:
