@@ -154,15 +154,9 @@ def run_bench(
     }
     out.update(paired_figures(rows, decisions))
     if memory:
+        child = dict(model=model, device=device, items=items[:memory_questions], extra=extra)
         for pol in policies:
-            m = _measure_memory(
-                policy=pol,
-                model=model,
-                device=device,
-                items=items[:memory_questions],
-                max_new_tokens=max_new_tokens,
-                extra=extra,
-            )
+            m = _measure_memory(policy=pol, max_new_tokens=max_new_tokens, **child)
             out["policies"][pol].update(
                 peak_mb=m["peak_mb"], peak_over_model_mb=m["peak_mb"] - m["base_mb"]
             )
@@ -282,16 +276,6 @@ def _status_mb(field: str) -> float:
     return float("nan")
 
 
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) so loading the model does not count."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:  # pragma: no cover - non-Linux or not permitted
-        return False
-
-
 def _memory_child(
     policy: str,
     model: str,
@@ -316,7 +300,11 @@ def _memory_child(
         base = torch.cuda.memory_allocated() / 2**20
     else:
         generate(lm, items[0][0], items[0][1], policy="llm", max_new_tokens=2)
-        reset = _reset_peak_rss()
+        try:  # reset the peak-RSS mark (VmHWM) so loading the model does not count
+            Path("/proc/self/clear_refs").write_text("5")
+            reset = True
+        except OSError:  # pragma: no cover - non-Linux or not permitted
+            reset = False
         base = _status_mb("VmRSS")
     pol, opts = arm(policy)
     for q, ps in items:
