@@ -9,10 +9,9 @@ from typing import Any
 
 from .data import EvalItem
 from .metrics import (
-    BOOTSTRAP_RESAMPLES,
     BOOTSTRAP_SEED,
-    CI_LEVEL,
     bootstrap_ci,
+    bootstrap_settings,
     first_yes_no,
     is_yes_no,
     mean_over_conditions,
@@ -122,12 +121,7 @@ def summarize_accuracy(
         "policies": list(policies),
         "conditions": list(conditions),
         "n_items": len(ids),
-        "bootstrap": {
-            "resamples": BOOTSTRAP_RESAMPLES,
-            "seed": seed,
-            "level": CI_LEVEL,
-            "unit": "item",
-        },
+        "bootstrap": bootstrap_settings(seed),
     }
     out.update(_figures("accuracy", index, items, policies, conditions, "correct", seed))
     out.update(_figures("cf_repeat", index, items, policies, conditions, "cf_repeat", seed))

@@ -87,6 +87,11 @@ BOOTSTRAP_SEED = 20240917
 CI_LEVEL = 0.95
 
 
+def bootstrap_settings(seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
+    """The bootstrap settings a summary reports (items are the resampled unit)."""
+    return {"resamples": BOOTSTRAP_RESAMPLES, "seed": seed, "level": CI_LEVEL, "unit": "item"}
+
+
 def _resample_weights(n: int, resamples: int, seed: int) -> Any:
     """[resamples, n] counts: how often each of n items is drawn in each resample (drawing n
     with replacement), from a generator seeded with ``seed`` only."""

@@ -20,11 +20,10 @@ from ..config import require_bool
 from ..prompts import PromptBuilder
 from .data import DEFAULT_SEED, EvalItem, cf_conditions, noise_conditions
 from .metrics import (
-    BOOTSTRAP_RESAMPLES,
     BOOTSTRAP_SEED,
-    CI_LEVEL,
     auc,
     bootstrap_auc_ci,
+    bootstrap_settings,
     f1_score,
     is_yes_no,
     macro_f1,
@@ -322,10 +321,5 @@ def summarize_token_level(
     for r in records:
         by_source.setdefault(str(r.get("source") or "items"), []).append(r)
     out["sources"] = {src: _token_figures(rs, seed) for src, rs in sorted(by_source.items())}
-    out["bootstrap"] = {
-        "resamples": BOOTSTRAP_RESAMPLES,
-        "seed": seed,
-        "level": CI_LEVEL,
-        "unit": "item",
-    }
+    out["bootstrap"] = bootstrap_settings(seed)
     return out

@@ -165,13 +165,8 @@ class Gate:
         q = percentile if self.retrieve_when == "above" else 100.0 - percentile
         self.threshold = float(np.percentile(arr, q))
         self.percentile = float(percentile)
-        self.calibration = {
-            "n": len(scores),
-            "mean": float(arr.mean()),
-            "std": float(arr.std()),
-            "min": float(arr.min()),
-            "max": float(arr.max()),
-        }
+        stats = {k: float(getattr(arr, k)()) for k in ("mean", "std", "min", "max")}
+        self.calibration = {"n": len(scores), **stats}
         return self.threshold
 
     # ------------------------------------------------------------------ persistence
