@@ -205,18 +205,9 @@ def run_token_level(
     builder = PromptBuilder(lm.tokenizer, context_window=lm.context_window)
     store = RecordStore(records_path)
     conds = noise_conditions(ratios, k, seed) + cf_conditions(cf_ratios, cf_k, seed)
-    units = [
-        (it, c, m)
-        for it in items
-        for c, m in conds
-        if not c.startswith("cf=") or it.counterfactuals
-    ]
-    bar = progress_bar(
-        len(units),
-        sum(1 for it, c, _ in units if (it.id, c, "token") in store),
-        "token level",
-        progress,
-    )
+    units = [(it, c, m) for it in items for c, m in conds if it.counterfactuals or c[:3] != "cf="]
+    done = sum(1 for it, c, _ in units if (it.id, c, "token") in store)
+    bar = progress_bar(len(units), done, "token level", progress)
     try:
         for it, cond, mixer in units:
             if (it.id, cond, "token") in store:

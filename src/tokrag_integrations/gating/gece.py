@@ -302,17 +302,8 @@ class GECEGate(Gate):
         alpha = max(terms["alpha"], 1e-9)
         num = abs(terms["meteor"] - terms["mean_p"])
         val = num / (alpha * max(dot, floor))
-        details = {
-            "mode": self.mode,
-            "pred": terms["pred"],
-            "refs": terms["refs"],
-            "meteor": terms["meteor"],
-            "mean_p": terms["mean_p"],
-            "alpha": terms["alpha"],
-            "grad_dot": dot,
-            "numerator": num,
-        }
-        return val, details
+        shown = {k: terms[k] for k in ("pred", "refs", "meteor", "mean_p", "alpha")}
+        return val, {"mode": self.mode, **shown, "grad_dot": dot, "numerator": num}
 
     def score(
         self, query: str, reference: Sequence[str] | str | None = None
