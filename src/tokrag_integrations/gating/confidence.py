@@ -154,7 +154,6 @@ class ConfidenceGate(Gate):
 
     name = "confidence"
     retrieve_when = "below"
-    default_percentile = 50.0
 
     config_keys = ("metric", "max_new_tokens")
 

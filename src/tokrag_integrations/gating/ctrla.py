@@ -296,7 +296,6 @@ class CtrlAGate(Gate):
 
     name = "ctrla"
     retrieve_when = "below"
-    default_percentile = 50.0
     config_keys = ("read_band", "steer_band", "lam", "max_new_tokens", "seed")
 
     def __init__(

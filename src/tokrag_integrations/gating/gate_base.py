@@ -26,9 +26,8 @@ class GateDecision:
     """One gate's verdict on one query.
 
     ``retrieve``: whether to retrieve; ``score``: the gate's score; ``threshold``: the
-    calibrated threshold it was compared with (None before calibration, then the gate's
-    ``default_threshold`` is used); ``details``: the numbers behind the score (the draft
-    answer, the five confidence metrics, GECE terms, CtrlA per-token scores...).
+    calibrated or given threshold it was compared with; ``details``: the numbers behind the
+    score (the draft answer, the five confidence metrics, GECE terms, CtrlA token scores...).
     """
 
     retrieve: bool
@@ -64,15 +63,13 @@ class Gate:
     name: str = "gate"
     #: "below": retrieve when score < threshold (confidences); "above": when score > it.
     retrieve_when: str = "below"
-    #: Used before calibration (None: calibration required).
-    default_threshold: float | None = None
     #: Default share (%) of calibration queries answered without retrieval.
     default_percentile: float = 50.0
     #: Constructor arguments that :meth:`load` passes back (attributes of the same name).
     config_keys: tuple[str, ...] = ()
 
     def __init__(self, threshold: float | None = None) -> None:
-        self.threshold = self.default_threshold if threshold is None else float(threshold)
+        self.threshold = None if threshold is None else float(threshold)
         self.percentile: float | None = None
         self.calibration: dict[str, Any] = {}
 
