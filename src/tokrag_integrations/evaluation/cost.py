@@ -136,7 +136,9 @@ def run_bench(
 
     for name in policies:  # warm-up (allocator, kernels): the first timed question is no outlier
         pol, opts = arm(name)
-        generate(model_of(name), items[0][0], items[0][1], policy=pol, max_new_tokens=4, **opts, **extra)
+        generate(
+            model_of(name), items[0][0], items[0][1], policy=pol, max_new_tokens=4, **opts, **extra
+        )
     rows, decisions, prompt_tokens = _timed_runs(
         model_of, items if latency else [], policies, max_new_tokens, progress, extra
     )
@@ -152,11 +154,9 @@ def run_bench(
     }
     out.update(paired_figures(rows, decisions))
     if memory:
+        child = dict(model=model, device=device, items=items[:memory_questions], extra=extra)
         for pol in policies:
-            m = _measure_memory(
-                policy=pol, model=model, device=device, items=items[:memory_questions],
-                max_new_tokens=max_new_tokens, extra=extra,
-            )
+            m = _measure_memory(policy=pol, max_new_tokens=max_new_tokens, **child)
             out["policies"][pol].update(
                 peak_mb=m["peak_mb"], peak_over_model_mb=m["peak_mb"] - m["base_mb"]
             )
@@ -190,7 +190,9 @@ def _timed_runs(
         for name in policies[i % len(policies) :] + policies[: i % len(policies)]:
             pol, opts = arm(name)
             t0 = time.perf_counter()
-            r = generate(model_of(name), q, ps, policy=pol, max_new_tokens=max_new_tokens, **opts, **extra)
+            r = generate(
+                model_of(name), q, ps, policy=pol, max_new_tokens=max_new_tokens, **opts, **extra
+            )
             dt = time.perf_counter() - t0
             steps, timings = r.trace.steps, r.trace.timings
             rows[name].append(
@@ -200,11 +202,14 @@ def _timed_runs(
                     "disagreements": sum(1 for s in steps if s.disagreement),
                     "signal_steps": sum(1 for s in steps if "cos_ir" in s.signals),
                     # Charged the prefill it reused from another arm (shared-prefill store).
-                    "prefill_s": timings.get("prefill_s", 0.0) + timings.get("prefill_reused_s", 0.0),
+                    "prefill_s": timings.get("prefill_s", 0.0)
+                    + timings.get("prefill_reused_s", 0.0),
                     "decode_s": timings.get("decode_s", 0.0),
                 }
             )
-            decisions[name].append([(s.token_id, s.source, s.signals.get("benefit")) for s in steps])
+            decisions[name].append(
+                [(s.token_id, s.source, s.signals.get("benefit")) for s in steps]
+            )
             if name == "rag":
                 prompt_tokens.append(r.trace.prompt_tokens.get("rag", 0))
             bar.update(1)
@@ -245,13 +250,16 @@ def paired_figures(
             ]
             qs = statistics.quantiles(rr, n=4) if len(rr) > 1 else [rr[0]] * 3
             out.setdefault("paired", {})[f"{a} / {b}"] = {
-                "median": statistics.median(rr), "q1": qs[0], "q3": qs[2]
+                "median": statistics.median(rr),
+                "q1": qs[0],
+                "q3": qs[2],
             }
     for name in EXACT_ARMS:
         if name in decisions and "tokrag-step" in decisions:
             same = [a == b for a, b in zip(decisions[name], decisions["tokrag-step"], strict=True)]
             out.setdefault("identical_to_step", {})[name] = {
-                "questions": len(same), "identical": sum(same)
+                "questions": len(same),
+                "identical": sum(same),
             }
     return out
 
@@ -268,18 +276,12 @@ def _status_mb(field: str) -> float:
     return float("nan")
 
 
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) so loading the model does not count."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:  # pragma: no cover - non-Linux or not permitted
-        return False
-
-
 def _memory_child(
-    policy: str, model: str, device: str | None, items: list[Any], max_new_tokens: int,
+    policy: str,
+    model: str,
+    device: str | None,
+    items: list[Any],
+    max_new_tokens: int,
     extra: dict[str, Any],
 ) -> dict[str, Any]:
     """One arm on ``items`` in this (fresh) process: ``base_mb`` after loading and a warm-up,
@@ -298,7 +300,11 @@ def _memory_child(
         base = torch.cuda.memory_allocated() / 2**20
     else:
         generate(lm, items[0][0], items[0][1], policy="llm", max_new_tokens=2)
-        reset = _reset_peak_rss()
+        try:  # reset the peak-RSS mark (VmHWM) so loading the model does not count
+            Path("/proc/self/clear_refs").write_text("5")
+            reset = True
+        except OSError:  # pragma: no cover - non-Linux or not permitted
+            reset = False
         base = _status_mb("VmRSS")
     pol, opts = arm(policy)
     for q, ps in items:
@@ -315,11 +321,16 @@ def _memory_child(
 def _measure_memory(**child: Any) -> dict[str, float]:
     """:func:`_memory_child` with ``child`` as its arguments (JSON on stdin), in a fresh process."""
     res = subprocess.run(
-        [sys.executable, "-m", __name__], input=json.dumps(child),
-        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        [sys.executable, "-m", __name__],
+        input=json.dumps(child),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     if res.returncode != 0:
-        raise RuntimeError(f"memory measurement for {child['policy']} failed:\n{res.stderr[-2000:]}")
+        raise RuntimeError(
+            f"memory measurement for {child['policy']} failed:\n{res.stderr[-2000:]}"
+        )
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -364,8 +375,12 @@ def measure_throughput(
                 pol, opts = arm(name)
                 t0 = time.perf_counter()
                 rs = generate_batch(
-                    model_of(name), [q for q, _ in batch], [ps for _, ps in batch],
-                    policy=pol, max_new_tokens=max_new_tokens, **opts,
+                    model_of(name),
+                    [q for q, _ in batch],
+                    [ps for _, ps in batch],
+                    policy=pol,
+                    max_new_tokens=max_new_tokens,
+                    **opts,
                 )
                 dt = time.perf_counter() - t0
                 raw[name][n].append((sum(len(x.trace.steps) for x in rs), dt))
@@ -393,7 +408,8 @@ def measure_throughput(
                 continue
             pairs = {n: list(zip(raw[name][n], raw["rag"][n], strict=True)) for n in sizes}
             out["ratios"][f"{name} / rag"] = {
-                str(n): _spread([(t / d) / (tr / dr) for (t, d), (tr, dr) in p]) for n, p in pairs.items()
+                str(n): _spread([(t / d) / (tr / dr) for (t, d), (tr, dr) in p])
+                for n, p in pairs.items()
             }
             # The same n questions in both arms: the ratio of questions/s is rag's seconds over this arm's.
             out["question_ratios"][f"{name} / rag"] = {

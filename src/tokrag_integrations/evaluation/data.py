@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,9 @@ def load_items(path: str | Path, limit: int | None = None) -> list[EvalItem]:
     FileNotFoundError / ValueError (naming the line): a missing file, bad JSON or field."""
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"Evaluation data not found: {p}. Pass a JSONL file (format: shared/data/README.md).")
+        raise FileNotFoundError(
+            f"Evaluation data not found: {p}. Pass a JSONL file (format: shared/data/README.md)."
+        )
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     items: list[EvalItem] = []
@@ -107,26 +111,43 @@ def _mix(item: EvalItem, want: dict[str, int], seed: int, condition: str) -> Mix
     return Mix([t for t, _ in chosen], [k for _, k in chosen], dict(want), short)
 
 
+def _check(ratio: float, k: int, what: str) -> float:
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"{what} ratio must be in [0, 1], got {ratio}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    return ratio
+
+
 def mix_passages(item: EvalItem, ratio: float, k: int = 5, seed: int = DEFAULT_SEED) -> Mix:
     """Table 1 protocol: k passages, round((1 − ratio)·k) positives, the rest hard negatives
     (fewer when a pool is too small: ``Mix.short``), sampled and shuffled with a generator
     seeded by (seed, item id, ratio), so every policy and run sees the same list."""
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"noise ratio must be in [0, 1], got {ratio}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    n_pos = round((1 - ratio) * k)
+    n_pos = round((1 - _check(ratio, k, "noise")) * k)
     return _mix(item, {"pos": n_pos, "neg": k - n_pos}, seed, f"noise={ratio:g}/k={k}")
 
 
-def mix_counterfactuals(item: EvalItem, cf_ratio: float, k: int = 2, seed: int = DEFAULT_SEED) -> Mix:
+def mix_counterfactuals(
+    item: EvalItem, cf_ratio: float, k: int = 2, seed: int = DEFAULT_SEED
+) -> Mix:
     """Misleading passages: k passages, round(cf_ratio·k) counterfactuals, the rest positives."""
-    if not 0.0 <= cf_ratio <= 1.0:
-        raise ValueError(f"counterfactual ratio must be in [0, 1], got {cf_ratio}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    n_cf = round(cf_ratio * k)
+    n_cf = round(_check(cf_ratio, k, "counterfactual") * k)
     return _mix(item, {"pos": k - n_cf, "cf": n_cf}, seed, f"cf={cf_ratio:g}/k={k}")
+
+
+Conditions = list[tuple[str, Callable[[EvalItem], Mix]]]
+
+
+def noise_conditions(ratios: Sequence[float], k: int, seed: int) -> Conditions:
+    """(label ``"0.4"``, mixer) per noise ratio (:func:`mix_passages`)."""
+    return [(f"{r:g}", partial(mix_passages, ratio=r, k=k, seed=seed)) for r in ratios]
+
+
+def cf_conditions(cf_ratios: Sequence[float], k: int, seed: int) -> Conditions:
+    """(label ``"cf=0.5"``, mixer) per counterfactual ratio (:func:`mix_counterfactuals`)."""
+    return [
+        (f"cf={r:g}", partial(mix_counterfactuals, cf_ratio=r, k=k, seed=seed)) for r in cf_ratios
+    ]
 
 
 # --------------------------------------------------------------------------- PopQA passages
@@ -175,13 +196,19 @@ def _wrong_answer(item: EvalItem, pool: list[EvalItem], seed: int) -> str | None
 
     gold = [_norm(a) for a in item.answers if a.strip()]
     prop = item.meta.get("prop")
-    cands = sorted({o.answers[0] for o in pool if o.id != item.id and o.meta.get("prop") == prop and o.answers})
-    cands = [c for c in cands if c.strip() and not any(g in _norm(c) or _norm(c) in g for g in gold)]
+    cands = sorted(
+        {o.answers[0] for o in pool if o.id != item.id and o.meta.get("prop") == prop and o.answers}
+    )
+    cands = [
+        c for c in cands if c.strip() and not any(g in _norm(c) or _norm(c) in g for g in gold)
+    ]
     cands = [c for c in cands if not cover_em(popqa_passage(item, c), item.answers)]
     return _rng(seed, item.id, "popqa-counterfactual").choice(cands) if cands else None
 
 
-def synthesize_popqa(items: list[EvalItem], *, pool: list[EvalItem] | None = None, seed: int = DEFAULT_SEED) -> list[EvalItem]:
+def synthesize_popqa(
+    items: list[EvalItem], *, pool: list[EvalItem] | None = None, seed: int = DEFAULT_SEED
+) -> list[EvalItem]:
     """PopQA items (no passages) with synthetic passages for the token-level protocol:
     ``positives`` = [the relation's template sentence with the first gold answer] ("The
     capital of Belarus is Minsk."); ``counterfactuals`` = [the same sentence with another
@@ -195,13 +222,14 @@ def synthesize_popqa(items: list[EvalItem], *, pool: list[EvalItem] | None = Non
             continue
         wrong = _wrong_answer(it, pool, seed)
         out.append(
-            EvalItem(
-                id=it.id, question=it.question, answers=list(it.answers),
+            replace(
+                it,
+                answers=list(it.answers),
                 positives=[popqa_passage(it, it.answers[0])],
                 negatives=[],
                 counterfactuals=[popqa_passage(it, wrong)] if wrong else [],
                 counterfactual_answers=[wrong] if wrong else [],
-                source=it.source, meta={**it.meta, "synthetic_passages": True}, popularity=it.popularity,
+                meta={**it.meta, "synthetic_passages": True},
             )
         )
     return out
@@ -217,5 +245,6 @@ def select_popular(items: list[EvalItem], min_pop_bin: int = 4) -> list[EvalItem
 def is_popqa(items: list[EvalItem]) -> bool:
     """PopQA-style items: no passages at all, each with a relation in ``meta.prop``."""
     return bool(items) and all(
-        not (it.positives or it.negatives or it.counterfactuals) and "prop" in it.meta for it in items
+        not (it.positives or it.negatives or it.counterfactuals) and "prop" in it.meta
+        for it in items
     )

@@ -6,13 +6,9 @@ it stopped. Policies are specs, ``name`` or ``name[key=value,...]`` (:mod:`.spec
 normalised spec is the record's ``policy`` and the table label, its options go to
 ``generate_batch(..., policy_options=...)``.
 
-Shared between policies: the passage mix of an (item, condition) (seeded, the same for every
-policy); the prefill (inside :func:`..engine.prefill.shared_prefill` every policy decoding
-the same contexts of the same item batch gets a copy of one prefilled KV cache); and the
-``llm`` answer, decoded once per item for every condition. ``time_s`` charges a policy the
-prefill it took from another's decode (``prefill_reused_s``); :mod:`.cost` measures cost in
-isolation. Accuracy comes with 95 % percentile-bootstrap intervals over items, and the paired
-difference of each policy to ``rag`` (:func:`.accuracy.compare_policies`).
+Shared between policies: the seeded passage mix of an (item, condition); the prefill of an
+item batch's contexts (:func:`..engine.prefill.shared_prefill`), charged to every policy that
+reuses it in ``time_s``; and the ``llm`` answer, decoded once per item for every condition.
 """
 
 from __future__ import annotations
@@ -20,11 +16,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ..config import require_bool
 from .accuracy import summarize_accuracy
-from .data import DEFAULT_RATIOS, DEFAULT_SEED, EvalItem, Mix, mix_counterfactuals, mix_passages
+from .data import (
+    DEFAULT_RATIOS,
+    DEFAULT_SEED,
+    Conditions,
+    EvalItem,
+    Mix,
+    cf_conditions,
+    noise_conditions,
+)
 from .metrics import cover_em
 from .records import NO_PASSAGES, RecordStore, progress_bar
 from .specs import parse_specs
@@ -33,49 +38,89 @@ DEFAULT_POLICIES = ("llm", "rag", "tokrag", "cad", "adacad", "logprob", "entropy
 DEFAULT_CF_RATIOS = (0.0, 0.5, 1.0)
 
 
-def _default_decode(lm: Any, queries: list[str], passages: list[list[str]], **kw: Any) -> list[Any]:
-    from ..engine.scheduler import generate_batch
+def run_noise_sweep(
+    lm: Any,
+    items: Sequence[EvalItem],
+    *,
+    ratios: Sequence[float] = DEFAULT_RATIOS,
+    k: int = 5,
+    seed: int = DEFAULT_SEED,
+    **options: Any,
+) -> dict[str, Any]:
+    """Table 1 protocol: accuracy (cover EM) per policy and noise ratio. Returns the summary
+    (:func:`.accuracy.summarize_accuracy`); ``options`` are :func:`run_generation`'s."""
+    return run_generation("noise", lm, items, noise_conditions(ratios, k, seed), **options)
 
-    return generate_batch(lm, queries, passages, **kw)
+
+def run_misleading(
+    lm: Any,
+    items: Sequence[EvalItem],
+    *,
+    cf_ratios: Sequence[float] = DEFAULT_CF_RATIOS,
+    k: int = 2,
+    seed: int = DEFAULT_SEED,
+    **options: Any,
+) -> dict[str, Any]:
+    """Positives mixed with counterfactual passages (ratio 1.0 = counterfactuals only) on the
+    items that have counterfactuals: accuracy and the rate of answers repeating the
+    counterfactual answer; ``options`` are :func:`run_generation`'s."""
+    items = [it for it in items if it.counterfactuals]
+    if not items:
+        raise ValueError(
+            "no item has counterfactual passages: use rgb_en_fact or conflictqa_strategyqa data"
+        )
+    return run_generation("misleading", lm, items, cf_conditions(cf_ratios, k, seed), **options)
 
 
-def _run_generation(
+def run_generation(
     task: str,
     lm: Any,
     items: Sequence[EvalItem],
-    conditions: Sequence[tuple[str, Callable[[EvalItem], Mix]]],
+    conditions: Conditions,
     *,
-    policies: Sequence[str],
     records_path: str | Path,
-    max_new_tokens: int,
-    stop: Sequence[str],
-    batch_size: int,
-    policy_options: dict[str, dict[str, Any]] | None,
-    keep_traces: bool,
-    progress: bool,
-    decode: Callable[..., list[Any]] | None,
-) -> RecordStore:
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    max_new_tokens: int = 24,
+    stop: Sequence[str] = ("\n",),
+    batch_size: int = 1,
+    policy_options: dict[str, dict[str, Any]] | None = None,
+    keep_traces: bool = True,
+    progress: bool = True,
+    decode: Callable[..., list[Any]] | None = None,
+) -> dict[str, Any]:
+    """Every policy on every (item, condition) not yet in ``records_path``; the summary.
+
+    ``policy_options`` gives options per policy name (``{"cad": {"alpha": 0.3}}``) or spec
+    label, a spec's own options override them; ``decode`` replaces
+    ``engine.scheduler.generate_batch``; ``keep_traces`` stores each answer's trace.
+    """
+    from ..engine.prefill import shared_prefill
+    from ..engine.scheduler import generate_batch
+    from ..policies import get_policy, uses_passages
+
     require_bool(keep_traces, "keep_traces")
     require_bool(progress, "progress")
     store = RecordStore(records_path)
-    decode = decode or _default_decode
-    from ..engine.prefill import shared_prefill
-
-    options, pols = build_policies(policies, policy_options)
+    decode = decode or generate_batch
+    policy_options = policy_options or {}
+    options: dict[str, tuple[str, dict[str, Any]]] = {}
+    for spec in parse_specs(list(policies)):
+        label = str(spec)
+        opts = {**policy_options.get(spec.name, {}), **policy_options.get(label, {})}
+        options[label] = (spec.name, {**opts, **spec.options})
+    pols = {label: get_policy(name, **opts) for label, (name, opts) in options.items()}
     # Probing policies first (the most probed roles first), so the prefill they leave behind
     # serves every other policy: a probed prefill serves a non-probing decode, not the reverse.
-    from types import SimpleNamespace
-
-    from ..policies import uses_passages
-
     empty = SimpleNamespace(pure_ids=[], rag_ids=[], retrieved_positions=[], kept_passages=[])
     order = sorted(pols, key=lambda p: -sum(s.probe for s in pols[p].contexts(empty).values()))
     no_passages = [p for p in order if not uses_passages(pols[p])]
     with_passages = [p for p in order if uses_passages(pols[p])]
     total = len(items) * (len(no_passages) + len(with_passages) * len(conditions))
     done = sum(1 for it in items for p in no_passages if (it.id, NO_PASSAGES, p) in store)
-    done += sum(1 for it in items for p in with_passages for c, _ in conditions if (it.id, c, p) in store)
-    bar = progress_bar(total, done, f"{task} ({lm_name(lm)})", progress)
+    done += sum(
+        1 for it in items for p in with_passages for c, _ in conditions if (it.id, c, p) in store
+    )
+    bar = progress_bar(total, done, f"{task} ({getattr(lm, 'name', 'model')})", progress)
 
     def run(policy: str, cond: str, batch: list[EvalItem], mixes: list[Mix]) -> None:
         t0 = time.perf_counter()
@@ -97,7 +142,9 @@ def _run_generation(
                 "policy": policy,
                 "text": res.text,
                 "correct": cover_em(res.text, it.answers),
-                "cf_repeat": cover_em(res.text, it.counterfactual_answers) if it.counterfactual_answers else None,
+                "cf_repeat": cover_em(res.text, it.counterfactual_answers)
+                if it.counterfactual_answers
+                else None,
                 "passages": mix.counts,
                 "short": mix.short,
                 "counts": res.trace.counts(),
@@ -126,97 +173,13 @@ def _run_generation(
                 # One prefill of each (item batch, condition) serves every policy.
                 with shared_prefill():
                     for policy in with_passages:
-                        sub = [(it, m) for it, m in zip(batch, mixes, strict=True) if (it.id, cond, policy) not in store]
+                        sub = [
+                            (it, m)
+                            for it, m in zip(batch, mixes, strict=True)
+                            if (it.id, cond, policy) not in store
+                        ]
                         if sub:
                             run(policy, cond, [it for it, _ in sub], [m for _, m in sub])
     finally:
         bar.close()
-    return store
-
-
-def policy_labels(policies: Sequence[str]) -> list[str]:
-    """The normalised spec strings of ``policies`` (``tokrag[min_fusion_layer=0]`` ...), in
-    order, duplicates dropped: the ``policy`` key of records and the rows of tables."""
-    return [str(s) for s in parse_specs(list(policies))]
-
-
-def build_policies(
-    policies: Sequence[str], policy_options: dict[str, dict[str, Any]] | None = None
-) -> tuple[dict[str, tuple[str, dict[str, Any]]], dict[str, Any]]:
-    """Per spec label: (policy name, options) and the built policy. ``policy_options`` gives
-    defaults per policy name (e.g. ``{"cad": {"alpha": 0.3}}``) or per label; a spec's own
-    options override them."""
-    from ..policies import get_policy
-
-    policy_options = policy_options or {}
-    options: dict[str, tuple[str, dict[str, Any]]] = {}
-    for spec in parse_specs(list(policies)):
-        label = str(spec)
-        opts = {**policy_options.get(spec.name, {}), **policy_options.get(label, {}), **spec.options}
-        options[label] = (spec.name, opts)
-    return options, {label: get_policy(name, **opts) for label, (name, opts) in options.items()}
-
-
-def lm_name(lm: Any) -> str:
-    return str(getattr(lm, "name", "model"))
-
-
-def run_noise_sweep(
-    lm: Any,
-    items: Sequence[EvalItem],
-    *,
-    records_path: str | Path,
-    policies: Sequence[str] = DEFAULT_POLICIES,
-    ratios: Sequence[float] = DEFAULT_RATIOS,
-    k: int = 5,
-    seed: int = DEFAULT_SEED,
-    max_new_tokens: int = 24,
-    stop: Sequence[str] = ("\n",),
-    batch_size: int = 1,
-    policy_options: dict[str, dict[str, Any]] | None = None,
-    keep_traces: bool = True,
-    progress: bool = True,
-    decode: Callable[..., list[Any]] | None = None,
-) -> dict[str, Any]:
-    """Table 1 protocol: accuracy (cover EM) per policy and noise ratio. Returns the summary."""
-    conditions = [(f"{r:g}", (lambda it, r=r: mix_passages(it, r, k=k, seed=seed))) for r in ratios]
-    store = _run_generation(
-        "noise", lm, items, conditions, policies=policies, records_path=records_path,
-        max_new_tokens=max_new_tokens, stop=stop, batch_size=batch_size, policy_options=policy_options,
-        keep_traces=keep_traces, progress=progress, decode=decode,
-    )
-    return summarize_accuracy(store.values(), items, policy_labels(policies), [c for c, _ in conditions])
-
-
-def run_misleading(
-    lm: Any,
-    items: Sequence[EvalItem],
-    *,
-    records_path: str | Path,
-    policies: Sequence[str] = DEFAULT_POLICIES,
-    cf_ratios: Sequence[float] = DEFAULT_CF_RATIOS,
-    k: int = 2,
-    seed: int = DEFAULT_SEED,
-    max_new_tokens: int = 24,
-    stop: Sequence[str] = ("\n",),
-    batch_size: int = 1,
-    policy_options: dict[str, dict[str, Any]] | None = None,
-    keep_traces: bool = True,
-    progress: bool = True,
-    decode: Callable[..., list[Any]] | None = None,
-) -> dict[str, Any]:
-    """Positives mixed with counterfactual passages (ratio 1.0 = counterfactuals only) on the
-    items that have counterfactuals: accuracy and the rate of answers repeating the
-    counterfactual answer."""
-    items = [it for it in items if it.counterfactuals]
-    if not items:
-        raise ValueError("no item has counterfactual passages: use rgb_en_fact or conflictqa_strategyqa data")
-    conditions = [(f"cf={r:g}", (lambda it, r=r: mix_counterfactuals(it, r, k=k, seed=seed))) for r in cf_ratios]
-    store = _run_generation(
-        "misleading", lm, items, conditions, policies=policies, records_path=records_path,
-        max_new_tokens=max_new_tokens, stop=stop, batch_size=batch_size, policy_options=policy_options,
-        keep_traces=keep_traces, progress=progress, decode=decode,
-    )
-    return summarize_accuracy(store.values(), items, policy_labels(policies), [c for c, _ in conditions])
-
-
+    return summarize_accuracy(store.values(), items, list(options), [c for c, _ in conditions])

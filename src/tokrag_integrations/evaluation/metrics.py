@@ -8,6 +8,8 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation) | {"‘", "’", "“", "”", "–", "—"}
 _YES_NO = {"yes", "no"}
@@ -57,22 +59,10 @@ def auc(scores: Sequence[float], labels: Sequence[int]) -> float:
     """
     if len(scores) != len(labels):
         raise ValueError(f"got {len(scores)} scores but {len(labels)} labels")
-    pairs = sorted(zip(scores, labels, strict=True), key=lambda x: x[0])
-    n_pos = sum(1 for _, y in pairs if y)
-    n_neg = len(pairs) - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    # Mann–Whitney U with average ranks for ties.
-    rank_sum = 0.0
-    i = 0
-    while i < len(pairs):
-        j = i
-        while j + 1 < len(pairs) and pairs[j + 1][0] == pairs[i][0]:
-            j += 1
-        avg = (i + j) / 2 + 1
-        rank_sum += avg * sum(1 for t in range(i, j + 1) if pairs[t][1])
-        i = j + 1
-    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+    if not len(scores):
+        return math.nan
+    x, y = np.asarray(scores, dtype=float), np.asarray(labels, dtype=int)
+    return float(_weighted_auc(x, y, np.ones((1, len(x))))[0])
 
 
 def f1_score(predictions: Sequence[int], labels: Sequence[int]) -> float:
@@ -97,11 +87,14 @@ BOOTSTRAP_SEED = 20240917
 CI_LEVEL = 0.95
 
 
+def bootstrap_settings(seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
+    """The bootstrap settings a summary reports (items are the resampled unit)."""
+    return {"resamples": BOOTSTRAP_RESAMPLES, "seed": seed, "level": CI_LEVEL, "unit": "item"}
+
+
 def _resample_weights(n: int, resamples: int, seed: int) -> Any:
     """[resamples, n] counts: how often each of n items is drawn in each resample (drawing n
     with replacement), from a generator seeded with ``seed`` only."""
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     return rng.multinomial(n, np.full(n, 1.0 / n), size=resamples).astype(float)
 
@@ -109,8 +102,6 @@ def _resample_weights(n: int, resamples: int, seed: int) -> Any:
 def _mean_over_conditions(weights: Any, matrix: Any) -> Any:
     """Per resample: the mean over columns (conditions) of each column's weighted mean over
     rows (items), NaN cells skipped; [resamples] (percent when the cells are 0/1 * 100)."""
-    import numpy as np
-
     m = np.asarray(matrix, dtype=float)
     ok = ~np.isnan(m)
     sums = weights @ np.where(ok, m, 0.0)
@@ -118,12 +109,12 @@ def _mean_over_conditions(weights: Any, matrix: Any) -> Any:
     with np.errstate(invalid="ignore", divide="ignore"):
         cols = sums / counts
         has = ~np.isnan(cols)
-        return np.where(has.any(axis=1), np.nansum(cols, axis=1) / np.maximum(has.sum(axis=1), 1), np.nan)
+        return np.where(
+            has.any(axis=1), np.nansum(cols, axis=1) / np.maximum(has.sum(axis=1), 1), np.nan
+        )
 
 
 def _interval(stats: Any, level: float) -> tuple[float, float]:
-    import numpy as np
-
     s = np.asarray(stats, dtype=float)
     s = s[~np.isnan(s)]
     if not s.size:
@@ -135,8 +126,6 @@ def _interval(stats: Any, level: float) -> tuple[float, float]:
 def mean_over_conditions(matrix: Sequence[Sequence[float]]) -> float:
     """The point estimate the intervals belong to: the mean over conditions (columns) of each
     condition's mean over items (rows), NaN cells skipped."""
-    import numpy as np
-
     m = np.asarray(matrix, dtype=float)
     return float(_mean_over_conditions(np.ones((1, m.shape[0])), m)[0]) if m.size else math.nan
 
@@ -150,12 +139,12 @@ def bootstrap_ci(
 ) -> tuple[float, float]:
     """Percentile bootstrap interval of :func:`mean_over_conditions` resampling items (rows)
     with replacement. A one-column matrix gives the interval of one condition's mean."""
-    import numpy as np
-
     m = np.asarray(matrix, dtype=float)
     if m.ndim != 2 or not m.shape[0]:
         return (math.nan, math.nan)
-    return _interval(_mean_over_conditions(_resample_weights(m.shape[0], resamples, seed), m), level)
+    return _interval(
+        _mean_over_conditions(_resample_weights(m.shape[0], resamples, seed), m), level
+    )
 
 
 def paired_bootstrap_diff(
@@ -169,23 +158,24 @@ def paired_bootstrap_diff(
     """Policy A − policy B of the mean over conditions, on the same items (row i of ``a`` and
     of ``b`` is the same item): the difference and its bootstrap interval, with the same item
     resample for both. ``{"diff": d, "ci": [lo, hi]}``."""
-    import numpy as np
-
     ma, mb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if ma.shape[0] != mb.shape[0]:
-        raise ValueError(f"paired comparison needs the same items: {ma.shape[0]} vs {mb.shape[0]} rows")
+        raise ValueError(
+            f"paired comparison needs the same items: {ma.shape[0]} vs {mb.shape[0]} rows"
+        )
     if not ma.shape[0]:
         return {"diff": math.nan, "ci": [math.nan, math.nan]}
     w = _resample_weights(ma.shape[0], resamples, seed)
     diffs = _mean_over_conditions(w, ma) - _mean_over_conditions(w, mb)
-    return {"diff": mean_over_conditions(ma) - mean_over_conditions(mb), "ci": list(_interval(diffs, level))}
+    return {
+        "diff": mean_over_conditions(ma) - mean_over_conditions(mb),
+        "ci": list(_interval(diffs, level)),
+    }
 
 
 def _weighted_auc(scores: Any, labels: Any, weights: Any) -> Any:
     """AUC (ties ½) of every row of ``weights`` ([R, n] sample weights), vectorised: each
     positive's weight times the negative weight below its score (+ ½ the weight at it)."""
-    import numpy as np
-
     order = np.argsort(scores, kind="mergesort")
     s, y, w = scores[order], labels[order].astype(bool), weights[:, order]
     neg = np.cumsum(w * ~y, axis=1)
@@ -197,7 +187,11 @@ def _weighted_auc(scores: Any, labels: Any, weights: Any) -> Any:
     pos_w = w * y
     n_pos, n_neg = pos_w.sum(axis=1), neg[:, -1]
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where((n_pos > 0) & (n_neg > 0), (pos_w * (below + 0.5 * at)).sum(axis=1) / (n_pos * n_neg), np.nan)
+        return np.where(
+            (n_pos > 0) & (n_neg > 0),
+            (pos_w * (below + 0.5 * at)).sum(axis=1) / (n_pos * n_neg),
+            np.nan,
+        )
 
 
 def bootstrap_auc_ci(
@@ -212,8 +206,6 @@ def bootstrap_auc_ci(
     """Percentile bootstrap interval of :func:`auc`, resampling ``groups`` (e.g. the item of
     each sample: its samples are drawn together) or, without groups, samples. Resamples
     lacking one class are skipped."""
-    import numpy as np
-
     if len(scores) != len(labels) or (groups is not None and len(groups) != len(scores)):
         raise ValueError("scores, labels and groups must have the same length")
     if not scores:

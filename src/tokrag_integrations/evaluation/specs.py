@@ -29,7 +29,12 @@ class PolicySpec:
     def __str__(self) -> str:
         if not self.options:
             return self.name
-        return self.name + "[" + ",".join(f"{k}={_show(self.options[k])}" for k in sorted(self.options)) + "]"
+        return (
+            self.name
+            + "["
+            + ",".join(f"{k}={_show(self.options[k])}" for k in sorted(self.options))
+            + "]"
+        )
 
 
 def _show(value: Any) -> str:
@@ -101,7 +106,9 @@ def parse_spec(text: str) -> PolicySpec:
 
 def parse_specs(text: str | Iterable[str]) -> list[PolicySpec]:
     """A comma-separated spec list (or a list of spec strings) -> specs, duplicates dropped."""
-    parts = split_specs(text) if isinstance(text, str) else [p for t in text for p in split_specs(t)]
+    parts = (
+        split_specs(text) if isinstance(text, str) else [p for t in text for p in split_specs(t)]
+    )
     out: list[PolicySpec] = []
     for p in parts:
         s = parse_spec(p)
@@ -110,13 +117,17 @@ def parse_specs(text: str | Iterable[str]) -> list[PolicySpec]:
     return out
 
 
-def validate_specs(specs: Iterable[PolicySpec], known: Iterable[str], build: Callable[..., Any]) -> None:
+def validate_specs(
+    specs: Iterable[PolicySpec], known: Iterable[str], build: Callable[..., Any]
+) -> None:
     """Raise ValueError (one sentence) for an unknown name or options that ``build(name,
     **options)`` rejects; nothing is loaded."""
     known = sorted(known)
     for s in specs:
         if s.name not in known:
-            raise ValueError(f"Unknown policy {s.name!r} in {str(s)!r}; available: {', '.join(known)}.")
+            raise ValueError(
+                f"Unknown policy {s.name!r} in {str(s)!r}; available: {', '.join(known)}."
+            )
         try:
             build(s.name, **s.options)
         except (TypeError, ValueError) as e:

@@ -2,43 +2,34 @@
 pure and RAG contexts, the samples where exactly one of them predicts the gold token, and the
 AUC / F1 of each scorer on them.
 
-Label-0 samples (the pure model right, RAG wrong) need items the pure model knows; with the
-135M model three sources give them:
-
-* RGB (``rgb_en_fact``): the counterfactual conditions ``cf=0.5`` / ``cf=1`` (k = 2);
-  target: the evidence sentence.
-* ConflictQA (``conflictqa_strategyqa``, yes/no): its positive and its counterfactual passage
-  (arguing the other verdict) through the same ``cf=`` conditions; with ``target="auto"`` the
-  target is the bare verdict "Yes" / "No".
-* PopQA (no passages): :func:`.data.select_popular` keeps the top popularity quintile, most
-  popular first; :func:`.data.synthesize_popqa` gives each a template sentence with the gold
-  answer and a counterfactual one with another item's answer of the same relation. Target:
-  the bare first gold answer (this measures knowledge conflict, not retrieval).
+Label-0 samples (the pure model right, RAG wrong) need items the pure model knows: RGB's and
+ConflictQA's counterfactual conditions (``cf=``; ConflictQA's yes/no target is the bare
+verdict with ``target="auto"``), and PopQA's most popular items with synthetic passages
+(:func:`.data.select_popular`, :func:`.data.synthesize_popqa`; target: the bare gold answer).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..config import require_bool
 from ..prompts import PromptBuilder
-from .data import DEFAULT_SEED, EvalItem, Mix, mix_counterfactuals, mix_passages
+from .data import DEFAULT_SEED, EvalItem, cf_conditions, noise_conditions
 from .metrics import (
-    BOOTSTRAP_RESAMPLES,
     BOOTSTRAP_SEED,
-    CI_LEVEL,
     auc,
     bootstrap_auc_ci,
+    bootstrap_settings,
     f1_score,
     is_yes_no,
     macro_f1,
 )
 from .records import RecordStore, progress_bar
-from .specs import parse_specs, validate_specs
+from .specs import PolicySpec, parse_specs, validate_specs
 
 __all__ = [
     "TARGETS",
@@ -52,25 +43,26 @@ __all__ = [
     "target_kind",
 ]
 
-#: Tok-RAG scorers measured at token level when ``--scorers`` is not given: the defaults, each
-#: corrected reading of docs/algorithm.md undone alone, all of them undone (the literal reading), DoLa's
-#: own α = 0.1 for the rising token, the search start 10/32 of the depth (docs/algorithm.md, "Eq. 14"), a fixed
-#: mid-depth l*, the Theorem-3 scorer and the authors' released rule. Labels are the specs
-#: that reproduce them.
-TOKRAG_CONFIGS: dict[str, dict[str, Any]] = {
-    "tokrag": {},
-    "tokrag[lens_norm=False,min_fusion_layer=0,plausibility_alpha=None]": {
-        "lens_norm": False, "min_fusion_layer": 0, "plausibility_alpha": None,
-    },
-    "tokrag[min_fusion_layer=0]": {"min_fusion_layer": 0},
-    "tokrag[plausibility_alpha=None]": {"plausibility_alpha": None},
-    "tokrag[plausibility_alpha=0.1]": {"plausibility_alpha": 0.1},
-    "tokrag[pr_skip=None]": {"pr_skip": None},
-    "tokrag[min_fusion_layer=0.3125]": {"min_fusion_layer": 0.3125},
-    "tokrag[fixed_layer=15]": {"fixed_layer": 15},
-    "tokrag[scorer=distribution]": {"scorer": "distribution"},
-    "tokrag_reference": {"policy": "tokrag_reference"},
-}
+
+def _configs(specs: Iterable[PolicySpec]) -> dict[str, dict[str, Any]]:
+    """Spec label -> ``TokRAG`` options (``"policy"`` names the authors' rule)."""
+    return {
+        str(sp): {**({"policy": sp.name} if sp.name != "tokrag" else {}), **sp.options}
+        for sp in specs
+    }
+
+
+#: Tok-RAG scorers measured at token level when ``--scorers`` is not given (docs/algorithm.md):
+#: the defaults, each corrected reading undone alone and all together, DoLa's α = 0.1, the
+#: search start 10/32 of the depth, a fixed l*, the Theorem-3 scorer and the authors' rule.
+TOKRAG_CONFIGS = _configs(
+    parse_specs(
+        "tokrag,tokrag[lens_norm=False,min_fusion_layer=0,plausibility_alpha=None],"
+        "tokrag[min_fusion_layer=0],tokrag[plausibility_alpha=None],tokrag[plausibility_alpha=0.1],"
+        "tokrag[pr_skip=None],tokrag[min_fusion_layer=0.3125],tokrag[fixed_layer=15],"
+        "tokrag[scorer=distribution],tokrag_reference"
+    )
+)
 
 
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
@@ -101,10 +93,14 @@ def target_kind(item: EvalItem, target: str = "auto") -> str:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
     if target != "auto":
         return target
-    return "answer" if is_yes_no(item.answers) or item.meta.get("synthetic_passages") else "evidence"
+    return (
+        "answer" if is_yes_no(item.answers) or item.meta.get("synthetic_passages") else "evidence"
+    )
 
 
-def gold_target(tokenizer: Any, item: EvalItem, target: str = "evidence", max_tokens: int = 32) -> list[int]:
+def gold_target(
+    tokenizer: Any, item: EvalItem, target: str = "evidence", max_tokens: int = 32
+) -> list[int]:
     """Token ids of the gold continuation fed after the question.
 
     ``"answer"``: the first gold answer (capitalised, as a reply would open: "Yes", "Minsk");
@@ -130,19 +126,18 @@ def scorer_configs(specs: str | Sequence[str] | None) -> dict[str, dict[str, Any
 
     parsed = parse_specs(specs)
     validate_specs(parsed, ["tokrag", "tokrag_reference"], get_policy)
-    return {str(sp): {**({"policy": sp.name} if sp.name != "tokrag" else {}), **sp.options} for sp in parsed}
+    return _configs(parsed)
 
 
-def _token_conditions(ratios: Sequence[float], cf_ratios: Sequence[float], k: int, cf_k: int, seed: int) -> list[tuple[str, Callable[[EvalItem], Mix]]]:
-    conds: list[tuple[str, Callable[[EvalItem], Mix]]] = [
-        (f"{r:g}", (lambda it, r=r: mix_passages(it, r, k=k, seed=seed))) for r in ratios
-    ]
-    conds += [(f"cf={r:g}", (lambda it, r=r: mix_counterfactuals(it, r, k=cf_k, seed=seed))) for r in cf_ratios]
-    return conds
-
-
-def _token_samples(lm: Any, builder: Any, walker: Any, scorers: dict[str, Any], question: str,
-                   passages: list[str], target: list[int]) -> list[dict[str, Any]]:
+def _token_samples(
+    lm: Any,
+    builder: Any,
+    walker: Any,
+    scorers: dict[str, Any],
+    question: str,
+    passages: list[str],
+    target: list[int],
+) -> list[dict[str, Any]]:
     """Teacher-force ``target`` after the question in the pure and RAG contexts; one sample
     per position where exactly one of them predicts the gold token."""
     import warnings
@@ -164,7 +159,9 @@ def _token_samples(lm: Any, builder: Any, walker: Any, scorers: dict[str, Any], 
             b = int(rag.logits.argmax().item())
             if (a == target[i]) == (b == target[i]):
                 continue
-            scores = {name: _safe_score(sc, pure, rag, make_lens(lm)) for name, sc in scorers.items()}
+            scores = {
+                name: _safe_score(sc, pure, rag, make_lens(lm)) for name, sc in scorers.items()
+            }
             scores["logprob"] = logprob_margin(pure.probs, rag.probs)
             scores["entropy"] = entropy_margin(pure.probs, rag.probs)
             samples.append({"pos": i, "label": int(b == target[i]), "scores": scores})
@@ -207,21 +204,34 @@ def run_token_level(
     walker = TokRAG()
     builder = PromptBuilder(lm.tokenizer, context_window=lm.context_window)
     store = RecordStore(records_path)
-    conds = _token_conditions(ratios, cf_ratios, k, cf_k, seed)
-    units = [(it, c, m) for it in items for c, m in conds if not c.startswith("cf=") or it.counterfactuals]
-    bar = progress_bar(len(units), sum(1 for it, c, _ in units if (it.id, c, "token") in store), "token level", progress)
+    conds = noise_conditions(ratios, k, seed) + cf_conditions(cf_ratios, cf_k, seed)
+    units = [(it, c, m) for it in items for c, m in conds if it.counterfactuals or c[:3] != "cf="]
+    done = sum(1 for it, c, _ in units if (it.id, c, "token") in store)
+    bar = progress_bar(len(units), done, "token level", progress)
     try:
         for it, cond, mixer in units:
             if (it.id, cond, "token") in store:
                 continue
             mix = mixer(it)
             ids = gold_target(lm.tokenizer, it, target, max_target_tokens)
-            samples = _token_samples(lm, builder, walker, scorers, it.question, mix.passages, ids) if mix.passages and ids else []
-            store.add({
-                "task": "token", "item": it.id, "condition": cond, "policy": "token", "source": it.source,
-                "samples": samples, "n_target_tokens": len(ids), "target": target_kind(it, target),
-                "passages": mix.counts,
-            })
+            samples = (
+                _token_samples(lm, builder, walker, scorers, it.question, mix.passages, ids)
+                if mix.passages and ids
+                else []
+            )
+            store.add(
+                {
+                    "task": "token",
+                    "item": it.id,
+                    "condition": cond,
+                    "policy": "token",
+                    "source": it.source,
+                    "samples": samples,
+                    "n_target_tokens": len(ids),
+                    "target": target_kind(it, target),
+                    "passages": mix.counts,
+                }
+            )
             bar.update(1)
     finally:
         bar.close()
@@ -251,14 +261,9 @@ def pool_token_records(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     return out
 
 
-def _scorer_names(samples: list[dict[str, Any]]) -> list[str]:
-    names: list[str] = []
-    for smp in samples:
-        names += [n for n in smp["scores"] if n not in names]
-    return names
-
-
-def _scorer_figures(samples: list[tuple[str, dict[str, Any]]], name: str, seed: int) -> dict[str, Any]:
+def _scorer_figures(
+    samples: list[tuple[str, dict[str, Any]]], name: str, seed: int
+) -> dict[str, Any]:
     """AUC (with its 95 % interval, samples resampled grouped by item), F1, macro-F1 and the
     label counts of the samples this scorer scored."""
     kept = [(g, smp["scores"].get(name, math.nan), smp["label"]) for g, smp in samples]
@@ -278,7 +283,9 @@ def _scorer_figures(samples: list[tuple[str, dict[str, Any]]], name: str, seed: 
 
 
 def _token_figures(records: list[dict[str, Any]], seed: int) -> dict[str, Any]:
-    samples = [(f"{r.get('source', '')}/{r['item']}", smp) for r in records for smp in r.get("samples", [])]
+    samples = [
+        (f"{r.get('source', '')}/{r['item']}", smp) for r in records for smp in r.get("samples", [])
+    ]
     labels = [smp["label"] for _, smp in samples]
     return {
         "n_samples": len(samples),
@@ -286,11 +293,16 @@ def _token_figures(records: list[dict[str, Any]], seed: int) -> dict[str, Any]:
         "n_label1": sum(labels),
         "n_label0": len(labels) - sum(labels),
         "n_records": len(records),
-        "scorers": {n: _scorer_figures(samples, n, seed) for n in _scorer_names([s for _, s in samples])},
+        "scorers": {
+            n: _scorer_figures(samples, n, seed)
+            for n in dict.fromkeys(name for _, smp in samples for name in smp["scores"])
+        },
     }
 
 
-def summarize_token_level(records: Iterable[dict[str, Any]], seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
+def summarize_token_level(
+    records: Iterable[dict[str, Any]], seed: int = BOOTSTRAP_SEED
+) -> dict[str, Any]:
     """AUC (95 % bootstrap interval, items resampled) and F1 (decision: score >= 0 keeps RAG)
     per scorer, with the label counts (n label 1 / n label 0): pooled over all records, and
     per ``source`` under ``"sources"``."""
@@ -300,5 +312,5 @@ def summarize_token_level(records: Iterable[dict[str, Any]], seed: int = BOOTSTR
     for r in records:
         by_source.setdefault(str(r.get("source") or "items"), []).append(r)
     out["sources"] = {src: _token_figures(rs, seed) for src, rs in sorted(by_source.items())}
-    out["bootstrap"] = {"resamples": BOOTSTRAP_RESAMPLES, "seed": seed, "level": CI_LEVEL, "unit": "item"}
+    out["bootstrap"] = bootstrap_settings(seed)
     return out

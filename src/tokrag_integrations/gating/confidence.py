@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,7 +43,6 @@ class ConfidenceScores:
     n_tokens: int
     role: str = "pure"
     mean_prob: float = float("nan")
-    per_token: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def confidence(self) -> dict[str, float]:
@@ -57,24 +56,6 @@ class ConfidenceScores:
             "role": self.role,
             "mean_prob": self.mean_prob,
         }
-
-
-def _aggregate(rows: Sequence[dict[str, float]], vocab_size: int, role: str) -> ConfidenceScores:
-    n = len(rows)
-    if n == 0:
-        nan = float("nan")
-        return ConfidenceScores({k: nan for k in METRICS}, 0, role)
-    log_v = math.log(vocab_size)
-    raw = {
-        "avg_logp": sum(r["logp"] for r in rows) / n,
-        "gini": sum(r["gini"] for r in rows) / n,
-        "entropy": sum(r["entropy"] for r in rows) / n,
-        "dp": sum(math.exp(r["entropy"]) for r in rows) / n,
-        # -(1/|V|) sum_v log(|V| p(v)) = -log|V| - mean_v log p(v)
-        "self_certainty": sum(-log_v - r["mean_logp"] for r in rows) / n,
-    }
-    mean_prob = sum(math.exp(r["logp"]) for r in rows) / n
-    return ConfidenceScores(raw, n, role, mean_prob, list(rows))
 
 
 def metrics_from_stats(
@@ -91,7 +72,7 @@ def metrics_from_stats(
             else ``"rag"``, else the only role).
 
     Raises:
-        ValueError: a step lacks the recorded statistics (a trace from before they existed).
+        ValueError: a step lacks the recorded statistics.
     """
     rows: list[dict[str, float]] = []
     for s in steps:
@@ -104,12 +85,28 @@ def metrics_from_stats(
         if role is None:
             role = "pure" if "pure" in stats else ("rag" if "rag" in stats else next(iter(stats)))
         rows.append(stats[role])
-    return _aggregate(rows, vocab_size, role or "pure")
+    role = role or "pure"
+    n = len(rows)
+    if n == 0:
+        return ConfidenceScores({k: float("nan") for k in METRICS}, 0, role)
+    log_v = math.log(vocab_size)
+    raw = {
+        "avg_logp": sum(r["logp"] for r in rows) / n,
+        "gini": sum(r["gini"] for r in rows) / n,
+        "entropy": sum(r["entropy"] for r in rows) / n,
+        "dp": sum(math.exp(r["entropy"]) for r in rows) / n,
+        # -(1/|V|) sum_v log(|V| p(v)) = -log|V| - mean_v log p(v)
+        "self_certainty": sum(-log_v - r["mean_logp"] for r in rows) / n,
+    }
+    mean_prob = sum(math.exp(r["logp"]) for r in rows) / n
+    return ConfidenceScores(raw, n, role, mean_prob)
 
 
-def metrics_from_result(result: Any, vocab_size: int, role: str | None = None) -> ConfidenceScores:
-    """:func:`metrics_from_stats` on a ``GenerationResult``."""
-    return metrics_from_stats(result.trace.steps, vocab_size, role)
+def check_metric(metric: str) -> str:
+    """``metric`` if it is one of :data:`METRICS`, else ValueError."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+    return metric
 
 
 def metrics_from_probs(probs: torch.Tensor, token_ids: Sequence[int]) -> ConfidenceScores:
@@ -137,13 +134,11 @@ def metrics_from_probs(probs: torch.Tensor, token_ids: Sequence[int]) -> Confide
     return ConfidenceScores(raw, n, "probs", mean_prob)
 
 
-def draft_answer(
-    lm: Any, query: str, *, max_new_tokens: int = 16, policy: Any = "llm", stop: Any = ("\n",)
-) -> Any:
+def draft_answer(lm: Any, query: str, *, max_new_tokens: int = 16) -> Any:
     """One greedy answer of the pure context (a ``GenerationResult``)."""
     from ..engine.scheduler import generate
 
-    return generate(lm, query, None, policy=policy, max_new_tokens=max_new_tokens, stop=list(stop))
+    return generate(lm, query, None, policy="llm", max_new_tokens=max_new_tokens, stop=["\n"])
 
 
 class ConfidenceGate(Gate):
@@ -159,7 +154,8 @@ class ConfidenceGate(Gate):
 
     name = "confidence"
     retrieve_when = "below"
-    default_percentile = 50.0
+
+    config_keys = ("metric", "max_new_tokens")
 
     def __init__(
         self,
@@ -169,32 +165,20 @@ class ConfidenceGate(Gate):
         max_new_tokens: int = 16,
         threshold: float | None = None,
     ):
-        super().__init__()
-        if metric not in METRICS:
-            raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+        self.metric = check_metric(metric)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        super().__init__(threshold)
         self.lm = lm
-        self.metric = metric
         self.max_new_tokens = int(max_new_tokens)
-        if threshold is not None:
-            self.threshold = float(threshold)
-
-    def config(self) -> dict[str, Any]:
-        return {"metric": self.metric, "max_new_tokens": self.max_new_tokens}
-
-    def score_result(self, result: Any) -> tuple[float, dict[str, Any]]:
-        """Score an existing draft (no model run)."""
-        m = metrics_from_result(result, self.lm.vocab_size, role="pure")
-        return m.confidence[self.metric], {
-            "metric": self.metric,
-            "draft": result.text,
-            "metrics": m.to_dict(),
-        }
 
     def score(self, query: str) -> tuple[float, dict[str, Any]]:
         t0 = time.perf_counter()
         r = draft_answer(self.lm, query, max_new_tokens=self.max_new_tokens)
-        s, d = self.score_result(r)
-        d["draft_s"] = time.perf_counter() - t0
-        return s, d
+        m = metrics_from_stats(r.trace.steps, self.lm.vocab_size, role="pure")
+        return m.confidence[self.metric], {
+            "metric": self.metric,
+            "draft": r.text,
+            "metrics": m.to_dict(),
+            "draft_s": time.perf_counter() - t0,
+        }

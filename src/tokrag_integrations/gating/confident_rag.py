@@ -2,7 +2,7 @@
 
 Each retriever (e.g. dense MiniLM and BM25, or several embedding models) retrieves for the
 query; the model answers once per retriever; each answer is scored with one confidence
-metric (:mod:`.metrics`, from the decoder's own distributions); the answer with the highest
+metric (:mod:`.confidence`, from the decoder's own distributions); the answer with the highest
 confidence ("higher = surer") is returned with every candidate and score. The poster's best
 metrics were Self-Certainty and DP.
 """
@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .confidence import METRICS, metrics_from_result
+from .confidence import check_metric, metrics_from_stats
 
 
 @dataclass
@@ -39,15 +39,6 @@ class ConfidentRAGResult:
         }
 
 
-def _passages(retriever: Any, query: str, top_k: int) -> list[Any]:
-    hits = (
-        retriever.retrieve(query, top_k=top_k)
-        if hasattr(retriever, "retrieve")
-        else retriever(query)
-    )
-    return [getattr(h, "text", h) for h in hits]
-
-
 def confident_rag(
     lm: Any,
     query: str,
@@ -69,8 +60,7 @@ def confident_rag(
         policy: decoding policy of each RAG answer (the metric reads the RAG context's
             distributions).
     """
-    if metric not in METRICS:
-        raise ValueError(f"unknown metric {metric!r}; choose one of {', '.join(METRICS)}")
+    check_metric(metric)
     named = (
         dict(retrievers)
         if isinstance(retrievers, Mapping)
@@ -83,12 +73,13 @@ def confident_rag(
     cands = []
     for name, ret in named.items():
         t0 = time.perf_counter()
-        passages = _passages(ret, query, top_k)
+        hits = ret.retrieve(query, top_k=top_k) if hasattr(ret, "retrieve") else ret(query)
+        passages = [getattr(h, "text", h) for h in hits]
         r = generate(
             lm, query, passages, policy=policy, max_new_tokens=max_new_tokens, stop=list(stop)
         )
         role = "rag" if r.trace.steps and "rag" in r.trace.steps[0].stats else None
-        m = metrics_from_result(r, lm.vocab_size, role=role)
+        m = metrics_from_stats(r.trace.steps, lm.vocab_size, role=role)
         cands.append(
             {
                 "retriever": name,

@@ -1,35 +1,24 @@
 """CtrlAGate: confidence monitoring from the model's own representations (seed 002, CtrlA).
 
-1. **Directions** (:func:`extract_directions`). For each statement s_i of a project-authored
-   set (:mod:`.statements`), two prompts "Pretend you're {a confident | an unconfident}
-   person making statements about the world." + s_i (and {an honest | a dishonest} for the
-   honesty direction) are run; the last-token residual state r^l after every layer l is
-   read (``attention.Probe``); v_i^l = r_i^{l,+} - r_i^{l,-}; the first principal component
-   of {v_i^l} per layer (pair signs randomly flipped before centring, as RepE does, so the
-   component is the contrast axis) is the direction, oriented so the mean of
-   v_i^l . v^l is positive (positive side = confident / honest), unit norm.
-2. **Monitoring** (:class:`CtrlAMonitorPolicy`). At every decoding step k the residual state
-   of the last position (the state that chooses token k) is projected on v_c^l and
-   mean-pooled over a band of layers: m~_k = meanpool_l(r_k^l . v_c^l). ``scale`` is a
-   z-score with the mean and standard deviation of m~ over the calibration answers' content
-   tokens (the paper's running min-max over a 5-token answer is degenerate), and
-   m_k = z_k - tau. A content token (not a stopword, not a word of the question) with
-   m_k < 0, or a refusal phrase ("I don't know"...), triggers retrieval, mid-answer: the
-   decode stops at that token.
-3. **CAQ**: the retrieval query is the original query plus the generated text with the
-   new, unconfident tokens (content tokens below tau that appear neither in the question nor
-   earlier in the answer) masked out.
+1. **Directions** (:func:`extract_directions`): for each statement s_i (:mod:`.statements`),
+   the last-token residual r^l after every layer l of "Pretend you're {a confident | an
+   unconfident} person making statements about the world." + s_i ({an honest | a dishonest}
+   for honesty); v_i^l = r_i^{l,+} - r_i^{l,-}; per layer, the first principal component of
+   {v_i^l} (pair signs randomly flipped before centring, as RepE does), oriented so the mean
+   of v_i^l . v^l is positive (positive side = confident / honest), unit norm.
+2. **Monitoring** (:class:`CtrlAMonitorPolicy`): at decoding step k the last position's
+   residual (the state that chooses token k) gives m~_k = meanpool_l(r_k^l . v_c^l) over the
+   read band; z_k is its z-score over the calibration answers' content tokens. A content
+   token (not a stopword, not a word of the question) with z_k < tau, or a refusal phrase,
+   triggers retrieval mid-answer: the decode stops at that token.
+3. **CAQ** (:func:`masked_query`): the query plus the generated text with the new,
+   unconfident tokens masked out; the answer is regenerated from the retrieved passages.
 4. **Honesty steering** (optional, :func:`steering`): lambda * v_h^l is added to the output
-   of every layer of a control band (lambda = 0.3 in the paper's best run).
+   of every layer of the steer band (lambda = 0.3 in the paper's best run).
 
-Layer bands are relative to depth: the public CtrlA config reads layers -10..-24 and
-steers layers -5..-17 of Mistral-7B's 32, i.e. (0.28, 0.72) and (0.50, 0.88).
-On retrieval the answer is regenerated from the RAG context (CtrlA regenerates the current
-sentence with the retrieved contents; our short answers are one sentence).
-
-The gate's score is min_k z_k over content tokens (-inf on a refusal, +inf when the answer has
-no content token: nothing to doubt, no retrieval), retrieve when below tau = the calibrated
-threshold.
+Bands are fractions of depth: the public CtrlA config reads layers -10..-24 and steers -5..-17
+of Mistral-7B's 32. The score is min_k z_k over content tokens (-inf on a refusal, +inf with
+no content token); retrieve when below tau, the calibrated threshold.
 """
 
 from __future__ import annotations
@@ -38,6 +27,7 @@ import contextlib
 import math
 import re
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,18 +51,10 @@ STOPWORDS = frozenset(
     yourselves also answer question yes well one may might must shall like known called""".split()
 )
 
-REFUSALS = (
-    "i don't know",
-    "i do not know",
-    "i'm not sure",
-    "i am not sure",
-    "not sure",
-    "no information",
-    "i cannot",
-    "i can't",
-    "unknown",
-    "i'm sorry",
-    "i am sorry",
+#: Phrases of a refusal (lower case); one in the answer triggers retrieval.
+REFUSALS = tuple(
+    "i don't know|i do not know|i'm not sure|i am not sure|not sure|no information|i cannot|"
+    "i can't|unknown|i'm sorry|i am sorry".split("|")
 )
 
 _WORD = re.compile(r"[A-Za-z0-9]+")
@@ -203,10 +185,13 @@ def steering(
             h.remove()
 
 
-def _is_content(token_text: str, question_words: set[str]) -> bool:
-    """A token carrying a word that is neither a stopword nor a word of the question."""
-    words = [w.lower() for w in _WORD.findall(token_text)]
-    return any(w not in STOPWORDS and w not in question_words for w in words)
+def _words(text: str) -> set[str]:
+    return {w.lower() for w in _WORD.findall(text)}
+
+
+def _refuses(text: str) -> bool:
+    low = text.lower()
+    return any(p in low for p in REFUSALS)
 
 
 class CtrlAMonitorPolicy(Policy):
@@ -234,7 +219,7 @@ class CtrlAMonitorPolicy(Policy):
     ):
         self.direction = direction
         self.layers = list(layers)
-        self.question_words = {w.lower() for w in _WORD.findall(question)}
+        self.question_words = _words(question)
         self.mean, self.std, self.tau = mean, std, tau
         self.stop_on_trigger = require_bool(stop_on_trigger, "stop_on_trigger")
         self.eos_id = eos_id
@@ -259,7 +244,10 @@ class CtrlAMonitorPolicy(Policy):
         dirs = self.direction[self.layers].to(resid.device)
         m = float((resid * dirs).sum(-1).mean())
         text = lm.tokenizer.decode([tid])
-        content = tid not in lm.eos_token_ids and _is_content(text, self.question_words)
+        # content: a word that is neither a stopword nor a word of the question
+        content = tid not in lm.eos_token_ids and any(
+            w not in STOPWORDS and w not in self.question_words for w in _words(text)
+        )
         z = (m - self.mean) / self.std if self.mean is not None and self.std else None
         sig: dict[str, Any] = {"ctrla_m": m, "ctrla_content": content}
         if z is not None:
@@ -278,13 +266,13 @@ class CtrlAMonitorPolicy(Policy):
         return Choice(tid, FROM_LLM, sig)
 
 
-def masked_query(query: str, tokens: Sequence[dict[str, Any]], tau: float, question: str) -> str:
+def masked_query(query: str, tokens: Sequence[dict[str, Any]], tau: float) -> str:
     """CAQ: ``query`` + the answer with new unconfident content tokens masked out."""
-    qwords = {w.lower() for w in _WORD.findall(question)}
+    qwords = _words(query)
     seen: set[str] = set()
     kept: list[str] = []
     for t in tokens:
-        words = {w.lower() for w in _WORD.findall(t["text"])}
+        words = _words(t["text"])
         new = bool(words) and not (words <= qwords or words <= seen)
         unconfident = t["content"] and t["z"] is not None and t["z"] < tau
         if not (new and unconfident):
@@ -308,7 +296,7 @@ class CtrlAGate(Gate):
 
     name = "ctrla"
     retrieve_when = "below"
-    default_percentile = 50.0
+    config_keys = ("read_band", "steer_band", "lam", "max_new_tokens", "seed")
 
     def __init__(
         self,
@@ -323,7 +311,7 @@ class CtrlAGate(Gate):
         seed: int = 0,
         threshold: float | None = None,
     ):
-        super().__init__()
+        super().__init__(threshold)
         self.lm = lm
         self.read_band = tuple(read_band)
         self.steer_band = tuple(steer_band)
@@ -340,17 +328,6 @@ class CtrlAGate(Gate):
             }
         self.mean: float | None = None
         self.std: float | None = None
-        if threshold is not None:
-            self.threshold = float(threshold)
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "read_band": list(self.read_band),
-            "steer_band": list(self.steer_band),
-            "lam": self.lam,
-            "max_new_tokens": self.max_new_tokens,
-            "seed": self.seed,
-        }
 
     def state(self) -> dict[str, Any]:
         return {
@@ -359,7 +336,7 @@ class CtrlAGate(Gate):
             "directions": {k: v.tolist() for k, v in self.directions.items()},
         }
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: dict[str, Any], folder: Path) -> None:
         self.mean = state.get("mean")
         self.std = state.get("std")
         for k, v in (state.get("directions") or {}).items():
@@ -408,8 +385,8 @@ class CtrlAGate(Gate):
         return r, pol
 
     def score_tokens(self, text: str, tokens: Sequence[dict[str, Any]]) -> float:
-        low = text.lower()
-        if any(p in low for p in REFUSALS):
+        """min z over content tokens; -inf on a refusal, +inf without a content token."""
+        if _refuses(text):
             return -math.inf
         zs = [t["z"] for t in tokens if t["content"] and t["z"] is not None]
         return min(zs) if zs else math.inf
@@ -427,12 +404,8 @@ class CtrlAGate(Gate):
             "read_layers": self.read_layers,
         }
 
-    def calibrate(
-        self, queries: Sequence[str], percentile: float | None = None, **kwargs: Any
-    ) -> list[float]:
-        queries = list(queries)
-        if not queries:
-            raise ValueError("calibrate() needs at least one query.")
+    def calibration_scores(self, queries: list[str], **kwargs: Any) -> list[float]:
+        """Fits the z-score statistics on the calibration answers' content tokens."""
         runs = [self.monitor(q) for q in queries]
         ms = [t["m"] for _, pol in runs for t in pol.tokens if t["content"]]
         if len(ms) < 2:
@@ -444,9 +417,6 @@ class CtrlAGate(Gate):
             for tk in pol.tokens:
                 tk["z"] = (tk["m"] - self.mean) / self.std
             scores.append(self.score_tokens(r.text, pol.tokens))
-        self.set_threshold_from_scores(
-            scores, self.default_percentile if percentile is None else percentile
-        )
         return scores
 
     # ------------------------------------------------------------------ the pipeline
@@ -467,8 +437,7 @@ class CtrlAGate(Gate):
         if self.threshold is None or self.mean is None:
             raise RuntimeError("CtrlAGate needs calibrate(queries) or load(path) before answer().")
         r, pol = self.monitor(query, stop_on_trigger=True, max_new_tokens=max_new_tokens)
-        refusal = any(p in r.text.lower() for p in REFUSALS)
-        triggered = pol.triggered_at is not None or refusal
+        triggered = pol.triggered_at is not None or _refuses(r.text)
         out: dict[str, Any] = {
             "retrieve": triggered,
             "trigger_step": pol.triggered_at,
@@ -480,7 +449,7 @@ class CtrlAGate(Gate):
         if not triggered:
             out["text"], out["result"] = r.text, r
             return out
-        caq = masked_query(query, pol.tokens, self.threshold, query)
+        caq = masked_query(query, pol.tokens, self.threshold)
         out["query"] = caq
         passages: list[Any] = []
         if retriever is not None:

@@ -26,9 +26,8 @@ class GateDecision:
     """One gate's verdict on one query.
 
     ``retrieve``: whether to retrieve; ``score``: the gate's score; ``threshold``: the
-    calibrated threshold it was compared with (None before calibration, then the gate's
-    ``default_threshold`` is used); ``details``: the numbers behind the score (the draft
-    answer, the five confidence metrics, GECE terms, CtrlA per-token scores...).
+    calibrated or given threshold it was compared with; ``details``: the numbers behind the
+    score (the draft answer, the five confidence metrics, GECE terms, CtrlA token scores...).
     """
 
     retrieve: bool
@@ -58,18 +57,19 @@ def _jsonable(o: Any) -> Any:
 
 
 class Gate:
-    """Base class: subclasses set ``name``, ``retrieve_when`` and implement :meth:`score`."""
+    """Base class: subclasses set ``name``, ``retrieve_when``, ``config_keys`` and implement
+    :meth:`score`."""
 
     name: str = "gate"
     #: "below": retrieve when score < threshold (confidences); "above": when score > it.
     retrieve_when: str = "below"
-    #: Used before calibration (None: calibration required).
-    default_threshold: float | None = None
     #: Default share (%) of calibration queries answered without retrieval.
     default_percentile: float = 50.0
+    #: Constructor arguments that :meth:`load` passes back (attributes of the same name).
+    config_keys: tuple[str, ...] = ()
 
-    def __init__(self) -> None:
-        self.threshold: float | None = self.default_threshold
+    def __init__(self, threshold: float | None = None) -> None:
+        self.threshold = None if threshold is None else float(threshold)
         self.percentile: float | None = None
         self.calibration: dict[str, Any] = {}
 
@@ -92,19 +92,17 @@ class Gate:
         """The gate's score for ``query`` and the details behind it."""
         raise NotImplementedError
 
-    def config(self) -> dict[str, Any]:
-        """Constructor arguments that :meth:`load` passes back (JSON-serialisable)."""
-        return {}
-
     def state(self) -> dict[str, Any]:
         """Calibrated state besides the threshold (e.g. GECE's mean gradient)."""
         return {}
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state`."""
+    def set_state(self, state: dict[str, Any], folder: Path) -> None:
+        """Restore :meth:`state` (files it names are in ``folder``)."""
 
-    def prepare_calibration(self, queries: Sequence[str], **kwargs: Any) -> None:
-        """Hook run by :meth:`calibrate` before scoring (GECE computes E(grad) here)."""
+    def calibration_scores(self, queries: list[str], **kwargs: Any) -> list[float]:
+        """The scores of the calibration queries; a gate may fit its statistics here first
+        (GECE: E(grad); CtrlA: the token statistics)."""
+        return [self.score(q)[0] for q in queries]
 
     # ------------------------------------------------------------------ the contract
     def retrieves(self, score: float, threshold: float | None = None) -> bool:
@@ -134,16 +132,6 @@ class Gate:
             details=details,
         )
 
-    def threshold_for(self, scores: Sequence[float], percentile: float) -> float:
-        """The threshold that leaves ``percentile`` % of ``scores`` un-retrieved."""
-        if not 0 <= percentile <= 100:
-            raise ValueError(f"percentile must be in [0, 100], got {percentile}")
-        arr = np.asarray([s for s in scores if math.isfinite(s)], dtype=float)
-        if arr.size == 0:
-            raise ValueError("no finite calibration scores: pass queries the model can answer.")
-        q = percentile if self.retrieve_when == "above" else 100.0 - percentile
-        return float(np.percentile(arr, q))
-
     def calibrate(
         self, queries: Sequence[str], percentile: float | None = None, **kwargs: Any
     ) -> list[float]:
@@ -158,23 +146,24 @@ class Gate:
         queries = list(queries)
         if not queries:
             raise ValueError("calibrate() needs at least one query.")
-        pct = self.default_percentile if percentile is None else float(percentile)
-        self.prepare_calibration(queries, **kwargs)
-        scores = [self.score(q)[0] for q in queries]
-        self.set_threshold_from_scores(scores, pct)
+        scores = self.calibration_scores(queries, **kwargs)
+        self.set_threshold_from_scores(
+            scores, self.default_percentile if percentile is None else percentile
+        )
         return scores
 
     def set_threshold_from_scores(self, scores: Sequence[float], percentile: float) -> float:
-        self.threshold = self.threshold_for(scores, percentile)
-        self.percentile = float(percentile)
+        """The threshold that leaves ``percentile`` % of the finite ``scores`` un-retrieved."""
+        if not 0 <= percentile <= 100:
+            raise ValueError(f"percentile must be in [0, 100], got {percentile}")
         arr = np.asarray([s for s in scores if math.isfinite(s)], dtype=float)
-        self.calibration = {
-            "n": len(scores),
-            "mean": float(arr.mean()),
-            "std": float(arr.std()),
-            "min": float(arr.min()),
-            "max": float(arr.max()),
-        }
+        if arr.size == 0:
+            raise ValueError("no finite calibration scores: pass queries the model can answer.")
+        q = percentile if self.retrieve_when == "above" else 100.0 - percentile
+        self.threshold = float(np.percentile(arr, q))
+        self.percentile = float(percentile)
+        stats = {k: float(getattr(arr, k)()) for k in ("mean", "std", "min", "max")}
+        self.calibration = {"n": len(scores), **stats}
         return self.threshold
 
     # ------------------------------------------------------------------ persistence
@@ -183,7 +172,7 @@ class Gate:
             {
                 "gate": self.name,
                 "class": f"{type(self).__module__}:{type(self).__qualname__}",
-                "config": self.config(),
+                "config": {k: getattr(self, k) for k in self.config_keys},
                 "retrieve_when": self.retrieve_when,
                 "threshold": self.threshold,
                 "percentile": self.percentile,
@@ -198,16 +187,6 @@ class Gate:
         path.write_text(json.dumps(self.to_dict(), indent=2), encoding="utf-8")
         return path
 
-    def load_state(self, data: dict[str, Any]) -> None:
-        if data.get("gate") not in (None, self.name):
-            raise ValueError(
-                f"{data.get('gate')!r} calibration cannot be loaded into a {self.name!r} gate"
-            )
-        self.threshold = data.get("threshold")
-        self.percentile = data.get("percentile")
-        self.calibration = dict(data.get("calibration") or {})
-        self.set_state(dict(data.get("state") or {}))
-
     @classmethod
     def load(cls, path: str | Path, lm: Any = None, **kwargs: Any) -> Gate:
         """Rebuild a gate from :meth:`save` output; ``lm`` and ``kwargs`` (e.g. a retriever)
@@ -221,7 +200,14 @@ class Gate:
         target = cls if cls is not Gate else _gate_class(data["class"])
         args = {**data.get("config", {}), **kwargs}
         gate = target(lm, **args) if lm is not None else target(**args)
-        gate.load_state(data)
+        if data.get("gate") not in (None, gate.name):
+            raise ValueError(
+                f"{data.get('gate')!r} calibration cannot be loaded into a {gate.name!r} gate"
+            )
+        gate.threshold = data.get("threshold")
+        gate.percentile = data.get("percentile")
+        gate.calibration = dict(data.get("calibration") or {})
+        gate.set_state(dict(data.get("state") or {}), path.parent)
         return gate
 
 

@@ -2,31 +2,21 @@
 
     GECE = |M(pred, ref) - (1/n) sum_i p(t_i)| / (alpha * [E(grad) . grad_ins])
 
-* ``M``: METEOR between prediction and reference (:func:`meteor`). WordNet is not shipped
-  with any installed package and nothing is downloaded at run time, so METEOR runs its
-  *exact* and *Porter-stem* matching stages only (no synonym stage), with the standard
-  parameters (F_mean = 10PR / (R + 9P), fragmentation penalty 0.5 (chunks/matches)^3).
-* ``(1/n) sum p(t_i)``: mean probability of the generated tokens, read from the decoder's
-  per-step statistics (no second run).
-* ``alpha``: mean ``wordfreq`` frequency (English) of the instance's words (query + answer).
-* ``grad_ins``: gradient of the LM loss of (query -> answer) w.r.t. the FFN weights
-  (gate/up/down projections) of the last eighth of the layers (the paper: layers 29-32 of 32;
-  SmolLM2-135M: layers 27-30 of 30). ``E(grad)``: its mean over a calibration set.
-  ``sketch_dim=k`` replaces each gradient by a CountSketch S g in R^k (each coordinate hashed
-  to one of k buckets with a random sign, fixed by ``seed``); E[<S a, S b>] = <a, b>, so the
-  dot product is unbiased, with variance about (|a|^2 |b|^2 + <a, b>^2) / k. ``sketch_dim=None``
-  uses exact gradients (fine for 135M: 10.6M numbers per gradient).
-  A dot product at or below zero would flip the sign of Eq. 2; the denominator uses
-  ``max(dot, 1e-3 * |E(grad)|^2)`` so such instances score as the most long-tail.
+* ``M``: METEOR (:func:`meteor`), exact and Porter-stem stages only (no WordNet data is
+  shipped and nothing is downloaded), F_mean = 10PR / (R + 9P), penalty 0.5 (chunks/matches)^3.
+* ``(1/n) sum p(t_i)``: mean probability of the generated tokens (the decoder's step stats).
+* ``alpha``: mean ``wordfreq`` frequency (English) of the words of query + answer.
+* ``grad_ins``: gradient of the LM loss of (query -> answer) w.r.t. the FFN weights of the
+  last eighth of the layers; ``E(grad)``: its mean over a calibration set. ``sketch_dim=k``
+  replaces each gradient by a CountSketch S g in R^k (coordinate hashed to one of k buckets
+  with a random sign, fixed by ``seed``): E[<S a, S b>] = <a, b>, variance about
+  (|a|^2 |b|^2 + <a, b>^2) / k; ``sketch_dim=None`` uses exact gradients. The denominator
+  uses ``max(dot, 1e-3 * |E(grad)|^2)``, so a dot product <= 0 scores as the most long-tail.
 
-Modes: ``reference`` is Eq. 2 exactly with gold answers (labelling, evaluation;
-``score(query, reference=[...])``); ``self`` (our adaptation for inference, where no gold
-answer exists) takes ref = ``n_samples`` sampled answers of the model itself (temperature
-0.6, top-p 0.9 as in the paper's Llama-2 setup), pred = the greedy answer, M = mean METEOR
-of pred against the samples, and the gradient of (query -> greedy answer).
-
-Larger GECE = more long-tail = retrieve; the default threshold is the 80th percentile of the
-calibration scores (the paper retrieves for the top 20 %).
+Modes: ``reference`` is Eq. 2 with gold answers (``score(query, reference=[...])``); ``self``
+(inference, no gold answer) takes ref = ``n_samples`` sampled answers (temperature 0.6,
+top-p 0.9), pred = the greedy answer, M = mean METEOR of pred against the samples. Larger
+GECE = more long-tail = retrieve; the default threshold is the 80th percentile.
 """
 
 from __future__ import annotations
@@ -112,20 +102,18 @@ def average_word_frequency(text: str, lang: str = "en") -> float:
     return sum(word_frequency(w, lang) for w in ws) / len(ws)
 
 
-def ffn_parameters(model: Any, fraction: float = 1 / 8) -> list[tuple[str, torch.nn.Parameter]]:
+def ffn_parameters(model: Any, fraction: float = 1 / 8) -> list[torch.nn.Parameter]:
     """FFN weight matrices of the last ``ceil(fraction * L)`` decoder layers."""
     from ..attention.parts import model_parts
 
     layers = model_parts(model).layers
     n = max(1, math.ceil(fraction * len(layers)))
-    out: list[tuple[str, torch.nn.Parameter]] = []
+    out: list[torch.nn.Parameter] = []
     for li in range(len(layers) - n, len(layers)):
         mlp = getattr(layers[li], "mlp", None)
         if mlp is None:
             raise ValueError(f"layer {li} has no .mlp: GECE's gradient term needs an FFN block.")
-        for pname, prm in mlp.named_parameters():
-            if pname.endswith("weight"):
-                out.append((f"layers.{li}.mlp.{pname}", prm))
+        out += [prm for pname, prm in mlp.named_parameters() if pname.endswith("weight")]
     return out
 
 
@@ -147,6 +135,13 @@ class CountSketch:
         return out.float()
 
 
+def _pure_ids(lm: Any, query: str, max_new_tokens: int) -> list[int]:
+    from ..prompts import PromptBuilder
+
+    builder = PromptBuilder(lm.tokenizer, context_window=lm.context_window)
+    return builder.build(query, None, max_new_tokens=max_new_tokens).pure_ids
+
+
 def answer_gradient(
     lm: Any, query: str, answer: str, params: Sequence[torch.nn.Parameter]
 ) -> list[torch.Tensor]:
@@ -155,10 +150,7 @@ def answer_gradient(
     The loss is the mean token cross-entropy of the answer tokens (prompt tokens are
     context only), as in fine-tuning on (query -> answer).
     """
-    from ..prompts import PromptBuilder
-
-    builder = PromptBuilder(lm.tokenizer, context_window=lm.context_window)
-    prompt_ids = builder.build(query, None, max_new_tokens=1).pure_ids
+    prompt_ids = _pure_ids(lm, query, 1)
     ans_ids = list(
         lm.tokenizer(
             " " + answer.strip() if not answer.startswith(" ") else answer, add_special_tokens=False
@@ -196,6 +188,16 @@ class GECEGate(Gate):
     name = "gece"
     retrieve_when = "above"
     default_percentile = 80.0
+    config_keys = (
+        "mode",
+        "n_samples",
+        "max_new_tokens",
+        "layer_fraction",
+        "sketch_dim",
+        "seed",
+        "temperature",
+        "top_p",
+    )
 
     def __init__(
         self,
@@ -211,7 +213,7 @@ class GECEGate(Gate):
         top_p: float = 0.9,
         threshold: float | None = None,
     ):
-        super().__init__()
+        super().__init__(threshold)
         if mode not in ("self", "reference"):
             raise ValueError(f"mode must be 'self' or 'reference', got {mode!r}")
         if n_samples < 1:
@@ -227,41 +229,22 @@ class GECEGate(Gate):
         self.top_p = float(top_p)
         self.params = ffn_parameters(lm.model, layer_fraction)
         self.sketch = (
-            CountSketch([p.numel() for _, p in self.params], sketch_dim, seed)
-            if sketch_dim
-            else None
+            CountSketch([p.numel() for p in self.params], sketch_dim, seed) if sketch_dim else None
         )
         self.mean_grad: torch.Tensor | None = None
-        if threshold is not None:
-            self.threshold = float(threshold)
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "n_samples": self.n_samples,
-            "max_new_tokens": self.max_new_tokens,
-            "layer_fraction": self.layer_fraction,
-            "sketch_dim": self.sketch_dim,
-            "seed": self.seed,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-        }
 
     # ------------------------------------------------------------------ terms
     def gradient(self, query: str, answer: str) -> torch.Tensor:
         """grad_ins (flattened, or its sketch)."""
-        grads = answer_gradient(self.lm, query, answer, [p for _, p in self.params])
+        grads = answer_gradient(self.lm, query, answer, self.params)
         if self.sketch is not None:
             return self.sketch(grads)
         return torch.cat([g.reshape(-1) for g in grads])
 
     def samples(self, query: str) -> list[str]:
         """``n_samples`` sampled answers of the pure model (self mode's references)."""
-        from ..prompts import PromptBuilder
-
         lm = self.lm
-        builder = PromptBuilder(lm.tokenizer, context_window=lm.context_window)
-        ids = builder.build(query, None, max_new_tokens=self.max_new_tokens).pure_ids
+        ids = _pure_ids(lm, query, self.max_new_tokens)
         inp = torch.tensor([ids], dtype=torch.long, device=lm.model.device)
         torch.manual_seed(self.seed + zlib.crc32(query.encode("utf-8")))
         with lm.lock, torch.inference_mode():
@@ -319,17 +302,8 @@ class GECEGate(Gate):
         alpha = max(terms["alpha"], 1e-9)
         num = abs(terms["meteor"] - terms["mean_p"])
         val = num / (alpha * max(dot, floor))
-        details = {
-            "mode": self.mode,
-            "pred": terms["pred"],
-            "refs": terms["refs"],
-            "meteor": terms["meteor"],
-            "mean_p": terms["mean_p"],
-            "alpha": terms["alpha"],
-            "grad_dot": dot,
-            "numerator": num,
-        }
-        return val, details
+        shown = {k: terms[k] for k in ("pred", "refs", "meteor", "mean_p", "alpha")}
+        return val, {"mode": self.mode, **shown, "grad_dot": dot, "numerator": num}
 
     def score(
         self, query: str, reference: Sequence[str] | str | None = None
@@ -345,35 +319,20 @@ class GECEGate(Gate):
             self.terms(q, references[i] if references is not None else None)
             for i, q in enumerate(queries)
         ]
-        if self.sketch is not None:
-            self.mean_grad = torch.stack([t["grad"] for t in all_terms]).mean(0)
-        else:
-            acc = torch.zeros_like(all_terms[0]["grad"])
-            for t in all_terms:
-                acc += t["grad"]
-            self.mean_grad = acc / len(all_terms)
+        acc = torch.zeros_like(all_terms[0]["grad"])
+        for t in all_terms:
+            acc += t["grad"]
+        self.mean_grad = acc / len(all_terms)
         return all_terms
 
-    def calibrate(
-        self,
-        queries: Sequence[str],
-        percentile: float | None = None,
-        references: Sequence[Any] | None = None,
-        **kwargs: Any,
+    def calibration_scores(
+        self, queries: list[str], references: Sequence[Any] | None = None, **kwargs: Any
     ) -> list[float]:
-        queries = list(queries)
-        if not queries:
-            raise ValueError("calibrate() needs at least one query.")
         if self.mode == "reference" and references is None:
             raise ValueError(
                 "GECE 'reference' mode calibrates with references=[gold answers per query]."
             )
-        all_terms = self.fit_mean_gradient(queries, references)
-        scores = [self.gece(t)[0] for t in all_terms]
-        self.set_threshold_from_scores(
-            scores, self.default_percentile if percentile is None else percentile
-        )
-        return scores
+        return [self.gece(t)[0] for t in self.fit_mean_gradient(queries, references)]
 
     def state(self) -> dict[str, Any]:
         if self.mean_grad is None:
@@ -391,16 +350,8 @@ class GECEGate(Gate):
             self._grad_file = grad_file.name
         return super().save(path)
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: dict[str, Any], folder: Path) -> None:
         if "mean_grad_sketch" in state:
             self.mean_grad = torch.tensor(state["mean_grad_sketch"], dtype=torch.float32)
         elif state.get("mean_grad_file"):
-            self._pending_grad_file = state["mean_grad_file"]
-
-    @classmethod
-    def load(cls, path: str | Path, lm: Any = None, **kwargs: Any) -> GECEGate:
-        gate = super().load(path, lm, **kwargs)
-        pending = getattr(gate, "_pending_grad_file", None)
-        if pending:
-            gate.mean_grad = torch.load(Path(path).parent / pending)
-        return gate  # type: ignore[return-value]
+            self.mean_grad = torch.load(folder / state["mean_grad_file"])
