@@ -189,39 +189,33 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
-    """Passages for ``args``: the ``--passage`` texts, then the chunks retrieved from
-    ``--docs`` (printed, dim, to stderr)."""
+    """Passages for ``args``: the ``--passage`` texts, then the chunks retrieved from the
+    store and from ``--docs`` (each listed, dim, on stderr)."""
     from rich.text import Text
 
     from .. import Passage
     from ..retrieval import printable
 
-    passages: list[Any] = [
-        Passage(text=t, metadata={"source": "--passage"}) for t in args.passage if t.strip()
-    ]
-    if args.store == "postgres":
-        from .pg import retrieve_from_postgres
+    passages = [Passage(text=t, metadata={"source": "--passage"}) for t in args.passage if t.strip()]
 
-        chunks = retrieve_from_postgres(
-            args.question,
-            args.dsn,
-            args.table,
-            args.filter,
-            args.top_k,
-            embed_model=args.embed_model,
-            data_dir=args.data_dir,
-            search=args.search,
-        )
+    def add(score: float, source: str, chunk: int, text: str, metadata: dict[str, Any]) -> None:
+        line = Text(f"  {score:7.4f}  {source} #{chunk}  ", style="dim")
+        line.append(" ".join(text.split()), style="dim italic")
+        err.print(line, no_wrap=True, overflow="ellipsis")
+        passages.append(Passage(text=text, score=score, metadata=metadata))
+
+    if args.store == "postgres":
+        from ..postgres.layout import DEFAULT_TABLE
+        from ..postgres.store import _knowledge_base
+
+        kb = _knowledge_base(args.dsn, args.table or DEFAULT_TABLE, args.embed_model, args.data_dir)
+        chunks = kb.retrieve(args.question, args.top_k, args.filter, search=args.search)
         if not chunks:
             _print_warning(err, "the store returned no chunk for this question; answering without them.")
         for c in chunks:
-            line = Text(f"  {c.score:7.4f}  {printable(c.source)} #{c.chunk}  ", style="dim")
-            line.append(" ".join(c.text.split()), style="dim italic")
-            err.print(line, no_wrap=True, overflow="ellipsis")
-            passages.append(c.to_passage())
+            add(c.score, printable(c.source), c.chunk, c.text, dict(c.metadata))
     if not args.docs:
         return passages
-
     from ..retrieval import build_retriever
 
     roots = _resolve_docs(args.docs)
@@ -239,16 +233,8 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
         _print_warning(err, "no document chunk matched the question; answering without them.")
     for hit in hits:
         source = printable(_short_source(hit.source, roots))
-        line = Text(f"  {hit.score:7.4f}  {source} #{hit.chunk.index}  ", style="dim")
-        line.append(" ".join(hit.text.split()), style="dim italic")
-        err.print(line, no_wrap=True, overflow="ellipsis")
-        passages.append(
-            Passage(
-                text=hit.text,
-                score=hit.score,
-                metadata={"source": hit.source, "chunk": hit.chunk.index, **hit.chunk.metadata},
-            )
-        )
+        metadata = {"source": hit.source, "chunk": hit.chunk.index, **hit.chunk.metadata}
+        add(hit.score, source, hit.chunk.index, hit.text, metadata)
     return passages
 
 
@@ -312,6 +298,22 @@ def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> 
     return uses_passages
 
 
+def _gate(lm: Any, name: str, calibration: str | None) -> Any:
+    """The ``--gate`` gate: loaded from ``--gate-calibration``, else calibrated on the
+    packaged sample questions (and saved there when given)."""
+    from ..gating import GATES
+    from ..retrieval import get_sample_questions
+
+    if calibration is not None and Path(calibration).exists():
+        return GATES[name].load(calibration, lm)
+    gate = GATES[name](lm)
+    questions = [q["question"] if isinstance(q, dict) else str(q) for q in get_sample_questions()]
+    gate.calibrate(questions)
+    if calibration is not None:
+        gate.save(calibration)
+    return gate
+
+
 def _model_and_passages(
     args: argparse.Namespace, err: Console, uses_passages: bool
 ) -> tuple[Any, list[Any]]:
@@ -329,11 +331,8 @@ def _model_and_passages(
     if args.gate and uses_passages:
         with _Status(err, f"Loading model {args.model}…"):
             lm = load_model(args.model, device=args.device, dtype=args.dtype, **_placement(args))
-        from .gate import build_gate
-
         with _Status(err, f"Gate {args.gate}: deciding whether to retrieve…"):
-            gate = build_gate(lm, args.gate, calibration=args.gate_calibration)
-            decision = gate.decide(question)
+            decision = _gate(lm, args.gate, args.gate_calibration).decide(question)
         err.print(
             Text(
                 f"gate {args.gate}: {'retrieve' if decision.retrieve else 'answer directly'} "
