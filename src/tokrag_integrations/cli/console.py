@@ -52,6 +52,33 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """``--model``, ``--device`` and ``--dtype`` (``ask`` and ``serve``)."""
+    p.add_argument(
+        "--model",
+        default="default",
+        help="'default' (packaged SmolLM2-135M-Instruct), 'gemma3-270m' (the gemma extra), "
+        "a Hugging Face hub id in the local cache (e.g. Qwen/Qwen2.5-7B-Instruct), "
+        "a model folder or a .gguf file",
+    )
+    p.add_argument(
+        "--device", default=None, help="torch device, e.g. cpu or cuda (default: CUDA if available)"
+    )
+    p.add_argument("--dtype", default=None, help="e.g. float32 or bfloat16 (default: by device)")
+
+
+def check_policy(name: str, options: dict[str, Any]) -> Any:
+    """The policy ``name`` built with ``options``, so that a bad name or option fails
+    before anything loads."""
+    from ..policies import available_policies, get_policy
+
+    if name not in available_policies():  # before get_policy, which imports torch
+        raise ValueError(
+            f"Unknown policy {name!r}. Available policies: {', '.join(available_policies())}."
+        )
+    return get_policy(name, **options)
+
+
 def _consoles() -> tuple[Console, Console]:
     """(stdout console for the answer and the trace, stderr console for everything else).
 
@@ -67,12 +94,8 @@ def _consoles() -> tuple[Console, Console]:
     return consoles
 
 
-def _visible_controls(text: str) -> str:
-    """``text`` with C0 controls (but newline and tab), DEL and C1 controls replaced by the
-    Unicode "control pictures" (``\x1b`` -> ``␛``; C1 -> U+FFFD)."""
-    return text.translate(_CONTROL_PICTURES)
-
-
+#: C0 controls (but newline and tab) and DEL as their Unicode "control pictures"
+#: (``\x1b`` -> ``␛``), C1 controls as U+FFFD.
 _CONTROL_PICTURES = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"}
 _CONTROL_PICTURES[0x7F] = 0x2421
 _CONTROL_PICTURES.update({c: 0xFFFD for c in range(0x80, 0xA0)})
@@ -80,7 +103,7 @@ _CONTROL_PICTURES.update({c: 0xFFFD for c in range(0x80, 0xA0)})
 
 class _VisibleControls:
     """A rich render hook: every text segment printed through the console goes through
-    :func:`_visible_controls`; rich's own control segments (cursor moves of a status line)
+    :data:`_CONTROL_PICTURES`; rich's own control segments (cursor moves of a status line)
     and the styles it adds are untouched."""
 
     def process_renderables(self, renderables: list[Any]) -> list[Any]:
@@ -98,7 +121,7 @@ class _SanitizedRenderable:
             if segment.control:
                 yield segment
             else:
-                yield Segment(_visible_controls(segment.text), segment.style, segment.control)
+                yield Segment(segment.text.translate(_CONTROL_PICTURES), segment.style)
 
 
 def _check_output_path(path: str | None, flag: str) -> None:

@@ -158,12 +158,8 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         help="table layout: llamaindex (default; LangChain reads it too) or langchain "
         "(langchain-postgres' own columns, LangChain only)",
     )
-    p.add_argument(
-        "--chunk-size", type=int, default=CHUNK_CHARS, help="max characters per chunk"
-    )
-    p.add_argument(
-        "--overlap", type=int, default=CHUNK_OVERLAP, help="characters shared by chunks"
-    )
+    p.add_argument("--chunk-size", type=int, default=CHUNK_CHARS, help="max characters per chunk")
+    p.add_argument("--overlap", type=int, default=CHUNK_OVERLAP, help="characters shared by chunks")
     p.add_argument(
         "--no-progress",
         action="store_true",

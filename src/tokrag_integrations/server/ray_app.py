@@ -4,13 +4,9 @@
     from ray import serve
     serve.run(ray_deployment(ServeConfig(), replicas=2), route_prefix="/")
 
-Each replica is a Ray actor that loads the model in its constructor (Ray marks it ready once
-the model is loaded) and serves :func:`~.app.create_app` through ``serve.ingress``; Ray's proxy
-spreads requests over the replicas, and inside a replica the model's micro-batcher decodes
-concurrent requests together. Ray Serve's own knobs pass through: ``max_ongoing_requests``
-(requests one replica takes at once), ``autoscaling_config`` (``min_replicas``,
-``max_replicas``, ``target_ongoing_requests``) and the replica's ``num_cpus`` / ``num_gpus``.
-Needs the ``ray`` extra (``pip install 'tokrag-integrations[ray]'``).
+Each replica is a Ray actor that loads the model in its constructor and serves
+:func:`~.app.create_app` through ``serve.ingress``; Ray's proxy spreads requests over the
+replicas. Needs the ``ray`` extra (``pip install 'tokrag-integrations[ray]'``).
 """
 
 from __future__ import annotations
