@@ -17,7 +17,7 @@ from .console import (
     _print_warning,
     _resolve_docs,
     _short_source,
-    _Status,
+    _status,
     add_model_arguments,
     check_policy,
     parse_option,
@@ -302,7 +302,7 @@ def _load(args: argparse.Namespace, err: Console) -> Any:
     from .. import load_model
 
     placement = {} if args.device_map is None else {"device_map": args.device_map}
-    with _Status(err, f"Loading model {args.model}…"):
+    with _status(err, f"Loading model {args.model}…"):
         return load_model(args.model, device=args.device, dtype=args.dtype, **placement)
 
 
@@ -321,7 +321,7 @@ def _model_and_passages(
         passages = _retrieve(args, err) if uses_passages else []
         return _load(args, err), passages
     lm = _load(args, err)
-    with _Status(err, f"Gate {args.gate}: deciding whether to retrieve…"):
+    with _status(err, f"Gate {args.gate}: deciding whether to retrieve…"):
         decision = _gate(lm, args.gate, args.gate_calibration).decide(args.question)
     err.print(
         Text(

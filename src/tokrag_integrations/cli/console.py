@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -167,35 +169,19 @@ def stop_strings(args: argparse.Namespace) -> list[str]:
     return stops
 
 
-class _Status:
-    """``with _Status(err, "Loading model…"):`` a spinner on a terminal; on a file or a pipe
+@contextmanager
+def _status(err: Console, message: str) -> Iterator[None]:
+    """``with _status(err, "Loading model…"):`` a spinner on a terminal; on a file or a pipe
     (``2> log``, CI), where rich shows no spinner, the message as a plain line and, at the
     end, how long it took, so a redirected wait is never silent."""
-
-    def __init__(self, err: Console, message: str):
-        self.err = err
-        self.message = message
-        self._status: Any = None
-
-    def __enter__(self) -> _Status:
-        import time
-
-        self._start = time.perf_counter()
-        if self.err.is_terminal:
-            self._status = self.err.status(self.message)
-            self._status.__enter__()
-        else:
-            self.err.print(self.message, style="dim", soft_wrap=True, highlight=False)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        import time
-
-        if self._status is not None:
-            self._status.__exit__(*exc)
-        elif exc[0] is None:
-            took = time.perf_counter() - self._start
-            self.err.print(f"  done in {took:.1f} s", style="dim", highlight=False)
+    if err.is_terminal:
+        with err.status(message):
+            yield
+        return
+    err.print(message, style="dim", soft_wrap=True, highlight=False)
+    start = time.perf_counter()
+    yield
+    err.print(f"  done in {time.perf_counter() - start:.1f} s", style="dim", highlight=False)
 
 
 def _print_warning(err: Console, message: str) -> None:

@@ -27,6 +27,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
+from dataclasses import asdict
 from typing import Any
 
 from .schemas import ChatRequest, RequestError, parse_chat_request, too_deep
@@ -51,11 +52,7 @@ def tokrag_object(result: Any, req: ChatRequest, extra_warnings: list[str]) -> d
         "stop_reason": tr.stop_reason,
         "prompt_tokens": dict(tr.prompt_tokens),
         "warnings": [*tr.warnings, *req.warnings, *extra_warnings],
-        "sources": [
-            {"rank": p.rank, "text": p.text, "score": p.score, "metadata": p.metadata,
-             "kept": p.kept, "cut": p.cut, "n_tokens": p.n_tokens}
-            for p in tr.passages
-        ],
+        "sources": [asdict(p) for p in tr.passages],
         "trace": tr.to_dict() if req.trace else None,
     }
 
