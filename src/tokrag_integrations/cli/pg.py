@@ -204,9 +204,12 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     # so a long ingest is never silent.
     plain = not args.no_progress and not sys.stderr.isatty()
 
+    def note(text: str) -> None:
+        print(f"ingest: {text}", file=sys.stderr, flush=True)
+
     def say(item: FileReport) -> None:
         chunks = f" ({item.chunks} chunks)" if item.chunks else ""
-        print(f"ingest: {item.status} {printable(item.path)}{chunks}", file=sys.stderr, flush=True)
+        note(f"{item.status} {printable(item.path)}{chunks}")
 
     def starting(path: Path) -> None:
         try:
@@ -214,19 +217,13 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         except OSError:  # reported with the file
             return
         if size > LARGE_INPUT_BYTES:
-            print(
-                f"ingest: reading {printable(path)} ({size / 2**20:.1f} MB); a big file takes "
-                "minutes to chunk and embed…",
-                file=sys.stderr,
-                flush=True,
+            note(
+                f"reading {printable(path)} ({size / 2**20:.1f} MB); a big file takes minutes to "
+                "chunk and embed…"
             )
 
     if plain:
-        print(
-            f"ingest: opening the database and the embedder, then {len(args.paths)} path(s)…",
-            file=sys.stderr,
-            flush=True,
-        )
+        note(f"opening the database and the embedder, then {len(args.paths)} path(s)…")
     try:
         summary = ingest(
             [Path(p).expanduser() for p in args.paths],

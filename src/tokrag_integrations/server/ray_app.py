@@ -97,12 +97,12 @@ def run_ray(
     host: str = "127.0.0.1",
     port: int = 8000,
     address: str | None = None,
-    num_cpus: float = 1.0,
     blocking: bool = False,
     **deployment_kwargs: Any,
 ) -> Any:
-    """Start (or join) Ray, start Serve's HTTP proxy on ``host:port`` and deploy; with
-    ``blocking`` wait until interrupted, then shut Serve down. Returns the app's handle."""
+    """Start (or join) Ray, start Serve's HTTP proxy on ``host:port`` and deploy
+    (``deployment_kwargs``: those of :func:`ray_deployment`); with ``blocking`` wait until
+    interrupted, then shut Serve down. Returns the app's handle."""
     serve = require_ray()
     import ray
 
@@ -116,8 +116,7 @@ def run_ray(
         else:  # a local instance: say how many CPUs (Ray's guess may count the host's)
             ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
-    handle = serve.run(ray_deployment(config, num_cpus=num_cpus, **deployment_kwargs),
-                       name="tokrag", route_prefix="/")
+    handle = serve.run(ray_deployment(config, **deployment_kwargs), name="tokrag", route_prefix="/")
     if blocking:
         print(f"tokrag: serving on http://{host}:{port} (Ray Serve); Ctrl-C stops", flush=True)
         try:

@@ -208,10 +208,8 @@ class ChatService:
         return kw
 
     async def passages(self, req: ChatRequest) -> tuple[list[Any] | None, list[str]]:
-        """The request's documents, else the store's top chunks for its question, else None.
-
-        Returns ``(passages, warnings)``.
-        """
+        """``(passages, warnings)``: the request's documents, else the store's top chunks for
+        its question, else None."""
         if req.documents is not None:
             if req.filters is not None:
                 return req.documents, ["tokrag.filters ignored: the request gave documents"]
