@@ -252,7 +252,9 @@ def _content(message: Mapping[str, Any], i: int) -> str:
 def _messages(value: Any, limits: Limits) -> tuple[str, list[dict[str, str]], str | None]:
     if not isinstance(value, list) or not value:
         got = "an empty array" if isinstance(value, list) else _type_name(value)
-        raise RequestError(f"'messages' must be a non-empty array of messages, got {got}", "messages")
+        raise RequestError(
+            f"'messages' must be a non-empty array of messages, got {got}", "messages"
+        )
     if len(value) > limits.max_messages:
         raise RequestError(
             f"'messages' holds {len(value)} messages, more than this server's limit of "
@@ -282,7 +284,9 @@ def _messages(value: Any, limits: Limits) -> tuple[str, list[dict[str, str]], st
         elif text.strip():
             system.append(text)
     if not turns or turns[-1]["role"] != "user":
-        raise RequestError("the last message must be a user message: the server answers it", "messages")
+        raise RequestError(
+            "the last message must be a user message: the server answers it", "messages"
+        )
     tail: list[str] = []
     while turns and turns[-1]["role"] == "user":
         tail.insert(0, turns.pop()["content"])
