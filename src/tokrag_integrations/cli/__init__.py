@@ -3,8 +3,7 @@
     tokrag ask "Who founded Quillfeather Aerospace?" --docs sample --explain --html trace.html
 
 ``main`` and the parser live here; each command in its own module: :mod:`.ask`,
-:mod:`.eval`, :mod:`.pg` (``ingest`` and ``ask --store postgres``), :mod:`.gate` (``ask
---gate``), :mod:`.serve`; ``tokrag bench`` is in :mod:`.eval`; shared helpers in
+:mod:`.eval` (also ``bench``), :mod:`.pg` (``ingest``), :mod:`.serve`; shared helpers in
 :mod:`.console`. A subcommand is an ``add_*_parser(subparsers)`` function that sets
 ``func`` (``(args) -> int``); :data:`SUBCOMMANDS` lists them, :func:`register_subcommand`
 adds one. Importing this is cheap (torch loads when a command runs); user errors end with
@@ -21,39 +20,20 @@ from typing import Any
 
 from .ask import add_parser as add_ask_parser
 from .console import EXIT_USAGE, AddParser, _consoles, _print_warning, parse_option
-from .pg import EXIT_DATABASE
+from .eval import add_bench_parser
+from .eval import add_parser as add_eval_parser
+from .pg import EXIT_DATABASE, _database_errors, add_ingest_parser, warn_password_on_command_line
+from .serve import add_parser as add_serve_parser
 
 __all__ = ["main", "build_parser", "register_subcommand", "SUBCOMMANDS", "parse_option"]
 
-
-def add_bench_parser(subparsers: Any) -> None:
-    from .eval import add_bench_parser as add
-
-    add(subparsers)
-
-
-def add_eval_parser(subparsers: Any) -> None:
-    from .eval import add_parser
-
-    add_parser(subparsers)
-
-
-def add_ingest_parser(subparsers: Any) -> None:
-    from .pg import add_ingest_parser
-
-    add_ingest_parser(subparsers)
-
-
-def add_serve_parser(subparsers: Any) -> None:
-    from .serve import add_parser
-
-    add_parser(subparsers)
-
-
-#: The subcommands, each an ``add_*_parser(subparsers)`` function (their modules are
-#: imported when the parser is built). Append to add one.
+#: The subcommands, each an ``add_*_parser(subparsers)`` function. Append to add one.
 SUBCOMMANDS: list[AddParser] = [
-    add_ask_parser, add_bench_parser, add_eval_parser, add_ingest_parser, add_serve_parser,
+    add_ask_parser,
+    add_bench_parser,
+    add_eval_parser,
+    add_ingest_parser,
+    add_serve_parser,
 ]
 
 
@@ -95,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed, for records
     _, err = _consoles()
     shown: set[str] = set()
 
@@ -107,10 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = warnings.showwarning
     warnings.showwarning = show  # type: ignore[assignment]
     try:
-        if getattr(args, "dsn", None):
-            from .pg import warn_password_on_command_line
-
-            warn_password_on_command_line(args.dsn)
+        warn_password_on_command_line(getattr(args, "dsn", None))
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, CacheDirError) as exc:
         message = str(exc) or type(exc).__name__
@@ -124,18 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         # Database problems (unreachable server, missing pgvector, unknown table) are the
         # user's to fix, not tracebacks; their messages never contain credentials.
-        if not _is_database_error(exc):
+        if "tokrag_integrations.postgres.dsn" not in sys.modules:
+            raise
+        if not isinstance(exc, _database_errors()):
             raise
         print(f"tokrag: database error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_DATABASE
     finally:
         warnings.showwarning = previous
-
-
-def _is_database_error(exc: BaseException) -> bool:
-    if "tokrag_integrations.postgres.dsn" not in sys.modules:
-        return False
-    from .pg import _database_errors
-
-    return isinstance(exc, _database_errors())
-

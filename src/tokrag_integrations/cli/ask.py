@@ -17,7 +17,9 @@ from .console import (
     _print_warning,
     _resolve_docs,
     _short_source,
-    _Status,
+    _status,
+    add_model_arguments,
+    check_policy,
     parse_option,
     stop_strings,
 )
@@ -120,13 +122,7 @@ def _add_decoding_arguments(p: argparse.ArgumentParser) -> None:
         default="tokrag",
         help=f"decoding policy: one of {', '.join(available_policies())} (default tokrag)",
     )
-    p.add_argument(
-        "--model",
-        default="default",
-        help="'default' (packaged SmolLM2-135M-Instruct), 'gemma3-270m' (the gemma extra), "
-        "a Hugging Face hub id in the local cache (e.g. Qwen/Qwen2.5-7B-Instruct), "
-        "a model folder or a .gguf file",
-    )
+    add_model_arguments(p)
     p.add_argument(
         "--max-new-tokens",
         type=_positive_int,
@@ -147,10 +143,6 @@ def _add_decoding_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no stop strings: the answer ends at the model's end of turn or at --max-new-tokens",
     )
-    p.add_argument(
-        "--device", default=None, help="torch device, e.g. cpu or cuda (default: CUDA if available)"
-    )
-    p.add_argument("--dtype", default=None, help="e.g. float32 or bfloat16 (default: by device)")
     p.add_argument(
         "--device-map",
         default=None,
@@ -189,39 +181,37 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
-    """Passages for ``args``: the ``--passage`` texts, then the chunks retrieved from
-    ``--docs`` (printed, dim, to stderr)."""
+    """Passages for ``args``: the ``--passage`` texts, then the chunks retrieved from the
+    store and from ``--docs`` (each listed, dim, on stderr)."""
     from rich.text import Text
 
     from .. import Passage
     from ..retrieval import printable
 
-    passages: list[Any] = [
+    passages = [
         Passage(text=t, metadata={"source": "--passage"}) for t in args.passage if t.strip()
     ]
-    if args.store == "postgres":
-        from .pg import retrieve_from_postgres
 
-        chunks = retrieve_from_postgres(
-            args.question,
-            args.dsn,
-            args.table,
-            args.filter,
-            args.top_k,
-            embed_model=args.embed_model,
-            data_dir=args.data_dir,
-            search=args.search,
-        )
+    def add(score: float, source: str, chunk: int, text: str, metadata: dict[str, Any]) -> None:
+        line = Text(f"  {score:7.4f}  {source} #{chunk}  ", style="dim")
+        line.append(" ".join(text.split()), style="dim italic")
+        err.print(line, no_wrap=True, overflow="ellipsis")
+        passages.append(Passage(text=text, score=score, metadata=metadata))
+
+    if args.store == "postgres":
+        from ..postgres.layout import DEFAULT_TABLE
+        from ..postgres.store import _knowledge_base
+
+        kb = _knowledge_base(args.dsn, args.table or DEFAULT_TABLE, args.embed_model, args.data_dir)
+        chunks = kb.retrieve(args.question, args.top_k, args.filter, search=args.search)
         if not chunks:
-            _print_warning(err, "the store returned no chunk for this question; answering without them.")
+            _print_warning(
+                err, "the store returned no chunk for this question; answering without them."
+            )
         for c in chunks:
-            line = Text(f"  {c.score:7.4f}  {printable(c.source)} #{c.chunk}  ", style="dim")
-            line.append(" ".join(c.text.split()), style="dim italic")
-            err.print(line, no_wrap=True, overflow="ellipsis")
-            passages.append(c.to_passage())
+            add(c.score, printable(c.source), c.chunk, c.text, dict(c.metadata))
     if not args.docs:
         return passages
-
     from ..retrieval import build_retriever
 
     roots = _resolve_docs(args.docs)
@@ -239,16 +229,8 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
         _print_warning(err, "no document chunk matched the question; answering without them.")
     for hit in hits:
         source = printable(_short_source(hit.source, roots))
-        line = Text(f"  {hit.score:7.4f}  {source} #{hit.chunk.index}  ", style="dim")
-        line.append(" ".join(hit.text.split()), style="dim italic")
-        err.print(line, no_wrap=True, overflow="ellipsis")
-        passages.append(
-            Passage(
-                text=hit.text,
-                score=hit.score,
-                metadata={"source": hit.source, "chunk": hit.chunk.index, **hit.chunk.metadata},
-            )
-        )
+        metadata = {"source": hit.source, "chunk": hit.chunk.index, **hit.chunk.metadata}
+        add(hit.score, source, hit.chunk.index, hit.text, metadata)
     return passages
 
 
@@ -283,33 +265,45 @@ def _print_sources(out: Console, trace: Any, roots: Sequence[Path]) -> None:
         out.print(Text("\n\n".join(p for p in paragraphs if p)), soft_wrap=False)
 
 
-def _placement(args: argparse.Namespace) -> dict[str, Any]:
-    """``device_map=`` for load_model when ``--device-map`` was given."""
-    device_map = getattr(args, "device_map", None)
-    return {} if device_map is None else {"device_map": device_map}
-
-
 def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> bool:
-    """Fail on a bad policy, option, device or dtype before retrieval and the model load:
-    the policy is built once here with the given options and thrown away. Returns whether
-    the policy reads passages at all."""
+    """Fail on a bad policy, option, device or dtype before retrieval and the model load.
+    Returns whether the policy reads passages at all."""
     from ..models import check_device_and_dtype
-    from ..policies import available_policies, get_policy
     from ..policies import uses_passages as policy_uses_passages
 
-    if args.policy not in available_policies():  # before get_policy, which imports torch (~2 s)
-        raise ValueError(
-            f"Unknown policy {args.policy!r}. Available policies: {', '.join(available_policies())}."
-        )
-    uses_passages = policy_uses_passages(get_policy(args.policy, **options))
+    uses_passages = policy_uses_passages(check_policy(args.policy, options))
     check_device_and_dtype(args.device, args.dtype)
-    if args.device is not None and getattr(args, "device_map", None) is not None:
+    if args.device is not None and args.device_map is not None:
         raise ValueError("pass --device or --device-map, not both")
-    if getattr(args, "search", "vector") != "vector" and args.store != "postgres":
+    if args.search != "vector" and args.store != "postgres":
         raise ValueError(
             "--search applies to --store postgres; for --docs choose --retriever dense or bm25"
         )
     return uses_passages
+
+
+def _gate(lm: Any, name: str, calibration: str | None) -> Any:
+    """The ``--gate`` gate: loaded from ``--gate-calibration``, else calibrated on the
+    packaged sample questions (and saved there when given)."""
+    from ..gating import GATES
+    from ..retrieval import get_sample_questions
+
+    if calibration is not None and Path(calibration).exists():
+        return GATES[name].load(calibration, lm)
+    gate = GATES[name](lm)
+    questions = [q["question"] if isinstance(q, dict) else str(q) for q in get_sample_questions()]
+    gate.calibrate(questions)
+    if calibration is not None:
+        gate.save(calibration)
+    return gate
+
+
+def _load(args: argparse.Namespace, err: Console) -> Any:
+    from .. import load_model
+
+    placement = {} if args.device_map is None else {"device_map": args.device_map}
+    with _status(err, f"Loading model {args.model}…"):
+        return load_model(args.model, device=args.device, dtype=args.dtype, **placement)
 
 
 def _model_and_passages(
@@ -319,36 +313,24 @@ def _model_and_passages(
     loads first (the gate reads it) and retrieval runs only when the gate says so."""
     from rich.text import Text
 
-    from .. import load_model
-
-    question = args.question
-    decision = None
     if not uses_passages and (args.docs or args.store or args.passage):
-        # The pure model reads no passage: retrieving (and embedding a folder) would be wasted.
-        err.print(Text(f"policy {args.policy} reads no passages: nothing is retrieved", style="dim"))
-    if args.gate and uses_passages:
-        with _Status(err, f"Loading model {args.model}…"):
-            lm = load_model(args.model, device=args.device, dtype=args.dtype, **_placement(args))
-        from .gate import build_gate
-
-        with _Status(err, f"Gate {args.gate}: deciding whether to retrieve…"):
-            gate = build_gate(lm, args.gate, calibration=args.gate_calibration)
-            decision = gate.decide(question)
         err.print(
-            Text(
-                f"gate {args.gate}: {'retrieve' if decision.retrieve else 'answer directly'} "
-                f"(score {decision.score:.4f}, threshold {decision.threshold})",
-                style="bold",
-            )
+            Text(f"policy {args.policy} reads no passages: nothing is retrieved", style="dim")
         )
-    if uses_passages and (decision is None or decision.retrieve):
-        passages = _retrieve(args, err)
-    else:
-        passages = []
     if not (args.gate and uses_passages):
-        with _Status(err, f"Loading model {args.model}…"):
-            lm = load_model(args.model, device=args.device, dtype=args.dtype, **_placement(args))
-    return lm, passages
+        passages = _retrieve(args, err) if uses_passages else []
+        return _load(args, err), passages
+    lm = _load(args, err)
+    with _status(err, f"Gate {args.gate}: deciding whether to retrieve…"):
+        decision = _gate(lm, args.gate, args.gate_calibration).decide(args.question)
+    err.print(
+        Text(
+            f"gate {args.gate}: {'retrieve' if decision.retrieve else 'answer directly'} "
+            f"(score {decision.score:.4f}, threshold {decision.threshold})",
+            style="bold",
+        )
+    )
+    return lm, _retrieve(args, err) if decision.retrieve else []
 
 
 def _after_answer(args: argparse.Namespace, out: Console, err: Console, result: Any) -> None:
@@ -357,7 +339,9 @@ def _after_answer(args: argparse.Namespace, out: Console, err: Console, result: 
 
     if result.trace.stop_reason == "length":
         err.print(
-            Text(f"(answer cut at {args.max_new_tokens} tokens; raise --max-new-tokens)", style="dim")
+            Text(
+                f"(answer cut at {args.max_new_tokens} tokens; raise --max-new-tokens)", style="dim"
+            )
         )
     for message in result.trace.warnings:
         _print_warning(err, message)
@@ -374,11 +358,7 @@ def _after_answer(args: argparse.Namespace, out: Console, err: Console, result: 
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    """Run ``tokrag ask``: retrieve, stream the answer, then explain and export on request.
-
-    ``--policy`` and its ``--option KEY=VALUE`` pairs are the command line's spelling of
-    ``policy="tokrag", policy_options={...}``; the registry checks them before anything loads.
-    """
+    """Run ``tokrag ask``: retrieve, stream the answer, then explain and export on request."""
     from rich.text import Text
 
     out, err = _consoles()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +54,33 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """``--model``, ``--device`` and ``--dtype`` (``ask`` and ``serve``)."""
+    p.add_argument(
+        "--model",
+        default="default",
+        help="'default' (packaged SmolLM2-135M-Instruct), 'gemma3-270m' (the gemma extra), "
+        "a Hugging Face hub id in the local cache (e.g. Qwen/Qwen2.5-7B-Instruct), "
+        "a model folder or a .gguf file",
+    )
+    p.add_argument(
+        "--device", default=None, help="torch device, e.g. cpu or cuda (default: CUDA if available)"
+    )
+    p.add_argument("--dtype", default=None, help="e.g. float32 or bfloat16 (default: by device)")
+
+
+def check_policy(name: str, options: dict[str, Any]) -> Any:
+    """The policy ``name`` built with ``options``, so that a bad name or option fails
+    before anything loads."""
+    from ..policies import available_policies, get_policy
+
+    if name not in available_policies():  # before get_policy, which imports torch
+        raise ValueError(
+            f"Unknown policy {name!r}. Available policies: {', '.join(available_policies())}."
+        )
+    return get_policy(name, **options)
+
+
 def _consoles() -> tuple[Console, Console]:
     """(stdout console for the answer and the trace, stderr console for everything else).
 
@@ -67,12 +96,8 @@ def _consoles() -> tuple[Console, Console]:
     return consoles
 
 
-def _visible_controls(text: str) -> str:
-    """``text`` with C0 controls (but newline and tab), DEL and C1 controls replaced by the
-    Unicode "control pictures" (``\x1b`` -> ``␛``; C1 -> U+FFFD)."""
-    return text.translate(_CONTROL_PICTURES)
-
-
+#: C0 controls (but newline and tab) and DEL as their Unicode "control pictures"
+#: (``\x1b`` -> ``␛``), C1 controls as U+FFFD.
 _CONTROL_PICTURES = {c: 0x2400 + c for c in range(0x20) if chr(c) not in "\n\t"}
 _CONTROL_PICTURES[0x7F] = 0x2421
 _CONTROL_PICTURES.update({c: 0xFFFD for c in range(0x80, 0xA0)})
@@ -80,7 +105,7 @@ _CONTROL_PICTURES.update({c: 0xFFFD for c in range(0x80, 0xA0)})
 
 class _VisibleControls:
     """A rich render hook: every text segment printed through the console goes through
-    :func:`_visible_controls`; rich's own control segments (cursor moves of a status line)
+    :data:`_CONTROL_PICTURES`; rich's own control segments (cursor moves of a status line)
     and the styles it adds are untouched."""
 
     def process_renderables(self, renderables: list[Any]) -> list[Any]:
@@ -98,7 +123,7 @@ class _SanitizedRenderable:
             if segment.control:
                 yield segment
             else:
-                yield Segment(_visible_controls(segment.text), segment.style, segment.control)
+                yield Segment(segment.text.translate(_CONTROL_PICTURES), segment.style)
 
 
 def _check_output_path(path: str | None, flag: str) -> None:
@@ -144,35 +169,19 @@ def stop_strings(args: argparse.Namespace) -> list[str]:
     return stops
 
 
-class _Status:
-    """``with _Status(err, "Loading model…"):`` a spinner on a terminal; on a file or a pipe
+@contextmanager
+def _status(err: Console, message: str) -> Iterator[None]:
+    """``with _status(err, "Loading model…"):`` a spinner on a terminal; on a file or a pipe
     (``2> log``, CI), where rich shows no spinner, the message as a plain line and, at the
     end, how long it took, so a redirected wait is never silent."""
-
-    def __init__(self, err: Console, message: str):
-        self.err = err
-        self.message = message
-        self._status: Any = None
-
-    def __enter__(self) -> _Status:
-        import time
-
-        self._start = time.perf_counter()
-        if self.err.is_terminal:
-            self._status = self.err.status(self.message)
-            self._status.__enter__()
-        else:
-            self.err.print(self.message, style="dim", soft_wrap=True, highlight=False)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        import time
-
-        if self._status is not None:
-            self._status.__exit__(*exc)
-        elif exc[0] is None:
-            took = time.perf_counter() - self._start
-            self.err.print(f"  done in {took:.1f} s", style="dim", highlight=False)
+    if err.is_terminal:
+        with err.status(message):
+            yield
+        return
+    err.print(message, style="dim", soft_wrap=True, highlight=False)
+    start = time.perf_counter()
+    yield
+    err.print(f"  done in {time.perf_counter() - start:.1f} s", style="dim", highlight=False)
 
 
 def _print_warning(err: Console, message: str) -> None:

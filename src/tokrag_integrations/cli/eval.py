@@ -34,7 +34,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .console import EXIT_USAGE
+from .console import _positive_int
 
 TASKS = ("noise", "misleading", "token", "token-pool", "cost")
 
@@ -69,7 +69,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("task", nargs="?", default="noise", choices=TASKS, help="what to measure (default: noise)")
     p.add_argument("--data", default=None, help="JSONL evaluation set (format: shared/data/README.md); all tasks but token-pool")
-    p.add_argument("--limit", type=int, default=None, help="use the first N items")
+    p.add_argument("--limit", type=_positive_int, default=None, help="use the first N items")
     p.add_argument("--policies", type=_specs, default=list(DEFAULT_POLICIES),
                    help="comma-separated policy specs: name or name[key=value,...], e.g. 'rag,tokrag[min_fusion_layer=0]'")
     p.add_argument("--scorers", type=_specs, default=None,
@@ -87,7 +87,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--stop", action="append", default=None, help="stop string (default: newline)")
-    p.add_argument("--batch-size", type=int, default=1, help="questions decoded together per policy")
+    p.add_argument("--batch-size", type=_positive_int, default=1, help="questions decoded together per policy")
     p.add_argument("--alpha", type=float, default=None, help="CAD's alpha (default 0.5)")
     p.add_argument("--target", choices=("auto", "evidence", "answer"), default="auto",
                    help="token level: gold continuation = answer-bearing evidence sentence, bare answer, or auto "
@@ -128,10 +128,7 @@ def _check_resume(records: Path, config: dict[str, Any]) -> None:
 
 
 def _command(args: argparse.Namespace) -> str:
-    argv = getattr(args, "argv", None)
-    if argv is not None:
-        return "tokrag eval " + " ".join(shlex.quote(a) for a in argv)
-    return "tokrag " + " ".join(shlex.quote(a) for a in sys.argv[1:])  # wired into the main ``tokrag`` parser
+    return "tokrag " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -141,10 +138,6 @@ def _validate(args: argparse.Namespace) -> None:
     from ..evaluation.token_level import scorer_configs
     from ..policies import available_policies, get_policy
 
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.task != "token-pool" and not args.data:
         raise ValueError(f"tokrag eval {args.task} needs --data (a JSONL evaluation set).")
     if args.task != "token-pool" and len(args.records) != 1:
@@ -288,7 +281,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="comma list of batch sizes for tokens/s and questions/s, e.g. 1,4,16")
     p.add_argument("--throughput-only", action="store_true",
                    help="only the --throughput measurement (no per-question timing, no memory)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of the interleaved --throughput measurement")
+    p.add_argument("--rounds", type=_positive_int, default=3, help="rounds of the interleaved --throughput measurement")
     p.set_defaults(func=run_bench_command)
     return p
 
@@ -312,8 +305,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from ..evaluation.report import bench_table
     from ..evaluation.specs import split_specs
 
-    if args.rounds < 1:
-        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if args.throughput_only and not args.throughput:
         raise ValueError("--throughput-only needs --throughput SIZES, e.g. --throughput 1,4,16")
     res = run_bench(
@@ -330,17 +321,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry point (``python -m tokrag_integrations.cli.eval noise --data ...``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="tokrag")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(["eval", *argv])
-    args.argv = argv
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # one line and status 2, as ``tokrag`` does
-        print(f"tokrag: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return EXIT_USAGE
+    from . import main as tokrag
+
+    return tokrag(["eval", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -4,10 +4,6 @@
     tokrag ingest docs/ --dsn postgresql://rag:...@db:5432/rag    # or TOKRAG_PG_DSN=...
     tokrag ask "How many approvals?" --store postgres --table handbook --filter format=md
 
-For :mod:`tokrag_integrations.cli`: :func:`add_ingest_parser` registers ``ingest``;
-:func:`add_store_arguments` adds the store options; :func:`retrieve_from_postgres` returns
-passages for ``ask`` to decode.
-
 Exit status of ``ingest``: 0 when every file was ingested or unchanged, 1 when some file
 was skipped (each is listed with its reason), 2 for usage errors (bad table name, missing
 path), 3 when the database cannot be reached, started or used (a missing privilege, a table
@@ -22,18 +18,8 @@ import argparse
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
 
-from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP, TOP_K
-
-__all__ = [
-    "EXIT_DATABASE",
-    "EXIT_PARTIAL",
-    "add_ingest_parser",
-    "add_store_arguments",
-    "cmd_ingest",
-    "retrieve_from_postgres",
-]
+from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP
 
 #: Some files were skipped (listed in the summary).
 EXIT_PARTIAL = 1
@@ -172,12 +158,8 @@ def add_ingest_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
         help="table layout: llamaindex (default; LangChain reads it too) or langchain "
         "(langchain-postgres' own columns, LangChain only)",
     )
-    p.add_argument(
-        "--chunk-size", type=int, default=CHUNK_CHARS, help="max characters per chunk"
-    )
-    p.add_argument(
-        "--overlap", type=int, default=CHUNK_OVERLAP, help="characters shared by chunks"
-    )
+    p.add_argument("--chunk-size", type=int, default=CHUNK_CHARS, help="max characters per chunk")
+    p.add_argument("--overlap", type=int, default=CHUNK_OVERLAP, help="characters shared by chunks")
     p.add_argument(
         "--no-progress",
         action="store_true",
@@ -222,9 +204,12 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     # so a long ingest is never silent.
     plain = not args.no_progress and not sys.stderr.isatty()
 
+    def note(text: str) -> None:
+        print(f"ingest: {text}", file=sys.stderr, flush=True)
+
     def say(item: FileReport) -> None:
         chunks = f" ({item.chunks} chunks)" if item.chunks else ""
-        print(f"ingest: {item.status} {printable(item.path)}{chunks}", file=sys.stderr, flush=True)
+        note(f"{item.status} {printable(item.path)}{chunks}")
 
     def starting(path: Path) -> None:
         try:
@@ -232,19 +217,13 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         except OSError:  # reported with the file
             return
         if size > LARGE_INPUT_BYTES:
-            print(
-                f"ingest: reading {printable(path)} ({size / 2**20:.1f} MB); a big file takes "
-                "minutes to chunk and embed…",
-                file=sys.stderr,
-                flush=True,
+            note(
+                f"reading {printable(path)} ({size / 2**20:.1f} MB); a big file takes minutes to "
+                "chunk and embed…"
             )
 
     if plain:
-        print(
-            f"ingest: opening the database and the embedder, then {len(args.paths)} path(s)…",
-            file=sys.stderr,
-            flush=True,
-        )
+        note(f"opening the database and the embedder, then {len(args.paths)} path(s)…")
     try:
         summary = ingest(
             [Path(p).expanduser() for p in args.paths],
@@ -269,27 +248,3 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         return EXIT_DATABASE
     print(summary.to_text())
     return EXIT_PARTIAL if summary.failed else 0
-
-
-def retrieve_from_postgres(
-    question: str,
-    dsn: str | None = None,
-    table: str | None = None,
-    filters: Any = None,
-    top_k: int = TOP_K,
-    *,
-    embed_model: str | None = None,
-    data_dir: str | None = None,
-    search: str = "vector",
-) -> list[Any]:
-    """The ``top_k`` :class:`~tokrag_integrations.postgres.RetrievedChunk` for ``question``.
-
-    ``chunk.to_passage()`` gives the core :class:`~tokrag_integrations.Passage`. Filters are
-    ``["key=value", ...]`` (as ``--filter`` gives them) or a mapping; ``search`` is
-    ``"vector"``, ``"text"`` or ``"hybrid"``.
-    """
-    from ..postgres.layout import DEFAULT_TABLE
-    from ..postgres.store import _knowledge_base
-
-    kb = _knowledge_base(dsn, table or DEFAULT_TABLE, embed_model, data_dir)
-    return kb.retrieve(question, top_k=top_k, filters=filters, search=search)

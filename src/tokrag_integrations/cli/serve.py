@@ -13,7 +13,7 @@ import argparse
 from typing import Any
 
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS, TOP_K
-from .console import _positive_int, parse_option
+from .console import _positive_int, add_model_arguments, check_policy, parse_option
 
 __all__ = ["add_parser", "cmd_serve", "config_from_args"]
 
@@ -42,10 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--model", default="default",
-                   help="as for `tokrag ask --model` (default: the packaged SmolLM2-135M)")
-    p.add_argument("--device", default=None, help="torch device (default: CUDA if available)")
-    p.add_argument("--dtype", default=None, help="e.g. float32 or bfloat16 (default: by device)")
+    add_model_arguments(p)
     p.add_argument("--policy", default="tokrag",
                    help=f"policy of requests that name none: {', '.join(available_policies())}")
     p.add_argument("--option", action="append", default=[], type=parse_option,
@@ -118,34 +115,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def config_from_args(args: argparse.Namespace) -> Any:
     """The :class:`~tokrag_integrations.server.ServeConfig` the flags describe."""
+    from dataclasses import fields
+
     from ..server.schemas import Limits
     from ..server.service import ServeConfig
 
+    same = {f.name: getattr(args, f.name) for f in fields(ServeConfig) if hasattr(args, f.name)}
     return ServeConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        policy=args.policy,
+        **same,
         policy_options=dict(args.option),
         stop=None if args.no_stop else ANSWER_STOP,
-        max_new_tokens=args.max_new_tokens,
-        limits=Limits(max_tokens=args.max_tokens_limit, max_documents=args.max_documents,
-                      max_body_bytes=args.max_body_bytes),
-        max_queue=args.max_queue,
-        api_key=args.api_key,
-        max_batch=args.max_batch,
+        limits=Limits(args.max_tokens_limit, args.max_documents, max_body_bytes=args.max_body_bytes),
         batch_wait_s=None if args.batch_wait_ms is None else args.batch_wait_ms / 1000,
-        max_rows=args.max_rows,
-        max_positions=args.max_positions,
-        continuous=args.continuous,
-        max_prefill_tokens=args.max_prefill_tokens,
-        store=args.store,
-        dsn=args.dsn,
-        table=args.table,
-        top_k=args.top_k,
-        embed_model=args.embed_model,
-        data_dir=args.data_dir,
-        sources_relative_to=args.sources_relative_to,
     )
 
 
@@ -160,13 +141,7 @@ def _autoscale(text: str | None) -> tuple[int, int] | None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run ``tokrag serve`` until interrupted."""
-    from ..policies import available_policies, get_policy
-
-    if args.policy not in available_policies():
-        raise ValueError(
-            f"Unknown policy {args.policy!r}. Available policies: {', '.join(available_policies())}."
-        )
-    get_policy(args.policy, **dict(args.option))  # a bad option fails before the model loads
+    check_policy(args.policy, dict(args.option))
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be 1..65535, got {args.port}")
     if args.api_key:

@@ -7,12 +7,9 @@ A chat completion is the standard OpenAI object plus a top-level ``tokrag`` obje
 counts per source, trace, warnings, sources); streamed answers are ``chat.completion.chunk``
 server-sent events, each content chunk with ``tokrag.source``, the last with the full
 ``tokrag`` object. Refusals are OpenAI-style JSON errors: 400 bad body, 401 no bearer token,
-413 body over the limit, 429 ``max_queue`` reached, 503 while the model loads.
-
-Decoding never runs on the event loop; every request goes through the model's micro-batcher
-(concurrent requests decode as one batch, a late one joins at the next step); a stream's
-events are queued for its client, so a slow reader holds no one; a client that disconnects
-cancels its request.
+413 body over the limit, 429 ``max_queue`` reached, 503 while the model loads. Decoding runs
+off the event loop, through the model's micro-batcher; a client that disconnects cancels
+its request.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations (``Request``)
@@ -30,6 +27,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
+from dataclasses import asdict
 from typing import Any
 
 from .schemas import ChatRequest, RequestError, parse_chat_request, too_deep
@@ -45,13 +43,6 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 _END = object()
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error",
-           param: str | None = None) -> Any:
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse(RequestError(message, param, status, kind).to_dict(), status_code=status)
-
-
 def tokrag_object(result: Any, req: ChatRequest, extra_warnings: list[str]) -> dict[str, Any]:
     """The response's ``tokrag`` object for one :class:`~tokrag_integrations.GenerationResult`."""
     tr = result.trace
@@ -61,11 +52,7 @@ def tokrag_object(result: Any, req: ChatRequest, extra_warnings: list[str]) -> d
         "stop_reason": tr.stop_reason,
         "prompt_tokens": dict(tr.prompt_tokens),
         "warnings": [*tr.warnings, *req.warnings, *extra_warnings],
-        "sources": [
-            {"rank": p.rank, "text": p.text, "score": p.score, "metadata": p.metadata,
-             "kept": p.kept, "cut": p.cut, "n_tokens": p.n_tokens}
-            for p in tr.passages
-        ],
+        "sources": [asdict(p) for p in tr.passages],
         "trace": tr.to_dict() if req.trace else None,
     }
 
@@ -101,7 +88,6 @@ def create_app(
     # Which replica answered, without saying anything about the host (a pid would).
     replica = uuid.uuid4().hex[:12]
     api_key = cfg.resolved_api_key()
-    limits = cfg.limits
 
     def load_in_background() -> None:
         try:
@@ -138,17 +124,8 @@ def create_app(
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> Any:
         log.error("request failed", exc_info=exc)
-        return _error(500, f"internal error ({type(exc).__name__}); see the server log",
-                      "server_error")
-
-    def ready() -> ChatService:
-        return _ready(state)
-
-    def authorize(request: Request) -> None:
-        _authorize(request, api_key)
-
-    async def read_json(request: Request) -> Any:
-        return await _read_json(request, limits.max_body_bytes)
+        message = f"internal error ({type(exc).__name__}); see the server log"
+        return JSONResponse(RequestError(message, None, 500, "server_error").to_dict(), 500)
 
     @app.get("/health")
     async def health() -> Any:
@@ -167,22 +144,23 @@ def create_app(
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(request: Request) -> Any:
-        authorize(request)
+        _authorize(request, api_key)
         return JSONResponse(app.openapi())
 
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
-        authorize(request)
-        svc = ready()
+        _authorize(request, api_key)
+        svc = _ready(state)
         return {"object": "list", "data": [
             {"id": svc.model_id, "object": "model", "created": 0, "owned_by": "tokrag"}
         ]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        authorize(request)
-        svc = ready()
-        req = parse_chat_request(await read_json(request), limits, svc.policies)
+        _authorize(request, api_key)
+        svc = _ready(state)
+        body = await _read_json(request, cfg.limits.max_body_bytes)
+        req = parse_chat_request(body, cfg.limits, svc.policies)
         if svc.active >= cfg.max_queue:
             return JSONResponse(
                 RequestError(f"the server is busy: {cfg.max_queue} requests are queued; retry "
@@ -193,20 +171,36 @@ def create_app(
         handed_over = False
         try:
             passages, notes = await svc.passages(req)
-            rid = f"chatcmpl-{uuid.uuid4().hex}"
-            created = int(time.time())
+            head = {
+                "id": f"chatcmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": svc.model_id,
+            }
             if req.stream:
                 token_stream = await svc.open_stream(req, passages)
                 handed_over = True  # the event generator releases the slot
                 return StreamingResponse(
-                    _events(svc, req, token_stream, rid, created, notes),
+                    _events(svc, req, token_stream, head, notes),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
             result = await _unless_disconnected(request, svc.complete(req, passages))
             if result is None:  # the client left; nobody reads a response
                 return JSONResponse({}, status_code=499)
-            return _completion(rid, created, svc.model_id, result, req, notes)
+            return {
+                **head,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": result.text},
+                        "finish_reason": FINISH_REASONS.get(result.stop_reason, "stop"),
+                        "logprobs": None,
+                    }
+                ],
+                "usage": usage(result),
+                "tokrag": tokrag_object(result, req, notes),
+            }
         finally:
             if not handed_over:
                 svc.active -= 1
@@ -262,31 +256,10 @@ async def _read_json(request: Any, max_body_bytes: int) -> Any:
         raise RequestError(f"the body is not valid JSON: {exc}") from None
 
 
-def _completion(
-    rid: str, created: int, model_id: str, result: Any, req: ChatRequest, notes: list[str]
-) -> dict[str, Any]:
-    """The ``chat.completion`` object of a finished answer."""
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model_id,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text},
-            "finish_reason": FINISH_REASONS.get(result.stop_reason, "stop"),
-            "logprobs": None,
-        }],
-        "usage": usage(result),
-        "tokrag": tokrag_object(result, req, notes),
-    }
-
-
 class _ReplicaHeader:
-    """ASGI middleware: every HTTP response says which app answered (``X-TokRAG-Replica``, a
-    random id drawn when the app is made, the ``replica`` of ``/health``; with several Ray
-    Serve replicas, the one that decoded). Plain ASGI, not Starlette's
-    ``BaseHTTPMiddleware``, so streaming and disconnect detection pass through untouched."""
+    """ASGI middleware: every HTTP response names the app that answered (``X-TokRAG-Replica``,
+    the ``replica`` of ``/health``). Plain ASGI, so streaming and disconnect detection pass
+    through untouched."""
 
     def __init__(self, app: Any, replica: str) -> None:
         self.app = app
@@ -342,8 +315,7 @@ def _sse(data: Any) -> bytes:
 
 
 async def _events(
-    svc: ChatService, req: ChatRequest, token_stream: Any, rid: str, created: int,
-    notes: list[str],
+    svc: ChatService, req: ChatRequest, token_stream: Any, head: dict[str, Any], notes: list[str]
 ) -> AsyncIterator[bytes]:
     """Server-sent events for one stream. The decode is read by a thread of its own as fast
     as the model goes and queued here, so the model is released when the answer is done,
@@ -367,16 +339,16 @@ async def _events(
         finally:
             put(_END)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
-        return {"id": rid, "object": "chat.completion.chunk", "created": created,
-                "model": svc.model_id,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                             "logprobs": None}], **extra}
+    def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> bytes:
+        """One ``chat.completion.chunk`` event (no ``delta``: no choice, the usage chunk)."""
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choices = [] if delta is None else [choice]
+        return _sse({**head, "object": "chat.completion.chunk", "choices": choices, **extra})
 
     thread = threading.Thread(target=pump, name="tokrag-sse", daemon=True)
     finished = False
     try:
-        yield _sse(chunk({"role": "assistant", "content": ""}))
+        yield chunk({"role": "assistant", "content": ""})
         thread.start()
         while True:
             item = await events.get()
@@ -384,7 +356,7 @@ async def _events(
                 break
             if isinstance(item, TokenEvent):
                 if item.text:
-                    yield _sse(chunk({"content": item.text}, tokrag={"source": item.source}))
+                    yield chunk({"content": item.text}, tokrag={"source": item.source})
             elif isinstance(item, BaseException):
                 if isinstance(item, (TypeError, ValueError)):
                     body = RequestError(str(item)).to_dict()
@@ -395,12 +367,10 @@ async def _events(
                 yield _sse(body)
             else:  # the GenerationResult
                 finished = True
-                yield _sse(chunk({}, FINISH_REASONS.get(item.stop_reason, "stop"),
-                                 tokrag=tokrag_object(item, req, notes)))
+                finish = FINISH_REASONS.get(item.stop_reason, "stop")
+                yield chunk({}, finish, tokrag=tokrag_object(item, req, notes))
                 if req.include_usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk",
-                                "created": created, "model": svc.model_id, "choices": [],
-                                "usage": usage(item)})
+                    yield chunk(None, usage=usage(item))
         yield b"data: [DONE]\n\n"
     finally:
         # No await here: when the client leaves, this runs inside a cancelled scope, where
@@ -436,13 +406,9 @@ def warn_if_open(host: str, config: ServeConfig) -> None:
 def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", **uvicorn_kwargs: Any) -> None:
     """``tokrag serve`` in one process: uvicorn on ``host:port``; the model loads in the
-    background (``/health`` is 503 until it is ready). Blocks until the server stops.
-
-    SIGTERM ends it as Ctrl-C does: uvicorn shuts down, then raises the signal again under
-    the handler set here, from the main thread, to exit through ``atexit`` (the store,
-    opened in the loading thread, cannot set it), so an embedded Postgres is stopped
-    (:func:`~..postgres.embedded.stop_on_sigterm`).
-    """
+    background (``/health`` is 503 until it is ready). Blocks until the server stops; SIGTERM
+    ends it as Ctrl-C does and stops an embedded Postgres (the handler is set here, in the
+    main thread: :func:`~..postgres.embedded.stop_on_sigterm`)."""
     from ..postgres.embedded import stop_on_sigterm
 
     try:

@@ -4,13 +4,9 @@
     from ray import serve
     serve.run(ray_deployment(ServeConfig(), replicas=2), route_prefix="/")
 
-Each replica is a Ray actor that loads the model in its constructor (Ray marks it ready once
-the model is loaded) and serves :func:`~.app.create_app` through ``serve.ingress``; Ray's proxy
-spreads requests over the replicas, and inside a replica the model's micro-batcher decodes
-concurrent requests together. Ray Serve's own knobs pass through: ``max_ongoing_requests``
-(requests one replica takes at once), ``autoscaling_config`` (``min_replicas``,
-``max_replicas``, ``target_ongoing_requests``) and the replica's ``num_cpus`` / ``num_gpus``.
-Needs the ``ray`` extra (``pip install 'tokrag-integrations[ray]'``).
+Each replica is a Ray actor that loads the model in its constructor and serves
+:func:`~.app.create_app` through ``serve.ingress``; Ray's proxy spreads requests over the
+replicas. Needs the ``ray`` extra (``pip install 'tokrag-integrations[ray]'``).
 """
 
 from __future__ import annotations
@@ -101,12 +97,12 @@ def run_ray(
     host: str = "127.0.0.1",
     port: int = 8000,
     address: str | None = None,
-    num_cpus: float = 1.0,
     blocking: bool = False,
     **deployment_kwargs: Any,
 ) -> Any:
-    """Start (or join) Ray, start Serve's HTTP proxy on ``host:port`` and deploy; with
-    ``blocking`` wait until interrupted, then shut Serve down. Returns the app's handle."""
+    """Start (or join) Ray, start Serve's HTTP proxy on ``host:port`` and deploy
+    (``deployment_kwargs``: those of :func:`ray_deployment`); with ``blocking`` wait until
+    interrupted, then shut Serve down. Returns the app's handle."""
     serve = require_ray()
     import ray
 
@@ -120,8 +116,7 @@ def run_ray(
         else:  # a local instance: say how many CPUs (Ray's guess may count the host's)
             ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False)
     serve.start(http_options={"host": host, "port": port})
-    handle = serve.run(ray_deployment(config, num_cpus=num_cpus, **deployment_kwargs),
-                       name="tokrag", route_prefix="/")
+    handle = serve.run(ray_deployment(config, **deployment_kwargs), name="tokrag", route_prefix="/")
     if blocking:
         print(f"tokrag: serving on http://{host}:{port} (Ray Serve); Ctrl-C stops", flush=True)
         try:

@@ -25,12 +25,23 @@ __all__ = [
 #: Keys of the request's ``tokrag`` object.
 TOKRAG_KEYS = ("policy", "policy_options", "filters", "top_k", "trace")
 
+#: OpenAI fields a greedy decoder without tools cannot honour (refused unless off).
+_UNSUPPORTED = (
+    "logprobs",
+    "tools",
+    "functions",
+    "tool_choice",
+    "function_call",
+    "response_format",
+    "top_logprobs",
+)
+
 #: OpenAI fields the server takes; others are ignored with a warning.
 _KNOWN = {
-    "model", "messages", "max_tokens", "max_completion_tokens", "stop", "stream",
-    "stream_options", "temperature", "top_p", "n", "presence_penalty", "frequency_penalty",
-    "logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
-    "response_format", "documents", "tokrag",
+    *_UNSUPPORTED,
+    *("model", "messages", "max_tokens", "max_completion_tokens", "stop", "stream"),
+    *("stream_options", "temperature", "top_p", "n", "presence_penalty", "frequency_penalty"),
+    *("documents", "tokrag"),
 }
 
 
@@ -95,14 +106,10 @@ def _unicode(text: str, where: str, what: str = "") -> None:
 
 
 def check_json_values(body: Any) -> None:
-    """Refuse a decoded body whose arrays and objects nest deeper than
-    :data:`MAX_JSON_DEPTH` (deep metadata would come back in every response and fail there,
-    after the whole decode), or that holds a number out of range (NaN, infinite, too large
-    for a float) or a string that is not valid Unicode, naming the field.
-
-    Raises:
-        RequestError: the first problem found, naming its field.
-    """
+    """Refuse (:class:`RequestError` naming the field) a decoded body nested deeper than
+    :data:`MAX_JSON_DEPTH` (deep metadata would fail in the response, after the whole decode),
+    or holding a number out of range (NaN, infinite, too large for a float) or a string that
+    is not valid Unicode."""
     stack: list[tuple[Any, str, int]] = [(body, "", 1)]
     while stack:
         value, where, depth = stack.pop()
@@ -166,18 +173,43 @@ class ChatRequest:
 
 
 def _type_name(value: Any) -> str:
-    return "null" if value is None else {
-        str: "string", bool: "boolean", int: "integer", float: "number", list: "array",
-        dict: "object",
-    }.get(type(value), type(value).__name__)
+    if value is None:
+        return "null"
+    names = {str: "string", bool: "boolean", int: "integer", float: "number", list: "array"}
+    return names.get(type(value), "object" if type(value) is dict else type(value).__name__)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+#: What :func:`_typed` checks, by the name its error gives.
+_KINDS = {
+    "a string": lambda v: isinstance(v, str),
+    "an object": lambda v: isinstance(v, Mapping),
+    "true or false": lambda v: isinstance(v, bool),
+    "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "a number": _is_number,
+}
+
+
+def _typed(value: Any, kind: str, where: str) -> Any:
+    """``value``, or a 400 when it is not ``kind`` (a key of :data:`_KINDS`) naming ``where``."""
+    if not _KINDS[kind](value):
+        raise RequestError(f"'{where}' must be {kind}, got {_type_name(value)}", where)
+    return value
+
+
+def _flag(body: Mapping[str, Any], key: str, where: str) -> bool:
+    value = body.get(key)
+    return False if value is None else _typed(value, "true or false", where)
 
 
 def _int(body: Mapping[str, Any], key: str, low: int, high: int | None) -> int | None:
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"'{key}' must be an integer, got {_type_name(value)}", key)
+    _typed(value, "an integer", key)
     if value < low:
         raise RequestError(f"'{key}' must be at least {low}, got {value}", key)
     if high is not None and value > high:
@@ -189,76 +221,72 @@ def _int(body: Mapping[str, Any], key: str, low: int, high: int | None) -> int |
 
 def _number_equal(body: Mapping[str, Any], key: str, allowed: float, why: str) -> None:
     value = body.get(key)
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise RequestError(f"'{key}' must be a number, got {_type_name(value)}", key)
-    if value != allowed:
+    if value is not None and _typed(value, "a number", key) != allowed:
         raise RequestError(f"'{key}' must be {allowed:g} or absent, got {value:g}: {why}", key)
 
 
 def _content(message: Mapping[str, Any], i: int) -> str:
     content = message.get("content")
+    where = f"messages[{i}].content"
     if isinstance(content, str):
         return content
     if content is None and message.get("role") == "assistant":
         return ""
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, Mapping) and part.get("type") == "text" and isinstance(
-                part.get("text"), str
-            ):
-                parts.append(part["text"])
-            else:
-                kind = part.get("type") if isinstance(part, Mapping) else _type_name(part)
-                raise RequestError(
-                    f"messages[{i}].content[{j}] is a {kind!r} part; this server reads text "
-                    "parts only", f"messages[{i}].content"
-                )
-        return "".join(parts)
-    raise RequestError(
-        f"messages[{i}].content must be a string or a list of text parts, got "
-        f"{_type_name(content)}", f"messages[{i}].content"
-    )
+    if not isinstance(content, list):
+        raise RequestError(
+            f"{where} must be a string or a list of text parts, got {_type_name(content)}", where
+        )
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, Mapping) and part.get("type") == "text":
+            part = part.get("text")
+        if not isinstance(part, str):
+            kind = content[j].get("type") if isinstance(content[j], Mapping) else _type_name(part)
+            raise RequestError(
+                f"{where}[{j}] is a {kind!r} part; this server reads text parts only", where
+            )
+        parts.append(part)
+    return "".join(parts)
 
 
 def _messages(value: Any, limits: Limits) -> tuple[str, list[dict[str, str]], str | None]:
     if not isinstance(value, list) or not value:
         got = "an empty array" if isinstance(value, list) else _type_name(value)
-        raise RequestError(f"'messages' must be a non-empty array of messages, got {got}",
-                           "messages")
+        raise RequestError(
+            f"'messages' must be a non-empty array of messages, got {got}", "messages"
+        )
     if len(value) > limits.max_messages:
         raise RequestError(
             f"'messages' holds {len(value)} messages, more than this server's limit of "
-            f"{limits.max_messages}", "messages"
+            f"{limits.max_messages}",
+            "messages",
         )
     system: list[str] = []
     turns: list[dict[str, str]] = []
     for i, m in enumerate(value):
+        where = f"messages[{i}]"
         if not isinstance(m, Mapping):
-            raise RequestError(f"messages[{i}] must be an object with 'role' and 'content', "
-                               f"got {_type_name(m)}", f"messages[{i}]")
-        role = m.get("role")
-        if role in ("system", "developer"):
-            text = _content(m, i)
-            if text.strip():
-                system.append(text)
-        elif role in ("user", "assistant"):
-            if role == "assistant" and m.get("tool_calls"):
-                raise RequestError(f"this server has no tool calling; messages[{i}] holds "
-                                   "tool_calls", f"messages[{i}]")
-            turns.append({"role": role, "content": _content(m, i)})
-        else:
             raise RequestError(
-                f"messages[{i}].role must be 'system', 'developer', 'user' or 'assistant', got "
-                f"{role!r} (this server has no tool calling)", f"messages[{i}].role"
+                f"{where} must be an object with 'role' and 'content', got {_type_name(m)}", where
             )
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise RequestError(
+                f"{where}.role must be 'system', 'developer', 'user' or 'assistant', got "
+                f"{role!r} (this server has no tool calling)",
+                f"{where}.role",
+            )
+        if role == "assistant" and m.get("tool_calls"):
+            raise RequestError(f"this server has no tool calling; {where} holds tool_calls", where)
+        text = _content(m, i)
+        if role in ("user", "assistant"):
+            turns.append({"role": role, "content": text})
+        elif text.strip():
+            system.append(text)
     if not turns or turns[-1]["role"] != "user":
-        raise RequestError("the last message must be a user message: the server answers it",
-                           "messages")
+        raise RequestError(
+            "the last message must be a user message: the server answers it", "messages"
+        )
     tail: list[str] = []
     while turns and turns[-1]["role"] == "user":
         tail.insert(0, turns.pop()["content"])
@@ -275,12 +303,14 @@ def parse_documents(value: Any, limits: Limits, param: str = "documents") -> lis
     if not isinstance(value, list):
         raise RequestError(
             f"'{param}' must be an array of strings or {{text, metadata, score}} objects, got "
-            f"{_type_name(value)}", param
+            f"{_type_name(value)}",
+            param,
         )
     if len(value) > limits.max_documents:
         raise RequestError(
             f"'{param}' holds {len(value)} documents, more than this server's limit of "
-            f"{limits.max_documents}", param
+            f"{limits.max_documents}",
+            param,
         )
     out = []
     for i, d in enumerate(value):
@@ -289,24 +319,23 @@ def parse_documents(value: Any, limits: Limits, param: str = "documents") -> lis
             out.append(Passage(d))
             continue
         if not isinstance(d, Mapping):
-            raise RequestError(f"{where} must be a string or an object with 'text', got "
-                               f"{_type_name(d)}", where)
+            raise RequestError(
+                f"{where} must be a string or an object with 'text', got {_type_name(d)}", where
+            )
         unknown = sorted(set(d) - {"text", "metadata", "score"})
         if unknown:
-            raise RequestError(f"{where} has unknown key(s) {', '.join(unknown)}; a document "
-                               "takes text, metadata and score", where)
-        text, meta, score = d.get("text"), d.get("metadata"), d.get("score")
-        if not isinstance(text, str):
-            raise RequestError(f"{where}.text must be a string, got {_type_name(text)}",
-                               f"{where}.text")
-        if meta is not None and not isinstance(meta, Mapping):
-            raise RequestError(f"{where}.metadata must be an object, got {_type_name(meta)}",
-                               f"{where}.metadata")
-        if score is not None and (isinstance(score, bool) or not isinstance(score, numbers.Real)):
-            raise RequestError(f"{where}.score must be a number, got {_type_name(score)}",
-                               f"{where}.score")
-        out.append(Passage(text, score=None if score is None else float(score),
-                           metadata=dict(meta or {})))
+            raise RequestError(
+                f"{where} has unknown key(s) {', '.join(unknown)}; a document takes text, "
+                "metadata and score",
+                where,
+            )
+        text = _typed(d.get("text"), "a string", f"{where}.text")
+        meta, score = d.get("metadata"), d.get("score")
+        if meta is not None:
+            _typed(meta, "an object", f"{where}.metadata")
+        if score is not None:
+            score = float(_typed(score, "a number", f"{where}.score"))
+        out.append(Passage(text, score=score, metadata=dict(meta or {})))
     return out
 
 
@@ -315,69 +344,50 @@ def _stop(value: Any) -> list[str] | None:
         return None
     if isinstance(value, str):
         return [value]
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        if len(value) > 4:
-            raise RequestError(f"'stop' holds {len(value)} strings; at most 4", "stop")
-        return list(value)
-    raise RequestError(f"'stop' must be a string or an array of strings, got {_type_name(value)}",
-                       "stop")
-
-
-def _bool(body: Mapping[str, Any], key: str, param: str | None = None) -> bool:
-    value = body.get(key)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise RequestError(f"'{param or key}' must be true or false, got {_type_name(value)}",
-                           param or key)
-    return value
-
-
-def _policy_options(value: Mapping[str, Any], req: ChatRequest) -> None:
-    """``tokrag.policy_options`` into ``req.options``; the policy registry checks them later."""
-    options = value.get("policy_options")
-    if options is None:
-        return
-    where = "tokrag.policy_options"
-    if not isinstance(options, Mapping):
-        raise RequestError(f"'{where}' must be an object, got {_type_name(options)}", where)
-    reserved = sorted(set(options) & {"prompt_format", "rendered"})
-    if reserved:
-        raise RequestError(f"'{where}' cannot set {', '.join(reserved)}", where)
-    req.options = dict(options)
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise RequestError(
+            f"'stop' must be a string or an array of strings, got {_type_name(value)}", "stop"
+        )
+    if len(value) > 4:
+        raise RequestError(f"'stop' holds {len(value)} strings; at most 4", "stop")
+    return list(value)
 
 
 def _tokrag(value: Any, req: ChatRequest, policies: Sequence[str]) -> None:
     if value is None:
         return
-    if not isinstance(value, Mapping):
-        raise RequestError(f"'tokrag' must be an object, got {_type_name(value)}", "tokrag")
+    _typed(value, "an object", "tokrag")
     unknown = sorted(set(value) - set(TOKRAG_KEYS))
     if unknown:
-        raise RequestError(f"'tokrag' has unknown key(s) {', '.join(unknown)}; it takes "
-                           f"{', '.join(TOKRAG_KEYS)}", "tokrag")
+        raise RequestError(
+            f"'tokrag' has unknown key(s) {', '.join(unknown)}; it takes {', '.join(TOKRAG_KEYS)}",
+            "tokrag",
+        )
     policy = value.get("policy")
     if policy is not None:
-        if not isinstance(policy, str):
-            raise RequestError(f"'tokrag.policy' must be a string, got {_type_name(policy)}",
-                               "tokrag.policy")
-        if policy not in policies:
-            raise RequestError(f"unknown policy {policy!r}; available: {', '.join(policies)}",
-                               "tokrag.policy")
+        if _typed(policy, "a string", "tokrag.policy") not in policies:
+            raise RequestError(
+                f"unknown policy {policy!r}; available: {', '.join(policies)}", "tokrag.policy"
+            )
         req.policy = policy
-    _policy_options(value, req)
+    options = value.get("policy_options")
+    if options is not None:  # checked by the policy registry later
+        where = "tokrag.policy_options"
+        reserved = sorted(set(_typed(options, "an object", where)) & {"prompt_format", "rendered"})
+        if reserved:
+            raise RequestError(f"'{where}' cannot set {', '.join(reserved)}", where)
+        req.options = dict(options)
     filters = value.get("filters")
     if filters is not None and not isinstance(filters, Mapping):
-        raise RequestError(f"'tokrag.filters' must be an object such as {{\"file_name\": "
-                           f"\"guide.md\"}}, got {_type_name(filters)}", "tokrag.filters")
+        raise RequestError(
+            f"'tokrag.filters' must be an object such as {{\"file_name\": \"guide.md\"}}, got "
+            f"{_type_name(filters)}",
+            "tokrag.filters",
+        )
     req.filters = dict(filters) if filters else None
     req.top_k = _int(value, "top_k", 1, 100)
-    trace = value.get("trace")
-    if trace is not None:
-        if not isinstance(trace, bool):
-            raise RequestError(f"'tokrag.trace' must be true or false, got {_type_name(trace)}",
-                               "tokrag.trace")
-        req.trace = trace
+    if value.get("trace") is not None:
+        req.trace = _typed(value["trace"], "true or false", "tokrag.trace")
 
 
 def parse_chat_request(body: Any, limits: Limits, policies: Sequence[str]) -> ChatRequest:
@@ -390,8 +400,8 @@ def parse_chat_request(body: Any, limits: Limits, policies: Sequence[str]) -> Ch
         raise RequestError(f"the body must be a JSON object, got {_type_name(body)}")
     check_json_values(body)
     model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise RequestError(f"'model' must be a string, got {_type_name(model)}", "model")
+    if model is not None:
+        _typed(model, "a string", "model")
     query, history, system_prompt = _messages(body.get("messages"), limits)
     greedy = "every policy decodes greedily (Tok-RAG compares the greedy choices of two contexts)"
     _number_equal(body, "temperature", 0, greedy)
@@ -401,21 +411,14 @@ def parse_chat_request(body: Any, limits: Limits, policies: Sequence[str]) -> Ch
     n = _int(body, "n", 1, None)
     if n is not None and n != 1:
         raise RequestError(f"'n' must be 1, got {n}: greedy decoding gives one answer", "n")
-    for key in ("logprobs", "tools", "functions", "tool_choice", "function_call",
-                "response_format", "top_logprobs"):
+    for key in _UNSUPPORTED:
         if body.get(key) not in (None, False, [], "none"):
             raise RequestError(f"'{key}' is not supported by this server", key)
     max_tokens = _int(body, "max_completion_tokens", 1, limits.max_tokens)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, limits.max_tokens)
-    stream = _bool(body, "stream")
-    include_usage = False
     opts = body.get("stream_options")
-    if opts is not None:
-        if not isinstance(opts, Mapping):
-            raise RequestError(f"'stream_options' must be an object, got {_type_name(opts)}",
-                               "stream_options")
-        include_usage = _bool(opts, "include_usage", "stream_options.include_usage")
+    opts = {} if opts is None else _typed(opts, "an object", "stream_options")
     documents = body.get("documents")
     req = ChatRequest(
         query=query,
@@ -424,8 +427,8 @@ def parse_chat_request(body: Any, limits: Limits, policies: Sequence[str]) -> Ch
         documents=None if documents is None else parse_documents(documents, limits),
         max_tokens=max_tokens,
         stop=_stop(body.get("stop")),
-        stream=stream,
-        include_usage=include_usage,
+        stream=_flag(body, "stream", "stream"),
+        include_usage=_flag(opts, "include_usage", "stream_options.include_usage"),
         model=model,
     )
     _tokrag(body.get("tokrag"), req, policies)

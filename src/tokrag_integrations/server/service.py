@@ -48,21 +48,17 @@ class ServeConfig:
     """Bearer token required on ``/v1/*`` and ``/openapi.json`` (None: no auth; an empty key is
     refused)."""
     max_batch: int | None = None
-    """Largest batch of the micro-batcher (None: its default)."""
+    """Largest batch of the micro-batcher (None here and below: the micro-batcher's default)."""
     batch_wait_s: float | None = None
-    """How long the first request of a batch waits for companions (None: the default)."""
+    """How long the first request of a batch waits for companions."""
     max_rows: int | None = None
-    """Most context rows one continuous decode holds (two per Tok-RAG request; None: the
-    micro-batcher's default); a request that does not fit waits for rows to free up."""
+    """Most context rows one continuous decode holds (two per Tok-RAG request)."""
     max_positions: int | None = None
-    """Most key/value positions (rows x (longest prompt + max_tokens)) one continuous decode
-    may reach (None: the micro-batcher's default)."""
+    """Most key/value positions (rows x (longest prompt + max_tokens)) of one decode."""
     continuous: bool = True
-    """Requests that arrive while a decode runs join it at the next step (False: they wait
-    for it to finish and decode as the next batch)."""
+    """Requests that arrive while a decode runs join it at the next step (False: they wait)."""
     max_prefill_tokens: int | None = None
-    """Most prompt tokens prefilled at one step boundary of a running decode (None: the
-    micro-batcher's default); a burst of requests joins over several steps."""
+    """Most prompt tokens prefilled at one step boundary of a running decode."""
     store: str | None = None
     """``"postgres"``: retrieve from an ingested table when a request has no documents."""
     dsn: str | None = None
@@ -74,28 +70,22 @@ class ServeConfig:
     """A folder: the store's ``source`` (and ``file_path``) of each answer's sources are
     given relative to it, and those outside it as their file name alone, so clients do not
     see the server's folders (None: the absolute paths ingest stored)."""
+
     def resolved_api_key(self) -> str | None:
         """``api_key``, else ``$TOKRAG_API_KEY``, else None (no auth), checked by
-        :func:`checked_api_key`.
-
-        Raises:
-            ValueError: the key given is one no client could send (empty...).
-        """
+        :func:`checked_api_key` (ValueError for a key no client could send)."""
         if self.api_key is not None:
             return checked_api_key(self.api_key, "--api-key")
         return checked_api_key(config.api_key(), f"${API_KEY_ENV}")
 
 
 def checked_api_key(key: str | None, where: str) -> str | None:
-    """``key`` when a client can send it as ``Authorization: Bearer <key>``; ``where`` names
-    it in the error. An empty key is refused rather than read as "no auth": the operator
-    asked for a key, and a server that quietly serves everyone is the worse surprise. A key
-    with surrounding whitespace or a character outside printable ASCII is refused too: HTTP
-    clients strip the one and cannot send the other, so every request would get 401.
+    """``key`` when a client can send it as ``Authorization: Bearer <key>``.
 
     Raises:
-        ValueError: ``key`` is empty, has surrounding whitespace or a character outside
-            printable ASCII (a control character, a line break...).
+        ValueError: (naming ``where``) ``key`` is empty (not read as "no auth": a key was
+            asked for), has surrounding whitespace (clients strip it) or a character outside
+            printable ASCII (clients cannot send it).
     """
     if key is None:
         return None
@@ -179,15 +169,11 @@ class ChatService:
 
     # ------------------------------------------------------------------ requests
     def settings(self, req: ChatRequest) -> dict[str, Any]:
-        """The keyword arguments of :func:`~tokrag_integrations.generate` for ``req``.
-
-        Raises:
-            RequestError: the policy options are refused by the policy.
-        """
+        """The keyword arguments of :func:`~tokrag_integrations.generate` for ``req``
+        (RequestError: the policy refuses the options)."""
         return self._settings(req)[0]
 
     def _settings(self, req: ChatRequest) -> tuple[dict[str, Any], Policy]:
-        """:meth:`settings`, and the policy built from them to check the options."""
         from ..policies import get_policy
 
         policy = req.policy or self.config.policy
@@ -211,14 +197,9 @@ class ChatService:
         return kw, checked
 
     async def checked_settings(self, req: ChatRequest) -> dict[str, Any]:
-        """:meth:`settings`, with the policy also fitted to the loaded model (off the loop:
-        the first call builds its vocabulary masks), so that an option checked against the
-        model (``fixed_layer`` beyond its depth...) is a 400 before a stream sends its first
-        byte, as it is for a plain request.
-
-        Raises:
-            RequestError: the policy options are refused by the policy or the model.
-        """
+        """:meth:`settings`, with the policy also fitted to the loaded model (off the loop),
+        so that an option the model refuses (``fixed_layer`` beyond its depth...) is a 400
+        before a stream sends its first byte."""
         kw, policy = self._settings(req)
         try:
             await asyncio.to_thread(policy.prepare, self.lm)
@@ -227,10 +208,8 @@ class ChatService:
         return kw
 
     async def passages(self, req: ChatRequest) -> tuple[list[Any] | None, list[str]]:
-        """The request's documents, else the store's top chunks for its question, else None.
-
-        Returns ``(passages, warnings)``.
-        """
+        """``(passages, warnings)``: the request's documents, else the store's top chunks for
+        its question, else None."""
         if req.documents is not None:
             if req.filters is not None:
                 return req.documents, ["tokrag.filters ignored: the request gave documents"]
