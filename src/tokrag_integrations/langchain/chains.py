@@ -13,9 +13,9 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import BasePromptTemplate
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
 
-from ..adapters.translate import checked_policy, options_dict
+from ..adapters.translate import LOAD_FIELDS, checked_policy, options_dict
 from ..defaults import ANSWER_STOP
-from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, unknown_arguments
+from ..models import LoadedModel, check_greedy, unknown_arguments
 from .chat_models import ChatTokRAG
 from .tokrag_chain import (
     DEFAULT_DOCUMENT_SEPARATOR,
@@ -42,10 +42,10 @@ def _chat_model(
     constructor ``where``; every argument is checked here, before anything is loaded or
     decoded. ``options`` are the load options of a model spec."""
     name = where.__name__
-    accepted = [*inspect.signature(where).parameters][:-1] + list(LOAD_OPTIONS)
+    accepted = [*inspect.signature(where).parameters][:-1] + list(LOAD_FIELDS)
     check_greedy(temperature, name)
     options = dict(options or {})
-    unknown = set(options) - set(LOAD_OPTIONS)
+    unknown = set(options) - set(LOAD_FIELDS)
     if unknown:
         raise unknown_arguments(name, unknown, accepted)
     policy_options = options_dict(policy_options)

@@ -17,10 +17,10 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, field_validator, model_validator
 
-from ..adapters.translate import given_options, model_label, options_dict
+from ..adapters.translate import LOAD_FIELDS, given_options, model_label, options_dict
 from ..defaults import MAX_NEW_TOKENS
 from ..engine import scheduler
-from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
+from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
 from ..policies import get_policy
 from ..results import GenerationResult, TokenEvent
 from .messages import (
@@ -179,7 +179,7 @@ class ChatTokRAG(BaseChatModel):
             kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
         super().__init__(**kwargs)
         if isinstance(lm, LoadedModel):
-            given = given_options(**{k: kwargs.get(k) for k in LOAD_OPTIONS if k != "device"})
+            given = given_options(**{k: kwargs.get(k) for k in LOAD_FIELDS if k != "device"})
             if given:
                 raise ValueError(
                     f"{', '.join(given)} apply to loading a model; this LoadedModel is already loaded"
@@ -253,7 +253,7 @@ class ChatTokRAG(BaseChatModel):
 
     def _load_options(self) -> dict[str, Any]:
         """The keyword arguments of :func:`~tokrag_integrations.load_model` set on this model."""
-        return given_options(**{k: getattr(self, k) for k in LOAD_OPTIONS})
+        return given_options(**{k: getattr(self, k) for k in LOAD_FIELDS})
 
     def _resolve_model(self, model: Any) -> LoadedModel:
         if model is None:

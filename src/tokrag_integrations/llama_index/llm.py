@@ -25,7 +25,13 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 from pydantic import StrictBool
 
-from ..adapters.translate import given_options, jsonable, model_label, result_summary
+from ..adapters.translate import (
+    LOAD_FIELDS,
+    given_options,
+    jsonable,
+    model_label,
+    result_summary,
+)
 from ..defaults import MAX_NEW_TOKENS
 from ..engine import scheduler
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
@@ -181,7 +187,7 @@ class TokRAGLLM(CustomLLM):
             )
         if lm is None:
             options = given_options(
-                tokenizer=tokenizer, **{k: getattr(self, k) for k in LOAD_OPTIONS[1:]}
+                tokenizer=tokenizer, **{k: getattr(self, k) for k in LOAD_FIELDS[1:]}
             )
             both = sorted(set(options) & set(self.load_options))
             if both:
