@@ -25,18 +25,20 @@ from tokrag_integrations.retrieval import get_sample_docs_path
 
 # Runs to the 64-token cap on the default model (a numbered list, one item per line), so
 # the answer budget of every entry point shows in the answer.
-CAPPED_Q = "After how many minutes is an unacknowledged page escalated to the secondary on-call engineer?"
+CAPPED_Q = (
+    "After how many minutes is an unacknowledged page escalated to the secondary on-call engineer?"
+)
 KESTREL_Q = "What is the code name of the Kestrel-7 programme?"
 
 
 def test_a_chain_without_stop_uses_the_answer_stop_and_stop_empty_turns_it_off(lm) -> None:
     from tokrag_integrations.langchain import ChatTokRAG
-    from tokrag_integrations.langchain.chains import _chat_model
+    from tokrag_integrations.langchain.chains import _chat_model, create_tokrag_chain
 
     def stop_of(model, stop):
         return _chat_model(
             model,
-            "create_tokrag_chain",
+            create_tokrag_chain,
             temperature=None,
             policy=None,
             max_tokens=None,

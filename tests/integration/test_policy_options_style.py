@@ -19,11 +19,11 @@ def _no_deprecation(call):
 
 def test_chain_factories_take_policy_options_and_refuse_the_old_spelling() -> None:
     from tokrag_integrations.langchain import ChatTokRAG
-    from tokrag_integrations.langchain.chains import _chat_model
+    from tokrag_integrations.langchain.chains import _chat_model, create_tokrag_chain
 
     def build(policy_options, **options):
         return _chat_model(
-            ChatTokRAG(model="default"), "create_tokrag_chain", temperature=None, policy=None,
+            ChatTokRAG(model="default"), create_tokrag_chain, temperature=None, policy=None,
             max_tokens=None, stop=None, max_context_tokens=None,
             policy_options=policy_options, options=options,
         )[1]

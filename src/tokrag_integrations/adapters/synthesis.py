@@ -1,12 +1,7 @@
 """The multi-call synthesis behind the LlamaIndex synthesizer's compact / refine /
 tree_summarize modes, framework-free: the token budget, the calls in order, and the metadata
-they give.
-
-LlamaIndex has loops of these names, but they put the answer so far into every call's only
-context and give back text alone; Tok-RAG needs the question to stay the pure context of
-every call and a per-token trace of each call, so the calls are planned here (token budgets
-from the model's tokenizer) and decoded by the core. Nodes come in as ``(node_id, score,
-passage)``, best first.
+they give. Unlike LlamaIndex's loops of these names, the question stays the pure context of
+every call. Nodes come in as ``(node_id, score, passage)``, best first.
 """
 
 from __future__ import annotations
@@ -23,12 +18,8 @@ from ..results import GenerationResult
 from .translate import usage
 
 _GATE_SKIP = "the gate decided not to use retrieval"
-#: A refine step gives the answer so far as the *first* passage, with this prefix, then the
-#: next node(s). A passage, not a refine prompt, so the question alone stays the pure context
-#: (a refine prompt would put retrieved text on the pure side). First, because on SmolLM2-135M
-#: (3 fictional facts x 2 cases) a right answer placed first survived an unrelated passage 3/3
-#: and a wrong one was replaced 2/3 (rag) and 1/3 (tokrag); placed last, 2/3 and 0/3. It is
-#: also LlamaIndex's refine order (existing answer, then the new context).
+#: A refine step gives the answer so far as the first passage, with this prefix, then the
+#: next node(s) (a passage, so the question alone stays the pure context).
 EXISTING_ANSWER_PREFIX = "Existing answer: "
 
 
@@ -65,10 +56,9 @@ class Call:
 
 
 class Packer:
-    """The token budget of one synthesis, with the prompt builder the core uses: how many
-    passage tokens fit next to the question (window, or ``max_context_tokens``, minus
-    ``max_new_tokens`` minus the question and template), and what one passage costs
-    (delimiter + text + separator, encoded as the builder encodes them)."""
+    """The token budget of one synthesis, counted with the core's prompt builder: ``room``
+    for passages (window or ``max_context_tokens``, minus ``max_new_tokens``, minus the
+    question and template) and the cost of one passage (delimiter + text + separator)."""
 
     def __init__(self, lm: LoadedModel, query: str, gen_kwargs: dict[str, Any]) -> None:
         kw: dict[str, Any] = {"context_window": lm.context_window}
@@ -194,14 +184,8 @@ class Session:
             self.nodes, self.reason = [], _GATE_SKIP
         elif not nodes:
             self.reason = "no nodes were retrieved"
-        self.passages = [p for _, _, p in self.nodes]
         self.notes: list[str] = []
         self.calls: list[tuple[Call, GenerationResult]] = []
-
-    @property
-    def single(self) -> bool:
-        """One call whose metadata is the one-pass kind."""
-        return self.mode == "one_pass" or self.reason is not None
 
     def _node_pieces(self) -> list[Piece]:
         out = []
@@ -230,22 +214,20 @@ class Session:
         else:
             yield from self._refine(deque(pieces), one=self.mode == "refine")
 
-    def _refine(
-        self, queue: deque[Piece], *, one: bool
-    ) -> Generator[Call, GenerationResult, None]:
+    def _refine(self, queue: deque[Piece], *, one: bool) -> Generator[Call, GenerationResult, None]:
         answer: Piece | None = None
         while queue:
             first = [answer] if answer is not None else []
             room = self.packer.room - sum(self.packer.cost(p.passage.text) for p in first)
             chunk = self.packer.take(queue, room, one=one)
             result = yield Call("refine" if first else "answer", first + chunk, final=not queue)
-            text = result.text.strip()
-            if text:  # an empty answer leaves the previous one standing
-                index = len(self.calls) - 1
-                answer = Piece(
-                    Passage(EXISTING_ANSWER_PREFIX + text, metadata={"answer_of": index}),
-                    {"answer_of": index},
-                )
+            if result.text.strip():  # an empty answer leaves the previous one standing
+                answer = self._answer(EXISTING_ANSWER_PREFIX + result.text.strip())
+
+    def _answer(self, text: str) -> Piece:
+        """The last call's answer as a piece of the next call."""
+        index = len(self.calls) - 1
+        return Piece(Passage(text, metadata={"answer_of": index}), {"answer_of": index})
 
     def _tree(self, pieces: list[Piece]) -> Generator[Call, GenerationResult, None]:
         level = 0
@@ -259,13 +241,7 @@ class Session:
             for chunk in chunks:
                 result = yield Call(kind, chunk, final=False, level=level)
                 if result.text.strip():
-                    index = len(self.calls) - 1
-                    answers.append(
-                        Piece(
-                            Passage(result.text.strip(), metadata={"answer_of": index}),
-                            {"answer_of": index},
-                        )
-                    )
+                    answers.append(self._answer(result.text.strip()))
             if not answers:
                 self.notes.append("every partial answer was empty: the last call has no passages")
                 yield Call("combine", [], final=True, level=level + 1)
@@ -279,9 +255,6 @@ class Session:
         roles = set(self.setup.roles)
         rag = plan.has_passages and ("rag" in roles or not roles & {"pure", "rag"})
         return self.packer.decode(plan.rag_ids if rag else plan.pure_ids)
-
-    def record(self, call: Call, result: GenerationResult) -> None:
-        self.calls.append((call, result))
 
     # -------------------------------------------------------------- metadata
     def partial_metadata(self) -> dict[str, Any]:
@@ -306,23 +279,38 @@ class Session:
         ]
 
     def metadata(self) -> dict[str, Any]:
-        if self.single:
-            call, result = self.calls[-1]
-            md = response_metadata(
-                result,
-                [node_id for node_id, _, _ in self.nodes],
-                policy=self.setup.policy,
-                gate=self.gate,
-                pure_reason=self.reason,
-            )
-            calls = self._summaries()
-            calls[-1]["trace"] = md["trace"]  # the same dict, not a second copy
-            md.update(response_mode=self.mode, calls=calls, usage=dict(calls[-1]["usage"]))
-            return md
-        return self._multi_metadata()
-
-    def _multi_metadata(self) -> dict[str, Any]:
         calls = self._summaries()
+        if self.mode != "one_pass" and self.reason is None:
+            return self._multi_metadata(calls)
+        result = self.calls[-1][1]
+        tr = result.trace
+        ids = [node_id for node_id, _, _ in self.nodes]
+        records = [
+            {
+                "node_id": rec.metadata.get(
+                    "node_id", ids[rec.rank] if rec.rank < len(ids) else None
+                ),
+                "rank": rec.rank,
+                "score": rec.score,
+                "kept": rec.kept,
+                "cut": rec.cut,
+                "empty": not rec.text.strip(),
+                "n_tokens": rec.n_tokens,
+            }
+            for rec in tr.passages
+        ]
+        no_text = "no node had usable text" if ids else "no nodes were retrieved"
+        calls[-1]["trace"] = tr.to_dict()
+        return {
+            "response_mode": self.mode,
+            **_answer_fields(records, self.setup.policy, self.reason, no_text, result, self.gate),
+            "warnings": list(tr.warnings),
+            "trace": calls[-1]["trace"],
+            "calls": calls,
+            "usage": dict(calls[-1]["usage"]),
+        }
+
+    def _multi_metadata(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
         final = self.calls[-1][1]
         policy = self.setup.policy
         nodes: list[dict[str, Any]] = []
@@ -365,8 +353,12 @@ class Session:
 
 
 def _answer_fields(
-    records: list[dict[str, Any]], policy: str, reason: str | None, no_text: str,
-    result: GenerationResult, gate: dict[str, Any] | None,
+    records: list[dict[str, Any]],
+    policy: str,
+    reason: str | None,
+    no_text: str,
+    result: GenerationResult,
+    gate: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """What the metadata says of the answer and the nodes (``records``: one per node, with
     ``node_id``, ``kept``, ``cut``, ``empty``); ``reason`` why no passage was given, else
@@ -414,40 +406,6 @@ def totals(
     return counts, warned, {**usage, "calls": len(calls)}
 
 
-def response_metadata(
-    result: GenerationResult,
-    node_ids: Sequence[str],
-    *,
-    policy: str,
-    gate: dict[str, Any] | None,
-    pure_reason: str | None,
-) -> dict[str, Any]:
-    """``Response.metadata`` of a one-call answer: ``node_ids`` in the order their passages
-    were given to the core, ``gate`` the decision as a dict (or None), ``pure_reason`` why no
-    passage was given (None when some were)."""
-    tr = result.trace
-    records = []
-    for rec in tr.passages:
-        nid = rec.metadata.get("node_id", node_ids[rec.rank] if rec.rank < len(node_ids) else None)
-        records.append(
-            {
-                "node_id": nid,
-                "rank": rec.rank,
-                "score": rec.score,
-                "kept": rec.kept,
-                "cut": rec.cut,
-                "empty": not rec.text.strip(),
-                "n_tokens": rec.n_tokens,
-            }
-        )
-    no_text = "no node had usable text" if node_ids else "no nodes were retrieved"
-    return {
-        **_answer_fields(records, policy, pure_reason, no_text, result, gate),
-        "warnings": list(tr.warnings),
-        "trace": tr.to_dict(),
-    }
-
-
 def call_summary(
     index: int,
     kind: str,
@@ -457,13 +415,9 @@ def call_summary(
     level: int | None = None,
     roles: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """One entry of ``Response.metadata["calls"]``: what one model call was given and did.
-
-    ``kind``: ``"answer"``, ``"refine"`` (nodes plus the answer so far), ``"summarize"`` (a
-    tree leaf) or ``"combine"`` (a tree level over earlier answers); ``sources``: per passage
-    given to the core, ``{"node_id", "part"}`` or ``{"answer_of": call index}``; ``level``:
-    the tree level (tree_summarize); ``roles``: the policy's context roles (for usage).
-    """
+    """One entry of ``Response.metadata["calls"]``: what one model call (``kind``: answer,
+    refine, summarize, combine or template) was given (``sources``: per passage,
+    ``{"node_id", "part"}`` or ``{"answer_of": call index}``) and did."""
     tr = result.trace
     used, cut, dropped = [], [], []
     for rec in tr.passages:

@@ -1,17 +1,22 @@
-"""Framework-free translation shared by the LlamaIndex and LangChain adapters: token usage,
-JSON-safe copies, a result's provenance summary, a gate decision's summary, model specs."""
+"""Framework-free translation shared by the LlamaIndex and LangChain adapters."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 #: The ``load_model()`` options that the adapters take as fields of the same names.
 LOAD_FIELDS = (
-    "tokenizer", "device", "device_map", "dtype", "model_kwargs", "tokenizer_kwargs",
-    "trust_remote_code", "revision",
+    "tokenizer",
+    "device",
+    "device_map",
+    "dtype",
+    "model_kwargs",
+    "tokenizer_kwargs",
+    "trust_remote_code",
+    "revision",
 )
 #: The core's stop reasons as the ``finish_reason`` values of chat APIs.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -33,14 +38,10 @@ def jsonable(obj: Any) -> Any:
 
 
 def usage(result: Any, roles: Sequence[str] | None = None) -> dict[str, Any]:
-    """Token usage of one decode (``prompt_tokens``, ``completion_tokens``,
-    ``total_tokens``, ``prompt_tokens_by_context``).
-
-    ``prompt_tokens`` counts every context the policy prefilled (``tokrag`` and the other
-    two-context rules: the pure and the RAG prompt; ``rag``: the RAG prompt; ``llm``: the
-    pure one; per-passage rules: the RAG prompt stands in; no usable passage: the pure
-    prompt); ``completion_tokens`` is one per decoding step. ``roles`` are the policy's
-    context roles (looked up by the trace's policy name if None).
+    """Token usage of one decode: ``prompt_tokens`` counts every context the policy
+    prefilled (by its context ``roles``, looked up by the trace's policy name if None; the
+    RAG prompt stands in for per-passage rules, the pure one when no passage was usable),
+    ``completion_tokens`` one per step; with ``total_tokens`` and ``prompt_tokens_by_context``.
     """
     from ..policies import get_policy
 
@@ -101,7 +102,19 @@ def given_options(**options: Any) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None and v is not False and v != {}}
 
 
-def checked_policy(policy: Any, options: dict[str, Any], owner: str, accepted: Sequence[str]) -> Any:
+def options_dict(policy_options: Any) -> dict[str, Any]:
+    """``policy_options`` as a dict (None: empty); anything but a mapping is refused."""
+    if policy_options is not None and not isinstance(policy_options, Mapping):
+        raise TypeError(
+            "policy_options must be a dict of option names to values, got "
+            f"{type(policy_options).__name__}"
+        )
+    return dict(policy_options or {})
+
+
+def checked_policy(
+    policy: Any, options: dict[str, Any], owner: str, accepted: Sequence[str]
+) -> Any:
     """The policy built by the registry, which checks ``options``: an unknown policy or
     option fails when the adapter is made, not at its first call (an unknown option as a
     ``TypeError`` naming ``owner``'s own arguments)."""

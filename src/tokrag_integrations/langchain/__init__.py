@@ -1,15 +1,9 @@
 """LangChain adapters for Tok-RAG: a chat model, a retrieval chain, a documents chain, a
-folder retriever, a local embedding and a gated router. They translate LangChain types into
-the core API and back; no decoding logic lives here.
+folder retriever, a local embedding and a gated router (examples: README.md,
+docs/integrations.md). They translate LangChain types into the core API and back.
 
-    >>> from tokrag_integrations.langchain import ChatTokRAG, create_tokrag_chain, local_embeddings
-    >>> from langchain_core.vectorstores import InMemoryVectorStore
-    >>> store = InMemoryVectorStore.from_documents(docs, local_embeddings())
     >>> chain = create_tokrag_chain(store.as_retriever(), ChatTokRAG(model="default"))
     >>> out = chain.invoke("Who founded Quillfeather Aerospace?")
-    >>> out["answer"], out["trace"]["counts"]
-    >>> # Your create_stuff_documents_chain prompt ({context}, {input}), decoded with Tok-RAG:
-    >>> chain = create_tokrag_chain(store.as_retriever(), ChatTokRAG(model="default"), prompt=prompt)
 
 Importing :mod:`tokrag_integrations` never imports LangChain; only this subpackage does.
 """

@@ -8,7 +8,7 @@ import sys
 import threading
 import warnings
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -17,7 +17,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, field_validator, model_validator
 
-from ..adapters.translate import LOAD_FIELDS, given_options, model_label
+from ..adapters.translate import LOAD_FIELDS, given_options, model_label, options_dict
 from ..defaults import MAX_NEW_TOKENS
 from ..engine import scheduler
 from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
@@ -32,14 +32,19 @@ from .messages import (
     usage_metadata,
 )
 
-#: Parameters of remote chat-model APIs that mean nothing for a local model. They are
-#: accepted (so ``ChatTokRAG`` drops into code written for hosted models) and ignored.
+#: Parameters of remote chat-model APIs, accepted (for code written for hosted models) and ignored.
 _REMOTE_ONLY_PARAMS = ("api_key", "timeout", "max_retries")
 
 #: Per-call keyword arguments (besides ``stop`` and ``temperature``).
 _CALL_KWARGS = (
-    "passages", "context", "question", "policy", "policy_options", "max_tokens",
-    "max_context_tokens", "model",
+    "passages",
+    "context",
+    "question",
+    "policy",
+    "policy_options",
+    "max_tokens",
+    "max_context_tokens",
+    "model",
 )
 
 #: Said once per instance when a call has no passages (the plain model answers).
@@ -59,8 +64,7 @@ _MODEL_CACHE_LOCK = threading.Lock()
 
 
 def _load_cached(name: str, options: dict[str, Any]) -> LoadedModel:
-    """Load a model by name or path once per process and set of load options (later calls
-    share it)."""
+    """Load a model by name or path once per process and set of load options."""
     options = given_options(**options)
     key = (name, repr(sorted(options.items())))
     with _MODEL_CACHE_LOCK:
@@ -76,14 +80,11 @@ class _Call:
     lm: LoadedModel
     query: str
     passages: list[Any]
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def eos_ids(self) -> set[int]:
-        return set(self.lm.eos_token_ids)
+    kwargs: dict[str, Any]
 
 
-#: Modules between user code and ChatTokRAG's hooks (LangChain, this package, the loop and
-#: the worker threads that LangChain's async paths run sync code in).
+#: Modules between user code and ChatTokRAG's hooks (LangChain's async paths run sync code
+#: in worker threads).
 _FRAMEWORK_MODULES = (
     "langchain",
     "tokrag_integrations",
@@ -94,13 +95,11 @@ _FRAMEWORK_MODULES = (
 
 
 def _caller_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside LangChain and this package (the line of
-    user code that made the call), so a warning points there; 2 when there is none (a call
-    prepared in a worker thread)."""
+    """The ``stacklevel`` of the first frame of user code, so a warning points there; 2 when
+    there is none (a call prepared in a worker thread)."""
     frame, level = sys._getframe(1), 1
     while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if not name.startswith(_FRAMEWORK_MODULES):
+        if not frame.f_globals.get("__name__", "").startswith(_FRAMEWORK_MODULES):
             return level
         frame, level = frame.f_back, level + 1
     return 2
@@ -109,46 +108,29 @@ def _caller_stacklevel() -> int:
 class ChatTokRAG(BaseChatModel):
     """Chat model over a local causal LM decoded with a Tok-RAG policy.
 
-    Messages are rendered with the model's chat template: system messages become the system
-    prompt, the last human message is the question, earlier turns are the history. With
-    ``passages`` (a constructor field, a keyword of ``invoke``/``stream``, or bound with
-    ``.bind(passages=[...])``) the answer is decoded under ``policy`` (default ``"tokrag"``).
+    System messages become the system prompt, the last human message the question, earlier
+    turns the history. With ``passages`` (the field, a call keyword or ``.bind(passages=)``)
+    the answer is decoded under ``policy``. With ``context=`` (a call keyword: the text a
+    prompt template's context variable received) the messages are the RAG context as
+    formatted, the retrieved tokens are where ``context`` lands, and the pure context is
+    ``question=`` (default: the last human message without the context) after the turns
+    that do not hold the context. Without either it is the plain model (policy ``"llm"``, as
+    ``ChatHuggingFace``); unless ``policy="llm"`` was asked for, the first such call of an
+    instance warns (:data:`NO_PASSAGES_WARNING`).
 
-    With ``context=`` (a call keyword: the text a prompt template's context variable
-    received) the messages are a RAG prompt formatted by the caller's template: the RAG
-    context is the messages exactly as formatted, its retrieved tokens (Eq. 14-16) are where
-    ``context`` lands in them, and the pure context is ``question=`` alone (default: the last
-    human message without the context) after the turns that do not hold the context.
-    :func:`~tokrag_integrations.langchain.create_tokrag_chain` with ``prompt=`` calls it so.
+    ``response_metadata`` holds ``token_sources`` (per generated token: ``"agree"``,
+    ``"rag"``, ``"llm"``...), ``token_ids`` and the ``trace`` as a dict. Streaming yields
+    one ``AIMessageChunk`` per token (``token_sources == [source]``); the last chunk
+    (``chunk_position="last"``) carries usage and the trace.
 
-    Without passages or ``context`` it is the plain model (policy ``"llm"``, as
-    ``ChatHuggingFace``: the chat template over the messages as given). Unless the call or
-    the instance asks for ``policy="llm"``, the first such call of an instance warns
-    (:data:`NO_PASSAGES_WARNING`), since context stuffed into a prompt is then not Tok-RAG.
-
-    Provenance: ``response_metadata["token_sources"]`` lists, per generated token, where it
-    came from (``"agree"``, ``"rag"``, ``"llm"``...); ``response_metadata["trace"]`` is the
-    full trace as a dict. Streaming yields one ``AIMessageChunk`` per chosen token whose
-    ``response_metadata`` holds ``token_sources == [source]`` and ``token_ids == [id]``;
-    the last chunk (``chunk_position="last"``) carries usage and the trace.
-
-    Example:
-        .. code-block:: python
-
-            llm = ChatTokRAG(model="default", max_tokens=32)
-            llm.invoke("Who founded Quillfeather?", passages=["Quillfeather was founded by ..."])
-
-            lm = load_model("default")
-            ChatTokRAG(model=lm).bind(passages=docs).stream("Who founded Quillfeather?")
+        >>> ChatTokRAG(max_tokens=32).invoke("Who founded Quillfeather?", passages=docs)
     """
 
     model_config = ConfigDict(populate_by_name=True, extra="forbid")
 
     model_name: str = Field(default="default", alias="model")
-    """Model to load with :func:`tokrag_integrations.load_model` (``"default"``, a Hugging
-    Face hub id in the local cache, a folder or a ``.gguf`` path), loaded on first use and
-    shared per process. Pass a ``LoadedModel`` as ``model=`` to use an already loaded one, or
-    a loaded ``PreTrainedModel`` with ``tokenizer=``."""
+    """What :func:`tokrag_integrations.load_model` takes (loaded on first use, shared per
+    process), a ``LoadedModel``, or a loaded ``PreTrainedModel`` with ``tokenizer=``."""
     device: str | None = None
     """Device used when the model is loaded by name (default: CUDA when available)."""
     device_map: Any = None
@@ -156,8 +138,7 @@ class ChatTokRAG(BaseChatModel):
     dtype: str | None = None
     """``load_model(dtype=)``: ``"float32"``, ``"bfloat16"``, ``"float16"``."""
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """``load_model(model_kwargs=)``: ``from_pretrained`` arguments (``attn_implementation``,
-    ``quantization_config``...)."""
+    """``load_model(model_kwargs=)``: ``from_pretrained`` arguments."""
     tokenizer_kwargs: dict[str, Any] = Field(default_factory=dict)
     """``load_model(tokenizer_kwargs=)``."""
     trust_remote_code: StrictBool = False
@@ -183,10 +164,8 @@ class ChatTokRAG(BaseChatModel):
     streaming: StrictBool = False
     """Whether ``invoke`` runs through the token stream (callbacks see every token)."""
     batching: StrictBool = True
-    """Concurrent calls on the same model (``batch``, ``abatch``, threads, ``asyncio.gather``)
-    with the same settings are decoded together as one batch, streams included (a call or
-    stream arriving mid-decode joins it at the next step), each getting the tokens it gets
-    alone (:mod:`tokrag_integrations.engine.scheduler`); ``False`` decodes them one at a time."""
+    """Decode concurrent calls on the same model with the same settings together as one
+    batch (:mod:`tokrag_integrations.engine.scheduler`); ``False``: one at a time."""
 
     _lm: LoadedModel | None = PrivateAttr(default=None)
     _warned_no_passages: bool = PrivateAttr(default=False)
@@ -200,7 +179,7 @@ class ChatTokRAG(BaseChatModel):
             kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
         super().__init__(**kwargs)
         if isinstance(lm, LoadedModel):
-            given = [k for k in given_options(**{k: kwargs.get(k) for k in LOAD_FIELDS}) if k != "device"]
+            given = given_options(**{k: kwargs.get(k) for k in LOAD_FIELDS if k != "device"})
             if given:
                 raise ValueError(
                     f"{', '.join(given)} apply to loading a model; this LoadedModel is already loaded"
@@ -299,11 +278,10 @@ class ChatTokRAG(BaseChatModel):
         self._greedy_only(kwargs.pop("temperature", None))
         call = {k: kwargs.pop(k) for k in _CALL_KWARGS if k in kwargs}
         if kwargs:
-            raise unknown_arguments("ChatTokRAG call", kwargs, (*_CALL_KWARGS, "stop", "temperature"))
-        call_options = call.get("policy_options") or {}
-        if not isinstance(call_options, dict):
-            raise TypeError(f"policy_options must be a dict, got {type(call_options).__name__}")
-        options = {**self.policy_options, **call_options}
+            raise unknown_arguments(
+                "ChatTokRAG call", kwargs, (*_CALL_KWARGS, "stop", "temperature")
+            )
+        options = {**self.policy_options, **options_dict(call.get("policy_options"))}
         policy = call.get("policy", self.policy)
         get_policy(policy, **options)  # unknown policy or option: fail before loading anything
         given = call.get("passages", self.passages)
@@ -323,11 +301,13 @@ class ChatTokRAG(BaseChatModel):
         else:
             prompt = messages_to_prompt(messages)
             if given is None and policy != "llm":
-                self._warn_no_passages()
+                with _WARN_LOCK:
+                    warn, self._warned_no_passages = not self._warned_no_passages, True
+                if warn:
+                    warnings.warn(NO_PASSAGES_WARNING, UserWarning, stacklevel=_caller_stacklevel())
         retrieved = bool(passages) or rendered is not None
         lm = self._resolve_model(call.get("model"))
         core: dict[str, Any] = {
-            # Without passages this is the pure model, not a policy falling back.
             "policy": policy if retrieved else "llm",
             "max_new_tokens": max_tokens,
             "stop": list(stop if stop is not None else (self.stop or [])),
@@ -340,17 +320,9 @@ class ChatTokRAG(BaseChatModel):
         if rendered is not None:
             core["rendered"] = rendered
         elif not passages:
-            # Like ChatHuggingFace: the chat template over the messages as given, no
-            # question-answer wording (that framing is only for the RAG prompt).
+            # Like ChatHuggingFace: the chat template over the messages as given.
             core["prompt_format"] = "chat"
         return _Call(lm=lm, query=prompt.query, passages=passages, kwargs=core)
-
-    def _warn_no_passages(self) -> None:
-        with _WARN_LOCK:
-            if self._warned_no_passages:
-                return
-            self._warned_no_passages = True
-        warnings.warn(NO_PASSAGES_WARNING, UserWarning, stacklevel=_caller_stacklevel())
 
     @staticmethod
     def _result(result: GenerationResult, lm: LoadedModel) -> ChatResult:
@@ -367,8 +339,7 @@ class ChatTokRAG(BaseChatModel):
 
     @staticmethod
     def _token_chunk(ev: TokenEvent, eos_ids: set[int]) -> ChatGenerationChunk:
-        # The EOS step is not part of the answer (nor of the trace); its event only flushes
-        # text held back while it could still have been the start of a stop string.
+        # The EOS step only flushes text held back as a possible start of a stop string.
         if ev.token_id in eos_ids:
             return ChatGenerationChunk(message=AIMessageChunk(content=ev.text))
         meta = token_metadata([ev.source], [ev.token_id])
@@ -409,8 +380,10 @@ class ChatTokRAG(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         call = self._prepare(messages, stop, kwargs)
-        tokens = scheduler.stream(call.lm, call.query, call.passages, batching=self.batching, **call.kwargs)
-        eos = call.eos_ids()
+        tokens = scheduler.stream(
+            call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
+        )
+        eos = set(call.lm.eos_token_ids)
         for ev in tokens:
             chunk = self._token_chunk(ev, eos)
             if run_manager:
@@ -419,12 +392,6 @@ class ChatTokRAG(BaseChatModel):
         yield self._last_chunk(tokens.result, call.lm)
 
     # ------------------------------------------------------------------ async
-    async def _aprepare(
-        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> _Call:
-        # Resolving the model may load it (seconds): never on the event loop.
-        return await asyncio.to_thread(self._prepare, messages, stop, kwargs)
-
     async def _agenerate(
         self,
         messages: list[BaseMessage],
@@ -432,7 +399,7 @@ class ChatTokRAG(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        call = await self._aprepare(messages, stop, kwargs)
+        call = await asyncio.to_thread(self._prepare, messages, stop, kwargs)  # may load
         result = await scheduler.agenerate(
             call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
         )
@@ -445,8 +412,8 @@ class ChatTokRAG(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        call = await self._aprepare(messages, stop, kwargs)
-        eos = call.eos_ids()
+        call = await asyncio.to_thread(self._prepare, messages, stop, kwargs)  # may load
+        eos = set(call.lm.eos_token_ids)
         async for item in scheduler.astream_with_result(
             call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
         ):

@@ -1,12 +1,5 @@
 """``gated_router``: a LangChain Runnable that asks a retrieval gate about the question and
-runs the direct chain or the RAG chain (a ``RunnableBranch`` whose condition is the gate).
-
-The chosen branch is invoked, streamed or awaited with its own ``invoke`` / ``stream`` /
-``ainvoke`` / ``astream``, under the router's run in LangChain tracing. ``invoke`` returns
-``{"answer": str, "route": "direct" | "rag", "gate": decision dict, "output": <chain
-output>}``; ``stream`` yields the route and gate first, then ``{"answer": piece, "output":
-chunk}`` per branch chunk; the chunks add up to the ``invoke`` output's keys.
-"""
+runs the direct chain or the RAG chain (invoked, streamed or awaited with its own methods)."""
 
 from __future__ import annotations
 
@@ -28,7 +21,9 @@ def _question(inp: Any) -> str:
         for k in ("question", "query", "input"):
             if k in inp:
                 return str(inp[k])
-    raise TypeError("the gated router takes a question string or {'question': ...} / {'input': ...}")
+    raise TypeError(
+        "the gated router takes a question string or {'question': ...} / {'input': ...}"
+    )
 
 
 def _answer(out: Any) -> str:
@@ -52,20 +47,15 @@ class GatedRouter(Runnable[Any, dict[str, Any]]):
     def __init__(self, gate: Any, direct: Any, rag: Any) -> None:
         self.gate, self.direct, self.rag = gate, direct, rag
 
-    @property
-    def InputType(self) -> Any:  # noqa: N802 - LangChain's name
-        return Any
-
-    @property
-    def OutputType(self) -> Any:  # noqa: N802 - LangChain's name
-        return dict[str, Any]
-
     def _decision(self, inp: Any) -> tuple[Any, Any, dict[str, Any]]:
         q = _question(inp)
         decision = self.gate.decide(q)
         d, details = gate_summary(decision)
         branch, branch_input = (self.rag, inp) if decision.retrieve else (self.direct, q)
-        route = {"route": "rag" if decision.retrieve else "direct", "gate": {**d, "details": details}}
+        route = {
+            "route": "rag" if decision.retrieve else "direct",
+            "gate": {**d, "details": details},
+        }
         return branch, branch_input, route
 
     def _invoke(self, inp: Any, run_manager: Any, config: Any) -> dict[str, Any]:
@@ -113,6 +103,9 @@ class GatedRouter(Runnable[Any, dict[str, Any]]):
 
 def gated_router(gate: Any, direct: Any, rag: Any) -> GatedRouter:
     """A Runnable routing each question to ``direct`` or ``rag`` by ``gate.decide``.
+
+    ``invoke`` returns ``{"answer", "route": "direct" | "rag", "gate", "output"}``; ``stream``
+    yields the route and gate, then ``{"answer": piece, "output": chunk}`` per branch chunk.
 
     Args:
         gate: a :class:`~tokrag_integrations.gating.Gate`.

@@ -1,4 +1,4 @@
-"""LangChain messages and documents into the core API's arguments, results into response metadata."""
+"""LangChain messages and documents as the core API's arguments, results as response metadata."""
 
 from __future__ import annotations
 
@@ -23,12 +23,8 @@ from ..results import GenerationResult
 
 
 def to_passage(item: Any) -> Any:
-    """A LangChain ``Document`` becomes a :class:`Passage`; anything else is left to the core.
-
-    ``Passage(text=page_content, score=metadata.get("score"), metadata=metadata)``; the
-    caller keeps the retriever's order (best first), which the core relies on when it has
-    to drop passages that do not fit.
-    """
+    """A LangChain ``Document`` as a :class:`Passage` (``page_content``, ``metadata["score"]``,
+    ``metadata``); anything else is left to the core."""
     if isinstance(item, Document):
         score = item.metadata.get("score")
         return Passage(
@@ -90,22 +86,17 @@ def _role(message: BaseMessage) -> str:
 
 @dataclass
 class ChatPrompt:
-    """A conversation split the way the core API takes it."""
+    """A conversation split the way the core API takes it: the question, the earlier turns
+    as role/content dicts, the system messages' text (None: the core's default)."""
 
     query: str
-    """The content of the final user turn (the question)."""
     history: list[dict[str, str]]
-    """Earlier user/assistant turns as role/content dicts (``messages=`` of the core)."""
     system_prompt: str | None
-    """The system messages' text joined by blank lines, or None to keep the core default."""
 
 
 def messages_to_prompt(messages: Sequence[BaseMessage]) -> ChatPrompt:
-    """System messages -> ``system_prompt``; the last human turn -> the query; the rest ->
-    history.
-
-    Consecutive human messages at the end are joined into one question (the core builds the
-    final user turn from the query alone).
+    """System messages -> ``system_prompt``; the last human turns, joined -> the query; the
+    rest -> history.
 
     Raises:
         ValueError: no messages, or the conversation does not end with a human message.
@@ -138,21 +129,19 @@ def messages_to_prompt(messages: Sequence[BaseMessage]) -> ChatPrompt:
 def rendered_prompt(
     messages: Sequence[BaseMessage], context: str, question: str | None = None
 ) -> tuple[RenderedPrompt, ChatPrompt]:
-    """Messages formatted by the caller's prompt template, whose context variable received
-    ``context`` -> (the RAG context, the parts of the pure context).
-
-    The RAG context is every message as formatted (:class:`RenderedPrompt`; the retrieved
-    tokens are where ``context`` lands). The pure context is the question alone (``question``,
-    or else the last human turn with ``context`` taken out) after the conversation: the
-    earlier human/AI turns that do not hold ``context``, under the system messages that do
-    not hold it (None when every system message holds it: the core's default system prompt).
+    """Messages formatted by the caller's template, whose context variable received
+    ``context`` -> (the RAG context: every message as formatted; the pure context: the
+    question, else the last human turn without ``context``, after the turns and under the
+    system messages that do not hold ``context``).
 
     Raises:
         TypeError: ``context`` or ``question`` is not a string.
         ValueError: as :func:`messages_to_prompt`.
     """
     if not isinstance(context, str):
-        raise TypeError(f"context must be the formatted context string, not {type(context).__name__}")
+        raise TypeError(
+            f"context must be the formatted context string, not {type(context).__name__}"
+        )
     if question is not None and not isinstance(question, str):
         raise TypeError(f"question must be a string, not {type(question).__name__}")
     prompt = messages_to_prompt(messages)  # validates the conversation
@@ -179,8 +168,7 @@ def rendered_prompt(
 
 
 def usage_metadata(result: GenerationResult) -> UsageMetadata:
-    """Input tokens: every context the policy prefilled (:func:`~..translate.usage`; per
-    context in ``response_metadata["prompt_tokens"]``); output tokens: one per step."""
+    """Input tokens: every context the policy prefilled; output tokens: one per step."""
     u = usage(result)
     return UsageMetadata(
         input_tokens=u["prompt_tokens"],
@@ -206,7 +194,5 @@ def final_metadata(result: GenerationResult, lm: LoadedModel) -> dict[str, Any]:
 
 
 def token_metadata(sources: list[str], token_ids: list[int]) -> dict[str, Any]:
-    # Lists, not scalars: LangChain adds streamed chunks by concatenating strings and summing
-    # ints, but lists concatenate cleanly, so an aggregated stream carries the same
-    # provenance as invoke().
+    # Lists, so that the chunks of a stream add up to invoke()'s metadata.
     return {"token_sources": sources, "token_ids": token_ids}

@@ -1,9 +1,5 @@
-"""``tokrag ask --docs``'s retrieval as a LangChain retriever.
-
-LangChain's document loaders and text splitters with any vector store work with
-:class:`ChatTokRAG` too; this retriever exists because they cut and rank differently, and
-an app should get the same passages as the command line.
-"""
+"""``tokrag ask --docs``'s retrieval as a LangChain retriever (the same passages as the
+command line)."""
 
 from __future__ import annotations
 
@@ -19,15 +15,9 @@ from ..retrieval import build_retriever
 
 
 class FolderRetriever(BaseRetriever):
-    """Files and folders chunked, embedded and searched exactly as ``tokrag ask --docs``.
-
-    The same loader (text, Markdown, reStructuredText, HTML, PDF), the same chunking and
-    top-k (:mod:`tokrag_integrations.defaults`), the same MiniLM embeddings of each chunk
-    under its document's title, kept in the cache folder so a folder indexed again embeds
-    only what changed. ``create_tokrag_chain(FolderRetriever(paths=[...]), "default")``
-    answers as ``tokrag ask QUESTION --docs PATH`` does. Each Document's ``page_content`` is
-    the chunk; its metadata holds ``source``, ``chunk``, ``score`` and the document's own
-    (``title``, ``format``).
+    """Files and folders chunked, embedded and searched exactly as ``tokrag ask --docs`` (its
+    loader, chunking, top-k and cached MiniLM embeddings). Each Document's ``page_content``
+    is the chunk; its metadata holds ``source``, ``chunk``, ``score``, ``title``, ``format``.
 
         >>> retriever = FolderRetriever(paths=["my_docs/"])
         >>> retriever.invoke("Who founded Quillfeather Aerospace?")[0].metadata["score"]

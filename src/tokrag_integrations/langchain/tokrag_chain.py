@@ -1,10 +1,9 @@
-"""TokRAGChain: any LangChain retriever in front of a Tok-RAG decoded answer (the Runnable
-that :func:`~tokrag_integrations.langchain.chains.create_tokrag_chain` builds), and what
-the chains share: their inputs (question, documents, prompt variables), the package's own
-prompt and the checks of a user prompt."""
+"""TokRAGChain (what :func:`~tokrag_integrations.langchain.chains.create_tokrag_chain` builds)
+and what the chains share: their inputs, the package's own prompt, the checks of a user prompt."""
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
@@ -18,10 +17,7 @@ from pydantic import BaseModel, ConfigDict, create_model
 
 from .chat_models import ChatTokRAG
 
-#: Keys of every output (``invoke``) and of the aggregated stream.
-OUTPUT_KEYS = ("answer", "context", "sources", "trace", "warnings", "retrieval_empty")
-#: ``create_stuff_documents_chain``'s defaults: documents joined by a blank line, each one
-#: formatted as its page content.
+#: ``create_stuff_documents_chain``'s defaults.
 DEFAULT_DOCUMENT_SEPARATOR = "\n\n"
 DEFAULT_DOCUMENT_PROMPT = PromptTemplate.from_template("{page_content}")
 #: The prompt variable that receives the formatted documents (as LangChain's chains).
@@ -46,25 +42,6 @@ def question_of(input_: Any) -> str:
     if not input_.strip():
         raise ValueError("The question is empty: pass a non-empty question.")
     return input_
-
-
-def own_messages(question: str, input_: Any, system_prompt: str | None) -> list[BaseMessage]:
-    """The package's own prompt: optional system message, ``chat_history``, the question (the
-    documents go to the decoder separately, as ranked passages)."""
-    msgs: list[BaseMessage] = [] if system_prompt is None else [SystemMessage(system_prompt)]
-    if isinstance(input_, Mapping) and input_.get("chat_history"):
-        msgs += convert_to_messages(input_["chat_history"])
-    return [*msgs, HumanMessage(question)]
-
-
-def as_passages(docs: list[Document], document_prompt: BasePromptTemplate | None) -> list[Document]:
-    """The documents as ranked passages, each formatted by ``document_prompt`` when given."""
-    if document_prompt is None:
-        return list(docs)
-    return [
-        Document(page_content=format_document(d, document_prompt), metadata=dict(d.metadata))
-        for d in docs
-    ]
 
 
 def format_documents(
@@ -121,12 +98,13 @@ def input_documents(inputs: Any) -> list[Document]:
 class TokRAGChain(Runnable[Any, dict[str, Any]]):
     """Retrieve with any retriever, then answer with :class:`ChatTokRAG` over the documents.
 
-    Built by :func:`create_tokrag_chain`; see there for the input and output shapes.
+    Built by :func:`create_tokrag_chain`; see there for the input and output shapes. Without
+    a retriever, :meth:`model_input` is the answer step of ``create_tokrag_documents_chain``.
     """
 
     def __init__(
         self,
-        retriever: Runnable[str, list[Document]],
+        retriever: Runnable[str, list[Document]] | None,
         model: ChatTokRAG,
         *,
         system_prompt: str | None = None,
@@ -156,7 +134,7 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         )
 
     def get_output_schema(self, config: RunnableConfig | None = None) -> type[BaseModel]:
-        """The keys of :data:`OUTPUT_KEYS` (plus the input's keys)."""
+        """The output's keys (plus the input's keys)."""
         return create_model(
             "TokRAGChainOutput",
             __config__=ConfigDict(extra="allow", arbitrary_types_allowed=True),
@@ -204,13 +182,7 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
     def _prepare(
         self, input_: Any, question: str, docs: list[Document], config: RunnableConfig
     ) -> tuple[dict[str, Any], list[str], list[BaseMessage], dict[str, Any]]:
-        """(the output's head, warnings, the model's messages, its call keywords).
-
-        The package's prompt: the documents are the passages, in the retriever's order. A
-        user prompt: formatted with the documents as ``{context}``, which the model is told
-        (``context=``) so that where it lands are the retrieved tokens; ``question=`` is the
-        pure context's question.
-        """
+        """(the output's head, warnings, the model's messages, its call keywords)."""
         head = {
             **(dict(input_) if isinstance(input_, Mapping) else {"input": question}),
             "context": docs,
@@ -223,16 +195,30 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
                 f"{question!r}: answered from the pure context"
             )
             warnings.warn(notes[0], stacklevel=4)
-        if self.prompt is None:
-            messages = own_messages(question, input_, self.system_prompt)
-            kwargs = {**self.model_kwargs, "passages": as_passages(docs, self.document_prompt)}
-            return head, notes, messages, kwargs
+        return head, notes, *self.model_input(input_, question, docs, config)
+
+    def model_input(
+        self, input_: Any, question: str, docs: list[Document], config: RunnableConfig
+    ) -> tuple[list[BaseMessage], dict[str, Any]]:
+        """(the model's messages, its call keywords): the documents as passages, or a user
+        prompt formatted with them as ``{context}`` (which the model is told, ``context=``,
+        with the pure context's ``question=``)."""
+        if self.prompt is None:  # the system prompt, the chat history, the question
+            messages = [] if self.system_prompt is None else [SystemMessage(self.system_prompt)]
+            if isinstance(input_, Mapping) and input_.get("chat_history"):
+                messages += convert_to_messages(input_["chat_history"])
+            if self.document_prompt is not None:
+                docs = [
+                    Document(format_document(d, self.document_prompt), metadata=dict(d.metadata))
+                    for d in docs
+                ]
+            return [*messages, HumanMessage(question)], {**self.model_kwargs, "passages": docs}
         context = format_documents(docs, self.document_prompt, self.document_separator)
         values = dict(input_) if isinstance(input_, Mapping) else {}
         values.setdefault("input", question)
         values[DOCUMENTS_KEY] = context
         messages = self.prompt.invoke(values, config).to_messages()
-        return head, notes, messages, {**self.model_kwargs, "context": context, "question": question}
+        return messages, {**self.model_kwargs, "context": context, "question": question}
 
     @staticmethod
     def _output(head: dict[str, Any], notes: list[str], msg: Any) -> dict[str, Any]:
@@ -306,13 +292,10 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         docs = self._retrieve(question, config)
         head, notes, messages, kwargs = self._prepare(input_, question, docs, config)
         chunks = self.model.stream(messages, config, **kwargs)
-        # Pull the first token before yielding anything, so a failing call (bad option,
-        # question too long...) raises with nothing half-written.
+        # The first token before anything is yielded: a failing call raises with nothing written.
         first = next(chunks, None)
         yield head
-        for chunk in ([] if first is None else [first]):
-            yield from self._stream_item(chunk, notes)
-        for chunk in chunks:
+        for chunk in itertools.chain(() if first is None else (first,), chunks):
             yield from self._stream_item(chunk, notes)
 
     async def astream(

@@ -1,12 +1,9 @@
 """LlamaIndex adapters for Tok-RAG: a response synthesizer, an LLM, a folder retriever, a
-local embedding and gate routing. They translate types only; decoding lives in the core.
+local embedding and gate routing (examples: README.md, docs/integrations.md). They translate
+types only; decoding lives in the core.
 
-    >>> from tokrag_integrations.llama_index import TokRAGSynthesizer, local_embedding
-    >>> index = VectorStoreIndex.from_documents(docs, embed_model=local_embedding())
-    >>> synth = TokRAGSynthesizer(policy="tokrag")
-    >>> engine = RetrieverQueryEngine(index.as_retriever(), response_synthesizer=synth)
-    >>> response = engine.query("Who founded Quillfeather?")
-    >>> response.metadata["counts"], response.metadata["trace"]
+    >>> Settings.llm = TokRAGLLM()
+    >>> engine = RetrieverQueryEngine(retriever, response_synthesizer=TokRAGSynthesizer())
 
 Importing this subpackage needs ``llama-index-core``; importing :mod:`tokrag_integrations`
 itself never imports LlamaIndex.

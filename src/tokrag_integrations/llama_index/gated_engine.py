@@ -1,11 +1,5 @@
-"""LlamaIndex routing by a retrieval gate.
-
-* :func:`gate_selector` - a ``BaseSelector`` for ``RouterQueryEngine``: choice 0 = the
-  direct-LLM engine, choice 1 = the RAG engine (configurable); the gate's decision and score
-  are in the selection's ``reason`` (JSON) and so in ``response.metadata["selector_result"]``.
-* :func:`gated_query_engine` - a query engine that calls its retriever only when the gate
-  says so; ``response.metadata["gate"]`` holds the decision.
-"""
+"""LlamaIndex routing by a retrieval gate: a selector for ``RouterQueryEngine`` and a query
+engine that retrieves only when the gate says so."""
 
 from __future__ import annotations
 
@@ -44,7 +38,10 @@ class GateSelector(BaseSelector):
         decision = self.last_decision = self.gate.decide(query.query_str)
         d = decision.to_dict()
         reason = json.dumps(
-            {"route": "rag" if decision.retrieve else "direct", **{k: d[k] for k in _BRIEF if k in d}}
+            {
+                "route": "rag" if decision.retrieve else "direct",
+                **{k: d[k] for k in _BRIEF if k in d},
+            }
         )
         idx = self.rag_index if decision.retrieve else self.direct_index
         return SelectorResult(selections=[SingleSelection(index=idx, reason=reason)])
@@ -54,7 +51,9 @@ class GateSelector(BaseSelector):
 
 
 def gate_selector(gate: Any, *, direct_index: int = 0, rag_index: int = 1) -> GateSelector:
-    """A ``BaseSelector`` that picks ``rag_index`` when ``gate.decide(query).retrieve``."""
+    """A ``BaseSelector`` that picks ``rag_index`` when ``gate.decide(query).retrieve``, else
+    ``direct_index``; the decision is in the selection's ``reason`` (JSON), so in
+    ``response.metadata["selector_result"]``."""
     return GateSelector(gate, direct_index, rag_index)
 
 
@@ -92,7 +91,8 @@ class GatedQueryEngine(BaseQueryEngine):
 def gated_query_engine(
     gate: Any, retriever: Any, synthesizer: Any, *, callback_manager: Any = None
 ) -> GatedQueryEngine:
-    """A query engine that retrieves only when ``gate`` says so.
+    """A query engine that retrieves only when ``gate`` says so (the decision in
+    ``response.metadata["gate"]``).
 
     Args:
         gate: a :class:`~tokrag_integrations.gating.Gate`.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from llama_index.core.base.llms.generic_utils import (
@@ -25,7 +25,13 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 from pydantic import StrictBool
 
-from ..adapters.translate import LOAD_FIELDS, given_options, jsonable, model_label, result_summary
+from ..adapters.translate import (
+    LOAD_FIELDS,
+    given_options,
+    jsonable,
+    model_label,
+    result_summary,
+)
 from ..defaults import MAX_NEW_TOKENS
 from ..engine import scheduler
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
@@ -40,46 +46,35 @@ CONTEXT_VARIABLES = ("context_str", "context_msg")
 QUERY_VARIABLES = ("query_str", "question")
 
 
-class _TemplatedMessages(list):
-    """Chat messages formatted from a prompt template whose context variable held retrieved
-    text; ``context`` is that text and ``query`` the question. LlamaIndex hands the list
-    returned by :meth:`TokRAGLLM._get_messages` on to :meth:`TokRAGLLM.chat` (and its
-    stream/async forms) unchanged, so the template's variables reach the decoder."""
+class _Templated:
+    """Formatted from a prompt template whose context variable held retrieved text
+    (``context``; ``query``: the question). LlamaIndex hands what ``_get_messages`` /
+    ``_get_prompt`` return on to ``chat`` / ``complete`` unchanged, so these reach the decoder."""
 
     context: str = ""
     query: str | None = None
 
 
-class _TemplatedText(str):
-    """A prompt string formatted from such a template (the completion path of
-    :meth:`TokRAGLLM._get_prompt`), with the same two attributes."""
-
-    context: str = ""
-    query: str | None = None
+class _TemplatedMessages(_Templated, list):
+    pass
 
 
-def _template_inputs(prompt_args: dict[str, Any]) -> tuple[str, str | None] | None:
-    """(context, question) from a prompt template's arguments (partially formatted ones
-    included: LlamaIndex's synthesizers fill ``query_str`` in first), or None if none holds
-    context."""
-    value = next((prompt_args[k] for k in CONTEXT_VARIABLES if k in prompt_args), None)
-    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        value = str(value)  # simple_summarize passes its one truncated chunk as a list
-    if not isinstance(value, str):
-        return None
-    context = value
-    query = next((prompt_args[k] for k in QUERY_VARIABLES if isinstance(prompt_args.get(k), str)), None)
-    return context, query
+class _TemplatedText(_Templated, str):
+    pass
 
 
 def _remember(formatted: Any, kind: type, prompt: Any, prompt_args: dict[str, Any]) -> Any:
-    """``formatted`` as a ``kind`` carrying the template's context and question, or as it is
-    when no template variable held retrieved context."""
-    found = _template_inputs({**(getattr(prompt, "kwargs", None) or {}), **prompt_args})
-    if found is None:
+    """``formatted`` as a ``kind`` carrying the template's context and question (from its
+    arguments, partial ones included), or as it is when no variable held retrieved context."""
+    args = {**(getattr(prompt, "kwargs", None) or {}), **prompt_args}
+    context = next((args[k] for k in CONTEXT_VARIABLES if k in args), None)
+    if isinstance(context, (list, tuple)) and all(isinstance(v, str) for v in context):
+        context = str(context)  # simple_summarize passes its one truncated chunk as a list
+    if not isinstance(context, str):
         return formatted
     out = kind(formatted)
-    out.context, out.query = found
+    out.context = context
+    out.query = next((args[k] for k in QUERY_VARIABLES if isinstance(args.get(k), str)), None)
     return out
 
 
@@ -91,20 +86,15 @@ def _given(fn: Any, default: Any) -> bool:
 class TokRAGLLM(CustomLLM):
     """A local causal LM (default: the packaged SmolLM2-135M-Instruct) as a LlamaIndex LLM.
 
-    Set as ``Settings.llm`` (or passed as ``llm=``), every LlamaIndex call that formats a
-    prompt template with retrieved context (``context_str`` / ``context_msg``: every response
-    mode of the query engines, the ``context`` and ``condense_plus_context`` chat engines)
-    decodes under ``policy``: the RAG context is the template exactly as formatted, its
-    retrieved tokens are where the context landed, and the pure context is the question alone.
-    Calls without retrieved context (a condense step, selectors, ``structured_predict``) are
-    the plain model (``policy="llm"``) and say so in their response. ``passages=[...]``
-    (nodes, strings, :class:`~tokrag_integrations.Passage` objects or (text, score) pairs, best
-    first) given to any method decodes under ``policy`` with the package's own prompt instead.
-    Per-call ``policy=``, ``max_new_tokens=``, ``stop=``, ``max_context_tokens=`` and
-    ``policy_options=`` override the fields. The model runs in a worker thread in the async
-    methods. Responses carry provenance in ``additional_kwargs`` (policy, counts per source,
-    stop reason, warnings) and the full trace as a dict in ``raw``; streams end with one
-    empty-delta response carrying them.
+    Every call that formats a prompt template with retrieved context (``context_str`` /
+    ``context_msg``) decodes under ``policy``: the RAG context is the template as formatted,
+    the retrieved tokens are where the context landed, the pure context is the question.
+    Other calls are the plain model (``policy="llm"``). ``passages=[...]`` (nodes, strings,
+    :class:`~tokrag_integrations.Passage` objects or (text, score) pairs, best first) decodes
+    under ``policy`` with the package's own prompt. Per-call ``policy=``,
+    ``max_new_tokens=``, ``stop=``, ``max_context_tokens=`` and ``policy_options=`` override
+    the fields. Responses carry provenance in ``additional_kwargs`` and the trace in ``raw``;
+    streams end with one empty-delta response carrying them.
 
     Example:
         >>> Settings.llm = TokRAGLLM()
@@ -161,15 +151,13 @@ class TokRAGLLM(CustomLLM):
     batching: StrictBool = Field(
         default=True,
         description=(
-            "Concurrent calls on the same model with the same settings (asyncio.gather over "
-            "acomplete/achat, threads, streams included) are decoded together as one batch, "
-            "each with the tokens it gets alone; False decodes them one at a time."
+            "Decode concurrent calls on the same model with the same settings together as one "
+            "batch; False: one at a time."
         ),
     )
 
     _lm: LoadedModel = PrivateAttr()
-    #: When a list, every finished call's GenerationResult is appended to it (the
-    #: synthesizer's template path reads its calls' traces back this way).
+    #: When a list, every finished call's GenerationResult is appended to it.
     _results: list[GenerationResult] | None = PrivateAttr(default=None)
 
     def __init__(self, lm: LoadedModel | None = None, **kwargs: Any) -> None:
@@ -234,7 +222,9 @@ class TokRAGLLM(CustomLLM):
 
     def _get_prompt(self, prompt: Any, **prompt_args: Any) -> str:
         """LlamaIndex's formatting, remembering the template's context and question."""
-        return _remember(super()._get_prompt(prompt, **prompt_args), _TemplatedText, prompt, prompt_args)
+        return _remember(
+            super()._get_prompt(prompt, **prompt_args), _TemplatedText, prompt, prompt_args
+        )
 
     # ------------------------------------------------------------------ argument plumbing
     def _call_args(self, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -254,9 +244,7 @@ class TokRAGLLM(CustomLLM):
         return passages, gen_kw
 
     def _prompt_args(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> tuple:
-        # Without passages this is a plain LLM and formats as HuggingFaceLLM does: the prompt
-        # (after completion_to_prompt, or behind the system prompt, when not formatted) is
-        # sent as is; the question-answer framing is only for RAG prompts.
+        # Without passages this is a plain LLM and formats as HuggingFaceLLM does.
         passages, gen_kw = self._call_args(kwargs)
         if passages is None and isinstance(prompt, _TemplatedText):
             rendered = RenderedPrompt(prompt.context, text=str(prompt))
@@ -281,7 +269,11 @@ class TokRAGLLM(CustomLLM):
     ) -> tuple:
         """(question, no passages, keyword arguments) for a template-formatted RAG prompt."""
         if not query or not query.strip():
-            source = rendered.text if rendered.text is not None else (rendered.messages or [{}])[-1].get("content", "")
+            source = (
+                rendered.text
+                if rendered.text is not None
+                else (rendered.messages or [{}])[-1].get("content", "")
+            )
             query = source.replace(rendered.context, " ").strip() or "?"
         gen_kw["policy"] = kwargs.get("policy") or self.policy
         gen_kw["rendered"] = rendered
@@ -293,10 +285,11 @@ class TokRAGLLM(CustomLLM):
         passages, gen_kw = self._call_args(kwargs)
         if passages is None and isinstance(messages, _TemplatedMessages) and messages:
             turns = messages_to_dicts(messages)
-            # The pure context keeps the conversation (chat engines' history), not the
-            # template's own turns: those holding the context, the system turn and the last.
+            # The pure context keeps the conversation, not the template's own turns.
             history = [
-                t for t in turns[:-1] if t["role"] != "system" and messages.context not in t["content"]
+                t
+                for t in turns[:-1]
+                if t["role"] != "system" and messages.context not in t["content"]
             ]
             rendered = RenderedPrompt(messages.context, messages=turns)
             return self._templated(messages.query, kwargs, gen_kw, rendered, history)
@@ -310,161 +303,120 @@ class TokRAGLLM(CustomLLM):
             gen_kw["prompt_format"] = "chat"
         return query, passages, gen_kw
 
-    # ------------------------------------------------------------------ response builders
-    def _record(self, result: GenerationResult) -> GenerationResult:
+    # ------------------------------------------------------------------ responses
+    def _final(self, result: GenerationResult, text: str | None = None) -> CompletionResponse:
+        """The response of a whole answer (a stream's last one, ``text`` so far and an empty
+        delta, when ``text`` is given), with its provenance."""
         if self._results is not None:
             self._results.append(result)
-        return result
-
-    def _completion(self, result: GenerationResult) -> CompletionResponse:
-        self._record(result)
         return CompletionResponse(
-            text=result.text,
+            text=result.text if text is None else text,
+            delta=None if text is None else "",
             additional_kwargs=result_summary(result),
             raw=jsonable(result.trace.to_dict()),
         )
 
-    def _chat(self, result: GenerationResult) -> ChatResponse:
-        self._record(result)
-        return ChatResponse(
-            message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
-            additional_kwargs=result_summary(result),
-            raw=jsonable(result.trace.to_dict()),
-        )
+    def _stream(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> CompletionResponseGen:
+        s = scheduler.stream(self._lm, query, passages, batching=self.batching, **gen_kw)
 
-    def _completion_stream(self, events: Iterator[TokenEvent], result: Any) -> CompletionResponseGen:
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for ev in s:
+                if ev.text:
+                    text += ev.text
+                    yield _token(text, ev)
+            yield self._final(s.result, text)
+
+        return gen()
+
+    async def _astream(
+        self, query: str, passages: Any, gen_kw: dict[str, Any]
+    ) -> CompletionResponseAsyncGen:
         text = ""
-        for ev in events:
-            if ev.text:
-                text += ev.text
-                yield CompletionResponse(
-                    text=text, delta=ev.text, additional_kwargs={"source": ev.source}
-                )
-        final = self._record(result())
-        yield CompletionResponse(
-            text=text,
-            delta="",
-            additional_kwargs=result_summary(final),
-            raw=jsonable(final.trace.to_dict()),
+        async for item in scheduler.astream_with_result(
+            self._lm, query, passages, batching=self.batching, **gen_kw
+        ):
+            if isinstance(item, GenerationResult):
+                yield self._final(item, text)
+            elif item.text:
+                text += item.text
+                yield _token(text, item)
+
+    def _generate(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> CompletionResponse:
+        return self._final(
+            scheduler.generate(self._lm, query, passages, batching=self.batching, **gen_kw)
         )
 
-    def _generate(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> GenerationResult:
-        return scheduler.generate(self._lm, query, passages, batching=self.batching, **gen_kw)
-
-    async def _agenerate(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> GenerationResult:
-        return await scheduler.agenerate(self._lm, query, passages, batching=self.batching, **gen_kw)
+    async def _agenerate(
+        self, query: str, passages: Any, gen_kw: dict[str, Any]
+    ) -> CompletionResponse:
+        result = await scheduler.agenerate(
+            self._lm, query, passages, batching=self.batching, **gen_kw
+        )
+        return self._final(result)
 
     # ------------------------------------------------------------------ completion
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Complete ``prompt`` (pure model, or ``policy`` over ``passages=``)."""
-        prompt, passages, gen_kw = self._prompt_args(prompt, formatted, kwargs)
-        return self._completion(self._generate(prompt, passages, gen_kw))
+        return self._generate(*self._prompt_args(prompt, formatted, kwargs))
 
     @llm_completion_callback()
     def stream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseGen:
         """Like :meth:`complete`, one response per chosen token (``delta`` = its text)."""
-        prompt, passages, gen_kw = self._prompt_args(prompt, formatted, kwargs)
-        s = scheduler.stream(self._lm, prompt, passages, batching=self.batching, **gen_kw)
-        return self._completion_stream(s, lambda: s.result)
+        return self._stream(*self._prompt_args(prompt, formatted, kwargs))
 
     @llm_completion_callback()
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
         """Async :meth:`complete`; the model runs in a worker thread."""
-        prompt, passages, gen_kw = self._prompt_args(prompt, formatted, kwargs)
-        return self._completion(await self._agenerate(prompt, passages, gen_kw))
+        return await self._agenerate(*self._prompt_args(prompt, formatted, kwargs))
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
         """Async :meth:`stream_complete`; tokens are produced in a worker thread."""
-        prompt, passages, gen_kw = self._prompt_args(prompt, formatted, kwargs)
-
-        async def gen() -> CompletionResponseAsyncGen:
-            text = ""
-            async for item in scheduler.astream_with_result(
-                self._lm, prompt, passages, batching=self.batching, **gen_kw
-            ):
-                if isinstance(item, GenerationResult):
-                    self._record(item)
-                    yield CompletionResponse(
-                        text=text,
-                        delta="",
-                        additional_kwargs=result_summary(item),
-                        raw=jsonable(item.trace.to_dict()),
-                    )
-                elif item.text:
-                    text += item.text
-                    yield CompletionResponse(
-                        text=text, delta=item.text, additional_kwargs={"source": item.source}
-                    )
-
-        return gen()
+        return self._astream(*self._prompt_args(prompt, formatted, kwargs))
 
     # ------------------------------------------------------------------ chat
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Answer the last user message; earlier messages become the chat history."""
-        query, passages, gen_kw = self._chat_args(messages, kwargs)
-        return self._chat(self._generate(query, passages, gen_kw))
+        return _as_chat(self._generate(*self._chat_args(messages, kwargs)))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         """Like :meth:`chat`, one response per chosen token (``delta`` = its text)."""
-        query, passages, gen_kw = self._chat_args(messages, kwargs)
-        s = scheduler.stream(self._lm, query, passages, batching=self.batching, **gen_kw)
-        return _chat_stream(self._completion_stream(s, lambda: s.result))
+        return (_as_chat(c) for c in self._stream(*self._chat_args(messages, kwargs)))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Async :meth:`chat`; the model runs in a worker thread."""
-        query, passages, gen_kw = self._chat_args(messages, kwargs)
-        return self._chat(await self._agenerate(query, passages, gen_kw))
+        return _as_chat(await self._agenerate(*self._chat_args(messages, kwargs)))
 
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
         """Async :meth:`stream_chat`; tokens are produced in a worker thread."""
-        query, passages, gen_kw = self._chat_args(messages, kwargs)
-
-        async def gen() -> ChatResponseAsyncGen:
-            text = ""
-            async for item in scheduler.astream_with_result(
-                self._lm, query, passages, batching=self.batching, **gen_kw
-            ):
-                if isinstance(item, GenerationResult):
-                    self._record(item)
-                    yield ChatResponse(
-                        message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                        delta="",
-                        additional_kwargs=result_summary(item),
-                        raw=jsonable(item.trace.to_dict()),
-                    )
-                elif item.text:
-                    text += item.text
-                    yield ChatResponse(
-                        message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                        delta=item.text,
-                        additional_kwargs={"source": item.source},
-                    )
-
-        return gen()
+        return (_as_chat(c) async for c in self._astream(*self._chat_args(messages, kwargs)))
 
 
-def _chat_stream(completions: Iterator[CompletionResponse]) -> ChatResponseGen:
-    for c in completions:
-        yield ChatResponse(
-            message=ChatMessage(role=MessageRole.ASSISTANT, content=c.text),
-            delta=c.delta,
-            additional_kwargs=c.additional_kwargs,
-            raw=c.raw,
-        )
+def _token(text: str, ev: TokenEvent) -> CompletionResponse:
+    return CompletionResponse(text=text, delta=ev.text, additional_kwargs={"source": ev.source})
+
+
+def _as_chat(c: CompletionResponse) -> ChatResponse:
+    return ChatResponse(
+        message=ChatMessage(role=MessageRole.ASSISTANT, content=c.text),
+        delta=c.delta,
+        additional_kwargs=c.additional_kwargs,
+        raw=c.raw,
+    )
 
 
 __all__ = ["TokRAGLLM"]

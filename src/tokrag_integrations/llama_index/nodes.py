@@ -24,11 +24,8 @@ _ROLE_MAP = {
 
 
 def order_nodes(nodes: Sequence[NodeWithScore]) -> list[NodeWithScore]:
-    """Nodes best first: by score (descending, stable) when every node has one, else as given.
-
-    The core drops passages from the lowest-ranked (last) up when the window is full, so this
-    order makes it drop the lowest-scored node first.
-    """
+    """Nodes best first (the core drops the last first): by score (descending, stable) when
+    every node has one, else as given."""
     nodes = list(nodes)
     if nodes and all(n.score is not None for n in nodes):
         return sorted(nodes, key=lambda n: -float(n.score))  # type: ignore[arg-type]
@@ -36,22 +33,13 @@ def order_nodes(nodes: Sequence[NodeWithScore]) -> list[NodeWithScore]:
 
 
 def node_to_passage(node: NodeWithScore, metadata_mode: Any = MetadataMode.NONE) -> Passage:
-    """One node as a core :class:`Passage`: ``node.get_content(metadata_mode=...)`` (the
-    node's text alone by default; the synthesizer passes its ``metadata_mode``), the score,
-    and the node id + metadata as the passage's metadata."""
+    """One node as a core :class:`Passage`: ``node.get_content(metadata_mode=...)``, the
+    score, and the node id + metadata as the passage's metadata."""
     return Passage(
         text=node.node.get_content(metadata_mode=metadata_mode),
         score=None if node.score is None else float(node.score),
         metadata={"node_id": node.node.node_id, **dict(node.node.metadata or {})},
     )
-
-
-def nodes_to_passages(
-    nodes: Sequence[NodeWithScore], metadata_mode: Any = MetadataMode.NONE
-) -> tuple[list[NodeWithScore], list[Passage]]:
-    """(nodes in the order given to the core, their passages)."""
-    ordered = order_nodes(nodes)
-    return ordered, [node_to_passage(n, metadata_mode) for n in ordered]
 
 
 def to_passages(items: Sequence[Any] | None) -> list[Any] | None:
@@ -60,7 +48,7 @@ def to_passages(items: Sequence[Any] | None) -> list[Any] | None:
         return None
     items = list(items)
     if items and all(isinstance(i, NodeWithScore) for i in items):
-        return nodes_to_passages(items)[1]
+        return [node_to_passage(n) for n in order_nodes(items)]
     return [node_to_passage(i) if isinstance(i, NodeWithScore) else i for i in items]
 
 

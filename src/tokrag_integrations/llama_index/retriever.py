@@ -1,9 +1,5 @@
-"""``tokrag ask --docs``'s retrieval as a LlamaIndex retriever.
-
-LlamaIndex's ``SimpleDirectoryReader`` and ``SentenceSplitter`` with any index work
-with :class:`TokRAGSynthesizer` too; this retriever exists because they cut and rank
-differently, and an app should get the same passages as the command line.
-"""
+"""``tokrag ask --docs``'s retrieval as a LlamaIndex retriever (the same passages as the
+command line)."""
 
 from __future__ import annotations
 
@@ -20,9 +16,7 @@ from ..retrieval import ScoredChunk, build_retriever
 
 
 def _node(hit: ScoredChunk) -> NodeWithScore:
-    """A retrieved chunk as a node whose LLM and embedding text is the chunk's text alone
-    (its metadata is kept but excluded from both, so the prompt holds what ``tokrag ask``'s
-    does)."""
+    """A retrieved chunk as a node whose LLM and embedding text is the chunk's text alone."""
     metadata = {"source": hit.source, "chunk": hit.chunk.index, **hit.chunk.metadata}
     node = TextNode(
         id_=f"{hit.source}#{hit.chunk.index}",
@@ -35,13 +29,8 @@ def _node(hit: ScoredChunk) -> NodeWithScore:
 
 
 class FolderRetriever(BaseRetriever):
-    """Files and folders chunked, embedded and searched exactly as ``tokrag ask --docs``.
-
-    The same loader (text, Markdown, reStructuredText, HTML, PDF), the same chunking and
-    top-k (:mod:`tokrag_integrations.defaults`), the same MiniLM embeddings of each chunk
-    under its document's title, kept in the cache folder so a folder indexed again embeds
-    only what changed. A query engine built on it with :class:`TokRAGSynthesizer`'s defaults
-    answers as ``tokrag ask QUESTION --docs PATH`` does.
+    """Files and folders chunked, embedded and searched exactly as ``tokrag ask --docs`` (its
+    loader, chunking, top-k and cached MiniLM embeddings).
 
         >>> retriever = FolderRetriever("my_docs/")
         >>> engine = RetrieverQueryEngine(retriever, response_synthesizer=TokRAGSynthesizer())

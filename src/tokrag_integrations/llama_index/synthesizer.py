@@ -1,17 +1,20 @@
 """TokRAGSynthesizer: a LlamaIndex response synthesizer that decodes with a Tok-RAG policy.
 
-The multi-call modes (compact, refine, tree_summarize) are planned by
-:mod:`tokrag_integrations.adapters.synthesis`; with a prompt template (or LlamaIndex's other modes)
-LlamaIndex's own synthesizer runs through a :class:`TokRAGLLM` that keeps its calls' results.
+The native multi-call modes are planned by :mod:`tokrag_integrations.adapters.synthesis`;
+with a prompt template (or LlamaIndex's other modes) LlamaIndex's own synthesizer runs
+through a :class:`TokRAGLLM` that keeps its calls' results.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
+import inspect
+from collections.abc import AsyncGenerator, Callable, Generator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import llama_index.core.instrumentation as instrument
+from llama_index.core.base.llms.types import CompletionResponse
 from llama_index.core.base.response.schema import (
     RESPONSE_TYPE,
     AsyncStreamingResponse,
@@ -20,6 +23,10 @@ from llama_index.core.base.response.schema import (
 )
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.callbacks.schema import CBEventType, EventPayload
+from llama_index.core.instrumentation.events.llm import (
+    LLMCompletionEndEvent,
+    LLMCompletionStartEvent,
+)
 from llama_index.core.instrumentation.events.synthesis import (
     SynthesizeEndEvent,
     SynthesizeStartEvent,
@@ -36,30 +43,35 @@ from llama_index.core.response_synthesizers.factory import get_response_synthesi
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
-from ..adapters.synthesis import Session, Setup, call_summary, totals
-from ..adapters.translate import checked_policy, jsonable
+from ..adapters.synthesis import Call, Session, Setup, call_summary, totals
+from ..adapters.translate import checked_policy, jsonable, options_dict, result_summary, usage
 from ..config import require_bool
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
 from ..engine import scheduler
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, unknown_arguments
 from ..policies.base import Policy
 from ..results import GenerationResult
-from ._call_events import _CallEvents
 from .llm import TokRAGLLM
 from .nodes import node_to_passage, order_nodes
 
 dispatcher = instrument.get_dispatcher(__name__)
 
-#: Constructor arguments of TokRAGSynthesizer other than the policy's options.
-_OWN_ARGUMENTS = (
-    "lm", "model", "temperature", "policy", "policy_options", "max_new_tokens", "stop",
-    "max_context_tokens", "system_prompt", "gate", "streaming", "callback_manager",
-    "response_mode", "metadata_mode", "batching", "text_qa_template", "refine_template",
-    "summary_template",
-)
+#: ``response_mode`` values with the package's own prompt: one decode over every node that
+#: fits (the default), or LlamaIndex's multi-call modes of the same names.
+NATIVE_MODES = ("one_pass", "compact", "refine", "tree_summarize")
+#: Every ``response_mode``: the native ones, and LlamaIndex's other built-in modes, which
+#: run LlamaIndex's own synthesizer with its templates through :class:`TokRAGLLM`.
+RESPONSE_MODES = (*NATIVE_MODES, "simple_summarize", "accumulate", "compact_accumulate", "no_text")
+#: The prompt templates of LlamaIndex's synthesizers that this one takes (and their defaults).
+DEFAULT_TEMPLATES = {
+    "text_qa_template": DEFAULT_TEXT_QA_PROMPT_SEL,
+    "refine_template": DEFAULT_REFINE_PROMPT_SEL,
+    "summary_template": DEFAULT_TREE_SUMMARIZE_PROMPT_SEL,
+}
+TEMPLATE_KEYS = tuple(DEFAULT_TEMPLATES)
 
 
-def _check_budget(max_new_tokens: Any, max_context_tokens: Any, gate: Any) -> None:
+def _check_arguments(max_new_tokens: Any, max_context_tokens: Any, gate: Any) -> None:
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if max_context_tokens is not None and (
@@ -74,9 +86,7 @@ def _check_budget(max_new_tokens: Any, max_context_tokens: Any, gate: Any) -> No
         raise TypeError(f"gate must have a decide(query) method, got {type(gate).__name__}")
 
 
-def _the_llm(
-    lm: Any, model: Any, load_options: dict[str, Any], max_new_tokens: int
-) -> TokRAGLLM:
+def _the_llm(lm: Any, model: Any, load_options: dict[str, Any], max_new_tokens: int) -> TokRAGLLM:
     if (model is not None or load_options) and lm is not None:
         raise ValueError("pass lm, or model with its load options, not both")
     if isinstance(lm, TokRAGLLM):
@@ -88,21 +98,6 @@ def _the_llm(
     raise TypeError(f"lm must be a LoadedModel, a TokRAGLLM or None, got {type(lm).__name__}")
 
 
-#: ``response_mode`` values with the package's own prompt: one decode over every node that
-#: fits (the default), or LlamaIndex's multi-call modes of the same names.
-NATIVE_MODES = ("one_pass", "compact", "refine", "tree_summarize")
-#: Every ``response_mode``: the native ones, and LlamaIndex's other built-in modes, which
-#: run LlamaIndex's own synthesizer with its templates through :class:`TokRAGLLM`.
-RESPONSE_MODES = (*NATIVE_MODES, "simple_summarize", "accumulate", "compact_accumulate", "no_text")
-#: The prompt templates of LlamaIndex's synthesizers that this one takes.
-TEMPLATE_KEYS = ("text_qa_template", "refine_template", "summary_template")
-_DEFAULT_TEMPLATES = {
-    "text_qa_template": DEFAULT_TEXT_QA_PROMPT_SEL,
-    "refine_template": DEFAULT_REFINE_PROMPT_SEL,
-    "summary_template": DEFAULT_TREE_SUMMARIZE_PROMPT_SEL,
-}
-
-
 def _mode_name(response_mode: Any) -> str:
     mode = getattr(response_mode, "value", response_mode)
     if mode not in RESPONSE_MODES:
@@ -112,11 +107,6 @@ def _mode_name(response_mode: Any) -> str:
             + " ('one_pass' is the default)."
         )
     return str(mode)
-
-
-async def _no_tokens() -> AsyncGenerator[str, None]:
-    return
-    yield  # an async generator that yields nothing
 
 
 def _template(key: str, value: Any) -> BasePromptTemplate | None:
@@ -138,46 +128,47 @@ def _metadata_mode(metadata_mode: Any) -> MetadataMode:
         ) from None
 
 
-class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
+def _then(answer: Any, finish: Callable[[], dict[str, Any]], metadata: dict[str, Any]) -> Any:
+    """``answer`` (a token generator, sync or async) that fills ``metadata`` with ``finish()``
+    once exhausted."""
+    if hasattr(answer, "__aiter__"):
+
+        async def agen() -> AsyncGenerator[str, None]:
+            async for token in answer:
+                yield token
+            metadata.update(finish())
+
+        return agen()
+
+    def gen() -> Generator[str, None, None]:
+        yield from answer
+        metadata.update(finish())
+
+    return gen()
+
+
+async def _no_tokens() -> AsyncGenerator[str, None]:
+    return
+    yield  # an async generator that yields nothing
+
+
+class TokRAGSynthesizer(BaseSynthesizer):
     """Answers from the retrieved nodes with a decoding policy (default ``tokrag``).
 
-    The query and the node texts go to the core separately: nodes become
-    :class:`~tokrag_integrations.Passage` objects (``node.get_content(metadata_mode=...)``),
-    best score first, so the lowest-scored are dropped first when the window is full.
-
-    ``response_mode`` (a string or LlamaIndex's ``ResponseMode``):
-
-    * ``"one_pass"`` (default): one decode over every node that fits the window.
-    * ``"compact"``: nodes packed, best first, into chunks that fill the window (a node longer
-      than a chunk is split); the first chunk is answered, each next chunk refines that
-      answer, given as the first passage ("Existing answer: ...").
-    * ``"refine"``: the same with one node (or part of one) per call.
-    * ``"tree_summarize"``: every chunk answered, then the answers packed and answered again,
-      level by level, until one call remains.
-    * ``"simple_summarize"``, ``"accumulate"``, ``"compact_accumulate"``, ``"no_text"``:
-      LlamaIndex's own synthesizer of that name (``no_text`` makes no call).
-
-    Prompt templates: the native modes use the package's own prompt while no template is
-    set. With ``text_qa_template``, ``refine_template`` or ``summary_template`` (or
-    ``update_prompts``) every mode runs LlamaIndex's synthesizer of the same name
-    (``one_pass`` as ``compact``) with your templates through a :class:`TokRAGLLM` with these
-    settings: the RAG context is your template as formatted, the pure context the question.
-
-    Every call decodes under the policy with the same question; with ``streaming=True`` the
-    last call streams. Each call emits ``CBEventType.LLM`` (a ``CompletionResponse`` whose
-    ``raw["usage"]`` holds the exact token counts, for ``TokenCountingHandler``) and the
-    ``LLMCompletionStart/EndEvent`` instrumentation events.
-
-    ``response.metadata``: ``response_mode``, ``policy``, ``policy_used``, ``answered_from``
-    (``"retrieval"`` / ``"pure_context"``), ``pure_context_reason``, ``counts`` (tokens per
-    source in the final answer), ``passages`` (per node: id, rank, score, kept/cut/empty,
-    tokens), ``nodes_used`` / ``nodes_cut`` / ``nodes_dropped`` / ``n_nodes_dropped`` /
-    ``nodes_skipped_empty``, ``warnings``, ``gate``, ``model``, ``stop_reason``, ``trace``
-    (the final call's ``Trace.to_dict()``), ``usage`` (over all calls) and ``calls`` (per
-    model call: ``index``, ``kind``, ``node_ids``, ``answers_from``, ``text``, ``counts``,
-    ``usage``, ``warnings``, ``trace``...); multi-call modes add ``counts_all_calls``. When
-    streaming, the dict is filled once the generator is exhausted (``policy``, ``gate`` and
-    ``response_mode`` are there from the start).
+    The query and the node texts (``node.get_content(metadata_mode=...)``) go to the core
+    separately, nodes best score first, so the lowest-scored are dropped first when the
+    window is full. ``response_mode``: ``"one_pass"`` (default, one decode), ``"compact"``,
+    ``"refine"``, ``"tree_summarize"`` (multi-call, planned with the package's prompt), or
+    LlamaIndex's ``"simple_summarize"``, ``"accumulate"``, ``"compact_accumulate"``,
+    ``"no_text"``. With ``text_qa_template``, ``refine_template`` or ``summary_template`` (or
+    ``update_prompts``) every mode runs LlamaIndex's synthesizer of that name (``one_pass``
+    as ``compact``) with your templates through a :class:`TokRAGLLM` with these settings.
+    With ``streaming=True`` the last call streams. Every model call emits ``CBEventType.LLM``
+    (token counts in ``raw["usage"]``, for ``TokenCountingHandler``) and the
+    ``LLMCompletionStart/EndEvent`` events. The modes and the keys of ``response.metadata``
+    are described in docs/integrations.md; when streaming, the metadata is filled once the
+    generator is exhausted (``policy``, ``gate`` and ``response_mode`` are there from the
+    start).
 
     Args:
         lm: a LoadedModel, a :class:`TokRAGLLM` to share, or None to load ``model``.
@@ -223,40 +214,31 @@ class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
         summary_template: BasePromptTemplate | None = None,
         **options: Any,
     ) -> None:
+        given = (text_qa_template, refine_template, summary_template)
         self._templates: dict[str, BasePromptTemplate] = {
             k: t
-            for k, v in (
-                ("text_qa_template", text_qa_template),
-                ("refine_template", refine_template),
-                ("summary_template", summary_template),
-            )
+            for k, v in zip(TEMPLATE_KEYS, given, strict=True)
             if (t := _template(k, v)) is not None
         }
-        _check_budget(max_new_tokens, max_context_tokens, gate)
+        _check_arguments(max_new_tokens, max_context_tokens, gate)
         check_greedy(temperature, "TokRAGSynthesizer")
         require_bool(streaming, "streaming")
         require_bool(batching, "batching")
-        mode = _mode_name(response_mode)
-        meta_mode = _metadata_mode(metadata_mode)
+        self._mode = _mode_name(response_mode)
+        self._metadata_mode = _metadata_mode(metadata_mode)
+        own = [*inspect.signature(TokRAGSynthesizer.__init__).parameters][1:-1]
         unknown = set(options) - set(LOAD_OPTIONS)
         if unknown:
-            raise unknown_arguments("TokRAGSynthesizer", unknown, _OWN_ARGUMENTS + LOAD_OPTIONS)
-        if policy_options is not None and not isinstance(policy_options, Mapping):
-            raise TypeError(
-                f"policy_options must be a dict of option names to values, got {type(policy_options).__name__}"
-            )
-        opts = dict(policy_options or {})
-        pol = checked_policy(policy, opts, "TokRAGSynthesizer", _OWN_ARGUMENTS + LOAD_OPTIONS)
+            raise unknown_arguments("TokRAGSynthesizer", unknown, own + list(LOAD_OPTIONS))
+        self._policy_options = opts = options_dict(policy_options)
+        pol = checked_policy(policy, opts, "TokRAGSynthesizer", own + list(LOAD_OPTIONS))
         self._policy_name = pol.name
         self._roles: tuple[str, ...] = tuple(pol.roles)
         llm = _the_llm(lm, model, options, max_new_tokens)
         super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming)
         self._lm: LoadedModel = llm.loaded_model
         self._gate = gate
-        self._mode = mode
-        self._metadata_mode = meta_mode
-        self._batching = bool(batching)
-        self._policy_options = dict(opts)
+        self._batching = batching
         self._gen_kwargs: dict[str, Any] = {
             "policy": policy,
             "max_new_tokens": max_new_tokens,
@@ -296,17 +278,17 @@ class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
 
     def _get_prompts(self) -> PromptDictType:
         """The templates the template path formats (yours, else LlamaIndex's defaults)."""
-        return {k: self._templates.get(k, _DEFAULT_TEMPLATES[k]) for k in TEMPLATE_KEYS}
+        return {k: self._templates.get(k, d) for k, d in DEFAULT_TEMPLATES.items()}
 
     def _update_prompts(self, prompts: PromptDictType) -> None:
-        """Set templates (``text_qa_template``, ``refine_template``, ``summary_template``);
-        from then on every mode runs through them (see the class docstring)."""
+        """Set templates; from then on every mode runs through them."""
         for key, value in prompts.items():
             if key not in TEMPLATE_KEYS:
-                raise KeyError(f"unknown prompt {key!r}; TokRAGSynthesizer has {', '.join(TEMPLATE_KEYS)}")
+                raise KeyError(
+                    f"unknown prompt {key!r}; TokRAGSynthesizer has {', '.join(TEMPLATE_KEYS)}"
+                )
             self._templates[key] = _template(key, value)
 
-    # ------------------------------------------------------------------ translation
     def _gate_dict(self, decision: Any) -> dict[str, Any] | None:
         if decision is None:
             return None
@@ -318,25 +300,35 @@ class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
             }
         )
 
-    def _session(
-        self, query: str, nodes: Sequence[NodeWithScore], decision: Any = None
-    ) -> Session:
+    def _session(self, query: str, nodes: Sequence[NodeWithScore], decision: Any = None) -> Session:
         setup = Setup(self._lm, self._gen_kwargs, self._mode, self._policy_name, self._roles)
         ordered = [
-            (n.node.node_id, None if n.score is None else float(n.score),
-             node_to_passage(n, self._metadata_mode))
+            (
+                n.node.node_id,
+                None if n.score is None else float(n.score),
+                node_to_passage(n, self._metadata_mode),
+            )
             for n in order_nodes(nodes)
         ]
         return Session(setup, query, ordered, decision, self._gate_dict(decision))
 
-    @staticmethod
-    def _chunk_nodes(text_chunks: Sequence[str]) -> list[NodeWithScore]:
-        return [
-            NodeWithScore(node=TextNode(text=c, id_=f"chunk-{i}"))
-            for i, c in enumerate(text_chunks)
-        ]
-
     # ------------------------------------------------------------------ running a session
+    def _call(self, sess: Session, call: Call) -> GenerationResult:
+        event = _LLMEvent(self, sess, call)
+        with event.failing():
+            result = scheduler.generate(
+                self._lm, sess.query, call.passages, batching=self._batching, **self._gen_kwargs
+            )
+        return event.end(result)
+
+    async def _acall(self, sess: Session, call: Call) -> GenerationResult:
+        event = _LLMEvent(self, sess, call)
+        with event.failing():
+            result = await scheduler.agenerate(
+                self._lm, sess.query, call.passages, batching=self._batching, **self._gen_kwargs
+            )
+        return event.end(result)
+
     def _run(self, sess: Session) -> tuple[Any, dict[str, Any]]:
         """(answer text, or a token generator when streaming; the metadata dict)."""
         program = sess.program()
@@ -346,27 +338,19 @@ class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
         program.close()
         if not self._streaming:
             return self._call(sess, call).text, sess.metadata()
-        metadata = sess.partial_metadata()
-        event_id, prompt = self._llm_start(sess, call)
-        try:
-            s = scheduler.stream(self._lm, sess.query, call.passages, batching=self._batching,
-                                 **self._gen_kwargs)
-        except BaseException as e:
-            self._llm_error(event_id, e)
-            raise
+        event = _LLMEvent(self, sess, call)
+        with event.failing():
+            s = scheduler.stream(
+                self._lm, sess.query, call.passages, batching=self._batching, **self._gen_kwargs
+            )
 
         def gen() -> Generator[str, None, None]:
-            try:
-                for ev in s:
-                    if ev.text:
-                        yield ev.text
-            except BaseException as e:
-                self._llm_error(event_id, e)
-                raise
-            self._llm_end(sess, call, event_id, prompt, s.result)
-            metadata.update(sess.metadata())
+            with event.failing():
+                yield from (ev.text for ev in s if ev.text)
+            event.end(s.result)
 
-        return gen(), metadata
+        metadata = sess.partial_metadata()
+        return _then(gen(), sess.metadata, metadata), metadata
 
     async def _arun(self, sess: Session) -> tuple[Any, dict[str, Any]]:
         """Async :meth:`_run`: every call runs in a worker thread."""
@@ -377,26 +361,20 @@ class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
         program.close()
         if not self._streaming:
             return (await self._acall(sess, call)).text, sess.metadata()
-        metadata = sess.partial_metadata()
-        lm, kw, last = self._lm, self._gen_kwargs, call
 
         async def agen() -> AsyncGenerator[str, None]:
-            event_id, prompt = self._llm_start(sess, last)
-            try:
+            event = _LLMEvent(self, sess, call)
+            with event.failing():
                 async for item in scheduler.astream_with_result(
-                    lm, sess.query, last.passages, batching=self._batching, **kw
+                    self._lm, sess.query, call.passages, batching=self._batching, **self._gen_kwargs
                 ):
                     if isinstance(item, GenerationResult):
-                        self._llm_end(sess, last, event_id, prompt, item)
-                        metadata.update(sess.metadata())
+                        event.end(item)
                     elif item.text:
                         yield item.text
-            except BaseException as e:
-                if len(sess.calls) == 0 or sess.calls[-1][0] is not last:
-                    self._llm_error(event_id, e)
-                raise
 
-        return agen(), metadata
+        metadata = sess.partial_metadata()
+        return _then(agen(), sess.metadata, metadata), metadata
 
     # ------------------------------------------------------------------ the template path
     def _template_llm(self) -> TokRAGLLM:
@@ -416,24 +394,13 @@ class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
         llm._results = []
         return llm
 
-    def _template_synth(self, llm: TokRAGLLM) -> BaseSynthesizer | None:
-        """LlamaIndex's synthesizer for the mode (None for ``no_text``: no call at all)."""
-        if self._mode == "no_text":
-            return None
-        mode = "compact" if self._mode == "one_pass" else self._mode
-        return get_response_synthesizer(
-            llm=llm,
-            response_mode=mode,
-            streaming=self._streaming,
-            callback_manager=self._callback_manager,
-            **self._templates,
-        )
-
     def _template_metadata(
         self, llm: TokRAGLLM, nodes: Sequence[NodeWithScore], gate: dict[str, Any] | None
     ) -> dict[str, Any]:
         results = list(llm._results or [])
-        calls = [call_summary(i, "template", r, [{}], roles=self._roles) for i, r in enumerate(results)]
+        calls = [
+            call_summary(i, "template", r, [{}], roles=self._roles) for i, r in enumerate(results)
+        ]
         final = results[-1] if results else None
         policy_used = final.trace.policy if final is not None else None
         counts, notes, total = totals(calls, [])
@@ -455,45 +422,45 @@ class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
             "usage": total,
         }
 
-    def _template_chunks(self, nodes: Sequence[NodeWithScore]) -> list[str]:
-        return [n.node.get_content(metadata_mode=self._metadata_mode) for n in nodes]
+    def _template_synth(
+        self, query: str, nodes: Sequence[NodeWithScore], gate: dict[str, Any] | None
+    ) -> tuple[BaseSynthesizer | None, Callable[[], dict[str, Any]], list[str]]:
+        """(LlamaIndex's synthesizer for the mode, None for ``no_text``: no call at all; the
+        metadata to come; the chunks it answers from)."""
+        llm = self._template_llm()
+        synth = None
+        if self._mode != "no_text":
+            synth = get_response_synthesizer(
+                llm=llm,
+                response_mode="compact" if self._mode == "one_pass" else self._mode,
+                streaming=self._streaming,
+                callback_manager=self._callback_manager,
+                **self._templates,
+            )
+        chunks = [n.node.get_content(metadata_mode=self._metadata_mode) for n in nodes]
+        return synth, lambda: self._template_metadata(llm, nodes, gate), chunks
+
+    def _template_answer(self, answer: Any, finish: Callable[[], dict[str, Any]], gate: Any) -> Any:
+        if not self._streaming or isinstance(answer, str):
+            return answer, finish()
+        metadata = {"policy": self._policy_name, "gate": gate, "response_mode": self._mode}
+        return _then(answer, finish, metadata), metadata
 
     def _run_templates(
         self, query: str, nodes: Sequence[NodeWithScore], gate: dict[str, Any] | None
     ) -> tuple[Any, dict[str, Any]]:
-        llm = self._template_llm()
-        synth = self._template_synth(llm)
+        synth, finish, chunks = self._template_synth(query, nodes, gate)
         if synth is None:
-            return (iter(()) if self._streaming else ""), self._template_metadata(llm, nodes, gate)
-        answer = synth.get_response(query, self._template_chunks(nodes))
-        if not self._streaming or isinstance(answer, str):
-            return answer, self._template_metadata(llm, nodes, gate)
-        metadata = {"policy": self._policy_name, "gate": gate, "response_mode": self._mode}
-
-        def gen() -> Generator[str, None, None]:
-            yield from answer
-            metadata.update(self._template_metadata(llm, nodes, gate))
-
-        return gen(), metadata
+            return (iter(()) if self._streaming else ""), finish()
+        return self._template_answer(synth.get_response(query, chunks), finish, gate)
 
     async def _arun_templates(
         self, query: str, nodes: Sequence[NodeWithScore], gate: dict[str, Any] | None
     ) -> tuple[Any, dict[str, Any]]:
-        llm = self._template_llm()
-        synth = self._template_synth(llm)
+        synth, finish, chunks = self._template_synth(query, nodes, gate)
         if synth is None:
-            return (_no_tokens() if self._streaming else ""), self._template_metadata(llm, nodes, gate)
-        answer = await synth.aget_response(query, self._template_chunks(nodes))
-        if not self._streaming or isinstance(answer, str):
-            return answer, self._template_metadata(llm, nodes, gate)
-        metadata = {"policy": self._policy_name, "gate": gate, "response_mode": self._mode}
-
-        async def agen() -> AsyncGenerator[str, None]:
-            async for token in answer:
-                yield token
-            metadata.update(self._template_metadata(llm, nodes, gate))
-
-        return agen(), metadata
+            return (_no_tokens() if self._streaming else ""), finish()
+        return self._template_answer(await synth.aget_response(query, chunks), finish, gate)
 
     # ------------------------------------------------------------------ BaseSynthesizer API
     def get_response(
@@ -501,7 +468,7 @@ class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
     ) -> RESPONSE_TEXT_TYPE:
         """Answer from plain text chunks (ranked best first) in the synthesizer's
         ``response_mode``; a generator when streaming."""
-        nodes = self._chunk_nodes(text_chunks)
+        nodes = _chunk_nodes(text_chunks)
         if self.uses_templates:
             return self._run_templates(query_str, nodes, None)[0]
         return self._run(self._session(query_str, nodes))[0]
@@ -510,19 +477,38 @@ class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
         self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
         """Async :meth:`get_response`; the model runs in a worker thread."""
-        nodes = self._chunk_nodes(text_chunks)
+        nodes = _chunk_nodes(text_chunks)
         if self.uses_templates:
             return (await self._arun_templates(query_str, nodes, None))[0]
         return (await self._arun(self._session(query_str, nodes)))[0]
 
-    def _response(
-        self, answer: Any, metadata: dict[str, Any], source_nodes: list[NodeWithScore]
-    ) -> RESPONSE_TYPE:
-        if not self._streaming:
-            return Response(answer, source_nodes=source_nodes, metadata=metadata)
-        if isinstance(answer, AsyncGenerator):
-            return AsyncStreamingResponse(answer, source_nodes=source_nodes, metadata=metadata)
-        return StreamingResponse(answer, source_nodes=source_nodes, metadata=metadata)
+    @contextmanager
+    def _synthesis(
+        self, query: QueryTextType, source_nodes: list[NodeWithScore]
+    ) -> Generator[tuple[QueryBundle, Callable[[Any, dict[str, Any]], RESPONSE_TYPE]], None, None]:
+        """The synthesize events around a block given (the query, a function making the
+        response from the answer and its metadata)."""
+        dispatcher.event(SynthesizeStartEvent(query=query))
+        qb = QueryBundle(query_str=query) if isinstance(query, str) else query
+        made: list[RESPONSE_TYPE] = []
+
+        def respond(answer: Any, metadata: dict[str, Any]) -> RESPONSE_TYPE:
+            if not self._streaming:
+                made.append(Response(answer, source_nodes=source_nodes, metadata=metadata))
+            elif isinstance(answer, AsyncGenerator):
+                made.append(
+                    AsyncStreamingResponse(answer, source_nodes=source_nodes, metadata=metadata)
+                )
+            else:
+                made.append(StreamingResponse(answer, source_nodes=source_nodes, metadata=metadata))
+            return made[0]
+
+        with self._callback_manager.event(
+            CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: qb.query_str}
+        ) as event:
+            yield qb, respond
+            event.on_end(payload={EventPayload.RESPONSE: made[0]})
+        dispatcher.event(SynthesizeEndEvent(query=qb, response=made[0]))
 
     @dispatcher.span
     def synthesize(
@@ -533,21 +519,12 @@ class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
         **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
         """Answer ``query`` from ``nodes``; with no nodes, from the pure context (said in metadata)."""
-        dispatcher.event(SynthesizeStartEvent(query=query))
-        qb = QueryBundle(query_str=query) if isinstance(query, str) else query
-        source_nodes = list(nodes) + list(additional_source_nodes or [])
-        with self._callback_manager.event(
-            CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: qb.query_str}
-        ) as event:
+        with self._synthesis(query, [*nodes, *(additional_source_nodes or [])]) as (qb, respond):
             decision = self._gate.decide(qb.query_str) if self._gate is not None else None
             if self.uses_templates and (decision is None or decision.retrieve):
-                answer, metadata = self._run_templates(qb.query_str, nodes, self._gate_dict(decision))
-            else:
-                answer, metadata = self._run(self._session(qb.query_str, nodes, decision))
-            response = self._response(answer, metadata, source_nodes)
-            event.on_end(payload={EventPayload.RESPONSE: response})
-        dispatcher.event(SynthesizeEndEvent(query=qb, response=response))
-        return response
+                gate = self._gate_dict(decision)
+                return respond(*self._run_templates(qb.query_str, nodes, gate))
+            return respond(*self._run(self._session(qb.query_str, nodes, decision)))
 
     @dispatcher.span
     async def asynthesize(
@@ -558,32 +535,80 @@ class TokRAGSynthesizer(_CallEvents, BaseSynthesizer):
         **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
         """Async :meth:`synthesize`: the gate and the model run in worker threads."""
-        dispatcher.event(SynthesizeStartEvent(query=query))
-        qb = QueryBundle(query_str=query) if isinstance(query, str) else query
-        source_nodes = list(nodes) + list(additional_source_nodes or [])
-        with self._callback_manager.event(
-            CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: qb.query_str}
-        ) as event:
-            decision = (
-                await asyncio.to_thread(self._gate.decide, qb.query_str)
-                if self._gate is not None
-                else None
-            )
+        with self._synthesis(query, [*nodes, *(additional_source_nodes or [])]) as (qb, respond):
+            decision = None
+            if self._gate is not None:
+                decision = await asyncio.to_thread(self._gate.decide, qb.query_str)
             if self.uses_templates and (decision is None or decision.retrieve):
-                answer, metadata = await self._arun_templates(
-                    qb.query_str, nodes, self._gate_dict(decision)
+                gate = self._gate_dict(decision)
+                return respond(*await self._arun_templates(qb.query_str, nodes, gate))
+            return respond(*await self._arun(self._session(qb.query_str, nodes, decision)))
+
+
+def _chunk_nodes(text_chunks: Sequence[str]) -> list[NodeWithScore]:
+    return [
+        NodeWithScore(node=TextNode(text=c, id_=f"chunk-{i}")) for i, c in enumerate(text_chunks)
+    ]
+
+
+class _LLMEvent:
+    """The LlamaIndex events of one model call of a :class:`TokRAGSynthesizer`: the
+    ``CBEventType.LLM`` callback event and the LLMCompletionStart/End instrumentation events
+    (started when made), with the exact token counts in ``raw["usage"]``."""
+
+    def __init__(self, synth: TokRAGSynthesizer, sess: Session, call: Call) -> None:
+        self.synth, self.sess, self.call = synth, sess, call
+        self.prompt = sess.prompt_text(call)
+        self.ended = False
+        llm = synth._llm
+        model_dict = llm.to_payload() if hasattr(llm, "to_payload") else llm.to_dict()
+        extra = {
+            "policy": synth._policy_name,
+            "response_mode": synth._mode,
+            "call": len(sess.calls),
+            "kind": call.kind,
+        }
+        dispatcher.event(
+            LLMCompletionStartEvent(
+                prompt=self.prompt, additional_kwargs=extra, model_dict=model_dict
+            )
+        )
+        self.event_id = synth._callback_manager.on_event_start(
+            CBEventType.LLM,
+            payload={
+                EventPayload.PROMPT: self.prompt,
+                EventPayload.ADDITIONAL_KWARGS: extra,
+                EventPayload.SERIALIZED: model_dict,
+            },
+        )
+
+    def end(self, result: GenerationResult) -> GenerationResult:
+        self.ended = True
+        self.sess.calls.append((self.call, result))
+        response = CompletionResponse(
+            text=result.text,
+            additional_kwargs=result_summary(result),
+            raw={"usage": usage(result, self.synth._roles)},
+        )
+        self.synth._callback_manager.on_event_end(
+            CBEventType.LLM,
+            payload={EventPayload.PROMPT: self.prompt, EventPayload.COMPLETION: response},
+            event_id=self.event_id,
+        )
+        dispatcher.event(LLMCompletionEndEvent(prompt=self.prompt, response=response))
+        return result
+
+    @contextmanager
+    def failing(self) -> Generator[None, None, None]:
+        """The error end of the event when the block raises before the call ended."""
+        try:
+            yield
+        except BaseException as e:
+            if not self.ended:
+                self.synth._callback_manager.on_event_end(
+                    CBEventType.LLM, payload={EventPayload.EXCEPTION: e}, event_id=self.event_id
                 )
-            else:
-                answer, metadata = await self._arun(self._session(qb.query_str, nodes, decision))
-            response = self._response(answer, metadata, source_nodes)
-            event.on_end(payload={EventPayload.RESPONSE: response})
-        dispatcher.event(SynthesizeEndEvent(query=qb, response=response))
-        return response
+            raise
 
 
-__all__ = [
-    "NATIVE_MODES",
-    "RESPONSE_MODES",
-    "TEMPLATE_KEYS",
-    "TokRAGSynthesizer",
-]
+__all__ = ["NATIVE_MODES", "RESPONSE_MODES", "TEMPLATE_KEYS", "TokRAGSynthesizer"]
