@@ -50,7 +50,11 @@ def test_token_level_popqa_on_the_real_model(lm, tmp_path):
 
 
 def test_tiny_end_to_end_cli_and_resume(tmp_path, capsys, eval_data, cli_shares_model):
-    from tokrag_integrations.cli.eval import main
+    from tokrag_integrations.cli import main as tokrag
+
+    def main(argv):  # `tokrag eval ARGV`
+        return tokrag(["eval", *argv])
+
 
     argv = ["noise", "--data", str(eval_data("rgb_en_fact_dev.jsonl")), "--limit", "2", "--policies", "llm,rag,tokrag", "--ratios", "0,1",
             "--k", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "res"), "--records", str(tmp_path / "runs"),

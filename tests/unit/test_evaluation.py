@@ -252,7 +252,11 @@ def test_spec_parsing_and_normalisation():
 
 def test_cli_validates_specs_before_loading_a_model(monkeypatch, tmp_path, capsys):
     import tokrag_integrations.models as models
-    from tokrag_integrations.cli.eval import main
+    from tokrag_integrations.cli import main as tokrag
+
+    def main(argv):  # `tokrag eval ARGV`
+        return tokrag(["eval", *argv])
+
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     base = ["noise", "--data", str(tmp_path / "none.jsonl"), "--records", str(tmp_path), "--no-progress"]
@@ -476,7 +480,11 @@ def _token_records(source: str, n_items: int, seed: int) -> list[dict]:
 
 
 def test_token_summary_counts_labels_per_source_and_pooled(tmp_path):
-    from tokrag_integrations.cli.eval import main
+    from tokrag_integrations.cli import main as tokrag
+
+    def main(argv):  # `tokrag eval ARGV`
+        return tokrag(["eval", *argv])
+
     from tokrag_integrations.evaluation import pool_token_records, summarize_token_level
 
     paths = []

@@ -318,13 +318,3 @@ def run_bench_command(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m tokrag_integrations.cli.eval noise --data ...``)."""
-    from . import main as tokrag
-
-    return tokrag(["eval", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
