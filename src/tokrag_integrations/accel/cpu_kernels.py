@@ -526,11 +526,10 @@ def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
     """A faster many-row product with a model's LM head, or None: the weight reordered once
     into oneDNN's blocked layout and multiplied by oneDNN's GEMM.
 
-    A disagreement step's logit lens multiplies ~10-16 rows by the head, where this can
-    beat MKL by about 2x. The copy costs the weight's size again, so it is made only where
-    it takes less than :data:`HEAD_GAIN` of the routed product's time at :data:`HEAD_ROWS`
-    rows (``Speed.packed_head`` ``auto``; ``on``: always, ``off``: never), and used for
-    calls of at least :data:`HEAD_MIN_ROWS` rows. The step-by-step and fast decoders share
+    The copy costs the weight's size again, so it is made only where it takes less than
+    :data:`HEAD_GAIN` of the routed product's time at :data:`HEAD_ROWS` rows
+    (``Speed.packed_head`` ``auto``; ``on``: always, ``off``: never), and used for calls of
+    at least :data:`HEAD_MIN_ROWS` rows. The step-by-step and fast decoders share
     it, so their decisions stay identical.
     """
     cached = getattr(head, _HEAD, None)

@@ -1,8 +1,7 @@
 """A KV cache that grows in place: no copy of the cache per generated token.
 
 transformers' ``DynamicLayer`` appends with ``torch.cat``, copying every layer's cache at
-every token (9 ms of a 34 ms CPU step with long RAG prompts; docs/results.md).
-:class:`GrowableLayer` keeps keys and values in a buffer with spare capacity and exposes
+every token. :class:`GrowableLayer` keeps keys and values in a buffer with spare capacity and exposes
 views of its first ``n`` positions: an update writes only the new positions.
 """
 

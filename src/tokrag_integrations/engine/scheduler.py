@@ -22,13 +22,11 @@ per model; other threads wait).
 from __future__ import annotations
 
 import asyncio
-import atexit
 import functools
 import queue
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +43,15 @@ from ..trace import Trace
 from .decoder import Decoder, StepEvent
 from .loop import SequenceDecoder, decoder_for
 from .speed import Speed, speed_of
-from .streams import _END, TokenStream, _acquire, _Cancelled, idle_timeout_from, run_cancellable
+from .streams import (
+    _END,
+    DECODE_THREADS,
+    TokenStream,
+    _acquire,
+    _Cancelled,
+    idle_timeout_from,
+    run_cancellable,
+)
 
 __all__ = [
     "MicroBatcher",
@@ -143,8 +149,6 @@ def _prepare(
         raise TypeError(
             "the first argument must be a LoadedModel from tokrag_integrations.load_model()"
         )
-    if isinstance(queries, str):
-        raise TypeError("queries must be a list of strings")
     if len(queries) != len(passages):
         raise ValueError(f"got {len(queries)} queries but {len(passages)} passage lists")
     queries = [_check_query(q, i if len(queries) > 1 else None) for i, q in enumerate(queries)]
@@ -374,8 +378,8 @@ class _Loop:
         for group, d in self.decoders.items():
             owners = self.owners[group]
             for q in d.active:
-                r = owners[q].r
-                if r.cancel.is_set():  # leaves the batch; the others go on
+                if owners[q].r.cancel.is_set():  # leaves the batch; the others go on
+                    r = owners.pop(q).r
                     d.cancel(q)
                     if not r.done.is_set():
                         r.fail(_Cancelled())
@@ -620,36 +624,39 @@ class MicroBatcher:
         thread = threading.Thread(
             target=self._drive, args=(key, loop), name="tokrag-decode", daemon=True
         )
-        _DECODE_THREADS.add(thread)
+        DECODE_THREADS.add(thread)
         thread.start()
 
     def _drive(self, key: str, loop: _Loop) -> None:
         """Run the decode of ``key``; should it fail, its plain calls are decoded again one
         at a time, its streams get the error. Whatever happens, nobody waits forever."""
+        failed: Exception | None = None
         try:
             loop.run()
         except Exception as exc:  # noqa: BLE001 - a failed decode: the calls left, one at a time
-            for r in loop.seen:
-                if r.done.is_set():
-                    continue
-                if r.events is not None or r.alone is None:  # a stream may have sent tokens
-                    error = RuntimeError(f"the shared decode this stream was part of failed: {exc}")
-                    error.__cause__ = exc
-                    r.fail(error)
-                    continue
-                try:
-                    r.results = [r.alone()]
-                except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-                    r.error = e
-                r.done.set()
+            failed = exc
         finally:
             with self._lock:
                 if self._running.get(key) is loop:
                     self._running.pop(key)
                 left, loop.queue = loop.queue, []
             for r in loop.seen + left:
-                if not r.done.is_set():
+                if r.done.is_set():
+                    continue
+                if failed is None:
                     r.fail(RuntimeError("the batch this call was part of was interrupted"))
+                elif r.events is not None or r.alone is None:  # a stream may have sent tokens
+                    error = RuntimeError(
+                        f"the shared decode this stream was part of failed: {failed}"
+                    )
+                    error.__cause__ = failed
+                    r.fail(error)
+                else:
+                    try:
+                        r.results = [r.alone()]
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                        r.error = e
+                    r.done.set()
 
 
 def _request(lm: LoadedModel, query: str, passages: Any, kwargs: Mapping[str, Any]) -> _Request:
@@ -671,19 +678,6 @@ def _request(lm: LoadedModel, query: str, passages: Any, kwargs: Mapping[str, An
 
 
 _BATCHERS_LOCK = threading.Lock()
-
-#: Decode threads that may still be running (see :func:`_join_decodes_at_exit`).
-_DECODE_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-
-
-@atexit.register
-def _join_decodes_at_exit() -> None:
-    """Wait for the decode threads before the interpreter shuts down. A call returns as soon
-    as its own answer is done, while its decode thread still finishes that step; a daemon
-    thread still inside a torch kernel at finalization aborts the process ("terminate called
-    without an active exception"), as :func:`.streams._stop_streams_at_exit` explains."""
-    for thread in list(_DECODE_THREADS):
-        thread.join(timeout=60)
 
 
 def batcher_for(lm: LoadedModel) -> MicroBatcher:
