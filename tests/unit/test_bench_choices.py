@@ -59,7 +59,7 @@ def test_a_bucket_slower_on_the_whole_model_goes_back_to_the_stock_path(monkeypa
     paths = speed_paths_of(model)
     assert "rows 2 1.30x -> stock" in paths and "rows 1 0.80x kept" in paths
     # A later process applies the stored verdicts without timing anything.
-    stored = json.loads(K._verify_file().read_text())
+    stored = json.loads(K._side_file("verify").read_text())
     assert list(stored.values()) == [{"rows 1": 0.8, "rows 2": 1.3, "rows 3-4": K.VERIFY_GAIN}]
     K.uninstall(model)
     monkeypatch.setattr(K, "_PLANS", {})

@@ -33,7 +33,9 @@ def test_few_row_strategies_equal_linear(rows, out_features, strategy):
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-5)
     # A column-major input (what an elementwise op on a transposed output gives) too.
     xt = torch.randn(576, rows).t()[None]
-    assert torch.allclose(few_row_linear(xt, w, None, strategy), F.linear(xt, w), atol=1e-4, rtol=1e-5)
+    assert torch.allclose(
+        few_row_linear(xt, w, None, strategy), F.linear(xt, w), atol=1e-4, rtol=1e-5
+    )
     assert torch.allclose(few_row_linear(xt, w, None, "wxt"), F.linear(xt, w), atol=1e-4, rtol=1e-5)
 
 
@@ -67,7 +69,13 @@ def test_plans_are_measured_per_shape_and_routed_by_row_count(monkeypatch):
     lin = torch.nn.Linear(64, 4096, bias=True)
     model = torch.nn.Sequential(lin)
     K._PLANS[(4096, 64, torch.float32, torch.get_num_threads())] = (
-        "dup", "wxt", "tiled", "pad", "pad", "wxt", "linear"
+        "dup",
+        "wxt",
+        "tiled",
+        "pad",
+        "pad",
+        "wxt",
+        "linear",
     )
     assert install(model, "auto") == 1 and installed(model)
     with torch.inference_mode():
@@ -115,7 +123,9 @@ def test_plans_persist_per_machine_on_disk(monkeypatch, tmp_path):
     monkeypatch.setattr(K, "_time", lambda fn, reps, **kw: timed.append(1) or real(fn, reps, **kw))
     assert len(K.plan_for(w)) == len(K.BUCKETS) and timed
     assert f"1024x32:float32:{torch.get_num_threads()}" in json.loads(path.read_text())
-    path.write_text(json.dumps({f"1024x32:float32:{torch.get_num_threads()}": ["warp"] * len(K.BUCKETS)}))
+    path.write_text(
+        json.dumps({f"1024x32:float32:{torch.get_num_threads()}": ["warp"] * len(K.BUCKETS)})
+    )
     monkeypatch.setattr(K, "_PLANS", {})
     timed.clear()
     assert set(K.plan_for(w)) <= set(K.STRATEGIES) and timed
@@ -197,7 +207,9 @@ def test_kept_rows_hold_what_indexing_gives_and_keep_growing(rows, start):
     layer = GrowableLayer()
     layer.update(k, v)
     layer.keep_rows(torch.tensor(rows), start)
-    assert torch.equal(layer.keys, k[rows, :, start:]) and torch.equal(layer.values, v[rows, :, start:])
+    assert torch.equal(layer.keys, k[rows, :, start:]) and torch.equal(
+        layer.values, v[rows, :, start:]
+    )
     assert layer.get_seq_length() == 9 - start
     new_k, new_v = torch.randn(len(rows), 3, 1, 4), torch.randn(len(rows), 3, 1, 4)
     got_k, got_v = layer.update(new_k, new_v)
@@ -260,13 +272,13 @@ def test_packed_head_only_where_allowed_and_measured(monkeypatch, tmp_path):
 
     monkeypatch.setattr(K, "_time", fake_time)
     assert K.packed_head(head) is not None and calls
-    stored = json.loads(K._head_file().read_text())
+    stored = json.loads(K._side_file("head").read_text())
     assert stored == {f"2048x64:{torch.get_num_threads()}": True}
     # Read back in a "new process" without timing; a slower measurement is remembered too.
     monkeypatch.setattr(K, "_HEAD_CHOICE", {})
     monkeypatch.setattr(K, "_time", lambda fn, reps, **kw: pytest.fail("stored choice re-measured"))
     assert K.packed_head(_head()) is not None
-    K._head_file().write_text(json.dumps({f"2048x64:{torch.get_num_threads()}": False}))
+    K._side_file("head").write_text(json.dumps({f"2048x64:{torch.get_num_threads()}": False}))
     monkeypatch.setattr(K, "_HEAD_CHOICE", {})
     slow = _head()
     # A stored "slower" makes no copy of the weight at all.

@@ -8,8 +8,7 @@ algorithm never imports this package).
 * :mod:`.sdpa`: the ``tokrag_sdpa`` attention (grouped, row-wise, packed two-context prefill);
 * :mod:`.kv_cache`: a KV cache layer that grows in place (every role batch uses it);
 * :mod:`.packed`: all contexts of a decode in one pass per step (packed or fused);
-  :func:`.packed.prefill` is what the runner hands to the step-by-step loop;
-* :mod:`.shared_lens`: one logit-lens product for the queries of a batch.
+  :func:`.packed.prefill` is the decoder's prefill.
 
 This file imports nothing, so that importing :mod:`.kv_cache` (as the engine's batch does)
 stays light.

@@ -120,7 +120,10 @@ def kernel(name: str, hi: int = MAX_ROWS) -> Kernel:
 
 
 def _few_rows(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Callable[[int], Kernel]
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    kernel: Callable[[int], Kernel],
 ) -> torch.Tensor:
     """``F.linear`` for any leading shape, by ``kernel(rows)`` when there are few rows."""
     k = x.shape[-1]
@@ -152,6 +155,18 @@ def _time(fn: Any, reps: int, warm: bool = True) -> float:
     return best
 
 
+def _alternating_ratio(timed: Callable[[bool], Callable[[], Any]], rounds: int) -> float:
+    """Median over ``rounds`` of the time of ``timed(True)()`` over that of ``timed(False)()``,
+    the two timed side by side in an order alternating from one round to the next."""
+    ratios = []
+    for r in range(rounds):
+        t = {}
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            t[on] = _time(timed(on), 1, warm=False)
+        ratios.append(t[True] / t[False])
+    return statistics.median(ratios)
+
+
 #: Measured plans per (out features, in features, dtype, threads): one per process.
 _PLANS: dict[tuple[Any, ...], tuple[str, ...]] = {}
 
@@ -165,7 +180,13 @@ def _machine_id() -> str:
             for line in fh:
                 if not line.strip():
                     break  # the first processor's block is enough
-                if line.split(":")[0].strip() in ("model name", "cache size", "flags", "cpu family", "model"):
+                if line.split(":")[0].strip() in (
+                    "model name",
+                    "cache size",
+                    "flags",
+                    "cpu family",
+                    "model",
+                ):
                     cpu += line.strip() + "\n"
     except OSError:  # pragma: no cover - not Linux
         import platform
@@ -309,7 +330,9 @@ def install(model: torch.nn.Module, mode: str = "on") -> int:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, torch.nn.Linear):
         setattr(head, _HEAD_OK, True)  # the logit lens may use packed_head()
-    mods = [m for m in model.modules() if type(m) is torch.nn.Linear and not getattr(m, _ATTR, False)]
+    mods = [
+        m for m in model.modules() if type(m) is torch.nn.Linear and not getattr(m, _ATTR, False)
+    ]
     groups: dict[tuple[Any, ...], list[torch.Tensor]] = {}
     for mod in mods:
         groups.setdefault((*mod.weight.shape, mod.weight.dtype), []).append(mod.weight)
@@ -367,9 +390,11 @@ VERIFY_ROUNDS = 5
 VERIFY_GAIN = 0.98
 
 
-def _verify_file() -> Path | None:
+def _side_file(kind: str) -> Path | None:
+    """The file of :func:`verify_install`'s verdicts (``verify``) or :func:`packed_head`'s
+    choices (``head``), next to the plans."""
     path = _plan_file()
-    return None if path is None else path.with_name(path.stem + ".verify.json")
+    return None if path is None else path.with_name(f"{path.stem}.{kind}.json")
 
 
 def _routed(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -395,7 +420,9 @@ def _model_step(model: torch.nn.Module, rows: int) -> Callable[[], Any]:
     return lambda: model(input_ids=ids, use_cache=False)
 
 
-def verify_install(model: torch.nn.Module, rounds: int = VERIFY_ROUNDS) -> dict[str, dict[str, Any]]:
+def verify_install(
+    model: torch.nn.Module, rounds: int = VERIFY_ROUNDS
+) -> dict[str, dict[str, Any]]:
     """Check the installed plans on the whole model, per bucket of row counts: a forward
     pass with the plans against one with the stock ``nn.Linear`` paths, in
     :data:`VERIFY_ROUNDS` interleaved rounds; where the median ratio is not below
@@ -407,7 +434,7 @@ def verify_install(model: torch.nn.Module, rounds: int = VERIFY_ROUNDS) -> dict[
         setattr(model, _VERDICT, {})
         return {}
     key = _verify_key(mods)
-    path = _verify_file()
+    path = _side_file("verify")
     stored = _read_json(path)
     known = stored.get(key) if isinstance(stored.get(key), dict) else None
     verdict: dict[str, dict[str, Any]] = {}
@@ -443,33 +470,28 @@ def verify_install(model: torch.nn.Module, rounds: int = VERIFY_ROUNDS) -> dict[
     return verdict
 
 
-def _verify_bucket(model: torch.nn.Module, mods: list[torch.nn.Module], rows: int, rounds: int) -> float:
+def _verify_bucket(
+    model: torch.nn.Module, mods: list[torch.nn.Module], rows: int, rounds: int
+) -> float:
     """Median over ``rounds`` of (model pass with the plans) / (the same with the stock
     ``nn.Linear`` forward), ``rows`` positions, the two timed side by side."""
     step = _model_step(model, rows)
 
-    def plans_on(on: bool) -> None:
+    def plans_on(on: bool) -> Callable[[], Any]:
         for mod in mods:
             if on:
                 mod.forward = types.MethodType(_forward, mod)
             elif "forward" in mod.__dict__:
                 del mod.forward
+        return step
 
-    ratios = []
     try:
         with torch.inference_mode():
             for on in (True, False):  # warm-up
-                plans_on(on)
-                step()
-            for r in range(rounds):
-                t = {}
-                for on in ((True, False) if r % 2 == 0 else (False, True)):
-                    plans_on(on)
-                    t[on] = _time(step, 1, warm=False)
-                ratios.append(t[True] / t[False])
+                plans_on(on)()
+            return _alternating_ratio(plans_on, rounds)
     finally:
         plans_on(True)
-    return statistics.median(ratios)
 
 
 #: Rows at which :func:`packed_head` compares the two products (a logit lens of one
@@ -483,15 +505,10 @@ HEAD_GAIN = 0.75
 HEAD_ROUNDS = 5
 
 
-def _head_file() -> Path | None:
-    path = _plan_file()
-    return None if path is None else path.with_name(path.stem + ".head.json")
-
-
 def _known_head_choice(key: str) -> bool | None:
     """The choice measured for ``key`` in this process or kept on disk, or None."""
     if key not in _HEAD_CHOICE:
-        stored = _read_json(_head_file()).get(key)
+        stored = _read_json(_side_file("head")).get(key)
         if not isinstance(stored, bool):
             return None
         _HEAD_CHOICE[key] = stored
@@ -500,20 +517,19 @@ def _known_head_choice(key: str) -> bool | None:
 
 def _remember_head_choice(key: str, choice: bool) -> None:
     _HEAD_CHOICE[key] = choice
-    path = _head_file()
+    path = _side_file("head")
     if path is not None:
-        _write_json(path, {**_read_json(_head_file()), key: choice})
+        _write_json(path, {**_read_json(path), key: choice})
 
 
 def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A faster many-row product with a model's LM head, or None: the weight reordered once
     into oneDNN's blocked layout and multiplied by oneDNN's GEMM.
 
-    A disagreement step's logit lens multiplies ~10-16 rows by the head, where this can
-    beat MKL by about 2x. The copy costs the weight's size again, so it is made only where
-    it takes less than :data:`HEAD_GAIN` of the routed product's time at :data:`HEAD_ROWS`
-    rows (``Speed.packed_head`` ``auto``; ``on``: always, ``off``: never), and used for
-    calls of at least :data:`HEAD_MIN_ROWS` rows. The step-by-step and fast decoders share
+    The copy costs the weight's size again, so it is made only where it takes less than
+    :data:`HEAD_GAIN` of the routed product's time at :data:`HEAD_ROWS` rows
+    (``Speed.packed_head`` ``auto``; ``on``: always, ``off``: never), and used for calls of
+    at least :data:`HEAD_MIN_ROWS` rows. The step-by-step and fast decoders share
     it, so their decisions stay identical.
     """
     cached = getattr(head, _HEAD, None)
@@ -541,7 +557,12 @@ def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
     bias = None if head.bias is None else head.bias.detach()
 
     def product(x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] < HEAD_MIN_ROWS or x.dtype != torch.float32 or x.requires_grad:
+        if (
+            x.dim() != 2
+            or x.shape[0] < HEAD_MIN_ROWS
+            or x.dtype != torch.float32
+            or x.requires_grad
+        ):
             return head(x)
         out = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
         return out + bias if bias is not None else out
@@ -550,14 +571,10 @@ def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
         x = torch.randn(HEAD_ROWS, w.shape[1])
         with torch.inference_mode():
             head(x), product(x)  # warm-up
-            ratios = []
-            for r in range(HEAD_ROUNDS):  # interleaved, the order alternating
-                t = {}
-                for which in ((0, 1) if r % 2 == 0 else (1, 0)):
-                    fn = product if which else head
-                    t[which] = _time(lambda fn=fn: fn(x), 1, warm=False)
-                ratios.append(t[1] / t[0])
-        faster = statistics.median(ratios) < HEAD_GAIN
+            ratio = _alternating_ratio(
+                lambda on: functools.partial(product if on else head, x), HEAD_ROUNDS
+            )
+        faster = ratio < HEAD_GAIN
         _remember_head_choice(key, faster)
         if not faster:
             del packed

@@ -23,7 +23,18 @@ from .sdpa import ATTN_IMPLEMENTATION, install_attention
 #: matrix of ``tests/integration/test_architectures.py`` (tiny random models, float32 and bfloat16) and
 #: the packaged models (SmolLM2 is ``llama``, Gemma-3-270M ``gemma3_text``).
 COVERED_ARCHITECTURES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3", "olmo2", "granite"}
+    {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "phi3",
+        "olmo2",
+        "granite",
+    }
 )
 #: Why :func:`maybe_install` left the CPU paths off on a model (read by :func:`speed_paths`).
 _SPEED_OFF = "_tokrag_speed_off"
@@ -72,7 +83,8 @@ def _kernel_detail(model: Any) -> str:
     if not verdict:
         return ""
     parts = [
-        f"{label} {v['ratio']:.2f}x {'kept' if v['kept'] else '-> stock'}" for label, v in verdict.items()
+        f"{label} {v['ratio']:.2f}x {'kept' if v['kept'] else '-> stock'}"
+        for label, v in verdict.items()
     ]
     return " (model pass with plans / stock: " + "; ".join(parts) + ")"
 
@@ -106,7 +118,9 @@ def speed_paths(model: Any) -> dict[str, str]:
         "cpu_kernels": ("on" + detail)
         if kernels
         else f"off: {off or 'no few-row plan installed' + detail}",
-        "packed_prefill": "on" if attention else f"off: {off or 'attention is not ' + ATTN_IMPLEMENTATION}",
+        "packed_prefill": "on"
+        if attention
+        else f"off: {off or 'attention is not ' + ATTN_IMPLEMENTATION}",
         "packed_head": head_state,
         "fused_contexts": "on" if fusion is None else f"off: {fusion}",
     }

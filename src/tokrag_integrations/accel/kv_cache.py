@@ -1,8 +1,7 @@
 """A KV cache that grows in place: no copy of the cache per generated token.
 
 transformers' ``DynamicLayer`` appends with ``torch.cat``, copying every layer's cache at
-every token (9 ms of a 34 ms CPU step with long RAG prompts; docs/results.md).
-:class:`GrowableLayer` keeps keys and values in a buffer with spare capacity and exposes
+every token. :class:`GrowableLayer` keeps keys and values in a buffer with spare capacity and exposes
 views of its first ``n`` positions: an update writes only the new positions.
 """
 
@@ -45,16 +44,23 @@ class GrowableLayer(DynamicLayer):
         self._vbuf: torch.Tensor | None = None
         self._n = 0
 
-    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
+    def _hold(self, kbuf: torch.Tensor, vbuf: torch.Tensor, n: int) -> None:
+        """Keep ``kbuf`` / ``vbuf`` as the buffers; their first ``n`` positions are the cache."""
+        self._kbuf, self._vbuf, self._n = kbuf, vbuf, n
+        self.keys = kbuf[..., :n, :]
+        self.values = vbuf[..., :n, :]
+
+    @staticmethod
+    def _alloc(
+        k: torch.Tensor, v: torch.Tensor, rows: int, need: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty key and value buffers of ``rows`` rows (the other dimensions of ``k`` /
+        ``v``) with room for ``need`` positions and their spare."""
         cap = _capacity(need)
-        kshape = (*key_states.shape[:-2], cap, key_states.shape[-1])
-        vshape = (*value_states.shape[:-2], cap, value_states.shape[-1])
-        kbuf = key_states.new_empty(kshape)
-        vbuf = value_states.new_empty(vshape)
-        if self._n:
-            kbuf[..., : self._n, :] = self.keys
-            vbuf[..., : self._n, :] = self.values
-        self._kbuf, self._vbuf = kbuf, vbuf
+        return (
+            k.new_empty((rows, *k.shape[1:-2], cap, k.shape[-1])),
+            v.new_empty((rows, *v.shape[1:-2], cap, v.shape[-1])),
+        )
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -67,7 +73,11 @@ class GrowableLayer(DynamicLayer):
             or n + k > self._kbuf.shape[-2]
             or self._kbuf.shape[:-2] != key_states.shape[:-2]
         ):
-            self._grow(key_states, value_states, n + k)
+            kbuf, vbuf = self._alloc(key_states, value_states, key_states.shape[0], n + k)
+            if n:
+                kbuf[..., :n, :] = self.keys
+                vbuf[..., :n, :] = self.values
+            self._kbuf, self._vbuf = kbuf, vbuf
         assert self._kbuf is not None and self._vbuf is not None
         self._kbuf[..., n : n + k, :] = key_states
         self._vbuf[..., n : n + k, :] = value_states
@@ -86,31 +96,14 @@ class GrowableLayer(DynamicLayer):
             return
         self._n = max(0, self._n - abs(tokens_to_remove))
         if self._kbuf is not None:
-            self.keys = self._kbuf[..., : self._n, :]
-            self.values = self._vbuf[..., : self._n, :]  # type: ignore[index]
-
-    def _reindex(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self._kbuf = self._vbuf = None
-        self._n = 0
-        if keys.numel():
-            self._grow(keys, values, keys.shape[-2])
-            assert self._kbuf is not None and self._vbuf is not None
-            self._n = keys.shape[-2]
-            self._kbuf[..., : self._n, :] = keys
-            self._vbuf[..., : self._n, :] = values
-            self.keys = self._kbuf[..., : self._n, :]
-            self.values = self._vbuf[..., : self._n, :]
+            self._hold(self._kbuf, self._vbuf, self._n)  # type: ignore[arg-type]
 
     def set_left_padded(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Hold the rows of several caches, each left-padded with zeros to the longest, in
-        one buffer (one copy of each; the layer must be fresh)."""
+        one buffer (one copy of each; whatever the layer held is replaced)."""
         self.lazy_initialization(keys[0], values[0])
         n = max(k.shape[-2] for k in keys)
-        rows = sum(k.shape[0] for k in keys)
-        cap = _capacity(n)
-        k0, v0 = keys[0], values[0]
-        kbuf = k0.new_empty((rows, *k0.shape[1:-2], cap, k0.shape[-1]))
-        vbuf = v0.new_empty((rows, *v0.shape[1:-2], cap, v0.shape[-1]))
+        kbuf, vbuf = self._alloc(keys[0], values[0], sum(k.shape[0] for k in keys), n)
         r = 0
         for k, v in zip(keys, values, strict=True):
             b, extra = k.shape[0], n - k.shape[-2]
@@ -120,9 +113,7 @@ class GrowableLayer(DynamicLayer):
             kbuf[r : r + b, ..., extra:n, :] = k
             vbuf[r : r + b, ..., extra:n, :] = v
             r += b
-        self._kbuf, self._vbuf, self._n = kbuf, vbuf, n
-        self.keys = kbuf[..., :n, :]
-        self.values = vbuf[..., :n, :]
+        self._hold(kbuf, vbuf, n)
 
     def keep_rows(self, rows: torch.Tensor, start: int = 0) -> None:
         """Keep only batch rows ``rows`` (in that order), from position ``start`` on (the
@@ -132,29 +123,25 @@ class GrowableLayer(DynamicLayer):
             return
         keys, values = self.keys, self.values
         n = self._n - start
-        cap = _capacity(n)
-        kbuf = keys.new_empty((len(rows), *keys.shape[1:-2], cap, keys.shape[-1]))
-        vbuf = values.new_empty((len(rows), *values.shape[1:-2], cap, values.shape[-1]))
+        kbuf, vbuf = self._alloc(keys, values, len(rows), n)
         i = 0
         for _, a, e in row_runs([(None, int(r)) for r in rows]):
             j = i + e - a
             kbuf[i:j, ..., :n, :] = keys[a:e, ..., start:, :]
             vbuf[i:j, ..., :n, :] = values[a:e, ..., start:, :]
             i = j
-        self._kbuf, self._vbuf, self._n = kbuf, vbuf, n
-        self.keys = kbuf[..., :n, :]
-        self.values = vbuf[..., :n, :]
+        self._hold(kbuf, vbuf, n)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.get_seq_length() > 0:
-            self._reindex(
-                self.keys.repeat_interleave(repeats, dim=0),
-                self.values.repeat_interleave(repeats, dim=0),
+            self.set_left_padded(
+                [self.keys.repeat_interleave(repeats, dim=0)],
+                [self.values.repeat_interleave(repeats, dim=0)],
             )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.get_seq_length() > 0:
-            self._reindex(self.keys[indices, ...], self.values[indices, ...])
+            self.set_left_padded([self.keys[indices, ...]], [self.values[indices, ...]])
 
     def reset(self) -> None:
         self._kbuf = self._vbuf = None

@@ -1,9 +1,9 @@
 """Fused and packed contexts: all contexts of a decode in one forward pass per step.
 
-:func:`prefill` is the speed path the runner hands to :func:`..engine.loop.decode_loop`:
-one query's two contexts packed into one sequence (:func:`prefill_packed`), or every
-role's batch merged into one left-padded batch (:func:`fuse_batches`), or the plain
-per-role prefill where neither applies. Each computes what the per-role batches compute,
+:func:`prefill` is the prefill of :class:`..engine.decoder.Decoder`: one query's two
+contexts packed into one sequence (:func:`prefill_packed`), or every role's batch merged
+into one left-padded batch (:func:`fuse_batches`), or the plain per-role prefill where
+neither applies. Each computes what the per-role batches compute,
 up to the rounding of a different kernel.
 """
 
@@ -258,7 +258,7 @@ def prefill(
     speed: Speed | None = None,
     pack: bool = True,
 ) -> Prefilled:
-    """The prefill of :func:`..engine.loop.decode_loop` with the speed paths: one packed
+    """The decoder's prefill with the speed paths: one packed
     sequence for one query's two contexts (unless ``pack`` is False: a query joining a
     running decode is prefilled as rows that :func:`join_batches` can merge), else all
     roles fused into one batch (a 2-row pass costs about what a 1-row pass does on a CPU),
@@ -271,7 +271,11 @@ def prefill(
     if packed is not None:
         rows = {role: {0: (packed, r)} for r, role in enumerate(roles)}
         return Prefilled({packed.role: packed}, rows, fused=True, packed=True)
-    split = split_prefill(roles, per_query, lm, probe_roles, fuse, speed.packed_prefill) if speed.split_prefill else None
+    split = (
+        split_prefill(roles, per_query, lm, probe_roles, fuse, speed.packed_prefill)
+        if speed.split_prefill
+        else None
+    )
     if split is not None:
         return split
     batches = prefill_roles(roles, per_query, lm, probe_roles)
@@ -280,7 +284,9 @@ def prefill(
     if fused is None:
         return Prefilled(batches, row_map(batches), reused_s=reused)
     counts = [(role, len(b.query_idx)) for role, b in batches.items()]
-    return Prefilled({fused.role: fused}, _fused_row_map(fused, counts), fused=True, reused_s=reused)
+    return Prefilled(
+        {fused.role: fused}, _fused_row_map(fused, counts), fused=True, reused_s=reused
+    )
 
 
 def _fused_row_map(
@@ -291,7 +297,9 @@ def _fused_row_map(
     out: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
     start = 0
     for role, n in counts:
-        out[role] = {q: (fused, start + i) for i, q in enumerate(fused.query_idx[start : start + n])}
+        out[role] = {
+            q: (fused, start + i) for i, q in enumerate(fused.query_idx[start : start + n])
+        }
         start += n
     return out
 
@@ -372,7 +380,9 @@ def split_prefill(
         fused = fuse_rows([e for role in used for e in entries[role]])
         if fused is not None:
             counts = [(role, len(entries[role])) for role in used]
-            return Prefilled({fused.role: fused}, _fused_row_map(fused, counts), fused=True, reused_s=reused)
+            return Prefilled(
+                {fused.role: fused}, _fused_row_map(fused, counts), fused=True, reused_s=reused
+            )
     merged: dict[str, RoleBatch] = {}
     for role in used:
         one_role = fuse_rows(entries[role])
@@ -391,7 +401,9 @@ def join_batches(running: RoleBatch, new: RoleBatch) -> RoleBatch | None:
     (:meth:`_PackedBatch.unpacked`). Every row computes what it computed before, up to the
     rounding of a different batch shape. None where they cannot share one: caches that
     cannot drop rows, or batches probed differently."""
-    if isinstance(running, _PackedBatch) and all(isinstance(x, GrowableLayer) for x in running.cache.layers):
+    if isinstance(running, _PackedBatch) and all(
+        isinstance(x, GrowableLayer) for x in running.cache.layers
+    ):
         running = running.unpacked()
     if running.probe != new.probe or not (running.can_keep_rows() and new.can_keep_rows()):
         return None

@@ -107,7 +107,12 @@ def _packed_attention(
     scale = scaling if scaling is not None else hd**-0.5
     n = query.shape[2]
     first = F.scaled_dot_product_attention(
-        query[:, :, :r], key[:, :, :r], value[:, :, :r], is_causal=True, scale=scale, enable_gqa=True
+        query[:, :, :r],
+        key[:, :, :r],
+        value[:, :, :r],
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
     )
     tail = n - r
     k2 = torch.cat([key[:, :, :head], key[:, :, r:]], dim=2)
@@ -122,7 +127,11 @@ def _packed_attention(
 
 
 def _plain_attention(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict[str, Any]
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    dropout: float,
+    kwargs: dict[str, Any],
 ) -> bool:
     """Whether this call is attention our CPU paths compute as written: on CPU, no dropout,
     whole query groups per key/value head, no soft-capping, position bias or sinks."""

@@ -1,7 +1,7 @@
 """The role batch: all contexts of one role across a batch of queries, with their KV cache.
 
-Padding, position ids, probed model calls, prefill from another role's prompt head, fork
-(an independent copy) and rollback. The loops in :mod:`.loop` and the speed paths in
+Padding, position ids, probed model calls, prefill from another role's prompt head and fork
+(an independent copy). The loops in :mod:`.loop` and the speed paths in
 :mod:`..accel` drive it.
 """
 
@@ -75,8 +75,9 @@ class RoleBatch:
             pos = (self.mask.cumsum(-1) - 1).clamp(min=0)
         else:
             inp = new_ids.view(-1, 1).to(self.ids.device)
-            pos = self._append(inp.shape[1])
-        self._call(inp, pos, 1, probe=self.probe)
+            pos = self.mask.sum(-1, keepdim=True)
+            self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        self._call(inp, pos)
 
     def shared_prefix(self, src: RoleBatch) -> int:
         """Length of the prompt head every row shares with its query's row in ``src`` (0
@@ -118,33 +119,13 @@ class RoleBatch:
         self.cache = cache
         n = self.ids.shape[1]
         pos = torch.arange(h, n, device=self.ids.device).expand(self.ids.shape[0], -1)
-        self._call(self.ids[:, h:], pos, 1, probe=self.probe)
+        self._call(self.ids[:, h:], pos)
 
-    def extend(self, new_ids: torch.Tensor) -> torch.Tensor:
-        """Advance every row by ``k`` tokens ([B, k] long) in one forward pass, without
-        probes; returns the logits of all ``k`` positions, [B, k, V] float. With ``k = 1``
-        this is the same call as :meth:`forward` (the same numbers)."""
-        new_ids = new_ids.to(self.ids.device)
-        k = new_ids.shape[1]
-        return self._call(new_ids, self._append(k), k, probe=False)
-
-    def _append(self, k: int) -> torch.Tensor:
-        """Extend every row's mask by ``k`` valid positions; their position ids, [B, k]."""
-        base = self.mask.sum(-1, keepdim=True)
-        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1]).expand(-1, k)], dim=1)
-        return (base + torch.arange(k, device=base.device)).clamp(min=0)
-
-    def _call(
-        self, inp: torch.Tensor, pos: torch.Tensor, keep: int, *, probe: bool
-    ) -> torch.Tensor:
-        """One forward pass over ``inp`` with the cache; keeps the last ``keep`` positions'
-        logits ([B, keep, V] float, returned; the last one also in ``self.logits``)."""
-        logits = self._model_pass(
-            dict(input_ids=inp, attention_mask=self.mask, position_ids=pos, logits_to_keep=keep),
-            probe=probe,
-        )
-        self.logits = logits[:, -1, :]
-        return logits
+    def _call(self, inp: torch.Tensor, pos: torch.Tensor) -> None:
+        """One forward pass over ``inp`` with the cache; the last position's logits go to
+        ``self.logits``."""
+        kwargs = dict(input_ids=inp, attention_mask=self.mask, position_ids=pos, logits_to_keep=1)
+        self.logits = self._model_pass(kwargs, probe=self.probe)[:, -1, :]
 
     def _model_pass(
         self, kwargs: dict[str, Any], *, probe: bool, positions: list[int] | None = None
@@ -192,18 +173,3 @@ class RoleBatch:
         self.logits = self.logits.index_select(0, idx)
         if self.records is not None:
             self.records = self.records.select(idx)
-
-    def rollback(self, stale: Sequence[int]) -> None:
-        """Forget the last ``stale[r]`` positions of each row: the positions all rows share
-        are cropped from the KV cache; the rest are masked out (they stay in the cache as
-        holes that no later position attends to and that take no position id)."""
-        m = min(stale, default=0)
-        if m:
-            self.cache.crop(-m)
-            self.mask = self.mask[:, :-m]
-        if any(s > m for s in stale):
-            mask = self.mask.clone()
-            for r, s in enumerate(stale):
-                if s > m:
-                    mask[r, mask.shape[1] - (s - m) :] = 0
-            self.mask = mask

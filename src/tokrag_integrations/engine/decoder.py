@@ -36,7 +36,9 @@ from .stats import distribution_stats_rows
 from .view import ContextView, make_lens
 
 #: ``prefill(roles, per_query, lm, probe_roles)``: the prefilled batches of an admission.
-PrefillFn = Callable[[Sequence[str], Sequence[dict[str, ContextSpec]], LoadedModel, frozenset[str]], Prefilled]
+PrefillFn = Callable[
+    [Sequence[str], Sequence[dict[str, ContextSpec]], LoadedModel, frozenset[str]], Prefilled
+]
 
 #: A batch drops the rows of finished queries once they are at least this share of its rows
 #: (each drop copies the kept rows' KV cache once, so not for every single finished row).
@@ -45,7 +47,7 @@ DROP_SHARE = 0.25
 
 @dataclass
 class StepEvent:
-    """A token chosen for query ``query_idx`` (yielded by :func:`decode_loop`)."""
+    """A token chosen for query ``query_idx`` (returned by :meth:`Decoder.choose`)."""
 
     query_idx: int
     step: TraceStep
@@ -129,26 +131,14 @@ def views_for(rows: dict[str, dict[int, tuple[RoleBatch, int]]], q: int) -> dict
     return views
 
 
-def _moved_into(
-    merged: RoleBatch, shift: dict[int, int]
-) -> Callable[[RoleBatch, int], tuple[RoleBatch, int] | None]:
-    """Where a row of a batch merged into ``merged`` went (``shift``: id(batch) -> its first
-    row there); None for the rows of other batches."""
-
-    def where(b: RoleBatch, r: int) -> tuple[RoleBatch, int] | None:
-        return (merged, shift[id(b)] + r) if id(b) in shift else None
-
-    return where
-
-
 class Decoder:
     """Greedy multi-context decoding of a changing set of queries under one policy, with
     the speed paths of ``speed`` (a :class:`.speed.Speed`, a preset name or a dict).
 
-    Query ids are given in admission order (0, 1, ...). ``timings`` collects ``prefill_s``
-    (all admissions), ``fused`` / ``packed`` (of the last admission) and
-    ``prefill_reused_s``; the caller times the steps. ``prefill`` replaces the speed paths'
-    prefill (teacher forcing prefills each role on its own).
+    Query ids are given in admission order (0, 1, ...). ``timings``: the last admission's
+    ``prefill_s``, ``fused`` / ``packed`` and ``prefill_reused_s`` (where some prefill came
+    from the shared-prefill store); the caller times the steps. ``prefill`` replaces the
+    speed paths' prefill (teacher forcing prefills each role on its own).
     """
 
     def __init__(
@@ -158,7 +148,6 @@ class Decoder:
         *,
         max_new_tokens: int = 64,
         stop: Sequence[str] = (),
-        timings: dict[str, float] | None = None,
         speed: Speed | str | Mapping[str, Any] | None = None,
         prefill: PrefillFn | None = None,
     ) -> None:
@@ -166,11 +155,13 @@ class Decoder:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.lm, self.policy = lm, policy
         self.max_new_tokens, self.stop = max_new_tokens, stop
-        self.timings = timings if timings is not None else {}
+        self.timings: dict[str, float] = {}
         self.speed = speed_of(speed)
         self._prefill = prefill or functools.partial(speed_prefill, speed=self.speed)
         #: A query admitted while others decode is prefilled as rows ``join`` can merge.
-        self._join_prefill = prefill or functools.partial(speed_prefill, speed=self.speed, pack=False)
+        self._join_prefill = prefill or functools.partial(
+            speed_prefill, speed=self.speed, pack=False
+        )
         self._join = join_batches if self.speed.fuse and prefill is None else None
         self._lens = make_lens(lm, share=self.speed.share_lens)
         self.batches: list[RoleBatch] = []
@@ -205,11 +196,13 @@ class Decoder:
         t0 = time.perf_counter()
         with torch.inference_mode():
             ready = prefill(roles, per_query, self.lm, probe)
-        t = self.timings
-        t["prefill_s"] = t.get("prefill_s", 0.0) + time.perf_counter() - t0
-        t["fused"], t["packed"] = float(ready.fused), float(ready.packed)
+        self.timings = {
+            "prefill_s": time.perf_counter() - t0,
+            "fused": float(ready.fused),
+            "packed": float(ready.packed),
+        }
         if ready.reused_s:
-            t["prefill_reused_s"] = t.get("prefill_reused_s", 0.0) + ready.reused_s
+            self.timings["prefill_reused_s"] = ready.reused_s
         base = len(self.done)
         ids = [base + q for q in range(len(plans))]
         for b in ready.batches.values():
@@ -217,7 +210,9 @@ class Decoder:
         self.generated += [[] for _ in plans]
         self.steps += [0] * len(plans)
         self.done += [False] * len(plans)
-        new_rows = {role: {base + q: br for q, br in where.items()} for role, where in ready.rows.items()}
+        new_rows = {
+            role: {base + q: br for q, br in where.items()} for role, where in ready.rows.items()
+        }
         for role, where in new_rows.items():
             self.rows.setdefault(role, {}).update(where)
         for b in ready.batches.values():
@@ -233,22 +228,27 @@ class Decoder:
                 if merged is None:
                     continue
                 self.batches[i] = merged
-                self._rebind(_moved_into(merged, {id(old): 0, id(new): len(old.query_idx)}))
+                n = len(old.query_idx)
+                self._rebind(
+                    {
+                        id(old): (merged, {r: r for r in range(n)}),
+                        id(new): (merged, {r: n + r for r in range(len(new.query_idx))}),
+                    }
+                )
                 return
         self.batches.append(new)
 
-    def _rebind(self, where: Callable[[RoleBatch, int], tuple[RoleBatch, int] | None]) -> None:
-        """Point every context at its new (batch, row) (``where`` gives None: unchanged,
-        ``(None, -1)``: gone)."""
+    def _rebind(self, moved: dict[int, tuple[RoleBatch, dict[int, int]]]) -> None:
+        """Point every context of a batch in ``moved`` (id -> its new batch, and old row ->
+        new row; a row not there is gone) at its new place."""
         rows: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
         for role, m in self.rows.items():
             rows[role] = {}
             for q, (b, r) in m.items():
-                moved = where(b, r)
-                if moved is None:
+                if id(b) not in moved:
                     rows[role][q] = (b, r)
-                elif moved[1] >= 0:
-                    rows[role][q] = moved  # type: ignore[assignment]
+                elif r in moved[id(b)][1]:
+                    rows[role][q] = (moved[id(b)][0], moved[id(b)][1][r])
         self.rows = rows
 
     def cancel(self, q: int) -> None:
@@ -270,7 +270,14 @@ class Decoder:
         events = []
         for q, views, choice in zip(active, all_views, choices, strict=True):
             ev = step_event(
-                self.lm, q, self.steps[q], choice, views, self.generated[q], self.stop, self.max_new_tokens
+                self.lm,
+                q,
+                self.steps[q],
+                choice,
+                views,
+                self.generated[q],
+                self.stop,
+                self.max_new_tokens,
             )
             self.steps[q] += 1
             self.done[q] = ev.finished
@@ -315,11 +322,4 @@ class Decoder:
                 moved[id(b)] = (b, {old: new for new, old in enumerate(kept)})
         self.batches = keep
         if moved:
-
-            def where(b: RoleBatch, r: int) -> tuple[RoleBatch, int] | None:
-                if id(b) not in moved:
-                    return None
-                nb, m = moved[id(b)]
-                return (nb, m[r]) if r in m else (nb, -1)
-
-            self._rebind(where)
+            self._rebind(moved)

@@ -1,16 +1,16 @@
 """The loops on the :class:`.decoder.Decoder`: a decode from start to end
-(:func:`decode_loop`), teacher forcing (:func:`teacher_force`), and the loop of a
-sequence-level rule (RAG-Sequence, :class:`..policies.base.SequencePolicy`): each query's
-candidates greedy-decoded (``rule.candidate_plans`` under ``rule.candidate_policy``; a query
-without passages once under ``rule.fallback_policy``), every distinct candidate scored under
-every context of ``rule.contexts`` by teacher forcing (with its EOS where it ended with one),
-``rule.log_p`` picks one, which is replayed token by token (step 0 of the trace carries every
-candidate and its log-scores, ``signals[rule.name]``).
+(:func:`decode_loop`), teacher forcing (:func:`teacher_force`), and a sequence-level rule
+(RAG-Sequence, :class:`..policies.base.SequencePolicy`) as a :class:`SequenceDecoder` the
+scheduler steps like any other: each query's candidates greedy-decoded
+(``rule.candidate_plans`` under ``rule.candidate_policy``; a query without passages once under
+``rule.fallback_policy``), every distinct candidate scored under every context of
+``rule.contexts`` by teacher forcing (with its EOS where it ended with one), ``rule.log_p``
+picks one, which is replayed token by token (step 0 of the trace carries every candidate and
+its log-scores, ``signals[rule.name]``).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -22,10 +22,10 @@ from ..prompts import PromptPlan
 from ..trace import TraceStep
 from .decoder import Decoder, StepEvent, views_for
 from .prefill import plain_prefill
-from .speed import Speed, speed_of
+from .speed import Speed
 from .view import ContextView
 
-__all__ = ["decode_loop", "teacher_force"]
+__all__ = ["SequenceDecoder", "decode_loop", "decoder_for", "teacher_force"]
 
 
 def decode_loop(
@@ -35,32 +35,19 @@ def decode_loop(
     *,
     max_new_tokens: int = 64,
     stop: Sequence[str] = (),
-    timings: dict[str, float] | None = None,
     speed: Speed | str | Mapping[str, Any] | None = None,
 ) -> Iterator[StepEvent]:
-    """Greedy multi-context decoding of a batch of queries under one policy, step by step.
+    """Greedy multi-context decoding of a batch of queries under one step-level policy.
 
     Yields one :class:`.decoder.StepEvent` per chosen token as soon as it is chosen (the
     final event of a query has ``finished=True`` and its ``stop_reason``: ``eos``, ``stop``
-    or ``length``). EOS tokens end a query and are not yielded as text. ``speed``: the
-    :class:`.speed.Speed` of the decode. A sequence-level rule is decoded as the module
-    docstring says.
+    or ``length``).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    timings = timings if timings is not None else {}
-    if isinstance(policy, SequencePolicy):
-        yield from _decode_sequence(
-            lm, plans, policy, max_new_tokens=max_new_tokens, stop=stop, timings=timings, speed=speed_of(speed)
-        )
-        return
-    d = Decoder(lm, policy, max_new_tokens=max_new_tokens, stop=stop, timings=timings, speed=speed)
+    d = Decoder(lm, policy, max_new_tokens=max_new_tokens, stop=stop, speed=speed)
     d.admit(plans)
-    t1 = time.perf_counter()
     while d.active:
         yield from d.choose()
         d.advance()
-    timings["decode_s"] = timings.get("decode_s", 0.0) + time.perf_counter() - t1
 
 
 def teacher_force(
@@ -95,66 +82,150 @@ def teacher_force(
             d.advance({q: int(t[i]) for q, t in enumerate(targets) if i < len(t)})
 
 
-def _candidates(
+def decoder_for(
     lm: LoadedModel,
-    plans: Sequence[PromptPlan],
-    rule: SequencePolicy,
+    policy: Policy,
     *,
     max_new_tokens: int,
     stop: Sequence[str],
-    timings: dict[str, float],
     speed: Speed,
-) -> list[list[dict[str, Any]]]:
-    """Step 1: every query's distinct greedy answers ({"ids", "from_passage", "stop_reason"})."""
-    eos = set(lm.eos_token_ids)
-    sub_plans: list[PromptPlan] = []
-    owner: list[tuple[int, int]] = []
-    for q, p in enumerate(plans):
-        for j, sub in enumerate(rule.candidate_plans(p)):
-            sub_plans.append(sub)
-            owner.append((q, j))
-    gen: dict[int, list[int]] = {i: [] for i in range(len(sub_plans))}
-    reason: dict[int, str] = {}
-    if sub_plans:
+) -> Decoder | SequenceDecoder:
+    """The decoder of ``policy``'s queries: a :class:`SequenceDecoder` for a sequence-level
+    rule, else a :class:`.decoder.Decoder`."""
+    cls = SequenceDecoder if isinstance(policy, SequencePolicy) else Decoder
+    return cls(lm, policy, max_new_tokens=max_new_tokens, stop=stop, speed=speed)
+
+
+class SequenceDecoder:
+    """The queries of a sequence-level ``rule`` with a :class:`.decoder.Decoder`'s interface.
+
+    The queries admitted since the last step are decoded together (the module docstring) at
+    the next :meth:`choose`; each step then gives every active query the next token of its
+    chosen candidate. Until then they count the context rows that decode will hold.
+    """
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        rule: SequencePolicy,
+        *,
+        max_new_tokens: int,
+        stop: Sequence[str],
+        speed: Speed,
+    ) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.lm, self.rule = lm, rule
+        self.max_new_tokens, self.stop, self.speed = max_new_tokens, stop, speed
+        self.timings: dict[str, float] = {}
+        self.done: list[bool] = []
+        self._pending: dict[int, tuple[PromptPlan, list[int]]] = {}
+        self._events: dict[int, list[StepEvent]] = {}
+
+    @property
+    def active(self) -> list[int]:
+        return [q for q, d in enumerate(self.done) if not d]
+
+    def rows_in_use(self) -> int:
+        return sum(len(n) for _, n in self._pending.values())
+
+    def width(self) -> int:
+        return max((max(n) for _, n in self._pending.values() if n), default=0)
+
+    def admit(self, plans: Sequence[PromptPlan]) -> list[int]:
+        self.rule.prepare(self.lm)
+        ids = list(range(len(self.done), len(self.done) + len(plans)))
+        for q, p in zip(ids, plans, strict=True):
+            self._pending[q] = (p, [len(c.ids) for c in self.rule.contexts(p).values()])
+        self.done += [False] * len(plans)
+        return ids
+
+    def cancel(self, q: int) -> None:
+        self.done[q] = True
+        self._pending.pop(q, None)
+        self._events.pop(q, None)
+
+    def choose(self) -> list[StepEvent]:
+        if self._pending:
+            ids = list(self._pending)
+            plans = [self._pending[q][0] for q in ids]
+            self._pending.clear()
+            with torch.inference_mode():
+                for i, events in enumerate(self._decode(plans)):
+                    self._events[ids[i]] = events
+        out = []
+        for q in self.active:
+            ev = self._events[q].pop(0)
+            ev.query_idx = q
+            self.done[q] = ev.finished
+            if ev.finished:
+                del self._events[q]
+            out.append(ev)
+        return out
+
+    def advance(self, tokens: dict[int, int] | None = None) -> None:
+        """Nothing to feed: the answers are decoded already."""
+
+    def _decode(self, plans: Sequence[PromptPlan]) -> list[list[StepEvent]]:
+        """Every query's events: its candidates, their scores, the best one replayed."""
+        rule = self.rule
+        cands = self._candidates(plans)
+        logp = _cross_scores(self.lm, plans, rule, cands)
+        out = []
+        for q, p in enumerate(plans):
+            contexts = rule.contexts(p)
+            for c, cand in enumerate(cands[q]):
+                per = [logp.get((q, c), {}).get(role, 0.0) for role in contexts]
+                cand["log_p_passages"] = [round(x, 4) for x in per]
+                cand["log_p"] = rule.log_p([s.weight for s in contexts.values()], per)
+            best = max(range(len(cands[q])), key=lambda c: cands[q][c]["log_p"])
+            out.append(_replay(self.lm, q, rule, cands[q], best))
+        return out
+
+    def _greedy(self, plans: Sequence[PromptPlan], policy: Policy) -> list[tuple[list[int], str]]:
+        """Each plan's greedy answer under ``policy``: its tokens (no EOS), its stop reason."""
+        eos = set(self.lm.eos_token_ids)
+        out: list[tuple[list[int], str]] = [([], "length") for _ in plans]
+        if not plans:
+            return out
         events = decode_loop(
-            lm, sub_plans, rule.candidate_policy, max_new_tokens=max_new_tokens, stop=stop,
-            timings=timings, speed=speed,
+            self.lm,
+            plans,
+            policy,
+            max_new_tokens=self.max_new_tokens,
+            stop=self.stop,
+            speed=self.speed,
         )
         for ev in events:
+            ids, _ = out[ev.query_idx]
             if ev.step.token_id not in eos:
-                gen[ev.query_idx].append(ev.step.token_id)
+                ids.append(ev.step.token_id)
             if ev.finished:
-                reason[ev.query_idx] = ev.stop_reason
-    cands: list[list[dict[str, Any]]] = [[] for _ in plans]
-    for i, (q, j) in enumerate(owner):
-        if not any(c["ids"] == gen[i] for c in cands[q]):
-            cands[q].append({"ids": gen[i], "from_passage": j, "stop_reason": reason.get(i, "length")})
-    no_passage = [q for q, p in enumerate(plans) if not p.passage_spans]
-    if no_passage:
-        out: dict[int, list[int]] = {q: [] for q in no_passage}
-        why: dict[int, str] = {}
-        events = decode_loop(
-            lm,
-            [plans[q] for q in no_passage],
-            rule.fallback_policy,
-            max_new_tokens=max_new_tokens,
-            stop=stop,
-            timings=timings,
-            speed=speed,
-        )
-        for ev in events:
-            q = no_passage[ev.query_idx]
-            if ev.step.token_id not in eos:
-                out[q].append(ev.step.token_id)
-            if ev.finished:
-                why[q] = ev.stop_reason
-        for q in no_passage:
-            cands[q].append({"ids": out[q], "from_passage": None, "stop_reason": why.get(q, "length")})
-    return cands
+                out[ev.query_idx] = (ids, ev.stop_reason)
+        return out
+
+    def _candidates(self, plans: Sequence[PromptPlan]) -> list[list[dict[str, Any]]]:
+        """Step 1: every query's distinct greedy answers ({"ids", "from_passage", "stop_reason"})."""
+        rule = self.rule
+        subs = [rule.candidate_plans(p) for p in plans]
+        owner = [(q, j) for q, s in enumerate(subs) for j in range(len(s))]
+        answers = self._greedy([sub for s in subs for sub in s], rule.candidate_policy)
+        cands: list[list[dict[str, Any]]] = [[] for _ in plans]
+        for (q, j), (ids, reason) in zip(owner, answers, strict=True):
+            if not any(c["ids"] == ids for c in cands[q]):
+                cands[q].append({"ids": ids, "from_passage": j, "stop_reason": reason})
+        no_passage = [q for q, p in enumerate(plans) if not p.passage_spans]
+        fallback = self._greedy([plans[q] for q in no_passage], rule.fallback_policy)
+        for q, (ids, reason) in zip(no_passage, fallback, strict=True):
+            cands[q].append({"ids": ids, "from_passage": None, "stop_reason": reason})
+        return cands
 
 
 def _cross_scores(
-    lm: LoadedModel, plans: Sequence[PromptPlan], rule: SequencePolicy, cands: list[list[dict[str, Any]]]
+    lm: LoadedModel,
+    plans: Sequence[PromptPlan],
+    rule: SequencePolicy,
+    cands: list[list[dict[str, Any]]],
 ) -> dict[tuple[int, int], dict[str, float]]:
     """Step 2: (query, candidate) -> {context role: log p(candidate | context)}."""
     for q in range(len(plans)):
@@ -181,7 +252,7 @@ def _cross_scores(
 
 def _replay(
     lm: LoadedModel, q: int, rule: SequencePolicy, cands: list[dict[str, Any]], best: int
-) -> Iterator[StepEvent]:
+) -> list[StepEvent]:
     """Step 3's events: the chosen candidate token by token, the summary on step 0."""
     tok = lm.tokenizer
     eos = set(lm.eos_token_ids)
@@ -199,6 +270,7 @@ def _replay(
     source = rule.candidate_source(chosen["from_passage"])
     ids = chosen["ids"]
     steps = ids + ([lm.eos_token_ids[0]] if chosen["stop_reason"] == "eos" or not ids else [])
+    events = []
     for i, tid in enumerate(steps):
         is_eos = tid in eos
         step = TraceStep(
@@ -210,30 +282,5 @@ def _replay(
         )
         last = i == len(steps) - 1
         reason = ("eos" if is_eos else chosen["stop_reason"]) if last else ""
-        yield StepEvent(q, step, finished=last, stop_reason=reason)
-
-
-def _decode_sequence(
-    lm: LoadedModel,
-    plans: Sequence[PromptPlan],
-    rule: SequencePolicy,
-    *,
-    max_new_tokens: int,
-    stop: Sequence[str],
-    timings: dict[str, float],
-    speed: Speed,
-) -> Iterator[StepEvent]:
-    """Decode ``plans`` under the sequence-level ``rule`` (the module docstring);
-    ``timings`` gets the candidates' decode times and ``score_s``, the cross-scoring's."""
-    cands = _candidates(lm, plans, rule, max_new_tokens=max_new_tokens, stop=stop, timings=timings, speed=speed)
-    t0 = time.perf_counter()
-    logp = _cross_scores(lm, plans, rule, cands)
-    timings["score_s"] = timings.get("score_s", 0.0) + time.perf_counter() - t0
-    for q, p in enumerate(plans):
-        contexts = rule.contexts(p)
-        for c, cand in enumerate(cands[q]):
-            per = [logp.get((q, c), {}).get(role, 0.0) for role in contexts]
-            cand["log_p_passages"] = [round(x, 4) for x in per]
-            cand["log_p"] = rule.log_p([s.weight for s in contexts.values()], per)
-        best = max(range(len(cands[q])), key=lambda c: cands[q][c]["log_p"])
-        yield from _replay(lm, q, rule, cands[q], best)
+        events.append(StepEvent(q, step, finished=last, stop_reason=reason))
+    return events

@@ -1,33 +1,32 @@
 """The one scheduler, and the entry points that use it: :func:`generate`, :func:`stream`,
 :func:`generate_batch`, :func:`agenerate`, :func:`astream`, :func:`astream_with_result` (the
-package root exports them; the framework adapters and the server call them). Every decode
-runs the engine's step loop (:class:`.engine.decoder.Decoder`).
+package root exports them; the framework adapters and the server call them). Every call,
+whatever its rule, is decoded by one step loop (:class:`_Loop`) on the engine's decoders
+(:class:`.engine.decoder.Decoder`; :class:`.loop.SequenceDecoder` for a sequence-level rule).
 
 ``batching=True`` (what the framework adapters and the server use): the first call with a
-given set of settings (policy, its
-options, speed, max_new_tokens, stop, system prompt, budget) waits ``wait_s`` for companions,
-then decodes them together in a thread of its own; until that decode ends, a call with the
-same settings joins it at the next step boundary (iteration-level scheduling, Orca, OSDI
-2022), and a finished call leaves at once with its result. ``max_rows`` (context rows: two
-per Tok-RAG query) and ``max_positions`` (rows times key/value positions) bound the memory, a
-call that does not fit waits; ``max_prefill_tokens`` bounds what one step boundary prefills.
-Every call gets the tokens and decisions it gets alone (tests/integration/test_batching.py);
-a bad input fails its own call, at the call site. A sequence-level rule cannot take queries
-mid-decode: its calls are decoded batch by batch. ``batching=False`` (the default, and
-:func:`generate_batch`): the given queries decoded alone, in the calling thread, holding
-``lm.lock`` (one decode at a time per model; other threads wait).
+given set of settings (policy, its options, speed, max_new_tokens, stop, system prompt,
+budget) waits ``wait_s`` for companions, then decodes them together in a thread of its own;
+until that decode ends, a call with the same settings joins it at the next step boundary
+(iteration-level scheduling, Orca, OSDI 2022), and a finished call leaves at once with its
+result. ``max_rows`` (context rows: two per Tok-RAG query) and ``max_positions`` (rows times
+key/value positions) bound the memory, a call that does not fit waits; ``max_prefill_tokens``
+bounds what one step boundary prefills; with ``continuous=False`` a call waits for the running
+decode to end and joins the next one (``max_batch`` calls at most). Every call gets the tokens
+and decisions it gets alone (tests/integration/test_batching.py); a bad input fails its own
+call, at the call site. ``batching=False`` (the default, and :func:`generate_batch`): the
+given queries decoded alone, in the calling thread, holding ``lm.lock`` (one decode at a time
+per model; other threads wait).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import functools
 import queue
 import threading
 import time
 import warnings
-import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,14 +36,22 @@ from ..defaults import MAX_NEW_TOKENS
 from ..inputs import _DEFAULT, _check_inputs, _check_query, _plans
 from ..models import LoadedModel
 from ..policies import get_policy, uses_passages
-from ..policies.base import Policy, SequencePolicy
+from ..policies.base import Policy
 from ..prompts import PromptPlan, RenderedPrompt
 from ..results import GenerationResult, TokenEvent, _stop_list, _TextTracker
 from ..trace import Trace
 from .decoder import Decoder, StepEvent
-from .loop import decode_loop
+from .loop import SequenceDecoder, decoder_for
 from .speed import Speed, speed_of
-from .streams import _END, TokenStream, _acquire, _Cancelled, idle_timeout_from, run_cancellable
+from .streams import (
+    _END,
+    DECODE_THREADS,
+    TokenStream,
+    _acquire,
+    _Cancelled,
+    idle_timeout_from,
+    run_cancellable,
+)
 
 __all__ = [
     "MicroBatcher",
@@ -57,10 +64,10 @@ __all__ = [
     "stream",
 ]
 
-#: Default wait for companions (seconds) and largest batch of a rule decoded batch by batch.
+#: Default wait for companions (seconds) and largest batch of ``continuous=False``.
 WAIT_S = 0.01
 MAX_BATCH = 16
-#: Default bounds of a continuous decode: context rows (two per Tok-RAG query), and key/value
+#: Default bounds of a decode: context rows (two per Tok-RAG query), and key/value
 #: positions (rows x (longest prompt + max_new_tokens)); about 3 GB of cache on SmolLM2-135M
 #: in float32 (46 KB a position).
 MAX_ROWS = 32
@@ -94,7 +101,9 @@ def _speed_paths_off(lm: LoadedModel) -> dict[str, Any]:
     from ..accel.install import speed_paths
 
     # "on" may carry what was measured ("on (...)"): only the paths that are off count.
-    off = {k: v.removeprefix("off: ") for k, v in speed_paths(lm.model).items() if v.startswith("off")}
+    off = {
+        k: v.removeprefix("off: ") for k, v in speed_paths(lm.model).items() if v.startswith("off")
+    }
     return {"speed_paths_off": off} if off else {}
 
 
@@ -111,24 +120,7 @@ class _Prepared:
     trackers: list[_TextTracker]
     stops: list[str]
     speed: Speed
-
-
-def _record_event(trace: Trace, tracker: _TextTracker, ev: StepEvent) -> str | None:
-    """Add a decode event to its query's trace and text; returns the new text (None or ``""``
-    where there is none: an EOS adds no step)."""
-    is_eos = ev.stop_reason == "eos"
-    if not is_eos:
-        trace.steps.append(ev.step)
-    delta = tracker.push(None if is_eos else ev.step.token_id, ev.finished)
-    if ev.finished:
-        trace.stop_reason = ev.stop_reason
-    return delta
-
-
-def _result(trace: Trace, tracker: _TextTracker) -> GenerationResult:
-    """The finished query's result (its text, trace and token ids)."""
-    trace.text = tracker.final if tracker.final is not None else tracker.text()
-    return GenerationResult(text=trace.text, trace=trace, token_ids=list(tracker.ids))
+    max_new_tokens: int
 
 
 def _prepare(
@@ -136,12 +128,12 @@ def _prepare(
     queries: Sequence[str],
     passages: Sequence[Sequence[Any] | None],
     *,
-    policy: str | Policy,
-    max_new_tokens: int,
-    stop: str | Sequence[str] | None,
-    messages: Sequence[list[dict[str, str]] | None] | None,
-    system_prompt: Any,
-    max_context_tokens: int | None,
+    policy: str | Policy = "tokrag",
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    stop: str | Sequence[str] | None = None,
+    messages: Sequence[list[dict[str, str]] | None] | None = None,
+    system_prompt: Any = _DEFAULT,
+    max_context_tokens: int | None = None,
     rendered: Sequence[RenderedPrompt | None] | None = None,
     policy_options: Mapping[str, Any] | None = None,
     speed: Speed | str | Mapping[str, Any] | None = None,
@@ -154,15 +146,15 @@ def _prepare(
         TypeError / ValueError: a bad argument, before anything is decoded.
     """
     if not isinstance(lm, LoadedModel):
-        raise TypeError("the first argument must be a LoadedModel from tokrag_integrations.load_model()")
-    if isinstance(queries, str):
-        raise TypeError("queries must be a list of strings")
+        raise TypeError(
+            "the first argument must be a LoadedModel from tokrag_integrations.load_model()"
+        )
     if len(queries) != len(passages):
         raise ValueError(f"got {len(queries)} queries but {len(passages)} passage lists")
     queries = [_check_query(q, i if len(queries) > 1 else None) for i, q in enumerate(queries)]
     _check_inputs(queries, passages, rendered, max_new_tokens, max_context_tokens)
     if not queries:
-        return _Prepared({}, {}, [], [], [], [], speed_of(speed))
+        return _Prepared({}, {}, [], [], [], [], speed_of(speed), max_new_tokens)
     if policy_options is not None and not isinstance(policy_options, Mapping):
         raise TypeError(
             f"policy_options must be a dict of option names to values, got {type(policy_options).__name__}"
@@ -201,95 +193,281 @@ def _prepare(
             options={**pol.options(), **chosen_speed.options(), **_speed_paths_off(lm)},
             passages=plans[i].passages,
             warnings=list(plans[i].warnings),
-            prompt_tokens={"pure": len(plans[i].pure_ids), "rag": len(plans[i].rag_ids) if plans[i].has_passages else 0},
+            prompt_tokens={
+                "pure": len(plans[i].pure_ids),
+                "rag": len(plans[i].rag_ids) if plans[i].has_passages else 0,
+            },
         )
         for i in range(len(queries))
     ]
     trackers = [_TextTracker(lm.tokenizer, stops) for _ in queries]
 
     return _Prepared(
-        {"main": pol, "llm": llm_pol}, groups, plans, traces, trackers, stops, chosen_speed
+        {"main": pol, "llm": llm_pol},
+        groups,
+        plans,
+        traces,
+        trackers,
+        stops,
+        chosen_speed,
+        max_new_tokens,
     )
 
 
-def _run(
-    lm: LoadedModel,
-    queries: Sequence[str],
-    passages: Sequence[Sequence[Any] | None],
-    *,
-    holder: list[GenerationResult],
-    cancel: threading.Event | None = None,
-    **kwargs: Any,
-) -> Iterator[TokenEvent]:
-    """Validate everything, build the prompts (:func:`_prepare`, which takes the other
-    keyword arguments), and return the (not yet started) decode (:func:`_events`): it takes
-    ``lm.lock`` on its first step and releases it when it ends or is closed; with ``cancel``
-    it stops (``_Cancelled``) at the first step after ``cancel`` is set."""
-    p = _prepare(lm, queries, passages, **kwargs)
-    if not p.plans:
-        return iter(())
-    return _events(lm, p, holder, max_new_tokens=kwargs["max_new_tokens"], cancel=cancel)
+@dataclass
+class _Query:
+    """One query of a running call: the call, the query's index in it, its trace and text
+    tracker, its timings so far, and when its admission and its decode started."""
 
-
-def _events(
-    lm: LoadedModel, p: _Prepared, holder: list[GenerationResult], *, max_new_tokens: int,
-    cancel: threading.Event | None,
-) -> Iterator[TokenEvent]:
-    """Decode the prepared queries ``p`` to the end, under ``lm.lock`` (taken on the first
-    ``next()``, so that an unread stream never blocks other users of the model): each group of
-    queries under its policy, one :class:`TokenEvent` per chosen token; at the end, one
-    :class:`GenerationResult` per query appended to ``holder``."""
-    _acquire(lm.lock, cancel)
-    try:
-        if cancel is not None and cancel.is_set():
-            raise _Cancelled
-        for group, idx in p.groups.items():
-            timings: dict[str, float] = {}
-            t0 = time.perf_counter()
-            events = decode_loop(
-                lm, [p.plans[i] for i in idx], p.policies[group], max_new_tokens=max_new_tokens,
-                stop=p.stops, timings=timings, speed=p.speed,
-            )
-            for ev in events:
-                q = idx[ev.query_idx]
-                delta = _record_event(p.traces[q], p.trackers[q], ev)
-                if ev.stop_reason != "eos" or delta:
-                    yield TokenEvent(q, ev.step.index, ev.step.token_id, delta, ev.step.source, ev.step)
-                if cancel is not None and cancel.is_set():
-                    raise _Cancelled
-            total = time.perf_counter() - t0
-            for i in idx:
-                p.traces[i].timings = {**timings, "total_s": total, "queries_in_batch": float(len(idx))}
-    finally:
-        lm.lock.release()
-    for q, tr in enumerate(p.traces):
-        holder.append(_result(tr, p.trackers[q]))
+    r: _Request
+    i: int
+    trace: Trace
+    tracker: _TextTracker
+    timings: dict[str, float]
+    t0: float
+    t1: float
 
 
 @dataclass
 class _Request:
-    query: str
-    passages: Any
-    messages: Any
-    rendered: Any = None
-    done: threading.Event = field(default_factory=threading.Event)
+    """One call: its prepared queries (one; several for :func:`generate_batch`), and once it
+    is done, their results or its error."""
+
+    prepared: _Prepared
     cancel: threading.Event = field(default_factory=threading.Event)
-    result: GenerationResult | None = None
-    error: BaseException | None = None
-    #: The continuous decode's preparation of this call (:class:`_Prepared`), and the context
-    #: rows and longest row it needs (computed once, checked at every step it waits).
-    prepared: Any = None
-    need: tuple[int, int, int] | None = None
-    #: A stream's events, in order: a :class:`TokenEvent` per chosen token, then None once
-    #: its result is set (None for a plain call).
+    #: A stream's (or a call decoded alone's) events, in order: a :class:`TokenEvent` per
+    #: chosen token, then None once its results are set (None for a batched plain call).
     events: queue.SimpleQueue[TokenEvent | None] | None = None
+    #: The call decoded alone again, should the shared decode it was part of fail.
+    alone: Callable[[], GenerationResult] | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    results: list[GenerationResult | None] = field(default_factory=list)
+    error: BaseException | None = None
+    #: The context rows, longest context and prompt tokens it needs (see :meth:`_Loop._need`).
+    need: tuple[int, int, int] | None = None
+    queries: list[_Query] = field(default_factory=list)
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
 
 
-class _Running:
-    """The continuous decode of one settings key: the calls waiting to join it."""
+class _Loop:
+    """The one step loop of the scheduler: queued calls are admitted at step boundaries,
+    every group's decoder (``main``; ``llm`` for queries without usable passages) chooses and
+    advances one step, and a call whose queries are all finished gets its results.
 
-    def __init__(self) -> None:
+    With a ``batcher``, calls are admitted while they fit its bounds (``max_rows`` /
+    ``max_positions`` / ``max_prefill_tokens``; with ``continuous=False`` only into an empty
+    decode, ``max_batch`` at a time). Without one, the loop of a call decoded alone.
+    """
+
+    def __init__(
+        self, lm: LoadedModel, max_new_tokens: int, batcher: MicroBatcher | None = None
+    ) -> None:
+        self.lm, self.max_new_tokens, self.b = lm, max_new_tokens, batcher
         self.queue: list[_Request] = []
+        self.seen: list[_Request] = []
+        self.decoders: dict[str, Decoder | SequenceDecoder] = {}
+        self.owners: dict[str, dict[int, _Query]] = {}
+        self.served = 0
+
+    def _rows(self) -> tuple[int, int]:
+        """Context rows held and the longest row, over every group's decoder."""
+        rows = sum(d.rows_in_use() for d in self.decoders.values())
+        return rows, max((d.width() for d in self.decoders.values()), default=0)
+
+    def _active(self) -> int:
+        return sum(len(d.active) for d in self.decoders.values())
+
+    def _admit(self) -> None:
+        """Admit the queued calls that fit, first come first served; the rest wait."""
+        b = self.b
+        assert b is not None
+        with b._lock:
+            queued, self.queue = self.queue, []
+        waiting: list[_Request] = []
+        prefilled = started = 0  # prompt tokens and calls admitted at this boundary
+        budget = b.max_prefill_tokens
+        room = None if b.continuous else 0 if self._active() else b.max_batch
+        for r in queued:
+            if waiting or (room is not None and started >= room):  # nobody overtakes
+                waiting.append(r)
+                continue
+            if r.cancel.is_set():
+                r.fail(_Cancelled())
+                continue
+            try:
+                if r.need is None:
+                    r.need = self._need(r.prepared)
+            except Exception as e:  # noqa: BLE001 - a bad input: this call's error only
+                r.fail(e)
+                continue
+            if not self._fits(r.need) or (
+                budget is not None and prefilled > 0 and prefilled + r.need[2] > budget
+            ):
+                waiting.append(r)
+                continue
+            prefilled += r.need[2]
+            started += 1
+            self._start(r)
+        if waiting:
+            with b._lock:
+                self.queue = waiting + self.queue
+
+    def _need(self, p: _Prepared) -> tuple[int, int, int]:
+        """The context rows a prepared call adds, its longest context and its prompt tokens
+        (positions)."""
+        lengths = []
+        for group, idx in p.groups.items():
+            pol = p.policies[group]
+            pol.prepare(self.lm)
+            lengths += [len(c.ids) for i in idx for c in pol.contexts(p.plans[i]).values()]
+        return len(lengths), max(lengths), sum(lengths)
+
+    def _fits(self, need: tuple[int, int, int]) -> bool:
+        assert self.b is not None
+        rows, width = self._rows()
+        if rows == 0:
+            return True  # an empty decode takes any call, however large
+        total = rows + need[0]
+        if total > self.b.max_rows:
+            return False
+        cap = self.b.max_positions
+        return cap is None or total * (max(width, need[1]) + self.max_new_tokens) <= cap
+
+    def _start(self, r: _Request) -> None:
+        """Prefill the call's queries, each group's in one admission."""
+        p = r.prepared
+        joined = float(self._active() > 0)
+        self.seen.append(r)
+        r.results = [None] * len(p.plans)
+        for group, idx in p.groups.items():
+            d = self.decoders.get(group)
+            if d is None:
+                d = self.decoders[group] = decoder_for(
+                    self.lm,
+                    p.policies[group],
+                    max_new_tokens=p.max_new_tokens,
+                    stop=p.stops,
+                    speed=p.speed,
+                )
+                self.owners[group] = {}
+            t0 = time.perf_counter()
+            ids = d.admit([p.plans[i] for i in idx])
+            now = time.perf_counter()
+            for q, i in zip(ids, idx, strict=True):
+                timings = {**d.timings, "joined": joined, "queries_in_batch": 0.0}
+                self.owners[group][q] = _Query(r, i, p.traces[i], p.trackers[i], timings, t0, now)
+                r.queries.append(self.owners[group][q])
+        if self.b is None:
+            return
+        self.served += 1
+        with self.b._lock:  # counted now: a call may return before the decode ends
+            self.b.joined_calls += int(joined)
+            if self.served == 2:  # a second call makes this decode a batch
+                self.b.batches += 1
+            self.b.batched_calls += 2 if self.served == 2 else int(self.served > 2)
+
+    def _step(self) -> None:
+        n_active = self._active()
+        if self.b is not None:
+            rows, _ = self._rows()
+            with self.b._lock:
+                self.b.peak_rows = max(self.b.peak_rows, rows)
+        for group, d in self.decoders.items():
+            owners = self.owners[group]
+            for q in d.active:
+                if owners[q].r.cancel.is_set():  # leaves the batch; the others go on
+                    r = owners.pop(q).r
+                    d.cancel(q)
+                    if not r.done.is_set():
+                        r.fail(_Cancelled())
+            if not d.active:
+                continue
+            for ev in d.choose():
+                o = owners.pop(ev.query_idx) if ev.finished else owners[ev.query_idx]
+                o.timings["queries_in_batch"] = max(o.timings["queries_in_batch"], float(n_active))
+                self._record(o, ev)
+        for d in self.decoders.values():
+            d.advance()
+
+    def _record(self, o: _Query, ev: StepEvent) -> None:
+        """Add a decode event to its query's trace and text, hand it to its call's events;
+        a call whose queries are all finished gets its results."""
+        r, is_eos = o.r, ev.stop_reason == "eos"
+        if not is_eos:
+            o.trace.steps.append(ev.step)
+        delta = o.tracker.push(None if is_eos else ev.step.token_id, ev.finished)
+        if r.events is not None and (not is_eos or delta):
+            r.events.put(
+                TokenEvent(o.i, ev.step.index, ev.step.token_id, delta, ev.step.source, ev.step)
+            )
+        if not ev.finished:
+            return
+        o.trace.stop_reason = ev.stop_reason
+        o.trace.text = o.tracker.final if o.tracker.final is not None else o.tracker.text()
+        r.results[o.i] = GenerationResult(
+            text=o.trace.text, trace=o.trace, token_ids=list(o.tracker.ids)
+        )
+        if any(x is None for x in r.results):
+            return
+        end = time.perf_counter()  # the call's queries are timed to its end
+        for x in r.queries:
+            x.trace.timings = {**x.timings, "decode_s": end - x.t1, "total_s": end - x.t0}
+        r.done.set()
+        if r.events is not None:
+            r.events.put(None)
+
+    def run(self) -> None:
+        """Decode until no call is left (under ``lm.lock``)."""
+        _acquire(self.lm.lock, None)
+        try:
+            while True:
+                self._admit()
+                if self._active():
+                    self._step()
+                elif self._idle_end():
+                    break
+        finally:
+            self.lm.lock.release()
+
+    def _idle_end(self) -> bool:
+        """With nothing decoding: end the decode if no call waits (under the batcher's lock,
+        so that a later call starts a new one), else go on."""
+        assert self.b is not None
+        with self.b._lock:
+            if self.queue:
+                return False
+            for key, running in list(self.b._running.items()):
+                if running is self:
+                    self.b._running.pop(key)
+            return True
+
+
+def _alone(lm: LoadedModel, r: _Request, holder: list[GenerationResult]) -> Iterator[TokenEvent]:
+    """Decode the call ``r`` alone, in the calling thread, under ``lm.lock`` (taken on the
+    first ``next()``, so that an unread stream never blocks other users of the model), one
+    :class:`TokenEvent` per chosen token; at the end its results are appended to ``holder``.
+    It stops (``_Cancelled``) at the first step after ``r.cancel`` is set."""
+    r.events = queue.SimpleQueue()
+    loop = _Loop(lm, r.prepared.max_new_tokens)
+    _acquire(lm.lock, r.cancel)
+    try:
+        if r.cancel.is_set():
+            raise _Cancelled
+        loop._start(r)
+        while loop._active():
+            loop._step()
+            while not r.events.empty():
+                item = r.events.get()
+                if item is not None:
+                    yield item
+            if r.error is not None:
+                raise r.error
+    finally:
+        lm.lock.release()
+    holder.extend(x for x in r.results if x is not None)
 
 
 class MicroBatcher:
@@ -312,7 +490,9 @@ class MicroBatcher:
     ) -> None:
         self.lm, self.wait_s, self.max_batch = lm, float(wait_s), int(max_batch)
         if int(max_rows) < 1 or (max_positions is not None and int(max_positions) < 1):
-            raise ValueError(f"max_rows and max_positions must be >= 1, got {max_rows}, {max_positions}")
+            raise ValueError(
+                f"max_rows and max_positions must be >= 1, got {max_rows}, {max_positions}"
+            )
         self.max_rows = int(max_rows)
         self.max_positions = None if max_positions is None else int(max_positions)
         if max_prefill_tokens is not None and int(max_prefill_tokens) < 1:
@@ -321,12 +501,12 @@ class MicroBatcher:
         self.continuous = require_bool(continuous, "continuous")
         self._lock = threading.Lock()
         self._pending: dict[str, list[_Request]] = {}
-        self._running: dict[str, _Running] = {}
+        self._running: dict[str, _Loop] = {}
         self.batches = 0
         self.batched_calls = 0
         #: Calls that joined a decode already running (continuous batching).
         self.joined_calls = 0
-        #: The most context rows one continuous decode held at once.
+        #: The most context rows one decode held at once.
         self.peak_rows = 0
 
     @staticmethod
@@ -343,53 +523,56 @@ class MicroBatcher:
             return None
 
     def generate(
-        self, query: str, passages: Any = None, *, _cancel: threading.Event | None = None, **kwargs: Any
+        self,
+        query: str,
+        passages: Any = None,
+        *,
+        _cancel: threading.Event | None = None,
+        **kwargs: Any,
     ) -> GenerationResult:
         """:func:`generate` decoded together with concurrent compatible calls (its input
         checked here, at the call site)."""
         key = self._key(kwargs)
         if key is None:
             return _generate(self.lm, query, passages, cancel=_cancel, **kwargs)
-        req = _Request(query, passages, kwargs.get("messages"), kwargs.get("rendered"))
+        r = _request(self.lm, query, passages, kwargs)
         if _cancel is not None:
-            req.cancel = _cancel
-        settings = {k: v for k, v in kwargs.items() if k not in _PER_CALL}
-        if self.continuous and _continuous_ok(settings):
-            req.prepared = _prepare(self.lm, [query], [passages], **_api_kwargs(settings, [req]))
-        self._submit(key, req, kwargs)
-        req.done.wait()
-        if req.error is not None:
-            raise req.error
-        assert req.result is not None
-        return req.result
+            r.cancel = _cancel
+        r.alone = functools.partial(_generate, self.lm, query, passages, cancel=r.cancel, **kwargs)
+        self._submit(key, r)
+        r.done.wait()
+        if r.error is not None:
+            raise r.error
+        assert r.results[0] is not None
+        return r.results[0]
 
-    def stream(self, query: str, passages: Any = None, *, idle_timeout: float | None = None,
-               **kwargs: Any) -> TokenStream:
+    def stream(
+        self, query: str, passages: Any = None, *, idle_timeout: float | None = None, **kwargs: Any
+    ) -> TokenStream:
         """Like :func:`stream` alone (the same arguments and errors, raised here), but the
-        stream's query joins the continuous decode of concurrent calls with the same
-        settings, plain calls and streams alike. Its events are queued as the shared decode
-        chooses them, so a slow reader never holds the others back; a stream closed or
-        abandoned (``idle_timeout``) leaves the decode at its next step. Where the rule
-        cannot decode continuously, or batching is off, it is decoded alone."""
+        stream's query joins the decode of concurrent calls with the same settings, plain
+        calls and streams alike. Its events are queued as the shared decode chooses them, so
+        a slow reader never holds the others back; a stream closed or abandoned
+        (``idle_timeout``) leaves the decode at its next step."""
         key = self._key(kwargs)
-        settings = {k: v for k, v in kwargs.items() if k not in _PER_CALL}
-        if key is None or not self.continuous or not _continuous_ok(settings):
-            return stream(self.lm, query, passages, idle_timeout=idle_timeout, batching=False, **kwargs)
-        req = _Request(query, passages, kwargs.get("messages"), kwargs.get("rendered"),
-                       events=queue.SimpleQueue())
-        # Validated and prompted here, so that a bad input fails at the call site.
-        req.prepared = _prepare(self.lm, [query], [passages], **_api_kwargs(settings, [req]))
+        if key is None:
+            return stream(self.lm, query, passages, idle_timeout=idle_timeout, **kwargs)
+        r = _request(self.lm, query, passages, kwargs)
+        r.events = queue.SimpleQueue()
         holder: list[GenerationResult] = []
-        return TokenStream(self._stream_events(key, req, kwargs, holder), holder, stop=req.cancel,
-                           idle_timeout=idle_timeout, model_lock=self.lm.lock)
+        gen = self._stream_events(key, r, holder)
+        return TokenStream(
+            gen, holder, stop=r.cancel, idle_timeout=idle_timeout, model_lock=self.lm.lock
+        )
 
-    def _stream_events(self, key: str, req: _Request, kwargs: dict[str, Any],
-                       holder: list[GenerationResult]) -> Any:
+    def _stream_events(
+        self, key: str, req: _Request, holder: list[GenerationResult]
+    ) -> Iterator[TokenEvent]:
         """The generator behind :meth:`stream`: submits the call on its first step (an unread
         stream never joins a decode), then hands on its events until its result is set."""
         assert req.events is not None
         try:
-            self._submit(key, req, kwargs)
+            self._submit(key, req)
             while True:
                 try:
                     item = req.events.get(timeout=0.1)
@@ -404,13 +587,12 @@ class MicroBatcher:
                 yield item
             if req.error is not None:
                 raise req.error
-            assert req.result is not None
-            holder.append(req.result)
+            holder.extend(x for x in req.results if x is not None)
         finally:
             if not req.done.is_set():  # closed early: leave the decode at its next step
                 req.cancel.set()
 
-    def _submit(self, key: str, req: _Request, kwargs: dict[str, Any]) -> None:
+    def _submit(self, key: str, req: _Request) -> None:
         """Queue ``req``: into the running decode of ``key``, else into the calls collected
         for the next one; the first of those waits for companions and starts the decode."""
         with self._lock:
@@ -433,326 +615,82 @@ class MicroBatcher:
             if n == seen or n >= self.max_batch:
                 break
             seen = n
-        run = _Running()
+        loop = _Loop(self.lm, req.prepared.max_new_tokens, self)
         with self._lock:
-            run.queue = self._pending.pop(key)
-            self._running[key] = run  # from now on, calls with this key join the queue
-        settings = {k: v for k, v in kwargs.items() if k not in _PER_CALL}
+            loop.queue = self._pending.pop(key)
+            self._running[key] = loop  # from now on, calls with this key join the queue
         # The decode runs in a thread of its own: the first call returns when its own
         # answer is done, not when the last call that joined it is.
         thread = threading.Thread(
-            target=self._drive, args=(key, run, settings), name="tokrag-decode", daemon=True
+            target=self._drive, args=(key, loop), name="tokrag-decode", daemon=True
         )
-        _DECODE_THREADS.add(thread)
+        DECODE_THREADS.add(thread)
         thread.start()
 
-    def _take(self, key: str, run: _Running, n: int | None = None) -> list[_Request]:
-        """Up to ``n`` (None: all) queued calls; with none left the decode of ``key`` ends,
-        under the same lock, so that a later call starts a new one."""
-        with self._lock:
-            reqs = run.queue if n is None else run.queue[:n]
-            run.queue = [] if n is None else run.queue[n:]
-            if not reqs and not run.queue:
-                self._running.pop(key, None)
-            return reqs
-
-    def _drive(self, key: str, run: _Running, settings: dict[str, Any]) -> None:
-        """Decode the calls of ``key`` until none is left: continuously where the rule
-        allows it, else batch after batch. Whatever happens, nobody waits forever."""
-        seen: list[_Request] = []
+    def _drive(self, key: str, loop: _Loop) -> None:
+        """Run the decode of ``key``; should it fail, its plain calls are decoded again one
+        at a time, its streams get the error. Whatever happens, nobody waits forever."""
+        failed: Exception | None = None
         try:
-            if self.continuous and _continuous_ok(settings):
-                try:
-                    _Continuous(self, key, run, settings, seen).run()
-                    return
-                except Exception as exc:  # noqa: BLE001 - a failed decode: the calls left, one at a time
-                    for r in seen:
-                        if r.done.is_set():
-                            continue
-                        if r.events is not None:  # a stream may have sent tokens: not redone
-                            r.error = RuntimeError(f"the shared decode this stream was part of failed: {exc}")
-                            r.error.__cause__ = exc
-                            r.done.set()
-                        else:
-                            self._decode([r], settings)
-            while True:
-                reqs = self._take(key, run, self.max_batch)
-                if not reqs:
-                    return
-                seen += reqs
-                self._decode(reqs, settings)
+            loop.run()
+        except Exception as exc:  # noqa: BLE001 - a failed decode: the calls left, one at a time
+            failed = exc
         finally:
             with self._lock:
-                if self._running.get(key) is run:
+                if self._running.get(key) is loop:
                     self._running.pop(key)
-                left, run.queue = run.queue, []
-            for r in seen + left:
-                if not r.done.is_set():
-                    r.error = RuntimeError("the batch this call was part of was interrupted")
+                left, loop.queue = loop.queue, []
+            for r in loop.seen + left:
+                if r.done.is_set():
+                    continue
+                if failed is None:
+                    r.fail(RuntimeError("the batch this call was part of was interrupted"))
+                elif r.events is not None or r.alone is None:  # a stream may have sent tokens
+                    error = RuntimeError(
+                        f"the shared decode this stream was part of failed: {failed}"
+                    )
+                    error.__cause__ = failed
+                    r.fail(error)
+                else:
+                    try:
+                        r.results = [r.alone()]
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                        r.error = e
                     r.done.set()
 
-    def _decode(self, reqs: list[_Request], settings: dict[str, Any]) -> None:
-        for r in reqs:
-            if r.cancel.is_set():  # cancelled while waiting for its batch: never decoded
-                r.error = _Cancelled()
-                r.done.set()
-        reqs = [r for r in reqs if not r.done.is_set()]
-        if len(reqs) > 1:
-            try:
-                results = _decode_batch(self.lm, reqs, settings)
-            except Exception:
-                results = None  # one bad input fails the whole batch: answer one at a time
-            if results is not None:
-                with self._lock:
-                    self.batches += 1
-                    self.batched_calls += len(reqs)
-                for r, res in zip(reqs, results, strict=True):
-                    r.result = res
-                    r.done.set()
-                return
-        for r in reqs:
-            try:
-                r.result = _generate(
-                    self.lm, r.query, r.passages, messages=r.messages, rendered=r.rendered,
-                    cancel=r.cancel, **settings,
-                )
-            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-                r.error = e
-            r.done.set()
 
-
-def _continuous_ok(settings: dict[str, Any]) -> bool:
-    """Whether calls with ``settings`` can join a running decode: a step-by-step rule (not
-    a :class:`.policies.base.SequencePolicy`) and settings that are all known."""
-    if any(k not in _SETTINGS for k in settings):  # an unknown keyword: each call gets its error
-        return False
-    try:
-        pol = get_policy(settings.get("policy", "tokrag"), **dict(settings.get("policy_options") or {}))
-        return not isinstance(pol, SequencePolicy)
-    except Exception:  # noqa: BLE001 - a bad setting: each call gets its error at its call
-        return False
-
-
-class _Continuous:
-    """One continuous decode: queued calls are admitted at step boundaries while they fit
-    (``max_rows`` / ``max_positions``), every group's decoder (``main``; ``llm`` for calls
-    without usable passages) takes one step, and a call that finishes gets its result."""
-
-    def __init__(
-        self, batcher: MicroBatcher, key: str, run: _Running, settings: dict[str, Any], seen: list[_Request]
-    ) -> None:
-        self.b, self.key, self.run_, self.seen = batcher, key, run, seen
-        self.settings = settings
-        self.max_new_tokens = int(_api_kwargs(settings, [])["max_new_tokens"])
-        self.decoders: dict[str, Decoder] = {}
-        #: group -> query id -> the call, its trace and text tracker, its timings so far, and
-        #: when its admission and its decode started (perf_counter).
-        self.owners: dict[str, dict[int, tuple[_Request, Any, Any, dict[str, float], float, float]]] = {}
-        self.served = 0
-
-    def _prepare(self, r: _Request) -> Any:
-        return _prepare(self.b.lm, [r.query], [r.passages], **_api_kwargs(self.settings, [r]))
-
-    def _rows(self) -> tuple[int, int]:
-        """Context rows held and the longest row, over every group's decoder."""
-        rows = sum(d.rows_in_use() for d in self.decoders.values())
-        return rows, max((d.width() for d in self.decoders.values()), default=0)
-
-    def _active(self) -> int:
-        return sum(len(d.active) for d in self.decoders.values())
-
-    def _admit(self) -> None:
-        """Admit the queued calls that fit, first come first served; the rest wait."""
-        with self.b._lock:
-            queued, self.run_.queue = self.run_.queue, []
-        self.seen += queued
-        waiting: list[_Request] = []
-        prefilled = 0  # prompt tokens admitted at this boundary
-        budget = self.b.max_prefill_tokens
-        for r in queued:
-            if waiting:  # keep the order: nobody overtakes a call that did not fit
-                waiting.append(r)
-                continue
-            if r.cancel.is_set():
-                r.error = _Cancelled()
-                r.done.set()
-                continue
-            try:
-                if r.prepared is None:
-                    r.prepared = self._prepare(r)
-                if r.need is None:
-                    r.need = self._need(r.prepared)
-            except Exception as e:  # noqa: BLE001 - a bad input: this call's error only
-                r.error = e
-                r.done.set()
-                continue
-            if not self._fits(r.need) or (
-                budget is not None and prefilled > 0 and prefilled + r.need[2] > budget
-            ):
-                waiting.append(r)
-                continue
-            prefilled += r.need[2]
-            self._start(r, r.prepared)
-        if waiting:
-            with self.b._lock:
-                self.run_.queue = waiting + self.run_.queue
-
-    def _need(self, p: Any) -> tuple[int, int, int]:
-        """The context rows a prepared call adds, its longest context and its prompt tokens
-        (positions)."""
-        (group,) = p.groups
-        pol = p.policies[group]
-        pol.prepare(self.b.lm)
-        contexts = pol.contexts(p.plans[0])
-        lengths = [len(c.ids) for c in contexts.values()]
-        return len(lengths), max(lengths), sum(lengths)
-
-    def _fits(self, need: tuple[int, int, int]) -> bool:
-        rows, width = self._rows()
-        if rows == 0:
-            return True  # an empty decode takes any call, however large
-        total = rows + need[0]
-        if total > self.b.max_rows:
-            return False
-        cap = self.b.max_positions
-        return cap is None or total * (max(width, need[1]) + self.max_new_tokens) <= cap
-
-    def _start(self, r: _Request, p: Any) -> None:
-        (group,) = p.groups
-        d = self.decoders.get(group)
-        if d is None:
-            d = self.decoders[group] = Decoder(
-                self.b.lm, p.policies[group], max_new_tokens=self.max_new_tokens, stop=p.stops, speed=p.speed
-            )
-            self.owners[group] = {}
-        joined = self._active() > 0
-        t0 = time.perf_counter()
-        (q,) = d.admit(p.plans)
-        now = time.perf_counter()
-        timings = {
-            "prefill_s": now - t0,
-            "fused": d.timings.get("fused", 0.0),
-            "packed": d.timings.get("packed", 0.0),
-            "joined": float(joined),
-            "queries_in_batch": 0.0,
-        }
-        self.owners[group][q] = (r, p.traces[0], p.trackers[0], timings, t0, now)
-        self.served += 1
-        with self.b._lock:  # counted now: a call may return before the decode ends
-            self.b.joined_calls += int(joined)
-            if self.served == 2:  # a second call makes this decode a batch
-                self.b.batches += 1
-            self.b.batched_calls += 2 if self.served == 2 else int(self.served > 2)
-
-    def _step(self) -> None:
-        n_active = self._active()
-        rows, _ = self._rows()
-        with self.b._lock:
-            self.b.peak_rows = max(self.b.peak_rows, rows)
-        for group, d in self.decoders.items():
-            owners = self.owners[group]
-            for q in d.active:
-                r = owners[q][0]
-                if r.cancel.is_set():  # leaves the batch; the others go on
-                    d.cancel(q)
-                    r.error = _Cancelled()
-                    r.done.set()
-            if not d.active:
-                continue
-            for ev in d.choose():
-                r, trace, tracker, t, t0, t1 = owners[ev.query_idx]
-                t["queries_in_batch"] = max(t["queries_in_batch"], float(n_active))
-                delta = _record_event(trace, tracker, ev)
-                if r.events is not None and (ev.stop_reason != "eos" or delta):
-                    r.events.put(TokenEvent(0, ev.step.index, ev.step.token_id, delta, ev.step.source, ev.step))
-                if ev.finished:
-                    end = time.perf_counter()
-                    trace.timings = {**t, "decode_s": end - t1, "total_s": end - t0}
-                    r.result = _result(trace, tracker)
-                    r.done.set()
-                    if r.events is not None:
-                        r.events.put(None)
-        for d in self.decoders.values():
-            d.advance()
-
-    def _idle_end(self) -> bool:
-        """With nothing decoding: end the decode if no call waits (under the batcher's lock,
-        so that a later call starts a new one), else go on."""
-        with self.b._lock:
-            if self.run_.queue:
-                return False
-            if self.b._running.get(self.key) is self.run_:
-                self.b._running.pop(self.key)
-            return True
-
-    def run(self) -> None:
-        lm = self.b.lm
-        _acquire(lm.lock, None)
-        try:
-            while True:
-                self._admit()
-                if self._active():
-                    self._step()
-                elif self._idle_end():
-                    break
-        finally:
-            lm.lock.release()
-
-
-def _api_kwargs(settings: dict[str, Any], reqs: list[_Request]) -> dict[str, Any]:
-    """The keywords of :func:`_prepare` / :func:`_run` for ``reqs`` decoded under
-    ``settings`` (the entry point's defaults where a setting was not given)."""
-    messages = [r.messages for r in reqs]
-    rendered = [r.rendered for r in reqs]
-    return {
-        "policy": settings.get("policy", "tokrag"),
-        "policy_options": settings.get("policy_options"),
-        "speed": settings.get("speed"),
-        "prompt_format": settings.get("prompt_format", "qa"),
-        "max_new_tokens": settings.get("max_new_tokens", MAX_NEW_TOKENS),
-        "stop": settings.get("stop"),
-        "messages": messages if any(messages) else None,
-        "system_prompt": settings.get("system_prompt", _DEFAULT),
-        "max_context_tokens": settings.get("max_context_tokens"),
-        "rendered": rendered if any(r is not None for r in rendered) else None,
-    }
-
-
-def _decode_batch(lm: LoadedModel, reqs: list[_Request], settings: dict[str, Any]) -> list[GenerationResult]:
-    holder: list[GenerationResult] = []
-    for _ in _run(
-        lm, [r.query for r in reqs], [r.passages for r in reqs], holder=holder, **_api_kwargs(settings, reqs)
-    ):
-        pass
-    return holder
+def _request(lm: LoadedModel, query: str, passages: Any, kwargs: Mapping[str, Any]) -> _Request:
+    """One call's :class:`_Request`, its keywords checked and its prompt built (at the call
+    site: a bad input fails here)."""
+    _check_keywords(kwargs)
+    settings = {**kwargs}
+    messages, rendered = settings.pop("messages", None), settings.pop("rendered", None)
+    return _Request(
+        _prepare(
+            lm,
+            [query],
+            [passages],
+            messages=[messages] if messages else None,
+            rendered=None if rendered is None else [rendered],
+            **settings,
+        )
+    )
 
 
 _BATCHERS_LOCK = threading.Lock()
-
-#: Decode threads that may still be running (see :func:`_join_decodes_at_exit`).
-_DECODE_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-
-
-@atexit.register
-def _join_decodes_at_exit() -> None:
-    """Wait for the decode threads before the interpreter shuts down. A call returns as soon
-    as its own answer is done, while its decode thread still finishes that step; a daemon
-    thread still inside a torch kernel at finalization aborts the process ("terminate called
-    without an active exception"), as :func:`.streams._stop_streams_at_exit` explains."""
-    for thread in list(_DECODE_THREADS):
-        thread.join(timeout=60)
 
 
 def batcher_for(lm: LoadedModel) -> MicroBatcher:
     """The model's shared batcher (one per loaded model, kept on the model handle)."""
     if not isinstance(lm, LoadedModel):
-        raise TypeError("the first argument must be a LoadedModel from tokrag_integrations.load_model()")
+        raise TypeError(
+            "the first argument must be a LoadedModel from tokrag_integrations.load_model()"
+        )
     with _BATCHERS_LOCK:
         b = lm.__dict__.get("_micro_batcher")
         if b is None:
             b = lm.__dict__["_micro_batcher"] = MicroBatcher(lm)
         return b
-
 
 
 # ---------------------------------------------------------------------- entry points
@@ -802,9 +740,16 @@ def generate(
         TypeError / ValueError: a bad argument (checked before anything is decoded).
     """
     kwargs = dict(
-        policy=policy, policy_options=policy_options, speed=speed, max_new_tokens=max_new_tokens,
-        stop=stop, messages=messages, system_prompt=system_prompt,
-        max_context_tokens=max_context_tokens, prompt_format=prompt_format, rendered=rendered,
+        policy=policy,
+        policy_options=policy_options,
+        speed=speed,
+        max_new_tokens=max_new_tokens,
+        stop=stop,
+        messages=messages,
+        system_prompt=system_prompt,
+        max_context_tokens=max_context_tokens,
+        prompt_format=prompt_format,
+        rendered=rendered,
     )
     if not require_bool(batching, "batching"):
         return _generate(lm, query, passages, **kwargs)
@@ -816,18 +761,15 @@ def _generate(
     query: str,
     passages: Sequence[Any] | None = None,
     *,
-    messages: list[dict[str, str]] | None = None,
-    rendered: RenderedPrompt | None = None,
     cancel: threading.Event | None = None,
     **kwargs: Any,
 ) -> GenerationResult:
-    """One call decoded alone (the other keywords: :func:`_prepare`'s, with their defaults
-    from :func:`_api_kwargs`)."""
-    _check_keywords(kwargs)
+    """One call decoded alone (the other keywords: :func:`generate`'s)."""
+    r = _request(lm, query, passages, kwargs)
+    if cancel is not None:
+        r.cancel = cancel
     holder: list[GenerationResult] = []
-    settings = _api_kwargs(kwargs, [])
-    settings.update(messages=[messages] if messages else None, rendered=None if rendered is None else [rendered])
-    for _ in _run(lm, [query], [passages], holder=holder, cancel=cancel, **settings):
+    for _ in _alone(lm, r, holder):
         pass
     return holder[0]
 
@@ -857,14 +799,11 @@ def stream(
     timeout = idle_timeout_from(idle_timeout)
     if require_bool(batching, "batching"):
         return batcher_for(lm).stream(query, passages, idle_timeout=timeout, **kwargs)
-    _check_keywords(kwargs)
+    r = _request(lm, query, passages, kwargs)
     holder: list[GenerationResult] = []
-    stop_event = threading.Event()
-    settings = _api_kwargs(kwargs, [])
-    messages, rendered = kwargs.get("messages"), kwargs.get("rendered")
-    settings.update(messages=[messages] if messages else None, rendered=None if rendered is None else [rendered])
-    gen = _run(lm, [query], [passages], holder=holder, cancel=stop_event, **settings)
-    return TokenStream(gen, holder, stop=stop_event, idle_timeout=timeout, model_lock=lm.lock)
+    return TokenStream(
+        _alone(lm, r, holder), holder, stop=r.cancel, idle_timeout=timeout, model_lock=lm.lock
+    )
 
 
 def _check_keywords(kwargs: Mapping[str, Any]) -> None:
@@ -902,22 +841,40 @@ def generate_batch(
             f"queries must be a list of strings, got a {type(queries).__name__}; "
             "for one question use generate() or pass [question]"
         )
-    if passages is not None and (isinstance(passages, (str, bytes)) or not isinstance(passages, Sequence)):
-        raise TypeError(f"passages must be a list with one list of passages per query, got a {type(passages).__name__}")
-    holder: list[GenerationResult] = []
-    plist = list(passages) if passages is not None else [None] * len(queries)
-    for _ in _run(
-        lm, list(queries), plist, holder=holder, policy=policy, policy_options=policy_options,
-        speed=speed, max_new_tokens=max_new_tokens, stop=stop, messages=None,
-        system_prompt=system_prompt, max_context_tokens=max_context_tokens,
-        prompt_format=prompt_format,
+    if passages is not None and (
+        isinstance(passages, (str, bytes)) or not isinstance(passages, Sequence)
     ):
-        pass
+        raise TypeError(
+            f"passages must be a list with one list of passages per query, got a {type(passages).__name__}"
+        )
+    plist = list(passages) if passages is not None else [None] * len(queries)
+    p = _prepare(
+        lm,
+        list(queries),
+        plist,
+        policy=policy,
+        policy_options=policy_options,
+        speed=speed,
+        max_new_tokens=max_new_tokens,
+        stop=stop,
+        system_prompt=system_prompt,
+        max_context_tokens=max_context_tokens,
+        prompt_format=prompt_format,
+    )
+    holder: list[GenerationResult] = []
+    if p.plans:
+        for _ in _alone(lm, _Request(p), holder):
+            pass
     return holder
 
 
 async def agenerate(
-    lm: LoadedModel, query: str, passages: Sequence[Any] | None = None, *, batching: bool = False, **kwargs: Any
+    lm: LoadedModel,
+    query: str,
+    passages: Sequence[Any] | None = None,
+    *,
+    batching: bool = False,
+    **kwargs: Any,
 ) -> GenerationResult:
     """Async :func:`generate`: the model runs in a worker thread, never on the event loop.
 
@@ -926,9 +883,13 @@ async def agenerate(
     The cancellation is re-raised once the worker has let go of the model.
     """
     if not require_bool(batching, "batching"):
-        return await run_cancellable(lambda cancel: _generate(lm, query, passages, cancel=cancel, **kwargs))
+        return await run_cancellable(
+            lambda cancel: _generate(lm, query, passages, cancel=cancel, **kwargs)
+        )
     batcher = batcher_for(lm)
-    return await run_cancellable(lambda cancel: batcher.generate(query, passages, _cancel=cancel, **kwargs))
+    return await run_cancellable(
+        lambda cancel: batcher.generate(query, passages, _cancel=cancel, **kwargs)
+    )
 
 
 async def astream(
@@ -957,7 +918,9 @@ async def astream_with_result(
         yield item
 
 
-async def _aiterate(open_stream: Callable[[], TokenStream]) -> AsyncIterator[TokenEvent | GenerationResult]:
+async def _aiterate(
+    open_stream: Callable[[], TokenStream],
+) -> AsyncIterator[TokenEvent | GenerationResult]:
     """The events of the stream ``open_stream()`` opens (in a worker thread), then its result,
     read off the event loop; the stream is closed however the iteration ends."""
     loop = asyncio.get_running_loop()

@@ -71,13 +71,17 @@ class _Failure:
         self.error = error
 
 
-#: Stream workers whose decode thread may still be running (see :func:`_stop_streams_at_exit`).
+#: Stream workers whose decode thread may still be running, and the scheduler's decode
+#: threads (a call returns as soon as its own answer is done, while its decode thread still
+#: finishes that step): see :func:`_stop_streams_at_exit`.
 _LIVE_WORKERS: weakref.WeakSet[_StreamWorker] = weakref.WeakSet()
+DECODE_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 
 @atexit.register
 def _stop_streams_at_exit() -> None:
-    """Stop every stream's decode thread and wait for it before the interpreter shuts down.
+    """Stop every stream's decode thread and wait for it, and for the scheduler's decode
+    threads, before the interpreter shuts down.
 
     A decode thread is a daemon thread (an unread stream must not keep the process alive), but
     a daemon thread still inside a torch kernel when the interpreter finalizes is killed in
@@ -89,6 +93,8 @@ def _stop_streams_at_exit() -> None:
         worker.close()
     for worker in list(_LIVE_WORKERS):
         worker.join()
+    for thread in list(DECODE_THREADS):
+        thread.join(timeout=60)
 
 
 class _StreamWorker:
@@ -199,7 +205,9 @@ class TokenStream:
     ):
         self._holder = holder
         self._model_lock = model_lock
-        self._worker = _StreamWorker(gen, stop or threading.Event(), idle_timeout_from(idle_timeout))
+        self._worker = _StreamWorker(
+            gen, stop or threading.Event(), idle_timeout_from(idle_timeout)
+        )
         self._read_lock = threading.Lock()
         self._state = "open"  # open | done | closed | abandoned
         self._finalizer = weakref.finalize(self, self._worker.close)
@@ -284,7 +292,9 @@ async def run_cancellable(call: Callable[[threading.Event], Any]) -> Any:
     until the worker has let go of the model, then re-raises the cancellation."""
     loop = asyncio.get_running_loop()
     cancel = threading.Event()
-    fut = loop.run_in_executor(None, contextvars.copy_context().run, functools.partial(call, cancel))
+    fut = loop.run_in_executor(
+        None, contextvars.copy_context().run, functools.partial(call, cancel)
+    )
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
