@@ -21,7 +21,9 @@ from .base import Choice, Lens, Policy, View
 MIX = "mix"
 
 
-def contrast_logits(rag_logits: torch.Tensor, pure_logits: torch.Tensor, alpha: float | torch.Tensor) -> torch.Tensor:
+def contrast_logits(
+    rag_logits: torch.Tensor, pure_logits: torch.Tensor, alpha: float | torch.Tensor
+) -> torch.Tensor:
     """(1 + α)·logits_RAG − α·logits_LLM (shapes [..., V])."""
     return (1 + alpha) * rag_logits.float() - alpha * pure_logits.float()
 

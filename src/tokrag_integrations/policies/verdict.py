@@ -53,6 +53,7 @@ def verdict_mask(
     texts = vocab_texts(tokenizer) if texts is None else texts
     mask = torch.zeros(V, dtype=torch.bool)
     mask[:n] = torch.tensor(
-        [(t[1:] if t.startswith(" ") else t).lower() in VERDICT_WORDS for t in texts], dtype=torch.bool
+        [(t[1:] if t.startswith(" ") else t).lower() in VERDICT_WORDS for t in texts],
+        dtype=torch.bool,
     )
     return mask
