@@ -39,31 +39,10 @@ def jsd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (0.5 * kl_pm + 0.5 * kl_qm).clamp_min(0.0)
 
 
-def jsd_logp(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """:func:`jsd` from finite log-probabilities, with one logarithm per entry (of the
-    mixture): KL(p‖m) = Σ p·(log p − log m). Shapes [..., V] -> [...]."""
-    _check_dist(logp, "logp")
-    if logp.shape != logq.shape:
-        raise ValueError(
-            f"logp and logq must have the same shape, got {tuple(logp.shape)} and {tuple(logq.shape)}"
-        )
-    logp, logq = logp.float(), logq.float()
-    return _jsd_from(logp, logq, logp.exp(), logq.exp())
-
-
-def _jsd_from(
-    logp: torch.Tensor, logq: torch.Tensor, p: torch.Tensor, q: torch.Tensor
-) -> torch.Tensor:
-    """JSD from float log-probabilities and their exponentials (p = exp(logp), q = exp(logq))."""
-    # m > 0 wherever p or q is; the clamp only keeps 0·log 0 from becoming NaN.
-    logm = (0.5 * (p + q)).clamp_min_(torch.finfo(torch.float32).tiny).log_()
-    kl = (p * (logp - logm)).sum(-1) + (q * (logq - logm)).sum(-1)
-    return (0.5 * kl).clamp_min(0.0)
-
-
 def layer_shift_jsd_logp(lens_logp: torch.Tensor) -> torch.Tensor:
-    """:func:`layer_shift_jsd` from log-probabilities, each layer exponentiated once.
-    Input [..., L+1, V] (leading dimensions: several contexts at once) -> output [..., L]."""
+    """JSD(φ(h^{l-1}), φ(h^l)) for l = 1..L from log-probabilities, with one logarithm per
+    entry (of the mixture): KL(p‖m) = Σ p·(log p − log m). Input [..., L+1, V] (leading
+    dimensions: several contexts at once) -> output [..., L]."""
     if lens_logp.dim() < 2 or lens_logp.shape[-2] < 2:
         raise ValueError(
             f"lens_logp must be [..., L+1, V] with L >= 1, got {tuple(lens_logp.shape)}"
@@ -71,14 +50,11 @@ def layer_shift_jsd_logp(lens_logp: torch.Tensor) -> torch.Tensor:
     _check_dist(lens_logp, "lens_logp")
     logp = lens_logp.float()
     probs = logp.exp()
-    return _jsd_from(logp[..., :-1, :], logp[..., 1:, :], probs[..., :-1, :], probs[..., 1:, :])
-
-
-def layer_shift_jsd(lens_probs: torch.Tensor) -> torch.Tensor:
-    """JSD(phi(h^{l-1}), phi(h^l)) for l = 1..L. Input [L+1, V] -> output [L]."""
-    if lens_probs.dim() != 2 or lens_probs.shape[0] < 2:
-        raise ValueError(f"lens_probs must be [L+1, V] with L >= 1, got {tuple(lens_probs.shape)}")
-    return jsd(lens_probs[:-1], lens_probs[1:])
+    logp, logq, p, q = logp[..., :-1, :], logp[..., 1:, :], probs[..., :-1, :], probs[..., 1:, :]
+    # m > 0 wherever p or q is; the clamp only keeps 0·log 0 from becoming NaN.
+    logm = (0.5 * (p + q)).clamp_min_(torch.finfo(torch.float32).tiny).log_()
+    kl = (p * (logp - logm)).sum(-1) + (q * (logq - logm)).sum(-1)
+    return (0.5 * kl).clamp_min(0.0)
 
 
 def distribution_change_gap(rag_shift: torch.Tensor, pure_shift: torch.Tensor) -> torch.Tensor:

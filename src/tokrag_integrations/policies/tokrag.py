@@ -27,7 +27,6 @@ from ..trace import AGREE, FROM_LLM, FROM_RAG
 from . import signals as S
 from . import vocab
 from .base import Choice, ContextSpec, Lens, Policy, Signals, View, lens_rounds
-from .verdict import verdict_mask
 
 #: Layers per logit-lens request of the l* search: the first one and the later ones (the search
 #: stops at the first crossing of Eq. 14's threshold).
@@ -75,7 +74,7 @@ class TokRAG(Policy):
             :func:`.vocab.gate_mask`) keep it without comparing, as their released decoder
             does; False: Eq. 19 at every disagreement (the paper).
         verdict_gate: keep RAG's token without comparing where a disagreement decides the
-            answer's polarity (:mod:`.verdict`: w_IR, a mixture of retrieved tokens, cannot
+            answer's polarity (:func:`.vocab.verdict_mask`: w_IR, a mixture of retrieved tokens, cannot
             stand for a verdict or a negation): ``"either"`` where either candidate is a
             verdict word, ``"rag"`` where RAG's token is one, None: Eq. 19 decides (the paper).
         punctuation_gate: where the pure model's token has no letter or digit
@@ -203,7 +202,7 @@ class TokRAG(Policy):
         if self.function_word_gate:
             self._gate = mask("gate_mask", vocab.gate_mask)
         if self.verdict_gate is not None:
-            self._verdict = mask("verdict_mask", verdict_mask)
+            self._verdict = mask("verdict_mask", vocab.verdict_mask)
         self._tok = lm.tokenizer
 
     # ------------------------------------------------------------------ rule
