@@ -40,17 +40,6 @@ from ..attention.probe import ProbeRecord
 from ..models import LoadedModel
 from ..prompts import PromptPlan
 
-__all__ = [
-    "Choice",
-    "ContextSpec",
-    "Lens",
-    "Policy",
-    "SequencePolicy",
-    "Signals",
-    "View",
-    "lens_rounds",
-]
-
 
 @dataclass
 class ContextSpec:

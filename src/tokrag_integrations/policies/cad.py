@@ -16,8 +16,7 @@ from ..trace import AGREE, FROM_LLM, FROM_RAG
 from . import signals as S
 from .base import Choice, Lens, Policy, View
 
-#: Source label of a token chosen from a blend of both contexts that neither context's
-#: top-1 proposes on its own.
+#: Source label of a token that neither context's top-1 proposes on its own.
 MIX = "mix"
 
 
@@ -38,9 +37,8 @@ def _source(tid: int, a: int, b: int) -> str:
     return MIX
 
 
-#: Largest α of :class:`CAD`. Far beyond any useful contrast (the paper uses 0.5), and far
-#: below where ``(1 + α)·logits`` overflows float32 to inf - inf = NaN at every token (an
-#: α of 1e308 or infinity decoded an empty answer).
+#: Largest α of :class:`CAD`: far beyond any useful contrast, far below where
+#: ``(1 + α)·logits`` overflows float32 (inf - inf = NaN at every token).
 MAX_ALPHA = 1000.0
 
 

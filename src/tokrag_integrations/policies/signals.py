@@ -22,10 +22,8 @@ def _check_dist(p: torch.Tensor, name: str) -> None:
 
 
 def jsd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Jensen–Shannon divergence in nats over the last dim: 0.5·KL(p‖m) + 0.5·KL(q‖m).
-
-    Symmetric, in [0, ln 2]. Shapes [..., V] -> [...].
-    """
+    """Jensen–Shannon divergence in nats over the last dim, 0.5·KL(p‖m) + 0.5·KL(q‖m), in
+    [0, ln 2]. Shapes [..., V] -> [...]."""
     _check_dist(p, "p")
     if p.shape != q.shape:
         raise ValueError(
@@ -63,13 +61,8 @@ def distribution_change_gap(rag_shift: torch.Tensor, pure_shift: torch.Tensor) -
 
 
 def retrieved_attention_mass(attn_probs: torch.Tensor, rt_positions: torch.Tensor) -> torch.Tensor:
-    """f(l): attention mass on the retrieved positions, averaged over heads.
-
-    Args:
-        attn_probs: [L, H, T] last-position attention probabilities per layer and head.
-        rt_positions: [m] long, positions of retrieved tokens.
-    Returns: [L].
-    """
+    """f(l): attention mass on the retrieved positions ``rt_positions`` [m], averaged over
+    heads: [L, H, T] last-position attention probabilities -> [L]."""
     return attn_probs.index_select(-1, rt_positions).sum(-1).mean(-1)
 
 
@@ -111,10 +104,8 @@ def first_crossing(g: torch.Tensor, bound: float, *, start_layer: int = 1) -> in
 
 def renormalised_attention(attn_probs: torch.Tensor, rt_positions: torch.Tensor) -> torch.Tensor:
     """Att of Eq. 15 at one layer: per head, attention over the retrieved positions
-    renormalised to sum to 1 (the paper's softmax runs over R only), then averaged over heads.
-
-    Args: attn_probs [H, T]; rt_positions [m]. Returns [m].
-    """
+    renormalised to sum to 1 (the paper's softmax runs over R only), then averaged over heads:
+    [H, T] and [m] positions -> [m]."""
     sub = attn_probs.index_select(-1, rt_positions)
     total = sub.sum(-1, keepdim=True)
     per_head = torch.where(total > 0, sub / total.clamp_min(1e-30), 1.0 / sub.shape[-1])

@@ -271,8 +271,7 @@ class TokRAG(Policy):
     def signals(self, pure: View, rag: View) -> Signals:
         """Eq. 13-18 at one step where the candidates differ (a :data:`Signals` generator)."""
         L, A = self._L, self._A
-        rt = rag.rt_positions
-        rt_ids = rag.rt_token_ids
+        rt, rt_ids = rag.rt_positions, rag.rt_token_ids
         h_rag = rag.record.resid[:, 0]  # [L+1, d]
         if self.fixed_layer is not None:
             l_star, f_layer, g_layer, rag_logp = self.fixed_layer, None, None, {}
@@ -326,16 +325,13 @@ class TokRAG(Policy):
     def _fusion_layer(
         self, pure: View, rag: View, attn: torch.Tensor
     ) -> Generator[torch.Tensor, torch.Tensor, tuple[int, int, int, dict[int, torch.Tensor]]]:
-        """l* of Eq. 14 searched from ``self._lo``; also returns the RAG context's lensed
-        log-probabilities computed on the way ({layer: [V]}), reused for x^{l'-l*}.
-
-        g(l), Eq. 13, is computed lazily: only up to the first layer crossing the threshold,
-        a few layers per lens request (each request reads the LM head once): the pure rows
-        (layer 0 shared with the RAG row when both contexts were fed the same token), the
-        RAG rows, and the extra RAG rows x^{l'-l*} may need (the final layer when it is not
-        the model's own output, and every l* a crossing in this chunk would give)."""
-        L = self._L
-        V = self._A.shape[0]
+        """l* of Eq. 14 searched from ``self._lo``, and the RAG context's lensed
+        log-probabilities computed on the way ({layer: [V]}), reused for x^{l'-l*}. g(l),
+        Eq. 13, only up to the first crossing, a few layers per lens request: the pure rows
+        (layer 0 shared with the RAG row where both contexts were fed the same token), the
+        RAG rows, and the RAG rows x^{l'-l*} may need (the final layer when it is not the
+        model's own output, and every l* a crossing in this request would give)."""
+        L, V = self._L, self._A.shape[0]
         h_pure, h_rag = pure.record.resid[:, 0], rag.record.resid[:, 0]  # [L+1, d]
         f = S.retrieved_attention_mass(attn, rag.rt_positions)
         lo = max(1, self._lo)

@@ -296,11 +296,11 @@ class TokRAGReference(Policy):
         self._fixed = self.fixed_layer if self.fixed_layer is not None else reference_layer(L) + 1
         if not 1 <= self._fixed <= L:
             raise ValueError(f"fixed_layer must be in [1, {L}], got {self._fixed}")
-        V = self._A.shape[0]
-        key = (id(lm.tokenizer), len(lm.tokenizer), V)
-        self._gate = lm.memo(("gate_mask", *key), lambda: gate_mask(lm.tokenizer, vocab_size=V))
-        self._skip = lm.memo(("skip_mask", *key), lambda: skip_mask(lm.tokenizer, vocab_size=V))
-        self._tok = lm.tokenizer
+        tok, V = lm.tokenizer, self._A.shape[0]
+        key = (id(tok), len(tok), V)
+        self._gate = lm.memo(("gate_mask", *key), lambda: gate_mask(tok, vocab_size=V))
+        self._skip = lm.memo(("skip_mask", *key), lambda: skip_mask(tok, vocab_size=V))
+        self._tok = tok
 
     def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
         return [self._one(v["pure"], v["rag"]) for v in views]
@@ -333,11 +333,6 @@ class TokRAGReference(Policy):
             skip=self._skip,
             **preset_kwargs("generation"),
         )
-        return {
-            "l_star": self._fixed,
-            "cos_ir": sig["cos_ir"],
-            "cos_llm": sig["cos_llm"],
-            "benefit": sig["benefit"],
-            "margin": sig["margin"],
-            "attended": [self._tok.decode([t]) for t in sig["attended"]],
-        }
+        kept = {k: sig[k] for k in ("cos_ir", "cos_llm", "benefit", "margin")}
+        attended = [self._tok.decode([t]) for t in sig["attended"]]
+        return {"l_star": self._fixed, **kept, "attended": attended}
