@@ -286,8 +286,7 @@ def test_punctuation_gate_keeps_rags_token_where_the_pure_model_offers_punctuati
 
 
 def test_verdict_mask_covers_verdicts_and_negators_whole_tokens_only(lm):
-    from tokrag_integrations.policies.verdict import verdict_mask
-    from tokrag_integrations.policies.vocab import vocab_texts
+    from tokrag_integrations.policies.vocab import verdict_mask, vocab_texts
 
     texts = vocab_texts(lm.tokenizer)
     mask = verdict_mask(lm.tokenizer, vocab_size=len(texts) + 3, texts=texts)

@@ -16,8 +16,8 @@ Which inline code spans (single backticks; fenced code blocks are skipped) are c
   defined at the top level of some module (``TokRAG``, ``PromptBuilder``). Anything else
   (``lm.lock``, ``r.text``: a variable of an example) is not a name of the package.
 * **A name qualified by a file**: on a line, the spans after ``` `path.py`: ``` up to the
-  next ``;`` or ``|`` are names inside that module (``` `policies/verdict.py`: `verdict_mask` ```
-  means ``policies.verdict.verdict_mask``).
+  next ``;`` or ``|`` are names inside that module (``` `policies/vocab.py`: `verdict_mask` ```
+  means ``policies.vocab.verdict_mask``).
 
 How a dotted name resolves: the longest leading part that names a module (its dotted path
 from the package root, or the tail of one: ``tokrag_reference`` matches

@@ -37,34 +37,34 @@ def test_jsd_finite_with_subnormal_probabilities():
     assert p[0, 2].item() > 0 and (0.5 * (p[0, 2] + p[1, 2])).item() == 0.0  # rounds to 0
     d = S.jsd(p[0], p[1])
     assert torch.isfinite(d) and 0 < d.item() <= math.log(2)
-    assert S.jsd_logp(logp[0], logp[1]).item() == pytest.approx(d.item(), rel=1e-5)
     shift = S.layer_shift_jsd_logp(logp)
     assert torch.isfinite(shift).all()
+    assert shift[0].item() == pytest.approx(d.item(), rel=1e-5)
 
 
-def test_jsd_logp_matches_jsd():
+def test_layer_shift_jsd_logp_matches_jsd():
     torch.manual_seed(0)
     logits = torch.randn(5, 300) * 4
     logp = torch.log_softmax(logits, dim=-1)
-    want = S.layer_shift_jsd(logp.exp())
+    p = logp.exp()
+    want = S.jsd(p[:-1], p[1:])
     got = S.layer_shift_jsd_logp(logp)
     assert torch.allclose(got, want, atol=1e-6)
-    assert S.jsd_logp(logp[0], logp[0]).item() == pytest.approx(0.0, abs=1e-6)
-    with pytest.raises(ValueError, match="same shape"):
-        S.jsd_logp(logp[0], logp[0, :10])
+    same = S.layer_shift_jsd_logp(torch.stack([logp[0], logp[0]]))
+    assert same.item() == pytest.approx(0.0, abs=1e-6)
     # Several contexts at once give each context's shifts, bit for bit.
     other = torch.log_softmax(torch.randn(5, 300) * 2, dim=-1)
     both = S.layer_shift_jsd_logp(torch.stack([logp, other]))
     assert both.shape == (2, 4)
     assert torch.equal(both[0], got) and torch.equal(both[1], S.layer_shift_jsd_logp(other))
-    assert torch.allclose(both[1], S.jsd_logp(other[:-1], other[1:]), atol=1e-7)
+    assert torch.allclose(both[1], S.jsd(other.exp()[:-1], other.exp()[1:]), atol=1e-6)
     with pytest.raises(ValueError, match="L >= 1"):
         S.layer_shift_jsd_logp(logp[:1])
 
 
 def test_layer_shift_and_gap():
     lens = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.5, 0.5]])
-    shift = S.layer_shift_jsd(lens)
+    shift = S.jsd(lens[:-1], lens[1:])  # consecutive layers
     assert shift.shape == (2,)
     assert shift[1].item() == pytest.approx(0.0, abs=1e-12)
     assert shift[0].item() > 0

@@ -36,7 +36,9 @@ def make_lens(lm: LoadedModel, share: bool = True) -> Lens:
         if share and len(blocks) > 1:
             out = logit_lens(parts, torch.cat(blocks), final_norm=final_norm)
             return list(torch.log_softmax(out, dim=-1).split([b.shape[0] for b in blocks]))
-        return [torch.log_softmax(logit_lens(parts, b, final_norm=final_norm), dim=-1) for b in blocks]
+        return [
+            torch.log_softmax(logit_lens(parts, b, final_norm=final_norm), dim=-1) for b in blocks
+        ]
 
     return lens
 
@@ -86,23 +88,29 @@ class ContextView:
             [ids[p] for p in self.spec.rt_positions], dtype=torch.long, device=self.logits.device
         )
 
-    def attention(self, layer_idx: int) -> torch.Tensor:
-        """[H, T] attention of the last position at 0-based layer ``layer_idx`` (recomputed)."""
+    def _probe(
+        self, layers: range | list[int]
+    ) -> tuple[ProbeRecord, list[torch.Tensor], torch.Tensor]:
+        """The record, the cached keys [1, kv_heads, T, hd] of ``layers`` and the valid keys
+        [1, seen] of this row."""
         rec = self.record
         if rec is None:
             raise RuntimeError("this policy did not ask for probe records of this context")
+        b, r = self._batch, self._row
+        keys = [cached_keys(b.cache, i)[b.cache_row(r)][None] for i in layers]
+        return rec, keys, b.mask[r : r + 1, : self._seen].bool()
+
+    def attention(self, layer_idx: int) -> torch.Tensor:
+        """[H, T] attention of the last position at 0-based layer ``layer_idx`` (recomputed)."""
         if layer_idx not in self._attn:
-            b, r, seen = self._batch, self._row, self._seen
-            keys = cached_keys(b.cache, layer_idx)[b.cache_row(r)][None]
-            if keys.shape[2] > seen:  # a full cache holding later positions of a block
-                keys = keys[:, :, :seen]
-            valid = b.mask[r : r + 1, :seen].bool()
+            rec, (keys,), valid = self._probe([layer_idx])
+            seen = self._seen
+            keys = keys[:, :, :seen]  # a cache may hold room for later positions
             if rec.query is not None and keys.shape[2] == seen:
-                got = attention_from_queries(
-                    [rec.query[layer_idx][0]], [rec.query_scale[layer_idx]], [keys], valid, seen  # type: ignore[index]
-                )[0]
+                q, scale = rec.query[layer_idx][0], rec.query_scale[layer_idx]  # type: ignore[index]
+                got = attention_from_queries([q], [scale], [keys], valid, seen)[0]
             else:
-                got = attention_row(b.parts, layer_idx, rec, keys, valid, seen)[0]
+                got = attention_row(self._batch.parts, layer_idx, rec, keys, valid, seen)[0]
             self._attn[layer_idx] = got
         return self._attn[layer_idx]
 
@@ -110,23 +118,15 @@ class ContextView:
         """[L, H, T] attention of the last position at every layer (recomputed in one go)."""
         if self._attn_all is not None:
             return self._attn_all
-        rec = self.record
-        if rec is None:
-            raise RuntimeError("this policy did not ask for probe records of this context")
-        b, r, seen = self._batch, self._row, self._seen
-        n = len(b.cache.layers)
+        b, n = self._batch, len(self._batch.cache.layers)
         if not b.keeps_every_position():
             return torch.stack([self.attention(i) for i in range(n)])
-        cr = b.cache_row(r)
-        keys = [cached_keys(b.cache, i)[cr][None] for i in range(n)]
-        valid = b.mask[r : r + 1, :seen].bool()
-        if rec.query is not None:
-            # The forward pass left this position's rotated queries: one q·K per layer.
-            out = attention_from_queries(
-                [q[0] for q in rec.query], rec.query_scale, keys, valid, seen  # type: ignore[arg-type]
-            )
+        rec, keys, valid = self._probe(range(n))
+        if rec.query is not None:  # the forward pass left the rotated queries: one q·K a layer
+            queries = [q[0] for q in rec.query]
+            out = attention_from_queries(queries, rec.query_scale, keys, valid, self._seen)  # type: ignore[arg-type]
         else:
-            out = attention_rows(b.parts, rec, keys, valid, seen)
+            out = attention_rows(b.parts, rec, keys, valid, self._seen)
         for i in range(n):
             self._attn.setdefault(i, out[i])
         self._attn_all = out

@@ -1,11 +1,9 @@
 """Decoding policies: one rule per module, over the engine's step loop.
 
 ``get_policy(name, **options)`` builds a policy by name and is the one place a policy's
-options are checked (:func:`_checked_options`); ``available_policies()`` lists the names;
-``register_policy(name, "module:Class")`` adds a rule. The contract a rule is written
-against (:class:`.base.Policy`, :class:`.base.View`, :class:`.base.Choice`,
-:class:`.base.ContextSpec`) is in :mod:`.base`; importing this package stays cheap (no torch:
-the CLI lists names without it).
+options are checked; ``available_policies()`` lists the names; ``register_policy(name,
+"module:Class")`` adds a rule. The contract a rule is written against is in :mod:`.base`.
+Importing this package stays cheap (no torch: the CLI lists names without it).
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ __all__ = [
 _BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
 
 _P = "tokrag_integrations.policies"
-#: name -> "module:Class" (full dotted module names). A new policy is a new small module
-#: plus one line here.
+#: name -> "module:Class" (full dotted module names).
 _REGISTRY: dict[str, str] = {
     "llm": f"{_P}.baselines:PureLLM",
     "rag": f"{_P}.baselines:StandardRAG",
@@ -119,12 +116,12 @@ def _checked_options(name: str, cls: type, options: dict[str, Any]) -> dict[str,
                 f"option {key!r} of policy {name!r} must be a number, got NaN (not a number)"
             )
         param = known[key]
-        if value is not None and _is_numeric(param) and (
-            isinstance(value, bool) or not isinstance(value, numbers.Real)
+        if (
+            value is not None
+            and _is_numeric(param)
+            and (isinstance(value, bool) or not isinstance(value, numbers.Real))
         ):
-            raise ValueError(
-                f"option {key!r} of policy {name!r} must be a number, got {value!r}"
-            )
+            raise ValueError(f"option {key!r} of policy {name!r} must be a number, got {value!r}")
         if param.annotation in (bool, "bool") or (
             param.annotation is inspect.Parameter.empty and isinstance(param.default, bool)
         ):
@@ -133,9 +130,8 @@ def _checked_options(name: str, cls: type, options: dict[str, Any]) -> dict[str,
 
 
 def _is_numeric(param: inspect.Parameter) -> bool:
-    """Whether the option ``param`` takes numbers only (annotated ``int`` or ``float``,
-    maybe ``| None``; the annotations are strings under ``from __future__ import
-    annotations``), so that ``"abc"`` is refused by name rather than by ``float()``."""
+    """Whether the option ``param`` takes numbers only (annotated ``int`` or ``float``, maybe
+    ``| None``; the annotations may be strings)."""
     ann = param.annotation
     text = ann.__name__ if isinstance(ann, type) else ann if isinstance(ann, str) else ""
     names = set(re.findall(r"[A-Za-z_]\w*", text))
@@ -143,8 +139,7 @@ def _is_numeric(param: inspect.Parameter) -> bool:
 
 
 def _is_nan(value: Any) -> bool:
-    """``value`` is NaN, or a string that ``float()`` reads as NaN (a NaN compares False with
-    everything, so a NaN threshold would silently pick one side at every step)."""
+    """``value`` is NaN, or a string that ``float()`` reads as NaN."""
     if isinstance(value, str):
         try:
             value = float(value)

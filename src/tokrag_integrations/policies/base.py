@@ -23,14 +23,9 @@ context) and a :data:`Lens`; the rule returns one :class:`Choice` per query::
     register_policy("confident", "my_package.rules:Confident")
 
 A rule that reads the lens a few rows at a time (Tok-RAG's l* search) writes one
-:data:`Signals` generator per query and runs them with :func:`lens_rounds`: one lens call per
-round for the whole batch.
-
-A sequence-level rule (RAG-Sequence) is not decided token by token: it subclasses
-:class:`SequencePolicy`, whose members the engine reads instead of calling ``choose``
-(greedy candidates under ``candidate_policy``, each scored under every context by teacher
-forcing, :meth:`SequencePolicy.log_p` picks one). How fast a rule is decoded is not the
-rule's business: that is ``speed=`` (:class:`..engine.speed.Speed`).
+:data:`Signals` generator per query and runs them with :func:`lens_rounds`. A sequence-level
+rule (RAG-Sequence) subclasses :class:`SequencePolicy` instead. How fast a rule is decoded is
+not the rule's business: that is ``speed=`` (:class:`..engine.speed.Speed`).
 """
 
 from __future__ import annotations
@@ -44,8 +39,6 @@ import torch
 from ..attention.probe import ProbeRecord
 from ..models import LoadedModel
 from ..prompts import PromptPlan
-
-__all__ = ["Choice", "ContextSpec", "Lens", "Policy", "SequencePolicy", "Signals", "View", "lens_rounds"]
 
 
 @dataclass
@@ -130,7 +123,6 @@ def lens_rounds(gens: list[Signals], lens: Lens, final_norm: bool) -> list[dict[
     return out
 
 
-
 @dataclass
 class Choice:
     """A policy's decision at one step."""
@@ -172,8 +164,9 @@ class Policy:
 
 
 class SequencePolicy(Policy):
-    """A sequence-level rule: whole answers, then one choice (the engine's
-    ``decode_sequence``). ``contexts`` are the contexts every candidate is scored under."""
+    """A sequence-level rule: greedy candidates under ``candidate_policy``, each scored under
+    every context of :meth:`contexts` by teacher forcing, then :meth:`log_p` picks one (the
+    engine reads these members instead of calling ``choose``)."""
 
     #: The rule decoding the candidates of :meth:`candidate_plans`, and a query without
     #: passages.

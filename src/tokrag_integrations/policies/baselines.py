@@ -38,6 +38,9 @@ class TwoContextFloor(Policy):
     def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
         out = []
         for v in views:
-            a, b = int(torch.argmax(v["pure"].logits).item()), int(torch.argmax(v["rag"].logits).item())
+            a, b = (
+                int(torch.argmax(v["pure"].logits).item()),
+                int(torch.argmax(v["rag"].logits).item()),
+            )
             out.append(Choice(b, AGREE if a == b else FROM_RAG))
         return out

@@ -16,12 +16,13 @@ from ..trace import AGREE, FROM_LLM, FROM_RAG
 from . import signals as S
 from .base import Choice, Lens, Policy, View
 
-#: Source label of a token chosen from a blend of both contexts that neither context's
-#: top-1 proposes on its own.
+#: Source label of a token that neither context's top-1 proposes on its own.
 MIX = "mix"
 
 
-def contrast_logits(rag_logits: torch.Tensor, pure_logits: torch.Tensor, alpha: float | torch.Tensor) -> torch.Tensor:
+def contrast_logits(
+    rag_logits: torch.Tensor, pure_logits: torch.Tensor, alpha: float | torch.Tensor
+) -> torch.Tensor:
     """(1 + α)·logits_RAG − α·logits_LLM (shapes [..., V])."""
     return (1 + alpha) * rag_logits.float() - alpha * pure_logits.float()
 
@@ -36,9 +37,8 @@ def _source(tid: int, a: int, b: int) -> str:
     return MIX
 
 
-#: Largest α of :class:`CAD`. Far beyond any useful contrast (the paper uses 0.5), and far
-#: below where ``(1 + α)·logits`` overflows float32 to inf - inf = NaN at every token (an
-#: α of 1e308 or infinity decoded an empty answer).
+#: Largest α of :class:`CAD`: far beyond any useful contrast, far below where
+#: ``(1 + α)·logits`` overflows float32 (inf - inf = NaN at every token).
 MAX_ALPHA = 1000.0
 
 

@@ -73,9 +73,7 @@ class RAGSequence(SequencePolicy):
     def log_p(self, weights: Sequence[float | None], log_p_passages: Sequence[float]) -> float:
         """log p(y|x) = log Σ_z p(z|x)·p(y|x, z) from the candidate's log p(y|x, z) per
         passage (passages of weight 0 left out; 0.0 where there is none)."""
-        terms = [
-            math.log(w) + lp for w, lp in zip(weights, log_p_passages, strict=True) if w
-        ]
+        terms = [math.log(w) + lp for w, lp in zip(weights, log_p_passages, strict=True) if w]
         return torch.logsumexp(torch.tensor(terms), 0).item() if terms else 0.0
 
     def candidate_source(self, passage: int | None) -> str:

@@ -74,5 +74,7 @@ class RAGToken(Policy):
         best = roles[int(torch.argmax(w * per).item())]
         # Provenance: the passage that contributes most probability mass to the chosen token.
         return Choice(
-            tid, best, {"p_mix": float(mixed[tid].item()), "p_passage": [round(float(x), 4) for x in per]}
+            tid,
+            best,
+            {"p_mix": float(mixed[tid].item()), "p_passage": [round(float(x), 4) for x in per]},
         )

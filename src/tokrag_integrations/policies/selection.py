@@ -9,6 +9,8 @@ scores of the token-level benefit/detriment classification (> 0 means "RAG wins"
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..trace import AGREE, FROM_LLM, FROM_RAG
@@ -28,9 +30,8 @@ def entropy_margin(pure_probs: torch.Tensor, rag_probs: torch.Tensor) -> float:
 
 class _MarginSelection(Policy):
     roles = ("pure", "rag")
-
-    def margin(self, pure_probs: torch.Tensor, rag_probs: torch.Tensor) -> float:
-        raise NotImplementedError
+    #: ``margin(pure_probs, rag_probs)``: >= 0 keeps the RAG token.
+    margin: Callable[[torch.Tensor, torch.Tensor], float]
 
     def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
         return [self._one(v["pure"], v["rag"]) for v in views]
@@ -48,15 +49,11 @@ class LogprobSelection(_MarginSelection):
     """Keep the candidate whose top-1 log-probability is higher (ties keep RAG)."""
 
     name = "logprob"
-
-    def margin(self, pure_probs: torch.Tensor, rag_probs: torch.Tensor) -> float:
-        return logprob_margin(pure_probs, rag_probs)
+    margin = staticmethod(logprob_margin)
 
 
 class EntropySelection(_MarginSelection):
     """Keep the candidate whose context's next-token entropy is lower (ties keep RAG)."""
 
     name = "entropy"
-
-    def margin(self, pure_probs: torch.Tensor, rag_probs: torch.Tensor) -> float:
-        return entropy_margin(pure_probs, rag_probs)
+    margin = staticmethod(entropy_margin)

@@ -22,67 +22,37 @@ def _check_dist(p: torch.Tensor, name: str) -> None:
 
 
 def jsd(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Jensen–Shannon divergence in nats over the last dim: 0.5·KL(p‖m) + 0.5·KL(q‖m).
-
-    Symmetric, in [0, ln 2]. Shapes [..., V] -> [...].
-    """
+    """Jensen–Shannon divergence in nats over the last dim, 0.5·KL(p‖m) + 0.5·KL(q‖m), in
+    [0, ln 2]. Shapes [..., V] -> [...]."""
     _check_dist(p, "p")
     if p.shape != q.shape:
-        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
-    p = p.float()
-    q = q.float()
-    # KL(a||m) = Σ a·log a − a·log m; xlogy gives 0·log 0 = 0. m > 0 wherever a > 0, except
-    # that half a subnormal probability (< 1e-45, common in logit-lens distributions) rounds
-    # to 0, which made log m = -inf and the JSD inf/NaN; the clamp keeps m positive there.
+        raise ValueError(
+            f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}"
+        )
+    p, q = p.float(), q.float()
+    # xlogy gives 0·log 0 = 0; the clamp keeps m > 0 where half a subnormal p rounds to 0.
     m = (0.5 * (p + q)).clamp_min_(torch.finfo(torch.float32).tiny)
     kl_pm = (torch.xlogy(p, p) - torch.xlogy(p, m)).sum(-1)
     kl_qm = (torch.xlogy(q, q) - torch.xlogy(q, m)).sum(-1)
     return (0.5 * kl_pm + 0.5 * kl_qm).clamp_min(0.0)
 
 
-def jsd_logp(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """:func:`jsd` from log-probabilities (finite, e.g. ``log_softmax`` of logits).
-
-    One logarithm per entry (of the mixture) instead of four: KL(p‖m) = Σ p·(log p − log m).
-    Shapes [..., V] -> [...].
-    """
-    _check_dist(logp, "logp")
-    if logp.shape != logq.shape:
+def layer_shift_jsd_logp(lens_logp: torch.Tensor) -> torch.Tensor:
+    """JSD(φ(h^{l-1}), φ(h^l)) for l = 1..L from log-probabilities, with one logarithm per
+    entry (of the mixture): KL(p‖m) = Σ p·(log p − log m). Input [..., L+1, V] (leading
+    dimensions: several contexts at once) -> output [..., L]."""
+    if lens_logp.dim() < 2 or lens_logp.shape[-2] < 2:
         raise ValueError(
-            f"logp and logq must have the same shape, got {tuple(logp.shape)} and {tuple(logq.shape)}"
+            f"lens_logp must be [..., L+1, V] with L >= 1, got {tuple(lens_logp.shape)}"
         )
-    logp, logq = logp.float(), logq.float()
-    return _jsd_from(logp, logq, logp.exp(), logq.exp())
-
-
-def _jsd_from(logp: torch.Tensor, logq: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """JSD from float log-probabilities and their exponentials (p = exp(logp), q = exp(logq))."""
+    _check_dist(lens_logp, "lens_logp")
+    logp = lens_logp.float()
+    probs = logp.exp()
+    logp, logq, p, q = logp[..., :-1, :], logp[..., 1:, :], probs[..., :-1, :], probs[..., 1:, :]
     # m > 0 wherever p or q is; the clamp only keeps 0·log 0 from becoming NaN.
     logm = (0.5 * (p + q)).clamp_min_(torch.finfo(torch.float32).tiny).log_()
     kl = (p * (logp - logm)).sum(-1) + (q * (logq - logm)).sum(-1)
     return (0.5 * kl).clamp_min(0.0)
-
-
-def layer_shift_jsd_logp(lens_logp: torch.Tensor) -> torch.Tensor:
-    """:func:`layer_shift_jsd` from log-probabilities. Input [..., L+1, V] -> output [..., L]
-    (leading dimensions: several contexts at once).
-
-    The same arithmetic as :func:`jsd_logp` of consecutive layers, with each layer's
-    probabilities exponentiated once instead of twice.
-    """
-    if lens_logp.dim() < 2 or lens_logp.shape[-2] < 2:
-        raise ValueError(f"lens_logp must be [..., L+1, V] with L >= 1, got {tuple(lens_logp.shape)}")
-    _check_dist(lens_logp, "lens_logp")
-    logp = lens_logp.float()
-    probs = logp.exp()
-    return _jsd_from(logp[..., :-1, :], logp[..., 1:, :], probs[..., :-1, :], probs[..., 1:, :])
-
-
-def layer_shift_jsd(lens_probs: torch.Tensor) -> torch.Tensor:
-    """JSD(phi(h^{l-1}), phi(h^l)) for l = 1..L. Input [L+1, V] -> output [L]."""
-    if lens_probs.dim() != 2 or lens_probs.shape[0] < 2:
-        raise ValueError(f"lens_probs must be [L+1, V] with L >= 1, got {tuple(lens_probs.shape)}")
-    return jsd(lens_probs[:-1], lens_probs[1:])
 
 
 def distribution_change_gap(rag_shift: torch.Tensor, pure_shift: torch.Tensor) -> torch.Tensor:
@@ -91,13 +61,8 @@ def distribution_change_gap(rag_shift: torch.Tensor, pure_shift: torch.Tensor) -
 
 
 def retrieved_attention_mass(attn_probs: torch.Tensor, rt_positions: torch.Tensor) -> torch.Tensor:
-    """f(l): attention mass on the retrieved positions, averaged over heads.
-
-    Args:
-        attn_probs: [L, H, T] last-position attention probabilities per layer and head.
-        rt_positions: [m] long, positions of retrieved tokens.
-    Returns: [L].
-    """
+    """f(l): attention mass on the retrieved positions ``rt_positions`` [m], averaged over
+    heads: [L, H, T] last-position attention probabilities -> [L]."""
     return attn_probs.index_select(-1, rt_positions).sum(-1).mean(-1)
 
 
@@ -111,12 +76,10 @@ def fusion_layer(
 ) -> tuple[int, int, int]:
     """l* of Eq. 14 = floor((argmax_l f(l) + min{l : g(l) > a}) / 2).
 
-    ``f`` and ``g`` are [L] with index ``l - 1`` for layer l. ``g`` is compared with
-    ``threshold * vocab_size`` (the paper's a is per vocabulary entry). Layers below
-    ``min_fusion_layer`` are not searched; when no layer crosses the threshold the second
-    term is L. ``g`` may be shorter than ``f`` (computed lazily up to the first crossing).
-
-    Returns: (l*, argmax layer of f, first crossing layer of g), all 1-based.
+    ``f`` and ``g`` are [L] with index ``l - 1`` for layer l; ``g`` is compared with
+    ``threshold * vocab_size`` (a is per vocabulary entry) and may be shorter than ``f``.
+    Layers below ``min_fusion_layer`` are not searched; with no crossing the second term is L.
+    Returns (l*, argmax layer of f, first crossing layer of g), all 1-based.
     """
     n_layers = f.shape[0]
     if n_layers == 0:
@@ -141,31 +104,23 @@ def first_crossing(g: torch.Tensor, bound: float, *, start_layer: int = 1) -> in
 
 def renormalised_attention(attn_probs: torch.Tensor, rt_positions: torch.Tensor) -> torch.Tensor:
     """Att of Eq. 15 at one layer: per head, attention over the retrieved positions
-    renormalised to sum to 1 (the paper's softmax runs over R only), then averaged over heads.
-
-    Args: attn_probs [H, T]; rt_positions [m]. Returns [m].
-    """
+    renormalised to sum to 1 (the paper's softmax runs over R only), then averaged over heads:
+    [H, T] and [m] positions -> [m]."""
     sub = attn_probs.index_select(-1, rt_positions)
     total = sub.sum(-1, keepdim=True)
     per_head = torch.where(total > 0, sub / total.clamp_min(1e-30), 1.0 / sub.shape[-1])
     return per_head.mean(0)
 
 
-#: Where the l* search of Eq. 14 starts, as a fraction of the depth L. The first reading of
-#: "the end of the shallow stage" is 10/32 (the authors' code searches above layer 10 of 32);
-#: on the dev sets the middle of the model measured better on both models (docs/results.md,
-#: "Choosing the defaults"), so the default is L/2. ``min_fusion_layer=0.3125`` gives the 10/32 start.
+#: Where the l* search of Eq. 14 starts, as a fraction of the depth L: L/2 by default; the
+#: authors' code searches above layer 10 of 32 (``min_fusion_layer=0.3125``).
 DEFAULT_FUSION_FRACTION = 0.5
 SHALLOW_STAGE_FRACTION = 10 / 32
 
 
 def default_min_fusion_layer(num_layers: int, fraction: float = DEFAULT_FUSION_FRACTION) -> int:
-    """Start of the l* search (Eq. 14): round(L·fraction), at least layer 1.
-
-    The paper places the fusion point at "the third turning point", the middle-layer maximum
-    of f after the shallow lexical peak (Sec. 3.1, Exp 1), so the shallow layers are not
-    searched (docs/algorithm.md, "Eq. 14").
-    """
+    """Start of the l* search (Eq. 14): round(L·fraction), at least layer 1 (the shallow
+    layers are not searched: docs/algorithm.md, "Eq. 14")."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     return max(1, round(num_layers * fraction))
@@ -181,31 +136,29 @@ def plausible_tokens(final_logp: torch.Tensor, alpha: float) -> torch.Tensor:
 def rising_token(
     final_logp: torch.Tensor, fusion_logp: torch.Tensor, *, alpha: float | None = 0.1
 ) -> int:
-    """x^{l'−l*}: the token whose log-probability rises most from layer l* to the final layer.
-
-    Read as DoLa reads a layer contrast (docs/algorithm.md, "Eq. 15"): log φ(h~^L) − log φ(h~^{l*}) over the
-    tokens plausible under the final distribution (:func:`plausible_tokens`, ``alpha``).
-    ``alpha=None`` is the unconstrained argmax over the whole vocabulary (the literal
-    reading; for it log-probabilities and logits give the same argmax).
-    """
+    """x^{l'−l*}: the token whose log-probability rises most from layer l* to the final layer,
+    log φ(h~^L) − log φ(h~^{l*}) (DoLa's layer contrast, docs/algorithm.md, "Eq. 15"), over the
+    tokens plausible under the final distribution (:func:`plausible_tokens`; ``alpha=None``:
+    the whole vocabulary, the literal reading)."""
     rise = final_logp.float() - fusion_logp.float()
     if alpha is not None:
         rise = rise.masked_fill(~plausible_tokens(final_logp.float(), alpha), float("-inf"))
     return int(torch.argmax(rise).item())
 
 
-def word_similarity(embeddings: torch.Tensor, token_id: int, rt_token_ids: torch.Tensor) -> torch.Tensor:
+def word_similarity(
+    embeddings: torch.Tensor, token_id: int, rt_token_ids: torch.Tensor
+) -> torch.Tensor:
     """WordSim of Eq. 15: softmax_j (A[x] · A[rt_j]). Returns [m]."""
     a = embeddings.float()
     return torch.softmax(a[rt_token_ids] @ a[token_id], dim=-1)
 
 
-def retrieval_distribution(att: torch.Tensor, wordsim: torch.Tensor, *, pr_norm: str = "sum") -> torch.Tensor:
-    """p_R of Eq. 16 over the retrieved positions from Att ⊙ WordSim.
-
-    ``pr_norm="softmax"`` is the paper's literal softmax (nearly uniform, since both factors
-    lie in [0, 1]); ``"sum"`` divides the product by its sum.
-    """
+def retrieval_distribution(
+    att: torch.Tensor, wordsim: torch.Tensor, *, pr_norm: str = "sum"
+) -> torch.Tensor:
+    """p_R of Eq. 16 over the retrieved positions from Att ⊙ WordSim: ``"softmax"`` the
+    paper's (nearly uniform: both factors lie in [0, 1]), ``"sum"`` the product over its sum."""
     prod = att * wordsim
     if pr_norm == "softmax":
         return torch.softmax(prod, dim=-1)
@@ -217,13 +170,17 @@ def retrieval_distribution(att: torch.Tensor, wordsim: torch.Tensor, *, pr_norm:
     raise ValueError(f"pr_norm must be 'sum' or 'softmax', got {pr_norm!r}")
 
 
-def positions_to_vocab(p_r: torch.Tensor, rt_token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def positions_to_vocab(
+    p_r: torch.Tensor, rt_token_ids: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
     """Map p_R over positions onto the vocabulary (repeated tokens add up). Returns [V]."""
     out = torch.zeros(vocab_size, dtype=p_r.dtype, device=p_r.device)
     return out.index_add_(0, rt_token_ids, p_r)
 
 
-def retrieval_embedding(embeddings: torch.Tensor, p_r: torch.Tensor, rt_token_ids: torch.Tensor) -> torch.Tensor:
+def retrieval_embedding(
+    embeddings: torch.Tensor, p_r: torch.Tensor, rt_token_ids: torch.Tensor
+) -> torch.Tensor:
     """w_IR = Σ_j p_R(j) · A[rt_j]."""
     return p_r.float() @ embeddings[rt_token_ids].float()
 
@@ -251,11 +208,8 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def benefit_wins(cos_ir: float, cos_llm: float, threshold: float = 0.0) -> bool:
-    """Eq. 19: benefit wins iff cos(w_RAG, w_IR) − cos(w_RAG, w_LLM) >= threshold (the paper: 0).
-
-    Theorem 2 only says the benefit-detriment gap is monotone in this score; a threshold
-    other than 0 is an explicit option fixed on dev data (docs/algorithm.md, "Eq. 19").
-    """
+    """Eq. 19: benefit wins iff cos(w_RAG, w_IR) − cos(w_RAG, w_LLM) >= threshold (the paper:
+    0; Theorem 2 only orders the margin)."""
     if math.isnan(cos_ir) or math.isnan(cos_llm):
         raise ValueError("cosine similarities must not be NaN")
     return cos_ir - cos_llm >= threshold
@@ -272,13 +226,10 @@ def restricted_jsd(p: torch.Tensor, q: torch.Tensor, support: torch.Tensor) -> f
 def distribution_scores(
     p_rag: torch.Tensor, p_llm: torch.Tensor, p_r_vocab: torch.Tensor, *, support_k: int = 10
 ) -> tuple[float, float]:
-    """Theorem 3 on the distributions themselves (Eq. 12; docs/algorithm.md, "Eq. 19").
-
-    Benefit − detriment grows with Sim(p_RAG, p_R) − Sim(p_RAG, p_LLM). Similarity is read
-    as −JSD over the union of the three distributions' top-``support_k`` tokens (each
-    renormalised there). Returns (JSD(p_RAG, p_R), JSD(p_RAG, p_LLM)); benefit wins iff the
-    first is not larger.
-    """
+    """Theorem 3 on the distributions (Eq. 12): benefit − detriment grows with
+    Sim(p_RAG, p_R) − Sim(p_RAG, p_LLM), Sim = −JSD over the union of the three
+    distributions' top-``support_k`` tokens (each renormalised there). Returns
+    (JSD(p_RAG, p_R), JSD(p_RAG, p_LLM)); benefit wins iff the first is not larger."""
     k = min(support_k, p_rag.shape[-1])
     support = torch.unique(
         torch.cat([torch.topk(x.float(), k).indices for x in (p_rag, p_llm, p_r_vocab)])

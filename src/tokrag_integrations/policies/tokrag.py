@@ -1,29 +1,21 @@
 """Tok-RAG (seed 000, Sections 3.1–3.2): keep the RAG token where benefit outweighs detriment.
 
 At every step the pure LLM proposes ``a`` and RAG proposes ``b``. Where they agree the token
-is taken at once (no signals: this is where most of the speed comes from). Where they differ,
-the policy estimates the distribution of the retrieved texts p_R from the model's own layers
-and attention (Eq. 13–16) and keeps ``b`` iff cos(w_RAG, w_IR) − cos(w_RAG, w_LLM) >= the
-threshold (Eq. 19: 0).
+is taken at once, with no signals. Where they differ, the policy estimates the distribution of
+the retrieved texts p_R from the model's own layers and attention (Eq. 13–16) and keeps ``b``
+iff cos(w_RAG, w_IR) − cos(w_RAG, w_LLM) >= the threshold (Eq. 19: 0).
 
-Defaults, each chosen on the dev sets (docs/results.md, "Choosing the defaults"): l* searched
-from L/2 (the "middle-layer maximum" of docs/algorithm.md, "Eq. 14"), the rising token on log-probabilities over
-DoLa-plausible tokens with the final norm (α = 0.5: among RAG's leading candidates), the
-retrieved punctuation left out of p_R (the authors' code skips it too), RAG's function words
-kept without comparing (the authors' released decoder does so), RAG's token kept without
-comparing where either candidate is a verdict word (yes / no and negators; :mod:`.verdict`:
-w_IR cannot stand for them) or the pure model's is punctuation, RAG's token kept where it is
-x^{l'-l*} itself and threshold −0.1. The paper's rule as written is
-``function_word_gate=False, verdict_gate=None, rising_gate=False, punctuation_gate=False,
-threshold=0, plausibility_alpha=0.1, pr_skip=None`` (DoLa's α); the literal reading of Eq.
-14-15 adds ``min_fusion_layer=0, plausibility_alpha=None, lens_norm=False``.
-
-The authors' released rule is its own policy, ``tokrag_reference`` (:mod:`.tokrag_reference`).
+The defaults (:class:`TokRAG`'s Args) were chosen on the dev sets (docs/results.md, "Choosing
+the defaults"). The paper's rule as written is ``function_word_gate=False, verdict_gate=None,
+rising_gate=False, punctuation_gate=False, threshold=0, plausibility_alpha=0.1, pr_skip=None``;
+the literal reading of Eq. 14-15 adds ``min_fusion_layer=0, plausibility_alpha=None,
+lens_norm=False``. The authors' released rule is the policy ``tokrag_reference``.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Generator
 from typing import Any
 
@@ -35,16 +27,13 @@ from ..trace import AGREE, FROM_LLM, FROM_RAG
 from . import signals as S
 from . import vocab
 from .base import Choice, ContextSpec, Lens, Policy, Signals, View, lens_rounds
-from .verdict import verdict_mask
 
-#: Layers per logit-lens product, from the start of the l* search: the first one and the later
-#: ones (each product reads the LM head once for both contexts plus the rows x^{l'-l*} may
-#: need; the search stops at the first crossing of Eq. 14's threshold).
+#: Layers per logit-lens request of the l* search: the first one and the later ones (the search
+#: stops at the first crossing of Eq. 14's threshold).
 _LENS_FIRST = 5
 _LENS_CHUNK = 3
 
-#: The defaults that differ from the paper's rule, each fixed on the dev sets (docs/results.md,
-#: "Choosing the defaults" and the sections on each gate); the class docstring says what each does.
+#: The defaults that differ from the paper's rule (the class docstring says what each does).
 DEFAULT_THRESHOLD = -0.1  # Eq. 19's margin threshold (paper: 0)
 DEFAULT_PLAUSIBILITY_ALPHA = 0.5  # DoLa's α on x^{l'-l*} (paper rule: 0.1)
 DEFAULT_PR_SKIP = "punctuation"  # retrieved tokens left out of p_R (paper: None)
@@ -59,52 +48,41 @@ class TokRAG(Policy):
     Args:
         min_fusion_layer: first layer searched by both terms of Eq. 14: an int is a layer
             (0 = the literal all-layer argmax), a float in (0, 1) a fraction of the depth L
-            (0.3125 = round(L·10/32), the authors' end of the shallow stage), None = L/2, the
-            start that measured best on dev (:data:`..signals.DEFAULT_FUSION_FRACTION`).
+            (0.3125 = round(L·10/32), the authors' end of the shallow stage), None = L/2
+            (:data:`.signals.DEFAULT_FUSION_FRACTION`).
         fixed_layer: use this l* instead of Eq. 14 (None = Eq. 14).
         plausibility_alpha: x^{l'−l*} is searched among the tokens with p_final >= α·max
-            p_final (DoLa's constraint; None = the whole vocabulary, the literal reading). The
-            default, 0.5, keeps the search among RAG's own leading candidates and was fixed on
-            the dev sets; DoLa (and the paper rule) use 0.1.
+            p_final (DoLa's constraint; None = the whole vocabulary, the literal reading).
+            0.5 keeps the search among RAG's own leading candidates; DoLa uses 0.1.
         lens_norm: apply the final norm in the logit lens of the middle layers (True = the
             usual lens, the paper; False = the authors' code). The final layer is always the
             model's own (normed) output distribution when ``plausibility_alpha`` is set.
         pr_norm: ``"sum"`` (Att⊙WordSim divided by its sum) or ``"softmax"`` (Eq. 16 literal).
         pr_skip: which retrieved positions Eq. 15-16 leave out of p_R (f of Eq. 14 still
-            counts them all): ``"punctuation"`` (default, fixed on the dev sets) = the tokens
-            with no letter or digit (:func:`.vocab.punctuation_mask`), None = none (the paper),
-            ``"reference"`` = the authors' skip list (punctuation pieces and single digits,
-            :func:`.vocab.skip_mask`). Where every retrieved token is skipped,
-            none is.
+            counts them all): ``"punctuation"`` = the tokens with no letter or digit
+            (:func:`.vocab.punctuation_mask`), None = none (the paper), ``"reference"`` = the
+            authors' skip list (:func:`.vocab.skip_mask`). Where every retrieved token is
+            skipped, none is.
         top_k: truncate w_RAG / w_LLM to the top-k tokens (None = full vocabulary).
         scorer: ``"cosine"`` (Eq. 17-19: cos(w_RAG, w_IR) >= cos(w_RAG, w_LLM)) or
             ``"distribution"`` (Theorem 3 on the distributions: JSD(p_RAG, p_R) <=
-            JSD(p_RAG, p_LLM), :func:`..signals.distribution_scores`).
-        threshold: benefit wins iff the scorer's margin is >= this. Eq. 19 uses 0; Theorem 2
-            only orders the margin, so the default, -0.1, was fixed on the dev sets
-            (docs/results.md, "Choosing the defaults"); ``threshold=0`` is the paper's rule.
+            JSD(p_RAG, p_LLM), :func:`.signals.distribution_scores`).
+        threshold: benefit wins iff the scorer's margin is >= this (Eq. 19: 0; Theorem 2
+            only orders the margin).
         jsd_threshold: Eq. 14's a, per vocabulary entry.
-        function_word_gate: where RAG's token is a function word (the authors'
-            list, :func:`.vocab.gate_mask`) keep it without comparing, as their
-            released decoder does (its step 1); the comparison of Eq. 19 is then made only
-            where the candidates differ in content (default, chosen on the dev sets). False:
-            Eq. 19 at every disagreement, the paper's loop.
-        verdict_gate: where a disagreement decides the answer's polarity, keep
-            RAG's token without comparing (:mod:`.verdict`: w_IR, a mixture of retrieved
-            tokens, cannot stand for a verdict or a negation). ``"either"`` (default, chosen
-            on the dev sets): where either candidate is a verdict word (it overrides a
-            pure-model "No" too, so the answer states RAG's verdict); ``"rag"``: where RAG's
-            token is one; None: Eq. 19 decides (the paper).
+        function_word_gate: where RAG's token is a function word (the authors' list,
+            :func:`.vocab.gate_mask`) keep it without comparing, as their released decoder
+            does; False: Eq. 19 at every disagreement (the paper).
+        verdict_gate: keep RAG's token without comparing where a disagreement decides the
+            answer's polarity (:func:`.vocab.verdict_mask`: w_IR, a mixture of retrieved tokens, cannot
+            stand for a verdict or a negation): ``"either"`` where either candidate is a
+            verdict word, ``"rag"`` where RAG's token is one, None: Eq. 19 decides (the paper).
         punctuation_gate: where the pure model's token has no letter or digit
-            (:func:`.vocab.punctuation_mask`) and RAG's differs, keep RAG's token without
-            comparing: a punctuation token states nothing the pure model knows, so Eq. 19 can
-            only change the answer's framing there (quoting the question instead of answering
-            it). The authors' gate does the same for RAG's punctuation. Default True (chosen on
-            the dev sets); False: Eq. 19 decides (the paper).
-        rising_gate: where Eq. 19 would keep the pure model's token but RAG's
-            token is x^{l'−l*} itself (of RAG's plausible tokens, the one its layers after the
-            fusion layer l* raised most), keep RAG's token (default True, chosen on the dev
-            sets); False: Eq. 19 decides (the paper).
+            (:func:`.vocab.punctuation_mask`) keep RAG's token without comparing (a
+            punctuation token states nothing the pure model knows); False: Eq. 19 decides.
+        rising_gate: where Eq. 19 would keep the pure model's token but RAG's token is
+            x^{l'−l*} itself (of RAG's plausible tokens, the one its layers after l* raised
+            most), keep RAG's token; False: Eq. 19 decides (the paper).
     """
 
     name = "tokrag"
@@ -133,8 +111,16 @@ class TokRAG(Policy):
             raise ValueError(f"pr_skip must be None, 'punctuation' or 'reference', got {pr_skip!r}")
         if scorer not in ("cosine", "distribution"):
             raise ValueError(f"scorer must be 'cosine' or 'distribution', got {scorer!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        if verdict_gate not in (None, "rag", "either"):
+            raise ValueError(f"verdict_gate must be None, 'rag' or 'either', got {verdict_gate!r}")
+        if top_k is not None and (
+            isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1
+        ):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        if fixed_layer is not None and (
+            isinstance(fixed_layer, bool) or not isinstance(fixed_layer, int)
+        ):
+            raise ValueError(f"fixed_layer must be an int or None, got {fixed_layer!r}")
         if min_fusion_layer is not None and (
             isinstance(min_fusion_layer, bool)
             or not isinstance(min_fusion_layer, int | float)
@@ -146,18 +132,20 @@ class TokRAG(Policy):
                 f"(0, 1)) or None, got {min_fusion_layer!r}"
             )
         if plausibility_alpha is not None and not 0.0 < float(plausibility_alpha) <= 1.0:
-            raise ValueError(f"plausibility_alpha must be in (0, 1] or None, got {plausibility_alpha!r}")
-        if verdict_gate not in (None, "rag", "either"):
-            raise ValueError(f"verdict_gate must be None, 'rag' or 'either', got {verdict_gate!r}")
-        flags = {"function_word_gate": function_word_gate, "rising_gate": rising_gate,
-                 "punctuation_gate": punctuation_gate, "lens_norm": lens_norm}
+            raise ValueError(
+                f"plausibility_alpha must be in (0, 1] or None, got {plausibility_alpha!r}"
+            )
+        flags = {
+            "function_word_gate": function_word_gate,
+            "rising_gate": rising_gate,
+            "punctuation_gate": punctuation_gate,
+            "lens_norm": lens_norm,
+        }
         for key, value in flags.items():
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be True or False, got {value!r}")
         if jsd_threshold < 0:
             raise ValueError(f"jsd_threshold must be >= 0, got {jsd_threshold}")
-        if fixed_layer is not None and (isinstance(fixed_layer, bool) or not isinstance(fixed_layer, int)):
-            raise ValueError(f"fixed_layer must be an int or None, got {fixed_layer!r}")
         self.pr_norm, self.pr_skip, self.scorer = pr_norm, pr_skip, scorer
         self.threshold, self.top_k = float(threshold), top_k
         self.min_fusion_layer, self.lens_norm = min_fusion_layer, lens_norm
@@ -167,13 +155,14 @@ class TokRAG(Policy):
         self.rising_gate, self.punctuation_gate = rising_gate, punctuation_gate
 
     def options(self) -> dict[str, Any]:
-        keys = (
-            "scorer", "threshold", "pr_norm", "pr_skip", "top_k", "min_fusion_layer",
-            "plausibility_alpha", "lens_norm", "jsd_threshold", "function_word_gate",
-            "verdict_gate", "rising_gate", "punctuation_gate",
-        )
+        """Every constructor argument (``fixed_layer`` only where it is set)."""
+        keys = list(inspect.signature(TokRAG.__init__).parameters)[1:]
         out = {k: getattr(self, k) for k in keys}
-        return out if self.fixed_layer is None else {**out, "fixed_layer": self.fixed_layer}
+        return (
+            out
+            if self.fixed_layer is not None
+            else {k: v for k, v in out.items() if k != "fixed_layer"}
+        )
 
     def contexts(self, plan: Any) -> dict[str, ContextSpec]:
         """Both contexts, probed (the signals read their layers)."""
@@ -187,43 +176,34 @@ class TokRAG(Policy):
         self._A = self._parts.embedding_matrix.detach()
         self._L = self._parts.num_layers
         m = self.min_fusion_layer
-        if m is None:
-            self._lo = S.default_min_fusion_layer(self._L)
-        elif isinstance(m, float):
-            self._lo = S.default_min_fusion_layer(self._L, m)
-        else:
-            self._lo = m
+        fraction = S.DEFAULT_FUSION_FRACTION if m is None else m
+        self._lo = m if isinstance(m, int) else S.default_min_fusion_layer(self._L, fraction)
         if self._lo > self._L:
-            raise ValueError(
-                f"min_fusion_layer={self._lo} exceeds the model's {self._L} layers"
-            )
+            raise ValueError(f"min_fusion_layer={self._lo} exceeds the model's {self._L} layers")
         if self.fixed_layer is not None and not 1 <= self.fixed_layer <= self._L:
             raise ValueError(f"fixed_layer must be in [1, {self._L}], got {self.fixed_layer}")
-        # Vocabulary masks depend only on the tokenizer: built once per model. Each reads every
-        # token decoded; the decoding is shared by the masks built in this call.
-        V = self._A.shape[0]
-        key = (id(lm.tokenizer), len(lm.tokenizer), V)
-        texts = functools.cache(lambda: vocab.vocab_texts(lm.tokenizer))
+        # The vocabulary masks, built once per tokenizer (the decoded vocabulary shared).
+        tok, V = lm.tokenizer, self._A.shape[0]
+        texts = functools.cache(lambda: vocab.vocab_texts(tok))
+
+        def mask(name: str, build: Any) -> torch.Tensor:
+            return lm.memo(
+                (name, id(tok), len(tok), V), lambda: build(tok, vocab_size=V, texts=texts())
+            )
 
         if self.pr_skip == "punctuation" or self.punctuation_gate:
-            self._punct = lm.memo(
-                ("pr_skip:punctuation", *key), lambda: vocab.punctuation_mask(lm.tokenizer, vocab_size=V, texts=texts())
-            )
+            self._punct = mask("pr_skip:punctuation", vocab.punctuation_mask)
         # p_R's skip mask is indexed by the retrieved tokens' ids, which live on the model's
         # device; the gates' masks are read one token at a time and stay on the CPU.
-        if self.pr_skip == "punctuation":
+        if self.pr_skip == "reference":
+            skip = lm.memo(("skip_mask", id(tok), len(tok), V), lambda: vocab.skip_mask(tok, vocab_size=V))
+            self._pr_skip = skip.to(self._A.device)
+        elif self.pr_skip == "punctuation":
             self._pr_skip = self._punct.to(self._A.device)
-        elif self.pr_skip == "reference":
-            mask = lm.memo(("skip_mask", *key), lambda: vocab.skip_mask(lm.tokenizer, vocab_size=V))
-            self._pr_skip = mask.to(self._A.device)
         if self.function_word_gate:
-            self._gate = lm.memo(
-                ("gate_mask", *key), lambda: vocab.gate_mask(lm.tokenizer, vocab_size=V, texts=texts())
-            )
+            self._gate = mask("gate_mask", vocab.gate_mask)
         if self.verdict_gate is not None:
-            self._verdict = lm.memo(
-                ("verdict_mask", *key), lambda: verdict_mask(lm.tokenizer, vocab_size=V, texts=texts())
-            )
+            self._verdict = mask("verdict_mask", vocab.verdict_mask)
         self._tok = lm.tokenizer
 
     # ------------------------------------------------------------------ rule
@@ -232,7 +212,9 @@ class TokRAG(Policy):
         every query left per round, :func:`.base.lens_rounds`)."""
         out = [self._gated(v["pure"], v["rag"]) for v in views]
         todo = [i for i, c in enumerate(out) if c is None]
-        sigs = lens_rounds([self.signals(views[i]["pure"], views[i]["rag"]) for i in todo], lens, self.lens_norm)
+        sigs = lens_rounds(
+            [self.signals(views[i]["pure"], views[i]["rag"]) for i in todo], lens, self.lens_norm
+        )
         for i, sig in zip(todo, sigs, strict=True):
             out[i] = self._decide(views[i]["pure"], views[i]["rag"], sig)
         return out
@@ -290,8 +272,7 @@ class TokRAG(Policy):
     def signals(self, pure: View, rag: View) -> Signals:
         """Eq. 13-18 at one step where the candidates differ (a :data:`Signals` generator)."""
         L, A = self._L, self._A
-        rt = rag.rt_positions
-        rt_ids = rag.rt_token_ids
+        rt, rt_ids = rag.rt_positions, rag.rt_token_ids
         h_rag = rag.record.resid[:, 0]  # [L+1, d]
         if self.fixed_layer is not None:
             l_star, f_layer, g_layer, rag_logp = self.fixed_layer, None, None, {}
@@ -345,16 +326,13 @@ class TokRAG(Policy):
     def _fusion_layer(
         self, pure: View, rag: View, attn: torch.Tensor
     ) -> Generator[torch.Tensor, torch.Tensor, tuple[int, int, int, dict[int, torch.Tensor]]]:
-        """l* of Eq. 14 searched from ``self._lo``; also returns the RAG context's lensed
-        log-probabilities computed on the way ({layer: [V]}), reused for x^{l'-l*}.
-
-        g(l), Eq. 13, is computed lazily: only up to the first layer crossing the threshold,
-        a few layers per lens request (each request reads the LM head once): the pure rows
-        (layer 0 shared with the RAG row when both contexts were fed the same token), the
-        RAG rows, and the extra RAG rows x^{l'-l*} may need (the final layer when it is not
-        the model's own output, and every l* a crossing in this chunk would give)."""
-        L = self._L
-        V = self._A.shape[0]
+        """l* of Eq. 14 searched from ``self._lo``, and the RAG context's lensed
+        log-probabilities computed on the way ({layer: [V]}), reused for x^{l'-l*}. g(l),
+        Eq. 13, only up to the first crossing, a few layers per lens request: the pure rows
+        (layer 0 shared with the RAG row where both contexts were fed the same token), the
+        RAG rows, and the RAG rows x^{l'-l*} may need (the final layer when it is not the
+        model's own output, and every l* a crossing in this request would give)."""
+        L, V = self._L, self._A.shape[0]
         h_pure, h_rag = pure.record.resid[:, 0], rag.record.resid[:, 0]  # [L+1, d]
         f = S.retrieved_attention_mass(attn, rag.rt_positions)
         lo = max(1, self._lo)
@@ -367,7 +345,9 @@ class TokRAG(Policy):
         while done_to < L:
             stop = min(start + (_LENS_FIRST if prev is None else _LENS_CHUNK) - 1, L)
             layers = list(range(done_to + 1, stop + 1))
-            extra = ([L] if not self.lens_norm else []) + [(f_arg + c) // 2 for c in range(max(start, lo), stop + 1)]
+            extra = ([L] if not self.lens_norm else []) + [
+                (f_arg + c) // 2 for c in range(max(start, lo), stop + 1)
+            ]
             extra = sorted({x for x in extra if x not in rag_logp and x not in layers})
             share0 = layers[0] == 0 and torch.equal(h_pure[0], h_rag[0])
             p_layers = layers[1:] if share0 else layers

@@ -1,64 +1,49 @@
 """The Tok-RAG authors' released decision rule (public repo xsc1234/Tok-RAG, commit f78f1b3).
 
 A port, written from scratch, of what their code computes at one decoding step; the citations
-below name the file and lines each step follows. Three places in their repository implement
-the rule, with different settings (the presets in :data:`PRESETS`):
+name the file and lines each step follows. Three places in their repository implement the
+rule, with different settings (:data:`PRESETS`):
 
-``"generation"`` — the collaborative decoding loop
+``"generation"`` (the default) — the collaborative decoding loop,
     ``my_transformers/generation/utils.py``, ``dola_greedy_decode_multi_ids`` (2877-3190),
-    its comparison in ``get_predict_emb_contrastive`` (2822-2875). This is Tok-RAG as a
-    decoder, and the default here. (No released script reaches it: ``generate`` only
-    dispatches to it when ``no_rag_ids`` is passed (1600), and its ``rate`` has no default
-    (``None``, 1197), which would fail at line 2872.)
+    its comparison in ``get_predict_emb_contrastive`` (2822-2875). (No released script
+    reaches it: ``generate`` dispatches to it only when ``no_rag_ids`` is passed (1600), and
+    its ``rate`` has no default (``None``, 1197), which would fail at line 2872.)
 ``"odqa"`` — ``Open-domain-QA/Tok-RAG_for_ODQA.py`` (598-629 with 427-472): the same rule
     applied once per question, at the first content token after "is", as a classifier.
 ``"token_level"`` — ``Primary experiment/comparing_benefit_and_detriment.py`` (692-729): a
-    teacher-forced, every-token classifier with other settings.
+    teacher-forced, every-token classifier.
 
-The steps (line numbers of the "generation" path; the ODQA script has the same steps at
-the lines in brackets):
+The steps (utils.py lines; the ODQA script's in brackets):
 
-1. Gate (utils.py 3070-3073): decode the RAG argmax token; if the text is in their
-   ``filter_words`` list (utils.py 2960-2964; ODQA 400-402) RAG's token is taken with no
-   comparison. :func:`gate_mask`.
-2. Attention (utils.py 3083, 3086-3087 [ODQA 605-608]): the post-softmax attention
-   weights (``outputs.attentions``, one entry per decoder layer, modeling_llama.py 831-832,
-   softmax at 362) of the fixed 0-based decoder layer 20 of 32 (the ODQA script sweeps
-   layers 0-31 over the whole test set instead, 689/693/797), restricted to the retrieved
-   prefix, *averaged over heads without renormalisation*. :func:`head_mean_attention`.
-   (Their code reads query row 0 (``[0, :, 0, :]``): right once the KV cache holds the
-   prompt, but at the first generated token row 0 is the prompt's first token, a bug the
-   caller must not copy: pass the last position's row.)
-3. Ranking (utils.py 3088 [ODQA 609]): retrieved positions sorted by that attention,
-   the top 100 (ODQA: all of them).
-4. Selection (utils.py 2853-2858 [ODQA 452-456]): walk the ranking, skip a position whose
-   token piece (``convert_ids_to_tokens``) is one of ``skip_words`` (utils.py 2824-2825; ODQA
-   405): digits, ``.``, ``<s>``, ``'``, ``)``, ``-``, ``]:``, ``]``, ``}:``, ``:``, ``▁``,
-   ``▁[``; stop after 3 positions that were not skipped. :func:`skip_mask`,
-   :func:`select_attended`.
-5. w_IR candidates (utils.py 2859-2862 [ODQA 457-461]): for each chosen position i the
-   input embeddings (``model.model.embed_tokens``, ODQA 578) of the retrieved tokens at
-   i-2 ... i+1 (``right = idx + token_window - 1``: an asymmetric 4-token window, clipped to
-   the retrieved span; the neighbours are *not* checked against ``skip_words``).
-6. cos_IR (utils.py 2852, 2863-2866 [ODQA 451, 463-466]): the maximum, over those single
-   tokens, of cos(w_RAG, embedding); the running maximum starts at 0, so cos_IR >= 0.
-7. w_RAG (utils.py 3092, 2827-2832 [ODQA 613, 429-435]): Σ p·E over the top-**2** tokens of
-   the RAG *probabilities* (``temp['logits']`` is a softmax, 3064-3066), input embeddings.
-8. w_LLM, cos_LLM (utils.py 2838-2848 [ODQA 440-449]): the same over the top-**3** tokens of
-   the pure-LLM probabilities; cos_LLM = cos(w_RAG, w_LLM).
-9. Decision (utils.py 2872, 3102-3105 [ODQA 469]): keep RAG's distribution iff
-   ``rate * cos_IR > cos_LLM`` (strict; ODQA: rate 1), else the pure LLM's; the token is
-   the argmax of the kept one. Steps 2-9 run at every step not gated by step 1, whether or
-   not the two argmaxes differ (utils.py 3063-3101).
+1. Gate (3070-3073): if the decoded RAG argmax token is in their ``filter_words``
+   (2960-2964; ODQA 400-402), RAG's token is taken with no comparison. :func:`gate_mask`.
+2. Attention (3083, 3086-3087 [605-608]): the post-softmax attention (``outputs.attentions``,
+   modeling_llama.py 831-832) of the fixed 0-based decoder layer 20 of 32 (the ODQA script
+   sweeps layers 0-31, 689/693/797), restricted to the retrieved prefix, *averaged over heads
+   without renormalisation*. :func:`head_mean_attention`. (Their code reads query row 0
+   (``[0, :, 0, :]``), which at the first generated token is the prompt's first token, a bug
+   not copied: pass the last position's row.)
+3. Ranking (3088 [609]): retrieved positions sorted by that attention, the top 100 (ODQA: all).
+4. Selection (2853-2858 [452-456]): walk the ranking, skip a position whose token piece is
+   one of ``skip_words`` (2824-2825; ODQA 405), stop after 3 positions not skipped.
+   :func:`skip_mask`, :func:`select_attended`.
+5. w_IR candidates (2859-2862 [457-461]): for each chosen position i the input embeddings of
+   the retrieved tokens at i-2 ... i+1 (an asymmetric window clipped to the retrieved span;
+   the neighbours are *not* checked against ``skip_words``).
+6. cos_IR (2852, 2863-2866 [451, 463-466]): the maximum, over those single tokens, of
+   cos(w_RAG, embedding); the running maximum starts at 0, so cos_IR >= 0.
+7. w_RAG (3092, 2827-2832 [613, 429-435]): Σ p·E over the top-**2** RAG probabilities.
+8. w_LLM, cos_LLM (2838-2848 [440-449]): the same over the top-**3** pure-LLM probabilities;
+   cos_LLM = cos(w_RAG, w_LLM).
+9. Decision (2872, 3102-3105 [469]): keep RAG's distribution iff ``rate * cos_IR > cos_LLM``
+   (strict; ODQA: rate 1), else the pure LLM's. Steps 2-9 run at every step not gated by
+   step 1, whether or not the two argmaxes differ (3063-3101).
 
-Their token-level script differs (comparing_benefit_and_detriment.py): 0-based layer 16
-(701), head mean (702), top-10 positions (703), no skip list, single tokens (no window,
-704-706), w_RAG and w_LLM both over the top-3 probabilities (685, 690, 697-698, 707-711,
-718-722), the maximum over attention ranks 3-7 only (``cos_sim[2:7]``, 715-716, no 0
-floor), benefit iff that maximum > cos_LLM (726-729), at every answer token (696).
-
-The functions here read no model: the caller passes the step's tensors (see
-:func:`reference_signals`); :class:`TokRAGReference` is the rule as a policy.
+Their token-level script differs: 0-based layer 16 (701), top-10 positions (703), no skip
+list, single tokens (704-706), w_RAG and w_LLM both over the top-3 probabilities (685-722),
+the maximum over attention ranks 3-7 only (``cos_sim[2:7]``, 715-716, no 0 floor), benefit
+iff that maximum > cos_LLM (726-729), at every answer token (696).
 """
 
 from __future__ import annotations
@@ -78,31 +63,21 @@ from .vocab import gate_mask, skip_mask
 #: Settings of the three places the rule is implemented (see the module docstring).
 #: ``layer_fraction``: 0-based decoder layer / 32 (LLaMA-2-7B). ``max_ranked``: how many
 #: ranked positions are walked (None = all). ``rank_offset``: leading ranks dropped.
+_GENERATION: dict[str, Any] = dict(
+    layer_fraction=20 / 32,
+    max_ranked=100,
+    rank_offset=0,
+    n_positions=3,
+    window=(2, 1),
+    use_skip=True,
+    top_k_rag=2,
+    top_k_llm=3,
+    floor=0.0,
+    gate=True,
+)
 PRESETS: dict[str, dict[str, Any]] = {
-    "generation": dict(
-        layer_fraction=20 / 32,
-        max_ranked=100,
-        rank_offset=0,
-        n_positions=3,
-        window=(2, 1),
-        use_skip=True,
-        top_k_rag=2,
-        top_k_llm=3,
-        floor=0.0,
-        gate=True,
-    ),
-    "odqa": dict(
-        layer_fraction=20 / 32,
-        max_ranked=None,
-        rank_offset=0,
-        n_positions=3,
-        window=(2, 1),
-        use_skip=True,
-        top_k_rag=2,
-        top_k_llm=3,
-        floor=0.0,
-        gate=True,
-    ),
+    "generation": _GENERATION,
+    "odqa": {**_GENERATION, "max_ranked": None},
     "token_level": dict(
         layer_fraction=16 / 32,
         max_ranked=10,
@@ -117,23 +92,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-#: The keyword arguments of :func:`reference_signals` held by a preset.
-SIGNAL_KEYS = (
-    "max_ranked",
-    "rank_offset",
-    "n_positions",
-    "window",
-    "top_k_rag",
-    "top_k_llm",
-    "floor",
-)
-
 
 def preset_kwargs(preset: str = "generation") -> dict[str, Any]:
-    """The :func:`reference_signals` keyword arguments of a preset (``skip`` not included:
-    pass :func:`skip_mask` where ``PRESETS[preset]["use_skip"]``)."""
-    p = PRESETS[preset]
-    return {k: p[k] for k in SIGNAL_KEYS}
+    """The :func:`reference_signals` keyword arguments of a preset: all its settings but the
+    layer, the skip list and the gate, which the caller applies (pass :func:`skip_mask` as
+    ``skip`` where ``PRESETS[preset]["use_skip"]``)."""
+    caller = ("layer_fraction", "use_skip", "gate")
+    return {k: v for k, v in PRESETS[preset].items() if k not in caller}
 
 
 def reference_layer(num_layers: int, preset: str = "generation") -> int:
@@ -308,7 +273,9 @@ class TokRAGReference(Policy):
     roles = ("pure", "rag")
 
     def __init__(self, fixed_layer: int | None = None):
-        if fixed_layer is not None and (isinstance(fixed_layer, bool) or not isinstance(fixed_layer, int)):
+        if fixed_layer is not None and (
+            isinstance(fixed_layer, bool) or not isinstance(fixed_layer, int)
+        ):
             raise ValueError(f"fixed_layer must be an int or None, got {fixed_layer!r}")
         self.fixed_layer = fixed_layer
 
@@ -329,11 +296,11 @@ class TokRAGReference(Policy):
         self._fixed = self.fixed_layer if self.fixed_layer is not None else reference_layer(L) + 1
         if not 1 <= self._fixed <= L:
             raise ValueError(f"fixed_layer must be in [1, {L}], got {self._fixed}")
-        V = self._A.shape[0]
-        key = (id(lm.tokenizer), len(lm.tokenizer), V)
-        self._gate = lm.memo(("gate_mask", *key), lambda: gate_mask(lm.tokenizer, vocab_size=V))
-        self._skip = lm.memo(("skip_mask", *key), lambda: skip_mask(lm.tokenizer, vocab_size=V))
-        self._tok = lm.tokenizer
+        tok, V = lm.tokenizer, self._A.shape[0]
+        key = (id(tok), len(tok), V)
+        self._gate = lm.memo(("gate_mask", *key), lambda: gate_mask(tok, vocab_size=V))
+        self._skip = lm.memo(("skip_mask", *key), lambda: skip_mask(tok, vocab_size=V))
+        self._tok = tok
 
     def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
         return [self._one(v["pure"], v["rag"]) for v in views]
@@ -366,11 +333,6 @@ class TokRAGReference(Policy):
             skip=self._skip,
             **preset_kwargs("generation"),
         )
-        return {
-            "l_star": self._fixed,
-            "cos_ir": sig["cos_ir"],
-            "cos_llm": sig["cos_llm"],
-            "benefit": sig["benefit"],
-            "margin": sig["margin"],
-            "attended": [self._tok.decode([t]) for t in sig["attended"]],
-        }
+        kept = {k: sig[k] for k in ("cos_ir", "cos_llm", "benefit", "margin")}
+        attended = [self._tok.decode([t]) for t in sig["attended"]]
+        return {"l_star": self._fixed, **kept, "attended": attended}
