@@ -196,7 +196,9 @@ class TokRAG(Policy):
         # p_R's skip mask is indexed by the retrieved tokens' ids, which live on the model's
         # device; the gates' masks are read one token at a time and stay on the CPU.
         if self.pr_skip == "reference":
-            skip = lm.memo(("skip_mask", id(tok), len(tok), V), lambda: vocab.skip_mask(tok, vocab_size=V))
+            skip = lm.memo(
+                ("skip_mask", id(tok), len(tok), V), lambda: vocab.skip_mask(tok, vocab_size=V)
+            )
             self._pr_skip = skip.to(self._A.device)
         elif self.pr_skip == "punctuation":
             self._pr_skip = self._punct.to(self._A.device)
