@@ -329,6 +329,10 @@ class PromptBuilder:
         window = self.context_window if max_context_tokens is None else min(self.context_window, max_context_tokens)
         return window, window - int(max_new_tokens)
 
+    def _encode(self, text: str) -> list[int]:
+        """Ids of ``text`` as plain tokenizer text (the synthesizer sizes nodes with it)."""
+        return _encode_marked(self.tokenizer, text)
+
     def _mark(self, text: str) -> str:
         return _mark_user_text(self.tokenizer, text)
 
