@@ -354,7 +354,7 @@ def test_answer_through_llamaindex(sample_kb, lm):
 
 @pytest.mark.postgres
 def test_answer_through_langchain(sample_kb, lm):
-    langchain_mod = require("tokrag_integrations.langchain", "langchain-core, langchain-huggingface")
+    langchain_mod = require("tokrag_integrations.langchain", "langchain-core")
     retriever = sample_kb.langchain_retriever(k=3)
     chain = langchain_mod.create_tokrag_chain(retriever, lm, policy="rag", max_tokens=24)
     out = chain.invoke(WIFI_Q)
