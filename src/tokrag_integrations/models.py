@@ -133,9 +133,8 @@ def check_device_and_dtype(device: Any, dtype: Any) -> tuple[str | None, Any]:
     return device, dtype
 
 
-#: Keyword arguments of :func:`load_model` that every adapter (``TokRAGLLM``,
-#: ``TokRAGSynthesizer``, ``ChatTokRAG``, ``create_tokrag_chain``) takes as well.
-LOAD_OPTIONS = (
+#: The :func:`load_model` options that the adapters also keep as fields of the same names.
+LOAD_FIELDS = (
     "tokenizer",
     "device",
     "device_map",
@@ -144,10 +143,10 @@ LOAD_OPTIONS = (
     "tokenizer_kwargs",
     "trust_remote_code",
     "revision",
-    "local_files_only",
-    "require_signals",
-    "cpu_kernels",
 )
+#: Keyword arguments of :func:`load_model` that every adapter (``TokRAGLLM``,
+#: ``TokRAGSynthesizer``, ``ChatTokRAG``, ``create_tokrag_chain``) takes as well.
+LOAD_OPTIONS = (*LOAD_FIELDS, "local_files_only", "require_signals", "cpu_kernels")
 
 
 def check_greedy(temperature: Any, owner: str) -> None:

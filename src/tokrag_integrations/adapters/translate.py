@@ -7,17 +7,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-#: The ``load_model()`` options that the adapters take as fields of the same names.
-LOAD_FIELDS = (
-    "tokenizer",
-    "device",
-    "device_map",
-    "dtype",
-    "model_kwargs",
-    "tokenizer_kwargs",
-    "trust_remote_code",
-    "revision",
-)
 #: The core's stop reasons as the ``finish_reason`` values of chat APIs.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 

@@ -13,9 +13,9 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import BasePromptTemplate
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
 
-from ..adapters.translate import LOAD_FIELDS, checked_policy, options_dict
+from ..adapters.translate import checked_policy, options_dict
 from ..defaults import ANSWER_STOP
-from ..models import LoadedModel, check_greedy, unknown_arguments
+from ..models import LOAD_FIELDS, LoadedModel, check_greedy, unknown_arguments
 from .chat_models import ChatTokRAG
 from .tokrag_chain import (
     DEFAULT_DOCUMENT_SEPARATOR,

@@ -17,10 +17,10 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, field_validator, model_validator
 
-from ..adapters.translate import LOAD_FIELDS, given_options, model_label, options_dict
+from ..adapters.translate import given_options, model_label, options_dict
 from ..defaults import MAX_NEW_TOKENS
 from ..engine import scheduler
-from ..models import LoadedModel, check_greedy, load_model, unknown_arguments
+from ..models import LOAD_FIELDS, LoadedModel, check_greedy, load_model, unknown_arguments
 from ..policies import get_policy
 from ..results import GenerationResult, TokenEvent
 from .messages import (

@@ -26,7 +26,6 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 from pydantic import StrictBool
 
 from ..adapters.translate import (
-    LOAD_FIELDS,
     given_options,
     jsonable,
     model_label,
@@ -34,7 +33,14 @@ from ..adapters.translate import (
 )
 from ..defaults import MAX_NEW_TOKENS
 from ..engine import scheduler
-from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, load_model, unknown_arguments
+from ..models import (
+    LOAD_FIELDS,
+    LOAD_OPTIONS,
+    LoadedModel,
+    check_greedy,
+    load_model,
+    unknown_arguments,
+)
 from ..prompts import RenderedPrompt
 from ..results import GenerationResult, TokenEvent
 from .nodes import messages_to_dicts, messages_to_turns, to_passages
