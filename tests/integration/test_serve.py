@@ -9,6 +9,7 @@ Cases that need no model, database or server are in ``tests/unit/test_serve.py``
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -438,8 +439,10 @@ def test_server_default_options_apply_to_its_own_policy_only(lm):
 @pytest.mark.slow
 def test_tokrag_serve_command_answers_over_http(lm, tmp_path):
     """The real command line in its own process: healthy once loaded, answers like the core,
-    stops on Ctrl-C (slow: 36 s on a busy 2-core machine, most of it the second process
-    importing torch and loading the model; benchmarks/load_serve.py runs the same command)."""
+    logs one line per request with its request id (and no uvicorn access line), serves
+    /metrics without the key under ``--metrics open``, stops on Ctrl-C (slow: 36 s on a busy
+    2-core machine, most of it the second process importing torch and loading the model;
+    benchmarks/load_serve.py runs the same command)."""
     import signal
     import socket
     import subprocess
@@ -452,14 +455,21 @@ def test_tokrag_serve_command_answers_over_http(lm, tmp_path):
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "tokrag_integrations.cli", "serve", "--port", str(port),
-         "--max-new-tokens", str(MAX_TOKENS)],
+         "--max-new-tokens", str(MAX_TOKENS), "--metrics", "open"],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     try:
         wait_until_healthy(proc, port, tmp_path / "serve.log")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3y",
                                max_retries=0, timeout=300)
-        assert _ask(client).choices[0].message.content == _core(lm).text
+        r = client.with_options(default_headers={"x-request-id": "cli-1"}).chat.completions
+        raw = r.with_raw_response.create(
+            model="default", messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=MAX_TOKENS, extra_body={"documents": DOCS})
+        assert raw.parse().choices[0].message.content == _core(lm).text
+        assert raw.headers["x-request-id"] == "cli-1"
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60)
+        assert metrics.status_code == 200 and "tokrag_generated_tokens_total" in metrics.text
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -469,3 +479,6 @@ def test_tokrag_serve_command_answers_over_http(lm, tmp_path):
             proc.wait()
         log.close()
     assert proc.returncode in (0, 130, -signal.SIGINT)
+    text = (tmp_path / "serve.log").read_text()
+    assert re.search(r"INFO: +POST /v1/chat/completions 200 \d+\.\d+s request_id=cli-1\n", text), text
+    assert '"POST /v1/chat/completions HTTP/1.1"' not in text  # uvicorn's access log is off

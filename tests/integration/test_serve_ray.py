@@ -86,6 +86,18 @@ def test_two_replicas_answer_like_the_core(ray_url, lm):
         want[q].trace.counts() for q in questions
     ]
     assert len({r.headers["x-tokrag-replica"] for r in raw}) == 2  # both replicas decoded
+    # One x-request-id, Ray's proxy's (the client's when given); the replicas add none.
+    assert all(len(r.headers.get_list("x-request-id")) == 1 for r in raw)
+    given = client.with_options(default_headers={"x-request-id": "ray-1"}).models
+    assert given.with_raw_response.list().headers.get_list("x-request-id") == ["ray-1"]
+    # /metrics: the metrics of the replica that answered (behind the key, as /v1/*).
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert httpx.get(f"{ray_url}/metrics", timeout=60).status_code == 401
+    r = httpx.get(f"{ray_url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    names = {f.name for f in text_string_to_metric_families(r.text)}
+    assert {"tokrag_requests", "tokrag_generated_tokens"} <= names
 
     chunks = client.chat.completions.create(
         model="default", messages=[{"role": "user", "content": QUESTIONS[0]}],
@@ -102,14 +114,15 @@ def test_replicas_refuse_hostile_bodies_like_the_single_process_server(ray_url):
     the decode), streamed or not, and /health shows no pid."""
     import httpx
 
+    auth = {"Authorization": f"Bearer {KEY}"}  # the fixture's deployment demands it
     body = (b'{"messages": [{"role": "user", "content": "Who?"}], "max_tokens": 4, '
             b'"stream": %s, "documents": [{"text": "d", "score": NaN}]}')
     for stream in (b"false", b"true"):
         r = httpx.post(f"{ray_url}/v1/chat/completions", content=body % stream,
-                       headers={"Content-Type": "application/json"}, timeout=120)
+                       headers={"Content-Type": "application/json", **auth}, timeout=120)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "documents[0].score"
-    r = httpx.post(f"{ray_url}/v1/chat/completions", timeout=120, json={
+    r = httpx.post(f"{ray_url}/v1/chat/completions", timeout=120, headers=auth, json={
         "messages": [{"role": "user", "content": "Who?"}], "stream": True,
         "tokrag": {"policy_options": {"fixed_layer": 1_000_000}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokrag.policy_options"

@@ -23,13 +23,15 @@ def test_cli_serve_flags_become_the_config():
         "serve", "--policy", "rag", "--option", "top_k=2", "--max-tokens-limit", "64",
         "--max-queue", "3", "--batch-wait-ms", "20", "--store", "postgres", "--table", "kb",
         "--top-k", "2", "--no-stop", "--max-rows", "8", "--max-positions", "4096",
-        "--no-continuous-batching", "--max-prefill-tokens", "512",
+        "--no-continuous-batching", "--max-prefill-tokens", "512", "--metrics", "open",
     ])
     c = config_from_args(args)
     assert (c.policy, c.policy_options, c.limits.max_tokens, c.max_queue) == ("rag", {"top_k": 2}, 64, 3)
     assert (c.batch_wait_s, c.store, c.table, c.top_k, c.stop) == (0.02, "postgres", "kb", 2, None)
     assert (c.max_rows, c.max_positions, c.continuous, c.max_prefill_tokens) == (8, 4096, False, 512)
+    assert c.metrics == "open"
     assert config_from_args(build_parser().parse_args(["serve"])).continuous is True
+    assert config_from_args(build_parser().parse_args(["serve"])).metrics == "key"
     assert args.host == "127.0.0.1"  # localhost unless told otherwise
 
 

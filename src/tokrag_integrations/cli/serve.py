@@ -65,6 +65,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                         help="bearer token required on /v1/* and /openapi.json (default: "
                              "$TOKRAG_API_KEY; none); an empty key, or one with surrounding "
                              "whitespace or characters outside printable ASCII, is refused")
+    limits.add_argument("--metrics", choices=("key", "open", "off"), default="key",
+                        help="GET /metrics (Prometheus): 'key' needs the API key when one is "
+                             "set, as /v1/* (default); 'open' never does; 'off' serves none")
     batching = p.add_argument_group("batching")
     batching.add_argument("--max-batch", type=_positive_int, default=None,
                           help="largest batch of concurrent requests decoded together")

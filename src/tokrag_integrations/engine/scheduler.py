@@ -271,6 +271,8 @@ class _Loop:
         self.decoders: dict[str, Decoder | SequenceDecoder] = {}
         self.owners: dict[str, dict[int, _Query]] = {}
         self.served = 0
+        #: Context rows held at the last step (read by :meth:`MicroBatcher.running_rows`).
+        self.rows = 0
 
     def _rows(self) -> tuple[int, int]:
         """Context rows held and the longest row, over every group's decoder."""
@@ -372,9 +374,9 @@ class _Loop:
     def _step(self) -> None:
         n_active = self._active()
         if self.b is not None:
-            rows, _ = self._rows()
+            self.rows, _ = self._rows()
             with self.b._lock:
-                self.b.peak_rows = max(self.b.peak_rows, rows)
+                self.b.peak_rows = max(self.b.peak_rows, self.rows)
         for group, d in self.decoders.items():
             owners = self.owners[group]
             for q in d.active:
@@ -508,6 +510,19 @@ class MicroBatcher:
         self.joined_calls = 0
         #: The most context rows one decode held at once.
         self.peak_rows = 0
+
+    def waiting(self) -> int:
+        """Calls queued and not admitted to a decode yet (collected for the next decode, or
+        waiting for rows of a running one)."""
+        with self._lock:
+            return sum(map(len, self._pending.values())) + sum(
+                len(loop.queue) for loop in self._running.values()
+            )
+
+    def running_rows(self) -> int:
+        """Context rows the running decodes held at their last step."""
+        with self._lock:
+            return sum(loop.rows for loop in self._running.values())
 
     @staticmethod
     def _key(kwargs: dict[str, Any]) -> str | None:

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP app (FastAPI): ``/health``, ``/v1/models``, ``/v1/chat/completions``.
+"""The OpenAI-compatible HTTP app (FastAPI): ``/health``, ``/v1/models``, ``/v1/chat/completions``,
+``/metrics`` (Prometheus; :mod:`.telemetry`).
 
     from tokrag_integrations.server import ChatService, ServeConfig, create_app
     app = create_app(ChatService.load(ServeConfig(policy="tokrag")))   # any ASGI server runs it
@@ -15,6 +16,7 @@ its request.
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations (``Request``)
 # at definition time, and ``Request`` is imported inside create_app to keep imports lazy.
 import asyncio
+import copy
 import hmac
 import ipaddress
 import json
@@ -32,6 +34,7 @@ from typing import Any
 
 from .schemas import ChatRequest, RequestError, parse_chat_request, too_deep
 from .service import API_KEY_ENV, ChatService, ServeConfig
+from .telemetry import METRICS_MODES, RequestLog, Telemetry
 
 __all__ = ["create_app", "serve", "FINISH_REASONS"]
 
@@ -72,18 +75,23 @@ def create_app(
     *,
     loader: Callable[[], ChatService] | None = None,
     config: ServeConfig | None = None,
+    echo_request_id: bool = True,
 ) -> Any:
     """The FastAPI app answering with ``service``, or with what ``loader()`` returns once it
     has run in a background thread at startup (``/health`` says 503 until then).
 
     ``config`` gives the HTTP settings when there is no service yet (default: the service's).
+    ``echo_request_id=False``: the responses' ``x-request-id`` is left to a proxy in front that
+    sets it (Ray Serve's); the log lines still carry it.
     """
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI, Request, Response
     from fastapi.responses import JSONResponse, StreamingResponse
 
     if (service is None) == (loader is None):
         raise ValueError("give a service or a loader, not both and not neither")
     cfg = config or (service.config if service is not None else ServeConfig())
+    if cfg.metrics not in METRICS_MODES:
+        raise ValueError(f"metrics must be one of {', '.join(METRICS_MODES)}; got {cfg.metrics!r}")
     state: dict[str, Any] = {"service": service, "error": None}
     # Which replica answered, without saying anything about the host (a pid would).
     replica = uuid.uuid4().hex[:12]
@@ -115,17 +123,13 @@ def create_app(
     # behind the API key when one is set (it lists the routes and every field they take).
     app = FastAPI(title="tokrag", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.add_middleware(_ReplicaHeader, replica=replica)
+    telemetry = Telemetry(state)
+    # Request ids, the replica header, requests counted and logged, unexpected errors as 500s.
+    app.add_middleware(RequestLog, telemetry=telemetry, replica=replica, echo_id=echo_request_id)
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> Any:
         return JSONResponse(exc.to_dict(), status_code=exc.status)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> Any:
-        log.error("request failed", exc_info=exc)
-        message = f"internal error ({type(exc).__name__}); see the server log"
-        return JSONResponse(RequestError(message, None, 500, "server_error").to_dict(), 500)
 
     @app.get("/health")
     async def health() -> Any:
@@ -147,6 +151,15 @@ def create_app(
         _authorize(request, api_key)
         return JSONResponse(app.openapi())
 
+    if cfg.metrics != "off":
+
+        @app.get("/metrics", include_in_schema=False)
+        async def metrics(request: Request) -> Any:
+            if cfg.metrics == "key":
+                _authorize(request, api_key)
+            body, content_type = telemetry.exposition(request.headers.get("accept"))
+            return Response(body, media_type=content_type)
+
     @app.get("/v1/models")
     async def models(request: Request) -> Any:
         _authorize(request, api_key)
@@ -157,6 +170,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
+        started = time.perf_counter()
         _authorize(request, api_key)
         svc = _ready(state)
         body = await _read_json(request, cfg.limits.max_body_bytes)
@@ -181,13 +195,15 @@ def create_app(
                 token_stream = await svc.open_stream(req, passages)
                 handed_over = True  # the event generator releases the slot
                 return StreamingResponse(
-                    _events(svc, req, token_stream, head, notes),
+                    _events(svc, req, token_stream, head, notes, telemetry, started),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
             result = await _unless_disconnected(request, svc.complete(req, passages))
             if result is None:  # the client left; nobody reads a response
                 return JSONResponse({}, status_code=499)
+            counted = usage(result)
+            telemetry.answered(result, counted["prompt_tokens"], started)
             return {
                 **head,
                 "choices": [
@@ -198,7 +214,7 @@ def create_app(
                         "logprobs": None,
                     }
                 ],
-                "usage": usage(result),
+                "usage": counted,
                 "tokrag": tokrag_object(result, req, notes),
             }
         finally:
@@ -256,28 +272,6 @@ async def _read_json(request: Any, max_body_bytes: int) -> Any:
         raise RequestError(f"the body is not valid JSON: {exc}") from None
 
 
-class _ReplicaHeader:
-    """ASGI middleware: every HTTP response names the app that answered (``X-TokRAG-Replica``,
-    the ``replica`` of ``/health``). Plain ASGI, so streaming and disconnect detection pass
-    through untouched."""
-
-    def __init__(self, app: Any, replica: str) -> None:
-        self.app = app
-        self.header = (b"x-tokrag-replica", replica.encode())
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_header(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_header)
-
-
 async def _unless_disconnected(request: Any, work: Any) -> Any:
     """Await ``work``; if the client disconnects first, cancel it and return None."""
     task = asyncio.ensure_future(work)
@@ -315,11 +309,13 @@ def _sse(data: Any) -> bytes:
 
 
 async def _events(
-    svc: ChatService, req: ChatRequest, token_stream: Any, head: dict[str, Any], notes: list[str]
+    svc: ChatService, req: ChatRequest, token_stream: Any, head: dict[str, Any], notes: list[str],
+    telemetry: Telemetry, started: float,
 ) -> AsyncIterator[bytes]:
     """Server-sent events for one stream. The decode is read by a thread of its own as fast
     as the model goes and queued here, so the model is released when the answer is done,
-    however slowly the client reads; closing this generator (the client left) stops it."""
+    however slowly the client reads; closing this generator (the client left) stops it.
+    ``telemetry`` gets its first token and its answer (the request arrived at ``started``)."""
     from ..results import TokenEvent
 
     loop = asyncio.get_running_loop()
@@ -346,7 +342,7 @@ async def _events(
         return _sse({**head, "object": "chat.completion.chunk", "choices": choices, **extra})
 
     thread = threading.Thread(target=pump, name="tokrag-sse", daemon=True)
-    finished = False
+    finished = first = False
     try:
         yield chunk({"role": "assistant", "content": ""})
         thread.start()
@@ -355,6 +351,9 @@ async def _events(
             if item is _END:
                 break
             if isinstance(item, TokenEvent):
+                if not first:
+                    first = True
+                    telemetry.first_token(started)
                 if item.text:
                     yield chunk({"content": item.text}, tokrag={"source": item.source})
             elif isinstance(item, BaseException):
@@ -367,6 +366,7 @@ async def _events(
                 yield _sse(body)
             else:  # the GenerationResult
                 finished = True
+                telemetry.answered(item, usage(item)["prompt_tokens"], started)
                 finish = FINISH_REASONS.get(item.stop_reason, "stop")
                 yield chunk({}, finish, tokrag=tokrag_object(item, req, notes))
                 if req.include_usage:
@@ -416,12 +416,18 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
 
         app = create_app(loader=lambda: ChatService.load(config), config=config)
     except ModuleNotFoundError as exc:
-        if exc.name not in ("fastapi", "uvicorn", "starlette"):
+        if exc.name not in ("fastapi", "uvicorn", "starlette", "prometheus_client"):
             raise
         raise ImportError(
-            f"tokrag serve needs FastAPI and uvicorn ({exc.name} is missing): "
+            f"tokrag serve needs FastAPI, uvicorn and prometheus-client ({exc.name} is missing): "
             "pip install 'tokrag-integrations[serve]'"
         ) from None
     warn_if_open(host, config)
     stop_on_sigterm()
-    uvicorn.run(app, host=host, port=port, log_level=log_level, **uvicorn_kwargs)
+    # One line per request, the app's own (with its request id) instead of uvicorn's access
+    # log; the ``tokrag`` loggers write where uvicorn's do.
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["loggers"]["tokrag"] = {"handlers": ["default"], "level": log_level.upper(),
+                                       "propagate": False}
+    uvicorn.run(app, host=host, port=port, log_level=log_level, **{
+        "access_log": False, "log_config": log_config, **uvicorn_kwargs})

@@ -44,7 +44,8 @@ class TokRAGReplica:
         from .app import create_app
         from .service import ChatService
 
-        self._app = create_app(ChatService.load(config))
+        # Ray's proxy sets x-request-id (the client's, else its own) on requests and responses.
+        self._app = create_app(ChatService.load(config), echo_request_id=False)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app

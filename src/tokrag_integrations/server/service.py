@@ -47,6 +47,9 @@ class ServeConfig:
     api_key: str | None = None
     """Bearer token required on ``/v1/*`` and ``/openapi.json`` (None: no auth; an empty key is
     refused)."""
+    metrics: str = "key"
+    """``/metrics``: ``"key"``, behind ``api_key`` as ``/v1/*``; ``"open"``, never behind it;
+    ``"off"``, no such route."""
     max_batch: int | None = None
     """Largest batch of the micro-batcher (None here and below: the micro-batcher's default)."""
     batch_wait_s: float | None = None
