@@ -219,6 +219,13 @@ def test_lcel_recipe(chat: ChatTokRAG, explicit: Any) -> None:
     )
     _run_modes(chain, {Q1: Q1, Q2: Q2}, lambda out: out, explicit)
 
+    async def astream(calls: Calls) -> str:  # BaseChatModel.astream: no run manager given
+        return "".join([c async for c in chain.astream(Q2, config={"callbacks": [calls]})])
+
+    calls = Calls()
+    answer = asyncio.run(astream(calls))
+    assert _check(calls, [Q2], explicit) == [answer]
+
 
 def _answer(out: dict[str, Any]) -> str:
     return out.get("answer", "")
