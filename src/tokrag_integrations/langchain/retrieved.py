@@ -220,8 +220,8 @@ def match_documents(
         return Found(None, None, retrieval_metadata("none", note, 0, 0))
     texts = [_text(m) for m in messages]
     held = [[d for d in docs if d in t] for t in texts]
-    best = max(range(len(texts)), key=lambda i: len(held[i]), default=0) if texts else 0
-    if not texts or not held[best]:
+    best = max(range(len(texts)), key=lambda i: len(held[i]), default=None)
+    if best is None or not held[best]:
         note = (
             f"none of the {len(docs)} documents this run's retrievers returned is in the "
             "prompt as is (did the formatting change their text?), so nothing is decoded "
