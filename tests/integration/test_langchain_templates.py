@@ -3,8 +3,9 @@
 ``create_tokrag_chain(retriever, model, prompt=...)`` and ``create_tokrag_documents_chain``
 take the ``ChatPromptTemplate`` a user gives ``create_stuff_documents_chain``: the RAG context
 is that prompt as formatted, its retrieved tokens are where ``{context}`` lands. ``ChatTokRAG``
-called without passages (``prompt | ChatTokRAG | StrOutputParser``) is the plain model and
-warns once per instance. Real default model, real BM25 retriever over the sample documents,
+called without passages and with no retriever in its run (``prompt | ChatTokRAG |
+StrOutputParser`` over text put in by hand) is the plain model and warns once per instance
+(LangChain's own RAG recipes, with a retriever: ``test_langchain_retrieved.py``). Real default model, real BM25 retriever over the sample documents,
 answers of at most 16 tokens.
 
 Cases that need no model, database or server are in ``tests/unit/test_langchain_templates.py``."""
@@ -233,6 +234,7 @@ def test_lcel_prompt_into_chat_warns_once_and_reports_llm(lm: Any) -> None:
         assert msg.response_metadata["policy"] == "llm"
         assert set(msg.response_metadata["token_sources"]) == {"llm"}
         assert msg.response_metadata["counts"] == {"llm": 2}
+        assert msg.response_metadata["retrieval"]["source"] == "none"  # said on every call
 
         (PROMPT | ChatTokRAG(model=lm, max_tokens=1)).invoke(prompt_value)  # a new instance
         ours = [w for w in caught if str(w.message) == NO_PASSAGES_WARNING]

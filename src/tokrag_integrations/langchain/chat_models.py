@@ -31,6 +31,7 @@ from .messages import (
     token_metadata,
     usage_metadata,
 )
+from .retrieved import find_retrieved, given_retrieval
 
 #: Parameters of remote chat-model APIs, accepted (for code written for hosted models) and ignored.
 _REMOTE_ONLY_PARAMS = ("api_key", "timeout", "max_retries")
@@ -47,11 +48,14 @@ _CALL_KWARGS = (
     "model",
 )
 
-#: Said once per instance when a call has no passages (the plain model answers).
+#: Said once per instance when a call has no retrieved text (the plain model answers);
+#: ``response_metadata["retrieval"]["note"]`` says why on every such call.
 NO_PASSAGES_WARNING = (
-    "ChatTokRAG was called without passages, so it decodes as the plain model (policy "
-    "'llm'): context stuffed into the prompt is read as ordinary prompt text, not as "
-    "retrieved tokens. To decode with Tok-RAG, pass the retrieved documents as passages "
+    "ChatTokRAG got no retrieved text, so it decodes as the plain model (policy 'llm'): no "
+    "retriever ran before it in this LangChain run, or the documents it returned are not in "
+    "the prompt as is (response_metadata['retrieval'] says which, on every call). To decode "
+    "with Tok-RAG, format the retrieved documents into the prompt unchanged (e.g. "
+    "'\\n\\n'.join(d.page_content for d in docs)), pass them as passages "
     "(ChatTokRAG(...).bind(passages=docs), invoke(..., passages=docs) or the passages= "
     "field), or build the chain with create_tokrag_chain(retriever, model, prompt=your_prompt) "
     "(create_tokrag_documents_chain(model, prompt=your_prompt) with your own retrieval step). "
@@ -81,6 +85,7 @@ class _Call:
     query: str
     passages: list[Any]
     kwargs: dict[str, Any]
+    retrieval: dict[str, Any]
 
 
 #: Modules between user code and ChatTokRAG's hooks (LangChain's async paths run sync code
@@ -114,9 +119,14 @@ class ChatTokRAG(BaseChatModel):
     prompt template's context variable received) the messages are the RAG context as
     formatted, the retrieved tokens are where ``context`` lands, and the pure context is
     ``question=`` (default: the last human message without the context) after the turns
-    that do not hold the context. Without either it is the plain model (policy ``"llm"``, as
-    ``ChatHuggingFace``); unless ``policy="llm"`` was asked for, the first such call of an
-    instance warns (:data:`NO_PASSAGES_WARNING`).
+    that do not hold the context. Without either (LangChain's own RAG chains), the documents the
+    run's retrievers returned before the call are looked up in the messages
+    (:mod:`.retrieved`): the span from the first found to the last is ``context=``. With no
+    retrieved text it is the plain model (policy ``"llm"``, as ``ChatHuggingFace``); unless
+    ``policy="llm"`` was asked for, the first such call of an instance warns
+    (:data:`NO_PASSAGES_WARNING`). ``response_metadata["retrieval"]`` says on every call where
+    the retrieved text came from (``source``) and, for a run's documents, how many were
+    ``found`` in the prompt, how many are ``missing`` and why (``note``).
 
     ``response_metadata`` holds ``token_sources`` (per generated token: ``"agree"``,
     ``"rag"``, ``"llm"``...), ``token_ids`` and the ``trace`` as a dict. Streaming yields
@@ -269,7 +279,11 @@ class ChatTokRAG(BaseChatModel):
         )
 
     def _prepare(
-        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        kwargs: dict[str, Any],
+        run_manager: Any = None,
     ) -> _Call:
         """Messages and call options -> arguments of the core API (validated here)."""
         kwargs = {
@@ -286,18 +300,24 @@ class ChatTokRAG(BaseChatModel):
         get_policy(policy, **options)  # unknown policy or option: fail before loading anything
         given = call.get("passages", self.passages)
         passages = to_passages(given)
-        context = call.get("context")
+        context, question = call.get("context"), call.get("question")
         if context is not None and passages:
             raise ValueError(
                 "pass passages= (the package's prompt) or context= (your formatted prompt's "
                 "context), not both"
             )
-        if context is None and call.get("question") is not None:
+        if context is None and question is not None:
             raise ValueError("question= is the pure context's question of a context= call")
+        if context is None and given is None and policy != "llm":
+            # LangChain's own RAG code: the run's retrieved documents, found in the messages.
+            found = find_retrieved(messages, run_manager)
+            context, question, retrieval = found.context, found.question, found.metadata
+        else:
+            retrieval = given_retrieval(passages, context, policy)
         max_tokens = self._positive(int(call.get("max_tokens", self.max_tokens)))
         rendered = None
         if context is not None:
-            rendered, prompt = rendered_prompt(messages, context, call.get("question"))
+            rendered, prompt = rendered_prompt(messages, context, question)
         else:
             prompt = messages_to_prompt(messages)
             if given is None and policy != "llm":
@@ -322,14 +342,15 @@ class ChatTokRAG(BaseChatModel):
         elif not passages:
             # Like ChatHuggingFace: the chat template over the messages as given.
             core["prompt_format"] = "chat"
-        return _Call(lm=lm, query=prompt.query, passages=passages, kwargs=core)
+        return _Call(lm=lm, query=prompt.query, passages=passages, kwargs=core, retrieval=retrieval)
 
     @staticmethod
-    def _result(result: GenerationResult, lm: LoadedModel) -> ChatResult:
+    def _result(result: GenerationResult, call: _Call) -> ChatResult:
         steps = result.trace.steps
         metadata = {
             **token_metadata([s.source for s in steps], [s.token_id for s in steps]),
-            **final_metadata(result, lm),
+            **final_metadata(result, call.lm),
+            "retrieval": call.retrieval,
         }
         message = AIMessage(
             content=result.text, response_metadata=metadata, usage_metadata=usage_metadata(result)
@@ -346,8 +367,8 @@ class ChatTokRAG(BaseChatModel):
         return ChatGenerationChunk(message=AIMessageChunk(content=ev.text, response_metadata=meta))
 
     @staticmethod
-    def _last_chunk(result: GenerationResult, lm: LoadedModel) -> ChatGenerationChunk:
-        metadata = final_metadata(result, lm)
+    def _last_chunk(result: GenerationResult, call: _Call) -> ChatGenerationChunk:
+        metadata = {**final_metadata(result, call.lm), "retrieval": call.retrieval}
         message = AIMessageChunk(
             content="",
             response_metadata=metadata,
@@ -366,11 +387,11 @@ class ChatTokRAG(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        call = self._prepare(messages, stop, kwargs)
+        call = self._prepare(messages, stop, kwargs, run_manager)
         result = scheduler.generate(
             call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
         )
-        return self._result(result, call.lm)
+        return self._result(result, call)
 
     def _stream(
         self,
@@ -379,7 +400,7 @@ class ChatTokRAG(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        call = self._prepare(messages, stop, kwargs)
+        call = self._prepare(messages, stop, kwargs, run_manager)
         tokens = scheduler.stream(
             call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
         )
@@ -389,7 +410,7 @@ class ChatTokRAG(BaseChatModel):
             if run_manager:
                 run_manager.on_llm_new_token(ev.text, chunk=chunk)
             yield chunk
-        yield self._last_chunk(tokens.result, call.lm)
+        yield self._last_chunk(tokens.result, call)
 
     # ------------------------------------------------------------------ async
     async def _agenerate(
@@ -399,11 +420,12 @@ class ChatTokRAG(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        call = await asyncio.to_thread(self._prepare, messages, stop, kwargs)  # may load
+        # may load the model
+        call = await asyncio.to_thread(self._prepare, messages, stop, kwargs, run_manager)
         result = await scheduler.agenerate(
             call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
         )
-        return self._result(result, call.lm)
+        return self._result(result, call)
 
     async def _astream(
         self,
@@ -412,13 +434,14 @@ class ChatTokRAG(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        call = await asyncio.to_thread(self._prepare, messages, stop, kwargs)  # may load
+        # may load the model
+        call = await asyncio.to_thread(self._prepare, messages, stop, kwargs, run_manager)
         eos = set(call.lm.eos_token_ids)
         async for item in scheduler.astream_with_result(
             call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
         ):
             if isinstance(item, GenerationResult):
-                yield self._last_chunk(item, call.lm)
+                yield self._last_chunk(item, call)
                 continue
             chunk = self._token_chunk(item, eos)
             if run_manager:

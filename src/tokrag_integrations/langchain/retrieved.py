@@ -1,0 +1,259 @@
+"""The documents a LangChain run's retrievers returned, found in ``ChatTokRAG``'s prompt.
+
+LangChain's own RAG recipes (``{"context": retriever | format_docs, ...} | prompt | chat``,
+``create_retrieval_chain`` + ``create_stuff_documents_chain``) format the documents into the
+prompt and call the chat model with messages only. :class:`RunDocuments`, one callback handler
+added to every LangChain run by a configure hook registered when
+:mod:`tokrag_integrations.langchain` is imported, records each retriever's documents on every
+run above the retriever. :func:`find_retrieved` takes the documents of the chat model's nearest
+ancestor run that holds any, finds their text in the messages, and returns the span from the
+first found document to the last as the ``context=`` of the call (so the retrieved tokens are
+where that span lands), with what was found in ``response_metadata["retrieval"]``.
+
+Memory: a run's entry is dropped when the run ends (its documents live on in its ancestors,
+which end later); at most :data:`MAX_RUNS` entries are kept (the oldest dropped first) for runs
+that never end.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.documents import Document
+from langchain_core.messages import BaseMessage
+from langchain_core.runnables.config import var_child_runnable_config
+from langchain_core.tracers.context import register_configure_hook
+
+from .messages import _text, messages_to_prompt
+
+#: Most runs tracked at once (runs that never end would otherwise stay).
+MAX_RUNS = 10_000
+
+
+@dataclass
+class _Run:
+    parent: UUID | None
+    query: str | None = None
+    # (the retriever's query, its documents' texts), every retriever below this run.
+    retrieved: list[tuple[str | None, list[str]]] = field(default_factory=list)
+
+
+class RunDocuments(BaseCallbackHandler):
+    """Records every retriever's documents on the runs above it, until those runs end."""
+
+    run_inline = True  # in the caller's thread / task: recorded before the next step starts
+
+    def __init__(self, max_runs: int = MAX_RUNS) -> None:
+        self.max_runs = max_runs
+        self._runs: OrderedDict[UUID, _Run] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # Only the run tree and the retrievers are read.
+    ignore_llm = ignore_chat_model = ignore_retry = ignore_custom_event = True  # type: ignore[assignment]
+
+    def open_runs(self) -> int:
+        """How many runs are tracked now (started, not ended)."""
+        return len(self._runs)
+
+    def _start(self, run_id: UUID, parent: UUID | None, query: str | None = None) -> None:
+        with self._lock:
+            self._runs[run_id] = _Run(parent, query)
+            while len(self._runs) > self.max_runs:
+                self._runs.popitem(last=False)
+
+    def _end(self, _outcome: Any, *, run_id: UUID, **_: Any) -> None:
+        with self._lock:
+            self._runs.pop(run_id, None)
+
+    def on_chain_start(
+        self,
+        serialized: Any,
+        inputs: Any,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        **_: Any,
+    ) -> None:
+        self._start(run_id, parent_run_id)
+
+    def on_tool_start(
+        self,
+        serialized: Any,
+        input_str: Any,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        **_: Any,
+    ) -> None:
+        self._start(run_id, parent_run_id)
+
+    def on_retriever_start(
+        self,
+        serialized: Any,
+        query: Any,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        **_: Any,
+    ) -> None:
+        self._start(run_id, parent_run_id, query if isinstance(query, str) else None)
+
+    def on_retriever_end(
+        self,
+        documents: Sequence[Document],
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        **_: Any,
+    ) -> None:
+        texts = [
+            d.page_content for d in documents if isinstance(getattr(d, "page_content", None), str)
+        ]
+        with self._lock:
+            run = self._runs.pop(run_id, None)
+            entry = (run.query if run else None, texts)
+            parent = run.parent if run else parent_run_id
+            while parent is not None and parent in self._runs:
+                above = self._runs[parent]
+                above.retrieved.append(entry)
+                parent = above.parent
+
+    on_chain_end = on_chain_error = on_tool_end = on_tool_error = on_retriever_error = _end  # type: ignore[assignment]
+
+    def documents(self, parent_run_id: UUID | None) -> list[tuple[str | None, list[str]]]:
+        """What the retrievers below the nearest run above a call (``parent_run_id`` and up)
+        that holds any returned, in the order they ended."""
+        with self._lock:
+            run_id = parent_run_id
+            while run_id is not None and run_id in self._runs:
+                run = self._runs[run_id]
+                if run.retrieved:
+                    return list(run.retrieved)
+                run_id = run.parent
+        return []
+
+
+#: The handler every LangChain run gets (through the configure hook below).
+RUN_DOCUMENTS = RunDocuments()
+_HOOK: ContextVar[RunDocuments | None] = ContextVar("tokrag_run_documents", default=RUN_DOCUMENTS)
+register_configure_hook(_HOOK, inheritable=True)
+
+
+@dataclass
+class Found:
+    """What a call's messages hold of its run's retrieved documents: ``context`` (the span of
+    the found documents, ``None`` when none was found), the pure context's ``question``
+    (``None``: ``rendered_prompt``'s default) and ``response_metadata["retrieval"]``."""
+
+    context: str | None
+    question: str | None
+    metadata: dict[str, Any]
+
+
+def retrieval_metadata(
+    source: str, note: str | None = None, documents: int | None = None, found: int | None = None
+) -> dict[str, Any]:
+    """``response_metadata["retrieval"]``: ``source`` of the retrieved tokens (``"passages"``,
+    ``"context"``, ``"retriever"``, or ``"none"``: the plain model), the run's retrieved
+    ``documents``, how many were ``found`` in the prompt and ``missing`` (``None``: not looked
+    up), and a ``note`` saying why when the plain model answers or documents are missing."""
+    missing = None if documents is None or found is None else documents - found
+    return {
+        "source": source,
+        "documents": documents,
+        "found": found,
+        "missing": missing,
+        "note": note,
+    }
+
+
+def given_retrieval(passages: list[Any], context: str | None, policy: str) -> dict[str, Any]:
+    """``response_metadata["retrieval"]`` of a call that was given its retrieved text (or
+    told there is none): the run's documents are not looked up."""
+    if context is not None:
+        return retrieval_metadata("context")
+    if passages:
+        return retrieval_metadata("passages")
+    if policy == "llm":
+        return retrieval_metadata("none", "policy 'llm' was asked for")
+    return retrieval_metadata("none", "passages=[] was given")
+
+
+def find_retrieved(messages: Sequence[BaseMessage], run_manager: Any) -> Found:
+    """The documents the run's retrievers returned before this call, found in ``messages``.
+
+    The run above the call is ``run_manager``'s parent; without one (``BaseChatModel.stream``
+    and ``astream`` call ``_stream`` / ``_astream`` without it), the parent of the config the
+    calling runnable set for its steps (where ``stream`` found its callbacks)."""
+    if run_manager is not None:
+        parent = run_manager.parent_run_id
+    else:
+        callbacks = (var_child_runnable_config.get() or {}).get("callbacks")
+        parent = getattr(callbacks, "parent_run_id", None)
+    return match_documents(messages, RUN_DOCUMENTS.documents(parent))
+
+
+def match_documents(
+    messages: Sequence[BaseMessage], retrieved: list[tuple[str | None, list[str]]]
+) -> Found:
+    """Find each retrieved text (stripped, exact) in the message holding the most of them;
+    the span from the first found to the last is the context. The question is the retriever's
+    query when it is the same for every found document and is in the last human turn outside
+    the span; else ``None``."""
+    docs: dict[str, str | None] = {}  # text -> its retriever's query, distinct texts in order
+    for query, texts in retrieved:
+        for t in texts:
+            docs.setdefault(t.strip(), query)
+    docs.pop("", None)
+    if not docs:
+        note = (
+            "no retriever ran in this run before the call, so nothing in the prompt is "
+            "retrieved text"
+        )
+        return Found(None, None, retrieval_metadata("none", note, 0, 0))
+    texts = [_text(m) for m in messages]
+    held = [[d for d in docs if d in t] for t in texts]
+    best = max(range(len(texts)), key=lambda i: len(held[i]), default=None)
+    if best is None or not held[best]:
+        note = (
+            f"none of the {len(docs)} documents this run's retrievers returned is in the "
+            "prompt as is (did the formatting change their text?), so nothing is decoded "
+            "as retrieved text"
+        )
+        return Found(None, None, retrieval_metadata("none", note, len(docs), 0))
+    text = texts[best]
+    starts = [text.find(d) for d in held[best]]
+    start = min(starts)
+    end = max(s + len(d) for s, d in zip(starts, held[best], strict=True))
+    span = text[start:end]
+    found = [d for d in docs if d in span]
+    queries = {docs[d] for d in found}
+    query = next(iter(queries)) if len(queries) == 1 else None
+    query = query.strip() if isinstance(query, str) else ""
+    rest = messages_to_prompt(messages).query.replace(span, " ").strip()
+    if query and (query in rest or not rest):
+        question = query
+    elif rest:
+        question = None  # rendered_prompt's default: the last human turn without the span
+    else:
+        note = (
+            "the last human message holds only the retrieved documents, no question for "
+            "the pure context, so nothing is decoded as retrieved text (pass context= and "
+            "question=)"
+        )
+        return Found(None, None, retrieval_metadata("none", note, len(docs), 0))
+    note = None
+    if len(found) < len(docs):
+        note = (
+            f"{len(docs) - len(found)} of the {len(docs)} documents this run's retrievers "
+            "returned are not in the prompt as is next to the others: only the others are "
+            "retrieved text"
+        )
+    return Found(span, question, retrieval_metadata("retriever", note, len(docs), len(found)))

@@ -1,0 +1,120 @@
+"""The run's retrieved documents found in a chat model's prompt (issue 45, item 1): the
+matching and the run bookkeeping, with no model. The real model in LangChain's own RAG chains:
+``tests/integration/test_langchain_retrieved.py``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import RunnableLambda, RunnableParallel
+
+from tokrag_integrations.langchain.retrieved import (
+    RUN_DOCUMENTS,
+    RunDocuments,
+    find_retrieved,
+    match_documents,
+)
+
+Q = "Who founded Quillfeather?"
+A, B, C = "Quillfeather was founded by Ottoline Varga.", "It builds rockets.", "Unrelated text."
+
+
+def test_span_from_the_first_found_document_to_the_last() -> None:
+    system = SystemMessage(f"Context:\n[1] {A}\n\n[2] {B}\nEnd.")
+    found = match_documents([system, HumanMessage(Q)], [(Q, [A, B])])
+    assert found.context == f"{A}\n\n[2] {B}"  # the text between them is inside the span
+    assert found.question == Q
+    assert found.metadata == {
+        "source": "retriever",
+        "documents": 2,
+        "found": 2,
+        "missing": 0,
+        "note": None,
+    }
+
+
+def test_documents_not_in_the_prompt_are_counted_and_said() -> None:
+    # One of three rewritten: the others are the span, the missing one is said.
+    human = HumanMessage(f"Question: {Q}\nContext: {A}\n\n{B}\n\n{C.upper()}\nAnswer:")
+    found = match_documents([human], [(Q, [A, B, C])])
+    assert found.context == f"{A}\n\n{B}"
+    assert found.question == Q  # the retriever's query, found in the message: the question alone
+    assert (found.metadata["found"], found.metadata["missing"]) == (2, 1)
+    assert "1 of the 3 documents" in found.metadata["note"]
+    # None found, or no retriever: no context, said.
+    none = match_documents([HumanMessage(Q)], [(Q, [A, B])])
+    assert none.context is None and none.metadata["source"] == "none"
+    assert (none.metadata["documents"], none.metadata["missing"]) == (2, 2)
+    assert "did the formatting change" in none.metadata["note"]
+    empty = match_documents([HumanMessage(Q)], [])
+    assert empty.context is None and "no retriever ran" in empty.metadata["note"]
+    assert match_documents([HumanMessage(Q)], [(Q, ["", "  "])]).metadata["documents"] == 0
+
+
+def test_stripped_duplicated_and_two_retrievers() -> None:
+    # A document's outer whitespace is not its text; a text two retrievers returned counts once.
+    human = HumanMessage(f"{A}\n\n{B}\n\nQuestion: {Q}")
+    found = match_documents([human], [(Q, [f"  {A}\n"]), ("other query", [A, B])])
+    assert found.context == f"{A}\n\n{B}"
+    assert found.metadata["documents"] == 2 and found.metadata["found"] == 2
+    # Two different queries: rendered_prompt's default question (the message without the span).
+    assert found.question is None
+
+
+def test_question_when_the_message_holds_only_the_documents() -> None:
+    # The query is the pure context's question; with none, there is no pure context: said.
+    assert match_documents([HumanMessage(A)], [(Q, [A])]).question == Q
+    none = match_documents([HumanMessage(A)], [(None, [A])])
+    assert none.context is None and "no question" in none.metadata["note"]
+    # The message holding the most documents holds the span (here the second one).
+    msgs = [
+        SystemMessage(f"Note: {C}"),
+        HumanMessage(f"{A} {B} {Q}"),
+        AIMessage("ok"),
+        HumanMessage(Q),
+    ]
+    found = match_documents(msgs, [(Q, [A, B, C])])
+    assert found.context == f"{A} {B}" and found.metadata["missing"] == 1
+
+
+class _Fixed(BaseRetriever):
+    def _get_relevant_documents(self, query: str, *, run_manager: Any) -> list[Document]:
+        return [Document(page_content=f"about {query}")]
+
+
+def _lookup(_: Any, config: Any) -> list[tuple[str | None, list[str]]]:
+    """What a chat model called here would find (its parent: this lambda's run)."""
+    return RUN_DOCUMENTS.documents(config["callbacks"].parent_run_id)
+
+
+def test_each_run_sees_its_own_retrievers_and_nothing_is_kept() -> None:
+    chain = RunnableParallel(context=_Fixed(), question=lambda q: q) | RunnableLambda(_lookup)
+    outs = chain.batch([f"q{i}" for i in range(8)])
+    assert outs == [[(f"q{i}", [f"about q{i}"])] for i in range(8)]
+
+    async def many() -> list[Any]:
+        return await asyncio.gather(*(chain.ainvoke(f"a{i}") for i in range(8)))
+
+    assert asyncio.run(many()) == [[(f"a{i}", [f"about a{i}"])] for i in range(8)]
+    # Inside one run, each mapped item's chat model sees the nearest run's documents only.
+    mapped = RunnableLambda(lambda qs: qs) | chain.map()
+    assert mapped.invoke(["x", "y"]) == [[("x", ["about x"])], [("y", ["about y"])]]
+    assert RUN_DOCUMENTS.open_runs() == 0
+    # A chat model called outside any run (no run manager, no runnable config) finds nothing.
+    assert find_retrieved([HumanMessage(Q)], None).metadata["documents"] == 0
+
+
+def test_runs_that_never_end_are_bounded() -> None:
+    from uuid import uuid4
+
+    runs = RunDocuments(max_runs=5)
+    root = uuid4()
+    runs.on_chain_start({}, {}, run_id=root)
+    for _ in range(20):
+        runs.on_chain_start({}, {}, run_id=uuid4(), parent_run_id=root)
+    assert runs.open_runs() == 5
+    assert runs.documents(root) == []  # the oldest (the root) was dropped
