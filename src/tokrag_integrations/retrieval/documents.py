@@ -5,6 +5,7 @@ through :func:`list_folder` for each folder), both shared by ``tokrag ask --docs
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
-from .opener import FileRefused, given_roots, link_leaving, max_file_bytes, read_file_bytes
+from .opener import FileRefused, given_roots, max_file_bytes, read_file_bytes
 
 #: Plain-text formats, read as they are.
 TEXT_SUFFIXES: frozenset[str] = frozenset({".txt", ".md", ".markdown", ".rst"})
@@ -401,8 +402,12 @@ def walk_paths(paths: Sequence[Path], *, follow_links: bool = False) -> PathWalk
             walk.unsupported.append(path)
         else:
             walk.files.append((path, path.absolute().parent.resolve() / path.name))
-            if follow_links and (target := link_leaving(path, walk.roots)) is not None:
-                followed.append((path, target, "the given folders"))
+            if follow_links and path.is_symlink():
+                # A broken link or a loop is not warned about: the opener refuses it.
+                with contextlib.suppress(OSError, RuntimeError):
+                    target = path.resolve(strict=True)
+                    if not any(target.is_relative_to(root) for root in walk.roots):
+                        followed.append((path, target, "the given folders"))
     for link, target, outside in followed:
         warnings.warn(
             f"{printable(link)}: following a symbolic link to {printable(target)}, outside "
