@@ -159,17 +159,26 @@ def test_edited_file_replaces_exactly_its_chunks(pg_dsn, tmp_path):
 @pytest.mark.postgres
 def test_parse_failure_reported_and_skipped(pg_dsn, tmp_path):
     from tokrag_integrations.postgres import PostgresKnowledgeBase, ingest
+    from tokrag_integrations.retrieval import supported_types
 
     (tmp_path / "good.md").write_text("# Good\n\nThe Ostrander beacon blinks every 7 seconds.\n")
     (tmp_path / "binary.txt").write_bytes(b"\x00\x01\x02PK\x03\x04" * 100)
     (tmp_path / "broken.pdf").write_bytes(b"%PDF-1.7\nthis is not really a pdf\n%%EOF")
     (tmp_path / "empty.md").write_text("   \n")
-    summary = ingest([tmp_path], dsn=pg_dsn, table="faults", progress=False)
+    (tmp_path / "notes.docx").write_bytes(b"PK\x03\x04")
+    with pytest.warns(UserWarning, match=r"1 file\(s\) of other types skipped \(\.docx\)"):
+        summary = ingest([tmp_path], dsn=pg_dsn, table="faults", progress=False)
     failed = {Path(f.path).name: f.reason for f in summary.failed}
     assert set(failed) == {"binary.txt", "broken.pdf", "empty.md"}
     assert "binary" in failed["binary.txt"] and "no text" in failed["empty.md"]
     assert summary.added == 1
     assert "skipped" in summary.to_text() and "broken.pdf" in summary.to_text()
+    named = [tmp_path / "notes.docx", tmp_path / "good.md"]  # a type named directly: one line
+    summary = ingest(named, dsn=pg_dsn, table="faults", progress=False)
+    assert [(Path(f.path).name, f.reason) for f in summary.failed] == [
+        ("notes.docx", f"unsupported type (supported: {supported_types()})")
+    ]
+    assert summary.unchanged == 1
     with PostgresKnowledgeBase(pg_dsn, "faults") as kb:
         assert kb.count() == 1
 

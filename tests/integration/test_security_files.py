@@ -300,11 +300,11 @@ _INGEST_SWAPPED = f"""
 import os, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, ({_CHILD_MEMORY}, {_CHILD_MEMORY}))
 from pathlib import Path
-import tokrag_integrations.postgres.ingestion as ingest_files
+import tokrag_integrations.retrieval.documents as documents
 from tokrag_integrations.cli import main
 
 folder, swap = Path(sys.argv[1]), sys.argv[2]
-listed = ingest_files.list_folder
+listed = documents.list_folder
 
 
 def list_then_swap(root, **options):
@@ -317,7 +317,7 @@ def list_then_swap(root, **options):
     return found
 
 
-ingest_files.list_folder = list_then_swap
+documents.list_folder = list_then_swap
 print("STATUS", main(["ingest", str(folder), *sys.argv[3:], "--no-progress"]), flush=True)
 """
 
@@ -346,11 +346,11 @@ def test_ingest_file_swapped_for_a_link_after_the_listing(pg_dsn, named, monkeyp
     the secret was stored and b.md listed as both added and stale. Now b.md is failed with
     the reason, nothing of the secret is stored, and chunks stored for b.md before are kept
     (stale: the link leaves the folder)."""
-    import tokrag_integrations.postgres.ingestion as ingest_files
+    import tokrag_integrations.retrieval.documents as documents
     from tokrag_integrations.postgres import ingest
 
     secret = named.parent / "outside" / "secret.md"
-    listed = ingest_files.list_folder
+    listed = documents.list_folder
 
     def list_then_swap(root, **options):
         found = listed(root, **options)
@@ -361,19 +361,19 @@ def test_ingest_file_swapped_for_a_link_after_the_listing(pg_dsn, named, monkeyp
     def statuses(summary):
         return sorted((Path(f.path).name, f.status) for f in [*summary.files, *summary.gone])
 
-    monkeypatch.setattr(ingest_files, "list_folder", list_then_swap)
+    monkeypatch.setattr(documents, "list_folder", list_then_swap)
     summary = ingest([named], dsn=pg_dsn, table="swap_link", progress=False)
     assert statuses(summary) == [("a.md", "added"), ("b.md", "failed")]
     assert "a symbolic link to" in summary.failed[0].reason and "not followed" in summary.failed[0].reason
     assert SECRET not in _texts(pg_dsn, "swap_link")
 
-    monkeypatch.setattr(ingest_files, "list_folder", listed)
+    monkeypatch.setattr(documents, "list_folder", listed)
     (named / "b.md").unlink()
     (named / "b.md").write_text("# B\n\nThe Velloy tunnel closed in 1987.\n")
     assert statuses(ingest([named], dsn=pg_dsn, table="swap_link", progress=False)) == [
         ("a.md", "unchanged"), ("b.md", "added")
     ]
-    monkeypatch.setattr(ingest_files, "list_folder", list_then_swap)
+    monkeypatch.setattr(documents, "list_folder", list_then_swap)
     summary = ingest([named], dsn=pg_dsn, table="swap_link", progress=False)
     assert statuses(summary) == [("a.md", "unchanged"), ("b.md", "failed"), ("b.md", "stale")]
     texts = _texts(pg_dsn, "swap_link")

@@ -157,9 +157,10 @@ def test_named_link_leaving_its_folder_is_not_followed(named):
 _SWAP_FOR_FIFO = """
 import os
 import tokrag_integrations.retrieval as retrieval
+from tokrag_integrations.retrieval import documents
 
 folder = Path(sys.argv[1])
-listed = retrieval.list_folder
+listed = documents.list_folder
 
 
 def list_then_swap(root, **options):
@@ -169,9 +170,9 @@ def list_then_swap(root, **options):
     return found
 
 
-retrieval.list_folder = list_then_swap
+documents.list_folder = list_then_swap
 print("LISTING", sorted(Path(d.source).name for d in retrieval.load_documents(folder)), flush=True)
-retrieval.list_folder = listed
+documents.list_folder = listed
 
 (folder / "b.md").unlink()
 (folder / "b.md").write_text("# B\\n\\nThe Velloy tunnel closed in 1987.\\n")
@@ -212,11 +213,11 @@ def test_file_swapped_for_a_link_after_the_listing_is_not_followed(named, monkey
     listing was read. Swapped after the listing, the opener's ``lstat`` sees the link and
     refuses it; swapped after that ``lstat``, the ``O_NOFOLLOW`` open refuses it."""
     import tokrag_integrations.retrieval as retrieval
-    from tokrag_integrations.retrieval import opener
+    from tokrag_integrations.retrieval import documents, opener
 
     secret = named.parent / "outside" / "secret.md"
     (named / "b.md").write_text("# B\n\nThe Velloy tunnel closed in 1987.\n")
-    listed = retrieval.list_folder
+    listed = documents.list_folder
 
     def list_then_swap(root, **options):
         found = listed(root, **options)
@@ -224,7 +225,7 @@ def test_file_swapped_for_a_link_after_the_listing_is_not_followed(named, monkey
         (named / "b.md").symlink_to(secret)
         return found
 
-    monkeypatch.setattr(retrieval, "list_folder", list_then_swap)
+    monkeypatch.setattr(documents, "list_folder", list_then_swap)
     with pytest.warns(UserWarning, match="not followed") as record:
         docs = retrieval.load_documents(named)
     assert [Path(d.source).name for d in docs] == ["a.md"]
@@ -233,7 +234,7 @@ def test_file_swapped_for_a_link_after_the_listing_is_not_followed(named, monkey
         "not followed (--follow-links / follow_links=True reads it); skipped."
     ]
 
-    monkeypatch.setattr(retrieval, "list_folder", listed)
+    monkeypatch.setattr(documents, "list_folder", listed)
     (named / "b.md").unlink()
     (named / "b.md").write_text("# B\n\nThe Velloy tunnel closed in 1987.\n")
     seen, swapped = os.lstat, []

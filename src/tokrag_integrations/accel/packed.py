@@ -9,6 +9,7 @@ up to the rounding of a different kernel.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -201,11 +202,7 @@ def prefill_packed(
     lo = 0 if len(ids[0]) >= len(ids[1]) else 1  # the longer prompt runs first
     so = 1 - lo
     long_ids, short_ids = ids[lo], ids[so]
-    h = 0
-    for a, b in zip(long_ids, short_ids, strict=False):
-        if a != b:
-            break
-        h += 1
+    h = len(os.path.commonprefix([long_ids, short_ids]))  # the head both share
     h = min(h, len(short_ids) - 1)  # the short prompt's last token must run (its logits)
     if any(p >= h for p in specs[so].rt_positions):  # type: ignore[union-attr]
         return None  # its retrieved positions would not be its cache positions
@@ -280,28 +277,29 @@ def prefill(
         return split
     batches = prefill_roles(roles, per_query, lm, probe_roles)
     reused = reused_seconds(batches)
-    fused = fuse_batches(list(batches.values())) if fuse else None
+    rows = {role: [(b, r) for r in range(len(b.query_idx))] for role, b in batches.items()}
+    fused = _fused_prefill(rows, reused) if fuse else None
+    return fused or Prefilled(batches, row_map(batches), reused_s=reused)
+
+
+def _fused_prefill(
+    rows: dict[str, list[tuple[RoleBatch, int]]], reused_s: float
+) -> Prefilled | None:
+    """Every role's rows (``(batch, row)``, roles in order) in one batch (:func:`fuse_rows`),
+    with role -> query -> (that batch, row); None for one role or rows that cannot share it."""
+    used = [role for role in rows if rows[role]]
+    fused = fuse_rows([e for role in used for e in rows[role]]) if len(used) > 1 else None
     if fused is None:
-        return Prefilled(batches, row_map(batches), reused_s=reused)
-    counts = [(role, len(b.query_idx)) for role, b in batches.items()]
-    return Prefilled(
-        {fused.role: fused}, _fused_row_map(fused, counts), fused=True, reused_s=reused
-    )
-
-
-def _fused_row_map(
-    fused: RoleBatch, counts: Sequence[tuple[str, int]]
-) -> dict[str, dict[int, tuple[RoleBatch, int]]]:
-    """role -> query -> (``fused``, row) for a batch whose rows are ``counts``' roles in order,
-    each role's rows in a run (``(role, number of rows)``)."""
-    out: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
+        return None
+    row_of: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
     start = 0
-    for role, n in counts:
-        out[role] = {
+    for role in used:
+        n = len(rows[role])
+        row_of[role] = {
             q: (fused, start + i) for i, q in enumerate(fused.query_idx[start : start + n])
         }
         start += n
-    return out
+    return Prefilled({fused.role: fused}, row_of, fused=True, reused_s=reused_s)
 
 
 #: On CPU a batch's queries are prefilled in groups of at most this many prompt positions
@@ -375,16 +373,11 @@ def split_prefill(
         for role, b in batches.items():
             b.query_idx = [g[q] for q in b.query_idx]  # rebound, never written in place
             entries[role] += [(b, r) for r in range(len(b.query_idx))]
-    used = [role for role in roles if entries[role]]
-    if fuse and len(used) > 1:
-        fused = fuse_rows([e for role in used for e in entries[role]])
-        if fused is not None:
-            counts = [(role, len(entries[role])) for role in used]
-            return Prefilled(
-                {fused.role: fused}, _fused_row_map(fused, counts), fused=True, reused_s=reused
-            )
+    fused = _fused_prefill(entries, reused) if fuse else None
+    if fused is not None:
+        return fused
     merged: dict[str, RoleBatch] = {}
-    for role in used:
+    for role in [role for role in roles if entries[role]]:
         one_role = fuse_rows(entries[role])
         if one_role is None:
             return None

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..config import require_bool
+from ..engine.batch import RoleBatch
 from ..models import LoadedModel
 from ..policies.base import Choice, ContextSpec, Lens, Policy, View
 from ..trace import FROM_LLM
@@ -85,33 +86,15 @@ def _persona_prompt(lm: LoadedModel, persona: str, statement: str) -> list[int]:
 def last_token_states(
     lm: LoadedModel, prompts: Sequence[list[int]], batch_size: int = 16
 ) -> torch.Tensor:
-    """[N, L+1, d] residual states of each prompt's last position (h^0 = embeddings).
-
-    Prompts are left-padded into batches; ``attention.Probe`` records the last position.
-    """
-    from ..attention.probe import Probe
-
+    """[N, L+1, d] residual states of each prompt's last position (h^0 = embeddings), from
+    probed prefills of left-padded batches (:class:`~..engine.batch.RoleBatch`)."""
     out = []
     for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
-        n = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), n), lm.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), n), dtype=torch.long)
-        for r, p in enumerate(chunk):
-            ids[r, n - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[r, n - len(p) :] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        dev = lm.model.device
-        with lm.lock, torch.inference_mode(), Probe(lm.model) as probe:
-            lm.model(
-                input_ids=ids.to(dev),
-                attention_mask=mask.to(dev),
-                position_ids=pos.to(dev),
-                use_cache=False,
-                logits_to_keep=1,
-            )
-            rec = probe.take()
-        out.append(rec.resid.float().cpu().transpose(0, 1))  # [B, L+1, d]
+        members = [(r, ContextSpec(list(p))) for r, p in enumerate(prompts[i : i + batch_size])]
+        with lm.lock, torch.inference_mode():
+            batch = RoleBatch("ctrla", members, lm, probe=True)
+            batch.forward(None)
+        out.append(batch.records.resid.float().cpu().transpose(0, 1))  # [B, L+1, d]
     return torch.cat(out)
 
 

@@ -10,7 +10,7 @@ import os
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -18,19 +18,16 @@ from typing import Any, Literal
 from ..config import require_bool
 from ..retrieval.chunking import chunk_text
 from ..retrieval.documents import (
-    SUPPORTED_SUFFIXES,
     Document,
     DocumentError,
-    list_folder,
     printable,
     read_document,
     supported_types,
-    unreadable_reason,
-    warn_followed_link,
+    walk_paths,
 )
 from ..retrieval.embedder import load_embedder
 from ..retrieval.index import index_text
-from ..retrieval.opener import given_roots, link_leaving, max_file_bytes
+from ..retrieval.opener import max_file_bytes
 from .connection import pooled, resolve_dsn, shared_pool
 from .dsn import PostgresConnectionError, database_errors, first_line
 from .layout import DEFAULT_TABLE, TableLayout, Target, ensure_table
@@ -134,78 +131,6 @@ class IngestSummary:
                 "  Stale files are still retrieved; re-run with --prune to delete their chunks."
             )
         return "\n".join(lines)
-
-
-def discover_files(
-    paths: str | Path | Iterable[str | Path], *, follow_links: bool = False
-) -> tuple[list[Path], list[FileReport]]:
-    """Files to ingest under ``paths`` and failed reports for what cannot be read (a file
-    named with an unsupported suffix, an unreadable sub-folder, a link leaving its folder
-    unless ``follow_links``, a broken link, a special file). A file's path is its resolved
-    path, except for a link leaving its folder: it keeps the link's path, so it is stored and
-    pruned with the folder, and :func:`parse_file` judges the link when it opens it.
-
-    Raises:
-        FileNotFoundError: A path does not exist.
-        ValueError: No path was given.
-    """
-    path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
-    if not path_list:
-        raise ValueError("No paths were given; pass at least one file or folder to ingest.")
-    files: list[Path] = []
-    rejected: list[FileReport] = []
-    seen: set[Path] = set()
-    roots = given_roots(path_list)
-    for path in path_list:
-        reason = unreadable_reason(path)
-        if reason is not None:
-            rejected.append(FileReport(str(path.absolute()), "failed", reason=reason))
-            continue
-        if not path.exists():
-            raise FileNotFoundError(f"Path not found: {path}")
-        if path.is_dir():
-            listing = list_folder(path, follow_links=follow_links)
-            real_root = path.resolve()
-            # a file reached through a link leaving the folder is stored under the folder
-            candidates = [
-                (
-                    p,
-                    p.resolve()
-                    if p.resolve().is_relative_to(real_root)
-                    else real_root / p.relative_to(path),
-                )
-                for p in listing.files
-            ]
-            rejected += [
-                FileReport(str(p.absolute()), "failed", reason=r) for p, r in listing.skipped
-            ]
-            for link, target in listing.followed_links:
-                warn_followed_link(link.absolute(), target, path, stacklevel=2)
-        elif path.suffix.lower() in SUPPORTED_SUFFIXES:
-            # A link named directly is judged when it is opened (parse_file), against the
-            # folder it lies in and the given folders; one leaving them keeps the link's path.
-            target = link_leaving(path, roots)
-            if target is None:
-                candidates = [(path, path.resolve())]
-            else:
-                candidates = [(path, path.absolute().parent.resolve() / path.name)]
-                if follow_links:
-                    warn_followed_link(path.absolute(), target, "the given folders", stacklevel=2)
-        else:
-            rejected.append(
-                FileReport(
-                    str(path.resolve()),
-                    "failed",
-                    reason=f"unsupported type (supported: {supported_types()})",
-                )
-            )
-            continue
-        for p, stored in candidates:
-            resolved = p.resolve()
-            if resolved not in seen:
-                seen.add(resolved)
-                files.append(stored)
-    return files, rejected
 
 
 def parse_file(
@@ -458,8 +383,21 @@ def ingest(
     chunk_text("check", max_chars=max_chars, overlap=overlap)  # bad chunking fails here, once
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     max_file_bytes(max_file_mb)  # a bad cap fails before anything is opened
-    files, rejected = discover_files(path_list, follow_links=follow_links)
-    roots = [p.resolve() for p in path_list if unreadable_reason(p) is None and p.is_dir()]
+    walk = walk_paths(path_list, follow_links=follow_links)
+    rejected = [FileReport(str(p.absolute()), "failed", reason=r) for p, r in walk.skipped]
+    rejected += [
+        FileReport(
+            str(p.resolve()), "failed", reason=f"unsupported type (supported: {supported_types()})"
+        )
+        for p in walk.unsupported
+    ]
+    # A file is stored under its resolved path, once, except a link leaving the given folders:
+    # it keeps its path under its folder, so it is stored and pruned with the folder.
+    files: dict[Path, Path] = {}
+    for found, under_folder in walk.files:
+        target = found.resolve()
+        inside = any(target.is_relative_to(root) for root in walk.roots)
+        files.setdefault(target, target if inside else under_folder)
     db = resolve_dsn(dsn, data_dir=data_dir)
     with database_errors(db.dsn, "open a connection pool"):
         shared_pool(db.dsn, pool_size, pool_timeout)
@@ -469,7 +407,7 @@ def ingest(
     )
     summary = IngestSummary(layout.table, layout.target, db.masked, notes=[note] if note else [])
     read_options = {
-        "roots": given_roots(path_list),
+        "roots": walk.roots,
         "follow_links": follow_links,
         "max_file_mb": max_file_mb,
     }
@@ -532,7 +470,7 @@ def ingest(
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(files, unit="file", desc="ingest", disable=not progress, leave=False)
+    bar = tqdm(files.values(), unit="file", desc="ingest", disable=not progress, leave=False)
     with database_errors(db.dsn, f"ingest into {layout.table}"), pooled(db.dsn) as conn:
         for path in bar:
             bar.set_postfix_str(printable(path)[-30:])  # drawn now: a big file takes a while
@@ -540,6 +478,6 @@ def ingest(
                 on_start(path)
             report(ingest_file(conn, path))
         bar.close()
-        summary.gone = _gone_files(conn, layout, roots, prune, follow_links)
+        summary.gone = _gone_files(conn, layout, walk.folders, prune, follow_links)
     summary.seconds = time.perf_counter() - start
     return summary

@@ -28,11 +28,10 @@ from .documents import (
     printable,
     read_document,
     supported_types,
-    unreadable_reason,
-    warn_followed_link,
+    walk_paths,
 )
 from .index import BM25Retriever, DenseRetriever
-from .opener import DEFAULT_MAX_FILE_MB, given_roots, link_leaving, max_file_bytes
+from .opener import DEFAULT_MAX_FILE_MB, max_file_bytes
 
 __all__ = [
     "SUPPORTED_SUFFIXES", "DEFAULT_MAX_FILE_MB", "Document", "Chunk",
@@ -97,47 +96,23 @@ def load_documents(
         ResourceWarning: The files add up to more than :data:`LARGE_INPUT_BYTES`.
     """
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
-    if not path_list:
-        raise ValueError("No document paths were given; pass at least one file or folder.")
     cap = max_file_bytes(max_file_mb)  # a bad cap fails before any file is read
-    roots = given_roots(path_list)
+    walk = walk_paths(path_list, follow_links=follow_links)
+    if walk.unsupported:
+        raise ValueError(
+            f"Unsupported document type: {walk.unsupported[0]} (supported: {supported_types()})."
+        )
+    for entry, reason in walk.skipped:
+        warnings.warn(f"{printable(entry)}: {printable(reason)}; skipped.", stacklevel=2)
+    files = [file for file, _ in walk.files]
     documents: list[Document] = []
-    files: list[Path] = []
-    for path in path_list:
-        reason = unreadable_reason(path)
-        if reason is not None:
-            warnings.warn(f"{printable(path)}: {reason}; skipped.", stacklevel=2)
-            continue
-        if not path.exists():
-            raise FileNotFoundError(f"Document path not found: {path}")
-        if path.is_dir():
-            listing = list_folder(path, follow_links=follow_links)
-            files.extend(listing.files)
-            for entry, reason in listing.skipped:
-                warnings.warn(f"{printable(entry)}: {printable(reason)}; skipped.", stacklevel=2)
-            for link, target in listing.followed_links:
-                warn_followed_link(link, target, "the given folder", stacklevel=2)
-            if listing.other_types:
-                suffixes = sorted({p.suffix.lower() or "no suffix" for p in listing.other_types})
-                warnings.warn(
-                    f"{printable(path)}: {len(listing.other_types)} file(s) of other types "
-                    f"skipped ({', '.join(suffixes)}); supported: {supported_types()}.",
-                    stacklevel=2,
-                )
-        elif path.suffix.lower() in SUPPORTED_SUFFIXES:
-            target = link_leaving(path, roots) if follow_links else None
-            if target is not None:
-                warn_followed_link(path, target, "the given folders", stacklevel=2)
-            files.append(path)
-        else:
-            raise ValueError(
-                f"Unsupported document type: {path} (supported: {supported_types()})."
-            )
     _warn_if_large(files, cap)
     for file in files:
         try:
             documents.append(
-                read_document(file, roots=roots, follow_links=follow_links, max_file_mb=max_file_mb)
+                read_document(
+                    file, roots=walk.roots, follow_links=follow_links, max_file_mb=max_file_mb
+                )
             )
         except DocumentError as exc:
             warnings.warn(f"{printable(file)}: {printable(str(exc))}; skipped.", stacklevel=2)

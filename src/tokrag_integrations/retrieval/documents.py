@@ -1,9 +1,11 @@
 """Documents: the file types read, the record types, the one loader of a file
-(:func:`read_document`, shared by ``tokrag ask --docs`` and ``tokrag ingest``) and the
-folder listing (:func:`list_folder`); the frameworks' readers are optional extras."""
+(:func:`read_document`) and the one walk of the paths a user names (:func:`walk_paths`,
+through :func:`list_folder` for each folder), both shared by ``tokrag ask --docs`` and
+``tokrag ingest``; the frameworks' readers are optional extras."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from collections.abc import Sequence
@@ -12,7 +14,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
-from .opener import FileRefused, max_file_bytes, read_file_bytes
+from .opener import FileRefused, given_roots, max_file_bytes, read_file_bytes
 
 #: Plain-text formats, read as they are.
 TEXT_SUFFIXES: frozenset[str] = frozenset({".txt", ".md", ".markdown", ".rst"})
@@ -261,28 +263,6 @@ def printable(text: str | Path) -> str:
     return _CONTROL_CHARS.sub(lambda m: repr(m.group(0))[1:-1], text)
 
 
-def warn_followed_link(link: str | Path, target: Path, outside: str | Path, stacklevel: int) -> None:
-    """The warning for a symbolic link ``link`` followed to ``target``, outside ``outside``
-    (a folder, or words such as "the given folders"), because ``follow_links`` is on."""
-    warnings.warn(
-        f"{printable(link)}: following a symbolic link to {printable(target)}, outside "
-        f"{printable(outside)} (follow_links is on).",
-        stacklevel=stacklevel + 1,
-    )
-
-
-def unreadable_reason(path: Path) -> str | None:
-    """Why ``path`` cannot even be looked at (a folder on its way is not readable), or None
-    (it exists, or plainly does not)."""
-    try:
-        path.stat()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as exc:
-        return f"cannot be read ({exc.strerror or exc})"
-    return None
-
-
 @dataclass
 class FolderListing:
     """What :func:`list_folder` found under one folder."""
@@ -325,7 +305,9 @@ def list_folder(root: Path, *, follow_links: bool = False) -> FolderListing:
                 target = path.resolve() if link else path
                 is_dir, is_file = entry.is_dir(), entry.is_file()
             except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
-                listing.skipped.append((path, f"cannot be read ({getattr(exc, 'strerror', None) or exc})"))
+                listing.skipped.append(
+                    (path, f"cannot be read ({getattr(exc, 'strerror', None) or exc})")
+                )
                 continue
             if link and not (is_dir or is_file):
                 listing.skipped.append((path, f"a broken symbolic link (to {target})"))
@@ -333,8 +315,11 @@ def list_folder(root: Path, *, follow_links: bool = False) -> FolderListing:
             if link and not target.is_relative_to(real_root):
                 if not follow_links:
                     listing.skipped.append(
-                        (path, f"a symbolic link to {target}, outside {root}; not followed "
-                         "(--follow-links / follow_links=True reads it)")
+                        (
+                            path,
+                            f"a symbolic link to {target}, outside {root}; not followed "
+                            "(--follow-links / follow_links=True reads it)",
+                        )
                     )
                     continue
                 listing.followed_links.append((path, target))
@@ -354,3 +339,79 @@ def list_folder(root: Path, *, follow_links: bool = False) -> FolderListing:
 
     visit(root)
     return listing
+
+
+@dataclass
+class PathWalk:
+    """What :func:`walk_paths` found under the paths given."""
+
+    #: Each document file as found (the folder given joined with its path inside it, or the
+    #: file named) and the same path under the resolved folder, its final link not resolved.
+    files: list[tuple[Path, Path]] = field(default_factory=list)
+    #: Entries not read, with the reason: a path given or a folder entry that cannot be read,
+    #: a link leaving its folder not followed, a broken link, a special file.
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    #: Files named directly whose type is not supported.
+    unsupported: list[Path] = field(default_factory=list)
+    #: The resolved folders a symbolic link may point into (:func:`.opener.given_roots`).
+    roots: list[Path] = field(default_factory=list)
+    #: The folders given that were walked, resolved.
+    folders: list[Path] = field(default_factory=list)
+
+
+def walk_paths(paths: Sequence[Path], *, follow_links: bool = False) -> PathWalk:
+    """The document files under ``paths`` (files, and folders through :func:`list_folder`),
+    in the order given. A file named directly is listed even when it is a link leaving its
+    folder: :func:`read_document` judges it when it opens it.
+
+    Raises:
+        FileNotFoundError: A path does not exist.
+        ValueError: No path was given.
+
+    Warns:
+        UserWarning: One per link leaving its folder followed (``follow_links``); one per
+            folder for the files of other types in it.
+    """
+    if not paths:
+        raise ValueError("No document paths were given; pass at least one file or folder.")
+    walk = PathWalk(roots=given_roots(paths))
+    followed: list[tuple[Path, Path, str | Path]] = []
+    for path in paths:
+        try:
+            path.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileNotFoundError(f"Document path not found: {path}") from None
+        except OSError as exc:  # a folder on its way is not readable
+            walk.skipped.append((path, f"cannot be read ({exc.strerror or exc})"))
+            continue
+        if path.is_dir():
+            listing = list_folder(path, follow_links=follow_links)
+            real_root = path.resolve()
+            walk.folders.append(real_root)
+            walk.files += [(file, real_root / file.relative_to(path)) for file in listing.files]
+            walk.skipped += listing.skipped
+            followed += [(link, target, path) for link, target in listing.followed_links]
+            if listing.other_types:
+                suffixes = sorted({p.suffix.lower() or "no suffix" for p in listing.other_types})
+                warnings.warn(
+                    f"{printable(path)}: {len(listing.other_types)} file(s) of other types "
+                    f"skipped ({', '.join(suffixes)}); supported: {supported_types()}.",
+                    stacklevel=3,
+                )
+        elif path.suffix.lower() not in SUPPORTED_SUFFIXES:
+            walk.unsupported.append(path)
+        else:
+            walk.files.append((path, path.absolute().parent.resolve() / path.name))
+            if follow_links and path.is_symlink():
+                # A broken link or a loop is not warned about: the opener refuses it.
+                with contextlib.suppress(OSError, RuntimeError):
+                    target = path.resolve(strict=True)
+                    if not any(target.is_relative_to(root) for root in walk.roots):
+                        followed.append((path, target, "the given folders"))
+    for link, target, outside in followed:
+        warnings.warn(
+            f"{printable(link)}: following a symbolic link to {printable(target)}, outside "
+            f"{printable(outside)} (follow_links is on).",
+            stacklevel=3,
+        )
+    return walk

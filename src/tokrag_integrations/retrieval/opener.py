@@ -78,18 +78,6 @@ def given_roots(paths: Sequence[Path]) -> list[Path]:
     return roots
 
 
-def link_leaving(path: Path, roots: Sequence[Path]) -> Path | None:
-    """The target of ``path`` when it is a symbolic link whose target (existing) lies
-    outside ``roots``; otherwise ``None``."""
-    try:
-        if not path.is_symlink():
-            return None
-        target = path.resolve(strict=True)
-    except (OSError, RuntimeError):
-        return None
-    return None if _inside(target, roots) else target
-
-
 def read_file_bytes(
     path: str | Path,
     *,
