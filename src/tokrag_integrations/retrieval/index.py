@@ -237,7 +237,7 @@ class HybridRetriever:
     :func:`.fusion.reciprocal_rank_fusion` (the fusion of Postgres ``search="hybrid"``, with
     its defaults: k 60, weights 1 and 1, 50 candidates) merges them; a score is the fused
     score. Embeddings are computed (and cached) as :class:`DenseRetriever`'s; the BM25 index
-    is built in memory (milliseconds for thousands of chunks)."""
+    is built in memory on each construction (cheap next to embedding)."""
 
     def __init__(self, chunks: Sequence[Chunk], **dense_options: Any):
         """Index ``chunks``; ``dense_options`` go to :class:`DenseRetriever`."""
