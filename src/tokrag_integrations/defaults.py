@@ -19,7 +19,7 @@ CHUNK_OVERLAP = 100
 
 #: How ``--docs`` and ``FolderRetriever`` rank chunks: ``"dense"`` (MiniLM cosine),
 #: ``"bm25"`` or ``"hybrid"`` (the two fused by reciprocal rank fusion). Hybrid has the better
-#: recall (docs/results.md, "Folder retrieval") but flips the packaged quickstarts' answer.
+#: recall, but the packaged model answers fewer sample questions with it (docs/results.md).
 RETRIEVER = "dense"
 
 #: Chunks retrieved per question and given to the model as passages.
