@@ -1,6 +1,6 @@
 """The first hour: how many of the ten packaged sample questions each policy answers.
 
-A new user's first answers come from ``tokrag ask QUESTION --docs sample`` (dense MiniLM
+A new user's first answers come from ``tokrag ask QUESTION --docs sample`` (``--retriever``
 retrieval over the packaged company documents, 5 chunks, ``stream``). This script asks the
 ten questions of ``sample_questions.json`` the same way, for every policy spec and every
 number of retrieved chunks, and prints which questions each answers (the expected answer or
@@ -19,6 +19,7 @@ import json
 from typing import Any
 
 from tokrag_integrations import Passage, generate, load_model
+from tokrag_integrations.defaults import RETRIEVER
 from tokrag_integrations.evaluation.metrics import cover_em
 from tokrag_integrations.evaluation.specs import parse_specs
 from tokrag_integrations.retrieval import (
@@ -34,13 +35,14 @@ def main() -> None:
     ap.add_argument("--top-k", default="3,5", help="comma-separated numbers of retrieved chunks")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="as tokrag ask (default 64)")
     ap.add_argument("--model", default="default")
+    ap.add_argument("--retriever", choices=("dense", "bm25", "hybrid"), default=RETRIEVER)
     ap.add_argument("--json", default=None, help="also write the answers to this JSON file")
     args = ap.parse_args()
 
     specs = parse_specs(args.policies)
     ks = [int(k) for k in args.top_k.split(",")]
     lm = load_model(args.model)
-    retriever = build_retriever(get_sample_docs_path())
+    retriever = build_retriever(get_sample_docs_path(), kind=args.retriever)
     questions = get_sample_questions()
     rows: list[dict[str, Any]] = []
     for k in ks:

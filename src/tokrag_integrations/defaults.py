@@ -7,13 +7,20 @@ the same place; each entry point still takes its own argument to override them.
 
 from __future__ import annotations
 
-__all__ = ["CHUNK_CHARS", "CHUNK_OVERLAP", "TOP_K", "MAX_NEW_TOKENS", "ANSWER_STOP"]
+__all__ = [
+    "CHUNK_CHARS", "CHUNK_OVERLAP", "RETRIEVER", "TOP_K", "MAX_NEW_TOKENS", "ANSWER_STOP",
+]  # fmt: skip
 
 #: Characters per chunk (:func:`~tokrag_integrations.retrieval.chunk_text`).
 CHUNK_CHARS = 800
 
 #: Characters a chunk may repeat from the end of the previous one.
 CHUNK_OVERLAP = 100
+
+#: How ``--docs`` and ``FolderRetriever`` rank chunks: ``"dense"`` (MiniLM cosine),
+#: ``"bm25"`` or ``"hybrid"`` (the two fused by reciprocal rank fusion). Hybrid has the better
+#: recall, but the packaged model answers fewer sample questions with it (docs/results.md).
+RETRIEVER = "dense"
 
 #: Chunks retrieved per question and given to the model as passages.
 TOP_K = 5

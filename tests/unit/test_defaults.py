@@ -18,6 +18,7 @@ from tokrag_integrations.defaults import (
     CHUNK_CHARS,
     CHUNK_OVERLAP,
     MAX_NEW_TOKENS,
+    RETRIEVER,
     TOP_K,
 )
 from tokrag_integrations.retrieval import build_retriever, chunk_text
@@ -38,24 +39,31 @@ def test_every_entry_point_reads_the_same_defaults() -> None:
     from tokrag_integrations.llama_index import TokRAGLLM, TokRAGSynthesizer
 
     args = cli.build_parser().parse_args(["ask", "q"])
-    assert (args.top_k, args.max_new_tokens) == (TOP_K, MAX_NEW_TOKENS)
+    assert (args.top_k, args.max_new_tokens, args.retriever) == (TOP_K, MAX_NEW_TOKENS, RETRIEVER)
     assert stop_strings(args) == list(ANSWER_STOP)
     assert _defaults(chunk_text) == {"max_chars": CHUNK_CHARS, "overlap": CHUNK_OVERLAP}
-    assert {k: _defaults(build_retriever)[k] for k in ("max_chars", "overlap")} == {
+    assert {k: _defaults(build_retriever)[k] for k in ("max_chars", "overlap", "kind")} == {
         "max_chars": CHUNK_CHARS,
         "overlap": CHUNK_OVERLAP,
+        "kind": RETRIEVER,
     }
     synth = _defaults(TokRAGSynthesizer.__init__)
     assert (synth["max_new_tokens"], synth["stop"]) == (MAX_NEW_TOKENS, ANSWER_STOP)
     assert TokRAGLLM.model_fields["max_new_tokens"].default == MAX_NEW_TOKENS
     assert ChatTokRAG.model_fields["max_tokens"].default == MAX_NEW_TOKENS
     li = _defaults(LIRetriever.__init__)
-    assert (li["top_k"], li["max_chars"], li["overlap"]) == (TOP_K, CHUNK_CHARS, CHUNK_OVERLAP)
-    lc = LCRetriever.model_fields
-    assert (lc["top_k"].default, lc["max_chars"].default, lc["overlap"].default) == (
+    assert (li["top_k"], li["max_chars"], li["overlap"], li["retriever"]) == (
         TOP_K,
         CHUNK_CHARS,
         CHUNK_OVERLAP,
+        RETRIEVER,
+    )
+    lc = {k: f.default for k, f in LCRetriever.model_fields.items()}
+    assert (lc["top_k"], lc["max_chars"], lc["overlap"], lc["retriever"]) == (
+        TOP_K,
+        CHUNK_CHARS,
+        CHUNK_OVERLAP,
+        RETRIEVER,
     )
 
 

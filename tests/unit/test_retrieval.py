@@ -243,7 +243,7 @@ def test_bm25_ignores_chunks_without_shared_words(bm25: BM25Retriever) -> None:
 
 
 def test_build_retriever_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="Unknown retriever kind 'sparse'"):
+    with pytest.raises(ValueError, match="Unknown retriever 'sparse'; use 'dense', 'bm25' or 'hybrid'"):
         build_retriever(tmp_path, kind="sparse")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=f"No documents found in {tmp_path}"):
         build_retriever(tmp_path)

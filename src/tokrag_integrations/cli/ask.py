@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..defaults import MAX_NEW_TOKENS, TOP_K
+from ..defaults import MAX_NEW_TOKENS, RETRIEVER, TOP_K
 from .console import (
     _STREAM_STYLES,
     SAMPLE_DOCS,
@@ -79,9 +79,10 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
     add_max_file_argument(p, "--docs: ")
     p.add_argument(
         "--retriever",
-        choices=("dense", "bm25"),
-        default="dense",
-        help="dense (MiniLM cosine, default) or bm25 keyword retrieval",
+        choices=("dense", "bm25", "hybrid"),
+        default=RETRIEVER,
+        help="--docs: dense (MiniLM cosine), bm25 (keywords) or hybrid (both, fused by "
+        f"reciprocal rank fusion; finds exact identifiers) (default {RETRIEVER})",
     )
     p.add_argument(
         "--top-k",
@@ -277,7 +278,8 @@ def _check_before_loading(args: argparse.Namespace, options: dict[str, Any]) -> 
         raise ValueError("pass --device or --device-map, not both")
     if args.search != "vector" and args.store != "postgres":
         raise ValueError(
-            "--search applies to --store postgres; for --docs choose --retriever dense or bm25"
+            "--search applies to --store postgres; for --docs choose --retriever dense, bm25 "
+            "or hybrid"
         )
     return uses_passages
 

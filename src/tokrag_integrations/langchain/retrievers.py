@@ -8,9 +8,9 @@ from typing import Any, Literal
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import Field, PrivateAttr, StrictBool
+from pydantic import ConfigDict, Field, PrivateAttr, StrictBool
 
-from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP, TOP_K
+from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP, RETRIEVER, TOP_K
 from ..retrieval import build_retriever
 
 
@@ -26,18 +26,21 @@ class FolderRetriever(BaseRetriever):
     ``ValueError`` when there is nothing to index or a setting is out of range.
     """
 
+    model_config = ConfigDict(extra="forbid")  # a misspelt setting is an error, not ignored
+
     paths: list[str]
     """Files and/or folders to index."""
     top_k: int = Field(default=TOP_K, ge=1)
     """Chunks returned per query."""
-    kind: Literal["dense", "bm25"] = "dense"
-    """``"dense"`` (MiniLM cosine) or ``"bm25"``."""
+    retriever: Literal["dense", "bm25", "hybrid"] = RETRIEVER
+    """``"dense"`` (MiniLM cosine), ``"bm25"`` or ``"hybrid"`` (both, fused by reciprocal rank
+    fusion), as ``--retriever``."""
     max_chars: int = Field(default=CHUNK_CHARS, ge=1)
     """Characters per chunk (see :func:`tokrag_integrations.retrieval.chunk_text`)."""
     overlap: int = Field(default=CHUNK_OVERLAP, ge=0)
     """Characters a chunk may repeat from the previous one."""
     cache: StrictBool = True
-    """Keep the chunk embeddings on disk (dense only)."""
+    """Keep the chunk embeddings on disk (dense and hybrid)."""
     follow_links: StrictBool = False
     """Read files through symbolic links that leave the folders."""
     max_file_mb: float | None = Field(default=None, gt=0, allow_inf_nan=False)
@@ -51,7 +54,7 @@ class FolderRetriever(BaseRetriever):
     def model_post_init(self, context: Any) -> None:
         self._retriever = build_retriever(
             self.paths,
-            kind=self.kind,
+            kind=self.retriever,
             max_chars=self.max_chars,
             overlap=self.overlap,
             cache=self.cache,

@@ -11,7 +11,7 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP, TOP_K
+from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP, RETRIEVER, TOP_K
 from ..retrieval import ScoredChunk, build_retriever
 
 
@@ -38,9 +38,11 @@ class FolderRetriever(BaseRetriever):
     Args:
         paths: a file or folder, or several.
         top_k: chunks returned per query.
-        kind: ``"dense"`` (MiniLM cosine) or ``"bm25"``.
+        retriever: ``"dense"`` (MiniLM cosine), ``"bm25"`` or ``"hybrid"`` (both, fused by
+            reciprocal rank fusion), as ``--retriever``; default
+            :data:`~tokrag_integrations.defaults.RETRIEVER`.
         max_chars / overlap: chunking, see :func:`tokrag_integrations.retrieval.chunk_text`.
-        cache: keep the chunk embeddings on disk (dense only).
+        cache: keep the chunk embeddings on disk (dense and hybrid).
         follow_links: read files through symbolic links that leave the folders.
         max_file_mb: the largest file read, in MB (bigger ones are skipped with a warning;
             default 100).
@@ -48,7 +50,7 @@ class FolderRetriever(BaseRetriever):
 
     Raises:
         FileNotFoundError: a path does not exist. ValueError: nothing to index, a bad
-        ``top_k``, ``kind`` or chunking.
+        ``top_k``, ``retriever`` or chunking.
     """
 
     def __init__(
@@ -56,7 +58,7 @@ class FolderRetriever(BaseRetriever):
         paths: str | Path | Iterable[str | Path],
         *,
         top_k: int = TOP_K,
-        kind: Literal["dense", "bm25"] = "dense",
+        retriever: Literal["dense", "bm25", "hybrid"] = RETRIEVER,
         max_chars: int = CHUNK_CHARS,
         overlap: int = CHUNK_OVERLAP,
         cache: bool = True,
@@ -70,7 +72,7 @@ class FolderRetriever(BaseRetriever):
         self._top_k = top_k
         self._retriever: Any = build_retriever(
             paths,
-            kind=kind,
+            kind=retriever,
             max_chars=max_chars,
             overlap=overlap,
             cache=cache,

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..retrieval.fusion import reciprocal_rank_fusion
+
 SearchMode = Literal["vector", "text", "hybrid"]
 #: Metadata filters as the public calls take them (see :func:`to_conditions`).
 Filters = Mapping[str, Any] | Sequence[str] | None
@@ -287,23 +289,21 @@ def search_statement(
     *,
     top_k: int,
     candidates: int,
-    rrf_k: float,
-    vector_weight: float,
-    text_weight: float,
     embedding: Any,
     query: str,
     ts_config: str | None,
 ) -> tuple[Any, dict[str, Any]]:
     """``(statement, params)`` of one search over a :class:`~.layout.TableLayout`; rows are
-    ``(node_id, text, metadata, score)``. Hybrid: reciprocal rank fusion of the two
-    rankings, each of ``candidates`` rows; the text ranking votes only for chunks holding
-    every word of the question when there are any, so near-identical chunks differing in
-    one identifier are told apart."""
+    ``(node_id, text, metadata, score)``, best first. Hybrid: the candidates of the two
+    rankings, ``candidates`` rows each, as ``(key, node_id, text, metadata, vector rank, text
+    rank)`` (a rank is ``None`` where that ranking lacks the row), for :func:`fuse_rows`; the
+    text ranking votes only for chunks holding every word of the question when there are
+    any, so near-identical chunks differing in one identifier are told apart."""
     from psycopg import sql
 
     params: dict[str, Any] = dict(
-        top_k=top_k, candidates=candidates, rrf_k=float(rrf_k), vw=float(vector_weight),
-        tw=float(text_weight), embedding=embedding, query=query, ts_config=ts_config,
+        top_k=top_k, candidates=candidates, embedding=embedding, query=query,
+        ts_config=ts_config,
     )  # fmt: skip
     meta = sql.Identifier(layout.metadata_column)
     conditions_sql = compile_conditions(conditions, meta, params)
@@ -347,11 +347,10 @@ def search_statement(
             "  WHERE {tsv} @@ {every} AND {where}) ORDER BY rank DESC LIMIT %(candidates)s), "
             "t AS (SELECT id, row_number() OVER (ORDER BY rank DESC, id) AS r FROM ("
             "  SELECT * FROM t_all UNION ALL SELECT * FROM t_any) AS u), "
-            "f AS (SELECT coalesce(v.id, t.id) AS id, "
-            "  coalesce(%(vw)s / (%(rrf_k)s + v.r), 0) + coalesce(%(tw)s / (%(rrf_k)s + t.r), 0) AS score "
+            "f AS (SELECT coalesce(v.id, t.id) AS id, v.r AS vr, t.r AS tr "
             "  FROM v FULL OUTER JOIN t ON v.id = t.id) "
-            "SELECT x.{node_id}::text, x.{text}, x.{meta}, f.score FROM f JOIN {table} AS x "
-            "ON x.{key} = f.id ORDER BY f.score DESC, f.id LIMIT %(top_k)s"
+            "SELECT f.id, x.{node_id}::text, x.{text}, x.{meta}, f.vr, f.tr FROM f JOIN {table} AS x "
+            "ON x.{key} = f.id"
         )
     return sql.SQL(statement).format(**fields), params
 
@@ -366,18 +365,22 @@ def check_top_k(top_k: Any, name: str = "top_k") -> None:
         )
 
 
-def check_fusion(rrf_k: Any, vector_weight: Any, text_weight: Any) -> tuple[float, float, float]:
-    for name, value in (
-        ("rrf_k", rrf_k),
-        ("vector_weight", vector_weight),
-        ("text_weight", text_weight),
-    ):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value == value:
-            raise ValueError(f"{name} must be a number, got {value!r}.")
-        if value < 0 or (name == "rrf_k" and value == 0) or value == float("inf"):
-            raise ValueError(
-                f"{name} must be {'positive' if name == 'rrf_k' else '>= 0'} and finite, got {value!r}."
-            )
-    if vector_weight == 0 and text_weight == 0:
-        raise ValueError("vector_weight and text_weight are both 0; give at least one a weight.")
-    return float(rrf_k), float(vector_weight), float(text_weight)
+def fuse_rows(
+    rows: Sequence[tuple[Any, ...]],
+    *,
+    top_k: int,
+    rrf_k: float,
+    vector_weight: float,
+    text_weight: float,
+) -> list[tuple[Any, Any, Any, float]]:
+    """The ``top_k`` best of a hybrid statement's rows (``(key, node_id, text, metadata,
+    vector rank, text rank)``) as ``(node_id, text, metadata, score)``, fused by
+    :func:`~tokrag_integrations.retrieval.fusion.reciprocal_rank_fusion` (the folder
+    retrievers' fusion; equal scores: the smaller row key first)."""
+    by_key = {row[0]: row for row in rows}
+    rankings = [
+        [row[0] for row in sorted((r for r in rows if r[col] is not None), key=lambda r: r[col])]
+        for col in (4, 5)
+    ]
+    fused = reciprocal_rank_fusion(rankings, (vector_weight, text_weight), rrf_k)[:top_k]
+    return [(*by_key[key][1:4], score) for key, score in fused]

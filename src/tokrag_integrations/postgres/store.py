@@ -12,6 +12,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from ..retrieval.embedder import Embedder, load_embedder
+from ..retrieval.fusion import CANDIDATES, RRF_K, check_fusion
 from .connection import pool_settings, pooled, resolve_dsn, shared_pool
 from .dsn import database_errors, is_driver_error, query_error, sqlstate_of
 from .frameworks import (
@@ -34,10 +35,10 @@ from .search import (
     MAX_TOP_K,
     Filters,
     SearchMode,
-    check_fusion,
     check_search,
     check_text,
     check_top_k,
+    fuse_rows,
     search_statement,
     to_conditions,
     validate_ts_config,
@@ -148,7 +149,7 @@ class PostgresKnowledgeBase:
         ef_search: int = 40,
         search: SearchMode = "vector",
         text_search_config: str = "english",
-        rrf_k: float = 60,
+        rrf_k: float = RRF_K,
         vector_weight: float = 1.0,
         text_weight: float = 1.0,
         pool_size: int | None = None,
@@ -233,7 +234,7 @@ class PostgresKnowledgeBase:
             self.text_weight if text_weight is None else text_weight,
         )
         if candidates is None:
-            candidates = min(max(top_k, 50), MAX_TOP_K)
+            candidates = min(max(top_k, CANDIDATES), MAX_TOP_K)
         else:
             check_top_k(candidates, "candidates")
             candidates = max(candidates, top_k)
@@ -287,6 +288,7 @@ class PostgresKnowledgeBase:
             text_weight=text_weight, candidates=candidates,
         )  # fmt: skip
         query, mode = query.strip(), request["search"]
+        fusion = {key: request.pop(key) for key in ("rrf_k", "vector_weight", "text_weight")}
         embedding = None
         if mode != "text":
             import numpy as np
@@ -316,6 +318,8 @@ class PostgresKnowledgeBase:
                     f"{{{numeric[0]!r}: '3'}})."
                 ) from None
             raise query_error(exc, self.db.dsn, f"search table {self.layout.table}") from None
+        if mode == "hybrid":
+            rows = fuse_rows(rows, top_k=top_k, **fusion)
         return [_chunk(node_id, text, meta, score) for node_id, text, meta, score in rows]
 
     async def aretrieve(

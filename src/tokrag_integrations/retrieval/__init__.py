@@ -1,7 +1,8 @@
 """Framework-free local retrieval for ``tokrag ask --docs`` (neither LlamaIndex nor LangChain
 needed): load files (:func:`load_documents`, through :func:`read_document`, the one loader
 ``tokrag ingest`` shares), cut them (:func:`chunk_text`), and rank chunks with
-:class:`DenseRetriever` (MiniLM cosine, :mod:`.embedder`) or :class:`BM25Retriever`, both
+:class:`DenseRetriever` (MiniLM cosine, :mod:`.embedder`), :class:`BM25Retriever` or
+:class:`HybridRetriever` (the two fused, :mod:`.fusion`), each
 ``retrieve(query, top_k=5) -> list[ScoredChunk]``, best first. :func:`build_retriever` does
 all three in one call. Nothing is dropped silently: skipped files warn.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..config import require_bool
-from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP
+from ..defaults import CHUNK_CHARS, CHUNK_OVERLAP, RETRIEVER
 from .chunking import chunk_documents, chunk_text
 from .documents import (
     SUPPORTED_SUFFIXES,
@@ -30,12 +31,12 @@ from .documents import (
     supported_types,
     walk_paths,
 )
-from .index import BM25Retriever, DenseRetriever
+from .index import BM25Retriever, DenseRetriever, HybridRetriever, check_retriever
 from .opener import DEFAULT_MAX_FILE_MB, max_file_bytes
 
 __all__ = [
     "SUPPORTED_SUFFIXES", "DEFAULT_MAX_FILE_MB", "Document", "Chunk",
-    "ScoredChunk", "DenseRetriever", "BM25Retriever", "read_document", "supported_types",
+    "ScoredChunk", "DenseRetriever", "BM25Retriever", "HybridRetriever", "read_document", "supported_types",
     "load_documents", "list_folder", "printable", "chunk_text", "chunk_documents",
     "build_retriever", "get_sample_docs_path", "get_sample_questions",
 ]  # fmt: skip
@@ -124,7 +125,7 @@ def load_documents(
 
 def build_retriever(
     paths_or_chunks: str | Path | Iterable[str | Path] | Sequence[Chunk] | Sequence[Document],
-    kind: Literal["dense", "bm25"] = "dense",
+    kind: Literal["dense", "bm25", "hybrid"] = RETRIEVER,
     *,
     max_chars: int = CHUNK_CHARS,
     overlap: int = CHUNK_OVERLAP,
@@ -133,25 +134,25 @@ def build_retriever(
     follow_links: bool = False,
     cache: bool = False,
     max_file_mb: float | None = None,
-) -> DenseRetriever | BM25Retriever:
+) -> DenseRetriever | BM25Retriever | HybridRetriever:
     """Load, chunk and index in one call.
 
     Args:
         paths_or_chunks: Files/folders (see :func:`load_documents`, with ``follow_links`` and
             ``max_file_mb``), or loaded :class:`Document` or :class:`Chunk` objects.
-        kind: ``"dense"`` (MiniLM cosine) or ``"bm25"``.
+        kind: ``"dense"`` (MiniLM cosine), ``"bm25"`` or ``"hybrid"`` (both, fused by
+            reciprocal rank fusion); default :data:`~tokrag_integrations.defaults.RETRIEVER`.
         max_chars / overlap: Chunking, see :func:`chunk_text`.
         device: Torch device for the dense embedder.
         progress: Say on stderr what is being indexed, with a progress bar while embedding.
-        cache: Dense only: keep chunk embeddings on disk and reuse them
+        cache: Dense and hybrid: keep chunk embeddings on disk and reuse them
             (:class:`.index.EmbeddingCache`), so a folder indexed again embeds only what changed.
 
     Raises:
         ValueError: Unknown ``kind``, or nothing to index.
         FileNotFoundError: A path does not exist.
     """
-    if kind not in ("dense", "bm25"):
-        raise ValueError(f"Unknown retriever kind {kind!r}; use 'dense' or 'bm25'.")
+    check_retriever(kind)
     require_bool(progress, "progress")
     items: list[Any] = (
         [paths_or_chunks] if isinstance(paths_or_chunks, (str, Path)) else list(paths_or_chunks)
@@ -173,9 +174,10 @@ def build_retriever(
             file=sys.stderr,
             flush=True,
         )
-    if kind == "dense":
-        return DenseRetriever(chunks, device=device, progress=progress, cache=cache)
-    return BM25Retriever(chunks)
+    if kind == "bm25":
+        return BM25Retriever(chunks)
+    dense = DenseRetriever if kind == "dense" else HybridRetriever
+    return dense(chunks, device=device, progress=progress, cache=cache)
 
 
 def get_sample_docs_path() -> Path:

@@ -1,5 +1,5 @@
-"""The two in-memory retrievers: dense (MiniLM cosine) and BM25, one interface each:
-``retrieve(query, top_k=5) -> list[ScoredChunk]``, best first."""
+"""The in-memory retrievers: dense (MiniLM cosine), BM25, and hybrid (the two fused), one
+interface each: ``retrieve(query, top_k=5) -> list[ScoredChunk]``, best first."""
 
 from __future__ import annotations
 
@@ -13,9 +13,21 @@ from ..config import require_bool
 from ..defaults import TOP_K
 from .documents import Chunk, ScoredChunk
 from .embedder import load_embedder
+from .fusion import CANDIDATES, RRF_K, reciprocal_rank_fusion
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
+
+
+#: The retrievers :func:`~tokrag_integrations.retrieval.build_retriever` builds.
+RETRIEVERS: tuple[str, ...] = ("dense", "bm25", "hybrid")
+
+
+def check_retriever(name: Any) -> str:
+    """``name`` if it is one of :data:`RETRIEVERS`, else a ``ValueError`` naming them."""
+    if not isinstance(name, str) or name not in RETRIEVERS:
+        raise ValueError(f"Unknown retriever {name!r}; use 'dense', 'bm25' or 'hybrid'.")
+    return name
 
 
 def _check_query(query: str, top_k: int) -> str:
@@ -167,12 +179,16 @@ class DenseRetriever:
 
     def retrieve(self, query: str, top_k: int = TOP_K) -> list[ScoredChunk]:
         """The ``top_k`` chunks most similar to ``query``, best first."""
+        return [ScoredChunk(self.chunks[i], s) for i, s in self.rank(query, top_k)]
+
+    def rank(self, query: str, top_k: int) -> list[tuple[int, float]]:
+        """``(chunk index, score)`` of the ``top_k`` best chunks, best first."""
         import numpy as np
 
         query = _check_query(query, top_k)
         scores = self._embeddings @ self._embedder.encode([query])[0]
         order = np.argsort(-scores, kind="stable")[:top_k]
-        return [ScoredChunk(self.chunks[i], float(scores[i])) for i in order]
+        return [(int(i), float(scores[i])) for i in order]
 
 
 class BM25Retriever:
@@ -203,14 +219,36 @@ class BM25Retriever:
 
     def retrieve(self, query: str, top_k: int = TOP_K) -> list[ScoredChunk]:
         """The ``top_k`` best-scoring chunks for ``query`` (score > 0), best first."""
+        return [ScoredChunk(self.chunks[i], s) for i, s in self.rank(query, top_k)]
+
+    def rank(self, query: str, top_k: int) -> list[tuple[int, float]]:
+        """``(chunk index, score)`` of the ``top_k`` best chunks with a score > 0, best first."""
         query = _check_query(query, top_k)
         query_ids = self._tokenizer.tokenize(
             [query], update_vocab=False, return_as="ids", show_progress=False
         )
         k = min(top_k, len(self.chunks))
         docs, scores = self._bm25.retrieve(query_ids, k=k, show_progress=False)
-        return [
-            ScoredChunk(self.chunks[int(i)], float(s))
-            for i, s in zip(docs[0], scores[0], strict=True)
-            if s > 0
-        ]
+        return [(int(i), float(s)) for i, s in zip(docs[0], scores[0], strict=True) if s > 0]
+
+
+class HybridRetriever:
+    """Dense and BM25 together: each ranks its best ``max(top_k, CANDIDATES)`` chunks and
+    :func:`.fusion.reciprocal_rank_fusion` (the fusion of Postgres ``search="hybrid"``, with
+    its defaults: k 60, weights 1 and 1, 50 candidates) merges them; a score is the fused
+    score. Embeddings are computed (and cached) as :class:`DenseRetriever`'s; the BM25 index
+    is built in memory on each construction (cheap next to embedding)."""
+
+    def __init__(self, chunks: Sequence[Chunk], **dense_options: Any):
+        """Index ``chunks``; ``dense_options`` go to :class:`DenseRetriever`."""
+        self.dense = DenseRetriever(chunks, **dense_options)
+        self.bm25 = BM25Retriever(self.dense.chunks)
+        self.chunks = self.dense.chunks
+        self.n_embedded = self.dense.n_embedded
+
+    def retrieve(self, query: str, top_k: int = TOP_K) -> list[ScoredChunk]:
+        """The ``top_k`` chunks of the fused ranking, best first."""
+        depth = max(top_k, CANDIDATES)
+        rankings = [[i for i, _ in r.rank(query, depth)] for r in (self.dense, self.bm25)]
+        fused = reciprocal_rank_fusion(rankings, (1.0, 1.0), RRF_K)[:top_k]
+        return [ScoredChunk(self.chunks[i], score) for i, score in fused]
