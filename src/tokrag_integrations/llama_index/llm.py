@@ -23,7 +23,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
-from pydantic import StrictBool
+from pydantic import SecretStr, StrictBool
 
 from ..adapters.translate import (
     given_options,
@@ -162,7 +162,23 @@ class TokRAGLLM(CustomLLM):
         ),
     )
 
-    _lm: LoadedModel = PrivateAttr()
+    base_url: str | None = Field(
+        default=None,
+        description=(
+            "A tokrag serve server (http://host:8000/v1) that decodes instead of a local model; "
+            "no model is loaded."
+        ),
+    )
+    api_key: SecretStr | None = Field(
+        default=None, description="The server's bearer token (default $TOKRAG_API_KEY)."
+    )
+    timeout: float = Field(default=120.0, description="Seconds a server request may take.")
+    max_retries: int = Field(
+        default=2,
+        description="Retries of a server request (connection errors, 408, 429, 5xx; Retry-After).",
+    )
+
+    _lm: Any = PrivateAttr()
     #: When a list, every finished call's GenerationResult is appended to it.
     _results: list[GenerationResult] | None = PrivateAttr(default=None)
 
@@ -178,6 +194,9 @@ class TokRAGLLM(CustomLLM):
             raise unknown_arguments("TokRAGLLM", unknown, [*type(self).model_fields, "tokenizer"])
         check_greedy(kwargs.get("temperature"), "TokRAGLLM")
         tokenizer = kwargs.pop("tokenizer", None)
+        if kwargs.get("base_url") is not None:
+            self._remote_init(lm, tokenizer, kwargs)
+            return
         spec = kwargs.get("model", "default")
         if isinstance(spec, LoadedModel):
             lm = spec
@@ -202,6 +221,23 @@ class TokRAGLLM(CustomLLM):
             lm = load_model(source, **options, **self.load_options)
         self._lm = lm
 
+    def _remote_init(self, lm: Any, tokenizer: Any, kwargs: dict[str, Any]) -> None:
+        from ..server.client import RemoteModel
+
+        local = [k for k in ("model", *LOAD_OPTIONS) if kwargs.get(k) not in (None, False, {})]
+        local += ["lm"] * (lm is not None) + ["tokenizer"] * (tokenizer is not None)
+        local += ["load_options"] * bool(kwargs.get("load_options"))
+        if local:
+            raise ValueError(
+                f"{', '.join(local)} load a local model; with base_url= the server decodes with "
+                "its own model: leave them out"
+            )
+        super().__init__(**kwargs)
+        key = self.api_key.get_secret_value() if self.api_key is not None else None
+        self._lm = RemoteModel(
+            self.base_url, key, timeout=self.timeout, max_retries=self.max_retries
+        )
+
     @classmethod
     def class_name(cls) -> str:
         return "TokRAGLLM"
@@ -209,6 +245,11 @@ class TokRAGLLM(CustomLLM):
     @property
     def loaded_model(self) -> LoadedModel:
         """The underlying :class:`~tokrag_integrations.models.LoadedModel`."""
+        if not isinstance(self._lm, LoadedModel):
+            raise ValueError(
+                "this TokRAGLLM decodes on a server (base_url=) and holds no model; "
+                "TokRAGSynthesizer needs a local one: use the server through Settings.llm"
+            )
         return self._lm
 
     @property
@@ -322,8 +363,16 @@ class TokRAGLLM(CustomLLM):
             raw=jsonable(result.trace.to_dict()),
         )
 
+    def _backend(self, how: str, query: str, passages: Any, gen_kw: dict[str, Any]) -> Any:
+        """``how`` (generate, stream, agenerate, astream_with_result) on the local model
+        through the scheduler, or on the server."""
+        if isinstance(self._lm, LoadedModel):
+            run = getattr(scheduler, how)
+            return run(self._lm, query, passages, batching=self.batching, **gen_kw)
+        return getattr(self._lm, how)(query, passages, **gen_kw)
+
     def _stream(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> CompletionResponseGen:
-        s = scheduler.stream(self._lm, query, passages, batching=self.batching, **gen_kw)
+        s = self._backend("stream", query, passages, gen_kw)
 
         def gen() -> CompletionResponseGen:
             text = ""
@@ -339,9 +388,7 @@ class TokRAGLLM(CustomLLM):
         self, query: str, passages: Any, gen_kw: dict[str, Any]
     ) -> CompletionResponseAsyncGen:
         text = ""
-        async for item in scheduler.astream_with_result(
-            self._lm, query, passages, batching=self.batching, **gen_kw
-        ):
+        async for item in self._backend("astream_with_result", query, passages, gen_kw):
             if isinstance(item, GenerationResult):
                 yield self._final(item, text)
             elif item.text:
@@ -349,17 +396,12 @@ class TokRAGLLM(CustomLLM):
                 yield _token(text, item)
 
     def _generate(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> CompletionResponse:
-        return self._final(
-            scheduler.generate(self._lm, query, passages, batching=self.batching, **gen_kw)
-        )
+        return self._final(self._backend("generate", query, passages, gen_kw))
 
     async def _agenerate(
         self, query: str, passages: Any, gen_kw: dict[str, Any]
     ) -> CompletionResponse:
-        result = await scheduler.agenerate(
-            self._lm, query, passages, batching=self.batching, **gen_kw
-        )
-        return self._final(result)
+        return self._final(await self._backend("agenerate", query, passages, gen_kw))
 
     # ------------------------------------------------------------------ completion
     @llm_completion_callback()
