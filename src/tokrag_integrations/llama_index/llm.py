@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any
 
+import llama_index.core.instrumentation as instrument
 from llama_index.core.base.llms.generic_utils import (
     messages_to_prompt as generic_messages_to_prompt,
 )
@@ -20,6 +22,11 @@ from llama_index.core.base.llms.types import (
     MessageRole,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.synthesis import (
+    SynthesizeEndEvent,
+    SynthesizeStartEvent,
+)
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
@@ -82,6 +89,88 @@ def _remember(formatted: Any, kind: type, prompt: Any, prompt_args: dict[str, An
     out.context = context
     out.query = next((args[k] for k in QUERY_VARIABLES if isinstance(args.get(k), str)), None)
     return out
+
+
+#: One list per synthesize call in progress (innermost last): the policy of every TokRAGLLM
+#: call made in it, in order.
+_SYNTH_CALLS: ContextVar[tuple[list[str], ...]] = ContextVar("tokrag_synth_calls", default=())
+
+
+class _PolicyUsed(BaseEventHandler):
+    """Gives every response a LlamaIndex synthesizer makes with ``TokRAGLLM`` calls
+    ``metadata["policy_used"]``: the policy of its last call. LlamaIndex's streaming
+    synthesizers call the model when their stream is first read, so a streaming response
+    gets it with its first token."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "TokRAGPolicyUsed"
+
+    def handle(self, event: Any, **kwargs: Any) -> None:
+        if isinstance(event, SynthesizeStartEvent):
+            _SYNTH_CALLS.set((*_SYNTH_CALLS.get(), []))
+        elif isinstance(event, SynthesizeEndEvent) and _SYNTH_CALLS.get():
+            *outer, policies = _SYNTH_CALLS.get()
+            _SYNTH_CALLS.set(tuple(outer))
+            response = event.response
+            if response is None or not hasattr(response, "metadata"):
+                return
+            if response.metadata is None:
+                response.metadata = {}
+            if policies:
+                response.metadata.setdefault("policy_used", policies[-1])
+            gen = getattr(response, "response_gen", None)
+            if gen is not None and not isinstance(gen, (str, list)):
+                response.response_gen = _noting(gen, response.metadata)
+
+
+def _noting(gen: Any, metadata: dict[str, Any]) -> Any:
+    """``gen`` (a token generator, sync or async) that notes the ``TokRAGLLM`` calls made
+    while it runs and puts the last one's policy into ``metadata["policy_used"]``."""
+    calls: list[str] = []
+
+    def note() -> None:
+        if calls:
+            metadata["policy_used"] = calls[-1]
+
+    def enter() -> None:
+        _SYNTH_CALLS.set((*_SYNTH_CALLS.get(), calls))
+
+    def leave() -> None:
+        _SYNTH_CALLS.set(tuple(c for c in _SYNTH_CALLS.get() if c is not calls))
+
+    if hasattr(gen, "__aiter__"):
+
+        async def agen() -> Any:
+            enter()
+            try:
+                async for token in gen:
+                    note()
+                    yield token
+                note()
+            finally:
+                leave()
+
+        return agen()
+
+    def sync() -> Any:
+        enter()
+        try:
+            for token in gen:
+                note()
+                yield token
+            note()
+        finally:
+            leave()
+
+    return sync()
+
+
+def _watch_synthesizers() -> None:
+    """Register :class:`_PolicyUsed` on LlamaIndex's root dispatcher (once)."""
+    dispatcher = instrument.get_dispatcher()
+    if not any(isinstance(h, _PolicyUsed) for h in dispatcher.event_handlers):
+        dispatcher.add_event_handler(_PolicyUsed())
 
 
 def _given(fn: Any, default: Any) -> bool:
@@ -194,6 +283,7 @@ class TokRAGLLM(CustomLLM):
             raise unknown_arguments("TokRAGLLM", unknown, [*type(self).model_fields, "tokenizer"])
         check_greedy(kwargs.get("temperature"), "TokRAGLLM")
         tokenizer = kwargs.pop("tokenizer", None)
+        _watch_synthesizers()
         if kwargs.get("base_url") is not None:
             self._remote_init(lm, tokenizer, kwargs)
             return
@@ -365,7 +455,11 @@ class TokRAGLLM(CustomLLM):
 
     def _backend(self, how: str, query: str, passages: Any, gen_kw: dict[str, Any]) -> Any:
         """``how`` (generate, stream, agenerate, astream_with_result) on the local model
-        through the scheduler, or on the server."""
+        through the scheduler, or on the server (called when the call is made, streams
+        included: its policy is noted for the synthesize call around it)."""
+        calls = _SYNTH_CALLS.get()
+        if calls:
+            calls[-1].append(gen_kw["policy"])
         if isinstance(self._lm, LoadedModel):
             run = getattr(scheduler, how)
             return run(self._lm, query, passages, batching=self.batching, **gen_kw)
@@ -384,16 +478,21 @@ class TokRAGLLM(CustomLLM):
 
         return gen()
 
-    async def _astream(
+    def _astream(
         self, query: str, passages: Any, gen_kw: dict[str, Any]
     ) -> CompletionResponseAsyncGen:
-        text = ""
-        async for item in self._backend("astream_with_result", query, passages, gen_kw):
-            if isinstance(item, GenerationResult):
-                yield self._final(item, text)
-            elif item.text:
-                text += item.text
-                yield _token(text, item)
+        items = self._backend("astream_with_result", query, passages, gen_kw)
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            async for item in items:
+                if isinstance(item, GenerationResult):
+                    yield self._final(item, text)
+                elif item.text:
+                    text += item.text
+                    yield _token(text, item)
+
+        return gen()
 
     def _generate(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> CompletionResponse:
         return self._final(self._backend("generate", query, passages, gen_kw))
