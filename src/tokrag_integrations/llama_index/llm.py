@@ -30,7 +30,7 @@ from llama_index.core.instrumentation.events.synthesis import (
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
-from pydantic import SecretStr, StrictBool
+from pydantic import SecretStr, StrictBool, field_serializer
 
 from ..adapters.translate import (
     given_options,
@@ -327,6 +327,11 @@ class TokRAGLLM(CustomLLM):
         self._lm = RemoteModel(
             self.base_url, key, timeout=self.timeout, max_retries=self.max_retries
         )
+
+    @field_serializer("api_key")
+    def _hidden(self, key: SecretStr | None) -> str | None:
+        """``to_dict`` / ``to_json`` (and LlamaIndex's events) show the key as stars."""
+        return None if key is None else str(key)
 
     @classmethod
     def class_name(cls) -> str:

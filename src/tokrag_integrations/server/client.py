@@ -203,7 +203,7 @@ class RemoteModel:
             )
             tokrag["rendered"] = {"context": rendered.context, **form}
         extra: dict[str, Any] = {"tokrag": tokrag}
-        if passages is not None:
+        if passages is not None and (passages or rendered is None):
             extra["documents"] = [
                 {"text": p.text, "score": p.score, "metadata": jsonable(dict(p.metadata))}
                 for p in as_passages(passages)
