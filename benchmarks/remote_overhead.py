@@ -78,7 +78,7 @@ def main() -> None:
         local.complete(*asks[0][:1], passages=asks[0][1])
         times: dict[str, list[float]] = {"local": [], "remote": []}
         diffs: list[float] = []
-        same = True
+        same, n_tokens = True, []
         for r in range(args.rounds):
             for q, passages in asks:
                 out, took = {}, {}
@@ -91,11 +91,11 @@ def main() -> None:
                     times[name].append(took[name])
                 diffs.append(took["remote"] - took["local"])
                 a, b = out["local"], out["remote"]
+                n_tokens.append(len(a.raw["steps"]))
                 sources = [(s["token_id"], s["source"]) for s in a.raw["steps"]]
                 same &= a.text == b.text and sources == [
                     (s["token_id"], s["source"]) for s in b.raw["steps"]
                 ]
-        tokens = statistics.median(len(o) for o in [out["local"].raw["steps"]])
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=120)
@@ -111,7 +111,7 @@ def main() -> None:
             statistics.median(times["remote"]) / statistics.median(times["local"]), 3
         ),
         "same_answers_and_sources": same,
-        "last_answer_tokens": tokens,
+        "mean_answer_tokens": round(statistics.mean(n_tokens), 1),
     }
     print(json.dumps(fig, indent=2))
     if args.out:
