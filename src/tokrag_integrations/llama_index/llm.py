@@ -91,8 +91,8 @@ def _remember(formatted: Any, kind: type, prompt: Any, prompt_args: dict[str, An
     return out
 
 
-#: One list per synthesize call in progress (innermost last): the policy of every TokRAGLLM
-#: call made in it, in order.
+#: One list per synthesize call in progress (innermost last), holding the policy of the last
+#: TokRAGLLM call made in it.
 _SYNTH_CALLS: ContextVar[tuple[list[str], ...]] = ContextVar("tokrag_synth_calls", default=())
 
 
@@ -464,7 +464,7 @@ class TokRAGLLM(CustomLLM):
         included: its policy is noted for the synthesize call around it)."""
         calls = _SYNTH_CALLS.get()
         if calls:
-            calls[-1].append(gen_kw["policy"])
+            calls[-1][:] = [gen_kw["policy"]]  # the last call's only: a list that cannot grow
         if isinstance(self._lm, LoadedModel):
             run = getattr(scheduler, how)
             return run(self._lm, query, passages, batching=self.batching, **gen_kw)

@@ -145,6 +145,7 @@ class RemoteModel:
 
     async def agenerate(self, query: str, passages: Any = None, **kw: Any) -> GenerationResult:
         """:func:`tokrag_integrations.agenerate` on the server."""
+        await self._ainfo()
         try:
             r = await self._async().chat.completions.create(**self._body(query, passages, kw))
         except self._openai.OpenAIError as exc:
@@ -155,19 +156,30 @@ class RemoteModel:
         self, query: str, passages: Any = None, **kw: Any
     ) -> AsyncIterator[TokenEvent | GenerationResult]:
         """Every :class:`TokenEvent`, then the :class:`GenerationResult` (as the core's)."""
+        await self._ainfo()
         try:
             events = await self._async().chat.completions.create(
                 stream=True, **self._body(query, passages, kw)
             )
-            parser = _Parser()
+        except self._openai.OpenAIError as exc:
+            raise self._error(exc) from None
+        parser = _Parser()
+        try:
             async for chunk in events:
                 item = parser.feed(chunk)
                 if item is not None:
                     yield item
         except self._openai.OpenAIError as exc:
             raise self._error(exc) from None
+        finally:
+            await events.close()  # a stream left early: its connection goes back now
 
     # ------------------------------------------------------------------ plumbing
+    async def _ainfo(self) -> None:
+        """Ask for :meth:`info` off the event loop (the adapters read ``name`` afterwards)."""
+        if self._info is None:
+            await asyncio.to_thread(self.info)
+
     def _async(self) -> Any:
         loop = asyncio.get_running_loop()
         client = self._aclients.get(loop)
@@ -238,6 +250,8 @@ class RemoteModel:
             )
         if status == 404:
             return RemoteError(f"{at} has no such route (404): base_url must end with /v1", 404)
+        if status is None and isinstance(body, dict) and body.get("type") == "server_error":
+            return RemoteError(f"{at} failed: {message}")  # an error event inside a stream
         if status is None or (400 <= status < 500 and status not in (408, 429)):
             return ValueError(f"{at} refused the request: {message}")  # bad input, as locally
         return RemoteError(
