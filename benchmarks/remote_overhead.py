@@ -5,8 +5,9 @@ asks SQuAD dev questions with their passages (the gold one and two others) throu
 ``TokRAGLLM(lm)`` and ``TokRAGLLM(base_url=...)``, interleaved (per question: local then
 remote in even rounds, remote then local in odd ones), one call at a time, so both decode on
 the whole machine. Prints the median time per question of each, the median of the per-question
-difference (remote - local: HTTP, JSON of the full trace, the server's parsing) and whether
-every answer and token source is the same.
+difference (remote - local), the same for the time outside the engine (wall time less the
+trace's ``total_s``: HTTP, JSON of the full trace, parsing; what the client adds whatever the
+two processes' decode speeds) and whether every answer and token source is the same.
 
     python benchmarks/remote_overhead.py                      # 10 questions x 4 rounds
     python benchmarks/remote_overhead.py --questions 10 --rounds 4 --max-new-tokens 32
@@ -78,6 +79,10 @@ def main() -> None:
         local.complete(*asks[0][:1], passages=asks[0][1])
         times: dict[str, list[float]] = {"local": [], "remote": []}
         diffs: list[float] = []
+        #: Per call, the time outside the engine: the wall time less the trace's total_s
+        #: (admission to last token, measured where the model runs), so the two processes'
+        #: decode speeds (other jobs, threads) do not enter the overhead.
+        outside: dict[str, list[float]] = {"local": [], "remote": []}
         same, n_tokens = True, []
         for r in range(args.rounds):
             for q, passages in asks:
@@ -89,6 +94,7 @@ def main() -> None:
                     out[name] = llm.complete(q, passages=passages)
                     took[name] = time.perf_counter() - t0
                     times[name].append(took[name])
+                    outside[name].append(took[name] - out[name].raw["timings"]["total_s"])
                 diffs.append(took["remote"] - took["local"])
                 a, b = out["local"], out["remote"]
                 n_tokens.append(len(a.raw["steps"]))
@@ -107,6 +113,14 @@ def main() -> None:
         "median_remote_s": round(statistics.median(times["remote"]), 4),
         "median_overhead_s": round(statistics.median(diffs), 4),
         "overhead_p25_p75_s": [round(x, 4) for x in statistics.quantiles(diffs, n=4)[::2]],
+        "median_outside_engine_local_s": round(statistics.median(outside["local"]), 4),
+        "median_outside_engine_remote_s": round(statistics.median(outside["remote"]), 4),
+        "median_outside_engine_overhead_s": round(
+            statistics.median(
+                r - lo for r, lo in zip(outside["remote"], outside["local"], strict=True)
+            ),
+            4,
+        ),
         "median_ratio": round(
             statistics.median(times["remote"]) / statistics.median(times["local"]), 3
         ),
