@@ -176,6 +176,7 @@ def test_streaming_equals_non_streaming(lm, index, founder_response):
     assert len(chunks) > 5  # token by token, not one final string
     assert "".join(chunks) == founder_response.response
     assert r.metadata["counts"] == founder_response.metadata["counts"]
+    assert r.metadata["policy_used"] == founder_response.metadata["policy_used"] == "rag"
     assert r.metadata["trace"]["text"] == founder_response.response
 
 

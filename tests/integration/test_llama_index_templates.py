@@ -189,13 +189,29 @@ def test_calls_without_retrieved_context_are_the_plain_model(lm):
 
 
 async def test_settings_llm_path_streams_and_awaits_the_same_tokens(index, settings_llm, calls):
-    ref = str(index.as_query_engine(similarity_top_k=2).query(FOUNDER_Q))
+    plain = index.as_query_engine(similarity_top_k=2).query(FOUNDER_Q)
+    ref = str(plain)
+    assert plain.metadata["policy_used"] == "tokrag"
     streamed = index.as_query_engine(similarity_top_k=2, streaming=True).query(FOUNDER_Q)
+    # LlamaIndex calls the model when the stream is first read: policy_used comes with it.
+    assert "policy_used" not in streamed.metadata
     assert "".join(streamed.response_gen) == ref
+    assert streamed.metadata["policy_used"] == "tokrag"
     assert str(await index.as_query_engine(similarity_top_k=2).aquery(FOUNDER_Q)) == ref
     astreamed = await index.as_query_engine(similarity_top_k=2, streaming=True).aquery(FOUNDER_Q)
     assert "".join([t async for t in astreamed.async_response_gen()]) == ref
+    assert astreamed.metadata["policy_used"] == "tokrag"
     assert calls.policies() == ["tokrag"] * 4
+
+
+def test_streaming_synthesizer_with_a_template_says_which_policy_ran(lm, index):
+    template = PromptTemplate(MARKER + "\n{context_str}\nQuestion: {query_str}\nAnswer: ")
+    synth = TokRAGSynthesizer(lm, max_new_tokens=6, text_qa_template=template, streaming=True)
+    r = RetrieverQueryEngine(
+        retriever=index.as_retriever(similarity_top_k=2), response_synthesizer=synth
+    ).query(FOUNDER_Q)
+    text = "".join(r.response_gen)
+    assert text and r.metadata["policy_used"] == "tokrag" and r.metadata["trace"]["text"] == text
 
 
 def test_template_context_cannot_forge_chat_turns(lm):

@@ -15,7 +15,15 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, PrivateAttr, StrictBool, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
 
 from ..adapters.translate import given_options, model_label, options_dict
 from ..defaults import MAX_NEW_TOKENS
@@ -32,9 +40,6 @@ from .messages import (
     usage_metadata,
 )
 from .retrieved import find_retrieved, given_retrieval
-
-#: Parameters of remote chat-model APIs, accepted (for code written for hosted models) and ignored.
-_REMOTE_ONLY_PARAMS = ("api_key", "timeout", "max_retries")
 
 #: Per-call keyword arguments (besides ``stop`` and ``temperature``).
 _CALL_KWARGS = (
@@ -176,8 +181,18 @@ class ChatTokRAG(BaseChatModel):
     batching: StrictBool = True
     """Decode concurrent calls on the same model with the same settings together as one
     batch (:mod:`tokrag_integrations.engine.scheduler`); ``False``: one at a time."""
+    base_url: str | None = None
+    """A ``tokrag serve`` server (``http://host:8000/v1``) that decodes instead of a local
+    model (:class:`~tokrag_integrations.server.client.RemoteModel`); no model is loaded."""
+    api_key: SecretStr | None = None
+    """The server's bearer token (default ``$TOKRAG_API_KEY``); never shown."""
+    timeout: float = 120.0
+    """Seconds a server request may take (``base_url`` only)."""
+    max_retries: int = 2
+    """Retries of a server request on connection errors, 408, 429 and 5xx, after
+    ``Retry-After`` when the server sends it (``base_url`` only)."""
 
-    _lm: LoadedModel | None = PrivateAttr(default=None)
+    _lm: Any = PrivateAttr(default=None)
     _warned_no_passages: bool = PrivateAttr(default=False)
 
     def __init__(self, **kwargs: Any) -> None:
@@ -188,7 +203,20 @@ class ChatTokRAG(BaseChatModel):
         if kwargs.get("dtype") is not None:
             kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
         super().__init__(**kwargs)
-        if isinstance(lm, LoadedModel):
+        if self.base_url is not None:
+            from ..server.client import RemoteModel
+
+            local = [k for k in ("model", "model_name", *LOAD_FIELDS) if k in kwargs]
+            if local:
+                raise ValueError(
+                    f"{', '.join(local)} load a local model; with base_url= the server decodes "
+                    "with its own model: leave them out"
+                )
+            key = self.api_key.get_secret_value() if self.api_key is not None else None
+            self._lm = RemoteModel(
+                self.base_url, key, timeout=self.timeout, max_retries=self.max_retries
+            )
+        elif isinstance(lm, LoadedModel):
             given = given_options(**{k: kwargs.get(k) for k in LOAD_FIELDS if k != "device"})
             if given:
                 raise ValueError(
@@ -202,7 +230,6 @@ class ChatTokRAG(BaseChatModel):
     @classmethod
     def _drop_remote_params(cls, values: Any) -> Any:
         if isinstance(values, dict):
-            values = {k: v for k, v in values.items() if k not in _REMOTE_ONLY_PARAMS}
             known = {a for n, f in cls.model_fields.items() for a in (n, f.alias) if a}
             unknown = set(values) - known
             if unknown:  # extra="forbid" would say so too, without naming the accepted ones
@@ -265,7 +292,11 @@ class ChatTokRAG(BaseChatModel):
         """The keyword arguments of :func:`~tokrag_integrations.load_model` set on this model."""
         return given_options(**{k: getattr(self, k) for k in LOAD_FIELDS})
 
-    def _resolve_model(self, model: Any) -> LoadedModel:
+    def _resolve_model(self, model: Any) -> Any:
+        if self.base_url is not None:
+            if model not in (None, self.model_name):
+                raise ValueError("model= per call: with base_url= the server's model decodes")
+            return self._lm
         if model is None:
             return self.loaded_model
         if isinstance(model, LoadedModel):
@@ -379,6 +410,14 @@ class ChatTokRAG(BaseChatModel):
             message=message, generation_info={"finish_reason": metadata["finish_reason"]}
         )
 
+    def _decode(self, how: str, call: _Call) -> Any:
+        """``how`` (generate, stream, agenerate, astream_with_result) on the local model
+        through the scheduler, or on the server."""
+        if isinstance(call.lm, LoadedModel):
+            run = getattr(scheduler, how)
+            return run(call.lm, call.query, call.passages, batching=self.batching, **call.kwargs)
+        return getattr(call.lm, how)(call.query, call.passages, **call.kwargs)
+
     # ------------------------------------------------------------------ sync
     def _generate(
         self,
@@ -388,10 +427,7 @@ class ChatTokRAG(BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         call = self._prepare(messages, stop, kwargs, run_manager)
-        result = scheduler.generate(
-            call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
-        )
-        return self._result(result, call)
+        return self._result(self._decode("generate", call), call)
 
     def _stream(
         self,
@@ -401,9 +437,7 @@ class ChatTokRAG(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         call = self._prepare(messages, stop, kwargs, run_manager)
-        tokens = scheduler.stream(
-            call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
-        )
+        tokens = self._decode("stream", call)
         eos = set(call.lm.eos_token_ids)
         for ev in tokens:
             chunk = self._token_chunk(ev, eos)
@@ -422,10 +456,7 @@ class ChatTokRAG(BaseChatModel):
     ) -> ChatResult:
         # may load the model
         call = await asyncio.to_thread(self._prepare, messages, stop, kwargs, run_manager)
-        result = await scheduler.agenerate(
-            call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
-        )
-        return self._result(result, call)
+        return self._result(await self._decode("agenerate", call), call)
 
     async def _astream(
         self,
@@ -437,9 +468,7 @@ class ChatTokRAG(BaseChatModel):
         # may load the model
         call = await asyncio.to_thread(self._prepare, messages, stop, kwargs, run_manager)
         eos = set(call.lm.eos_token_ids)
-        async for item in scheduler.astream_with_result(
-            call.lm, call.query, call.passages, batching=self.batching, **call.kwargs
-        ):
+        async for item in self._decode("astream_with_result", call):
             if isinstance(item, GenerationResult):
                 yield self._last_chunk(item, call)
                 continue

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any
 
+import llama_index.core.instrumentation as instrument
 from llama_index.core.base.llms.generic_utils import (
     messages_to_prompt as generic_messages_to_prompt,
 )
@@ -20,10 +22,15 @@ from llama_index.core.base.llms.types import (
     MessageRole,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.synthesis import (
+    SynthesizeEndEvent,
+    SynthesizeStartEvent,
+)
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
-from pydantic import StrictBool
+from pydantic import SecretStr, StrictBool, field_serializer
 
 from ..adapters.translate import (
     given_options,
@@ -82,6 +89,88 @@ def _remember(formatted: Any, kind: type, prompt: Any, prompt_args: dict[str, An
     out.context = context
     out.query = next((args[k] for k in QUERY_VARIABLES if isinstance(args.get(k), str)), None)
     return out
+
+
+#: One list per synthesize call in progress (innermost last), holding the policy of the last
+#: TokRAGLLM call made in it.
+_SYNTH_CALLS: ContextVar[tuple[list[str], ...]] = ContextVar("tokrag_synth_calls", default=())
+
+
+class _PolicyUsed(BaseEventHandler):
+    """Gives every response a LlamaIndex synthesizer makes with ``TokRAGLLM`` calls
+    ``metadata["policy_used"]``: the policy of its last call. LlamaIndex's streaming
+    synthesizers call the model when their stream is first read, so a streaming response
+    gets it with its first token."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "TokRAGPolicyUsed"
+
+    def handle(self, event: Any, **kwargs: Any) -> None:
+        if isinstance(event, SynthesizeStartEvent):
+            _SYNTH_CALLS.set((*_SYNTH_CALLS.get(), []))
+        elif isinstance(event, SynthesizeEndEvent) and _SYNTH_CALLS.get():
+            *outer, policies = _SYNTH_CALLS.get()
+            _SYNTH_CALLS.set(tuple(outer))
+            response = event.response
+            if response is None or not hasattr(response, "metadata"):
+                return
+            if response.metadata is None:
+                response.metadata = {}
+            if policies:
+                response.metadata.setdefault("policy_used", policies[-1])
+            gen = getattr(response, "response_gen", None)
+            if gen is not None and not isinstance(gen, (str, list)):
+                response.response_gen = _noting(gen, response.metadata)
+
+
+def _noting(gen: Any, metadata: dict[str, Any]) -> Any:
+    """``gen`` (a token generator, sync or async) that notes the ``TokRAGLLM`` calls made
+    while it runs and puts the last one's policy into ``metadata["policy_used"]``."""
+    calls: list[str] = []
+
+    def note() -> None:
+        if calls:
+            metadata["policy_used"] = calls[-1]
+
+    def enter() -> None:
+        _SYNTH_CALLS.set((*_SYNTH_CALLS.get(), calls))
+
+    def leave() -> None:
+        _SYNTH_CALLS.set(tuple(c for c in _SYNTH_CALLS.get() if c is not calls))
+
+    if hasattr(gen, "__aiter__"):
+
+        async def agen() -> Any:
+            enter()
+            try:
+                async for token in gen:
+                    note()
+                    yield token
+                note()
+            finally:
+                leave()
+
+        return agen()
+
+    def sync() -> Any:
+        enter()
+        try:
+            for token in gen:
+                note()
+                yield token
+            note()
+        finally:
+            leave()
+
+    return sync()
+
+
+def _watch_synthesizers() -> None:
+    """Register :class:`_PolicyUsed` on LlamaIndex's root dispatcher (once)."""
+    dispatcher = instrument.get_dispatcher()
+    if not any(isinstance(h, _PolicyUsed) for h in dispatcher.event_handlers):
+        dispatcher.add_event_handler(_PolicyUsed())
 
 
 def _given(fn: Any, default: Any) -> bool:
@@ -162,7 +251,23 @@ class TokRAGLLM(CustomLLM):
         ),
     )
 
-    _lm: LoadedModel = PrivateAttr()
+    base_url: str | None = Field(
+        default=None,
+        description=(
+            "A tokrag serve server (http://host:8000/v1) that decodes instead of a local model; "
+            "no model is loaded."
+        ),
+    )
+    api_key: SecretStr | None = Field(
+        default=None, description="The server's bearer token (default $TOKRAG_API_KEY)."
+    )
+    timeout: float = Field(default=120.0, description="Seconds a server request may take.")
+    max_retries: int = Field(
+        default=2,
+        description="Retries of a server request (connection errors, 408, 429, 5xx; Retry-After).",
+    )
+
+    _lm: Any = PrivateAttr()
     #: When a list, every finished call's GenerationResult is appended to it.
     _results: list[GenerationResult] | None = PrivateAttr(default=None)
 
@@ -178,6 +283,10 @@ class TokRAGLLM(CustomLLM):
             raise unknown_arguments("TokRAGLLM", unknown, [*type(self).model_fields, "tokenizer"])
         check_greedy(kwargs.get("temperature"), "TokRAGLLM")
         tokenizer = kwargs.pop("tokenizer", None)
+        _watch_synthesizers()
+        if kwargs.get("base_url") is not None:
+            self._remote_init(lm, tokenizer, kwargs)
+            return
         spec = kwargs.get("model", "default")
         if isinstance(spec, LoadedModel):
             lm = spec
@@ -202,6 +311,28 @@ class TokRAGLLM(CustomLLM):
             lm = load_model(source, **options, **self.load_options)
         self._lm = lm
 
+    def _remote_init(self, lm: Any, tokenizer: Any, kwargs: dict[str, Any]) -> None:
+        from ..server.client import RemoteModel
+
+        local = [k for k in ("model", *LOAD_OPTIONS) if kwargs.get(k) not in (None, False, {})]
+        local += ["lm"] * (lm is not None) + ["tokenizer"] * (tokenizer is not None)
+        local += ["load_options"] * bool(kwargs.get("load_options"))
+        if local:
+            raise ValueError(
+                f"{', '.join(local)} load a local model; with base_url= the server decodes with "
+                "its own model: leave them out"
+            )
+        super().__init__(**kwargs)
+        key = self.api_key.get_secret_value() if self.api_key is not None else None
+        self._lm = RemoteModel(
+            self.base_url, key, timeout=self.timeout, max_retries=self.max_retries
+        )
+
+    @field_serializer("api_key")
+    def _hidden(self, key: SecretStr | None) -> str | None:
+        """``to_dict`` / ``to_json`` (and LlamaIndex's events) show the key as stars."""
+        return None if key is None else str(key)
+
     @classmethod
     def class_name(cls) -> str:
         return "TokRAGLLM"
@@ -209,6 +340,11 @@ class TokRAGLLM(CustomLLM):
     @property
     def loaded_model(self) -> LoadedModel:
         """The underlying :class:`~tokrag_integrations.models.LoadedModel`."""
+        if not isinstance(self._lm, LoadedModel):
+            raise ValueError(
+                "this TokRAGLLM decodes on a server (base_url=) and holds no model; "
+                "TokRAGSynthesizer needs a local one: use the server through Settings.llm"
+            )
         return self._lm
 
     @property
@@ -322,8 +458,20 @@ class TokRAGLLM(CustomLLM):
             raw=jsonable(result.trace.to_dict()),
         )
 
+    def _backend(self, how: str, query: str, passages: Any, gen_kw: dict[str, Any]) -> Any:
+        """``how`` (generate, stream, agenerate, astream_with_result) on the local model
+        through the scheduler, or on the server (called when the call is made, streams
+        included: its policy is noted for the synthesize call around it)."""
+        calls = _SYNTH_CALLS.get()
+        if calls:
+            calls[-1][:] = [gen_kw["policy"]]  # the last call's only: a list that cannot grow
+        if isinstance(self._lm, LoadedModel):
+            run = getattr(scheduler, how)
+            return run(self._lm, query, passages, batching=self.batching, **gen_kw)
+        return getattr(self._lm, how)(query, passages, **gen_kw)
+
     def _stream(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> CompletionResponseGen:
-        s = scheduler.stream(self._lm, query, passages, batching=self.batching, **gen_kw)
+        s = self._backend("stream", query, passages, gen_kw)
 
         def gen() -> CompletionResponseGen:
             text = ""
@@ -335,31 +483,29 @@ class TokRAGLLM(CustomLLM):
 
         return gen()
 
-    async def _astream(
+    def _astream(
         self, query: str, passages: Any, gen_kw: dict[str, Any]
     ) -> CompletionResponseAsyncGen:
-        text = ""
-        async for item in scheduler.astream_with_result(
-            self._lm, query, passages, batching=self.batching, **gen_kw
-        ):
-            if isinstance(item, GenerationResult):
-                yield self._final(item, text)
-            elif item.text:
-                text += item.text
-                yield _token(text, item)
+        items = self._backend("astream_with_result", query, passages, gen_kw)
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            async for item in items:
+                if isinstance(item, GenerationResult):
+                    yield self._final(item, text)
+                elif item.text:
+                    text += item.text
+                    yield _token(text, item)
+
+        return gen()
 
     def _generate(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> CompletionResponse:
-        return self._final(
-            scheduler.generate(self._lm, query, passages, batching=self.batching, **gen_kw)
-        )
+        return self._final(self._backend("generate", query, passages, gen_kw))
 
     async def _agenerate(
         self, query: str, passages: Any, gen_kw: dict[str, Any]
     ) -> CompletionResponse:
-        result = await scheduler.agenerate(
-            self._lm, query, passages, batching=self.batching, **gen_kw
-        )
-        return self._final(result)
+        return self._final(await self._backend("agenerate", query, passages, gen_kw))
 
     # ------------------------------------------------------------------ completion
     @llm_completion_callback()

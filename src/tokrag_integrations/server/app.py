@@ -164,8 +164,11 @@ def create_app(
     async def models(request: Request) -> Any:
         _authorize(request, api_key)
         svc = _ready(state)
+        lm = svc.lm
         return {"object": "list", "data": [
-            {"id": svc.model_id, "object": "model", "created": 0, "owned_by": "tokrag"}
+            {"id": svc.model_id, "object": "model", "created": 0, "owned_by": "tokrag",
+             "context_window": lm.context_window, "chat": bool(lm.is_chat),
+             "eos_token_ids": sorted(lm.eos_token_ids)}
         ]}
 
     @app.post("/v1/chat/completions")
@@ -350,12 +353,12 @@ async def _events(
             item = await events.get()
             if item is _END:
                 break
-            if isinstance(item, TokenEvent):
+            if isinstance(item, TokenEvent):  # one chunk per token, some with empty text
                 if not first:
                     first = True
                     telemetry.first_token(started)
-                if item.text:
-                    yield chunk({"content": item.text}, tokrag={"source": item.source})
+                yield chunk({"content": item.text},
+                            tokrag={"source": item.source, "token_id": item.token_id})
             elif isinstance(item, BaseException):
                 if isinstance(item, (TypeError, ValueError)):
                     body = RequestError(str(item)).to_dict()

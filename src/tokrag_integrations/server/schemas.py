@@ -23,7 +23,10 @@ __all__ = [
 ]
 
 #: Keys of the request's ``tokrag`` object.
-TOKRAG_KEYS = ("policy", "policy_options", "filters", "top_k", "trace")
+TOKRAG_KEYS = (
+    "policy", "policy_options", "filters", "top_k", "trace", "rendered", "prompt_format",
+    "max_context_tokens",
+)
 
 #: OpenAI fields a greedy decoder without tools cannot honour (refused unless off).
 _UNSUPPORTED = (
@@ -169,6 +172,12 @@ class ChatRequest:
     top_k: int | None = None
     trace: bool = True
     """Whether the response carries the full token trace (``tokrag.trace``)."""
+    rendered: Any = None
+    """``tokrag.rendered`` as a :class:`~tokrag_integrations.prompts.RenderedPrompt`: the RAG
+    context as the caller's template formatted it (``messages`` are then the pure context)."""
+    prompt_format: str | None = None
+    """``tokrag.prompt_format`` (``qa``, ``chat``, ``text``; None: the core's ``qa``)."""
+    max_context_tokens: int | None = None
     warnings: list[str] = field(default_factory=list)
 
 
@@ -353,7 +362,39 @@ def _stop(value: Any) -> list[str] | None:
     return list(value)
 
 
-def _tokrag(value: Any, req: ChatRequest, policies: Sequence[str]) -> None:
+def _rendered(value: Any, limits: Limits) -> Any:
+    """``tokrag.rendered``: ``{"context", "messages" | "text"}`` -> a ``RenderedPrompt``."""
+    from ..prompts import RenderedPrompt
+
+    where = "tokrag.rendered"
+    _typed(value, "an object", where)
+    unknown = sorted(set(value) - {"context", "messages", "text"})
+    if unknown or ("messages" in value) == ("text" in value):
+        raise RequestError(
+            f"'{where}' takes 'context' and one of 'messages' (the template's turns as "
+            "formatted) or 'text' (a finished prompt)"
+            + (f"; unknown key(s) {', '.join(unknown)}" if unknown else ""), where
+        )
+    context = _typed(value.get("context"), "a string", f"{where}.context")
+    if "text" in value:
+        return RenderedPrompt(context, text=_typed(value["text"], "a string", f"{where}.text"))
+    turns = value["messages"]
+    if not isinstance(turns, list) or not turns or len(turns) > limits.max_messages:
+        raise RequestError(
+            f"'{where}.messages' must be an array of 1 to {limits.max_messages} messages",
+            f"{where}.messages",
+        )
+    out = []
+    for i, m in enumerate(turns):
+        w = f"{where}.messages[{i}]"
+        role = _typed(m, "an object", w).get("role")
+        if role not in ("system", "user", "assistant"):
+            raise RequestError(f"{w}.role must be 'system', 'user' or 'assistant', got {role!r}", w)
+        out.append({"role": role, "content": _typed(m.get("content"), "a string", f"{w}.content")})
+    return RenderedPrompt(context, messages=out)
+
+
+def _tokrag(value: Any, req: ChatRequest, policies: Sequence[str], limits: Limits) -> None:
     if value is None:
         return
     _typed(value, "an object", "tokrag")
@@ -388,6 +429,18 @@ def _tokrag(value: Any, req: ChatRequest, policies: Sequence[str]) -> None:
     req.top_k = _int(value, "top_k", 1, 100)
     if value.get("trace") is not None:
         req.trace = _typed(value["trace"], "true or false", "tokrag.trace")
+    if value.get("rendered") is not None:
+        if req.documents is not None:
+            raise RequestError("give 'documents' or 'tokrag.rendered', not both", "tokrag.rendered")
+        req.rendered = _rendered(value["rendered"], limits)
+    fmt = value.get("prompt_format")
+    if fmt is not None and fmt not in ("qa", "chat", "text"):
+        raise RequestError(
+            f"'tokrag.prompt_format' must be 'qa', 'chat' or 'text', got {fmt!r}",
+            "tokrag.prompt_format",
+        )
+    req.prompt_format = fmt
+    req.max_context_tokens = _int(value, "max_context_tokens", 1, None)
 
 
 def parse_chat_request(body: Any, limits: Limits, policies: Sequence[str]) -> ChatRequest:
@@ -431,7 +484,7 @@ def parse_chat_request(body: Any, limits: Limits, policies: Sequence[str]) -> Ch
         include_usage=_flag(opts, "include_usage", "stream_options.include_usage"),
         model=model,
     )
-    _tokrag(body.get("tokrag"), req, policies)
+    _tokrag(body.get("tokrag"), req, policies, limits)
     ignored = sorted(k for k in body if k not in _KNOWN)
     if ignored:
         req.warnings.append(f"ignored field(s) this server does not use: {', '.join(ignored)}")

@@ -197,6 +197,9 @@ class ChatService:
         }
         if req.system_prompt is not None:
             kw["system_prompt"] = req.system_prompt
+        for key in ("rendered", "prompt_format", "max_context_tokens"):
+            if getattr(req, key) is not None:
+                kw[key] = getattr(req, key)
         return kw, checked
 
     async def checked_settings(self, req: ChatRequest) -> dict[str, Any]:
@@ -212,7 +215,9 @@ class ChatService:
 
     async def passages(self, req: ChatRequest) -> tuple[list[Any] | None, list[str]]:
         """``(passages, warnings)``: the request's documents, else the store's top chunks for
-        its question, else None."""
+        its question, else None (also when the request brings its template's context)."""
+        if req.rendered is not None:
+            return None, []
         if req.documents is not None:
             if req.filters is not None:
                 return req.documents, ["tokrag.filters ignored: the request gave documents"]
