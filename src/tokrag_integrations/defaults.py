@@ -7,7 +7,7 @@ the same place; each entry point still takes its own argument to override them.
 
 from __future__ import annotations
 
-__all__ = ["CHUNK_CHARS", "CHUNK_OVERLAP", "TOP_K", "MAX_NEW_TOKENS", "ANSWER_STOP"]
+__all__ = ["ANSWER_STOP", "CHUNK_CHARS", "CHUNK_OVERLAP", "CITATIONS", "MAX_NEW_TOKENS", "TOP_K"]
 
 #: Characters per chunk (:func:`~tokrag_integrations.retrieval.chunk_text`).
 CHUNK_CHARS = 800
@@ -25,3 +25,8 @@ MAX_NEW_TOKENS = 64
 #: a blank line, or a line starting a Markdown heading, where a small model given document
 #: chunks goes on copying the document. ``stop=[]`` (``--no-stop``) decodes to the budget.
 ANSWER_STOP: tuple[str, ...] = ("\n\n", "\n#")
+
+#: Whether a decode records citations (each passage's share of the RAG context's attention at
+#: every generated step; ``citations=False`` / ``tokrag ask --no-citations`` turns them off).
+#: Their cost per token is in docs/results.md, "Citations".
+CITATIONS = True

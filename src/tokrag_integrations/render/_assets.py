@@ -109,4 +109,3 @@ document.querySelectorAll('.tok').forEach(function (t) {
   });
 });
 """
-
