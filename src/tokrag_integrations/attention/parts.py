@@ -110,9 +110,7 @@ def model_parts(model: Any) -> ModelParts:
         elif embed is None or norm is None or head is None:
             why = "no embed_tokens / final norm / LM head"
         else:
-            rot = [
-                getattr(sys.modules[type(a).__module__], "apply_rotary_pos_emb", None) for a in attn
-            ]
+            rot = [getattr(sys.modules[type(a).__module__], "apply_rotary_pos_emb", None) for a in attn]
             if any(r is None for r in rot):
                 why = "attention without rotary position embeddings"
     if why is not None:

@@ -115,9 +115,7 @@ class _Tap:
 
 
 #: The taps of the probes active in this thread / task, innermost last (empty: nothing is kept).
-ACTIVE_TAP: contextvars.ContextVar[tuple[_Tap, ...]] = contextvars.ContextVar(
-    "tokrag_tap", default=()
-)
+ACTIVE_TAP: contextvars.ContextVar[tuple[_Tap, ...]] = contextvars.ContextVar("tokrag_tap", default=())
 
 
 def _last(t: torch.Tensor, positions: slice | torch.Tensor | None = None) -> torch.Tensor:
@@ -141,9 +139,7 @@ def _tapped_forward(layer: Any, i: int) -> Any:
         for tap in ACTIVE_TAP.get():
             at = tap.positions
             if i == 0:
-                tap.resid[0] = _last(
-                    kwargs["hidden_states"] if "hidden_states" in kwargs else args[0], at
-                )
+                tap.resid[0] = _last(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0], at)
             h = out[0] if isinstance(out, (tuple, list)) else out
             tap.resid[i + 1] = _last(h, at)
             pe = kwargs.get("position_embeddings")

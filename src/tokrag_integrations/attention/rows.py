@@ -61,9 +61,7 @@ def attention_row(
     groups = n_heads // n_kv
     # Grouped-query attention without materialising repeated keys: [B, kv, groups, hd] @ [B, kv, hd, T].
     qg = q.view(bsz, n_kv, groups, head_dim).float()
-    scores = (
-        torch.matmul(qg, keys.float().transpose(-1, -2)).reshape(bsz, n_heads, -1) * attn.scaling
-    )
+    scores = torch.matmul(qg, keys.float().transpose(-1, -2)).reshape(bsz, n_heads, -1) * attn.scaling
     softcap = getattr(attn, "attn_logit_softcapping", None)
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
@@ -118,9 +116,7 @@ def attention_rows(
     n_layers = len(attn)
     head_dim = first.head_dim
     x = record.attn_in[:, 0]  # [L, d]
-    q = torch.stack(
-        [query_projection(attn[i], x[i : i + 1])[0] for i in range(n_layers)]
-    )  # [L, H*hd]
+    q = torch.stack([query_projection(attn[i], x[i : i + 1])[0] for i in range(n_layers)])  # [L, H*hd]
     q = q.view(n_layers, -1, 1, head_dim)  # [L, H, 1, hd]
     cos = torch.stack([c[0] for c in record.cos])[:, None]  # [L, 1, hd]
     sin = torch.stack([s_[0] for s_ in record.sin])[:, None]

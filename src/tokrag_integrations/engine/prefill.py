@@ -87,7 +87,9 @@ def prefill_roles(
     it (the pure prompt is head + question, the RAG prompt head + passages + question)
     reuses that head's keys and values instead of recomputing them.
     """
-    members = {role: [(q, c[role]) for q, c in enumerate(per_query) if role in c] for role in roles}
+    members = {
+        role: [(q, c[role]) for q, c in enumerate(per_query) if role in c] for role in roles
+    }
     order = sorted(roles, key=lambda r: -sum(len(s.ids) for _, s in members[r]))
     done: dict[str, RoleBatch] = {}
     for role in order:

@@ -118,8 +118,9 @@ def speed_of(value: Speed | str | Mapping[str, Any] | None = None) -> Speed:
                 f"unknown speed option {unknown[0]!r}; options: {', '.join(sorted(fields))}"
             )
         given = {
-            k: str(v).strip().lower() if k in _MODE_FIELDS else _as_bool(k, v)
-            for k, v in value.items()
+            k: str(v).strip().lower() if k in _MODE_FIELDS else _as_bool(k, v) for k, v in value.items()
         }
         return Speed(**given)
-    raise TypeError(f"speed must be a Speed, a preset name or a dict, got {type(value).__name__}")
+    raise TypeError(
+        f"speed must be a Speed, a preset name or a dict, got {type(value).__name__}"
+    )

@@ -109,3 +109,4 @@ document.querySelectorAll('.tok').forEach(function (t) {
   });
 });
 """
+
