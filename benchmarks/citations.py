@@ -14,6 +14,10 @@ sentence by the packaged MiniLM embedder.
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/citations.py --squad 80 --rgb 50
 
 Prints one row per variant: correct / n, the share and its 95 % Wilson interval, per set.
+
+``--cost N``: instead, the cost of citations: N SQuAD questions (same mixes) decoded with
+citations on and off, interleaved (the order alternating per question), for ``tokrag`` and
+``rag``; prints ms per generated token (decode time only) and on/off.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 
 from tokrag_integrations import generate, load_model
+from tokrag_integrations.attention.citations import citation_layers
 from tokrag_integrations.evaluation.data import load_items, mix_passages
 from tokrag_integrations.evaluation.metrics import cover_em
 from tokrag_integrations.policies.tokrag import TokRAG
@@ -64,10 +69,19 @@ class Recording(TokRAG):
             renorm_m = torch.stack([r.sum(-1) for r in renorm], -1)  # [L, P]
             f = head_mean[:, rt].sum(-1)  # f(l) of Eq. 14
             lo = self._lo - 1
+            word = (~self._pr_skip[rag.rt_token_ids]).float()  # 0 at punctuation
+            nopunct = torch.stack(
+                [
+                    (head_mean[:, p] * w).sum(-1)
+                    for p, w in zip(spans, word.split(self.lengths), strict=True)
+                ],
+                -1,
+            )
             self.steps.append(
                 {
                     "mass": mass,
                     "renorm": renorm_m,
+                    "nopunct": nopunct,
                     "l_star": c.signals.get("l_star"),
                     "f_arg": lo + int(f[lo:].argmax()),
                 }
@@ -83,6 +97,8 @@ def _layers(name: str, n: int, step: dict[str, Any]) -> list[int]:
         return [step["f_arg"]]
     if name.startswith("layer "):
         return [int(name.split()[1]) - 1]
+    if name == "0.6L-0.8L":
+        return citation_layers(n, "upper-middle")
     return {
         "last": [n - 1],
         "last4": list(range(n - 4, n)),
@@ -95,7 +111,7 @@ def _cite(steps: list[dict[str, Any]], span: range, layers: str, agg: str) -> in
     total = None
     for i in span:
         s = steps[i]
-        m = s[agg]
+        m = torch.as_tensor(s[agg])
         row = m[_layers(layers, m.shape[0], s)].mean(0)
         row = row / row.sum().clamp_min(1e-30)
         total = row if total is None else total + row
@@ -138,40 +154,92 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (c - h, c + h)
 
 
-def run_set(lm: Any, emb: Any, path: Path, limit: int, noise: float, k: int, tokens: int) -> dict:
-    items = load_items(path, limit)
-    variants = [
-        (lay, agg)
-        for agg in ("mass", "renorm")
-        for lay in ("l*", "argmax f", "last", "last4", "upper", "all")
-    ]
-    n_layers = None
-    hits: dict[str, int] = {}
-    n = skipped_no_gold_passage = 0
-    for it in items:
+VARIANTS = [
+    (lay, agg)
+    for agg in ("mass", "renorm", "nopunct")
+    for lay in ("l*", "argmax f", "last", "last4", "upper", "0.6L-0.8L", "all")
+]
+
+
+def decode_set(
+    lm: Any, emb: Any, path: Path, limit: int, offset: int, noise: float, k: int, tokens: int
+) -> list[dict]:
+    """One record per question: whether the answer holds the gold answer and, if so, the
+    gold passages, the baselines' picks, the engine's own citation and the span's steps."""
+    records = []
+    for it in load_items(path, offset + limit)[offset:]:
         mix = mix_passages(it, noise, k)
         pol = Recording()
         r = generate(lm, it.question, mix.passages, policy=pol, max_new_tokens=tokens)
-        if not cover_em(r.text, it.answers):
-            continue
+        rec: dict[str, Any] = {"id": it.id, "answer": r.text, "em": cover_em(r.text, it.answers)}
+        records.append(rec)
         texts = [s.text for s in r.trace.steps]
-        span = _span(texts, it.answers)
-        gold = {j for j, p in enumerate(mix.passages) if cover_em(p, it.answers)}
+        span = _span(texts, it.answers) if rec["em"] else None
+        gold = [j for j, p in enumerate(mix.passages) if cover_em(p, it.answers)]
         if span is None or not gold:
-            skipped_no_gold_passage += 1
             continue
-        n += 1
-        n_layers = pol.steps[0]["mass"].shape[0]
-        names = variants + [(f"layer {i + 1}", "mass") for i in range(n_layers)]
-        for lay, agg in names:
-            key = f"{agg}:{lay}"
-            hits[key] = hits.get(key, 0) + (_cite(pol.steps, span, lay, agg) in gold)
-        hits["baseline:top-ranked"] = hits.get("baseline:top-ranked", 0) + (0 in gold)
         sent = _sentence(r.text, texts, span)
         e = emb.encode([sent, *mix.passages])
-        best = int((e[1:] @ e[0]).argmax())
-        hits["baseline:embedder"] = hits.get("baseline:embedder", 0) + (best in gold)
-    return {"n": n, "skipped": skipped_no_gold_passage, "hits": hits, "layers": n_layers}
+        cited = r.trace.cite(span.start, span.stop)
+        steps = [
+            {
+                key: (v.tolist() if isinstance(v, torch.Tensor) else v)
+                for key, v in pol.steps[i].items()
+            }
+            for i in span
+        ]
+        rec.update(
+            gold=gold,
+            top_ranked=0,
+            embedder=int((e[1:] @ e[0]).argmax()),
+            engine=None if cited is None else cited[0],
+            steps=steps,
+        )
+    return records
+
+
+def score_set(records: list[dict]) -> dict:
+    """Hits per variant and baseline over the records with a span."""
+    rows = [r for r in records if "steps" in r]
+    hits: dict[str, int] = {}
+    n_layers = len(rows[0]["steps"][0]["mass"]) if rows else 0
+    names = VARIANTS + [(f"layer {i + 1}", "mass") for i in range(n_layers)]
+    for r in rows:
+        gold = set(r["gold"])
+        span = range(len(r["steps"]))
+        for lay, agg in names:
+            key = f"{agg}:{lay}"
+            hits[key] = hits.get(key, 0) + (_cite(r["steps"], span, lay, agg) in gold)
+        for b in ("engine", "top_ranked", "embedder"):
+            hits[f"baseline:{b}"] = hits.get(f"baseline:{b}", 0) + (r[b] in gold)
+    skipped = sum(1 for r in records if r["em"] and "steps" not in r)
+    return {"n": len(rows), "skipped": skipped, "questions": len(records), "hits": hits}
+
+
+def run_cost(lm: Any, path: Path, n: int, noise: float, k: int, tokens: int) -> None:
+    items = load_items(path, n)
+    for policy in ("tokrag", "rag"):
+        t = {True: 0.0, False: 0.0}
+        toks = {True: 0, False: 0}
+        for i, it in enumerate(items):
+            mix = mix_passages(it, noise, k)
+            for on in (True, False) if i % 2 else (False, True):
+                r = generate(
+                    lm,
+                    it.question,
+                    mix.passages,
+                    policy=policy,
+                    max_new_tokens=tokens,
+                    stop=[],
+                    citations=on,
+                )
+                t[on] += r.trace.timings["decode_s"]
+                toks[on] += len(r.trace.steps)
+        ms = {on: 1000 * t[on] / max(toks[on], 1) for on in t}
+        print(
+            f"{policy}: citations on {ms[True]:.2f} ms/token, off {ms[False]:.2f} ms/token, "
+            f"on/off {ms[True] / ms[False]:.3f} ({n} questions, {toks[True]} tokens each way)"
+        )
 
 
 def main() -> None:
@@ -183,33 +251,55 @@ def main() -> None:
     )
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--offset", type=int, default=0, help="skip the first N SQuAD questions")
     ap.add_argument("--data", type=Path, default=DATA)
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--records", type=Path, default=None, help="write the records (JSON)")
+    ap.add_argument(
+        "--from-records",
+        type=Path,
+        nargs="*",
+        default=None,
+        help="score these records files (merged per set) instead of decoding",
+    )
+    ap.add_argument("--cost", type=int, default=0, help="measure the cost on N questions")
     a = ap.parse_args()
     torch.manual_seed(0)
-    lm = load_model("default")
-    emb = load_embedder()
+    out: dict[str, list[dict]] = {}
     t0 = time.time()
-    out = {}
-    for name, file, limit in (
-        ("squad", "squad_dev.jsonl", a.squad),
-        ("rgb", "rgb_en_fact_dev.jsonl", a.rgb),
-    ):
-        if limit:
-            out[name] = run_set(lm, emb, a.data / file, limit, a.noise, a.k, a.max_new_tokens)
+    if a.from_records:
+        for f in a.from_records:
+            for name, recs in json.loads(f.read_text()).items():
+                out.setdefault(name, []).extend(recs)
+    else:
+        lm = load_model("default")
+        if a.cost:
+            run_cost(lm, a.data / "squad_dev.jsonl", a.cost, a.noise, a.k, a.max_new_tokens)
+            return
+        emb = load_embedder()
+        for name, file, limit, offset in (
+            ("squad", "squad_dev.jsonl", a.squad, a.offset),
+            ("rgb", "rgb_en_fact_dev.jsonl", a.rgb, 0),
+        ):
+            if limit:
+                out[name] = decode_set(
+                    lm, emb, a.data / file, limit, offset, a.noise, a.k, a.max_new_tokens
+                )
+        if a.records:
+            a.records.write_text(json.dumps(out))
+    scored = {name: score_set(recs) for name, recs in out.items()}
     print(f"noise {a.noise}, k {a.k}, max_new_tokens {a.max_new_tokens}, {time.time() - t0:.0f} s")
-    keys = list(next(iter(out.values()))["hits"])
-    head = " | ".join(f"{s} (n={out[s]['n']}, skipped {out[s]['skipped']})" for s in out)
+    head = " | ".join(
+        f"{s} ({scored[s]['questions']} questions, n={scored[s]['n']}, no span {scored[s]['skipped']})"
+        for s in scored
+    )
     print(f"| variant | {head} |")
-    for key in keys:
+    for key in next(iter(scored.values()))["hits"]:
         cells = []
-        for s in out:
-            h, n = out[s]["hits"].get(key, 0), out[s]["n"]
+        for s in scored:
+            h, n = scored[s]["hits"].get(key, 0), scored[s]["n"]
             lo, hi = wilson(h, n)
             cells.append(f"{h}/{n} = {h / max(n, 1):.2f} [{lo:.2f}, {hi:.2f}]")
         print(f"| {key} | " + " | ".join(cells) + " |")
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -14,20 +14,23 @@ import torch
 __all__ = ["LAYER_CHOICES", "citation_layers", "passage_scores"]
 
 #: The layer sets :func:`citation_layers` knows (0-based indices into L layers).
-LAYER_CHOICES = ("last", "last4", "upper", "all")
+LAYER_CHOICES = ("last", "last4", "upper", "upper-middle", "all")
 #: The default, chosen by ``benchmarks/citations.py`` (docs/results.md, "Citations").
-DEFAULT_LAYERS = "last"
+DEFAULT_LAYERS = "upper-middle"
 
 
 def citation_layers(num_layers: int, choice: str = DEFAULT_LAYERS) -> list[int]:
     """The 0-based layers whose attention a citation averages: ``"last"`` (layer L),
-    ``"last4"`` (the last four), ``"upper"`` (L/2+1 .. L) or ``"all"``."""
+    ``"last4"`` (the last four), ``"upper"`` (L/2+1 .. L), ``"upper-middle"`` (0.6·L+1 ..
+    0.8·L: layers 19-24 of SmolLM2's 30) or ``"all"``."""
     if choice == "last":
         return [num_layers - 1]
     if choice == "last4":
         return list(range(max(0, num_layers - 4), num_layers))
     if choice == "upper":
         return list(range(num_layers // 2, num_layers))
+    if choice == "upper-middle":
+        return list(range(int(0.6 * num_layers), int(0.8 * num_layers)))
     if choice == "all":
         return list(range(num_layers))
     raise ValueError(f"unknown citation layers {choice!r}; one of {', '.join(LAYER_CHOICES)}")
