@@ -37,7 +37,7 @@ def _fact_steps(trace) -> tuple[int, int]:
 @pytest.mark.parametrize("policy", ["tokrag", "rag"])
 def test_the_fact_is_cited_to_the_passage_holding_it_in_either_order(lm, policy):
     for passages, holder in (([ON_TOPIC, WITH_FACT], 1), ([WITH_FACT, ON_TOPIC], 0)):
-        r = generate(lm, QUESTION, passages, policy=policy, max_new_tokens=22)
+        r = generate(lm, QUESTION, passages, policy=policy, max_new_tokens=22, citations=True)
         start, end = _fact_steps(r.trace)
         passage, share = r.trace.cite(start, end)
         assert passage == holder, r.trace.citations()
@@ -47,13 +47,19 @@ def test_the_fact_is_cited_to_the_passage_holding_it_in_either_order(lm, policy)
         assert all(len(s.citation) == 2 for s in r.trace.steps)
 
 
-def test_citations_off_and_policies_without_a_rag_context(lm):
-    off = generate(lm, QUESTION, [ON_TOPIC, WITH_FACT], max_new_tokens=6, citations=False)
-    on = generate(lm, QUESTION, [ON_TOPIC, WITH_FACT], max_new_tokens=6)
-    assert on.token_ids == off.token_ids  # reading the attention changes no token
-    assert all(len(s.citation) == 2 for s in on.trace.steps)
-    on_llm = generate(lm, QUESTION, [ON_TOPIC, WITH_FACT], policy="llm", max_new_tokens=4)
-    for r in (off, on_llm):
+def test_citations_by_default_off_and_without_a_rag_context(lm):
+    """By default only the policies that probe the RAG context anyway cite; True adds the
+    probe (the same tokens), False records nothing, a policy without a RAG context none."""
+    passages = [ON_TOPIC, WITH_FACT]
+    default = generate(lm, QUESTION, passages, max_new_tokens=4)  # tokrag
+    assert all(len(s.citation) == 2 for s in default.trace.steps)
+    rag = generate(lm, QUESTION, passages, policy="rag", max_new_tokens=6)
+    forced = generate(lm, QUESTION, passages, policy="rag", max_new_tokens=6, citations=True)
+    assert forced.token_ids == rag.token_ids  # reading the attention changes no token
+    assert all(len(s.citation) == 2 for s in forced.trace.steps)
+    off = generate(lm, QUESTION, passages, max_new_tokens=4, citations=False)
+    llm = generate(lm, QUESTION, passages, policy="llm", max_new_tokens=4, citations=True)
+    for r in (rag, off, llm):
         assert all(not s.citation for s in r.trace.steps)
         assert all(c.passage is None for c in r.trace.citations())
     with pytest.raises(TypeError, match="citations"):

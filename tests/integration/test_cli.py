@@ -125,7 +125,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory, lm: Any) -> dict[str, Any
             [
                 "ask", QUESTION["question"], "--docs", "sample", "--top-k", "3",
                 "--policy", "rag", "--max-new-tokens", "24", "--device", "cpu",
-                "--explain", "--html", str(html), "--json", str(js),
+                "--explain", "--html", str(html), "--json", str(js), "--citations",
             ]
         )  # fmt: skip
     return {"code": code, "out": out, "err": err, "html": html, "json": js}
@@ -223,7 +223,7 @@ def test_real_ask_sources_prints_every_passage_in_full(cli_shares_model) -> None
     code, out, err = run_cli(
         [
             "ask", QUESTION["question"], "--docs", "sample", "--top-k", "2", "--policy", "rag",
-            "--max-new-tokens", "2", "--device", "cpu", "--sources",
+            "--max-new-tokens", "2", "--device", "cpu", "--sources", "--citations",
         ]
     )  # fmt: skip
     assert code == 0, err

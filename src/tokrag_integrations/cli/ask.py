@@ -177,11 +177,12 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
         help="show the model's weight-loading progress bars (quiet by default)",
     )
     p.add_argument(
-        "--no-citations",
-        dest="citations",
-        action="store_false",
-        help="do not read which passage each token attended to (--explain, --html and "
-        "--sources then show no citations)",
+        "--citations",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="read which passage each token attended to, for --explain, --html and --sources "
+        "(default: with the policies that read the attention anyway, tokrag and "
+        "tokrag_reference; --citations for every policy, --no-citations for none)",
     )
     p.add_argument("--html", metavar="FILE", help="write the trace as a standalone HTML page")
     p.add_argument("--json", metavar="FILE", help="write the trace as JSON")

@@ -109,15 +109,15 @@ def step_event(
 
 
 def role_setup(
-    lm: LoadedModel, plans: Sequence[PromptPlan], policy: Policy, cite: bool = False
+    lm: LoadedModel, plans: Sequence[PromptPlan], policy: Policy, cite: bool | None = False
 ) -> tuple[list[dict[str, ContextSpec]], list[str], frozenset[str]]:
     """Prepare ``policy`` and build every query's contexts; returns them, the roles in use
     (the policy's roles in its order, then any other role its contexts name, sorted) and the
-    probed roles. ``cite``: the ``rag`` context of every query that has one is probed (its
-    attention rows give the citations)."""
+    probed roles. ``cite=True``: the ``rag`` context of every query that has one is probed
+    (its attention rows give the citations)."""
     policy.prepare(lm)
     per_query = [policy.contexts(p) for p in plans]
-    for c in per_query if cite else ():
+    for c in per_query if cite is True else ():
         if "rag" in c and c["rag"].rt_positions:
             c["rag"].probe = True
     roles = [r for r in policy.roles if any(r in c for c in per_query)]
@@ -147,7 +147,8 @@ class Decoder:
     from the shared-prefill store); the caller times the steps. ``prefill`` replaces the
     speed paths' prefill (teacher forcing prefills each role on its own). ``citations``:
     at every step of a query whose ``rag`` context holds its passages, the trace step gets
-    each passage's share of the attention (:func:`..attention.citations.passage_scores`).
+    each passage's share of the attention (:func:`..attention.citations.passage_scores`);
+    None: only where the policy probes that context anyway, True: it is probed for them.
     """
 
     def __init__(
@@ -159,7 +160,7 @@ class Decoder:
         stop: Sequence[str] = (),
         speed: Speed | str | Mapping[str, Any] | None = None,
         prefill: PrefillFn | None = None,
-        citations: bool = False,
+        citations: bool | None = False,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -181,11 +182,12 @@ class Decoder:
         self.done: list[bool] = []
         self._chosen: dict[int, int] = {}
         self.citations, self._cite_layers = citations, []
-        if citations:
+        if citations is not False:
             try:
                 self._cite_layers = citation_layers(model_parts(lm.model).num_layers)
             except ValueError as e:  # an architecture the probes cannot read
-                warnings.warn(f"no citations: {e}", stacklevel=3)
+                if citations:
+                    warnings.warn(f"no citations: {e}", stacklevel=3)
                 self.citations = False
         #: Per query: its passages' token counts in its ``rag`` context (None: not cited).
         self._cite: list[list[int] | None] = []
@@ -231,7 +233,7 @@ class Decoder:
         self.done += [False] * len(plans)
         for plan, ctx in zip(plans, per_query, strict=True):
             rag = ctx.get("rag")
-            cited = self.citations and rag is not None and rag.probe
+            cited = self.citations is not False and rag is not None and rag.probe
             cited = cited and rag.rt_positions == plan.retrieved_positions  # type: ignore[union-attr]
             self._cite.append([e - s for s, e in plan.passage_spans] if cited else None)
         new_rows = {

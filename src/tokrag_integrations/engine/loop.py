@@ -89,7 +89,7 @@ def decoder_for(
     max_new_tokens: int,
     stop: Sequence[str],
     speed: Speed,
-    citations: bool = False,
+    citations: bool | None = False,
 ) -> Decoder | SequenceDecoder:
     """The decoder of ``policy``'s queries: a :class:`SequenceDecoder` for a sequence-level
     rule (no citations), else a :class:`.decoder.Decoder`."""

@@ -122,7 +122,7 @@ class _Prepared:
     stops: list[str]
     speed: Speed
     max_new_tokens: int
-    citations: bool = False
+    citations: bool | None = False
 
 
 def _prepare(
@@ -140,7 +140,7 @@ def _prepare(
     policy_options: Mapping[str, Any] | None = None,
     speed: Speed | str | Mapping[str, Any] | None = None,
     prompt_format: str = "qa",
-    citations: bool = CITATIONS,
+    citations: bool | None = CITATIONS,
 ) -> _Prepared:
     """Validate everything and build the prompts, traces and text trackers of a decode
     (``queries`` may be empty: then ``plans`` is empty too).
@@ -214,7 +214,7 @@ def _prepare(
         stops,
         chosen_speed,
         max_new_tokens,
-        require_bool(citations, "citations"),
+        None if citations is None else require_bool(citations, "citations"),
     )
 
 
@@ -730,7 +730,7 @@ def generate(
     prompt_format: str = "qa",
     rendered: RenderedPrompt | None = None,
     batching: bool = False,
-    citations: bool = CITATIONS,
+    citations: bool | None = CITATIONS,
 ) -> GenerationResult:
     """Answer ``query`` with ``passages`` (ranked, best first) under a decoding ``policy``.
 
@@ -757,8 +757,11 @@ def generate(
         batching: True: decode together with concurrent calls on ``lm`` (the module
             docstring); False (default): alone, in the calling thread, holding ``lm.lock``.
         citations: record at every step each passage's share of the RAG context's attention
-            (:meth:`.trace.Trace.citations`); steps of a policy without a ``rag`` context
-            (``llm``, ``rag_token``, ``rag_sequence``) carry none.
+            (:meth:`.trace.Trace.citations`): None (default) where the policy reads that
+            context's layers anyway (``tokrag``, ``tokrag_reference``), True for every policy
+            with a ``rag`` context (it is then probed: ``rag``, ``cad``...), False never.
+            Steps without a ``rag`` context (``llm``, ``rag_token``, ``rag_sequence``) carry
+            none.
 
     Raises:
         TypeError / ValueError: a bad argument (checked before anything is decoded).
@@ -854,7 +857,7 @@ def generate_batch(
     max_context_tokens: int | None = None,
     system_prompt: Any = _DEFAULT,
     prompt_format: str = "qa",
-    citations: bool = CITATIONS,
+    citations: bool | None = CITATIONS,
 ) -> list[GenerationResult]:
     """Decode several queries as one batch (one forward pass per context role per step),
     in the calling thread; the arguments are those of :func:`generate`.
