@@ -11,7 +11,8 @@ citation is correct when that passage holds a gold answer. Baselines on the same
 the top-ranked passage (the first of the mix), and the passage most similar to the answer's
 sentence by the packaged MiniLM embedder.
 
-    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/citations.py --squad 80 --rgb 50
+    OMP_NUM_THREADS=1 nice -n 19 python benchmarks/citations.py --squad 180 --offset 120 --rgb 50 \
+        --max-new-tokens 16
 
 Prints one row per variant: correct / n, the share and its 95 % Wilson interval, per set.
 
