@@ -8,7 +8,7 @@ the same place; each entry point still takes its own argument to override them.
 from __future__ import annotations
 
 __all__ = [
-    "CHUNK_CHARS", "CHUNK_OVERLAP", "RETRIEVER", "TOP_K", "MAX_NEW_TOKENS", "ANSWER_STOP",
+    "ANSWER_STOP", "CHUNK_CHARS", "CHUNK_OVERLAP", "CITATIONS", "MAX_NEW_TOKENS", "RETRIEVER", "TOP_K",
 ]  # fmt: skip
 
 #: Characters per chunk (:func:`~tokrag_integrations.retrieval.chunk_text`).
@@ -32,3 +32,9 @@ MAX_NEW_TOKENS = 64
 #: a blank line, or a line starting a Markdown heading, where a small model given document
 #: chunks goes on copying the document. ``stop=[]`` (``--no-stop``) decodes to the budget.
 ANSWER_STOP: tuple[str, ...] = ("\n\n", "\n#")
+
+#: Whether a decode records citations (each passage's share of the RAG context's attention at
+#: every generated step): None = where the policy already probes the RAG context (``tokrag``,
+#: ``tokrag_reference``: +4 % per token), True = for every policy with a RAG context (others
+#: then probe it: +9 % per token for ``rag``), False = never (docs/results.md, "Citations").
+CITATIONS: bool | None = None

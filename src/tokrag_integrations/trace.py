@@ -15,7 +15,16 @@ from typing import Any
 
 from .labels import AGREE, FROM_LLM, FROM_RAG
 
-__all__ = ["AGREE", "FROM_LLM", "FROM_RAG", "Candidate", "PassageRecord", "Trace", "TraceStep"]
+__all__ = [
+    "AGREE",
+    "FROM_LLM",
+    "FROM_RAG",
+    "Candidate",
+    "Citation",
+    "PassageRecord",
+    "Trace",
+    "TraceStep",
+]
 
 
 @dataclass
@@ -37,7 +46,9 @@ class TraceStep:
     ``cos_ir`` = cos(w_RAG, w_IR), ``cos_llm`` = cos(w_RAG, w_LLM), ``fusion_attn_layer``,
     ``fusion_jsd_layer``). ``stats`` maps each context role to a summary of its next-token
     distribution at the chosen token (:func:`.engine.stats.distribution_stats`), which the
-    confidence metrics of :mod:`..gating.confidence` read.
+    confidence metrics of :mod:`..gating.confidence` read. ``citation`` (``citations=True``):
+    each kept passage's share of the RAG context's attention at this step, in prompt order
+    (:func:`.attention.citations.passage_scores`); empty where nothing was read.
     """
 
     index: int
@@ -47,6 +58,7 @@ class TraceStep:
     candidates: dict[str, Candidate] = field(default_factory=dict)
     signals: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    citation: list[float] = field(default_factory=list)
 
     @property
     def disagreement(self) -> bool:
@@ -65,6 +77,27 @@ class PassageRecord:
     kept: bool = True
     cut: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Citation:
+    """Generated tokens ``start`` .. ``end - 1`` (step indices) and the passage they are cited
+    to: ``passage`` indexes :attr:`Trace.passages` (None: these tokens carry no citation),
+    ``score`` is that passage's mean share of the attention over the span, ``source`` its
+    metadata's ``source`` (None without one)."""
+
+    start: int
+    end: int
+    text: str
+    passage: int | None
+    score: float | None
+    source: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def _sentence_end(text: str) -> bool:
+    t = text.rstrip(" ")
+    return "\n" in text or t.endswith((".", "!", "?"))
 
 
 @dataclass
@@ -91,6 +124,69 @@ class Trace:
     def disagreement_steps(self) -> list[TraceStep]:
         return [s for s in self.steps if s.disagreement]
 
+    def cite(self, start: int, end: int) -> tuple[int, float] | None:
+        """The passage (index into :attr:`passages`) with the largest share of the attention
+        summed over steps ``start`` .. ``end - 1`` and its mean share there; None where none
+        of those steps carries a citation."""
+        rows = [s.citation for s in self.steps[start:end] if s.citation]
+        if not rows:
+            return None
+        totals = [sum(col) for col in zip(*rows, strict=True)]
+        j = max(range(len(totals)), key=totals.__getitem__)
+        kept = [i for i, p in enumerate(self.passages) if p.kept]
+        return kept[j], totals[j] / len(rows)
+
+    def citations(self, by: str = "run") -> list[Citation]:
+        """The answer cut into spans, each cited to one passage, in order.
+
+        ``by="run"``: a span is a run of tokens whose largest attention share goes to the
+        same passage, split at sentence ends; ``by="sentence"``: one span per sentence, cited
+        to the passage with the largest share summed over it. Tokens without a citation
+        (``citations=False``, a policy without a ``rag`` context) form spans with
+        ``passage=None``.
+        """
+        if by not in ("run", "sentence"):
+            raise ValueError(f"by must be 'run' or 'sentence', got {by!r}")
+        out: list[Citation] = []
+        start = 0
+        for i, step in enumerate(self.steps):
+            last = i + 1 == len(self.steps)
+            if not last:
+                if by == "run":
+                    here, nxt = self.cite(i, i + 1), self.cite(i + 1, i + 2)
+                    same = (here and here[0]) == (nxt and nxt[0])
+                else:
+                    same = bool(step.citation) == bool(self.steps[i + 1].citation)
+                if same and not _sentence_end(step.text):
+                    continue
+            got = self.cite(start, i + 1)
+            meta = self.passages[got[0]].metadata if got else {}
+            src = meta.get("source")
+            out.append(
+                Citation(
+                    start=start,
+                    end=i + 1,
+                    text="".join(s.text for s in self.steps[start : i + 1]),
+                    passage=got[0] if got else None,
+                    score=got[1] if got else None,
+                    source=None if src is None else str(src),
+                    metadata=dict(meta),
+                )
+            )
+            start = i + 1
+        return out
+
+    def contributions(self) -> list[tuple[int, float]]:
+        """(passage index into :attr:`passages`, its share of the attention summed over the
+        answer's cited steps), largest first; empty without citations."""
+        got = self.cite(0, len(self.steps))
+        if got is None:
+            return []
+        rows = [s.citation for s in self.steps if s.citation]
+        kept = [i for i, p in enumerate(self.passages) if p.kept]
+        totals = [sum(col) / len(rows) for col in zip(*rows, strict=True)]
+        return sorted(zip(kept, totals, strict=True), key=lambda t: -t[1])
+
     def to_dict(self) -> dict[str, Any]:
         """The trace as JSON data: ``json.dumps`` takes it as is, and ``json.loads`` of that
         gives it back equal (tensors and numpy values become numbers or nested lists, sets
@@ -98,6 +194,7 @@ class Trace:
         floats stay floats, written ``NaN`` / ``Infinity`` as ``json`` does by default)."""
         d = _json_data(asdict(self))
         d["counts"] = self.counts()
+        d["citations"] = _json_data([asdict(c) for c in self.citations()])
         return d
 
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 2) -> str:
@@ -110,6 +207,7 @@ class Trace:
     def from_dict(cls, d: dict[str, Any]) -> Trace:
         d = dict(d)
         d.pop("counts", None)
+        d.pop("citations", None)
         steps = [
             TraceStep(
                 index=s["index"],
@@ -119,6 +217,7 @@ class Trace:
                 candidates={k: Candidate(**c) for k, c in s.get("candidates", {}).items()},
                 signals=dict(s.get("signals", {})),
                 stats={k: dict(v) for k, v in s.get("stats", {}).items()},
+                citation=list(s.get("citation", [])),
             )
             for s in d.pop("steps", [])
         ]

@@ -125,7 +125,7 @@ def real_run(tmp_path_factory: pytest.TempPathFactory, lm: Any) -> dict[str, Any
             [
                 "ask", QUESTION["question"], "--docs", "sample", "--top-k", "3",
                 "--policy", "rag", "--max-new-tokens", "24", "--device", "cpu",
-                "--explain", "--html", str(html), "--json", str(js),
+                "--explain", "--html", str(html), "--json", str(js), "--citations",
             ]
         )  # fmt: skip
     return {"code": code, "out": out, "err": err, "html": html, "json": js}
@@ -147,6 +147,8 @@ def test_real_ask_writes_html_and_json(real_run: dict[str, Any]) -> None:
     assert QUESTION["answer"] in data["text"]
     assert len(data["passages"]) == 3
     assert "Tok-RAG trace" in real_run["out"]  # --explain rendered the trace
+    assert re.search(r"Cited: .*?\[[012]\]", real_run["out"], re.S)  # spans marked
+    assert "<h2>Citations</h2>" in page and data["citations"][0]["passage"] in (0, 1, 2)
 
 
 def test_real_ask_tokrag_gives_the_core_answer_and_decisions(tmp_path: Path, cli_shares_model) -> None:
@@ -221,13 +223,15 @@ def test_real_ask_sources_prints_every_passage_in_full(cli_shares_model) -> None
     code, out, err = run_cli(
         [
             "ask", QUESTION["question"], "--docs", "sample", "--top-k", "2", "--policy", "rag",
-            "--max-new-tokens", "2", "--device", "cpu", "--sources",
+            "--max-new-tokens", "2", "--device", "cpu", "--sources", "--citations",
         ]
     )  # fmt: skip
     assert code == 0, err
-    sources = out.split("Sources\n", 1)[1]
-    assert sources.startswith("[0] sample_docs/company_overview.md #0  score ")
+    sources = out.split("Sources, by their share of the answer's attention\n", 1)[1]
+    assert "[0] sample_docs/company_overview.md #0  score " in sources
     assert "[1] " in sources
+    shares = [float(x) for x in re.findall(r"cited (\d+) %", sources)]  # largest first
+    assert len(shares) == 2 and shares == sorted(shares, reverse=True)
     flat = " ".join(sources.split())
     assert "seed grant of £640,000 from the Tayside Space Fund" in flat  # deep in the chunk
     assert max(len(line) for line in sources.splitlines()) <= 80  # wrapped, not one long line

@@ -177,6 +177,14 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="show the model's weight-loading progress bars (quiet by default)",
     )
+    p.add_argument(
+        "--citations",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="read which passage each token attended to, for --explain, --html and --sources "
+        "(default: with the policies that read the attention anyway, tokrag and "
+        "tokrag_reference; --citations for every policy, --no-citations for none)",
+    )
     p.add_argument("--html", metavar="FILE", help="write the trace as a standalone HTML page")
     p.add_argument("--json", metavar="FILE", help="write the trace as JSON")
 
@@ -237,15 +245,20 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
 
 def _print_sources(out: Console, trace: Any, roots: Sequence[Path]) -> None:
     """Each passage of ``trace`` in full: rank, source (relative to its ``--docs`` root),
-    chunk, score, whether it was used, then its text wrapped to the console's width."""
+    chunk, score, whether it was used, its share of the answer's attention (with citations,
+    the passages in that order), then its text wrapped to the console's width."""
     from rich.text import Text
 
     from ..retrieval import printable
 
-    out.print(Text("Sources", style="bold"))
+    shares = dict(trace.contributions())
+    title = "Sources, by their share of the answer's attention" if shares else "Sources"
+    out.print(Text(title, style="bold"))
     if not trace.passages:
         out.print(Text("  (no passage was given to the model)", style="dim"))
-    for rec in trace.passages:
+    order = sorted(range(len(trace.passages)), key=lambda i: -shares.get(i, -1.0))
+    for i in order:
+        rec = trace.passages[i]
         meta = rec.metadata
         source = str(meta.get("source", "?"))
         if roots and source != "--passage":
@@ -255,6 +268,8 @@ def _print_sources(out: Console, trace: Any, roots: Sequence[Path]) -> None:
             head += f" #{meta['chunk']}"
         if rec.score is not None:
             head += f"  score {rec.score:.4f}"
+        if i in shares:
+            head += f"  cited {100 * shares[i]:.0f} %"
         if not rec.kept:
             head += "  (not used: it did not fit the window)"
         elif rec.cut:
@@ -393,6 +408,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         stop=stop,
         policy_options=policy_options,
+        citations=args.citations,
     )
     for event in tokens:
         style = _STREAM_STYLES.get(event.source, "dark_orange")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ import torch
 
 from ..accel.packed import join_batches
 from ..accel.packed import prefill as speed_prefill
+from ..attention.citations import citation_layers, passage_scores
+from ..attention.parts import model_parts
 from ..models import LoadedModel
 from ..policies.base import Choice, ContextSpec, Policy
 from ..prompts import PromptPlan
@@ -106,13 +109,17 @@ def step_event(
 
 
 def role_setup(
-    lm: LoadedModel, plans: Sequence[PromptPlan], policy: Policy
+    lm: LoadedModel, plans: Sequence[PromptPlan], policy: Policy, cite: bool | None = False
 ) -> tuple[list[dict[str, ContextSpec]], list[str], frozenset[str]]:
     """Prepare ``policy`` and build every query's contexts; returns them, the roles in use
     (the policy's roles in its order, then any other role its contexts name, sorted) and the
-    probed roles."""
+    probed roles. ``cite=True``: the ``rag`` context of every query that has one is probed
+    (its attention rows give the citations)."""
     policy.prepare(lm)
     per_query = [policy.contexts(p) for p in plans]
+    for c in per_query if cite is True else ():
+        if "rag" in c and c["rag"].rt_positions:
+            c["rag"].probe = True
     roles = [r for r in policy.roles if any(r in c for c in per_query)]
     roles += sorted({r for c in per_query for r in c} - set(roles))
     probe = frozenset(r for c in per_query for r, s in c.items() if s.probe)
@@ -138,7 +145,10 @@ class Decoder:
     Query ids are given in admission order (0, 1, ...). ``timings``: the last admission's
     ``prefill_s``, ``fused`` / ``packed`` and ``prefill_reused_s`` (where some prefill came
     from the shared-prefill store); the caller times the steps. ``prefill`` replaces the
-    speed paths' prefill (teacher forcing prefills each role on its own).
+    speed paths' prefill (teacher forcing prefills each role on its own). ``citations``:
+    at every step of a query whose ``rag`` context holds its passages, the trace step gets
+    each passage's share of the attention (:func:`..attention.citations.passage_scores`);
+    None: only where the policy probes that context anyway, True: it is probed for them.
     """
 
     def __init__(
@@ -150,6 +160,7 @@ class Decoder:
         stop: Sequence[str] = (),
         speed: Speed | str | Mapping[str, Any] | None = None,
         prefill: PrefillFn | None = None,
+        citations: bool | None = False,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -170,6 +181,16 @@ class Decoder:
         self.steps: list[int] = []
         self.done: list[bool] = []
         self._chosen: dict[int, int] = {}
+        self.citations, self._cite_layers = citations, []
+        if citations is not False:
+            try:
+                self._cite_layers = citation_layers(model_parts(lm.model).num_layers)
+            except ValueError as e:  # an architecture the probes cannot read
+                if citations:
+                    warnings.warn(f"no citations: {e}", stacklevel=3)
+                self.citations = False
+        #: Per query: its passages' token counts in its ``rag`` context (None: not cited).
+        self._cite: list[list[int] | None] = []
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -191,7 +212,7 @@ class Decoder:
         first token is chosen at the next :meth:`choose`."""
         if not plans:
             return []
-        per_query, roles, probe = role_setup(self.lm, plans, self.policy)
+        per_query, roles, probe = role_setup(self.lm, plans, self.policy, self.citations)
         prefill = self._join_prefill if self.batches else self._prefill
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -210,6 +231,11 @@ class Decoder:
         self.generated += [[] for _ in plans]
         self.steps += [0] * len(plans)
         self.done += [False] * len(plans)
+        for plan, ctx in zip(plans, per_query, strict=True):
+            rag = ctx.get("rag")
+            cited = self.citations is not False and rag is not None and rag.probe
+            cited = cited and rag.rt_positions == plan.retrieved_positions  # type: ignore[union-attr]
+            self._cite.append([e - s for s, e in plan.passage_spans] if cited else None)
         new_rows = {
             role: {base + q: br for q, br in where.items()} for role, where in ready.rows.items()
         }
@@ -279,6 +305,11 @@ class Decoder:
                 self.stop,
                 self.max_new_tokens,
             )
+            lengths = self._cite[q]
+            if lengths is not None:
+                rag = views["rag"]
+                rows = rag.attention_rows(self._cite_layers)
+                ev.step.citation = passage_scores(rows, list(rag.rt_positions.split(lengths)))
             self.steps[q] += 1
             self.done[q] = ev.finished
             self._chosen[q] = int(choice.token_id)

@@ -89,11 +89,15 @@ def decoder_for(
     max_new_tokens: int,
     stop: Sequence[str],
     speed: Speed,
+    citations: bool | None = False,
 ) -> Decoder | SequenceDecoder:
     """The decoder of ``policy``'s queries: a :class:`SequenceDecoder` for a sequence-level
-    rule, else a :class:`.decoder.Decoder`."""
-    cls = SequenceDecoder if isinstance(policy, SequencePolicy) else Decoder
-    return cls(lm, policy, max_new_tokens=max_new_tokens, stop=stop, speed=speed)
+    rule (no citations), else a :class:`.decoder.Decoder`."""
+    if isinstance(policy, SequencePolicy):
+        return SequenceDecoder(lm, policy, max_new_tokens=max_new_tokens, stop=stop, speed=speed)
+    return Decoder(
+        lm, policy, max_new_tokens=max_new_tokens, stop=stop, speed=speed, citations=citations
+    )
 
 
 class SequenceDecoder:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import require_bool
-from ..defaults import MAX_NEW_TOKENS
+from ..defaults import CITATIONS, MAX_NEW_TOKENS
 from ..inputs import _DEFAULT, _check_inputs, _check_query, _plans
 from ..models import LoadedModel
 from ..policies import get_policy, uses_passages
@@ -91,6 +91,7 @@ _SETTINGS = (
     "system_prompt",
     "max_context_tokens",
     "prompt_format",
+    "citations",
 )
 
 
@@ -121,6 +122,7 @@ class _Prepared:
     stops: list[str]
     speed: Speed
     max_new_tokens: int
+    citations: bool | None = False
 
 
 def _prepare(
@@ -138,6 +140,7 @@ def _prepare(
     policy_options: Mapping[str, Any] | None = None,
     speed: Speed | str | Mapping[str, Any] | None = None,
     prompt_format: str = "qa",
+    citations: bool | None = CITATIONS,
 ) -> _Prepared:
     """Validate everything and build the prompts, traces and text trackers of a decode
     (``queries`` may be empty: then ``plans`` is empty too).
@@ -211,6 +214,7 @@ def _prepare(
         stops,
         chosen_speed,
         max_new_tokens,
+        None if citations is None else require_bool(citations, "citations"),
     )
 
 
@@ -353,6 +357,7 @@ class _Loop:
                     max_new_tokens=p.max_new_tokens,
                     stop=p.stops,
                     speed=p.speed,
+                    citations=p.citations,
                 )
                 self.owners[group] = {}
             t0 = time.perf_counter()
@@ -725,6 +730,7 @@ def generate(
     prompt_format: str = "qa",
     rendered: RenderedPrompt | None = None,
     batching: bool = False,
+    citations: bool | None = CITATIONS,
 ) -> GenerationResult:
     """Answer ``query`` with ``passages`` (ranked, best first) under a decoding ``policy``.
 
@@ -750,6 +756,12 @@ def generate(
             variable landed (the framework adapters' path; see ``PromptBuilder.build_rendered``).
         batching: True: decode together with concurrent calls on ``lm`` (the module
             docstring); False (default): alone, in the calling thread, holding ``lm.lock``.
+        citations: record at every step each passage's share of the RAG context's attention
+            (:meth:`.trace.Trace.citations`): None (default) where the policy reads that
+            context's layers anyway (``tokrag``, ``tokrag_reference``), True for every policy
+            with a ``rag`` context (it is then probed: ``rag``, ``cad``...), False never.
+            Steps without a ``rag`` context (``llm``, ``rag_token``, ``rag_sequence``) carry
+            none.
 
     Raises:
         TypeError / ValueError: a bad argument (checked before anything is decoded).
@@ -765,6 +777,7 @@ def generate(
         max_context_tokens=max_context_tokens,
         prompt_format=prompt_format,
         rendered=rendered,
+        citations=citations,
     )
     if not require_bool(batching, "batching"):
         return _generate(lm, query, passages, **kwargs)
@@ -844,6 +857,7 @@ def generate_batch(
     max_context_tokens: int | None = None,
     system_prompt: Any = _DEFAULT,
     prompt_format: str = "qa",
+    citations: bool | None = CITATIONS,
 ) -> list[GenerationResult]:
     """Decode several queries as one batch (one forward pass per context role per step),
     in the calling thread; the arguments are those of :func:`generate`.
@@ -875,6 +889,7 @@ def generate_batch(
         system_prompt=system_prompt,
         max_context_tokens=max_context_tokens,
         prompt_format=prompt_format,
+        citations=citations,
     )
     holder: list[GenerationResult] = []
     if p.plans:

@@ -114,6 +114,15 @@ class ContextView:
             self._attn[layer_idx] = got
         return self._attn[layer_idx]
 
+    def attention_rows(self, layers: list[int]) -> torch.Tensor:
+        """[n, H, T] attention of the last position at ``layers`` (0-based): the rows a rule
+        already read at this step are reused, the others recomputed (in one go where that
+        is most of the layers)."""
+        missing = [i for i in layers if i not in self._attn]
+        if len(missing) > 1 and len(missing) * 2 > len(self._batch.cache.layers):
+            self.attention_all()
+        return torch.stack([self.attention(i) for i in layers])
+
     def attention_all(self) -> torch.Tensor:
         """[L, H, T] attention of the last position at every layer (recomputed in one go)."""
         if self._attn_all is not None:

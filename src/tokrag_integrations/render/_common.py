@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..labels import AGREE, FROM_LLM, FROM_RAG
-from ._view import PassageView, StepView
+from ._view import PassageView, StepView, TraceView
 
 #: Human-readable meaning of the two-context source labels.
 SOURCE_LABELS: dict[str, str] = {
@@ -113,3 +113,20 @@ def stop_text(stop_reason: str | None) -> str:
         return "length (cut at max_new_tokens)"
     return stop_reason or "—"
 
+
+def cited_spans(trace: TraceView) -> list[tuple[str, str | None, str]]:
+    """The answer's citation spans as (text, mark, tooltip): the mark is ``[rank]`` of the
+    cited passage (None for tokens without a citation), the tooltip its source and score.
+    Empty where no token carries a citation."""
+    spans = trace.citations()
+    if all(c.passage is None for c in spans):
+        return []
+    out = []
+    for c in spans:
+        if c.passage is None:
+            out.append((c.text, None, "no citation: decoded without the passages' attention"))
+            continue
+        rank = trace.passages[c.passage].rank
+        tip = f"passage [{rank}] {c.source or ''} · attention share {format_value(c.score)}"
+        out.append((c.text, f"[{rank}]", tip))
+    return out

@@ -12,6 +12,7 @@ from ._assets import CSS, JS
 from ._common import (
     ROLE_LABELS,
     SOURCE_LABELS,
+    cited_spans,
     format_timing,
     format_value,
     legend,
@@ -88,6 +89,27 @@ def _answer_html(trace: TraceView) -> str:
             f'data-source="{_esc(step.source)}">{_token_html(step.text)}{_tooltip_html(step)}</span>'
         )
     return f'<div class="answer">{"".join(spans)}</div>'
+
+
+def _citations_html(trace: TraceView) -> str:
+    spans = cited_spans(trace)
+    if not spans:
+        return ""
+    parts = []
+    for text, mark, tip in spans:
+        sup = f"<sup><b>{_esc(mark)}</b></sup>" if mark else ""
+        cls = "cite" if mark else "cite muted"
+        parts.append(f'<span class="{cls}" title="{_esc(tip)}">{_token_html(text)}{sup}</span>')
+    order = ", ".join(
+        f"[{trace.passages[j].rank}] {100 * share:.0f} %" for j, share in trace.contributions()
+    )
+    return (
+        '<section class="card"><h2>Citations</h2>'
+        f'<div class="answer">{"".join(parts)}</div>'
+        '<p class="muted" style="margin:10px 0 0;font-size:13px">Each span is marked with the '
+        "passage its tokens attended to most (hover for the share). Passages by contribution: "
+        f"{_esc(order)}</p></section>"
+    )
 
 
 def _legend_html(trace: TraceView) -> str:
@@ -239,6 +261,7 @@ def trace_to_html(trace: TraceView) -> str:
 <section class="card"><h2>Answer</h2>{_answer_html(trace)}{_legend_html(trace)}
 <details style="margin-top:12px"><summary>Plain text</summary>
 <div class="ptext">{_esc(trace.text)}</div></details></section>
+{_citations_html(trace)}
 <section class="card"><h2>Summary</h2>{_summary_html(trace)}</section>
 {_warnings_html(trace)}
 {_passages_html(trace)}

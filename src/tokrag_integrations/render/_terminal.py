@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..labels import AGREE, FROM_LLM, FROM_RAG
-from ._common import format_value, legend, roles_of, stop_text, visible
+from ._common import cited_spans, format_value, legend, roles_of, stop_text, visible
 from ._view import CandidateView, StepView, TraceView
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -134,6 +134,23 @@ def render_trace(trace: TraceView, console: Console | None = None) -> None:
         f" · stop: {stop_text(trace.stop_reason)}"
     )
     console.print(Text(summary, style="dim"))
+
+    spans = cited_spans(trace)
+    if spans:
+        cited = Text()
+        cited.append("Cited: ", style="bold")
+        for text, mark, _tip in spans:
+            cited.append(text, style="" if mark else "dim")
+            if mark:
+                cited.append(mark, style="bold cyan")
+        console.print(cited)
+        if any(mark is None for _, mark, _ in spans):
+            console.print(
+                Text(
+                    "Dim tokens carry no citation (decoded without the passages' attention).",
+                    style="dim",
+                )
+            )
 
     steps = trace.disagreement_steps
     if steps:

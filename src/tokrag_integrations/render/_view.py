@@ -47,6 +47,18 @@ class PassageView(Protocol):
     metadata: dict[str, Any]
 
 
+class CitationView(Protocol):
+    """Generated tokens ``start`` .. ``end - 1`` cited to passage ``passage`` (an index into
+    the trace's passages; None: no citation)."""
+
+    start: int
+    end: int
+    text: str
+    passage: int | None
+    score: float | None
+    source: str | None
+
+
 class TraceView(Protocol):
     """A whole decode: question, answer, steps, passages, settings and timings."""
 
@@ -67,3 +79,5 @@ class TraceView(Protocol):
     @property
     def disagreement_steps(self) -> Sequence[StepView]: ...
     def counts(self) -> dict[str, int]: ...
+    def citations(self, by: str = "run") -> Sequence[CitationView]: ...
+    def contributions(self) -> list[tuple[int, float]]: ...
