@@ -220,6 +220,39 @@ def test_chat_async_and_batch_equal_the_local_class(chats):
     assert got == want and text == want[0]
 
 
+def test_langchain_rag_recipe_on_a_remote_chat_equals_the_local_one(chats):
+    """LangChain's own LCEL recipe (retriever | format_docs into the prompt): the documents the
+    run retrieved are found in the prompt remotely as locally (``context=`` travels as
+    ``tokrag.rendered``), so the server decodes Tok-RAG with the same answer and trace."""
+    from langchain_core.callbacks import CallbackManagerForRetrieverRun
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.retrievers import BaseRetriever
+    from langchain_core.runnables import RunnablePassthrough
+
+    class Fixed(BaseRetriever):
+        def _get_relevant_documents(
+            self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+        ) -> list[Document]:
+            return [Document(page_content=t) for t in DOCS]
+
+    prompt = ChatPromptTemplate.from_messages(
+        [("system", "Answer from the context.\n\n{context}"), ("human", "{question}")]
+    )
+
+    def chain(chat):
+        docs = Fixed() | (lambda ds: "\n\n".join(d.page_content for d in ds))
+        return {"context": docs, "question": RunnablePassthrough()} | prompt | chat
+
+    remote, local = chats
+    r, want = chain(remote).invoke(QUESTION), chain(local).invoke(QUESTION)
+    assert r.response_metadata["policy"] == "tokrag"
+    assert r.response_metadata["retrieval"]["found"] == len(DOCS)
+    assert r.content == want.content
+    _same_metadata(r.response_metadata, want.response_metadata)
+    assert (chain(remote) | StrOutputParser()).batch([QUESTION, QUESTION]) == [want.content] * 2
+
+
 # ------------------------------------------------------------------ retries and errors
 class _RefuseOnce(BaseHTTPRequestHandler):
     """Answers the first completion with ``status`` and ``Retry-After: 2``, then proxies
