@@ -31,6 +31,9 @@ def test_citation_layers():
     assert citation_layers(30, "last4") == [26, 27, 28, 29]
     assert citation_layers(30, "upper") == list(range(15, 30))
     assert citation_layers(4, "all") == [0, 1, 2, 3]
+    assert citation_layers(30, "upper-middle") == list(range(18, 24))  # SmolLM2: 19-24
+    # A model of one or two layers (the architecture matrix's tiny models) still has one.
+    assert [citation_layers(n, "upper-middle") for n in (1, 2, 3)] == [[0], [1], [1]]
     with pytest.raises(ValueError, match="unknown citation layers"):
         citation_layers(30, "middle")
 

@@ -29,8 +29,9 @@ def citation_layers(num_layers: int, choice: str = DEFAULT_LAYERS) -> list[int]:
         return list(range(max(0, num_layers - 4), num_layers))
     if choice == "upper":
         return list(range(num_layers // 2, num_layers))
-    if choice == "upper-middle":
-        return list(range(int(0.6 * num_layers), int(0.8 * num_layers)))
+    if choice == "upper-middle":  # at least one layer, for models of a few layers
+        low = int(0.6 * num_layers)
+        return list(range(low, max(int(0.8 * num_layers), low + 1)))
     if choice == "all":
         return list(range(num_layers))
     raise ValueError(f"unknown citation layers {choice!r}; one of {', '.join(LAYER_CHOICES)}")
