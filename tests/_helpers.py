@@ -154,6 +154,19 @@ def wait_until_healthy(proc: Any, port: int, log: Any, timeout: float = 300) -> 
         time.sleep(0.2)
 
 
+def interrupt(proc: Any) -> None:
+    """Stop a ``tokrag serve`` subprocess as Ctrl-C does; killed if it has not ended in 60 s."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def assert_process_ended(pid: int) -> None:
     """The process ``pid`` (a stopped postmaster) has ended within 60 s, or is a zombie
     waiting for its parent to reap it."""

@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from _helpers import require, wait_until_healthy
+from _helpers import interrupt, require, wait_until_healthy
 
 require("fastapi")
 require("uvicorn")
@@ -70,12 +69,7 @@ def server(tmp_path_factory):
             wait_until_healthy(proc, port, log_path)
             yield f"http://127.0.0.1:{port}/v1"
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            interrupt(proc)
 
 
 def _close(a, b) -> bool:

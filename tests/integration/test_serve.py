@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from _helpers import LiveServer, require, wait_until_healthy
+from _helpers import LiveServer, interrupt, require, wait_until_healthy
 
 require("fastapi")
 require("uvicorn")
@@ -471,12 +471,7 @@ def test_tokrag_serve_command_answers_over_http(lm, tmp_path):
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60)
         assert metrics.status_code == 200 and "tokrag_generated_tokens_total" in metrics.text
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc)
         log.close()
     assert proc.returncode in (0, 130, -signal.SIGINT)
     text = (tmp_path / "serve.log").read_text()
