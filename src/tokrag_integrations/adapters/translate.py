@@ -7,8 +7,19 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..engine import scheduler
+from ..models import LoadedModel
+
 #: The core's stop reasons as the ``finish_reason`` values of chat APIs.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def decode_on(lm: Any, how: str, query: str, passages: Any, *, batching: bool, **kw: Any) -> Any:
+    """``how`` (generate, stream, agenerate, astream_with_result) on ``lm``: a local
+    :class:`LoadedModel` through the scheduler, or a server's ``RemoteModel`` (``base_url=``)."""
+    if isinstance(lm, LoadedModel):
+        return getattr(scheduler, how)(lm, query, passages, batching=batching, **kw)
+    return getattr(lm, how)(query, passages, **kw)
 
 
 def jsonable(obj: Any) -> Any:

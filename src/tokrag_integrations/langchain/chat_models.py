@@ -25,9 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-from ..adapters.translate import given_options, model_label, options_dict
+from ..adapters.translate import decode_on, given_options, model_label, options_dict
 from ..defaults import MAX_NEW_TOKENS
-from ..engine import scheduler
 from ..models import LOAD_FIELDS, LoadedModel, check_greedy, load_model, unknown_arguments
 from ..policies import get_policy
 from ..results import GenerationResult, TokenEvent
@@ -413,10 +412,9 @@ class ChatTokRAG(BaseChatModel):
     def _decode(self, how: str, call: _Call) -> Any:
         """``how`` (generate, stream, agenerate, astream_with_result) on the local model
         through the scheduler, or on the server."""
-        if isinstance(call.lm, LoadedModel):
-            run = getattr(scheduler, how)
-            return run(call.lm, call.query, call.passages, batching=self.batching, **call.kwargs)
-        return getattr(call.lm, how)(call.query, call.passages, **call.kwargs)
+        return decode_on(
+            call.lm, how, call.query, call.passages, batching=self.batching, **call.kwargs
+        )
 
     # ------------------------------------------------------------------ sync
     def _generate(

@@ -33,13 +33,13 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 from pydantic import SecretStr, StrictBool, field_serializer
 
 from ..adapters.translate import (
+    decode_on,
     given_options,
     jsonable,
     model_label,
     result_summary,
 )
 from ..defaults import MAX_NEW_TOKENS
-from ..engine import scheduler
 from ..models import (
     LOAD_FIELDS,
     LOAD_OPTIONS,
@@ -465,10 +465,7 @@ class TokRAGLLM(CustomLLM):
         calls = _SYNTH_CALLS.get()
         if calls:
             calls[-1][:] = [gen_kw["policy"]]  # the last call's only: a list that cannot grow
-        if isinstance(self._lm, LoadedModel):
-            run = getattr(scheduler, how)
-            return run(self._lm, query, passages, batching=self.batching, **gen_kw)
-        return getattr(self._lm, how)(query, passages, **gen_kw)
+        return decode_on(self._lm, how, query, passages, batching=self.batching, **gen_kw)
 
     def _stream(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> CompletionResponseGen:
         s = self._backend("stream", query, passages, gen_kw)
