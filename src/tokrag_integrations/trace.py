@@ -176,6 +176,11 @@ class Trace:
             start = i + 1
         return out
 
+    def citations_data(self, by: str = "run") -> list[dict[str, Any]]:
+        """:meth:`citations` as JSON data (one dict per span, the passage's metadata included):
+        what the framework adapters and the server put in their responses."""
+        return _json_data([asdict(c) for c in self.citations(by)])
+
     def contributions(self) -> list[tuple[int, float]]:
         """(passage index into :attr:`passages`, its share of the attention summed over the
         answer's cited steps), largest first; empty without citations."""
@@ -194,7 +199,7 @@ class Trace:
         floats stay floats, written ``NaN`` / ``Infinity`` as ``json`` does by default)."""
         d = _json_data(asdict(self))
         d["counts"] = self.counts()
-        d["citations"] = _json_data([asdict(c) for c in self.citations()])
+        d["citations"] = self.citations_data()
         return d
 
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 2) -> str:
