@@ -237,7 +237,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="rounds of the throughput measurement")
     ap.add_argument("--data", default=None, help="SQuAD-format JSONL for tokrag bench")
     ap.add_argument("--no-memory", action="store_true", help="no memory subprocesses in the batch-1 bench")
-    ap.add_argument("--part-timeout", type=float, default=150, help="seconds for each bench run / serve start")
+    ap.add_argument("--part-timeout", type=float, default=300, help="seconds for each bench run / serve start")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: exactness, bench, throughput, serve")
     args = ap.parse_args()
     if args.data is None:
