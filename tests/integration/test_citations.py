@@ -64,3 +64,16 @@ def test_citations_by_default_off_and_without_a_rag_context(lm):
         assert all(c.passage is None for c in r.trace.citations())
     with pytest.raises(TypeError, match="citations"):
         generate(lm, QUESTION, [WITH_FACT], citations="yes")
+
+
+@pytest.mark.parametrize("policy", ["rag_token", "rag_sequence"])
+def test_one_context_per_passage_cites_by_the_posterior(lm, policy):
+    """RAG-Token and RAG-Sequence cite each token to p(z|x, y_i) ∝ p(z|x)·p(y_i|x, z, y<i)
+    (on by default: it costs nothing); ``citations=False`` records none."""
+    for passages, holder in (([ON_TOPIC, WITH_FACT], 1), ([WITH_FACT, ON_TOPIC], 0)):
+        r = generate(lm, QUESTION, passages, policy=policy, max_new_tokens=22)
+        start, end = _fact_steps(r.trace)
+        assert r.trace.cite(start, end)[0] == holder, r.trace.citations()
+        assert all(abs(sum(s.citation) - 1) < 1e-6 for s in r.trace.steps[start:end])
+    off = generate(lm, QUESTION, passages, policy=policy, max_new_tokens=4, citations=False)
+    assert all(not s.citation for s in off.trace.steps)

@@ -30,6 +30,7 @@ from ..attention.citations import citation_layers, passage_scores
 from ..attention.parts import model_parts
 from ..models import LoadedModel
 from ..policies.base import Choice, ContextSpec, Policy
+from ..policies.rag_token import passage_posterior
 from ..prompts import PromptPlan
 from ..trace import Candidate, TraceStep
 from .batch import RoleBatch
@@ -310,6 +311,16 @@ class Decoder:
                 rag = views["rag"]
                 rows = rag.attention_rows(self._cite_layers)
                 ev.step.citation = passage_scores(rows, list(rag.rt_positions.split(lengths)))
+            elif (
+                self.citations is not False
+                and views
+                and all(r.startswith("passage:") for r in views)
+            ):
+                per = sorted(views.items(), key=lambda kv: int(kv[0].split(":")[1]))
+                tid = int(choice.token_id)
+                ev.step.citation = passage_posterior(
+                    [v.spec.weight for _, v in per], [float(v.probs[tid]) for _, v in per]
+                )
             self.steps[q] += 1
             self.done[q] = ev.finished
             self._chosen[q] = int(choice.token_id)

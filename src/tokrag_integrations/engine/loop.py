@@ -11,6 +11,7 @@ its log-scores, ``signals[rule.name]``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 from ..models import LoadedModel
 from ..policies.base import Policy, SequencePolicy
+from ..policies.rag_token import passage_posterior
 from ..prompts import PromptPlan
 from ..trace import TraceStep
 from .decoder import Decoder, StepEvent, views_for
@@ -92,9 +94,11 @@ def decoder_for(
     citations: bool | None = False,
 ) -> Decoder | SequenceDecoder:
     """The decoder of ``policy``'s queries: a :class:`SequenceDecoder` for a sequence-level
-    rule (no citations), else a :class:`.decoder.Decoder`."""
+    rule, else a :class:`.decoder.Decoder`."""
     if isinstance(policy, SequencePolicy):
-        return SequenceDecoder(lm, policy, max_new_tokens=max_new_tokens, stop=stop, speed=speed)
+        return SequenceDecoder(
+            lm, policy, max_new_tokens=max_new_tokens, stop=stop, speed=speed, citations=citations
+        )
     return Decoder(
         lm, policy, max_new_tokens=max_new_tokens, stop=stop, speed=speed, citations=citations
     )
@@ -116,11 +120,14 @@ class SequenceDecoder:
         max_new_tokens: int,
         stop: Sequence[str],
         speed: Speed,
+        citations: bool | None = False,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.lm, self.rule = lm, rule
         self.max_new_tokens, self.stop, self.speed = max_new_tokens, stop, speed
+        #: Whether the chosen answer's tokens carry each passage's posterior (False: none).
+        self.citations = citations is not False
         self.timings: dict[str, float] = {}
         self.done: list[bool] = []
         self._pending: dict[int, tuple[PromptPlan, list[int]]] = {}
@@ -183,7 +190,10 @@ class SequenceDecoder:
                 cand["log_p_passages"] = [round(x, 4) for x in per]
                 cand["log_p"] = rule.log_p([s.weight for s in contexts.values()], per)
             best = max(range(len(cands[q])), key=lambda c: cands[q][c]["log_p"])
-            out.append(_replay(self.lm, q, rule, cands[q], best))
+            weights = (
+                {r: spec.weight or 0.0 for r, spec in contexts.items()} if self.citations else None
+            )
+            out.append(_replay(self.lm, q, rule, cands[q], best, weights))
         return out
 
     def _greedy(self, plans: Sequence[PromptPlan], policy: Policy) -> list[tuple[list[int], str]]:
@@ -248,16 +258,24 @@ def _cross_scores(
         for r, i, views in teacher_force(lm, [plans[q] for q, _ in rows], rule, targets):
             q, c = rows[r]
             y = cands[q][c]["target"][i]
+            token_p = cands[q][c].setdefault("token_p", {}).setdefault(i, {})
             for role, v in views.items():
                 lp = float(torch.log_softmax(v.logits.float(), dim=-1)[y].item())
                 logp[(q, c)][role] = logp[(q, c)].get(role, 0.0) + lp
+                token_p[role] = math.exp(lp)
     return logp
 
 
 def _replay(
-    lm: LoadedModel, q: int, rule: SequencePolicy, cands: list[dict[str, Any]], best: int
+    lm: LoadedModel,
+    q: int,
+    rule: SequencePolicy,
+    cands: list[dict[str, Any]],
+    best: int,
+    weights: dict[str, float] | None = None,
 ) -> list[StepEvent]:
-    """Step 3's events: the chosen candidate token by token, the summary on step 0."""
+    """Step 3's events: the chosen candidate token by token, the summary on step 0; with
+    ``weights`` (p(z|x)), each token cited to the passages by its posterior."""
     tok = lm.tokenizer
     eos = set(lm.eos_token_ids)
     chosen = cands[best]
@@ -284,6 +302,9 @@ def _replay(
             source=source,
             signals={rule.name: summary} if i == 0 else {},
         )
+        token_p = chosen.get("token_p", {}).get(i)
+        if weights and token_p:
+            step.citation = passage_posterior(list(weights.values()), [token_p[r] for r in weights])
         last = i == len(steps) - 1
         reason = ("eos" if is_eos else chosen["stop_reason"]) if last else ""
         events.append(StepEvent(q, step, finished=last, stop_reason=reason))

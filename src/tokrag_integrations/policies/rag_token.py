@@ -31,6 +31,14 @@ def passage_weights(passages: Sequence[Passage], temperature: float = 1.0) -> li
     return [e / total for e in ex]
 
 
+def passage_posterior(weights: Sequence[float], p_token: Sequence[float]) -> list[float]:
+    """p(z|x, y_i) ∝ p(z|x)·p(y_i|x, z, y<i): how much each passage contributes to the chosen
+    token of the mixture (the citation of a policy with one context per passage)."""
+    mass = [w * p for w, p in zip(weights, p_token, strict=True)]
+    total = sum(mass)
+    return [m / total for m in mass] if total > 0 else [1.0 / len(mass)] * len(mass)
+
+
 def passage_role(j: int) -> str:
     return f"passage:{j}"
 
@@ -67,7 +75,9 @@ class RAGToken(Policy):
     def _one(self, views: dict[str, View]) -> Choice:
         roles = sorted(views, key=lambda r: int(r.split(":")[1]))
         probs = torch.stack([views[r].probs for r in roles])  # [K, V]
-        w = torch.tensor([views[r].spec.weight for r in roles], dtype=probs.dtype, device=probs.device)
+        w = torch.tensor(
+            [views[r].spec.weight for r in roles], dtype=probs.dtype, device=probs.device
+        )
         mixed = w @ probs
         tid = int(torch.argmax(mixed).item())
         per = probs[:, tid]
