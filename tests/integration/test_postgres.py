@@ -406,7 +406,8 @@ def test_cli_answer_cites_chunk_ids_and_sources(sample_kb, lm, tmp_path, capsys)
 
     path = tmp_path / "trace.json"
     argv = ["ask", WIFI_Q, "--store", "postgres", "--dsn", sample_kb.db.dsn, "--table",
-            "sample", "--top-k", "3", "--max-new-tokens", "8", "--sources", "--json", str(path)]  # fmt: skip
+            "sample", "--top-k", "3", "--max-new-tokens", "8", "--sources",
+            "--json", str(path)]  # fmt: skip
     with sharing_model(lm):
         assert main(argv) == 0
     trace = json.loads(path.read_text())

@@ -7,10 +7,10 @@
 A chat completion is the standard OpenAI object plus a top-level ``tokrag`` object (policy,
 counts per source, trace, warnings, sources, citations); streamed answers are
 ``chat.completion.chunk`` server-sent events, each content chunk with ``tokrag.source``, the
-last with the full ``tokrag`` object. Refusals are OpenAI-style JSON errors: 400 bad body, 401 no bearer token,
-413 body over the limit, 429 ``max_queue`` reached, 503 while the model loads. Decoding runs
-off the event loop, through the model's micro-batcher; a client that disconnects cancels
-its request.
+last with the full ``tokrag`` object. Refusals are OpenAI-style JSON errors: 400 bad body,
+401 no bearer token, 413 body over the limit, 429 ``max_queue`` reached, 503 while the model
+loads. Decoding runs off the event loop, through the model's micro-batcher; a client that
+disconnects cancels its request.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations (``Request``)
