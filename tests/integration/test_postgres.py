@@ -9,6 +9,7 @@ Cases that need no model, database or server are in ``tests/unit/test_postgres.p
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -379,6 +380,9 @@ def test_answer_from_postgres_function(sample_kb, lm):
         WIFI_Q, sample_kb.db.dsn, "sample", None, "rag", 3, lm, max_new_tokens=24
     )
     assert WIFI_A in result.text and chunks[0].metadata["file_name"] == "visitor_guide.html"
+    assert [(p.metadata["node_id"], p.metadata["source"]) for p in result.trace.passages] == [
+        (c.node_id, c.source) for c in chunks
+    ]
     filtered = answer_from_postgres(
         WIFI_Q,
         sample_kb.db.dsn,
@@ -390,6 +394,30 @@ def test_answer_from_postgres_function(sample_kb, lm):
         max_new_tokens=8,
     )
     assert {c.metadata["file_name"] for c in filtered.chunks} == {"leave_policy.md"}
+
+
+@pytest.mark.postgres
+def test_cli_answer_cites_chunk_ids_and_sources(sample_kb, lm, tmp_path, capsys):
+    """``tokrag ask --store postgres``: each citation of the JSON trace names a chunk's row id
+    (stored under its source in the table) and ``--sources`` shows each chunk's id."""
+    from _helpers import sharing_model
+
+    from tokrag_integrations.cli import main
+
+    path = tmp_path / "trace.json"
+    argv = ["ask", WIFI_Q, "--store", "postgres", "--dsn", sample_kb.db.dsn, "--table",
+            "sample", "--top-k", "3", "--max-new-tokens", "8", "--sources",
+            "--json", str(path)]  # fmt: skip
+    with sharing_model(lm):
+        assert main(argv) == 0
+    trace = json.loads(path.read_text())
+    ids = _ids_by_source(sample_kb)
+    assert trace["citations"] and all(
+        c["metadata"]["node_id"] in ids[c["source"]] for c in trace["citations"]
+    )
+    shown = "".join(capsys.readouterr().out.split())  # the console wraps long lines
+    for p in trace["passages"]:
+        assert f"id{p['metadata']['node_id']}" in shown
 
 
 @pytest.mark.postgres

@@ -247,6 +247,30 @@ def test_langchain_rag_recipe_on_a_remote_chat_equals_the_local_one(chats):
     assert (chain(remote) | StrOutputParser()).batch([QUESTION, QUESTION]) == [want.content] * 2
 
 
+# ------------------------------------------------------------------ citations (issue 46)
+def test_remote_citations_equal_a_local_decode(server, lm):
+    """``citations=`` reaches the server (``rag`` cites only when asked): on issue 46's
+    acceptance case the remote trace, plain or streamed, gives the local decode's citations,
+    the fact cited to the second passage, the one that holds it."""
+    from tokrag_integrations import generate
+    from tokrag_integrations.server.client import RemoteModel
+
+    from .test_citations import ON_TOPIC, WITH_FACT, _fact_steps
+    from .test_citations import QUESTION as CITE_QUESTION
+
+    remote, docs = RemoteModel(server, api_key=KEY), [ON_TOPIC, WITH_FACT]
+    kw = {"policy": "rag", "max_new_tokens": 14, "citations": True}
+    local = generate(lm, CITE_QUESTION, docs, **kw)
+    streamed = remote.stream(CITE_QUESTION, docs, **kw)
+    assert "".join(e.text for e in streamed) == local.text
+    for r in (remote.generate(CITE_QUESTION, docs, **kw), streamed.result):
+        assert r.text == local.text
+        assert _close(r.trace.citations_data(), local.trace.citations_data())
+        assert r.trace.cite(*_fact_steps(r.trace))[0] == 1
+    off = remote.generate(CITE_QUESTION, docs, policy="rag", max_new_tokens=4)
+    assert off.trace.steps and all(c.passage is None for c in off.trace.citations())
+
+
 # ------------------------------------------------------------------ retries and errors
 class _RefuseOnce(BaseHTTPRequestHandler):
     """Answers the first completion with ``status`` and ``Retry-After: 2``, then proxies

@@ -25,6 +25,9 @@ httpx = require("httpx")
 from tokrag_integrations import generate  # noqa: E402
 from tokrag_integrations.defaults import ANSWER_STOP  # noqa: E402
 
+from .test_citations import FACT, ON_TOPIC, WITH_FACT  # noqa: E402
+from .test_citations import QUESTION as CITE_QUESTION  # noqa: E402
+
 DOCS = [
     "Quillfeather Aerospace was founded in 1987 by the engineer Mara Ellison in Tromsø, Norway.",
     "The company builds reusable sounding rockets for atmospheric research.",
@@ -98,7 +101,7 @@ def test_documents_give_the_tokrag_answer_with_its_trace(server, lm):
     assert t["counts"] == want.trace.counts()
     assert [s["source"] for s in t["trace"]["steps"]] == [s.source for s in want.trace.steps]
     assert t["trace"]["text"] == want.text
-    assert [s["text"] for s in t["sources"]] == DOCS
+    assert [s["text"] for s in sorted(t["sources"], key=lambda s: s["rank"])] == DOCS
     assert r.usage.completion_tokens == len(want.token_ids)
     assert r.usage.prompt_tokens == want.trace.prompt_tokens["rag"]
 
@@ -119,7 +122,7 @@ def test_no_documents_answers_from_the_model_and_says_so(server, lm):
 def test_document_objects_with_metadata_and_score(server, lm):
     docs = [{"text": DOCS[0], "metadata": {"source": "a.md"}, "score": 0.9}, DOCS[1]]
     r = _ask(server.client(), documents=docs)
-    sources = r.model_extra["tokrag"]["sources"]
+    sources = sorted(r.model_extra["tokrag"]["sources"], key=lambda s: s["rank"])
     assert sources[0]["metadata"] == {"source": "a.md"} and sources[0]["score"] == 0.9
     assert r.choices[0].message.content == _core(lm).text
 
@@ -209,6 +212,56 @@ def test_concurrent_streams_share_a_decode(server, lm):
     assert server.health()["active"] == 0
 
 
+# ============================================================================ citations
+def _cited_fact(citations: list[dict]) -> list[dict]:
+    """The citation spans whose text overlaps the fact (the spans tile the answer)."""
+    full = "".join(c["text"] for c in citations)
+    at = full.find(FACT)
+    assert at >= 0, f"the answer lacks the fact: {full!r}"
+    spans, pos = [], 0
+    for c in citations:
+        if pos < at + len(FACT) and pos + len(c["text"]) > at:
+            spans.append(c)
+        pos += len(c["text"])
+    return spans
+
+
+def test_citations_name_the_passage_holding_the_fact_in_either_order(server):
+    """Issue 46's acceptance through the openai client: the fact's span is cited to the
+    passage holding it, first or second; sources come by contribution, that passage first;
+    the last chunk of a stream carries the same citations; ``trace: false`` keeps them."""
+    client = server.client()
+    for docs, holder in (([ON_TOPIC, WITH_FACT], 1), ([WITH_FACT, ON_TOPIC], 0)):
+        documents = [{"text": d.text, "metadata": d.metadata} for d in docs]
+        kw = {"max_tokens": 22, "extra_body": {"tokrag": {"trace": False}}}
+        t = _ask(client, CITE_QUESTION, documents, **kw).model_extra["tokrag"]
+        assert t["trace"] is None
+        fact = _cited_fact(t["citations"])
+        assert any(c["passage"] == holder and c["source"] == "history.md" for c in fact)
+        assert all(c["metadata"] == docs[c["passage"]].metadata for c in fact)
+        sources = t["sources"]
+        assert sources[0]["rank"] == holder and sources[0]["metadata"]["source"] == "history.md"
+        shares = [s["contribution"] for s in sources]
+        assert shares == sorted(shares, reverse=True) and sum(shares) == pytest.approx(1.0)
+        if holder == 0:
+            continue  # one stream is enough
+        chunks = list(_ask(client, CITE_QUESTION, documents, stream=True, **kw))
+        last = [c for c in chunks if c.choices][-1].model_extra["tokrag"]
+        assert [(c["start"], c["end"], c["passage"]) for c in last["citations"]] == [
+            (c["start"], c["end"], c["passage"]) for c in t["citations"]
+        ]
+        assert [s["rank"] for s in last["sources"]] == [s["rank"] for s in sources]
+
+
+def test_citations_false_gives_none(server):
+    r = _ask(server.client(), CITE_QUESTION, [ON_TOPIC.text, WITH_FACT.text], max_tokens=4,
+             extra_body={"tokrag": {"citations": False}})
+    t = r.model_extra["tokrag"]
+    assert t["citations"] == [] and t["trace"]["steps"]
+    assert all(not s["citation"] for s in t["trace"]["steps"])
+    assert [(s["rank"], s["contribution"]) for s in t["sources"]] == [(0, None), (1, None)]
+
+
 # ============================================================================ bad requests
 def _raw(server, body, headers=None, content=None):
     kw = {"content": content} if content is not None else {"json": body}
@@ -240,6 +293,7 @@ def _raw(server, body, headers=None, content=None):
         ({"tokrag": {"polcy": "rag"}}, "tokrag"),
         ({"tokrag": {"policy_options": {"no_such_option": 1}}}, "tokrag.policy_options"),
         ({"tokrag": {"filters": {"a": "b"}}}, "tokrag"),
+        ({"tokrag": {"citations": "yes"}}, "tokrag.citations"),
         ({"model": 7}, "model"),
     ],
 )

@@ -180,7 +180,11 @@ def test_a_stream_without_an_id_gets_one(server, caplog):
     headers, usage, _ = stream(server, max_tokens=2)
     rid = headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", rid) and usage["completion_tokens"] >= 1
-    assert any(r.getMessage().endswith(f"request_id={rid}") for r in caplog.records)
+    # the app logs once the response has ended, which may be after the client read its end
+    deadline = time.monotonic() + 30
+    while not any(r.getMessage().endswith(f"request_id={rid}") for r in caplog.records):
+        assert time.monotonic() < deadline, "no log line for the stream's request id"
+        time.sleep(0.05)
 
 
 def test_an_unexpected_error_is_a_500_with_a_request_id_and_counted(server, monkeypatch):

@@ -51,10 +51,16 @@ def test_the_server_retrieves_when_the_request_has_no_documents(store_server, lm
                     stop=list(ANSWER_STOP))
     r = _ask(store_server)
     assert r.choices[0].message.content == want.text
-    sources = r.model_extra["tokrag"]["sources"]
+    t = r.model_extra["tokrag"]
+    sources = sorted(t["sources"], key=lambda s: s["rank"])  # listed by contribution
     assert [s["text"] for s in sources] == [c.text for c in chunks]
     assert [s["metadata"]["source"] for s in sources] == [c.source for c in chunks]
+    assert [s["metadata"]["node_id"] for s in sources] == [c.node_id for c in chunks]
     assert sources[0]["score"] == pytest.approx(chunks[0].score)
+    ids = {c.node_id: c.source for c in chunks}
+    assert t["citations"] and all(
+        ids[c["metadata"]["node_id"]] == c["source"] for c in t["citations"]
+    )
 
 
 def test_filters_and_top_k_reach_the_store(store_server):

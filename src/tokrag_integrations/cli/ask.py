@@ -218,7 +218,7 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
                 err, "the store returned no chunk for this question; answering without them."
             )
         for c in chunks:
-            add(c.score, printable(c.source), c.chunk, c.text, dict(c.metadata))
+            add(c.score, printable(c.source), c.chunk, c.text, c.passage_metadata)
     if not args.docs:
         return passages
     from ..retrieval import build_retriever
@@ -245,8 +245,9 @@ def _retrieve(args: argparse.Namespace, err: Console) -> list[Any]:
 
 def _print_sources(out: Console, trace: Any, roots: Sequence[Path]) -> None:
     """Each passage of ``trace`` in full: rank, source (relative to its ``--docs`` root),
-    chunk, score, whether it was used, its share of the answer's attention (with citations,
-    the passages in that order), then its text wrapped to the console's width."""
+    chunk, row id (Postgres), score, whether it was used, its share of the answer's attention
+    (with citations, the passages in that order), then its text wrapped to the console's
+    width."""
     from rich.text import Text
 
     from ..retrieval import printable
@@ -266,6 +267,8 @@ def _print_sources(out: Console, trace: Any, roots: Sequence[Path]) -> None:
         head = f"[{rec.rank}] {printable(source)}"
         if "chunk" in meta:
             head += f" #{meta['chunk']}"
+        if meta.get("node_id"):  # a Postgres chunk's row id
+            head += f"  id {printable(str(meta['node_id']))}"
         if rec.score is not None:
             head += f"  score {rec.score:.4f}"
         if i in shares:

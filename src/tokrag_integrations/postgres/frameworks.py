@@ -219,9 +219,9 @@ def _llamaindex_class() -> type:
                     node=TextNode(
                         id_=c.node_id or None,
                         text=c.text,
-                        metadata=dict(c.metadata),
-                        excluded_llm_metadata_keys=list(c.metadata),
-                        excluded_embed_metadata_keys=list(c.metadata),
+                        metadata=c.passage_metadata,
+                        excluded_llm_metadata_keys=list(c.passage_metadata),
+                        excluded_embed_metadata_keys=list(c.passage_metadata),
                     ),
                     score=c.score,
                 )
@@ -269,7 +269,7 @@ def _langchain_class() -> type:
         @staticmethod
         def _documents(chunks: list[Any]) -> list[Document]:
             return [
-                Document(page_content=c.text, metadata=dict(c.metadata), id=c.node_id or None)
+                Document(page_content=c.text, metadata=c.passage_metadata, id=c.node_id or None)
                 for c in chunks
             ]
 

@@ -65,11 +65,17 @@ class RetrievedChunk:
     metadata: dict[str, Any] = field(default_factory=dict)
     node_id: str = ""
 
+    @property
+    def passage_metadata(self) -> dict[str, Any]:
+        """The chunk's metadata with its ``source`` and row id (``node_id``): what a passage
+        made of it carries, so that its citations name both."""
+        return {**self.metadata, "source": self.source, "node_id": self.node_id}
+
     def to_passage(self) -> Any:
-        """As a core :class:`~tokrag_integrations.Passage`."""
+        """As a core :class:`~tokrag_integrations.Passage` (metadata: :attr:`passage_metadata`)."""
         from ..prompts import Passage
 
-        return Passage(self.text, score=self.score, metadata=dict(self.metadata))
+        return Passage(self.text, score=self.score, metadata=self.passage_metadata)
 
 
 @dataclass

@@ -5,12 +5,12 @@
     app = create_app(ChatService.load(ServeConfig(policy="tokrag")))   # any ASGI server runs it
 
 A chat completion is the standard OpenAI object plus a top-level ``tokrag`` object (policy,
-counts per source, trace, warnings, sources); streamed answers are ``chat.completion.chunk``
-server-sent events, each content chunk with ``tokrag.source``, the last with the full
-``tokrag`` object. Refusals are OpenAI-style JSON errors: 400 bad body, 401 no bearer token,
-413 body over the limit, 429 ``max_queue`` reached, 503 while the model loads. Decoding runs
-off the event loop, through the model's micro-batcher; a client that disconnects cancels
-its request.
+counts per source, trace, warnings, sources, citations); streamed answers are
+``chat.completion.chunk`` server-sent events, each content chunk with ``tokrag.source``, the
+last with the full ``tokrag`` object. Refusals are OpenAI-style JSON errors: 400 bad body,
+401 no bearer token, 413 body over the limit, 429 ``max_queue`` reached, 503 while the model
+loads. Decoding runs off the event loop, through the model's micro-batcher; a client that
+disconnects cancels its request.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations (``Request``)
@@ -47,15 +47,22 @@ _END = object()
 
 
 def tokrag_object(result: Any, req: ChatRequest, extra_warnings: list[str]) -> dict[str, Any]:
-    """The response's ``tokrag`` object for one :class:`~tokrag_integrations.GenerationResult`."""
+    """The response's ``tokrag`` object for one :class:`~tokrag_integrations.GenerationResult`:
+    ``sources`` by their share of the answer's attention (``contribution``; None: not cited),
+    then in prompt order (``rank``, which a citation's ``passage`` names); ``citations`` the
+    answer's spans (:meth:`~tokrag_integrations.trace.Trace.citations_data`; [] where no token
+    carries one)."""
     tr = result.trace
+    shares, cites = dict(tr.contributions()), tr.citations_data()
+    order = sorted(range(len(tr.passages)), key=lambda i: -shares.get(i, -1.0))
     return {
         "policy": tr.policy,
         "counts": tr.counts(),
         "stop_reason": tr.stop_reason,
         "prompt_tokens": dict(tr.prompt_tokens),
         "warnings": [*tr.warnings, *req.warnings, *extra_warnings],
-        "sources": [asdict(p) for p in tr.passages],
+        "sources": [{**asdict(tr.passages[i]), "contribution": shares.get(i)} for i in order],
+        "citations": cites if any(c["passage"] is not None for c in cites) else [],
         "trace": tr.to_dict() if req.trace else None,
     }
 

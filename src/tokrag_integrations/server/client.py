@@ -7,8 +7,8 @@ decoded on a ``tokrag serve`` server instead of a local model, returning the sam
 The HTTP side is the ``openai`` client (the ``remote`` extra): timeouts, retries on 408, 429
 and 5xx that honour ``Retry-After`` (up to 60 s), server-sent events, sync and async. The
 request carries the core call's arguments: ``messages`` = system prompt + history + question,
-``documents`` = the passages, ``tokrag`` = policy, options, prompt format, context budget and
-a template-formatted prompt (``rendered``).
+``documents`` = the passages, ``tokrag`` = policy, options, prompt format, context budget,
+citations and a template-formatted prompt (``rendered``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ _CALL_KEYS = (
     "max_context_tokens",
     "prompt_format",
     "rendered",
+    "citations",
 )
 
 
@@ -203,7 +204,7 @@ class RemoteModel:
             "policy_options": jsonable(dict(kw.get("policy_options") or {})),
             "trace": True,
         }
-        for key in ("prompt_format", "max_context_tokens"):
+        for key in ("prompt_format", "max_context_tokens", "citations"):
             if kw.get(key) is not None:
                 tokrag[key] = kw[key]
         rendered = kw.get("rendered")

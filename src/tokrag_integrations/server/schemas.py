@@ -24,8 +24,8 @@ __all__ = [
 
 #: Keys of the request's ``tokrag`` object.
 TOKRAG_KEYS = (
-    "policy", "policy_options", "filters", "top_k", "trace", "rendered", "prompt_format",
-    "max_context_tokens",
+    "policy", "policy_options", "filters", "top_k", "trace", "citations", "rendered",
+    "prompt_format", "max_context_tokens",
 )
 
 #: OpenAI fields a greedy decoder without tools cannot honour (refused unless off).
@@ -172,6 +172,8 @@ class ChatRequest:
     top_k: int | None = None
     trace: bool = True
     """Whether the response carries the full token trace (``tokrag.trace``)."""
+    citations: bool | None = None
+    """``tokrag.citations``: the core's ``citations=`` (None: the policy's default)."""
     rendered: Any = None
     """``tokrag.rendered`` as a :class:`~tokrag_integrations.prompts.RenderedPrompt`: the RAG
     context as the caller's template formatted it (``messages`` are then the pure context)."""
@@ -429,6 +431,8 @@ def _tokrag(value: Any, req: ChatRequest, policies: Sequence[str], limits: Limit
     req.top_k = _int(value, "top_k", 1, 100)
     if value.get("trace") is not None:
         req.trace = _typed(value["trace"], "true or false", "tokrag.trace")
+    if value.get("citations") is not None:
+        req.citations = _typed(value["citations"], "true or false", "tokrag.citations")
     if value.get("rendered") is not None:
         if req.documents is not None:
             raise RequestError("give 'documents' or 'tokrag.rendered', not both", "tokrag.rendered")

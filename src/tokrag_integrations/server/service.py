@@ -197,7 +197,7 @@ class ChatService:
         }
         if req.system_prompt is not None:
             kw["system_prompt"] = req.system_prompt
-        for key in ("rendered", "prompt_format", "max_context_tokens"):
+        for key in ("rendered", "prompt_format", "max_context_tokens", "citations"):
             if getattr(req, key) is not None:
                 kw[key] = getattr(req, key)
         return kw, checked
@@ -251,7 +251,7 @@ class ChatService:
             raise
         return [
             Passage(c.text, score=c.score,
-                    metadata=self._shown({**c.metadata, "source": c.source, "chunk": c.chunk}))
+                    metadata=self._shown({**c.passage_metadata, "chunk": c.chunk}))
             for c in chunks
         ], []
 
