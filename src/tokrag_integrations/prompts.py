@@ -537,6 +537,16 @@ class PromptBuilder:
         head_ids, tail_ids = _encode_marked(self.tokenizer, head), _encode_marked(self.tokenizer, tail)
         if rendered.text is not None and _adds_bos(self.tokenizer):
             head_ids = [int(self.tokenizer.bos_token_id), *head_ids]
+        # Each part's tokens: up to the tokens of the context up to its end (the last: all).
+        ends, at = [], 0
+        for p in parts[:-1]:
+            at += len(p.text)
+            ends.append(len(encode_user_text(self.tokenizer, context[:at])))
+        cuts = [0]
+        for e in [*ends, len(body)]:
+            cuts.append(min(max(e, cuts[-1]), len(body)))
+        for r, a0, b0 in zip(plan.passages, cuts[:-1], cuts[1:], strict=True):
+            r.n_tokens = b0 - a0
         room = budget - len(head_ids) - len(tail_ids)
         if len(body) > room:
             if room < MIN_CUT_TOKENS:
@@ -554,22 +564,15 @@ class PromptBuilder:
             )
             plan.warnings.append(msg)
             warnings.warn(msg, stacklevel=3)
-        # Each part's tokens: up to the tokens of the context up to its end (the last: all).
-        ends, at = [], 0
-        for p in parts[:-1]:
-            at += len(p.text)
-            ends.append(len(encode_user_text(self.tokenizer, context[:at])))
-        cuts = [0]
-        for e in [*ends, len(body)]:
-            cuts.append(min(max(e, cuts[-1]), len(body)))
         body = body[:room]
         n, start = len(body), len(head_ids)
         plan.rag_ids = head_ids + body + tail_ids
         plan.passage_spans, plan.passage_segments, plan.kept_passages = [], [], []
         for p, r, a0, b0 in zip(parts, plan.passages, cuts[:-1], cuts[1:], strict=True):
             a, b = min(a0, n), min(b0, n)
-            r.n_tokens, r.kept, r.cut = b - a, b > a, a < n < b0
+            r.kept, r.cut = b > a, a < n < b0
             if r.kept:
+                r.n_tokens = b - a
                 plan.passage_spans.append((start + a, start + b))
                 plan.passage_segments.append(body[a:b])
                 plan.kept_passages.append(p)

@@ -150,6 +150,7 @@ class _PolicyUsed(BaseEventHandler):
     def handle(self, event: Any, **kwargs: Any) -> None:
         if isinstance(event, SynthesizeStartEvent):
             span, nodes = _SPAN_NODES.get()
+            _SPAN_NODES.set((None, []))
             synth = _Synthesis(list(nodes) if span == event.span_id else [])
             _SYNTH_CALLS.set((*_SYNTH_CALLS.get(), synth))
         elif isinstance(event, SynthesizeEndEvent) and _SYNTH_CALLS.get():
