@@ -193,6 +193,9 @@ class TokRAGSynthesizer(BaseSynthesizer):
         response_mode: see above.
         metadata_mode: node metadata in the passage text (default ``MetadataMode.LLM``).
         batching: decode concurrent calls together as one batch; False: one at a time.
+        citations: which node each part of the answer drew on (``metadata["citations"]``,
+            ``["contributions"]``, ``source_nodes`` by contribution): None = with the policies
+            that read that attention anyway (``tokrag``), True / False = always / never.
         **options: the load options of ``model``.
     """
 
