@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 import llama_index.core.instrumentation as instrument
@@ -27,9 +28,12 @@ from llama_index.core.instrumentation.events.synthesis import (
     SynthesizeEndEvent,
     SynthesizeStartEvent,
 )
+from llama_index.core.instrumentation.span_handlers import NullSpanHandler
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
+from llama_index.core.response_synthesizers.base import BaseSynthesizer
+from llama_index.core.schema import NodeWithScore
 from pydantic import SecretStr, StrictBool, field_serializer
 
 from ..adapters.translate import (
@@ -50,7 +54,14 @@ from ..models import (
 )
 from ..prompts import RenderedPrompt
 from ..results import GenerationResult, TokenEvent
-from .nodes import messages_to_dicts, messages_to_turns, to_passages
+from .nodes import (
+    by_contribution,
+    messages_to_dicts,
+    messages_to_turns,
+    node_citations,
+    split_context,
+    to_passages,
+)
 
 #: Template variables that carry retrieved text in LlamaIndex's prompts (text QA, summary
 #: and chat-engine context templates: ``context_str``; refine templates: ``context_msg``).
@@ -91,16 +102,46 @@ def _remember(formatted: Any, kind: type, prompt: Any, prompt_args: dict[str, An
     return out
 
 
-#: One list per synthesize call in progress (innermost last), holding the policy of the last
-#: TokRAGLLM call made in it.
-_SYNTH_CALLS: ContextVar[tuple[list[str], ...]] = ContextVar("tokrag_synth_calls", default=())
+@dataclass
+class _Synthesis:
+    """A synthesize call in progress: its nodes, and the policy, result and kept nodes of
+    its ``TokRAGLLM`` calls so far (the last call's policy and result)."""
+
+    nodes: list[NodeWithScore]
+    policy: str | None = None
+    result: GenerationResult | None = None
+    decoded: set[str] = field(default_factory=set)
+
+
+#: The synthesize calls in progress (innermost last).
+_SYNTH_CALLS: ContextVar[tuple[_Synthesis, ...]] = ContextVar("tokrag_synth_calls", default=())
+#: (span id, nodes) of the last synthesize span entered in this context.
+_SPAN_NODES: ContextVar[tuple[str | None, list[NodeWithScore]]] = ContextVar(
+    "tokrag_span_nodes", default=(None, [])
+)
+
+
+class _SynthesizeNodes(NullSpanHandler):
+    """Notes the nodes a synthesizer's ``synthesize`` / ``asynthesize`` span is given, for
+    the ``SynthesizeStartEvent`` of that span (LlamaIndex's events do not carry them)."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "TokRAGSynthesizeNodes"
+
+    def span_enter(self, id_: str, bound_args: Any, instance: Any = None, **kwargs: Any) -> None:
+        nodes = bound_args.arguments.get("nodes")
+        if isinstance(instance, BaseSynthesizer) and isinstance(nodes, list):
+            _SPAN_NODES.set((id_, nodes))
 
 
 class _PolicyUsed(BaseEventHandler):
     """Gives every response a LlamaIndex synthesizer makes with ``TokRAGLLM`` calls
-    ``metadata["policy_used"]``: the policy of its last call. LlamaIndex's streaming
-    synthesizers call the model when their stream is first read, so a streaming response
-    gets it with its first token."""
+    ``metadata["policy_used"]`` (the policy of its last call), ``metadata["citations"]`` and
+    ``["contributions"]`` (:func:`.nodes.node_citations` of its last call) and its
+    ``source_nodes`` by contribution. LlamaIndex's streaming synthesizers call the model when
+    their stream is first read, so a streaming response gets ``policy_used`` with its first
+    token and the rest when the stream ends."""
 
     @classmethod
     def class_name(cls) -> str:
@@ -108,36 +149,54 @@ class _PolicyUsed(BaseEventHandler):
 
     def handle(self, event: Any, **kwargs: Any) -> None:
         if isinstance(event, SynthesizeStartEvent):
-            _SYNTH_CALLS.set((*_SYNTH_CALLS.get(), []))
+            span, nodes = _SPAN_NODES.get()
+            _SPAN_NODES.set((None, []))
+            synth = _Synthesis(list(nodes) if span == event.span_id else [])
+            _SYNTH_CALLS.set((*_SYNTH_CALLS.get(), synth))
         elif isinstance(event, SynthesizeEndEvent) and _SYNTH_CALLS.get():
-            *outer, policies = _SYNTH_CALLS.get()
+            *outer, synth = _SYNTH_CALLS.get()
             _SYNTH_CALLS.set(tuple(outer))
             response = event.response
             if response is None or not hasattr(response, "metadata"):
                 return
             if response.metadata is None:
                 response.metadata = {}
-            if policies:
-                response.metadata.setdefault("policy_used", policies[-1])
+            if synth.policy:
+                response.metadata.setdefault("policy_used", synth.policy)
             gen = getattr(response, "response_gen", None)
             if gen is not None and not isinstance(gen, (str, list)):
-                response.response_gen = _noting(gen, response.metadata)
+                response.response_gen = _noting(gen, response, synth)
+            else:
+                _cite(response, synth)
 
 
-def _noting(gen: Any, metadata: dict[str, Any]) -> Any:
+def _cite(response: Any, synth: _Synthesis) -> None:
+    """The citations of the synthesis's last ``TokRAGLLM`` call in ``response`` (unless its
+    synthesizer put its own there), its source nodes by contribution."""
+    if synth.result is None or "citations" in response.metadata:
+        return
+    cited = node_citations(synth.result.trace)
+    response.metadata.update(cited)
+    response.source_nodes = by_contribution(
+        response.source_nodes, cited["contributions"], synth.decoded
+    )
+
+
+def _noting(gen: Any, response: Any, synth: _Synthesis) -> Any:
     """``gen`` (a token generator, sync or async) that notes the ``TokRAGLLM`` calls made
-    while it runs and puts the last one's policy into ``metadata["policy_used"]``."""
-    calls: list[str] = []
+    while it runs (as ``synth``'s), puts the last one's policy into
+    ``metadata["policy_used"]`` and, once exhausted, the citations (:func:`_cite`)."""
+    metadata = response.metadata
 
     def note() -> None:
-        if calls:
-            metadata["policy_used"] = calls[-1]
+        if synth.policy:
+            metadata["policy_used"] = synth.policy
 
     def enter() -> None:
-        _SYNTH_CALLS.set((*_SYNTH_CALLS.get(), calls))
+        _SYNTH_CALLS.set((*_SYNTH_CALLS.get(), synth))
 
     def leave() -> None:
-        _SYNTH_CALLS.set(tuple(c for c in _SYNTH_CALLS.get() if c is not calls))
+        _SYNTH_CALLS.set(tuple(c for c in _SYNTH_CALLS.get() if c is not synth))
 
     if hasattr(gen, "__aiter__"):
 
@@ -148,6 +207,7 @@ def _noting(gen: Any, metadata: dict[str, Any]) -> Any:
                     note()
                     yield token
                 note()
+                _cite(response, synth)
             finally:
                 leave()
 
@@ -160,6 +220,7 @@ def _noting(gen: Any, metadata: dict[str, Any]) -> Any:
                 note()
                 yield token
             note()
+            _cite(response, synth)
         finally:
             leave()
 
@@ -167,10 +228,22 @@ def _noting(gen: Any, metadata: dict[str, Any]) -> Any:
 
 
 def _watch_synthesizers() -> None:
-    """Register :class:`_PolicyUsed` on LlamaIndex's root dispatcher (once)."""
+    """Register :class:`_PolicyUsed` and :class:`_SynthesizeNodes` on LlamaIndex's root
+    dispatcher (once)."""
     dispatcher = instrument.get_dispatcher()
     if not any(isinstance(h, _PolicyUsed) for h in dispatcher.event_handlers):
         dispatcher.add_event_handler(_PolicyUsed())
+    if not any(isinstance(h, _SynthesizeNodes) for h in dispatcher.span_handlers):
+        dispatcher.add_span_handler(_SynthesizeNodes())
+
+
+def _parts(formatted: _Templated) -> list[Any] | None:
+    """The template's context cut into the nodes of the synthesize call in progress
+    (:func:`.nodes.split_context`), so that each is its own passage; None outside one."""
+    calls = _SYNTH_CALLS.get()
+    if not calls or not calls[-1].nodes:
+        return None
+    return split_context(formatted.context, calls[-1].nodes)
 
 
 def _given(fn: Any, default: Any) -> bool:
@@ -242,6 +315,13 @@ class TokRAGLLM(CustomLLM):
     )
     load_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for load_model() (device, dtype)."
+    )
+    citations: StrictBool | None = Field(
+        default=None,
+        description=(
+            "Record which passage each token drew on (Trace.citations): None = where the policy "
+            "reads the RAG context's attention anyway (tokrag), True / False = always / never."
+        ),
     )
     batching: StrictBool = Field(
         default=True,
@@ -383,13 +463,16 @@ class TokRAGLLM(CustomLLM):
         }
         if self.system_prompt is not None:
             gen_kw["system_prompt"] = self.system_prompt
+        citations = kwargs.get("citations", self.citations)
+        if citations is not None:
+            gen_kw["citations"] = citations
         return passages, gen_kw
 
     def _prompt_args(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> tuple:
         # Without passages this is a plain LLM and formats as HuggingFaceLLM does.
         passages, gen_kw = self._call_args(kwargs)
         if passages is None and isinstance(prompt, _TemplatedText):
-            rendered = RenderedPrompt(prompt.context, text=str(prompt))
+            rendered = RenderedPrompt(prompt.context, text=str(prompt), passages=_parts(prompt))
             return self._templated(prompt.query, kwargs, gen_kw, rendered, [])
         if not formatted:
             if _given(self.completion_to_prompt, default_completion_to_prompt):
@@ -433,7 +516,7 @@ class TokRAGLLM(CustomLLM):
                 for t in turns[:-1]
                 if t["role"] != "system" and messages.context not in t["content"]
             ]
-            rendered = RenderedPrompt(messages.context, messages=turns)
+            rendered = RenderedPrompt(messages.context, messages=turns, passages=_parts(messages))
             return self._templated(messages.query, kwargs, gen_kw, rendered, history)
         if passages is None and _given(self.messages_to_prompt, generic_messages_to_prompt):
             gen_kw["prompt_format"] = "text"
@@ -451,6 +534,14 @@ class TokRAGLLM(CustomLLM):
         delta, when ``text`` is given), with its provenance."""
         if self._results is not None:
             self._results.append(result)
+        calls = _SYNTH_CALLS.get()
+        if calls:
+            calls[-1].result = result
+            calls[-1].decoded |= {
+                p.metadata["node_id"]
+                for p in result.trace.passages
+                if p.kept and "node_id" in p.metadata
+            }
         return CompletionResponse(
             text=result.text if text is None else text,
             delta=None if text is None else "",
@@ -464,7 +555,7 @@ class TokRAGLLM(CustomLLM):
         included: its policy is noted for the synthesize call around it)."""
         calls = _SYNTH_CALLS.get()
         if calls:
-            calls[-1][:] = [gen_kw["policy"]]  # the last call's only: a list that cannot grow
+            calls[-1].policy = gen_kw["policy"]
         return decode_on(self._lm, how, query, passages, batching=self.batching, **gen_kw)
 
     def _stream(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> CompletionResponseGen:

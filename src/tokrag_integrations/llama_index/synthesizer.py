@@ -52,7 +52,7 @@ from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, unknown_arguments
 from ..policies.base import Policy
 from ..results import GenerationResult
 from .llm import TokRAGLLM
-from .nodes import node_to_passage, order_nodes
+from .nodes import by_contribution, node_citations, node_to_passage, order_nodes
 
 dispatcher = instrument.get_dispatcher(__name__)
 
@@ -147,6 +147,11 @@ def _then(answer: Any, finish: Callable[[], dict[str, Any]], metadata: dict[str,
     return gen()
 
 
+def _metadata(sess: Session) -> dict[str, Any]:
+    """The session's metadata with the citations of its final call."""
+    return {**sess.metadata(), **node_citations(sess.calls[-1][1].trace)}
+
+
 async def _no_tokens() -> AsyncGenerator[str, None]:
     return
     yield  # an async generator that yields nothing
@@ -188,6 +193,9 @@ class TokRAGSynthesizer(BaseSynthesizer):
         response_mode: see above.
         metadata_mode: node metadata in the passage text (default ``MetadataMode.LLM``).
         batching: decode concurrent calls together as one batch; False: one at a time.
+        citations: which node each part of the answer drew on (``metadata["citations"]``,
+            ``["contributions"]``, ``source_nodes`` by contribution): None = with the policies
+            that read that attention anyway (``tokrag``), True / False = always / never.
         **options: the load options of ``model``.
     """
 
@@ -209,6 +217,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
         response_mode: Any = "one_pass",
         metadata_mode: Any = MetadataMode.LLM,
         batching: bool = True,
+        citations: bool | None = None,
         text_qa_template: BasePromptTemplate | None = None,
         refine_template: BasePromptTemplate | None = None,
         summary_template: BasePromptTemplate | None = None,
@@ -224,6 +233,8 @@ class TokRAGSynthesizer(BaseSynthesizer):
         check_greedy(temperature, "TokRAGSynthesizer")
         require_bool(streaming, "streaming")
         require_bool(batching, "batching")
+        if citations is not None:
+            require_bool(citations, "citations")
         self._mode = _mode_name(response_mode)
         self._metadata_mode = _metadata_mode(metadata_mode)
         own = [*inspect.signature(TokRAGSynthesizer.__init__).parameters][1:-1]
@@ -245,6 +256,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
             "stop": stop,
             "max_context_tokens": max_context_tokens,
             "policy_options": dict(opts),
+            "citations": citations,
         }
         if system_prompt is not ...:
             self._gen_kwargs["system_prompt"] = system_prompt
@@ -337,7 +349,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
             call = program.send(self._call(sess, call))
         program.close()
         if not self._streaming:
-            return self._call(sess, call).text, sess.metadata()
+            return self._call(sess, call).text, _metadata(sess)
         event = _LLMEvent(self, sess, call)
         with event.failing():
             s = scheduler.stream(
@@ -350,7 +362,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
             event.end(s.result)
 
         metadata = sess.partial_metadata()
-        return _then(gen(), sess.metadata, metadata), metadata
+        return _then(gen(), lambda: _metadata(sess), metadata), metadata
 
     async def _arun(self, sess: Session) -> tuple[Any, dict[str, Any]]:
         """Async :meth:`_run`: every call runs in a worker thread."""
@@ -360,7 +372,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
             call = program.send(await self._acall(sess, call))
         program.close()
         if not self._streaming:
-            return (await self._acall(sess, call)).text, sess.metadata()
+            return (await self._acall(sess, call)).text, _metadata(sess)
 
         async def agen() -> AsyncGenerator[str, None]:
             event = _LLMEvent(self, sess, call)
@@ -374,7 +386,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
                         yield item.text
 
         metadata = sess.partial_metadata()
-        return _then(agen(), sess.metadata, metadata), metadata
+        return _then(agen(), lambda: _metadata(sess), metadata), metadata
 
     # ------------------------------------------------------------------ the template path
     def _template_llm(self) -> TokRAGLLM:
@@ -387,6 +399,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
             "max_context_tokens": kw["max_context_tokens"],
             "policy_options": self._policy_options,
             "batching": self._batching,
+            "citations": kw["citations"],
         }
         if "system_prompt" in kw:
             own["system_prompt"] = kw["system_prompt"]
@@ -420,6 +433,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
             "trace": calls[-1]["trace"] if calls else None,
             "calls": calls,
             "usage": total,
+            **(node_citations(final.trace) if final else {"citations": [], "contributions": []}),
         }
 
     def _template_synth(
@@ -492,10 +506,22 @@ class TokRAGSynthesizer(BaseSynthesizer):
         qb = QueryBundle(query_str=query) if isinstance(query, str) else query
         made: list[RESPONSE_TYPE] = []
 
+        def ordered() -> dict[str, Any]:
+            made[0].source_nodes = by_contribution(
+                source_nodes,
+                made[0].metadata.get("contributions") or [],
+                made[0].metadata.get("nodes_used"),
+            )
+            return {}
+
         def respond(answer: Any, metadata: dict[str, Any]) -> RESPONSE_TYPE:
             if not self._streaming:
                 made.append(Response(answer, source_nodes=source_nodes, metadata=metadata))
-            elif isinstance(answer, AsyncGenerator):
+                ordered()
+                return made[0]
+            if not isinstance(answer, str):  # the source nodes are ordered once it is read
+                answer = _then(answer, ordered, {})
+            if isinstance(answer, AsyncGenerator):
                 made.append(
                     AsyncStreamingResponse(answer, source_nodes=source_nodes, metadata=metadata)
                 )
