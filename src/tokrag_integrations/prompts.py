@@ -290,17 +290,23 @@ class RenderedPrompt:
     ``messages`` (chat turns, rendered with the chat template) or ``text`` (a finished prompt,
     encoded as given). ``context`` is what the template's context variable received; its first
     occurrence is the retrieved span (rt_1..rt_m of Eq. 15-16), the rest is not retrieved.
+    ``passages`` (optional): ``context`` cut into consecutive passages (their texts, in order,
+    make up ``context``), each its own span of the retrieved tokens, so citations and the
+    per-passage policies name them; the retrieved tokens are the same either way.
     """
 
     context: str
     messages: list[dict[str, str]] | None = None
     text: str | None = None
+    passages: list[Passage] | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.text is None):
             raise ValueError("RenderedPrompt needs exactly one of messages= or text=")
         if not isinstance(self.context, str):
             raise TypeError(f"RenderedPrompt context must be a string, got {type(self.context).__name__}")
+        if self.passages is not None and sum(len(p.text) for p in self.passages) != len(self.context):
+            raise ValueError("RenderedPrompt passages must make up its context, in order")
 
 
 class PromptBuilder:
@@ -511,13 +517,17 @@ class PromptBuilder:
             max_context_tokens=max_context_tokens,
         )
         plan.warnings.clear()
-        record = PassageRecord(rank=0, text=rendered.context, score=None, metadata={"source": "template context"})
-        plan.passages = [record]
+        context = rendered.context
+        parts = rendered.passages or [Passage(context, metadata={"source": "template context"})]
+        plan.passages = [
+            PassageRecord(rank=i, text=p.text, score=p.score, metadata=dict(p.metadata))
+            for i, p in enumerate(parts)
+        ]
         window, budget = self._budget(max_context_tokens, max_new_tokens)
         head, tail, found = self._split_rendered(rendered)
-        context = rendered.context
         if not context.strip() or not found:
-            record.kept = False
+            for r in plan.passages:
+                r.kept = False
             why = "is empty" if not context.strip() else "was not found in the formatted prompt"
             return self._pure_only(plan, f"The template's context {why}: answering from the pure context.")
         # The context is user text (its control-token strings stay plain text); so is every
@@ -527,30 +537,46 @@ class PromptBuilder:
         head_ids, tail_ids = _encode_marked(self.tokenizer, head), _encode_marked(self.tokenizer, tail)
         if rendered.text is not None and _adds_bos(self.tokenizer):
             head_ids = [int(self.tokenizer.bos_token_id), *head_ids]
-        record.n_tokens = len(body)
+        # Each part's tokens: up to the tokens of the context up to its end (the last: all).
+        ends, at = [], 0
+        for p in parts[:-1]:
+            at += len(p.text)
+            ends.append(len(encode_user_text(self.tokenizer, context[:at])))
+        cuts = [0]
+        for e in [*ends, len(body)]:
+            cuts.append(min(max(e, cuts[-1]), len(body)))
+        for r, a0, b0 in zip(plan.passages, cuts[:-1], cuts[1:], strict=True):
+            r.n_tokens = b0 - a0
         room = budget - len(head_ids) - len(tail_ids)
         if len(body) > room:
             if room < MIN_CUT_TOKENS:
-                record.kept = False
+                for r in plan.passages:
+                    r.kept = False
                 return self._pure_only(
                     plan,
                     f"The formatted prompt does not fit the context window ({window} tokens, "
                     f"{max_new_tokens} reserved for the answer) even with its context cut to "
                     f"{MIN_CUT_TOKENS} tokens: answering from the pure context.",
                 )
-            body = body[:room]
-            record.cut, record.n_tokens = True, len(body)
             msg = (
                 f"The formatted prompt does not fit the context window ({window} tokens, "
-                f"{max_new_tokens} reserved for the answer): cut its context to {len(body)} tokens."
+                f"{max_new_tokens} reserved for the answer): cut its context to {room} tokens."
             )
             plan.warnings.append(msg)
             warnings.warn(msg, stacklevel=3)
-        start = len(head_ids)
+        body = body[:room]
+        n, start = len(body), len(head_ids)
         plan.rag_ids = head_ids + body + tail_ids
-        plan.passage_spans = [(start, start + len(body))]
-        plan.head_ids, plan.tail_ids, plan.passage_segments = head_ids, tail_ids, [body]
-        plan.kept_passages = [Passage(context)]
+        plan.passage_spans, plan.passage_segments, plan.kept_passages = [], [], []
+        for p, r, a0, b0 in zip(parts, plan.passages, cuts[:-1], cuts[1:], strict=True):
+            a, b = min(a0, n), min(b0, n)
+            r.kept, r.cut = b > a, a < n < b0
+            if r.kept:
+                r.n_tokens = b - a
+                plan.passage_spans.append((start + a, start + b))
+                plan.passage_segments.append(body[a:b])
+                plan.kept_passages.append(p)
+        plan.head_ids, plan.tail_ids = head_ids, tail_ids
         plan._delim_len = 0
         return plan
 
