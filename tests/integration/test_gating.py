@@ -56,10 +56,14 @@ def test_langchain_router_routes_both_ways(lm, threshold, route):
     )
     gate = ConfidenceGate(lm, "self_certainty", max_new_tokens=3, threshold=threshold)
     chat = ChatTokRAG(model=lm, policy="llm", max_tokens=6)
-    router = gated_router(gate, chat, create_tokrag_chain(lc_ret, lm, policy="rag", max_tokens=6))
+    rag = create_tokrag_chain(lc_ret, lm, policy="rag", max_tokens=6, citations=True)
+    router = gated_router(gate, chat, rag)
     out = router.invoke({"question": "Who founded Quillfeather Aerospace?"})
     assert out["route"] == route and out["gate"]["retrieve"] == (route == "rag")
     assert isinstance(out["answer"], str) and "score" in out["gate"]
+    # The RAG branch's citations (asked for: policy rag); none from the plain model.
+    cited = [c["passage"] for c in out["citations"]]
+    assert cited and None not in cited if route == "rag" else cited == []
 
 
 @pytest.mark.parametrize("threshold, route", [(math.inf, "rag"), (-math.inf, "direct")])

@@ -188,7 +188,7 @@ def test_tokrag_trace_shows_retrieval_tokens(reference: dict[str, dict[str, Any]
 def test_chain_stream_equals_invoke(chain: Any, reference: dict[str, dict[str, Any]]) -> None:
     chunks = list(chain.stream(QUESTION))
     assert set(chunks[0]) == {"input", "context", "retrieval_empty"}
-    assert set(chunks[-1]) == {"trace", "warnings"}
+    assert set(chunks[-1]) == {"trace", "citations", "warnings"}
     middle = chunks[1:-1]
     assert middle and all("answer" in c for c in middle)
     assert all(

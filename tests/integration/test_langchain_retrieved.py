@@ -97,8 +97,8 @@ class Calls(BaseCallbackHandler):
 def _stable(meta: dict[str, Any], batched: bool) -> dict[str, Any]:
     """What must equal the explicit call's: the tokens, their sources and the trace, less its
     timings (they differ from run to run); in a batch also less the steps' probabilities and
-    signal values (a batched forward pass differs from a solo one in the last float bits; the
-    choices do not)."""
+    signal values and the citations' scores (a batched forward pass differs from a solo one in
+    the last float bits; the choices do not)."""
     trace = {k: v for k, v in meta["trace"].items() if k != "timings"}
     if batched:
         trace["steps"] = [
@@ -110,6 +110,7 @@ def _stable(meta: dict[str, Any], batched: bool) -> dict[str, Any]:
             )
             for s in trace["steps"]
         ]
+        trace["citations"] = [(c["start"], c["end"], c["passage"]) for c in trace["citations"]]
     return {
         "token_ids": meta["token_ids"],
         "token_sources": meta["token_sources"],
@@ -132,8 +133,9 @@ def explicit(chat: ChatTokRAG) -> Any:
     def answer(messages: list[BaseMessage], question: str) -> Any:
         key = (tuple((m.type, m.content) for m in messages), question)
         if key not in seen:
+            docs = Fixed().invoke(question)
             seen[key] = chat.invoke(
-                messages, context=format_docs(Fixed().invoke(question)), question=question
+                messages, context=format_docs(docs), question=question, passages=docs
             )
         return seen[key]
 
@@ -165,12 +167,14 @@ def _check(calls: Calls, questions: list[str], explicit: Any, batched: bool = Fa
             "rag",
             "llm",
         }
-        (span,) = meta["trace"]["passages"]  # the retrieved span: the documents, exactly
-        assert (
-            span["text"] == format_docs(Fixed().invoke(question))
-            and span["kept"]
-            and not span["cut"]
-        )
+        # The retrieved span: the documents, exactly, each a passage with its metadata (the
+        # span cut after each document's text).
+        passages = meta["trace"]["passages"]
+        docs = Fixed().invoke(question)
+        assert "".join(p["text"] for p in passages) == format_docs(docs)
+        assert [(p["text"].strip(), p["metadata"], p["kept"], p["cut"]) for p in passages] == [
+            (d.page_content, d.metadata, True, False) for d in docs
+        ]
         want = explicit(messages, question)
         assert msg.content == want.content
         assert _stable(meta, batched) == _stable(want.response_metadata, batched)

@@ -132,7 +132,7 @@ def test_user_prompt_stream_and_async_give_the_same_tokens(
     want = _stable(templated["out"])
     chunks = list(chain.stream({"input": QUESTION}))
     assert set(chunks[0]) == {"input", "context", "retrieval_empty"}
-    assert set(chunks[-1]) == {"trace", "warnings"}
+    assert set(chunks[-1]) == {"trace", "citations", "warnings"}
     assert _stable(aggregate(chunks)) == want
 
     async def run() -> tuple[dict[str, Any], list[dict[str, Any]]]:

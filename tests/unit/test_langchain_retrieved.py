@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.retrievers import BaseRetriever
@@ -35,6 +36,14 @@ def test_span_from_the_first_found_document_to_the_last() -> None:
         "missing": 0,
         "note": None,
     }
+    assert [d.page_content for d in found.documents] == [A, B]
+
+
+def test_found_documents_in_the_prompt_s_order_with_their_ids() -> None:
+    # Each found document is a passage of its own: in the order of the span, id and metadata kept.
+    docs = [Document(B, id="b", metadata={"source": "b.md"}), Document(C, id="c"), Document(A)]
+    found = match_documents([HumanMessage(f"{A}\n\n{B}\n\n{Q}")], [(Q, docs)])
+    assert found.documents == [docs[2], docs[0]]
 
 
 def test_documents_not_in_the_prompt_are_counted_and_said() -> None:
@@ -87,8 +96,9 @@ class _Fixed(BaseRetriever):
 
 
 def _lookup(_: Any, config: Any) -> list[tuple[str | None, list[str]]]:
-    """What a chat model called here would find (its parent: this lambda's run)."""
-    return RUN_DOCUMENTS.documents(config["callbacks"].parent_run_id)
+    """What a chat model called here would find (its parent: this lambda's run), as texts."""
+    found = RUN_DOCUMENTS.documents(config["callbacks"].parent_run_id)
+    return [(q, [d.page_content for d in docs]) for q, docs in found]
 
 
 def test_each_run_sees_its_own_retrievers_and_nothing_is_kept() -> None:
@@ -118,3 +128,18 @@ def test_runs_that_never_end_are_bounded() -> None:
         runs.on_chain_start({}, {}, run_id=uuid4(), parent_run_id=root)
     assert runs.open_runs() == 5
     assert runs.documents(root) == []  # the oldest (the root) was dropped
+
+
+def test_a_context_is_cut_after_each_document_it_holds() -> None:
+    # context= with passages=: one piece per document found (its id kept), the pieces make up
+    # the context; a document not in it is said and left out.
+    from tokrag_integrations.langchain.messages import context_passages, to_passages
+
+    docs = to_passages([Document(A, id="a", metadata={"source": "a.md"}), Document(C), B])
+    context = f"[1] {A}\n\n[2] {B}\nEnd."
+    with pytest.warns(UserWarning, match=r"passage\(s\) \[1\] are not in the context"):
+        parts = context_passages(context, docs)
+    assert [p.text for p in parts] == [f"[1] {A}", f"\n\n[2] {B}\nEnd."]
+    assert [p.metadata for p in parts] == [{"source": "a.md", "id": "a"}, {}]
+    with pytest.warns(UserWarning, match="not in the context"):
+        assert context_passages("nothing here", docs[:1]) is None

@@ -14,6 +14,7 @@ from langchain_core.prompts import BasePromptTemplate
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
 
 from ..adapters.translate import checked_policy, options_dict
+from ..config import require_bool
 from ..defaults import ANSWER_STOP
 from ..models import LOAD_FIELDS, LoadedModel, check_greedy, unknown_arguments
 from .chat_models import ChatTokRAG
@@ -36,6 +37,7 @@ def _chat_model(
     stop: list[str] | None,
     max_context_tokens: int | None,
     policy_options: Mapping[str, Any] | None,
+    citations: bool | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> tuple[ChatTokRAG, dict[str, Any]]:
     """(the chat model, the call keywords that override its settings) of the chain
@@ -78,6 +80,8 @@ def _chat_model(
         model_kwargs["max_context_tokens"] = max_context_tokens
     if policy_options:
         model_kwargs["policy_options"] = policy_options
+    if citations is not None:
+        model_kwargs["citations"] = require_bool(citations, "citations")
     return model, model_kwargs
 
 
@@ -95,6 +99,7 @@ def create_tokrag_chain(
     stop: list[str] | None = None,
     max_context_tokens: int | None = None,
     policy_options: Mapping[str, Any] | None = None,
+    citations: bool | None = None,
     **options: Any,
 ) -> TokRAGChain:
     """A Runnable that retrieves documents for a question and answers from them with Tok-RAG.
@@ -120,14 +125,20 @@ def create_tokrag_chain(
         max_tokens / stop / max_context_tokens: override the model's settings; without
             ``stop`` here or on the ChatTokRAG the answer stops at ``defaults.ANSWER_STOP``.
         policy_options: the policy's options as a dict (e.g. ``{"pr_norm": "softmax"}``).
+        citations: read which document each answer token drew on (``ChatTokRAG.citations``:
+            None, on for ``tokrag``; False, none).
         **options: the load options of a model spec (above).
 
     Input: a question string, or a dict with ``"input"`` (or ``"question"``), optional
     ``"chat_history"`` and other keys (returned unchanged; with ``prompt``, its variables).
-    Output: the input's keys plus ``answer``, ``context`` (the documents), ``sources`` (per
-    token: ``agree`` / ``rag`` / ``llm``), ``trace``, ``warnings`` and ``retrieval_empty``;
-    ``stream`` chunks (the input's keys once the first token is chosen, then per token
-    ``{"answer", "sources"}``, then ``{"trace", "warnings"}``) add up to it. A retriever that
+    Output: the input's keys plus ``answer``, ``context`` (the documents, by their share of
+    the answer's attention, the others after them in retrieval order), ``sources`` (per token:
+    ``agree`` / ``rag`` / ``llm``), ``trace``, ``citations`` (``Trace.citations_data``: spans
+    of the answer, each with its document's ``metadata`` and ``id``; ``[]`` without
+    citations), ``warnings`` and ``retrieval_empty``; ``stream`` chunks (the input's keys,
+    ``context`` in retrieval order, once the first token is chosen, then per token
+    ``{"answer", "sources"}``, then ``{"trace", "citations", "warnings"}``) add up to it. A
+    retriever that
     raises surfaces as ``RuntimeError("retriever <name> failed for question ...")``.
     """
     if not isinstance(retriever, Runnable):
@@ -144,6 +155,7 @@ def create_tokrag_chain(
         stop=stop,
         max_context_tokens=max_context_tokens,
         policy_options=policy_options,
+        citations=citations,
         options=options,
     )
     return TokRAGChain(
@@ -171,6 +183,7 @@ def create_tokrag_documents_chain(
     stop: list[str] | None = None,
     max_context_tokens: int | None = None,
     policy_options: Mapping[str, Any] | None = None,
+    citations: bool | None = None,
     **options: Any,
 ) -> Runnable[dict[str, Any], Any]:
     """``create_stuff_documents_chain`` decoded with Tok-RAG, for your own retrieval step.
@@ -190,6 +203,7 @@ def create_tokrag_documents_chain(
         stop=stop,
         max_context_tokens=max_context_tokens,
         policy_options=policy_options,
+        citations=citations,
         options=options,
     )
     answer = TokRAGChain(

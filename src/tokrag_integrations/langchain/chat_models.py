@@ -49,6 +49,7 @@ _CALL_KWARGS = (
     "policy_options",
     "max_tokens",
     "max_context_tokens",
+    "citations",
     "model",
 )
 
@@ -123,9 +124,11 @@ class ChatTokRAG(BaseChatModel):
     prompt template's context variable received) the messages are the RAG context as
     formatted, the retrieved tokens are where ``context`` lands, and the pure context is
     ``question=`` (default: the last human message without the context) after the turns
-    that do not hold the context. Without either (LangChain's own RAG chains), the documents the
-    run's retrievers returned before the call are looked up in the messages
-    (:mod:`.retrieved`): the span from the first found to the last is ``context=``. With no
+    that do not hold the context; ``passages=`` then are the documents ``context`` holds, in
+    its order (each its own passage: citations name it). Without either (LangChain's own RAG
+    chains), the documents the run's retrievers returned before the call are looked up in the
+    messages (:mod:`.retrieved`): the span from the first found to the last is ``context=``,
+    the found documents its passages. With no
     retrieved text it is the plain model (policy ``"llm"``, as ``ChatHuggingFace``); unless
     ``policy="llm"`` was asked for, the first such call of an instance warns
     (:data:`NO_PASSAGES_WARNING`). ``response_metadata["retrieval"]`` says on every call where
@@ -133,9 +136,11 @@ class ChatTokRAG(BaseChatModel):
     ``found`` in the prompt, how many are ``missing`` and why (``note``).
 
     ``response_metadata`` holds ``token_sources`` (per generated token: ``"agree"``,
-    ``"rag"``, ``"llm"``...), ``token_ids`` and the ``trace`` as a dict. Streaming yields
-    one ``AIMessageChunk`` per token (``token_sources == [source]``); the last chunk
-    (``chunk_position="last"``) carries usage and the trace.
+    ``"rag"``, ``"llm"``...), ``token_ids``, the ``trace`` as a dict and ``citations``
+    (:meth:`~tokrag_integrations.trace.Trace.citations_data`: the answer's spans, each with
+    the passage it is cited to, its score and the document's ``metadata``, ``id`` included).
+    Streaming yields one ``AIMessageChunk`` per token (``token_sources == [source]``); the
+    last chunk (``chunk_position="last"``) carries usage, the trace and the citations.
 
         >>> ChatTokRAG(max_tokens=32).invoke("Who founded Quillfeather?", passages=docs)
     """
@@ -173,6 +178,9 @@ class ChatTokRAG(BaseChatModel):
     """Stop strings (cut from the answer); a call's ``stop`` replaces these."""
     max_context_tokens: int | None = None
     """A context budget tighter than the model's window (lowest-ranked passages drop first)."""
+    citations: StrictBool | None = None
+    """Read which passage each token drew on (``generate(citations=)``): None, the engine's
+    default (on for ``tokrag`` / ``tokrag_reference``); ``False``: none."""
     temperature: float | None = None
     """Only ``None`` or ``0``: decoding is greedy (Tok-RAG compares greedy choices)."""
     streaming: StrictBool = False
@@ -331,23 +339,20 @@ class ChatTokRAG(BaseChatModel):
         given = call.get("passages", self.passages)
         passages = to_passages(given)
         context, question = call.get("context"), call.get("question")
-        if context is not None and passages:
-            raise ValueError(
-                "pass passages= (the package's prompt) or context= (your formatted prompt's "
-                "context), not both"
-            )
         if context is None and question is not None:
             raise ValueError("question= is the pure context's question of a context= call")
         if context is None and given is None and policy != "llm":
             # LangChain's own RAG code: the run's retrieved documents, found in the messages.
             found = find_retrieved(messages, run_manager)
             context, question, retrieval = found.context, found.question, found.metadata
+            passages = to_passages(found.documents)
         else:
             retrieval = given_retrieval(passages, context, policy)
         max_tokens = self._positive(int(call.get("max_tokens", self.max_tokens)))
         rendered = None
         if context is not None:
-            rendered, prompt = rendered_prompt(messages, context, question)
+            rendered, prompt = rendered_prompt(messages, context, question, passages)
+            passages = []  # the documents context holds, in rendered
         else:
             prompt = messages_to_prompt(messages)
             if given is None and policy != "llm":
@@ -367,6 +372,9 @@ class ChatTokRAG(BaseChatModel):
         }
         if prompt.system_prompt is not None:
             core["system_prompt"] = prompt.system_prompt
+        citations = call.get("citations", self.citations)
+        if citations is not None:  # a server call takes no citations= (its default holds)
+            core["citations"] = citations
         if rendered is not None:
             core["rendered"] = rendered
         elif not passages:

@@ -35,6 +35,14 @@ def _answer(out: Any) -> str:
     return str(content) if content is not None else str(out)
 
 
+def _citations(out: Any) -> list[Any]:
+    """A branch output's citations: a chain's ``"citations"``, a chat message's
+    ``response_metadata["citations"]``; none for anything else."""
+    if isinstance(out, dict):
+        return list(out.get("citations") or [])
+    return list((getattr(out, "response_metadata", None) or {}).get("citations") or [])
+
+
 def _chunk(c: Any) -> dict[str, Any]:
     return AddableDict(answer=_answer(c), output=AddableDict(c) if isinstance(c, dict) else c)
 
@@ -61,12 +69,12 @@ class GatedRouter(Runnable[Any, dict[str, Any]]):
     def _invoke(self, inp: Any, run_manager: Any, config: Any) -> dict[str, Any]:
         branch, x, route = self._decision(inp)
         out = branch.invoke(x, patch_config(config, callbacks=run_manager.get_child()))
-        return {"answer": _answer(out), **route, "output": out}
+        return {"answer": _answer(out), **route, "citations": _citations(out), "output": out}
 
     async def _ainvoke(self, inp: Any, run_manager: Any, config: Any) -> dict[str, Any]:
         branch, x, route = await asyncio.to_thread(self._decision, inp)
         out = await branch.ainvoke(x, patch_config(config, callbacks=run_manager.get_child()))
-        return {"answer": _answer(out), **route, "output": out}
+        return {"answer": _answer(out), **route, "citations": _citations(out), "output": out}
 
     def invoke(self, input: Any, config: Any = None, **kwargs: Any) -> dict[str, Any]:  # noqa: A002
         return self._call_with_config(self._invoke, input, config)
@@ -104,8 +112,9 @@ class GatedRouter(Runnable[Any, dict[str, Any]]):
 def gated_router(gate: Any, direct: Any, rag: Any) -> GatedRouter:
     """A Runnable routing each question to ``direct`` or ``rag`` by ``gate.decide``.
 
-    ``invoke`` returns ``{"answer", "route": "direct" | "rag", "gate", "output"}``; ``stream``
-    yields the route and gate, then ``{"answer": piece, "output": chunk}`` per branch chunk.
+    ``invoke`` returns ``{"answer", "route": "direct" | "rag", "gate", "citations", "output"}``
+    (``citations``: the branch's, ``[]`` without); ``stream`` yields the route and gate, then
+    ``{"answer": piece, "output": chunk}`` per branch chunk (the citations in the last).
 
     Args:
         gate: a :class:`~tokrag_integrations.gating.Gate`.

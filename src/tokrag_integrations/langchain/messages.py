@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,19 +19,23 @@ from langchain_core.messages.ai import UsageMetadata
 
 from ..adapters.translate import FINISH_REASONS, usage
 from ..models import LoadedModel
-from ..prompts import Passage, RenderedPrompt
+from ..prompts import Passage, RenderedPrompt, as_passages
 from ..results import GenerationResult
 
 
 def to_passage(item: Any) -> Any:
     """A LangChain ``Document`` as a :class:`Passage` (``page_content``, ``metadata["score"]``,
-    ``metadata``); anything else is left to the core."""
+    ``metadata`` with the document's ``id`` when it has one: citations name it); anything
+    else is left to the core."""
     if isinstance(item, Document):
         score = item.metadata.get("score")
+        metadata = dict(item.metadata)
+        if item.id is not None:
+            metadata.setdefault("id", item.id)
         return Passage(
             text=item.page_content or "",
             score=float(score) if isinstance(score, (int, float)) else None,
-            metadata=dict(item.metadata),
+            metadata=metadata,
         )
     return item
 
@@ -127,12 +132,15 @@ def messages_to_prompt(messages: Sequence[BaseMessage]) -> ChatPrompt:
 
 
 def rendered_prompt(
-    messages: Sequence[BaseMessage], context: str, question: str | None = None
+    messages: Sequence[BaseMessage],
+    context: str,
+    question: str | None = None,
+    passages: list[Any] | None = None,
 ) -> tuple[RenderedPrompt, ChatPrompt]:
     """Messages formatted by the caller's template, whose context variable received
-    ``context`` -> (the RAG context: every message as formatted; the pure context: the
-    question, else the last human turn without ``context``, after the turns and under the
-    system messages that do not hold ``context``).
+    ``context`` (holding ``passages``) -> (the RAG context: every message as formatted; the
+    pure context: the question, else the last human turn without ``context``, after the turns
+    and under the system messages that do not hold ``context``).
 
     Raises:
         TypeError: ``context`` or ``question`` is not a string.
@@ -146,7 +154,9 @@ def rendered_prompt(
         raise TypeError(f"question must be a string, not {type(question).__name__}")
     prompt = messages_to_prompt(messages)  # validates the conversation
     turns = [{"role": _role(m), "content": _text(m)} for m in messages]
-    rendered = RenderedPrompt(context, messages=turns)
+    rendered = RenderedPrompt(
+        context, messages=turns, passages=context_passages(context, passages or [])
+    )
 
     def holds(text: str) -> bool:
         return bool(context) and context in text
@@ -167,6 +177,38 @@ def rendered_prompt(
     )
 
 
+def context_passages(context: str, passages: list[Any]) -> list[Passage] | None:
+    """``context`` cut after the text of each passage found in it (in order; the last piece
+    runs to the end), each piece with its passage's score and metadata: the
+    ``RenderedPrompt`` passages, so that citations name the documents. A passage not found
+    is left out with a warning; None when none is found."""
+    ends: list[tuple[int, Passage]] = []
+    at, missing = 0, []
+    for i, p in enumerate(as_passages(passages)):
+        text = p.text.strip()
+        where = context.find(text, at) if text else -1
+        if where < 0:
+            missing.append(i)
+            continue
+        at = where + len(text)
+        ends.append((at, p))
+    if missing:
+        warnings.warn(
+            f"passage(s) {missing} are not in the context as given (after the passages before "
+            "them): no citation names them",
+            UserWarning,
+            stacklevel=5,
+        )
+    if not ends:
+        return None
+    ends[-1] = (len(context), ends[-1][1])
+    starts = [0] + [e for e, _ in ends[:-1]]
+    return [
+        Passage(context[a:e], p.score, dict(p.metadata))
+        for a, (e, p) in zip(starts, ends, strict=True)
+    ]
+
+
 def usage_metadata(result: GenerationResult) -> UsageMetadata:
     """Input tokens: every context the policy prefilled; output tokens: one per step."""
     u = usage(result)
@@ -180,6 +222,7 @@ def usage_metadata(result: GenerationResult) -> UsageMetadata:
 def final_metadata(result: GenerationResult, lm: LoadedModel) -> dict[str, Any]:
     """Response metadata of a whole answer, except the per-token lists."""
     trace = result.trace
+    data = trace.to_dict()
     return {
         "model_name": lm.name,
         "model_provider": "tokrag",
@@ -189,7 +232,8 @@ def final_metadata(result: GenerationResult, lm: LoadedModel) -> dict[str, Any]:
         "counts": trace.counts(),
         "prompt_tokens": dict(trace.prompt_tokens),
         "warnings": list(trace.warnings),
-        "trace": trace.to_dict(),
+        "trace": data,
+        "citations": data["citations"] if any(s.citation for s in trace.steps) else [],
     }
 
 

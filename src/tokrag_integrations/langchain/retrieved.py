@@ -41,8 +41,8 @@ MAX_RUNS = 10_000
 class _Run:
     parent: UUID | None
     query: str | None = None
-    # (the retriever's query, its documents' texts), every retriever below this run.
-    retrieved: list[tuple[str | None, list[str]]] = field(default_factory=list)
+    # (the retriever's query, its documents), every retriever below this run.
+    retrieved: list[tuple[str | None, list[Document]]] = field(default_factory=list)
 
 
 class RunDocuments(BaseCallbackHandler):
@@ -113,12 +113,10 @@ class RunDocuments(BaseCallbackHandler):
         parent_run_id: UUID | None = None,
         **_: Any,
     ) -> None:
-        texts = [
-            d.page_content for d in documents if isinstance(getattr(d, "page_content", None), str)
-        ]
+        docs = [d for d in documents if isinstance(getattr(d, "page_content", None), str)]
         with self._lock:
             run = self._runs.pop(run_id, None)
-            entry = (run.query if run else None, texts)
+            entry = (run.query if run else None, docs)
             parent = run.parent if run else parent_run_id
             while parent is not None and parent in self._runs:
                 above = self._runs[parent]
@@ -127,7 +125,7 @@ class RunDocuments(BaseCallbackHandler):
 
     on_chain_end = on_chain_error = on_tool_end = on_tool_error = on_retriever_error = _end  # type: ignore[assignment]
 
-    def documents(self, parent_run_id: UUID | None) -> list[tuple[str | None, list[str]]]:
+    def documents(self, parent_run_id: UUID | None) -> list[tuple[str | None, list[Document]]]:
         """What the retrievers below the nearest run above a call (``parent_run_id`` and up)
         that holds any returned, in the order they ended."""
         with self._lock:
@@ -150,11 +148,13 @@ register_configure_hook(_HOOK, inheritable=True)
 class Found:
     """What a call's messages hold of its run's retrieved documents: ``context`` (the span of
     the found documents, ``None`` when none was found), the pure context's ``question``
-    (``None``: ``rendered_prompt``'s default) and ``response_metadata["retrieval"]``."""
+    (``None``: ``rendered_prompt``'s default), ``response_metadata["retrieval"]`` and the
+    found ``documents`` in the order of the span."""
 
     context: str | None
     question: str | None
     metadata: dict[str, Any]
+    documents: list[Document] = field(default_factory=list)
 
 
 def retrieval_metadata(
@@ -201,16 +201,18 @@ def find_retrieved(messages: Sequence[BaseMessage], run_manager: Any) -> Found:
 
 
 def match_documents(
-    messages: Sequence[BaseMessage], retrieved: list[tuple[str | None, list[str]]]
+    messages: Sequence[BaseMessage], retrieved: list[tuple[str | None, list[Any]]]
 ) -> Found:
-    """Find each retrieved text (stripped, exact) in the message holding the most of them;
-    the span from the first found to the last is the context. The question is the retriever's
-    query when it is the same for every found document and is in the last human turn outside
-    the span; else ``None``."""
-    docs: dict[str, str | None] = {}  # text -> its retriever's query, distinct texts in order
-    for query, texts in retrieved:
-        for t in texts:
-            docs.setdefault(t.strip(), query)
+    """Find each retrieved document's text (stripped, exact; a Document or a string) in the
+    message holding the most of them; the span from the first found to the last is the
+    context. The question is the retriever's query when it is the same for every found
+    document and is in the last human turn outside the span; else ``None``."""
+    # text -> (its retriever's query, the first Document with it), distinct texts in order
+    docs: dict[str, tuple[str | None, Document]] = {}
+    for query, items in retrieved:
+        for d in items:
+            d = d if isinstance(d, Document) else Document(page_content=d)
+            docs.setdefault(d.page_content.strip(), (query, d))
     docs.pop("", None)
     if not docs:
         note = (
@@ -233,8 +235,8 @@ def match_documents(
     start = min(starts)
     end = max(s + len(d) for s, d in zip(starts, held[best], strict=True))
     span = text[start:end]
-    found = [d for d in docs if d in span]
-    queries = {docs[d] for d in found}
+    found = sorted((d for d in docs if d in span), key=span.find)
+    queries = {docs[d][0] for d in found}
     query = next(iter(queries)) if len(queries) == 1 else None
     query = query.strip() if isinstance(query, str) else ""
     rest = messages_to_prompt(messages).query.replace(span, " ").strip()
@@ -256,4 +258,5 @@ def match_documents(
             "returned are not in the prompt as is next to the others: only the others are "
             "retrieved text"
         )
-    return Found(span, question, retrieval_metadata("retriever", note, len(docs), len(found)))
+    meta = retrieval_metadata("retriever", note, len(docs), len(found))
+    return Found(span, question, meta, [docs[d][1] for d in found])

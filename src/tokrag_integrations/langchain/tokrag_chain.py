@@ -15,6 +15,7 @@ from langchain_core.prompts import BasePromptTemplate, PromptTemplate, format_do
 from langchain_core.runnables import Runnable, RunnableConfig
 from pydantic import BaseModel, ConfigDict, create_model
 
+from ..trace import Trace
 from .chat_models import ChatTokRAG
 
 #: ``create_stuff_documents_chain``'s defaults.
@@ -95,6 +96,17 @@ def input_documents(inputs: Any) -> list[Document]:
     return list(docs)
 
 
+def by_contribution(docs: list[Document], trace: dict[str, Any]) -> list[Document]:
+    """``docs`` (the trace's passages, in order) by their share of the answer's attention
+    (:meth:`Trace.contributions`), largest first; those without one (cut from the window,
+    no citations) after them, in retrieval order."""
+    tr = Trace.from_dict(trace)
+    if len(tr.passages) != len(docs):  # not one passage per document: as retrieved
+        return list(docs)
+    first = [i for i, _ in tr.contributions()]
+    return [docs[i] for i in first] + [d for i, d in enumerate(docs) if i not in first]
+
+
 class TokRAGChain(Runnable[Any, dict[str, Any]]):
     """Retrieve with any retriever, then answer with :class:`ChatTokRAG` over the documents.
 
@@ -142,6 +154,7 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
             context=(list[Document], ...),
             sources=(list[str], ...),
             trace=(dict[str, Any], ...),
+            citations=(list[dict[str, Any]], ...),
             warnings=(list[str], ...),
             retrieval_empty=(bool, ...),
         )
@@ -202,23 +215,26 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
     ) -> tuple[list[BaseMessage], dict[str, Any]]:
         """(the model's messages, its call keywords): the documents as passages, or a user
         prompt formatted with them as ``{context}`` (which the model is told, ``context=``,
-        with the pure context's ``question=``)."""
+        with the pure context's ``question=`` and the documents, ``passages=``)."""
+        if self.document_prompt is not None:
+            docs = [
+                Document(
+                    format_document(d, self.document_prompt), id=d.id, metadata=dict(d.metadata)
+                )
+                for d in docs
+            ]
         if self.prompt is None:  # the system prompt, the chat history, the question
             messages = [] if self.system_prompt is None else [SystemMessage(self.system_prompt)]
             if isinstance(input_, Mapping) and input_.get("chat_history"):
                 messages += convert_to_messages(input_["chat_history"])
-            if self.document_prompt is not None:
-                docs = [
-                    Document(format_document(d, self.document_prompt), metadata=dict(d.metadata))
-                    for d in docs
-                ]
             return [*messages, HumanMessage(question)], {**self.model_kwargs, "passages": docs}
-        context = format_documents(docs, self.document_prompt, self.document_separator)
+        context = format_documents(docs, None, self.document_separator)
         values = dict(input_) if isinstance(input_, Mapping) else {}
         values.setdefault("input", question)
         values[DOCUMENTS_KEY] = context
         messages = self.prompt.invoke(values, config).to_messages()
-        return messages, {**self.model_kwargs, "context": context, "question": question}
+        kwargs = {"context": context, "question": question, "passages": docs}
+        return messages, {**self.model_kwargs, **kwargs}
 
     @staticmethod
     def _output(head: dict[str, Any], notes: list[str], msg: Any) -> dict[str, Any]:
@@ -227,9 +243,10 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         return {
             **out,
             "answer": msg.text,
-            "context": head["context"],
+            "context": by_contribution(head["context"], meta["trace"]),
             "sources": list(meta["token_sources"]),
             "trace": meta["trace"],
+            "citations": meta["citations"],
             "warnings": notes + list(meta["warnings"]),
             "retrieval_empty": head["retrieval_empty"],
         }
@@ -238,7 +255,11 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
     def _stream_item(chunk: Any, notes: list[str]) -> Iterator[dict[str, Any]]:
         meta = chunk.response_metadata
         if "trace" in meta:
-            yield {"trace": meta["trace"], "warnings": notes + list(meta["warnings"])}
+            yield {
+                "trace": meta["trace"],
+                "citations": meta["citations"],
+                "warnings": notes + list(meta["warnings"]),
+            }
             return
         item: dict[str, Any] = {"answer": chunk.text}
         if meta.get("token_sources"):
