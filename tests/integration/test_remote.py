@@ -163,6 +163,12 @@ def test_query_engine_template_path_equals_the_local_class(llms):
     want = index.as_query_engine(llm=local, similarity_top_k=2).query(QUESTION)
     got = index.as_query_engine(llm=remote, similarity_top_k=2).query(QUESTION)
     assert str(got) == str(want) and got.metadata["policy_used"] == "tokrag"
+    # Each node travels as its own passage (tokrag.rendered.passages): the same citations.
+    def cited(r):
+        return [(c["text"], c["passage"], c["metadata"].get("node_id")) for c in r.metadata["citations"]]
+
+    assert cited(got) == cited(want) and any(c[2] for c in cited(want))
+    assert [n.node.node_id for n in got.source_nodes] == [n.node.node_id for n in want.source_nodes]
     streamed = index.as_query_engine(llm=remote, similarity_top_k=2, streaming=True).query(QUESTION)
     assert "".join(streamed.response_gen) == str(want)
     assert streamed.metadata["policy_used"] == "tokrag"
@@ -246,14 +252,9 @@ def test_langchain_rag_recipe_on_a_remote_chat_equals_the_local_one(chats):
     assert r.response_metadata["retrieval"] == want.response_metadata["retrieval"]
     assert r.response_metadata["retrieval"]["found"] == len(DOCS)
     assert r.content == want.content
-    # A rendered prompt's documents do not travel to the server (yet): its span is one passage,
-    # as in the local context= call without passages= (locally each document is one).
-    context = "\n\n".join(DOCS)
-    messages = prompt.invoke({"context": context, "question": QUESTION})
-    one = local.invoke(messages, context=context, question=QUESTION)
+    # The rendered prompt's documents travel (tokrag.rendered.passages): each is one passage.
     assert len(want.response_metadata["trace"]["passages"]) == len(DOCS)
-    meta = {**one.response_metadata, "retrieval": want.response_metadata["retrieval"]}
-    _same_metadata(r.response_metadata, meta)
+    _same_metadata(r.response_metadata, want.response_metadata)
     assert (chain(remote) | StrOutputParser()).batch([QUESTION, QUESTION]) == [want.content] * 2
 
 

@@ -67,6 +67,18 @@ def test_a_core_call_becomes_one_request_and_back():
     ]
     with pytest.raises(TypeError, match="cannot take speed"):
         RemoteModel._body("Q?", None, {"speed": "auto"})
+    # A rendered context cut into its documents travels with them, and comes back equal.
+    parts = [Passage("C", score=0.9, metadata={"id": "d1"}), Passage("TX", metadata={"id": "d2"})]
+    cut = RenderedPrompt("CTX", text="Notes: CTX Q?", passages=parts)
+    body = RemoteModel._body("Q?", [], {"rendered": cut})
+    sent = body["extra_body"]["tokrag"]["rendered"]
+    assert [d["metadata"]["id"] for d in sent["passages"]] == ["d1", "d2"]
+    req = parse_chat_request(
+        {k: v for k, v in body.items() if k != "extra_body"} | body["extra_body"],
+        Limits(),
+        ["tokrag"],
+    )
+    assert req.rendered == cut
 
 
 @pytest.mark.parametrize(
@@ -79,6 +91,8 @@ def test_a_core_call_becomes_one_request_and_back():
             {"rendered": {"context": "c", "messages": [{"role": "tool", "content": "x"}]}},
             "role must be",
         ),
+        ({"rendered": {"context": "ab", "text": "t", "passages": ["a", "c"]}}, "make up"),
+        ({"rendered": {"context": "a", "text": "t", "passages": "a"}}, "must be an array"),
         ({"prompt_format": "xml"}, "'qa', 'chat' or 'text'"),
         ({"max_context_tokens": 0}, "at least 1"),
     ],

@@ -215,12 +215,11 @@ class RemoteModel:
                 else {"messages": rendered.messages}
             )
             tokrag["rendered"] = {"context": rendered.context, **form}
+            if rendered.passages is not None:
+                tokrag["rendered"]["passages"] = _documents(rendered.passages)
         extra: dict[str, Any] = {"tokrag": tokrag}
         if passages is not None and (passages or rendered is None):
-            extra["documents"] = [
-                {"text": p.text, "score": p.score, "metadata": jsonable(dict(p.metadata))}
-                for p in as_passages(passages)
-            ]
+            extra["documents"] = _documents(as_passages(passages))
         return {
             "model": "tokrag",  # the server answers with the model it serves
             "messages": messages,
@@ -311,3 +310,10 @@ def _result(tokrag: dict[str, Any], text: str) -> GenerationResult:
     """A server answer's ``tokrag`` object (with its trace) as the core's result."""
     trace = Trace.from_dict(tokrag["trace"])
     return GenerationResult(text=text, trace=trace, token_ids=[s.token_id for s in trace.steps])
+
+
+def _documents(passages: Any) -> list[dict[str, Any]]:
+    """Core passages as the server's ``{text, score, metadata}`` documents."""
+    return [
+        {"text": p.text, "score": p.score, "metadata": jsonable(dict(p.metadata))} for p in passages
+    ]

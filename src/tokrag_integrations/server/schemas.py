@@ -365,21 +365,31 @@ def _stop(value: Any) -> list[str] | None:
 
 
 def _rendered(value: Any, limits: Limits) -> Any:
-    """``tokrag.rendered``: ``{"context", "messages" | "text"}`` -> a ``RenderedPrompt``."""
+    """``tokrag.rendered``: ``{"context", "messages" | "text", "passages"?}`` -> a
+    ``RenderedPrompt`` (``passages``: documents whose texts make up ``context``, in order)."""
     from ..prompts import RenderedPrompt
 
     where = "tokrag.rendered"
     _typed(value, "an object", where)
-    unknown = sorted(set(value) - {"context", "messages", "text"})
+    unknown = sorted(set(value) - {"context", "messages", "text", "passages"})
     if unknown or ("messages" in value) == ("text" in value):
         raise RequestError(
-            f"'{where}' takes 'context' and one of 'messages' (the template's turns as "
-            "formatted) or 'text' (a finished prompt)"
+            f"'{where}' takes 'context', one of 'messages' (the template's turns as "
+            "formatted) or 'text' (a finished prompt), and optionally 'passages'"
             + (f"; unknown key(s) {', '.join(unknown)}" if unknown else ""), where
         )
     context = _typed(value.get("context"), "a string", f"{where}.context")
+    parts = value.get("passages")
+    if parts is not None:
+        parts = parse_documents(parts, limits, f"{where}.passages")
+        if "".join(p.text for p in parts) != context:
+            raise RequestError(
+                f"'{where}.passages' texts must make up '{where}.context', in order",
+                f"{where}.passages",
+            )
     if "text" in value:
-        return RenderedPrompt(context, text=_typed(value["text"], "a string", f"{where}.text"))
+        text = _typed(value["text"], "a string", f"{where}.text")
+        return RenderedPrompt(context, text=text, passages=parts)
     turns = value["messages"]
     if not isinstance(turns, list) or not turns or len(turns) > limits.max_messages:
         raise RequestError(
@@ -393,7 +403,7 @@ def _rendered(value: Any, limits: Limits) -> Any:
         if role not in ("system", "user", "assistant"):
             raise RequestError(f"{w}.role must be 'system', 'user' or 'assistant', got {role!r}", w)
         out.append({"role": role, "content": _typed(m.get("content"), "a string", f"{w}.content")})
-    return RenderedPrompt(context, messages=out)
+    return RenderedPrompt(context, messages=out, passages=parts)
 
 
 def _tokrag(value: Any, req: ChatRequest, policies: Sequence[str], limits: Limits) -> None:
