@@ -25,7 +25,8 @@ Protocol (fixed before any reading was scored on it):
   items, seed 0; an item's k's stay together).
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/citations.py --record runs/cite  # resumable
-    python benchmarks/citations.py --score runs/cite               # tuning table, choice, held out
+    python benchmarks/citations.py --score runs/cite               # tuning table and choice
+    python benchmarks/citations.py --score runs/cite --held-out    # then, once: held out
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/citations.py --cost 20 --max-new-tokens 24
 
 ``--cost N``: the cost of citations: N SQuAD questions (k = 5) decoded with citations on and
@@ -47,9 +48,9 @@ from typing import Any
 import torch
 
 from tokrag_integrations import generate, load_model
-from tokrag_integrations.policies import vocab
 from tokrag_integrations.evaluation.data import load_items, mix_passages
 from tokrag_integrations.evaluation.metrics import cover_em
+from tokrag_integrations.policies import vocab
 from tokrag_integrations.policies.tokrag import TokRAG
 from tokrag_integrations.retrieval.embedder import load_embedder
 
@@ -90,7 +91,9 @@ class Recording(TokRAG):
             punct = self._punct_all[ids].float()[:, None]
             skip = torch.maximum(punct, self._skip_all[ids].float()[:, None])
             sub = attn[:, :, rt]  # [L, H, R]
-            masses = torch.stack([sub @ onehot, sub @ (onehot * (1 - punct)), sub @ (onehot * (1 - skip))])
+            masses = torch.stack(
+                [sub @ onehot, sub @ (onehot * (1 - punct)), sub @ (onehot * (1 - skip))]
+            )
             # each head's argmax over the whole row: its passage (-1 outside) and a copy hit
             where = torch.full((attn.shape[-1],), -1, dtype=torch.long)
             where[rt] = which
@@ -234,8 +237,9 @@ def _mass_reading(
 
 
 def _vote_reading(top: torch.Tensor | None, hits_only: bool, fallback: Reading) -> Reading:
-    """Σ_t Σ_{(l,h) ∈ heads} [argmax of head (l,h) at t lies in passage j (and holds the
-    generated token, ``hits_only``)]; ``fallback`` where no head votes."""
+    """Σ_t s_t with s_t,j = v_t,j / Σ_k v_t,k, v_t,j = #{(l,h) ∈ heads: the argmax of head
+    (l,h) at step t lies in passage j (and holds the generated token, ``hits_only``)}; at a
+    step where no head votes, s_t is ``fallback``'s (as the engine records a step)."""
 
     def read(s: dict, steps: range) -> torch.Tensor:
         idx = list(steps)
@@ -246,9 +250,14 @@ def _vote_reading(top: torch.Tensor | None, hits_only: bool, fallback: Reading) 
         if top is not None:
             ok &= top[None]
         p = s["mass"].shape[-1]
-        votes = torch.zeros(p)
-        votes.scatter_add_(0, arg[ok].clamp_min(0), torch.ones(int(ok.sum())))
-        return votes if votes.sum() > 0 else fallback(s, steps)
+        total = torch.zeros(p)
+        for i, t in enumerate(idx):
+            votes = torch.zeros(p).scatter_add_(0, arg[i][ok[i]], torch.ones(int(ok[i].sum())))
+            if votes.sum() > 0:
+                total += votes / votes.sum()
+            else:
+                total += fallback(s, range(t, t + 1))
+        return total
 
     return read
 
@@ -295,12 +304,12 @@ def readings(tuning: list[dict]) -> dict[str, tuple[Reading, str]]:
                 "span",
             )
         out[f"top-{k} retrieval heads, argmax vote"] = (_vote_reading(top, False, current), "span")
-    out["copy vote: every head whose argmax holds the token"] = (
-        _vote_reading(None, True, current),
-        "span",
-    )
     out["copy vote, heads of layers 0.6L-0.8L"] = (
         _vote_reading(_layer_mask(score, um), True, current),
+        "span",
+    )
+    out["copy vote: every head whose argmax holds the token"] = (
+        _vote_reading(None, True, current),
         "span",
     )
     return out
@@ -360,8 +369,9 @@ def _hits(rows: list[dict], read: Reading, which: str) -> list[bool]:
     return [int(read(r["steps"], _steps(r, which)).argmax()) in r["gold"] for r in rows]
 
 
-def score(root: Path, choose: str | None = None) -> None:
-    """The tuning table (every reading), the choice, and the held-out comparison."""
+def score(root: Path, choose: str | None = None, report: bool = False) -> None:
+    """The tuning table (every reading) and the choice; ``report``: also the held-out
+    comparison of the choice (run once, after the choice)."""
     recs = {name: load_records(root, name) for name, _ in SETS}
     tune_all = [r for rs in recs.values() for r in rs if not r["held_out"]]
     table = readings(tune_all)
@@ -385,7 +395,7 @@ def score(root: Path, choose: str | None = None) -> None:
     assert chosen is not None
     print(f"\nChosen on the tuning part: {chosen}")
     read, which = table[chosen]
-    for name, rs in recs.items():
+    for name, rs in recs.items() if report else ():
         rows = [r for r in rs if "span" in r and r["held_out"]]
         if not rows:
             continue
@@ -442,7 +452,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--record", type=Path, help="decode and write the records to this folder")
     ap.add_argument("--score", type=Path, help="score the readings from this folder")
-    ap.add_argument("--choose", help="score this reading on the held-out part (default: best)")
+    ap.add_argument("--choose", help="the reading to report (default: the best on tuning)")
+    ap.add_argument("--held-out", action="store_true", help="also report the held-out part")
     ap.add_argument("--squad", type=int, default=300, help="SQuAD dev items")
     ap.add_argument("--rgb", type=int, default=50, help="RGB dev items")
     ap.add_argument("--max-new-tokens", type=int, default=16)
@@ -452,7 +463,7 @@ def main() -> None:
     torch.manual_seed(0)
     t0 = time.time()
     if a.score:
-        score(a.score, a.choose)
+        score(a.score, a.choose, a.held_out)
     elif a.cost:
         lm = load_model("default")
         run_cost(lm, a.data / "squad_dev.jsonl", a.cost, 0.8, 5, a.max_new_tokens)
