@@ -395,7 +395,8 @@ def score(root: Path, choose: str | None = None, report: bool = False) -> None:
     assert chosen is not None
     print(f"\nChosen on the tuning part: {chosen}")
     read, which = table[chosen]
-    for name, rs in recs.items() if report else ():
+    sets = [*recs.items(), ("squad + rgb", [r for rs in recs.values() for r in rs])]
+    for name, rs in sets if report else ():
         rows = [r for r in rs if "span" in r and r["held_out"]]
         if not rows:
             continue
@@ -411,6 +412,11 @@ def score(root: Path, choose: str | None = None, report: bool = False) -> None:
             k = sum(hits)
             lo, hi = wilson(k, len(rows))
             print(f"| {label} | {k}/{len(rows)} = {k / len(rows):.3f} [{lo:.2f}, {hi:.2f}] |")
+        um = _layer_mask(rows[0]["steps"]["hit"][0], upper_middle)
+        voted = [
+            bool((r["steps"]["hit"][i].bool() & um).any()) for r in rows for i in range(*r["span"])
+        ]
+        print(f"(span steps with a copying head in layers 0.6L-0.8L: {sum(voted)}/{len(voted)})")
         for b in ("top_ranked", "embedder"):
             d, lo, hi = paired_bootstrap(ids, att, [_base(r, b) for r in rows])
             print(f"| chosen − {b} | {d:+.3f} [{lo:+.3f}, {hi:+.3f}] |")
