@@ -309,7 +309,12 @@ class Decoder:
             if lengths is not None:
                 rag = views["rag"]
                 rows = rag.attention_rows(self._cite_layers)
-                ev.step.citation = passage_scores(rows, list(rag.rt_positions.split(lengths)))
+                ev.step.citation = passage_scores(
+                    rows,
+                    list(rag.rt_positions.split(lengths)),
+                    list(rag.rt_token_ids.split(lengths)),
+                    int(choice.token_id),
+                )
             self.steps[q] += 1
             self.done[q] = ev.finished
             self._chosen[q] = int(choice.token_id)
