@@ -38,6 +38,8 @@ def test_copy_vote_counts_the_heads_whose_argmax_holds_the_generated_token():
     # No head copies the token: the attention mass, as without the token.
     assert passage_scores(attn, spans, ids, 99) == pytest.approx(passage_scores(attn, spans))
     assert passage_scores(attn, spans) == pytest.approx([1.8 / 3.9, 2.1 / 3.9])  # the mass
+    empty = [torch.tensor([], dtype=torch.long)] * 2
+    assert passage_scores(attn, empty, empty, 42) == pytest.approx([0.5, 0.5])
 
 
 def test_citation_layers():

@@ -51,7 +51,8 @@ def passage_scores(
     Args:
         attn: [..., H, T] attention probabilities of the generating position (one layer
             [H, T] or several [n, H, T]), over the whole context.
-        spans: per passage, its positions in the coordinates of ``attn``'s last dimension.
+        spans: per passage, its positions in the coordinates of ``attn``'s last dimension
+            (ascending, passage after passage, as in the prompt).
         ids: per passage, the token ids at those positions; with ``token`` (the generated
             token) the copy vote is taken, else only the attention mass.
 
@@ -61,9 +62,10 @@ def passage_scores(
     if not spans:
         return []
     rows = attn.reshape(-1, attn.shape[-1]).float()
-    if ids is not None and token is not None:
+    pos = torch.cat(spans)
+    if ids is not None and token is not None and len(pos):
         top = rows.argmax(-1)  # each head's argmax position
-        pos, tok = torch.cat(spans), torch.cat(ids)
+        tok = torch.cat(ids)
         at = torch.searchsorted(pos, top).clamp_max(len(pos) - 1)  # positions are ascending
         copied = (pos[at] == top) & (tok[at] == token)
         if bool(copied.any()):
