@@ -26,6 +26,22 @@ def test_passage_scores_are_shares_of_the_passages_mass():
     assert passage_scores(attn, []) == []
 
 
+def test_copy_vote_counts_the_heads_whose_argmax_holds_the_generated_token():
+    attn = torch.zeros(3, 2, 8)  # [L, H, T]; passage 0 at 1-3, passage 1 at 5-7
+    spans = [torch.tensor([1, 2, 3]), torch.tensor([5, 6, 7])]
+    ids = [torch.tensor([10, 42, 11]), torch.tensor([12, 42, 13])]
+    attn[..., 0] = 0.5  # every head leans on position 0, outside the passages ...
+    attn[0, 0, 2] = attn[1, 0, 2] = 0.9  # ... but for three whose argmax copies 42
+    attn[2, 1, 6] = 0.9
+    attn[2, 0, 5] = 1.2  # this one lands on passage 1 at a token other than 42: no vote
+    assert passage_scores(attn, spans, ids, 42) == pytest.approx([2 / 3, 1 / 3])
+    # No head copies the token: the attention mass, as without the token.
+    assert passage_scores(attn, spans, ids, 99) == pytest.approx(passage_scores(attn, spans))
+    assert passage_scores(attn, spans) == pytest.approx([1.8 / 3.9, 2.1 / 3.9])  # the mass
+    empty = [torch.tensor([], dtype=torch.long)] * 2
+    assert passage_scores(attn, empty, empty, 42) == pytest.approx([0.5, 0.5])
+
+
 def test_citation_layers():
     assert citation_layers(30, "last") == [29]
     assert citation_layers(30, "last4") == [26, 27, 28, 29]

@@ -1,10 +1,13 @@
-"""Citation scores from the model's own attention (issue 46): at a generated step, how much
-the generating position of the RAG context attends to each passage.
+"""Citation scores from the model's own attention (issue 46): at a generated step, which
+passage the generating position of the RAG context drew the token from.
 
-score_j = Σ_{t ∈ span_j} ā(t) / Σ_k Σ_{t ∈ span_k} ā(t), where ā is the attention row of the
-position that predicts the token, averaged over heads and over the layers read
-(:func:`citation_layers`). The layers read were chosen on dev (``benchmarks/citations.py``;
-docs/results.md, "Citations").
+Copy vote: over the heads (l, h) of the layers read (:func:`citation_layers`), C is the set
+whose attention argmax lands on a passage position holding the generated token w (the
+"retrieval heads" test of Wu et al. 2024, arXiv 2404.15574, applied per step, so no head
+table is needed: it holds on any model). score_j = |{(l, h) ∈ C : argmax ∈ span_j}| / |C|.
+Where C is empty (w is not copied, or no head attends to it), the attention mass:
+score_j = Σ_{t ∈ span_j} ā(t) / Σ_k Σ_{t ∈ span_k} ā(t), ā averaged over those heads and
+layers. Chosen on dev (``benchmarks/citations.py``; docs/results.md, "Citations").
 """
 
 from __future__ import annotations
@@ -37,21 +40,42 @@ def citation_layers(num_layers: int, choice: str = DEFAULT_LAYERS) -> list[int]:
     raise ValueError(f"unknown citation layers {choice!r}; one of {', '.join(LAYER_CHOICES)}")
 
 
-def passage_scores(attn: torch.Tensor, spans: list[torch.Tensor]) -> list[float]:
-    """Each passage's share of the attention on all passages.
+def passage_scores(
+    attn: torch.Tensor,
+    spans: list[torch.Tensor],
+    ids: list[torch.Tensor] | None = None,
+    token: int | None = None,
+) -> list[float]:
+    """Each passage's share of the copying heads' votes, else of the attention on all passages.
 
     Args:
         attn: [..., H, T] attention probabilities of the generating position (one layer
-            [H, T] or several [n, H, T]); averaged over every leading dimension.
-        spans: per passage, its positions in the coordinates of ``attn``'s last dimension.
+            [H, T] or several [n, H, T]), over the whole context.
+        spans: per passage, its positions in the coordinates of ``attn``'s last dimension
+            (ascending, passage after passage, as in the prompt).
+        ids: per passage, the token ids at those positions; with ``token`` (the generated
+            token) the copy vote is taken, else only the attention mass.
 
     Returns:
         One score per passage, summing to 1 (uniform where the passages get no attention).
     """
     if not spans:
         return []
-    row = attn.reshape(-1, attn.shape[-1]).float().mean(0)
-    mass = torch.stack([row.index_select(0, pos).sum() for pos in spans])
+    rows = attn.reshape(-1, attn.shape[-1]).float()
+    pos = torch.cat(spans)
+    if ids is not None and token is not None and len(pos):
+        top = rows.argmax(-1)  # each head's argmax position
+        tok = torch.cat(ids)
+        at = torch.searchsorted(pos, top).clamp_max(len(pos) - 1)  # positions are ascending
+        copied = (pos[at] == top) & (tok[at] == token)
+        if bool(copied.any()):
+            ends = torch.tensor([len(p) for p in spans], device=pos.device).cumsum(0)
+            votes = torch.bincount(
+                torch.searchsorted(ends, at[copied], right=True), minlength=len(spans)
+            )
+            return (votes.float() / votes.sum()).tolist()
+    row = rows.mean(0)
+    mass = torch.stack([row.index_select(0, p).sum() for p in spans])
     total = float(mass.sum())
     if not total > 0:
         return [1.0 / len(spans)] * len(spans)

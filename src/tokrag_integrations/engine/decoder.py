@@ -310,7 +310,12 @@ class Decoder:
             if lengths is not None:
                 rag = views["rag"]
                 rows = rag.attention_rows(self._cite_layers)
-                ev.step.citation = passage_scores(rows, list(rag.rt_positions.split(lengths)))
+                ev.step.citation = passage_scores(
+                    rows,
+                    list(rag.rt_positions.split(lengths)),
+                    list(rag.rt_token_ids.split(lengths)),
+                    int(choice.token_id),
+                )
             elif (
                 self.citations is not False
                 and views
