@@ -177,8 +177,11 @@ class Trace:
         return out
 
     def citations_data(self, by: str = "run") -> list[dict[str, Any]]:
-        """:meth:`citations` as JSON data (one dict per span, the passage's metadata included):
-        what the framework adapters and the server put in their responses."""
+        """:meth:`citations` as JSON data (one dict per span, the passage's metadata included),
+        ``[]`` where no token carries a citation: what the framework adapters and the server
+        put in their responses."""
+        if not any(s.citation for s in self.steps):
+            return []
         return _json_data([asdict(c) for c in self.citations(by)])
 
     def contributions(self) -> list[tuple[int, float]]:
@@ -192,6 +195,12 @@ class Trace:
         totals = [sum(col) / len(rows) for col in zip(*rows, strict=True)]
         return sorted(zip(kept, totals, strict=True), key=lambda t: -t[1])
 
+    def passage_order(self) -> list[int]:
+        """Every passage's index: by :meth:`contributions` first, the others after them in
+        prompt order (all in prompt order without citations)."""
+        first = [i for i, _ in self.contributions()]
+        return first + [i for i in range(len(self.passages)) if i not in first]
+
     def to_dict(self) -> dict[str, Any]:
         """The trace as JSON data: ``json.dumps`` takes it as is, and ``json.loads`` of that
         gives it back equal (tensors and numpy values become numbers or nested lists, sets
@@ -199,7 +208,7 @@ class Trace:
         floats stay floats, written ``NaN`` / ``Infinity`` as ``json`` does by default)."""
         d = _json_data(asdict(self))
         d["counts"] = self.counts()
-        d["citations"] = self.citations_data()
+        d["citations"] = _json_data([asdict(c) for c in self.citations()])
         return d
 
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 2) -> str:

@@ -233,7 +233,7 @@ def final_metadata(result: GenerationResult, lm: LoadedModel) -> dict[str, Any]:
         "prompt_tokens": dict(trace.prompt_tokens),
         "warnings": list(trace.warnings),
         "trace": data,
-        "citations": data["citations"] if any(s.citation for s in trace.steps) else [],
+        "citations": trace.citations_data(),
     }
 
 

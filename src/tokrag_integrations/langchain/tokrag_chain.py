@@ -103,8 +103,7 @@ def by_contribution(docs: list[Document], trace: dict[str, Any]) -> list[Documen
     tr = Trace.from_dict(trace)
     if len(tr.passages) != len(docs):  # not one passage per document: as retrieved
         return list(docs)
-    first = [i for i, _ in tr.contributions()]
-    return [docs[i] for i in first] + [d for i, d in enumerate(docs) if i not in first]
+    return [docs[i] for i in tr.passage_order()]
 
 
 class TokRAGChain(Runnable[Any, dict[str, Any]]):

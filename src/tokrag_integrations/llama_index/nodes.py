@@ -105,8 +105,6 @@ def node_citations(trace: Trace) -> dict[str, list[dict[str, Any]]]:
     metadata holds its node's ``node_id`` and metadata), ``contributions``: per node, its
     share of the answer's attention (``node_id``, ``share``), largest first. Both empty
     where no token carries a citation (``citations=False``, a policy without a RAG context)."""
-    if not any(s.citation for s in trace.steps):
-        return {"citations": [], "contributions": []}
     shares: dict[str, float] = {}
     for i, share in trace.contributions():
         node_id = trace.passages[i].metadata.get("node_id")

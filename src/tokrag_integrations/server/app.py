@@ -53,16 +53,17 @@ def tokrag_object(result: Any, req: ChatRequest, extra_warnings: list[str]) -> d
     answer's spans (:meth:`~tokrag_integrations.trace.Trace.citations_data`; [] where no token
     carries one)."""
     tr = result.trace
-    shares, cites = dict(tr.contributions()), tr.citations_data()
-    order = sorted(range(len(tr.passages)), key=lambda i: -shares.get(i, -1.0))
+    shares = dict(tr.contributions())
     return {
         "policy": tr.policy,
         "counts": tr.counts(),
         "stop_reason": tr.stop_reason,
         "prompt_tokens": dict(tr.prompt_tokens),
         "warnings": [*tr.warnings, *req.warnings, *extra_warnings],
-        "sources": [{**asdict(tr.passages[i]), "contribution": shares.get(i)} for i in order],
-        "citations": cites if any(c["passage"] is not None for c in cites) else [],
+        "sources": [
+            {**asdict(tr.passages[i]), "contribution": shares.get(i)} for i in tr.passage_order()
+        ],
+        "citations": tr.citations_data(),
         "trace": tr.to_dict() if req.trace else None,
     }
 
