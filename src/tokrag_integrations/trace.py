@@ -11,7 +11,7 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from .labels import AGREE, FROM_LLM, FROM_RAG
 
@@ -24,6 +24,7 @@ __all__ = [
     "PassageRecord",
     "Trace",
     "TraceStep",
+    "comparable",
 ]
 
 
@@ -102,7 +103,19 @@ def _sentence_end(text: str) -> bool:
 
 @dataclass
 class Trace:
-    """Everything needed to explain one generated answer."""
+    """Everything needed to explain one generated answer.
+
+    ``options`` are the rule's options (what decides the tokens). ``timings`` (seconds,
+    flags, counts) and ``speed`` (the call's :class:`~.engine.speed.Speed` fields, e.g.
+    ``fuse``, and ``speed_paths_off``: each speed path that was off at the end of this decode,
+    with its reason) say how fast the answer was made and what this machine measured: they may
+    differ between two decodes of one call (another machine, or before and after the process
+    measured its speed paths) whose tokens and decisions are equal, and
+    :meth:`comparable` leaves them out.
+    """
+
+    #: The fields that depend on the machine and the moment, not on the call.
+    MEASURED: ClassVar[tuple[str, ...]] = ("timings", "speed")
 
     query: str
     policy: str
@@ -115,6 +128,7 @@ class Trace:
     stop_reason: str = ""
     prompt_tokens: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    speed: dict[str, Any] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         """Number of generated tokens per source label."""
@@ -211,6 +225,14 @@ class Trace:
         d["citations"] = _json_data([asdict(c) for c in self.citations()])
         return d
 
+    def comparable(self) -> dict[str, Any]:
+        """:meth:`to_dict` less the :data:`MEASURED` fields (``timings``, ``speed``): the
+        query, policy, model, options, passages, warnings, text, stop reason, prompt tokens,
+        and every step's token, source, candidates, signals, stats and citation. Two decodes
+        of one call give equal ones wherever and whenever they run (their floats up to
+        rounding where the sums run on another number of threads)."""
+        return comparable(self.to_dict())
+
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 2) -> str:
         text = json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
         if path is not None:
@@ -252,6 +274,12 @@ class Trace:
         from .render import render_trace
 
         render_trace(self, console=console)
+
+
+def comparable(data: dict[str, Any]) -> dict[str, Any]:
+    """A trace's JSON data (:meth:`Trace.to_dict`, a server's or an adapter's ``trace``) less
+    :data:`Trace.MEASURED`: see :meth:`Trace.comparable`."""
+    return {k: v for k, v in data.items() if k not in Trace.MEASURED}
 
 
 def _json_key(k: Any) -> str:

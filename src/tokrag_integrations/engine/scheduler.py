@@ -95,17 +95,17 @@ _SETTINGS = (
 )
 
 
-def _speed_paths_off(lm: LoadedModel) -> dict[str, Any]:
-    """``{"speed_paths_off": {path: reason}}`` for the trace options where some speed path is
-    off on this model (non-CPU device, non-float32 dtype, architecture outside the tested
-    matrix, ``cpu_kernels='off'``), else nothing."""
+def _speed_paths_off(lm: LoadedModel) -> dict[str, str]:
+    """``{path: reason}`` for each speed path off on this model now (non-CPU device,
+    non-float32 dtype, architecture outside the tested matrix, ``cpu_kernels='off'``, measured
+    slower here): the trace's ``speed["speed_paths_off"]``, never its options, since a path
+    measured during a process's first decode is off only for the later ones."""
     from ..accel.install import speed_paths
 
     # "on" may carry what was measured ("on (...)"): only the paths that are off count.
-    off = {
+    return {
         k: v.removeprefix("off: ") for k, v in speed_paths(lm.model).items() if v.startswith("off")
     }
-    return {"speed_paths_off": off} if off else {}
 
 
 @dataclass
@@ -193,7 +193,8 @@ def _prepare(
             query=queries[i],
             policy=pol.name,
             model=lm.name,
-            options={**pol.options(), **chosen_speed.options(), **_speed_paths_off(lm)},
+            options=pol.options(),
+            speed=chosen_speed.options(),
             passages=plans[i].passages,
             warnings=list(plans[i].warnings),
             prompt_tokens={
@@ -420,8 +421,10 @@ class _Loop:
         if any(x is None for x in r.results):
             return
         end = time.perf_counter()  # the call's queries are timed to its end
+        off = _speed_paths_off(self.lm)  # after this decode's own measurements
         for x in r.queries:
             x.trace.timings = {**x.timings, "decode_s": end - x.t1, "total_s": end - x.t0}
+            x.trace.speed["speed_paths_off"] = dict(off)
         r.done.set()
         if r.events is not None:
             r.events.put(None)
