@@ -14,6 +14,36 @@ from typing import Any
 import pytest
 
 
+def machine_summary() -> list[str]:
+    """What a test run's speed and timing depend on, for its header (``tests/conftest.py``)
+    and ``.ci/run``: the CPU model, the CPUs this process may use, the load average, and
+    torch's version and thread counts."""
+    import os
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")),
+                model,
+            )
+    except OSError:  # not Linux
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    lines = [f"cpu: {model}; {usable} of {os.cpu_count()} CPUs usable; load average {load}"]
+    try:
+        import torch
+    except ImportError:  # the unit tests' guard names what is missing
+        return [*lines, "torch: not installed"]
+    return [
+        *lines,
+        f"torch {torch.__version__}: {torch.get_num_threads()} intra-op threads, "
+        f"{torch.get_num_interop_threads()} inter-op threads",
+    ]
+
+
 def require(module: str, package: str | None = None) -> ModuleType:
     """Import ``module``, which the ``dev`` extra installs (``package``: its PyPI name, if it
     differs). Missing, the test fails naming the package and the extra: a skip would hide a
