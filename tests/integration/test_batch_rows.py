@@ -32,9 +32,10 @@ PS = [
 
 
 #: Seconds a test waits for its calls' threads before it fails naming the one still running
-#: (never a performance check: a call that hangs runs into it). A batched decode of four calls
-#: took 591 s on a 2-core machine at a load average of 15 (others' jobs beside it), so a
-#: 600 s bound ended a test while its first call was still decoding (issue 58: "KeyError: 0").
+#: (never a performance check: a call that hangs runs into it). The four calls of
+#: test_calls_arriving_mid_decode_join_it_through_the_micro_batcher took 140 to 591 s on a
+#: 2-core machine at load averages of 11 to 25 (others' jobs beside them): a 600 s bound could
+#: end the test while its first call was still decoding (issue 58's "KeyError: 0").
 JOIN_S = float(os.environ.get("TOKRAG_TEST_JOIN_S", "3600"))
 
 QS4 = QS + ["Who painted the Mona Lisa?"]
