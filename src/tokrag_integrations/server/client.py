@@ -348,8 +348,13 @@ class RemoteModel:
     def info(self) -> dict[str, Any]:
         """The served model as ``/v1/models`` describes it (asked once): ``id``,
         ``context_window``, ``chat``, ``eos_token_ids``."""
+        return self._info_within(self.timeout)
+
+    def _info_within(self, seconds: float) -> dict[str, Any]:
+        """:meth:`info`, asked within ``seconds`` (an async call's deadline covers it too)."""
         if self._info is None:
-            raw = self._run(lambda t: self._client.models.with_raw_response.list(timeout=t))
+            list_models = self._client.models.with_raw_response.list
+            raw = self._run(lambda t: list_models(timeout=t), _Call(seconds, watch=True))
             self._info = self._parsed(_model_info, raw.http_response)
         return self._info
 
@@ -388,11 +393,12 @@ class RemoteModel:
 
     async def agenerate(self, query: str, passages: Any = None, **kw: Any) -> GenerationResult:
         """:func:`tokrag_integrations.agenerate` on the server."""
-        await self._ainfo()
+        call = _Call(self.timeout, watch=False)
+        await self._ainfo(call)
         body = self._body(query, passages, kw)
         client = self._async()
         raw = await self._arun(
-            lambda t: client.chat.completions.with_raw_response.create(timeout=t, **body)
+            lambda t: client.chat.completions.with_raw_response.create(timeout=t, **body), call
         )
         return self._parsed(_answer, raw.http_response)
 
@@ -403,10 +409,10 @@ class RemoteModel:
         deadline (``timeout``) covers the whole stream."""
         import anyio
 
-        await self._ainfo()
+        call = _Call(self.timeout, watch=False)
+        await self._ainfo(call)
         body = self._body(query, passages, kw)
         client = self._async()
-        call = _Call(self.timeout, watch=False)
         events = await self._arun(
             lambda t: client.chat.completions.create(stream=True, timeout=t, **body), call
         )
@@ -508,10 +514,11 @@ class RemoteModel:
             after = min(first * 2.0**attempt, largest) * (1 - 0.25 * random.random())
         return after if after < call.left() else None
 
-    async def _ainfo(self) -> None:
-        """Ask for :meth:`info` off the event loop (the adapters read ``name`` afterwards)."""
+    async def _ainfo(self, call: _Call) -> None:
+        """Ask for :meth:`info` off the event loop, within ``call``'s deadline (the adapters
+        read ``name`` afterwards)."""
         if self._info is None:
-            await asyncio.to_thread(self.info)
+            await asyncio.to_thread(self._info_within, max(call.left(), 0.001))
 
     def _async(self) -> Any:
         loop = asyncio.get_running_loop()
