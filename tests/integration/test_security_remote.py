@@ -274,7 +274,7 @@ def test_06_the_cap_is_an_option_of_the_adapters(hostile):
     chat = ChatTokRAG(base_url=server.url, max_response_mb=0.5)
     got = _outcome(lambda: chat.invoke("Q?", passages=["d"]))
     assert isinstance(got, RemoteError) and "max_response_mb=0.5 (524288 bytes)" in str(got)
-    with pytest.raises(ValueError, match="max_response_mb must be a finite number above 0"):
+    with pytest.raises(ValueError, match="max_response_mb must be a number above 0"):
         TokRAGLLM(base_url=server.url, max_response_mb=0)
 
 

@@ -69,6 +69,7 @@ def test_redacted_keeps_the_rest_of_the_url():
         ("timeout", float("nan")),
         ("timeout", 10**400),
         ("timeout", "soon"),
+        ("timeout", 1e12),
         ("max_response_mb", -1),
         ("max_response_mb", float("inf")),
         ("max_retries", -1),
@@ -78,6 +79,17 @@ def test_redacted_keeps_the_rest_of_the_url():
 def test_client_options_are_checked_by_name(option, value):
     with pytest.raises(ValueError, match=f"{option} must be"):
         RemoteModel("http://127.0.0.1:9/v1", **{option: value})
+
+
+def test_the_size_cap_has_one_default_everywhere():
+    import inspect
+
+    from tokrag_integrations.defaults import REMOTE_MAX_RESPONSE_MB
+
+    sig = inspect.signature(RemoteModel.__init__).parameters["max_response_mb"]
+    assert sig.default == REMOTE_MAX_RESPONSE_MB == 32
+    assert TokRAGLLM.model_fields["max_response_mb"].default == REMOTE_MAX_RESPONSE_MB
+    assert ChatTokRAG.model_fields["max_response_mb"].default == REMOTE_MAX_RESPONSE_MB
 
 
 # ------------------------------------------------------------------ Trace.from_dict

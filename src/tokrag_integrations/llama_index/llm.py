@@ -351,7 +351,8 @@ class TokRAGLLM(CustomLLM):
         "Retry-After), within timeout.",
     )
     max_response_mb: float = Field(
-        default=REMOTE_MAX_RESPONSE_MB, description="The largest server answer read (MB of 2**20 bytes)."
+        default=REMOTE_MAX_RESPONSE_MB,
+        description="The largest server answer read (MB of 2**20 bytes).",
     )
 
     _lm: Any = PrivateAttr()

@@ -73,6 +73,8 @@ _CALL_KEYS = (
 
 #: Default ``max_response_mb`` (:data:`..defaults.REMOTE_MAX_RESPONSE_MB`).
 MAX_RESPONSE_MB = REMOTE_MAX_RESPONSE_MB
+#: The largest ``timeout`` (seconds, about 115 days): what a timer and a socket can wait.
+MAX_TIMEOUT = 1e7
 #: The longest ``Retry-After`` (seconds) honoured; a longer one is not retried.
 MAX_RETRY_AFTER = 60.0
 #: Exponential backoff between retries without ``Retry-After``: first wait and largest wait.
@@ -267,14 +269,14 @@ def _async_http(openai: Any, httpx: Any, max_bytes: int) -> Any:
     )
 
 
-def _checked_number(value: Any, name: str, *, minimum: float = 0.0) -> float:
-    """``value`` as a finite float above ``minimum``, else a ValueError naming ``name``."""
+def _checked_number(value: Any, name: str, *, most: float) -> float:
+    """``value`` as a float above 0 and at most ``most``, else a ValueError naming ``name``."""
     try:
         number = float(value)
     except (TypeError, ValueError, OverflowError):
         number = math.nan
-    if isinstance(value, bool) or not math.isfinite(number) or number <= minimum:
-        raise ValueError(f"{name} must be a finite number above {minimum:g}, got {value!r}")
+    if isinstance(value, bool) or not 0 < number <= most:
+        raise ValueError(f"{name} must be a number above 0 and at most {most:g}, got {value!r}")
     return number
 
 
@@ -319,12 +321,12 @@ class RemoteModel:
                 f"key as api_key= (or set ${config.API_KEY})"
             )
         self.base_url = base_url.rstrip("/")
-        self.timeout = _checked_number(timeout, "timeout")
+        self.timeout = _checked_number(timeout, "timeout", most=MAX_TIMEOUT)
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries must be a whole number >= 0, got {max_retries!r}")
         self.max_retries = max_retries
-        self.max_response_mb = _checked_number(max_response_mb, "max_response_mb")
-        self._max_bytes = max(1, int(min(self.max_response_mb, 2.0**40) * 2**20))
+        self.max_response_mb = _checked_number(max_response_mb, "max_response_mb", most=2**20)
+        self._max_bytes = max(1, int(self.max_response_mb * 2**20))
         key = api_key if api_key is not None else config.api_key()
         # The openai client retries nothing: the retries are made here, within the deadline.
         self._options = {
