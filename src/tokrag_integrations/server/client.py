@@ -339,6 +339,9 @@ class RemoteModel:
         self._client = openai.OpenAI(
             **self._options, http_client=_sync_http(openai, httpx, self._max_bytes)
         )
+        # The openai package imports its resources on first use (seconds on a busy machine):
+        # here, not inside a call's deadline.
+        self._chat, self._models = self._client.chat.completions, self._client.models
         # One async client per event loop: an httpx pool belongs to the loop that opened it.
         self._aclients: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._info: dict[str, Any] | None = None
@@ -355,7 +358,7 @@ class RemoteModel:
     def _info_within(self, seconds: float) -> dict[str, Any]:
         """:meth:`info`, asked within ``seconds`` (an async call's deadline covers it too)."""
         if self._info is None:
-            list_models = self._client.models.with_raw_response.list
+            list_models = self._models.with_raw_response.list
             raw = self._run(lambda t: list_models(timeout=t), _Call(seconds, watch=True))
             self._info = self._parsed(_model_info, raw.http_response)
         return self._info
@@ -380,7 +383,7 @@ class RemoteModel:
     def generate(self, query: str, passages: Any = None, **kw: Any) -> GenerationResult:
         """:func:`tokrag_integrations.generate` on the server."""
         body = self._body(query, passages, kw)
-        create = self._client.chat.completions.with_raw_response.create
+        create = self._chat.with_raw_response.create
         raw = self._run(lambda t: create(timeout=t, **body))
         return self._parsed(_answer, raw.http_response)
 
@@ -389,7 +392,7 @@ class RemoteModel:
         ``.result`` after the last. The deadline (``timeout``) covers the whole stream."""
         body = self._body(query, passages, kw)
         call = _Call(self.timeout, watch=True)
-        create = self._client.chat.completions.create
+        create = self._chat.create
         events = self._run(lambda t: create(stream=True, timeout=t, **body), call, keep=True)
         return RemoteStream(self, events, call, body["max_tokens"])
 
