@@ -241,6 +241,11 @@ class Trace:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trace:
+        """The trace :meth:`to_dict` wrote (or a server sent), checked: a field of the wrong
+        type, an unknown field, or a ``citation`` row that is not one share per kept passage
+        is a ``ValueError`` naming it (``trace.steps[3].citation``), here rather than an
+        ``IndexError`` later in :meth:`cite` or :meth:`to_html`."""
+        _check_trace(d)
         d = dict(d)
         d.pop("counts", None)
         d.pop("citations", None)
@@ -280,6 +285,86 @@ def comparable(data: dict[str, Any]) -> dict[str, Any]:
     """A trace's JSON data (:meth:`Trace.to_dict`, a server's or an adapter's ``trace``) less
     :data:`Trace.MEASURED`: see :meth:`Trace.comparable`."""
     return {k: v for k, v in data.items() if k not in Trace.MEASURED}
+
+
+# ---------------------------------------------------------------- checking a trace's data
+def _is(value: Any, kind: str) -> bool:
+    """Whether ``value`` is JSON data of ``kind``: ``str``, ``int``, ``bool``, ``num`` (a
+    number), ``num?`` (a number or null: NaN is written null in strict JSON), ``dict``,
+    ``list``, ``any``."""
+    if kind == "any":
+        return True
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == "num?":
+        return value is None or isinstance(value, (int, float))
+    types = {"str": str, "int": int, "num": (int, float), "dict": dict, "list": list}
+    return isinstance(value, types[kind])
+
+
+#: Each record's fields and their kinds (:func:`_is`); the required ones are marked ``!``.
+_TRACE_FIELDS = {
+    "query": "str!", "policy": "str!", "model": "str", "options": "dict", "passages": "list",
+    "warnings": "list", "steps": "list", "text": "str", "stop_reason": "str",
+    "prompt_tokens": "dict", "timings": "dict", "speed": "dict", "counts": "dict",
+    "citations": "list",
+}  # fmt: skip
+_PASSAGE_FIELDS = {
+    "rank": "int!", "text": "str!", "score": "num?", "n_tokens": "int", "kept": "bool",
+    "cut": "bool", "metadata": "dict",
+}  # fmt: skip
+_STEP_FIELDS = {
+    "index": "int!", "token_id": "int!", "text": "str!", "source": "str!", "candidates": "dict",
+    "signals": "dict", "stats": "dict", "citation": "list",
+}  # fmt: skip
+_CANDIDATE_FIELDS = {"token_id": "int!", "text": "str!", "prob": "num?!"}
+
+
+def _check_record(d: Any, fields: dict[str, str], where: str) -> None:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} is a {type(d).__name__}, not an object")
+    for key in d:
+        if key not in fields:
+            raise ValueError(f"{where} has an unknown field {str(key)[:40]!r}")
+    for key, spec in fields.items():
+        kind, required = spec.rstrip("!"), spec.endswith("!")
+        if key not in d:
+            if required:
+                raise ValueError(f"{where} has no {key!r}")
+        elif not _is(d[key], kind):
+            raise ValueError(f"{where}.{key} is a {type(d[key]).__name__}, not a {kind}")
+
+
+def _check_trace(d: Any) -> None:
+    """Raise a ``ValueError`` naming the first field of ``d`` (a :meth:`Trace.to_dict`) that
+    a :class:`Trace` could not hold or its methods could not read."""
+    _check_record(d, _TRACE_FIELDS, "trace")
+    for key, kind in (("warnings", "str"), ("prompt_tokens", "int"), ("timings", "num?")):
+        values = d.get(key, [])
+        for i, v in enumerate(values.values() if isinstance(values, dict) else values):
+            if not _is(v, kind):
+                raise ValueError(f"trace.{key}[{i}] is a {type(v).__name__}, not a {kind}")
+    passages = d.get("passages", [])
+    for i, p in enumerate(passages):
+        _check_record(p, _PASSAGE_FIELDS, f"trace.passages[{i}]")
+    kept = sum(1 for p in passages if p.get("kept", True))
+    for i, s in enumerate(d.get("steps", [])):
+        where = f"trace.steps[{i}]"
+        _check_record(s, _STEP_FIELDS, where)
+        for role, c in s.get("candidates", {}).items():
+            _check_record(c, _CANDIDATE_FIELDS, f"{where}.candidates[{str(role)[:40]!r}]")
+        for role, row in s.get("stats", {}).items():
+            if not isinstance(row, dict) or not all(_is(v, "num?") for v in row.values()):
+                raise ValueError(f"{where}.stats[{str(role)[:40]!r}] is not numbers by name")
+        citation = s.get("citation", [])
+        if not all(_is(v, "num") for v in citation):
+            raise ValueError(f"{where}.citation holds something other than numbers")
+        if citation and len(citation) != kept:
+            raise ValueError(
+                f"{where}.citation has {len(citation)} shares, not one per kept passage ({kept})"
+            )
 
 
 def _json_key(k: Any) -> str:
