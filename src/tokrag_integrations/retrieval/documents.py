@@ -138,6 +138,47 @@ def html_to_text(html: str) -> tuple[str, str]:
     return parser.text(), re.sub(r"\s+", " ", parser.title).strip()
 
 
+#: The start of a level-1 ATX heading line: ``#`` then a space or tab. A fixed-length
+#: pattern, so finding every candidate is one linear scan; the rest of the line is read with
+#: string methods, never by a pattern with two adjacent runs of optional spaces (which
+#: backtracks cubically on ``# a`` + thousands of spaces + ``b``: issue 54.1).
+_HEADING_START = re.compile(r"^#[ \t]", re.MULTILINE)
+
+
+def markdown_title(text: str) -> str:
+    """The text of the first level-1 heading (``# Title``) of Markdown ``text``, or ``""``.
+
+    As CommonMark reads an ATX heading: the closing run of ``#`` is dropped when a space or
+    tab precedes it (``# Title ##`` is ``Title``, ``# C#`` is ``C#``), and surrounding
+    whitespace is trimmed; a heading with no text is passed over. Linear in ``len(text)``.
+    """
+    for match in _HEADING_START.finditer(text):
+        end = text.find("\n", match.end())
+        line = text[match.end() : end if end >= 0 else len(text)].strip()
+        closing = line.rstrip("#")
+        if closing != line and (not closing or closing[-1] in " \t"):
+            line = closing.rstrip()
+        if line:
+            return line
+    return ""
+
+
+#: Longest title kept (characters). A title is indexed with every chunk of its document
+#: (:func:`.index.index_text`), so a heading of a megabyte would be indexed once per chunk:
+#: quadratic in the file (issue 54).
+MAX_TITLE_CHARS = 200
+
+
+def short_title(title: str) -> str:
+    """``title`` with its whitespace runs made single spaces, cut between words to at most
+    :data:`MAX_TITLE_CHARS` characters (hard, for one enormous word)."""
+    title = " ".join(title[: 4 * MAX_TITLE_CHARS].split())
+    if len(title) <= MAX_TITLE_CHARS:
+        return title
+    cut = title.rfind(" ", 0, MAX_TITLE_CHARS + 1)
+    return title[: cut if cut > 0 else MAX_TITLE_CHARS].rstrip()
+
+
 #: Share of undecodable bytes above which a file is taken for binary data, not text.
 BINARY_UNDECODABLE_SHARE = 0.3
 
@@ -234,9 +275,8 @@ def read_document(
     if suffix in HTML_SUFFIXES:
         text, title = html_to_text(text)
     else:
-        markdown = suffix in {".md", ".markdown"}
-        match = re.search(r"^#\s+(.+?)\s*#*\s*$", text, flags=re.MULTILINE) if markdown else None
-        title = match.group(1).strip() if match else ""
+        title = markdown_title(text) if suffix in {".md", ".markdown"} else ""
+    title = short_title(title)
     if title:
         metadata["title"] = title
     if had_errors:

@@ -13,8 +13,10 @@ import errno
 import math
 import os
 import stat
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 #: Default cap on one document file, in MB (2**20 bytes): image-heavy PDFs reach tens of MB;
 #: 100 MB of text (~50,000 pages) is almost surely a log, a dump or a mistake.
@@ -36,19 +38,23 @@ class FileRefused(ValueError):  # noqa: N818 - a refusal, not an internal error
 def max_file_bytes(max_file_mb: float | None = None) -> int:
     """The size cap in bytes: ``max_file_mb``, else :data:`DEFAULT_MAX_FILE_MB`.
 
+    A cap above the largest size a file can have (``sys.maxsize`` bytes, 8 EiB on 64-bit
+    systems: ``1e308``, ``10**400``) is that size, which means no cap.
+
     Raises:
-        ValueError: ``max_file_mb`` is not a number above 0 (the message names it).
+        ValueError: ``max_file_mb`` is not a finite number above 0 (the message names it).
     """
     if max_file_mb is None:
         max_file_mb = DEFAULT_MAX_FILE_MB
     elif (
         isinstance(max_file_mb, bool)
         or not isinstance(max_file_mb, (int, float))
-        or not math.isfinite(max_file_mb)
+        or (isinstance(max_file_mb, float) and not math.isfinite(max_file_mb))
         or max_file_mb <= 0
     ):
         raise ValueError(f"max_file_mb must be a number of MB above 0, got {max_file_mb!r}")
-    return int(max_file_mb * 2**20)
+    # An int stays exact (10**400 MB would overflow a float); a float may reach inf here.
+    return int(min(max_file_mb * 2**20, sys.maxsize))
 
 
 def _kind(mode: int) -> str:
@@ -136,10 +142,28 @@ def read_file_bytes(
             raise FileRefused("replaced by another file while it was being opened")
         if opened.st_size > cap:
             raise FileRefused(_over_cap(opened.st_size, cap))
-        data = file.read(cap + 1)
+        data = _read_at_most(file, cap + 1)
     if len(data) > cap:
         raise FileRefused(_over_cap(len(data), cap))
     return data
+
+
+#: Bytes asked of the file per read: the buffer ``read(n)`` allocates is ``n`` bytes, so the
+#: file is never read in one call of the cap's size (a cap may be 8 EiB: no cap).
+_READ_BLOCK = 1 << 24
+
+
+def _read_at_most(file: Any, limit: int) -> bytes:
+    """At most ``limit`` bytes of ``file``, read in blocks of :data:`_READ_BLOCK`."""
+    blocks: list[bytes] = []
+    size = 0
+    while size < limit:
+        block = file.read(min(_READ_BLOCK, limit - size))
+        if not block:
+            break
+        blocks.append(block)
+        size += len(block)
+    return b"".join(blocks)
 
 
 def _over_cap(size: int, cap: int) -> str:
