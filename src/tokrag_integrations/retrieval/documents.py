@@ -172,7 +172,7 @@ MAX_TITLE_CHARS = 200
 def short_title(title: str) -> str:
     """``title`` with its whitespace runs made single spaces, cut between words to at most
     :data:`MAX_TITLE_CHARS` characters (hard, for one enormous word)."""
-    title = " ".join(title[: 4 * MAX_TITLE_CHARS].split())
+    title = " ".join(title.split())
     if len(title) <= MAX_TITLE_CHARS:
         return title
     cut = title.rfind(" ", 0, MAX_TITLE_CHARS + 1)
