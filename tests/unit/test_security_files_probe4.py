@@ -1,6 +1,6 @@
 """Issue 54 (fourth hostile probe), documents, caches and numbers, without a model: a
 Markdown heading that backtracked for an hour (medium 1), lines chunked in quadratic time,
-HTML that the standard parser reads in quadratic time, the embedding and kernel-plan caches
+HTML that the standard library's parser reads in quadratic time, the embedding and kernel-plan caches
 trusting their folder (a damaged entry, a header claiming 40 GB, a FIFO, a folder of another
 user or open to all, a sub-folder replaced by a link), ``max_file_mb`` past a float's range,
 and GECE's ``torch.load``.
@@ -82,6 +82,43 @@ def test_hostile_markdown_headings_load_in_linear_time(tmp_path):
     titles = json.loads(proc.stdout.split("TITLES ", 1)[1].split("\n", 1)[0].replace("'", '"'))
     assert titles == sorted(["a b", "c d", "#" * 200, "Real title", ("word " * 40).strip()])
     assert "HIT spaces.md" in proc.stdout
+
+
+def test_hostile_html_loads_in_linear_time(tmp_path):
+    """The standard library's HTML parser rescans the rest of the page for each ``<`` it
+    cannot close: 96 KB of ``<x `` took 208 s on Python 3.11.7, and ``<!--``, ``</``, ``<?``
+    and ``<a`` runs were quadratic too. A megabyte of each loads and indexes in a child killed
+    after 90 s; the text around them reads as a browser shows it."""
+    d = tmp_path / "d"
+    d.mkdir()
+    mb = 2**20
+    pages = {
+        "tags": "<x " * (mb // 3), "names": "<a" * (mb // 2), "comments": "<!--" * (mb // 4),
+        "ends": "</" * (mb // 2), "pis": "<?" * (mb // 2), "attrs": "<a " + "b='c' " * (mb // 6),
+        "script": "<script>" + "</scrip" * (mb // 7), "divs": "<div>" * (mb // 5),
+    }  # fmt: skip
+    for name, hostile in pages.items():
+        (d / f"{name}.html").write_text(f"<title>{name}</title><p>The quasar {name}.</p>{hostile}")
+    proc = _child(_LOAD_AND_INDEX, d)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"TITLES {sorted(pages)}" in proc.stdout
+
+
+def test_html_text_is_what_a_browser_shows():
+    """The one-pass HTML reader on the cases the standard parser also read: quoted ``>`` in
+    attributes, scripts holding markup, comments holding tags, entities, stray ``<``; and,
+    where they differ, as a browser: an unclosed comment or tag hides the rest of the page."""
+    from tokrag_integrations.retrieval.documents import html_to_text
+
+    page = (
+        "<!DOCTYPE html><html><head><title>A &amp; B</title><script>if (a<b) x='</p>'"
+        "</script><style>p>b{}</style></head><body><div title='x>y' data-q=\"'\">One</div>"
+        "<!-- <p>hidden</p> --><p>a < b &lt;c&gt; <br/>d</p><?pi x?><![CDATA[ no ]]></body>"
+    )
+    assert html_to_text(page) == ("One\n\na < b <c>\nd", "A & B")
+    assert html_to_text("<p>seen</p><!-- never closed <p>unseen</p>") == ("seen", "")
+    assert html_to_text("<p>seen</p><b title='never closed>unseen") == ("seen", "")
+    assert html_to_text("<SCRIPT>x</SCRIPT >vis<STYLE>y</style>ible") == ("visible", "")
 
 
 def test_markdown_title_follows_commonmark_and_is_capped():
