@@ -224,16 +224,15 @@ def _warn_once(message: str) -> None:
 
 def _plan_folder(path: Path, create: bool) -> Path | None:
     """``path``'s folder once it and the cache folder above it pass the cache checks of
-    :func:`.safe_files.checked_folder`; None when missing or refused (with a warning: the
-    plans are then measured and kept for this process only)."""
+    :func:`.safe_files.checked_folder`; None when missing, not writable, or refused (with a
+    warning: the plans are then measured and kept for this process only)."""
     try:
         return checked_folder(path.parent.parent, path.parent.name, create=create)
-    except FileNotFoundError:
+    except OSError:  # missing, or a read-only disk: the plans are measured again
         return None
-    except (FileRefused, OSError) as exc:
-        reason = exc if isinstance(exc, FileRefused) else f"{path.parent}: {exc.strerror or exc}"
+    except FileRefused as exc:
         _warn_once(
-            f"Not using the kernel-plan cache: {reason}, so a plan planted there could slow "
+            f"Not using the kernel-plan cache: {exc}, so a plan planted there could slow "
             "every decode; plans are measured for this process only. Make it your own folder "
             "(chmod go-w), or set $TOKRAG_CACHE_DIR to one."
         )

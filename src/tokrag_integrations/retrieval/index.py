@@ -62,8 +62,8 @@ class EmbeddingCache:
     not check (docs/security.md, "Documents and caches"): every level of the folder must be a
     real folder of the user running tokrag, not writable by others, else the cache is off
     for the run (one warning); an entry is read only when it is a regular file of at most
-    :attr:`MAX_ENTRY_BYTES`, and used only when its ``.npy`` header says a C-order float32
-    vector of ``dim`` values and the file holds exactly those finite values. Anything else is
+    :attr:`MAX_ENTRY_BYTES`, and used only when its ``.npy`` header says a float32 vector
+    of ``dim`` values and the file holds exactly those finite values. Anything else is
     a miss: the chunk is embedded again and the entry rewritten (one warning per build).
     Files are written atomically (a temporary file in the checked folder, then
     ``os.replace``)."""
@@ -105,15 +105,15 @@ class EmbeddingCache:
             return None
         except FileRefused as exc:
             self.refused = str(exc)
-        except OSError as exc:
-            self.refused = f"{self.folder} cannot be used ({exc.strerror or exc})"
-        warnings.warn(
-            f"Not using the embedding cache: {self.refused}, so a vector planted there could "
-            "change what a question retrieves; every chunk is embedded afresh. Make it your "
-            "own folder (chmod go-w), or set $TOKRAG_CACHE_DIR to one.",
-            UserWarning,
-            stacklevel=4,
-        )
+            message = (
+                f"Not using the embedding cache: {self.refused}, so a vector planted there "
+                "could change what a question retrieves; every chunk is embedded afresh. Make "
+                "it your own folder (chmod go-w), or set $TOKRAG_CACHE_DIR to one."
+            )
+        except OSError as exc:  # a read-only cache costs time, never the answer
+            self.refused = f"{exc.strerror or exc}: {exc.filename or self.folder}"
+            message = f"could not keep chunk embeddings in {self.folder}: {self.refused}"
+        warnings.warn(message, UserWarning, stacklevel=4)
         return None
 
     def load(self, texts: Sequence[str]) -> list[np.ndarray | None]:
