@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .labels import AGREE, FROM_LLM, FROM_RAG
 
@@ -24,7 +25,33 @@ __all__ = [
     "PassageRecord",
     "Trace",
     "TraceStep",
+    "by_contribution",
 ]
+
+_T = TypeVar("_T")
+
+
+def by_contribution(
+    items: Iterable[_T],
+    ranked: Sequence[Any],
+    key: Callable[[_T], Any] = lambda item: item,
+    decoded: Collection[Any] | None = None,
+) -> list[_T]:
+    """``items`` the answer drew on first, in the order of ``ranked`` (their keys, the largest
+    contribution first: :meth:`Trace.contributions`); then the others in their order, those
+    whose key is not in ``decoded`` (when given) last. As given when ``ranked`` is empty (no
+    citations). The one ordering of the server's sources and both adapters' documents."""
+    rank = {k: r for r, k in enumerate(ranked)}
+    if not rank:
+        return list(items)
+
+    def place(item: _T) -> tuple[int, int]:
+        k = key(item)
+        if k in rank:
+            return 0, rank[k]
+        return (1 if decoded is None or k in decoded else 2), 0
+
+    return sorted(items, key=place)
 
 
 @dataclass
@@ -198,8 +225,7 @@ class Trace:
     def passage_order(self) -> list[int]:
         """Every passage's index: by :meth:`contributions` first, the others after them in
         prompt order (all in prompt order without citations)."""
-        first = [i for i, _ in self.contributions()]
-        return first + [i for i in range(len(self.passages)) if i not in first]
+        return by_contribution(range(len(self.passages)), [i for i, _ in self.contributions()])
 
     def to_dict(self) -> dict[str, Any]:
         """The trace as JSON data: ``json.dumps`` takes it as is, and ``json.loads`` of that

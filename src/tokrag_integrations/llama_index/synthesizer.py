@@ -52,7 +52,7 @@ from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, unknown_arguments
 from ..policies.base import Policy
 from ..results import GenerationResult
 from .llm import TokRAGLLM
-from .nodes import by_contribution, node_citations, node_to_passage, order_nodes
+from .nodes import node_citations, node_to_passage, nodes_by_contribution, order_nodes
 
 dispatcher = instrument.get_dispatcher(__name__)
 
@@ -507,7 +507,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
         made: list[RESPONSE_TYPE] = []
 
         def ordered() -> dict[str, Any]:
-            made[0].source_nodes = by_contribution(
+            made[0].source_nodes = nodes_by_contribution(
                 source_nodes,
                 made[0].metadata.get("contributions") or [],
                 made[0].metadata.get("nodes_used"),
