@@ -26,6 +26,7 @@ __all__ = [
     "Trace",
     "TraceStep",
     "by_contribution",
+    "json_data",
 ]
 
 _T = TypeVar("_T")
@@ -209,7 +210,7 @@ class Trace:
         put in their responses."""
         if not any(s.citation for s in self.steps):
             return []
-        return _json_data([asdict(c) for c in self.citations(by)])
+        return json_data([asdict(c) for c in self.citations(by)])
 
     def contributions(self) -> list[tuple[int, float]]:
         """(passage index into :attr:`passages`, its share of the attention summed over the
@@ -232,9 +233,9 @@ class Trace:
         gives it back equal (tensors and numpy values become numbers or nested lists, sets
         and tuples lists, dictionary keys strings, other objects their ``str``; non-finite
         floats stay floats, written ``NaN`` / ``Infinity`` as ``json`` does by default)."""
-        d = _json_data(asdict(self))
+        d = json_data(asdict(self))
         d["counts"] = self.counts()
-        d["citations"] = _json_data([asdict(c) for c in self.citations()])
+        d["citations"] = json_data([asdict(c) for c in self.citations()])
         return d
 
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 2) -> str:
@@ -289,22 +290,23 @@ def _json_key(k: Any) -> str:
     return str(k)
 
 
-def _json_data(o: Any) -> Any:
-    """``o`` with everything ``json`` cannot write converted (see :meth:`Trace.to_dict`)."""
+def json_data(o: Any) -> Any:
+    """``o`` with everything ``json`` cannot write converted (see :meth:`Trace.to_dict`): the
+    one JSON conversion of the trace, the adapters' metadata and the remote client's bodies."""
     if o is None or isinstance(o, (str, bool, int, float)):
         return o
     if isinstance(o, dict):
-        return {_json_key(k): _json_data(v) for k, v in o.items()}
+        return {_json_key(k): json_data(v) for k, v in o.items()}
     if isinstance(o, (list, tuple, set, frozenset)):
-        return [_json_data(v) for v in o]
+        return [json_data(v) for v in o]
     torch = sys.modules.get("torch")  # a tensor is its (nested) list of numbers
     if torch is not None and isinstance(o, torch.Tensor):
-        return _json_data(o.tolist())
+        return json_data(o.tolist())
     if hasattr(o, "item"):  # numpy scalars and one-element arrays: the number
         try:
-            return _json_data(o.item())
+            return json_data(o.item())
         except (ValueError, TypeError, RuntimeError):
             pass
     if hasattr(o, "tolist"):  # other numpy arrays
-        return _json_data(o.tolist())
+        return json_data(o.tolist())
     return str(o)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,21 +20,6 @@ def decode_on(lm: Any, how: str, query: str, passages: Any, *, batching: bool, *
     if isinstance(lm, LoadedModel):
         return getattr(scheduler, how)(lm, query, passages, batching=batching, **kw)
     return getattr(lm, how)(query, passages, **kw)
-
-
-def jsonable(obj: Any) -> Any:
-    """A JSON-safe deep copy (tensors/numpy scalars to numbers, unknown objects to str)."""
-
-    def default(o: Any) -> Any:
-        if hasattr(o, "tolist"):
-            return o.tolist()
-        if hasattr(o, "item"):
-            return o.item()
-        if isinstance(o, (set, tuple)):
-            return list(o)
-        return str(o)
-
-    return json.loads(json.dumps(obj, default=default, ensure_ascii=False))
 
 
 def usage(result: Any, roles: Sequence[str] | None = None) -> dict[str, Any]:

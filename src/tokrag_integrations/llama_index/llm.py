@@ -39,7 +39,6 @@ from pydantic import SecretStr, StrictBool, field_serializer
 from ..adapters.translate import (
     decode_on,
     given_options,
-    jsonable,
     model_label,
     result_summary,
 )
@@ -549,7 +548,7 @@ class TokRAGLLM(CustomLLM):
             text=result.text if text is None else text,
             delta=None if text is None else "",
             additional_kwargs=result_summary(result),
-            raw=jsonable(result.trace.to_dict()),
+            raw=result.trace.to_dict(),
         )
 
     def _backend(self, how: str, query: str, passages: Any, gen_kw: dict[str, Any]) -> Any:

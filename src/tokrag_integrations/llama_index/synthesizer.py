@@ -44,13 +44,14 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, Te
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from ..adapters.synthesis import Call, Session, Setup, call_summary, totals
-from ..adapters.translate import checked_policy, jsonable, options_dict, result_summary, usage
+from ..adapters.translate import checked_policy, options_dict, result_summary, usage
 from ..config import require_bool
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
 from ..engine import scheduler
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, unknown_arguments
 from ..policies.base import Policy
 from ..results import GenerationResult
+from ..trace import json_data
 from .llm import TokRAGLLM
 from .nodes import node_citations, node_to_passage, nodes_by_contribution, order_nodes
 
@@ -304,7 +305,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
     def _gate_dict(self, decision: Any) -> dict[str, Any] | None:
         if decision is None:
             return None
-        return jsonable(
+        return json_data(
             {
                 **dict(decision.to_dict()),
                 "retrieve": bool(decision.retrieve),
