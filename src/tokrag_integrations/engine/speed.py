@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import config
+from ..config import option_bool as _as_bool
 
 __all__ = ["PRESETS", "Speed", "speed_of"]
 
-_BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
 _MODES = ("auto", "on", "off")
 _MODE_FIELDS = ("cpu_kernels", "packed_head")
 
@@ -77,18 +77,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "auto": {},
     "reference": {"fuse": False, "share_lens": False},
 }
-
-
-def _as_bool(name: str, value: Any) -> bool:
-    """``value`` read strictly as a bool: True/False, 1/0 or the strings true/false/1/0 (a
-    dict of options may come from a command line); anything else is an error."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
-        return _BOOL_WORDS[value.strip().lower()]
-    raise ValueError(f"{name} must be True or False (or 1/0), got {value!r}")
 
 
 def speed_of(value: Speed | str | Mapping[str, Any] | None = None) -> Speed:
