@@ -292,7 +292,8 @@ def part_exactness(args: argparse.Namespace, save: _Saver) -> None:
             return res
 
         _guarded(save, dtype, run)
-        bad = [k for k, v in res.items() if isinstance(v, dict) and ("error" in v or v["identical"] != v["of"])]
+        arms = {k: v for k, v in res.items() if isinstance(v, dict) and ("error" in v or "identical" in v)}
+        bad = [k for k, v in arms.items() if "error" in v or v["identical"] != v["of"]]
         if "error" in save.data[dtype] or (dtype == "float32" and bad):
             save["ok"] = False  # float32 must be exact; bfloat16 is reported
 
