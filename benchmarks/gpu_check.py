@@ -408,6 +408,7 @@ def part_syncs(args: argparse.Namespace, save: _Saver) -> None:
 
 # ---------------------------------------------------------------------- 4. busy
 def part_busy(args: argparse.Namespace, save: _Saver) -> None:
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     save["cuda_preset"] = cuda_preset()[1]
@@ -428,10 +429,8 @@ def part_busy(args: argparse.Namespace, save: _Saver) -> None:
                     steps = _decode(model_of, name, items[:n], args.profile_new_tokens)
                     _sync(args.device)
                     wall = time.perf_counter() - t0
-                kernel_us = sum(
-                    getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-                    for e in prof.key_averages()
-                )
+                # The device's own events (kernels, copies, memsets): their durations, each once.
+                kernel_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
                 return {
                     "wall_s": wall,
                     "kernel_s": kernel_us / 1e6,
@@ -534,8 +533,8 @@ def summary(res: dict[str, Any]) -> str:
     for part in PARTS:
         r = res.get(part, {})
         state = "skipped" if r.get("skipped") else "ok" if r.get("ok") else "FAILED"
-        lines.append(f"- {part}: {state} ({_f(r.get('part_s'), '.0f')} s)"
-                     + (f": {r['skipped']}" if isinstance(r.get("skipped"), str) else ""))
+        took = f" ({r['part_s']:.0f} s)" if isinstance(r.get("part_s"), (int, float)) else ""
+        lines.append(f"- {part}: {state}{took}" + (f": {r['skipped']}" if isinstance(r.get("skipped"), str) else ""))
         for k, v in r.items():
             if k == "error" or (k.endswith("error") and isinstance(v, str)):
                 lines.append(f"  - {k}: {v.strip().splitlines()[-1]}")
