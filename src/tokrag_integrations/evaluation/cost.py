@@ -8,10 +8,11 @@ cache, and the static cache with the decode step compiled as transformers does i
 ``generate``), ``floor`` (both contexts decoded together, no signals), ``tokrag-step`` (one
 forward pass per context: the reference every fast path must equal) and ``tokrag`` (the
 default decoder); any other policy name or spec (``tokrag[lens_norm=false]``) is its own arm,
-and ``ARM@PRESET`` runs an arm with a ``speed=`` preset (``tokrag@cuda``). Reported: wall time per question, time per generated token, prefill and
-decode time, peak memory, the agreement counts, whether ``tokrag`` gave exactly the tokens
-and decisions of ``tokrag-step``, and the ratios; ``throughput`` adds tokens/s and
-questions/s with several queries decoded as one batch (:func:`measure_throughput`).
+and ``ARM@PRESET`` runs an arm with a ``speed=`` preset (``tokrag@cuda``). Reported: wall
+time per question, time per generated token, prefill and decode time, peak memory, the
+agreement counts, whether ``tokrag`` gave exactly the tokens and decisions of ``tokrag-step``,
+how many answers of the stock arms have ``rag``'s tokens, and the ratios; ``throughput`` adds
+tokens/s and questions/s with several queries decoded as one batch (:func:`measure_throughput`).
 
 Timing interleaves the arms question by question (their order rotated) so that drift in
 machine load affects all of them alike. Peak memory is measured in a fresh subprocess per arm:
