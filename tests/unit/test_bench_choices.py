@@ -256,5 +256,5 @@ def test_bench_arms_stock_baselines_and_speed_presets():
     )
     with pytest.raises(ValueError, match="take no speed preset"):
         arm("hf-generate@cuda")
-    with pytest.warns(DeprecationWarning, match="'rag-stock' is now called 'rag-kernels-off'"):
-        assert arm("rag-stock") == ("rag", {})
+    with pytest.raises(ValueError, match="'rag-stock' is now called 'rag-kernels-off'.*'hf-generate'"):
+        arm("rag-stock")

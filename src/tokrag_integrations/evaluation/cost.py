@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +51,7 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
 #: The Hugging Face ``model.generate`` arms (:func:`hf_generate`) and their KV cache.
 HF_ARMS = {"hf-generate": "dynamic", "hf-generate-static": "static"}
 STOCK_ARMS = frozenset({"rag-kernels-off", *HF_ARMS})
-#: Former arm names, read as their new ones (with a warning).
+#: Former arm names and what replaced them (asking for one is an error saying so).
 RENAMED_ARMS = {"rag-stock": "rag-kernels-off"}
 DEFAULT_POLICIES = ("rag", "floor", "tokrag-step", "tokrag", "rag-kernels-off", "hf-generate")
 #: Fast arms whose tokens and decisions must equal ``tokrag-step``'s.
@@ -62,11 +61,12 @@ DATA_FILE = "squad_dev.jsonl"
 
 
 def arm_name(name: str) -> str:
-    """``name``, or the new name of a renamed arm (with a warning saying so)."""
+    """``name``, checked: a former arm name is an error naming its replacement."""
     if name in RENAMED_ARMS:
-        new = RENAMED_ARMS[name]
-        warnings.warn(f"bench arm {name!r} is now called {new!r}", DeprecationWarning, stacklevel=3)
-        return new
+        raise ValueError(
+            f"bench arm {name!r} is now called {RENAMED_ARMS[name]!r} (the package's rag without "
+            "its CPU kernels); the stock Hugging Face baseline is 'hf-generate'"
+        )
     return name
 
 
