@@ -244,7 +244,7 @@ def test_bench_questions_come_from_data_or_the_data_folder(tmp_path, monkeypatch
     assert arm("tokrag[min_fusion_layer=0]") == ("tokrag", {"policy_options": {"min_fusion_layer": 0}})
 
 
-def test_bench_arms_stock_baselines_and_speed_presets():
+def test_bench_arms_stock_baselines_and_speed_presets(monkeypatch):
     from tokrag_integrations.evaluation.cost import DEFAULT_POLICIES, STOCK_ARMS, arm
 
     assert arm("hf-generate") == arm("hf-generate-static") == ("rag", {})
@@ -254,6 +254,8 @@ def test_bench_arms_stock_baselines_and_speed_presets():
     assert arm("tokrag[min_fusion_layer=0]@reference") == (
         "tokrag", {"policy_options": {"min_fusion_layer": 0}, "speed": "reference"}
     )
+    monkeypatch.setitem(BT.ARMS, "tokrag@view", ("tokrag", {"speed": {"static": "off"}}))
+    assert arm("tokrag@view") == ("tokrag", {"speed": {"static": "off"}})  # a named arm first
     with pytest.raises(ValueError, match="take no speed preset"):
         arm("hf-generate@cuda")
     with pytest.raises(ValueError, match="'rag-stock' is now called 'rag-kernels-off'.*'hf-generate'"):

@@ -71,10 +71,12 @@ def arm_name(name: str) -> str:
 
 
 def arm(name: str) -> tuple[str, dict[str, Any]]:
-    """``(policy, options)`` of an arm: a named arm, else a policy spec; ``ARM@PRESET`` adds
-    ``speed=PRESET``. A Hugging Face arm (:data:`HF_ARMS`) is ``("rag", {})``: the policy whose
-    tokens it gives."""
+    """``(policy, options)`` of an arm: a named arm (:data:`ARMS`), else a policy spec;
+    ``ARM@PRESET`` adds ``speed=PRESET``. A Hugging Face arm (:data:`HF_ARMS`) is
+    ``("rag", {})``: the policy whose tokens it gives."""
     name = arm_name(name)
+    if name in ARMS:
+        return ARMS[name]
     if "@" in name:
         base, preset = name.rsplit("@", 1)
         if base in HF_ARMS:
@@ -83,8 +85,6 @@ def arm(name: str) -> tuple[str, dict[str, Any]]:
         return pol, {**opts, "speed": preset}
     if name in HF_ARMS:
         return "rag", {}
-    if name in ARMS:
-        return ARMS[name]
     spec = parse_spec(name)
     return spec.name, ({"policy_options": spec.options} if spec.options else {})
 
