@@ -173,8 +173,8 @@ def _hf(args: argparse.Namespace) -> list[str]:
 
 def _decode(model_of: Callable[[str], Any], name: str, items: list[Any], new_tokens: int) -> int:
     """Arm ``name`` on ``items`` as one batch; the steps decoded (EOS steps counted)."""
-    from tokrag_integrations import generate_batch
     from tokrag_eval.cost import HF_ARMS, arm, hf_generate
+    from tokrag_integrations import generate_batch
 
     qs, ps = [q for q, _ in items], [p for _, p in items]
     if name in HF_ARMS:

@@ -338,7 +338,6 @@ def run_bench(
     import torch
 
     from tokrag_integrations.accel.install import speed_paths
-    from tokrag_integrations.engine.scheduler import generate
 
     require_bool(memory, "memory")
     require_bool(progress, "progress")
@@ -399,7 +398,6 @@ def _timed_runs(
     its decisions and its answers' token ids, and the RAG prompt lengths."""
     from tqdm.auto import tqdm
 
-    from tokrag_integrations.engine.scheduler import generate
 
     rows: dict[str, list[dict[str, Any]]] = {p: [] for p in policies} if items else {}
     decisions: dict[str, list[Any]] = {p: [] for p in policies} if items else {}

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+from tokrag_eval.cost import hf_generate, measure_throughput, run_bench
+from tokrag_eval.report import bench_table
 from tokrag_integrations import generate, load_model
 from tokrag_integrations.accel import cpu_kernels as K
 from tokrag_integrations.accel.install import speed_paths
-from tokrag_eval.cost import hf_generate, measure_throughput, run_bench
-from tokrag_eval.report import bench_table
 
 from .test_stock_exactness import exactness_prompts
 
