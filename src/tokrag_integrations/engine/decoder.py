@@ -26,6 +26,7 @@ import torch
 
 from ..accel.packed import join_batches
 from ..accel.packed import prefill as speed_prefill
+from ..accel.static_state import static_decode_for
 from ..attention.citations import citation_layers, passage_scores
 from ..attention.parts import model_parts
 from ..models import LoadedModel
@@ -73,7 +74,6 @@ def step_event(
     the query's token list so far; the token is appended unless it is EOS)."""
     tok = lm.tokenizer
     tid = int(choice.token_id)
-    is_eos = tid in lm.eos_token_ids
     cands = {}
     stats = {}
     # Every context's statistics in one pass over its logits; its probabilities are kept for
@@ -89,12 +89,27 @@ def step_event(
     step = TraceStep(
         index=step_i,
         token_id=tid,
-        text="" if is_eos else tok.decode([tid]),
+        text="" if tid in lm.eos_token_ids else tok.decode([tid]),
         source=choice.source,
         candidates=cands,
         signals=choice.signals,
         stats=stats,
     )
+    return end_event(lm, q, step, generated, stop, max_new_tokens)
+
+
+def end_event(
+    lm: LoadedModel,
+    q: int,
+    step: TraceStep,
+    generated: list[int],
+    stop: Sequence[str],
+    max_new_tokens: int,
+) -> StepEvent:
+    """The event of a trace step: whether its token ends the query (EOS, a stop string, the
+    length); the token is appended to ``generated`` unless it is EOS."""
+    tok, tid, step_i = lm.tokenizer, step.token_id, step.index
+    is_eos = tid in lm.eos_token_ids
     reason = ""
     if is_eos:
         reason = "eos"
@@ -192,6 +207,15 @@ class Decoder:
                 self.citations = False
         #: Per query: its passages' token counts in its ``rag`` context (None: not cited).
         self._cite: list[list[int] | None] = []
+        #: The static state of ``Speed.static`` (:mod:`..accel.static_state`), and why it
+        #: was asked for and does not apply (e.g. a policy without a device rule).
+        self._static, self.static_off = (
+            static_decode_for(
+                lm, policy, self.speed, max_new_tokens=max_new_tokens, citations=self.citations
+            )
+            if prefill is None
+            else (None, None)
+        )
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -201,10 +225,14 @@ class Decoder:
 
     def rows_in_use(self) -> int:
         """Context rows the batches hold (finished rows not dropped yet included)."""
+        if self._static is not None:
+            return self._static.rows_in_use()
         return sum(len(b.query_idx) for b in self.batches)
 
     def width(self) -> int:
         """The longest row (positions) of any batch, 0 with none."""
+        if self._static is not None:
+            return self._static.width()
         return max((int(b.mask.shape[1]) for b in self.batches), default=0)
 
     # ------------------------------------------------------------------ admission
@@ -214,21 +242,22 @@ class Decoder:
         if not plans:
             return []
         per_query, roles, probe = role_setup(self.lm, plans, self.policy, self.citations)
-        prefill = self._join_prefill if self.batches else self._prefill
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            ready = prefill(roles, per_query, self.lm, probe)
-        self.timings = {
-            "prefill_s": time.perf_counter() - t0,
-            "fused": float(ready.fused),
-            "packed": float(ready.packed),
-        }
-        if ready.reused_s:
-            self.timings["prefill_reused_s"] = ready.reused_s
         base = len(self.done)
         ids = [base + q for q in range(len(plans))]
-        for b in ready.batches.values():
-            b.query_idx = [base + q for q in b.query_idx]
+        if self._static is None:
+            prefill = self._join_prefill if self.batches else self._prefill
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                ready = prefill(roles, per_query, self.lm, probe)
+            self.timings = {
+                "prefill_s": time.perf_counter() - t0,
+                "fused": float(ready.fused),
+                "packed": float(ready.packed),
+            }
+            if ready.reused_s:
+                self.timings["prefill_reused_s"] = ready.reused_s
+            for b in ready.batches.values():
+                b.query_idx = [base + q for q in b.query_idx]
         self.generated += [[] for _ in plans]
         self.steps += [0] * len(plans)
         self.done += [False] * len(plans)
@@ -237,6 +266,11 @@ class Decoder:
             cited = self.citations is not False and rag is not None and rag.probe
             cited = cited and rag.rt_positions == plan.retrieved_positions  # type: ignore[union-attr]
             self._cite.append([e - s for s, e in plan.passage_spans] if cited else None)
+        if self._static is not None:
+            self.timings = self._static.admit(
+                ids, per_query, roles, self._cite[base:], self._join_prefill
+            )
+            return ids
         new_rows = {
             role: {base + q: br for q, br in where.items()} for role, where in ready.rows.items()
         }
@@ -292,6 +326,8 @@ class Decoder:
 
     def _choose(self) -> list[StepEvent]:
         active = self.active
+        if self._static is not None:
+            return self._static_choose(active)
         all_views = [views_for(self.rows, q) for q in active]
         choices = self.policy.choose(all_views, self._lens)
         events = []
@@ -332,10 +368,39 @@ class Decoder:
             events.append(ev)
         return events
 
+    def _static_choose(self, active: list[int]) -> list[StepEvent]:
+        """The step on the static state (one read), its records turned into trace steps."""
+        assert self._static is not None
+        events = []
+        tok = self.lm.tokenizer
+        for q, d in zip(active, self._static.step(active, tok), strict=True):
+            tid = d.token_id
+            step = TraceStep(
+                index=self.steps[q],
+                token_id=tid,
+                text="" if tid in self.lm.eos_token_ids else tok.decode([tid]),
+                source=d.source,
+                candidates=d.candidates,
+                signals=d.signals,
+                stats=d.stats,
+            )
+            if d.citation is not None:
+                step.citation = d.citation
+            ev = end_event(self.lm, q, step, self.generated[q], self.stop, self.max_new_tokens)
+            self.steps[q] += 1
+            self.done[q] = ev.finished
+            events.append(ev)
+        return events
+
     def advance(self, tokens: dict[int, int] | None = None) -> None:
         """Feed every batch the tokens chosen at the last :meth:`choose` (padding for
         finished rows), after dropping finished rows and batches; ``tokens`` (query ->
         token, teacher forcing): feed those instead, padding for the other queries."""
+        if self._static is not None:
+            if tokens is not None:
+                raise RuntimeError("a static decode feeds its own tokens (no teacher forcing)")
+            self._static.retire([q for q, d in enumerate(self.done) if d])
+            return
         if tokens is not None:
             self._chosen = dict(tokens)
         self._retire()

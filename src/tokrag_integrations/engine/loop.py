@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..accel.static_state import static_asked
 from ..models import LoadedModel
 from ..policies.base import Policy, SequencePolicy
 from ..policies.rag_token import passage_posterior
@@ -128,6 +129,13 @@ class SequenceDecoder:
         self.max_new_tokens, self.stop, self.speed = max_new_tokens, stop, speed
         #: Whether the chosen answer's tokens carry each passage's posterior (False: none).
         self.citations = citations is not False
+        #: ``Speed.static`` asked for: the candidates are decoded on the static state, the
+        #: sequence-level scoring (teacher forcing) on the view path.
+        self.static_off = (
+            f"policy {rule.name!r} has no device rule: its scoring runs on the view path"
+            if static_asked(lm, speed)
+            else None
+        )
         self.timings: dict[str, float] = {}
         self.done: list[bool] = []
         self._pending: dict[int, tuple[PromptPlan, list[int]]] = {}

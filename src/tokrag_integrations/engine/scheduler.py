@@ -363,6 +363,9 @@ class _Loop:
             t0 = time.perf_counter()
             ids = d.admit([p.plans[i] for i in idx])
             now = time.perf_counter()
+            off = getattr(d, "static_off", None)  # speed.static asked for, not applicable
+            for i in idx if off else ():
+                p.traces[i].options.setdefault("speed_paths_off", {})["static"] = off
             for q, i in zip(ids, idx, strict=True):
                 timings = {**d.timings, "joined": joined, "queries_in_batch": 0.0}
                 self.owners[group][q] = _Query(r, i, p.traces[i], p.trackers[i], timings, t0, now)

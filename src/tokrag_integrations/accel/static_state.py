@@ -1,0 +1,685 @@
+"""The static decode state of ``speed="cuda"`` (issue 56): one step function per token over
+buffers of fixed shape, updated in place, so that the step can be captured (CUDA graphs) and
+the host reads one tensor per step.
+
+The state holds R rows (a bucket: 1, 2, 4, 8... rows; every context of every query is one
+row) and C cache columns. Every row writes the same column ``col`` at a step (a 0-d device
+tensor): a prompt is right-aligned to the column where its query joins (left padding, as
+Hugging Face ``generate`` lays out a batch in a static cache), its key/value columns before
+that masked. The buffers: token ids [R] (the token each row is fed next), positions [R],
+the valid columns [R, C] (bool), each layer's keys and values [R, kv_heads, C, hd], the
+column; and what the device rule reads of the queries (:class:`..accel.step_tensors.StepTensors`:
+each role's row per query slot, the RAG row's retrieved-token columns and ids...).
+
+:func:`static_step` is the step: the model's forward on one token per row (the key/value
+column written in place; the probes recorded on the way: every layer's residual at the
+position and, where a rule or a citation reads them, every layer's attention probabilities
+over the C columns, from the rotated queries and the static keys), the policy's device rule
+(:func:`..accel.step_tensors.device_rule_for`), then the next-step update (the chosen token
+of each row's query into the token buffer, positions and column advanced). No host read and
+no branch on a tensor's value: ``torch.compile(mode="reduce-overhead")`` captures it on CUDA
+(a graph per bucket), ``torch.compile`` or eager elsewhere (``Speed.graphs``). It returns
+one tensor [Q, 1 + K] (each query slot's chosen id, then its record): the host reads it
+once (:meth:`StaticDecode.step`) and rebuilds the trace from it (the rule's ``decode``).
+
+:class:`StaticDecode` is the host side: admission between steps (the existing prefill paths
+run each context's prompt but its last token, whose keys and values are copied into free
+rows; the last token is the row's first fed token, so every choice, the first included, is
+made by the step), retirement (rows freed), growth (a bigger bucket or capacity is a new
+state, the live rows copied, and a new graph). :class:`..engine.decoder.Decoder` delegates
+to it where ``Speed.static`` is on (:func:`static_decode_for`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..engine.speed import Speed
+from ..models import LoadedModel
+from ..policies.base import ContextSpec, Policy
+from .kv_cache import has_sliding_window
+from .packed import _PackedBatch
+from .step_tensors import MAX_PASSAGES, DecodedStep, StepTensors, device_rule_for
+
+__all__ = [
+    "ATTN_STATIC",
+    "StaticDecode",
+    "static_asked",
+    "static_decode_for",
+    "static_off_reason",
+    "static_step",
+]
+
+#: The attention implementation the step's layers run (registered with transformers): the
+#: attention of one query position over the static columns, leaving its probabilities.
+ATTN_STATIC = "tokrag_static"
+#: Architectures whose forward :func:`static_forward` reproduces (the decoder layers of
+#: Llama / SmolLM, Mistral, Qwen2 and Qwen3 with full attention: embeddings, rotary
+#: embedding, layers, final norm, head; no multipliers, no soft-capping).
+STATIC_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+#: The smallest capacity (columns) and retrieved-token slots of a state.
+MIN_COLUMNS = 64
+MIN_RT_SLOTS = 16
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    """The smallest power of two >= max(n, least)."""
+    n = max(int(n), int(least), 1)
+    return 1 << (n - 1).bit_length()
+
+
+# ---------------------------------------------------------------------- attention
+def static_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    tokrag_probs: list[torch.Tensor] | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of the step's query positions ([B, H, q, hd]) over the static keys and
+    values ([B, kv_heads, C, hd]) under the additive ``attention_mask`` [B, 1, q, C], in
+    float32; the last position's probabilities [B, H, C] are appended to ``tokrag_probs``
+    (when given). Grouped-query attention without repeating the keys."""
+    bsz, n_heads, q_len, head_dim = query.shape
+    n_kv = key.shape[1]
+    groups = n_heads // n_kv
+    scale = head_dim**-0.5 if scaling is None else scaling
+    qg = query.reshape(bsz, n_kv, groups * q_len, head_dim).float()
+    scores = torch.matmul(qg, key.float().transpose(-1, -2)) * scale  # [B, kv, g*q, C]
+    scores = scores.view(bsz, n_heads, q_len, -1)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probs = torch.softmax(scores, dim=-1)
+    if tokrag_probs is not None:
+        tokrag_probs.append(probs[:, :, -1])
+    out = torch.matmul(probs.view(bsz, n_kv, groups * q_len, -1).to(value.dtype), value)
+    return out.view(bsz, n_heads, q_len, head_dim).transpose(1, 2).contiguous(), None
+
+
+_REGISTERED = False
+
+
+def _register_attention() -> None:
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_STATIC, static_attention)
+        _REGISTERED = True
+
+
+class StaticKV:
+    """The cache the step's layers write: ``update`` puts the new key/value column at the
+    shared column ``col`` (index_copy_, in place) and returns the whole buffers."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], col: torch.Tensor):
+        self.keys, self.values, self.col = keys, values, col
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *a: Any, **k: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kb, vb = self.keys[layer_idx], self.values[layer_idx]
+        kb.index_copy_(2, self.col, key_states.to(kb.dtype))
+        vb.index_copy_(2, self.col, value_states.to(vb.dtype))
+        return kb, vb
+
+
+def static_forward(
+    model: Any,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    valid: torch.Tensor,
+    col: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    *,
+    resid: bool,
+    attn: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One token per row through ``model`` on the static state: ([R, V] float32 logits,
+    [R, L+1, d] residuals at the position or None, [R, L, H, C] attention probabilities or
+    None). The layers' own forwards run (their attention is :func:`static_attention`, the
+    model's ``_attn_implementation`` while the step runs)."""
+    backbone = model.model
+    x = backbone.embed_tokens(ids[:, None])
+    add_mask = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+    add_mask = add_mask.masked_fill(~valid, float("-inf"))[:, None, None, :]
+    position_ids = pos[:, None]
+    pe = backbone.rotary_emb(x, position_ids=position_ids)
+    cache = StaticKV(keys, values, col.view(1))
+    probs: list[torch.Tensor] | None = [] if attn else None
+    states = [x[:, 0]]
+    for layer in backbone.layers:
+        # The class's forward: the probe's taps (an instance attribute) are not needed here.
+        x = type(layer).forward(
+            layer,
+            x,
+            attention_mask=add_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            position_embeddings=pe,
+            tokrag_probs=probs,
+        )
+        states.append(x[:, 0])
+    h = backbone.norm(x[:, 0])
+    logits = model.lm_head(h).float()
+    return (
+        logits,
+        torch.stack(states, dim=1) if resid else None,
+        torch.stack(probs, dim=1) if probs is not None else None,
+    )
+
+
+@dataclass
+class StaticBuffers:
+    """The device buffers of one state (R rows, C columns, Q query slots, P retrieved-token
+    slots); every one is updated in place between and during steps."""
+
+    ids: torch.Tensor  # [R] long: the token each row is fed next
+    pos: torch.Tensor  # [R] long: its position id
+    valid: torch.Tensor  # [R, C] bool: the columns each row attends to
+    col: torch.Tensor  # 0-d long: the column the next step writes
+    keys: list[torch.Tensor]  # per layer [R, kv_heads, C, hd]
+    values: list[torch.Tensor]
+    row_q: torch.Tensor  # [R] long: each row's query slot, -1 for a free row
+    rows: dict[str, torch.Tensor]  # role -> [Q] long
+    rt_pos: torch.Tensor  # [Q, P] long
+    rt_ids: torch.Tensor  # [Q, P] long
+    rt_valid: torch.Tensor  # [Q, P] bool
+    rt_passage: torch.Tensor  # [Q, P] long
+    cite: torch.Tensor  # [Q] long: passages cited per slot (0: not cited)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (int(self.valid.shape[0]), int(self.valid.shape[1]), int(self.rt_pos.shape[1]))
+
+    def all(self) -> list[torch.Tensor]:
+        return [
+            self.ids, self.pos, self.valid, self.col, *self.keys, *self.values, self.row_q,
+            *self.rows.values(), self.rt_pos, self.rt_ids, self.rt_valid, self.rt_passage,
+            self.cite,
+        ]  # fmt: skip
+
+
+def static_step(
+    model: Any,
+    rule: Any,
+    pad_id: int,
+    resid: bool,
+    attn: bool,
+    cite: bool,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    valid: torch.Tensor,
+    col: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    row_q: torch.Tensor,
+    rows: dict[str, torch.Tensor],
+    rt_pos: torch.Tensor,
+    rt_ids: torch.Tensor,
+    rt_valid: torch.Tensor,
+    rt_passage: torch.Tensor,
+    cite_n: torch.Tensor,
+) -> torch.Tensor:
+    """The captured step: forward + probes + the device rule + the next-step update, on
+    the buffers of a :class:`StaticBuffers` (passed one by one, so a compiler sees plain
+    tensors). Returns [Q, 1 + K] float32: each query slot's chosen id, then its record."""
+    valid.index_fill_(1, col.view(1), True)  # every row sees the column it writes
+    logits, res, probs = static_forward(
+        model, ids, pos, valid, col, keys, values, resid=resid, attn=attn
+    )
+    t = StepTensors(
+        logits=logits,
+        resid=res,
+        attn=probs,
+        rows=rows,
+        rt_pos=rt_pos,
+        rt_ids=rt_ids,
+        rt_valid=rt_valid,
+        rt_passage=rt_passage,
+        weights=None,
+        cite_passages=cite_n if cite else None,
+    )
+    chosen, record = rule(t)
+    nxt = chosen.index_select(0, row_q.clamp(min=0))
+    ids.copy_(torch.where(row_q >= 0, nxt, pad_id))
+    pos.add_(1)
+    col.add_(1)
+    return torch.cat([chosen.to(torch.float32)[:, None], record.float()], dim=1)
+
+
+# ---------------------------------------------------------------------- host side
+def static_off_reason(lm: LoadedModel, policy: Policy) -> str | None:
+    """Why ``policy`` on ``lm`` cannot be decoded on the static state, or None."""
+    model = lm.model
+    kind = getattr(model.config, "model_type", None)
+    if kind not in STATIC_ARCHITECTURES:
+        return f"architecture {kind!r}: the static step covers {', '.join(sorted(STATIC_ARCHITECTURES))}"
+    if has_sliding_window(model):
+        return "sliding-window attention: the static step covers full attention only"
+    backbone = getattr(model, "model", None)
+    if not all(hasattr(backbone, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "no embed_tokens / layers / norm / rotary_emb on model.model"
+    if getattr(model.config, "final_logit_softcapping", None):
+        return "final logit soft-capping"
+    if not policy.roles or any(r not in ("pure", "rag") for r in policy.roles):
+        return f"policy {policy.name!r} decodes contexts other than pure / rag"
+    return None
+
+
+@dataclass
+class _Slot:
+    """A query in the state: its rows by role, and its RAG row's retrieved tokens (prompt
+    coordinates) with their passages."""
+
+    query: int
+    rows: dict[str, int]
+    rt_positions: list[int] = field(default_factory=list)
+    rt_ids: list[int] = field(default_factory=list)
+    rt_passage: list[int] = field(default_factory=list)
+    cite: int = 0
+
+
+class StaticDecode:
+    """The host side of a static decode (see the module docstring): admission, one step per
+    token, retirement, growth. ``rule`` is the policy's device rule."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        policy: Policy,
+        rule: Any,
+        speed: Speed,
+        *,
+        max_new_tokens: int,
+        cite: bool,
+    ) -> None:
+        _register_attention()
+        self.lm, self.policy, self.rule, self.speed = lm, policy, rule, speed
+        self.max_new_tokens = int(max_new_tokens)
+        reads = tuple(getattr(rule, "reads", ("resid", "attn")))
+        self.resid, self.attn, self.cite = "resid" in reads, "attn" in reads or cite, cite
+        model = lm.model
+        self.roles = tuple(policy.roles)
+        self.dev, self.dtype = model.device, model.dtype
+        cfg = model.config
+        self.n_layers = int(cfg.num_hidden_layers)
+        attn0 = model.model.layers[0].self_attn
+        self.head_dim = int(attn0.head_dim)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self.buf: StaticBuffers | None = None
+        self.col = 0  # host mirror of buf.col
+        self.row_owner: list[tuple[int, str] | None] = []
+        self.row_start: list[int] = []  # column of each live row's first prompt token
+        self.slots: list[_Slot | None] = []
+        self.slot_of: dict[int, int] = {}
+        graphs = speed.graphs
+        on_cuda = self.dev.type == "cuda"
+        self.compiled = graphs == "on" or (graphs == "auto" and on_cuda)
+        self._fn: Any = static_step
+        if self.compiled:
+            mode = "reduce-overhead" if on_cuda else None
+            self._fn = torch.compile(static_step, mode=mode, dynamic=False, fullgraph=False)
+        #: What the last admission cost.
+        self.timings: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ bookkeeping
+    def rows_in_use(self) -> int:
+        return sum(o is not None for o in self.row_owner)
+
+    def width(self) -> int:
+        return self.col if self.rows_in_use() else 0
+
+    def _alloc(self, R: int, C: int, P: int) -> StaticBuffers:
+        dev, dt = self.dev, self.dtype
+        kv = (R, self.n_kv, C, self.head_dim)
+        b = StaticBuffers(
+            ids=torch.full((R,), self.lm.pad_token_id, dtype=torch.long, device=dev),
+            pos=torch.zeros(R, dtype=torch.long, device=dev),
+            valid=torch.zeros((R, C), dtype=torch.bool, device=dev),
+            col=torch.zeros((), dtype=torch.long, device=dev),
+            keys=[torch.zeros(kv, dtype=dt, device=dev) for _ in range(self.n_layers)],
+            values=[torch.zeros(kv, dtype=dt, device=dev) for _ in range(self.n_layers)],
+            row_q=torch.full((R,), -1, dtype=torch.long, device=dev),
+            rows={r: torch.full((R,), -1, dtype=torch.long, device=dev) for r in self.roles},
+            rt_pos=torch.zeros((R, P), dtype=torch.long, device=dev),
+            rt_ids=torch.zeros((R, P), dtype=torch.long, device=dev),
+            rt_valid=torch.zeros((R, P), dtype=torch.bool, device=dev),
+            rt_passage=torch.zeros((R, P), dtype=torch.long, device=dev),
+            cite=torch.zeros(R, dtype=torch.long, device=dev),
+        )
+        if dev.type == "cuda" and self.compiled:
+            for t in b.all():  # fixed addresses: the captured graph reads and writes them
+                torch._dynamo.mark_static_address(t)
+        return b
+
+    # ------------------------------------------------------------------ admission
+    def admit(
+        self,
+        query_ids: Sequence[int],
+        per_query: Sequence[dict[str, ContextSpec]],
+        roles: Sequence[str],
+        cite_lengths: Sequence[list[int] | None],
+        prefill: Any,
+    ) -> dict[str, float]:
+        """Prefill the queries' contexts (each prompt but its last token, with ``prefill``:
+        the speed paths' prefill, unprobed) and place their rows in the state; their first
+        token is chosen at the next step."""
+        t0 = time.perf_counter()
+        trimmed = [
+            {r: ContextSpec(s.ids[:-1], s.rt_positions, s.weight) for r, s in c.items()}
+            for c in per_query
+        ]
+        ready = prefill(roles, trimmed, self.lm, frozenset())
+        # (batch, row) of every new context, and its cache width
+        placed: list[tuple[int, str, Any, int]] = []
+        for role, where in ready.rows.items():
+            for q, (b, r) in where.items():
+                placed.append((q, role, b, r))
+        batches = {id(b): b for _, _, b, _ in placed}
+        for key, b in list(batches.items()):
+            if isinstance(b, _PackedBatch):  # one query's two contexts in one row: unpack
+                batches[key] = b.unpacked()
+        placed = [(q, role, batches[id(b)], r) for q, role, b, r in placed]
+        width = max(int(b.mask.shape[1]) for b in batches.values())
+        self._make_room(len(placed), len(query_ids), width, per_query)
+        buf = self.buf
+        assert buf is not None
+        col = self.col
+        free_rows = [i for i, o in enumerate(self.row_owner) if o is None]
+        free_slots = [i for i, s in enumerate(self.slots) if s is None]
+        slot_rows: dict[int, dict[str, int]] = {}
+        by_batch: dict[int, list[tuple[int, int]]] = {}
+        last_ids: list[int] = []
+        positions: list[int] = []
+        rows_taken: list[int] = []
+        for q, role, b, r in placed:
+            row = free_rows.pop(0)
+            rows_taken.append(row)
+            spec = per_query[q][role]
+            self.row_owner[row] = (query_ids[q], role)
+            slot_rows.setdefault(q, {})[role] = row
+            by_batch.setdefault(id(b), []).append((r, row))
+            last_ids.append(spec.ids[-1])
+            positions.append(len(spec.ids) - 1)
+            while len(self.row_start) <= row:
+                self.row_start.append(0)
+            self.row_start[row] = col - (len(spec.ids) - 1)
+        with torch.inference_mode():
+            for key, pairs in by_batch.items():
+                b = batches[key]
+                w = int(b.mask.shape[1])
+                src = torch.tensor([r for r, _ in pairs], dtype=torch.long)
+                dst = torch.tensor([row for _, row in pairs], dtype=torch.long, device=self.dev)
+                src_dev = src.to(self.dev)
+                mask = b.mask.index_select(0, src_dev.to(b.mask.device)).bool().to(self.dev)
+                full = torch.zeros((len(pairs), buf.valid.shape[1]), dtype=torch.bool, device=self.dev)
+                full[:, col - w : col] = mask
+                buf.valid.index_copy_(0, dst, full)
+                for i in range(self.n_layers):
+                    layer = b.cache.layers[i]
+                    k = layer.keys.index_select(0, src_dev.to(layer.keys.device))[:, :, :w]
+                    v = layer.values.index_select(0, src_dev.to(layer.values.device))[:, :, :w]
+                    buf.keys[i][:, :, col - w : col].index_copy_(0, dst, k.to(buf.keys[i].dtype))
+                    buf.values[i][:, :, col - w : col].index_copy_(0, dst, v.to(buf.values[i].dtype))
+            rows_t = torch.tensor(rows_taken, dtype=torch.long, device=self.dev)
+            buf.ids.index_copy_(0, rows_t, torch.tensor(last_ids, dtype=torch.long, device=self.dev))
+            buf.pos.index_copy_(0, rows_t, torch.tensor(positions, dtype=torch.long, device=self.dev))
+            for q, rows in slot_rows.items():
+                s = free_slots.pop(0)
+                rag = per_query[q].get("rag")
+                lengths = cite_lengths[q]
+                slot = _Slot(query_ids[q], rows)
+                if rag is not None:
+                    slot.rt_positions = list(rag.rt_positions)
+                    slot.rt_ids = [rag.ids[p] for p in rag.rt_positions]
+                    per = lengths if lengths else [len(slot.rt_positions)]
+                    passage = [j for j, n in enumerate(per) for _ in range(n)]
+                    if len(passage) != len(slot.rt_positions):
+                        passage = [0] * len(slot.rt_positions)
+                    slot.rt_passage = passage
+                slot.cite = len(lengths) if lengths is not None else 0
+                self.slots[s] = slot
+                self.slot_of[query_ids[q]] = s
+                for role, row in rows.items():
+                    buf.row_q[row] = s
+                    buf.rows[role][s] = row
+                self._write_slot(s)
+        self.timings = {
+            "prefill_s": time.perf_counter() - t0,
+            "fused": float(ready.fused),
+            "packed": float(ready.packed),
+            "static": 1.0,
+        }
+        return self.timings
+
+    def _write_slot(self, s: int) -> None:
+        """The slot's retrieved-token tensors from its host record (cache columns of its RAG
+        row as of now)."""
+        buf = self.buf
+        assert buf is not None
+        slot = self.slots[s]
+        P = buf.rt_pos.shape[1]
+        pos = [0] * P
+        ids = [0] * P
+        passage = [0] * P
+        ok = [False] * P
+        cite = 0
+        if slot is not None and "rag" in slot.rows:
+            start = self.row_start[slot.rows["rag"]]
+            n = len(slot.rt_positions)
+            pos[:n] = [start + p for p in slot.rt_positions]
+            ids[:n] = slot.rt_ids
+            passage[:n] = slot.rt_passage
+            ok[:n] = [True] * n
+            cite = slot.cite
+        dev = self.dev
+        buf.rt_pos[s] = torch.tensor(pos, dtype=torch.long, device=dev)
+        buf.rt_ids[s] = torch.tensor(ids, dtype=torch.long, device=dev)
+        buf.rt_passage[s] = torch.tensor(passage, dtype=torch.long, device=dev)
+        buf.rt_valid[s] = torch.tensor(ok, dtype=torch.bool, device=dev)
+        buf.cite[s] = cite
+
+    def _make_room(
+        self, n_rows: int, n_queries: int, width: int, per_query: Sequence[dict[str, ContextSpec]]
+    ) -> None:
+        """Make room for ``n_rows`` new rows of prompts ``width`` columns wide, right-aligned
+        at the column: shift the live rows (right where a prompt is longer than the column,
+        left to drop columns no live row uses where capacity runs short), or a new state
+        (a bigger bucket, capacity or retrieved-token slots) with the live rows copied."""
+        live = [i for i, o in enumerate(self.row_owner) if o is not None]
+        rt_need = max(
+            [len(c["rag"].rt_positions) for c in per_query if "rag" in c]
+            + [len(s.rt_positions) for s in self.slots if s is not None]
+            + [1]
+        )
+        room = self.max_new_tokens + 1
+        if not live:
+            delta, col = 0, width
+        else:
+            delta = max(0, width - self.col)
+            col = self.col + delta
+            if self.buf is not None and col + room > self.buf.valid.shape[1]:
+                lo = min(self.row_start[i] for i in live)
+                delta = -lo + max(0, width - (self.col - lo))
+                col = self.col + delta
+        R_need = len(live) + n_rows
+        buf = self.buf
+        fits = (
+            buf is not None
+            and R_need <= buf.valid.shape[0]
+            and col + room <= buf.valid.shape[1]
+            and rt_need <= buf.rt_pos.shape[1]
+        )
+        if fits:
+            if delta:
+                self._shift(delta, live)
+            self.col = col
+            buf.col.fill_(col)  # type: ignore[union-attr]
+            return
+        R = _pow2(R_need)
+        C = _pow2(col + room, MIN_COLUMNS)
+        P = _pow2(rt_need, MIN_RT_SLOTS)
+        if buf is not None:  # keep what fits: shrink nothing a later step may need
+            R, C, P = max(R, buf.shape[0]), max(C, buf.shape[1]), max(P, buf.shape[2])
+        new = self._alloc(R, C, P)
+        old_owner, old_start, old_slots = self.row_owner, self.row_start, self.slots
+        self.row_owner = [None] * R
+        self.row_start = [0] * R
+        self.slots = [None] * R
+        self.slot_of = {}
+        if buf is not None and live:
+            # The live rows, compacted to rows 0..n-1, their columns moved by ``delta``.
+            src = torch.tensor(live, dtype=torch.long, device=self.dev)
+            n, c0 = len(live), self.col
+            lo = min(old_start[i] for i in live)
+            a, e = lo, c0  # the columns live rows use
+            with torch.inference_mode():
+                new.valid[:n, a + delta : e + delta] = buf.valid.index_select(0, src)[:, a:e]
+                for i in range(self.n_layers):
+                    new.keys[i][:n, :, a + delta : e + delta] = buf.keys[i].index_select(0, src)[:, :, a:e]
+                    new.values[i][:n, :, a + delta : e + delta] = buf.values[i].index_select(0, src)[:, :, a:e]
+                new.ids[:n] = buf.ids.index_select(0, src)
+                new.pos[:n] = buf.pos.index_select(0, src)
+            row_map = {old: i for i, old in enumerate(live)}
+            for old, i in row_map.items():
+                self.row_owner[i] = old_owner[old]
+                self.row_start[i] = old_start[old] + delta
+            k = 0
+            for s_old in old_slots:
+                if s_old is None:
+                    continue
+                s_old.rows = {r: row_map[x] for r, x in s_old.rows.items()}
+                self.slots[k] = s_old
+                self.slot_of[s_old.query] = k
+                k += 1
+        self.buf = new
+        self.col = col
+        with torch.inference_mode():
+            new.col.fill_(col)
+            for s, slot in enumerate(self.slots):
+                if slot is None:
+                    continue
+                for role, row in slot.rows.items():
+                    new.row_q[row] = s
+                    new.rows[role][s] = row
+                self._write_slot(s)
+
+    def _shift(self, delta: int, live: list[int]) -> None:
+        """Move every row's columns by ``delta`` (in place; columns that come in are
+        masked), and the live rows' retrieved-token columns with them."""
+        buf = self.buf
+        assert buf is not None
+        C = buf.valid.shape[1]
+        with torch.inference_mode():
+            for t in [buf.valid, *buf.keys, *buf.values]:
+                dim = 1 if t.dim() == 2 else 2
+                moved = t.narrow(dim, max(0, -delta), C - abs(delta)).clone()
+                t.narrow(dim, max(0, delta), C - abs(delta)).copy_(moved)
+                gap = t.narrow(dim, 0 if delta > 0 else C + delta, abs(delta))
+                gap.zero_()
+        for i in live:
+            self.row_start[i] += delta
+        for s, slot in enumerate(self.slots):
+            if slot is not None:
+                self._write_slot(s)
+
+    # ------------------------------------------------------------------ one step
+    def step(self, queries: Sequence[int], tokenizer: Any) -> list[DecodedStep]:
+        """Run the step on every row; the one host read; each query's decoded record."""
+        buf = self.buf
+        assert buf is not None
+        model = self.lm.model
+        cfg = model.config
+        before = cfg._attn_implementation
+        cfg._attn_implementation = ATTN_STATIC
+        try:
+            with torch.inference_mode():
+                out = self._fn(
+                    model, self.rule, self.lm.pad_token_id, self.resid, self.attn, self.cite,
+                    buf.ids, buf.pos, buf.valid, buf.col, buf.keys, buf.values, buf.row_q,
+                    buf.rows, buf.rt_pos, buf.rt_ids, buf.rt_valid, buf.rt_passage, buf.cite,
+                )  # fmt: skip
+        finally:
+            cfg._attn_implementation = before
+        self.col += 1
+        table = out.tolist()  # the one host read of the step
+        decoded = []
+        for q in queries:
+            row = table[self.slot_of[q]]
+            d = self.rule.decode(row[1:], tokenizer)
+            d.token_id = int(row[0])
+            decoded.append(d)
+        return decoded
+
+    def retire(self, done: Sequence[int]) -> None:
+        """Free the rows and slots of the queries ``done``."""
+        buf = self.buf
+        if buf is None:
+            return
+        with torch.inference_mode():
+            for q in done:
+                s = self.slot_of.pop(q, None)
+                if s is None:
+                    continue
+                slot = self.slots[s]
+                self.slots[s] = None
+                assert slot is not None
+                for role, row in slot.rows.items():
+                    self.row_owner[row] = None
+                    buf.row_q[row] = -1
+                    buf.rows[role][s] = -1
+                buf.rt_valid[s] = False
+                buf.cite[s] = 0
+
+
+def static_asked(lm: LoadedModel, speed: Speed) -> bool:
+    """Whether ``speed`` asks for the static state on ``lm``: ``static="on"``, or ``"auto"``
+    with the model on a CUDA device."""
+    return speed.static == "on" or (speed.static == "auto" and lm.model.device.type == "cuda")
+
+
+def static_decode_for(
+    lm: LoadedModel,
+    policy: Policy,
+    speed: Speed,
+    *,
+    max_new_tokens: int,
+    citations: bool | None,
+) -> tuple[StaticDecode | None, str | None]:
+    """The static decode of ``policy`` on ``lm`` where ``speed.static`` asks for it (``"on"``;
+    ``"auto"`` on a CUDA device) and it applies, else None; and why it does not apply where
+    it was asked for (None where it was not)."""
+    if not static_asked(lm, speed):
+        return None, None
+    why = static_off_reason(lm, policy)
+    if why is not None:
+        return None, why
+    rule = device_rule_for(policy, lm, citations=citations, passages=MAX_PASSAGES)
+    if rule is None:
+        rule = fallback_rule(policy, lm, citations=citations)
+    if rule is None:
+        return None, f"policy {policy.name!r} has no device rule"
+    # Cited where the engine cites: every query with a RAG context for citations=True,
+    # where the rule reads that context's attention anyway for None.
+    reads = tuple(getattr(rule, "reads", ("resid", "attn")))
+    cite = "rag" in policy.roles and (citations is True or (citations is None and "attn" in reads))
+    return StaticDecode(lm, policy, rule, speed, max_new_tokens=max_new_tokens, cite=cite), None
+
+
+def fallback_rule(policy: Policy, lm: LoadedModel, *, citations: bool | None) -> Any:
+    """The argmax rules of ``llm``, ``rag`` and ``floor`` until :mod:`.rules` has them."""
+    from .static_rules import argmax_rule
+
+    return argmax_rule(policy, lm, citations=citations)
