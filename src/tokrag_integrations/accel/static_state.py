@@ -32,8 +32,9 @@ to it where ``Speed.static`` is on (:func:`static_decode_for`).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -596,23 +597,32 @@ class StaticDecode:
                 self._write_slot(s)
 
     # ------------------------------------------------------------------ one step
-    def step(self, queries: Sequence[int], tokenizer: Any) -> list[DecodedStep]:
-        """Run the step on every row; the one host read; each query's decoded record."""
+    def step_args(self) -> tuple[Any, ...]:
+        """The arguments of :func:`static_step` on this state (for a compiler's checks)."""
         buf = self.buf
         assert buf is not None
-        model = self.lm.model
-        cfg = model.config
+        return (
+            self.lm.model, self.rule, self.lm.pad_token_id, self.resid, self.attn, self.cite,
+            buf.ids, buf.pos, buf.valid, buf.col, buf.keys, buf.values, buf.row_q,
+            buf.rows, buf.rt_pos, buf.rt_ids, buf.rt_valid, buf.rt_passage, buf.cite,
+        )  # fmt: skip
+
+    @contextlib.contextmanager
+    def attention(self) -> Iterator[None]:
+        """While open, the model's attention layers run :func:`static_attention` (the step's;
+        the prefill keeps the model's own)."""
+        cfg = self.lm.model.config
         before = cfg._attn_implementation
         cfg._attn_implementation = ATTN_STATIC
         try:
-            with torch.inference_mode():
-                out = self._fn(
-                    model, self.rule, self.lm.pad_token_id, self.resid, self.attn, self.cite,
-                    buf.ids, buf.pos, buf.valid, buf.col, buf.keys, buf.values, buf.row_q,
-                    buf.rows, buf.rt_pos, buf.rt_ids, buf.rt_valid, buf.rt_passage, buf.cite,
-                )  # fmt: skip
+            yield
         finally:
             cfg._attn_implementation = before
+
+    def step(self, queries: Sequence[int], tokenizer: Any) -> list[DecodedStep]:
+        """Run the step on every row; the one host read; each query's decoded record."""
+        with self.attention(), torch.inference_mode():
+            out = self._fn(*self.step_args())
         self.col += 1
         table = out.tolist()  # the one host read of the step
         decoded = []
