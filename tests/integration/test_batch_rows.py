@@ -11,8 +11,8 @@ import torch
 
 from tokrag_integrations import generate, generate_batch
 from tokrag_integrations.accel.packed import prefill
+from tokrag_integrations.contexts.batch import RoleBatch
 from tokrag_integrations.engine import decoder
-from tokrag_integrations.engine.batch import RoleBatch
 from tokrag_integrations.engine.decoder import Decoder, role_setup, views_for
 from tokrag_integrations.policies import get_policy
 from tokrag_integrations.prompts import PromptBuilder
@@ -162,7 +162,7 @@ def test_a_reused_prefill_is_charged_to_the_decode_that_reuses_it(lm):
     """Inside the harness's shared prefill, the second policy on the same prompts gets the
     first one's prefill seconds in ``prefill_reused_s`` (the evaluation records add them to
     its time); the first pays its own prefill and reuses nothing."""
-    from tokrag_integrations.engine.prefill import shared_prefill
+    from tokrag_integrations.contexts.prefill import shared_prefill
 
     with shared_prefill():
         first = generate_batch(lm, QS[:2], PS[:2], policy="tokrag", max_new_tokens=2)

@@ -14,11 +14,11 @@ from tokrag_integrations import generate, generate_batch
 from tokrag_integrations.accel import cpu_kernels as K
 from tokrag_integrations.accel.cpu_kernels import install, installed, uninstall
 from tokrag_integrations.accel.install import maybe_install
-from tokrag_integrations.accel.kv_cache import GrowableLayer
 from tokrag_integrations.accel.packed import fuse_batches
 from tokrag_integrations.accel.sdpa import ATTN_IMPLEMENTATION
-from tokrag_integrations.engine.batch import RoleBatch as _RoleBatch
-from tokrag_integrations.engine.prefill import prefill_roles
+from tokrag_integrations.contexts.batch import RoleBatch as _RoleBatch
+from tokrag_integrations.contexts.kv_cache import GrowableLayer
+from tokrag_integrations.contexts.prefill import prefill_roles
 from tokrag_integrations.policies.base import ContextSpec
 
 CONTRA = ("What is the capital of France?", ["The capital of France is Marseille."])
@@ -258,7 +258,7 @@ def test_lazy_chunked_signals_equal_a_full_computation(lm, monkeypatch):
 def test_shared_prompt_head_is_reused_from_the_longer_prefill(lm):
     """The pure prompt (head + question) reuses the RAG prefill's head: same logits, cache
     and probe records as prefilling it in full."""
-    from tokrag_integrations.engine.batch import MIN_SHARED_PREFIX
+    from tokrag_integrations.contexts.batch import MIN_SHARED_PREFIX
     from tokrag_integrations.policies.tokrag import TokRAG
     from tokrag_integrations.prompts import PromptBuilder
 

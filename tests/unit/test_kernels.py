@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from tokrag_integrations.accel import cpu_kernels as K
 from tokrag_integrations.accel.cpu_kernels import few_row_linear, install, installed, uninstall
-from tokrag_integrations.accel.kv_cache import GrowableLayer
 from tokrag_integrations.accel.sdpa import few_query_attention
+from tokrag_integrations.contexts.kv_cache import GrowableLayer
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 64, 65, 200])

@@ -140,7 +140,7 @@ def _switch_readers() -> dict[str, object]:
     """Environment variable -> the package's own reading of it (True = on)."""
     from tokrag_integrations.accel import cpu_kernels
     from tokrag_integrations.config import env_switch
-    from tokrag_integrations.engine.speed import Speed
+    from tokrag_integrations.speed import Speed
 
     return {
         "TOKRAG_FUSE_CONTEXTS": lambda: Speed().fuse,

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..attention.rows import set_lens_head_product
 from ..config import cache_dir
-from ..engine.speed import Speed
+from ..speed import Speed
 
 #: Calls with more rows than this use ``F.linear`` (GEMM-shaped work, e.g. prefill).
 MAX_ROWS = 64

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..engine.speed import Speed
+from ..speed import Speed
 from .cpu_kernels import (
     _HEAD,
     _HEAD_OK,
@@ -98,7 +98,7 @@ def _head_detail(model: Any) -> str:
 def speed_paths(model: Any) -> dict[str, str]:
     """Each speed path of ``model`` (``cpu_kernels``, ``packed_prefill``, ``packed_head``,
     ``fused_contexts``): ``"on"`` (with what was measured here) or ``"off: <reason>"``; a
-    decode's :class:`..engine.speed.Speed` may still turn a path off."""
+    decode's :class:`..speed.Speed` may still turn a path off."""
     off = getattr(model, _SPEED_OFF, None)
     attention = getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
     kernels = installed(model)

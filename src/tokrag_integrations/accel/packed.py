@@ -16,13 +16,19 @@ import torch
 
 from ..attention.parts import model_parts
 from ..attention.probe import ProbeRecord, install_taps
-from ..engine.batch import RoleBatch
-from ..engine.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, reused_seconds, row_map
-from ..engine.speed import Speed
+from ..contexts.batch import RoleBatch
+from ..contexts.kv_cache import (
+    GrowableLayer,
+    has_sliding_window,
+    is_full_layer,
+    new_cache,
+    row_runs,
+)
+from ..contexts.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, reused_seconds, row_map
 from ..models import LoadedModel
 from ..policies.base import ContextSpec
+from ..speed import Speed
 from .install import fusion_off_reason
-from .kv_cache import GrowableLayer, has_sliding_window, is_full_layer, new_cache, row_runs
 from .sdpa import ATTN_IMPLEMENTATION, PACKED_PREFILL
 
 
@@ -344,7 +350,7 @@ def split_prefill(
     one where ``fuse``, in ``roles`` order (a fused batch is all pure rows, then all RAG
     rows, as when prefilled together). A query alone in its group is prefilled as one packed
     sequence where ``pack`` and it applies (:func:`prefill_packed`, then unpacked), else with
-    :func:`..engine.prefill.prefill_roles`. Every row computes what it computes in a prefill
+    :func:`..contexts.prefill.prefill_roles`. Every row computes what it computes in a prefill
     of its own query. None where it does not apply (not on CPU, one group, or rows that
     cannot be merged): the caller prefills the queries as one batch."""
     if lm.model.device.type != "cpu":

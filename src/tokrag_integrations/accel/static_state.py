@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from ..engine.speed import Speed
+from ..speed import Speed
 from ..models import LoadedModel
 from ..policies.base import ContextSpec, Policy
-from .kv_cache import has_sliding_window
+from ..contexts.kv_cache import has_sliding_window
 from .packed import _PackedBatch
 from .step_tensors import MAX_PASSAGES, DecodedStep, StepTensors, device_rule_for
 

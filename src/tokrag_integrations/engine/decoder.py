@@ -29,14 +29,14 @@ from ..accel.packed import prefill as speed_prefill
 from ..accel.static_state import static_decode_for
 from ..attention.citations import citation_layers, passage_scores
 from ..attention.parts import model_parts
+from ..contexts.batch import RoleBatch
+from ..contexts.prefill import Prefilled
 from ..models import LoadedModel
 from ..policies.base import Choice, ContextSpec, Policy
 from ..policies.rag_token import passage_posterior
 from ..prompts import PromptPlan
+from ..speed import Speed, speed_of
 from ..trace import Candidate, TraceStep
-from .batch import RoleBatch
-from .prefill import Prefilled
-from .speed import Speed, speed_of
 from .stats import distribution_stats_rows
 from .view import ContextView, make_lens
 

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from ..accel.static_state import static_asked
+from ..contexts.prefill import plain_prefill
 from ..models import LoadedModel
 from ..policies.base import Policy, SequencePolicy
 from ..policies.rag_token import passage_posterior
 from ..prompts import PromptPlan
+from ..speed import Speed
 from ..trace import TraceStep
 from .decoder import Decoder, StepEvent, views_for
-from .prefill import plain_prefill
-from .speed import Speed
 from .view import ContextView
 
 __all__ = ["SequenceDecoder", "decode_loop", "decoder_for", "teacher_force"]

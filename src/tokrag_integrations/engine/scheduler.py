@@ -39,10 +39,10 @@ from ..policies import get_policy, uses_passages
 from ..policies.base import Policy
 from ..prompts import PromptPlan, RenderedPrompt
 from ..results import GenerationResult, TokenEvent, _stop_list, _TextTracker
+from ..speed import Speed, speed_of
 from ..trace import Trace
 from .decoder import Decoder, StepEvent
 from .loop import SequenceDecoder, decoder_for
-from .speed import Speed, speed_of
 from .streams import (
     _END,
     DECODE_THREADS,
@@ -745,7 +745,7 @@ def generate(
         policy: ``"tokrag"`` (default), ``"rag"``, ``"llm"``... or a Policy instance.
         policy_options: the policy's options (e.g. ``{"pr_norm": "softmax"}``), checked by
             :func:`.policies.get_policy`.
-        speed: how fast, never what is decided: a :class:`.engine.speed.Speed`, a preset
+        speed: how fast, never what is decided: a :class:`.speed.Speed`, a preset
             (``"auto"``, the default; ``"reference"``, the step-by-step loop as written) or a
             dict of its fields (``{"fuse": False}``).
         max_new_tokens / stop: stopping rules (EOS always stops).

@@ -19,9 +19,9 @@ from ..attention.rows import (
     cached_keys,
     logit_lens,
 )
+from ..contexts.batch import RoleBatch
 from ..models import LoadedModel
 from ..policies.base import ContextSpec, Lens
-from .batch import RoleBatch
 
 __all__ = ["ContextView", "make_lens"]
 

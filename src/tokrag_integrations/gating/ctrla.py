@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..config import require_bool
-from ..engine.batch import RoleBatch
+from ..contexts.batch import RoleBatch
 from ..models import LoadedModel
 from ..policies.base import Choice, ContextSpec, Lens, Policy, View
 from ..trace import FROM_LLM
@@ -87,7 +87,7 @@ def last_token_states(
     lm: LoadedModel, prompts: Sequence[list[int]], batch_size: int = 16
 ) -> torch.Tensor:
     """[N, L+1, d] residual states of each prompt's last position (h^0 = embeddings), from
-    probed prefills of left-padded batches (:class:`~..engine.batch.RoleBatch`)."""
+    probed prefills of left-padded batches (:class:`~..contexts.batch.RoleBatch`)."""
     out = []
     for i in range(0, len(prompts), batch_size):
         members = [(r, ContextSpec(list(p))) for r, p in enumerate(prompts[i : i + batch_size])]

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import config
+from . import config
 
 __all__ = ["PRESETS", "Speed", "speed_of"]
 
