@@ -82,6 +82,11 @@ class Speed:
             elif not isinstance(value, bool):
                 raise ValueError(f"{f.name} must be True or False, got {value!r}")
 
+    def wants_static(self, device_type: str) -> bool:
+        """Whether this speed asks for the static state on a model on ``device_type``
+        (``static="on"``, or ``"auto"`` on ``"cuda"``)."""
+        return self.static == "on" or (self.static == "auto" and device_type == "cuda")
+
     def options(self) -> dict[str, Any]:
         """The speed as the trace records it (``Trace.options``)."""
         return {"fuse": self.fuse}

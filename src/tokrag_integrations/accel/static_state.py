@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from ..speed import Speed
+from ..contexts.kv_cache import has_sliding_window
 from ..models import LoadedModel
 from ..policies.base import ContextSpec, Policy
-from ..contexts.kv_cache import has_sliding_window
+from ..speed import Speed
 from .packed import _PackedBatch
 from .step_tensors import MAX_PASSAGES, DecodedStep, StepTensors, device_rule_for
 
@@ -657,7 +657,7 @@ class StaticDecode:
 def static_asked(lm: LoadedModel, speed: Speed) -> bool:
     """Whether ``speed`` asks for the static state on ``lm``: ``static="on"``, or ``"auto"``
     with the model on a CUDA device."""
-    return speed.static == "on" or (speed.static == "auto" and lm.model.device.type == "cuda")
+    return speed.wants_static(lm.model.device.type)
 
 
 def static_decode_for(

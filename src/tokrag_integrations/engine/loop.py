@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from ..accel.static_state import static_asked
 from ..contexts.prefill import plain_prefill
 from ..models import LoadedModel
 from ..policies.base import Policy, SequencePolicy
@@ -133,7 +132,7 @@ class SequenceDecoder:
         #: sequence-level scoring (teacher forcing) on the view path.
         self.static_off = (
             f"policy {rule.name!r} has no device rule: its scoring runs on the view path"
-            if static_asked(lm, speed)
+            if speed.wants_static(lm.model.device.type)
             else None
         )
         self.timings: dict[str, float] = {}
