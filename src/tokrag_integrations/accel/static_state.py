@@ -87,21 +87,26 @@ def static_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention of the step's query positions ([B, H, q, hd]) over the static keys and
-    values ([B, kv_heads, C, hd]) under the additive ``attention_mask`` [B, 1, q, C], in
-    float32; the last position's probabilities [B, H, C] are appended to ``tokrag_probs``
-    (when given). Grouped-query attention without repeating the keys."""
+    values ([B, kv_heads, C, hd]) where ``attention_mask`` ([B, 1, q, C] bool) is True.
+    With ``tokrag_probs`` (a list) the probabilities are computed in float32 and the last
+    position's [B, H, C] appended to it (grouped-query attention without repeating the
+    keys); without, one fused ``scaled_dot_product_attention``."""
     bsz, n_heads, q_len, head_dim = query.shape
+    scale = head_dim**-0.5 if scaling is None else scaling
+    if tokrag_probs is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous(), None
     n_kv = key.shape[1]
     groups = n_heads // n_kv
-    scale = head_dim**-0.5 if scaling is None else scaling
     qg = query.reshape(bsz, n_kv, groups * q_len, head_dim).float()
     scores = torch.matmul(qg, key.float().transpose(-1, -2)) * scale  # [B, kv, g*q, C]
     scores = scores.view(bsz, n_heads, q_len, -1)
     if attention_mask is not None:
-        scores = scores + attention_mask
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if tokrag_probs is not None:
-        tokrag_probs.append(probs[:, :, -1])
+    tokrag_probs.append(probs[:, :, -1])
     out = torch.matmul(probs.view(bsz, n_kv, groups * q_len, -1).to(value.dtype), value)
     return out.view(bsz, n_heads, q_len, head_dim).transpose(1, 2).contiguous(), None
 
@@ -129,8 +134,8 @@ class StaticKV:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *a: Any, **k: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kb, vb = self.keys[layer_idx], self.values[layer_idx]
-        kb.index_copy_(2, self.col, key_states.to(kb.dtype))
-        vb.index_copy_(2, self.col, value_states.to(vb.dtype))
+        kb.index_copy_(2, self.col, key_states)
+        vb.index_copy_(2, self.col, value_states)
         return kb, vb
 
 
@@ -152,26 +157,26 @@ def static_forward(
     model's ``_attn_implementation`` while the step runs)."""
     backbone = model.model
     x = backbone.embed_tokens(ids[:, None])
-    add_mask = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
-    add_mask = add_mask.masked_fill(~valid, float("-inf"))[:, None, None, :]
+    mask = valid[:, None, None, :]
     position_ids = pos[:, None]
     pe = backbone.rotary_emb(x, position_ids=position_ids)
     cache = StaticKV(keys, values, col.view(1))
     probs: list[torch.Tensor] | None = [] if attn else None
-    states = [x[:, 0]]
+    states = [x[:, 0]] if resid else []
     for layer in backbone.layers:
         # The class's forward: the probe's taps (an instance attribute) are not needed here.
         x = type(layer).forward(
             layer,
             x,
-            attention_mask=add_mask,
+            attention_mask=mask,
             position_ids=position_ids,
             cache=cache,
             use_cache=True,
             position_embeddings=pe,
             tokrag_probs=probs,
         )
-        states.append(x[:, 0])
+        if resid:
+            states.append(x[:, 0])
     h = backbone.norm(x[:, 0])
     logits = model.lm_head(h).float()
     return (
@@ -382,7 +387,8 @@ class StaticDecode:
             {r: ContextSpec(s.ids[:-1], s.rt_positions, s.weight) for r, s in c.items()}
             for c in per_query
         ]
-        ready = prefill(roles, trimmed, self.lm, frozenset())
+        with torch.inference_mode():
+            ready = prefill(roles, trimmed, self.lm, frozenset())
         # (batch, row) of every new context, and its cache width
         placed: list[tuple[int, str, Any, int]] = []
         for role, where in ready.rows.items():
@@ -622,6 +628,8 @@ class StaticDecode:
     def step(self, queries: Sequence[int], tokenizer: Any) -> list[DecodedStep]:
         """Run the step on every row; the one host read; each query's decoded record."""
         with self.attention(), torch.inference_mode():
+            if self.compiled and self.dev.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's output is read
             out = self._fn(*self.step_args())
         self.col += 1
         table = out.tolist()  # the one host read of the step
