@@ -67,9 +67,11 @@ class StepTensors:
     #: [Q, K] float: each passage context's prior p(z|x) (``rag_token``; 0 where absent),
     #: else None.
     weights: torch.Tensor | None = None
-    #: [Q] long: how many passages each query's citation scores cover (0: the query is not
-    #: cited); None: no query is cited. A query is cited where the engine cites it today
-    #: (its ``rag`` context is probed and holds its passages, or every context is a passage).
+    #: [Q] long: how many passages each query's citation scores cover (-1: the query is not
+    #: cited; 0: cited, with no passage, its citation is []); None: no query is cited. A
+    #: query is cited where the engine cites it today (the Decoder's ``_cite``: its ``rag``
+    #: context is probed and holds exactly its passages). RAG-Token's citation (every
+    #: context a passage) does not read it.
     cite_passages: torch.Tensor | None = None
 
     @property
@@ -89,7 +91,7 @@ class DecodedStep:
     signals: dict[str, Any] = field(default_factory=dict)
     candidates: dict[str, Candidate] = field(default_factory=dict)
     stats: dict[str, dict[str, float]] = field(default_factory=dict)
-    citation: list[float] | None = None
+    citation: list[float] = field(default_factory=list)
 
 
 @runtime_checkable
@@ -208,7 +210,7 @@ def step_tensors_from_views(
                     w[q, j] = float(views[role].spec.weight)
     cite = None
     if cite_lengths is not None and any(c is not None for c in cite_lengths):
-        cite = torch.tensor([0 if c is None else len(c) for c in cite_lengths], device=dev)
+        cite = torch.tensor([-1 if c is None else len(c) for c in cite_lengths], device=dev)
     return StepTensors(
         logits=torch.stack(logits),
         resid=out_resid,

@@ -11,7 +11,15 @@ from typing import Any
 
 def rule_for(policy: Any, lm: Any, *, citations: bool | None, passages: int) -> Any:
     """The device rule of ``policy`` (see :func:`..step_tensors.device_rule_for`)."""
-    builders: list[Any] = []
+    from . import baselines, cad, rag_token, selection, tokrag
+
+    builders: list[Any] = [
+        baselines.build,
+        tokrag.build,
+        cad.build,
+        selection.build,
+        rag_token.build,
+    ]
     for build in builders:
         rule = build(policy, lm, citations=citations, passages=passages)
         if rule is not None:
