@@ -87,6 +87,21 @@ def test_alone_and_batched_equal_the_reference(tiny, policy):
     _same(batch[1], want_b)
 
 
+@pytest.mark.parametrize("policy", ["rag", "floor"])
+def test_citations_equal_the_reference(tiny, policy):
+    """``citations=True``: each step's passage scores (copy vote, else attention mass) from
+    the step's attention rows are the view path's."""
+    kw = dict(policy=policy, max_new_tokens=8, citations=True)
+    for q in (Q, LONG_Q):
+        want = generate(tiny, q, PASSAGES, speed="reference", **kw)
+        got = generate(tiny, q, PASSAGES, speed="cuda", **kw)
+        assert got.trace.timings["static"] == 1.0
+        _same(got, want)
+        assert all(len(s.citation) == len(PASSAGES) for s in want.trace.steps)
+        for g, w in zip(got.trace.steps, want.trace.steps, strict=True):
+            assert g.citation == pytest.approx(w.citation, abs=1e-4)
+
+
 def test_a_policy_without_device_rule_falls_back_and_says_so(tiny):
     r = generate(tiny, Q, PASSAGES, policy="rag_sequence", speed="cuda", max_new_tokens=3)
     assert "device rule" in r.trace.options["speed_paths_off"]["static"]

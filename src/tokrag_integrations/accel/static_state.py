@@ -223,7 +223,6 @@ def static_step(
     pad_id: int,
     resid: bool,
     attn: bool,
-    cite: bool,
     ids: torch.Tensor,
     pos: torch.Tensor,
     valid: torch.Tensor,
@@ -255,7 +254,7 @@ def static_step(
         rt_valid=rt_valid,
         rt_passage=rt_passage,
         weights=None,
-        cite_passages=cite_n if cite else None,
+        cite_passages=cite_n,
     )
     chosen, record = rule(t)
     nxt = chosen.index_select(0, row_q.clamp(min=0))
@@ -309,13 +308,15 @@ class StaticDecode:
         speed: Speed,
         *,
         max_new_tokens: int,
-        cite: bool,
     ) -> None:
         _register_attention()
         self.lm, self.policy, self.rule, self.speed = lm, policy, rule, speed
         self.max_new_tokens = int(max_new_tokens)
-        reads = tuple(getattr(rule, "reads", ("resid", "attn")))
-        self.resid, self.attn, self.cite = "resid" in reads, "attn" in reads or cite, cite
+        #: What the step records for the rule: the residuals, the attention rows. A rule may
+        #: say what it reads (``reads``); else both where a context is probed (the policy
+        #: reads its layers, or its RAG context is cited), which the first admission shows.
+        self.reads: tuple[str, ...] | None = getattr(rule, "reads", None)
+        self.resid = self.attn = False
         model = lm.model
         self.roles = tuple(policy.roles)
         self.dev, self.dtype = model.device, model.dtype
@@ -383,6 +384,12 @@ class StaticDecode:
         the speed paths' prefill, unprobed) and place their rows in the state; their first
         token is chosen at the next step."""
         t0 = time.perf_counter()
+        probed = any(s.probe for c in per_query for s in c.values())
+        cited = any(c is not None for c in cite_lengths)
+        if self.reads is not None:
+            self.resid, self.attn = "resid" in self.reads, "attn" in self.reads or cited
+        else:  # only ever turned on (a new graph where it changes)
+            self.resid, self.attn = self.resid or probed, self.attn or probed
         trimmed = [
             {r: ContextSpec(s.ids[:-1], s.rt_positions, s.weight) for r, s in c.items()}
             for c in per_query
@@ -608,7 +615,7 @@ class StaticDecode:
         buf = self.buf
         assert buf is not None
         return (
-            self.lm.model, self.rule, self.lm.pad_token_id, self.resid, self.attn, self.cite,
+            self.lm.model, self.rule, self.lm.pad_token_id, self.resid, self.attn,
             buf.ids, buf.pos, buf.valid, buf.col, buf.keys, buf.values, buf.row_q,
             buf.rows, buf.rt_pos, buf.rt_ids, buf.rt_valid, buf.rt_passage, buf.cite,
         )  # fmt: skip
@@ -686,18 +693,5 @@ def static_decode_for(
         return None, why
     rule = device_rule_for(policy, lm, citations=citations, passages=MAX_PASSAGES)
     if rule is None:
-        rule = fallback_rule(policy, lm, citations=citations)
-    if rule is None:
         return None, f"policy {policy.name!r} has no device rule"
-    # Cited where the engine cites: every query with a RAG context for citations=True,
-    # where the rule reads that context's attention anyway for None.
-    reads = tuple(getattr(rule, "reads", ("resid", "attn")))
-    cite = "rag" in policy.roles and (citations is True or (citations is None and "attn" in reads))
-    return StaticDecode(lm, policy, rule, speed, max_new_tokens=max_new_tokens, cite=cite), None
-
-
-def fallback_rule(policy: Policy, lm: LoadedModel, *, citations: bool | None) -> Any:
-    """The argmax rules of ``llm``, ``rag`` and ``floor`` until :mod:`.rules` has them."""
-    from .static_rules import argmax_rule
-
-    return argmax_rule(policy, lm, citations=citations)
+    return StaticDecode(lm, policy, rule, speed, max_new_tokens=max_new_tokens), None
