@@ -102,6 +102,18 @@ def test_citations_equal_the_reference(tiny, policy):
             assert g.citation == pytest.approx(w.citation, abs=1e-4)
 
 
+def test_a_one_token_prompt(tiny):
+    """A prompt of one token has nothing to prefill: its row starts empty."""
+    assert len(tiny.tokenizer("Hi")["input_ids"]) == 1
+    kw = dict(policy="llm", prompt_format="text", max_new_tokens=5)
+    want = generate(tiny, "Hi", None, speed="reference", **kw)
+    got = generate(tiny, "Hi", None, speed="cuda", **kw)
+    assert got.trace.timings["static"] == 1.0
+    _same(got, want)
+    both = generate_batch(tiny, ["Hi", Q], None, speed="cuda", **kw)
+    _same(both[0], want)
+
+
 def test_a_policy_without_device_rule_falls_back_and_says_so(tiny):
     r = generate(tiny, Q, PASSAGES, policy="rag_sequence", speed="cuda", max_new_tokens=3)
     assert "device rule" in r.trace.options["speed_paths_off"]["static"]

@@ -390,23 +390,31 @@ class StaticDecode:
             self.resid, self.attn = "resid" in self.reads, "attn" in self.reads or cited
         else:  # only ever turned on (a new graph where it changes)
             self.resid, self.attn = self.resid or probed, self.attn or probed
+        # A one-token prompt has nothing to prefill: its row starts with no valid column.
         trimmed = [
-            {r: ContextSpec(s.ids[:-1], s.rt_positions, s.weight) for r, s in c.items()}
+            {r: ContextSpec(s.ids[:-1], s.rt_positions, s.weight) for r, s in c.items() if len(s.ids) > 1}
             for c in per_query
         ]
-        with torch.inference_mode():
-            ready = prefill(roles, trimmed, self.lm, frozenset())
-        # (batch, row) of every new context, and its cache width
-        placed: list[tuple[int, str, Any, int]] = []
-        for role, where in ready.rows.items():
-            for q, (b, r) in where.items():
-                placed.append((q, role, b, r))
-        batches = {id(b): b for _, _, b, _ in placed}
+        run = [r for r in roles if any(r in c for c in trimmed)]
+        rows_of: dict[str, dict[int, tuple[Any, int]]] = {}
+        fused = packed = 0.0
+        if run:
+            with torch.inference_mode():
+                ready = prefill(run, trimmed, self.lm, frozenset())
+            rows_of, fused, packed = ready.rows, float(ready.fused), float(ready.packed)
+        # (query, role, prefilled batch or None, its row) of every new context
+        placed: list[tuple[int, str, Any, int]] = [
+            (q, role, *rows_of.get(role, {}).get(q, (None, -1)))
+            for role in roles
+            for q, c in enumerate(per_query)
+            if role in c
+        ]
+        batches = {id(b): b for _, _, b, _ in placed if b is not None}
         for key, b in list(batches.items()):
             if isinstance(b, _PackedBatch):  # one query's two contexts in one row: unpack
                 batches[key] = b.unpacked()
-        placed = [(q, role, batches[id(b)], r) for q, role, b, r in placed]
-        width = max(int(b.mask.shape[1]) for b in batches.values())
+        placed = [(q, role, batches.get(id(b)), r) for q, role, b, r in placed]
+        width = max((int(b.mask.shape[1]) for b in batches.values()), default=0)
         self._make_room(len(placed), len(query_ids), width, per_query)
         buf = self.buf
         assert buf is not None
@@ -424,7 +432,10 @@ class StaticDecode:
             spec = per_query[q][role]
             self.row_owner[row] = (query_ids[q], role)
             slot_rows.setdefault(q, {})[role] = row
-            by_batch.setdefault(id(b), []).append((r, row))
+            if b is not None:
+                by_batch.setdefault(id(b), []).append((r, row))
+            else:
+                buf.valid[row] = False
             last_ids.append(spec.ids[-1])
             positions.append(len(spec.ids) - 1)
             while len(self.row_start) <= row:
@@ -472,8 +483,8 @@ class StaticDecode:
                 self._write_slot(s)
         self.timings = {
             "prefill_s": time.perf_counter() - t0,
-            "fused": float(ready.fused),
-            "packed": float(ready.packed),
+            "fused": fused,
+            "packed": packed,
             "static": 1.0,
         }
         return self.timings
