@@ -334,10 +334,7 @@ class StaticDecode:
         graphs = speed.graphs
         on_cuda = self.dev.type == "cuda"
         self.compiled = graphs == "on" or (graphs == "auto" and on_cuda)
-        self._fn: Any = static_step
-        if self.compiled:
-            mode = "reduce-overhead" if on_cuda else None
-            self._fn = torch.compile(static_step, mode=mode, dynamic=False, fullgraph=False)
+        self._fn: Any = _compiled("reduce-overhead" if on_cuda else None) if self.compiled else static_step
         #: What the last admission cost.
         self.timings: dict[str, float] = {}
 
@@ -348,7 +345,26 @@ class StaticDecode:
     def width(self) -> int:
         return self.col if self.rows_in_use() else 0
 
+    def _key(self, R: int, C: int, P: int) -> tuple[Any, ...]:
+        return (R, C, P, self.roles, self.n_layers, str(self.dtype), str(self.dev), self.compiled)
+
     def _alloc(self, R: int, C: int, P: int) -> StaticBuffers:
+        """Buffers of R rows, C columns and P retrieved-token slots: a free set of the
+        model's pool where there is one (the same addresses, so a captured graph is replayed,
+        not recorded again, by the next decode), else new ones."""
+        kept = _pool(self.lm).pop(self._key(R, C, P), None)
+        if kept is not None:
+            with torch.inference_mode():
+                kept.valid.zero_()
+                kept.ids.fill_(self.lm.pad_token_id)
+                kept.pos.zero_()
+                kept.col.zero_()
+                kept.row_q.fill_(-1)
+                for t in kept.rows.values():
+                    t.fill_(-1)
+                kept.rt_valid.zero_()
+                kept.cite.zero_()
+            return kept
         dev, dt = self.dev, self.dtype
         kv = (R, self.n_kv, C, self.head_dim)
         b = StaticBuffers(
@@ -589,6 +605,8 @@ class StaticDecode:
                 self.slots[k] = s_old
                 self.slot_of[s_old.query] = k
                 k += 1
+        if buf is not None:
+            self._release(buf)
         self.buf = new
         self.col = col
         with torch.inference_mode():
@@ -678,6 +696,38 @@ class StaticDecode:
                     buf.rows[role][s] = -1
                 buf.rt_valid[s] = False
                 buf.cite[s] = 0
+        if not self.rows_in_use():  # nothing left: the buffers go back to the pool
+            self._release(buf)
+            self.buf = None
+            self.row_owner, self.row_start, self.slots, self.slot_of = [], [], [], {}
+            self.col = 0
+
+    def _release(self, buf: StaticBuffers) -> None:
+        pool = _pool(self.lm)
+        pool[self._key(*buf.shape)] = buf
+        while len(pool) > POOL_SIZE:
+            pool.pop(next(iter(pool)))
+
+
+#: Free buffer sets a model keeps (one per shape, the most recently freed).
+POOL_SIZE = 4
+_POOL = "_tokrag_static_pool"
+
+
+def _pool(lm: LoadedModel) -> dict[tuple[Any, ...], StaticBuffers]:
+    """The model's free static buffers by shape (used under the model's lock)."""
+    return lm.__dict__.setdefault(_POOL, {})
+
+
+_COMPILED: dict[str | None, Any] = {}
+
+
+def _compiled(mode: str | None) -> Any:
+    """:func:`static_step` compiled with ``mode`` (one compiled function per mode, so that
+    every decode reuses its graphs)."""
+    if mode not in _COMPILED:
+        _COMPILED[mode] = torch.compile(static_step, mode=mode, dynamic=False)
+    return _COMPILED[mode]
 
 
 def static_asked(lm: LoadedModel, speed: Speed) -> bool:
