@@ -726,7 +726,7 @@ def _compiled(mode: str | None) -> Any:
     """:func:`static_step` compiled with ``mode`` (one compiled function per mode, so that
     every decode reuses its graphs)."""
     if mode not in _COMPILED:
-        _COMPILED[mode] = torch.compile(static_step, mode=mode, dynamic=False)
+        _COMPILED[mode] = torch.compile(static_step, mode=mode)
     return _COMPILED[mode]
 
 
