@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 from _helpers import tiny_smollm2
-from torch.overrides import TorchFunctionMode
+from _host_reads import HostReads
 
 from tokrag_integrations import generate, generate_batch
 from tokrag_integrations.accel.static_state import static_step
@@ -34,8 +34,9 @@ LONG_Q = (
     "I am writing a short report about small aerospace companies in northern Europe and would "
     "like to know, in one sentence, who founded Quillfeather Aerospace and in which town?"
 )
-#: Policies whose device rule is expected (the others fall back to the view path).
-DEVICE_RULES = ("llm", "rag", "floor")
+#: Policies with a device rule, compared here on the tiny model (every policy is compared on
+#: the packaged model in test_stock_exactness.py).
+DEVICE_RULES = ("llm", "rag", "floor", "tokrag", "cad")
 
 
 @pytest.fixture(scope="module")
@@ -180,38 +181,14 @@ def test_queries_joining_between_steps_get_what_they_get_alone(tiny, policy):
     assert d.rows_in_use() == 0 and d._static.buf is None  # its buffers went back to the pool
 
 
-class _Reads(TorchFunctionMode):
-    """Counts host reads of tensors: ``.item()``, ``.tolist()``, ``bool``/``int``/``float``
-    of a tensor, ``.cpu()``, ``.numpy()``, ``nonzero``, boolean-mask indexing."""
-
-    NAMES = frozenset(
-        {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy",
-         "nonzero", "argwhere", "masked_select"}
-    )  # fmt: skip
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in self.NAMES:
-            self.counts[name] += 1
-        elif name == "__getitem__" and len(args) > 1:
-            idx = args[1] if isinstance(args[1], tuple) else (args[1],)
-            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in idx):
-                self.counts["bool_index"] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _read_counts(tiny, policy: str, speed) -> tuple[int, int, collections.Counter]:
     eos = tiny.eos_token_ids
     generate(tiny, Q, PASSAGES, policy=policy, speed=speed, max_new_tokens=2)  # warm
-    with _Reads() as c:
+    with HostReads() as c:
         r = generate(tiny, Q, PASSAGES, policy=policy, speed=speed, max_new_tokens=48)
     steps = len(r.trace.steps) + (r.trace.stop_reason == "eos")
     assert not set(r.token_ids) & set(eos)
-    return sum(c.counts.values()), steps, c.counts
+    return len(c.calls), steps, collections.Counter(c.calls)
 
 
 def test_the_counter_sees_the_reads_of_the_view_path(tiny):
@@ -225,8 +202,8 @@ def test_the_counter_sees_the_reads_of_the_view_path(tiny):
     [
         "rag",
         "floor",
-        pytest.param("tokrag", marks=pytest.mark.xfail(reason="needs the tokrag device rule (s13-rule)", strict=True)),
-        pytest.param("cad", marks=pytest.mark.xfail(reason="needs the cad device rule (s13-rule)", strict=True)),
+        "tokrag",
+        "cad",
     ],
 )  # fmt: skip
 def test_one_host_read_a_step(tiny, policy):
@@ -240,7 +217,7 @@ def test_one_host_read_a_step(tiny, policy):
 
 @pytest.mark.parametrize(
     "policy",
-    ["rag", pytest.param("tokrag", marks=pytest.mark.xfail(reason="needs the tokrag device rule (s13-rule)", strict=True))],
+    ["rag", "tokrag"],
 )  # fmt: skip
 @pytest.mark.parametrize("batch", [1, 4])
 def test_the_step_compiles_without_graph_breaks(shallow, policy, batch):

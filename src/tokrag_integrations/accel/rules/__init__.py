@@ -11,10 +11,15 @@ from typing import Any
 
 def rule_for(policy: Any, lm: Any, *, citations: bool | None, passages: int) -> Any:
     """The device rule of ``policy`` (see :func:`..step_tensors.device_rule_for`)."""
-    from . import baselines
+    from . import baselines, cad, rag_token, selection, tokrag
 
-    # (s13-cuda: only the modules committed so far; the others join when they land)
-    builders: list[Any] = [baselines.build]
+    builders: list[Any] = [
+        baselines.build,
+        tokrag.build,
+        cad.build,
+        selection.build,
+        rag_token.build,
+    ]
     for build in builders:
         rule = build(policy, lm, citations=citations, passages=passages)
         if rule is not None:
