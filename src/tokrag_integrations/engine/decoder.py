@@ -7,15 +7,15 @@ prefilled there, so their first choice is made together with the others' next on
 scheduler (:mod:`.scheduler`), :func:`.loop.decode_loop`, teacher forcing and RAG-Sequence
 all run on this loop.
 
-Speed is chosen here, from ``speed=`` (:class:`.speed.Speed`) only: the prefill of
-:func:`..accel.packed.prefill` (packed / fused contexts), :func:`..accel.packed.join_batches`
-(an admitted query's rows merged into the running batch where contexts are fused) and the
-lens handed to the policy (:func:`.view.make_lens`, ``share_lens``).
+Speed is chosen here, from ``speed=`` (:class:`..speed.Speed`) only, through the engine's
+one seam to the speed paths (:class:`.seam.SpeedPaths`): the prefill (packed / fused / split
+contexts), how an admitted query's rows join the running batch where contexts are fused, the
+lens handed to the policy (:func:`.view.make_lens`: ``share_lens``, the packed LM head) and the
+kernels every model call of the decode runs (``cpu_kernels``).
 """
 
 from __future__ import annotations
 
-import functools
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -24,8 +24,6 @@ from typing import Any
 
 import torch
 
-from ..accel.packed import join_batches
-from ..accel.packed import prefill as speed_prefill
 from ..attention.citations import citation_layers, passage_scores
 from ..attention.parts import model_parts
 from ..contexts.batch import RoleBatch
@@ -36,6 +34,7 @@ from ..policies.rag_token import passage_posterior
 from ..prompts import PromptPlan
 from ..speed import Speed, speed_of
 from ..trace import Candidate, TraceStep
+from .seam import SpeedPaths
 from .stats import distribution_stats_rows
 from .view import ContextView, make_lens
 
@@ -169,13 +168,13 @@ class Decoder:
         self.max_new_tokens, self.stop = max_new_tokens, stop
         self.timings: dict[str, float] = {}
         self.speed = speed_of(speed)
-        self._prefill = prefill or functools.partial(speed_prefill, speed=self.speed)
+        #: The speed paths of this decode (every choice from ``self.speed``).
+        self.paths = SpeedPaths(lm, self.speed)
+        self._prefill = prefill or self.paths.prefill
         #: A query admitted while others decode is prefilled as rows ``join`` can merge.
-        self._join_prefill = prefill or functools.partial(
-            speed_prefill, speed=self.speed, pack=False
-        )
-        self._join = join_batches if self.speed.fuse and prefill is None else None
-        self._lens = make_lens(lm, share=self.speed.share_lens)
+        self._join_prefill = prefill or self.paths.join_prefill
+        self._join = self.paths.join if prefill is None else None
+        self._lens = make_lens(lm, share=self.speed.share_lens, product=self.paths.lens_product)
         self.batches: list[RoleBatch] = []
         self.rows: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
         self.generated: list[list[int]] = []
@@ -216,7 +215,7 @@ class Decoder:
         per_query, roles, probe = role_setup(self.lm, plans, self.policy, self.citations)
         prefill = self._join_prefill if self.batches else self._prefill
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), self.paths.scope():
             ready = prefill(roles, per_query, self.lm, probe)
         self.timings = {
             "prefill_s": time.perf_counter() - t0,
@@ -287,7 +286,7 @@ class Decoder:
     def choose(self) -> list[StepEvent]:
         """Choose every active query's next token; returns the step events in query order
         (``finished`` ones end their query)."""
-        with torch.inference_mode():
+        with torch.inference_mode(), self.paths.scope():
             return self._choose()
 
     def _choose(self) -> list[StepEvent]:
@@ -343,7 +342,7 @@ class Decoder:
             self._chosen.clear()
             return
         pad = self.lm.pad_token_id
-        with torch.inference_mode():
+        with torch.inference_mode(), self.paths.scope():
             for b in self.batches:
                 new = torch.tensor(
                     [pad if self.done[q] else self._chosen.get(q, pad) for q in b.query_idx],
