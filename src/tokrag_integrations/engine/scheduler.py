@@ -272,6 +272,10 @@ class _Loop:
         rows = sum(d.rows_in_use() for d in self.decoders.values())
         return rows, max((d.width() for d in self.decoders.values()), default=0)
 
+    def _room(self) -> int | None:
+        """Context rows the decode may still take (None: no bound, a call decoded alone)."""
+        return None if self.b is None else max(0, self.b.max_rows - self._rows()[0])
+
     def _active(self) -> int:
         return sum(len(d.active) for d in self.decoders.values())
 
@@ -352,6 +356,7 @@ class _Loop:
                     stop=p.stops,
                     speed=p.speed,
                     citations=p.citations,
+                    room=self._room,
                 )
                 self.owners[group] = {}
             t0 = time.perf_counter()
