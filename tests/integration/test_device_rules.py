@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from tokrag_integrations import load_model
+from tokrag_integrations.accel.rules import device_rule_for
 from tokrag_integrations.accel.step_tensors import (
     DecodedStep,
-    device_rule_for,
     step_tensors_from_views,
 )
 from tokrag_integrations.engine.decoder import Decoder

@@ -48,11 +48,9 @@ def test_kernels_installed_on_the_default_cpu_model_and_reversible(lm, monkeypat
         uninstall(lm.model)
         install(lm.model, "auto")
     assert installed(lm.model) == had
-    monkeypatch.setenv("TOKRAG_CPU_KERNELS", "sometimes")
-    with pytest.raises(ValueError, match="TOKRAG_CPU_KERNELS"):
-        maybe_install(lm.model)
-    monkeypatch.setenv("TOKRAG_CPU_KERNELS", "off")
-    assert maybe_install(lm.model) is False
+    with pytest.raises(ValueError, match="cpu_kernels must be 'auto', 'on' or 'off'"):
+        maybe_install(lm.model, "sometimes")
+    assert maybe_install(lm.model, "off") is False
 
 
 def test_kernels_do_not_change_answers(lm):
@@ -307,15 +305,15 @@ def test_packed_head_changes_no_decision_on_the_real_model(lm, monkeypatch):
     saved = getattr(head, K._HEAD, None)
     try:
         for mode in ("off", "on"):
-            monkeypatch.setenv("TOKRAG_PACKED_HEAD", mode)
             if hasattr(head, K._HEAD):
                 delattr(head, K._HEAD)
+            product = K.packed_head(head, mode)
+            assert (product is not None) == (mode == "on" and torch.backends.mkldnn.is_available())
             with torch.inference_mode():
-                out[mode] = logit_lens(parts, rows)
-            assert (K.packed_head(head) is not None) == (
-                mode == "on" and torch.backends.mkldnn.is_available()
+                out[mode] = logit_lens(parts, rows, product=product)
+            r = generate(
+                lm, *CONTRA, policy="tokrag", max_new_tokens=24, speed={"packed_head": mode}
             )
-            r = generate(lm, *CONTRA, policy="tokrag", max_new_tokens=24)
             traces[mode] = [
                 (s.token_id, s.source, s.signals.get("benefit"), s.signals.get("l_star"))
                 for s in r.trace.steps

@@ -1,4 +1,5 @@
-"""No import cycles inside the package (issues 21 and 34).
+"""No import cycles inside the package, between modules and between folders (issues 21, 34
+and 55), and the speed paths reached through one seam.
 
 The graph is read from the source with :mod:`ast`, without importing anything. How it is
 counted:
@@ -203,7 +204,7 @@ def test_the_walker_sees_module_level_lazy_and_type_checking_imports():
     graph = import_graph()
     p = PACKAGE
     assert f"{p}.policies.base" in graph[f"{p}.engine.loop"]  # module level
-    assert f"{p}.accel.install" in graph[f"{p}.models"]  # inside load_model
+    assert f"{p}.engine.seam" in graph[f"{p}.evaluation.cost"]  # inside run_bench
     assert f"{p}.policies.base" in graph[f"{p}.server.service"]  # under TYPE_CHECKING
     # ContextView is the engine's; the policies' base names it only at run time.
     assert f"{p}.engine.view" not in graph[f"{p}.policies.base"]
@@ -243,9 +244,78 @@ def test_no_algorithm_module_imports_accel():
         if t == accel or t.startswith(accel + ".")
     ]
     assert not bad, "algorithm modules import accel: " + "; ".join(bad)
-    # The seam is used from the decoder (by ``Speed``) and load_model (the kernels).
-    assert f"{accel}.packed" in graph[f"{PACKAGE}.engine.decoder"]
-    assert f"{accel}.install" in graph[f"{PACKAGE}.models"]
+
+
+def test_accel_is_reached_through_one_seam():
+    """Outside ``accel`` itself, one module imports it: the engine's seam (``engine.seam``),
+    where every speed choice is read from the decode's ``Speed``; ``accel`` imports no module
+    of the engine (it builds on ``contexts``, below both)."""
+    graph = import_graph()
+    accel, engine = f"{PACKAGE}.accel", f"{PACKAGE}.engine"
+
+    def inside(m: str, pkg: str) -> bool:
+        return m == pkg or m.startswith(pkg + ".")
+
+    importers = sorted(
+        m for m, edges in graph.items() if not inside(m, accel) and any(inside(t, accel) for t in edges)
+    )
+    assert importers == [f"{engine}.seam"], importers
+    up = [
+        f"{m} -> {t} (line {line})"
+        for m, edges in graph.items()
+        if inside(m, accel)
+        for t, line in edges.items()
+        if inside(t, engine)
+    ]
+    assert not up, "accel imports the engine: " + "; ".join(up)
+
+
+def folder_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, tuple[str, str, int]]]:
+    """The import graph between the package's rooms: each sub-package (a folder, with all its
+    modules and sub-folders) and each module at the package root is one node; an edge is any
+    module of one importing any module of another (every import form the module graph
+    counts), kept with one example ``(module, imported module, line)``."""
+
+    def room(m: str) -> str:
+        parts = m.split(".")
+        return parts[1] if len(parts) > 1 else "(package root)"
+
+    rooms: dict[str, dict[str, tuple[str, str, int]]] = {}
+    for m, edges in graph.items():
+        out = rooms.setdefault(room(m), {})
+        for t, line in edges.items():
+            if room(t) != room(m):
+                out.setdefault(room(t), (m, t, line))
+    return rooms
+
+
+def test_folder_graph_merges_a_folder_and_keeps_an_example():
+    graph = {
+        f"{PACKAGE}.a.x": {f"{PACKAGE}.b.y": 3, f"{PACKAGE}.a.z": 4},
+        f"{PACKAGE}.a.z": {},
+        f"{PACKAGE}.b.y": {f"{PACKAGE}.c": 7},
+        f"{PACKAGE}.c": {f"{PACKAGE}.a.z": 9},
+    }
+    rooms = folder_graph(graph)
+    assert rooms["a"] == {"b": (f"{PACKAGE}.a.x", f"{PACKAGE}.b.y", 3)}
+    cycles = find_cycles({r: {t: 1 for t in e} for r, e in rooms.items()})
+    assert cycles == [["a", "b", "c", "a"]]
+
+
+def test_no_import_cycle_between_folders():
+    """No cycle between the package's folders (and root modules), every import form counted
+    (issue 55): e.g. accel -> engine -> models -> accel, or langchain -> server -> postgres ->
+    langchain, would be one."""
+    rooms = folder_graph(import_graph())
+    cycles = find_cycles({r: {t: 1 for t in e} for r, e in rooms.items()})
+    described = [
+        "; ".join(
+            f"{a} -> {b} ({rooms[a][b][0]} imports {rooms[a][b][1]}, line {rooms[a][b][2]})"
+            for a, b in zip(c, c[1:], strict=False)
+        )
+        for c in cycles
+    ]
+    assert not cycles, "folder cycles:\n" + "\n".join(described)
 
 
 #: Modules that load a user's own plugin by a name given at run time ("package.module:Class"

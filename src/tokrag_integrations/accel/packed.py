@@ -258,24 +258,26 @@ def prefill(
     per_query: Sequence[dict[str, ContextSpec]],
     lm: LoadedModel,
     probe_roles: frozenset[str],
-    speed: Speed | None = None,
+    speed: Speed,
     pack: bool = True,
 ) -> Prefilled:
     """The decoder's prefill with the speed paths: one packed
     sequence for one query's two contexts (unless ``pack`` is False: a query joining a
     running decode is prefilled as rows that :func:`join_batches` can merge), else all
     roles fused into one batch (a 2-row pass costs about what a 1-row pass does on a CPU),
-    else one batch per role; each as ``speed`` (default ``Speed()``) allows. Fusion is also
-    off where :func:`.install.fusion_off_reason` gives a reason."""
-    speed = Speed() if speed is None else speed
+    else one batch per role; each as the decode's ``speed`` allows. Fusion is also off where
+    :func:`.install.fusion_off_reason` gives a reason; packing where ``speed.cpu_kernels`` is
+    ``off`` (it is the ``tokrag_sdpa`` attention's: the decode runs the stock paths)."""
     fuse = speed.fuse and fusion_off_reason(lm.model) is None
-    pack = pack and speed.packed_prefill
+    pack = pack and speed.packed_prefill and speed.cpu_kernels != "off"
     packed = prefill_packed(roles, per_query, lm, probe_roles) if fuse and pack else None
     if packed is not None:
         rows = {role: {0: (packed, r)} for r, role in enumerate(roles)}
         return Prefilled({packed.role: packed}, rows, fused=True, packed=True)
     split = (
-        split_prefill(roles, per_query, lm, probe_roles, fuse, speed.packed_prefill)
+        split_prefill(
+            roles, per_query, lm, probe_roles, fuse, speed.packed_prefill and speed.cpu_kernels != "off"
+        )
         if speed.split_prefill
         else None
     )

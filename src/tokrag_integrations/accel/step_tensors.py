@@ -8,7 +8,7 @@ query; the host reads both once, after the step, and :meth:`DeviceRule.decode` t
 record row into what the policy's own ``choose`` and the engine's ``step_event`` would have
 written (:class:`DecodedStep`).
 
-:func:`device_rule_for` gives a policy's rule (None where it has none: the engine decodes
+:func:`.rules.device_rule_for` gives a policy's rule (None where it has none: the engine decodes
 that policy on the view path). :func:`step_tensors_from_views` builds a
 :class:`StepTensors` from the view path's :class:`..engine.view.ContextView` objects, so
 that every rule is checked against its policy on real model states.
@@ -29,7 +29,6 @@ __all__ = [
     "DecodedStep",
     "DeviceRule",
     "StepTensors",
-    "device_rule_for",
     "step_tensors_from_views",
 ]
 
@@ -96,7 +95,7 @@ class DecodedStep:
 
 @runtime_checkable
 class DeviceRule(Protocol):
-    """A policy's rule on the device, built once per decode by :func:`device_rule_for`."""
+    """A policy's rule on the device, built once per decode by :func:`.rules.device_rule_for`."""
 
     #: Floats per query in the record.
     record_width: int
@@ -113,16 +112,6 @@ class DeviceRule(Protocol):
         ...
 
 
-def device_rule_for(
-    policy: Any, lm: Any, *, citations: bool | None, passages: int = MAX_PASSAGES
-) -> DeviceRule | None:
-    """The device rule of ``policy`` on ``lm`` (its ``prepare`` is called), or None where the
-    policy (or this combination of its options) has none: the engine then decodes it on the
-    view path. ``citations``: as the Decoder's (False: no citation scores are computed);
-    ``passages``: the citation (and RAG-Token passage) slots of the record."""
-    from .rules import rule_for  # the rules import torch-heavy policy modules
-
-    return rule_for(policy, lm, citations=citations, passages=passages)
 
 
 def step_tensors_from_views(

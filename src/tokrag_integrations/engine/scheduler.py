@@ -43,6 +43,7 @@ from ..speed import Speed, speed_of
 from ..trace import Trace
 from .decoder import Decoder, StepEvent
 from .loop import SequenceDecoder, decoder_for
+from .seam import prepare, speed_paths_off
 from .streams import (
     _END,
     DECODE_THREADS,
@@ -93,19 +94,6 @@ _SETTINGS = (
     "prompt_format",
     "citations",
 )
-
-
-def _speed_paths_off(lm: LoadedModel) -> dict[str, Any]:
-    """``{"speed_paths_off": {path: reason}}`` for the trace options where some speed path is
-    off on this model (non-CPU device, non-float32 dtype, architecture outside the tested
-    matrix, ``cpu_kernels='off'``), else nothing."""
-    from ..accel.install import speed_paths
-
-    # "on" may carry what was measured ("on (...)"): only the paths that are off count.
-    off = {
-        k: v.removeprefix("off: ") for k, v in speed_paths(lm.model).items() if v.startswith("off")
-    }
-    return {"speed_paths_off": off} if off else {}
 
 
 @dataclass
@@ -193,7 +181,8 @@ def _prepare(
             query=queries[i],
             policy=pol.name,
             model=lm.name,
-            options={**pol.options(), **chosen_speed.options(), **_speed_paths_off(lm)},
+            # The paths off for this decode are added when it starts (engine/seam.py).
+            options={**pol.options(), **chosen_speed.options()},
             passages=plans[i].passages,
             warnings=list(plans[i].warnings),
             prompt_tokens={
@@ -283,6 +272,10 @@ class _Loop:
         rows = sum(d.rows_in_use() for d in self.decoders.values())
         return rows, max((d.width() for d in self.decoders.values()), default=0)
 
+    def _room(self) -> int | None:
+        """Context rows the decode may still take (None: no bound, a call decoded alone)."""
+        return None if self.b is None else max(0, self.b.max_rows - self._rows()[0])
+
     def _active(self) -> int:
         return sum(len(d.active) for d in self.decoders.values())
 
@@ -347,6 +340,11 @@ class _Loop:
         p = r.prepared
         joined = float(self._active() > 0)
         self.seen.append(r)
+        if p.plans:  # the speed paths off for this decode, as it gets them (installed first)
+            prepare(self.lm, p.speed)
+            off = speed_paths_off(self.lm, p.speed)
+            for t in p.traces:
+                t.options.update(off)
         r.results = [None] * len(p.plans)
         for group, idx in p.groups.items():
             d = self.decoders.get(group)
@@ -358,14 +356,16 @@ class _Loop:
                     stop=p.stops,
                     speed=p.speed,
                     citations=p.citations,
+                    room=self._room,
                 )
                 self.owners[group] = {}
             t0 = time.perf_counter()
             ids = d.admit([p.plans[i] for i in idx])
             now = time.perf_counter()
             off = getattr(d, "static_off", None)  # speed.static asked for, not applicable
-            for i in idx if off else ():
-                p.traces[i].options.setdefault("speed_paths_off", {})["static"] = off
+            for i in idx if off else ():  # (a copy: the calls' traces share the dict)
+                opts = p.traces[i].options
+                opts["speed_paths_off"] = {**opts.get("speed_paths_off", {}), "static": off}
             for q, i in zip(ids, idx, strict=True):
                 timings = {**d.timings, "joined": joined, "queries_in_batch": 0.0}
                 self.owners[group][q] = _Query(r, i, p.traces[i], p.trackers[i], timings, t0, now)
