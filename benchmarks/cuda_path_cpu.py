@@ -8,7 +8,10 @@ cache) and the default path (``speed="auto"``: on CPU the view path with fused c
 Each arm's thread time (``time.thread_time``) per generated token, the median over rounds,
 and the ratios the issue asks for: tokrag / rag (<= 1.3) and rag / HF generate (<= 1).
 
-    python benchmarks/cuda_path_cpu.py [--rounds 5] [--tokens 48] [--graphs off|on]
+    python benchmarks/cuda_path_cpu.py [--rounds 5] [--tokens 48] [--compiled]
+
+``--compiled`` adds the two ``speed="cuda"`` arms with ``graphs="on"`` (``torch.compile`` of
+the step on CPU; the warm-up compiles it, several minutes on 2 cores).
 
 Run it alone on the machine (other model jobs paused): it is a cost figure.
 """
@@ -63,14 +66,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--graphs", default="off", choices=("auto", "on", "off"))
+    ap.add_argument("--compiled", action="store_true", help="add the compiled step's arms")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args()
     torch.set_num_threads(1)
     packaged = load_model("default", device="cpu")
     tiny = tiny_smollm2(packaged.tokenizer)
     builder = PromptBuilder(tiny.tokenizer, context_window=tiny.context_window)
-    cuda = {"static": "on", "fuse": True, "graphs": args.graphs}
+    cuda = {"static": "on", "fuse": True, "graphs": "off"}
+    compiled = {**cuda, "graphs": "on"}
     n = args.tokens
 
     def ours(policy: str, speed):
@@ -90,6 +94,9 @@ def main() -> None:
         "tokrag (default)": ours("tokrag", "auto"),
         "rag (default)": ours("rag", "auto"),
     }
+    if args.compiled:
+        arms["tokrag (compiled)"] = ours("tokrag", compiled)
+        arms["rag (compiled)"] = ours("rag", compiled)
     for run in arms.values():  # warm every path (and compile, with --graphs on)
         run(*QUESTIONS[0])
     per_token: dict[str, list[float]] = {a: [] for a in arms}
@@ -103,7 +110,7 @@ def main() -> None:
                 static[name] = timings.get("static", 0.0)
     med = {a: statistics.median(v) * 1e3 for a, v in per_token.items()}
     print(f"thread ms per token, median of {args.rounds} rounds x {len(QUESTIONS)} prompts, "
-          f"{n} new tokens, graphs={args.graphs}")  # fmt: skip
+          f"{n} new tokens")  # fmt: skip
     for a, v in med.items():
         print(f"  {a:18s} {v:8.2f}  (static state: {'yes' if static.get(a) else 'no'})")
     ratios = {
@@ -113,6 +120,9 @@ def main() -> None:
         "tokrag (default) / rag (default)": med["tokrag (default)"] / med["rag (default)"],
         "rag (cuda) / rag (default)": med["rag (cuda)"] / med["rag (default)"],
     }
+    if args.compiled:
+        ratios["tokrag / rag (compiled)"] = med["tokrag (compiled)"] / med["rag (compiled)"]
+        ratios["rag (compiled) / HF generate"] = med["rag (compiled)"] / med["HF generate"]
     for k, v in ratios.items():
         print(f"  {k:34s} {v:6.2f}x")
     if args.json:
