@@ -721,12 +721,19 @@ def _pool(lm: LoadedModel) -> dict[tuple[Any, ...], StaticBuffers]:
 
 
 _COMPILED: dict[str | None, Any] = {}
+#: The compiled step's entries (policies x their flags x static / dynamic shapes).
+RECOMPILE_LIMIT = 64
 
 
 def _compiled(mode: str | None) -> Any:
     """:func:`static_step` compiled with ``mode`` (one compiled function per mode, so that
     every decode reuses its graphs)."""
     if mode not in _COMPILED:
+        # One code object serves every policy (its rule and flags are guarded constants) and
+        # shape (automatic dynamic after the first change): more entries than dynamo's
+        # default of 8 before it would fall back to eager.
+        dyn = torch._dynamo.config
+        dyn.recompile_limit = max(dyn.recompile_limit, RECOMPILE_LIMIT)
         _COMPILED[mode] = torch.compile(static_step, mode=mode)
     return _COMPILED[mode]
 
