@@ -36,7 +36,7 @@ LONG_Q = (
 )
 #: Policies with a device rule, compared here on the tiny model (every policy is compared on
 #: the packaged model in test_stock_exactness.py).
-DEVICE_RULES = ("llm", "rag", "floor", "tokrag", "cad")
+DEVICE_RULES = ("llm", "rag", "floor", "tokrag", "cad", "rag_token")
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +58,13 @@ def _decisions(r) -> list[tuple]:
 
 
 def _same(got, want) -> None:
+    assert got.trace.timings["static"] == 1.0  # decoded on the static state
     assert got.token_ids == want.token_ids
     assert _decisions(got) == _decisions(want)
     for g, w in zip(got.trace.steps, want.trace.steps, strict=True):
         for role, stats in w.stats.items():
             assert g.stats[role] == pytest.approx(stats, rel=1e-4, abs=1e-4)
+        assert g.citation == pytest.approx(w.citation, abs=1e-4)
 
 
 def test_the_cuda_preset_turns_the_static_state_on(tiny):

@@ -205,6 +205,7 @@ class StaticBuffers:
     rt_valid: torch.Tensor  # [Q, P] bool
     rt_passage: torch.Tensor  # [Q, P] long
     cite: torch.Tensor  # [Q] long: passages cited per slot (0: not cited)
+    weights: torch.Tensor | None = None  # [Q, K] float: p(z|x) of each passage context
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -214,7 +215,7 @@ class StaticBuffers:
         return [
             self.ids, self.pos, self.valid, self.col, *self.keys, *self.values, self.row_q,
             *self.rows.values(), self.rt_pos, self.rt_ids, self.rt_valid, self.rt_passage,
-            self.cite,
+            self.cite, *([] if self.weights is None else [self.weights]),
         ]  # fmt: skip
 
 
@@ -237,6 +238,7 @@ def static_step(
     rt_valid: torch.Tensor,
     rt_passage: torch.Tensor,
     cite_n: torch.Tensor,
+    weights: torch.Tensor | None,
 ) -> torch.Tensor:
     """The captured step: forward + probes + the device rule + the next-step update, on
     the buffers of a :class:`StaticBuffers` (passed one by one, so a compiler sees plain
@@ -254,7 +256,7 @@ def static_step(
         rt_ids=rt_ids,
         rt_valid=rt_valid,
         rt_passage=rt_passage,
-        weights=None,
+        weights=weights,
         cite_passages=cite_n,
     )
     chosen, record = rule(t)
@@ -279,8 +281,8 @@ def static_off_reason(lm: LoadedModel, policy: Policy) -> str | None:
         return "no embed_tokens / layers / norm / rotary_emb on model.model"
     if getattr(model.config, "final_logit_softcapping", None):
         return "final logit soft-capping"
-    if not policy.roles or any(r not in ("pure", "rag") for r in policy.roles):
-        return f"policy {policy.name!r} decodes contexts other than pure / rag"
+    if any(r not in ("pure", "rag") for r in policy.roles):
+        return f"policy {policy.name!r} decodes contexts other than pure / rag / passage:j"
     return None
 
 
@@ -295,6 +297,7 @@ class _Slot:
     rt_ids: list[int] = field(default_factory=list)
     rt_passage: list[int] = field(default_factory=list)
     cite: int = 0
+    weights: list[float] = field(default_factory=list)
 
 
 class StaticDecode:
@@ -319,7 +322,9 @@ class StaticDecode:
         self.reads: tuple[str, ...] | None = getattr(rule, "reads", None)
         self.resid = self.attn = False
         model = lm.model
-        self.roles = tuple(policy.roles)
+        #: RAG-Token's contexts are one per passage (``passage:j``, up to MAX_PASSAGES).
+        self.passages = not policy.roles
+        self.roles = tuple(policy.roles) or tuple(f"passage:{j}" for j in range(MAX_PASSAGES))
         self.dev, self.dtype = model.device, model.dtype
         cfg = model.config
         self.n_layers = int(cfg.num_hidden_layers)
@@ -365,6 +370,8 @@ class StaticDecode:
                     t.fill_(-1)
                 kept.rt_valid.zero_()
                 kept.cite.zero_()
+                if kept.weights is not None:
+                    kept.weights.zero_()
             return kept
         dev, dt = self.dev, self.dtype
         kv = (R, self.n_kv, C, self.head_dim)
@@ -382,6 +389,11 @@ class StaticDecode:
             rt_valid=torch.zeros((R, P), dtype=torch.bool, device=dev),
             rt_passage=torch.zeros((R, P), dtype=torch.long, device=dev),
             cite=torch.zeros(R, dtype=torch.long, device=dev),
+            weights=(
+                torch.zeros((R, len(self.roles)), dtype=torch.float32, device=dev)
+                if self.passages
+                else None
+            ),
         )
         if dev.type == "cuda" and self.compiled:
             for t in b.all():  # fixed addresses: the captured graph reads and writes them
@@ -401,6 +413,12 @@ class StaticDecode:
         the speed paths' prefill, unprobed) and place their rows in the state; their first
         token is chosen at the next step."""
         t0 = time.perf_counter()
+        extra = sorted({r for c in per_query for r in c} - set(self.roles))
+        if extra:
+            raise ValueError(
+                f"the static state has no row for the context {extra[0]!r} (at most "
+                f"{MAX_PASSAGES} passages a query): decode this query with speed='auto'"
+            )
         probed = any(s.probe for c in per_query for s in c.values())
         cited = any(c is not None for c in cite_lengths)
         if self.reads is not None:
@@ -492,6 +510,11 @@ class StaticDecode:
                         passage = [0] * len(slot.rt_positions)
                     slot.rt_passage = passage
                 slot.cite = len(lengths) if lengths is not None else 0
+                if self.passages:
+                    slot.weights = [
+                        float(per_query[q][r].weight or 0.0) if r in per_query[q] else 0.0
+                        for r in self.roles
+                    ]
                 self.slots[s] = slot
                 self.slot_of[query_ids[q]] = s
                 for role, row in rows.items():
@@ -532,6 +555,9 @@ class StaticDecode:
         buf.rt_passage[s] = torch.tensor(passage, dtype=torch.long, device=dev)
         buf.rt_valid[s] = torch.tensor(ok, dtype=torch.bool, device=dev)
         buf.cite[s] = cite
+        if buf.weights is not None:
+            w = slot.weights if slot is not None and slot.weights else [0.0] * len(self.roles)
+            buf.weights[s] = torch.tensor(w, dtype=torch.float32, device=dev)
 
     def _make_room(
         self, n_rows: int, n_queries: int, width: int, per_query: Sequence[dict[str, ContextSpec]]
@@ -648,6 +674,7 @@ class StaticDecode:
             self.lm.model, self.rule, self.lm.pad_token_id, self.resid, self.attn,
             buf.ids, buf.pos, buf.valid, buf.col, buf.keys, buf.values, buf.row_q,
             buf.rows, buf.rt_pos, buf.rt_ids, buf.rt_valid, buf.rt_passage, buf.cite,
+            buf.weights,
         )  # fmt: skip
 
     @contextlib.contextmanager
