@@ -26,8 +26,16 @@ once (:meth:`StaticDecode.step`) and rebuilds the trace from it (the rule's ``de
 run each context's prompt but its last token, whose keys and values are copied into free
 rows; the last token is the row's first fed token, so every choice, the first included, is
 made by the step), retirement (rows freed), growth (a bigger bucket or capacity is a new
-state, the live rows copied, and a new graph). :class:`..engine.decoder.Decoder` delegates
-to it where ``Speed.static`` is on (:func:`static_decode_for`).
+state, the live rows copied, and a new graph). A decode's buffers go back to the model's
+pool when its last query leaves, and the next decode of that shape takes them: the same
+addresses, so a captured graph is replayed rather than recorded again.
+:class:`..engine.decoder.Decoder` delegates to it where ``Speed.static`` is on
+(:func:`static_decode_for`, through ``engine/seam.py``).
+
+Covered: the Llama-family architectures of :data:`STATIC_ARCHITECTURES` with full attention,
+and every policy with a device rule (:mod:`.rules`) whose contexts are ``pure`` / ``rag``
+or RAG-Token's ``passage:j`` (at most ``MAX_PASSAGES`` a query); the others are decoded on
+the view path, and the trace's ``speed_paths_off["static"]`` says why.
 """
 
 from __future__ import annotations
