@@ -176,7 +176,8 @@ class TraceParts:
         top = first_argmax(a)  # [Q, heads]
         valid = t.rt_valid & (t.rt_passage < K)
         slot = t.rt_passage.clamp(0, K - 1)
-        onehot = torch.nn.functional.one_hot(slot, K).float() * valid[..., None].float()  # [Q,P,K]
+        slots_k = torch.arange(K, device=dev)
+        onehot = ((slot[..., None] == slots_k) & valid[..., None]).float()  # [Q, P, K]
         copied = (t.rt_pos[:, None, :] == top[:, :, None]) & (t.rt_ids == ids[:, None])[:, None, :]
         per_slot = copied.float().sum(1) * valid.float()  # [Q, P]: heads copying from each slot
         votes = (per_slot[:, :, None] * onehot).sum(1)  # [Q, K]
