@@ -265,3 +265,11 @@ def test_policies_without_a_rule_get_none():
         pass
 
     assert rule_for(Mine(), None, citations=False, passages=4) is None
+
+
+def test_rag_token_refuses_a_step_with_more_passages_than_its_slots():
+    t = tensors(q=1, rows={"passage:0": [0], "passage:1": [1], "passage:2": [2]})
+    t.weights = torch.tensor([[0.5, 0.3, 0.2]])
+    rule = RAGTokenRule(get_policy("rag_token"), None, citations=True, passages=2)
+    with pytest.raises(ValueError, match="2 passage slots.*'passage:2'"):
+        rule(t)

@@ -280,6 +280,9 @@ class RecordRule:
         layers = model_parts(lm.model).num_layers if cite == "attention" else 0
         self.parts = TraceParts(layers, roles, self.layout, cite=cite, passages=passages)
         self.record_width = self.layout.width
+        #: The passage slots: a query with more passages is not cited (its citation is []),
+        #: so the engine builds the rule for the largest count it admits.
+        self.passages = int(passages)
 
     def add_signals(self, layout: Layout) -> None:
         """Add the rule's signal slots (none by default)."""
