@@ -14,7 +14,7 @@ import torch
 from ...attention.citations import citation_layers
 from ...attention.parts import ModelParts, model_parts
 from ...trace import Candidate
-from ..step_tensors import DecodedStep, StepTensors
+from ..step_types import DecodedStep, StepTensors
 
 #: The statistics of a role, in the order of :func:`...engine.stats.distribution_stats_rows`.
 STAT_NAMES = ("logp", "entropy", "gini", "mean_logp")

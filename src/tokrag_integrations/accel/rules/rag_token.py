@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ...policies.rag_token import RAGToken, passage_role
-from ..step_tensors import StepTensors
+from ..step_types import StepTensors
 from .common import Layout, RecordRule, passage_priors, role_rows, source_codes
 
 
