@@ -11,7 +11,7 @@ import pytest
 import torch
 from _host_reads import HostReads
 
-from tokrag_integrations.accel.rules import device_rule_for, rule_for
+from tokrag_integrations.accel.rules import rule_for
 from tokrag_integrations.accel.rules.baselines import FloorRule, PureLLMRule, StandardRAGRule
 from tokrag_integrations.accel.rules.cad import CADRule
 from tokrag_integrations.accel.rules.common import (
@@ -23,7 +23,7 @@ from tokrag_integrations.accel.rules.common import (
 from tokrag_integrations.accel.rules.rag_token import RAGTokenRule
 from tokrag_integrations.accel.rules.selection import MarginRule
 from tokrag_integrations.accel.rules.tokrag import distribution_scores_rows
-from tokrag_integrations.accel.step_tensors import StepTensors
+from tokrag_integrations.accel.step_tensors import StepTensors, device_rule_for
 from tokrag_integrations.attention.citations import citation_layers, passage_scores
 from tokrag_integrations.engine.stats import distribution_stats_rows
 from tokrag_integrations.policies import get_policy
@@ -265,3 +265,11 @@ def test_policies_without_a_rule_get_none():
         pass
 
     assert rule_for(Mine(), None, citations=False, passages=4) is None
+
+
+def test_rag_token_refuses_a_step_with_more_passages_than_its_slots():
+    t = tensors(q=1, rows={"passage:0": [0], "passage:1": [1], "passage:2": [2]})
+    t.weights = torch.tensor([[0.5, 0.3, 0.2]])
+    rule = RAGTokenRule(get_policy("rag_token"), None, citations=True, passages=2)
+    with pytest.raises(ValueError, match="2 passage slots.*'passage:2'"):
+        rule(t)

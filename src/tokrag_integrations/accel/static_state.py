@@ -15,7 +15,7 @@ each role's row per query slot, the RAG row's retrieved-token columns and ids...
 column written in place; the probes recorded on the way: every layer's residual at the
 position and, where a rule or a citation reads them, every layer's attention probabilities
 over the C columns, from the rotated queries and the static keys), the policy's device rule
-(:func:`..accel.rules.device_rule_for`), then the next-step update (the chosen token
+(:func:`..accel.step_tensors.device_rule_for`), then the next-step update (the chosen token
 of each row's query into the token buffer, positions and column advanced). No host read and
 no branch on a tensor's value: ``torch.compile(mode="reduce-overhead")`` captures it on CUDA
 (a graph per bucket), ``torch.compile`` or eager elsewhere (``Speed.graphs``). It returns
@@ -53,8 +53,7 @@ from ..models import LoadedModel
 from ..policies.base import ContextSpec, Policy
 from ..speed import Speed
 from .packed import _PackedBatch
-from .rules import device_rule_for
-from .step_tensors import MAX_PASSAGES, DecodedStep, StepTensors
+from .step_tensors import MAX_PASSAGES, DecodedStep, StepTensors, device_rule_for
 
 __all__ = [
     "ATTN_STATIC",

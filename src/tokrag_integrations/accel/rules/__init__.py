@@ -8,24 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..step_tensors import MAX_PASSAGES, DeviceRule
-
-__all__ = ["device_rule_for", "rule_for"]
-
-
-def device_rule_for(
-    policy: Any, lm: Any, *, citations: bool | None, passages: int = MAX_PASSAGES
-) -> DeviceRule | None:
-    """The device rule of ``policy`` on ``lm`` (its ``prepare`` is called), or None where the
-    policy (or this combination of its options) has none: the engine then decodes it on the
-    view path. ``citations``: as the Decoder's (False: no citation scores are computed);
-    ``passages``: the citation (and RAG-Token passage) slots of the record. (Here rather than
-    beside the contract in :mod:`..step_tensors`, which the rules import: no import cycle.)"""
-    return rule_for(policy, lm, citations=citations, passages=passages)
-
 
 def rule_for(policy: Any, lm: Any, *, citations: bool | None, passages: int) -> Any:
-    """The device rule of ``policy`` (see :func:`device_rule_for`)."""
+    """The device rule of ``policy`` (see :func:`..step_tensors.device_rule_for`)."""
     from . import baselines, cad, rag_token, selection, tokrag
 
     builders: list[Any] = [

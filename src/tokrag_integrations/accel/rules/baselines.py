@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ...policies.baselines import PureLLM, StandardRAG, TwoContextFloor
-from ..step_tensors import StepTensors
+from ..step_types import StepTensors
 from .common import AGREE_CODE, LLM_CODE, RAG_CODE, RecordRule, attention_cite, code, role_logits
 
 

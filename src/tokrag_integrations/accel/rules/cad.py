@@ -12,7 +12,7 @@ import torch
 
 from ...policies import signals as S
 from ...policies.cad import CAD, AdaCAD, contrast_logits
-from ..step_tensors import StepTensors
+from ..step_types import StepTensors
 from .common import (
     AGREE_CODE,
     LLM_CODE,

@@ -14,7 +14,7 @@ import torch
 from ...attention.citations import citation_layers
 from ...attention.parts import ModelParts, model_parts
 from ...trace import Candidate
-from ..step_tensors import DecodedStep, StepTensors
+from ..step_types import DecodedStep, StepTensors
 
 #: The statistics of a role, in the order of :func:`...engine.stats.distribution_stats_rows`.
 STAT_NAMES = ("logp", "entropy", "gini", "mean_logp")
@@ -176,7 +176,8 @@ class TraceParts:
         top = first_argmax(a)  # [Q, heads]
         valid = t.rt_valid & (t.rt_passage < K)
         slot = t.rt_passage.clamp(0, K - 1)
-        onehot = torch.nn.functional.one_hot(slot, K).float() * valid[..., None].float()  # [Q,P,K]
+        slots_k = torch.arange(K, device=dev)
+        onehot = ((slot[..., None] == slots_k) & valid[..., None]).float()  # [Q, P, K]
         copied = (t.rt_pos[:, None, :] == top[:, :, None]) & (t.rt_ids == ids[:, None])[:, None, :]
         per_slot = copied.float().sum(1) * valid.float()  # [Q, P]: heads copying from each slot
         votes = (per_slot[:, :, None] * onehot).sum(1)  # [Q, K]
@@ -279,6 +280,9 @@ class RecordRule:
         layers = model_parts(lm.model).num_layers if cite == "attention" else 0
         self.parts = TraceParts(layers, roles, self.layout, cite=cite, passages=passages)
         self.record_width = self.layout.width
+        #: The passage slots: a query with more passages is not cited (its citation is []),
+        #: so the engine builds the rule for the largest count it admits.
+        self.passages = int(passages)
 
     def add_signals(self, layout: Layout) -> None:
         """Add the rule's signal slots (none by default)."""

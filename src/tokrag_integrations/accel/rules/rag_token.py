@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ...policies.rag_token import RAGToken, passage_role
-from ..step_tensors import StepTensors
+from ..step_types import StepTensors
 from .common import Layout, RecordRule, passage_priors, role_rows, source_codes
 
 
@@ -31,6 +31,12 @@ class RAGTokenRule(RecordRule):
 
     def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         Q = t.num_queries
+        beyond = [r for r in t.rows if r.startswith("passage:") and int(r.split(":")[1]) >= self.K]
+        if beyond:  # the role names are the step's layout, not tensor values
+            raise ValueError(
+                f"this rag_token device rule has {self.K} passage slots but the step has "
+                f"{beyond[0]!r}: build it with device_rule_for(..., passages=) the largest count"
+            )
         probs, present = [], []
         for j in range(self.K):
             rows, there = role_rows(t, passage_role(j), Q)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ...policies.selection import EntropySelection, LogprobSelection
-from ..step_tensors import StepTensors
+from ..step_types import StepTensors
 from .common import (
     AGREE_CODE,
     LLM_CODE,

@@ -22,7 +22,7 @@ import torch
 
 from ...policies import signals as S
 from ...policies.tokrag import TokRAG
-from ..step_tensors import StepTensors
+from ..step_types import StepTensors
 from .common import (
     AGREE_CODE,
     LLM_CODE,
