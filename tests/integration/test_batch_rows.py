@@ -495,3 +495,31 @@ def test_split_prefill_switch_prefills_the_batch_together(lm, monkeypatch):
     with torch.inference_mode():
         prefill(roles, per_query, lm, probe)
     assert calls == [3]
+
+
+def test_rag_sequence_requests_run_in_the_steps_within_max_rows(lm, monkeypatch):
+    """RAG-Sequence's candidates and their teacher-forced scoring are requests of the
+    scheduler's steps: each step holds at most ``max_rows`` context rows (its scoring rows
+    are admitted in pieces), and the answer and its candidates' scores are those of the call
+    decoded alone, without a bound."""
+    from tokrag_integrations.engine import loop
+    from tokrag_integrations.engine.scheduler import MicroBatcher
+
+    held: list[int] = []
+    real = loop.SequenceDecoder.advance
+
+    def counted(self):
+        held.append(self.rows_in_use())
+        real(self)
+
+    alone = generate(lm, QS[2], PS[2], policy="rag_sequence", max_new_tokens=12)
+    monkeypatch.setattr(loop.SequenceDecoder, "advance", counted)
+    b = MicroBatcher(lm, max_rows=3)
+    got = b.generate(QS[2], PS[2], policy="rag_sequence", max_new_tokens=12)
+    assert held and max(held) <= 3 and len(held) > 12  # candidates, scoring, then the replay
+    assert got.token_ids == alone.token_ids
+    summary = got.trace.steps[0].signals["rag_sequence"]
+    want = alone.trace.steps[0].signals["rag_sequence"]
+    assert [c["text"] for c in summary] == [c["text"] for c in want]
+    for c, w in zip(summary, want, strict=True):
+        assert c["log_p"] == pytest.approx(w["log_p"], abs=1e-3)
