@@ -68,7 +68,7 @@ class Speed:
                 raise ValueError(f"{f.name} must be True or False, got {value!r}")
 
     def options(self) -> dict[str, Any]:
-        """The speed as the trace records it (``Trace.options``)."""
+        """The speed as the trace records it (``Trace.speed``, never the rule's options)."""
         return {"fuse": self.fuse}
 
 

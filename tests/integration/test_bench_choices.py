@@ -31,7 +31,11 @@ def test_the_real_model_never_keeps_a_bucket_measured_slower(lm):
             assert all(getattr(m, K._PLAN)[r] is K._k_linear for m in mods for r in range(lo, hi + 1))
             assert all(getattr(m, K._PLAN_NAMES)[i] == "linear" for m in mods)
         lo = hi + 1
-    assert speed_paths(lm.model)["cpu_kernels"].startswith("on (model pass with plans / stock:")
+    # On or off as this machine measured it (issue 58: not the measuring machine's choice),
+    # with the verdicts either way.
+    on = any(v["kept"] for v in verdict.values())
+    want = "on" if on else "off: no few-row plan installed"
+    assert speed_paths(lm.model)["cpu_kernels"].startswith(f"{want} (model pass with plans / stock:")
 
 
 def test_throughput_on_the_real_model(lm):

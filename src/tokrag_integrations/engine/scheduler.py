@@ -43,7 +43,7 @@ from ..speed import Speed, speed_of
 from ..trace import Trace
 from .decoder import Decoder, StepEvent
 from .loop import SequenceDecoder, decoder_for
-from .seam import prepare, speed_paths_off
+from .seam import speed_paths_off
 from .streams import (
     _END,
     DECODE_THREADS,
@@ -181,8 +181,8 @@ def _prepare(
             query=queries[i],
             policy=pol.name,
             model=lm.name,
-            # The paths off for this decode are added when it starts (engine/seam.py).
-            options={**pol.options(), **chosen_speed.options()},
+            options=pol.options(),
+            speed=chosen_speed.options(),
             passages=plans[i].passages,
             warnings=list(plans[i].warnings),
             prompt_tokens={
@@ -340,11 +340,6 @@ class _Loop:
         p = r.prepared
         joined = float(self._active() > 0)
         self.seen.append(r)
-        if p.plans:  # the speed paths off for this decode, as it gets them (installed first)
-            prepare(self.lm, p.speed)
-            off = speed_paths_off(self.lm, p.speed)
-            for t in p.traces:
-                t.options.update(off)
         r.results = [None] * len(p.plans)
         for group, idx in p.groups.items():
             d = self.decoders.get(group)
@@ -419,8 +414,11 @@ class _Loop:
         if any(x is None for x in r.results):
             return
         end = time.perf_counter()  # the call's queries are timed to its end
+        # The paths off for this decode (its Speed), after its own measurements.
+        off = speed_paths_off(self.lm, r.prepared.speed)
         for x in r.queries:
             x.trace.timings = {**x.timings, "decode_s": end - x.t1, "total_s": end - x.t0}
+            x.trace.speed["speed_paths_off"] = dict(off)
         r.done.set()
         if r.events is not None:
             r.events.put(None)

@@ -43,7 +43,7 @@ from ..adapters.translate import (
     model_label,
     result_summary,
 )
-from ..defaults import MAX_NEW_TOKENS
+from ..defaults import MAX_NEW_TOKENS, REMOTE_MAX_RESPONSE_MB
 from ..models import (
     LOAD_FIELDS,
     LOAD_OPTIONS,
@@ -341,10 +341,18 @@ class TokRAGLLM(CustomLLM):
     api_key: SecretStr | None = Field(
         default=None, description="The server's bearer token (default $TOKRAG_API_KEY)."
     )
-    timeout: float = Field(default=120.0, description="Seconds a server request may take.")
+    timeout: float = Field(
+        default=120.0,
+        description="Seconds a whole server call may take (retries and the whole answer included).",
+    )
     max_retries: int = Field(
         default=2,
-        description="Retries of a server request (connection errors, 408, 429, 5xx; Retry-After).",
+        description="Retries of a server request (connection errors, 408, 409, 429, 5xx; "
+        "Retry-After), within timeout.",
+    )
+    max_response_mb: float = Field(
+        default=REMOTE_MAX_RESPONSE_MB,
+        description="The largest server answer read (MB of 2**20 bytes).",
     )
 
     _lm: Any = PrivateAttr()
@@ -405,7 +413,11 @@ class TokRAGLLM(CustomLLM):
         super().__init__(**kwargs)
         key = self.api_key.get_secret_value() if self.api_key is not None else None
         self._lm = RemoteModel(
-            self.base_url, key, timeout=self.timeout, max_retries=self.max_retries
+            self.base_url,
+            key,
+            timeout=self.timeout,
+            max_retries=self.max_retries,
+            max_response_mb=self.max_response_mb,
         )
 
     @field_serializer("api_key")
