@@ -221,7 +221,7 @@ def _algorithm_modules(graph: dict[str, dict[str, int]]) -> list[str]:
     """The algorithm side: the signals, every policy, the engine's loops (step by step and
     sequence level, with their prefill, views and statistics), the trace."""
     p = PACKAGE
-    fixed = {f"{p}.trace", f"{p}.speed", f"{p}.engine"}
+    fixed = {f"{p}.trace", f"{p}.config", f"{p}.engine"}
     fixed |= {f"{p}.engine.{m}" for m in ("loop", "stats", "view")}
     fixed |= {m for m in graph if m == f"{p}.contexts" or m.startswith(f"{p}.contexts.")}
     policies = {m for m in graph if m == f"{p}.policies" or m.startswith(f"{p}.policies.")}

@@ -138,8 +138,7 @@ def test_adapter_boolean_options_refuse_strings(value):
 
 def _switch_readers() -> dict[str, object]:
     """Environment variable -> the package's own reading of it (True = on)."""
-    from tokrag_integrations.config import env_switch
-    from tokrag_integrations.speed import Speed
+    from tokrag_integrations.config import Speed, env_switch
 
     return {
         "TOKRAG_FUSE_CONTEXTS": lambda: Speed().fuse,
