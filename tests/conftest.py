@@ -76,8 +76,8 @@ def lm():
     """The packaged default model (SmolLM2-135M-Instruct), shared by every test, with the
     speed paths a default decode installs before its first step (``engine.seam.prepare``)."""
     from tokrag_integrations import load_model
-    from tokrag_integrations.config import Speed
     from tokrag_integrations.engine.seam import prepare
+    from tokrag_integrations.speed import Speed
 
     model = load_model("default", device="cpu")
     prepare(model, Speed())

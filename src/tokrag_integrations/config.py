@@ -8,19 +8,17 @@ defaults and meanings are tabled in README.md ("Environment variables"). Switche
 ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` in any case; any other word is
 an error rather than a silent *yes*.
 
-Also here: the cache folder (:func:`cache_dir`), :func:`require_bool`, the strict reading
-of boolean options, and :class:`Speed`, how fast a decode runs (the ``speed=`` argument),
-whose fields' defaults are the ``TOKRAG_*`` speed variables. This module imports only the
-standard library, so anything may import it.
+Also here: the cache folder (:func:`cache_dir`), :func:`require_bool` (a boolean argument of
+the Python API: ``True`` or ``False`` only), :func:`bool_word`, the one reading of a boolean
+given as text (options, ``speed=`` fields, switches). The ``TOKRAG_*`` speed variables are the
+defaults of :class:`..speed.Speed`'s fields. This module imports only the standard library, so
+anything may import it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +30,11 @@ STREAM_IDLE_TIMEOUT = "TOKRAG_STREAM_IDLE_TIMEOUT"
 VERBOSE = "TOKRAG_VERBOSE"
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 30.0
 
-_SWITCH_WORDS = {
-    "1": True, "true": True, "yes": True, "on": True,
-    "0": False, "false": False, "no": False, "off": False,
-}
+#: Booleans as words (case and outer spaces aside): an option given as text (``--option
+#: lens_norm=false``, a ``speed=`` dict) takes these four ...
+_BOOL_WORDS = {"1": True, "true": True, "0": False, "false": False}
+#: ... and an on/off environment variable these four more.
+_SWITCH_WORDS = {**_BOOL_WORDS, "yes": True, "on": True, "no": False, "off": False}
 _MODES = ("auto", "on", "off")
 
 
@@ -55,6 +54,28 @@ def require_bool(value: Any, name: str) -> bool:
         f"{name} must be True or False, got {value!r} ({type(value).__name__}); strings are not "
         "read as booleans."
     )
+
+
+def bool_word(value: Any, *, switch: bool = False) -> bool | None:
+    """The one reading of a boolean given as data: ``True``/``False``, the integers 1/0, or a
+    word (``true``/``false``/``1``/``0``; with ``switch``, an environment variable's, also
+    ``yes``/``no``/``on``/``off``) in any case. None for anything else: the caller refuses it in
+    its own words (:func:`option_bool`, :func:`env_switch`, the policy registry)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        return (_SWITCH_WORDS if switch else _BOOL_WORDS).get(value.strip().lower())
+    return None
+
+
+def option_bool(name: str, value: Any) -> bool:
+    """:func:`bool_word` of the option ``name``, or a ``ValueError`` naming it."""
+    got = bool_word(value)
+    if got is None:
+        raise ValueError(f"{name} must be True or False (or 1/0), got {value!r}")
+    return got
 
 
 def _raw(name: str) -> str | None:
@@ -79,13 +100,13 @@ def env_switch(name: str, default: bool) -> bool:
     raw = _raw(name)
     if raw is None:
         return default
-    try:
-        return _SWITCH_WORDS[raw.lower()]
-    except KeyError:
+    got = bool_word(raw, switch=True)
+    if got is None:
         raise ConfigError(
             f"{name}={raw!r} is not a switch; set it to 1, true, yes or on, or to 0, false, no "
             "or off (or unset it)."
-        ) from None
+        )
+    return got
 
 
 def _mode(name: str) -> str:
@@ -211,120 +232,4 @@ def stream_idle_timeout() -> float:
     return _positive(
         STREAM_IDLE_TIMEOUT, float, DEFAULT_STREAM_IDLE_TIMEOUT_S, "a number of seconds",
         finite=False,
-    )
-
-
-# ---------------------------------------------------------------------- speed=
-# How fast a decode runs, chosen apart from what it decides: the ``speed=`` argument.
-# 
-# Every entry point takes one ``speed=``: a :class:`Speed`, a preset name or a dict of its
-# fields. Every choice gives the tokens, sources and decisions of the step-by-step loop
-# (``benchmarks/exactness.py`` checks it); they differ in time only.
-# 
-# Presets: ``"auto"`` (the default: every field at its default) and ``"reference"`` (the
-# step-by-step loop as written: one forward pass per context per step, no logit-lens rows
-# shared between the queries of a batch).
-# 
-# This is the one place where the ``TOKRAG_*`` speed variables are read: each is the default
-# of one field (read when the :class:`Speed` is made, so a variable set later applies to the
-# next decode). The speed paths read their choices from a :class:`Speed` only.
-
-_SPEED_BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
-_SPEED_MODE_FIELDS = ("cpu_kernels", "packed_head")
-
-
-@dataclass(frozen=True)
-class Speed:
-    """The speed paths of one decode (and of a model's load: ``cpu_kernels``).
-
-    Args:
-        fuse: decode the contexts of a query as one batch (one forward pass per step)
-            where the model allows it; False: one pass per context role
-            (``TOKRAG_FUSE_CONTEXTS``, default on).
-        packed_prefill: one query's two contexts as one packed sequence
-            (``TOKRAG_PACKED_PREFILL``, default on; needs ``fuse``).
-        split_prefill: on CPU, prefill a batch's queries a few at a time, then merge them
-            (``TOKRAG_SPLIT_PREFILL``, default on).
-        share_lens: in a batch, the first logit-lens rows of every query in one product.
-        cpu_kernels: ``"auto"`` (measured few-row plans), ``"on"`` or ``"off"``: the CPU
-            kernels a float32 model gets when loaded (``TOKRAG_CPU_KERNELS``).
-        packed_head: ``"auto"`` (where measured faster), ``"on"`` or ``"off"``: the packed
-            LM head of the logit lens on CPU (``TOKRAG_PACKED_HEAD``).
-        kernel_plan_cache: keep measured kernel plans on disk for later processes
-            (``TOKRAG_KERNEL_PLAN_CACHE``, default on).
-    """
-
-    fuse: bool = field(default_factory=fuse_contexts)
-    packed_prefill: bool = field(default_factory=packed_prefill)
-    split_prefill: bool = field(default_factory=split_prefill)
-    share_lens: bool = True
-    cpu_kernels: str = field(default_factory=cpu_kernels)
-    packed_head: str = field(default_factory=packed_head)
-    kernel_plan_cache: bool = field(default_factory=kernel_plan_cache)
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name in _SPEED_MODE_FIELDS:
-                if value not in _MODES:
-                    raise ValueError(f"{f.name} must be 'auto', 'on' or 'off', got {value!r}")
-            elif not isinstance(value, bool):
-                raise ValueError(f"{f.name} must be True or False, got {value!r}")
-
-    def options(self) -> dict[str, Any]:
-        """The speed as the trace records it (``Trace.speed``, never the rule's options)."""
-        return {"fuse": self.fuse}
-
-
-#: The named presets of ``speed=``: the fields each sets (the others keep their defaults).
-PRESETS: dict[str, dict[str, Any]] = {
-    "auto": {},
-    "reference": {"fuse": False, "share_lens": False},
-}
-
-
-def _as_bool(name: str, value: Any) -> bool:
-    """``value`` read strictly as a bool: True/False, 1/0 or the strings true/false/1/0 (a
-    dict of options may come from a command line); anything else is an error."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _SPEED_BOOL_WORDS:
-        return _SPEED_BOOL_WORDS[value.strip().lower()]
-    raise ValueError(f"{name} must be True or False (or 1/0), got {value!r}")
-
-
-def speed_of(value: Speed | str | Mapping[str, Any] | None = None) -> Speed:
-    """``speed=`` as a :class:`Speed`: a Speed as is, None or a preset name (``"auto"``,
-    ``"reference"``), or a dict of fields (``{"fuse": False}``; the fields not named keep
-    their defaults; a bool field may be given as ``"true"``/``"0"``...).
-
-    Raises:
-        ValueError: an unknown preset or field, or a field's bad value (one sentence).
-    """
-    if value is None:
-        return Speed()
-    if isinstance(value, Speed):
-        return value
-    if isinstance(value, str):
-        if value not in PRESETS:
-            raise ValueError(
-                f"unknown speed preset {value!r}; presets: {', '.join(PRESETS)} "
-                "(or a dict of Speed fields)"
-            )
-        return Speed(**PRESETS[value])
-    if isinstance(value, Mapping):
-        fields = {f.name: f for f in dataclasses.fields(Speed)}
-        unknown = sorted(set(value) - set(fields))
-        if unknown:
-            raise ValueError(
-                f"unknown speed option {unknown[0]!r}; options: {', '.join(sorted(fields))}"
-            )
-        given = {
-            k: str(v).strip().lower() if k in _SPEED_MODE_FIELDS else _as_bool(k, v) for k, v in value.items()
-        }
-        return Speed(**given)
-    raise TypeError(
-        f"speed must be a Speed, a preset name or a dict, got {type(value).__name__}"
     )

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from .labels import AGREE, FROM_LLM, FROM_RAG
 
@@ -24,8 +25,35 @@ __all__ = [
     "PassageRecord",
     "Trace",
     "TraceStep",
+    "by_contribution",
     "comparable",
+    "json_data",
 ]
+
+_T = TypeVar("_T")
+
+
+def by_contribution(
+    items: Iterable[_T],
+    ranked: Sequence[Any],
+    key: Callable[[_T], Any] = lambda item: item,
+    decoded: Collection[Any] | None = None,
+) -> list[_T]:
+    """``items`` the answer drew on first, in the order of ``ranked`` (their keys, the largest
+    contribution first: :meth:`Trace.contributions`); then the others in their order, those
+    whose key is not in ``decoded`` (when given) last. As given when ``ranked`` is empty (no
+    citations). The one ordering of the server's sources and both adapters' documents."""
+    rank = {k: r for r, k in enumerate(ranked)}
+    if not rank:
+        return list(items)
+
+    def place(item: _T) -> tuple[int, int]:
+        k = key(item)
+        if k in rank:
+            return 0, rank[k]
+        return (1 if decoded is None or k in decoded else 2), 0
+
+    return sorted(items, key=place)
 
 
 @dataclass
@@ -196,7 +224,7 @@ class Trace:
         put in their responses."""
         if not any(s.citation for s in self.steps):
             return []
-        return _json_data([asdict(c) for c in self.citations(by)])
+        return json_data([asdict(c) for c in self.citations(by)])
 
     def contributions(self) -> list[tuple[int, float]]:
         """(passage index into :attr:`passages`, its share of the attention summed over the
@@ -212,17 +240,16 @@ class Trace:
     def passage_order(self) -> list[int]:
         """Every passage's index: by :meth:`contributions` first, the others after them in
         prompt order (all in prompt order without citations)."""
-        first = [i for i, _ in self.contributions()]
-        return first + [i for i in range(len(self.passages)) if i not in first]
+        return by_contribution(range(len(self.passages)), [i for i, _ in self.contributions()])
 
     def to_dict(self) -> dict[str, Any]:
         """The trace as JSON data: ``json.dumps`` takes it as is, and ``json.loads`` of that
         gives it back equal (tensors and numpy values become numbers or nested lists, sets
         and tuples lists, dictionary keys strings, other objects their ``str``; non-finite
         floats stay floats, written ``NaN`` / ``Infinity`` as ``json`` does by default)."""
-        d = _json_data(asdict(self))
+        d = json_data(asdict(self))
         d["counts"] = self.counts()
-        d["citations"] = _json_data([asdict(c) for c in self.citations()])
+        d["citations"] = json_data([asdict(c) for c in self.citations()])
         return d
 
     def comparable(self) -> dict[str, Any]:
@@ -376,22 +403,23 @@ def _json_key(k: Any) -> str:
     return str(k)
 
 
-def _json_data(o: Any) -> Any:
-    """``o`` with everything ``json`` cannot write converted (see :meth:`Trace.to_dict`)."""
+def json_data(o: Any) -> Any:
+    """``o`` with everything ``json`` cannot write converted (see :meth:`Trace.to_dict`): the
+    one JSON conversion of the trace, the adapters' metadata and the remote client's bodies."""
     if o is None or isinstance(o, (str, bool, int, float)):
         return o
     if isinstance(o, dict):
-        return {_json_key(k): _json_data(v) for k, v in o.items()}
+        return {_json_key(k): json_data(v) for k, v in o.items()}
     if isinstance(o, (list, tuple, set, frozenset)):
-        return [_json_data(v) for v in o]
+        return [json_data(v) for v in o]
     torch = sys.modules.get("torch")  # a tensor is its (nested) list of numbers
     if torch is not None and isinstance(o, torch.Tensor):
-        return _json_data(o.tolist())
+        return json_data(o.tolist())
     if hasattr(o, "item"):  # numpy scalars and one-element arrays: the number
         try:
-            return _json_data(o.item())
+            return json_data(o.item())
         except (ValueError, TypeError, RuntimeError):
             pass
     if hasattr(o, "tolist"):  # other numpy arrays
-        return _json_data(o.tolist())
+        return json_data(o.tolist())
     return str(o)

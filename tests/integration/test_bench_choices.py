@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from tokrag_eval.cost import measure_throughput
 from tokrag_integrations.accel import cpu_kernels as K
 from tokrag_integrations.accel.install import speed_paths
-from tokrag_integrations.evaluation.cost import measure_throughput
 
 
 def test_the_real_model_never_keeps_a_bucket_measured_slower(lm):

@@ -16,8 +16,8 @@ from tokrag_integrations import generate, generate_batch, load_model
 from tokrag_integrations.accel import cpu_kernels as K
 from tokrag_integrations.accel import packed as P
 from tokrag_integrations.accel.sdpa import ATTN_IMPLEMENTATION
-from tokrag_integrations.config import Speed
 from tokrag_integrations.engine import view as V
+from tokrag_integrations.speed import Speed
 
 CONTRA = ("What is the capital of France?", ["The capital of France is Marseille."])
 LONG = [

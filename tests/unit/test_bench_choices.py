@@ -12,13 +12,13 @@ import json
 import pytest
 import torch
 
+from tokrag_eval import cost as BT
+from tokrag_eval.commands import _sizes
+from tokrag_eval.cost import measure_throughput
+from tokrag_eval.report import bench_table
 from tokrag_integrations.accel import cpu_kernels as K
 from tokrag_integrations.accel import install as accel_install
 from tokrag_integrations.cli import build_parser
-from tokrag_integrations.cli.eval import _sizes
-from tokrag_integrations.evaluation import cost as BT
-from tokrag_integrations.evaluation.cost import measure_throughput
-from tokrag_integrations.evaluation.report import bench_table
 
 
 def _routed_model() -> torch.nn.Module:
@@ -218,7 +218,7 @@ def _sdpa_reference(q, k, v, mask, scale):
 def test_bench_questions_come_from_data_or_the_data_folder(tmp_path, monkeypatch):
     """No path walking into a checkout: ``--data``, else ``$TOKRAG_DATA_DIR/squad_dev.jsonl``,
     else an error naming both."""
-    from tokrag_integrations.evaluation.cost import arm, bench_items, data_path
+    from tokrag_eval.cost import arm, bench_items, data_path
 
     monkeypatch.delenv("TOKRAG_DATA_DIR", raising=False)
     with pytest.raises(FileNotFoundError, match=r"--data PATH.*\$TOKRAG_DATA_DIR"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokrag_integrations.config import PRESETS, Speed, speed_of
 from tokrag_integrations.policies import get_policy
+from tokrag_integrations.speed import PRESETS, Speed, speed_of
 
 
 def test_presets_and_dicts_give_speeds():

@@ -1,4 +1,4 @@
-"""The speed paths, behind one seam: chosen by :class:`..config.Speed` only (the
+"""The speed paths, behind one seam: chosen by :class:`..speed.Speed` only (the
 algorithm never imports this package; the engine reaches it through ``engine/seam.py``).
 
 * :mod:`.install`: which CPU paths a model gets (:func:`.install.maybe_install`, the one

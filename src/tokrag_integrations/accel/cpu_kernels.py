@@ -16,7 +16,7 @@ docs/results.md, "Speed paths kept"). So nothing is assumed:
 * :func:`stock_kernels` runs the stock paths for one decode on a model that has plans
   (``Speed.cpu_kernels`` ``off`` on that decode's call).
 
-Every choice comes in as an argument from the decode's :class:`..config.Speed` (through the
+Every choice comes in as an argument from the decode's :class:`..speed.Speed` (through the
 engine's seam, ``engine/seam.py``): nothing here reads the environment.
 
 Results are the same dot products summed in another order (last-bit differences, as

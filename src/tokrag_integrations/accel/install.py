@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..config import Speed
+from ..speed import Speed
 from .cpu_kernels import (
     _HEAD,
     _HEAD_OK,
@@ -101,7 +101,7 @@ def _head_detail(model: Any) -> str:
 def speed_paths(model: Any, speed: Speed | None = None) -> dict[str, str]:
     """Each speed path of ``model`` (``cpu_kernels``, ``packed_prefill``, ``packed_head``,
     ``fused_contexts``): ``"on"`` (with what was measured here) or ``"off: <reason>"``; with
-    ``speed``, as a decode with that :class:`..config.Speed` gets them (a field set off turns
+    ``speed``, as a decode with that :class:`..speed.Speed` gets them (a field set off turns
     its path off: ``"off: speed cpu_kernels='off'"``)."""
     off = getattr(model, _SPEED_OFF, None)
     attention = getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION

@@ -16,7 +16,6 @@ import torch
 
 from ..attention.parts import model_parts
 from ..attention.probe import ProbeRecord, install_taps
-from ..config import Speed
 from ..contexts.batch import RoleBatch
 from ..contexts.kv_cache import (
     GrowableLayer,
@@ -28,6 +27,7 @@ from ..contexts.kv_cache import (
 from ..contexts.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, reused_seconds, row_map
 from ..models import LoadedModel
 from ..policies.base import ContextSpec
+from ..speed import Speed
 from .install import fusion_off_reason
 from .sdpa import ATTN_IMPLEMENTATION, PACKED_PREFILL
 

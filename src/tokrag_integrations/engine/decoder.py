@@ -9,7 +9,7 @@ views of its contexts and feed the given tokens, the policy is not asked. The on
 (:mod:`.scheduler`) runs every decode on this loop, RAG-Sequence's candidates and their
 scoring included (:class:`.loop.SequenceDecoder`).
 
-Speed is chosen here, from ``speed=`` (:class:`..config.Speed`) only, through the engine's
+Speed is chosen here, from ``speed=`` (:class:`..speed.Speed`) only, through the engine's
 one seam to the speed paths (:class:`.seam.SpeedPaths`): the prefill (packed / fused / split
 contexts), how an admitted query's rows join the running batch where contexts are fused, the
 lens handed to the policy (:func:`.view.make_lens`: ``share_lens``, the packed LM head) and the
@@ -28,12 +28,12 @@ import torch
 
 from ..attention.citations import citation_layers, passage_scores
 from ..attention.parts import model_parts
-from ..config import Speed, speed_of
 from ..contexts.batch import RoleBatch
 from ..models import LoadedModel
 from ..policies.base import Choice, ContextSpec, Policy
 from ..policies.rag_token import passage_posterior
 from ..prompts import PromptPlan
+from ..speed import Speed, speed_of
 from ..trace import Candidate, TraceStep
 from .seam import SpeedPaths
 from .stats import distribution_stats_rows

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from ..config import Speed
 from ..models import LoadedModel
 from ..policies.base import Policy, SequencePolicy
 from ..policies.rag_token import passage_posterior
 from ..prompts import PromptPlan
+from ..speed import Speed
 from ..trace import TraceStep
 from .decoder import Decoder, StepEvent
 from .view import ContextView

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import Speed, require_bool, speed_of
+from ..config import require_bool
 from ..defaults import CITATIONS, MAX_NEW_TOKENS
 from ..inputs import _DEFAULT, _check_inputs, _check_query, _plans
 from ..models import LoadedModel
@@ -39,6 +39,7 @@ from ..policies import get_policy, uses_passages
 from ..policies.base import Policy
 from ..prompts import PromptPlan, RenderedPrompt
 from ..results import GenerationResult, TokenEvent, _stop_list, _TextTracker
+from ..speed import Speed, speed_of
 from ..trace import Trace
 from .decoder import Decoder, StepEvent
 from .loop import SequenceDecoder, decoder_for

@@ -1,5 +1,5 @@
 """The one place the engine reaches the speed paths (:mod:`..accel`): every choice comes from
-the :class:`..config.Speed` a decode was given, and only from it.
+the :class:`..speed.Speed` a decode was given, and only from it.
 
 :class:`SpeedPaths` is what one decode gets: its prefill (packed / fused contexts, split
 prefill: :func:`..accel.packed.prefill`), how an admitted query's rows join a running batch
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from ..accel import cpu_kernels, install, packed
-from ..config import Speed
 from ..models import LoadedModel
+from ..speed import Speed
 
 __all__ = ["SpeedPaths", "prepare", "speed_paths", "speed_paths_off"]
 

@@ -32,7 +32,7 @@ def make_lens(
     product: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Lens:
     """The logit lens of ``lm`` as a :data:`..policies.base.Lens`: with ``share`` (the
-    ``share_lens`` of :class:`..config.Speed`) every block of one call in one product (the LM
+    ``share_lens`` of :class:`..speed.Speed`) every block of one call in one product (the LM
     head read once), else one product per block; ``product``: the decode's way to multiply
     many rows by the LM head (:func:`..attention.rows.logit_lens`; the seam's packed head)."""
 

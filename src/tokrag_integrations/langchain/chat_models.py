@@ -31,10 +31,10 @@ from ..models import LOAD_FIELDS, LoadedModel, check_greedy, load_model, unknown
 from ..policies import get_policy
 from ..results import GenerationResult, TokenEvent
 from .messages import (
+    document_passages,
     final_metadata,
     messages_to_prompt,
     rendered_prompt,
-    to_passages,
     token_metadata,
     usage_metadata,
 )
@@ -344,7 +344,7 @@ class ChatTokRAG(BaseChatModel):
         policy = call.get("policy", self.policy)
         get_policy(policy, **options)  # unknown policy or option: fail before loading anything
         given = call.get("passages", self.passages)
-        passages = to_passages(given)
+        passages = document_passages(given)
         context, question = call.get("context"), call.get("question")
         if context is None and question is not None:
             raise ValueError("question= is the pure context's question of a context= call")
@@ -352,7 +352,7 @@ class ChatTokRAG(BaseChatModel):
             # LangChain's own RAG code: the run's retrieved documents, found in the messages.
             found = find_retrieved(messages, run_manager)
             context, question, retrieval = found.context, found.question, found.metadata
-            passages = to_passages(found.documents)
+            passages = document_passages(found.documents)
         else:
             retrieval = given_retrieval(passages, context, policy)
         max_tokens = self._positive(int(call.get("max_tokens", self.max_tokens)))

@@ -49,11 +49,10 @@ from contextlib import suppress
 from typing import Any
 
 from .. import config
-from ..adapters.translate import jsonable
 from ..defaults import REMOTE_MAX_RESPONSE_MB
 from ..prompts import as_passages
 from ..results import GenerationResult, TokenEvent
-from ..trace import Trace, TraceStep
+from ..trace import Trace, TraceStep, json_data
 
 __all__ = ["MAX_RESPONSE_MB", "RemoteError", "RemoteModel"]
 
@@ -547,7 +546,7 @@ class RemoteModel:
         messages.append({"role": "user", "content": query})
         tokrag: dict[str, Any] = {
             "policy": kw.get("policy", "tokrag"),
-            "policy_options": jsonable(dict(kw.get("policy_options") or {})),
+            "policy_options": json_data(dict(kw.get("policy_options") or {})),
             "trace": True,
         }
         for key in ("prompt_format", "max_context_tokens", "citations"):
@@ -800,5 +799,5 @@ class RemoteStream:
 def _documents(passages: Any) -> list[dict[str, Any]]:
     """Core passages as the server's ``{text, score, metadata}`` documents."""
     return [
-        {"text": p.text, "score": p.score, "metadata": jsonable(dict(p.metadata))} for p in passages
+        {"text": p.text, "score": p.score, "metadata": json_data(dict(p.metadata))} for p in passages
     ]

@@ -28,8 +28,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import config
-from ..config import require_bool
+from tokrag_integrations import config
+from tokrag_integrations.config import require_bool
+
 from .data import load_items
 from .specs import parse_spec
 
@@ -91,7 +92,7 @@ def bench_items(
 
 
 def _load(model: str, device: str | None, name: str) -> Any:
-    from ..models import load_model
+    from tokrag_integrations.models import load_model
 
     return load_model(model, device=device, cpu_kernels="off" if name in STOCK_ARMS else None)
 
@@ -119,8 +120,8 @@ def run_bench(
     decode (default: ``generate``'s)."""
     import torch
 
-    from ..engine.scheduler import generate
-    from ..engine.seam import speed_paths
+    from tokrag_integrations.engine.scheduler import generate
+    from tokrag_integrations.engine.seam import speed_paths
 
     require_bool(memory, "memory")
     require_bool(progress, "progress")
@@ -180,7 +181,7 @@ def _timed_runs(
     and its decisions, and the RAG prompt lengths."""
     from tqdm.auto import tqdm
 
-    from ..engine.scheduler import generate
+    from tokrag_integrations.engine.scheduler import generate
 
     rows: dict[str, list[dict[str, Any]]] = {p: [] for p in policies} if items else {}
     decisions: dict[str, list[Any]] = {p: [] for p in policies} if items else {}
@@ -290,7 +291,7 @@ def _memory_child(
 
     import torch
 
-    from ..engine.scheduler import generate
+    from tokrag_integrations.engine.scheduler import generate
 
     lm = _load(model, device, policy)
     cuda = lm.device.type == "cuda"
@@ -359,7 +360,7 @@ def measure_throughput(
     """
     from tqdm.auto import tqdm
 
-    from ..engine.scheduler import generate_batch
+    from tokrag_integrations.engine.scheduler import generate_batch
 
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
