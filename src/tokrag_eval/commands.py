@@ -264,7 +264,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser(
         "bench",
-        help="time rag vs the two-context floor vs tokrag, step by step and packed (paper Table 6)",
+        help="time rag vs the two-context floor vs tokrag vs Hugging Face generate (paper Table 6)",
         description=cost.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -276,7 +276,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--passages", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--policies", default=",".join(cost.DEFAULT_POLICIES),
-                   help="comma list of arms: rag, rag-stock, floor, tokrag-step, tokrag, or any policy spec")
+                   help="comma list of arms: rag, floor, tokrag-step, tokrag, rag-kernels-off, hf-generate, "
+                        "hf-generate-static, or any policy spec; ARM@PRESET for a speed preset (tokrag@cuda)")
     p.add_argument("--device", default=None)
     p.add_argument("--no-memory", action="store_true", help="skip the per-policy memory subprocesses")
     p.add_argument("--memory-questions", type=int, default=3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokrag_integrations.chat import (
+from tokrag_integrations.adapters.chat import (
     TEMPLATE_CONTEXT,
     adapter_passages,
     split_context,

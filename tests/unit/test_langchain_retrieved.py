@@ -133,9 +133,9 @@ def test_runs_that_never_end_are_bounded() -> None:
 def test_a_context_is_cut_after_each_document_it_holds() -> None:
     # context= with passages=: one piece per document found (its id kept), the pieces make up
     # the context; a document not in it is said and left out. Issue 55: the core's one rule
-    # (tokrag_integrations.chat.split_context, shared with LlamaIndex): text outside every
+    # (tokrag_integrations.adapters.chat.split_context, shared with LlamaIndex): text outside every
     # document ("[1] ", "End.") is a piece of its own, never folded into a document.
-    from tokrag_integrations.chat import TEMPLATE_CONTEXT, split_context
+    from tokrag_integrations.adapters.chat import TEMPLATE_CONTEXT, split_context
     from tokrag_integrations.langchain.messages import document_passages
 
     docs = document_passages([Document(A, id="a", metadata={"source": "a.md"}), Document(C), B])

@@ -382,12 +382,11 @@ def test_embedding_cache_sub_folder_replaced_by_a_link(tmp_path):
 
 
 def test_one_folder_check_for_the_opener_the_postgres_folder_and_the_caches(tmp_path):
-    """The checks live in one place (:mod:`tokrag_integrations.safe_files`), used by the
+    """The checks live in one place (:mod:`tokrag_integrations.retrieval.safe_files`), used by the
     document opener, the embedded Postgres socket folder and both caches."""
-    from tokrag_integrations import safe_files
     from tokrag_integrations.accel import cpu_kernels
     from tokrag_integrations.postgres import embedded
-    from tokrag_integrations.retrieval import index, opener
+    from tokrag_integrations.retrieval import index, opener, safe_files
 
     assert opener.read_regular is safe_files.read_regular
     assert embedded.folder_refusal is safe_files.folder_refusal

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import cache_dir
-from ..safe_files import FileRefused, checked_folder, read_regular, write_atomic
+from ..retrieval.safe_files import FileRefused, checked_folder, read_regular, write_atomic
 
 #: Calls with more rows than this use ``F.linear`` (GEMM-shaped work, e.g. prefill).
 MAX_ROWS = 64
@@ -250,7 +250,7 @@ def _warn_once(message: str) -> None:
 
 def _plan_folder(path: Path, create: bool) -> Path | None:
     """``path``'s folder once it and the cache folder above it pass the cache checks of
-    :func:`.safe_files.checked_folder`; None when missing, not writable, or refused (with a
+    :func:`..retrieval.safe_files.checked_folder`; None when missing, not writable, or refused (with a
     warning: the plans are then measured and kept for this process only)."""
     try:
         return checked_folder(path.parent.parent, path.parent.name, create=create)

@@ -15,8 +15,8 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import UsageMetadata
 
+from ..adapters.chat import ChatTurns, adapter_passages, split_context, split_turns
 from ..adapters.translate import FINISH_REASONS, usage
-from ..chat import ChatTurns, adapter_passages, split_context, split_turns
 from ..models import LoadedModel
 from ..prompts import Passage, RenderedPrompt
 from ..results import GenerationResult
@@ -41,7 +41,7 @@ def to_passage(item: Any) -> Any:
 
 def document_passages(items: Sequence[Any] | None) -> list[Any]:
     """``passages=``: Documents (:func:`to_passage`), strings, Passage objects or (text, score)
-    pairs (:func:`~tokrag_integrations.chat.adapter_passages`; ``None`` -> ``[]``)."""
+    pairs (:func:`~tokrag_integrations.adapters.chat.adapter_passages`; ``None`` -> ``[]``)."""
     return adapter_passages(items, to_passage, "Documents") or []
 
 
@@ -83,7 +83,7 @@ def _role(message: BaseMessage) -> str:
 
 
 def messages_to_prompt(messages: Sequence[BaseMessage]) -> ChatTurns:
-    """LangChain messages split by :func:`~tokrag_integrations.chat.split_turns`: system
+    """LangChain messages split by :func:`~tokrag_integrations.adapters.chat.split_turns`: system
     messages -> ``system_prompt``; the last human turns, joined -> the query; the rest ->
     history.
 

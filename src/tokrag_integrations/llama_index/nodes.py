@@ -8,7 +8,7 @@ from typing import Any
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
-from ..chat import ChatTurns, adapter_passages, split_context, split_turns
+from ..adapters.chat import ChatTurns, adapter_passages, split_context, split_turns
 from ..prompts import Passage
 from ..trace import Trace, by_contribution
 
@@ -56,7 +56,7 @@ def node_to_passage(node: NodeWithScore, metadata_mode: Any = MetadataMode.NONE)
 
 def split_node_context(context: str, nodes: Sequence[NodeWithScore]) -> list[Passage] | None:
     """``context`` (a template's ``context_str``: LlamaIndex joins the nodes' texts with blank
-    lines) cut by :func:`~tokrag_integrations.chat.split_context`, each node looked for by its
+    lines) cut by :func:`~tokrag_integrations.adapters.chat.split_context`, each node looked for by its
     text under any metadata mode; a piece keeps its node's score, id and metadata."""
     texts = [[n.node.get_content(metadata_mode=m) for m in MetadataMode] for n in nodes]
     return split_context(context, [node_to_passage(n) for n in nodes], texts, stacklevel=4)
@@ -93,7 +93,7 @@ def nodes_by_contribution(
 
 def node_passages(items: Sequence[Any] | None) -> list[Any] | None:
     """``passages=``: nodes (best first: :func:`order_nodes`, when all are nodes), strings,
-    :class:`Passage` objects or (text, score) pairs (:func:`~tokrag_integrations.chat.adapter_passages`)."""
+    :class:`Passage` objects or (text, score) pairs (:func:`~tokrag_integrations.adapters.chat.adapter_passages`)."""
     if items is not None and items and all(isinstance(i, NodeWithScore) for i in items):
         items = order_nodes(items)
     return adapter_passages(
@@ -111,7 +111,7 @@ def messages_to_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
 
 
 def messages_to_turns(messages: Sequence[ChatMessage]) -> ChatTurns:
-    """Chat messages split by :func:`~tokrag_integrations.chat.split_turns` (roles mapped by
+    """Chat messages split by :func:`~tokrag_integrations.adapters.chat.split_turns` (roles mapped by
     :func:`messages_to_dicts`).
 
     Raises:

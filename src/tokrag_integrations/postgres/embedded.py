@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import config
-from ..safe_files import folder_refusal
+from ..retrieval.safe_files import folder_refusal
 from .dsn import PostgresConnectionError, PostgresSetupError, dsn_params
 
 #: Environment variable holding a production connection string.

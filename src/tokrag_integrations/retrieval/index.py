@@ -95,7 +95,7 @@ class EmbeddingCache:
 
     def _checked(self, create: bool) -> Path | None:
         """The checked cache folder; None when it is missing (``create`` off) or refused."""
-        from ..safe_files import FileRefused, checked_folder
+        from .safe_files import FileRefused, checked_folder
 
         if self.refused is not None:
             return None
@@ -118,7 +118,7 @@ class EmbeddingCache:
 
     def load(self, texts: Sequence[str]) -> list[np.ndarray | None]:
         """The cached vector of each text, or None (missing, refused or damaged)."""
-        from ..safe_files import FileRefused, folder_refusal, read_regular
+        from .safe_files import FileRefused, folder_refusal, read_regular
 
         base = self._checked(create=False)
         if base is None:
@@ -189,7 +189,7 @@ class EmbeddingCache:
 
         import numpy as np
 
-        from ..safe_files import FileRefused, checked_folder, write_atomic
+        from .safe_files import FileRefused, checked_folder, write_atomic
 
         base = self._checked(create=True)
         if base is None:

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..safe_files import FileRefused, FileTooBig, kind, read_regular
+from .safe_files import FileRefused, FileTooBig, kind, read_regular
 
 #: Default cap on one document file, in MB (2**20 bytes): image-heavy PDFs reach tens of MB;
 #: 100 MB of text (~50,000 pages) is almost surely a log, a dump or a mistake.

@@ -10,7 +10,7 @@ The OpenAI fields a greedy local decoder cannot honour (``temperature`` other th
 1, ``top_p`` < 1, penalties, log-probabilities, tools) are refused; fields it has no use for
 (``user``, ``seed``, ``metadata``...) are ignored and named in the response's
 ``tokrag.warnings``. The conversation is split by the core's rule
-(:func:`tokrag_integrations.chat.split_turns`).
+(:func:`tokrag_integrations.adapters.chat.split_turns`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ..chat import split_turns
+from ..adapters.chat import split_turns
 
 __all__ = [
     "MAX_JSON_DEPTH", "ChatBody", "ChatRequest", "Limits", "RequestError", "parse_chat_request",

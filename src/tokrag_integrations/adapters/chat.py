@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .prompts import Passage, as_passages
+from ..prompts import Passage, as_passages
 
 #: The metadata of a piece of a formatted context that is no passage's text.
 TEMPLATE_CONTEXT = {"source": "template context"}
