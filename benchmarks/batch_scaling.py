@@ -80,9 +80,9 @@ def main() -> None:
 
     import torch
 
+    from tokrag_eval.cost import bench_items
     from tokrag_integrations import generate_batch, load_model
     from tokrag_integrations.accel.install import speed_paths
-    from tokrag_integrations.evaluation.cost import bench_items
 
     lm = load_model("default", device="cpu")
     items = bench_items(SQUAD, max(8, max(sizes) * args.rounds))

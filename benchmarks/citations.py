@@ -47,9 +47,9 @@ from typing import Any
 
 import torch
 
+from tokrag_eval.data import load_items, mix_passages
+from tokrag_eval.metrics import cover_em
 from tokrag_integrations import generate, load_model
-from tokrag_integrations.evaluation.data import load_items, mix_passages
-from tokrag_integrations.evaluation.metrics import cover_em
 from tokrag_integrations.policies import vocab
 from tokrag_integrations.policies.tokrag import TokRAG
 from tokrag_integrations.retrieval.embedder import load_embedder

@@ -71,8 +71,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
+    from tokrag_eval.cost import bench_items
     from tokrag_integrations import generate, load_model
-    from tokrag_integrations.evaluation.cost import bench_items
 
     lm = load_model(args.model)
     items = bench_items(SQUAD, args.n, 5)

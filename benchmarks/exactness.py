@@ -94,8 +94,8 @@ def main() -> None:
     args = ap.parse_args()
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
 
+    from tokrag_eval.data import load_items, mix_passages
     from tokrag_integrations import generate, generate_batch, load_model
-    from tokrag_integrations.evaluation.data import load_items, mix_passages
 
     lm = load_model("default", device="cpu")
     cases = []

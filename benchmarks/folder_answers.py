@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_retrieval import SQUAD, load_squad  # noqa: E402
 from folder_recall import wilson  # noqa: E402
 
+from tokrag_eval.metrics import cover_em  # noqa: E402
 from tokrag_integrations import Passage, generate_batch, load_model  # noqa: E402
 from tokrag_integrations.defaults import ANSWER_STOP, MAX_NEW_TOKENS, TOP_K  # noqa: E402
-from tokrag_integrations.evaluation.metrics import cover_em  # noqa: E402
 from tokrag_integrations.retrieval import build_retriever  # noqa: E402
 
 

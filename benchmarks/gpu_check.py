@@ -1,17 +1,34 @@
-"""The prepared GPU check (issue 44, item 9): one script, under 8 minutes on one CUDA GPU.
+"""The prepared GPU check (issues 44 and 56): one script, at most 8 minutes on one CUDA GPU.
 
-1. Exactness: the default fast paths (one query at a time, and a batch of every prompt with
-   the shared logit lens) against the step-by-step reference (``speed="reference"``) on
-   the packaged model, on the device: the tokens, sources and each step's top-1 candidates
-   must be equal. The prompts are those of ``tests/integration/test_stock_exactness.py``
-   (the packaged sample documents; no data set needed).
-2. ``tokrag bench --device DEVICE --questions N`` (batch 1: every arm, memory included) and
-   ``tokrag bench --device DEVICE --throughput 1,4,16 --throughput-only``.
-3. A ``tokrag serve`` smoke: start it, one chat completion with documents, stop it.
+Parts, in this order, each in a child process with its own time limit (a part that fails or
+runs out of time is recorded and the others still run; the whole run keeps to ``--budget``):
 
-Figures go to ``$OUT`` if set, else ``./gpu_check_out/``: ``gpu_check.json`` (everything),
-``gpu_check.md`` (a summary), ``bench_batch1.json``, ``bench_throughput.json`` and logs.
-A part that fails is recorded and the others still run; the exit status is 1 if any failed.
+1. ``exactness``: ``speed="cuda"`` and the default path against ``speed="reference"``, in
+   float32 and bfloat16, one query at a time and all prompts as one batch: per arm the answers
+   identical (tokens and each step's source and top-1 candidates) and the fraction of the
+   reference's steps whose token, source and candidates are equal. The prompts are those of
+   ``tests/integration/test_stock_exactness.py`` (the packaged sample documents).
+2. ``speed``: tokens/s at batch 1 / 4 / 16 / 64 (``--throughput``) and ms a token at batch 1
+   for Hugging Face ``model.generate`` (greedy; dynamic cache, and static cache with the step
+   compiled as transformers does for ``generate``), ``rag``, ``floor`` and ``tokrag``, each with
+   ``speed="cuda"`` and with the default path, on SQuAD dev questions
+   (:func:`tokrag_eval.cost.measure_throughput`: arms interleaved).
+3. ``syncs``: host-device synchronisations a step over one decode (``torch.cuda.
+   set_sync_debug_mode("warn")``, the warnings counted, divided by the steps), and host reads
+   a step counted with a ``TorchFunctionMode`` (``.item()``, ``.tolist()``, ``bool``/``int``/
+   ``float`` of a tensor, ``.cpu()``, ``.numpy()``, ``nonzero``, boolean-mask indexing; on any
+   device).
+4. ``busy``: the GPU's busy fraction during a decode: CUDA kernel time summed by
+   ``torch.profiler`` over the wall time of the profiled span (the profiler slows the host a
+   little, so this is a lower bound).
+5. ``bench``: ``tokrag bench`` at batch 1 (a smoke of the command on the device).
+6. ``serve``: start ``tokrag serve``, one chat completion with documents, stop it.
+
+Arms with ``speed="cuda"`` run where that preset exists (``speed_of("cuda")``), and are
+recorded as "not available" otherwise. Figures go to ``$OUT`` if set, else
+``./gpu_check_out/``: ``gpu_check.json`` (everything), ``gpu_check.md`` (a summary with the
+tables) and ``gpu_check.log`` (the parts' output); three files, within the device tool's eight.
+The exit status is 1 if any part failed.
 
 Install on a bare machine with the repository copied (what ``make install`` does, but with
 a CUDA build of torch: the constraints file pins the CPU build, so leave it out)::
@@ -23,15 +40,18 @@ a CUDA build of torch: the constraints file pins the CPU build, so leave it out)
 
 A machine whose image already has CUDA torch (and no network), such as the ``device`` tool's,
 needs the rest as wheels and the model carried in two parts: ``benchmarks/gpu_carry.sh``
-prepares them and says how to run the check there. On CUDA the model loads in bfloat16.
-The bench reads SQuAD dev questions: ``--data`` (default: ``$TOKRAG_BENCH_DATA``, else
-``../shared/data/squad_dev.jsonl`` or ``shared/data/squad_dev.jsonl``; 1.4 MB).
+prepares them and says how to run the check there. On CUDA the model loads in bfloat16 (the
+exactness part loads float32 and bfloat16). The speed and bench parts read SQuAD dev
+questions: ``--data`` (default: ``$TOKRAG_BENCH_DATA``, else ``../shared/data/squad_dev.jsonl``
+or ``shared/data/squad_dev.jsonl``; 1.4 MB).
 
 Run::
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/gpu_check.py            # on the GPU
-    python benchmarks/gpu_check.py --device cpu --prompts 2 --new-tokens 4 --questions 2 \\
-        --throughput 1,2 --rounds 1 --no-memory --part-timeout 1200     # a CPU dry run
+    python benchmarks/gpu_check.py --device cpu --prompts 2 --new-tokens 4 --dtypes float32 \\
+        --questions 2 --throughput 1,2 --speed-new-tokens 4 --rounds 1 --profile-new-tokens 4 \\
+        --busy-sizes 1 --bench-questions 1 --no-memory --hf-arms hf-generate \\
+        --part-timeout 1200 --budget 7200                              # a CPU dry run
 """
 
 from __future__ import annotations
@@ -40,18 +60,29 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import urllib.request
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("exactness", "speed", "syncs", "busy", "bench", "serve")
+#: Seconds each part may run (``--part-timeout`` replaces them all); their sum exceeds the
+#: budget, so a part that finishes early leaves its time to the later ones.
+PART_TIMEOUTS = {"exactness": 120, "speed": 240, "syncs": 60, "busy": 60, "bench": 90, "serve": 60}
+#: The policies timed, profiled and counted (the Hugging Face arms, ``--hf-arms``, are added).
+POLICIES = ("rag", "floor", "tokrag")
 
 
+# ---------------------------------------------------------------------- shared helpers
 def _prompts(count: int) -> list[tuple[str, list[str]]]:
     """The first ``count`` (question, passages) pairs of ``test_stock_exactness``."""
     sys.path.insert(0, str(ROOT))
@@ -60,92 +91,375 @@ def _prompts(count: int) -> list[tuple[str, list[str]]]:
     return exactness_prompts()[:count]
 
 
-def _decisions(r: Any) -> list[tuple[Any, ...]]:
+def cuda_preset() -> tuple[bool, str]:
+    """Whether ``speed="cuda"`` exists in this checkout, and why not."""
+    from tokrag_integrations import generate  # noqa: F401  (the package imports)
+
+    try:
+        from tokrag_integrations.speed import speed_of
+    except ImportError:
+        from tokrag_integrations.engine.speed import speed_of
+    try:
+        speed_of("cuda")
+    except (ValueError, TypeError) as e:
+        return False, f"not available: {e}"
+    return True, "available"
+
+
+def paths() -> dict[str, Any]:
+    """Label -> ``speed=`` of the paths compared: ``default`` (the view path, as before
+    ``speed="cuda"``: where ``Speed`` has a ``static`` field it is turned off, since on CUDA the
+    default may be the static path) and ``cuda`` where that preset exists."""
+    try:
+        from tokrag_integrations.speed import Speed
+    except ImportError:
+        from tokrag_integrations.engine.speed import Speed
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(Speed)}
+    out: dict[str, Any] = {"default": {"static": "off"} if "static" in fields else None}
+    if cuda_preset()[0]:
+        out["cuda"] = "cuda"
+    return out
+
+
+def register_arms() -> list[str]:
+    """The package arms of the speed parts (``rag``, ``rag@cuda``, ...), registered in
+    ``cost.ARMS`` where the default path needs a ``speed=`` of its own."""
+    from tokrag_eval import cost
+
+    names = []
+    for label, speed in paths().items():
+        for pol in POLICIES:
+            if label == "cuda":
+                names.append(f"{pol}@cuda")
+            elif speed is None:
+                names.append(pol)
+            else:
+                cost.ARMS[f"{pol}@view"] = (pol, {"speed": speed})
+                names.append(f"{pol}@view")
+    return names
+
+
+def _load(device: str, dtype: str | None = None, stock: bool = False) -> Any:
+    from tokrag_integrations import load_model
+
+    return load_model("default", device=device, dtype=dtype, cpu_kernels="off" if stock else None)
+
+
+def _model_of(device: str) -> Callable[[str], Any]:
+    """Arm -> model: on CPU the stock arms get a copy without the package's CPU kernels (on
+    CUDA those kernels are never installed: one model serves every arm)."""
+    from tokrag_eval.cost import STOCK_ARMS
+
+    lm = _load(device)
+    stock = _load(device, stock=True) if lm.device.type == "cpu" else lm
+    return lambda name: stock if name in STOCK_ARMS else lm
+
+
+def _items(args: argparse.Namespace, n: int) -> list[tuple[str, list[str]]]:
+    """SQuAD dev questions (``--data``), else the exactness prompts."""
+    from tokrag_eval.cost import bench_items
+
+    if args.data:
+        return bench_items(args.data, n, 5)
+    return [(q, ps) for q, ps in _prompts(24) if ps][:n]
+
+
+def _hf(args: argparse.Namespace) -> list[str]:
+    """The Hugging Face arms asked for (``--hf-arms``)."""
+    return [a for a in args.hf_arms.split(",") if a]
+
+
+def _decode(model_of: Callable[[str], Any], name: str, items: list[Any], new_tokens: int) -> int:
+    """Arm ``name`` on ``items`` as one batch; the steps decoded (EOS steps counted)."""
+    from tokrag_integrations import generate_batch
+    from tokrag_eval.cost import HF_ARMS, arm, hf_generate
+
+    qs, ps = [q for q, _ in items], [p for _, p in items]
+    if name in HF_ARMS:
+        run = hf_generate(model_of(name), qs, ps, max_new_tokens=new_tokens, cache=HF_ARMS[name])
+        return sum(map(len, run.answers))
+    pol, opts = arm(name)
+    rs = generate_batch(model_of(name), qs, ps, policy=pol, max_new_tokens=new_tokens, **opts)
+    return sum(len(r.trace.steps) for r in rs)
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class _Saver:
+    """A part's result dict, written to its file after every change (a part stopped at its
+    time limit leaves what it had)."""
+
+    def __init__(self, path: Path):
+        self.path, self.data = path, {"ok": True}
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+
+def _guarded(save: _Saver, key: str, fn: Callable[[], Any]) -> Any:
+    """``save[key] = fn()``; an exception is recorded there and fails the part, not the run."""
+    try:
+        save[key] = fn()
+    except Exception:
+        save[key] = {"error": traceback.format_exc()}
+        save["ok"] = False
+    return save.data[key]
+
+
+# ---------------------------------------------------------------------- 1. exactness
+def _steps(r: Any) -> list[tuple[int, str, list[tuple[str, int]]]]:
     return [
         (s.token_id, s.source, sorted((role, c.token_id) for role, c in s.candidates.items()))
         for s in r.trace.steps
     ]
 
 
-def exactness(device: str, count: int, new_tokens: int, dtypes: list[str | None]) -> dict[str, Any]:
-    """:func:`exactness_in` for each dtype (None: the model's default on ``device``, bfloat16 on
-    CUDA); ``ok`` when every one is exact."""
-    runs = {str(d or "default"): exactness_in(device, count, new_tokens, d) for d in dtypes}
-    return {"ok": all(r["ok"] for r in runs.values()), "dtypes": runs}
-
-
-def exactness_in(device: str, count: int, new_tokens: int, dtype: str | None) -> dict[str, Any]:
-    """Fast paths (solo and batched) against ``speed="reference"`` on ``device``."""
-    import torch
-
-    from tokrag_integrations import generate, generate_batch, load_model
-    from tokrag_integrations.accel.install import speed_paths
-
-    t0 = time.perf_counter()
-    lm = load_model("default", device=device, dtype=dtype)
-    load_s = time.perf_counter() - t0
-    prompts = _prompts(count)
-    t0 = time.perf_counter()
-    ref = [generate(lm, q, ps, policy="tokrag", speed="reference", max_new_tokens=new_tokens) for q, ps in prompts]
-    ref_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    solo = [generate(lm, q, ps, policy="tokrag", max_new_tokens=new_tokens) for q, ps in prompts]
-    solo_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    batch = generate_batch(lm, [q for q, _ in prompts], [ps for _, ps in prompts], policy="tokrag",
-                           max_new_tokens=new_tokens)
-    batch_s = time.perf_counter() - t0
-    arms: dict[str, Any] = {}
-    for name, got in (("solo", solo), ("batch", batch)):
-        bad = [
-            {"prompt": i, "question": prompts[i][0][:60]}
-            for i, (g, w) in enumerate(zip(got, ref, strict=True))
-            if g.token_ids != w.token_ids or _decisions(g) != _decisions(w)
-        ]
-        arms[name] = {"identical": len(prompts) - len(bad), "of": len(prompts), "differences": bad}
-    steps = [s for r in ref for s in r.trace.steps]
+def compare(got: list[Any], ref: list[Any]) -> dict[str, Any]:
+    """Answers identical (tokens and every step's source and candidates), and the fraction of
+    the reference's steps (aligned by index) whose token / source / candidates are equal."""
+    same = tok = src = cand = total = 0
+    bad = []
+    for i, (g, w) in enumerate(zip(got, ref, strict=True)):
+        gs, ws = _steps(g), _steps(w)
+        if g.token_ids == w.token_ids and gs == ws:
+            same += 1
+        else:
+            bad.append(i)
+        total += len(ws)
+        for a, b in zip(gs, ws, strict=False):
+            tok += a[0] == b[0]
+            src += a[1] == b[1]
+            cand += a[2] == b[2]
+    frac = (lambda n: n / total) if total else (lambda n: float("nan"))
     return {
-        "ok": all(not a["differences"] for a in arms.values()),
-        "device": str(lm.model.device),
-        "dtype": str(next(lm.model.parameters()).dtype).removeprefix("torch."),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and device.startswith("cuda") else None,
-        "speed_paths": speed_paths(lm.model),
-        "prompts": len(prompts),
-        "new_tokens": new_tokens,
-        "tokens": len(steps),
-        "disagreement_steps": sum(s.disagreement for s in steps),
-        "arms": arms,
-        "seconds": {"load": load_s, "reference": ref_s, "solo": solo_s, "batch": batch_s},
+        "identical": same,
+        "of": len(ref),
+        "different_prompts": bad,
+        "tokens_equal": frac(tok),
+        "sources_equal": frac(src),
+        "candidates_equal": frac(cand),
+        "steps": total,
     }
 
 
+def part_exactness(args: argparse.Namespace, save: _Saver) -> None:
+    import torch
+
+    from tokrag_integrations import generate, generate_batch
+    from tokrag_integrations.accel.install import speed_paths
+
+    prompts = _prompts(args.prompts)
+    n = args.new_tokens
+    save["cuda_preset"] = cuda_preset()[1]
+    for dtype in [d for d in args.dtypes.split(",") if d]:
+        res: dict[str, Any] = {}
+
+        def run(dtype: str = dtype, res: dict[str, Any] = res) -> dict[str, Any]:
+            lm = _load(args.device, None if dtype == "default" else dtype)
+            res.update(dtype=str(next(lm.model.parameters()).dtype).removeprefix("torch."),
+                       speed_paths=speed_paths(lm.model), prompts=len(prompts), new_tokens=n)
+            for pol in args.exact_policies.split(","):
+                t0 = time.perf_counter()
+                ref = [generate(lm, q, ps, policy=pol, speed="reference", max_new_tokens=n) for q, ps in prompts]
+                res[f"{pol} reference_s"] = time.perf_counter() - t0
+                res[f"{pol} disagreement_steps"] = sum(s.disagreement for r in ref for s in r.trace.steps)
+                for label, speed in paths().items():
+                    for mode in ("solo", "batch"):
+                        key = f"{pol} {label} {mode}"
+                        try:
+                            t0 = time.perf_counter()
+                            if mode == "solo":
+                                got = [generate(lm, q, ps, policy=pol, speed=speed, max_new_tokens=n)
+                                       for q, ps in prompts]
+                            else:
+                                got = generate_batch(lm, [q for q, _ in prompts], [ps for _, ps in prompts],
+                                                     policy=pol, speed=speed, max_new_tokens=n)
+                            res[key] = {**compare(got, ref), "seconds": time.perf_counter() - t0}
+                        except Exception:
+                            res[key] = {"error": traceback.format_exc()}
+                        save[dtype] = res
+            del lm
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return res
+
+        _guarded(save, dtype, run)
+        arms = {k: v for k, v in res.items() if isinstance(v, dict) and ("error" in v or "identical" in v)}
+        bad = [k for k, v in arms.items() if "error" in v or v["identical"] != v["of"]]
+        if "error" in save.data[dtype] or (dtype == "float32" and bad):
+            save["ok"] = False  # float32 must be exact; bfloat16 is reported
+
+
+# ---------------------------------------------------------------------- 2. speed
+def part_speed(args: argparse.Namespace, save: _Saver) -> None:
+    from tokrag_eval import cost
+
+    save["cuda_preset"] = cuda_preset()[1]
+    model_of = _model_of(args.device)
+    sizes = [int(s) for s in args.throughput.split(",") if s]
+    items = _items(args, max(max(sizes), args.questions))
+    arms = [*_hf(args), *register_arms()]
+    usable = []
+    for name in arms:  # each arm once, short: a failing arm is recorded, the others are timed
+        try:
+            cost._warm_up(model_of, name, items, 4, {})
+            usable.append(name)
+        except Exception:
+            save[f"{name} error"] = traceback.format_exc()
+            save["ok"] = False
+    save["arms"] = usable
+    per_size: dict[str, Any] = {}
+    for n in sizes:
+        def one(n: int = n) -> Any:
+            return cost.measure_throughput(model_of, items, (n,), args.speed_new_tokens, tuple(usable),
+                                           False, args.rounds)
+        got = _guarded(save, f"batch {n}", one)
+        if "error" in got:
+            continue
+        for name, v in got["arms"].items():
+            per_size.setdefault(name, {})[str(n)] = v[str(n)]
+        table = {name: {k: {"tokens_per_s": v["tokens_per_s"], "decode_tokens_per_s": v["decode_tokens_per_s"]}
+                        for k, v in per.items()} for name, per in per_size.items()}
+        for per in table.values():
+            if "1" in per:
+                per["ms_per_token_batch1"] = 1000 / per["1"]["tokens_per_s"]
+                per["decode_ms_per_token_batch1"] = 1000 / per["1"]["decode_tokens_per_s"]
+        save["table"] = table
+
+
+# ---------------------------------------------------------------------- 3. syncs
+#: Tensor methods and functions that read a value on the host (counted by :func:`host_reads`).
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero")
+
+
+def host_reads() -> Any:
+    """A ``TorchFunctionMode`` whose ``counts`` holds, per name, the calls that read a tensor's
+    value on the host (:data:`HOST_READS`, and indexing with a boolean mask)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class HostReads(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: dict[str, int] = {}
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            name = getattr(func, "__name__", "")
+            mask = (
+                name == "__getitem__"
+                and len(args) > 1
+                and isinstance(args[1], torch.Tensor)
+                and args[1].dtype == torch.bool
+            )
+            if name in HOST_READS or mask:
+                key = "boolean-mask indexing" if mask else name
+                self.counts[key] = self.counts.get(key, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    return HostReads()
+
+
+def part_syncs(args: argparse.Namespace, save: _Saver) -> None:
+    import torch
+
+    save["cuda_preset"] = cuda_preset()[1]
+    model_of = _model_of(args.device)
+    items = _items(args, 1)
+    cuda = args.device.startswith("cuda")
+    for name in [*_hf(args), *register_arms()]:
+        def one(name: str = name) -> dict[str, Any]:
+            from tokrag_eval.cost import _warm_up
+
+            _warm_up(model_of, name, items, args.profile_new_tokens, {})
+            out: dict[str, Any] = {}
+            if cuda:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        steps = _decode(model_of, name, items, args.profile_new_tokens)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                syncs = [w for w in caught if "synchroniz" in str(w.message)]
+                out.update(syncs=len(syncs), steps=steps, syncs_per_step=len(syncs) / max(1, steps))
+            else:
+                out["syncs"] = "not measured: no CUDA device"
+            if name == "hf-generate-static":
+                out["host_reads"] = "not counted: a TorchFunctionMode would recompile the compiled step"
+                return out
+            mode = host_reads()
+            with mode:
+                steps = _decode(model_of, name, items, args.profile_new_tokens)
+            total = sum(mode.counts.values())
+            out.update(host_reads=total, host_read_calls=mode.counts, reads_steps=steps,
+                       host_reads_per_step=total / max(1, steps))
+            return out
+
+        _guarded(save, name, one)
+
+
+# ---------------------------------------------------------------------- 4. busy
+def part_busy(args: argparse.Namespace, save: _Saver) -> None:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    save["cuda_preset"] = cuda_preset()[1]
+    model_of = _model_of(args.device)
+    cuda = args.device.startswith("cuda")
+    sizes = [int(s) for s in args.busy_sizes.split(",") if s]
+    items = _items(args, max(sizes))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for name in [*_hf(args), *register_arms()]:
+        for n in sizes:
+            def one(name: str = name, n: int = n) -> dict[str, Any]:
+                from tokrag_eval.cost import _warm_up
+
+                _warm_up(model_of, name, items, args.profile_new_tokens, {}, n)
+                _sync(args.device)
+                with profile(activities=acts) as prof:
+                    t0 = time.perf_counter()
+                    steps = _decode(model_of, name, items[:n], args.profile_new_tokens)
+                    _sync(args.device)
+                    wall = time.perf_counter() - t0
+                # The device's own events (kernels, copies, memsets): their durations, each once.
+                kernel_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+                return {
+                    "wall_s": wall,
+                    "kernel_s": kernel_us / 1e6,
+                    "busy_fraction": kernel_us / 1e6 / wall if cuda else None,
+                    "steps": steps,
+                    "ms_per_step_profiled": 1000 * wall / max(1, steps),
+                }
+
+            _guarded(save, f"{name} batch {n}", one)
+
+
+# ---------------------------------------------------------------------- 5-6. commands
 def _tokrag(*args: str) -> list[str]:
     return [sys.executable, "-m", "tokrag_integrations.cli", *args]
 
 
-def _run(cmd: list[str], log: Path, timeout: float) -> float:
-    """Run ``cmd`` with its output in ``log``; its seconds. Raises on a non-zero status."""
-    t0 = time.perf_counter()
-    with log.open("w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, check=False)
-    if proc.returncode:
-        tail = log.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
-    return time.perf_counter() - t0
-
-
-def bench(args: argparse.Namespace, out: Path, throughput: bool) -> dict[str, Any]:
-    """``tokrag bench`` at batch 1 (every arm), or its ``--throughput`` measurement only."""
-    name = "bench_throughput" if throughput else "bench_batch1"
-    cmd = ["bench", "--device", args.device, "--questions", str(args.questions), "--json", str(out / f"{name}.json")]
+def part_bench(args: argparse.Namespace, save: _Saver) -> None:
+    """``tokrag bench`` at batch 1."""
+    path = Path(save.path).with_suffix(".bench.json")
+    cmd = ["bench", "--device", args.device, "--questions", str(args.bench_questions), "--json", str(path),
+           "--policies", args.bench_policies]
     if args.data:
         cmd += ["--data", args.data]
-    if throughput:
-        cmd += ["--throughput", args.throughput, "--throughput-only", "--rounds", str(args.rounds)]
-    else:
-        cmd += ["--no-memory"] if args.no_memory else ["--memory-questions", str(min(args.questions, 5))]
-    seconds = _run(_tokrag(*cmd), out / f"{name}.log", args.part_timeout)
-    return {"ok": True, "seconds": seconds, "figures": json.loads((out / f"{name}.json").read_text())}
+    cmd += ["--no-memory"] if args.no_memory else ["--memory-questions", str(min(args.bench_questions, 3))]
+    proc = subprocess.run(_tokrag(*cmd), capture_output=True, text=True, check=False)
+    print(proc.stdout[-4000:], proc.stderr[-4000:], flush=True)
+    if proc.returncode:
+        raise RuntimeError(f"tokrag bench exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    save["figures"] = json.loads(path.read_text())
 
 
 def _free_port() -> int:
@@ -154,28 +468,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_smoke(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def part_serve(args: argparse.Namespace, save: _Saver) -> None:
     """Start ``tokrag serve``, one chat completion with documents, stop it."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    log = (out / "serve.log").open("w")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(_tokrag("serve", "--device", args.device, "--port", str(port)),
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(_tokrag("serve", "--device", args.device, "--port", str(port)))
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"tokrag serve exited {proc.returncode}; see serve.log")
+                raise RuntimeError(f"tokrag serve exited {proc.returncode}")
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
                     if r.status == 200:
                         break
             except OSError:
                 pass
-            if time.perf_counter() - t0 > args.part_timeout:
-                raise RuntimeError("tokrag serve was not healthy in time; see serve.log")
             time.sleep(1)
-        ready_s = time.perf_counter() - t0
+        save["ready_s"] = time.perf_counter() - t0
         body = {
             "model": "default",
             "messages": [{"role": "user", "content": "What is the name of the cat owned by Zorbin Quell?"}],
@@ -187,9 +497,10 @@ def serve_smoke(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         t1 = time.perf_counter()
         with urllib.request.urlopen(req, timeout=120) as r:
             reply = json.loads(r.read())
-        answer = reply["choices"][0]["message"]["content"]
-        return {"ok": bool(answer.strip()), "ready_s": ready_s, "request_s": time.perf_counter() - t1,
-                "answer": answer, "usage": reply.get("usage")}
+        save["request_s"] = time.perf_counter() - t1
+        save["answer"] = reply["choices"][0]["message"]["content"]
+        save["usage"] = reply.get("usage")
+        save["ok"] = bool(save.data["answer"].strip())
     finally:
         proc.terminate()
         try:
@@ -197,95 +508,206 @@ def serve_smoke(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
 
 
-def _summary(res: dict[str, Any]) -> str:
-    lines = [f"# GPU check ({res['device']}, {res.get('gpu') or 'no GPU'}), {res['seconds']:.0f} s", ""]
-    for part in ("exactness", "bench", "throughput", "serve"):
-        r = res[part]
-        lines.append(f"- {part}: {'skipped' if r.get('skipped') else 'ok' if r.get('ok') else 'FAILED'}")
-        if "error" in r:
-            lines.append(f"  - error: {r['error'].splitlines()[-1]}")
-    for dtype, ex in res["exactness"].get("dtypes", {}).items():
-        for name, a in ex["arms"].items():
-            lines.append(f"  - exactness {name} ({dtype}: {ex['dtype']}): {a['identical']} / {a['of']} "
-                         "identical to the reference")
-        lines.append(f"  - speed paths: {ex['speed_paths']}")
-    for arm, p in res["bench"].get("figures", {}).get("policies", {}).items():
-        lines.append(f"  - bench {arm}: {p['s_per_question']:.3f} s / question, "
-                     f"{1000 * p['s_per_token']:.1f} ms / token")
-    if "figures" in res["throughput"]:
-        for arm, sizes in res["throughput"]["figures"].get("throughput", {}).get("arms", {}).items():
-            tps = ", ".join(f"batch {n}: {v.get('tokens_per_s', float('nan')):.1f}" for n, v in sizes.items())
-            lines.append(f"  - throughput {arm} (tokens / s): {tps}")
-    s = res["serve"]
+PART_FUNCS: dict[str, Callable[[argparse.Namespace, _Saver], None]] = {
+    "exactness": part_exactness,
+    "speed": part_speed,
+    "syncs": part_syncs,
+    "busy": part_busy,
+    "bench": part_bench,
+    "serve": part_serve,
+}
+
+
+# ---------------------------------------------------------------------- the summary
+def _f(v: Any, fmt: str = ".1f") -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) else "n/a"
+
+
+def summary(res: dict[str, Any]) -> str:
+    """``gpu_check.md``: the parts' status and one table per part."""
+    lines = [f"# GPU check ({res['device']}, {res.get('gpu') or 'no GPU'}), {res.get('seconds', 0):.0f} s",
+             "", f"torch {res['torch']}, transformers {res.get('transformers')}, speed='cuda': "
+             f"{res.get('cuda_preset')}", ""]
+    for part in PARTS:
+        r = res.get(part, {})
+        state = "skipped" if r.get("skipped") else "ok" if r.get("ok") else "FAILED"
+        took = f" ({r['part_s']:.0f} s)" if isinstance(r.get("part_s"), (int, float)) else ""
+        lines.append(f"- {part}: {state}{took}" + (f": {r['skipped']}" if isinstance(r.get("skipped"), str) else ""))
+        for k, v in r.items():
+            if k == "error" or (k.endswith("error") and isinstance(v, str)):
+                lines.append(f"  - {k}: {v.strip().splitlines()[-1]}")
+            elif isinstance(v, dict) and "error" in v:
+                lines.append(f"  - {k}: {v['error'].strip().splitlines()[-1]}")
+    ex = res.get("exactness", {})
+    rows = []
+    for d in ex.values():
+        if not isinstance(d, dict) or "dtype" not in d:
+            continue
+        for key, v in d.items():
+            if isinstance(v, dict) and "identical" in v:
+                rows.append(f"| {d['dtype']} | {key} | {v['identical']} / {v['of']} | {_f(v['tokens_equal'], '.3f')} "
+                            f"| {_f(v['sources_equal'], '.3f')} | {_f(v['candidates_equal'], '.3f')} |")
+            elif isinstance(v, dict) and "error" in v:
+                rows.append(f"| {d['dtype']} | {key} | error | | | |")
+    if rows:
+        lines += ["", "## Exactness against speed='reference'", "",
+                  "| dtype | policy, path, mode | answers identical | tokens equal | sources equal | candidates equal |",
+                  "| --- | --- | --- | --- | --- | --- |", *rows]
+    table = res.get("speed", {}).get("table") or {}
+    sizes = sorted({int(n) for per in table.values() for n in per if n.isdigit()})
+    if table:
+        lines += ["", "## Speed (tokens / s; ms a token at batch 1, prefill included / decode only)", "",
+                  "| arm | ms / token | decode ms / token | " + " | ".join(f"batch {n}" for n in sizes) + " |",
+                  "| --- | --- | --- | " + " | ".join("---" for _ in sizes) + " |"]
+        for name, per in table.items():
+            cells = [_f(per.get(str(n), {}).get("tokens_per_s")) for n in sizes]
+            lines.append(f"| {name} | {_f(per.get('ms_per_token_batch1'))} | "
+                         f"{_f(per.get('decode_ms_per_token_batch1'))} | " + " | ".join(cells) + " |")
+    sy = {k: v for k, v in res.get("syncs", {}).items() if isinstance(v, dict) and "error" not in v}
+    if sy:
+        lines += ["", "## Host syncs and host reads per step (batch 1)", "",
+                  "| arm | syncs / step | host reads / step | steps |", "| --- | --- | --- | --- |"]
+        for name, v in sy.items():
+            lines.append(f"| {name} | {_f(v.get('syncs_per_step'), '.2f')} | "
+                         f"{_f(v.get('host_reads_per_step'), '.2f')} | {v.get('steps', v.get('reads_steps'))} |")
+    bu = {k: v for k, v in res.get("busy", {}).items() if isinstance(v, dict) and "wall_s" in v}
+    if bu:
+        lines += ["", "## GPU busy fraction during a decode (torch.profiler)", "",
+                  "| arm | busy fraction | kernel s | wall s | ms / step (profiled) |", "| --- | --- | --- | --- | --- |"]
+        for name, v in bu.items():
+            lines.append(f"| {name} | {_f(v['busy_fraction'], '.3f')} | {_f(v['kernel_s'], '.3f')} | "
+                         f"{_f(v['wall_s'], '.3f')} | {_f(v['ms_per_step_profiled'])} |")
+    for arm_, p in res.get("bench", {}).get("figures", {}).get("policies", {}).items():
+        lines.append(f"- bench {arm_}: {p['s_per_question']:.3f} s / question, {1000 * p['s_per_token']:.1f} ms / token")
+    s = res.get("serve", {})
     if "answer" in s:
-        lines.append(f"  - serve: ready in {s['ready_s']:.1f} s, one request {s['request_s']:.2f} s: {s['answer']!r}")
+        lines.append(f"- serve: ready in {s['ready_s']:.1f} s, one request {s['request_s']:.2f} s: {s['answer']!r}")
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------- driver
+def _child(args: argparse.Namespace) -> int:
+    """One part in this process; its result in ``--result``."""
+    save = _Saver(Path(args.result))
+    try:
+        PART_FUNCS[args.part](args, save)
+    except Exception:
+        save["error"] = traceback.format_exc()
+        save["ok"] = False
+        traceback.print_exc()
+    return 0
+
+
+def _run_part(name: str, argv: list[str], timeout: float, tmp: Path, log: Any) -> dict[str, Any]:
+    """Part ``name`` in a child process, at most ``timeout`` seconds; what it recorded."""
+    result = tmp / f"{name}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--part", name, "--result", str(result)]
+    log.write(f"\n===== {name} (limit {timeout:.0f} s)\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        proc.wait(timeout=timeout)
+        late = None
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the part and anything it started (tokrag serve, bench)
+        proc.wait()
+        late = f"stopped at its time limit ({timeout:.0f} s)"
+    got = json.loads(result.read_text()) if result.is_file() else {"ok": False}
+    if late:
+        got.update(ok=False, error=late)
+    elif proc.returncode:
+        got.update(ok=False, error=f"the part's process exited {proc.returncode} (see gpu_check.log)")
+    return got
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompts", type=int, default=12, help="prompts of the exactness check")
-    ap.add_argument("--dtypes", default="default,float32",
+    ap.add_argument("--dtypes", default="float32,bfloat16",
                     help="comma list of dtypes for the exactness check ('default': bfloat16 on CUDA)")
+    ap.add_argument("--exact-policies", default="tokrag", help="comma list of policies of the exactness check")
     ap.add_argument("--new-tokens", type=int, default=16, help="new tokens per exactness prompt")
-    ap.add_argument("--questions", type=int, default=8, help="questions of tokrag bench")
-    ap.add_argument("--throughput", default="1,4,16")
+    ap.add_argument("--questions", type=int, default=16, help="SQuAD questions of the speed part (cycled)")
+    ap.add_argument("--throughput", default="1,4,16,64", help="batch sizes of the speed part")
+    ap.add_argument("--speed-new-tokens", type=int, default=64, help="max_new_tokens of the speed part")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of the throughput measurement")
-    ap.add_argument("--data", default=None, help="SQuAD-format JSONL for tokrag bench")
-    ap.add_argument("--no-memory", action="store_true", help="no memory subprocesses in the batch-1 bench")
-    ap.add_argument("--part-timeout", type=float, default=300, help="seconds for each bench run / serve start")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: exactness, bench, throughput, serve")
+    ap.add_argument("--profile-new-tokens", type=int, default=32, help="max_new_tokens of syncs and busy")
+    ap.add_argument("--busy-sizes", default="1,16", help="batch sizes of the busy fraction")
+    ap.add_argument("--hf-arms", default="hf-generate,hf-generate-static",
+                    help="Hugging Face generate arms of the speed, syncs and busy parts (hf-generate-static "
+                         "compiles: minutes on a CPU)")
+    ap.add_argument("--bench-questions", type=int, default=3, help="questions of the tokrag bench smoke")
+    ap.add_argument("--bench-policies", default="rag,floor,tokrag,hf-generate")
+    ap.add_argument("--data", default=None, help="SQuAD-format JSONL for the speed and bench parts")
+    ap.add_argument("--no-memory", action="store_true", help="no memory subprocesses in the bench part")
+    ap.add_argument("--part-timeout", type=float, default=None,
+                    help="seconds for every part (default: each part's own, PART_TIMEOUTS)")
+    ap.add_argument("--budget", type=float, default=460, help="seconds for the whole run")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: " + ", ".join(PARTS))
+    ap.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.data is None:
         found = [p for p in (os.environ.get("TOKRAG_BENCH_DATA"), ROOT.parent / "shared/data/squad_dev.jsonl",
                              ROOT / "shared/data/squad_dev.jsonl") if p and Path(p).is_file()]
         args.data = str(found[0]) if found else None
-    out = Path(os.environ.get("OUT") or "gpu_check_out")
-    out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.part:
+        return _child(args)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = skip - set(PARTS)
+    if unknown:
+        ap.error(f"--skip: unknown part(s) {', '.join(sorted(unknown))}; parts: {', '.join(PARTS)}")
+    out = Path(os.environ.get("OUT") or "gpu_check_out")
+    out.mkdir(parents=True, exist_ok=True)
 
     import torch
+    import transformers
 
     res: dict[str, Any] = {
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "python": platform.python_version(),
         "args": vars(args),
     }
+    sys.path.insert(0, str(ROOT / "src"))
+    try:
+        res["cuda_preset"] = cuda_preset()[1]
+    except Exception as e:  # the package does not import: every part will say why
+        res["cuda_preset"] = f"unknown: {e}"
+    argv = sys.argv[1:]
     start = time.perf_counter()
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    parts = {
-        "exactness": lambda: exactness(
-            args.device, args.prompts, args.new_tokens,
-            [None if d == "default" else d for d in args.dtypes.split(",") if d],
-        ),
-        "bench": lambda: bench(args, out, throughput=False),
-        "throughput": lambda: bench(args, out, throughput=True),
-        "serve": lambda: serve_smoke(args, out),
-    }
-    for name, fn in parts.items():
-        if name in skip:
-            res[name] = {"ok": True, "skipped": True}
-            continue
-        t0 = time.perf_counter()
-        try:
-            res[name] = fn()
-        except Exception:  # recorded; the other parts still run
-            res[name] = {"ok": False, "error": traceback.format_exc()}
-        res[name]["part_s"] = time.perf_counter() - t0
-        print(f"{name}: {'ok' if res[name]['ok'] else 'FAILED'} ({res[name]['part_s']:.0f} s)", flush=True)
-        (out / "gpu_check.json").write_text(json.dumps(res, indent=1, default=str))
+    tmp = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    with (out / "gpu_check.log").open("w") as log:
+        for name in PARTS:
+            left = args.budget - (time.perf_counter() - start)
+            if name in skip:
+                res[name] = {"ok": True, "skipped": "--skip"}
+            elif left < 20:
+                res[name] = {"ok": False, "skipped": f"no time left in the {args.budget:.0f} s budget"}
+            else:
+                t0 = time.perf_counter()
+                limit = min(args.part_timeout or PART_TIMEOUTS[name], left)
+                try:
+                    res[name] = _run_part(name, argv, limit, tmp, log)
+                except Exception:
+                    res[name] = {"ok": False, "error": traceback.format_exc()}
+                res[name]["part_s"] = time.perf_counter() - t0
+                state = "ok" if res[name].get("ok") else "FAILED"
+                print(f"{name}: {state} ({res[name]['part_s']:.0f} s)", flush=True)
+            (out / "gpu_check.json").write_text(json.dumps(res, indent=1, default=str))
+    shutil.rmtree(tmp, ignore_errors=True)
     res["seconds"] = time.perf_counter() - start
     (out / "gpu_check.json").write_text(json.dumps(res, indent=1, default=str))
-    (out / "gpu_check.md").write_text(_summary(res))
-    print(_summary(res))
-    return 0 if all(res[p]["ok"] for p in parts) else 1
+    (out / "gpu_check.md").write_text(summary(res))
+    print(summary(res))
+    return 0 if all(res[p].get("ok") for p in PARTS) else 1
 
 
 if __name__ == "__main__":

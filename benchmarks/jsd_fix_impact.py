@@ -42,9 +42,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
+    from tokrag_eval.data import load_items, mix_passages
+    from tokrag_eval.metrics import cover_em
     from tokrag_integrations import generate, load_model
-    from tokrag_integrations.evaluation.data import load_items, mix_passages
-    from tokrag_integrations.evaluation.metrics import cover_em
     from tokrag_integrations.policies import signals as S
 
     lm = load_model("default", device="cpu")

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import httpx
 
+from tokrag_eval.data import load_items
 from tokrag_integrations import load_model
-from tokrag_integrations.evaluation.data import load_items
 from tokrag_integrations.llama_index import TokRAGLLM
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "squad_dev.jsonl"

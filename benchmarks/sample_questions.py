@@ -18,10 +18,10 @@ import argparse
 import json
 from typing import Any
 
+from tokrag_eval.metrics import cover_em
+from tokrag_eval.specs import parse_specs
 from tokrag_integrations import Passage, generate, load_model
 from tokrag_integrations.defaults import RETRIEVER
-from tokrag_integrations.evaluation.metrics import cover_em
-from tokrag_integrations.evaluation.specs import parse_specs
 from tokrag_integrations.retrieval import (
     build_retriever,
     get_sample_docs_path,

@@ -27,7 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from tokrag_integrations.evaluation.metrics import bootstrap_ci, paired_bootstrap_diff
+from tokrag_eval.metrics import bootstrap_ci, paired_bootstrap_diff
 
 NO_PASSAGES = "none"
 

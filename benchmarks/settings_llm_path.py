@@ -27,8 +27,8 @@ from llama_index.core import PromptTemplate, Settings, SimpleDirectoryReader, Ve
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.query_engine import RetrieverQueryEngine
 
+from tokrag_eval.metrics import cover_em
 from tokrag_integrations import load_model
-from tokrag_integrations.evaluation.metrics import cover_em
 from tokrag_integrations.llama_index import TokRAGLLM, TokRAGSynthesizer, local_embedding
 from tokrag_integrations.retrieval import get_sample_docs_path, get_sample_questions
 

@@ -36,8 +36,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
+    from tokrag_eval.cost import bench_items
     from tokrag_integrations.engine.scheduler import generate_batch
-    from tokrag_integrations.evaluation.cost import bench_items
     from tokrag_integrations.models import load_model
 
     sizes = [int(x) for x in args.sizes.split(",")]

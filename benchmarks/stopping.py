@@ -23,9 +23,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tokrag_eval.metrics import cover_em
 from tokrag_integrations import Passage, generate, load_model
 from tokrag_integrations.defaults import ANSWER_STOP, MAX_NEW_TOKENS, TOP_K
-from tokrag_integrations.evaluation.metrics import cover_em
 from tokrag_integrations.retrieval import (
     build_retriever,
     get_sample_docs_path,

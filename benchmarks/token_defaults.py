@@ -11,10 +11,10 @@ import argparse
 import json
 from pathlib import Path
 
+from tokrag_eval.data import load_items
+from tokrag_eval.records import RecordStore
+from tokrag_eval.token_level import run_token_level, summarize_token_level
 from tokrag_integrations import load_model
-from tokrag_integrations.evaluation.data import load_items
-from tokrag_integrations.evaluation.records import RecordStore
-from tokrag_integrations.evaluation.token_level import run_token_level, summarize_token_level
 
 CONFIGS = {
     "paper as written": {"top_k": None, "lens_norm": True},

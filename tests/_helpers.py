@@ -14,6 +14,36 @@ from typing import Any
 import pytest
 
 
+def machine_summary() -> list[str]:
+    """What a test run's speed and timing depend on, for its header (``tests/conftest.py``)
+    and ``.ci/run``: the CPU model, the CPUs this process may use, the load average, and
+    torch's version and thread counts."""
+    import os
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")),
+                model,
+            )
+    except OSError:  # not Linux
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    lines = [f"cpu: {model}; {usable} of {os.cpu_count()} CPUs usable; load average {load}"]
+    try:
+        import torch
+    except ImportError:  # the unit tests' guard names what is missing
+        return [*lines, "torch: not installed"]
+    return [
+        *lines,
+        f"torch {torch.__version__}: {torch.get_num_threads()} intra-op threads, "
+        f"{torch.get_num_interop_threads()} inter-op threads",
+    ]
+
+
 def require(module: str, package: str | None = None) -> ModuleType:
     """Import ``module``, which the ``dev`` extra installs (``package``: its PyPI name, if it
     differs). Missing, the test fails naming the package and the extra: a skip would hide a
@@ -98,6 +128,49 @@ def sample_documents() -> list[Any]:
     return SimpleDirectoryReader(str(root), file_metadata=metadata).load_data()
 
 
+class CheckedThread(threading.Thread):
+    """A thread whose failure reaches the test: :meth:`join` re-raises, in the joining
+    thread, whatever its target raised, and fails naming the thread when it is still running
+    after ``timeout``. (A plain ``threading.Thread`` only prints its exception, which pytest
+    turns into a warning: the test then sees a missing result instead of its cause.) Every
+    test that starts threads starts these and joins them (:func:`join_all`)."""
+
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except BaseException as e:  # noqa: BLE001 - re-raised by join() in the test's thread
+            self.error = e
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.is_alive():
+            raise AssertionError(f"thread {self.name!r} is still running after {timeout} s")
+        if self.error is not None:
+            raise self.error
+
+
+def join_all(threads: Any, timeout: float | None = None) -> None:
+    """Join every thread of ``threads`` (:class:`CheckedThread`, each given ``timeout``
+    seconds), then re-raise the first failure; the others are named in a note. None is left
+    unjoined because an earlier one failed."""
+    errors: list[tuple[str, BaseException]] = []
+    for t in threads:
+        try:
+            t.join(timeout)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, once every thread is joined
+            errors.append((t.name, e))
+    if not errors:
+        return
+    name, first = errors[0]
+    if hasattr(first, "add_note"):  # Python >= 3.11
+        first.add_note(f"raised in thread {name!r}")
+        for other, e in errors[1:]:
+            first.add_note(f"thread {other!r} failed too: {type(e).__name__}: {e}")
+    raise first
+
+
 class LiveServer:
     """uvicorn running ``app`` in a daemon thread on a free localhost port."""
 
@@ -112,12 +185,15 @@ class LiveServer:
         self.server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = CheckedThread(target=self.server.run, name="uvicorn", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
+            if not self.thread.is_alive():
+                self.thread.join()  # its exception, if it raised one
                 raise RuntimeError("the test server did not start")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start in 60 s")
             time.sleep(0.02)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -133,8 +209,12 @@ class LiveServer:
         return httpx.get(f"{self.url}/health", timeout=30).json()
 
     def stop(self) -> None:
+        """Stop the server (waiting up to 60 s, as before: uvicorn waits for open
+        connections); its thread's exception, if it raised one, is raised here."""
         self.server.should_exit = True
-        self.thread.join(timeout=60)
+        threading.Thread.join(self.thread, timeout=60)
+        if self.thread.error is not None:
+            raise self.thread.error
 
 
 def wait_until_healthy(proc: Any, port: int, log: Any, timeout: float = 300) -> None:

@@ -23,6 +23,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _HERE = Path(__file__).parent
 
 
+def pytest_report_header(config):
+    """The machine in the run's header (CPU model, usable CPUs, load, torch threads), so that a
+    red run on a slow or busy machine can be read (``pytest -q`` hides the header; ``.ci/run``
+    prints the same lines before the tests)."""
+    from _helpers import machine_summary
+
+    return machine_summary()
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark every test ``unit`` or ``integration`` after the folder it is in."""
     for item in items:

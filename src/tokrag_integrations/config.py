@@ -8,8 +8,11 @@ defaults and meanings are tabled in README.md ("Environment variables"). Switche
 ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` in any case; any other word is
 an error rather than a silent *yes*.
 
-Also here: the cache folder (:func:`cache_dir`) and :func:`require_bool`, the strict reading
-of boolean options. This module imports only the standard library, so anything may import it.
+Also here: the cache folder (:func:`cache_dir`), :func:`require_bool` (a boolean argument of
+the Python API: ``True`` or ``False`` only), :func:`bool_word`, the one reading of a boolean
+given as text (options, ``speed=`` fields, switches). The ``TOKRAG_*`` speed variables are the
+defaults of :class:`..speed.Speed`'s fields. This module imports only the standard library, so
+anything may import it.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ STREAM_IDLE_TIMEOUT = "TOKRAG_STREAM_IDLE_TIMEOUT"
 VERBOSE = "TOKRAG_VERBOSE"
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 30.0
 
-_SWITCH_WORDS = {
-    "1": True, "true": True, "yes": True, "on": True,
-    "0": False, "false": False, "no": False, "off": False,
-}
+#: Booleans as words (case and outer spaces aside): an option given as text (``--option
+#: lens_norm=false``, a ``speed=`` dict) takes these four ...
+_BOOL_WORDS = {"1": True, "true": True, "0": False, "false": False}
+#: ... and an on/off environment variable these four more.
+_SWITCH_WORDS = {**_BOOL_WORDS, "yes": True, "on": True, "no": False, "off": False}
 _MODES = ("auto", "on", "off")
 
 
@@ -50,6 +54,28 @@ def require_bool(value: Any, name: str) -> bool:
         f"{name} must be True or False, got {value!r} ({type(value).__name__}); strings are not "
         "read as booleans."
     )
+
+
+def bool_word(value: Any, *, switch: bool = False) -> bool | None:
+    """The one reading of a boolean given as data: ``True``/``False``, the integers 1/0, or a
+    word (``true``/``false``/``1``/``0``; with ``switch``, an environment variable's, also
+    ``yes``/``no``/``on``/``off``) in any case. None for anything else: the caller refuses it in
+    its own words (:func:`option_bool`, :func:`env_switch`, the policy registry)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        return (_SWITCH_WORDS if switch else _BOOL_WORDS).get(value.strip().lower())
+    return None
+
+
+def option_bool(name: str, value: Any) -> bool:
+    """:func:`bool_word` of the option ``name``, or a ``ValueError`` naming it."""
+    got = bool_word(value)
+    if got is None:
+        raise ValueError(f"{name} must be True or False (or 1/0), got {value!r}")
+    return got
 
 
 def _raw(name: str) -> str | None:
@@ -74,13 +100,13 @@ def env_switch(name: str, default: bool) -> bool:
     raw = _raw(name)
     if raw is None:
         return default
-    try:
-        return _SWITCH_WORDS[raw.lower()]
-    except KeyError:
+    got = bool_word(raw, switch=True)
+    if got is None:
         raise ConfigError(
             f"{name}={raw!r} is not a switch; set it to 1, true, yes or on, or to 0, false, no "
             "or off (or unset it)."
-        ) from None
+        )
+    return got
 
 
 def _mode(name: str) -> str:

@@ -38,3 +38,7 @@ ANSWER_STOP: tuple[str, ...] = ("\n\n", "\n#")
 #: ``tokrag_reference``: +4 % per token), True = for every policy with a RAG context (others
 #: then probe it: +9 % per token for ``rag``), False = never (docs/results.md, "Citations").
 CITATIONS: bool | None = None
+
+#: The largest answer a remote client (``base_url=``) reads from a server, in MB of 2**20
+#: bytes (``max_response_mb=``); a traced answer of 512 tokens over 20 passages is under 2 MB.
+REMOTE_MAX_RESPONSE_MB = 32.0

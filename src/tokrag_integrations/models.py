@@ -175,10 +175,43 @@ class DamagedModelError(ValueError):
     """A weights file is truncated or corrupt (the message names it and how to get a whole one)."""
 
 
+def _gguf_damage(path: Path) -> str | None:
+    """Why GGUF file ``path`` cannot be read, or None. The ``gguf`` reader (transformers'
+    own) maps the file and checks every tensor against it, so a cut-short file or a tensor
+    claiming terabytes fails here, without reading the weights."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:  # transformers needs it to read a .gguf: the load error says so
+        return None
+    try:
+        GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - struct / numpy / index errors all mean "damaged"
+        detail = " ".join(str(e).split())
+        detail = detail if len(detail) <= 160 else detail[:157] + "..."
+        return f"{type(e).__name__}: {detail}" if detail else type(e).__name__
+    return None
+
+
 def _raise_if_damaged(folder: Path, gguf: str | None, display: str) -> None:
-    """After a failed load: :class:`DamagedModelError` if a safetensors file in ``folder``
-    cannot be opened (one sentence instead of the loader's traceback)."""
+    """After a failed load: :class:`DamagedModelError` if a safetensors file in ``folder``,
+    or the ``.gguf`` file ``gguf`` in it, cannot be opened (one sentence naming the file
+    instead of the loader's traceback)."""
+    if folder.resolve().is_relative_to(cache_dir().resolve() / ("gguf" if gguf else "models")):
+        fix = (
+            f"delete {folder / gguf if gguf else f'the folder {folder}'} and load the model "
+            "again: tokrag rebuilds it from the installed package"
+        )
+    elif "models--" in str(folder):
+        fix = f"download it again: hf download {display} --force-download"
+    else:
+        fix = "replace it with a complete copy"
     if gguf:
+        reason = _gguf_damage(folder / gguf)
+        if reason is not None:
+            raise DamagedModelError(
+                f"The model file {folder / gguf} is damaged or not a GGUF file ({reason}: a "
+                f"cut-short copy or download, or a tensor larger than the file); {fix}."
+            ) from None
         return
     from safetensors import safe_open
 
@@ -188,15 +221,6 @@ def _raise_if_damaged(folder: Path, gguf: str | None, display: str) -> None:
                 pass
         except Exception as e:  # noqa: BLE001 - any failure to open means a damaged file
             reason = str(e).removeprefix("Error while deserializing header: ")
-            if folder.resolve().is_relative_to(cache_dir().resolve() / "models"):
-                fix = (
-                    f"delete the folder {folder} and load the model again: tokrag rebuilds it "
-                    "from the installed package"
-                )
-            elif "models--" in str(folder):
-                fix = f"download it again: hf download {display} --force-download"
-            else:
-                fix = "replace it with a complete copy"
             raise DamagedModelError(
                 f"The model file {weights} is damaged ({reason}: a cut-short copy, download "
                 f"or conversion); {fix}."
@@ -610,7 +634,11 @@ def _load_from(
                 f"{display} is not a causal LM (architectures={archs}). Tok-RAG needs a decoder-only "
                 "model loadable with AutoModelForCausalLM (e.g. Llama, Qwen2, Mistral, Gemma)."
             )
-    tokenizer = source.tokenizer(tokenizer, (folder, gguf))
+    try:
+        tokenizer = source.tokenizer(tokenizer, (folder, gguf))
+    except Exception:  # a .gguf is read first here, for its tokenizer
+        _raise_if_damaged(folder, gguf, display)
+        raise
     load_kw = {"attn_implementation": "sdpa", **model_kwargs, **kw, **source.hub}
     if device_map is not None:
         load_kw["device_map"] = device_map
@@ -634,6 +662,49 @@ def _load_from(
     return model, tokenizer, display, str(folder if not gguf else folder / gguf)
 
 
+#: The largest context window taken from a model's files, in tokens (16,777,216: above every
+#: released model's, 10,485,760 for the longest). A model's config is data from whoever made
+#: the folder: a window of 10**12 would let a prompt of any length through to the model.
+MAX_CONTEXT_WINDOW = 2**24
+#: The window used when the model's files state none.
+FALLBACK_CONTEXT_WINDOW = 2048
+
+
+def _context_window(model: Any, tokenizer: Any, display: str) -> int:
+    """The model's context window: its config's ``max_position_embeddings``, else the
+    tokenizer's ``model_max_length`` (transformers' "no limit", 10**30, counts as none),
+    else :data:`FALLBACK_CONTEXT_WINDOW`; a window above :data:`MAX_CONTEXT_WINDOW` is cut
+    to it, and one that is not a whole number above 0 is replaced, each with a warning."""
+    stated = getattr(model.config, "max_position_embeddings", None)
+    source = "max_position_embeddings in its config.json"
+    if stated is None:
+        stated = getattr(tokenizer, "model_max_length", None)
+        source = "model_max_length in its tokenizer_config.json"
+        if isinstance(stated, int) and stated >= 10**29:  # transformers' VERY_LARGE_INTEGER
+            stated = None
+    if stated is None:
+        return FALLBACK_CONTEXT_WINDOW
+    if isinstance(stated, float) and stated.is_integer():
+        stated = int(stated)
+    if isinstance(stated, bool) or not isinstance(stated, int) or stated < 1:
+        warnings.warn(
+            f"{display} states a context window of {stated!r} ({source}), not a whole number "
+            f"of tokens above 0; using {FALLBACK_CONTEXT_WINDOW}.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return FALLBACK_CONTEXT_WINDOW
+    if stated > MAX_CONTEXT_WINDOW:
+        warnings.warn(
+            f"{display} states a context window of {stated:,} tokens ({source}), more than "
+            f"any released model; using {MAX_CONTEXT_WINDOW:,}.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return MAX_CONTEXT_WINDOW
+    return stated
+
+
 def _finish(
     model: Any, tokenizer: Any, display: str, path: str, cpu_kernels: str | None, require_signals: bool
 ) -> LoadedModel:
@@ -653,10 +724,7 @@ def _finish(
                 "GPU (device_map={'': 0}, or max_memory with CPU offload), or pass "
                 "require_signals=False for the policies that need no signals"
             )
-    ctx = int(
-        getattr(model.config, "max_position_embeddings", None)
-        or getattr(tokenizer, "model_max_length", 2048)
-    )
+    ctx = _context_window(model, tokenizer, display)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

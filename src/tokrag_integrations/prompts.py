@@ -42,6 +42,66 @@ _CONTROL_CACHE: weakref.WeakKeyDictionary[Any, tuple[Any, re.Pattern[str]]] = (
 )
 
 
+#: Most lines of template code one rendering of a chat template may run. A real template
+#: runs tens per message (a 100-turn conversation with tools: about 10,000); one that loops
+#: for ever, or 100,000 x 100,000 times, is stopped here in well under a second.
+TEMPLATE_STEPS = 1_000_000
+#: The file name jinja2 gives a template compiled from a string (transformers' chat templates).
+_TEMPLATE_FILE = "<template>"
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that does not finish within :data:`TEMPLATE_STEPS` steps."""
+
+
+class _OutOfSteps(Exception):  # noqa: N818 - raised into the template's frames to stop them
+    pass
+
+
+def render_chat_template(tokenizer: Any, messages: list[dict[str, str]], **options: Any) -> Any:
+    """``tokenizer.apply_chat_template(messages, **options)`` with a step limit.
+
+    transformers renders the template in jinja2's immutable sandbox (no file or attribute
+    access), which bounds what it can reach but not how long it runs: nested loops of 100,000
+    hang the caller. While it renders, a trace function of this thread counts the lines run
+    in the template's own code (jinja2 compiles it to Python; other frames are not traced)
+    and stops it past :data:`TEMPLATE_STEPS`. A tracer already set (a debugger, coverage) is
+    put back afterwards.
+
+    Raises:
+        ChatTemplateError: The template ran past the limit (one sentence).
+    """
+    import sys
+
+    steps = 0
+
+    def count_lines(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal steps
+        if event == "line":
+            steps += 1
+            if steps > TEMPLATE_STEPS:
+                raise _OutOfSteps
+        return count_lines
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        return count_lines if frame.f_code.co_filename == _TEMPLATE_FILE else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        return tokenizer.apply_chat_template(messages, **options)
+    except _OutOfSteps:
+        pass
+    finally:
+        sys.settrace(previous)
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    raise ChatTemplateError(
+        f"The chat template of {name} ran past {TEMPLATE_STEPS:,} steps rendering one prompt "
+        "(a loop without end, or loops nested over a huge range), so it was stopped; fix or "
+        "replace the template (tokenizer_config.json or chat_template.jinja)."
+    )
+
+
 def _control_pattern(tokenizer: Any) -> re.Pattern[str]:
     """A regex of the tokenizer's control-token strings, longest first: its special added
     tokens and the added tokens its chat template writes; whitespace tokens are ordinary text."""
@@ -140,8 +200,8 @@ def encode_chat(
         {"role": m["role"], "content": _mark_user_text(tokenizer, m["content"])}
         for m in check_messages(messages)
     ]
-    rendered = tokenizer.apply_chat_template(
-        marked, tokenize=False, add_generation_prompt=add_generation_prompt
+    rendered = render_chat_template(
+        tokenizer, marked, tokenize=False, add_generation_prompt=add_generation_prompt
     )
     return _encode_marked(tokenizer, rendered)
 
@@ -356,7 +416,7 @@ class PromptBuilder:
             if system and not any(m["role"] == "system" for m in history):
                 msgs.append({"role": "system", "content": system})
             msgs += history + [{"role": "user", "content": _SENTINEL}]
-            rendered = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            rendered = render_chat_template(self.tokenizer, msgs, tokenize=False, add_generation_prompt=True)
             head, _, tail = rendered.rpartition(_SENTINEL)  # the last turn: after it, only template text
         else:
             parts = [system] if system else []
@@ -595,7 +655,7 @@ class PromptBuilder:
             marked = self._mark(before) + (_SENTINEL + self._mark(after) if sep else "")
             msgs[i] = {"role": m["role"], "content": marked}
         if self.use_chat:
-            full = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            full = render_chat_template(self.tokenizer, msgs, tokenize=False, add_generation_prompt=True)
         else:
             full = "\n\n".join(f"{m['role'].capitalize()}: {m['content']}" for m in msgs) + "\nAssistant:"
         head, _, tail = full.partition(_SENTINEL)

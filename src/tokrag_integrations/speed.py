@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import config
+from .config import option_bool as _as_bool
 
 __all__ = ["PRESETS", "Speed", "speed_of"]
 
-_BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
 _MODES = ("auto", "on", "off")
 _MODE_FIELDS = ("cpu_kernels", "packed_head", "static", "graphs")
 
@@ -88,7 +88,7 @@ class Speed:
         return self.static == "on" or (self.static == "auto" and device_type == "cuda")
 
     def options(self) -> dict[str, Any]:
-        """The speed as the trace records it (``Trace.options``)."""
+        """The speed as the trace records it (``Trace.speed``, never the rule's options)."""
         return {"fuse": self.fuse}
 
 
@@ -98,18 +98,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     "reference": {"fuse": False, "share_lens": False, "static": "off"},
     "cuda": {"fuse": True, "static": "on"},
 }
-
-
-def _as_bool(name: str, value: Any) -> bool:
-    """``value`` read strictly as a bool: True/False, 1/0 or the strings true/false/1/0 (a
-    dict of options may come from a command line); anything else is an error."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
-        return _BOOL_WORDS[value.strip().lower()]
-    raise ValueError(f"{name} must be True or False (or 1/0), got {value!r}")
 
 
 def speed_of(value: Speed | str | Mapping[str, Any] | None = None) -> Speed:

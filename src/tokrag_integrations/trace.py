@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import sys
 from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from .labels import AGREE, FROM_LLM, FROM_RAG
 
@@ -24,7 +25,35 @@ __all__ = [
     "PassageRecord",
     "Trace",
     "TraceStep",
+    "by_contribution",
+    "comparable",
+    "json_data",
 ]
+
+_T = TypeVar("_T")
+
+
+def by_contribution(
+    items: Iterable[_T],
+    ranked: Sequence[Any],
+    key: Callable[[_T], Any] = lambda item: item,
+    decoded: Collection[Any] | None = None,
+) -> list[_T]:
+    """``items`` the answer drew on first, in the order of ``ranked`` (their keys, the largest
+    contribution first: :meth:`Trace.contributions`); then the others in their order, those
+    whose key is not in ``decoded`` (when given) last. As given when ``ranked`` is empty (no
+    citations). The one ordering of the server's sources and both adapters' documents."""
+    rank = {k: r for r, k in enumerate(ranked)}
+    if not rank:
+        return list(items)
+
+    def place(item: _T) -> tuple[int, int]:
+        k = key(item)
+        if k in rank:
+            return 0, rank[k]
+        return (1 if decoded is None or k in decoded else 2), 0
+
+    return sorted(items, key=place)
 
 
 @dataclass
@@ -102,7 +131,19 @@ def _sentence_end(text: str) -> bool:
 
 @dataclass
 class Trace:
-    """Everything needed to explain one generated answer."""
+    """Everything needed to explain one generated answer.
+
+    ``options`` are the rule's options (what decides the tokens). ``timings`` (seconds,
+    flags, counts) and ``speed`` (the call's :class:`~.speed.Speed` fields, e.g.
+    ``fuse``, and ``speed_paths_off``: each speed path that was off at the end of this decode,
+    with its reason) say how fast the answer was made and what this machine measured: they may
+    differ between two decodes of one call (another machine, or before and after the process
+    measured its speed paths) whose tokens and decisions are equal, and
+    :meth:`comparable` leaves them out.
+    """
+
+    #: The fields that depend on the machine and the moment, not on the call.
+    MEASURED: ClassVar[tuple[str, ...]] = ("timings", "speed")
 
     query: str
     policy: str
@@ -115,6 +156,7 @@ class Trace:
     stop_reason: str = ""
     prompt_tokens: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    speed: dict[str, Any] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         """Number of generated tokens per source label."""
@@ -182,7 +224,7 @@ class Trace:
         put in their responses."""
         if not any(s.citation for s in self.steps):
             return []
-        return _json_data([asdict(c) for c in self.citations(by)])
+        return json_data([asdict(c) for c in self.citations(by)])
 
     def contributions(self) -> list[tuple[int, float]]:
         """(passage index into :attr:`passages`, its share of the attention summed over the
@@ -198,18 +240,25 @@ class Trace:
     def passage_order(self) -> list[int]:
         """Every passage's index: by :meth:`contributions` first, the others after them in
         prompt order (all in prompt order without citations)."""
-        first = [i for i, _ in self.contributions()]
-        return first + [i for i in range(len(self.passages)) if i not in first]
+        return by_contribution(range(len(self.passages)), [i for i, _ in self.contributions()])
 
     def to_dict(self) -> dict[str, Any]:
         """The trace as JSON data: ``json.dumps`` takes it as is, and ``json.loads`` of that
         gives it back equal (tensors and numpy values become numbers or nested lists, sets
         and tuples lists, dictionary keys strings, other objects their ``str``; non-finite
         floats stay floats, written ``NaN`` / ``Infinity`` as ``json`` does by default)."""
-        d = _json_data(asdict(self))
+        d = json_data(asdict(self))
         d["counts"] = self.counts()
-        d["citations"] = _json_data([asdict(c) for c in self.citations()])
+        d["citations"] = json_data([asdict(c) for c in self.citations()])
         return d
+
+    def comparable(self) -> dict[str, Any]:
+        """:meth:`to_dict` less the :data:`MEASURED` fields (``timings``, ``speed``): the
+        query, policy, model, options, passages, warnings, text, stop reason, prompt tokens,
+        and every step's token, source, candidates, signals, stats and citation. Two decodes
+        of one call give equal ones wherever and whenever they run (their floats up to
+        rounding where the sums run on another number of threads)."""
+        return comparable(self.to_dict())
 
     def to_json(self, path: str | Path | None = None, *, indent: int | None = 2) -> str:
         text = json.dumps(self.to_dict(), indent=indent, ensure_ascii=False)
@@ -219,6 +268,11 @@ class Trace:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trace:
+        """The trace :meth:`to_dict` wrote (or a server sent), checked: a field of the wrong
+        type, an unknown field, or a ``citation`` row that is not one share per kept passage
+        is a ``ValueError`` naming it (``trace.steps[3].citation``), here rather than an
+        ``IndexError`` later in :meth:`cite` or :meth:`to_html`."""
+        _check_trace(d)
         d = dict(d)
         d.pop("counts", None)
         d.pop("citations", None)
@@ -254,6 +308,92 @@ class Trace:
         render_trace(self, console=console)
 
 
+def comparable(data: dict[str, Any]) -> dict[str, Any]:
+    """A trace's JSON data (:meth:`Trace.to_dict`, a server's or an adapter's ``trace``) less
+    :data:`Trace.MEASURED`: see :meth:`Trace.comparable`."""
+    return {k: v for k, v in data.items() if k not in Trace.MEASURED}
+
+
+# ---------------------------------------------------------------- checking a trace's data
+def _is(value: Any, kind: str) -> bool:
+    """Whether ``value`` is JSON data of ``kind``: ``str``, ``int``, ``bool``, ``num`` (a
+    number), ``num?`` (a number or null: NaN is written null in strict JSON), ``dict``,
+    ``list``, ``any``."""
+    if kind == "any":
+        return True
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == "num?":
+        return value is None or isinstance(value, (int, float))
+    types = {"str": str, "int": int, "num": (int, float), "dict": dict, "list": list}
+    return isinstance(value, types[kind])
+
+
+#: Each record's fields and their kinds (:func:`_is`); the required ones are marked ``!``.
+_TRACE_FIELDS = {
+    "query": "str!", "policy": "str!", "model": "str", "options": "dict", "passages": "list",
+    "warnings": "list", "steps": "list", "text": "str", "stop_reason": "str",
+    "prompt_tokens": "dict", "timings": "dict", "speed": "dict", "counts": "dict",
+    "citations": "list",
+}  # fmt: skip
+_PASSAGE_FIELDS = {
+    "rank": "int!", "text": "str!", "score": "num?", "n_tokens": "int", "kept": "bool",
+    "cut": "bool", "metadata": "dict",
+}  # fmt: skip
+_STEP_FIELDS = {
+    "index": "int!", "token_id": "int!", "text": "str!", "source": "str!", "candidates": "dict",
+    "signals": "dict", "stats": "dict", "citation": "list",
+}  # fmt: skip
+_CANDIDATE_FIELDS = {"token_id": "int!", "text": "str!", "prob": "num?!"}
+
+
+def _check_record(d: Any, fields: dict[str, str], where: str) -> None:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} is a {type(d).__name__}, not an object")
+    for key in d:
+        if key not in fields:
+            raise ValueError(f"{where} has an unknown field {str(key)[:40]!r}")
+    for key, spec in fields.items():
+        kind, required = spec.rstrip("!"), spec.endswith("!")
+        if key not in d:
+            if required:
+                raise ValueError(f"{where} has no {key!r}")
+        elif not _is(d[key], kind):
+            raise ValueError(f"{where}.{key} is a {type(d[key]).__name__}, not a {kind}")
+
+
+def _check_trace(d: Any) -> None:
+    """Raise a ``ValueError`` naming the first field of ``d`` (a :meth:`Trace.to_dict`) that
+    a :class:`Trace` could not hold or its methods could not read."""
+    _check_record(d, _TRACE_FIELDS, "trace")
+    for key, kind in (("warnings", "str"), ("prompt_tokens", "int"), ("timings", "num?")):
+        values = d.get(key, [])
+        for i, v in enumerate(values.values() if isinstance(values, dict) else values):
+            if not _is(v, kind):
+                raise ValueError(f"trace.{key}[{i}] is a {type(v).__name__}, not a {kind}")
+    passages = d.get("passages", [])
+    for i, p in enumerate(passages):
+        _check_record(p, _PASSAGE_FIELDS, f"trace.passages[{i}]")
+    kept = sum(1 for p in passages if p.get("kept", True))
+    for i, s in enumerate(d.get("steps", [])):
+        where = f"trace.steps[{i}]"
+        _check_record(s, _STEP_FIELDS, where)
+        for role, c in s.get("candidates", {}).items():
+            _check_record(c, _CANDIDATE_FIELDS, f"{where}.candidates[{str(role)[:40]!r}]")
+        for role, row in s.get("stats", {}).items():
+            if not isinstance(row, dict) or not all(_is(v, "num?") for v in row.values()):
+                raise ValueError(f"{where}.stats[{str(role)[:40]!r}] is not numbers by name")
+        citation = s.get("citation", [])
+        if not all(_is(v, "num") for v in citation):
+            raise ValueError(f"{where}.citation holds something other than numbers")
+        if citation and len(citation) != kept:
+            raise ValueError(
+                f"{where}.citation has {len(citation)} shares, not one per kept passage ({kept})"
+            )
+
+
 def _json_key(k: Any) -> str:
     """A dictionary key as ``json.dumps`` writes it."""
     if isinstance(k, str):
@@ -263,22 +403,23 @@ def _json_key(k: Any) -> str:
     return str(k)
 
 
-def _json_data(o: Any) -> Any:
-    """``o`` with everything ``json`` cannot write converted (see :meth:`Trace.to_dict`)."""
+def json_data(o: Any) -> Any:
+    """``o`` with everything ``json`` cannot write converted (see :meth:`Trace.to_dict`): the
+    one JSON conversion of the trace, the adapters' metadata and the remote client's bodies."""
     if o is None or isinstance(o, (str, bool, int, float)):
         return o
     if isinstance(o, dict):
-        return {_json_key(k): _json_data(v) for k, v in o.items()}
+        return {_json_key(k): json_data(v) for k, v in o.items()}
     if isinstance(o, (list, tuple, set, frozenset)):
-        return [_json_data(v) for v in o]
+        return [json_data(v) for v in o]
     torch = sys.modules.get("torch")  # a tensor is its (nested) list of numbers
     if torch is not None and isinstance(o, torch.Tensor):
-        return _json_data(o.tolist())
+        return json_data(o.tolist())
     if hasattr(o, "item"):  # numpy scalars and one-element arrays: the number
         try:
-            return _json_data(o.item())
+            return json_data(o.item())
         except (ValueError, TypeError, RuntimeError):
             pass
     if hasattr(o, "tolist"):  # other numpy arrays
-        return _json_data(o.tolist())
+        return json_data(o.tolist())
     return str(o)

@@ -273,7 +273,9 @@ def test_speed_paths_switch_off_where_not_measured(models, lm):
     # The few-row kernels and the packed head are measured on each machine: on a tiny model the
     # stock product may win every shape, and then they stay off, but only for that reason,
     # never for the dtype, the architecture or the device.
-    off = _decode(fp32).trace.options.get("speed_paths_off", {})
+    trace = _decode(fp32).trace
+    off = trace.speed["speed_paths_off"]
+    assert "speed_paths_off" not in trace.options  # not the rule's: what this machine measured
     assert set(off) <= {"cpu_kernels", "packed_head"}, off
     assert all(
         reason.startswith(("no few-row plan installed", "measured slower")) for reason in off.values()
@@ -283,7 +285,7 @@ def test_speed_paths_switch_off_where_not_measured(models, lm):
     for path in ("cpu_kernels", "packed_prefill", "packed_head"):
         assert paths[path].startswith("off: dtype bfloat16"), paths
     assert paths["fused_contexts"] == "on"  # measured by the matrix in bfloat16 too
-    off = _decode(bf16).trace.options["speed_paths_off"]
+    off = _decode(bf16).trace.speed["speed_paths_off"]
     assert set(off) == {"cpu_kernels", "packed_prefill", "packed_head"}
     # An architecture outside the matrix: everything off, fused contexts included.
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=lm.vocab_size))

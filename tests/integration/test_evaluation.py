@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 
-from tokrag_integrations.evaluation import (
+from tokrag_eval import (
     EvalItem,
     load_items,
 )
 
 
 def test_token_level_on_the_real_model(lm, tmp_path, eval_data):
-    from tokrag_integrations.evaluation import run_token_level
+    from tokrag_eval import run_token_level
 
     items = load_items(eval_data("rgb_en_fact_dev.jsonl"), limit=1)
     s = run_token_level(lm, items, records_path=tmp_path / "t.jsonl", ratios=[1.0], cf_ratios=[1.0],
@@ -33,7 +33,7 @@ def _popqa_item(i: int, prop: str, subj: str, answers: list[str], pop: float, po
 
 
 def test_token_level_popqa_on_the_real_model(lm, tmp_path):
-    from tokrag_integrations.evaluation import run_token_level, scorer_configs, synthesize_popqa
+    from tokrag_eval import run_token_level, scorer_configs, synthesize_popqa
 
     items = synthesize_popqa([
         _popqa_item(0, "capital", "France", ["Paris"], 1e6, 4),

@@ -25,7 +25,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from _helpers import assert_process_ended, require
+from _helpers import CheckedThread, assert_process_ended, join_all, require
 
 from tokrag_integrations.postgres.dsn import PostgresQueryError, PostgresSetupError, dsn_params
 
@@ -208,21 +208,16 @@ def test_concurrent_first_ingest_into_new_table(pg_dsn, tmp_path):
     for i in range(3):
         (tmp_path / f"f{i}.md").write_text(f"# File {i}\n\nThe part number of item {i} is {i}.\n")
     barrier = threading.Barrier(4)
-    results, errors = [], []
+    results = []
 
     def worker() -> None:
         barrier.wait()
-        try:
-            results.append(ingest([tmp_path], dsn=pg_dsn, table="race_new", progress=False))
-        except Exception as exc:  # noqa: BLE001 - collected and asserted below
-            errors.append(exc)
+        results.append(ingest([tmp_path], dsn=pg_dsn, table="race_new", progress=False))
 
-    threads = [threading.Thread(target=worker) for _ in range(4)]
+    threads = [CheckedThread(target=worker, name=f"ingest {i}") for i in range(4)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(240)
-    assert not errors, errors
+    join_all(threads, 240)
     assert len(results) == 4
     assert sum(s.added for s in results) == 3  # each file written once, the others unchanged
     assert sum(s.unchanged for s in results) == 9

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from _helpers import CheckedThread, join_all
 
 from tokrag_integrations import Passage, agenerate, astream, generate, generate_batch, stream
 from tokrag_integrations.engine.streams import StreamAbandoned
@@ -32,21 +33,16 @@ WAIT_S = float(os.environ.get("TOKRAG_TEST_WAIT_S", "120"))
 
 
 def _in_thread(fn: Callable[[], Any], timeout: float = WAIT_S) -> Any:
-    """Run ``fn`` in a fresh daemon thread; fail (not hang) when it does not finish in time."""
+    """Run ``fn`` in a fresh daemon thread and return its value; its exception is re-raised
+    here, and it fails (not hangs) when it does not finish in time."""
     box: dict[str, Any] = {}
 
     def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # re-raised in the test's thread
-            box["error"] = e
+        box["value"] = fn()
 
-    t = threading.Thread(target=run, daemon=True)
+    t = CheckedThread(target=run, name=getattr(fn, "__name__", "call"), daemon=True)
     t.start()
     t.join(timeout)
-    assert not t.is_alive(), f"{getattr(fn, '__name__', 'call')} did not finish in {timeout} s"
-    if "error" in box:
-        raise box["error"]
     return box.get("value")
 
 
@@ -163,24 +159,17 @@ def test_two_threads_advance_one_stream(lm):
     expected = generate(lm, SHORT_Q, [PASSAGE], max_new_tokens=16)  # tokrag, the default
     s = stream(lm, SHORT_Q, [PASSAGE], max_new_tokens=16, idle_timeout=600)
     got: list[Any] = []
-    errors: list[BaseException] = []
     start = threading.Barrier(2)
 
     def reader() -> None:
         start.wait()
-        try:
-            for ev in s:
-                got.append(ev)
-        except BaseException as e:
-            errors.append(e)
+        for ev in s:
+            got.append(ev)
 
-    threads = [threading.Thread(target=reader, daemon=True) for _ in range(2)]
+    threads = [CheckedThread(target=reader, name=f"reader {i}", daemon=True) for i in range(2)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(WAIT_S)
-    assert not any(t.is_alive() for t in threads), "a reader of the shared stream hung"
-    assert errors == []
+    join_all(threads, WAIT_S)  # a reader that hung or raised fails the test
     ordered = sorted(got, key=lambda ev: ev.index)
     assert len({ev.index for ev in got}) == len(got)  # each event went to exactly one reader
     assert "".join(ev.text for ev in ordered) == expected.text

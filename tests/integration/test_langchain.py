@@ -24,6 +24,7 @@ from langchain_core.runnables import RunnableLambda
 
 from tokrag_integrations.langchain import ChatTokRAG, create_tokrag_chain, local_embeddings
 from tokrag_integrations.retrieval import chunk_documents, get_sample_docs_path, load_documents
+from tokrag_integrations.trace import comparable
 
 QUESTION = "What is the code name of the Kestrel-7 programme?"
 ANSWER = "Bramblewick"  # appears only in the sample documents
@@ -97,9 +98,10 @@ def reference(chain: Any) -> dict[str, dict[str, Any]]:
 
 
 def _stable(out: dict[str, Any]) -> dict[str, Any]:
-    """An output without the parts that legitimately differ between runs (timings) and the
-    passed-through input keys (``"input"`` for a string, ``"question"`` for such a dict)."""
-    trace = {k: v for k, v in out["trace"].items() if k != "timings"}
+    """An output without the parts that legitimately differ between runs (the trace's
+    timings and speed: :func:`~tokrag_integrations.trace.comparable`) and the passed-through
+    input keys (``"input"`` for a string, ``"question"`` for such a dict)."""
+    trace = comparable(out["trace"])
     rest = {k: v for k, v in out.items() if k not in ("input", "question")}
     return {**rest, "trace": trace}
 

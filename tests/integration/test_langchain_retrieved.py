@@ -35,6 +35,7 @@ from langchain_core.runnables.history import RunnableWithMessageHistory
 from tokrag_integrations.langchain import ChatTokRAG
 from tokrag_integrations.langchain.chat_models import NO_PASSAGES_WARNING
 from tokrag_integrations.langchain.retrieved import RUN_DOCUMENTS
+from tokrag_integrations.trace import comparable
 
 Q1, Q2 = "Who founded Quillfeather Aerospace?", "Who designed the Brindlewick Observatory?"
 DOCS = {
@@ -96,10 +97,10 @@ class Calls(BaseCallbackHandler):
 
 def _stable(meta: dict[str, Any], batched: bool) -> dict[str, Any]:
     """What must equal the explicit call's: the tokens, their sources and the trace, less its
-    timings (they differ from run to run); in a batch also less the steps' probabilities and
+    timings and speed (they differ from run to run: :func:`~tokrag_integrations.trace.comparable`); in a batch also less the steps' probabilities and
     signal values and the citations' scores (a batched forward pass differs from a solo one in
     the last float bits; the choices do not)."""
-    trace = {k: v for k, v in meta["trace"].items() if k != "timings"}
+    trace = comparable(meta["trace"])
     if batched:
         trace["steps"] = [
             (

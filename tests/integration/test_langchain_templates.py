@@ -32,6 +32,7 @@ from tokrag_integrations.langchain import (
 from tokrag_integrations.langchain.chat_models import NO_PASSAGES_WARNING
 from tokrag_integrations.langchain.tokrag_chain import format_documents
 from tokrag_integrations.retrieval import chunk_documents, get_sample_docs_path, load_documents
+from tokrag_integrations.trace import comparable
 
 QUESTION = "Who founded Quillfeather Aerospace?"
 ANSWER = "Ottoline Varga"  # only in the sample documents
@@ -58,8 +59,9 @@ def _chat_ids(lm: Any, messages: list[Any]) -> list[int]:
 
 
 def _stable(out: dict[str, Any]) -> dict[str, Any]:
-    """The output without the trace's timings (they differ from run to run)."""
-    return {**out, "trace": {k: v for k, v in out["trace"].items() if k != "timings"}}
+    """The output without the trace's timings and speed (they differ from run to run:
+    :func:`~tokrag_integrations.trace.comparable`)."""
+    return {**out, "trace": comparable(out["trace"])}
 
 
 # ------------------------------------------------------------------ fixtures

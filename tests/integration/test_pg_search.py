@@ -12,6 +12,7 @@ import asyncio
 import threading
 
 import pytest
+from _helpers import CheckedThread, join_all
 
 HOSTILE_VALUES = ["x' OR '1'='1", "a'; DROP TABLE data_ops; --", "日本語; '\"", "%", "\\", ")) OR TRUE --"]
 
@@ -372,22 +373,16 @@ def test_sixteen_concurrent_retrievals_share_a_small_pool(tickets):
     sequential = [[c.node_id for c in tickets.retrieve(q, 3, search=m)] for q, m in zip(questions, modes, strict=True)]
     pool = shared_pool(tickets.db.dsn)
     results: dict[int, list[str]] = {}
-    errors: list[BaseException] = []
     barrier = threading.Barrier(16)
 
     def worker(i: int) -> None:
-        try:
-            barrier.wait()
-            results[i] = [c.node_id for c in tickets.retrieve(questions[i], 3, search=modes[i])]
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        barrier.wait()
+        results[i] = [c.node_id for c in tickets.retrieve(questions[i], 3, search=modes[i])]
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    threads = [CheckedThread(target=worker, args=(i,), name=f"search {i}") for i in range(16)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
+    join_all(threads, 300)
     assert [results[i] for i in range(16)] == sequential
     from tokrag_integrations.postgres.connection import pooled
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _helpers import require
+from _helpers import CheckedThread, join_all, require
 
 HOSTILE_NAMES = [
     'docs"; DROP TABLE data_tokrag_docs; --',
@@ -441,22 +441,16 @@ def test_eight_threads_query_concurrently(sample_kb, lm):
 
     sequential = [ask(q) for q in questions]
     results: dict[int, tuple] = {}
-    errors: list[BaseException] = []
     barrier = threading.Barrier(8)
 
     def worker(i: int) -> None:
-        try:
-            barrier.wait()
-            results[i] = ask(questions[i])
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        barrier.wait()
+        results[i] = ask(questions[i])
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    threads = [CheckedThread(target=worker, args=(i,), name=f"ask {i}") for i in range(8)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(600)
-    assert not errors, errors
+    join_all(threads, 600)
     for i, q in enumerate(questions):
         ids, files, answer = results[i]
         assert q["source"] in files, (q["question"], files)

@@ -48,7 +48,7 @@ def test_fuse_and_packed_prefill_per_call(lm):
     assert timings["default"]["fused"] == 1.0 and timings["default"]["packed"] == 1.0
     assert timings["no_fuse"]["fused"] == 0.0 and timings["no_fuse"]["packed"] == 0.0
     assert timings["no_pack"]["fused"] == 1.0 and timings["no_pack"]["packed"] == 0.0
-    assert runs["no_fuse"].trace.options["speed_paths_off"]["fused_contexts"] == "speed fuse=False"
+    assert runs["no_fuse"].trace.speed["speed_paths_off"]["fused_contexts"] == "speed fuse=False"
     assert len({tuple(r.token_ids) for r in runs.values()}) == 1
 
 
@@ -102,7 +102,7 @@ def test_cpu_kernels_off_runs_the_stock_paths_for_that_call(lm, monkeypatch):
         stock = generate(lm, *CONTRA, policy="tokrag", max_new_tokens=8, speed={"cpu_kernels": "off"})
         assert seen and all(seen) and not routed
         assert stock.trace.timings["packed"] == 0.0  # packing is the tokrag_sdpa attention's
-        assert stock.trace.options["speed_paths_off"]["cpu_kernels"] == "speed cpu_kernels='off'"
+        assert stock.trace.speed["speed_paths_off"]["cpu_kernels"] == "speed cpu_kernels='off'"
         seen.clear()
         fast = generate(lm, *CONTRA, policy="tokrag", max_new_tokens=8)
         assert seen and not any(seen)

@@ -70,7 +70,7 @@ def _same(got, want) -> None:
 def test_the_cuda_preset_turns_the_static_state_on(tiny):
     r = generate(tiny, Q, PASSAGES, policy="rag", speed="cuda", max_new_tokens=3)
     assert r.trace.timings["static"] == 1.0
-    assert "static" not in r.trace.options.get("speed_paths_off", {})
+    assert "static" not in r.trace.speed.get("speed_paths_off", {})
     auto = generate(tiny, Q, PASSAGES, policy="rag", max_new_tokens=3)
     assert "static" not in auto.trace.timings  # "auto" on a CPU: the default path
 
@@ -130,7 +130,7 @@ def test_a_one_token_prompt(tiny):
 
 def test_a_policy_without_device_rule_falls_back_and_says_so(tiny):
     r = generate(tiny, Q, PASSAGES, policy="rag_sequence", speed="cuda", max_new_tokens=3)
-    assert "device rule" in r.trace.options["speed_paths_off"]["static"]
+    assert "device rule" in r.trace.speed["speed_paths_off"]["static"]
     want = generate(tiny, Q, PASSAGES, policy="rag_sequence", speed="reference", max_new_tokens=3)
     assert r.token_ids == want.token_ids
 

@@ -159,7 +159,7 @@ def _static_used(r) -> bool:
     """Whether ``r`` was decoded on the static state; else the trace must say why not."""
     if r.trace.timings.get("static") == 1.0:
         return True
-    assert r.trace.options["speed_paths_off"]["static"], r.trace.options
+    assert r.trace.speed["speed_paths_off"]["static"], r.trace.speed
     return False
 
 

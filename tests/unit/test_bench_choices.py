@@ -12,13 +12,13 @@ import json
 import pytest
 import torch
 
+from tokrag_eval import cost as BT
+from tokrag_eval.commands import _sizes
+from tokrag_eval.cost import measure_throughput
+from tokrag_eval.report import bench_table
 from tokrag_integrations.accel import cpu_kernels as K
 from tokrag_integrations.accel import install as accel_install
 from tokrag_integrations.cli import build_parser
-from tokrag_integrations.cli.eval import _sizes
-from tokrag_integrations.evaluation import cost as BT
-from tokrag_integrations.evaluation.cost import measure_throughput
-from tokrag_integrations.evaluation.report import bench_table
 
 
 def _routed_model() -> torch.nn.Module:
@@ -218,7 +218,7 @@ def _sdpa_reference(q, k, v, mask, scale):
 def test_bench_questions_come_from_data_or_the_data_folder(tmp_path, monkeypatch):
     """No path walking into a checkout: ``--data``, else ``$TOKRAG_DATA_DIR/squad_dev.jsonl``,
     else an error naming both."""
-    from tokrag_integrations.evaluation.cost import arm, bench_items, data_path
+    from tokrag_eval.cost import arm, bench_items, data_path
 
     monkeypatch.delenv("TOKRAG_DATA_DIR", raising=False)
     with pytest.raises(FileNotFoundError, match=r"--data PATH.*\$TOKRAG_DATA_DIR"):
@@ -240,3 +240,21 @@ def test_bench_questions_come_from_data_or_the_data_folder(tmp_path, monkeypatch
         bench_items(data_path(None), 5, 8)
     assert arm("tokrag-step") == ("tokrag", {"speed": "reference"})
     assert arm("tokrag[min_fusion_layer=0]") == ("tokrag", {"policy_options": {"min_fusion_layer": 0}})
+
+
+def test_bench_arms_stock_baselines_and_speed_presets(monkeypatch):
+    from tokrag_eval.cost import DEFAULT_POLICIES, STOCK_ARMS, arm
+
+    assert arm("hf-generate") == arm("hf-generate-static") == ("rag", {})
+    assert {"rag-kernels-off", "hf-generate", "hf-generate-static"} == STOCK_ARMS
+    assert "hf-generate" in DEFAULT_POLICIES and "rag-stock" not in DEFAULT_POLICIES
+    assert arm("tokrag@cuda") == ("tokrag", {"speed": "cuda"})
+    assert arm("tokrag[min_fusion_layer=0]@reference") == (
+        "tokrag", {"policy_options": {"min_fusion_layer": 0}, "speed": "reference"}
+    )
+    monkeypatch.setitem(BT.ARMS, "tokrag@view", ("tokrag", {"speed": {"static": "off"}}))
+    assert arm("tokrag@view") == ("tokrag", {"speed": {"static": "off"}})  # a named arm first
+    with pytest.raises(ValueError, match="take no speed preset"):
+        arm("hf-generate@cuda")
+    with pytest.raises(ValueError, match="'rag-stock' is now called 'rag-kernels-off'.*'hf-generate'"):
+        arm("rag-stock")

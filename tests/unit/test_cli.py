@@ -182,6 +182,37 @@ def test_register_subcommand(monkeypatch: pytest.MonkeyPatch) -> None:
     assert code == 2 and err == "tokrag: error: hello failed\n"
 
 
+def test_the_harness_commands_come_from_the_entry_points() -> None:
+    """``tokrag eval`` and ``tokrag bench`` are tokrag_eval's, found through the
+    ``tokrag.commands`` entry points of the installed package (issue 55)."""
+    from tokrag_eval import commands
+
+    found = cli.plugin_commands()
+    assert commands.add_eval_parser in found and commands.add_bench_parser in found
+    assert not {commands.add_eval_parser, commands.add_bench_parser} & set(cli.SUBCOMMANDS)
+    code, out, _ = run_cli(["bench", "--help"])
+    assert code == 0 and "--throughput" in out
+
+
+def test_a_command_that_cannot_load_is_left_out_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from importlib import metadata
+
+    broken = metadata.EntryPoint("broken", "tokrag_no_such_package.cli:add", cli.COMMANDS_GROUP)
+    real = metadata.entry_points
+
+    def entry_points(**kw: Any) -> Any:
+        return [broken] if kw.get("group") == cli.COMMANDS_GROUP else real(**kw)
+
+    monkeypatch.setattr(metadata, "entry_points", entry_points)
+    with pytest.warns(UserWarning, match=r"command 'broken' .* could not be loaded and is left out"):
+        assert cli.plugin_commands() == []
+    code, out, err = run_cli(["ask", "--help"])  # the other commands still run
+    assert code == 0 and "usage: tokrag ask" in out
+    assert "command 'broken'" in err and "left out" in err and "Traceback" not in err
+
+
 # ------------------------------------------------------------------------ waits, redirected
 def test_ask_passes_the_default_stop_and_its_options(fake_engine: dict[str, Any]) -> None:
     from tokrag_integrations.defaults import ANSWER_STOP, MAX_NEW_TOKENS

@@ -1,7 +1,8 @@
 """Every Python name that docs/architecture.md and docs/algorithm.md cite exists (issue 44).
 
-The names are resolved against the source of ``src/tokrag_integrations`` with :mod:`ast`;
-nothing is imported.
+The names are resolved against the source of ``src/tokrag_integrations`` (and of the research
+harness, ``src/tokrag_eval``, cited as ``tokrag_eval.<module>``) with :mod:`ast`; nothing is
+imported.
 
 Which inline code spans (single backticks; fenced code blocks are skipped) are checked:
 
@@ -91,8 +92,11 @@ def _class_info(node: ast.ClassDef) -> _Class:
 def _package() -> dict[str, _Module]:
     """Dotted module path from the package root ("" for the root) -> its top-level names."""
     modules = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    # The research harness's modules are indexed too, as ``tokrag_eval.<module>``.
+    harness = sorted((ROOT.parent / "tokrag_eval").rglob("*.py"))
+    for path in [*sorted(ROOT.rglob("*.py")), *harness]:
+        base = ROOT if path.is_relative_to(ROOT) else ROOT.parent
+        parts = list(path.relative_to(base).with_suffix("").parts)
         is_init = parts[-1] == "__init__"
         if is_init:
             parts = parts[:-1]

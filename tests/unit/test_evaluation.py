@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tokrag_integrations.evaluation import (
+from tokrag_eval import (
     EvalItem,
     RecordStore,
     auc,
@@ -26,7 +26,7 @@ from tokrag_integrations.evaluation import (
     run_misleading,
     run_noise_sweep,
 )
-from tokrag_integrations.evaluation.metrics import macro_f1
+from tokrag_eval.metrics import macro_f1
 
 
 def _item(i: int = 0, n_pos: int = 4, n_neg: int = 6, n_cf: int = 3) -> EvalItem:
@@ -216,7 +216,7 @@ def test_misleading_reports_counterfactual_repeats(tmp_path):
 
 
 def test_evidence_sentence_picks_the_answer_bearing_sentence():
-    from tokrag_integrations.evaluation.token_level import evidence_sentence
+    from tokrag_eval.token_level import evidence_sentence
 
     it = _item()
     it.positives = ["Lyon is big. The capital is Paris, of course. Other text.", "pos 2"]
@@ -229,7 +229,7 @@ def test_evidence_sentence_picks_the_answer_bearing_sentence():
 
 # --------------------------------------------------------------------------- policy specs
 def test_spec_parsing_and_normalisation():
-    from tokrag_integrations.evaluation.specs import (
+    from tokrag_eval.specs import (
         parse_spec,
         parse_specs,
         parse_value,
@@ -308,7 +308,7 @@ def _rows(n: int, p: float, seed: int, conds: int = 3) -> list[list[float]]:
 
 
 def test_bootstrap_ci_contains_the_mean_and_narrows_with_more_items():
-    from tokrag_integrations.evaluation.metrics import bootstrap_ci, mean_over_conditions
+    from tokrag_eval.metrics import bootstrap_ci, mean_over_conditions
 
     small, large = _rows(20, 0.4, 1), _rows(400, 0.4, 1)
     for m in (small, large):
@@ -322,7 +322,7 @@ def test_bootstrap_ci_contains_the_mean_and_narrows_with_more_items():
 
 
 def test_paired_difference():
-    from tokrag_integrations.evaluation.metrics import paired_bootstrap_diff
+    from tokrag_eval.metrics import paired_bootstrap_diff
 
     a = _rows(60, 0.5, 2)
     same = paired_bootstrap_diff(a, a)
@@ -336,7 +336,7 @@ def test_paired_difference():
 
 
 def test_summary_has_intervals_and_paired_table(tmp_path):
-    from tokrag_integrations.evaluation.report import (
+    from tokrag_eval.report import (
         accuracy_table,
         paired_table,
         write_accuracy_report,
@@ -371,7 +371,7 @@ def test_summary_has_intervals_and_paired_table(tmp_path):
 
 
 def test_yes_no_summary_reports_verdict_rate_accuracy_among_verdicts_and_length_ratio(tmp_path):
-    from tokrag_integrations.evaluation.report import write_accuracy_report
+    from tokrag_eval.report import write_accuracy_report
 
     items = [
         EvalItem(id=f"yn{i}", question=f"question {i}?", answers=["yes"], positives=[f"pos {i}"],
@@ -412,7 +412,7 @@ def _popqa_item(i: int, prop: str, subj: str, answers: list[str], pop: float, po
 
 
 def test_synthetic_popqa_passages():
-    from tokrag_integrations.evaluation.data import is_popqa, select_popular, synthesize_popqa
+    from tokrag_eval.data import is_popqa, select_popular, synthesize_popqa
 
     items = [
         _popqa_item(0, "capital", "Belarus", ["Minsk", "Мінск"], 5e4, 4),
@@ -440,7 +440,7 @@ def test_synthetic_popqa_passages():
 
 
 def test_synthetic_popqa_on_the_dev_file(eval_data):
-    from tokrag_integrations.evaluation.data import select_popular, synthesize_popqa
+    from tokrag_eval.data import select_popular, synthesize_popqa
 
     every = load_items(eval_data("popqa_dev.jsonl"))
     top = select_popular(synthesize_popqa(every), 4)
@@ -452,7 +452,7 @@ def test_synthetic_popqa_on_the_dev_file(eval_data):
 
 
 def test_target_kind_and_evidence_for_yes_no():
-    from tokrag_integrations.evaluation.token_level import evidence_sentence, target_kind
+    from tokrag_eval.token_level import evidence_sentence, target_kind
 
     yn = _item()
     yn.answers, yn.positives = ["yes"], ["His eyes are blue. Yes, it is."]
@@ -485,7 +485,7 @@ def test_token_summary_counts_labels_per_source_and_pooled(tmp_path):
     def main(argv):  # `tokrag eval ARGV`
         return tokrag(["eval", *argv])
 
-    from tokrag_integrations.evaluation import pool_token_records, summarize_token_level
+    from tokrag_eval import pool_token_records, summarize_token_level
 
     paths = []
     for src, seed in (("rgb", 1), ("popqa", 2)):
@@ -514,7 +514,7 @@ def test_token_summary_counts_labels_per_source_and_pooled(tmp_path):
 
 
 def test_auc_interval_groups_samples_by_item():
-    from tokrag_integrations.evaluation.metrics import bootstrap_auc_ci
+    from tokrag_eval.metrics import bootstrap_auc_ci
 
     rng = random.Random(3)
     ys = [rng.randint(0, 1) for _ in range(300)]
@@ -532,7 +532,7 @@ def test_auc_interval_groups_samples_by_item():
 
 
 def test_scorer_configs():
-    from tokrag_integrations.evaluation.token_level import TOKRAG_CONFIGS, scorer_configs
+    from tokrag_eval.token_level import TOKRAG_CONFIGS, scorer_configs
 
     assert scorer_configs(None) == TOKRAG_CONFIGS
     # The built-in labels are the specs that reproduce them.

@@ -1,10 +1,13 @@
-"""No import cycles inside the package, between modules and between folders (issues 21, 34
-and 55), and the speed paths reached through one seam.
+"""No import cycles inside the packages, between modules and between folders (issues 21, 34
+and 55), the runtime library apart from the research harness (issue 55), and the speed paths
+reached through one seam.
 
 The graph is read from the source with :mod:`ast`, without importing anything. How it is
 counted:
 
-* every module and package (``__init__.py``) under ``src/tokrag_integrations`` is a node;
+* every module and package (``__init__.py``) under ``src/tokrag_integrations`` (the runtime
+  library) and ``src/tokrag_eval`` (the research harness) is a node: one graph, so a cycle
+  inside either package or between them is found;
 * every ``import`` / ``from ... import`` statement of a package module is an edge, wherever
   it stands: at module level, and also inside functions, methods and ``try`` blocks (a lazy
   import is still a dependency, and two modules that import each other lazily are one
@@ -32,13 +35,16 @@ import re
 from pathlib import Path
 
 PACKAGE = "tokrag_integrations"
+#: The research harness: it imports the runtime package, never the other way.
+HARNESS = "tokrag_eval"
 ROOT = Path(__file__).resolve().parents[2] / "src" / PACKAGE
+ROOTS = (ROOT, ROOT.parent / HARNESS)
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
-    """Dotted module name -> (file, is_package)."""
+    """Dotted module name -> (file, is_package), both packages."""
     out = {}
-    for path in sorted(ROOT.rglob("*.py")):
+    for path in sorted(p for root in ROOTS for p in root.rglob("*.py")):
         parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
         is_package = parts[-1] == "__init__"
         if is_package:
@@ -73,7 +79,7 @@ def _targets(
     return out
 
 
-_DOTTED = re.compile(rf"^{PACKAGE}(?:\.\w+)+(?::[\w.]+)?$")
+_DOTTED = re.compile(rf"^(?:{PACKAGE}|{HARNESS})(?:\.\w+)+(?::[\w.]+)?$")
 
 
 def _is_import_call(node: ast.AST) -> bool:
@@ -215,6 +221,52 @@ def test_the_package_has_no_import_cycle():
     graph = import_graph()
     cycles = find_cycles(graph)
     assert not cycles, "\n".join(_describe(c, graph) for c in cycles)
+
+
+def test_the_graph_holds_both_packages():
+    graph = import_graph()
+    assert f"{HARNESS}.harness" in graph and f"{PACKAGE}.engine.scheduler" in graph
+    # The harness's edges into the runtime are counted (a cycle through them would be found).
+    assert f"{PACKAGE}.config" in graph[f"{HARNESS}.cost"]
+
+
+def test_the_runtime_package_never_imports_the_harness():
+    """``tokrag_eval`` imports ``tokrag_integrations``; no runtime module imports
+    ``tokrag_eval`` in any form the walker counts (a statement at module level, a lazy one in a
+    function, under ``TYPE_CHECKING``, or a run-time import of a constant name). The
+    ``tokrag eval`` / ``tokrag bench`` commands reach the CLI through entry points
+    (pyproject.toml), not through an import. A bare ``import tokrag_eval`` is counted too."""
+    graph = import_graph()
+    bad = [
+        f"{m} -> {t} (line {line})"
+        for m, edges in graph.items()
+        if m == PACKAGE or m.startswith(PACKAGE + ".")
+        for t, line in edges.items()
+        if t == HARNESS or t.startswith(HARNESS + ".")
+    ]
+    assert not bad, "the runtime package imports the research harness: " + "; ".join(bad)
+    mentions = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [node.value.split(":")[0]] if _DOTTED.match(node.value) else []
+            bad = [n for n in names if n == HARNESS or n.startswith(HARNESS + ".")]
+            mentions += [f"{path.relative_to(ROOT)} line {node.lineno}: {n}" for n in bad]
+    assert not mentions, "; ".join(mentions)
+
+
+def test_the_walker_counts_an_import_of_the_harness():
+    modules = {f"{HARNESS}.cost": None, f"{HARNESS}": None}
+    tree = ast.parse(f"from {HARNESS}.cost import run_bench\n")
+    node = tree.body[0]
+    assert _targets(f"{PACKAGE}.cli", True, node, modules) == [f"{HARNESS}.cost"]
+    tree = ast.parse(f'X = "{HARNESS}.cost:run_bench"\n')
+    assert _runtime_targets(f"{PACKAGE}.cli", True, tree, modules) == [(f"{HARNESS}.cost", 1)]
 
 
 def _algorithm_modules(graph: dict[str, dict[str, int]]) -> list[str]:

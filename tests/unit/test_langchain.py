@@ -13,7 +13,7 @@ from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
 from tokrag_integrations.langchain import ChatTokRAG
-from tokrag_integrations.langchain.messages import messages_to_prompt, to_passages
+from tokrag_integrations.langchain.messages import document_passages, messages_to_prompt
 from tokrag_integrations.prompts import Passage
 
 
@@ -29,12 +29,12 @@ def test_missing_langchain_gives_install_hint() -> None:
 def test_documents_become_passages_in_retriever_order() -> None:
     d1 = Document(page_content="first", metadata={"score": 0.8, "source": "a"})
     d2 = Document(page_content="second", metadata={"source": "b"})
-    p1, p2, p3 = to_passages([d1, d2, "plain"])
+    p1, p2, p3 = document_passages([d1, d2, "plain"])
     assert p1 == Passage(text="first", score=0.8, metadata={"score": 0.8, "source": "a"})
     assert p2 == Passage(text="second", score=None, metadata={"source": "b"})
     assert p3 == "plain"
     with pytest.raises(TypeError, match="must be a list"):
-        to_passages(d1)  # type: ignore[arg-type]
+        document_passages(d1)  # type: ignore[arg-type]
 
 
 def test_messages_translation() -> None:

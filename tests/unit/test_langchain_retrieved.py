@@ -132,14 +132,19 @@ def test_runs_that_never_end_are_bounded() -> None:
 
 def test_a_context_is_cut_after_each_document_it_holds() -> None:
     # context= with passages=: one piece per document found (its id kept), the pieces make up
-    # the context; a document not in it is said and left out.
-    from tokrag_integrations.langchain.messages import context_passages, to_passages
+    # the context; a document not in it is said and left out. Issue 55: the core's one rule
+    # (tokrag_integrations.adapters.chat.split_context, shared with LlamaIndex): text outside every
+    # document ("[1] ", "End.") is a piece of its own, never folded into a document.
+    from tokrag_integrations.adapters.chat import TEMPLATE_CONTEXT, split_context
+    from tokrag_integrations.langchain.messages import document_passages
 
-    docs = to_passages([Document(A, id="a", metadata={"source": "a.md"}), Document(C), B])
+    docs = document_passages([Document(A, id="a", metadata={"source": "a.md"}), Document(C), B])
     context = f"[1] {A}\n\n[2] {B}\nEnd."
     with pytest.warns(UserWarning, match=r"passage\(s\) \[1\] are not in the context"):
-        parts = context_passages(context, docs)
-    assert [p.text for p in parts] == [f"[1] {A}", f"\n\n[2] {B}\nEnd."]
-    assert [p.metadata for p in parts] == [{"source": "a.md", "id": "a"}, {}]
+        parts = split_context(context, docs)
+    assert [p.text for p in parts] == ["[1] ", A, "\n\n[2] ", B, "\nEnd."]
+    assert [p.metadata for p in parts] == [
+        TEMPLATE_CONTEXT, {"source": "a.md", "id": "a"}, TEMPLATE_CONTEXT, {}, TEMPLATE_CONTEXT
+    ]
     with pytest.warns(UserWarning, match="not in the context"):
-        assert context_passages("nothing here", docs[:1]) is None
+        assert split_context("nothing here", docs[:1]) is None

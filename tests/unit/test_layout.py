@@ -12,7 +12,10 @@ import collections
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "src" / "tokrag_integrations"
+#: The research harness (issue 55): its own package, held to the same rules.
+HARNESS = ROOT.parent / "tokrag_eval"
 SOURCES = sorted(ROOT.rglob("*.py"))
+ALL_SOURCES = sorted([*SOURCES, *HARNESS.rglob("*.py")])
 
 
 def test_at_most_ten_modules_at_the_package_root():
@@ -22,14 +25,15 @@ def test_at_most_ten_modules_at_the_package_root():
 
 def test_no_two_modules_share_a_file_name():
     names = collections.defaultdict(list)
-    for p in SOURCES:
+    for p in ALL_SOURCES:
         if p.name not in ("__init__.py", "__main__.py"):
-            names[p.stem].append(str(p.relative_to(ROOT)))
+            names[p.stem].append(str(p.relative_to(ROOT.parent)))
     # A module may not share its name with a subpackage either (``gating/langchain.py`` beside
-    # the ``langchain`` package reads as the same thing).
-    for d in ROOT.rglob("__init__.py"):
-        if d.parent != ROOT:
-            names[d.parent.name].append(str(d.parent.relative_to(ROOT)) + "/")
+    # the ``langchain`` package reads as the same thing); the harness's modules count too
+    # (``tokrag_eval/cli.py`` beside ``tokrag_integrations/cli/`` would).
+    for d in [*ROOT.rglob("__init__.py"), *HARNESS.rglob("__init__.py")]:
+        if d.parent not in (ROOT, HARNESS):
+            names[d.parent.name].append(str(d.parent.relative_to(ROOT.parent)) + "/")
     same = {n: where for n, where in names.items() if len(where) > 1}
     assert not same, f"modules with the same name: {same}"
 
@@ -39,11 +43,11 @@ def test_no_compatibility_leftovers():
     only to be imported from here, ``noqa: F401``) in an unreleased package. (An import of a
     third-party module for its side effect is not a re-export.)"""
     found = []
-    for p in SOURCES:
+    for p in ALL_SOURCES:
         for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-            own = line.lstrip().startswith("from .") or "tokrag_integrations" in line
+            own = line.lstrip().startswith("from .") or "tokrag_" in line
             if "DeprecationWarning" in line or ("noqa: F401" in line and own):
-                found.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()}")
+                found.append(f"{p.relative_to(ROOT.parent)}:{i}: {line.strip()}")
     assert not found, "\n".join(found)
 
 
@@ -67,3 +71,33 @@ def test_the_policy_contract_has_at_most_six_members():
             members |= {t.id for t in node.targets if isinstance(t, ast.Name)}
     public = sorted(m for m in members if not m.startswith("_"))
     assert len(public) <= 6, f"{path.name}: Policy has {len(public)} members: {public}"
+
+
+def _defined_commands(root: Path) -> set[str]:
+    """The ``tokrag`` subcommand names a package's modules add: the first argument of every
+    ``<subparsers>.add_parser("name", ...)`` call."""
+    found = set()
+    for p in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add_parser"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                found.add(node.args[0].value)
+    return found
+
+
+def test_the_runtime_package_defines_no_harness_command():
+    """Issue 55: ``tokrag eval`` and ``tokrag bench`` are the research harness's, added from
+    ``tokrag_eval`` (an entry point of the ``tokrag.commands`` group); the runtime package
+    defines the commands an application needs."""
+    runtime, harness = _defined_commands(ROOT), _defined_commands(HARNESS)
+    assert {"ask", "ingest", "serve"} <= runtime
+    assert not runtime & {"eval", "bench"}, sorted(runtime)
+    assert harness == {"eval", "bench"}
+    pyproject = (ROOT.parents[1] / "pyproject.toml").read_text(encoding="utf-8")
+    for name in sorted(harness):
+        assert f'\n{name} = "tokrag_eval.commands:add_{name}_parser"' in pyproject

@@ -12,9 +12,9 @@ require("llama_index.core", "llama-index-core")
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode  # noqa: E402
 
 from tokrag_integrations.llama_index.nodes import (  # noqa: E402
-    by_contribution,
     node_citations,
-    split_context,
+    nodes_by_contribution,
+    split_node_context,
 )
 from tokrag_integrations.prompts import Passage, PromptBuilder, RenderedPrompt  # noqa: E402
 from tokrag_integrations.trace import PassageRecord, Trace, TraceStep  # noqa: E402
@@ -37,14 +37,14 @@ def _joined(nodes, mode=MetadataMode.LLM) -> str:
 
 def test_each_node_is_its_own_passage_with_its_id_and_source():
     context = _joined(NODES)  # node a's text with its "file_path: ..." header (LLM mode)
-    parts = split_context(context, list(reversed(NODES)))  # found wherever they are
+    parts = split_node_context(context, list(reversed(NODES)))  # found wherever they are
     assert "".join(p.text for p in parts) == context
     assert [p.metadata["node_id"] for p in parts] == ["a", "b"]
     assert parts[0].text.startswith("file_path: docs/factory.md") and parts[0].text.endswith("\n\n")
     assert parts[0].metadata["source"] == "docs/factory.md"  # a reader's file_path
     assert parts[1].metadata["source"] == "history.md" and parts[1].score == 0.5
     # The same node text under another metadata mode (the synthesizer's metadata_mode=NONE).
-    bare = split_context(_joined(NODES, MetadataMode.NONE), NODES)
+    bare = split_node_context(_joined(NODES, MetadataMode.NONE), NODES)
     assert [p.metadata["node_id"] for p in bare] == ["a", "b"]
 
 
@@ -52,13 +52,13 @@ def test_text_of_no_node_stays_a_passage_without_a_node_and_warns():
     changed = _node("Quillfeather builds SATELLITES.", "a")  # not in the context as is
     context = "Notes:\n\n" + _joined(NODES)
     with pytest.warns(UserWarning, match=r"not found: a\)"):
-        parts = split_context(context, [changed, NODES[1]])
+        parts = split_node_context(context, [changed, NODES[1]])
     assert "".join(p.text for p in parts) == context  # nothing lost
     assert [p.metadata.get("node_id") for p in parts] == [None, "b"]
     assert parts[0].metadata == {"source": "template context"}
     assert "Quillfeather builds satellites." in parts[0].text
     with pytest.warns(UserWarning, match=r"not found: a, b\)"):
-        assert split_context("Nothing retrieved here.", NODES) is None
+        assert split_node_context("Nothing retrieved here.", NODES) is None
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_a_context_in_passages_is_the_same_prompt_in_several_spans(minilm_tokeni
     text = f"Context:\n{context}\nQuestion: who founded it?\nAnswer:"
     builder = PromptBuilder(minilm_tokenizer, context_window=512)
     whole = builder.build_rendered("Who founded it?", RenderedPrompt(context, text=text))
-    parts = split_context(context, NODES)
+    parts = split_node_context(context, NODES)
     split = builder.build_rendered(
         "Who founded it?", RenderedPrompt(context, text=text, passages=parts)
     )
@@ -111,14 +111,14 @@ def _trace(rows: list[list[float]], kept: tuple[bool, ...] = (True, True, True))
     return Trace(query="q", policy="tokrag", passages=passages, steps=steps)
 
 
-def test_nodes_by_contribution_then_retrieval_order_then_not_decoded():
+def test_nodes_nodes_by_contribution_then_retrieval_order_then_not_decoded():
     nodes = [_node("x", "a"), _node("y", "c"), _node("z", "b"), _node("w", "d")]
     got = node_citations(_trace([[0.2, 0.1, 0.7], [0.1, 0.1, 0.8]]))
     assert [c["node_id"] for c in got["contributions"]] == ["b", "a"]  # no id: not a node
     assert got["contributions"][0]["share"] == pytest.approx(0.75)
     assert [c["metadata"].get("node_id") for c in got["citations"]] == ["b"]
-    order = by_contribution(nodes, got["contributions"], decoded={"a", "b", "c"})
+    order = nodes_by_contribution(nodes, got["contributions"], decoded={"a", "b", "c"})
     assert [n.node.node_id for n in order] == ["b", "a", "c", "d"]  # d was not decoded
     none = node_citations(_trace([[], []]))  # citations=False, or a policy without RAG
     assert none == {"citations": [], "contributions": []}
-    assert by_contribution(nodes, none["contributions"], {"a"}) == nodes  # retrieval order
+    assert nodes_by_contribution(nodes, none["contributions"], {"a"}) == nodes  # retrieval order

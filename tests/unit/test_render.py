@@ -190,6 +190,7 @@ def test_format_value() -> None:
     assert format_value(None) == "—"
     assert format_value([0.5, 2]) == "[0.5000, 2]"
     assert format_value(True) == "True"
+    assert format_value({"packed_head": "measured slower", "n": 0.5}) == "{packed_head: measured slower, n: 0.5000}"
 
 
 def test_rich_render(trace: Trace) -> None:
@@ -257,6 +258,41 @@ def test_html_timings_show_flags_as_on_off_and_counts_as_integers(trace: Trace) 
         "queries_in_batch 1",
         "drafted 12",
     ]
+
+
+def test_html_shows_the_rule_options_apart_from_the_speed(trace: Trace) -> None:
+    """The rule's options on one line, the call's speed and the paths that were off on the
+    next: a speed path measured off is not an option of the rule."""
+    trace.speed = {"fuse": True, "speed_paths_off": {"packed_head": "measured slower"}}
+    page = trace_to_html(trace)
+    lines = re.findall(r'font-size:13px">((?:Options|Speed): [^<]*)</p>', page)
+    assert lines == [
+        "Options: pr_norm=softmax",
+        "Speed: fuse=True, speed_paths_off={packed_head: measured slower}",
+    ]
+
+
+def test_comparable_leaves_out_what_the_machine_measured(trace: Trace) -> None:
+    """Two traces of one decode that differ only in their timings and speed are comparable-equal;
+    one that differs in an option, a token's source or a signal is not."""
+    from tokrag_integrations.trace import comparable
+
+    first = Trace.from_dict(trace.to_dict())
+    later = Trace.from_dict(trace.to_dict())
+    first.timings, first.speed = {"decode_s": 1.0}, {"fuse": True, "speed_paths_off": {}}
+    later.timings = {"decode_s": 2.0, "fused": 0.0}
+    later.speed = {"fuse": False, "speed_paths_off": {"packed_head": "measured slower"}}
+    assert first.to_dict() != later.to_dict() and first.comparable() == later.comparable()
+    assert comparable(later.to_dict()) == later.comparable()
+    assert set(trace.to_dict()) - set(trace.comparable()) == {"timings", "speed"}
+    for change in (
+        lambda t: t.options.update(threshold=0.2),
+        lambda t: setattr(t.steps[1], "source", "llm"),
+        lambda t: t.steps[1].signals.update(cos_ir=0.7),
+    ):
+        other = Trace.from_dict(trace.to_dict())
+        change(other)
+        assert other.comparable() != first.comparable()
 
 
 def test_html_disagreement_table_scrolls_and_wraps_inside_its_card(trace: Trace) -> None:

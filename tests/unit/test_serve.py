@@ -61,3 +61,50 @@ def test_binding_beyond_localhost_without_a_key_warns(monkeypatch):
     assert not is_local("0.0.0.0")
     with pytest.warns(UserWarning, match="without an API key"):
         warn_if_open("0.0.0.0", ServeConfig())
+
+
+# ============================================================================ request bodies
+@pytest.mark.parametrize(
+    ("change", "param", "words"),
+    [
+        ({"max_tokens": "4"}, "max_tokens", "'max_tokens' must be an integer, got string"),
+        ({"max_tokens": True}, "max_tokens", "must be an integer, got boolean"),
+        ({"stream": 1}, "stream", "'stream' must be true or false, got integer"),
+        ({"documents": [{"text": "d", "score": "high"}]}, "documents[0].score", "must be a number"),
+        ({"documents": [{"text": "d", "extra": 1}]}, "documents[0]", "unknown key(s) extra"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "got 'tool'"),
+        ({"tokrag": {"top_k": 0}}, "tokrag.top_k", "'tokrag.top_k' must be at least 1, got 0"),
+        ({"tokrag": {"prompt_format": "xml"}}, "tokrag.prompt_format", "'qa', 'chat' or 'text'"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "holds 5 items; at most 4"),
+    ],
+)
+def test_a_body_the_model_refuses_is_one_sentence_naming_the_field(change, param, words):
+    """Issue 55: the body is a pydantic model (ChatBody); its first error is the 400."""
+    from tokrag_integrations.server.schemas import Limits, RequestError, parse_chat_request
+
+    body = {"messages": [{"role": "user", "content": "Who?"}], **change}
+    with pytest.raises(RequestError) as info:
+        parse_chat_request(body, Limits(), ["rag", "tokrag"])
+    assert info.value.param == param and info.value.status == 400
+    assert words in str(info.value) and "\n" not in str(info.value)
+    assert "pydantic" not in str(info.value) and "Input should" not in str(info.value)
+
+
+def test_a_body_splits_like_the_adapters_conversations():
+    from tokrag_integrations.server.schemas import Limits, parse_chat_request
+
+    body = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": None},
+            {"role": "user", "content": [{"type": "text", "text": "part one"}]},
+            {"role": "user", "content": "part two"},
+        ],
+        "stop": "\n", "seed": 1, "documents": ["d", {"text": "e", "score": 1, "metadata": {"k": 1}}],
+    }
+    req = parse_chat_request(body, Limits(), ["tokrag"])
+    assert (req.query, req.system_prompt) == ("part one\n\npart two", "Be brief.")
+    assert req.history == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": ""}]
+    assert req.stop == ["\n"] and req.warnings == ["ignored field(s) this server does not use: seed"]
+    assert [(d.text, d.score, d.metadata) for d in req.documents] == [("d", None, {}), ("e", 1.0, {"k": 1})]

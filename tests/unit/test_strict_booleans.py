@@ -57,9 +57,9 @@ def _entry_points(tmp_path: Path) -> dict[str, tuple[object, str]]:
     """Public entry point -> (a call with one boolean option given as ``value``, its name)."""
     import torch
 
+    from tokrag_eval import cost, harness, token_level
     from tokrag_integrations import load_model, models, retrieval
     from tokrag_integrations.engine import scheduler as batching
-    from tokrag_integrations.evaluation import cost, harness, token_level
     from tokrag_integrations.gating.ctrla import CtrlAMonitorPolicy
     from tokrag_integrations.policies.tokrag import TokRAG
     from tokrag_integrations.postgres import ingest

@@ -30,10 +30,10 @@ import contextvars
 import functools
 import hashlib
 import json
-import os
 import statistics
 import time
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import cache_dir
+from ..retrieval.safe_files import FileRefused, checked_folder, read_regular, write_atomic
 
 #: Calls with more rows than this use ``F.linear`` (GEMM-shaped work, e.g. prefill).
 MAX_ROWS = 64
@@ -235,12 +236,48 @@ def _disk_key(key: tuple[Any, ...]) -> str:
     return f"{n}x{k}:{str(dtype).removeprefix('torch.')}:{threads}"
 
 
-def _read_json(path: Path | None) -> dict[str, Any]:
-    """The dict stored in ``path``; {} for no path or an unreadable or damaged file (which
-    only costs a new measurement)."""
+#: Largest plan file read, in bytes (a machine's plans take a few KB).
+MAX_PLAN_FILE_BYTES = 1 << 20
+#: Cache warnings already given in this process (each is given once).
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _plan_folder(path: Path, create: bool) -> Path | None:
+    """``path``'s folder once it and the cache folder above it pass the cache checks of
+    :func:`..retrieval.safe_files.checked_folder`; None when missing, not writable, or refused (with a
+    warning: the plans are then measured and kept for this process only)."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8")) if path is not None else {}
-    except (OSError, ValueError):
+        return checked_folder(path.parent.parent, path.parent.name, create=create)
+    except OSError:  # missing, or a read-only disk: the plans are measured again
+        return None
+    except FileRefused as exc:
+        _warn_once(
+            f"Not using the kernel-plan cache: {exc}, so a plan planted there could slow "
+            "every decode; plans are measured for this process only. Make it your own folder "
+            "(chmod go-w), or set $TOKRAG_CACHE_DIR to one."
+        )
+        return None
+
+
+def _read_json(path: Path | None) -> dict[str, Any]:
+    """The dict stored in ``path``; {} for no path, a missing file, a refused folder, or an
+    entry that is not a regular JSON file of at most :data:`MAX_PLAN_FILE_BYTES` (which only
+    costs a new measurement, with a warning)."""
+    if path is None or _plan_folder(path, create=False) is None:
+        return {}
+    try:
+        raw = json.loads(read_regular(path, MAX_PLAN_FILE_BYTES).decode("utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:  # FileRefused and JSON errors are ValueErrors
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        _warn_once(f"{path}: not a kernel-plan file ({reason}); measuring again.")
         return {}
     return raw if isinstance(raw, dict) else {}
 
@@ -263,13 +300,14 @@ def _save_plan(path: Path, key: str, plan: tuple[str, ...]) -> None:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` to a temporary file, then rename it into place; a read-only or full
-    disk only means the next process measures again."""
+    """Write ``data`` to a temporary file in the checked folder, then rename it into place;
+    a read-only or full disk, or a refused folder, only means the next process measures
+    again."""
+    folder = _plan_folder(path, create=True)
+    if folder is None:
+        return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(folder, path.name, json.dumps(data, sort_keys=True).encode("utf-8"))
     except OSError:
         pass
 

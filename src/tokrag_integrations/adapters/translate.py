@@ -1,8 +1,8 @@
-"""Framework-free translation shared by the LlamaIndex and LangChain adapters."""
+"""Framework-free translation shared by the LlamaIndex and LangChain adapters and the server
+(finish reasons, token usage)."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -10,7 +10,7 @@ from typing import Any
 from ..engine import scheduler
 from ..models import LoadedModel
 
-#: The core's stop reasons as the ``finish_reason`` values of chat APIs.
+#: The core's stop reasons as the ``finish_reason`` values of chat APIs (OpenAI's).
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
@@ -22,26 +22,14 @@ def decode_on(lm: Any, how: str, query: str, passages: Any, *, batching: bool, *
     return getattr(lm, how)(query, passages, **kw)
 
 
-def jsonable(obj: Any) -> Any:
-    """A JSON-safe deep copy (tensors/numpy scalars to numbers, unknown objects to str)."""
-
-    def default(o: Any) -> Any:
-        if hasattr(o, "tolist"):
-            return o.tolist()
-        if hasattr(o, "item"):
-            return o.item()
-        if isinstance(o, (set, tuple)):
-            return list(o)
-        return str(o)
-
-    return json.loads(json.dumps(obj, default=default, ensure_ascii=False))
-
-
 def usage(result: Any, roles: Sequence[str] | None = None) -> dict[str, Any]:
-    """Token usage of one decode: ``prompt_tokens`` counts every context the policy
-    prefilled (by its context ``roles``, looked up by the trace's policy name if None; the
-    RAG prompt stands in for per-passage rules, the pure one when no passage was usable),
-    ``completion_tokens`` one per step; with ``total_tokens`` and ``prompt_tokens_by_context``.
+    """Token usage of one decode, the one count of the adapters and the server (OpenAI
+    ``usage``, LangChain ``usage_metadata``, LlamaIndex ``raw["usage"]``): ``prompt_tokens``
+    counts the prompt of every context the policy decoded (by its context ``roles``, looked up
+    by the trace's policy name if None): both the pure and the RAG prompt for Tok-RAG and CAD,
+    the RAG prompt for ``rag`` (it stands in for per-passage rules), the pure one for ``llm``
+    and when no passage was usable; ``completion_tokens`` one per step; with ``total_tokens``
+    and ``prompt_tokens_by_context`` (the trace's ``prompt_tokens``).
     """
     from ..policies import get_policy
 

@@ -13,7 +13,6 @@ from .console import (
     SAMPLE_DOCS,
     _check_output_path,
     _consoles,
-    _positive_int,
     _print_warning,
     _resolve_docs,
     _short_source,
@@ -21,6 +20,7 @@ from .console import (
     add_model_arguments,
     check_policy,
     parse_option,
+    positive_int,
     stop_strings,
 )
 
@@ -86,7 +86,7 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--top-k",
-        type=_positive_int,
+        type=positive_int,
         default=TOP_K,
         help=f"chunks to retrieve (default {TOP_K})",
     )
@@ -126,7 +126,7 @@ def _add_decoding_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument(
         "--max-new-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=MAX_NEW_TOKENS,
         help=f"answer length limit in tokens (default {MAX_NEW_TOKENS})",
     )

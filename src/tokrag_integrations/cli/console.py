@@ -44,7 +44,7 @@ def parse_option(text: str) -> tuple[str, Any]:
     return key.replace("-", "_"), value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:

@@ -93,7 +93,7 @@ def _megabytes(text: str) -> float:
     try:
         max_file_bytes(value)  # the opener's own rule for a cap
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of MB above 0, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a finite number of MB above 0, got {text!r}") from None
     return value
 
 

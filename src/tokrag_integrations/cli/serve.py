@@ -13,7 +13,7 @@ import argparse
 from typing import Any
 
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS, TOP_K
-from .console import _positive_int, add_model_arguments, check_policy, parse_option
+from .console import add_model_arguments, check_policy, parse_option, positive_int
 
 __all__ = ["add_parser", "cmd_serve", "config_from_args"]
 
@@ -47,19 +47,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help=f"policy of requests that name none: {', '.join(available_policies())}")
     p.add_argument("--option", action="append", default=[], type=parse_option,
                    metavar="KEY=VALUE", help="a default policy option (repeatable)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=MAX_NEW_TOKENS,
+    p.add_argument("--max-new-tokens", type=positive_int, default=MAX_NEW_TOKENS,
                    help=f"max_tokens of requests that give none (default {MAX_NEW_TOKENS})")
     p.add_argument("--no-stop", action="store_true",
                    help="requests without 'stop' get no stop strings (default: a blank line or "
                    "a line starting with '#', as `tokrag ask`)")
     limits = p.add_argument_group("limits")
-    limits.add_argument("--max-tokens-limit", type=_positive_int, default=512,
+    limits.add_argument("--max-tokens-limit", type=positive_int, default=512,
                         help="largest max_tokens a request may ask for (default 512)")
-    limits.add_argument("--max-documents", type=_positive_int, default=32,
+    limits.add_argument("--max-documents", type=positive_int, default=32,
                         help="most documents in one request (default 32)")
-    limits.add_argument("--max-body-bytes", type=_positive_int, default=1_000_000,
+    limits.add_argument("--max-body-bytes", type=positive_int, default=1_000_000,
                         help="largest request body (default 1000000)")
-    limits.add_argument("--max-queue", type=_positive_int, default=64,
+    limits.add_argument("--max-queue", type=positive_int, default=64,
                         help="requests admitted at once; one more gets 429 (default 64)")
     limits.add_argument("--api-key", default=None,
                         help="bearer token required on /v1/* and /openapi.json (default: "
@@ -69,17 +69,17 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                         help="GET /metrics (Prometheus): 'key' needs the API key when one is "
                              "set, as /v1/* (default); 'open' never does; 'off' serves none")
     batching = p.add_argument_group("batching")
-    batching.add_argument("--max-batch", type=_positive_int, default=None,
+    batching.add_argument("--max-batch", type=positive_int, default=None,
                           help="largest batch of concurrent requests decoded together")
     batching.add_argument("--batch-wait-ms", type=_non_negative_float, default=None,
                           help="how long a request waits for companions before decoding")
-    batching.add_argument("--max-rows", type=_positive_int, default=None,
+    batching.add_argument("--max-rows", type=positive_int, default=None,
                           help="most context rows a running decode holds (two per tokrag request; "
                                "default 32); a request that does not fit waits")
-    batching.add_argument("--max-positions", type=_positive_int, default=None,
+    batching.add_argument("--max-positions", type=positive_int, default=None,
                           help="most key/value positions a running decode may reach "
                                "(rows x (prompt + max_tokens); default 65536)")
-    batching.add_argument("--max-prefill-tokens", type=_positive_int, default=None,
+    batching.add_argument("--max-prefill-tokens", type=positive_int, default=None,
                           help="most prompt tokens prefilled at one step of a running decode "
                                "(default: no bound): a burst of requests then joins over several "
                                "steps, and its first requests get their first token sooner")
@@ -89,7 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     store = p.add_argument_group("retrieval (when a request has no documents)")
     store.add_argument("--store", choices=("postgres",), default=None,
                        help="retrieve from an ingested Postgres table")
-    store.add_argument("--top-k", type=_positive_int, default=TOP_K,
+    store.add_argument("--top-k", type=positive_int, default=TOP_K,
                        help=f"chunks retrieved per question (default {TOP_K})")
     store.add_argument("--sources-relative-to", metavar="FOLDER", default=None,
                        help="give each answer's sources relative to FOLDER (the folder that was "
@@ -101,9 +101,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                      help="deploy on Ray Serve (a local Ray instance, or RAY_ADDRESS / --ray-address)")
     ray.add_argument("--ray-address", default=None,
                      help="Ray cluster to join, e.g. ray://head:10001 or auto (default: local)")
-    ray.add_argument("--replicas", type=_positive_int, default=1,
+    ray.add_argument("--replicas", type=positive_int, default=1,
                      help="replicas, one model each (default 1)")
-    ray.add_argument("--max-ongoing-requests", type=_positive_int, default=None,
+    ray.add_argument("--max-ongoing-requests", type=positive_int, default=None,
                      help="requests Ray sends one replica at once (default: --max-queue)")
     ray.add_argument("--autoscale", metavar="MIN:MAX", default=None,
                      help="autoscale between MIN and MAX replicas instead of --replicas")

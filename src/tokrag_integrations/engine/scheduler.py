@@ -43,7 +43,7 @@ from ..speed import Speed, speed_of
 from ..trace import Trace
 from .decoder import Decoder, StepEvent
 from .loop import SequenceDecoder, decoder_for
-from .seam import prepare, speed_paths_off
+from .seam import speed_paths_off
 from .streams import (
     _END,
     DECODE_THREADS,
@@ -181,8 +181,8 @@ def _prepare(
             query=queries[i],
             policy=pol.name,
             model=lm.name,
-            # The paths off for this decode are added when it starts (engine/seam.py).
-            options={**pol.options(), **chosen_speed.options()},
+            options=pol.options(),
+            speed=chosen_speed.options(),
             passages=plans[i].passages,
             warnings=list(plans[i].warnings),
             prompt_tokens={
@@ -219,6 +219,8 @@ class _Query:
     timings: dict[str, float]
     t0: float
     t1: float
+    #: Why the static state (``Speed.static``) was asked for and not used, or None.
+    static_off: str | None = None
 
 
 @dataclass
@@ -340,11 +342,6 @@ class _Loop:
         p = r.prepared
         joined = float(self._active() > 0)
         self.seen.append(r)
-        if p.plans:  # the speed paths off for this decode, as it gets them (installed first)
-            prepare(self.lm, p.speed)
-            off = speed_paths_off(self.lm, p.speed)
-            for t in p.traces:
-                t.options.update(off)
         r.results = [None] * len(p.plans)
         for group, idx in p.groups.items():
             d = self.decoders.get(group)
@@ -362,13 +359,12 @@ class _Loop:
             t0 = time.perf_counter()
             ids = d.admit([p.plans[i] for i in idx])
             now = time.perf_counter()
-            off = getattr(d, "static_off", None)  # speed.static asked for, not applicable
-            for i in idx if off else ():  # (a copy: the calls' traces share the dict)
-                opts = p.traces[i].options
-                opts["speed_paths_off"] = {**opts.get("speed_paths_off", {}), "static": off}
+            static_off = getattr(d, "static_off", None)
             for q, i in zip(ids, idx, strict=True):
                 timings = {**d.timings, "joined": joined, "queries_in_batch": 0.0}
-                self.owners[group][q] = _Query(r, i, p.traces[i], p.trackers[i], timings, t0, now)
+                self.owners[group][q] = _Query(
+                    r, i, p.traces[i], p.trackers[i], timings, t0, now, static_off
+                )
                 r.queries.append(self.owners[group][q])
         if self.b is None:
             return
@@ -423,8 +419,12 @@ class _Loop:
         if any(x is None for x in r.results):
             return
         end = time.perf_counter()  # the call's queries are timed to its end
+        # The paths off for this decode (its Speed), after its own measurements.
+        off = speed_paths_off(self.lm, r.prepared.speed)
         for x in r.queries:
             x.trace.timings = {**x.timings, "decode_s": end - x.t1, "total_s": end - x.t0}
+            static = {"static": x.static_off} if x.static_off else {}
+            x.trace.speed["speed_paths_off"] = {**off, **static}
         r.done.set()
         if r.events is not None:
             r.events.put(None)

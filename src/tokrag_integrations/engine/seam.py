@@ -102,17 +102,16 @@ def speed_paths(lm: LoadedModel, speed: Speed | None = None) -> dict[str, str]:
     return install.speed_paths(lm.model, speed)
 
 
-def speed_paths_off(lm: LoadedModel, speed: Speed) -> dict[str, Any]:
-    """``{"speed_paths_off": {path: reason}}`` for a trace's options where some speed path is
-    off for a decode of ``lm`` under ``speed`` (non-CPU device, non-float32 dtype, an
-    architecture outside the tested matrix, a field of ``speed`` set off), else nothing."""
+def speed_paths_off(lm: LoadedModel, speed: Speed) -> dict[str, str]:
+    """``{path: reason}`` for each speed path off for a decode of ``lm`` under ``speed`` now
+    (non-CPU device, non-float32 dtype, an architecture outside the tested matrix, measured
+    slower here, a field of ``speed`` set off): the trace's ``speed["speed_paths_off"]``."""
     # "on" may carry what was measured ("on (...)"): only the paths that are off count.
-    off = {
+    return {
         k: v.removeprefix("off: ")
         for k, v in speed_paths(lm, speed).items()
         if v.startswith("off")
     }
-    return {"speed_paths_off": off} if off else {}
 
 
 def static_decode(

@@ -111,24 +111,41 @@ class ContextView:
     def attention(self, layer_idx: int) -> torch.Tensor:
         """[H, T] attention of the last position at 0-based layer ``layer_idx`` (recomputed)."""
         if layer_idx not in self._attn:
-            rec, (keys,), valid = self._probe([layer_idx])
-            seen = self._seen
-            keys = keys[:, :, :seen]  # a cache may hold room for later positions
-            if rec.query is not None and keys.shape[2] == seen:
-                q, scale = rec.query[layer_idx][0], rec.query_scale[layer_idx]  # type: ignore[index]
-                got = attention_from_queries([q], [scale], [keys], valid, seen)[0]
-            else:
-                got = attention_row(self._batch.parts, layer_idx, rec, keys, valid, seen)[0]
-            self._attn[layer_idx] = got
+            if not self._from_queries([layer_idx]):
+                rec, (keys,), valid = self._probe([layer_idx])
+                keys = keys[:, :, : self._seen]  # a cache may hold room for later positions
+                got = attention_row(self._batch.parts, layer_idx, rec, keys, valid, self._seen)
+                self._attn[layer_idx] = got[0]
         return self._attn[layer_idx]
+
+    def _from_queries(self, layers: list[int]) -> bool:
+        """Where the forward pass left the rotated queries and the cache holds exactly the
+        seen keys: the attention at ``layers`` from them, in one :func:`attention_from_queries`
+        call (one ``q·K`` a layer, the same products as layer by layer), read from the batch's
+        record without building this row's; False (nothing done) otherwise."""
+        recs, b, r, seen = self._batch.records, self._batch, self._row, self._seen
+        if recs is None or recs.query is None:
+            return False
+        keys = [cached_keys(b.cache, i)[b.cache_row(r)][None, :, :seen] for i in layers]
+        if any(k.shape[2] != seen for k in keys):
+            return False
+        queries = [recs.query[i][r] for i in layers]  # type: ignore[index]
+        scales = [recs.query_scale[i] for i in layers]  # type: ignore[index]
+        valid = b.mask[r : r + 1, :seen].bool()
+        out = attention_from_queries(queries, scales, keys, valid, seen)
+        for i, row in zip(layers, out, strict=True):
+            self._attn[i] = row
+        return True
 
     def attention_rows(self, layers: list[int]) -> torch.Tensor:
         """[n, H, T] attention of the last position at ``layers`` (0-based): the rows a rule
         already read at this step are reused, the others recomputed (in one go where that
-        is most of the layers)."""
+        is most of the layers, or from the recorded queries)."""
         missing = [i for i in layers if i not in self._attn]
         if len(missing) > 1 and len(missing) * 2 > len(self._batch.cache.layers):
             self.attention_all()
+        elif len(missing) > 1:
+            self._from_queries(missing)
         return torch.stack([self.attention(i) for i in layers])
 
     def attention_all(self) -> torch.Tensor:

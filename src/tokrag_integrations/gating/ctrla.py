@@ -36,6 +36,7 @@ from ..config import require_bool
 from ..engine.passes import last_token_states
 from ..models import LoadedModel
 from ..policies.base import Choice, ContextSpec, Lens, Policy, View
+from ..prompts import render_chat_template
 from ..trace import FROM_LLM
 from .gate_base import Gate
 from .statements import INSTRUCTION, PERSONAS, STATEMENTS
@@ -74,8 +75,8 @@ def _persona_prompt(lm: LoadedModel, persona: str, statement: str) -> list[int]:
     tok = lm.tokenizer
     instr = INSTRUCTION.format(persona=persona)
     if getattr(tok, "chat_template", None):
-        head = tok.apply_chat_template(
-            [{"role": "user", "content": instr}], tokenize=False, add_generation_prompt=True
+        head = render_chat_template(
+            tok, [{"role": "user", "content": instr}], tokenize=False, add_generation_prompt=True
         )
         text = head + statement
     else:

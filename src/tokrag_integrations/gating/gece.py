@@ -394,4 +394,5 @@ class GECEGate(Gate):
         if "mean_grad_sketch" in state:
             self.mean_grad = torch.tensor(state["mean_grad_sketch"], dtype=torch.float32)
         elif state.get("mean_grad_file"):
-            self.mean_grad = torch.load(folder / state["mean_grad_file"])
+            # weights_only: torch < 2.6 (allowed by pyproject) unpickles by default.
+            self.mean_grad = torch.load(folder / state["mean_grad_file"], weights_only=True)

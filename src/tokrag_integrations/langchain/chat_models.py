@@ -26,15 +26,15 @@ from pydantic import (
 )
 
 from ..adapters.translate import decode_on, given_options, model_label, options_dict
-from ..defaults import MAX_NEW_TOKENS
+from ..defaults import MAX_NEW_TOKENS, REMOTE_MAX_RESPONSE_MB
 from ..models import LOAD_FIELDS, LoadedModel, check_greedy, load_model, unknown_arguments
 from ..policies import get_policy
 from ..results import GenerationResult, TokenEvent
 from .messages import (
+    document_passages,
     final_metadata,
     messages_to_prompt,
     rendered_prompt,
-    to_passages,
     token_metadata,
     usage_metadata,
 )
@@ -194,10 +194,13 @@ class ChatTokRAG(BaseChatModel):
     api_key: SecretStr | None = None
     """The server's bearer token (default ``$TOKRAG_API_KEY``); never shown."""
     timeout: float = 120.0
-    """Seconds a server request may take (``base_url`` only)."""
+    """Seconds a whole server call may take: retries, waits and the whole answer or stream
+    included (``base_url`` only)."""
     max_retries: int = 2
-    """Retries of a server request on connection errors, 408, 429 and 5xx, after
-    ``Retry-After`` when the server sends it (``base_url`` only)."""
+    """Retries of a server request on connection errors, 408, 409, 429 and 5xx, after
+    ``Retry-After`` when the server sends it, within ``timeout`` (``base_url`` only)."""
+    max_response_mb: float = REMOTE_MAX_RESPONSE_MB
+    """The largest server answer read, in MB of 2**20 bytes (``base_url`` only)."""
 
     _lm: Any = PrivateAttr(default=None)
     _warned_no_passages: bool = PrivateAttr(default=False)
@@ -221,7 +224,11 @@ class ChatTokRAG(BaseChatModel):
                 )
             key = self.api_key.get_secret_value() if self.api_key is not None else None
             self._lm = RemoteModel(
-                self.base_url, key, timeout=self.timeout, max_retries=self.max_retries
+                self.base_url,
+                key,
+                timeout=self.timeout,
+                max_retries=self.max_retries,
+                max_response_mb=self.max_response_mb,
             )
         elif isinstance(lm, LoadedModel):
             given = given_options(**{k: kwargs.get(k) for k in LOAD_FIELDS if k != "device"})
@@ -337,7 +344,7 @@ class ChatTokRAG(BaseChatModel):
         policy = call.get("policy", self.policy)
         get_policy(policy, **options)  # unknown policy or option: fail before loading anything
         given = call.get("passages", self.passages)
-        passages = to_passages(given)
+        passages = document_passages(given)
         context, question = call.get("context"), call.get("question")
         if context is None and question is not None:
             raise ValueError("question= is the pure context's question of a context= call")
@@ -345,7 +352,7 @@ class ChatTokRAG(BaseChatModel):
             # LangChain's own RAG code: the run's retrieved documents, found in the messages.
             found = find_retrieved(messages, run_manager)
             context, question, retrieval = found.context, found.question, found.metadata
-            passages = to_passages(found.documents)
+            passages = document_passages(found.documents)
         else:
             retrieval = given_retrieval(passages, context, policy)
         max_tokens = self._positive(int(call.get("max_tokens", self.max_tokens)))

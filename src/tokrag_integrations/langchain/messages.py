@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from langchain_core.documents import Document
@@ -17,9 +15,10 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import UsageMetadata
 
+from ..adapters.chat import ChatTurns, adapter_passages, split_context, split_turns
 from ..adapters.translate import FINISH_REASONS, usage
 from ..models import LoadedModel
-from ..prompts import Passage, RenderedPrompt, as_passages
+from ..prompts import Passage, RenderedPrompt
 from ..results import GenerationResult
 
 
@@ -40,16 +39,10 @@ def to_passage(item: Any) -> Any:
     return item
 
 
-def to_passages(items: Sequence[Any] | None) -> list[Any]:
-    """:func:`to_passage` over a sequence (``None`` -> ``[]``)."""
-    if items is None:
-        return []
-    if isinstance(items, (str, Document)):
-        raise TypeError(
-            "passages must be a list (of Documents, strings or Passage objects), "
-            f"not a single {type(items).__name__}"
-        )
-    return [to_passage(p) for p in items]
+def document_passages(items: Sequence[Any] | None) -> list[Any]:
+    """``passages=``: Documents (:func:`to_passage`), strings, Passage objects or (text, score)
+    pairs (:func:`~tokrag_integrations.adapters.chat.adapter_passages`; ``None`` -> ``[]``)."""
+    return adapter_passages(items, to_passage, "Documents") or []
 
 
 def _text(message: BaseMessage) -> str:
@@ -89,46 +82,16 @@ def _role(message: BaseMessage) -> str:
     )
 
 
-@dataclass
-class ChatPrompt:
-    """A conversation split the way the core API takes it: the question, the earlier turns
-    as role/content dicts, the system messages' text (None: the core's default)."""
-
-    query: str
-    history: list[dict[str, str]]
-    system_prompt: str | None
-
-
-def messages_to_prompt(messages: Sequence[BaseMessage]) -> ChatPrompt:
-    """System messages -> ``system_prompt``; the last human turns, joined -> the query; the
-    rest -> history.
+def messages_to_prompt(messages: Sequence[BaseMessage]) -> ChatTurns:
+    """LangChain messages split by :func:`~tokrag_integrations.adapters.chat.split_turns`: system
+    messages -> ``system_prompt``; the last human turns, joined -> the query; the rest ->
+    history.
 
     Raises:
         ValueError: no messages, or the conversation does not end with a human message.
     """
-    if not messages:
-        raise ValueError("ChatTokRAG got no messages: pass at least one human message.")
-    system: list[str] = []
-    turns: list[dict[str, str]] = []
-    for m in messages:
-        role = _role(m)
-        text = _text(m)
-        if role == "system":
-            if text.strip():
-                system.append(text)
-        else:
-            turns.append({"role": role, "content": text})
-    if not turns or turns[-1]["role"] != "user":
-        last = turns[-1]["role"] if turns else "system"
-        raise ValueError(
-            f"The conversation ends with a {last} message; ChatTokRAG answers the last human "
-            "message, so end the list with a HumanMessage."
-        )
-    tail: list[str] = []
-    while turns and turns[-1]["role"] == "user":
-        tail.insert(0, turns.pop()["content"])
-    query = "\n\n".join(t for t in tail if t.strip())
-    return ChatPrompt(query=query, history=turns, system_prompt="\n\n".join(system) or None)
+    turns = [{"role": _role(m), "content": _text(m)} for m in messages]
+    return split_turns(turns, "ChatTokRAG", "end the list with a HumanMessage")
 
 
 def rendered_prompt(
@@ -136,7 +99,7 @@ def rendered_prompt(
     context: str,
     question: str | None = None,
     passages: list[Any] | None = None,
-) -> tuple[RenderedPrompt, ChatPrompt]:
+) -> tuple[RenderedPrompt, ChatTurns]:
     """Messages formatted by the caller's template, whose context variable received
     ``context`` (holding ``passages``) -> (the RAG context: every message as formatted; the
     pure context: the question, else the last human turn without ``context``, after the turns
@@ -155,7 +118,7 @@ def rendered_prompt(
     prompt = messages_to_prompt(messages)  # validates the conversation
     turns = [{"role": _role(m), "content": _text(m)} for m in messages]
     rendered = RenderedPrompt(
-        context, messages=turns, passages=context_passages(context, passages or [])
+        context, messages=turns, passages=split_context(context, passages or [], stacklevel=4)
     )
 
     def holds(text: str) -> bool:
@@ -170,43 +133,11 @@ def rendered_prompt(
             "The question for the pure context is empty (the last human message holds only "
             "the context): pass question=... with context=."
         )
-    return rendered, ChatPrompt(
+    return rendered, ChatTurns(
         query=query,
         history=[t for t in prompt.history if not holds(t["content"])],
         system_prompt="\n\n".join(t for t in system if not holds(t)) or None,
     )
-
-
-def context_passages(context: str, passages: list[Any]) -> list[Passage] | None:
-    """``context`` cut after the text of each passage found in it (in order; the last piece
-    runs to the end), each piece with its passage's score and metadata: the
-    ``RenderedPrompt`` passages, so that citations name the documents. A passage not found
-    is left out with a warning; None when none is found."""
-    ends: list[tuple[int, Passage]] = []
-    at, missing = 0, []
-    for i, p in enumerate(as_passages(passages)):
-        text = p.text.strip()
-        where = context.find(text, at) if text else -1
-        if where < 0:
-            missing.append(i)
-            continue
-        at = where + len(text)
-        ends.append((at, p))
-    if missing:
-        warnings.warn(
-            f"passage(s) {missing} are not in the context as given (after the passages before "
-            "them): no citation names them",
-            UserWarning,
-            stacklevel=5,
-        )
-    if not ends:
-        return None
-    ends[-1] = (len(context), ends[-1][1])
-    starts = [0] + [e for e, _ in ends[:-1]]
-    return [
-        Passage(context[a:e], p.score, dict(p.metadata))
-        for a, (e, p) in zip(starts, ends, strict=True)
-    ]
 
 
 def usage_metadata(result: GenerationResult) -> UsageMetadata:

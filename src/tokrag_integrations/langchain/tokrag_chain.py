@@ -96,12 +96,11 @@ def input_documents(inputs: Any) -> list[Document]:
     return list(docs)
 
 
-def by_contribution(docs: list[Document], trace: dict[str, Any]) -> list[Document]:
-    """``docs`` (the trace's passages, in order) by their share of the answer's attention
-    (:meth:`Trace.contributions`), largest first; those without one (cut from the window,
-    no citations) after them, in retrieval order."""
+def _by_contribution(docs: list[Document], trace: dict[str, Any]) -> list[Document]:
+    """``docs`` (the trace's passages, in order) in :meth:`Trace.passage_order`; as retrieved
+    when they are not one passage per document."""
     tr = Trace.from_dict(trace)
-    if len(tr.passages) != len(docs):  # not one passage per document: as retrieved
+    if len(tr.passages) != len(docs):
         return list(docs)
     return [docs[i] for i in tr.passage_order()]
 
@@ -242,7 +241,7 @@ class TokRAGChain(Runnable[Any, dict[str, Any]]):
         return {
             **out,
             "answer": msg.text,
-            "context": by_contribution(head["context"], meta["trace"]),
+            "context": _by_contribution(head["context"], meta["trace"]),
             "sources": list(meta["token_sources"]),
             "trace": meta["trace"],
             "citations": meta["citations"],

@@ -39,11 +39,10 @@ from pydantic import SecretStr, StrictBool, field_serializer
 from ..adapters.translate import (
     decode_on,
     given_options,
-    jsonable,
     model_label,
     result_summary,
 )
-from ..defaults import MAX_NEW_TOKENS
+from ..defaults import MAX_NEW_TOKENS, REMOTE_MAX_RESPONSE_MB
 from ..models import (
     LOAD_FIELDS,
     LOAD_OPTIONS,
@@ -55,12 +54,12 @@ from ..models import (
 from ..prompts import RenderedPrompt
 from ..results import GenerationResult, TokenEvent
 from .nodes import (
-    by_contribution,
     messages_to_dicts,
     messages_to_turns,
     node_citations,
-    split_context,
-    to_passages,
+    node_passages,
+    nodes_by_contribution,
+    split_node_context,
 )
 
 #: Template variables that carry retrieved text in LlamaIndex's prompts (text QA, summary
@@ -177,7 +176,7 @@ def _cite(response: Any, synth: _Synthesis) -> None:
         return
     cited = node_citations(synth.result.trace)
     response.metadata.update(cited)
-    response.source_nodes = by_contribution(
+    response.source_nodes = nodes_by_contribution(
         response.source_nodes, cited["contributions"], synth.decoded
     )
 
@@ -239,11 +238,11 @@ def _watch_synthesizers() -> None:
 
 def _parts(formatted: _Templated) -> list[Any] | None:
     """The template's context cut into the nodes of the synthesize call in progress
-    (:func:`.nodes.split_context`), so that each is its own passage; None outside one."""
+    (:func:`.nodes.split_node_context`), so that each is its own passage; None outside one."""
     calls = _SYNTH_CALLS.get()
     if not calls or not calls[-1].nodes:
         return None
-    return split_context(formatted.context, calls[-1].nodes)
+    return split_node_context(formatted.context, calls[-1].nodes)
 
 
 def _given(fn: Any, default: Any) -> bool:
@@ -341,10 +340,18 @@ class TokRAGLLM(CustomLLM):
     api_key: SecretStr | None = Field(
         default=None, description="The server's bearer token (default $TOKRAG_API_KEY)."
     )
-    timeout: float = Field(default=120.0, description="Seconds a server request may take.")
+    timeout: float = Field(
+        default=120.0,
+        description="Seconds a whole server call may take (retries and the whole answer included).",
+    )
     max_retries: int = Field(
         default=2,
-        description="Retries of a server request (connection errors, 408, 429, 5xx; Retry-After).",
+        description="Retries of a server request (connection errors, 408, 409, 429, 5xx; "
+        "Retry-After), within timeout.",
+    )
+    max_response_mb: float = Field(
+        default=REMOTE_MAX_RESPONSE_MB,
+        description="The largest server answer read (MB of 2**20 bytes).",
     )
 
     _lm: Any = PrivateAttr()
@@ -405,7 +412,11 @@ class TokRAGLLM(CustomLLM):
         super().__init__(**kwargs)
         key = self.api_key.get_secret_value() if self.api_key is not None else None
         self._lm = RemoteModel(
-            self.base_url, key, timeout=self.timeout, max_retries=self.max_retries
+            self.base_url,
+            key,
+            timeout=self.timeout,
+            max_retries=self.max_retries,
+            max_response_mb=self.max_response_mb,
         )
 
     @field_serializer("api_key")
@@ -452,7 +463,7 @@ class TokRAGLLM(CustomLLM):
     def _call_args(self, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """(passages for the core, keyword arguments for generate/stream)."""
         check_greedy(kwargs.get("temperature"), "TokRAGLLM")
-        passages = to_passages(kwargs.get("passages"))
+        passages = node_passages(kwargs.get("passages"))
         opts = {**self.policy_options, **dict(kwargs.get("policy_options") or {})}
         gen_kw: dict[str, Any] = {
             "policy": kwargs.get("policy") or (self.policy if passages is not None else "llm"),
@@ -521,9 +532,12 @@ class TokRAGLLM(CustomLLM):
         if passages is None and _given(self.messages_to_prompt, generic_messages_to_prompt):
             gen_kw["prompt_format"] = "text"
             return self.messages_to_prompt(messages), passages, gen_kw
-        history, query = messages_to_turns(messages)
-        if history:
-            gen_kw["messages"] = history
+        turns = messages_to_turns(messages)
+        if turns.history:
+            gen_kw["messages"] = turns.history
+        if turns.system_prompt is not None:  # the conversation's own system messages win
+            gen_kw["system_prompt"] = turns.system_prompt
+        query = turns.query
         if passages is None:
             gen_kw["prompt_format"] = "chat"
         return query, passages, gen_kw
@@ -546,7 +560,7 @@ class TokRAGLLM(CustomLLM):
             text=result.text if text is None else text,
             delta=None if text is None else "",
             additional_kwargs=result_summary(result),
-            raw=jsonable(result.trace.to_dict()),
+            raw=result.trace.to_dict(),
         )
 
     def _backend(self, how: str, query: str, passages: Any, gen_kw: dict[str, Any]) -> Any:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Collection, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
+from ..adapters.chat import ChatTurns, adapter_passages, split_context, split_turns
 from ..prompts import Passage
-from ..trace import Trace
+from ..trace import Trace, by_contribution
 
 #: LlamaIndex chat roles mapped onto the three roles a chat template knows.
 _ROLE_MAP = {
@@ -54,50 +54,12 @@ def node_to_passage(node: NodeWithScore, metadata_mode: Any = MetadataMode.NONE)
     )
 
 
-def split_context(context: str, nodes: Sequence[NodeWithScore]) -> list[Passage] | None:
+def split_node_context(context: str, nodes: Sequence[NodeWithScore]) -> list[Passage] | None:
     """``context`` (a template's ``context_str``: LlamaIndex joins the nodes' texts with blank
-    lines) cut into one passage per node found in it (its text under any metadata mode, outer
-    whitespace aside; the longest found), each running to the next. Text outside the nodes
-    that is not whitespace is a passage of its own without a node id, with a warning naming
-    the nodes not found. Joined, the passages give ``context``; None when no node is in it."""
-    found: list[tuple[int, int, NodeWithScore]] = []
-    for n in nodes:
-        texts = {n.node.get_content(metadata_mode=m).strip() for m in MetadataMode} - {""}
-        for t in sorted(texts, key=len, reverse=True):
-            at = context.find(t)
-            while at >= 0 and any(a < at + len(t) and at < b for a, b, _ in found):
-                at = context.find(t, at + 1)
-            if at >= 0:
-                found.append((at, at + len(t), n))
-                break
-    starts: list[tuple[int, NodeWithScore | None]] = []
-    pos = 0
-    for at, end, n in sorted(found, key=lambda f: f[0]):
-        if context[pos:at].strip():
-            starts.append((pos, None))
-        starts.append((at if starts else 0, n))
-        pos = end
-    if context[pos:].strip():
-        starts.append((pos, None))
-    if any(n is None for _, n in starts) or (context.strip() and not found):
-        held = {id(n) for _, _, n in found}
-        missing = [n.node.node_id for n in nodes if id(n) not in held]
-        warnings.warn(
-            "Part of the template's context is not the text of any node given to the "
-            f"synthesizer (not found: {', '.join(missing) or 'none'}): citations to that part "
-            "name no node.",
-            stacklevel=4,
-        )
-    if not found:
-        return None
-    out = []
-    for (at, n), (end, _) in zip(starts, [*starts[1:], (len(context), None)], strict=True):
-        if n is None:
-            out.append(Passage(context[at:end], metadata={"source": "template context"}))
-        else:
-            score = None if n.score is None else float(n.score)
-            out.append(Passage(context[at:end], score, _metadata(n)))
-    return out
+    lines) cut by :func:`~tokrag_integrations.adapters.chat.split_context`, each node looked for by its
+    text under any metadata mode; a piece keeps its node's score, id and metadata."""
+    texts = [[n.node.get_content(metadata_mode=m) for m in MetadataMode] for n in nodes]
+    return split_context(context, [node_to_passage(n) for n in nodes], texts, stacklevel=4)
 
 
 def node_citations(trace: Trace) -> dict[str, list[dict[str, Any]]]:
@@ -117,35 +79,26 @@ def node_citations(trace: Trace) -> dict[str, list[dict[str, Any]]]:
     }
 
 
-def by_contribution(
+def nodes_by_contribution(
     nodes: Sequence[NodeWithScore],
     contributions: Sequence[dict[str, Any]],
     decoded: Collection[str] | None = None,
 ) -> list[NodeWithScore]:
-    """``nodes`` the answer drew on first, largest contribution first; then the others in
-    their order, those not decoded (not in ``decoded``, when given) last. As given without
-    contributions."""
-    rank = {c["node_id"]: k for k, c in enumerate(contributions)}
-    if not rank:
-        return list(nodes)
-
-    def key(n: NodeWithScore) -> tuple[int, int]:
-        node_id = n.node.node_id
-        if node_id in rank:
-            return 0, rank[node_id]
-        return (1 if decoded is None or node_id in decoded else 2), 0
-
-    return sorted(nodes, key=key)
+    """``nodes`` by :func:`~tokrag_integrations.trace.by_contribution` of their ids
+    (``contributions``: :func:`node_citations`' list, largest first), those not decoded (not in
+    ``decoded``, when given) last."""
+    ranked = [c["node_id"] for c in contributions]
+    return by_contribution(nodes, ranked, lambda n: n.node.node_id, decoded)
 
 
-def to_passages(items: Sequence[Any] | None) -> list[Any] | None:
-    """Accept nodes, strings, :class:`Passage` objects or (text, score) pairs for ``passages=``."""
-    if items is None:
-        return None
-    items = list(items)
-    if items and all(isinstance(i, NodeWithScore) for i in items):
-        return [node_to_passage(n) for n in order_nodes(items)]
-    return [node_to_passage(i) if isinstance(i, NodeWithScore) else i for i in items]
+def node_passages(items: Sequence[Any] | None) -> list[Any] | None:
+    """``passages=``: nodes (best first: :func:`order_nodes`, when all are nodes), strings,
+    :class:`Passage` objects or (text, score) pairs (:func:`~tokrag_integrations.adapters.chat.adapter_passages`)."""
+    if items is not None and items and all(isinstance(i, NodeWithScore) for i in items):
+        items = order_nodes(items)
+    return adapter_passages(
+        items, lambda i: node_to_passage(i) if isinstance(i, NodeWithScore) else i, "nodes"
+    )
 
 
 def messages_to_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
@@ -157,19 +110,13 @@ def messages_to_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     return turns
 
 
-def messages_to_turns(messages: Sequence[ChatMessage]) -> tuple[list[dict[str, str]], str]:
-    """Split chat messages into earlier turns (role/content dicts) and the final user question.
+def messages_to_turns(messages: Sequence[ChatMessage]) -> ChatTurns:
+    """Chat messages split by :func:`~tokrag_integrations.adapters.chat.split_turns` (roles mapped by
+    :func:`messages_to_dicts`).
 
     Raises:
         ValueError: no messages, or the last message is not a user message.
     """
-    if not messages:
-        raise ValueError("chat() got no messages: pass at least one user message.")
-    turns = messages_to_dicts(messages)
-    last = turns[-1]
-    if last["role"] != "user":
-        raise ValueError(
-            f"The last chat message must be the user's question; got a {last['role']!r} message. "
-            "Append a user message to ask something."
-        )
-    return turns[:-1], last["content"]
+    return split_turns(
+        messages_to_dicts(messages), "TokRAGLLM.chat()", "append a user message to ask something"
+    )

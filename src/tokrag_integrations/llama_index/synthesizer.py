@@ -44,15 +44,16 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, Te
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from ..adapters.synthesis import Call, Session, Setup, call_summary, totals
-from ..adapters.translate import checked_policy, jsonable, options_dict, result_summary, usage
+from ..adapters.translate import checked_policy, options_dict, result_summary, usage
 from ..config import require_bool
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
 from ..engine import scheduler
 from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, unknown_arguments
 from ..policies.base import Policy
 from ..results import GenerationResult
+from ..trace import json_data
 from .llm import TokRAGLLM
-from .nodes import by_contribution, node_citations, node_to_passage, order_nodes
+from .nodes import node_citations, node_to_passage, nodes_by_contribution, order_nodes
 
 dispatcher = instrument.get_dispatcher(__name__)
 
@@ -304,7 +305,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
     def _gate_dict(self, decision: Any) -> dict[str, Any] | None:
         if decision is None:
             return None
-        return jsonable(
+        return json_data(
             {
                 **dict(decision.to_dict()),
                 "retrieve": bool(decision.retrieve),
@@ -507,7 +508,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
         made: list[RESPONSE_TYPE] = []
 
         def ordered() -> dict[str, Any]:
-            made[0].source_nodes = by_contribution(
+            made[0].source_nodes = nodes_by_contribution(
                 source_nodes,
                 made[0].metadata.get("contributions") or [],
                 made[0].metadata.get("nodes_used"),

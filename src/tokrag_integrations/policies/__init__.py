@@ -14,6 +14,8 @@ import numbers
 import re
 from typing import TYPE_CHECKING, Any
 
+from ..config import bool_word
+
 if TYPE_CHECKING:
     from .base import Policy
 
@@ -25,8 +27,6 @@ __all__ = [
     "uses_passages",
 ]
 
-#: Strings accepted for a bool option (case-insensitive), e.g. from ``--option fuse=false``.
-_BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
 
 _P = "tokrag_integrations.policies"
 #: name -> "module:Class" (full dotted module names).
@@ -150,12 +150,9 @@ def _is_nan(value: Any) -> bool:
 
 
 def _as_bool(policy: str, key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _BOOL_WORDS:
-        return _BOOL_WORDS[value.strip().lower()]
-    raise ValueError(
-        f"option {key!r} of policy {policy!r} must be true or false (or 1/0), got {value!r}"
-    )
+    got = bool_word(value)
+    if got is None:
+        raise ValueError(
+            f"option {key!r} of policy {policy!r} must be true or false (or 1/0), got {value!r}"
+        )
+    return got

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import config
+from ..retrieval.safe_files import folder_refusal
 from .dsn import PostgresConnectionError, PostgresSetupError, dsn_params
 
 #: Environment variable holding a production connection string.
@@ -181,10 +182,9 @@ def _socket_fits(folder: Path) -> bool:
 
 def _is_private(folder: Path, uid: int) -> bool:
     try:
-        st = folder.lstat()
+        return folder_refusal(folder, uid=uid, private=True) is None
     except OSError:
         return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & 0o077
 
 
 def _private_folder(folder: Path, uid: int, gid: int) -> Path:

@@ -33,7 +33,8 @@ def source_class(source: str) -> str:
 
 
 def format_value(value: Any) -> str:
-    """A signal or score as short text: floats with 4 digits, sequences element-wise."""
+    """A signal or score as short text: floats with 4 digits, sequences and dicts
+    element-wise."""
     if value is None:
         return "—"
     if isinstance(value, bool):
@@ -49,6 +50,8 @@ def format_value(value: Any) -> str:
         return format_value(value.tolist())
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(format_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {format_value(v)}" for k, v in value.items()) + "}"
     return str(value)
 
 

@@ -159,11 +159,14 @@ def _summary_html(trace: TraceView) -> str:
         for lab in present
     )
     options = ""
-    if trace.options:
-        opts = ", ".join(f"{k}={format_value(v)}" for k, v in trace.options.items())
-        options = (
-            f'<p class="muted" style="margin:10px 0 0;font-size:13px">Options: {_esc(opts)}</p>'
-        )
+    # The rule's options, then how fast it ran (the call's speed, the paths that were off).
+    for title, values in (("Options", trace.options), ("Speed", trace.speed)):
+        if values:
+            text = ", ".join(f"{k}={format_value(v)}" for k, v in values.items())
+            options += (
+                f'<p class="muted" style="margin:10px 0 0;font-size:13px">{title}: '
+                f"{_esc(text)}</p>"
+            )
     dist = f'<div class="bar">{bar}</div><div class="chips">{chips}</div>' if total else ""
     return f'<div class="stats">{stat_html}</div>{dist}{options}'
 

@@ -71,6 +71,7 @@ class TraceView(Protocol):
     stop_reason: str
     prompt_tokens: dict[str, int]
     timings: dict[str, float]
+    speed: dict[str, Any]
 
     @property
     def passages(self) -> Sequence[PassageView]: ...

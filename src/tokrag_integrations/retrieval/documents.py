@@ -8,9 +8,8 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +76,87 @@ class ScoredChunk:
         return self.chunk.source
 
 
-class _HTMLTextExtractor(HTMLParser):
+#: An element name after ``<`` or ``</`` (as HTML's tokenizer reads it: up to whitespace,
+#: ``/`` or ``>``); one character class, so matching it is linear.
+_TAG_NAME = re.compile(r"[a-zA-Z][^\t\n\r\f />]*")
+#: What ends a tag or opens a quoted attribute value inside one.
+_IN_TAG = re.compile(r"""[>"']""")
+#: Elements whose content is raw text, not markup (as the standard library's parser has it).
+_RAW_TEXT = ("script", "style")
+_RAW_END = {name: re.compile(rf"</{name}(?=[\t\n\r\f />])", re.IGNORECASE) for name in _RAW_TEXT}
+
+
+def _tag_end(html: str, i: int) -> int:
+    """The index of the ``>`` ending the tag whose attributes start at ``i`` (a ``>`` in a
+    quoted attribute value does not end it), or -1 when the page ends first."""
+    while True:
+        m = _IN_TAG.search(html, i)
+        if m is None:
+            return -1
+        j = m.start()
+        if m.group() == ">":
+            return j
+        if html[i:j].rstrip(" \t\n\r\f").endswith("="):  # a quoted value: skip past it
+            close = html.find(m.group(), j + 1)
+            if close < 0:
+                return -1
+            i = close + 1
+        else:  # a stray quote in a name or an unquoted value
+            i = j + 1
+
+
+def _html_events(html: str) -> Iterator[tuple[str, str]]:
+    """``("start" | "end", tag)`` and ``("data", text)`` events of an HTML page, in one pass.
+
+    The standard library's :class:`html.parser.HTMLParser` rescans the rest of the page
+    for each ``<`` it cannot close, which is quadratic: 96 KB of ``<x `` took 208 s on
+    Python 3.11.7, a megabyte would take hours (issue 54). This reads the page as a browser's
+    tokenizer does, for what text extraction needs: each search starts where the last one
+    ended, and a search that reaches the end of the page (an unclosed comment, tag or quoted
+    value: browsers drop them too) ends the page. Comments, doctypes, processing
+    instructions and CDATA sections give no text; entities are decoded in the text."""
+    from html import unescape
+
+    pos, n = 0, len(html)
+    while pos < n:
+        lt = html.find("<", pos)
+        if lt < 0:
+            yield "data", unescape(html[pos:])
+            return
+        if lt > pos:
+            yield "data", unescape(html[pos:lt])
+        pos = lt + 1
+        if html.startswith(("!--", "![CDATA["), pos):
+            closer = "-->" if html.startswith("!--", pos) else "]]>"
+            end = html.find(closer, pos + 3)
+            pos = n if end < 0 else end + 3
+            continue
+        closing = html.startswith("/", pos)
+        name = _TAG_NAME.match(html, pos + closing)
+        if html.startswith(("!", "?"), pos) or (closing and name is None):
+            end = html.find(">", pos)  # a doctype, processing instruction or bogus comment
+            pos = n if end < 0 else end + 1
+        elif name is not None:
+            end = _tag_end(html, name.end())
+            if end < 0:
+                return
+            tag = name.group().lower()
+            pos = end + 1
+            if closing:
+                yield "end", tag
+                continue
+            yield "start", tag
+            if tag in _RAW_TEXT:  # skip to its end tag, markup inside is text of the script
+                close = _RAW_END[tag].search(html, pos)
+                if close is None:
+                    return
+                yield "data", html[pos : close.start()]
+                pos = close.start()
+        else:
+            yield "data", "<"
+
+
+class _HTMLTextExtractor:
     """Collects the visible text of an HTML page, one line per block element."""
 
     _SKIP = frozenset({"script", "style", "noscript", "template", "svg", "head"})
@@ -91,13 +170,18 @@ class _HTMLTextExtractor(HTMLParser):
     _LINE = frozenset({"br", "li", "tr", "dt", "dd"})
 
     def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
         self._parts: list[str] = []
         self._skip_depth = 0
         self._in_title = False
         self.title = ""
 
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+    def feed(self, html: str) -> None:
+        """Read the whole page (:func:`_html_events`)."""
+        handlers = {"start": self.handle_starttag, "end": self.handle_endtag}
+        for kind, value in _html_events(html):
+            handlers.get(kind, self.handle_data)(value)
+
+    def handle_starttag(self, tag: str) -> None:
         if tag == "title":
             self._in_title = True
         elif tag in self._SKIP:
@@ -131,11 +215,51 @@ class _HTMLTextExtractor(HTMLParser):
 
 def html_to_text(html: str) -> tuple[str, str]:
     """Visible text and ``<title>`` of an HTML page (scripts and styles removed, entities
-    decoded; standard library only)."""
+    decoded; standard library only), in time linear in the page (:func:`_html_events`)."""
     parser = _HTMLTextExtractor()
     parser.feed(html)
-    parser.close()
     return parser.text(), re.sub(r"\s+", " ", parser.title).strip()
+
+
+#: The start of a level-1 ATX heading line: ``#`` then a space or tab. A fixed-length
+#: pattern, so finding every candidate is one linear scan; the rest of the line is read with
+#: string methods, never by a pattern with two adjacent runs of optional spaces (which
+#: backtracks cubically on ``# a`` + thousands of spaces + ``b``: issue 54.1).
+_HEADING_START = re.compile(r"^#[ \t]", re.MULTILINE)
+
+
+def markdown_title(text: str) -> str:
+    """The text of the first level-1 heading (``# Title``) of Markdown ``text``, or ``""``.
+
+    As CommonMark reads an ATX heading: the closing run of ``#`` is dropped when a space or
+    tab precedes it (``# Title ##`` is ``Title``, ``# C#`` is ``C#``), and surrounding
+    whitespace is trimmed; a heading with no text is passed over. Linear in ``len(text)``.
+    """
+    for match in _HEADING_START.finditer(text):
+        end = text.find("\n", match.end())
+        line = text[match.end() : end if end >= 0 else len(text)].strip()
+        closing = line.rstrip("#")
+        if closing != line and (not closing or closing[-1] in " \t"):
+            line = closing.rstrip()
+        if line:
+            return line
+    return ""
+
+
+#: Longest title kept (characters). A title is indexed with every chunk of its document
+#: (:func:`.index.index_text`), so a heading of a megabyte would be indexed once per chunk:
+#: quadratic in the file (issue 54).
+MAX_TITLE_CHARS = 200
+
+
+def short_title(title: str) -> str:
+    """``title`` with its whitespace runs made single spaces, cut between words to at most
+    :data:`MAX_TITLE_CHARS` characters (hard, for one enormous word)."""
+    title = " ".join(title.split())
+    if len(title) <= MAX_TITLE_CHARS:
+        return title
+    cut = title.rfind(" ", 0, MAX_TITLE_CHARS + 1)
+    return title[: cut if cut > 0 else MAX_TITLE_CHARS].rstrip()
 
 
 #: Share of undecodable bytes above which a file is taken for binary data, not text.
@@ -234,9 +358,8 @@ def read_document(
     if suffix in HTML_SUFFIXES:
         text, title = html_to_text(text)
     else:
-        markdown = suffix in {".md", ".markdown"}
-        match = re.search(r"^#\s+(.+?)\s*#*\s*$", text, flags=re.MULTILINE) if markdown else None
-        title = match.group(1).strip() if match else ""
+        title = markdown_title(text) if suffix in {".md", ".markdown"} else ""
+    title = short_title(title)
     if title:
         metadata["title"] = title
     if had_errors:

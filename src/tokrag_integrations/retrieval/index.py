@@ -56,43 +56,167 @@ class EmbeddingCache:
     """Chunk embeddings kept on disk between processes (``<cache_dir>/embeddings``), one
     file per embedded text, keyed by the SHA-256 of the embedder's name and the exact text:
     an unchanged chunk is never embedded twice, another chunking or embedder never reuses a
-    vector. Files are written atomically (temporary file, then ``os.replace``)."""
+    vector.
 
-    def __init__(self, embedder_name: str, folder: Path | None = None) -> None:
+    A vector read back decides what a question retrieves, so the cache trusts nothing it did
+    not check (docs/security.md, "Documents and caches"): every level of the folder must be a
+    real folder of the user running tokrag, not writable by others, else the cache is off
+    for the run (one warning); an entry is read only when it is a regular file of at most
+    :attr:`MAX_ENTRY_BYTES`, and used only when its ``.npy`` header says a float32 vector
+    of ``dim`` values and the file holds exactly those finite values. Anything else is
+    a miss: the chunk is embedded again and the entry rewritten (one warning per build).
+    Files are written atomically (a temporary file in the checked folder, then
+    ``os.replace``)."""
+
+    #: Largest entry read, in bytes (a 4,096-dimension float32 vector takes 16 KB).
+    MAX_ENTRY_BYTES = 1 << 20
+
+    def __init__(self, embedder_name: str, dim: int, folder: Path | None = None) -> None:
+        """``dim``: the embedder's dimension, which every entry must have. ``folder``: the
+        cache folder (default ``<cache_dir>/embeddings``)."""
         from ..config import cache_dir
 
         self.name = embedder_name
-        self.folder = Path(folder) if folder is not None else cache_dir() / "embeddings"
+        self.dim = int(dim)
+        if folder is None:
+            self._root, self._parts = cache_dir(), ("embeddings",)
+        else:
+            self._root, self._parts = Path(folder), ()
+        self.folder = self._root.joinpath(*self._parts)
+        #: Why the folder was refused (the cache is then off), or None.
+        self.refused: str | None = None
+        #: Entries not used, with the reason (embedded again).
+        self.damaged: list[tuple[Path, str]] = []
 
-    def _path(self, text: str) -> Path:
+    def _key(self, text: str) -> str:
         import hashlib
 
-        key = hashlib.sha256(f"{self.name}\0{text}".encode("utf-8", "surrogatepass")).hexdigest()
-        return self.folder / key[:2] / f"{key}.npy"
+        return hashlib.sha256(f"{self.name}\0{text}".encode("utf-8", "surrogatepass")).hexdigest()
 
-    def get(self, text: str) -> np.ndarray | None:
-        import numpy as np
+    def _checked(self, create: bool) -> Path | None:
+        """The checked cache folder; None when it is missing (``create`` off) or refused."""
+        from .safe_files import FileRefused, checked_folder
 
-        try:
-            return np.load(self._path(text), allow_pickle=False)
-        except (OSError, ValueError):  # missing, or damaged: embed again
+        if self.refused is not None:
             return None
+        try:
+            return checked_folder(self._root, *self._parts, create=create)
+        except FileNotFoundError:
+            return None
+        except FileRefused as exc:
+            self.refused = str(exc)
+            message = (
+                f"Not using the embedding cache: {self.refused}, so a vector planted there "
+                "could change what a question retrieves; every chunk is embedded afresh. Make "
+                "it your own folder (chmod go-w), or set $TOKRAG_CACHE_DIR to one."
+            )
+        except OSError as exc:  # a read-only cache costs time, never the answer
+            self.refused = f"{exc.strerror or exc}: {exc.filename or self.folder}"
+            message = f"could not keep chunk embeddings in {self.folder}: {self.refused}"
+        warnings.warn(message, UserWarning, stacklevel=4)
+        return None
 
-    def put(self, text: str, vector: np.ndarray) -> None:
-        import os
-        import tempfile
+    def load(self, texts: Sequence[str]) -> list[np.ndarray | None]:
+        """The cached vector of each text, or None (missing, refused or damaged)."""
+        from .safe_files import FileRefused, folder_refusal, read_regular
+
+        base = self._checked(create=False)
+        if base is None:
+            return [None] * len(texts)
+        found: list[np.ndarray | None] = []
+        subs: dict[str, str | None] = {}  # sub-folder -> why refused (None: usable)
+        for text in texts:
+            key = self._key(text)
+            sub, path = key[:2], base / key[:2] / f"{key}.npy"
+            if sub not in subs:
+                try:
+                    subs[sub] = folder_refusal(base / sub)
+                except OSError:  # missing: nothing cached under it
+                    subs[sub] = ""
+                if subs[sub]:
+                    self.damaged.append((base / sub, f"is {subs[sub]}"))
+            vector = None
+            if subs[sub] is None:
+                try:
+                    vector = self._parse(read_regular(path, self.MAX_ENTRY_BYTES))
+                except FileNotFoundError:
+                    pass
+                except (FileRefused, ValueError) as exc:
+                    self.damaged.append((path, str(exc)))
+                except OSError as exc:
+                    self.damaged.append((path, f"cannot be read ({exc.strerror or exc})"))
+            found.append(vector)
+        return found
+
+    def _parse(self, data: bytes) -> np.ndarray:
+        """The vector in ``.npy`` bytes ``data``, read from its header, never unpickled.
+
+        Raises:
+            ValueError: Not a ``.npy`` file of one finite float32 vector of :attr:`dim`
+                values, or more or fewer bytes than its header says.
+        """
+        import io
+
+        import numpy as np
+        from numpy.lib import format as npy
+
+        stream = io.BytesIO(data)
+        version = npy.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran, dtype = npy.read_array_header_1_0(stream)
+        elif version == (2, 0):
+            shape, fortran, dtype = npy.read_array_header_2_0(stream)
+        else:
+            raise ValueError(f"is a .npy file of format version {version}, not read")
+        if dtype != np.dtype("<f4") or shape != (self.dim,):
+            raise ValueError(
+                f"holds a {dtype} array of shape {shape}, not a float32 vector of {self.dim}"
+            )
+        start = stream.tell()
+        if len(data) - start != 4 * self.dim:
+            raise ValueError(
+                f"holds {len(data) - start} bytes of data; its header says {4 * self.dim}"
+            )
+        vector = np.frombuffer(data, dtype="<f4", offset=start).astype(np.float32)
+        if not np.isfinite(vector).all():
+            raise ValueError("holds values that are not finite")
+        return vector
+
+    def store(self, texts: Sequence[str], vectors: Sequence[np.ndarray]) -> None:
+        """Keep each text's vector (a read-only or refused cache costs time, never the
+        answer: one warning)."""
+        import io
 
         import numpy as np
 
-        path = self._path(text)
+        from .safe_files import FileRefused, checked_folder, write_atomic
+
+        base = self._checked(create=True)
+        if base is None:
+            return
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, vector, allow_pickle=False)
-            os.replace(tmp, path)
-        except OSError as e:  # a read-only cache costs time, never the answer
-            warnings.warn(f"could not keep a chunk embedding in {self.folder}: {e}", stacklevel=3)
+            for text, vector in zip(texts, vectors, strict=True):
+                key = self._key(text)
+                buffer = io.BytesIO()
+                np.save(buffer, np.ascontiguousarray(vector, dtype="<f4"), allow_pickle=False)
+                folder = checked_folder(base, key[:2], create=True)
+                write_atomic(folder, f"{key}.npy", buffer.getvalue())
+        except (OSError, FileRefused) as e:
+            warnings.warn(
+                f"could not keep chunk embeddings in {self.folder}: {e}", stacklevel=3
+            )
+
+    def warn_damaged(self) -> None:
+        """One warning for the entries :meth:`load` did not use, if any."""
+        if self.damaged:
+            path, reason = self.damaged[0]
+            warnings.warn(
+                f"{len(self.damaged)} entr{'y' if len(self.damaged) == 1 else 'ies'} of the "
+                f"embedding cache {self.folder} could not be used (first: {path.name} {reason}); "
+                "embedded again.",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def _is_terminal(stream: Any) -> bool:
@@ -132,8 +256,10 @@ class DenseRetriever:
         self.device = device
         self._embedder = load_embedder(device=device)
         texts = [index_text(c.metadata.get("title", ""), c.text) for c in self.chunks]
-        store = EmbeddingCache(EMBEDDER_ID) if cache else None
-        found = [store.get(t) for t in texts] if store is not None else [None] * len(texts)
+        store = EmbeddingCache(EMBEDDER_ID, self._embedder.dim) if cache else None
+        found = store.load(texts) if store is not None else [None] * len(texts)
+        if store is not None:
+            store.warn_damaged()
         todo = [i for i, v in enumerate(found) if v is None]
         self.n_embedded = len(todo)
         if progress and store is not None:
@@ -148,8 +274,8 @@ class DenseRetriever:
             )
             for i, vector in zip(todo, fresh, strict=True):
                 found[i] = vector
-                if store is not None:
-                    store.put(texts[i], vector)
+            if store is not None:
+                store.store([texts[i] for i in todo], fresh)
         self._embeddings: np.ndarray = np.stack(found).astype(np.float32, copy=False)
 
     def _encode(self, texts: list[str], *, batch_size: int, progress: bool) -> np.ndarray:

@@ -3,56 +3,47 @@
 A listed or named path may, by the time it is read, be a link to ``/dev/zero`` or a secret,
 a FIFO, or a file of gigabytes, so :func:`read_file_bytes` decides at open time: ``lstat``
 (a link is followed only into the given roots, or with ``follow_links``; only regular
-files), open with ``O_NOFOLLOW | O_NONBLOCK``, ``fstat`` the descriptor (the same regular
-file, under the cap), and read at most the cap plus one byte.
+files), then :func:`.safe_files.read_regular`: open with ``O_NOFOLLOW | O_NONBLOCK``,
+``fstat`` the descriptor (the same regular file, under the cap), and read at most the cap
+plus one byte.
 """
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 import stat
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from .safe_files import FileRefused, FileTooBig, kind, read_regular
 
 #: Default cap on one document file, in MB (2**20 bytes): image-heavy PDFs reach tens of MB;
 #: 100 MB of text (~50,000 pages) is almost surely a log, a dump or a mistake.
 DEFAULT_MAX_FILE_MB = 100.0
 
-_KINDS = (
-    (stat.S_ISFIFO, "a FIFO (named pipe)"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISDIR, "a folder"),
-)
-
-
-class FileRefused(ValueError):  # noqa: N818 - a refusal, not an internal error
-    """A path that is not opened as a document; the message says why, without the path."""
-
 
 def max_file_bytes(max_file_mb: float | None = None) -> int:
     """The size cap in bytes: ``max_file_mb``, else :data:`DEFAULT_MAX_FILE_MB`.
 
+    A cap above the largest size a file can have (``sys.maxsize`` bytes, 8 EiB on 64-bit
+    systems: ``1e308``, ``10**400``) is that size, which means no cap.
+
     Raises:
-        ValueError: ``max_file_mb`` is not a number above 0 (the message names it).
+        ValueError: ``max_file_mb`` is not a finite number above 0 (the message names it).
     """
     if max_file_mb is None:
         max_file_mb = DEFAULT_MAX_FILE_MB
     elif (
         isinstance(max_file_mb, bool)
         or not isinstance(max_file_mb, (int, float))
-        or not math.isfinite(max_file_mb)
+        or (isinstance(max_file_mb, float) and not math.isfinite(max_file_mb))
         or max_file_mb <= 0
     ):
         raise ValueError(f"max_file_mb must be a number of MB above 0, got {max_file_mb!r}")
-    return int(max_file_mb * 2**20)
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "a special file")
+    # An int stays exact (10**400 MB would overflow a float); a float may reach inf here.
+    return int(min(max_file_mb * 2**20, sys.maxsize))
 
 
 def _mb(size: int) -> str:
@@ -115,31 +106,11 @@ def read_file_bytes(
             )
         seen = os.stat(target)
     if not stat.S_ISREG(seen.st_mode):
-        raise FileRefused(f"not a regular file but {_kind(seen.st_mode)}")
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        raise FileRefused(f"not a regular file but {kind(seen.st_mode)}")
     try:
-        fd = os.open(target, flags)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW met a link (EMLINK: BSD)
-            raise FileRefused(
-                "became a symbolic link while it was being opened; not followed"
-            ) from None
-        raise
-    with os.fdopen(fd, "rb") as file:
-        opened = os.fstat(file.fileno())
-        if not stat.S_ISREG(opened.st_mode):
-            raise FileRefused(
-                f"not a regular file but {_kind(opened.st_mode)}, swapped in while it was "
-                "being opened"
-            )
-        if (opened.st_dev, opened.st_ino) != (seen.st_dev, seen.st_ino):
-            raise FileRefused("replaced by another file while it was being opened")
-        if opened.st_size > cap:
-            raise FileRefused(_over_cap(opened.st_size, cap))
-        data = file.read(cap + 1)
-    if len(data) > cap:
-        raise FileRefused(_over_cap(len(data), cap))
-    return data
+        return read_regular(target, cap, expect=seen)
+    except FileTooBig as exc:
+        raise FileRefused(_over_cap(exc.size, cap)) from None
 
 
 def _over_cap(size: int, cap: int) -> str:

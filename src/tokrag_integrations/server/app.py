@@ -32,16 +32,14 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import asdict
 from typing import Any
 
+from ..adapters.translate import FINISH_REASONS, usage
 from .schemas import ChatRequest, RequestError, parse_chat_request, too_deep
 from .service import API_KEY_ENV, ChatService, ServeConfig
 from .telemetry import METRICS_MODES, RequestLog, Telemetry
 
-__all__ = ["create_app", "serve", "FINISH_REASONS"]
+__all__ = ["create_app", "serve"]
 
 log = logging.getLogger("tokrag.serve")
-
-#: The core's stop reasons as OpenAI ``finish_reason`` values.
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 _END = object()
 
@@ -66,16 +64,6 @@ def tokrag_object(result: Any, req: ChatRequest, extra_warnings: list[str]) -> d
         "citations": tr.citations_data(),
         "trace": tr.to_dict() if req.trace else None,
     }
-
-
-def usage(result: Any) -> dict[str, int]:
-    """OpenAI ``usage``: prompt tokens of the context the answer is conditioned on (the RAG
-    context when there is one; ``tokrag.prompt_tokens`` has both) and generated tokens."""
-    pt = result.trace.prompt_tokens
-    prompt = int(pt.get("rag") or pt.get("pure") or 0)
-    completion = len(result.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
 
 
 def create_app(

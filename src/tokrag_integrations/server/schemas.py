@@ -1,51 +1,42 @@
 """The body of ``POST /v1/chat/completions``, checked and split the way the core API takes it.
 
-Framework-free (no FastAPI import): :func:`parse_chat_request` turns the decoded JSON body into
-a :class:`ChatRequest` or raises :class:`RequestError` with one sentence naming the field, which
-the app returns as an OpenAI-style 400 error. The OpenAI fields a greedy local decoder cannot
-honour (``temperature`` other than 0, ``n`` > 1, ``top_p`` < 1, penalties, log-probabilities,
-tools) are refused; fields it has no use for (``user``, ``seed``, ``metadata``...) are ignored
-and named in the response's ``tokrag.warnings``.
+The body's shape is a pydantic model (:class:`ChatBody`, strict: a string is not a number);
+:func:`parse_chat_request` validates the decoded JSON against it and turns it into a
+:class:`ChatRequest`, or raises :class:`RequestError` with one sentence naming the field
+(pydantic's first error, worded by :func:`_refusal`), which the app returns as an OpenAI-style
+400 error. Before the model, :func:`check_json_values` refuses what no field takes anywhere in
+the body (nesting past :data:`MAX_JSON_DEPTH`, NaN and out-of-range numbers, lone surrogates).
+The OpenAI fields a greedy local decoder cannot honour (``temperature`` other than 0, ``n`` >
+1, ``top_p`` < 1, penalties, log-probabilities, tools) are refused; fields it has no use for
+(``user``, ``seed``, ``metadata``...) are ignored and named in the response's
+``tokrag.warnings``. The conversation is split by the core's rule
+(:func:`tokrag_integrations.adapters.chat.split_turns`).
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from ..adapters.chat import split_turns
 
 __all__ = [
-    "MAX_JSON_DEPTH", "ChatRequest", "Limits", "RequestError", "parse_chat_request",
-    "parse_documents",
+    "MAX_JSON_DEPTH", "ChatBody", "ChatRequest", "Limits", "RequestError", "parse_chat_request",
 ]
-
-#: Keys of the request's ``tokrag`` object.
-TOKRAG_KEYS = (
-    "policy", "policy_options", "filters", "top_k", "trace", "citations", "rendered",
-    "prompt_format", "max_context_tokens",
-)
-
-#: OpenAI fields a greedy decoder without tools cannot honour (refused unless off).
-_UNSUPPORTED = (
-    "logprobs",
-    "tools",
-    "functions",
-    "tool_choice",
-    "function_call",
-    "response_format",
-    "top_logprobs",
-)
-
-#: OpenAI fields the server takes; others are ignored with a warning.
-_KNOWN = {
-    *_UNSUPPORTED,
-    *("model", "messages", "max_tokens", "max_completion_tokens", "stop", "stream"),
-    *("stream_options", "temperature", "top_p", "n", "presence_penalty", "frequency_penalty"),
-    *("documents", "tokrag"),
-}
 
 
 class RequestError(ValueError):
@@ -190,275 +181,313 @@ def _type_name(value: Any) -> str:
     return names.get(type(value), "object" if type(value) is dict else type(value).__name__)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def _refuse(sentence: str) -> PydanticCustomError:
+    """A refusal worded by the server; ``{where}`` becomes the field's path."""
+    return PydanticCustomError("refused", sentence)
 
 
-#: What :func:`_typed` checks, by the name its error gives.
-_KINDS = {
-    "a string": lambda v: isinstance(v, str),
-    "an object": lambda v: isinstance(v, Mapping),
-    "true or false": lambda v: isinstance(v, bool),
-    "an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "a number": _is_number,
+def _limits(info: ValidationInfo) -> Limits:
+    return (info.context or {}).get("limits") or Limits()
+
+
+def _at_most(value: Any, limit: int, what: str) -> Any:
+    if value is not None and len(value) > limit:
+        raise _refuse(
+            f"'{{where}}' holds {len(value)} {what}, more than this server's limit of {limit}"
+        )
+    return value
+
+
+class _Strict(BaseModel):
+    """Strict types (``"4"`` is not an integer, ``1`` is not true), unknown keys refused with
+    the keys the object takes."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    _what: ClassVar[str] = "it takes"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            unknown = sorted(set(value) - set(cls.model_fields))
+            if unknown:
+                raise _refuse(
+                    f"'{{where}}' has unknown key(s) {', '.join(unknown)}; {cls._what} "
+                    f"{', '.join(cls.model_fields)}"
+                )
+        return value
+
+
+class Document(_Strict):
+    """One of ``documents``: a string, or ``{text, metadata, score}``."""
+
+    _what: ClassVar[str] = "a document takes"
+    text: str
+    metadata: dict[str, Any] | None = None
+    score: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _string_or_object(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"text": value}
+        if not isinstance(value, Mapping):
+            raise _refuse(
+                f"'{{where}}' must be a string or an object with 'text', got {_type_name(value)}"
+            )
+        return value
+
+    def passage(self) -> Any:
+        from ..prompts import Passage
+
+        return Passage(self.text, score=self.score, metadata=dict(self.metadata or {}))
+
+
+class RenderedTurn(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class Rendered(_Strict):
+    """``tokrag.rendered``: the RAG context as the caller's template formatted it."""
+
+    context: str
+    messages: list[RenderedTurn] | None = None
+    text: str | None = None
+    passages: list[Document] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_form(cls, value: Any) -> Any:
+        if isinstance(value, Mapping) and (
+            set(value) - set(cls.model_fields) or ("messages" in value) == ("text" in value)
+        ):
+            unknown = sorted(set(value) - set(cls.model_fields))
+            raise _refuse(
+                "'{where}' takes 'context', one of 'messages' (the template's turns as "
+                "formatted) or 'text' (a finished prompt), and optionally 'passages'"
+                + (f"; unknown key(s) {', '.join(unknown)}" if unknown else "")
+            )
+        return value
+
+    @field_validator("passages", mode="before")
+    @classmethod
+    def _few_passages(cls, value: Any, info: ValidationInfo) -> Any:
+        return _at_most(value, _limits(info).max_documents, "documents")
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _turns(cls, value: Any, info: ValidationInfo) -> Any:
+        most = _limits(info).max_messages
+        if not isinstance(value, list) or not value or len(value) > most:
+            raise _refuse(f"'{{where}}' must be an array of 1 to {most} messages")
+        return value
+
+    @model_validator(mode="after")
+    def _parts_make_up_context(self) -> Rendered:
+        if self.passages is not None and "".join(p.text for p in self.passages) != self.context:
+            raise _refuse("'{where}.passages' texts must make up '{where}.context', in order")
+        return self
+
+    def prompt(self) -> Any:
+        from ..prompts import RenderedPrompt
+
+        parts = None if self.passages is None else [d.passage() for d in self.passages]
+        turns = None if self.messages is None else [t.model_dump() for t in self.messages]
+        return RenderedPrompt(self.context, messages=turns, text=self.text, passages=parts)
+
+
+class TokRAGFields(_Strict):
+    """The request's ``tokrag`` object."""
+
+    policy: str | None = None
+    policy_options: dict[str, Any] | None = None
+    filters: dict[str, Any] | None = None
+    top_k: int | None = Field(None, ge=1, le=100)
+    trace: bool | None = None
+    citations: bool | None = None
+    rendered: Rendered | None = None
+    prompt_format: Literal["qa", "chat", "text"] | None = None
+    max_context_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str | None, info: ValidationInfo) -> str | None:
+        policies = (info.context or {}).get("policies")
+        if value is not None and policies is not None and value not in policies:
+            raise _refuse(f"unknown policy {value!r}; available: {', '.join(policies)}")
+        return value
+
+    @field_validator("policy_options")
+    @classmethod
+    def _not_reserved(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(value or ()) & {"prompt_format", "rendered"})
+        if reserved:
+            raise _refuse(f"'{{where}}' cannot set {', '.join(reserved)}")
+        return value
+
+
+class Message(BaseModel):
+    """One chat message; its content a string or a list of text parts."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any = Field(None, validate_default=True)
+    tool_calls: Any = None
+
+    @field_validator("content")
+    @classmethod
+    def _text(cls, content: Any, info: ValidationInfo) -> str:
+        if isinstance(content, str):
+            return content
+        if content is None and info.data.get("role") == "assistant":
+            return ""
+        if not isinstance(content, list):
+            raise _refuse(
+                "{where} must be a string or a list of text parts, got " + _type_name(content)
+            )
+        parts = []
+        for j, part in enumerate(content):
+            text = part.get("text") if isinstance(part, Mapping) and part.get("type") == "text" else part
+            if not isinstance(text, str):
+                kind = part.get("type") if isinstance(part, Mapping) else _type_name(part)
+                raise _refuse(f"{{where}}[{j}] is a {kind!r} part; this server reads text parts only")
+            parts.append(text)
+        return "".join(parts)
+
+    @model_validator(mode="after")
+    def _no_tool_calls(self) -> Message:
+        if self.role == "assistant" and self.tool_calls:
+            raise _refuse("this server has no tool calling; {where} holds tool_calls")
+        return self
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool | None = None
+
+
+#: Fields a greedy decoder may take only at one value: (the value, why).
+_FIXED = {
+    "temperature": (0, "every policy decodes greedily (Tok-RAG compares the greedy choices of "
+                       "two contexts)"),
+    "top_p": (1, "every policy decodes greedily (Tok-RAG compares the greedy choices of two "
+                 "contexts)"),
+    "presence_penalty": (0, "penalties are not supported"),
+    "frequency_penalty": (0, "penalties are not supported"),
+    "n": (1, "greedy decoding gives one answer"),
+}
+
+#: OpenAI fields a greedy decoder without tools cannot honour (refused unless off).
+_UNSUPPORTED = (
+    "logprobs", "tools", "functions", "tool_choice", "function_call", "response_format",
+    "top_logprobs",
+)
+
+
+class ChatBody(BaseModel):
+    """The body of ``POST /v1/chat/completions`` (OpenAI's, with ``documents`` and ``tokrag``);
+    other fields are kept in ``model_extra`` and named in a warning."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    messages: list[Message]
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int | None = Field(None, ge=1)
+    logprobs: Any = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    top_logprobs: Any = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: list[str] | None = Field(None, max_length=4)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    documents: list[Document] | None = None
+    tokrag: TokRAGFields | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _conversation(cls, value: Any, info: ValidationInfo) -> Any:
+        if not isinstance(value, list) or not value:
+            got = "an empty array" if isinstance(value, list) else _type_name(value)
+            raise _refuse(f"'messages' must be a non-empty array of messages, got {got}")
+        return _at_most(value, _limits(info).max_messages, "messages")
+
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _few_documents(cls, value: Any, info: ValidationInfo) -> Any:
+        return _at_most(value, _limits(info).max_documents, "documents")
+
+    @field_validator(*_FIXED)
+    @classmethod
+    def _fixed(cls, value: Any, info: ValidationInfo) -> Any:
+        allowed, why = _FIXED[info.field_name]
+        if value is not None and value != allowed:
+            raise _refuse(f"'{{where}}' must be {allowed:g} or absent, got {value:g}: {why}")
+        return value
+
+    @field_validator(*_UNSUPPORTED)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, False, [], "none"):
+            raise _refuse(f"'{info.field_name}' is not supported by this server")
+        return value
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _within_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        high = _limits(info).max_tokens
+        if value is not None and value > high:
+            raise _refuse(f"'{{where}}' is {value}, more than this server's limit of {high} new tokens")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_or_more(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+
+#: How pydantic's error types read in a refusal: what the field must be.
+_MUST_BE = {
+    "string_type": "a string", "int_type": "an integer", "bool_type": "true or false",
+    "float_type": "a number", "dict_type": "an object", "model_type": "an object",
+    "list_type": "an array",
 }
 
 
-def _typed(value: Any, kind: str, where: str) -> Any:
-    """``value``, or a 400 when it is not ``kind`` (a key of :data:`_KINDS`) naming ``where``."""
-    if not _KINDS[kind](value):
-        raise RequestError(f"'{where}' must be {kind}, got {_type_name(value)}", where)
-    return value
-
-
-def _flag(body: Mapping[str, Any], key: str, where: str) -> bool:
-    value = body.get(key)
-    return False if value is None else _typed(value, "true or false", where)
-
-
-def _int(body: Mapping[str, Any], key: str, low: int, high: int | None) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    _typed(value, "an integer", key)
-    if value < low:
-        raise RequestError(f"'{key}' must be at least {low}, got {value}", key)
-    if high is not None and value > high:
-        raise RequestError(
-            f"'{key}' is {value}, more than this server's limit of {high} new tokens", key
-        )
-    return value
-
-
-def _number_equal(body: Mapping[str, Any], key: str, allowed: float, why: str) -> None:
-    value = body.get(key)
-    if value is not None and _typed(value, "a number", key) != allowed:
-        raise RequestError(f"'{key}' must be {allowed:g} or absent, got {value:g}: {why}", key)
-
-
-def _content(message: Mapping[str, Any], i: int) -> str:
-    content = message.get("content")
-    where = f"messages[{i}].content"
-    if isinstance(content, str):
-        return content
-    if content is None and message.get("role") == "assistant":
-        return ""
-    if not isinstance(content, list):
-        raise RequestError(
-            f"{where} must be a string or a list of text parts, got {_type_name(content)}", where
-        )
-    parts = []
-    for j, part in enumerate(content):
-        if isinstance(part, Mapping) and part.get("type") == "text":
-            part = part.get("text")
-        if not isinstance(part, str):
-            kind = content[j].get("type") if isinstance(content[j], Mapping) else _type_name(part)
-            raise RequestError(
-                f"{where}[{j}] is a {kind!r} part; this server reads text parts only", where
-            )
-        parts.append(part)
-    return "".join(parts)
-
-
-def _messages(value: Any, limits: Limits) -> tuple[str, list[dict[str, str]], str | None]:
-    if not isinstance(value, list) or not value:
-        got = "an empty array" if isinstance(value, list) else _type_name(value)
-        raise RequestError(
-            f"'messages' must be a non-empty array of messages, got {got}", "messages"
-        )
-    if len(value) > limits.max_messages:
-        raise RequestError(
-            f"'messages' holds {len(value)} messages, more than this server's limit of "
-            f"{limits.max_messages}",
-            "messages",
-        )
-    system: list[str] = []
-    turns: list[dict[str, str]] = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, Mapping):
-            raise RequestError(
-                f"{where} must be an object with 'role' and 'content', got {_type_name(m)}", where
-            )
-        role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise RequestError(
-                f"{where}.role must be 'system', 'developer', 'user' or 'assistant', got "
-                f"{role!r} (this server has no tool calling)",
-                f"{where}.role",
-            )
-        if role == "assistant" and m.get("tool_calls"):
-            raise RequestError(f"this server has no tool calling; {where} holds tool_calls", where)
-        text = _content(m, i)
-        if role in ("user", "assistant"):
-            turns.append({"role": role, "content": text})
-        elif text.strip():
-            system.append(text)
-    if not turns or turns[-1]["role"] != "user":
-        raise RequestError(
-            "the last message must be a user message: the server answers it", "messages"
-        )
-    tail: list[str] = []
-    while turns and turns[-1]["role"] == "user":
-        tail.insert(0, turns.pop()["content"])
-    query = "\n\n".join(t for t in tail if t.strip())
-    if not query.strip():
-        raise RequestError("the last user message is empty; ask a question", "messages")
-    return query, turns, "\n\n".join(system) or None
-
-
-def parse_documents(value: Any, limits: Limits, param: str = "documents") -> list[Any]:
-    """``documents``: strings or ``{text, metadata, score}`` objects -> core ``Passage`` list."""
-    from ..prompts import Passage
-
-    if not isinstance(value, list):
-        raise RequestError(
-            f"'{param}' must be an array of strings or {{text, metadata, score}} objects, got "
-            f"{_type_name(value)}",
-            param,
-        )
-    if len(value) > limits.max_documents:
-        raise RequestError(
-            f"'{param}' holds {len(value)} documents, more than this server's limit of "
-            f"{limits.max_documents}",
-            param,
-        )
-    out = []
-    for i, d in enumerate(value):
-        where = f"{param}[{i}]"
-        if isinstance(d, str):
-            out.append(Passage(d))
-            continue
-        if not isinstance(d, Mapping):
-            raise RequestError(
-                f"{where} must be a string or an object with 'text', got {_type_name(d)}", where
-            )
-        unknown = sorted(set(d) - {"text", "metadata", "score"})
-        if unknown:
-            raise RequestError(
-                f"{where} has unknown key(s) {', '.join(unknown)}; a document takes text, "
-                "metadata and score",
-                where,
-            )
-        text = _typed(d.get("text"), "a string", f"{where}.text")
-        meta, score = d.get("metadata"), d.get("score")
-        if meta is not None:
-            _typed(meta, "an object", f"{where}.metadata")
-        if score is not None:
-            score = float(_typed(score, "a number", f"{where}.score"))
-        out.append(Passage(text, score=score, metadata=dict(meta or {})))
-    return out
-
-
-def _stop(value: Any) -> list[str] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise RequestError(
-            f"'stop' must be a string or an array of strings, got {_type_name(value)}", "stop"
-        )
-    if len(value) > 4:
-        raise RequestError(f"'stop' holds {len(value)} strings; at most 4", "stop")
-    return list(value)
-
-
-def _rendered(value: Any, limits: Limits) -> Any:
-    """``tokrag.rendered``: ``{"context", "messages" | "text", "passages"?}`` -> a
-    ``RenderedPrompt`` (``passages``: documents whose texts make up ``context``, in order)."""
-    from ..prompts import RenderedPrompt
-
-    where = "tokrag.rendered"
-    _typed(value, "an object", where)
-    unknown = sorted(set(value) - {"context", "messages", "text", "passages"})
-    if unknown or ("messages" in value) == ("text" in value):
-        raise RequestError(
-            f"'{where}' takes 'context', one of 'messages' (the template's turns as "
-            "formatted) or 'text' (a finished prompt), and optionally 'passages'"
-            + (f"; unknown key(s) {', '.join(unknown)}" if unknown else ""), where
-        )
-    context = _typed(value.get("context"), "a string", f"{where}.context")
-    parts = value.get("passages")
-    if parts is not None:
-        parts = parse_documents(parts, limits, f"{where}.passages")
-        if "".join(p.text for p in parts) != context:
-            raise RequestError(
-                f"'{where}.passages' texts must make up '{where}.context', in order",
-                f"{where}.passages",
-            )
-    if "text" in value:
-        text = _typed(value["text"], "a string", f"{where}.text")
-        return RenderedPrompt(context, text=text, passages=parts)
-    turns = value["messages"]
-    if not isinstance(turns, list) or not turns or len(turns) > limits.max_messages:
-        raise RequestError(
-            f"'{where}.messages' must be an array of 1 to {limits.max_messages} messages",
-            f"{where}.messages",
-        )
-    out = []
-    for i, m in enumerate(turns):
-        w = f"{where}.messages[{i}]"
-        role = _typed(m, "an object", w).get("role")
-        if role not in ("system", "user", "assistant"):
-            raise RequestError(f"{w}.role must be 'system', 'user' or 'assistant', got {role!r}", w)
-        out.append({"role": role, "content": _typed(m.get("content"), "a string", f"{w}.content")})
-    return RenderedPrompt(context, messages=out, passages=parts)
-
-
-def _tokrag(value: Any, req: ChatRequest, policies: Sequence[str], limits: Limits) -> None:
-    if value is None:
-        return
-    _typed(value, "an object", "tokrag")
-    unknown = sorted(set(value) - set(TOKRAG_KEYS))
-    if unknown:
-        raise RequestError(
-            f"'tokrag' has unknown key(s) {', '.join(unknown)}; it takes {', '.join(TOKRAG_KEYS)}",
-            "tokrag",
-        )
-    policy = value.get("policy")
-    if policy is not None:
-        if _typed(policy, "a string", "tokrag.policy") not in policies:
-            raise RequestError(
-                f"unknown policy {policy!r}; available: {', '.join(policies)}", "tokrag.policy"
-            )
-        req.policy = policy
-    options = value.get("policy_options")
-    if options is not None:  # checked by the policy registry later
-        where = "tokrag.policy_options"
-        reserved = sorted(set(_typed(options, "an object", where)) & {"prompt_format", "rendered"})
-        if reserved:
-            raise RequestError(f"'{where}' cannot set {', '.join(reserved)}", where)
-        req.options = dict(options)
-    filters = value.get("filters")
-    if filters is not None and not isinstance(filters, Mapping):
-        raise RequestError(
-            f"'tokrag.filters' must be an object such as {{\"file_name\": \"guide.md\"}}, got "
-            f"{_type_name(filters)}",
-            "tokrag.filters",
-        )
-    req.filters = dict(filters) if filters else None
-    req.top_k = _int(value, "top_k", 1, 100)
-    if value.get("trace") is not None:
-        req.trace = _typed(value["trace"], "true or false", "tokrag.trace")
-    if value.get("citations") is not None:
-        req.citations = _typed(value["citations"], "true or false", "tokrag.citations")
-    if value.get("rendered") is not None:
-        if req.documents is not None:
-            raise RequestError("give 'documents' or 'tokrag.rendered', not both", "tokrag.rendered")
-        req.rendered = _rendered(value["rendered"], limits)
-    fmt = value.get("prompt_format")
-    if fmt is not None and fmt not in ("qa", "chat", "text"):
-        raise RequestError(
-            f"'tokrag.prompt_format' must be 'qa', 'chat' or 'text', got {fmt!r}",
-            "tokrag.prompt_format",
-        )
-    req.prompt_format = fmt
-    req.max_context_tokens = _int(value, "max_context_tokens", 1, None)
+def _refusal(error: Mapping[str, Any]) -> RequestError:
+    """One pydantic error as the server's 400: one sentence naming the field."""
+    where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in error["loc"]).lstrip(".")
+    kind, ctx, got = error["type"], error.get("ctx") or {}, error.get("input")
+    if kind == "refused":
+        message = error["msg"].replace("{where}", where)
+    elif kind in _MUST_BE:
+        message = f"'{where}' must be {_MUST_BE[kind]}, got {_type_name(got)}"
+    elif kind == "greater_than_equal":
+        message = f"'{where}' must be at least {ctx['ge']}, got {got}"
+    elif kind == "less_than_equal":
+        message = f"'{where}' must be at most {ctx['le']}, got {got}"
+    elif kind == "literal_error":
+        message = f"{where} must be {ctx['expected']}, got {got!r}"
+    elif kind == "too_long":
+        message = f"'{where}' holds {ctx['actual_length']} items; at most {ctx['max_length']}"
+    elif kind == "missing":
+        message = f"'{where}' is required"
+    else:
+        message = f"'{where}': {error['msg']}"
+    return RequestError(message, where or None)
 
 
 def parse_chat_request(body: Any, limits: Limits, policies: Sequence[str]) -> ChatRequest:
-    """Check a decoded ``/v1/chat/completions`` body against ``limits``.
+    """Check a decoded ``/v1/chat/completions`` body against ``limits`` (:class:`ChatBody`,
+    after :func:`check_json_values`) and split its conversation.
 
     Raises:
         RequestError: the first problem found, naming its field.
@@ -466,40 +495,41 @@ def parse_chat_request(body: Any, limits: Limits, policies: Sequence[str]) -> Ch
     if not isinstance(body, Mapping):
         raise RequestError(f"the body must be a JSON object, got {_type_name(body)}")
     check_json_values(body)
-    model = body.get("model")
-    if model is not None:
-        _typed(model, "a string", "model")
-    query, history, system_prompt = _messages(body.get("messages"), limits)
-    greedy = "every policy decodes greedily (Tok-RAG compares the greedy choices of two contexts)"
-    _number_equal(body, "temperature", 0, greedy)
-    _number_equal(body, "top_p", 1, greedy)
-    _number_equal(body, "presence_penalty", 0, "penalties are not supported")
-    _number_equal(body, "frequency_penalty", 0, "penalties are not supported")
-    n = _int(body, "n", 1, None)
-    if n is not None and n != 1:
-        raise RequestError(f"'n' must be 1, got {n}: greedy decoding gives one answer", "n")
-    for key in _UNSUPPORTED:
-        if body.get(key) not in (None, False, [], "none"):
-            raise RequestError(f"'{key}' is not supported by this server", key)
-    max_tokens = _int(body, "max_completion_tokens", 1, limits.max_tokens)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, limits.max_tokens)
-    opts = body.get("stream_options")
-    opts = {} if opts is None else _typed(opts, "an object", "stream_options")
-    documents = body.get("documents")
+    try:
+        b = ChatBody.model_validate(body, context={"limits": limits, "policies": policies})
+    except ValidationError as exc:
+        raise _refusal(exc.errors()[0]) from None
+    try:
+        turns = split_turns([m.model_dump(include={"role", "content"}) for m in b.messages])
+    except ValueError as exc:
+        raise RequestError(str(exc), "messages") from None
+    if not turns.query.strip():
+        raise RequestError("the last user message is empty; ask a question", "messages")
+    t = b.tokrag or TokRAGFields()
+    if t.rendered is not None and b.documents is not None:
+        raise RequestError("give 'documents' or 'tokrag.rendered', not both", "tokrag.rendered")
     req = ChatRequest(
-        query=query,
-        history=history,
-        system_prompt=system_prompt,
-        documents=None if documents is None else parse_documents(documents, limits),
-        max_tokens=max_tokens,
-        stop=_stop(body.get("stop")),
-        stream=_flag(body, "stream", "stream"),
-        include_usage=_flag(opts, "include_usage", "stream_options.include_usage"),
-        model=model,
+        query=turns.query,
+        history=turns.history,
+        system_prompt=turns.system_prompt,
+        documents=None if b.documents is None else [d.passage() for d in b.documents],
+        max_tokens=b.max_completion_tokens or b.max_tokens,
+        stop=b.stop,
+        stream=bool(b.stream),
+        include_usage=bool(b.stream_options and b.stream_options.include_usage),
+        model=b.model,
+        policy=t.policy,
+        options=dict(t.policy_options or {}),
+        filters=t.filters or None,
+        top_k=t.top_k,
+        trace=True if t.trace is None else t.trace,
+        citations=t.citations,
+        rendered=None if t.rendered is None else t.rendered.prompt(),
+        prompt_format=t.prompt_format,
+        max_context_tokens=t.max_context_tokens,
     )
-    _tokrag(body.get("tokrag"), req, policies, limits)
-    ignored = sorted(k for k in body if k not in _KNOWN)
-    if ignored:
-        req.warnings.append(f"ignored field(s) this server does not use: {', '.join(ignored)}")
+    if b.model_extra:
+        req.warnings.append(
+            f"ignored field(s) this server does not use: {', '.join(sorted(b.model_extra))}"
+        )
     return req

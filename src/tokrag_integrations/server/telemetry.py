@@ -15,8 +15,9 @@ import re
 import time
 import uuid
 from typing import Any
+from urllib.parse import quote
 
-__all__ = ["METRICS_MODES", "RequestLog", "Telemetry", "request_id"]
+__all__ = ["METRICS_MODES", "RequestLog", "Telemetry", "logged_path", "request_id"]
 
 log = logging.getLogger("tokrag.serve")
 
@@ -37,6 +38,21 @@ def request_id(given: bytes | None) -> str:
     spaces, else a new random one (32 hex digits)."""
     text = given.decode("latin-1") if given else ""
     return text if _SANE_ID.fullmatch(text) else uuid.uuid4().hex
+
+
+#: Characters a logged path keeps as they are (RFC 3986's unreserved and sub-delims, ``/``,
+#: ``:`` and ``@``); the others, ``%``, spaces and line breaks included, are percent-encoded.
+_PATH_SAFE = "/:@!$&'()*+,;=-._~"
+#: The longest path logged (characters after encoding); a longer one is cut, marked ``...``.
+MAX_LOGGED_PATH = 200
+
+
+def logged_path(path: str) -> str:
+    """A request path no route matched, as its log line shows it: percent-encoded, so a
+    space or line break in it (sent encoded, decoded by the server) cannot write fields that
+    read as another request's; cut to :data:`MAX_LOGGED_PATH` characters."""
+    text = quote(path.encode("utf-8", "surrogatepass"), safe=_PATH_SAFE)
+    return text if len(text) <= MAX_LOGGED_PATH else text[: MAX_LOGGED_PATH - 3] + "..."
 
 
 class Telemetry:
@@ -170,7 +186,7 @@ class RequestLog:
             log.info(
                 "%s %s %d %.3fs request_id=%s",
                 scope["method"],
-                route or repr(scope["path"])[1:-1],
+                route or logged_path(scope["path"]),
                 code,
                 time.perf_counter() - started,
                 rid,

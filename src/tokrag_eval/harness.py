@@ -19,7 +19,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from ..config import require_bool
+from tokrag_integrations.config import require_bool
+
 from .accuracy import summarize_accuracy
 from .data import (
     DEFAULT_RATIOS,
@@ -94,9 +95,9 @@ def run_generation(
     label, a spec's own options override them; ``decode`` replaces
     ``engine.scheduler.generate_batch``; ``keep_traces`` stores each answer's trace.
     """
-    from ..contexts.prefill import shared_prefill
-    from ..engine.scheduler import generate_batch
-    from ..policies import get_policy, uses_passages
+    from tokrag_integrations.contexts.prefill import shared_prefill
+    from tokrag_integrations.engine.scheduler import generate_batch
+    from tokrag_integrations.policies import get_policy, uses_passages
 
     require_bool(keep_traces, "keep_traces")
     require_bool(progress, "progress")

@@ -303,8 +303,11 @@ def bench_table(res: dict[str, Any]) -> str:
     pairs += [
         ("tokrag-step", "rag"),
         ("floor", "rag"),
-        ("rag", "rag-stock"),
-        ("tokrag", "rag-stock"),
+        ("rag", "rag-kernels-off"),
+        ("rag", "hf-generate"),
+        ("rag", "hf-generate-static"),
+        ("tokrag", "hf-generate"),
+        ("tokrag", "hf-generate-static"),
     ]
     ratios = [
         [f"{a} / {b}"]
@@ -313,7 +316,9 @@ def bench_table(res: dict[str, Any]) -> str:
         if a in P and b in P
     ]
     lines = [
-        f"model {res['model']} on {res['device']} ({res['torch_threads']} threads), "
+        f"model {res['model']} on {res['device']}"
+        + (f" in {res['dtype']}" if res.get("dtype") else "")
+        + f" ({res['torch_threads']} threads), "
         f"{res['questions']} questions, {res['passages']} passages "
         + (f"(mean RAG prompt {prompt:.0f} tokens)" if prompt is not None else "")
         + f", max_new_tokens {res['max_new_tokens']}",
@@ -341,6 +346,9 @@ def bench_table(res: dict[str, Any]) -> str:
     for name, ident in (res.get("identical_to_step") or {}).items():
         same = f"{ident['identical']} / {ident['questions']} questions"
         lines += ["", f"{name} = tokrag-step, tokens and decisions: {same}"]
+    for name, ident in (res.get("same_tokens_as_rag") or {}).items():
+        same = f"{ident['identical']} / {ident['questions']} questions"
+        lines += ["", f"{name} = rag, tokens: {same}"]
     if res.get("throughput"):
         lines += _throughput_lines(res["throughput"])
     if res.get("paths"):

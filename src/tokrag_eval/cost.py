@@ -1,13 +1,18 @@
 """Cost (paper Table 6, docs/algorithm.md "Cost"): ``tokrag bench`` and ``tokrag eval cost``.
 
-Side by side in one run, on the same questions: ``rag`` (one context), ``rag-stock`` (the same
-on transformers' stock CPU kernels), ``floor`` (both contexts decoded together, no signals),
-``tokrag-step`` (one forward pass per context: the reference every fast path must equal) and
-``tokrag`` (the default decoder); any other policy name or spec (``tokrag[lens_norm=false]``)
-is its own arm. Reported: wall time per question, time per generated token, prefill and
-decode time, peak memory, the agreement counts, whether ``tokrag`` gave exactly the tokens
-and decisions of ``tokrag-step``, and the ratios; ``throughput`` adds tokens/s and
-questions/s with several queries decoded as one batch (:func:`measure_throughput`).
+Side by side in one run, on the same questions: ``rag`` (one context), ``rag-kernels-off``
+(the same decoder on a copy of the model without the package's CPU kernels), ``hf-generate``
+and ``hf-generate-static`` (the stock baseline: Hugging Face ``model.generate``, greedy, on
+that copy, fed the RAG prompt's ids with the same ``max_new_tokens`` and stops; the dynamic
+cache, and the static cache with the decode step compiled as transformers does it for
+``generate``), ``floor`` (both contexts decoded together, no signals), ``tokrag-step`` (one
+forward pass per context: the reference every fast path must equal) and ``tokrag`` (the
+default decoder); any other policy name or spec (``tokrag[lens_norm=false]``) is its own arm,
+and ``ARM@PRESET`` runs an arm with a ``speed=`` preset (``tokrag@cuda``). Reported: wall
+time per question, time per generated token, prefill and decode time, peak memory, the
+agreement counts, whether ``tokrag`` gave exactly the tokens and decisions of ``tokrag-step``,
+how many answers of the stock arms have ``rag``'s tokens, and the ratios; ``throughput`` adds
+tokens/s and questions/s with several queries decoded as one batch (:func:`measure_throughput`).
 
 Timing interleaves the arms question by question (their order rotated) so that drift in
 machine load affects all of them alike. Peak memory is measured in a fresh subprocess per arm:
@@ -25,35 +30,62 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import config
-from ..config import require_bool
+from tokrag_integrations import config
+from tokrag_integrations.config import require_bool
+
 from .data import load_items
 from .specs import parse_spec
 
-#: Arm name -> (policy, generate options). ``rag-stock`` runs on a second copy of the model
-#: loaded with the stock kernels (:data:`STOCK_ARMS`).
+#: Arm name -> (policy, generate options). The stock arms (:data:`STOCK_ARMS`) run on a second
+#: copy of the model loaded without the package's CPU kernels.
 ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "rag": ("rag", {}),
-    "rag-stock": ("rag", {}),
+    "rag-kernels-off": ("rag", {}),
     "floor": ("floor", {}),
     "tokrag-step": ("tokrag", {"speed": "reference"}),
     "tokrag": ("tokrag", {}),
 }
-STOCK_ARMS = frozenset({"rag-stock"})
-DEFAULT_POLICIES = ("rag", "floor", "tokrag-step", "tokrag", "rag-stock")
+#: The Hugging Face ``model.generate`` arms (:func:`hf_generate`) and their KV cache.
+HF_ARMS = {"hf-generate": "dynamic", "hf-generate-static": "static"}
+STOCK_ARMS = frozenset({"rag-kernels-off", *HF_ARMS})
+#: Former arm names and what replaced them (asking for one is an error saying so).
+RENAMED_ARMS = {"rag-stock": "rag-kernels-off"}
+DEFAULT_POLICIES = ("rag", "floor", "tokrag-step", "tokrag", "rag-kernels-off", "hf-generate")
 #: Fast arms whose tokens and decisions must equal ``tokrag-step``'s.
 EXACT_ARMS = ("tokrag",)
 #: The file ``tokrag bench`` reads from ``$TOKRAG_DATA_DIR`` when no ``--data`` is given.
 DATA_FILE = "squad_dev.jsonl"
 
 
+def arm_name(name: str) -> str:
+    """``name``, checked: a former arm name is an error naming its replacement."""
+    if name in RENAMED_ARMS:
+        raise ValueError(
+            f"bench arm {name!r} is now called {RENAMED_ARMS[name]!r} (the package's rag without "
+            "its CPU kernels); the stock Hugging Face baseline is 'hf-generate'"
+        )
+    return name
+
+
 def arm(name: str) -> tuple[str, dict[str, Any]]:
-    """``(policy, options)`` of an arm: a named arm, else a policy spec."""
+    """``(policy, options)`` of an arm: a named arm (:data:`ARMS`), else a policy spec;
+    ``ARM@PRESET`` adds ``speed=PRESET``. A Hugging Face arm (:data:`HF_ARMS`) is
+    ``("rag", {})``: the policy whose tokens it gives."""
+    name = arm_name(name)
     if name in ARMS:
         return ARMS[name]
+    if "@" in name:
+        base, preset = name.rsplit("@", 1)
+        if base in HF_ARMS:
+            raise ValueError(f"arm {name!r}: the Hugging Face arms take no speed preset")
+        pol, opts = arm(base)
+        return pol, {**opts, "speed": preset}
+    if name in HF_ARMS:
+        return "rag", {}
     spec = parse_spec(name)
     return spec.name, ({"policy_options": spec.options} if spec.options else {})
 
@@ -90,10 +122,196 @@ def bench_items(
     return out
 
 
+@dataclass
+class HFRun:
+    """A :func:`hf_generate` call: each answer's new token ids, in order (EOS left out: as
+    ``GenerationResult.token_ids``, one per ``Trace.steps``); ``prefill_s`` from the call until
+    the first token's logits (the prompts' tokenisation included); ``seconds`` the whole call."""
+
+    answers: list[list[int]]
+    prefill_s: float
+    seconds: float
+
+
+def rag_prompt_ids(
+    lm: Any, queries: Sequence[str], passages: Sequence[Sequence[Any]], max_new_tokens: int
+) -> list[list[int]]:
+    """The prompt ids the ``rag`` policy decodes for each query: its RAG context, or its pure
+    context where no passage is usable (``rag`` then answers as ``llm``)."""
+    from tokrag_integrations.inputs import _DEFAULT, _plans
+
+    plans = _plans(
+        lm,
+        list(queries),
+        list(passages),
+        max_new_tokens=max_new_tokens,
+        messages=None,
+        system_prompt=_DEFAULT,
+        max_context_tokens=None,
+    )
+    return [p.rag_ids if p.has_passages else p.pure_ids for p in plans]
+
+
+def _answer(lm: Any, new: list[int], stop: Sequence[str], max_new_tokens: int) -> list[int]:
+    """The answer in one row of ``generate``'s new tokens, cut where the package's decoder
+    stops (``engine.decoder.step_event``): before EOS, after the token whose text completes a
+    stop string, or at ``max_new_tokens``; what follows is ``generate``'s padding of a finished
+    row."""
+    eos = set(lm.eos_token_ids)
+    ids: list[int] = []
+    for tid in new[:max_new_tokens]:
+        if tid in eos:
+            break
+        ids.append(tid)
+        if stop and any(s in lm.tokenizer.decode(ids, skip_special_tokens=True) for s in stop):
+            break
+    return ids
+
+
+def hf_generate(
+    lm: Any,
+    queries: Sequence[str],
+    passages: Sequence[Sequence[Any]],
+    *,
+    max_new_tokens: int,
+    cache: str = "dynamic",
+    stop: Sequence[str] | None = None,
+    compile: bool = True,
+) -> HFRun:
+    """The stock baseline: Hugging Face ``lm.model.generate``, greedy, on the ids of the RAG
+    prompts ``rag`` decodes (:func:`rag_prompt_ids`; several queries left-padded into one
+    batch), the same ``max_new_tokens``, stopping at EOS (and at ``stop`` strings).
+
+    ``cache="dynamic"``: transformers' default cache. ``cache="static"``: its static cache,
+    with the decode step compiled (``torch.compile``, mode ``reduce-overhead``: CUDA graphs) as
+    ``generate`` does for a static cache (transformers compiles on accelerators only; here on
+    CPU too; ``compile=False`` leaves it eager). A first call at a new batch size or a longer
+    prompt compiles: warm it up before timing.
+    """
+    import torch
+    from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
+
+    if cache not in ("dynamic", "static"):
+        raise ValueError(f"cache must be 'dynamic' or 'static', got {cache!r}")
+    stops = list(stop or [])
+    t0 = time.perf_counter()
+    prompts = rag_prompt_ids(lm, queries, passages, max_new_tokens)
+    width = max(len(p) for p in prompts)
+    pad = lm.pad_token_id
+    device = lm.model.device
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    first: list[float] = []
+
+    class _FirstLogits(LogitsProcessor):
+        """Notes when the first token's logits exist (the end of the prefill)."""
+
+        def __call__(self, input_ids: Any, scores: Any) -> Any:
+            if not first:
+                if scores.device.type == "cuda":
+                    torch.cuda.synchronize(scores.device)
+                first.append(time.perf_counter())
+            return scores
+
+    kw: dict[str, Any] = {}
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+        if compile:
+            cc = CompileConfig()
+            cc._compile_all_devices = True  # transformers compiles on accelerators only
+            kw["compile_config"] = cc
+        else:
+            kw["disable_compile"] = True
+    if stops:
+        kw.update(stop_strings=stops, tokenizer=lm.tokenizer)
+    with torch.inference_mode():
+        out = lm.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=lm.eos_token_ids,
+            pad_token_id=pad,
+            logits_processor=LogitsProcessorList([_FirstLogits()]),
+            **kw,
+        )
+    rows = out[:, width:].tolist()
+    seconds = time.perf_counter() - t0
+    answers = [_answer(lm, row, stops, max_new_tokens) for row in rows]
+    return HFRun(answers, (first[0] if first else time.perf_counter()) - t0, seconds)
+
+
 def _load(model: str, device: str | None, name: str) -> Any:
-    from ..models import load_model
+    from tokrag_integrations.models import load_model
 
     return load_model(model, device=device, cpu_kernels="off" if name in STOCK_ARMS else None)
+
+
+def _one(
+    lm: Any, name: str, q: str, ps: list[str], max_new_tokens: int, extra: dict[str, Any]
+) -> Any:
+    """Arm ``name`` on one question: a ``GenerationResult``, or an :class:`HFRun` for a Hugging
+    Face arm."""
+    from tokrag_integrations.engine.scheduler import generate
+
+    if name in HF_ARMS:
+        stop = extra.get("stop")
+        return hf_generate(
+            lm, [q], [ps], max_new_tokens=max_new_tokens, cache=HF_ARMS[name], stop=stop
+        )
+    pol, opts = arm(name)
+    return generate(lm, q, ps, policy=pol, max_new_tokens=max_new_tokens, **opts, **extra)
+
+
+def _compiled(name: str) -> bool:
+    """Whether arm ``name`` compiles (or captures) a step for each new batch size or cache
+    length: ``hf-generate-static`` and the arms of ``speed="cuda"``."""
+    return name == "hf-generate-static" or name.endswith("@cuda")
+
+
+def _warm_up(
+    model_of: Any,
+    name: str,
+    items: list[tuple[str, list[str]]],
+    max_new_tokens: int,
+    extra: dict[str, Any],
+    n: int = 1,
+) -> None:
+    """One untimed decode of arm ``name`` (allocator, kernels: the first timed question is no
+    outlier). A compiled arm (:func:`_compiled`) decodes its ``n`` longest questions as one
+    batch with the full ``max_new_tokens``, so that later calls of that batch size fit the
+    cache it compiled for (transformers keeps the longest static cache of a model's calls)."""
+    lm = model_of(name)
+    if not _compiled(name):
+        q, ps = items[0]
+        _one(lm, name, q, ps, 4, extra)
+        return
+    lengths = [
+        len(p)
+        for p in rag_prompt_ids(lm, [q for q, _ in items], [p for _, p in items], max_new_tokens)
+    ]
+    order = sorted(range(len(items)), key=lambda i: -lengths[i])
+    batch = [items[order[i % len(order)]] for i in range(n)]
+    queries, passages = [q for q, _ in batch], [ps for _, ps in batch]
+    if name in HF_ARMS:
+        hf_generate(
+            lm,
+            queries,
+            passages,
+            max_new_tokens=max_new_tokens,
+            cache=HF_ARMS[name],
+            stop=extra.get("stop"),
+        )
+        return
+    from tokrag_integrations.engine.scheduler import generate_batch
+
+    pol, opts = arm(name)
+    generate_batch(
+        lm, queries, passages, policy=pol, max_new_tokens=max_new_tokens, **opts, **extra
+    )
 
 
 def run_bench(
@@ -119,32 +337,32 @@ def run_bench(
     decode (default: ``generate``'s)."""
     import torch
 
-    from ..engine.scheduler import generate
-    from ..engine.seam import speed_paths
+    from tokrag_integrations.engine.seam import speed_paths
 
     require_bool(memory, "memory")
     require_bool(progress, "progress")
     require_bool(latency, "latency")
+    policies = tuple(arm_name(p) for p in policies)
+    for name in policies:
+        arm(name)  # an unknown arm fails before any model is loaded
     if items is None:
         items = bench_items(data_path(data), questions, passages)
     extra = {} if stop is None else {"stop": list(stop)}
     lm = _load(model, device, "")
-    stock = _load(model, device, "rag-stock") if STOCK_ARMS & set(policies) else None
+    stock = _load(model, device, "rag-kernels-off") if STOCK_ARMS & set(policies) else None
 
     def model_of(name: str) -> Any:
         return stock if name in STOCK_ARMS else lm
 
-    for name in policies:  # warm-up (allocator, kernels): the first timed question is no outlier
-        pol, opts = arm(name)
-        generate(
-            model_of(name), items[0][0], items[0][1], policy=pol, max_new_tokens=4, **opts, **extra
-        )
-    rows, decisions, prompt_tokens = _timed_runs(
+    for name in policies:
+        _warm_up(model_of, name, items, max_new_tokens, extra)
+    rows, decisions, prompt_tokens, answers = _timed_runs(
         model_of, items if latency else [], policies, max_new_tokens, progress, extra
     )
     out: dict[str, Any] = {
         "model": lm.name,
         "device": str(lm.device),
+        "dtype": str(next(lm.model.parameters()).dtype).removeprefix("torch."),
         "questions": len(items),
         "passages": passages,
         "max_new_tokens": max_new_tokens,
@@ -152,7 +370,7 @@ def run_bench(
         "torch_threads": torch.get_num_threads(),
         "policies": {pol: policy_figures(rs) for pol, rs in rows.items()},
     }
-    out.update(paired_figures(rows, decisions))
+    out.update(paired_figures(rows, decisions, answers))
     if memory:
         child = dict(model=model, device=device, items=items[:memory_questions], extra=extra)
         for pol in policies:
@@ -175,25 +393,38 @@ def _timed_runs(
     max_new_tokens: int,
     progress: bool,
     extra: dict[str, Any],
-) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[Any]], list[int]]:
-    """Every arm on every question, their order rotated per question: per arm its timed rows
-    and its decisions, and the RAG prompt lengths."""
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[Any]], list[int], dict[str, list[Any]]]:
+    """Every arm on every question, their order rotated per question: per arm its timed rows,
+    its decisions and its answers' token ids, and the RAG prompt lengths."""
     from tqdm.auto import tqdm
 
-    from ..engine.scheduler import generate
 
     rows: dict[str, list[dict[str, Any]]] = {p: [] for p in policies} if items else {}
     decisions: dict[str, list[Any]] = {p: [] for p in policies} if items else {}
+    answers: dict[str, list[Any]] = {p: [] for p in policies} if items else {}
     prompt_tokens = []
     bar = tqdm(total=len(items) * len(policies), desc="bench", disable=not progress)
     for i, (q, ps) in enumerate(items):
         for name in policies[i % len(policies) :] + policies[: i % len(policies)]:
-            pol, opts = arm(name)
             t0 = time.perf_counter()
-            r = generate(
-                model_of(name), q, ps, policy=pol, max_new_tokens=max_new_tokens, **opts, **extra
-            )
+            r = _one(model_of(name), name, q, ps, max_new_tokens, extra)
             dt = time.perf_counter() - t0
+            if isinstance(r, HFRun):
+                a = r.answers[0]
+                rows[name].append(
+                    {
+                        "seconds": dt,
+                        "tokens": len(a),
+                        "disagreements": 0,
+                        "signal_steps": 0,
+                        "prefill_s": r.prefill_s,
+                        "decode_s": r.seconds - r.prefill_s,
+                    }
+                )
+                decisions[name].append(None)
+                answers[name].append(a)
+                bar.update(1)
+                continue
             steps, timings = r.trace.steps, r.trace.timings
             rows[name].append(
                 {
@@ -210,11 +441,12 @@ def _timed_runs(
             decisions[name].append(
                 [(s.token_id, s.source, s.signals.get("benefit")) for s in steps]
             )
+            answers[name].append(list(r.token_ids))
             if name == "rag":
                 prompt_tokens.append(r.trace.prompt_tokens.get("rag", 0))
             bar.update(1)
     bar.close()
-    return rows, decisions, prompt_tokens
+    return rows, decisions, prompt_tokens, answers
 
 
 def policy_figures(rs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -236,13 +468,18 @@ def policy_figures(rs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def paired_figures(
-    rows: dict[str, list[dict[str, Any]]], decisions: dict[str, list[Any]]
+    rows: dict[str, list[dict[str, Any]]],
+    decisions: dict[str, list[Any]],
+    answers: dict[str, list[Any]] | None = None,
 ) -> dict[str, Any]:
     """``paired``: per question, the ratio of two arms' time per token (median and quartiles:
     robust to a question that met a burst of load); ``identical_to_step``: how many answers
-    of each fast arm equal ``tokrag-step``'s, token and decision."""
+    of each fast arm equal ``tokrag-step``'s, token and decision; ``same_tokens_as_rag``: how
+    many answers of each stock arm (:data:`STOCK_ARMS`) have ``rag``'s tokens."""
     out: dict[str, Any] = {}
-    for a, b in (("tokrag", "rag"), ("floor", "rag")):
+    pairs = [("tokrag", "rag"), ("floor", "rag")]
+    pairs += [("rag", s) for s in ("hf-generate", "hf-generate-static") if s in rows]
+    for a, b in pairs:
         if a in rows and b in rows:
             rr = [
                 (x["seconds"] / max(1, x["tokens"])) / (y["seconds"] / max(1, y["tokens"]))
@@ -258,6 +495,13 @@ def paired_figures(
         if name in decisions and "tokrag-step" in decisions:
             same = [a == b for a, b in zip(decisions[name], decisions["tokrag-step"], strict=True)]
             out.setdefault("identical_to_step", {})[name] = {
+                "questions": len(same),
+                "identical": sum(same),
+            }
+    for name in sorted(STOCK_ARMS):
+        if answers and name in answers and "rag" in answers:
+            same = [a == b for a, b in zip(answers[name], answers["rag"], strict=True)]
+            out.setdefault("same_tokens_as_rag", {})[name] = {
                 "questions": len(same),
                 "identical": sum(same),
             }
@@ -290,9 +534,12 @@ def _memory_child(
 
     import torch
 
-    from ..engine.scheduler import generate
+    from tokrag_integrations.engine.scheduler import generate
 
+    policy = arm_name(policy)
     lm = _load(model, device, policy)
+    if policy == "hf-generate-static":  # compiled before the mark, as for the timed runs
+        _warm_up(lambda _: lm, policy, items, max_new_tokens, extra)
     cuda = lm.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -306,9 +553,8 @@ def _memory_child(
         except OSError:  # pragma: no cover - non-Linux or not permitted
             reset = False
         base = _status_mb("VmRSS")
-    pol, opts = arm(policy)
     for q, ps in items:
-        generate(lm, q, ps, policy=pol, max_new_tokens=max_new_tokens, **opts, **extra)
+        _one(lm, policy, q, ps, max_new_tokens, extra)
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**20
     elif reset:
@@ -334,9 +580,10 @@ def _measure_memory(**child: Any) -> dict[str, float]:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-#: Arms timed by ``--throughput`` (those of the run's policies that are in it, in this
-#: order): one context, both contexts without signals, the default decoder.
-THROUGHPUT_ARMS = ("rag", "floor", "tokrag")
+#: Arms timed by ``--throughput`` (those of the run's policies that are one of these, or one
+#: of these with a ``@PRESET``): the stock baseline, one context, both contexts without
+#: signals, the default decoder.
+THROUGHPUT_ARMS = ("hf-generate", "hf-generate-static", "rag", "floor", "tokrag")
 
 
 def measure_throughput(
@@ -359,11 +606,15 @@ def measure_throughput(
     """
     from tqdm.auto import tqdm
 
-    from ..engine.scheduler import generate_batch
+    from tokrag_integrations.engine.scheduler import generate_batch
 
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    arms = [p for p in THROUGHPUT_ARMS if p in policies] or list(policies)
+    policies = tuple(arm_name(p) for p in policies)
+    arms = [p for p in policies if p.split("@")[0] in THROUGHPUT_ARMS] or list(policies)
+    for name in arms:  # compiled arms: compiled for each batch size before the clock starts
+        for n in sizes if _compiled(name) else ():
+            _warm_up(model_of, name, items, max_new_tokens, {}, n)
     raw: dict[str, dict[int, list[tuple[int, float]]]] = {a: {n: [] for n in sizes} for a in arms}
     decode: dict[str, dict[int, list[float]]] = {a: {n: [] for n in sizes} for a in arms}
     bar = tqdm(total=rounds * len(arms) * len(sizes), desc="throughput", disable=not progress)
@@ -374,6 +625,18 @@ def measure_throughput(
             for name in arms[turn % len(arms) :] + arms[: turn % len(arms)]:
                 pol, opts = arm(name)
                 t0 = time.perf_counter()
+                if name in HF_ARMS:
+                    h = hf_generate(
+                        model_of(name),
+                        [q for q, _ in batch],
+                        [ps for _, ps in batch],
+                        max_new_tokens=max_new_tokens,
+                        cache=HF_ARMS[name],
+                    )
+                    raw[name][n].append((sum(map(len, h.answers)), time.perf_counter() - t0))
+                    decode[name][n].append(h.seconds - h.prefill_s)
+                    bar.update(1)
+                    continue
                 rs = generate_batch(
                     model_of(name),
                     [q for q, _ in batch],

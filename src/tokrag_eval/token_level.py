@@ -16,8 +16,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..config import require_bool
-from ..prompts import PromptBuilder
+from tokrag_integrations.config import require_bool
+from tokrag_integrations.prompts import PromptBuilder
+
 from .data import DEFAULT_SEED, EvalItem, cf_conditions, noise_conditions
 from .metrics import (
     BOOTSTRAP_SEED,
@@ -122,7 +123,7 @@ def scorer_configs(specs: str | Sequence[str] | None) -> dict[str, dict[str, Any
     its policy takes; else ValueError (one sentence)."""
     if specs is None:
         return dict(TOKRAG_CONFIGS)
-    from ..policies import get_policy
+    from tokrag_integrations.policies import get_policy
 
     parsed = parse_specs(specs)
     validate_specs(parsed, ["tokrag", "tokrag_reference"], get_policy)
@@ -142,9 +143,9 @@ def _token_samples(
     per position where exactly one of them predicts the gold token."""
     import warnings
 
-    from ..engine.loop import teacher_force
-    from ..engine.view import make_lens
-    from ..policies.selection import entropy_margin, logprob_margin
+    from tokrag_integrations.engine.loop import teacher_force
+    from tokrag_integrations.engine.view import make_lens
+    from tokrag_integrations.policies.selection import entropy_margin, logprob_margin
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -193,8 +194,8 @@ def run_token_level(
     option set in ``tokrag_configs`` (default :data:`TOKRAG_CONFIGS`), the top-1 log-prob
     margin and the entropy margin. Records carry the item's ``source``.
     """
-    from ..policies import get_policy
-    from ..policies.tokrag import TokRAG
+    from tokrag_integrations.policies import get_policy
+    from tokrag_integrations.policies.tokrag import TokRAG
 
     require_bool(progress, "progress")
     configs = dict(TOKRAG_CONFIGS if tokrag_configs is None else tokrag_configs)

@@ -21,7 +21,7 @@ A.jsonl B.jsonl ...``) into one table, per source and pooled.
 
 Token level on PopQA (no passages in the data): the most popular items (``--min-pop-bin``,
 default the top quintile) get synthetic supporting / counterfactual passages
-(``evaluation.data.synthesize_popqa``); ``--limit`` applies after that selection.
+(``tokrag_eval.data.synthesize_popqa``); ``--limit`` applies after that selection.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .console import _positive_int
+from tokrag_integrations.cli.console import positive_int
+
+# ``tokrag`` finds add_eval_parser and add_bench_parser through the ``tokrag.commands``
+# entry points in pyproject.toml (tokrag_integrations.cli.plugin_commands).
 
 TASKS = ("noise", "misleading", "token", "token-pool", "cost")
 
@@ -48,7 +51,7 @@ def _floats(text: str) -> list[float]:
 
 def _specs(text: str) -> list[str]:
     """``--policies`` / ``--scorers``: normalised spec strings (``tokrag[lens_norm=False]``)."""
-    from ..evaluation.specs import parse_specs
+    from .specs import parse_specs
 
     try:
         return [str(s) for s in parse_specs(text)]
@@ -56,10 +59,10 @@ def _specs(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``eval`` sub-command to an ``argparse`` sub-parser set."""
-    from ..evaluation.data import DEFAULT_RATIOS, DEFAULT_SEED
-    from ..evaluation.harness import DEFAULT_CF_RATIOS, DEFAULT_POLICIES
+    from .data import DEFAULT_RATIOS, DEFAULT_SEED
+    from .harness import DEFAULT_CF_RATIOS, DEFAULT_POLICIES
 
     p = subparsers.add_parser(
         "eval",
@@ -69,7 +72,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("task", nargs="?", default="noise", choices=TASKS, help="what to measure (default: noise)")
     p.add_argument("--data", default=None, help="JSONL evaluation set (format: shared/data/README.md); all tasks but token-pool")
-    p.add_argument("--limit", type=_positive_int, default=None, help="use the first N items")
+    p.add_argument("--limit", type=positive_int, default=None, help="use the first N items")
     p.add_argument("--policies", type=_specs, default=list(DEFAULT_POLICIES),
                    help="comma-separated policy specs: name or name[key=value,...], e.g. 'rag,tokrag[min_fusion_layer=0]'")
     p.add_argument("--scorers", type=_specs, default=None,
@@ -87,7 +90,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--stop", action="append", default=None, help="stop string (default: newline)")
-    p.add_argument("--batch-size", type=_positive_int, default=1, help="questions decoded together per policy")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="questions decoded together per policy")
     p.add_argument("--alpha", type=float, default=None, help="CAD's alpha (default 0.5)")
     p.add_argument("--target", choices=("auto", "evidence", "answer"), default="auto",
                    help="token level: gold continuation = answer-bearing evidence sentence, bare answer, or auto "
@@ -134,9 +137,10 @@ def _command(args: argparse.Namespace) -> str:
 def _validate(args: argparse.Namespace) -> None:
     """Every argument checked before any model is loaded (ValueError with one sentence, which
     ``tokrag`` prints as ``tokrag: error: ...`` with exit status 2)."""
-    from ..evaluation.specs import parse_specs, validate_specs
-    from ..evaluation.token_level import scorer_configs
-    from ..policies import available_policies, get_policy
+    from tokrag_integrations.policies import available_policies, get_policy
+
+    from .specs import parse_specs, validate_specs
+    from .token_level import scorer_configs
 
     if args.task != "token-pool" and not args.data:
         raise ValueError(f"tokrag eval {args.task} needs --data (a JSONL evaluation set).")
@@ -150,7 +154,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 def _token_items(args: argparse.Namespace) -> list[Any]:
     """The token-level items; PopQA (no passages): the popular ones with synthetic passages."""
-    from ..evaluation.data import is_popqa, load_items, select_popular, synthesize_popqa
+    from .data import is_popqa, load_items, select_popular, synthesize_popqa
 
     args.popqa = is_popqa(load_items(args.data, limit=1))
     if not args.popqa:
@@ -161,8 +165,8 @@ def _token_items(args: argparse.Namespace) -> list[Any]:
 
 
 def _run_pool(args: argparse.Namespace, out: Path, command: str) -> int:
-    from ..evaluation import report
-    from ..evaluation.token_level import pool_token_records, summarize_token_level
+    from . import report
+    from .token_level import pool_token_records, summarize_token_level
 
     records = pool_token_records(args.records)
     name = args.name or "token_pool"
@@ -178,10 +182,10 @@ def _run_pool(args: argparse.Namespace, out: Path, command: str) -> int:
 
 def run_eval(args: argparse.Namespace) -> int:
     """Run one evaluation task; prints the Markdown table and the files written."""
-    from ..evaluation import report
-    from ..evaluation.data import load_items
-    from ..evaluation.harness import run_misleading, run_noise_sweep
-    from ..evaluation.token_level import run_token_level, scorer_configs
+    from . import report
+    from .data import load_items
+    from .harness import run_misleading, run_noise_sweep
+    from .token_level import run_token_level, scorer_configs
 
     _validate(args)
     out = Path(args.out)
@@ -196,8 +200,8 @@ def run_eval(args: argparse.Namespace) -> int:
     progress = not args.no_progress
 
     if args.task == "cost":
-        from ..evaluation.cost import run_bench
-        from ..evaluation.data import mix_passages
+        from .cost import run_bench
+        from .data import mix_passages
 
         # The Table 6 protocol: 40 % noise among k passages, answers up to the first newline.
         mixed = [(it.question, mix_passages(it, 0.4, k=args.k or 5, seed=args.seed).passages) for it in items]
@@ -213,7 +217,7 @@ def run_eval(args: argparse.Namespace) -> int:
         print(f"wrote {out / (name + '.json')}, {out / (name + '.md')}")
         return 0
 
-    from ..models import load_model
+    from tokrag_integrations.models import load_model
 
     records = Path(args.records[0]) / f"{name}.jsonl"
     _check_resume(records, _config(args))
@@ -255,12 +259,12 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``tokrag bench`` (:mod:`..evaluation.cost`) to an ``argparse`` sub-parser set."""
-    from ..evaluation import cost
+    """Add ``tokrag bench`` (:mod:`.cost`) to an ``argparse`` sub-parser set."""
+    from . import cost
 
     p = subparsers.add_parser(
         "bench",
-        help="time rag vs the two-context floor vs tokrag, step by step and packed (paper Table 6)",
+        help="time rag vs the two-context floor vs tokrag vs Hugging Face generate (paper Table 6)",
         description=cost.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -272,7 +276,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--passages", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--policies", default=",".join(cost.DEFAULT_POLICIES),
-                   help="comma list of arms: rag, rag-stock, floor, tokrag-step, tokrag, or any policy spec")
+                   help="comma list of arms: rag, floor, tokrag-step, tokrag, rag-kernels-off, hf-generate, "
+                        "hf-generate-static, or any policy spec; ARM@PRESET for a speed preset (tokrag@cuda)")
     p.add_argument("--device", default=None)
     p.add_argument("--no-memory", action="store_true", help="skip the per-policy memory subprocesses")
     p.add_argument("--memory-questions", type=int, default=3)
@@ -281,7 +286,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="comma list of batch sizes for tokens/s and questions/s, e.g. 1,4,16")
     p.add_argument("--throughput-only", action="store_true",
                    help="only the --throughput measurement (no per-question timing, no memory)")
-    p.add_argument("--rounds", type=_positive_int, default=3, help="rounds of the interleaved --throughput measurement")
+    p.add_argument("--rounds", type=positive_int, default=3, help="rounds of the interleaved --throughput measurement")
     p.set_defaults(func=run_bench_command)
     return p
 
@@ -301,9 +306,9 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     """``tokrag bench``: run the benchmark, print its report, write ``--json``."""
-    from ..evaluation.cost import run_bench
-    from ..evaluation.report import bench_table
-    from ..evaluation.specs import split_specs
+    from .cost import run_bench
+    from .report import bench_table
+    from .specs import split_specs
 
     if args.throughput_only and not args.throughput:
         raise ValueError("--throughput-only needs --throughput SIZES, e.g. --throughput 1,4,16")

@@ -1,7 +1,11 @@
-"""Evaluation harness: noise sweep (Tok-RAG Table 1), misleading passages, token-level
-benefit/detriment classification (Table 3) and cost (Table 6) over JSONL evaluation sets.
+"""The research harness, apart from the runtime library: noise sweep (Tok-RAG Table 1),
+misleading passages, token-level benefit/detriment classification (Table 3) and cost
+(Table 6) over JSONL evaluation sets, and the ``tokrag eval`` / ``tokrag bench`` commands
+(:mod:`.commands`, registered through the ``tokrag.commands`` entry-point group). Installed with
+the ``eval`` extra (``pip install "tokrag-integrations[eval]"``). It imports
+:mod:`tokrag_integrations`; the runtime package never imports it.
 
-    >>> from tokrag_integrations.evaluation import load_items, run_noise_sweep
+    >>> from tokrag_eval import load_items, run_noise_sweep
     >>> items = load_items("shared/data/squad_dev.jsonl", limit=20)
     >>> summary = run_noise_sweep(lm, items, policies=["rag", "tokrag"], records_path="runs/squad.jsonl")
 
