@@ -30,9 +30,36 @@ def test_every_field_is_a_speed_option():
     """The tests below cover every field (a new field needs its own test here)."""
     covered = {
         "fuse", "packed_prefill", "split_prefill", "share_lens", "cpu_kernels", "packed_head",
-        "kernel_plan_cache",
+        "kernel_plan_cache", "static", "graphs",
     }
     assert {f for f in Speed.__dataclass_fields__} == covered
+
+
+def test_static_and_graphs_per_call(lm, monkeypatch):
+    """``static="on"``: the decode runs on the static state (``"auto"`` on a CPU does not);
+    ``graphs="on"``: its step is the compiled one (a counting stand-in here: a real compile
+    takes minutes on 2 cores), ``"off"``: the step function itself."""
+    from tokrag_integrations.accel import static_state as SS
+
+    compiled = []
+
+    def stand_in(*a, **kw):
+        compiled.append(1)
+        return SS.static_step(*a, **kw)
+
+    monkeypatch.setitem(SS._COMPILED, None, stand_in)
+    runs = {
+        name: generate(lm, *CONTRA, policy="rag", max_new_tokens=4, speed=speed)
+        for name, speed in {
+            "auto": None,
+            "eager": {"static": "on", "graphs": "off"},
+            "compiled": {"static": "on", "graphs": "on"},
+        }.items()
+    }
+    assert "static" not in runs["auto"].trace.timings
+    assert runs["eager"].trace.timings["static"] == runs["compiled"].trace.timings["static"] == 1.0
+    assert len(compiled) == 4  # one compiled step per token of the "compiled" run only
+    assert len({tuple(r.token_ids) for r in runs.values()}) == 1
 
 
 def test_fuse_and_packed_prefill_per_call(lm):
