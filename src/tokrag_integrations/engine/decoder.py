@@ -13,7 +13,11 @@ Speed is chosen here, from ``speed=`` (:class:`..speed.Speed`) only, through the
 one seam to the speed paths (:class:`.seam.SpeedPaths`): the prefill (packed / fused / split
 contexts), how an admitted query's rows join the running batch where contexts are fused, the
 lens handed to the policy (:func:`.view.make_lens`: ``share_lens``, the packed LM head) and the
-kernels every model call of the decode runs (``cpu_kernels``).
+kernels every model call of the decode runs (``cpu_kernels``). Where ``Speed.static`` is on
+(``speed="cuda"``; the default on a CUDA device) and the policy has a device rule, admission,
+the step and retirement are delegated to the static decode state
+(:mod:`..accel.static_state`, through the seam): :meth:`Decoder.choose` is then one captured
+step with one host read, and :meth:`Decoder.advance` only frees finished rows.
 """
 
 from __future__ import annotations
