@@ -280,3 +280,32 @@ def assert_sigterm_stops_postmaster(proc: Any, folder: Any, log_path: Any) -> No
             proc.kill()
         if postmaster is not None and postmaster.is_running():
             postmaster.terminate()
+
+
+def tiny_smollm2(tokenizer: Any, *, layers: int = 30, hidden: int = 72, cpu_kernels: str = "off") -> Any:
+    """A random-weight model with SmolLM2-135M's shape where it sets the launch count (30
+    Llama layers, 9 query / 3 key-value heads, SmolLM2's tokenizer and vocabulary) and a small
+    hidden size, so that arithmetic is negligible and a step costs what its operations and
+    host reads cost (issue 56's "tiny random 30-layer model"): a LoadedModel."""
+    import torch
+    import transformers
+
+    from tokrag_integrations import load_model
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    return load_model(model, tokenizer=tokenizer, cpu_kernels=cpu_kernels)

@@ -73,10 +73,15 @@ def eval_data():
 
 @pytest.fixture(scope="session")
 def lm():
-    """The packaged default model (SmolLM2-135M-Instruct), shared by every test."""
+    """The packaged default model (SmolLM2-135M-Instruct), shared by every test, with the
+    speed paths a default decode installs before its first step (``engine.seam.prepare``)."""
     from tokrag_integrations import load_model
+    from tokrag_integrations.engine.seam import prepare
+    from tokrag_integrations.speed import Speed
 
-    return load_model("default", device="cpu")
+    model = load_model("default", device="cpu")
+    prepare(model, Speed())
+    return model
 
 
 @pytest.fixture

@@ -337,7 +337,7 @@ def run_bench(
     decode (default: ``generate``'s)."""
     import torch
 
-    from tokrag_integrations.accel.install import speed_paths
+    from tokrag_integrations.engine.seam import speed_paths
 
     require_bool(memory, "memory")
     require_bool(progress, "progress")
@@ -378,7 +378,7 @@ def run_bench(
             out["policies"][pol].update(
                 peak_mb=m["peak_mb"], peak_over_model_mb=m["peak_mb"] - m["base_mb"]
             )
-    out["paths"] = speed_paths(lm.model)
+    out["paths"] = speed_paths(lm)
     if throughput:
         out["throughput"] = measure_throughput(
             model_of, items, throughput, max_new_tokens, policies, progress, rounds

@@ -7,7 +7,7 @@ normalised spec is the record's ``policy`` and the table label, its options go t
 ``generate_batch(..., policy_options=...)``.
 
 Shared between policies: the seeded passage mix of an (item, condition); the prefill of an
-item batch's contexts (:func:`..engine.prefill.shared_prefill`), charged to every policy that
+item batch's contexts (:func:`..contexts.prefill.shared_prefill`), charged to every policy that
 reuses it in ``time_s``; and the ``llm`` answer, decoded once per item for every condition.
 """
 
@@ -95,7 +95,7 @@ def run_generation(
     label, a spec's own options override them; ``decode`` replaces
     ``engine.scheduler.generate_batch``; ``keep_traces`` stores each answer's trace.
     """
-    from tokrag_integrations.engine.prefill import shared_prefill
+    from tokrag_integrations.contexts.prefill import shared_prefill
     from tokrag_integrations.engine.scheduler import generate_batch
     from tokrag_integrations.policies import get_policy, uses_passages
 

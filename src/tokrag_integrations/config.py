@@ -9,8 +9,10 @@ defaults and meanings are tabled in README.md ("Environment variables"). Switche
 an error rather than a silent *yes*.
 
 Also here: the cache folder (:func:`cache_dir`), :func:`require_bool` (a boolean argument of
-the Python API: ``True`` or ``False`` only) and :func:`bool_word`, the one reading of a boolean
-given as text (options, ``speed=`` fields, switches). This module imports only the standard library, so anything may import it.
+the Python API: ``True`` or ``False`` only), :func:`bool_word`, the one reading of a boolean
+given as text (options, ``speed=`` fields, switches). The ``TOKRAG_*`` speed variables are the
+defaults of :class:`..speed.Speed`'s fields. This module imports only the standard library, so
+anything may import it.
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ class LoadedModel:
     context_window: int
     is_chat: bool
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    #: ``load_model(..., cpu_kernels=)``: how the CPU speed paths are installed before the
+    #: first decode that uses them (``"off"``: never, the model stays stock); None: as that
+    #: decode's ``Speed.cpu_kernels`` says.
+    cpu_kernels: str | None = field(default=None, compare=False)
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def memo(self, key: Any, build: Callable[[], Any]) -> Any:
@@ -427,6 +431,8 @@ def _resolve(
     )
 
 
+_KERNEL_MODES = ("auto", "on", "off")
+
 #: from_pretrained arguments that load_model sets from its own parameters.
 _OWN_KWARGS = {
     "dtype": "dtype",
@@ -481,8 +487,12 @@ def load_model(
             download a hub id that is not cached.
         require_signals: check that Tok-RAG's signals can read the architecture (False loads
             any causal LM for the policies that need no signals, e.g. ``rag``, ``llm``, ``cad``).
-        cpu_kernels: ``"auto"``, ``"on"`` or ``"off"`` for the CPU speed paths of this model
-            (default: ``$TOKRAG_CPU_KERNELS``, else ``"auto"``).
+        cpu_kernels: ``"auto"`` (measured few-row plans), ``"on"`` or ``"off"`` (a stock
+            model for every decode): how the CPU speed paths are installed on this model,
+            before its first decode that uses them (default None: as that decode's
+            ``Speed.cpu_kernels`` says, itself ``$TOKRAG_CPU_KERNELS`` or ``"auto"``). A decode
+            whose ``speed`` sets ``cpu_kernels="off"`` runs the stock paths whatever was
+            installed.
 
     Nothing here changes the process environment. Errors are one sentence naming the fix:
     FileNotFoundError (nothing loadable; a hub id not cached names ``huggingface-cli
@@ -495,6 +505,10 @@ def load_model(
     require_bool(trust_remote_code, "trust_remote_code")
     require_bool(local_files_only, "local_files_only")
     require_bool(require_signals, "require_signals")
+    if cpu_kernels is not None:
+        if not isinstance(cpu_kernels, str) or cpu_kernels.strip().lower() not in _KERNEL_MODES:
+            raise ValueError(f"cpu_kernels must be 'auto', 'on' or 'off', got {cpu_kernels!r}")
+        cpu_kernels = cpu_kernels.strip().lower()
     device, dtype = check_device_and_dtype(device, dtype)
     if device is not None and device_map is not None:
         raise ValueError(
@@ -694,13 +708,9 @@ def _context_window(model: Any, tokenizer: Any, display: str) -> int:
 def _finish(
     model: Any, tokenizer: Any, display: str, path: str, cpu_kernels: str | None, require_signals: bool
 ) -> LoadedModel:
-    """Evaluation mode, the CPU speed paths, the signals check: the :class:`LoadedModel`."""
+    """Evaluation mode, the signals check: the :class:`LoadedModel` (its CPU speed paths are
+    installed by the engine before its first decode that uses them, as ``cpu_kernels`` says)."""
     model.eval()
-    # The CPU speed paths (measured few-row kernels, masked attention, packed LM head): the
-    # one place loading touches accel (not the package: its loops import this module).
-    from .accel.install import maybe_install
-
-    maybe_install(model, cpu_kernels)
     if require_signals:
         from .attention.parts import check_supported
 
@@ -722,4 +732,5 @@ def _finish(
         path=path,
         context_window=ctx,
         is_chat=bool(getattr(tokenizer, "chat_template", None)),
+        cpu_kernels=cpu_kernels,
     )

@@ -134,7 +134,7 @@ class Trace:
     """Everything needed to explain one generated answer.
 
     ``options`` are the rule's options (what decides the tokens). ``timings`` (seconds,
-    flags, counts) and ``speed`` (the call's :class:`~.engine.speed.Speed` fields, e.g.
+    flags, counts) and ``speed`` (the call's :class:`~.speed.Speed` fields, e.g.
     ``fuse``, and ``speed_paths_off``: each speed path that was off at the end of this decode,
     with its reason) say how fast the answer was made and what this machine measured: they may
     differ between two decodes of one call (another machine, or before and after the process

@@ -213,7 +213,7 @@ def test_signals_read_the_model_past_the_window(models, arch, cpu_kernels):
     input without) equals eager attention, and the lens of the last layer the logits."""
     from tokrag_integrations.attention.parts import model_parts
     from tokrag_integrations.attention.rows import logit_lens
-    from tokrag_integrations.engine.batch import RoleBatch as _RoleBatch
+    from tokrag_integrations.contexts.batch import RoleBatch as _RoleBatch
     from tokrag_integrations.engine.view import ContextView
     from tokrag_integrations.policies.base import ContextSpec
 

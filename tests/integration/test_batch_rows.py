@@ -13,8 +13,8 @@ from _helpers import CheckedThread, join_all
 
 from tokrag_integrations import generate, generate_batch
 from tokrag_integrations.accel.packed import prefill
+from tokrag_integrations.contexts.batch import RoleBatch
 from tokrag_integrations.engine import decoder
-from tokrag_integrations.engine.batch import RoleBatch
 from tokrag_integrations.engine.decoder import Decoder, role_setup, views_for
 from tokrag_integrations.policies import get_policy
 from tokrag_integrations.prompts import PromptBuilder
@@ -171,7 +171,7 @@ def test_a_reused_prefill_is_charged_to_the_decode_that_reuses_it(lm):
     """Inside the harness's shared prefill, the second policy on the same prompts gets the
     first one's prefill seconds in ``prefill_reused_s`` (the evaluation records add them to
     its time); the first pays its own prefill and reuses nothing."""
-    from tokrag_integrations.engine.prefill import shared_prefill
+    from tokrag_integrations.contexts.prefill import shared_prefill
 
     with shared_prefill():
         first = generate_batch(lm, QS[:2], PS[:2], policy="tokrag", max_new_tokens=2)
@@ -501,3 +501,31 @@ def test_split_prefill_switch_prefills_the_batch_together(lm, monkeypatch):
     with torch.inference_mode():
         prefill(roles, per_query, lm, probe)
     assert calls == [3]
+
+
+def test_rag_sequence_requests_run_in_the_steps_within_max_rows(lm, monkeypatch):
+    """RAG-Sequence's candidates and their teacher-forced scoring are requests of the
+    scheduler's steps: each step holds at most ``max_rows`` context rows (its scoring rows
+    are admitted in pieces), and the answer and its candidates' scores are those of the call
+    decoded alone, without a bound."""
+    from tokrag_integrations.engine import loop
+    from tokrag_integrations.engine.scheduler import MicroBatcher
+
+    held: list[int] = []
+    real = loop.SequenceDecoder.advance
+
+    def counted(self):
+        held.append(self.rows_in_use())
+        real(self)
+
+    alone = generate(lm, QS[2], PS[2], policy="rag_sequence", max_new_tokens=12)
+    monkeypatch.setattr(loop.SequenceDecoder, "advance", counted)
+    b = MicroBatcher(lm, max_rows=3)
+    got = b.generate(QS[2], PS[2], policy="rag_sequence", max_new_tokens=12)
+    assert held and max(held) <= 3 and len(held) > 12  # candidates, scoring, then the replay
+    assert got.token_ids == alone.token_ids
+    summary = got.trace.steps[0].signals["rag_sequence"]
+    want = alone.trace.steps[0].signals["rag_sequence"]
+    assert [c["text"] for c in summary] == [c["text"] for c in want]
+    for c, w in zip(summary, want, strict=True):
+        assert c["log_p"] == pytest.approx(w["log_p"], abs=1e-3)

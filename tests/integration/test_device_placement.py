@@ -38,7 +38,17 @@ def test_every_policy_decodes_on_the_models_device(lm, prompts, policy):
     assert r.token_ids
 
 
-@pytest.mark.parametrize("speed", ["reference", None])
+@pytest.mark.parametrize("policy", available_policies())
+def test_every_policy_decodes_on_the_models_device_with_the_static_state(lm, prompts, policy):
+    """``speed="cuda"``: the static state's buffers and every tensor of its step (or, for a
+    policy without a device rule, the view path it falls back to)."""
+    q, ps = prompts[1]
+    with DeviceCheck(lm.model):
+        r = generate(lm, q, ps, policy=policy, speed="cuda", max_new_tokens=4, citations=True)
+    assert r.token_ids
+
+
+@pytest.mark.parametrize("speed", ["reference", None, "cuda"])
 def test_tokrag_solo_and_batched_on_the_models_device(lm, prompts, speed):
     kw = {"speed": speed} if speed else {}
     with DeviceCheck(lm.model):

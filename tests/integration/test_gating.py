@@ -159,3 +159,34 @@ def test_llamaindex_router_routes_both_ways(lm, threshold, route):
         route == "rag"
     )
     assert bool(gated.source_nodes) == (route == "rag")
+
+
+def test_gece_samples_are_transformers_sampling_on_the_engine(lm):
+    """GECE's self-mode references are decoded on the engine's step loop (no model.generate
+    in the package) and are the answers transformers' own sampling gives for the same seed:
+    temperature and top-p warpers, one joint draw over the n rows per step."""
+    import zlib
+
+    import torch
+
+    from tokrag_integrations.gating.gece import GECEGate, _pure_ids
+
+    g = GECEGate(lm, n_samples=3, max_new_tokens=16, sketch_dim=64)
+    for q in ("Who wrote Hamlet?", "What is the tallest mountain?"):
+        got = g.samples(q)
+        inp = torch.tensor([_pure_ids(lm, q, 16)], dtype=torch.long)
+        torch.manual_seed(g.seed + zlib.crc32(q.encode("utf-8")))
+        with torch.inference_mode():
+            out = lm.model.generate(
+                inp,
+                attention_mask=torch.ones_like(inp),
+                do_sample=True,
+                temperature=g.temperature,
+                top_p=g.top_p,
+                top_k=0,
+                max_new_tokens=16,
+                num_return_sequences=3,
+                pad_token_id=lm.pad_token_id,
+            )
+        texts = lm.tokenizer.batch_decode(out[:, inp.shape[1] :], skip_special_tokens=True)
+        assert got == [t.split("\n")[0].strip() for t in texts], q

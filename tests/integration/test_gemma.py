@@ -69,7 +69,7 @@ def test_recomputed_attention_and_lens_match_the_model_past_the_window(gemma):
 
     from tokrag_integrations.attention.parts import model_parts
     from tokrag_integrations.attention.rows import logit_lens
-    from tokrag_integrations.engine.batch import RoleBatch as _RoleBatch
+    from tokrag_integrations.contexts.batch import RoleBatch as _RoleBatch
     from tokrag_integrations.engine.view import ContextView
     from tokrag_integrations.policies.base import ContextSpec
     from tokrag_integrations.prompts import PromptBuilder

@@ -14,11 +14,11 @@ from tokrag_integrations import generate, generate_batch
 from tokrag_integrations.accel import cpu_kernels as K
 from tokrag_integrations.accel.cpu_kernels import install, installed, uninstall
 from tokrag_integrations.accel.install import maybe_install
-from tokrag_integrations.accel.kv_cache import GrowableLayer
 from tokrag_integrations.accel.packed import fuse_batches
 from tokrag_integrations.accel.sdpa import ATTN_IMPLEMENTATION
-from tokrag_integrations.engine.batch import RoleBatch as _RoleBatch
-from tokrag_integrations.engine.prefill import prefill_roles
+from tokrag_integrations.contexts.batch import RoleBatch as _RoleBatch
+from tokrag_integrations.contexts.kv_cache import GrowableLayer
+from tokrag_integrations.contexts.prefill import prefill_roles
 from tokrag_integrations.policies.base import ContextSpec
 
 CONTRA = ("What is the capital of France?", ["The capital of France is Marseille."])
@@ -48,11 +48,9 @@ def test_kernels_installed_on_the_default_cpu_model_and_reversible(lm, monkeypat
         uninstall(lm.model)
         install(lm.model, "auto")
     assert installed(lm.model) == had
-    monkeypatch.setenv("TOKRAG_CPU_KERNELS", "sometimes")
-    with pytest.raises(ValueError, match="TOKRAG_CPU_KERNELS"):
-        maybe_install(lm.model)
-    monkeypatch.setenv("TOKRAG_CPU_KERNELS", "off")
-    assert maybe_install(lm.model) is False
+    with pytest.raises(ValueError, match="cpu_kernels must be 'auto', 'on' or 'off'"):
+        maybe_install(lm.model, "sometimes")
+    assert maybe_install(lm.model, "off") is False
 
 
 def test_kernels_do_not_change_answers(lm):
@@ -258,7 +256,7 @@ def test_lazy_chunked_signals_equal_a_full_computation(lm, monkeypatch):
 def test_shared_prompt_head_is_reused_from_the_longer_prefill(lm):
     """The pure prompt (head + question) reuses the RAG prefill's head: same logits, cache
     and probe records as prefilling it in full."""
-    from tokrag_integrations.engine.batch import MIN_SHARED_PREFIX
+    from tokrag_integrations.contexts.batch import MIN_SHARED_PREFIX
     from tokrag_integrations.policies.tokrag import TokRAG
     from tokrag_integrations.prompts import PromptBuilder
 
@@ -307,15 +305,15 @@ def test_packed_head_changes_no_decision_on_the_real_model(lm, monkeypatch):
     saved = getattr(head, K._HEAD, None)
     try:
         for mode in ("off", "on"):
-            monkeypatch.setenv("TOKRAG_PACKED_HEAD", mode)
             if hasattr(head, K._HEAD):
                 delattr(head, K._HEAD)
+            product = K.packed_head(head, mode)
+            assert (product is not None) == (mode == "on" and torch.backends.mkldnn.is_available())
             with torch.inference_mode():
-                out[mode] = logit_lens(parts, rows)
-            assert (K.packed_head(head) is not None) == (
-                mode == "on" and torch.backends.mkldnn.is_available()
+                out[mode] = logit_lens(parts, rows, product=product)
+            r = generate(
+                lm, *CONTRA, policy="tokrag", max_new_tokens=24, speed={"packed_head": mode}
             )
-            r = generate(lm, *CONTRA, policy="tokrag", max_new_tokens=24)
             traces[mode] = [
                 (s.token_id, s.source, s.signals.get("benefit"), s.signals.get("l_star"))
                 for s in r.trace.steps

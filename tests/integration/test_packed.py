@@ -14,7 +14,7 @@ import torch
 
 from tokrag_integrations.accel import sdpa as S
 from tokrag_integrations.accel.packed import fuse_batches, prefill, prefill_packed
-from tokrag_integrations.engine.prefill import prefill_roles, shared_prefill
+from tokrag_integrations.contexts.prefill import prefill_roles, shared_prefill
 from tokrag_integrations.engine.scheduler import generate
 from tokrag_integrations.engine.view import ContextView
 from tokrag_integrations.policies.base import ContextSpec

@@ -320,9 +320,9 @@ def test_pgvectorstore_hybrid_table_is_read_as_it_is(ops):
 def test_legacy_pgvector_collection_is_read(pg_dsn):
     from langchain_postgres import PGVector
 
-    from tokrag_integrations.langchain.local_embeddings import local_embeddings
     from tokrag_integrations.postgres import PostgresKnowledgeBase
     from tokrag_integrations.postgres.dsn import sqlalchemy_url
+    from tokrag_integrations.retrieval.langchain_embeddings import local_embeddings
 
     embeddings = local_embeddings()
     store = PGVector(

@@ -29,7 +29,7 @@ def test_rag_token_single_passage_equals_rag(lm):
     assert cad0.token_ids == rag.token_ids
     # Shared prefill (evaluation harness, decoding in its own thread): a copied KV cache
     # decodes exactly like a fresh one.
-    from tokrag_integrations.engine.prefill import shared_prefill
+    from tokrag_integrations.contexts.prefill import shared_prefill
 
     with shared_prefill() as store:
         first = generate(lm, Q, [P1], policy="cad", max_new_tokens=10, policy_options={"alpha": 0.0}, batching=False)

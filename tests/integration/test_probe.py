@@ -17,7 +17,7 @@ from tokrag_integrations.accel.packed import fuse_batches
 from tokrag_integrations.attention.parts import model_parts
 from tokrag_integrations.attention.probe import ACTIVE_TAP, Probe, ProbeRecord
 from tokrag_integrations.attention.rows import attention_from_queries, attention_rows, cached_keys
-from tokrag_integrations.engine.batch import RoleBatch as _RoleBatch
+from tokrag_integrations.contexts.batch import RoleBatch as _RoleBatch
 from tokrag_integrations.policies.base import ContextSpec
 from tokrag_integrations.prompts import PromptBuilder
 

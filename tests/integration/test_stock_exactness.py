@@ -128,3 +128,62 @@ def test_a_batch_equals_the_stock_path(lm, prompts, reference, count, n):
     for (q, _), g, want in zip(prompts[:count], got, reference(count, n), strict=True):
         assert g.token_ids == want.token_ids, q
         assert _decisions(g) == _decisions(want), q
+
+
+#: The policies of the ``speed="cuda"`` comparison: with a device rule, each is decoded on
+#: the static state; without one, on the view path, and the trace says so.
+CUDA_POLICIES = ("tokrag", "rag", "llm", "floor", "cad", "rag_token", "tokrag_reference")
+#: Prompts and new tokens of that comparison (per policy: a reference decode each).
+CUDA_COUNT, CUDA_TOKENS = 8, 6
+
+
+@pytest.fixture(scope="module")
+def policy_reference(stock, prompts):
+    """``policy_reference(policy)``: the stock decodes of the first :data:`CUDA_COUNT`
+    prompts under ``policy``, citations on for every policy that can cite."""
+    made: dict = {}
+
+    def run(policy: str) -> list:
+        if policy not in made:
+            made[policy] = [
+                generate(stock, q, ps, policy=policy, speed="reference",
+                         max_new_tokens=CUDA_TOKENS, citations=True)
+                for q, ps in prompts[:CUDA_COUNT]
+            ]  # fmt: skip
+        return made[policy]
+
+    return run
+
+
+def _static_used(r) -> bool:
+    """Whether ``r`` was decoded on the static state; else the trace must say why not."""
+    if r.trace.timings.get("static") == 1.0:
+        return True
+    assert r.trace.speed["speed_paths_off"]["static"], r.trace.speed
+    return False
+
+
+def _citations(r) -> list:
+    return [s.citation for s in r.trace.steps]
+
+
+@pytest.mark.parametrize("policy", CUDA_POLICIES)
+def test_the_cuda_path_equals_the_stock_path(lm, prompts, policy_reference, policy):
+    """``speed="cuda"`` (the static state and the device rule where the policy has one):
+    tokens, sources, each step's top-1 candidates and the citations of the reference, one
+    query at a time and as a batch."""
+    want = policy_reference(policy)
+    qs, pss = [q for q, _ in prompts[:CUDA_COUNT]], [ps for _, ps in prompts[:CUDA_COUNT]]
+    alone = [
+        generate(lm, q, ps, policy=policy, speed="cuda", max_new_tokens=CUDA_TOKENS, citations=True)
+        for q, ps in zip(qs, pss, strict=True)
+    ]
+    batch = generate_batch(lm, qs, pss, policy=policy, speed="cuda", max_new_tokens=CUDA_TOKENS,
+                           citations=True)  # fmt: skip
+    for got in (alone, batch):
+        for q, g, w in zip(qs, got, want, strict=True):
+            _static_used(g)  # (a query without passages is decoded by "llm"'s rule)
+            assert g.token_ids == w.token_ids, (policy, q)
+            assert _decisions(g) == _decisions(w), (policy, q)
+            for a, b in zip(_citations(g), _citations(w), strict=True):
+                assert a == pytest.approx(b, abs=1e-3), (policy, q)

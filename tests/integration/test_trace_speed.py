@@ -56,7 +56,7 @@ def test_a_decode_before_and_one_after_every_speed_measurement_compare_equal(
         f"on (measured at the first logit lens of >= {K.HEAD_MIN_ROWS} rows)"
     )
     first = generate(lm, Q, P, max_new_tokens=12).trace
-    K.packed_head(unmeasured_head)  # measured now, if the first decode's lens did not
+    K.packed_head(unmeasured_head, "auto", cache=False)  # measured now, if the first decode's lens did not
     assert speed_paths(lm.model)["packed_head"].startswith(head_state)
     second = generate(lm, Q, P, max_new_tokens=12).trace
 

@@ -147,7 +147,7 @@ class FakeDecode:
         self.fail_after = fail_after
 
     def __call__(self, lm, queries, passages, *, policy, **kw):
-        from tokrag_integrations.engine.prefill import _SHARED_PREFILL
+        from tokrag_integrations.contexts.prefill import _SHARED_PREFILL
 
         if self.fail_after is not None and len(self.calls) >= self.fail_after:
             raise KeyboardInterrupt

@@ -1,5 +1,6 @@
-"""No import cycles inside the packages (issues 21 and 34), and the runtime library apart from
-the research harness (issue 55).
+"""No import cycles inside the packages, between modules and between folders (issues 21, 34
+and 55), the runtime library apart from the research harness (issue 55), and the speed paths
+reached through one seam.
 
 The graph is read from the source with :mod:`ast`, without importing anything. How it is
 counted:
@@ -209,7 +210,7 @@ def test_the_walker_sees_module_level_lazy_and_type_checking_imports():
     graph = import_graph()
     p = PACKAGE
     assert f"{p}.policies.base" in graph[f"{p}.engine.loop"]  # module level
-    assert f"{p}.accel.install" in graph[f"{p}.models"]  # inside load_model
+    assert f"{p}.engine.seam" in graph[f"{p}.evaluation.cost"]  # inside run_bench
     assert f"{p}.policies.base" in graph[f"{p}.server.service"]  # under TYPE_CHECKING
     # ContextView is the engine's; the policies' base names it only at run time.
     assert f"{p}.engine.view" not in graph[f"{p}.policies.base"]
@@ -272,10 +273,9 @@ def _algorithm_modules(graph: dict[str, dict[str, int]]) -> list[str]:
     """The algorithm side: the signals, every policy, the engine's loops (step by step and
     sequence level, with their prefill, views and statistics), the trace."""
     p = PACKAGE
-    fixed = {f"{p}.trace"}
-    fixed |= {
-        f"{p}.engine.{m}" for m in ("loop", "prefill", "stats", "view", "speed")
-    } | {f"{p}.engine"}
+    fixed = {f"{p}.trace", f"{p}.speed", f"{p}.engine"}
+    fixed |= {f"{p}.engine.{m}" for m in ("loop", "stats", "view")}
+    fixed |= {m for m in graph if m == f"{p}.contexts" or m.startswith(f"{p}.contexts.")}
     policies = {m for m in graph if m == f"{p}.policies" or m.startswith(f"{p}.policies.")}
     return sorted(fixed | policies)
 
@@ -283,8 +283,8 @@ def _algorithm_modules(graph: dict[str, dict[str, int]]) -> list[str]:
 def test_no_algorithm_module_imports_accel():
     """The speed paths sit behind one seam (``accel``), chosen by the step loop's decoder
     from ``speed=``: no module of
-    the algorithm side imports it, at module level or lazily inside a function. (The role
-    batch, ``engine.batch``, is mechanism: it builds its KV cache with ``accel.kv_cache``.)"""
+    the algorithm side imports it, at module level or lazily inside a function. The role
+    batches (``contexts``) sit below ``accel``: it builds on them."""
     graph = import_graph()
     modules = _algorithm_modules(graph)
     assert f"{PACKAGE}.engine.loop" in modules and f"{PACKAGE}.policies.tokrag" in modules
@@ -296,9 +296,78 @@ def test_no_algorithm_module_imports_accel():
         if t == accel or t.startswith(accel + ".")
     ]
     assert not bad, "algorithm modules import accel: " + "; ".join(bad)
-    # The seam is used from the decoder (by ``Speed``) and load_model (the kernels).
-    assert f"{accel}.packed" in graph[f"{PACKAGE}.engine.decoder"]
-    assert f"{accel}.install" in graph[f"{PACKAGE}.models"]
+
+
+def test_accel_is_reached_through_one_seam():
+    """Outside ``accel`` itself, one module imports it: the engine's seam (``engine.seam``),
+    where every speed choice is read from the decode's ``Speed``; ``accel`` imports no module
+    of the engine (it builds on ``contexts``, below both)."""
+    graph = import_graph()
+    accel, engine = f"{PACKAGE}.accel", f"{PACKAGE}.engine"
+
+    def inside(m: str, pkg: str) -> bool:
+        return m == pkg or m.startswith(pkg + ".")
+
+    importers = sorted(
+        m for m, edges in graph.items() if not inside(m, accel) and any(inside(t, accel) for t in edges)
+    )
+    assert importers == [f"{engine}.seam"], importers
+    up = [
+        f"{m} -> {t} (line {line})"
+        for m, edges in graph.items()
+        if inside(m, accel)
+        for t, line in edges.items()
+        if inside(t, engine)
+    ]
+    assert not up, "accel imports the engine: " + "; ".join(up)
+
+
+def folder_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, tuple[str, str, int]]]:
+    """The import graph between the package's rooms: each sub-package (a folder, with all its
+    modules and sub-folders) and each module at the package root is one node; an edge is any
+    module of one importing any module of another (every import form the module graph
+    counts), kept with one example ``(module, imported module, line)``."""
+
+    def room(m: str) -> str:
+        parts = m.split(".")
+        return parts[1] if len(parts) > 1 else "(package root)"
+
+    rooms: dict[str, dict[str, tuple[str, str, int]]] = {}
+    for m, edges in graph.items():
+        out = rooms.setdefault(room(m), {})
+        for t, line in edges.items():
+            if room(t) != room(m):
+                out.setdefault(room(t), (m, t, line))
+    return rooms
+
+
+def test_folder_graph_merges_a_folder_and_keeps_an_example():
+    graph = {
+        f"{PACKAGE}.a.x": {f"{PACKAGE}.b.y": 3, f"{PACKAGE}.a.z": 4},
+        f"{PACKAGE}.a.z": {},
+        f"{PACKAGE}.b.y": {f"{PACKAGE}.c": 7},
+        f"{PACKAGE}.c": {f"{PACKAGE}.a.z": 9},
+    }
+    rooms = folder_graph(graph)
+    assert rooms["a"] == {"b": (f"{PACKAGE}.a.x", f"{PACKAGE}.b.y", 3)}
+    cycles = find_cycles({r: {t: 1 for t in e} for r, e in rooms.items()})
+    assert cycles == [["a", "b", "c", "a"]]
+
+
+def test_no_import_cycle_between_folders():
+    """No cycle between the package's folders (and root modules), every import form counted
+    (issue 55): e.g. accel -> engine -> models -> accel, or langchain -> server -> postgres ->
+    langchain, would be one."""
+    rooms = folder_graph(import_graph())
+    cycles = find_cycles({r: {t: 1 for t in e} for r, e in rooms.items()})
+    described = [
+        "; ".join(
+            f"{a} -> {b} ({rooms[a][b][0]} imports {rooms[a][b][1]}, line {rooms[a][b][2]})"
+            for a, b in zip(c, c[1:], strict=False)
+        )
+        for c in cycles
+    ]
+    assert not cycles, "folder cycles:\n" + "\n".join(described)
 
 
 #: Modules that load a user's own plugin by a name given at run time ("package.module:Class"

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from tokrag_integrations.accel import cpu_kernels as K
 from tokrag_integrations.accel.cpu_kernels import few_row_linear, install, installed, uninstall
-from tokrag_integrations.accel.kv_cache import GrowableLayer
 from tokrag_integrations.accel.sdpa import few_query_attention
+from tokrag_integrations.contexts.kv_cache import GrowableLayer
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 64, 65, 200])
@@ -49,15 +49,14 @@ def test_tiled_strategy_keeps_gradients():
 def test_plans_are_measured_per_shape_and_routed_by_row_count(monkeypatch):
     w = torch.randn(4096, 64)
     monkeypatch.setattr(K, "_PLANS", {})  # the model's measured plans stay as they were
-    monkeypatch.setenv("TOKRAG_KERNEL_PLAN_CACHE", "0")  # measured here, not read from disk
     calls = []
     real = K._time
     monkeypatch.setattr(K, "_time", lambda fn, reps, **kw: calls.append(reps) or real(fn, 1, **kw))
-    plan = K.plan_for(w)
+    plan = K.plan_for(w, cache=False)  # measured here, not read from disk
     assert len(plan) == len(K.BUCKETS) and set(plan) <= set(K.STRATEGIES)
     assert "dup" not in plan[1:]  # duplication is a one-row strategy
     n_calls = len(calls)
-    assert K.plan_for(w) is plan and len(calls) == n_calls  # cached for the process
+    assert K.plan_for(w, cache=False) is plan and len(calls) == n_calls  # cached for the process
     table = K._route(("dup", "linear", "wxt", "tiled", "pad", "linear", "wxt"))
     assert len(table) == K.MAX_ROWS + 1
     assert table[1] is K._k_dup and table[2] is K._k_linear
@@ -91,9 +90,8 @@ def test_plans_are_measured_per_shape_and_routed_by_row_count(monkeypatch):
 def test_plans_persist_per_machine_on_disk(monkeypatch, tmp_path):
     """A measured plan is written to the cache folder and read back by a later process
     (simulated by clearing the in-process plans) without timing anything; a damaged file
-    or ``TOKRAG_KERNEL_PLAN_CACHE=0`` means measuring again."""
+    or ``Speed.kernel_plan_cache`` off means measuring again."""
     monkeypatch.setenv("TOKRAG_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("TOKRAG_KERNEL_PLAN_CACHE", raising=False)
     monkeypatch.setattr(K, "_PLANS", {})
     w = torch.randn(1024, 32)
     timed = []
@@ -130,8 +128,7 @@ def test_plans_persist_per_machine_on_disk(monkeypatch, tmp_path):
     timed.clear()
     assert set(K.plan_for(w)) <= set(K.STRATEGIES) and timed
     # Switched off: nothing is read or written.
-    monkeypatch.setenv("TOKRAG_KERNEL_PLAN_CACHE", "0")
-    assert K._plan_file() is None
+    assert K._plan_file(cache=False) is None
 
 
 def _sdpa_reference(q, k, v, mask, scale):
@@ -226,10 +223,9 @@ def _head(n=2048, k=64, bias=False):
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_head_computes_the_linear_product(monkeypatch, bias):
-    monkeypatch.setenv("TOKRAG_PACKED_HEAD", "on")
     head = _head(bias=bias)
-    product = K.packed_head(head)
-    assert product is not None and K.packed_head(head) is product  # made once per module
+    product = K.packed_head(head, "on")
+    assert product is not None and K.packed_head(head, "on") is product  # made once per module
     with torch.inference_mode():
         for rows in (1, K.HEAD_MIN_ROWS - 1, K.HEAD_MIN_ROWS, 16, 40):
             x = torch.randn(rows, 64)
@@ -244,19 +240,14 @@ def test_packed_head_only_where_allowed_and_measured(monkeypatch, tmp_path):
     """Off, a stock head (never set up by install) or a non-float32 head get no packed
     product; in ``auto`` the measured choice is kept on disk and read back untimed."""
     monkeypatch.setenv("TOKRAG_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("TOKRAG_KERNEL_PLAN_CACHE", raising=False)
     monkeypatch.setattr(K, "_HEAD_CHOICE", {})
-    monkeypatch.setenv("TOKRAG_PACKED_HEAD", "off")
-    assert K.packed_head(_head()) is None
-    monkeypatch.setenv("TOKRAG_PACKED_HEAD", "sometimes")
-    with pytest.raises(ValueError, match="TOKRAG_PACKED_HEAD"):
-        K.packed_head(_head())
-    monkeypatch.setenv("TOKRAG_PACKED_HEAD", "on")
-    assert K.packed_head(torch.nn.Linear(64, 2048)) is None  # not set up by install()
-    assert K.packed_head(_head().to(torch.float64)) is None
+    assert K.packed_head(_head(), "off") is None
+    with pytest.raises(ValueError, match="packed_head must be 'auto', 'on' or 'off'"):
+        K.packed_head(_head(), "sometimes")
+    assert K.packed_head(torch.nn.Linear(64, 2048), "on") is None  # not set up by install()
+    assert K.packed_head(_head().to(torch.float64), "on") is None
     if not torch.backends.mkldnn.is_available():
         return
-    monkeypatch.setenv("TOKRAG_PACKED_HEAD", "auto")
     # Fake timings: a timed run that calls the head module (the routed product) takes 1.0,
     # one that does not (the packed product) 0.5, whatever order they are timed in.
     calls = []

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokrag_integrations.engine.speed import PRESETS, Speed, speed_of
 from tokrag_integrations.policies import get_policy
+from tokrag_integrations.speed import PRESETS, Speed, speed_of
 
 
 def test_presets_and_dicts_give_speeds():
@@ -17,6 +17,18 @@ def test_presets_and_dicts_give_speeds():
     assert speed_of(got) is got
     assert Speed().options() == {"fuse": True}
     assert Speed(fuse=False).options() == {"fuse": False}
+
+
+def test_the_cuda_preset_and_where_the_static_state_is_asked_for():
+    """``"cuda"``: the static state on every device; ``"auto"``: on a CUDA device only;
+    ``"reference"``: never."""
+    cuda = speed_of("cuda")
+    assert (cuda.static, cuda.fuse, cuda.graphs) == ("on", True, "auto")
+    assert cuda.wants_static("cpu") and cuda.wants_static("cuda")
+    assert speed_of("auto").wants_static("cuda") and not speed_of("auto").wants_static("cpu")
+    assert not speed_of("reference").wants_static("cuda")
+    assert speed_of({"static": "OFF"}).static == "off"
+    assert not speed_of({"static": "off"}).wants_static("cuda")
 
 
 def test_each_speed_variable_is_the_default_of_one_field(monkeypatch):
@@ -45,7 +57,9 @@ def test_each_speed_variable_is_the_default_of_one_field(monkeypatch):
 @pytest.mark.parametrize(
     ("value", "error", "match"),
     [
-        ("fast", ValueError, "unknown speed preset 'fast'; presets: auto, reference"),
+        ("fast", ValueError, "unknown speed preset 'fast'; presets: auto, reference, cuda"),
+        ({"static": "yes"}, ValueError, "static must be 'auto', 'on' or 'off'"),
+        ({"graphs": True}, ValueError, "graphs must be 'auto', 'on' or 'off'"),
         ({"fsue": False}, ValueError, "unknown speed option 'fsue'"),
         ({"speculative": True}, ValueError, "unknown speed option 'speculative'"),
         ({"cpu_kernels": "sometimes"}, ValueError, "cpu_kernels must be 'auto', 'on' or 'off'"),

@@ -138,14 +138,13 @@ def test_adapter_boolean_options_refuse_strings(value):
 
 def _switch_readers() -> dict[str, object]:
     """Environment variable -> the package's own reading of it (True = on)."""
-    from tokrag_integrations.accel import cpu_kernels
     from tokrag_integrations.config import env_switch
-    from tokrag_integrations.engine.speed import Speed
+    from tokrag_integrations.speed import Speed
 
     return {
         "TOKRAG_FUSE_CONTEXTS": lambda: Speed().fuse,
         "TOKRAG_PACKED_PREFILL": lambda: Speed().packed_prefill,
-        "TOKRAG_KERNEL_PLAN_CACHE": lambda: cpu_kernels._plan_file() is not None,
+        "TOKRAG_KERNEL_PLAN_CACHE": lambda: Speed().kernel_plan_cache,
         "TOKRAG_VERBOSE": lambda: env_switch("TOKRAG_VERBOSE", False),  # models._loading_quietly
     }
 

@@ -12,7 +12,12 @@ docs/results.md, "Speed paths kept"). So nothing is assumed:
 * :func:`verify_install` checks the plans on the whole model, per bucket, and sends a
   bucket that does not win back to ``F.linear``;
 * :func:`packed_head` gives the logit lens a oneDNN copy of the LM head where measured
-  faster (``Speed.packed_head``).
+  faster (``Speed.packed_head``);
+* :func:`stock_kernels` runs the stock paths for one decode on a model that has plans
+  (``Speed.cpu_kernels`` ``off`` on that decode's call).
+
+Every choice comes in as an argument from the decode's :class:`..speed.Speed` (through the
+engine's seam, ``engine/seam.py``): nothing here reads the environment.
 
 Results are the same dot products summed in another order (last-bit differences, as
 between any two BLAS kernels).
@@ -20,6 +25,8 @@ between any two BLAS kernels).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -27,16 +34,14 @@ import statistics
 import time
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..attention.rows import set_lens_head_product
 from ..config import cache_dir
-from ..engine.speed import Speed
 from ..retrieval.safe_files import FileRefused, checked_folder, read_regular, write_atomic
 
 #: Calls with more rows than this use ``F.linear`` (GEMM-shaped work, e.g. prefill).
@@ -68,6 +73,27 @@ _HEAD = "_tokrag_packed_head"
 _HEAD_CHOICE: dict[str, bool] = {}
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+#: True inside :func:`stock_kernels`: routed modules and the ``tokrag_sdpa`` attention take
+#: the stock paths (a decode whose ``Speed.cpu_kernels`` is ``off``).
+_STOCK: contextvars.ContextVar[bool] = contextvars.ContextVar("tokrag_stock_kernels", default=False)
+
+
+@contextlib.contextmanager
+def stock_kernels(on: bool = True) -> Iterator[None]:
+    """Within this block (this thread or task), a model with plans installed runs the stock
+    paths: ``F.linear`` in every routed module and transformers' SDPA attention (``on``
+    False: the installed paths, as outside)."""
+    token = _STOCK.set(bool(on))
+    try:
+        yield
+    finally:
+        _STOCK.reset(token)
+
+
+def stock() -> bool:
+    """Whether the stock paths are asked for here (:func:`stock_kernels`)."""
+    return _STOCK.get()
 
 
 def _k_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -197,10 +223,10 @@ def _machine_id() -> str:
     return hashlib.sha1((cpu + fmt).encode()).hexdigest()[:16]
 
 
-def _plan_file() -> Path | None:
+def _plan_file(cache: bool = True) -> Path | None:
     """Where measured plans persist between processes (``$TOKRAG_CACHE_DIR/kernel_plans``),
-    or None when ``TOKRAG_KERNEL_PLAN_CACHE=0``."""
-    if not Speed().kernel_plan_cache:
+    or None when ``cache`` is off (``Speed.kernel_plan_cache``)."""
+    if not cache:
         return None
     return cache_dir() / "kernel_plans" / f"{_machine_id()}.json"
 
@@ -286,21 +312,23 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
         pass
 
 
-def plan_for(weights: torch.Tensor | list[torch.Tensor], reps: int = 1) -> tuple[str, ...]:
+def plan_for(
+    weights: torch.Tensor | list[torch.Tensor], reps: int = 1, *, cache: bool = True
+) -> tuple[str, ...]:
     """The fastest strategy for each of :data:`BUCKETS` on a weight shape, measured here.
 
     Each timing runs the product over every weight given (all the model's matrices of that
     shape: they stream from memory, as in a decode step). The strategies are timed in
     :data:`PLAN_ROUNDS` rounds in a rotated order, each against ``F.linear`` in the same
     round; one replaces it only if the median of its ratios is below :data:`MIN_GAIN`. Kept
-    for the process and, per machine, in ``$TOKRAG_CACHE_DIR/kernel_plans`` (unless
-    ``Speed.kernel_plan_cache`` is off)."""
+    for the process and, per machine, in ``$TOKRAG_CACHE_DIR/kernel_plans`` (unless ``cache``,
+    ``Speed.kernel_plan_cache``, is off)."""
     ws = [weights] if isinstance(weights, torch.Tensor) else list(weights)
     n, k = ws[0].shape
     key = (n, k, ws[0].dtype, torch.get_num_threads())
     if key in _PLANS:
         return _PLANS[key]
-    path = _plan_file()
+    path = _plan_file(cache)
     if path is not None:
         stored = _load_plans(path).get(_disk_key(key))
         if stored is not None:
@@ -357,14 +385,16 @@ def _bucket_top(m: int) -> int:
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if _STOCK.get():
+        return F.linear(x, self.weight, self.bias)
     return _few_rows(x, self.weight, self.bias, getattr(self, _PLAN).__getitem__)
 
 
-def install(model: torch.nn.Module, mode: str = "on") -> int:
+def install(model: torch.nn.Module, mode: str = "on", *, cache: bool = True) -> int:
     """Route few-row calls of ``model``'s ``nn.Linear`` modules to faster kernels; returns how
     many modules were changed. ``mode="on"``: the transposed product for every few-row call;
     ``"auto"``: each weight shape's measured plan (:func:`plan_for`), and modules whose plan
-    is ``F.linear`` throughout are left as they are."""
+    is ``F.linear`` throughout are left as they are (``cache``: :func:`plan_for`'s)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, torch.nn.Linear):
         setattr(head, _HEAD_OK, True)  # the logit lens may use packed_head()
@@ -377,7 +407,7 @@ def install(model: torch.nn.Module, mode: str = "on") -> int:
     n = 0
     for mod in mods:
         if mode == "auto":
-            plan = plan_for(groups[(*mod.weight.shape, mod.weight.dtype)])
+            plan = plan_for(groups[(*mod.weight.shape, mod.weight.dtype)], cache=cache)
             if all(p == "linear" for p in plan):
                 continue
         else:
@@ -428,10 +458,10 @@ VERIFY_ROUNDS = 5
 VERIFY_GAIN = 0.98
 
 
-def _side_file(kind: str) -> Path | None:
+def _side_file(kind: str, cache: bool = True) -> Path | None:
     """The file of :func:`verify_install`'s verdicts (``verify``) or :func:`packed_head`'s
-    choices (``head``), next to the plans."""
-    path = _plan_file()
+    choices (``head``), next to the plans (None where ``cache`` is off)."""
+    path = _plan_file(cache)
     return None if path is None else path.with_name(f"{path.stem}.{kind}.json")
 
 
@@ -459,7 +489,7 @@ def _model_step(model: torch.nn.Module, rows: int) -> Callable[[], Any]:
 
 
 def verify_install(
-    model: torch.nn.Module, rounds: int = VERIFY_ROUNDS
+    model: torch.nn.Module, rounds: int = VERIFY_ROUNDS, *, cache: bool = True
 ) -> dict[str, dict[str, Any]]:
     """Check the installed plans on the whole model, per bucket of row counts: a forward
     pass with the plans against one with the stock ``nn.Linear`` paths, in
@@ -472,7 +502,7 @@ def verify_install(
         setattr(model, _VERDICT, {})
         return {}
     key = _verify_key(mods)
-    path = _side_file("verify")
+    path = _side_file("verify", cache)
     stored = _read_json(path)
     known = stored.get(key) if isinstance(stored.get(key), dict) else None
     verdict: dict[str, dict[str, Any]] = {}
@@ -543,37 +573,46 @@ HEAD_GAIN = 0.75
 HEAD_ROUNDS = 5
 
 
-def _known_head_choice(key: str) -> bool | None:
+def _known_head_choice(key: str, cache: bool) -> bool | None:
     """The choice measured for ``key`` in this process or kept on disk, or None."""
     if key not in _HEAD_CHOICE:
-        stored = _read_json(_side_file("head")).get(key)
+        stored = _read_json(_side_file("head", cache)).get(key)
         if not isinstance(stored, bool):
             return None
         _HEAD_CHOICE[key] = stored
     return _HEAD_CHOICE[key]
 
 
-def _remember_head_choice(key: str, choice: bool) -> None:
+def _remember_head_choice(key: str, choice: bool, cache: bool) -> None:
     _HEAD_CHOICE[key] = choice
-    path = _side_file("head")
+    path = _side_file("head", cache)
     if path is not None:
         _write_json(path, {**_read_json(path), key: choice})
 
 
-def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """A faster many-row product with a model's LM head, or None: the weight reordered once
-    into oneDNN's blocked layout and multiplied by oneDNN's GEMM.
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [n, d] times the oneDNN copy ``packed`` of an LM head's weight (plus ``bias``)."""
+    out = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
+    return out + bias if bias is not None else out
 
-    The copy costs the weight's size again, so it is made only where it takes less than
-    :data:`HEAD_GAIN` of the routed product's time at :data:`HEAD_ROWS` rows
-    (``Speed.packed_head`` ``auto``; ``on``: always, ``off``: never), and used for calls of
-    at least :data:`HEAD_MIN_ROWS` rows. The step-by-step and fast decoders share
-    it, so their decisions stay identical.
+
+def packed_head(
+    head: torch.nn.Linear, mode: str = "auto", *, cache: bool = True
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A faster many-row product with a model's LM head, or None: the weight reordered once
+    into oneDNN's blocked layout and multiplied by oneDNN's GEMM (:func:`packed_product`).
+
+    ``mode`` is the decode's ``Speed.packed_head``: ``off`` never, ``on`` always (where it
+    applies), ``auto`` where it takes less than :data:`HEAD_GAIN` of the routed product's
+    time at :data:`HEAD_ROWS` rows (measured once per machine and weight shape, kept next to
+    the plans unless ``cache`` is off: the copy costs the weight's size again; the head's
+    ``_tokrag_packed_head`` is then False). The product
+    serves calls of at least :data:`HEAD_MIN_ROWS` rows (fewer: the head's own forward). It
+    applies to a float32 CPU head set up by :func:`install`; the copy is made once per head.
+    The step-by-step and fast decoders share it, so their decisions stay identical.
     """
-    cached = getattr(head, _HEAD, None)
-    if cached is not None:
-        return cached or None
-    mode = Speed().packed_head
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"packed_head must be 'auto', 'on' or 'off', got {mode!r}")
     w = head.weight
     usable = (
         mode != "off"
@@ -584,26 +623,27 @@ def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
         and torch.backends.mkldnn.is_available()
     )
     if not usable:
-        return None  # not cached: the environment variable may change between calls
+        return None
     key = f"{w.shape[0]}x{w.shape[1]}:{torch.get_num_threads()}"
-    known = _known_head_choice(key) if mode == "auto" else True
+    known = _known_head_choice(key, cache) if mode == "auto" else True
     if known is False:  # measured slower on this machine: no copy at all
         setattr(head, _HEAD, False)
         return None
-    with torch.inference_mode():
-        packed = w.detach().to_mkldnn()
-    bias = None if head.bias is None else head.bias.detach()
+    product = getattr(head, _HEAD, None)
+    if not callable(product):
+        with torch.inference_mode():
+            packed = w.detach().to_mkldnn()
+        bias = None if head.bias is None else head.bias.detach()
 
-    def product(x: torch.Tensor) -> torch.Tensor:
-        if (
-            x.dim() != 2
-            or x.shape[0] < HEAD_MIN_ROWS
-            or x.dtype != torch.float32
-            or x.requires_grad
-        ):
-            return head(x)
-        out = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
-        return out + bias if bias is not None else out
+        def product(x: torch.Tensor) -> torch.Tensor:
+            if (
+                x.dim() != 2
+                or x.shape[0] < HEAD_MIN_ROWS
+                or x.dtype != torch.float32
+                or x.requires_grad
+            ):
+                return head(x)
+            return packed_product(x, packed, bias)
 
     if known is None:  # auto, not measured yet on this machine
         x = torch.randn(HEAD_ROWS, w.shape[1])
@@ -613,15 +653,9 @@ def packed_head(head: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
                 lambda on: functools.partial(product if on else head, x), HEAD_ROUNDS
             )
         faster = ratio < HEAD_GAIN
-        _remember_head_choice(key, faster)
+        _remember_head_choice(key, faster, cache)
         if not faster:
-            del packed
             setattr(head, _HEAD, False)
             return None
     setattr(head, _HEAD, product)
     return product
-
-
-# The logit lens of :mod:`..attention` reads many rows through the packed head where it is
-# measured faster (the lens module imports no speed path; this one registers itself there).
-set_lens_head_product(packed_head)

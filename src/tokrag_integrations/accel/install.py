@@ -1,5 +1,6 @@
-"""Which CPU speed paths a model gets (:func:`maybe_install`, the one function
-``load_model`` calls) and why some are off (:func:`speed_paths`, :func:`fusion_off_reason`)."""
+"""Which CPU speed paths a model gets (:func:`maybe_install`, called by the engine's seam,
+``engine/seam.py``, before a model's first decode that uses them) and why some are off
+(:func:`speed_paths`, :func:`fusion_off_reason`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..engine.speed import Speed
+from ..speed import Speed
 from .cpu_kernels import (
     _HEAD,
     _HEAD_OK,
@@ -69,10 +70,8 @@ def speed_off_reason(model: Any) -> str | None:
 
 def fusion_off_reason(model: Any) -> str | None:
     """Why contexts are not fused into one batch on ``model``, or None: fusing is measured
-    exact on CPU (float32 and bfloat16) for the matrix's architectures only."""
-    p = _first_parameter(model)
-    if p is not None and p.device.type != "cpu":
-        return f"device {p.device.type}: fused contexts are measured on CPU only"
+    exact (float32 and bfloat16) for the matrix's architectures, on every device (a fused
+    batch is plain left-padded rows: nothing in it is specific to a CPU)."""
     return _architecture_reason(model)
 
 
@@ -97,10 +96,11 @@ def _head_detail(model: Any) -> str:
     return " (measured faster)" if choice else ""
 
 
-def speed_paths(model: Any) -> dict[str, str]:
+def speed_paths(model: Any, speed: Speed | None = None) -> dict[str, str]:
     """Each speed path of ``model`` (``cpu_kernels``, ``packed_prefill``, ``packed_head``,
-    ``fused_contexts``): ``"on"`` (with what was measured here) or ``"off: <reason>"``; a
-    decode's :class:`..engine.speed.Speed` may still turn a path off."""
+    ``fused_contexts``): ``"on"`` (with what was measured here) or ``"off: <reason>"``; with
+    ``speed``, as a decode with that :class:`..speed.Speed` gets them (a field set off turns
+    its path off: ``"off: speed cpu_kernels='off'"``)."""
     off = getattr(model, _SPEED_OFF, None)
     attention = getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
     kernels = installed(model)
@@ -114,7 +114,7 @@ def speed_paths(model: Any) -> dict[str, str]:
     else:
         head_state = f"off: {off or 'no few-row plan installed'}"
     detail = _kernel_detail(model)
-    return {
+    paths = {
         "cpu_kernels": ("on" + detail)
         if kernels
         else f"off: {off or 'no few-row plan installed' + detail}",
@@ -124,17 +124,37 @@ def speed_paths(model: Any) -> dict[str, str]:
         "packed_head": head_state,
         "fused_contexts": "on" if fusion is None else f"off: {fusion}",
     }
+    if speed is None:
+        return paths
+    asked = {
+        "cpu_kernels": ("cpu_kernels", speed.cpu_kernels == "off"),
+        "packed_prefill": (
+            "cpu_kernels" if speed.cpu_kernels == "off" else "packed_prefill",
+            speed.cpu_kernels == "off" or not speed.packed_prefill or not speed.fuse,
+        ),
+        "packed_head": (
+            "cpu_kernels" if speed.cpu_kernels == "off" else "packed_head",
+            speed.cpu_kernels == "off" or speed.packed_head == "off",
+        ),
+        "fused_contexts": ("fuse", not speed.fuse),
+    }
+    for path, (field, off_here) in asked.items():
+        if off_here and paths[path].startswith("on"):
+            value = getattr(speed, field)
+            paths[path] = f"off: speed {field}={value!r}"
+    return paths
 
 
-def maybe_install(model: Any, mode: str | None = None) -> bool:
-    """On a float32 CPU model: the few-query attention path and, per ``mode`` (default
-    ``Speed().cpu_kernels``), the few-row linear plans. Returns whether any linear module was
+def maybe_install(model: Any, mode: str, *, cache: bool = True) -> bool:
+    """On a float32 CPU model: the few-query attention path and, per ``mode``
+    (``Speed.cpu_kernels``), the few-row linear plans. Returns whether any linear module was
     changed.
 
-    ``mode``: ``auto`` (default: measured plans per weight shape), ``on`` (the transposed
-    product for every few-row call) or ``off`` (stock paths throughout).
+    ``mode``: ``auto`` (measured plans per weight shape), ``on`` (the transposed product for
+    every few-row call) or ``off`` (stock paths throughout). ``cache``
+    (``Speed.kernel_plan_cache``): plans and verdicts kept on disk between processes.
     """
-    mode = Speed().cpu_kernels if mode is None else mode.strip().lower()
+    mode = mode.strip().lower()
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"cpu_kernels must be 'auto', 'on' or 'off', got {mode!r}")
     if mode == "off":
@@ -145,8 +165,8 @@ def maybe_install(model: Any, mode: str | None = None) -> bool:
     if reason is not None:
         return False
     install_attention(model)
-    changed = install(model, mode) > 0
+    changed = install(model, mode, cache=cache) > 0
     if changed and mode == "auto":
-        verify_install(model)
+        verify_install(model, cache=cache)
         changed = installed(model)
     return changed

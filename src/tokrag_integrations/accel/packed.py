@@ -16,13 +16,19 @@ import torch
 
 from ..attention.parts import model_parts
 from ..attention.probe import ProbeRecord, install_taps
-from ..engine.batch import RoleBatch
-from ..engine.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, reused_seconds, row_map
-from ..engine.speed import Speed
+from ..contexts.batch import RoleBatch
+from ..contexts.kv_cache import (
+    GrowableLayer,
+    has_sliding_window,
+    is_full_layer,
+    new_cache,
+    row_runs,
+)
+from ..contexts.prefill import _SHARED_PREFILL, Prefilled, prefill_roles, reused_seconds, row_map
 from ..models import LoadedModel
 from ..policies.base import ContextSpec
+from ..speed import Speed
 from .install import fusion_off_reason
-from .kv_cache import GrowableLayer, has_sliding_window, is_full_layer, new_cache, row_runs
 from .sdpa import ATTN_IMPLEMENTATION, PACKED_PREFILL
 
 
@@ -252,24 +258,26 @@ def prefill(
     per_query: Sequence[dict[str, ContextSpec]],
     lm: LoadedModel,
     probe_roles: frozenset[str],
-    speed: Speed | None = None,
+    speed: Speed,
     pack: bool = True,
 ) -> Prefilled:
     """The decoder's prefill with the speed paths: one packed
     sequence for one query's two contexts (unless ``pack`` is False: a query joining a
     running decode is prefilled as rows that :func:`join_batches` can merge), else all
     roles fused into one batch (a 2-row pass costs about what a 1-row pass does on a CPU),
-    else one batch per role; each as ``speed`` (default ``Speed()``) allows. Fusion is also
-    off where :func:`.install.fusion_off_reason` gives a reason."""
-    speed = Speed() if speed is None else speed
+    else one batch per role; each as the decode's ``speed`` allows. Fusion is also off where
+    :func:`.install.fusion_off_reason` gives a reason; packing where ``speed.cpu_kernels`` is
+    ``off`` (it is the ``tokrag_sdpa`` attention's: the decode runs the stock paths)."""
     fuse = speed.fuse and fusion_off_reason(lm.model) is None
-    pack = pack and speed.packed_prefill
+    pack = pack and speed.packed_prefill and speed.cpu_kernels != "off"
     packed = prefill_packed(roles, per_query, lm, probe_roles) if fuse and pack else None
     if packed is not None:
         rows = {role: {0: (packed, r)} for r, role in enumerate(roles)}
         return Prefilled({packed.role: packed}, rows, fused=True, packed=True)
     split = (
-        split_prefill(roles, per_query, lm, probe_roles, fuse, speed.packed_prefill)
+        split_prefill(
+            roles, per_query, lm, probe_roles, fuse, speed.packed_prefill and speed.cpu_kernels != "off"
+        )
         if speed.split_prefill
         else None
     )
@@ -344,7 +352,7 @@ def split_prefill(
     one where ``fuse``, in ``roles`` order (a fused batch is all pure rows, then all RAG
     rows, as when prefilled together). A query alone in its group is prefilled as one packed
     sequence where ``pack`` and it applies (:func:`prefill_packed`, then unpacked), else with
-    :func:`..engine.prefill.prefill_roles`. Every row computes what it computes in a prefill
+    :func:`..contexts.prefill.prefill_roles`. Every row computes what it computes in a prefill
     of its own query. None where it does not apply (not on CPU, one group, or rows that
     cannot be merged): the caller prefills the queries as one batch."""
     if lm.model.device.type != "cpu":

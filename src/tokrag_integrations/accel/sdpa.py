@@ -8,7 +8,9 @@ kernel with the mask and ``enable_gqa``; several: the query heads grouped per ke
 head) and delegates everything else (prefill, no mask, CUDA, soft-capping, sinks) to
 transformers' SDPA function. It is
 registered as the attention implementation ``"tokrag_sdpa"`` (SDPA's boolean masks) and set
-by :func:`.install.maybe_install` on float32 CPU models unless ``Speed.cpu_kernels`` is ``off``.
+by :func:`.install.maybe_install` on float32 CPU models unless ``Speed.cpu_kernels`` is ``off``
+(a decode with ``off`` on a model that has it runs transformers' SDPA:
+:func:`.cpu_kernels.stock_kernels`).
 
 A prefill that packs two contexts of one query into one sequence (the RAG prompt, then the
 part of the pure prompt after the head both share: :data:`PACKED_PREFILL`) attends as two
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 from ..attention.parts import attention_window
 from ..attention.probe import ACTIVE_TAP
-from .cpu_kernels import MAX_ROWS
+from .cpu_kernels import MAX_ROWS, stock
 
 ATTN_IMPLEMENTATION = "tokrag_sdpa"
 
@@ -56,6 +58,10 @@ def few_query_attention(
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if stock():  # a decode asking for the stock paths (``Speed.cpu_kernels`` off)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     b, h, q, hd = query.shape
     active = ACTIVE_TAP.get()
     if active:

@@ -157,39 +157,28 @@ def attention_from_queries(
     return torch.nn.functional.pad(probs, (start, 0)) if start else probs
 
 
-#: A faster many-row product with an LM head, registered by a speed path
-#: (:mod:`.accel.cpu_kernels` registers :func:`.accel.cpu_kernels.packed_head` when it is imported):
-#: ``head -> product`` or None where the head's own forward is to be used.
-_lens_head_product: Callable[[Any], Callable[[torch.Tensor], torch.Tensor] | None] | None = None
-
-
-def set_lens_head_product(
-    fn: Callable[[Any], Callable[[torch.Tensor], torch.Tensor] | None] | None,
-) -> None:
-    """Let :func:`logit_lens` multiply many rows by the LM head through ``fn(head)`` (None:
-    the head's own forward). The seam keeps this module free of imports of the speed paths:
-    they register themselves here instead."""
-    global _lens_head_product
-    _lens_head_product = fn
-
-
-def logit_lens(parts: ModelParts, resid: torch.Tensor, *, final_norm: bool = True) -> torch.Tensor:
+def logit_lens(
+    parts: ModelParts,
+    resid: torch.Tensor,
+    *,
+    final_norm: bool = True,
+    product: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """phi(h): logits read off any layer's residual state.
 
     ``final_norm=True`` applies the model's final norm before the LM head (the usual logit
     lens); ``False`` applies the LM head directly, as the authors' released code does.
-    Input [..., d] -> output [..., V] (float32). Many rows at once go through the product
-    registered with :func:`set_lens_head_product` (:func:`.accel.cpu_kernels.packed_head`) where
-    it gives one.
+    Input [..., d] -> output [..., V] (float32). ``product``: another way to multiply many
+    rows [n, d] by the LM head (the engine passes the packed head of a decode whose ``Speed``
+    asks for it: :func:`..accel.cpu_kernels.packed_head`); None, or a single row: the head's
+    own forward.
     """
     h = resid.to(parts.lm_head.weight.dtype)
     if final_norm:
         h = parts.final_norm(h)
     logits = None
-    if h.dim() == 2 and h.shape[0] > 1 and _lens_head_product is not None:
-        product = _lens_head_product(parts.lm_head)
-        if product is not None:  # falls back to the routed product below a few rows
-            logits = product(h).float()
+    if h.dim() == 2 and h.shape[0] > 1 and product is not None:
+        logits = product(h).float()  # it falls back to the head's forward below a few rows
     if logits is None:
         logits = parts.lm_head(h).float()
     if parts.logits_scaling:  # as the model's own head (Granite)

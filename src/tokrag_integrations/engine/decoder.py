@@ -3,46 +3,45 @@
 A step is :meth:`Decoder.choose` (every active query's token, from the views of its contexts,
 by one call of the policy for the whole batch) then :meth:`Decoder.advance` (every batch fed
 the chosen tokens; finished rows retired first). Queries admitted between the two are
-prefilled there, so their first choice is made together with the others' next one. The one
-scheduler (:mod:`.scheduler`), :func:`.loop.decode_loop`, teacher forcing and RAG-Sequence
-all run on this loop.
+prefilled there, so their first choice is made together with the others' next one. A query
+may be admitted with its tokens given (teacher forcing, ``forced=``): its steps record the
+views of its contexts and feed the given tokens, the policy is not asked. The one scheduler
+(:mod:`.scheduler`) runs every decode on this loop, RAG-Sequence's candidates and their
+scoring included (:class:`.loop.SequenceDecoder`).
 
-Speed is chosen here, from ``speed=`` (:class:`.speed.Speed`) only: the prefill of
-:func:`..accel.packed.prefill` (packed / fused contexts), :func:`..accel.packed.join_batches`
-(an admitted query's rows merged into the running batch where contexts are fused) and the
-lens handed to the policy (:func:`.view.make_lens`, ``share_lens``).
+Speed is chosen here, from ``speed=`` (:class:`..speed.Speed`) only, through the engine's
+one seam to the speed paths (:class:`.seam.SpeedPaths`): the prefill (packed / fused / split
+contexts), how an admitted query's rows join the running batch where contexts are fused, the
+lens handed to the policy (:func:`.view.make_lens`: ``share_lens``, the packed LM head) and the
+kernels every model call of the decode runs (``cpu_kernels``). Where ``Speed.static`` is on
+(``speed="cuda"``; the default on a CUDA device) and the policy has a device rule, admission,
+the step and retirement are delegated to the static decode state
+(:mod:`..accel.static_state`, through the seam): :meth:`Decoder.choose` is then one captured
+step with one host read, and :meth:`Decoder.advance` only frees finished rows.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..accel.packed import join_batches
-from ..accel.packed import prefill as speed_prefill
 from ..attention.citations import citation_layers, passage_scores
 from ..attention.parts import model_parts
+from ..contexts.batch import RoleBatch
 from ..models import LoadedModel
 from ..policies.base import Choice, ContextSpec, Policy
 from ..policies.rag_token import passage_posterior
 from ..prompts import PromptPlan
+from ..speed import Speed, speed_of
 from ..trace import Candidate, TraceStep
-from .batch import RoleBatch
-from .prefill import Prefilled
-from .speed import Speed, speed_of
+from .seam import SpeedPaths, static_decode
 from .stats import distribution_stats_rows
 from .view import ContextView, make_lens
-
-#: ``prefill(roles, per_query, lm, probe_roles)``: the prefilled batches of an admission.
-PrefillFn = Callable[
-    [Sequence[str], Sequence[dict[str, ContextSpec]], LoadedModel, frozenset[str]], Prefilled
-]
 
 #: A batch drops the rows of finished queries once they are at least this share of its rows
 #: (each drop copies the kept rows' KV cache once, so not for every single finished row).
@@ -57,6 +56,12 @@ class StepEvent:
     step: TraceStep
     finished: bool = False
     stop_reason: str = ""
+    #: A teacher-forced step: the views of the query's contexts, whose logits predict the
+    #: given token (read them before the next :meth:`Decoder.advance`).
+    views: dict[str, ContextView] | None = None
+
+#: The trace source of a teacher-forced step (its token was given, not chosen).
+FORCED = "forced"
 
 
 def step_event(
@@ -73,7 +78,6 @@ def step_event(
     the query's token list so far; the token is appended unless it is EOS)."""
     tok = lm.tokenizer
     tid = int(choice.token_id)
-    is_eos = tid in lm.eos_token_ids
     cands = {}
     stats = {}
     # Every context's statistics in one pass over its logits; its probabilities are kept for
@@ -89,12 +93,27 @@ def step_event(
     step = TraceStep(
         index=step_i,
         token_id=tid,
-        text="" if is_eos else tok.decode([tid]),
+        text="" if tid in lm.eos_token_ids else tok.decode([tid]),
         source=choice.source,
         candidates=cands,
         signals=choice.signals,
         stats=stats,
     )
+    return end_event(lm, q, step, generated, stop, max_new_tokens)
+
+
+def end_event(
+    lm: LoadedModel,
+    q: int,
+    step: TraceStep,
+    generated: list[int],
+    stop: Sequence[str],
+    max_new_tokens: int,
+) -> StepEvent:
+    """The event of a trace step: whether its token ends the query (EOS, a stop string, the
+    length); the token is appended to ``generated`` unless it is EOS."""
+    tok, tid, step_i = lm.tokenizer, step.token_id, step.index
+    is_eos = tid in lm.eos_token_ids
     reason = ""
     if is_eos:
         reason = "eos"
@@ -145,8 +164,7 @@ class Decoder:
 
     Query ids are given in admission order (0, 1, ...). ``timings``: the last admission's
     ``prefill_s``, ``fused`` / ``packed`` and ``prefill_reused_s`` (where some prefill came
-    from the shared-prefill store); the caller times the steps. ``prefill`` replaces the
-    speed paths' prefill (teacher forcing prefills each role on its own). ``citations``:
+    from the shared-prefill store); the caller times the steps. ``citations``:
     at every step of a query whose ``rag`` context holds its passages, the trace step gets
     each passage's share of the attention (:func:`..attention.citations.passage_scores`);
     None: only where the policy probes that context anyway, True: it is probed for them.
@@ -160,7 +178,6 @@ class Decoder:
         max_new_tokens: int = 64,
         stop: Sequence[str] = (),
         speed: Speed | str | Mapping[str, Any] | None = None,
-        prefill: PrefillFn | None = None,
         citations: bool | None = False,
     ) -> None:
         if max_new_tokens < 1:
@@ -169,19 +186,21 @@ class Decoder:
         self.max_new_tokens, self.stop = max_new_tokens, stop
         self.timings: dict[str, float] = {}
         self.speed = speed_of(speed)
-        self._prefill = prefill or functools.partial(speed_prefill, speed=self.speed)
+        #: The speed paths of this decode (every choice from ``self.speed``).
+        self.paths = SpeedPaths(lm, self.speed)
+        self._prefill = self.paths.prefill
         #: A query admitted while others decode is prefilled as rows ``join`` can merge.
-        self._join_prefill = prefill or functools.partial(
-            speed_prefill, speed=self.speed, pack=False
-        )
-        self._join = join_batches if self.speed.fuse and prefill is None else None
-        self._lens = make_lens(lm, share=self.speed.share_lens)
+        self._join_prefill = self.paths.join_prefill
+        self._join = self.paths.join
+        self._lens = make_lens(lm, share=self.speed.share_lens, product=self.paths.lens_product)
         self.batches: list[RoleBatch] = []
         self.rows: dict[str, dict[int, tuple[RoleBatch, int]]] = {}
         self.generated: list[list[int]] = []
         self.steps: list[int] = []
         self.done: list[bool] = []
         self._chosen: dict[int, int] = {}
+        #: Teacher-forced queries: their given tokens.
+        self._forced: dict[int, list[int]] = {}
         self.citations, self._cite_layers = citations, []
         if citations is not False:
             try:
@@ -192,6 +211,11 @@ class Decoder:
                 self.citations = False
         #: Per query: its passages' token counts in its ``rag`` context (None: not cited).
         self._cite: list[list[int] | None] = []
+        #: The static state of ``Speed.static`` (:mod:`..accel.static_state`), and why it
+        #: was asked for and does not apply (e.g. a policy without a device rule).
+        self._static, self.static_off = static_decode(
+            lm, policy, self.speed, max_new_tokens=max_new_tokens, citations=self.citations
+        )
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -201,34 +225,52 @@ class Decoder:
 
     def rows_in_use(self) -> int:
         """Context rows the batches hold (finished rows not dropped yet included)."""
+        if self._static is not None:
+            return self._static.rows_in_use()
         return sum(len(b.query_idx) for b in self.batches)
 
     def width(self) -> int:
         """The longest row (positions) of any batch, 0 with none."""
+        if self._static is not None:
+            return self._static.width()
         return max((int(b.mask.shape[1]) for b in self.batches), default=0)
 
     # ------------------------------------------------------------------ admission
-    def admit(self, plans: Sequence[PromptPlan]) -> list[int]:
+    def admit(
+        self, plans: Sequence[PromptPlan], forced: Sequence[Sequence[int]] | None = None
+    ) -> list[int]:
         """Prefill ``plans`` and add them to the decode; returns their query ids. Their
-        first token is chosen at the next :meth:`choose`."""
+        first token is chosen at the next :meth:`choose`. ``forced`` (one non-empty token list
+        per plan): teacher forcing, each query's steps give its views and feed these tokens
+        (the query ends after the last)."""
         if not plans:
             return []
+        if forced is not None:
+            if len(forced) != len(plans) or any(len(t) == 0 for t in forced):
+                raise ValueError("forced needs one non-empty token list per plan")
+        if forced is not None and self._static is not None:
+            if self._static.rows_in_use():
+                raise RuntimeError("a static decode feeds its own tokens: no teacher forcing")
+            self._static, self.static_off = None, "teacher forcing runs on the view path"
         per_query, roles, probe = role_setup(self.lm, plans, self.policy, self.citations)
-        prefill = self._join_prefill if self.batches else self._prefill
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            ready = prefill(roles, per_query, self.lm, probe)
-        self.timings = {
-            "prefill_s": time.perf_counter() - t0,
-            "fused": float(ready.fused),
-            "packed": float(ready.packed),
-        }
-        if ready.reused_s:
-            self.timings["prefill_reused_s"] = ready.reused_s
         base = len(self.done)
         ids = [base + q for q in range(len(plans))]
-        for b in ready.batches.values():
-            b.query_idx = [base + q for q in b.query_idx]
+        if self._static is None:
+            prefill = self._join_prefill if self.batches else self._prefill
+            t0 = time.perf_counter()
+            with torch.inference_mode(), self.paths.scope():
+                ready = prefill(roles, per_query, self.lm, probe)
+            self.timings = {
+                "prefill_s": time.perf_counter() - t0,
+                "fused": float(ready.fused),
+                "packed": float(ready.packed),
+            }
+            if ready.reused_s:
+                self.timings["prefill_reused_s"] = ready.reused_s
+            for q, tokens in zip(ids, forced or (), strict=False):
+                self._forced[q] = [int(t) for t in tokens]
+            for b in ready.batches.values():
+                b.query_idx = [base + q for q in b.query_idx]
         self.generated += [[] for _ in plans]
         self.steps += [0] * len(plans)
         self.done += [False] * len(plans)
@@ -237,6 +279,12 @@ class Decoder:
             cited = self.citations is not False and rag is not None and rag.probe
             cited = cited and rag.rt_positions == plan.retrieved_positions  # type: ignore[union-attr]
             self._cite.append([e - s for s, e in plan.passage_spans] if cited else None)
+        if self._static is not None:
+            with self.paths.scope():
+                self.timings = self._static.admit(
+                    ids, per_query, roles, self._cite[base:], self._join_prefill
+                )
+            return ids
         new_rows = {
             role: {base + q: br for q, br in where.items()} for role, where in ready.rows.items()
         }
@@ -282,19 +330,22 @@ class Decoder:
         """Stop query ``q`` without another event; its rows leave at the next advance."""
         self.done[q] = True
         self._chosen.pop(q, None)
+        self._forced.pop(q, None)
 
     # ------------------------------------------------------------------ one step
     def choose(self) -> list[StepEvent]:
         """Choose every active query's next token; returns the step events in query order
         (``finished`` ones end their query)."""
-        with torch.inference_mode():
+        with torch.inference_mode(), self.paths.scope():
             return self._choose()
 
     def _choose(self) -> list[StepEvent]:
-        active = self.active
+        if self._static is not None:
+            return self._static_choose(self.active)
+        events = [self._forced_step(q) for q in self.active if q in self._forced]
+        active = [q for q in self.active if q not in self._forced]
         all_views = [views_for(self.rows, q) for q in active]
-        choices = self.policy.choose(all_views, self._lens)
-        events = []
+        choices = self.policy.choose(all_views, self._lens) if active else []
         for q, views, choice in zip(active, all_views, choices, strict=True):
             ev = step_event(
                 self.lm,
@@ -332,18 +383,57 @@ class Decoder:
             events.append(ev)
         return events
 
-    def advance(self, tokens: dict[int, int] | None = None) -> None:
-        """Feed every batch the tokens chosen at the last :meth:`choose` (padding for
-        finished rows), after dropping finished rows and batches; ``tokens`` (query ->
-        token, teacher forcing): feed those instead, padding for the other queries."""
-        if tokens is not None:
-            self._chosen = dict(tokens)
+    def _static_choose(self, active: list[int]) -> list[StepEvent]:
+        """The step on the static state (one read), its records turned into trace steps."""
+        assert self._static is not None
+        events = []
+        tok = self.lm.tokenizer
+        for q, d in zip(active, self._static.step(active, tok), strict=True):
+            tid = d.token_id
+            step = TraceStep(
+                index=self.steps[q],
+                token_id=tid,
+                text="" if tid in self.lm.eos_token_ids else tok.decode([tid]),
+                source=d.source,
+                candidates=d.candidates,
+                signals=d.signals,
+                stats=d.stats,
+            )
+            if d.citation is not None:
+                step.citation = d.citation
+            ev = end_event(self.lm, q, step, self.generated[q], self.stop, self.max_new_tokens)
+            self.steps[q] += 1
+            self.done[q] = ev.finished
+            events.append(ev)
+        return events
+
+    def _forced_step(self, q: int) -> StepEvent:
+        """A teacher-forced query's step: its views, and its given token to feed."""
+        tokens, i = self._forced[q], self.steps[q]
+        tid = tokens[i]
+        step = TraceStep(index=i, token_id=tid, text=self.lm.tokenizer.decode([tid]), source=FORCED)
+        last = i == len(tokens) - 1
+        self.steps[q] += 1
+        self.done[q] = last
+        self._chosen[q] = tid
+        if last:
+            del self._forced[q]
+        views = views_for(self.rows, q)
+        return StepEvent(q, step, finished=last, stop_reason="forced" if last else "", views=views)
+
+    def advance(self) -> None:
+        """Feed every batch the tokens chosen (or given) at the last :meth:`choose` (padding
+        for finished rows), after dropping finished rows and batches. On the static state the
+        step fed its tokens already: the finished queries' rows are freed."""
+        if self._static is not None:
+            self._static.retire([q for q, d in enumerate(self.done) if d])
+            return
         self._retire()
         if not self.batches:
             self._chosen.clear()
             return
         pad = self.lm.pad_token_id
-        with torch.inference_mode():
+        with torch.inference_mode(), self.paths.scope():
             for b in self.batches:
                 new = torch.tensor(
                     [pad if self.done[q] else self._chosen.get(q, pad) for q in b.query_idx],

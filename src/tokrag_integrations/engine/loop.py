@@ -1,18 +1,18 @@
-"""The loops on the :class:`.decoder.Decoder`: a decode from start to end
-(:func:`decode_loop`), teacher forcing (:func:`teacher_force`), and a sequence-level rule
-(RAG-Sequence, :class:`..policies.base.SequencePolicy`) as a :class:`SequenceDecoder` the
-scheduler steps like any other: each query's candidates greedy-decoded
-(``rule.candidate_plans`` under ``rule.candidate_policy``; a query without passages once under
-``rule.fallback_policy``), every distinct candidate scored under every context of
-``rule.contexts`` by teacher forcing (with its EOS where it ended with one), ``rule.log_p``
-picks one, which is replayed token by token (step 0 of the trace carries every candidate and
-its log-scores, ``signals[rule.name]``).
+"""Teacher forcing (:func:`teacher_force`) and a sequence-level rule (RAG-Sequence,
+:class:`..policies.base.SequencePolicy`) as a :class:`SequenceDecoder` the scheduler steps
+like any other decoder, on :class:`.decoder.Decoder` requests made inside the scheduler's
+steps: each query's candidates greedy-decoded (``rule.candidate_plans`` under
+``rule.candidate_policy``; a query without passages once under ``rule.fallback_policy``),
+every distinct candidate scored under every context of ``rule.contexts`` by teacher forcing
+(its tokens given, with its EOS where it ended with one), ``rule.log_p`` picks one, which is
+replayed token by token (step 0 of the trace carries every candidate and its log-scores,
+``signals[rule.name]``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,35 +21,12 @@ from ..models import LoadedModel
 from ..policies.base import Policy, SequencePolicy
 from ..policies.rag_token import passage_posterior
 from ..prompts import PromptPlan
+from ..speed import Speed
 from ..trace import TraceStep
-from .decoder import Decoder, StepEvent, views_for
-from .prefill import plain_prefill
-from .speed import Speed
+from .decoder import Decoder, StepEvent
 from .view import ContextView
 
-__all__ = ["SequenceDecoder", "decode_loop", "decoder_for", "teacher_force"]
-
-
-def decode_loop(
-    lm: LoadedModel,
-    plans: Sequence[PromptPlan],
-    policy: Policy,
-    *,
-    max_new_tokens: int = 64,
-    stop: Sequence[str] = (),
-    speed: Speed | str | Mapping[str, Any] | None = None,
-) -> Iterator[StepEvent]:
-    """Greedy multi-context decoding of a batch of queries under one step-level policy.
-
-    Yields one :class:`.decoder.StepEvent` per chosen token as soon as it is chosen (the
-    final event of a query has ``finished=True`` and its ``stop_reason``: ``eos``, ``stop``
-    or ``length``).
-    """
-    d = Decoder(lm, policy, max_new_tokens=max_new_tokens, stop=stop, speed=speed)
-    d.admit(plans)
-    while d.active:
-        yield from d.choose()
-        d.advance()
+__all__ = ["SequenceDecoder", "decoder_for", "teacher_force"]
 
 
 def teacher_force(
@@ -57,31 +34,31 @@ def teacher_force(
     plans: Sequence[PromptPlan],
     policy: Policy,
     targets: Sequence[Sequence[int]],
+    speed: Speed | str | Mapping[str, Any] | None = None,
 ) -> Iterator[tuple[int, int, dict[str, ContextView]]]:
     """Walk every query's contexts along a fixed continuation (teacher forcing).
 
-    The decoder of :func:`decode_loop` (each role prefilled on its own, no fusion), but
-    instead of letting ``policy`` choose, token ``targets[q][i]`` is fed to all contexts of
-    query ``q`` after step ``i``. Yields ``(query_idx, i, views)`` where the views' logits
-    predict ``targets[q][i]``; consume the views before advancing the iterator (the next
-    step overwrites them). Used for gold-continuation scoring (token-level AUC) and
-    RAG-Sequence's cross-scoring.
+    The queries are admitted to a :class:`.decoder.Decoder` with their tokens given
+    (``forced=``): at each step, instead of letting ``policy`` choose, token
+    ``targets[q][i]`` is fed to all contexts of query ``q`` after step ``i``. Yields
+    ``(query_idx, i, views)`` where the views' logits predict ``targets[q][i]``; consume the
+    views before advancing the iterator (the next step overwrites them). Used for
+    gold-continuation scoring (token-level AUC); RAG-Sequence's cross-scoring makes the same
+    requests inside the scheduler's steps (:class:`SequenceDecoder`).
     """
     if len(plans) != len(targets):
         raise ValueError(f"got {len(plans)} plans but {len(targets)} target sequences")
-    n_steps = max((len(t) for t in targets), default=0)
-    if n_steps == 0:
+    given = [(q, list(t)) for q, t in enumerate(targets) if len(t)]
+    if not given:
         return
-    with torch.inference_mode():
-        d = Decoder(lm, policy, max_new_tokens=n_steps, prefill=plain_prefill)
-        d.admit(plans)
-        for i in range(n_steps):
-            for q in range(len(plans)):
-                if i < len(targets[q]):
-                    yield q, i, views_for(d.rows, q)
-            if i == n_steps - 1:
-                break
-            d.advance({q: int(t[i]) for q, t in enumerate(targets) if i < len(t)})
+    d = Decoder(lm, policy, max_new_tokens=max(len(t) for _, t in given), speed=speed)
+    ids = d.admit([plans[q] for q, _ in given], forced=[t for _, t in given])
+    owner = dict(zip(ids, (q for q, _ in given), strict=True))
+    while d.active:
+        for ev in d.choose():
+            assert ev.views is not None
+            yield owner[ev.query_idx], ev.step.index, ev.views
+        d.advance()
 
 
 def decoder_for(
@@ -92,25 +69,48 @@ def decoder_for(
     stop: Sequence[str],
     speed: Speed,
     citations: bool | None = False,
+    room: Callable[[], int | None] | None = None,
 ) -> Decoder | SequenceDecoder:
     """The decoder of ``policy``'s queries: a :class:`SequenceDecoder` for a sequence-level
-    rule, else a :class:`.decoder.Decoder`."""
+    rule (``room``: the context rows it may still take, None: no bound), else a
+    :class:`.decoder.Decoder`."""
     if isinstance(policy, SequencePolicy):
         return SequenceDecoder(
-            lm, policy, max_new_tokens=max_new_tokens, stop=stop, speed=speed, citations=citations
+            lm,
+            policy,
+            max_new_tokens=max_new_tokens,
+            stop=stop,
+            speed=speed,
+            citations=citations,
+            room=room,
         )
     return Decoder(
         lm, policy, max_new_tokens=max_new_tokens, stop=stop, speed=speed, citations=citations
     )
 
 
-class SequenceDecoder:
-    """The queries of a sequence-level ``rule`` with a :class:`.decoder.Decoder`'s interface.
+class _Query:
+    """One query of a :class:`SequenceDecoder`: its plan, its candidates as they are decoded
+    and scored, and once chosen, the replayed answer's events."""
 
-    The queries admitted since the last step are decoded together (the module docstring) at
-    the next :meth:`choose`; each step then gives every active query the next token of its
-    chosen candidate. Until then they count the context rows that decode will hold.
-    """
+    def __init__(self, plan: PromptPlan, subs: list[PromptPlan], fallback: bool) -> None:
+        self.plan = plan
+        self.subs = subs  # candidate prompts; the fallback's plan last where it has one
+        self.fallback = fallback
+        self.answers: dict[int, tuple[list[int], str]] = {}  # sub -> (ids, stop reason)
+        self.cands: list[dict[str, Any]] = []
+        self.logp: dict[int, dict[str, float]] = {}
+        self.scoring = 0  # teacher-forced rows still running
+        self.events: list[StepEvent] = []
+
+
+class SequenceDecoder:
+    """The queries of a sequence-level ``rule`` with a :class:`.decoder.Decoder`'s interface,
+    decoded by requests on inner :class:`.decoder.Decoder` s inside the scheduler's steps (the
+    module docstring): at each step every inner decoder chooses and advances once, so a
+    candidate or a scoring row is one more context row of the step; they are admitted at step
+    boundaries while ``room()`` rows are free (at least one request when none runs). A query
+    gives no event until its answer is chosen, then one token a step."""
 
     def __init__(
         self,
@@ -121,6 +121,7 @@ class SequenceDecoder:
         stop: Sequence[str],
         speed: Speed,
         citations: bool | None = False,
+        room: Callable[[], int | None] | None = None,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -128,142 +129,189 @@ class SequenceDecoder:
         self.max_new_tokens, self.stop, self.speed = max_new_tokens, stop, speed
         #: Whether the chosen answer's tokens carry each passage's posterior (False: none).
         self.citations = citations is not False
+        #: ``Speed.static`` asked for: the candidates are decoded on the static state, the
+        #: sequence-level scoring (teacher forcing) on the view path.
+        self.static_off = (
+            f"policy {rule.name!r} has no device rule: its scoring runs on the view path"
+            if speed.wants_static(lm.model.device.type)
+            else None
+        )
+        self.room = room or (lambda: None)
         self.timings: dict[str, float] = {}
         self.done: list[bool] = []
-        self._pending: dict[int, tuple[PromptPlan, list[int]]] = {}
-        self._events: dict[int, list[StepEvent]] = {}
+        self._queries: dict[int, _Query] = {}
+        #: Requests not admitted yet: (decoder name, query, item, plan, forced tokens).
+        self._waiting: list[tuple[str, int, int, PromptPlan, list[int] | None]] = []
+        self._inner: dict[str, Decoder] = {}
+        #: Inner decoder name -> inner query id -> (query, item: a sub-plan or a candidate).
+        self._owner: dict[str, dict[int, tuple[int, int]]] = {}
 
     @property
     def active(self) -> list[int]:
         return [q for q, d in enumerate(self.done) if not d]
 
     def rows_in_use(self) -> int:
-        return sum(len(n) for _, n in self._pending.values())
+        return sum(d.rows_in_use() for d in self._inner.values())
 
     def width(self) -> int:
-        return max((max(n) for _, n in self._pending.values() if n), default=0)
+        return max((d.width() for d in self._inner.values()), default=0)
 
     def admit(self, plans: Sequence[PromptPlan]) -> list[int]:
-        self.rule.prepare(self.lm)
+        rule = self.rule
+        rule.prepare(self.lm)
         ids = list(range(len(self.done), len(self.done) + len(plans)))
         for q, p in zip(ids, plans, strict=True):
-            self._pending[q] = (p, [len(c.ids) for c in self.rule.contexts(p).values()])
+            subs = list(rule.candidate_plans(p))
+            fallback = not p.passage_spans
+            self._queries[q] = _Query(p, subs + ([p] if fallback else []), fallback)
+            for j, sub in enumerate(subs):
+                self._waiting.append(("candidates", q, j, sub, None))
+            if fallback:
+                self._waiting.append(("fallback", q, len(subs), p, None))
         self.done += [False] * len(plans)
         return ids
 
     def cancel(self, q: int) -> None:
         self.done[q] = True
-        self._pending.pop(q, None)
-        self._events.pop(q, None)
+        self._queries.pop(q, None)
+        self._waiting = [w for w in self._waiting if w[1] != q]
+        for name, owners in self._owner.items():
+            for i, (owner, _) in list(owners.items()):
+                if owner == q:
+                    self._inner[name].cancel(i)
+                    del owners[i]
 
+    # ------------------------------------------------------------------ one step
     def choose(self) -> list[StepEvent]:
-        if self._pending:
-            ids = list(self._pending)
-            plans = [self._pending[q][0] for q in ids]
-            self._pending.clear()
-            with torch.inference_mode():
-                for i, events in enumerate(self._decode(plans)):
-                    self._events[ids[i]] = events
+        self._admit_waiting()
+        for name, d in list(self._inner.items()):
+            if d.active:
+                for ev in d.choose():
+                    self._take(name, ev)
         out = []
         for q in self.active:
-            ev = self._events[q].pop(0)
-            ev.query_idx = q
-            self.done[q] = ev.finished
-            if ev.finished:
-                del self._events[q]
-            out.append(ev)
+            query = self._queries[q]
+            if query.events:
+                ev = query.events.pop(0)
+                ev.query_idx = q
+                self.done[q] = ev.finished
+                if ev.finished:
+                    del self._queries[q]
+                out.append(ev)
         return out
 
-    def advance(self, tokens: dict[int, int] | None = None) -> None:
-        """Nothing to feed: the answers are decoded already."""
+    def advance(self) -> None:
+        for d in self._inner.values():
+            d.advance()
 
-    def _decode(self, plans: Sequence[PromptPlan]) -> list[list[StepEvent]]:
-        """Every query's events: its candidates, their scores, the best one replayed."""
-        rule = self.rule
-        cands = self._candidates(plans)
-        logp = _cross_scores(self.lm, plans, rule, cands)
-        out = []
-        for q, p in enumerate(plans):
-            contexts = rule.contexts(p)
-            for c, cand in enumerate(cands[q]):
-                per = [logp.get((q, c), {}).get(role, 0.0) for role in contexts]
-                cand["log_p_passages"] = [round(x, 4) for x in per]
-                cand["log_p"] = rule.log_p([s.weight for s in contexts.values()], per)
-            best = max(range(len(cands[q])), key=lambda c: cands[q][c]["log_p"])
-            weights = (
-                {r: spec.weight or 0.0 for r, spec in contexts.items()} if self.citations else None
+    def _decoder(self, name: str) -> Decoder:
+        if name not in self._inner:
+            policy = {
+                "candidates": self.rule.candidate_policy,
+                "fallback": self.rule.fallback_policy,
+                "scoring": self.rule,
+            }[name]
+            self._inner[name] = Decoder(
+                self.lm, policy, max_new_tokens=self.max_new_tokens, stop=self.stop, speed=self.speed
             )
-            out.append(_replay(self.lm, q, rule, cands[q], best, weights))
-        return out
+            self._owner[name] = {}
+        return self._inner[name]
 
-    def _greedy(self, plans: Sequence[PromptPlan], policy: Policy) -> list[tuple[list[int], str]]:
-        """Each plan's greedy answer under ``policy``: its tokens (no EOS), its stop reason."""
-        eos = set(self.lm.eos_token_ids)
-        out: list[tuple[list[int], str]] = [([], "length") for _ in plans]
-        if not plans:
-            return out
-        events = decode_loop(
-            self.lm,
-            plans,
-            policy,
-            max_new_tokens=self.max_new_tokens,
-            stop=self.stop,
-            speed=self.speed,
-        )
-        for ev in events:
-            ids, _ = out[ev.query_idx]
-            if ev.step.token_id not in eos:
-                ids.append(ev.step.token_id)
-            if ev.finished:
-                out[ev.query_idx] = (ids, ev.stop_reason)
-        return out
+    def _rows(self, name: str, plan: PromptPlan) -> int:
+        policy = self._decoder(name).policy
+        policy.prepare(self.lm)
+        return len(policy.contexts(plan))
 
-    def _candidates(self, plans: Sequence[PromptPlan]) -> list[list[dict[str, Any]]]:
-        """Step 1: every query's distinct greedy answers ({"ids", "from_passage", "stop_reason"})."""
+    def _admit_waiting(self) -> None:
+        """Admit the waiting requests that fit ``room()``, in order (at least one where no
+        request runs); each decoder's in one admission."""
+        room = self.room()
+        held = self.rows_in_use()
+        take: dict[str, list[tuple[int, int, PromptPlan, list[int] | None]]] = {}
+        left = []
+        for name, q, item, plan, forced in self._waiting:
+            rows = self._rows(name, plan)
+            if left or (room is not None and held > 0 and rows > room):
+                left.append((name, q, item, plan, forced))
+                continue
+            take.setdefault(name, []).append((q, item, plan, forced))
+            held += rows
+            room = None if room is None else room - rows
+        self._waiting = left
+        for name, reqs in take.items():
+            d = self._decoder(name)
+            forced = [f for *_, f in reqs] if name == "scoring" else None
+            ids = d.admit([p for _, _, p, _ in reqs], forced=forced)  # type: ignore[misc]
+            for i, (q, item, _, _) in zip(ids, reqs, strict=True):
+                self._owner[name][i] = (q, item)
+
+    def _take(self, name: str, ev: StepEvent) -> None:
+        """One inner event: a candidate's token, or a scoring row's step."""
+        owner = self._owner[name]
+        q, item = owner[ev.query_idx]
+        if ev.finished:
+            del owner[ev.query_idx]
+        query = self._queries.get(q)
+        if query is None:
+            return
+        if name == "scoring":
+            self._score(q, query, item, ev)
+            return
+        ids, _ = query.answers.get(item, ([], ""))
+        if ev.step.token_id not in self.lm.eos_token_ids:
+            ids.append(ev.step.token_id)
+        query.answers[item] = (ids, ev.stop_reason if ev.finished else "")
+        if len(query.answers) == len(query.subs) and all(r for _, r in query.answers.values()):
+            self._candidates_done(q, query)
+
+    def _candidates_done(self, q: int, query: _Query) -> None:
+        """Step 1 done for ``query``: its distinct candidates; their scoring requests."""
+        eos = self.lm.eos_token_ids[0]
+        n_subs = len(query.subs) - int(query.fallback)
+        for j in range(len(query.subs)):
+            ids, reason = query.answers[j]
+            passage = None if j >= n_subs else j
+            if passage is not None and any(c["ids"] == ids for c in query.cands):
+                continue  # a passage's answer already given by another: one candidate
+            query.cands.append({"ids": ids, "from_passage": passage, "stop_reason": reason})
+        for c, cd in enumerate(query.cands):
+            cd["target"] = cd["ids"] + ([eos] if cd["stop_reason"] == "eos" else [])
+            query.logp[c] = {}
+            if query.plan.passage_spans and cd["target"]:
+                self._waiting.append(("scoring", q, c, query.plan, cd["target"]))
+                query.scoring += 1
+        if not query.scoring:
+            self._choose_answer(q, query)
+
+    def _score(self, q: int, query: _Query, c: int, ev: StepEvent) -> None:
+        """Step 2: one teacher-forced token of candidate ``c`` under every context."""
+        cd = query.cands[c]
+        i = ev.step.index
+        y = cd["target"][i]
+        token_p = cd.setdefault("token_p", {}).setdefault(i, {})
+        for role, v in (ev.views or {}).items():
+            lp = float(torch.log_softmax(v.logits.float(), dim=-1)[y].item())
+            query.logp[c][role] = query.logp[c].get(role, 0.0) + lp
+            token_p[role] = math.exp(lp)
+        if ev.finished:
+            query.scoring -= 1
+            if not query.scoring:
+                self._choose_answer(q, query)
+
+    def _choose_answer(self, q: int, query: _Query) -> None:
+        """Step 3: every candidate's score, the best one replayed."""
         rule = self.rule
-        subs = [rule.candidate_plans(p) for p in plans]
-        owner = [(q, j) for q, s in enumerate(subs) for j in range(len(s))]
-        answers = self._greedy([sub for s in subs for sub in s], rule.candidate_policy)
-        cands: list[list[dict[str, Any]]] = [[] for _ in plans]
-        for (q, j), (ids, reason) in zip(owner, answers, strict=True):
-            if not any(c["ids"] == ids for c in cands[q]):
-                cands[q].append({"ids": ids, "from_passage": j, "stop_reason": reason})
-        no_passage = [q for q, p in enumerate(plans) if not p.passage_spans]
-        fallback = self._greedy([plans[q] for q in no_passage], rule.fallback_policy)
-        for q, (ids, reason) in zip(no_passage, fallback, strict=True):
-            cands[q].append({"ids": ids, "from_passage": None, "stop_reason": reason})
-        return cands
-
-
-def _cross_scores(
-    lm: LoadedModel,
-    plans: Sequence[PromptPlan],
-    rule: SequencePolicy,
-    cands: list[list[dict[str, Any]]],
-) -> dict[tuple[int, int], dict[str, float]]:
-    """Step 2: (query, candidate) -> {context role: log p(candidate | context)}."""
-    for q in range(len(plans)):
-        for cd in cands[q]:
-            cd["target"] = cd["ids"] + ([lm.eos_token_ids[0]] if cd["stop_reason"] == "eos" else [])
-    rows = [
-        (q, c)
-        for q in range(len(plans))
-        if plans[q].passage_spans
-        for c in range(len(cands[q]))
-        if cands[q][c]["target"]
-    ]
-    logp: dict[tuple[int, int], dict[str, float]] = {r: {} for r in rows}
-    if rows:
-        targets = [cands[q][c]["target"] for q, c in rows]
-        for r, i, views in teacher_force(lm, [plans[q] for q, _ in rows], rule, targets):
-            q, c = rows[r]
-            y = cands[q][c]["target"][i]
-            token_p = cands[q][c].setdefault("token_p", {}).setdefault(i, {})
-            for role, v in views.items():
-                lp = float(torch.log_softmax(v.logits.float(), dim=-1)[y].item())
-                logp[(q, c)][role] = logp[(q, c)].get(role, 0.0) + lp
-                token_p[role] = math.exp(lp)
-    return logp
+        contexts = rule.contexts(query.plan)
+        cands = query.cands
+        for c, cand in enumerate(cands):
+            per = [query.logp.get(c, {}).get(role, 0.0) for role in contexts]
+            cand["log_p_passages"] = [round(x, 4) for x in per]
+            cand["log_p"] = rule.log_p([s.weight for s in contexts.values()], per)
+        best = max(range(len(cands)), key=lambda c: cands[c]["log_p"])
+        weights = (
+            {r: spec.weight or 0.0 for r, spec in contexts.items()} if self.citations else None
+        )
+        query.events = _replay(self.lm, q, rule, cands, best, weights)
 
 
 def _replay(

@@ -39,10 +39,11 @@ from ..policies import get_policy, uses_passages
 from ..policies.base import Policy
 from ..prompts import PromptPlan, RenderedPrompt
 from ..results import GenerationResult, TokenEvent, _stop_list, _TextTracker
+from ..speed import Speed, speed_of
 from ..trace import Trace
 from .decoder import Decoder, StepEvent
 from .loop import SequenceDecoder, decoder_for
-from .speed import Speed, speed_of
+from .seam import speed_paths_off
 from .streams import (
     _END,
     DECODE_THREADS,
@@ -93,19 +94,6 @@ _SETTINGS = (
     "prompt_format",
     "citations",
 )
-
-
-def _speed_paths_off(lm: LoadedModel) -> dict[str, str]:
-    """``{path: reason}`` for each speed path off on this model now (non-CPU device,
-    non-float32 dtype, architecture outside the tested matrix, ``cpu_kernels='off'``, measured
-    slower here): the trace's ``speed["speed_paths_off"]``, never its options, since a path
-    measured during a process's first decode is off only for the later ones."""
-    from ..accel.install import speed_paths
-
-    # "on" may carry what was measured ("on (...)"): only the paths that are off count.
-    return {
-        k: v.removeprefix("off: ") for k, v in speed_paths(lm.model).items() if v.startswith("off")
-    }
 
 
 @dataclass
@@ -231,6 +219,8 @@ class _Query:
     timings: dict[str, float]
     t0: float
     t1: float
+    #: Why the static state (``Speed.static``) was asked for and not used, or None.
+    static_off: str | None = None
 
 
 @dataclass
@@ -283,6 +273,10 @@ class _Loop:
         """Context rows held and the longest row, over every group's decoder."""
         rows = sum(d.rows_in_use() for d in self.decoders.values())
         return rows, max((d.width() for d in self.decoders.values()), default=0)
+
+    def _room(self) -> int | None:
+        """Context rows the decode may still take (None: no bound, a call decoded alone)."""
+        return None if self.b is None else max(0, self.b.max_rows - self._rows()[0])
 
     def _active(self) -> int:
         return sum(len(d.active) for d in self.decoders.values())
@@ -359,14 +353,18 @@ class _Loop:
                     stop=p.stops,
                     speed=p.speed,
                     citations=p.citations,
+                    room=self._room,
                 )
                 self.owners[group] = {}
             t0 = time.perf_counter()
             ids = d.admit([p.plans[i] for i in idx])
             now = time.perf_counter()
+            static_off = getattr(d, "static_off", None)
             for q, i in zip(ids, idx, strict=True):
                 timings = {**d.timings, "joined": joined, "queries_in_batch": 0.0}
-                self.owners[group][q] = _Query(r, i, p.traces[i], p.trackers[i], timings, t0, now)
+                self.owners[group][q] = _Query(
+                    r, i, p.traces[i], p.trackers[i], timings, t0, now, static_off
+                )
                 r.queries.append(self.owners[group][q])
         if self.b is None:
             return
@@ -421,10 +419,12 @@ class _Loop:
         if any(x is None for x in r.results):
             return
         end = time.perf_counter()  # the call's queries are timed to its end
-        off = _speed_paths_off(self.lm)  # after this decode's own measurements
+        # The paths off for this decode (its Speed), after its own measurements.
+        off = speed_paths_off(self.lm, r.prepared.speed)
         for x in r.queries:
             x.trace.timings = {**x.timings, "decode_s": end - x.t1, "total_s": end - x.t0}
-            x.trace.speed["speed_paths_off"] = dict(off)
+            static = {"static": x.static_off} if x.static_off else {}
+            x.trace.speed["speed_paths_off"] = {**off, **static}
         r.done.set()
         if r.events is not None:
             r.events.put(None)
@@ -745,7 +745,7 @@ def generate(
         policy: ``"tokrag"`` (default), ``"rag"``, ``"llm"``... or a Policy instance.
         policy_options: the policy's options (e.g. ``{"pr_norm": "softmax"}``), checked by
             :func:`.policies.get_policy`.
-        speed: how fast, never what is decided: a :class:`.engine.speed.Speed`, a preset
+        speed: how fast, never what is decided: a :class:`.speed.Speed`, a preset
             (``"auto"``, the default; ``"reference"``, the step-by-step loop as written) or a
             dict of its fields (``{"fuse": False}``).
         max_new_tokens / stop: stopping rules (EOS always stops).

@@ -19,25 +19,33 @@ from ..attention.rows import (
     cached_keys,
     logit_lens,
 )
+from ..contexts.batch import RoleBatch
 from ..models import LoadedModel
 from ..policies.base import ContextSpec, Lens
-from .batch import RoleBatch
 
 __all__ = ["ContextView", "make_lens"]
 
 
-def make_lens(lm: LoadedModel, share: bool = True) -> Lens:
+def make_lens(
+    lm: LoadedModel,
+    share: bool = True,
+    product: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Lens:
     """The logit lens of ``lm`` as a :data:`..policies.base.Lens`: with ``share`` (the
-    ``share_lens`` of :class:`.speed.Speed`) every block of one call in one product (the LM
-    head read once), else one product per block."""
+    ``share_lens`` of :class:`..speed.Speed`) every block of one call in one product (the LM
+    head read once), else one product per block; ``product``: the decode's way to multiply
+    many rows by the LM head (:func:`..attention.rows.logit_lens`; the seam's packed head)."""
 
     def lens(blocks: list[torch.Tensor], final_norm: bool = True) -> list[torch.Tensor]:
         parts = model_parts(lm.model)
         if share and len(blocks) > 1:
-            out = logit_lens(parts, torch.cat(blocks), final_norm=final_norm)
+            out = logit_lens(parts, torch.cat(blocks), final_norm=final_norm, product=product)
             return list(torch.log_softmax(out, dim=-1).split([b.shape[0] for b in blocks]))
         return [
-            torch.log_softmax(logit_lens(parts, b, final_norm=final_norm), dim=-1) for b in blocks
+            torch.log_softmax(
+                logit_lens(parts, b, final_norm=final_norm, product=product), dim=-1
+            )
+            for b in blocks
         ]
 
     return lens

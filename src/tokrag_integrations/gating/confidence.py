@@ -80,7 +80,7 @@ def metrics_from_stats(
         if not stats:
             raise ValueError(
                 "this trace has no per-step distribution statistics; regenerate it with the "
-                "current decoder (TraceStep.stats is filled by decode_loop)."
+                "current decoder (TraceStep.stats is filled by the engine's Decoder)."
             )
         if role is None:
             role = "pure" if "pure" in stats else ("rag" if "rag" in stats else next(iter(stats)))

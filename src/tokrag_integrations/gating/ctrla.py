@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..config import require_bool
-from ..engine.batch import RoleBatch
+from ..engine.passes import last_token_states
 from ..models import LoadedModel
 from ..policies.base import Choice, ContextSpec, Lens, Policy, View
 from ..prompts import render_chat_template
@@ -82,21 +82,6 @@ def _persona_prompt(lm: LoadedModel, persona: str, statement: str) -> list[int]:
     else:
         text = f"{instr}\n{statement}"
     return list(tok(text, add_special_tokens=False)["input_ids"])
-
-
-def last_token_states(
-    lm: LoadedModel, prompts: Sequence[list[int]], batch_size: int = 16
-) -> torch.Tensor:
-    """[N, L+1, d] residual states of each prompt's last position (h^0 = embeddings), from
-    probed prefills of left-padded batches (:class:`~..engine.batch.RoleBatch`)."""
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        members = [(r, ContextSpec(list(p))) for r, p in enumerate(prompts[i : i + batch_size])]
-        with lm.lock, torch.inference_mode():
-            batch = RoleBatch("ctrla", members, lm, probe=True)
-            batch.forward(None)
-        out.append(batch.records.resid.float().cpu().transpose(0, 1))  # [B, L+1, d]
-    return torch.cat(out)
 
 
 def contrast_differences(

@@ -25,12 +25,16 @@ import math
 import re
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..policies.base import Choice, ContextSpec, Lens, Policy, View
+from ..prompts import PromptPlan
+from ..trace import FROM_LLM
 from .confidence import draft_answer
 from .gate_base import Gate
 
@@ -150,6 +154,8 @@ def answer_gradient(
     The loss is the mean token cross-entropy of the answer tokens (prompt tokens are
     context only), as in fine-tuning on (query -> answer).
     """
+    from ..engine.passes import loss_gradient
+
     prompt_ids = _pure_ids(lm, query, 1)
     ans_ids = list(
         lm.tokenizer(
@@ -158,17 +164,58 @@ def answer_gradient(
     )
     if not ans_ids:
         ans_ids = [lm.eos_token_ids[0]]
-    ids = torch.tensor([prompt_ids + ans_ids], dtype=torch.long, device=lm.model.device)
-    labels = ids.clone()
-    labels[:, : len(prompt_ids)] = -100
-    with lm.lock, torch.enable_grad():
-        out = lm.model(input_ids=ids, use_cache=False)
-        logits = out.logits[:, :-1].float()
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+    return loss_gradient(lm, prompt_ids, ans_ids, params)
+
+
+@dataclass
+class _RowSpec(ContextSpec):
+    """The pure context of one sampled answer, with its row in the joint draw."""
+
+    row: int = 0
+
+
+class SampledAnswers(Policy):
+    """Self mode's reference answers: ``n`` answers of the pure model sampled together, as
+    transformers' sampling draws them (temperature, then nucleus/top-p: its own warpers, then
+    one ``torch.multinomial`` over all ``n`` rows per step, a finished row included, so that
+    a seeded draw gives what ``model.generate(..., num_return_sequences=n)`` gives). Decoded on
+    the engine's step loop (:func:`..engine.scheduler.generate_batch`, ``n`` copies of the
+    query); not registered (GECE builds it)."""
+
+    name = "gece_samples"
+    roles = ("pure",)
+
+    def __init__(self, n: int, temperature: float, top_p: float) -> None:
+        from transformers.generation.logits_process import (
+            LogitsProcessorList,
+            TemperatureLogitsWarper,
+            TopPLogitsWarper,
         )
-        grads = torch.autograd.grad(loss, list(params))
-    return [g.detach().float().cpu() for g in grads]
+
+        self.n = int(n)
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self._warp = LogitsProcessorList(
+            [TemperatureLogitsWarper(self.temperature), TopPLogitsWarper(self.top_p)]
+        )
+        self._rows = 0
+
+    def contexts(self, plan: PromptPlan) -> dict[str, ContextSpec]:
+        spec = _RowSpec(plan.pure_ids, row=self._rows % self.n)
+        self._rows += 1
+        return {"pure": spec}
+
+    def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
+        first = views[0]["pure"].logits
+        # A finished row's draw is made and dropped (uniform scores), as transformers does.
+        scores = torch.zeros(self.n, first.shape[-1], dtype=torch.float32, device=first.device)
+        for v in views:
+            scores[v["pure"].spec.row] = v["pure"].logits.float()  # type: ignore[attr-defined]
+        probs = torch.softmax(self._warp(None, scores), dim=-1)
+        tokens = torch.multinomial(probs, num_samples=1).squeeze(1).tolist()
+        return [Choice(int(tokens[v["pure"].spec.row]), FROM_LLM) for v in views]  # type: ignore[attr-defined]
+
+    def options(self) -> dict[str, Any]:
+        return {"n": self.n, "temperature": self.temperature, "top_p": self.top_p}
 
 
 class GECEGate(Gate):
@@ -243,23 +290,16 @@ class GECEGate(Gate):
 
     def samples(self, query: str) -> list[str]:
         """``n_samples`` sampled answers of the pure model (self mode's references)."""
+        from ..engine.scheduler import generate_batch
+
         lm = self.lm
-        ids = _pure_ids(lm, query, self.max_new_tokens)
-        inp = torch.tensor([ids], dtype=torch.long, device=lm.model.device)
-        torch.manual_seed(self.seed + zlib.crc32(query.encode("utf-8")))
-        with lm.lock, torch.inference_mode():
-            out = lm.model.generate(
-                inp,
-                attention_mask=torch.ones_like(inp),
-                do_sample=True,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=0,
-                max_new_tokens=self.max_new_tokens,
-                num_return_sequences=self.n_samples,
-                pad_token_id=lm.pad_token_id,
+        rule = SampledAnswers(self.n_samples, self.temperature, self.top_p)
+        with lm.lock:  # the seed and the draws, with no other decode in between
+            torch.manual_seed(self.seed + zlib.crc32(query.encode("utf-8")))
+            results = generate_batch(
+                lm, [query] * self.n_samples, None, policy=rule, max_new_tokens=self.max_new_tokens
             )
-        texts = lm.tokenizer.batch_decode(out[:, inp.shape[1] :], skip_special_tokens=True)
+        texts = [lm.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
         return [t.split("\n")[0].strip() for t in texts]
 
     def terms(self, query: str, reference: Sequence[str] | str | None = None) -> dict[str, Any]:

@@ -11,10 +11,10 @@ Importing :mod:`tokrag_integrations` never imports LangChain; only this subpacka
 from __future__ import annotations
 
 try:
+    from ..retrieval.langchain_embeddings import local_embeddings
     from .chains import TokRAGChain, create_tokrag_chain, create_tokrag_documents_chain
     from .chat_models import ChatTokRAG
     from .gated_router import gated_router
-    from .local_embeddings import local_embeddings
     from .retrievers import FolderRetriever
 except ModuleNotFoundError as e:  # pragma: no cover - depends on the environment
     if not (e.name or "").startswith("langchain"):

@@ -25,7 +25,7 @@ context) and a :data:`Lens`; the rule returns one :class:`Choice` per query::
 A rule that reads the lens a few rows at a time (Tok-RAG's l* search) writes one
 :data:`Signals` generator per query and runs them with :func:`lens_rounds`. A sequence-level
 rule (RAG-Sequence) subclasses :class:`SequencePolicy` instead. How fast a rule is decoded is
-not the rule's business: that is ``speed=`` (:class:`..engine.speed.Speed`).
+not the rule's business: that is ``speed=`` (:class:`..speed.Speed`).
 """
 
 from __future__ import annotations

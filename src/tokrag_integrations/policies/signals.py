@@ -127,10 +127,11 @@ def default_min_fusion_layer(num_layers: int, fraction: float = DEFAULT_FUSION_F
 
 
 def plausible_tokens(final_logp: torch.Tensor, alpha: float) -> torch.Tensor:
-    """DoLa's adaptive plausibility set: p_final(v) >= alpha · max_v p_final(v). Returns [V] bool."""
+    """DoLa's adaptive plausibility set: p_final(v) >= alpha · max_v p_final(v). [..., V] log
+    p_final (one distribution or several rows) -> [..., V] bool."""
     if not 0.0 < alpha <= 1.0:
         raise ValueError(f"plausibility alpha must be in (0, 1], got {alpha}")
-    return final_logp >= final_logp.max() + math.log(alpha)
+    return final_logp >= final_logp.amax(-1, keepdim=True) + math.log(alpha)
 
 
 def rising_token(

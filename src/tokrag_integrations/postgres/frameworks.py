@@ -157,7 +157,7 @@ def make_langchain_store(db: ResolvedDatabase, layout: Any, embedder: Any) -> An
         )
     from langchain_postgres import PGEngine, PGVectorStore
 
-    from ..langchain.local_embeddings import LocalEmbeddings
+    from ..retrieval.langchain_embeddings import LocalEmbeddings
 
     engine = PGEngine.from_connection_string(
         sqlalchemy_url(db.dsn),

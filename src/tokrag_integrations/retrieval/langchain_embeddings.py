@@ -1,5 +1,7 @@
 """The one loaded MiniLM embedder (:func:`~tokrag_integrations.retrieval.embedder.load_embedder`)
-as LangChain embeddings (types only; offline)."""
+as LangChain embeddings (types only; offline). Exported by :mod:`..langchain` as
+``local_embeddings``; here, beside the embedder, so that the Postgres store's LangChain
+vector store (``postgres/frameworks.py``) uses it without importing the LangChain adapters."""
 
 from __future__ import annotations
 

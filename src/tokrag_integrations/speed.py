@@ -4,9 +4,12 @@ Every entry point takes one ``speed=``: a :class:`Speed`, a preset name or a dic
 fields. Every choice gives the tokens, sources and decisions of the step-by-step loop
 (``benchmarks/exactness.py`` checks it); they differ in time only.
 
-Presets: ``"auto"`` (the default: every field at its default) and ``"reference"`` (the
-step-by-step loop as written: one forward pass per context per step, no logit-lens rows
-shared between the queries of a batch).
+Presets: ``"auto"`` (the default: every field at its default; on a CUDA device that is the
+``"cuda"`` path, ``static="auto"`` turning on there), ``"reference"`` (the step-by-step loop
+as written: one forward pass per context per step, no logit-lens rows shared between the
+queries of a batch) and ``"cuda"`` (the path a GPU takes, selectable on any device: every
+context of every query in one static batch, one captured step per token with the rule on
+the device, one host read per step; :mod:`..accel.static_state`).
 
 This is the one place where the ``TOKRAG_*`` speed variables are read: each is the default
 of one field (read when the :class:`Speed` is made, so a variable set later applies to the
@@ -20,13 +23,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import config
-from ..config import option_bool as _as_bool
+from . import config
+from .config import option_bool as _as_bool
 
 __all__ = ["PRESETS", "Speed", "speed_of"]
 
 _MODES = ("auto", "on", "off")
-_MODE_FIELDS = ("cpu_kernels", "packed_head")
+_MODE_FIELDS = ("cpu_kernels", "packed_head", "static", "graphs")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,16 @@ class Speed:
             LM head of the logit lens on CPU (``TOKRAG_PACKED_HEAD``).
         kernel_plan_cache: keep measured kernel plans on disk for later processes
             (``TOKRAG_KERNEL_PLAN_CACHE``, default on).
+        static: ``"auto"`` (on where the model is on a CUDA device), ``"on"`` or ``"off"``:
+            decode on a static state (:mod:`..accel.static_state`: fixed row bucket and KV
+            capacity, buffers updated in place) with one step function per token (forward,
+            probes, the policy's device rule, the next-step update) and one host read per
+            step. A policy without a device rule is decoded as without it (the trace's
+            ``speed_paths_off`` says why).
+        graphs: ``"auto"`` (on CUDA: ``torch.compile(mode="reduce-overhead")``, i.e. CUDA
+            graphs per row bucket; elsewhere the step runs eagerly), ``"on"`` (compiled on
+            every device: ``torch.compile`` on CPU) or ``"off"`` (eager): how the static
+            step runs.
     """
 
     fuse: bool = field(default_factory=config.fuse_contexts)
@@ -57,6 +70,8 @@ class Speed:
     cpu_kernels: str = field(default_factory=config.cpu_kernels)
     packed_head: str = field(default_factory=config.packed_head)
     kernel_plan_cache: bool = field(default_factory=config.kernel_plan_cache)
+    static: str = "auto"
+    graphs: str = "auto"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -67,6 +82,11 @@ class Speed:
             elif not isinstance(value, bool):
                 raise ValueError(f"{f.name} must be True or False, got {value!r}")
 
+    def wants_static(self, device_type: str) -> bool:
+        """Whether this speed asks for the static state on a model on ``device_type``
+        (``static="on"``, or ``"auto"`` on ``"cuda"``)."""
+        return self.static == "on" or (self.static == "auto" and device_type == "cuda")
+
     def options(self) -> dict[str, Any]:
         """The speed as the trace records it (``Trace.speed``, never the rule's options)."""
         return {"fuse": self.fuse}
@@ -75,13 +95,14 @@ class Speed:
 #: The named presets of ``speed=``: the fields each sets (the others keep their defaults).
 PRESETS: dict[str, dict[str, Any]] = {
     "auto": {},
-    "reference": {"fuse": False, "share_lens": False},
+    "reference": {"fuse": False, "share_lens": False, "static": "off"},
+    "cuda": {"fuse": True, "static": "on"},
 }
 
 
 def speed_of(value: Speed | str | Mapping[str, Any] | None = None) -> Speed:
     """``speed=`` as a :class:`Speed`: a Speed as is, None or a preset name (``"auto"``,
-    ``"reference"``), or a dict of fields (``{"fuse": False}``; the fields not named keep
+    ``"reference"``, ``"cuda"``), or a dict of fields (``{"fuse": False}``; the fields not named keep
     their defaults; a bool field may be given as ``"true"``/``"0"``...).
 
     Raises:

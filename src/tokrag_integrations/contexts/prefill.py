@@ -115,14 +115,3 @@ class Prefilled:
 def row_map(batches: dict[str, RoleBatch]) -> dict[str, dict[int, tuple[RoleBatch, int]]]:
     """role -> query -> (its batch, its row) for one batch per role."""
     return {role: {q: (b, r) for r, q in enumerate(b.query_idx)} for role, b in batches.items()}
-
-
-def plain_prefill(
-    roles: Sequence[str],
-    per_query: Sequence[dict[str, ContextSpec]],
-    lm: LoadedModel,
-    probe_roles: frozenset[str],
-) -> Prefilled:
-    """One prefilled batch per role (:func:`prefill_roles`), decoded one pass per role."""
-    batches = prefill_roles(roles, per_query, lm, probe_roles)
-    return Prefilled(batches, row_map(batches), reused_s=reused_seconds(batches))

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from ..accel.kv_cache import is_full_layer, new_cache
 from ..attention.parts import ModelParts, model_parts
 from ..attention.probe import Probe, ProbeRecord
 from ..models import LoadedModel, cache_argument, model_cache
 from ..policies.base import ContextSpec
+from .kv_cache import is_full_layer, new_cache
 
 #: Shortest shared prompt head worth reusing from another context's prefill.
 MIN_SHARED_PREFIX = 8

@@ -1,0 +1,54 @@
+"""Device rules of :mod:`...policies.baselines`: ``llm`` (argmax of the pure context),
+``rag`` (argmax of the RAG context) and ``floor`` (RAG's token; ``agree`` where the pure
+context's argmax is the same)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...policies.baselines import PureLLM, StandardRAG, TwoContextFloor
+from ..step_types import StepTensors
+from .common import AGREE_CODE, LLM_CODE, RAG_CODE, RecordRule, attention_cite, code, role_logits
+
+
+class PureLLMRule(RecordRule):
+    """``llm``: argmax_v logits_pure."""
+
+    def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        ids = torch.argmax(role_logits(t, "pure"), dim=-1)
+        return ids, code(LLM_CODE, ids), {}
+
+
+class StandardRAGRule(RecordRule):
+    """``rag``: argmax_v logits_RAG."""
+
+    def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        ids = torch.argmax(role_logits(t, "rag"), dim=-1)
+        return ids, code(RAG_CODE, ids), {}
+
+
+class FloorRule(RecordRule):
+    """``floor``: b = argmax logits_RAG, source ``agree`` where a = argmax logits_pure = b."""
+
+    def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        a = torch.argmax(role_logits(t, "pure"), dim=-1)
+        b = torch.argmax(role_logits(t, "rag"), dim=-1)
+        return b, torch.where(a == b, AGREE_CODE, RAG_CODE), {}
+
+
+_RULES: dict[type, type[RecordRule]] = {
+    PureLLM: PureLLMRule,
+    StandardRAG: StandardRAGRule,
+    TwoContextFloor: FloorRule,
+}
+
+
+def build(policy: Any, lm: Any, *, citations: bool | None, passages: int) -> RecordRule | None:
+    rule = _RULES.get(type(policy))
+    if rule is None:
+        return None
+    policy.prepare(lm)
+    roles = policy.roles
+    return rule(lm, roles, cite=attention_cite(roles, citations), passages=passages)

@@ -1,0 +1,800 @@
+"""The static decode state of ``speed="cuda"`` (issue 56): one step function per token over
+buffers of fixed shape, updated in place, so that the step can be captured (CUDA graphs) and
+the host reads one tensor per step.
+
+The state holds R rows (a bucket: 1, 2, 4, 8... rows; every context of every query is one
+row) and C cache columns. Every row writes the same column ``col`` at a step (a 0-d device
+tensor): a prompt is right-aligned to the column where its query joins (left padding, as
+Hugging Face ``generate`` lays out a batch in a static cache), its key/value columns before
+that masked. The buffers: token ids [R] (the token each row is fed next), positions [R],
+the valid columns [R, C] (bool), each layer's keys and values [R, kv_heads, C, hd], the
+column; and what the device rule reads of the queries (:class:`..accel.step_tensors.StepTensors`:
+each role's row per query slot, the RAG row's retrieved-token columns and ids...).
+
+:func:`static_step` is the step: the model's forward on one token per row (the key/value
+column written in place; the probes recorded on the way: every layer's residual at the
+position and, where a rule or a citation reads them, every layer's attention probabilities
+over the C columns, from the rotated queries and the static keys), the policy's device rule
+(:func:`..accel.step_tensors.device_rule_for`), then the next-step update (the chosen token
+of each row's query into the token buffer, positions and column advanced). No host read and
+no branch on a tensor's value: ``torch.compile(mode="reduce-overhead")`` captures it on CUDA
+(a graph per bucket), ``torch.compile`` or eager elsewhere (``Speed.graphs``). It returns
+one tensor [Q, 1 + K] (each query slot's chosen id, then its record): the host reads it
+once (:meth:`StaticDecode.step`) and rebuilds the trace from it (the rule's ``decode``).
+
+:class:`StaticDecode` is the host side: admission between steps (the existing prefill paths
+run each context's prompt but its last token, whose keys and values are copied into free
+rows; the last token is the row's first fed token, so every choice, the first included, is
+made by the step), retirement (rows freed), growth (a bigger bucket or capacity is a new
+state, the live rows copied, and a new graph). A decode's buffers go back to the model's
+pool when its last query leaves, and the next decode of that shape takes them: the same
+addresses, so a captured graph is replayed rather than recorded again.
+:class:`..engine.decoder.Decoder` delegates to it where ``Speed.static`` is on
+(:func:`static_decode_for`, through ``engine/seam.py``).
+
+Covered: the Llama-family architectures of :data:`STATIC_ARCHITECTURES` with full attention,
+and every policy with a device rule (:mod:`.rules`) whose contexts are ``pure`` / ``rag``
+or RAG-Token's ``passage:j`` (at most ``MAX_PASSAGES`` a query); the others are decoded on
+the view path, and the trace's ``speed_paths_off["static"]`` says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..contexts.kv_cache import has_sliding_window
+from ..models import LoadedModel
+from ..policies.base import ContextSpec, Policy
+from ..speed import Speed
+from .packed import _PackedBatch
+from .step_tensors import MAX_PASSAGES, DecodedStep, StepTensors, device_rule_for
+
+__all__ = [
+    "ATTN_STATIC",
+    "StaticDecode",
+    "static_asked",
+    "static_decode_for",
+    "static_off_reason",
+    "static_step",
+]
+
+#: The attention implementation the step's layers run (registered with transformers): the
+#: attention of one query position over the static columns, leaving its probabilities.
+ATTN_STATIC = "tokrag_static"
+#: Architectures whose forward :func:`static_forward` reproduces (the decoder layers of
+#: Llama / SmolLM, Mistral, Qwen2 and Qwen3 with full attention: embeddings, rotary
+#: embedding, layers, final norm, head; no multipliers, no soft-capping).
+STATIC_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+#: The smallest capacity (columns) and retrieved-token slots of a state.
+MIN_COLUMNS = 64
+MIN_RT_SLOTS = 16
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    """The smallest power of two >= max(n, least)."""
+    n = max(int(n), int(least), 1)
+    return 1 << (n - 1).bit_length()
+
+
+# ---------------------------------------------------------------------- attention
+def static_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    tokrag_probs: list[torch.Tensor] | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of the step's query positions ([B, H, q, hd]) over the static keys and
+    values ([B, kv_heads, C, hd]) where ``attention_mask`` ([B, 1, q, C] bool) is True.
+    With ``tokrag_probs`` (a list) the probabilities are computed in float32 and the last
+    position's [B, H, C] appended to it (grouped-query attention without repeating the
+    keys); without, one fused ``scaled_dot_product_attention``."""
+    bsz, n_heads, q_len, head_dim = query.shape
+    scale = head_dim**-0.5 if scaling is None else scaling
+    if tokrag_probs is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2).contiguous(), None
+    n_kv = key.shape[1]
+    groups = n_heads // n_kv
+    qg = query.reshape(bsz, n_kv, groups * q_len, head_dim).float()
+    scores = torch.matmul(qg, key.float().transpose(-1, -2)) * scale  # [B, kv, g*q, C]
+    scores = scores.view(bsz, n_heads, q_len, -1)
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    tokrag_probs.append(probs[:, :, -1])
+    out = torch.matmul(probs.view(bsz, n_kv, groups * q_len, -1).to(value.dtype), value)
+    return out.view(bsz, n_heads, q_len, head_dim).transpose(1, 2).contiguous(), None
+
+
+_REGISTERED = False
+
+
+def _register_attention() -> None:
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_STATIC, static_attention)
+        _REGISTERED = True
+
+
+class StaticKV:
+    """The cache the step's layers write: ``update`` puts the new key/value column at the
+    shared column ``col`` (index_copy_, in place) and returns the whole buffers."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], col: torch.Tensor):
+        self.keys, self.values, self.col = keys, values, col
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *a: Any, **k: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kb, vb = self.keys[layer_idx], self.values[layer_idx]
+        kb.index_copy_(2, self.col, key_states)
+        vb.index_copy_(2, self.col, value_states)
+        return kb, vb
+
+
+def static_forward(
+    model: Any,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    valid: torch.Tensor,
+    col: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    *,
+    resid: bool,
+    attn: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One token per row through ``model`` on the static state: ([R, V] float32 logits,
+    [R, L+1, d] residuals at the position or None, [R, L, H, C] attention probabilities or
+    None). The layers' own forwards run (their attention is :func:`static_attention`, the
+    model's ``_attn_implementation`` while the step runs)."""
+    backbone = model.model
+    x = backbone.embed_tokens(ids[:, None])
+    mask = valid[:, None, None, :]
+    position_ids = pos[:, None]
+    pe = backbone.rotary_emb(x, position_ids=position_ids)
+    cache = StaticKV(keys, values, col.view(1))
+    probs: list[torch.Tensor] | None = [] if attn else None
+    states = [x[:, 0]] if resid else []
+    for layer in backbone.layers:
+        # The class's forward: the probe's taps (an instance attribute) are not needed here.
+        x = type(layer).forward(
+            layer,
+            x,
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            position_embeddings=pe,
+            tokrag_probs=probs,
+        )
+        if resid:
+            states.append(x[:, 0])
+    h = backbone.norm(x[:, 0])
+    logits = model.lm_head(h).float()
+    return (
+        logits,
+        torch.stack(states, dim=1) if resid else None,
+        torch.stack(probs, dim=1) if probs is not None else None,
+    )
+
+
+@dataclass
+class StaticBuffers:
+    """The device buffers of one state (R rows, C columns, Q query slots, P retrieved-token
+    slots); every one is updated in place between and during steps."""
+
+    ids: torch.Tensor  # [R] long: the token each row is fed next
+    pos: torch.Tensor  # [R] long: its position id
+    valid: torch.Tensor  # [R, C] bool: the columns each row attends to
+    col: torch.Tensor  # 0-d long: the column the next step writes
+    keys: list[torch.Tensor]  # per layer [R, kv_heads, C, hd]
+    values: list[torch.Tensor]
+    row_q: torch.Tensor  # [R] long: each row's query slot, -1 for a free row
+    rows: dict[str, torch.Tensor]  # role -> [Q] long
+    rt_pos: torch.Tensor  # [Q, P] long
+    rt_ids: torch.Tensor  # [Q, P] long
+    rt_valid: torch.Tensor  # [Q, P] bool
+    rt_passage: torch.Tensor  # [Q, P] long
+    cite: torch.Tensor  # [Q] long: passages cited per slot (0: not cited)
+    weights: torch.Tensor | None = None  # [Q, K] float: p(z|x) of each passage context
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (int(self.valid.shape[0]), int(self.valid.shape[1]), int(self.rt_pos.shape[1]))
+
+    def all(self) -> list[torch.Tensor]:
+        return [
+            self.ids, self.pos, self.valid, self.col, *self.keys, *self.values, self.row_q,
+            *self.rows.values(), self.rt_pos, self.rt_ids, self.rt_valid, self.rt_passage,
+            self.cite, *([] if self.weights is None else [self.weights]),
+        ]  # fmt: skip
+
+
+def static_step(
+    model: Any,
+    rule: Any,
+    pad_id: int,
+    resid: bool,
+    attn: bool,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    valid: torch.Tensor,
+    col: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    row_q: torch.Tensor,
+    rows: dict[str, torch.Tensor],
+    rt_pos: torch.Tensor,
+    rt_ids: torch.Tensor,
+    rt_valid: torch.Tensor,
+    rt_passage: torch.Tensor,
+    cite_n: torch.Tensor,
+    weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """The captured step: forward + probes + the device rule + the next-step update, on
+    the buffers of a :class:`StaticBuffers` (passed one by one, so a compiler sees plain
+    tensors). Returns [Q, 1 + K] float32: each query slot's chosen id, then its record."""
+    valid.index_fill_(1, col.view(1), True)  # every row sees the column it writes
+    logits, res, probs = static_forward(
+        model, ids, pos, valid, col, keys, values, resid=resid, attn=attn
+    )
+    t = StepTensors(
+        logits=logits,
+        resid=res,
+        attn=probs,
+        rows=rows,
+        rt_pos=rt_pos,
+        rt_ids=rt_ids,
+        rt_valid=rt_valid,
+        rt_passage=rt_passage,
+        weights=weights,
+        cite_passages=cite_n,
+    )
+    chosen, record = rule(t)
+    nxt = chosen.index_select(0, row_q.clamp(min=0))
+    ids.copy_(torch.where(row_q >= 0, nxt, pad_id))
+    pos.add_(1)
+    col.add_(1)
+    return torch.cat([chosen.to(torch.float32)[:, None], record.float()], dim=1)
+
+
+# ---------------------------------------------------------------------- host side
+def static_off_reason(lm: LoadedModel, policy: Policy) -> str | None:
+    """Why ``policy`` on ``lm`` cannot be decoded on the static state, or None."""
+    model = lm.model
+    kind = getattr(model.config, "model_type", None)
+    if kind not in STATIC_ARCHITECTURES:
+        return f"architecture {kind!r}: the static step covers {', '.join(sorted(STATIC_ARCHITECTURES))}"
+    if has_sliding_window(model):
+        return "sliding-window attention: the static step covers full attention only"
+    backbone = getattr(model, "model", None)
+    if not all(hasattr(backbone, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "no embed_tokens / layers / norm / rotary_emb on model.model"
+    if getattr(model.config, "final_logit_softcapping", None):
+        return "final logit soft-capping"
+    if any(r not in ("pure", "rag") for r in policy.roles):
+        return f"policy {policy.name!r} decodes contexts other than pure / rag / passage:j"
+    return None
+
+
+@dataclass
+class _Slot:
+    """A query in the state: its rows by role, and its RAG row's retrieved tokens (prompt
+    coordinates) with their passages."""
+
+    query: int
+    rows: dict[str, int]
+    rt_positions: list[int] = field(default_factory=list)
+    rt_ids: list[int] = field(default_factory=list)
+    rt_passage: list[int] = field(default_factory=list)
+    cite: int = 0
+    weights: list[float] = field(default_factory=list)
+
+
+class StaticDecode:
+    """The host side of a static decode (see the module docstring): admission, one step per
+    token, retirement, growth. ``rule`` is the policy's device rule."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        policy: Policy,
+        rule: Any,
+        speed: Speed,
+        *,
+        max_new_tokens: int,
+    ) -> None:
+        _register_attention()
+        self.lm, self.policy, self.rule, self.speed = lm, policy, rule, speed
+        self.max_new_tokens = int(max_new_tokens)
+        #: What the step records for the rule: the residuals, the attention rows. A rule may
+        #: say what it reads (``reads``); else both where a context is probed (the policy
+        #: reads its layers, or its RAG context is cited), which the first admission shows.
+        self.reads: tuple[str, ...] | None = getattr(rule, "reads", None)
+        self.resid = self.attn = False
+        model = lm.model
+        #: RAG-Token's contexts are one per passage (``passage:j``, up to MAX_PASSAGES).
+        self.passages = not policy.roles
+        self.roles = tuple(policy.roles) or tuple(f"passage:{j}" for j in range(MAX_PASSAGES))
+        self.dev, self.dtype = model.device, model.dtype
+        cfg = model.config
+        self.n_layers = int(cfg.num_hidden_layers)
+        attn0 = model.model.layers[0].self_attn
+        self.head_dim = int(attn0.head_dim)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self.buf: StaticBuffers | None = None
+        self.col = 0  # host mirror of buf.col
+        self.row_owner: list[tuple[int, str] | None] = []
+        self.row_start: list[int] = []  # column of each live row's first prompt token
+        self.slots: list[_Slot | None] = []
+        self.slot_of: dict[int, int] = {}
+        graphs = speed.graphs
+        on_cuda = self.dev.type == "cuda"
+        self.compiled = graphs == "on" or (graphs == "auto" and on_cuda)
+        self._fn: Any = _compiled("reduce-overhead" if on_cuda else None) if self.compiled else static_step
+        #: What the last admission cost.
+        self.timings: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ bookkeeping
+    def rows_in_use(self) -> int:
+        return sum(o is not None for o in self.row_owner)
+
+    def width(self) -> int:
+        return self.col if self.rows_in_use() else 0
+
+    def _key(self, R: int, C: int, P: int) -> tuple[Any, ...]:
+        return (R, C, P, self.roles, self.n_layers, str(self.dtype), str(self.dev), self.compiled)
+
+    def _alloc(self, R: int, C: int, P: int) -> StaticBuffers:
+        """Buffers of R rows, C columns and P retrieved-token slots: a free set of the
+        model's pool where there is one (the same addresses, so a captured graph is replayed,
+        not recorded again, by the next decode), else new ones."""
+        kept = _pool(self.lm).pop(self._key(R, C, P), None)
+        if kept is not None:
+            with torch.inference_mode():
+                kept.valid.zero_()
+                kept.ids.fill_(self.lm.pad_token_id)
+                kept.pos.zero_()
+                kept.col.zero_()
+                kept.row_q.fill_(-1)
+                for t in kept.rows.values():
+                    t.fill_(-1)
+                kept.rt_valid.zero_()
+                kept.cite.zero_()
+                if kept.weights is not None:
+                    kept.weights.zero_()
+            return kept
+        dev, dt = self.dev, self.dtype
+        kv = (R, self.n_kv, C, self.head_dim)
+        b = StaticBuffers(
+            ids=torch.full((R,), self.lm.pad_token_id, dtype=torch.long, device=dev),
+            pos=torch.zeros(R, dtype=torch.long, device=dev),
+            valid=torch.zeros((R, C), dtype=torch.bool, device=dev),
+            col=torch.zeros((), dtype=torch.long, device=dev),
+            keys=[torch.zeros(kv, dtype=dt, device=dev) for _ in range(self.n_layers)],
+            values=[torch.zeros(kv, dtype=dt, device=dev) for _ in range(self.n_layers)],
+            row_q=torch.full((R,), -1, dtype=torch.long, device=dev),
+            rows={r: torch.full((R,), -1, dtype=torch.long, device=dev) for r in self.roles},
+            rt_pos=torch.zeros((R, P), dtype=torch.long, device=dev),
+            rt_ids=torch.zeros((R, P), dtype=torch.long, device=dev),
+            rt_valid=torch.zeros((R, P), dtype=torch.bool, device=dev),
+            rt_passage=torch.zeros((R, P), dtype=torch.long, device=dev),
+            cite=torch.zeros(R, dtype=torch.long, device=dev),
+            weights=(
+                torch.zeros((R, len(self.roles)), dtype=torch.float32, device=dev)
+                if self.passages
+                else None
+            ),
+        )
+        if dev.type == "cuda" and self.compiled:
+            for t in b.all():  # fixed addresses: the captured graph reads and writes them
+                torch._dynamo.mark_static_address(t)
+        return b
+
+    # ------------------------------------------------------------------ admission
+    def admit(
+        self,
+        query_ids: Sequence[int],
+        per_query: Sequence[dict[str, ContextSpec]],
+        roles: Sequence[str],
+        cite_lengths: Sequence[list[int] | None],
+        prefill: Any,
+    ) -> dict[str, float]:
+        """Prefill the queries' contexts (each prompt but its last token, with ``prefill``:
+        the speed paths' prefill, unprobed) and place their rows in the state; their first
+        token is chosen at the next step."""
+        t0 = time.perf_counter()
+        extra = sorted({r for c in per_query for r in c} - set(self.roles))
+        if extra:
+            raise ValueError(
+                f"the static state has no row for the context {extra[0]!r} (at most "
+                f"{MAX_PASSAGES} passages a query): decode this query with speed='auto'"
+            )
+        probed = any(s.probe for c in per_query for s in c.values())
+        cited = any(c is not None for c in cite_lengths)
+        if self.reads is not None:
+            self.resid, self.attn = "resid" in self.reads, "attn" in self.reads or cited
+        else:  # only ever turned on (a new graph where it changes)
+            self.resid, self.attn = self.resid or probed, self.attn or probed
+        # A one-token prompt has nothing to prefill: its row starts with no valid column.
+        trimmed = [
+            {r: ContextSpec(s.ids[:-1], s.rt_positions, s.weight) for r, s in c.items() if len(s.ids) > 1}
+            for c in per_query
+        ]
+        run = [r for r in roles if any(r in c for c in trimmed)]
+        rows_of: dict[str, dict[int, tuple[Any, int]]] = {}
+        fused = packed = 0.0
+        if run:
+            with torch.inference_mode():
+                ready = prefill(run, trimmed, self.lm, frozenset())
+            rows_of, fused, packed = ready.rows, float(ready.fused), float(ready.packed)
+        # (query, role, prefilled batch or None, its row) of every new context
+        placed: list[tuple[int, str, Any, int]] = [
+            (q, role, *rows_of.get(role, {}).get(q, (None, -1)))
+            for role in roles
+            for q, c in enumerate(per_query)
+            if role in c
+        ]
+        batches = {id(b): b for _, _, b, _ in placed if b is not None}
+        for key, b in list(batches.items()):
+            if isinstance(b, _PackedBatch):  # one query's two contexts in one row: unpack
+                batches[key] = b.unpacked()
+        placed = [(q, role, batches.get(id(b)), r) for q, role, b, r in placed]
+        width = max((int(b.mask.shape[1]) for b in batches.values()), default=0)
+        self._make_room(len(placed), len(query_ids), width, per_query)
+        buf = self.buf
+        assert buf is not None
+        col = self.col
+        free_rows = [i for i, o in enumerate(self.row_owner) if o is None]
+        free_slots = [i for i, s in enumerate(self.slots) if s is None]
+        slot_rows: dict[int, dict[str, int]] = {}
+        by_batch: dict[int, list[tuple[int, int]]] = {}
+        last_ids: list[int] = []
+        positions: list[int] = []
+        rows_taken: list[int] = []
+        for q, role, b, r in placed:
+            row = free_rows.pop(0)
+            rows_taken.append(row)
+            spec = per_query[q][role]
+            self.row_owner[row] = (query_ids[q], role)
+            slot_rows.setdefault(q, {})[role] = row
+            if b is not None:
+                by_batch.setdefault(id(b), []).append((r, row))
+            else:
+                buf.valid[row] = False
+            last_ids.append(spec.ids[-1])
+            positions.append(len(spec.ids) - 1)
+            while len(self.row_start) <= row:
+                self.row_start.append(0)
+            self.row_start[row] = col - (len(spec.ids) - 1)
+        with torch.inference_mode():
+            for key, pairs in by_batch.items():
+                b = batches[key]
+                w = int(b.mask.shape[1])
+                src = torch.tensor([r for r, _ in pairs], dtype=torch.long)
+                dst = torch.tensor([row for _, row in pairs], dtype=torch.long, device=self.dev)
+                src_dev = src.to(self.dev)
+                mask = b.mask.index_select(0, src_dev.to(b.mask.device)).bool().to(self.dev)
+                full = torch.zeros((len(pairs), buf.valid.shape[1]), dtype=torch.bool, device=self.dev)
+                full[:, col - w : col] = mask
+                buf.valid.index_copy_(0, dst, full)
+                for i in range(self.n_layers):
+                    layer = b.cache.layers[i]
+                    k = layer.keys.index_select(0, src_dev.to(layer.keys.device))[:, :, :w]
+                    v = layer.values.index_select(0, src_dev.to(layer.values.device))[:, :, :w]
+                    buf.keys[i][:, :, col - w : col].index_copy_(0, dst, k.to(buf.keys[i].dtype))
+                    buf.values[i][:, :, col - w : col].index_copy_(0, dst, v.to(buf.values[i].dtype))
+            rows_t = torch.tensor(rows_taken, dtype=torch.long, device=self.dev)
+            buf.ids.index_copy_(0, rows_t, torch.tensor(last_ids, dtype=torch.long, device=self.dev))
+            buf.pos.index_copy_(0, rows_t, torch.tensor(positions, dtype=torch.long, device=self.dev))
+            for q, rows in slot_rows.items():
+                s = free_slots.pop(0)
+                rag = per_query[q].get("rag")
+                lengths = cite_lengths[q]
+                slot = _Slot(query_ids[q], rows)
+                if rag is not None:
+                    slot.rt_positions = list(rag.rt_positions)
+                    slot.rt_ids = [rag.ids[p] for p in rag.rt_positions]
+                    per = lengths if lengths else [len(slot.rt_positions)]
+                    passage = [j for j, n in enumerate(per) for _ in range(n)]
+                    if len(passage) != len(slot.rt_positions):
+                        passage = [0] * len(slot.rt_positions)
+                    slot.rt_passage = passage
+                slot.cite = len(lengths) if lengths is not None else 0
+                if self.passages:
+                    slot.weights = [
+                        float(per_query[q][r].weight or 0.0) if r in per_query[q] else 0.0
+                        for r in self.roles
+                    ]
+                self.slots[s] = slot
+                self.slot_of[query_ids[q]] = s
+                for role, row in rows.items():
+                    buf.row_q[row] = s
+                    buf.rows[role][s] = row
+                self._write_slot(s)
+        self.timings = {
+            "prefill_s": time.perf_counter() - t0,
+            "fused": fused,
+            "packed": packed,
+            "static": 1.0,
+        }
+        return self.timings
+
+    def _write_slot(self, s: int) -> None:
+        """The slot's retrieved-token tensors from its host record (cache columns of its RAG
+        row as of now)."""
+        buf = self.buf
+        assert buf is not None
+        slot = self.slots[s]
+        P = buf.rt_pos.shape[1]
+        pos = [0] * P
+        ids = [0] * P
+        passage = [0] * P
+        ok = [False] * P
+        cite = 0
+        if slot is not None and "rag" in slot.rows:
+            start = self.row_start[slot.rows["rag"]]
+            n = len(slot.rt_positions)
+            pos[:n] = [start + p for p in slot.rt_positions]
+            ids[:n] = slot.rt_ids
+            passage[:n] = slot.rt_passage
+            ok[:n] = [True] * n
+            cite = slot.cite
+        dev = self.dev
+        buf.rt_pos[s] = torch.tensor(pos, dtype=torch.long, device=dev)
+        buf.rt_ids[s] = torch.tensor(ids, dtype=torch.long, device=dev)
+        buf.rt_passage[s] = torch.tensor(passage, dtype=torch.long, device=dev)
+        buf.rt_valid[s] = torch.tensor(ok, dtype=torch.bool, device=dev)
+        buf.cite[s] = cite
+        if buf.weights is not None:
+            w = slot.weights if slot is not None and slot.weights else [0.0] * len(self.roles)
+            buf.weights[s] = torch.tensor(w, dtype=torch.float32, device=dev)
+
+    def _make_room(
+        self, n_rows: int, n_queries: int, width: int, per_query: Sequence[dict[str, ContextSpec]]
+    ) -> None:
+        """Make room for ``n_rows`` new rows of prompts ``width`` columns wide, right-aligned
+        at the column: shift the live rows (right where a prompt is longer than the column,
+        left to drop columns no live row uses where capacity runs short), or a new state
+        (a bigger bucket, capacity or retrieved-token slots) with the live rows copied."""
+        live = [i for i, o in enumerate(self.row_owner) if o is not None]
+        rt_need = max(
+            [len(c["rag"].rt_positions) for c in per_query if "rag" in c]
+            + [len(s.rt_positions) for s in self.slots if s is not None]
+            + [1]
+        )
+        room = self.max_new_tokens + 1
+        if not live:
+            delta, col = 0, width
+        else:
+            delta = max(0, width - self.col)
+            col = self.col + delta
+            if self.buf is not None and col + room > self.buf.valid.shape[1]:
+                lo = min(self.row_start[i] for i in live)
+                delta = -lo + max(0, width - (self.col - lo))
+                col = self.col + delta
+        R_need = len(live) + n_rows
+        buf = self.buf
+        fits = (
+            buf is not None
+            and R_need <= buf.valid.shape[0]
+            and col + room <= buf.valid.shape[1]
+            and rt_need <= buf.rt_pos.shape[1]
+        )
+        if fits:
+            if delta:
+                self._shift(delta, live)
+            self.col = col
+            buf.col.fill_(col)  # type: ignore[union-attr]
+            return
+        R = _pow2(R_need)
+        C = _pow2(col + room, MIN_COLUMNS)
+        P = _pow2(rt_need, MIN_RT_SLOTS)
+        if buf is not None:  # keep what fits: shrink nothing a later step may need
+            R, C, P = max(R, buf.shape[0]), max(C, buf.shape[1]), max(P, buf.shape[2])
+        new = self._alloc(R, C, P)
+        old_owner, old_start, old_slots = self.row_owner, self.row_start, self.slots
+        self.row_owner = [None] * R
+        self.row_start = [0] * R
+        self.slots = [None] * R
+        self.slot_of = {}
+        if buf is not None and live:
+            # The live rows, compacted to rows 0..n-1, their columns moved by ``delta``.
+            src = torch.tensor(live, dtype=torch.long, device=self.dev)
+            n, c0 = len(live), self.col
+            lo = min(old_start[i] for i in live)
+            a, e = lo, c0  # the columns live rows use
+            with torch.inference_mode():
+                new.valid[:n, a + delta : e + delta] = buf.valid.index_select(0, src)[:, a:e]
+                for i in range(self.n_layers):
+                    new.keys[i][:n, :, a + delta : e + delta] = buf.keys[i].index_select(0, src)[:, :, a:e]
+                    new.values[i][:n, :, a + delta : e + delta] = buf.values[i].index_select(0, src)[:, :, a:e]
+                new.ids[:n] = buf.ids.index_select(0, src)
+                new.pos[:n] = buf.pos.index_select(0, src)
+            row_map = {old: i for i, old in enumerate(live)}
+            for old, i in row_map.items():
+                self.row_owner[i] = old_owner[old]
+                self.row_start[i] = old_start[old] + delta
+            k = 0
+            for s_old in old_slots:
+                if s_old is None:
+                    continue
+                s_old.rows = {r: row_map[x] for r, x in s_old.rows.items()}
+                self.slots[k] = s_old
+                self.slot_of[s_old.query] = k
+                k += 1
+        if buf is not None:
+            self._release(buf)
+        self.buf = new
+        self.col = col
+        with torch.inference_mode():
+            new.col.fill_(col)
+            for s, slot in enumerate(self.slots):
+                if slot is None:
+                    continue
+                for role, row in slot.rows.items():
+                    new.row_q[row] = s
+                    new.rows[role][s] = row
+                self._write_slot(s)
+
+    def _shift(self, delta: int, live: list[int]) -> None:
+        """Move every row's columns by ``delta`` (in place; columns that come in are
+        masked), and the live rows' retrieved-token columns with them."""
+        buf = self.buf
+        assert buf is not None
+        C = buf.valid.shape[1]
+        with torch.inference_mode():
+            for t in [buf.valid, *buf.keys, *buf.values]:
+                dim = 1 if t.dim() == 2 else 2
+                moved = t.narrow(dim, max(0, -delta), C - abs(delta)).clone()
+                t.narrow(dim, max(0, delta), C - abs(delta)).copy_(moved)
+                gap = t.narrow(dim, 0 if delta > 0 else C + delta, abs(delta))
+                gap.zero_()
+        for i in live:
+            self.row_start[i] += delta
+        for s, slot in enumerate(self.slots):
+            if slot is not None:
+                self._write_slot(s)
+
+    # ------------------------------------------------------------------ one step
+    def step_args(self) -> tuple[Any, ...]:
+        """The arguments of :func:`static_step` on this state (for a compiler's checks)."""
+        buf = self.buf
+        assert buf is not None
+        return (
+            self.lm.model, self.rule, self.lm.pad_token_id, self.resid, self.attn,
+            buf.ids, buf.pos, buf.valid, buf.col, buf.keys, buf.values, buf.row_q,
+            buf.rows, buf.rt_pos, buf.rt_ids, buf.rt_valid, buf.rt_passage, buf.cite,
+            buf.weights,
+        )  # fmt: skip
+
+    @contextlib.contextmanager
+    def attention(self) -> Iterator[None]:
+        """While open, the model's attention layers run :func:`static_attention` (the step's;
+        the prefill keeps the model's own)."""
+        cfg = self.lm.model.config
+        before = cfg._attn_implementation
+        cfg._attn_implementation = ATTN_STATIC
+        try:
+            yield
+        finally:
+            cfg._attn_implementation = before
+
+    def step(self, queries: Sequence[int], tokenizer: Any) -> list[DecodedStep]:
+        """Run the step on every row; the one host read; each query's decoded record."""
+        with self.attention(), torch.inference_mode():
+            if self.compiled and self.dev.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's output is read
+            out = self._fn(*self.step_args())
+        self.col += 1
+        table = out.tolist()  # the one host read of the step
+        decoded = []
+        for q in queries:
+            row = table[self.slot_of[q]]
+            d = self.rule.decode(row[1:], tokenizer)
+            d.token_id = int(row[0])
+            decoded.append(d)
+        return decoded
+
+    def retire(self, done: Sequence[int]) -> None:
+        """Free the rows and slots of the queries ``done``."""
+        buf = self.buf
+        if buf is None:
+            return
+        with torch.inference_mode():
+            for q in done:
+                s = self.slot_of.pop(q, None)
+                if s is None:
+                    continue
+                slot = self.slots[s]
+                self.slots[s] = None
+                assert slot is not None
+                for role, row in slot.rows.items():
+                    self.row_owner[row] = None
+                    buf.row_q[row] = -1
+                    buf.rows[role][s] = -1
+                buf.rt_valid[s] = False
+                buf.cite[s] = 0
+        if not self.rows_in_use():  # nothing left: the buffers go back to the pool
+            self._release(buf)
+            self.buf = None
+            self.row_owner, self.row_start, self.slots, self.slot_of = [], [], [], {}
+            self.col = 0
+
+    def _release(self, buf: StaticBuffers) -> None:
+        pool = _pool(self.lm)
+        pool[self._key(*buf.shape)] = buf
+        while len(pool) > POOL_SIZE:
+            pool.pop(next(iter(pool)))
+
+
+#: Free buffer sets a model keeps (one per shape, the most recently freed).
+POOL_SIZE = 4
+_POOL = "_tokrag_static_pool"
+
+
+def _pool(lm: LoadedModel) -> dict[tuple[Any, ...], StaticBuffers]:
+    """The model's free static buffers by shape (used under the model's lock)."""
+    return lm.__dict__.setdefault(_POOL, {})
+
+
+_COMPILED: dict[str | None, Any] = {}
+#: The compiled step's entries (policies x their flags x static / dynamic shapes).
+RECOMPILE_LIMIT = 64
+
+
+def _compiled(mode: str | None) -> Any:
+    """:func:`static_step` compiled with ``mode`` (one compiled function per mode, so that
+    every decode reuses its graphs)."""
+    if mode not in _COMPILED:
+        # One code object serves every policy (its rule and flags are guarded constants) and
+        # shape (automatic dynamic after the first change): more entries than dynamo's
+        # default of 8 before it would fall back to eager.
+        dyn = torch._dynamo.config
+        dyn.recompile_limit = max(dyn.recompile_limit, RECOMPILE_LIMIT)
+        _COMPILED[mode] = torch.compile(static_step, mode=mode)
+    return _COMPILED[mode]
+
+
+def static_asked(lm: LoadedModel, speed: Speed) -> bool:
+    """Whether ``speed`` asks for the static state on ``lm``: ``static="on"``, or ``"auto"``
+    with the model on a CUDA device."""
+    return speed.wants_static(lm.model.device.type)
+
+
+def static_decode_for(
+    lm: LoadedModel,
+    policy: Policy,
+    speed: Speed,
+    *,
+    max_new_tokens: int,
+    citations: bool | None,
+) -> tuple[StaticDecode | None, str | None]:
+    """The static decode of ``policy`` on ``lm`` where ``speed.static`` asks for it (``"on"``;
+    ``"auto"`` on a CUDA device) and it applies, else None; and why it does not apply where
+    it was asked for (None where it was not)."""
+    if not static_asked(lm, speed):
+        return None, None
+    why = static_off_reason(lm, policy)
+    if why is not None:
+        return None, why
+    rule = device_rule_for(policy, lm, citations=citations, passages=MAX_PASSAGES)
+    if rule is None:
+        return None, f"policy {policy.name!r} has no device rule"
+    return StaticDecode(lm, policy, rule, speed, max_new_tokens=max_new_tokens), None
