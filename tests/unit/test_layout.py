@@ -101,3 +101,14 @@ def test_the_runtime_package_defines_no_harness_command():
     pyproject = (ROOT.parents[1] / "pyproject.toml").read_text(encoding="utf-8")
     for name in sorted(harness):
         assert f'\n{name} = "tokrag_eval.commands:add_{name}_parser"' in pyproject
+
+
+def test_no_module_of_the_engine_over_600_lines():
+    """Rooms of a readable size (issue 55): the scheduler split by what it does (admission,
+    the step, the public entry points), no engine module over 600 lines."""
+    big = {
+        str(p.relative_to(ROOT)): n
+        for p in sorted((ROOT / "engine").glob("*.py"))
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600
+    }
+    assert not big, f"engine modules over 600 lines: {big}"

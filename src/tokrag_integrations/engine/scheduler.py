@@ -17,6 +17,10 @@ and decisions it gets alone (tests/integration/test_batching.py); a bad input fa
 call, at the call site. ``batching=False`` (the default, and :func:`generate_batch`): the
 given queries decoded alone, in the calling thread, holding ``lm.lock`` (one decode at a time
 per model; other threads wait).
+
+Split by what it does: a call checked and prepared for a decode (:mod:`.admission`), the step
+loop that admits prepared calls at step boundaries and steps every decoder (:mod:`.step`), and
+here the public entry points with the batcher that gathers concurrent calls into decodes.
 """
 
 from __future__ import annotations
@@ -26,30 +30,23 @@ import functools
 import queue
 import threading
 import time
-import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import require_bool
 from ..defaults import CITATIONS, MAX_NEW_TOKENS
-from ..inputs import _DEFAULT, _check_inputs, _check_query, _plans
+from ..inputs import _DEFAULT
 from ..models import LoadedModel
-from ..policies import get_policy, uses_passages
 from ..policies.base import Policy
-from ..prompts import PromptPlan, RenderedPrompt
-from ..results import GenerationResult, TokenEvent, _stop_list, _TextTracker
-from ..speed import Speed, speed_of
-from ..trace import Trace
-from .decoder import Decoder, StepEvent
-from .loop import SequenceDecoder, decoder_for
-from .seam import speed_paths_off
+from ..prompts import RenderedPrompt
+from ..results import GenerationResult, TokenEvent
+from ..speed import Speed
+from .admission import _PER_CALL, _prepare, _Request, _request
+from .step import _alone, _generate, _Loop
 from .streams import (
     _END,
     DECODE_THREADS,
     TokenStream,
-    _acquire,
-    _Cancelled,
     idle_timeout_from,
     run_cancellable,
 )
@@ -65,14 +62,23 @@ __all__ = [
     "stream",
 ]
 
+
 #: Default wait for companions (seconds) and largest batch of ``continuous=False``.
 WAIT_S = 0.01
+
+
 MAX_BATCH = 16
+
+
 #: Default bounds of a decode: context rows (two per Tok-RAG query), and key/value
 #: positions (rows x (longest prompt + max_new_tokens)); about 3 GB of cache on SmolLM2-135M
 #: in float32 (46 KB a position).
 MAX_ROWS = 32
+
+
 MAX_POSITIONS = 65536
+
+
 #: Default bound on the prompt tokens prefilled at one step boundary of a running decode
 #: (every context of every call admitted there; None: every call that fits). With a bound, a
 #: burst of calls joins over several steps: the first calls of the burst get their first
@@ -80,404 +86,6 @@ MAX_POSITIONS = 65536
 #: (docs/results.md, "Streams in the continuous decode"). The first call of a boundary is
 #: admitted whatever its size.
 MAX_PREFILL_TOKENS: int | None = None
-
-#: Per-call inputs (not settings): calls that differ only in these share a batch.
-_PER_CALL = ("messages", "rendered")
-_SETTINGS = (
-    "policy",
-    "policy_options",
-    "speed",
-    "max_new_tokens",
-    "stop",
-    "system_prompt",
-    "max_context_tokens",
-    "prompt_format",
-    "citations",
-)
-
-
-@dataclass
-class _Prepared:
-    """A decode ready to run: the policies by group (``main``, and ``llm`` for queries
-    without usable passages), the groups' query indices, and per query its prompt plan,
-    trace and text tracker."""
-
-    policies: dict[str, Policy]
-    groups: dict[str, list[int]]
-    plans: list[PromptPlan]
-    traces: list[Trace]
-    trackers: list[_TextTracker]
-    stops: list[str]
-    speed: Speed
-    max_new_tokens: int
-    citations: bool | None = False
-
-
-def _prepare(
-    lm: LoadedModel,
-    queries: Sequence[str],
-    passages: Sequence[Sequence[Any] | None],
-    *,
-    policy: str | Policy = "tokrag",
-    max_new_tokens: int = MAX_NEW_TOKENS,
-    stop: str | Sequence[str] | None = None,
-    messages: Sequence[list[dict[str, str]] | None] | None = None,
-    system_prompt: Any = _DEFAULT,
-    max_context_tokens: int | None = None,
-    rendered: Sequence[RenderedPrompt | None] | None = None,
-    policy_options: Mapping[str, Any] | None = None,
-    speed: Speed | str | Mapping[str, Any] | None = None,
-    prompt_format: str = "qa",
-    citations: bool | None = CITATIONS,
-) -> _Prepared:
-    """Validate everything and build the prompts, traces and text trackers of a decode
-    (``queries`` may be empty: then ``plans`` is empty too).
-
-    Raises:
-        TypeError / ValueError: a bad argument, before anything is decoded.
-    """
-    if not isinstance(lm, LoadedModel):
-        raise TypeError(
-            "the first argument must be a LoadedModel from tokrag_integrations.load_model()"
-        )
-    if len(queries) != len(passages):
-        raise ValueError(f"got {len(queries)} queries but {len(passages)} passage lists")
-    queries = [_check_query(q, i if len(queries) > 1 else None) for i, q in enumerate(queries)]
-    _check_inputs(queries, passages, rendered, max_new_tokens, max_context_tokens)
-    if not queries:
-        return _Prepared({}, {}, [], [], [], [], speed_of(speed), max_new_tokens)
-    if policy_options is not None and not isinstance(policy_options, Mapping):
-        raise TypeError(
-            f"policy_options must be a dict of option names to values, got {type(policy_options).__name__}"
-        )
-    pol = get_policy(policy, **dict(policy_options or {}))
-    chosen_speed = speed_of(speed)
-    stops = _stop_list(stop)
-    plans = _plans(
-        lm,
-        queries,
-        passages,
-        max_new_tokens=max_new_tokens,
-        messages=messages,
-        system_prompt=system_prompt,
-        max_context_tokens=max_context_tokens,
-        prompt_format=prompt_format,
-        rendered=rendered,
-    )
-    # Queries without usable passages are answered from the pure context (and say so).
-    groups: dict[str, list[int]] = {}
-    llm_pol = get_policy("llm")
-    for i, p in enumerate(plans):
-        fallback = uses_passages(pol) and not p.has_passages
-        if fallback:
-            msg = f"query {i}: no usable passages, answered from the pure context (policy 'llm' instead of {pol.name!r})"
-            p.warnings.append(msg)
-            if passages[i]:
-                warnings.warn(msg, stacklevel=5)
-        groups.setdefault("llm" if fallback else "main", []).append(i)
-
-    traces = [
-        Trace(
-            query=queries[i],
-            policy=pol.name,
-            model=lm.name,
-            options=pol.options(),
-            speed=chosen_speed.options(),
-            passages=plans[i].passages,
-            warnings=list(plans[i].warnings),
-            prompt_tokens={
-                "pure": len(plans[i].pure_ids),
-                "rag": len(plans[i].rag_ids) if plans[i].has_passages else 0,
-            },
-        )
-        for i in range(len(queries))
-    ]
-    trackers = [_TextTracker(lm.tokenizer, stops) for _ in queries]
-
-    return _Prepared(
-        {"main": pol, "llm": llm_pol},
-        groups,
-        plans,
-        traces,
-        trackers,
-        stops,
-        chosen_speed,
-        max_new_tokens,
-        None if citations is None else require_bool(citations, "citations"),
-    )
-
-
-@dataclass
-class _Query:
-    """One query of a running call: the call, the query's index in it, its trace and text
-    tracker, its timings so far, and when its admission and its decode started."""
-
-    r: _Request
-    i: int
-    trace: Trace
-    tracker: _TextTracker
-    timings: dict[str, float]
-    t0: float
-    t1: float
-    #: Why the static state (``Speed.static``) was asked for and not used, or None.
-    static_off: str | None = None
-
-
-@dataclass
-class _Request:
-    """One call: its prepared queries (one; several for :func:`generate_batch`), and once it
-    is done, their results or its error."""
-
-    prepared: _Prepared
-    cancel: threading.Event = field(default_factory=threading.Event)
-    #: A stream's (or a call decoded alone's) events, in order: a :class:`TokenEvent` per
-    #: chosen token, then None once its results are set (None for a batched plain call).
-    events: queue.SimpleQueue[TokenEvent | None] | None = None
-    #: The call decoded alone again, should the shared decode it was part of fail.
-    alone: Callable[[], GenerationResult] | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    results: list[GenerationResult | None] = field(default_factory=list)
-    error: BaseException | None = None
-    #: The context rows, longest context and prompt tokens it needs (see :meth:`_Loop._need`).
-    need: tuple[int, int, int] | None = None
-    queries: list[_Query] = field(default_factory=list)
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self.done.set()
-
-
-class _Loop:
-    """The one step loop of the scheduler: queued calls are admitted at step boundaries,
-    every group's decoder (``main``; ``llm`` for queries without usable passages) chooses and
-    advances one step, and a call whose queries are all finished gets its results.
-
-    With a ``batcher``, calls are admitted while they fit its bounds (``max_rows`` /
-    ``max_positions`` / ``max_prefill_tokens``; with ``continuous=False`` only into an empty
-    decode, ``max_batch`` at a time). Without one, the loop of a call decoded alone.
-    """
-
-    def __init__(
-        self, lm: LoadedModel, max_new_tokens: int, batcher: MicroBatcher | None = None
-    ) -> None:
-        self.lm, self.max_new_tokens, self.b = lm, max_new_tokens, batcher
-        self.queue: list[_Request] = []
-        self.seen: list[_Request] = []
-        self.decoders: dict[str, Decoder | SequenceDecoder] = {}
-        self.owners: dict[str, dict[int, _Query]] = {}
-        self.served = 0
-        #: Context rows held at the last step (read by :meth:`MicroBatcher.running_rows`).
-        self.rows = 0
-
-    def _rows(self) -> tuple[int, int]:
-        """Context rows held and the longest row, over every group's decoder."""
-        rows = sum(d.rows_in_use() for d in self.decoders.values())
-        return rows, max((d.width() for d in self.decoders.values()), default=0)
-
-    def _room(self) -> int | None:
-        """Context rows the decode may still take (None: no bound, a call decoded alone)."""
-        return None if self.b is None else max(0, self.b.max_rows - self._rows()[0])
-
-    def _active(self) -> int:
-        return sum(len(d.active) for d in self.decoders.values())
-
-    def _admit(self) -> None:
-        """Admit the queued calls that fit, first come first served; the rest wait."""
-        b = self.b
-        assert b is not None
-        with b._lock:
-            queued, self.queue = self.queue, []
-        waiting: list[_Request] = []
-        prefilled = started = 0  # prompt tokens and calls admitted at this boundary
-        budget = b.max_prefill_tokens
-        room = None if b.continuous else 0 if self._active() else b.max_batch
-        for r in queued:
-            if waiting or (room is not None and started >= room):  # nobody overtakes
-                waiting.append(r)
-                continue
-            if r.cancel.is_set():
-                r.fail(_Cancelled())
-                continue
-            try:
-                if r.need is None:
-                    r.need = self._need(r.prepared)
-            except Exception as e:  # noqa: BLE001 - a bad input: this call's error only
-                r.fail(e)
-                continue
-            if not self._fits(r.need) or (
-                budget is not None and prefilled > 0 and prefilled + r.need[2] > budget
-            ):
-                waiting.append(r)
-                continue
-            prefilled += r.need[2]
-            started += 1
-            self._start(r)
-        if waiting:
-            with b._lock:
-                self.queue = waiting + self.queue
-
-    def _need(self, p: _Prepared) -> tuple[int, int, int]:
-        """The context rows a prepared call adds, its longest context and its prompt tokens
-        (positions)."""
-        lengths = []
-        for group, idx in p.groups.items():
-            pol = p.policies[group]
-            pol.prepare(self.lm)
-            lengths += [len(c.ids) for i in idx for c in pol.contexts(p.plans[i]).values()]
-        return len(lengths), max(lengths), sum(lengths)
-
-    def _fits(self, need: tuple[int, int, int]) -> bool:
-        assert self.b is not None
-        rows, width = self._rows()
-        if rows == 0:
-            return True  # an empty decode takes any call, however large
-        total = rows + need[0]
-        if total > self.b.max_rows:
-            return False
-        cap = self.b.max_positions
-        return cap is None or total * (max(width, need[1]) + self.max_new_tokens) <= cap
-
-    def _start(self, r: _Request) -> None:
-        """Prefill the call's queries, each group's in one admission."""
-        p = r.prepared
-        joined = float(self._active() > 0)
-        self.seen.append(r)
-        r.results = [None] * len(p.plans)
-        for group, idx in p.groups.items():
-            d = self.decoders.get(group)
-            if d is None:
-                d = self.decoders[group] = decoder_for(
-                    self.lm,
-                    p.policies[group],
-                    max_new_tokens=p.max_new_tokens,
-                    stop=p.stops,
-                    speed=p.speed,
-                    citations=p.citations,
-                    room=self._room,
-                )
-                self.owners[group] = {}
-            t0 = time.perf_counter()
-            ids = d.admit([p.plans[i] for i in idx])
-            now = time.perf_counter()
-            static_off = getattr(d, "static_off", None)
-            for q, i in zip(ids, idx, strict=True):
-                timings = {**d.timings, "joined": joined, "queries_in_batch": 0.0}
-                self.owners[group][q] = _Query(
-                    r, i, p.traces[i], p.trackers[i], timings, t0, now, static_off
-                )
-                r.queries.append(self.owners[group][q])
-        if self.b is None:
-            return
-        self.served += 1
-        with self.b._lock:  # counted now: a call may return before the decode ends
-            self.b.joined_calls += int(joined)
-            if self.served == 2:  # a second call makes this decode a batch
-                self.b.batches += 1
-            self.b.batched_calls += 2 if self.served == 2 else int(self.served > 2)
-
-    def _step(self) -> None:
-        n_active = self._active()
-        if self.b is not None:
-            self.rows, _ = self._rows()
-            with self.b._lock:
-                self.b.peak_rows = max(self.b.peak_rows, self.rows)
-        for group, d in self.decoders.items():
-            owners = self.owners[group]
-            for q in d.active:
-                if owners[q].r.cancel.is_set():  # leaves the batch; the others go on
-                    r = owners.pop(q).r
-                    d.cancel(q)
-                    if not r.done.is_set():
-                        r.fail(_Cancelled())
-            if not d.active:
-                continue
-            for ev in d.choose():
-                o = owners.pop(ev.query_idx) if ev.finished else owners[ev.query_idx]
-                o.timings["queries_in_batch"] = max(o.timings["queries_in_batch"], float(n_active))
-                self._record(o, ev)
-        for d in self.decoders.values():
-            d.advance()
-
-    def _record(self, o: _Query, ev: StepEvent) -> None:
-        """Add a decode event to its query's trace and text, hand it to its call's events;
-        a call whose queries are all finished gets its results."""
-        r, is_eos = o.r, ev.stop_reason == "eos"
-        if not is_eos:
-            o.trace.steps.append(ev.step)
-        delta = o.tracker.push(None if is_eos else ev.step.token_id, ev.finished)
-        if r.events is not None and (not is_eos or delta):
-            r.events.put(
-                TokenEvent(o.i, ev.step.index, ev.step.token_id, delta, ev.step.source, ev.step)
-            )
-        if not ev.finished:
-            return
-        o.trace.stop_reason = ev.stop_reason
-        o.trace.text = o.tracker.final if o.tracker.final is not None else o.tracker.text()
-        r.results[o.i] = GenerationResult(
-            text=o.trace.text, trace=o.trace, token_ids=list(o.tracker.ids)
-        )
-        if any(x is None for x in r.results):
-            return
-        end = time.perf_counter()  # the call's queries are timed to its end
-        # The paths off for this decode (its Speed), after its own measurements.
-        off = speed_paths_off(self.lm, r.prepared.speed)
-        for x in r.queries:
-            x.trace.timings = {**x.timings, "decode_s": end - x.t1, "total_s": end - x.t0}
-            static = {"static": x.static_off} if x.static_off else {}
-            x.trace.speed["speed_paths_off"] = {**off, **static}
-        r.done.set()
-        if r.events is not None:
-            r.events.put(None)
-
-    def run(self) -> None:
-        """Decode until no call is left (under ``lm.lock``)."""
-        _acquire(self.lm.lock, None)
-        try:
-            while True:
-                self._admit()
-                if self._active():
-                    self._step()
-                elif self._idle_end():
-                    break
-        finally:
-            self.lm.lock.release()
-
-    def _idle_end(self) -> bool:
-        """With nothing decoding: end the decode if no call waits (under the batcher's lock,
-        so that a later call starts a new one), else go on."""
-        assert self.b is not None
-        with self.b._lock:
-            if self.queue:
-                return False
-            for key, running in list(self.b._running.items()):
-                if running is self:
-                    self.b._running.pop(key)
-            return True
-
-
-def _alone(lm: LoadedModel, r: _Request, holder: list[GenerationResult]) -> Iterator[TokenEvent]:
-    """Decode the call ``r`` alone, in the calling thread, under ``lm.lock`` (taken on the
-    first ``next()``, so that an unread stream never blocks other users of the model), one
-    :class:`TokenEvent` per chosen token; at the end its results are appended to ``holder``.
-    It stops (``_Cancelled``) at the first step after ``r.cancel`` is set."""
-    r.events = queue.SimpleQueue()
-    loop = _Loop(lm, r.prepared.max_new_tokens)
-    _acquire(lm.lock, r.cancel)
-    try:
-        if r.cancel.is_set():
-            raise _Cancelled
-        loop._start(r)
-        while loop._active():
-            loop._step()
-            while not r.events.empty():
-                item = r.events.get()
-                if item is not None:
-                    yield item
-            if r.error is not None:
-                raise r.error
-    finally:
-        lm.lock.release()
-    holder.extend(x for x in r.results if x is not None)
 
 
 class MicroBatcher:
@@ -682,24 +290,6 @@ class MicroBatcher:
                     r.done.set()
 
 
-def _request(lm: LoadedModel, query: str, passages: Any, kwargs: Mapping[str, Any]) -> _Request:
-    """One call's :class:`_Request`, its keywords checked and its prompt built (at the call
-    site: a bad input fails here)."""
-    _check_keywords(kwargs)
-    settings = {**kwargs}
-    messages, rendered = settings.pop("messages", None), settings.pop("rendered", None)
-    return _Request(
-        _prepare(
-            lm,
-            [query],
-            [passages],
-            messages=[messages] if messages else None,
-            rendered=None if rendered is None else [rendered],
-            **settings,
-        )
-    )
-
-
 _BATCHERS_LOCK = threading.Lock()
 
 
@@ -787,24 +377,6 @@ def generate(
     return batcher_for(lm).generate(query, passages, **kwargs)
 
 
-def _generate(
-    lm: LoadedModel,
-    query: str,
-    passages: Sequence[Any] | None = None,
-    *,
-    cancel: threading.Event | None = None,
-    **kwargs: Any,
-) -> GenerationResult:
-    """One call decoded alone (the other keywords: :func:`generate`'s)."""
-    r = _request(lm, query, passages, kwargs)
-    if cancel is not None:
-        r.cancel = cancel
-    holder: list[GenerationResult] = []
-    for _ in _alone(lm, r, holder):
-        pass
-    return holder[0]
-
-
 def stream(
     lm: LoadedModel,
     query: str,
@@ -835,16 +407,6 @@ def stream(
     return TokenStream(
         _alone(lm, r, holder), holder, stop=r.cancel, idle_timeout=timeout, model_lock=lm.lock
     )
-
-
-def _check_keywords(kwargs: Mapping[str, Any]) -> None:
-    """Refuse a keyword no entry point takes (the message names the known ones)."""
-    unknown = sorted(set(kwargs) - set(_SETTINGS) - set(_PER_CALL))
-    if unknown:
-        raise TypeError(
-            f"unexpected keyword argument {unknown[0]!r}; policy options go in "
-            f"policy_options={{...}}; keywords: {', '.join(_SETTINGS + _PER_CALL)}"
-        )
 
 
 def generate_batch(
