@@ -119,7 +119,10 @@ def paths() -> dict[str, Any]:
     fields = {f.name for f in dataclasses.fields(Speed)}
     out: dict[str, Any] = {"default": {"static": "off"} if "static" in fields else None}
     if cuda_preset()[0]:
-        out["cuda"] = "cuda"
+        # $GPU_CHECK_CUDA_SPEED (a JSON dict of Speed fields) replaces the preset, e.g.
+        # '{"fuse": true, "static": "on", "graphs": "off"}': the static path uncompiled.
+        given = os.environ.get("GPU_CHECK_CUDA_SPEED")
+        out["cuda"] = json.loads(given) if given else "cuda"
     return out
 
 
@@ -132,6 +135,8 @@ def register_arms() -> list[str]:
     for label, speed in paths().items():
         for pol in POLICIES:
             if label == "cuda":
+                if not isinstance(speed, str):  # a dict of fields: an arm of its own
+                    cost.ARMS[f"{pol}@cuda"] = (pol, {"speed": speed})
                 names.append(f"{pol}@cuda")
             elif speed is None:
                 names.append(pol)

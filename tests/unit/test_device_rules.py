@@ -12,17 +12,17 @@ import torch
 from _host_reads import HostReads
 
 from tokrag_integrations.accel.rules import rule_for
-from tokrag_integrations.accel.rules.baselines import FloorRule, PureLLMRule, StandardRAGRule
-from tokrag_integrations.accel.rules.cad import CADRule
+from tokrag_integrations.accel.rules.baselines_rule import FloorRule, PureLLMRule, StandardRAGRule
+from tokrag_integrations.accel.rules.cad_rule import CADRule
 from tokrag_integrations.accel.rules.common import (
     Layout,
     TraceParts,
     join_double,
     split_double,
 )
-from tokrag_integrations.accel.rules.rag_token import RAGTokenRule
-from tokrag_integrations.accel.rules.selection import MarginRule
-from tokrag_integrations.accel.rules.tokrag import distribution_scores_rows
+from tokrag_integrations.accel.rules.rag_token_rule import RAGTokenRule
+from tokrag_integrations.accel.rules.selection_rule import MarginRule
+from tokrag_integrations.accel.rules.tokrag_rule import distribution_scores_rows
 from tokrag_integrations.accel.step_tensors import StepTensors, device_rule_for
 from tokrag_integrations.attention.citations import citation_layers, passage_scores
 from tokrag_integrations.engine.stats import distribution_stats_rows

@@ -11,14 +11,14 @@ from typing import Any
 
 def rule_for(policy: Any, lm: Any, *, citations: bool | None, passages: int) -> Any:
     """The device rule of ``policy`` (see :func:`..step_tensors.device_rule_for`)."""
-    from . import baselines, cad, rag_token, selection, tokrag
+    from . import baselines_rule, cad_rule, rag_token_rule, selection_rule, tokrag_rule
 
     builders: list[Any] = [
-        baselines.build,
-        tokrag.build,
-        cad.build,
-        selection.build,
-        rag_token.build,
+        baselines_rule.build,
+        tokrag_rule.build,
+        cad_rule.build,
+        selection_rule.build,
+        rag_token_rule.build,
     ]
     for build in builders:
         rule = build(policy, lm, citations=citations, passages=passages)
