@@ -5,9 +5,18 @@ misleading passages, token-level benefit/detriment classification (Table 3) and 
 the ``eval`` extra (``pip install "tokrag-integrations[eval]"``). It imports
 :mod:`tokrag_integrations`; the runtime package never imports it.
 
+    >>> import json
+    >>> from tokrag_integrations import load_model
     >>> from tokrag_eval import load_items, run_noise_sweep
-    >>> items = load_items("shared/data/squad_dev.jsonl", limit=20)
-    >>> summary = run_noise_sweep(lm, items, policies=["rag", "tokrag"], records_path="runs/squad.jsonl")
+    >>> item = {"id": "q1", "question": "Who founded Quillfeather Aerospace?",
+    ...         "answers": ["Ottoline Varga"],
+    ...         "positives": ["Quillfeather Aerospace was founded in 1994 by Ottoline Varga."],
+    ...         "negatives": ["Quillfeather's first rocket flew in 2003."]}
+    >>> with open("items.jsonl", "w") as f:     # your set, e.g. shared/data/squad_dev.jsonl
+    ...     _ = f.write(json.dumps(item) + "\\n")
+    >>> items = load_items("items.jsonl", limit=20)
+    >>> summary = run_noise_sweep(load_model(), items, ratios=[0.0], k=1, policies=["rag", "tokrag"],
+    ...                           records_path="runs/sweep.jsonl", max_new_tokens=8)
 
 Data format: ``shared/data/README.md``. Every runner appends one JSON line per
 (item id, condition, policy) to a records file and skips the keys already there, so an

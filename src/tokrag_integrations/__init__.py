@@ -4,8 +4,12 @@ Importing the package is cheap; torch and transformers load on first use.
 
     >>> from tokrag_integrations import load_model, generate
     >>> lm = load_model()                     # SmolLM2-135M-Instruct, packaged
-    >>> r = generate(lm, "Who founded Quillfeather?", ["Quillfeather was founded by ..."])
-    >>> r.text, r.trace.counts()
+    >>> r = generate(lm, "Who founded Quillfeather?", ["Quillfeather was founded by Ottoline Varga."],
+    ...              max_new_tokens=16)
+    >>> r.text
+    '...Ottoline Varga...'
+    >>> r.trace.counts()                      # how many tokens each source gave: agree / rag / llm
+    {...}
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Each variable has one accessor here that reads the environment when it is called
 import), so a variable set after import, or by a test, takes effect on the next call. A value
 that cannot be used raises :class:`ConfigError` (a ``ValueError``) naming the variable, the
 value and what it should be; an unset or empty variable means its default. The variables, their
-defaults and meanings are tabled in README.md ("Environment variables"). Switches take
+defaults and meanings are tabled in README.md ("Environment variables"; the speed
+variables in docs/speed.md). Switches take
 ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` in any case; any other word is
 an error rather than a silent *yes*.
 

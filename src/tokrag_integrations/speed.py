@@ -57,10 +57,11 @@ class Speed:
             probes, the policy's device rule, the next-step update) and one host read per
             step. A policy without a device rule is decoded as without it (the trace's
             ``speed_paths_off`` says why).
-        graphs: ``"auto"`` (on CUDA: ``torch.compile(mode="reduce-overhead")``, i.e. CUDA
-            graphs per row bucket; elsewhere the step runs eagerly), ``"on"`` (compiled on
-            every device: ``torch.compile`` on CPU) or ``"off"`` (eager): how the static
-            step runs.
+        graphs: ``"on"`` (compiled: on CUDA ``torch.compile(mode="reduce-overhead")``, i.e.
+            CUDA graphs per row bucket; ``torch.compile`` on CPU), ``"off"`` (eager) or
+            ``"auto"`` (eager for now: the first compile of the Tok-RAG step ran past 100 s on
+            the H200 and its speed is not measured yet, docs/results.md "On a GPU"): how the
+            static step runs.
     """
 
     fuse: bool = field(default_factory=config.fuse_contexts)

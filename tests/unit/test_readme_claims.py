@@ -57,14 +57,19 @@ def test_the_options_table_states_the_defaults_and_the_presets() -> None:
 
 
 def test_every_environment_variable_is_in_the_readme() -> None:
-    """Each ``TOKRAG_*`` name the package reads has a row in the README's table, and each row
-    names a variable the package reads."""
+    """Each ``TOKRAG_*`` name the package reads has a row in the README's table or, for the
+    speed variables, in docs/speed.md's table of ``Speed`` fields (field | variable | ...),
+    and each row names a variable the package reads."""
     from tokrag_integrations import (
         config,  # the one module that reads them (tests/unit/test_config.py)
     )
 
     read = set(re.findall(r'"(TOKRAG_[A-Z0-9_]+)"', Path(config.__file__).read_text(encoding="utf-8")))
     rows = set(re.findall(r"^\| `(TOKRAG_[A-Z0-9_]+)` \|", README, re.M))
+    speed = (ROOT / "docs" / "speed.md").read_text(encoding="utf-8")
+    speed_rows = set(re.findall(r"^\| `\w+` \| `(TOKRAG_[A-Z0-9_]+)` \|", speed, re.M))
+    assert speed_rows and not rows & speed_rows, sorted(rows & speed_rows)
+    rows |= speed_rows
     assert read and rows == read, (sorted(read - rows), sorted(rows - read))
 
 

@@ -346,7 +346,8 @@ class StaticDecode:
         self.slot_of: dict[int, int] = {}
         graphs = speed.graphs
         on_cuda = self.dev.type == "cuda"
-        self.compiled = graphs == "on" or (graphs == "auto" and on_cuda)
+        # "auto" runs eagerly until the compiled step is measured on a device (docs/results.md).
+        self.compiled = graphs == "on"
         self._fn: Any = _compiled("reduce-overhead" if on_cuda else None) if self.compiled else static_step
         #: What the last admission cost.
         self.timings: dict[str, float] = {}

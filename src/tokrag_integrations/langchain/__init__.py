@@ -2,8 +2,12 @@
 folder retriever, a local embedding and a gated router (examples: README.md,
 docs/integrations.md). They translate LangChain types into the core API and back.
 
-    >>> chain = create_tokrag_chain(store.as_retriever(), ChatTokRAG(model="default"))
+    >>> from tokrag_integrations.langchain import ChatTokRAG, FolderRetriever, create_tokrag_chain
+    >>> retriever = FolderRetriever(paths=["my_docs/"])   # or any store's .as_retriever()
+    >>> chain = create_tokrag_chain(retriever, ChatTokRAG(model="default", max_tokens=16))
     >>> out = chain.invoke("Who founded Quillfeather Aerospace?")
+    >>> sorted(out)
+    ['answer', 'citations', 'context', 'input', 'retrieval_empty', 'sources', 'trace', 'warnings']
 
 Importing :mod:`tokrag_integrations` never imports LangChain; only this subpackage does.
 """

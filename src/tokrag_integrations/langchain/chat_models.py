@@ -142,7 +142,11 @@ class ChatTokRAG(BaseChatModel):
     Streaming yields one ``AIMessageChunk`` per token (``token_sources == [source]``); the
     last chunk (``chunk_position="last"``) carries usage, the trace and the citations.
 
-        >>> ChatTokRAG(max_tokens=32).invoke("Who founded Quillfeather?", passages=docs)
+        >>> from langchain_core.documents import Document
+        >>> docs = [Document("Quillfeather Aerospace was founded in 1994 by Ottoline Varga.")]
+        >>> msg = ChatTokRAG(max_tokens=16).invoke("Who founded Quillfeather?", passages=docs)
+        >>> msg.response_metadata["policy"], msg.response_metadata["retrieval"]["source"]
+        ('tokrag', 'passages')
     """
 
     model_config = ConfigDict(populate_by_name=True, extra="forbid")

@@ -21,6 +21,7 @@ class FolderRetriever(BaseRetriever):
 
         >>> retriever = FolderRetriever(paths=["my_docs/"])
         >>> retriever.invoke("Who founded Quillfeather Aerospace?")[0].metadata["score"]
+        0...
 
     Raises (at construction): ``FileNotFoundError`` for a path that does not exist,
     ``ValueError`` when there is nothing to index or a setting is out of range.

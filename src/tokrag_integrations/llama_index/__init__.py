@@ -2,8 +2,14 @@
 local embedding and gate routing (examples: README.md, docs/integrations.md). They translate
 types only; decoding lives in the core.
 
-    >>> Settings.llm = TokRAGLLM()
+    >>> from llama_index.core import Settings
+    >>> from llama_index.core.query_engine import RetrieverQueryEngine
+    >>> from tokrag_integrations.llama_index import FolderRetriever, TokRAGLLM, TokRAGSynthesizer
+    >>> Settings.llm = TokRAGLLM()            # LlamaIndex's own engines decode with Tok-RAG
+    >>> retriever = FolderRetriever("my_docs/")
     >>> engine = RetrieverQueryEngine(retriever, response_synthesizer=TokRAGSynthesizer())
+    >>> engine.query("Who founded Quillfeather Aerospace?").metadata["policy"]
+    'tokrag'
 
 Importing this subpackage needs ``llama-index-core``; importing :mod:`tokrag_integrations`
 itself never imports LlamaIndex.

@@ -264,8 +264,12 @@ class TokRAGLLM(CustomLLM):
     streams end with one empty-delta response carrying them.
 
     Example:
-        >>> Settings.llm = TokRAGLLM()
-        >>> Settings.llm.complete("What is Quillfeather?", passages=["Quillfeather is ..."])
+        >>> from llama_index.core import Settings
+        >>> Settings.llm = TokRAGLLM(max_new_tokens=16)
+        >>> r = Settings.llm.complete("What is Quillfeather?",
+        ...                           passages=["Quillfeather is an aerospace company."])
+        >>> r.raw["policy"]
+        'tokrag'
     """
 
     model: str = Field(

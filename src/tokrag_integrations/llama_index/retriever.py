@@ -32,8 +32,13 @@ class FolderRetriever(BaseRetriever):
     """Files and folders chunked, embedded and searched exactly as ``tokrag ask --docs`` (its
     loader, chunking, top-k and cached MiniLM embeddings).
 
+        >>> from llama_index.core.query_engine import RetrieverQueryEngine
+        >>> from tokrag_integrations.llama_index import TokRAGSynthesizer
         >>> retriever = FolderRetriever("my_docs/")
         >>> engine = RetrieverQueryEngine(retriever, response_synthesizer=TokRAGSynthesizer())
+        >>> response = engine.query("Who founded Quillfeather Aerospace?")
+        >>> response.metadata["policy"], len(response.source_nodes) > 0
+        ('tokrag', True)
 
     Args:
         paths: a file or folder, or several.

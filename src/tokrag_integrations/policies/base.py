@@ -7,7 +7,8 @@ context's per-layer states), :meth:`Policy.prepare` (once per decode, with the m
 :meth:`Policy.choose` the views of every active query of the batch (one :class:`View` per
 context) and a :data:`Lens`; the rule returns one :class:`Choice` per query::
 
-    from tokrag_integrations.policies import Choice, Policy, register_policy
+    from tokrag_integrations import generate, load_model
+    from tokrag_integrations.policies.base import Choice, Policy
 
     class Confident(Policy):  # each token from the context surer of its own top token
         name = "confident"
@@ -20,7 +21,13 @@ context) and a :data:`Lens`; the rule returns one :class:`Choice` per query::
                 out.append(Choice(int(v[side].probs.argmax()), "llm" if side == "pure" else "rag"))
             return out
 
-    register_policy("confident", "my_package.rules:Confident")
+    r = generate(load_model(), "Who founded Quillfeather?", ["Ottoline Varga founded Quillfeather."],
+                 policy=Confident(), max_new_tokens=8)
+    assert r.trace.policy == "confident" and set(r.trace.counts()) <= {"agree", "rag", "llm"}
+
+``tokrag_integrations.policies.register_policy("confident", "my_package.rules:Confident")``
+then names it for ``policy="confident"`` everywhere (a full dotted module name, imported on
+first use).
 
 A rule that reads the lens a few rows at a time (Tok-RAG's l* search) writes one
 :data:`Signals` generator per query and runs them with :func:`lens_rounds`. A sequence-level
