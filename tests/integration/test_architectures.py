@@ -268,12 +268,13 @@ def test_speed_paths_switch_off_where_not_measured(models, lm):
     from tokrag_integrations.accel.install import speed_off_reason, speed_paths
 
     fp32, _ = models("qwen2", "float32")
+    # The paths are installed before a model's first decode (engine.seam.prepare), not at load.
+    trace = _decode(fp32).trace
     paths = speed_paths(fp32.model)
     assert paths["packed_prefill"] == paths["fused_contexts"] == "on"
     # The few-row kernels and the packed head are measured on each machine: on a tiny model the
     # stock product may win every shape, and then they stay off, but only for that reason,
     # never for the dtype, the architecture or the device.
-    trace = _decode(fp32).trace
     off = trace.speed["speed_paths_off"]
     assert "speed_paths_off" not in trace.options  # not the rule's: what this machine measured
     assert set(off) <= {"cpu_kernels", "packed_head"}, off
@@ -281,18 +282,18 @@ def test_speed_paths_switch_off_where_not_measured(models, lm):
         reason.startswith(("no few-row plan installed", "measured slower")) for reason in off.values()
     ), off
     bf16, _ = models("qwen2", "bfloat16")
+    off = _decode(bf16).trace.speed["speed_paths_off"]
     paths = speed_paths(bf16.model)
     for path in ("cpu_kernels", "packed_prefill", "packed_head"):
         assert paths[path].startswith("off: dtype bfloat16"), paths
     assert paths["fused_contexts"] == "on"  # measured by the matrix in bfloat16 too
-    off = _decode(bf16).trace.speed["speed_paths_off"]
     assert set(off) == {"cpu_kernels", "packed_prefill", "packed_head"}
     # An architecture outside the matrix: everything off, fused contexts included.
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=lm.vocab_size))
     other = load_model(gpt2, tokenizer=lm.tokenizer, require_signals=False)
+    assert generate(other, Q, P, policy="floor", max_new_tokens=2).trace.timings["fused"] == 0.0
     paths = speed_paths(other.model)
     assert all("'gpt2' is not in the tested matrix" in v for v in paths.values()), paths
-    assert generate(other, Q, P, policy="floor", max_new_tokens=2).trace.timings["fused"] == 0.0
     # Not measured on other devices (the meta device stands in for a GPU here).
     meta = _build("llama", lm.tokenizer, 64, torch.float32).to("meta")
     assert speed_off_reason(meta).startswith("device meta: ")

@@ -18,6 +18,7 @@ from tokrag_integrations.engine import decoder
 from tokrag_integrations.engine.decoder import Decoder, role_setup, views_for
 from tokrag_integrations.policies import get_policy
 from tokrag_integrations.prompts import PromptBuilder
+from tokrag_integrations.speed import Speed
 
 QS = [
     "What is the name of the cat owned by Zorbin Quell?",
@@ -65,7 +66,7 @@ def test_kept_rows_compute_what_they_computed_in_the_full_batch(lm):
     policy = get_policy("tokrag")
     per_query, roles, probe = role_setup(lm, _plans(lm), policy)
     with torch.inference_mode():
-        full = prefill(roles, per_query, lm, probe)
+        full = prefill(roles, per_query, lm, probe, Speed())
         (batch,) = full.batches.values()
         assert batch.can_keep_rows() and len(batch.query_idx) == 6
         twin = batch.fork(probe=True)
@@ -125,7 +126,7 @@ def test_a_packed_batch_cannot_drop_rows(lm):
     policy = get_policy("tokrag")
     per_query, roles, probe = role_setup(lm, _plans(lm)[:1], policy)
     with torch.inference_mode():
-        ready = prefill(roles, per_query, lm, probe)
+        ready = prefill(roles, per_query, lm, probe, Speed())
     (b,) = ready.batches.values()
     if not ready.packed:
         pytest.skip("packed prefill does not apply to this model")
@@ -143,8 +144,8 @@ def test_signals_of_several_queries_share_one_lens_product(lm, solo, monkeypatch
     shared = []
     real = decoder.make_lens
 
-    def spy(lm, share=True):
-        lens = real(lm, share)
+    def spy(lm, share=True, product=None):
+        lens = real(lm, share, product)
 
         def counted(blocks, final_norm=True):
             if len(blocks) > 1:
@@ -464,7 +465,7 @@ def test_queries_prefilled_apart_then_merged_get_their_tokens_alone(lm, solo, mo
     pol = get_policy(policy)
     per_query, roles, probe = role_setup(lm, _plans(lm), pol)
     with torch.inference_mode():
-        ready = prefill(roles, per_query, lm, probe)
+        ready = prefill(roles, per_query, lm, probe, Speed())
     made = [(name, n) for name, n, ok in calls if ok]
     want = "prefill_packed" if policy == "tokrag" else "prefill_roles"
     assert made == [(want, 1)] * 3
@@ -499,7 +500,7 @@ def test_split_prefill_switch_prefills_the_batch_together(lm, monkeypatch):
     pol = get_policy("tokrag")
     per_query, roles, probe = role_setup(lm, _plans(lm), pol)
     with torch.inference_mode():
-        prefill(roles, per_query, lm, probe)
+        prefill(roles, per_query, lm, probe, Speed())
     assert calls == [3]
 
 

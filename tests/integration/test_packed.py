@@ -19,6 +19,7 @@ from tokrag_integrations.engine.scheduler import generate
 from tokrag_integrations.engine.view import ContextView
 from tokrag_integrations.policies.base import ContextSpec
 from tokrag_integrations.prompts import PromptBuilder
+from tokrag_integrations.speed import Speed
 
 FICTION = (
     "What is the name of the cat owned by Zorbin Quell?",
@@ -99,4 +100,4 @@ def test_packed_prefill_applies_only_to_one_query_with_two_contexts(lm, monkeypa
         with shared_prefill():  # the harness reuses per-context prefills across policies
             assert prefill_packed(roles, [specs], lm, frozenset()) is None
         monkeypatch.setenv("TOKRAG_PACKED_PREFILL", "0")  # Speed().packed_prefill
-        assert not prefill(roles, [specs], lm, frozenset()).packed
+        assert not prefill(roles, [specs], lm, frozenset(), Speed()).packed
