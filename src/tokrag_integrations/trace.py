@@ -7,6 +7,7 @@ plain, JSON-serialisable structure; renderers (HTML, terminal) live in :mod:`.re
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -403,23 +404,27 @@ def _json_key(k: Any) -> str:
     return str(k)
 
 
-def json_data(o: Any) -> Any:
+def json_data(o: Any, finite: bool = False) -> Any:
     """``o`` with everything ``json`` cannot write converted (see :meth:`Trace.to_dict`): the
-    one JSON conversion of the trace, the adapters' metadata and the remote client's bodies."""
+    one JSON conversion of the trace, the adapters' metadata, the remote client's bodies and
+    the gates' saved state. ``finite=True``: a non-finite float becomes strict JSON (NaN ->
+    None, +-inf -> +-1e308)."""
+    if isinstance(o, float) and finite and not math.isfinite(o):
+        return None if math.isnan(o) else (1e308 if o > 0 else -1e308)
     if o is None or isinstance(o, (str, bool, int, float)):
         return o
     if isinstance(o, dict):
-        return {_json_key(k): json_data(v) for k, v in o.items()}
+        return {_json_key(k): json_data(v, finite) for k, v in o.items()}
     if isinstance(o, (list, tuple, set, frozenset)):
-        return [json_data(v) for v in o]
+        return [json_data(v, finite) for v in o]
     torch = sys.modules.get("torch")  # a tensor is its (nested) list of numbers
     if torch is not None and isinstance(o, torch.Tensor):
-        return json_data(o.tolist())
+        return json_data(o.tolist(), finite)
     if hasattr(o, "item"):  # numpy scalars and one-element arrays: the number
         try:
-            return json_data(o.item())
+            return json_data(o.item(), finite)
         except (ValueError, TypeError, RuntimeError):
             pass
     if hasattr(o, "tolist"):  # other numpy arrays
-        return json_data(o.tolist())
+        return json_data(o.tolist(), finite)
     return str(o)

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from ..trace import json_data
+
 
 @dataclass
 class GateDecision:
@@ -38,22 +40,7 @@ class GateDecision:
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return _jsonable(asdict(self))
-
-
-def _jsonable(o: Any) -> Any:
-    if isinstance(o, dict):
-        return {str(k): _jsonable(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_jsonable(v) for v in o]
-    if isinstance(o, float) and not math.isfinite(o):
-        return None if math.isnan(o) else (1e308 if o > 0 else -1e308)
-    if hasattr(o, "item") and not isinstance(o, (str, bytes)):
-        try:
-            return _jsonable(o.item())
-        except (ValueError, RuntimeError):
-            return _jsonable(o.tolist())
-    return o
+        return json_data(asdict(self), finite=True)
 
 
 class Gate:
@@ -168,7 +155,7 @@ class Gate:
 
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict[str, Any]:
-        return _jsonable(
+        return json_data(
             {
                 "gate": self.name,
                 "class": f"{type(self).__module__}:{type(self).__qualname__}",
@@ -178,7 +165,8 @@ class Gate:
                 "percentile": self.percentile,
                 "calibration": self.calibration,
                 "state": self.state(),
-            }
+            },
+            finite=True,
         )
 
     def save(self, path: str | Path) -> Path:
