@@ -42,17 +42,19 @@ def kv_per_query(lm: Any, items: list[tuple[str, list[str]]], policy: str, n: in
     """KV-cache bytes per query after the prefill of a batch of ``n`` queries."""
     import torch
 
-    from tokrag_integrations.accel.packed import prefill
-    from tokrag_integrations.engine.loop import role_setup
+    from tokrag_integrations.engine.decoder import role_setup
+    from tokrag_integrations.engine.seam import SpeedPaths
     from tokrag_integrations.policies import get_policy
     from tokrag_integrations.prompts import PromptBuilder
+    from tokrag_integrations.speed import speed_of
 
     pol = get_policy(policy)
     builder = PromptBuilder(lm.tokenizer, context_window=lm.context_window)
     plans = [builder.build(q, ps) for q, ps in items[:n]]
-    per_query, roles = role_setup(lm, plans, pol)
-    with torch.inference_mode():
-        ready = prefill(roles, per_query, lm, pol)
+    per_query, roles, probe = role_setup(lm, plans, pol)
+    paths = SpeedPaths(lm, speed_of(None))  # the prefill a decode with default speed runs
+    with torch.inference_mode(), paths.scope():
+        ready = paths.prefill(roles, per_query, lm, probe)
     return _kv_bytes(ready) / n
 
 
