@@ -12,6 +12,7 @@ import torch
 
 from tokrag_integrations import generate, generate_batch
 from tokrag_integrations.accel import cpu_kernels as K
+from tokrag_integrations.accel import packed_head as PH
 from tokrag_integrations.accel.cpu_kernels import install, installed, uninstall
 from tokrag_integrations.accel.install import maybe_install
 from tokrag_integrations.accel.packed import fuse_batches
@@ -307,7 +308,7 @@ def test_packed_head_changes_no_decision_on_the_real_model(lm, monkeypatch):
         for mode in ("off", "on"):
             if hasattr(head, K._HEAD):
                 delattr(head, K._HEAD)
-            product = K.packed_head(head, mode)
+            product = PH.packed_head(head, mode)
             assert (product is not None) == (mode == "on" and torch.backends.mkldnn.is_available())
             with torch.inference_mode():
                 out[mode] = logit_lens(parts, rows, product=product)

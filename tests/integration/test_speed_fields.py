@@ -15,6 +15,7 @@ import torch
 from tokrag_integrations import generate, generate_batch, load_model
 from tokrag_integrations.accel import cpu_kernels as K
 from tokrag_integrations.accel import packed as P
+from tokrag_integrations.accel import packed_head as PH
 from tokrag_integrations.accel.sdpa import ATTN_IMPLEMENTATION
 from tokrag_integrations.engine import view as V
 from tokrag_integrations.speed import Speed
@@ -143,8 +144,8 @@ def test_cpu_kernels_off_runs_the_stock_paths_for_that_call(lm, monkeypatch):
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 def test_packed_head_per_call(lm, monkeypatch):
     products = []
-    real = K.packed_product
-    monkeypatch.setattr(K, "packed_product", lambda *a: products.append(1) or real(*a))
+    real = PH.packed_product
+    monkeypatch.setattr(PH, "packed_product", lambda *a: products.append(1) or real(*a))
     counts, tokens = {}, {}
     for mode in ("on", "off"):
         products.clear()

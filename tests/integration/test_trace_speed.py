@@ -14,6 +14,7 @@ import torch
 
 from tokrag_integrations import generate
 from tokrag_integrations.accel import cpu_kernels as K
+from tokrag_integrations.accel import packed_head as PH
 from tokrag_integrations.accel.install import speed_paths
 
 Q = "What is the name of the cat owned by Zorbin Quell?"
@@ -25,12 +26,12 @@ def unmeasured_head(lm, monkeypatch):
     """The session model as a fresh process has it: its packed head not measured yet (no
     choice on the model, in the process or on disk), restored afterwards."""
     head = lm.model.get_output_embeddings()
-    saved, choices = getattr(head, K._HEAD, None), dict(K._HEAD_CHOICE)
+    saved, choices = getattr(head, K._HEAD, None), dict(PH._HEAD_CHOICE)
     monkeypatch.setenv("TOKRAG_KERNEL_PLAN_CACHE", "0")  # no choice read from (or written to) disk
     monkeypatch.setenv("TOKRAG_PACKED_HEAD", "auto")
     if hasattr(head, K._HEAD):
         delattr(head, K._HEAD)
-    K._HEAD_CHOICE.clear()
+    PH._HEAD_CHOICE.clear()
     try:
         yield head
     finally:
@@ -38,8 +39,8 @@ def unmeasured_head(lm, monkeypatch):
             delattr(head, K._HEAD)
         if saved is not None:
             setattr(head, K._HEAD, saved)
-        K._HEAD_CHOICE.clear()
-        K._HEAD_CHOICE.update(choices)
+        PH._HEAD_CHOICE.clear()
+        PH._HEAD_CHOICE.update(choices)
 
 
 @pytest.mark.parametrize("ratio, head_state", [(2.0, "off: measured slower"), (0.5, "on (measured faster)")])
@@ -53,10 +54,10 @@ def test_a_decode_before_and_one_after_every_speed_measurement_compare_equal(
         pytest.skip("no oneDNN in this torch build: the packed head is never measured")
     monkeypatch.setattr(K, "_alternating_ratio", lambda timed, rounds: ratio)
     assert speed_paths(lm.model)["packed_head"] == (
-        f"on (measured at the first logit lens of >= {K.HEAD_MIN_ROWS} rows)"
+        f"on (measured at the first logit lens of >= {PH.HEAD_MIN_ROWS} rows)"
     )
     first = generate(lm, Q, P, max_new_tokens=12).trace
-    K.packed_head(unmeasured_head, "auto", cache=False)  # measured now, if the first decode's lens did not
+    PH.packed_head(unmeasured_head, "auto", cache=False)  # measured now, if the first decode's lens did not
     assert speed_paths(lm.model)["packed_head"].startswith(head_state)
     second = generate(lm, Q, P, max_new_tokens=12).trace
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tokrag_integrations.accel import cpu_kernels as K
+from tokrag_integrations.accel import packed_head as PH
 from tokrag_integrations.accel.cpu_kernels import few_row_linear, install, installed, uninstall
 from tokrag_integrations.accel.sdpa import few_query_attention
 from tokrag_integrations.contexts.kv_cache import GrowableLayer
@@ -224,15 +225,15 @@ def _head(n=2048, k=64, bias=False):
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_head_computes_the_linear_product(monkeypatch, bias):
     head = _head(bias=bias)
-    product = K.packed_head(head, "on")
-    assert product is not None and K.packed_head(head, "on") is product  # made once per module
+    product = PH.packed_head(head, "on")
+    assert product is not None and PH.packed_head(head, "on") is product  # made once per module
     with torch.inference_mode():
-        for rows in (1, K.HEAD_MIN_ROWS - 1, K.HEAD_MIN_ROWS, 16, 40):
+        for rows in (1, PH.HEAD_MIN_ROWS - 1, PH.HEAD_MIN_ROWS, 16, 40):
             x = torch.randn(rows, 64)
             out = product(x)
             assert out.shape == (rows, 2048)
             assert torch.allclose(out, F.linear(x, head.weight, head.bias), atol=1e-4, rtol=1e-4)
-            if rows < K.HEAD_MIN_ROWS:  # a few rows keep the routed product itself
+            if rows < PH.HEAD_MIN_ROWS:  # a few rows keep the routed product itself
                 assert torch.equal(out, head(x))
 
 
@@ -240,12 +241,12 @@ def test_packed_head_only_where_allowed_and_measured(monkeypatch, tmp_path):
     """Off, a stock head (never set up by install) or a non-float32 head get no packed
     product; in ``auto`` the measured choice is kept on disk and read back untimed."""
     monkeypatch.setenv("TOKRAG_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(K, "_HEAD_CHOICE", {})
-    assert K.packed_head(_head(), "off") is None
+    monkeypatch.setattr(PH, "_HEAD_CHOICE", {})
+    assert PH.packed_head(_head(), "off") is None
     with pytest.raises(ValueError, match="packed_head must be 'auto', 'on' or 'off'"):
-        K.packed_head(_head(), "sometimes")
-    assert K.packed_head(torch.nn.Linear(64, 2048), "on") is None  # not set up by install()
-    assert K.packed_head(_head().to(torch.float64), "on") is None
+        PH.packed_head(_head(), "sometimes")
+    assert PH.packed_head(torch.nn.Linear(64, 2048), "on") is None  # not set up by install()
+    assert PH.packed_head(_head().to(torch.float64), "on") is None
     if not torch.backends.mkldnn.is_available():
         return
     # Fake timings: a timed run that calls the head module (the routed product) takes 1.0,
@@ -262,16 +263,16 @@ def test_packed_head_only_where_allowed_and_measured(monkeypatch, tmp_path):
         return 1.0 if len(routed) > n else 0.5
 
     monkeypatch.setattr(K, "_time", fake_time)
-    assert K.packed_head(head) is not None and calls
+    assert PH.packed_head(head) is not None and calls
     stored = json.loads(K._side_file("head").read_text())
     assert stored == {f"2048x64:{torch.get_num_threads()}": True}
     # Read back in a "new process" without timing; a slower measurement is remembered too.
-    monkeypatch.setattr(K, "_HEAD_CHOICE", {})
+    monkeypatch.setattr(PH, "_HEAD_CHOICE", {})
     monkeypatch.setattr(K, "_time", lambda fn, reps, **kw: pytest.fail("stored choice re-measured"))
-    assert K.packed_head(_head()) is not None
+    assert PH.packed_head(_head()) is not None
     K._side_file("head").write_text(json.dumps({f"2048x64:{torch.get_num_threads()}": False}))
-    monkeypatch.setattr(K, "_HEAD_CHOICE", {})
+    monkeypatch.setattr(PH, "_HEAD_CHOICE", {})
     slow = _head()
     # A stored "slower" makes no copy of the weight at all.
     monkeypatch.setattr(torch.Tensor, "to_mkldnn", lambda *a, **k: pytest.fail("copied"))
-    assert K.packed_head(slow) is None and getattr(slow, K._HEAD) is False
+    assert PH.packed_head(slow) is None and getattr(slow, K._HEAD) is False

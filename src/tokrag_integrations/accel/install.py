@@ -13,11 +13,11 @@ from .cpu_kernels import (
     _HEAD,
     _HEAD_OK,
     _VERDICT,
-    HEAD_MIN_ROWS,
     install,
     installed,
     verify_install,
 )
+from .packed_head import HEAD_MIN_ROWS
 from .sdpa import ATTN_IMPLEMENTATION, install_attention
 
 #: ``config.model_type`` of the architectures the speed paths are measured correct on: the

@@ -170,7 +170,7 @@ def logit_lens(
     lens); ``False`` applies the LM head directly, as the authors' released code does.
     Input [..., d] -> output [..., V] (float32). ``product``: another way to multiply many
     rows [n, d] by the LM head (the engine passes the packed head of a decode whose ``Speed``
-    asks for it: :func:`..accel.cpu_kernels.packed_head`); None, or a single row: the head's
+    asks for it: :func:`..accel.packed_head.packed_head`); None, or a single row: the head's
     own forward.
     """
     h = resid.to(parts.lm_head.weight.dtype)

@@ -4,7 +4,7 @@ the :class:`..speed.Speed` a decode was given, and only from it.
 :class:`SpeedPaths` is what one decode gets: its prefill (packed / fused contexts, split
 prefill: :func:`..accel.packed.prefill`), how an admitted query's rows join a running batch
 (:func:`..accel.packed.join_batches`), the LM-head product of its logit lens
-(:func:`..accel.cpu_kernels.packed_head`) and :meth:`SpeedPaths.scope`, inside which its model
+(:func:`..accel.packed_head.packed_head`) and :meth:`SpeedPaths.scope`, inside which its model
 calls run (the stock kernels where ``Speed.cpu_kernels`` is ``off``:
 :func:`..accel.cpu_kernels.stock_kernels`). The CPU kernels and attention are installed on a
 model before its first decode that uses them (:func:`prepare`), as ``load_model(...,
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..accel import cpu_kernels, install, packed, static_state
+from ..accel import cpu_kernels, install, packed, packed_head, static_state
 from ..models import LoadedModel
 from ..speed import Speed
 
@@ -76,7 +76,7 @@ class SpeedPaths:
             self._head = (
                 None
                 if self.stock or not isinstance(head, torch.nn.Linear)
-                else cpu_kernels.packed_head(
+                else packed_head.packed_head(
                     head, self.speed.packed_head, cache=self.speed.kernel_plan_cache
                 )
             )
