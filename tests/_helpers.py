@@ -40,7 +40,8 @@ def machine_summary() -> list[str]:
     return [
         *lines,
         f"torch {torch.__version__}: {torch.get_num_threads()} intra-op threads, "
-        f"{torch.get_num_interop_threads()} inter-op threads",
+        f"{torch.get_num_interop_threads()} inter-op threads, "
+        f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}",
     ]
 
 

@@ -13,12 +13,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
-from _cli_fakes import fake_engine  # noqa: F401 - the CLI tests' fake engine, a fixture
-
+# Before torch is imported (its OpenMP runtime reads it once): torch's threads wait for one
+# another spinning for a long time by default; with other jobs on the cores (a busy machine,
+# issue 58) the spinning thread holds a core the thread it waits for needs. Figures in
+# docs/results.md, "Test suite duration".
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import pytest  # noqa: E402
+from _cli_fakes import fake_engine  # noqa: E402, F401 - the CLI tests' fake engine, a fixture
 
 _HERE = Path(__file__).parent
 
