@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-from importlib import resources
 
 import pytest
 
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
+
+from _structured import sample_questions  # noqa: E402
 
 from tokrag_integrations import generate, generate_batch  # noqa: E402
 from tokrag_integrations.structured import (  # noqa: E402
@@ -36,18 +37,6 @@ ANSWER = {
 }
 SPEC = response_format_of({**ANSWER, "title": "Answer"})
 MAX_TOKENS = 64
-
-
-def sample_questions(n: int) -> list[tuple[str, list[str]]]:
-    """The first ``n`` packaged sample questions, each with the paragraph of its source
-    document that holds the answer as the one passage."""
-    root = resources.files("tokrag_integrations")
-    out = []
-    for q in json.loads((root / "sample_questions.json").read_text())[:n]:
-        text = (root / "sample_docs" / q["source"]).read_text()
-        paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if q["answer"] in p]
-        out.append((q["question"], paragraphs[:1] or [text[:800]]))
-    return out
 
 
 QUESTIONS = sample_questions(3)
