@@ -29,14 +29,20 @@ from llama_index.core.llms.llm import ToolSelection
 from ..adapters.chat import split_turns
 from ..models import LoadedModel
 from ..prompts import Passage, RenderedPrompt
+from ..structured import (
+    choice_of,
+    parse_tool_calls,
+    render_tools,
+    tool_call_constraint,
+    tool_specs,
+)
+from ..structured.tools import CALL_OPEN
 from .nodes import messages_to_dicts
 from .responses import as_chat
 
-#: What starts a tool call in the model's answer (the structured package's fallback format,
-#: and the chat templates that render tools the Hermes / Qwen way).
-TOOL_CALL_START = "<tool_call>"
-#: ``tool_choice`` values that are no tool's name.
-CHOICES = ("auto", "required", "none")
+#: What starts a tool call in the model's answer (the Hermes / Qwen convention that
+#: :mod:`tokrag_integrations.structured` renders, constrains and parses).
+TOOL_CALL_START = CALL_OPEN
 
 
 def _role(m: ChatMessage) -> str:
@@ -45,34 +51,8 @@ def _role(m: ChatMessage) -> str:
 
 def specs_of(tools: Sequence[Any]) -> list[dict[str, Any]]:
     """``tools`` (LlamaIndex tools, their ``ToolMetadata``, OpenAI tool dicts, pydantic
-    classes or functions) as OpenAI tool specs (:func:`structured.tool_spec`)."""
-    from ..structured import tool_spec
-
-    return [tool_spec(getattr(t, "metadata", t)) for t in tools]
-
-
-def _name(spec: dict[str, Any]) -> str:
-    return (spec.get("function") or spec)["name"]
-
-
-def choice_of(tool_choice: Any, specs: list[dict[str, Any]]) -> str:
-    """``tool_choice`` ("auto", "required", "any", "none", a tool's name, or OpenAI's
-    ``{"type": "function", "function": {"name": ...}}``; None: "auto") as one string."""
-    if tool_choice is None:
-        return "auto"
-    if isinstance(tool_choice, dict):
-        tool_choice = (tool_choice.get("function") or {}).get("name", tool_choice.get("type"))
-    if tool_choice == "any":
-        return "required"
-    names = [_name(s) for s in specs]
-    if not isinstance(tool_choice, str) or (
-        tool_choice not in CHOICES and tool_choice not in names
-    ):
-        raise ValueError(
-            f"tool_choice {tool_choice!r} is neither 'auto', 'required', 'none' nor one of the "
-            f"tools offered: {', '.join(map(repr, names))}"
-        )
-    return tool_choice
+    classes or functions) as OpenAI tool specs (:func:`structured.tool_specs`)."""
+    return tool_specs(list(tools))
 
 
 def prepare(
@@ -194,8 +174,6 @@ def tool_turn(
             "tools with TokRAGLLM(base_url=...) are not sent to the server by this client; "
             "use a local TokRAGLLM for tool calls"
         )
-    from ..structured import render_tools, tool_call_constraint
-
     turns = render_tools(lm.tokenizer, openai_messages(messages), specs)
     if choice != "none" and "constraint" not in gen_kw:
         constraint = tool_call_constraint(specs, choice, lm)
@@ -239,8 +217,6 @@ def tool_message(text: str) -> ChatMessage:
     """The assistant's message of an answer offered tools: its text outside the calls as a
     ``TextBlock``, each call as a ``ToolCallBlock`` (and OpenAI-shaped in
     ``additional_kwargs["tool_calls"]``)."""
-    from ..structured import parse_tool_calls
-
     content, calls = parse_tool_calls(text)
     blocks: list[Any] = [TextBlock(text=content)] if content else []
     blocks += [
