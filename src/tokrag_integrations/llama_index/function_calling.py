@@ -36,7 +36,7 @@ from ..structured import (
     tool_call_constraint,
     tool_specs,
 )
-from ..structured.tools import CALL_OPEN
+from ..structured.tool_specs import CALL_OPEN
 from .nodes import messages_to_dicts
 from .responses import as_chat
 
@@ -169,17 +169,16 @@ def tool_turn(
     turns rendered with the tools, the answer constrained by ``tool_call_constraint`` (unless
     the call gives its own ``constraint``); after tool results, the last one is the retrieved
     text of ``policy``'s RAG context (module docstring)."""
+    results = _tool_results(messages)
     if not isinstance(lm, LoadedModel):
-        raise ValueError(
-            "tools with TokRAGLLM(base_url=...) are not sent to the server by this client; "
-            "use a local TokRAGLLM for tool calls"
-        )
+        if results and passages is None:
+            gen_kw["policy"] = policy  # the server finds the results in the turns
+        return _remote_turn(messages, specs, choice, gen_kw)
     turns = render_tools(lm.tokenizer, openai_messages(messages), specs)
     if choice != "none" and "constraint" not in gen_kw:
         constraint = tool_call_constraint(specs, choice, lm)
         if constraint is not None:
             gen_kw["constraint"] = constraint
-    results = _tool_results(messages)
     context = (results[-1].content or "") if results else ""
     if (
         results
@@ -211,6 +210,23 @@ def tool_turn(
     if passages is None:
         gen_kw["prompt_format"] = "chat"
     return split.query, gen_kw
+
+
+def _remote_turn(
+    messages: Sequence[ChatMessage],
+    specs: list[dict[str, Any]],
+    choice: str,
+    gen_kw: dict[str, Any],
+) -> tuple[str | None, dict[str, Any]]:
+    """A tool turn for a ``tokrag serve`` server (``base_url=``): the OpenAI-shaped turns,
+    tools and choice travel, the server renders and constrains (the question is None when
+    the conversation ends with tool results)."""
+    turns = openai_messages(messages)
+    query = None
+    if turns and turns[-1]["role"] == "user":
+        query = turns.pop()["content"]
+    gen_kw.update(messages=turns, tools=specs, tool_choice=choice)
+    return query, gen_kw
 
 
 def tool_message(text: str) -> ChatMessage:
