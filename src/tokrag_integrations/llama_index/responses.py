@@ -4,6 +4,7 @@ log-probabilities (``List[List[LogProb]]``: per generated token, the token itsel
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -18,7 +19,12 @@ from ..results import GenerationResult, TokenEvent
 
 
 def _logprob(entry: dict[str, Any]) -> LogProb:
-    return LogProb(token=entry["token"], logprob=entry["logprob"], bytes=list(entry["bytes"]))
+    """One entry as a ``LogProb``; NaN where the rule gave no log-probability (a custom
+    policy without ``Choice.logits``)."""
+    lp = entry["logprob"]
+    return LogProb(
+        token=entry["token"], logprob=math.nan if lp is None else lp, bytes=list(entry["bytes"])
+    )
 
 
 def result_logprobs(result: GenerationResult) -> list[list[LogProb]]:
@@ -30,12 +36,8 @@ def result_logprobs(result: GenerationResult) -> list[list[LogProb]]:
 def step_logprobs(ev: TokenEvent) -> list[LogProb]:
     """``[token, *top_logprobs]`` of one streamed token (its trace step)."""
     step = ev.step
-    head = LogProb(token=step.text, logprob=float(step.logprob), bytes=list(step.text.encode()))
-    alternatives = [
-        LogProb(token=t.text, logprob=float(t.logprob), bytes=list(t.text.encode()))
-        for t in step.top_logprobs
-    ]
-    return [head, *alternatives]
+    entries = [(step.text, step.logprob), *((t.text, t.logprob) for t in step.top_logprobs)]
+    return [_logprob({"token": t, "logprob": lp, "bytes": t.encode()}) for t, lp in entries]
 
 
 def token_response(text: str, ev: TokenEvent, logprobs: bool) -> CompletionResponse:
@@ -45,7 +47,7 @@ def token_response(text: str, ev: TokenEvent, logprobs: bool) -> CompletionRespo
         text=text,
         delta=ev.text,
         additional_kwargs={"source": ev.source},
-        logprobs=[step_logprobs(ev)] if logprobs and ev.step.logprob is not None else None,
+        logprobs=[step_logprobs(ev)] if logprobs else None,
     )
 
 
