@@ -36,7 +36,7 @@ from ..structured import (
     tool_call_constraint,
     tool_specs,
 )
-from ..structured.tool_specs import CALL_OPEN
+from ..structured.tool_specs import CALL_CLOSE, CALL_OPEN
 from .nodes import messages_to_dicts
 from .responses import as_chat
 
@@ -62,6 +62,7 @@ def prepare(
     tool_required: bool,
     tool_choice: Any,
     kwargs: dict[str, Any],
+    allow_parallel_tool_calls: bool = False,
 ) -> dict[str, Any]:
     """``FunctionCallingLLM._prepare_chat_with_tools``: the chat arguments (the history is
     copied, never extended in place)."""
@@ -77,6 +78,7 @@ def prepare(
         "messages": messages,
         "tools": specs,
         "tool_choice": choice_of(tool_choice, specs),
+        "parallel_tool_calls": allow_parallel_tool_calls,
         **kwargs,
     }
 
@@ -164,12 +166,17 @@ def tool_turn(
     *,
     policy: str,
     passages: Any,
+    parallel: bool = True,
 ) -> tuple[str, dict[str, Any]]:
     """(the question, the core's keyword arguments) of a chat turn offered ``specs``: the
     turns rendered with the tools, the answer constrained by ``tool_call_constraint`` (unless
     the call gives its own ``constraint``); after tool results, the last one is the retrieved
-    text of ``policy``'s RAG context (module docstring)."""
+    text of ``policy``'s RAG context (module docstring). Without ``parallel`` calls the
+    answer stops at the end of its first call."""
     results = _tool_results(messages)
+    if not parallel and choice != "none":
+        stop = gen_kw.get("stop")
+        gen_kw["stop"] = [*([stop] if isinstance(stop, str) else stop or []), CALL_CLOSE]
     if not isinstance(lm, LoadedModel):
         if results and passages is None:
             gen_kw["policy"] = policy  # the server finds the results in the turns
@@ -357,7 +364,15 @@ class ToolCalling:
         """The ``chat`` arguments offering ``tools``: ``tool_choice`` ("auto", "required",
         "none" or a tool's name) or, when None, "required" under ``tool_required`` and "auto"
         otherwise."""
-        return prepare(tools, user_msg, chat_history, tool_required, tool_choice, kwargs)
+        return prepare(
+            tools,
+            user_msg,
+            chat_history,
+            tool_required,
+            tool_choice,
+            kwargs,
+            allow_parallel_tool_calls,
+        )
 
     def _validate_chat_with_tools_response(
         self,

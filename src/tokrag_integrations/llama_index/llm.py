@@ -438,6 +438,7 @@ class TokRAGLLM(ToolCalling, StructuredOutput, FunctionCallingLLM):
                 gen_kw,
                 policy=kwargs.get("policy") or self.policy,
                 passages=passages,
+                parallel=kwargs.get("parallel_tool_calls", True) is not False,
             )
             return _Call(query, passages, gen_kw, logprobs, specs if choice != "none" else None)
         if passages is None and isinstance(messages, TemplatedMessages) and messages:
@@ -554,8 +555,9 @@ class TokRAGLLM(ToolCalling, StructuredOutput, FunctionCallingLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Answer the last user message (or the tool results after it); earlier messages
-        become the chat history. ``tools=`` (LlamaIndex tools or OpenAI tool dicts) and
-        ``tool_choice=`` offer tools, as :meth:`chat_with_tools` does."""
+        become the chat history. ``tools=`` (LlamaIndex tools or OpenAI tool dicts),
+        ``tool_choice=`` and ``parallel_tool_calls=`` (False: the answer ends with its first
+        call) offer tools, as :meth:`chat_with_tools` does."""
         call = self._chat_args(messages, kwargs)
         return function_calling.chat_response(self._generate(call), call.tools)
 
