@@ -191,3 +191,40 @@ def test_a_seeded_call_is_the_same_on_the_view_and_static_paths(lm, policy):
         assert [[t.token_id for t in s.top_logprobs] for s in got.trace.steps] == [
             [t.token_id for t in s.top_logprobs] for s in view.trace.steps
         ]
+
+
+#: A JSON schema compiled by llguidance (``structured.constraint_for``).
+SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "founder",
+        "schema": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 24},
+                "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+                "kind": {"enum": ["person", "company"]},
+            },
+            "required": ["name", "year", "kind"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("policy", ["tokrag", "rag", "cad"])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_json_schema_constraint_gives_valid_json_on_the_view_and_static_paths(lm, policy, temperature):
+    """A real grammar (llguidance), every context masked: the answer parses and fits the
+    schema, sampled or not, and the static step gives the view path's tokens."""
+    pytest.importorskip("llguidance")
+    import json
+
+    kw = dict(policy=policy, max_new_tokens=48, temperature=temperature, seed=2, constraint=SCHEMA)
+    view = generate(lm, Q, PASSAGES, speed="reference", **kw)
+    static = generate(lm, Q, PASSAGES, speed="cuda", **kw)
+    assert static.trace.timings["static"] == 1.0 and static.token_ids == view.token_ids
+    data = json.loads(view.text)
+    assert set(data) == {"name", "year", "kind"} and isinstance(data["year"], int)
+    assert data["kind"] in ("person", "company") and 1900 <= data["year"] <= 2100
+    assert view.stop_reason == "stop"
+    assert {s.source for s in view.trace.steps} <= {"agree", "rag", "llm", "mix"}
