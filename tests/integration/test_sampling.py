@@ -228,3 +228,37 @@ def test_a_json_schema_constraint_gives_valid_json_on_the_view_and_static_paths(
     assert data["kind"] in ("person", "company") and 1900 <= data["year"] <= 2100
     assert view.stop_reason == "stop"
     assert {s.source for s in view.trace.steps} <= {"agree", "rag", "llm", "mix"}
+
+
+def test_stream_and_agenerate_take_the_keywords(lm):
+    import asyncio
+
+    from tokrag_integrations import agenerate, stream
+
+    kw = dict(policy="tokrag", max_new_tokens=N, temperature=0.9, seed=21, top_logprobs=1)
+    want = generate(lm, Q, PASSAGES, **kw)
+    s = stream(lm, Q, PASSAGES, **kw)
+    events = [e for e in s if e.token_id not in lm.eos_token_ids]
+    assert [e.token_id for e in events] == want.token_ids
+    assert [e.step.logprob for e in events] == pytest.approx(
+        [st.logprob for st in want.trace.steps]
+    )
+    got = asyncio.run(agenerate(lm, Q, PASSAGES, **kw))
+    assert got.token_ids == want.token_ids and got.trace.sampling["seed"] == 21
+
+
+def test_a_policy_without_logits_keeps_its_token_and_says_so(lm):
+    from tokrag_integrations.policies.base import Choice, Policy
+
+    class NoLogits(Policy):
+        name = "no_logits"
+        roles = ("rag",)
+
+        def choose(self, views, lens):
+            return [Choice(int(v["rag"].logits.argmax()), "rag") for v in views]
+
+    want = generate(lm, Q, PASSAGES, policy="rag", max_new_tokens=N)
+    with pytest.warns(UserWarning, match="Choice has no logits"):
+        got = generate(lm, Q, PASSAGES, policy=NoLogits(), max_new_tokens=N, temperature=1.0, seed=1)
+    assert got.token_ids == want.token_ids
+    assert all(s.logprob is None for s in got.trace.steps)

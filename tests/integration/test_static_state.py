@@ -20,7 +20,7 @@ from _helpers import tiny_smollm2
 from _host_reads import HostReads
 
 from tokrag_integrations import generate, generate_batch
-from tokrag_integrations.accel.static_state import static_step
+from tokrag_integrations.accel.static_step import static_step
 from tokrag_integrations.engine.decoder import Decoder
 from tokrag_integrations.engine.sampler import QuerySampling
 from tokrag_integrations.engine.scheduler import MicroBatcher
