@@ -10,6 +10,8 @@ import torch
 
 pytest.importorskip("llguidance")
 
+from _structured import TokenizerOnly, ids_of, packaged_tokenizer, walk  # noqa: E402
+
 from tokrag_integrations.structured import (  # noqa: E402
     constraint_for,
     json_schema_of,
@@ -18,51 +20,14 @@ from tokrag_integrations.structured import (  # noqa: E402
 )
 
 
-class TokenizerOnly:
-    """What constraint_for reads of a loaded model: its tokenizer, vocabulary size, EOS ids
-    and the per-model memo (a real LoadedModel without the weights)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.vocab_size = 49152
-        self.eos_token_ids = [int(tokenizer.eos_token_id)]
-        self._memo: dict = {}
-        self.builds = 0
-
-    def memo(self, key, build):
-        if key not in self._memo:
-            self.builds += 1
-            self._memo[key] = build()
-        return self._memo[key]
-
-
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from transformers import AutoTokenizer
-
-    from tokrag_integrations import models
-
-    folder = models.cache_dir() / "models" / "smollm2-135m-instruct"
-    if models._converted(folder):
-        return AutoTokenizer.from_pretrained(str(folder))
-    gguf = models._smollm2_folder() / models._SMOLLM2_GGUF  # the tokenizer only, read from the GGUF
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return packaged_tokenizer()
 
 
 @pytest.fixture
 def lm(smollm2_tokenizer):  # replaces the refused session model: a tokenizer, no weights
     return TokenizerOnly(smollm2_tokenizer)
-
-
-def ids_of(lm, text):
-    return lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def walk(constraint, lm, text):
-    """Accept ``text``'s tokens one by one, each checked against the mask first."""
-    for token in ids_of(lm, text):
-        assert constraint.allowed(token), f"{lm.tokenizer.decode([token])!r} refused in {text!r}"
-        constraint.accept(token)
 
 
 PERSON = {
