@@ -36,7 +36,7 @@ from ..structured import (
     tool_call_constraint,
     tool_specs,
 )
-from ..structured.tool_specs import CALL_CLOSE, CALL_OPEN
+from ..structured.tool_specs import CALL_OPEN
 from .nodes import messages_to_dicts
 from .responses import as_chat
 
@@ -172,18 +172,15 @@ def tool_turn(
     turns rendered with the tools, the answer constrained by ``tool_call_constraint`` (unless
     the call gives its own ``constraint``); after tool results, the last one is the retrieved
     text of ``policy``'s RAG context (module docstring). Without ``parallel`` calls the
-    answer stops at the end of its first call."""
+    constraint ends the answer with its first call."""
     results = _tool_results(messages)
-    if not parallel and choice != "none":
-        stop = gen_kw.get("stop")
-        gen_kw["stop"] = [*([stop] if isinstance(stop, str) else stop or []), CALL_CLOSE]
     if not isinstance(lm, LoadedModel):
         if results and passages is None:
             gen_kw["policy"] = policy  # the server finds the results in the turns
         return _remote_turn(messages, specs, choice, gen_kw)
     turns = render_tools(lm.tokenizer, openai_messages(messages), specs)
     if choice != "none" and "constraint" not in gen_kw:
-        constraint = tool_call_constraint(specs, choice, lm)
+        constraint = tool_call_constraint(specs, choice, lm, parallel=parallel)
         if constraint is not None:
             gen_kw["constraint"] = constraint
     context = (results[-1].content or "") if results else ""
