@@ -94,20 +94,16 @@ def test_temperature_is_refused_the_same_way_everywhere(folder, lm):
     from langchain_core.runnables import RunnableLambda
 
     from tokrag_integrations.langchain import ChatTokRAG, create_tokrag_chain
-    from tokrag_integrations.llama_index import TokRAGLLM, TokRAGSynthesizer
+    from tokrag_integrations.llama_index import TokRAGSynthesizer
 
     for owner, make in (
-        ("TokRAGLLM", lambda: TokRAGLLM(model=folder, temperature=0.7)),
         ("TokRAGSynthesizer", lambda: TokRAGSynthesizer(model=folder, temperature=0.7)),
         ("ChatTokRAG", lambda: ChatTokRAG(model=folder, temperature=0.7)),
         ("create_tokrag_chain", lambda: create_tokrag_chain(RunnableLambda(lambda q: []), folder, temperature=0.7)),
     ):
         with pytest.raises(ValueError, match=f"{owner} {GREEDY}"):
             make()
-    # Per call too, and 0 / None are fine.
-    llm = TokRAGLLM(lm, temperature=0, max_new_tokens=2)
-    with pytest.raises(ValueError, match=f"TokRAGLLM {GREEDY}"):
-        llm.complete(Q, temperature=0.5)
+    # Per call too. (TokRAGLLM samples: tests/integration/test_llama_index_chat.py.)
     with pytest.raises(ValueError, match=f"ChatTokRAG {GREEDY}"):
         ChatTokRAG(model=lm, max_tokens=2).invoke(Q, temperature=0.5)
 

@@ -1,13 +1,13 @@
-"""TokRAGLLM: the local model as a LlamaIndex ``CustomLLM`` (pure model or a Tok-RAG policy)."""
+"""TokRAGLLM: the local model as a LlamaIndex ``FunctionCallingLLM`` (pure model or a Tok-RAG
+policy), with sampling, log-probabilities, tool calls and structured output by constrained
+decoding."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-import llama_index.core.instrumentation as instrument
 from llama_index.core.base.llms.generic_utils import (
     messages_to_prompt as generic_messages_to_prompt,
 )
@@ -20,20 +20,11 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
-    MessageRole,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
-from llama_index.core.instrumentation.event_handlers import BaseEventHandler
-from llama_index.core.instrumentation.events.synthesis import (
-    SynthesizeEndEvent,
-    SynthesizeStartEvent,
-)
-from llama_index.core.instrumentation.span_handlers import NullSpanHandler
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
-from llama_index.core.response_synthesizers.base import BaseSynthesizer
-from llama_index.core.schema import NodeWithScore
 from pydantic import SecretStr, StrictBool, field_serializer
 
 from ..adapters.translate import (
@@ -47,202 +38,42 @@ from ..models import (
     LOAD_FIELDS,
     LOAD_OPTIONS,
     LoadedModel,
-    check_greedy,
     load_model,
     unknown_arguments,
 )
 from ..prompts import RenderedPrompt
-from ..results import GenerationResult, TokenEvent
-from .nodes import (
-    messages_to_dicts,
-    messages_to_turns,
-    node_citations,
-    node_passages,
-    nodes_by_contribution,
-    split_node_context,
+from ..results import GenerationResult
+from ..sampling import sampling_of
+from . import function_calling
+from .function_calling import ToolCalling
+from .nodes import messages_to_dicts, messages_to_turns, node_passages
+from .responses import result_logprobs, token_response
+from .structured_output import StructuredOutput
+from .synthesis_events import (
+    TemplatedMessages,
+    TemplatedText,
+    node_parts,
+    note_policy,
+    note_result,
+    remember,
+    watch_synthesizers,
 )
 
-#: Template variables that carry retrieved text in LlamaIndex's prompts (text QA, summary
-#: and chat-engine context templates: ``context_str``; refine templates: ``context_msg``).
-CONTEXT_VARIABLES = ("context_str", "context_msg")
-#: Template variables that carry the question.
-QUERY_VARIABLES = ("query_str", "question")
-
-
-class _Templated:
-    """Formatted from a prompt template whose context variable held retrieved text
-    (``context``; ``query``: the question). LlamaIndex hands what ``_get_messages`` /
-    ``_get_prompt`` return on to ``chat`` / ``complete`` unchanged, so these reach the decoder."""
-
-    context: str = ""
-    query: str | None = None
-
-
-class _TemplatedMessages(_Templated, list):
-    pass
-
-
-class _TemplatedText(_Templated, str):
-    pass
-
-
-def _remember(formatted: Any, kind: type, prompt: Any, prompt_args: dict[str, Any]) -> Any:
-    """``formatted`` as a ``kind`` carrying the template's context and question (from its
-    arguments, partial ones included), or as it is when no variable held retrieved context."""
-    args = {**(getattr(prompt, "kwargs", None) or {}), **prompt_args}
-    context = next((args[k] for k in CONTEXT_VARIABLES if k in args), None)
-    if isinstance(context, (list, tuple)) and all(isinstance(v, str) for v in context):
-        context = str(context)  # simple_summarize passes its one truncated chunk as a list
-    if not isinstance(context, str):
-        return formatted
-    out = kind(formatted)
-    out.context = context
-    out.query = next((args[k] for k in QUERY_VARIABLES if isinstance(args.get(k), str)), None)
-    return out
+#: Per-call keywords (and fields) of how tokens are drawn and what they record.
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "top_logprobs")
 
 
 @dataclass
-class _Synthesis:
-    """A synthesize call in progress: its nodes, and the policy, result and kept nodes of
-    its ``TokRAGLLM`` calls so far (the last call's policy and result)."""
+class _Call:
+    """One decode: the question, the passages for the core, the core's keyword arguments,
+    whether responses carry ``logprobs``, and the tools offered (their answer is parsed for
+    calls)."""
 
-    nodes: list[NodeWithScore]
-    policy: str | None = None
-    result: GenerationResult | None = None
-    decoded: set[str] = field(default_factory=set)
-
-
-#: The synthesize calls in progress (innermost last).
-_SYNTH_CALLS: ContextVar[tuple[_Synthesis, ...]] = ContextVar("tokrag_synth_calls", default=())
-#: (span id, nodes) of the last synthesize span entered in this context.
-_SPAN_NODES: ContextVar[tuple[str | None, list[NodeWithScore]]] = ContextVar(
-    "tokrag_span_nodes", default=(None, [])
-)
-
-
-class _SynthesizeNodes(NullSpanHandler):
-    """Notes the nodes a synthesizer's ``synthesize`` / ``asynthesize`` span is given, for
-    the ``SynthesizeStartEvent`` of that span (LlamaIndex's events do not carry them)."""
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "TokRAGSynthesizeNodes"
-
-    def span_enter(self, id_: str, bound_args: Any, instance: Any = None, **kwargs: Any) -> None:
-        nodes = bound_args.arguments.get("nodes")
-        if isinstance(instance, BaseSynthesizer) and isinstance(nodes, list):
-            _SPAN_NODES.set((id_, nodes))
-
-
-class _PolicyUsed(BaseEventHandler):
-    """Gives every response a LlamaIndex synthesizer makes with ``TokRAGLLM`` calls
-    ``metadata["policy_used"]`` (the policy of its last call), ``metadata["citations"]`` and
-    ``["contributions"]`` (:func:`.nodes.node_citations` of its last call) and its
-    ``source_nodes`` by contribution. LlamaIndex's streaming synthesizers call the model when
-    their stream is first read, so a streaming response gets ``policy_used`` with its first
-    token and the rest when the stream ends."""
-
-    @classmethod
-    def class_name(cls) -> str:
-        return "TokRAGPolicyUsed"
-
-    def handle(self, event: Any, **kwargs: Any) -> None:
-        if isinstance(event, SynthesizeStartEvent):
-            span, nodes = _SPAN_NODES.get()
-            _SPAN_NODES.set((None, []))
-            synth = _Synthesis(list(nodes) if span == event.span_id else [])
-            _SYNTH_CALLS.set((*_SYNTH_CALLS.get(), synth))
-        elif isinstance(event, SynthesizeEndEvent) and _SYNTH_CALLS.get():
-            *outer, synth = _SYNTH_CALLS.get()
-            _SYNTH_CALLS.set(tuple(outer))
-            response = event.response
-            if response is None or not hasattr(response, "metadata"):
-                return
-            if response.metadata is None:
-                response.metadata = {}
-            if synth.policy:
-                response.metadata.setdefault("policy_used", synth.policy)
-            gen = getattr(response, "response_gen", None)
-            if gen is not None and not isinstance(gen, (str, list)):
-                response.response_gen = _noting(gen, response, synth)
-            else:
-                _cite(response, synth)
-
-
-def _cite(response: Any, synth: _Synthesis) -> None:
-    """The citations of the synthesis's last ``TokRAGLLM`` call in ``response`` (unless its
-    synthesizer put its own there), its source nodes by contribution."""
-    if synth.result is None or "citations" in response.metadata:
-        return
-    cited = node_citations(synth.result.trace)
-    response.metadata.update(cited)
-    response.source_nodes = nodes_by_contribution(
-        response.source_nodes, cited["contributions"], synth.decoded
-    )
-
-
-def _noting(gen: Any, response: Any, synth: _Synthesis) -> Any:
-    """``gen`` (a token generator, sync or async) that notes the ``TokRAGLLM`` calls made
-    while it runs (as ``synth``'s), puts the last one's policy into
-    ``metadata["policy_used"]`` and, once exhausted, the citations (:func:`_cite`)."""
-    metadata = response.metadata
-
-    def note() -> None:
-        if synth.policy:
-            metadata["policy_used"] = synth.policy
-
-    def enter() -> None:
-        _SYNTH_CALLS.set((*_SYNTH_CALLS.get(), synth))
-
-    def leave() -> None:
-        _SYNTH_CALLS.set(tuple(c for c in _SYNTH_CALLS.get() if c is not synth))
-
-    if hasattr(gen, "__aiter__"):
-
-        async def agen() -> Any:
-            enter()
-            try:
-                async for token in gen:
-                    note()
-                    yield token
-                note()
-                _cite(response, synth)
-            finally:
-                leave()
-
-        return agen()
-
-    def sync() -> Any:
-        enter()
-        try:
-            for token in gen:
-                note()
-                yield token
-            note()
-            _cite(response, synth)
-        finally:
-            leave()
-
-    return sync()
-
-
-def _watch_synthesizers() -> None:
-    """Register :class:`_PolicyUsed` and :class:`_SynthesizeNodes` on LlamaIndex's root
-    dispatcher (once)."""
-    dispatcher = instrument.get_dispatcher()
-    if not any(isinstance(h, _PolicyUsed) for h in dispatcher.event_handlers):
-        dispatcher.add_event_handler(_PolicyUsed())
-    if not any(isinstance(h, _SynthesizeNodes) for h in dispatcher.span_handlers):
-        dispatcher.add_span_handler(_SynthesizeNodes())
-
-
-def _parts(formatted: _Templated) -> list[Any] | None:
-    """The template's context cut into the nodes of the synthesize call in progress
-    (:func:`.nodes.split_node_context`), so that each is its own passage; None outside one."""
-    calls = _SYNTH_CALLS.get()
-    if not calls or not calls[-1].nodes:
-        return None
-    return split_node_context(formatted.context, calls[-1].nodes)
+    query: str
+    passages: Any
+    gen_kw: dict[str, Any]
+    logprobs: bool = False
+    tools: list[dict[str, Any]] | None = field(default=None)
 
 
 def _given(fn: Any, default: Any) -> bool:
@@ -250,7 +81,7 @@ def _given(fn: Any, default: Any) -> bool:
     return fn is not None and fn is not default
 
 
-class TokRAGLLM(CustomLLM):
+class TokRAGLLM(ToolCalling, StructuredOutput, FunctionCallingLLM):
     """A local causal LM (default: the packaged SmolLM2-135M-Instruct) as a LlamaIndex LLM.
 
     Every call that formats a prompt template with retrieved context (``context_str`` /
@@ -259,9 +90,18 @@ class TokRAGLLM(CustomLLM):
     Other calls are the plain model (``policy="llm"``). ``passages=[...]`` (nodes, strings,
     :class:`~tokrag_integrations.Passage` objects or (text, score) pairs, best first) decodes
     under ``policy`` with the package's own prompt. Per-call ``policy=``,
-    ``max_new_tokens=``, ``stop=``, ``max_context_tokens=`` and ``policy_options=`` override
-    the fields. Responses carry provenance in ``additional_kwargs`` and the trace in ``raw``;
-    streams end with one empty-delta response carrying them.
+    ``max_new_tokens=``, ``stop=``, ``max_context_tokens=``, ``policy_options=`` and the
+    sampling keywords (``temperature``, ``top_p``, ``top_k``, ``seed``, ``logprobs``,
+    ``top_logprobs``) override the fields; ``constraint=`` (a JSON-schema, regex or grammar
+    spec, as the engine takes it) masks every step. Responses carry provenance in
+    ``additional_kwargs``, the trace in ``raw`` and, when asked, ``logprobs``; streams end
+    with one empty-delta response carrying them.
+
+    A ``FunctionCallingLLM``: ``chat_with_tools`` (and ``FunctionAgent``) render the tools
+    with the model's chat template and constrain a call to their schemas; a turn answering
+    tool results decodes under ``policy`` with the last result as retrieved text
+    (:mod:`.function_calling`). ``structured_predict`` / ``as_structured_llm`` decode under
+    the output class's JSON schema (:mod:`.structured_output`).
 
     Example:
         >>> from llama_index.core import Settings
@@ -299,7 +139,46 @@ class TokRAGLLM(CustomLLM):
     )
     revision: str | None = Field(default=None, description="load_model(revision=) of a hub id.")
     temperature: float | None = Field(
-        default=None, description="Only None or 0: every policy decodes greedily."
+        default=0.0,
+        description=(
+            "Sampling temperature in [0, 100]; 0 or None: greedy, exactly the policy's own "
+            "tokens. With T > 0 the policy chooses each token's source distribution and the "
+            "token is drawn from it (docs/algorithm.md)."
+        ),
+    )
+    top_p: float = Field(
+        default=1.0,
+        description="Nucleus sampling: draw from the most likely tokens whose probability "
+        "reaches top_p, in (0, 1] (1: no cut).",
+    )
+    top_k: int = Field(default=0, description="Draw from the k most likely tokens (0: no cut).")
+    seed: int | None = Field(
+        default=None,
+        description=(
+            "Seed of the sampling noise: the same seed, prompt and settings give the same "
+            "answer alone or batched (None: one drawn per call, recorded in the trace)."
+        ),
+    )
+    logprobs: StrictBool = Field(
+        default=False,
+        description=(
+            "Responses carry `logprobs`: per generated token, [the token, then its "
+            "top_logprobs alternatives], each a LogProb under the distribution it was taken from."
+        ),
+    )
+    top_logprobs: int = Field(
+        default=0,
+        description="How many alternatives each token's logprobs lists (0..20); > 0 implies "
+        "logprobs=True.",
+    )
+    max_tool_rounds: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "After this many rounds of tool calls since the last user message, tools are no "
+            "longer offered (tool_choice='none'): the model answers from their results. "
+            "None: no limit. A small model under 'auto' may call tools again and again."
+        ),
     )
     max_new_tokens: int = Field(
         default=MAX_NEW_TOKENS,
@@ -372,9 +251,9 @@ class TokRAGLLM(CustomLLM):
         unknown = set(kwargs) - set(type(self).model_fields) - {"tokenizer"}
         if unknown:
             raise unknown_arguments("TokRAGLLM", unknown, [*type(self).model_fields, "tokenizer"])
-        check_greedy(kwargs.get("temperature"), "TokRAGLLM")
+        sampling_of(**{k: kwargs.get(k) for k in SAMPLING_KEYS})  # a bad value fails here
         tokenizer = kwargs.pop("tokenizer", None)
-        _watch_synthesizers()
+        watch_synthesizers()
         if kwargs.get("base_url") is not None:
             self._remote_init(lm, tokenizer, kwargs)
             return
@@ -448,6 +327,7 @@ class TokRAGLLM(CustomLLM):
             context_window=self._lm.context_window,
             num_output=self.max_new_tokens,
             is_chat_model=self._lm.is_chat,
+            is_function_calling_model=True,
             model_name=self._lm.name,
         )
 
@@ -455,40 +335,60 @@ class TokRAGLLM(CustomLLM):
     def _get_messages(self, prompt: Any, **prompt_args: Any) -> list[ChatMessage]:
         """LlamaIndex's formatting, remembering the template's context and question."""
         messages = super()._get_messages(prompt, **prompt_args)
-        return _remember(messages, _TemplatedMessages, prompt, prompt_args)
+        return remember(messages, TemplatedMessages, prompt, prompt_args)
 
     def _get_prompt(self, prompt: Any, **prompt_args: Any) -> str:
         """LlamaIndex's formatting, remembering the template's context and question."""
-        return _remember(
-            super()._get_prompt(prompt, **prompt_args), _TemplatedText, prompt, prompt_args
+        return remember(
+            super()._get_prompt(prompt, **prompt_args), TemplatedText, prompt, prompt_args
         )
 
     # ------------------------------------------------------------------ argument plumbing
-    def _call_args(self, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """(passages for the core, keyword arguments for generate/stream)."""
-        check_greedy(kwargs.get("temperature"), "TokRAGLLM")
+    def _sampling(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """(the sampling keywords for the core that differ from greedy's defaults, whether
+        responses carry logprobs), per-call values over the fields, checked."""
+        values = {
+            k: kwargs[k] if kwargs.get(k) is not None else getattr(self, k) for k in SAMPLING_KEYS
+        }
+        sampling_of(**values)
+        defaults = {"temperature": 0, "top_p": 1, "top_k": 0, "seed": None, "top_logprobs": 0}
+        out = {k: v for k, v in values.items() if v is not None and v != defaults[k]}
+        wanted = kwargs.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise ValueError(f"logprobs must be True or False, got {wanted!r}")
+        return out, bool(self.logprobs if wanted is None else wanted) or bool(
+            values["top_logprobs"]
+        )
+
+    def _call_args(self, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any], bool]:
+        """(passages for the core, keyword arguments for generate/stream, whether responses
+        carry logprobs)."""
         passages = node_passages(kwargs.get("passages"))
         opts = {**self.policy_options, **dict(kwargs.get("policy_options") or {})}
+        sampling, logprobs = self._sampling(kwargs)
         gen_kw: dict[str, Any] = {
             "policy": kwargs.get("policy") or (self.policy if passages is not None else "llm"),
             "max_new_tokens": int(kwargs.get("max_new_tokens") or self.max_new_tokens),
             "stop": kwargs["stop"] if kwargs.get("stop") is not None else self.stop,
             "max_context_tokens": kwargs.get("max_context_tokens", self.max_context_tokens),
             "policy_options": opts,
+            **sampling,
         }
+        if kwargs.get("constraint") is not None:
+            gen_kw["constraint"] = kwargs["constraint"]
         if self.system_prompt is not None:
             gen_kw["system_prompt"] = self.system_prompt
         citations = kwargs.get("citations", self.citations)
         if citations is not None:
             gen_kw["citations"] = citations
-        return passages, gen_kw
+        return passages, gen_kw, logprobs
 
-    def _prompt_args(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> tuple:
+    def _prompt_args(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> _Call:
         # Without passages this is a plain LLM and formats as HuggingFaceLLM does.
-        passages, gen_kw = self._call_args(kwargs)
-        if passages is None and isinstance(prompt, _TemplatedText):
-            rendered = RenderedPrompt(prompt.context, text=str(prompt), passages=_parts(prompt))
-            return self._templated(prompt.query, kwargs, gen_kw, rendered, [])
+        passages, gen_kw, logprobs = self._call_args(kwargs)
+        if passages is None and isinstance(prompt, TemplatedText):
+            rendered = RenderedPrompt(prompt.context, text=str(prompt), passages=node_parts(prompt))
+            return self._templated(prompt.query, kwargs, gen_kw, rendered, [], logprobs)
         if not formatted:
             if _given(self.completion_to_prompt, default_completion_to_prompt):
                 prompt = self.completion_to_prompt(prompt)
@@ -497,7 +397,7 @@ class TokRAGLLM(CustomLLM):
         if passages is None:
             gen_kw["prompt_format"] = "text"
             gen_kw.pop("system_prompt", None)
-        return prompt, passages, gen_kw
+        return _Call(prompt, passages, gen_kw, logprobs)
 
     def _templated(
         self,
@@ -506,8 +406,9 @@ class TokRAGLLM(CustomLLM):
         gen_kw: dict[str, Any],
         rendered: RenderedPrompt,
         history: list[dict[str, str]],
-    ) -> tuple:
-        """(question, no passages, keyword arguments) for a template-formatted RAG prompt."""
+        logprobs: bool,
+    ) -> _Call:
+        """The call of a template-formatted RAG prompt (no passages: ``rendered`` holds them)."""
         if not query or not query.strip():
             source = (
                 rendered.text
@@ -519,11 +420,28 @@ class TokRAGLLM(CustomLLM):
         gen_kw["rendered"] = rendered
         if history:
             gen_kw["messages"] = history
-        return query, None, gen_kw
+        return _Call(query, None, gen_kw, logprobs)
 
-    def _chat_args(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple:
-        passages, gen_kw = self._call_args(kwargs)
-        if passages is None and isinstance(messages, _TemplatedMessages) and messages:
+    def _chat_args(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> _Call:
+        passages, gen_kw, logprobs = self._call_args(kwargs)
+        if kwargs.get("tools"):
+            specs = function_calling.specs_of(kwargs["tools"])
+            choice = function_calling.choice_of(kwargs.get("tool_choice"), specs)
+            rounds = function_calling.tool_rounds(messages)
+            if self.max_tool_rounds is not None and rounds >= self.max_tool_rounds:
+                choice = "none"
+            query, gen_kw = function_calling.tool_turn(
+                self._lm,
+                messages,
+                specs,
+                choice,
+                gen_kw,
+                policy=kwargs.get("policy") or self.policy,
+                passages=passages,
+                parallel=kwargs.get("parallel_tool_calls", True) is not False,
+            )
+            return _Call(query, passages, gen_kw, logprobs, specs if choice != "none" else None)
+        if passages is None and isinstance(messages, TemplatedMessages) and messages:
             turns = messages_to_dicts(messages)
             # The pure context keeps the conversation, not the template's own turns.
             history = [
@@ -531,150 +449,138 @@ class TokRAGLLM(CustomLLM):
                 for t in turns[:-1]
                 if t["role"] != "system" and messages.context not in t["content"]
             ]
-            rendered = RenderedPrompt(messages.context, messages=turns, passages=_parts(messages))
-            return self._templated(messages.query, kwargs, gen_kw, rendered, history)
+            rendered = RenderedPrompt(
+                messages.context, messages=turns, passages=node_parts(messages)
+            )
+            return self._templated(messages.query, kwargs, gen_kw, rendered, history, logprobs)
         if passages is None and _given(self.messages_to_prompt, generic_messages_to_prompt):
             gen_kw["prompt_format"] = "text"
-            return self.messages_to_prompt(messages), passages, gen_kw
+            return _Call(self.messages_to_prompt(messages), passages, gen_kw, logprobs)
         turns = messages_to_turns(messages)
         if turns.history:
             gen_kw["messages"] = turns.history
         if turns.system_prompt is not None:  # the conversation's own system messages win
             gen_kw["system_prompt"] = turns.system_prompt
-        query = turns.query
         if passages is None:
             gen_kw["prompt_format"] = "chat"
-        return query, passages, gen_kw
+        return _Call(turns.query, passages, gen_kw, logprobs)
 
     # ------------------------------------------------------------------ responses
-    def _final(self, result: GenerationResult, text: str | None = None) -> CompletionResponse:
+    def _final(
+        self, call: _Call, result: GenerationResult, text: str | None = None
+    ) -> CompletionResponse:
         """The response of a whole answer (a stream's last one, ``text`` so far and an empty
-        delta, when ``text`` is given), with its provenance."""
+        delta, when ``text`` is given), with its provenance and, when asked, its logprobs."""
         if self._results is not None:
             self._results.append(result)
-        calls = _SYNTH_CALLS.get()
-        if calls:
-            calls[-1].result = result
-            calls[-1].decoded |= {
-                p.metadata["node_id"]
-                for p in result.trace.passages
-                if p.kept and "node_id" in p.metadata
-            }
+        note_result(result)
         return CompletionResponse(
             text=result.text if text is None else text,
             delta=None if text is None else "",
             additional_kwargs=result_summary(result),
             raw=result.trace.to_dict(),
+            logprobs=result_logprobs(result) if call.logprobs else None,
         )
 
-    def _backend(self, how: str, query: str, passages: Any, gen_kw: dict[str, Any]) -> Any:
+    def _backend(self, how: str, call: _Call) -> Any:
         """``how`` (generate, stream, agenerate, astream_with_result) on the local model
         through the scheduler, or on the server (called when the call is made, streams
         included: its policy is noted for the synthesize call around it)."""
-        calls = _SYNTH_CALLS.get()
-        if calls:
-            calls[-1].policy = gen_kw["policy"]
-        return decode_on(self._lm, how, query, passages, batching=self.batching, **gen_kw)
+        note_policy(call.gen_kw["policy"])
+        return decode_on(
+            self._lm, how, call.query, call.passages, batching=self.batching, **call.gen_kw
+        )
 
-    def _stream(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> CompletionResponseGen:
-        s = self._backend("stream", query, passages, gen_kw)
+    def _stream(self, call: _Call) -> CompletionResponseGen:
+        s = self._backend("stream", call)
 
         def gen() -> CompletionResponseGen:
             text = ""
             for ev in s:
                 if ev.text:
                     text += ev.text
-                    yield _token(text, ev)
-            yield self._final(s.result, text)
+                    yield token_response(text, ev, call.logprobs)
+            yield self._final(call, s.result, text)
 
         return gen()
 
-    def _astream(
-        self, query: str, passages: Any, gen_kw: dict[str, Any]
-    ) -> CompletionResponseAsyncGen:
-        items = self._backend("astream_with_result", query, passages, gen_kw)
+    def _astream(self, call: _Call) -> CompletionResponseAsyncGen:
+        items = self._backend("astream_with_result", call)
 
         async def gen() -> CompletionResponseAsyncGen:
             text = ""
             async for item in items:
                 if isinstance(item, GenerationResult):
-                    yield self._final(item, text)
+                    yield self._final(call, item, text)
                 elif item.text:
                     text += item.text
-                    yield _token(text, item)
+                    yield token_response(text, item, call.logprobs)
 
         return gen()
 
-    def _generate(self, query: str, passages: Any, gen_kw: dict[str, Any]) -> CompletionResponse:
-        return self._final(self._backend("generate", query, passages, gen_kw))
+    def _generate(self, call: _Call) -> CompletionResponse:
+        return self._final(call, self._backend("generate", call))
 
-    async def _agenerate(
-        self, query: str, passages: Any, gen_kw: dict[str, Any]
-    ) -> CompletionResponse:
-        return self._final(await self._backend("agenerate", query, passages, gen_kw))
+    async def _agenerate(self, call: _Call) -> CompletionResponse:
+        return self._final(call, await self._backend("agenerate", call))
 
     # ------------------------------------------------------------------ completion
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Complete ``prompt`` (pure model, or ``policy`` over ``passages=``)."""
-        return self._generate(*self._prompt_args(prompt, formatted, kwargs))
+        return self._generate(self._prompt_args(prompt, formatted, kwargs))
 
     @llm_completion_callback()
     def stream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseGen:
         """Like :meth:`complete`, one response per chosen token (``delta`` = its text)."""
-        return self._stream(*self._prompt_args(prompt, formatted, kwargs))
+        return self._stream(self._prompt_args(prompt, formatted, kwargs))
 
     @llm_completion_callback()
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
         """Async :meth:`complete`; the model runs in a worker thread."""
-        return await self._agenerate(*self._prompt_args(prompt, formatted, kwargs))
+        return await self._agenerate(self._prompt_args(prompt, formatted, kwargs))
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
         """Async :meth:`stream_complete`; tokens are produced in a worker thread."""
-        return self._astream(*self._prompt_args(prompt, formatted, kwargs))
+        return self._astream(self._prompt_args(prompt, formatted, kwargs))
 
     # ------------------------------------------------------------------ chat
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        """Answer the last user message; earlier messages become the chat history."""
-        return _as_chat(self._generate(*self._chat_args(messages, kwargs)))
+        """Answer the last user message (or the tool results after it); earlier messages
+        become the chat history. ``tools=`` (LlamaIndex tools or OpenAI tool dicts),
+        ``tool_choice=`` and ``parallel_tool_calls=`` (False: the answer ends with its first
+        call) offer tools, as :meth:`chat_with_tools` does."""
+        call = self._chat_args(messages, kwargs)
+        return function_calling.chat_response(self._generate(call), call.tools)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        """Like :meth:`chat`, one response per chosen token (``delta`` = its text)."""
-        return (_as_chat(c) for c in self._stream(*self._chat_args(messages, kwargs)))
+        """Like :meth:`chat`, one response per chosen token (``delta`` = its text; a tool
+        call's text is not streamed: the last response carries the call)."""
+        call = self._chat_args(messages, kwargs)
+        return function_calling.chat_stream(self._stream(call), call.tools)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Async :meth:`chat`; the model runs in a worker thread."""
-        return _as_chat(await self._agenerate(*self._chat_args(messages, kwargs)))
+        call = self._chat_args(messages, kwargs)
+        return function_calling.chat_response(await self._agenerate(call), call.tools)
 
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
         """Async :meth:`stream_chat`; tokens are produced in a worker thread."""
-        return (_as_chat(c) async for c in self._astream(*self._chat_args(messages, kwargs)))
-
-
-def _token(text: str, ev: TokenEvent) -> CompletionResponse:
-    return CompletionResponse(text=text, delta=ev.text, additional_kwargs={"source": ev.source})
-
-
-def _as_chat(c: CompletionResponse) -> ChatResponse:
-    return ChatResponse(
-        message=ChatMessage(role=MessageRole.ASSISTANT, content=c.text),
-        delta=c.delta,
-        additional_kwargs=c.additional_kwargs,
-        raw=c.raw,
-    )
+        call = self._chat_args(messages, kwargs)
+        return function_calling.achat_stream(self._astream(call), call.tools)
 
 
 __all__ = ["TokRAGLLM"]

@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import llama_index.core.instrumentation as instrument
-from llama_index.core.base.llms.types import CompletionResponse
 from llama_index.core.base.response.schema import (
     RESPONSE_TYPE,
     AsyncStreamingResponse,
@@ -23,10 +22,6 @@ from llama_index.core.base.response.schema import (
 )
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.callbacks.schema import CBEventType, EventPayload
-from llama_index.core.instrumentation.events.llm import (
-    LLMCompletionEndEvent,
-    LLMCompletionStartEvent,
-)
 from llama_index.core.instrumentation.events.synthesis import (
     SynthesizeEndEvent,
     SynthesizeStartEvent,
@@ -44,7 +39,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, Te
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
 from ..adapters.synthesis import Call, Session, Setup, call_summary, totals
-from ..adapters.translate import checked_policy, options_dict, result_summary, usage
+from ..adapters.translate import checked_policy, options_dict
 from ..config import require_bool
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
 from ..engine import scheduler
@@ -52,6 +47,7 @@ from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, unknown_arguments
 from ..policies.base import Policy
 from ..results import GenerationResult
 from ..trace import json_data
+from .call_events import LLMEvent
 from .llm import TokRAGLLM
 from .nodes import node_citations, node_to_passage, nodes_by_contribution, order_nodes
 
@@ -327,7 +323,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
 
     # ------------------------------------------------------------------ running a session
     def _call(self, sess: Session, call: Call) -> GenerationResult:
-        event = _LLMEvent(self, sess, call)
+        event = LLMEvent(self, sess, call)
         with event.failing():
             result = scheduler.generate(
                 self._lm, sess.query, call.passages, batching=self._batching, **self._gen_kwargs
@@ -335,7 +331,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
         return event.end(result)
 
     async def _acall(self, sess: Session, call: Call) -> GenerationResult:
-        event = _LLMEvent(self, sess, call)
+        event = LLMEvent(self, sess, call)
         with event.failing():
             result = await scheduler.agenerate(
                 self._lm, sess.query, call.passages, batching=self._batching, **self._gen_kwargs
@@ -351,7 +347,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
         program.close()
         if not self._streaming:
             return self._call(sess, call).text, _metadata(sess)
-        event = _LLMEvent(self, sess, call)
+        event = LLMEvent(self, sess, call)
         with event.failing():
             s = scheduler.stream(
                 self._lm, sess.query, call.passages, batching=self._batching, **self._gen_kwargs
@@ -376,7 +372,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
             return (await self._acall(sess, call)).text, _metadata(sess)
 
         async def agen() -> AsyncGenerator[str, None]:
-            event = _LLMEvent(self, sess, call)
+            event = LLMEvent(self, sess, call)
             with event.failing():
                 async for item in scheduler.astream_with_result(
                     self._lm, sess.query, call.passages, batching=self._batching, **self._gen_kwargs
@@ -576,66 +572,6 @@ def _chunk_nodes(text_chunks: Sequence[str]) -> list[NodeWithScore]:
     return [
         NodeWithScore(node=TextNode(text=c, id_=f"chunk-{i}")) for i, c in enumerate(text_chunks)
     ]
-
-
-class _LLMEvent:
-    """The LlamaIndex events of one model call of a :class:`TokRAGSynthesizer`: the
-    ``CBEventType.LLM`` callback event and the LLMCompletionStart/End instrumentation events
-    (started when made), with the exact token counts in ``raw["usage"]``."""
-
-    def __init__(self, synth: TokRAGSynthesizer, sess: Session, call: Call) -> None:
-        self.synth, self.sess, self.call = synth, sess, call
-        self.prompt = sess.prompt_text(call)
-        self.ended = False
-        llm = synth._llm
-        model_dict = llm.to_payload() if hasattr(llm, "to_payload") else llm.to_dict()
-        extra = {
-            "policy": synth._policy_name,
-            "response_mode": synth._mode,
-            "call": len(sess.calls),
-            "kind": call.kind,
-        }
-        dispatcher.event(
-            LLMCompletionStartEvent(
-                prompt=self.prompt, additional_kwargs=extra, model_dict=model_dict
-            )
-        )
-        self.event_id = synth._callback_manager.on_event_start(
-            CBEventType.LLM,
-            payload={
-                EventPayload.PROMPT: self.prompt,
-                EventPayload.ADDITIONAL_KWARGS: extra,
-                EventPayload.SERIALIZED: model_dict,
-            },
-        )
-
-    def end(self, result: GenerationResult) -> GenerationResult:
-        self.ended = True
-        self.sess.calls.append((self.call, result))
-        response = CompletionResponse(
-            text=result.text,
-            additional_kwargs=result_summary(result),
-            raw={"usage": usage(result, self.synth._roles)},
-        )
-        self.synth._callback_manager.on_event_end(
-            CBEventType.LLM,
-            payload={EventPayload.PROMPT: self.prompt, EventPayload.COMPLETION: response},
-            event_id=self.event_id,
-        )
-        dispatcher.event(LLMCompletionEndEvent(prompt=self.prompt, response=response))
-        return result
-
-    @contextmanager
-    def failing(self) -> Generator[None, None, None]:
-        """The error end of the event when the block raises before the call ended."""
-        try:
-            yield
-        except BaseException as e:
-            if not self.ended:
-                self.synth._callback_manager.on_event_end(
-                    CBEventType.LLM, payload={EventPayload.EXCEPTION: e}, event_id=self.event_id
-                )
-            raise
 
 
 __all__ = ["NATIVE_MODES", "RESPONSE_MODES", "TEMPLATE_KEYS", "TokRAGSynthesizer"]
