@@ -80,7 +80,7 @@ def test_binding_beyond_localhost_without_a_key_warns(monkeypatch):
 )
 def test_a_body_the_model_refuses_is_one_sentence_naming_the_field(change, param, words):
     """Issue 55: the body is a pydantic model (ChatBody); its first error is the 400."""
-    from tokrag_integrations.server.schemas import Limits, RequestError, parse_chat_request
+    from tokrag_integrations.server import Limits, RequestError, parse_chat_request
 
     body = {"messages": [{"role": "user", "content": "Who?"}], **change}
     with pytest.raises(RequestError) as info:
@@ -91,7 +91,7 @@ def test_a_body_the_model_refuses_is_one_sentence_naming_the_field(change, param
 
 
 def test_a_body_splits_like_the_adapters_conversations():
-    from tokrag_integrations.server.schemas import Limits, parse_chat_request
+    from tokrag_integrations.server import Limits, parse_chat_request
 
     body = {
         "messages": [

@@ -120,7 +120,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     """The :class:`~tokrag_integrations.server.ServeConfig` the flags describe."""
     from dataclasses import fields
 
-    from ..server.schemas import Limits
+    from ..server.refusals import Limits
     from ..server.service import ServeConfig
 
     same = {f.name: getattr(args, f.name) for f in fields(ServeConfig) if hasattr(args, f.name)}
