@@ -50,9 +50,10 @@ def _top(alt: Any) -> dict[str, Any]:
 
 
 def logprob_entry(step: Any) -> dict[str, Any]:
-    """One generated token (a :class:`~tokrag_integrations.trace.TraceStep`) in OpenAI's
+    """One streamed token (a :class:`~tokrag_integrations.trace.TraceStep`) in OpenAI's
     content-logprob shape: ``token``, ``logprob`` (under the distribution the token was taken
-    from), ``bytes`` and ``top_logprobs``."""
+    from), ``bytes`` and ``top_logprobs``; the entry
+    :attr:`~tokrag_integrations.GenerationResult.logprobs` gives for it in the whole answer."""
     return {**_top(step), "top_logprobs": [_top(a) for a in step.top_logprobs]}
 
 
@@ -102,8 +103,7 @@ def choice(index: int, result: Any, req: ChatRequest, tokrag: dict[str, Any] | N
         "index": index,
         "message": message,
         "finish_reason": finish,
-        "logprobs": ({"content": [logprob_entry(s) for s in result.trace.steps], "refusal": None}
-                     if req.logprobs else None),
+        "logprobs": {"content": result.logprobs, "refusal": None} if req.logprobs else None,
     }
     if tokrag is not None:
         out["tokrag"] = tokrag
