@@ -73,6 +73,12 @@ def tool_calls_of(text: str, req: ChatRequest) -> tuple[str, list[dict[str, Any]
     return (content if calls else text), calls
 
 
+def call_finish(result: Any) -> str:
+    """``finish_reason`` of an answer holding tool calls: ``tool_calls``, or ``length`` when
+    ``max_tokens`` cut it (a later call may be cut short; it stays in the content)."""
+    return "length" if result.stop_reason == "length" else "tool_calls"
+
+
 def openai_tool_calls(calls: list[dict[str, Any]], streamed: bool = False) -> list[dict[str, Any]]:
     """Parsed calls as OpenAI ``tool_calls`` (``arguments`` a JSON string; ``index`` in a
     stream's delta)."""
@@ -98,7 +104,7 @@ def choice(index: int, result: Any, req: ChatRequest, tokrag: dict[str, Any] | N
     if calls:
         message = {"role": "assistant", "content": content or None,
                    "tool_calls": openai_tool_calls(calls)}
-        finish = "tool_calls"
+        finish = call_finish(result)
     out: dict[str, Any] = {
         "index": index,
         "message": message,

@@ -215,6 +215,10 @@ class ChatService:
         except (TypeError, ValueError) as exc:
             raise RequestError(str(exc), "tokrag.policy_options") from None
         stop = req.stop if req.stop is not None else list(self.config.stop or ())
+        if req.calls_tools and not req.parallel_tool_calls:
+            from ..structured.tool_specs import CALL_CLOSE
+
+            stop = [*stop, CALL_CLOSE]  # one call: the decode ends where the first one does
         kw: dict[str, Any] = {
             "policy": policy,
             "max_new_tokens": req.max_tokens or self.config.max_new_tokens,

@@ -24,16 +24,19 @@ from typing import Any
 
 from ..adapters.translate import FINISH_REASONS, usage
 from .refusals import RequestError
-from .responses import logprob_entry, openai_tool_calls, tokrag_object, tool_calls_of, total_usage
+from .responses import (
+    call_finish,
+    logprob_entry,
+    openai_tool_calls,
+    tokrag_object,
+    tool_calls_of,
+    total_usage,
+)
 from .schemas import ChatRequest
 
-__all__ = ["TOOL_CALL_START", "events", "sse"]
+__all__ = ["events", "sse"]
 
 log = logging.getLogger("tokrag.serve")
-
-#: Where a tool call starts in an answer (the format :mod:`tokrag_integrations.structured`
-#: asks for when the chat template has none of its own, and Hermes / Qwen templates').
-TOOL_CALL_START = "<tool_call>"
 
 _END = object()
 
@@ -65,6 +68,10 @@ class _Held:
         self.shown = 0
         self.hold_all = hold_all
         self.tools = tools
+        if tools:  # where a call starts (the Hermes / Qwen format the structured package uses)
+            from ..structured.tool_specs import CALL_OPEN
+
+            self.start = CALL_OPEN
 
     def add(self, token_text: str) -> str:
         """The visible text this token adds (what can no longer be a call's start)."""
@@ -74,13 +81,13 @@ class _Held:
         elif self.hold_all:
             safe = 0
         else:
-            at = self.text.find(TOOL_CALL_START, self.shown)
+            at = self.text.find(self.start, self.shown)
             if at >= 0:
                 safe = at
             else:  # a tail that may grow into the marker stays held
                 safe = len(self.text)
-                for k in range(min(len(TOOL_CALL_START) - 1, len(self.text)), 0, -1):
-                    if TOOL_CALL_START.startswith(self.text[-k:]):
+                for k in range(min(len(self.start) - 1, len(self.text)), 0, -1):
+                    if self.start.startswith(self.text[-k:]):
                         safe = len(self.text) - k
                         break
         safe = max(safe, self.shown)
@@ -194,7 +201,7 @@ def _ending(result: Any, req: ChatRequest, held: _Held, notes: list[str]
         if rest:
             parts.append(({"content": rest}, None, None))
         parts.append(({"tool_calls": openai_tool_calls(calls, streamed=True)}, None, None))
-        finish = "tool_calls"
+        finish = call_finish(result)
     else:
         rest = held.text[held.shown:]
         if rest:
