@@ -229,6 +229,18 @@ def result_of(tokrag: Any, text: str) -> GenerationResult:
     return GenerationResult(text=text, trace=trace, token_ids=[s.token_id for s in trace.steps])
 
 
+def _streamed_logprob(choice: dict[str, Any]) -> float | None:
+    """The token's log-probability in a chunk's ``logprobs`` (sent when the call asked for
+    ``top_logprobs``; the full alternatives come with the trace at the end)."""
+    lp = choice.get("logprobs")
+    content = lp.get("content") if isinstance(lp, dict) else None
+    if isinstance(content, list) and len(content) == 1 and isinstance(content[0], dict):
+        value = content[0].get("logprob")
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
 def plain(chunk: Any) -> Any:
     """A stream chunk as the JSON data it was sent as (the ``openai`` client wraps it)."""
     to_dict = getattr(chunk, "to_dict", None)
@@ -268,7 +280,7 @@ class Parser:
         if self.index >= self.max_tokens:
             raise Malformed(f"streams more tokens than the max_tokens={self.max_tokens} asked")
         self.text += text
-        step = TraceStep(self.index, token_id, text, source)
+        step = TraceStep(self.index, token_id, text, source, logprob=_streamed_logprob(choice))
         self.index += 1
         return TokenEvent(0, step.index, step.token_id, text, step.source, step)
 
