@@ -161,7 +161,7 @@ def create_app(
         svc.active += 1
         handed_over = False
         try:
-            svc.render(req)
+            await asyncio.to_thread(svc.render, req)  # the chat template runs off the loop
             passages, notes = await svc.passages(req)
             head = {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
