@@ -48,7 +48,7 @@ from .refusals import (
     type_name,
 )
 
-__all__ = ["ChatBody", "ChatRequest", "parse_chat_request"]
+__all__ = ["ChatBody", "ChatRequest", "parse_chat_request", "split_conversation"]
 
 #: The largest ``seed`` (the engine's noise hashes a signed 64-bit seed; ``n`` choices use
 #: ``seed`` .. ``seed + n - 1``).
@@ -438,7 +438,7 @@ def parse_chat_request(body: Any, limits: Limits, policies: Sequence[str]) -> Ch
                                "the server renders those", "tokrag.rendered")
         req.conversation = turns
     else:
-        split(req, turns)
+        split_conversation(req, turns)
     if b.model_extra:
         req.warnings.append(
             f"ignored field(s) this server does not use: {', '.join(sorted(b.model_extra))}"
@@ -446,7 +446,7 @@ def parse_chat_request(body: Any, limits: Limits, policies: Sequence[str]) -> Ch
     return req
 
 
-def split(req: ChatRequest, turns: list[dict[str, Any]]) -> None:
+def split_conversation(req: ChatRequest, turns: list[dict[str, Any]]) -> None:
     """Fill ``req``'s query, history and system prompt from plain ``turns`` (roles system,
     developer, user, assistant; string contents) by the core's rule.
 
@@ -455,9 +455,9 @@ def split(req: ChatRequest, turns: list[dict[str, Any]]) -> None:
             its last user message is empty.
     """
     try:
-        split_ = split_turns(turns)
+        parts = split_turns(turns)
     except ValueError as exc:
         raise RequestError(str(exc), "messages") from None
-    if not split_.query.strip():
+    if not parts.query.strip():
         raise RequestError("the last user message is empty; ask a question", "messages")
-    req.query, req.history, req.system_prompt = split_.query, split_.history, split_.system_prompt
+    req.query, req.history, req.system_prompt = parts.query, parts.history, parts.system_prompt

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .. import config
 from ..defaults import ANSWER_STOP, TOP_K
 from .refusals import Limits, RequestError
-from .schemas import ChatRequest, split
+from .schemas import ChatRequest, split_conversation
 
 if TYPE_CHECKING:
     from ..policies.base import Policy
@@ -196,7 +196,7 @@ class ChatService:
             turns = render_tools(self.lm.tokenizer, req.conversation, req.tools or [])
         except (TypeError, ValueError) as exc:
             raise RequestError(str(exc), "tools" if req.tools else "messages") from None
-        split(req, turns)
+        split_conversation(req, turns)
 
     def settings(self, req: ChatRequest) -> dict[str, Any]:
         """The keyword arguments of :func:`~tokrag_integrations.generate` for ``req``
