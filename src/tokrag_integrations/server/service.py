@@ -359,7 +359,8 @@ class ChatService:
                 lambda cancel: batcher.generate(req.query, passages, _cancel=cancel, **kw)
             )
 
-        tasks = [asyncio.ensure_future(one(kw)) for kw in await self.per_draw(req)]
+        draws = await self.per_draw(req)  # its RequestError names the field
+        tasks = [asyncio.ensure_future(one(kw)) for kw in draws]
         try:
             return list(await asyncio.gather(*tasks))
         except (TypeError, ValueError) as exc:
@@ -372,9 +373,10 @@ class ChatService:
         """Started-on-first-read :class:`~tokrag_integrations.api.TokenStream` objects, one
         per draw of ``req`` (validation errors are raised here, before any byte of the
         response is sent)."""
+        draws = await self.per_draw(req)  # its RequestError names the field
         streams: list[Any] = []
         try:
-            for kw in await self.per_draw(req):
+            for kw in draws:
                 streams.append(
                     await asyncio.to_thread(self.batcher.stream, req.query, passages, **kw))
         except (TypeError, ValueError) as exc:
