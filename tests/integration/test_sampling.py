@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from _constraints import Digits
 
 from tokrag_integrations import generate, generate_batch
 from tokrag_integrations.engine.scheduler import MicroBatcher
@@ -27,41 +28,6 @@ N = 8
 POLICIES = sorted(available_policies())
 #: Every built-in policy but RAG-Sequence (whose tokens are a candidate's, checked apart).
 TOKEN_POLICIES = [p for p in POLICIES if p != "rag_sequence"]
-
-
-class Digits:
-    """A test constraint: only tokens that are all digits (and EOS once ``n`` are taken);
-    complete after ``n`` tokens."""
-
-    def __init__(self, lm, n: int = 3):
-        self.lm, self.n, self.taken = lm, n, []
-        V = lm.model.config.vocab_size
-        tok = lm.tokenizer
-        cache = lm.__dict__.setdefault("_test_digit_ids", None)
-        if cache is None:
-            cache = [i for i in range(min(V, len(tok))) if tok.decode([i]).strip().isdigit()]
-            lm.__dict__["_test_digit_ids"] = cache
-        self.allowed = cache
-
-    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
-        ids = list(self.allowed)
-        if len(self.taken) >= self.n:
-            ids = list(self.lm.eos_token_ids)
-        row = [0] * bitmask.shape[1]
-        for t in ids:
-            row[t // 32] |= 1 << (t % 32)
-        bitmask[index] = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in row], dtype=torch.int32)
-
-    def accept(self, token_id: int) -> None:
-        if token_id not in self.allowed:
-            raise ValueError(f"token {token_id} is not allowed")
-        self.taken.append(token_id)
-
-    def is_finished(self) -> bool:
-        return len(self.taken) >= self.n
-
-    def fork(self) -> Digits:
-        return Digits(self.lm, self.n)
 
 
 def test_the_test_constraint_is_a_token_constraint(lm):
@@ -204,3 +170,95 @@ def test_bad_values_get_a_one_sentence_error(lm, kw, name):
 def test_a_constraint_of_the_wrong_kind_is_refused(lm):
     with pytest.raises(TypeError, match="constraint must be a TokenConstraint"):
         generate(lm, Q, PASSAGES, max_new_tokens=2, constraint="json")
+
+
+@pytest.mark.parametrize("policy", ["rag", "tokrag", "cad", "rag_token", "logprob"])
+def test_a_seeded_call_is_the_same_on_the_view_and_static_paths(lm, policy):
+    """``speed="cuda"`` (the static state, run on CPU here) draws inside its step with the
+    same noise: the view path's tokens, log-probabilities and alternatives, alone and in a
+    batch."""
+    kw = dict(policy=policy, max_new_tokens=N, temperature=1.0, top_p=0.9, top_logprobs=2)
+    view = generate(lm, Q, PASSAGES, speed="reference", seed=3, **kw)
+    static = generate(lm, Q, PASSAGES, speed="cuda", seed=3, **kw)
+    batch = generate_batch(lm, [Q2, Q], [PASSAGES, PASSAGES], speed="cuda", seed=[4, 3], **kw)
+    for got in (static, batch[1]):
+        assert got.trace.timings["static"] == 1.0
+        assert got.token_ids == view.token_ids
+        assert [s.source for s in got.trace.steps] == [s.source for s in view.trace.steps]
+        assert [s.logprob for s in got.trace.steps] == pytest.approx(
+            [s.logprob for s in view.trace.steps], rel=1e-4, abs=1e-4
+        )
+        assert [[t.token_id for t in s.top_logprobs] for s in got.trace.steps] == [
+            [t.token_id for t in s.top_logprobs] for s in view.trace.steps
+        ]
+
+
+#: A JSON schema compiled by llguidance (``structured.constraint_for``).
+SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "founder",
+        "schema": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 24},
+                "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+                "kind": {"enum": ["person", "company"]},
+            },
+            "required": ["name", "year", "kind"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("policy", ["tokrag", "rag", "cad"])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_json_schema_constraint_gives_valid_json_on_the_view_and_static_paths(lm, policy, temperature):
+    """A real grammar (llguidance), every context masked: the answer parses and fits the
+    schema, sampled or not, and the static step gives the view path's tokens."""
+    pytest.importorskip("llguidance")
+    import json
+
+    kw = dict(policy=policy, max_new_tokens=48, temperature=temperature, seed=2, constraint=SCHEMA)
+    view = generate(lm, Q, PASSAGES, speed="reference", **kw)
+    static = generate(lm, Q, PASSAGES, speed="cuda", **kw)
+    assert static.trace.timings["static"] == 1.0 and static.token_ids == view.token_ids
+    data = json.loads(view.text)
+    assert set(data) == {"name", "year", "kind"} and isinstance(data["year"], int)
+    assert data["kind"] in ("person", "company") and 1900 <= data["year"] <= 2100
+    assert view.stop_reason == "stop"
+    assert {s.source for s in view.trace.steps} <= {"agree", "rag", "llm", "mix"}
+
+
+def test_stream_and_agenerate_take_the_keywords(lm):
+    import asyncio
+
+    from tokrag_integrations import agenerate, stream
+
+    kw = dict(policy="tokrag", max_new_tokens=N, temperature=0.9, seed=21, top_logprobs=1)
+    want = generate(lm, Q, PASSAGES, **kw)
+    s = stream(lm, Q, PASSAGES, **kw)
+    events = [e for e in s if e.token_id not in lm.eos_token_ids]
+    assert [e.token_id for e in events] == want.token_ids
+    assert [e.step.logprob for e in events] == pytest.approx(
+        [st.logprob for st in want.trace.steps]
+    )
+    got = asyncio.run(agenerate(lm, Q, PASSAGES, **kw))
+    assert got.token_ids == want.token_ids and got.trace.sampling["seed"] == 21
+
+
+def test_a_policy_without_logits_keeps_its_token_and_says_so(lm):
+    from tokrag_integrations.policies.base import Choice, Policy
+
+    class NoLogits(Policy):
+        name = "no_logits"
+        roles = ("rag",)
+
+        def choose(self, views, lens):
+            return [Choice(int(v["rag"].logits.argmax()), "rag") for v in views]
+
+    want = generate(lm, Q, PASSAGES, policy="rag", max_new_tokens=N)
+    with pytest.warns(UserWarning, match="Choice has no logits"):
+        got = generate(lm, Q, PASSAGES, policy=NoLogits(), max_new_tokens=N, temperature=1.0, seed=1)
+    assert got.token_ids == want.token_ids
+    assert all(s.logprob is None for s in got.trace.steps)

@@ -39,7 +39,7 @@ def test_static_and_graphs_per_call(lm, monkeypatch):
     """``static="on"``: the decode runs on the static state (``"auto"`` on a CPU does not);
     ``graphs="on"``: its step is the compiled one (a counting stand-in here: a real compile
     takes minutes on 2 cores), ``"off"``: the step function itself."""
-    from tokrag_integrations.accel import static_state as SS
+    from tokrag_integrations.accel import static_step as SS
 
     compiled = []
 

@@ -192,3 +192,29 @@ def test_a_bad_value_names_its_keyword(kw, name):
         sampling_of(**kw)
     msg = str(e.value)
     assert msg.startswith(name + " must be") and msg.count(". ") == 0 and "\n" not in msg
+
+
+def test_a_traces_logprobs_and_sampling_go_through_json():
+    from tokrag_integrations.results import GenerationResult
+    from tokrag_integrations.trace import TopLogprob, Trace, TraceStep
+
+    step = TraceStep(0, 5, "é", "rag", logprob=-0.5, top_logprobs=[TopLogprob(5, "é", -0.5), TopLogprob(7, "a", -1.5)])
+    t = Trace(query="q", policy="rag", steps=[step], sampling={"temperature": 0.7, "top_p": 1.0, "top_k": 0, "seed": 3})
+    back = Trace.from_dict(t.to_dict())
+    assert back == t
+    r = GenerationResult("é", back, [5])
+    assert r.logprobs == [
+        {
+            "token": "é",
+            "logprob": -0.5,
+            "bytes": [195, 169],
+            "top_logprobs": [
+                {"token": "é", "logprob": -0.5, "bytes": [195, 169]},
+                {"token": "a", "logprob": -1.5, "bytes": [97]},
+            ],
+        }
+    ]
+    bad = t.to_dict()
+    bad["steps"][0]["top_logprobs"] = [{"token_id": 1, "text": "a"}]
+    with pytest.raises(ValueError, match=r"trace.steps\[0\].top_logprobs\[0\] has no 'logprob'"):
+        Trace.from_dict(bad)

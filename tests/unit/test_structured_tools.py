@@ -147,9 +147,12 @@ def test_required_choice_forces_a_call_matching_the_schema(lm):
     walk(c, lm, 'add", "arguments": {"a": 2, "b": ')
     assert not c.allowed(ids_of(lm, '"')[0])  # b is an integer
     walk(c, lm, "3}}</tool_call>")
-    assert c.allowed(lm.eos_token_ids[0])  # one call is enough; another may follow
-    walk(c, lm, "\n" + CALL)
-    assert c.allowed(lm.eos_token_ids[0])
+    assert c.is_finished()  # one call ends the answer
+    parallel = tool_call_constraint([add], "required", lm, parallel=True)
+    walk(parallel, lm, CALL)
+    assert not parallel.is_finished() and parallel.allowed(lm.eos_token_ids[0])  # another may follow
+    walk(parallel, lm, "\n" + CALL)
+    assert parallel.allowed(lm.eos_token_ids[0])
 
 
 def test_named_choice_allows_that_tool_only(lm):
@@ -167,8 +170,11 @@ def test_auto_choice_is_free_text_until_a_call_starts(lm):
     walk(c, lm, "Let me add them: {not json} <tool")
     walk(c, lm, "_call>")
     assert not c.allowed(ids_of(lm, "hello")[0])  # the marker opened a call: JSON now
-    walk(c, lm, '{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call> Done.')
-    assert c.allowed(lm.eos_token_ids[0])
+    walk(c, lm, '{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
+    assert c.is_finished()  # the call ends the answer
+    parallel = tool_call_constraint([add], "auto", lm, parallel=True)
+    walk(parallel, lm, "Adding. " + CALL + " Done. " + CALL)
+    assert parallel.allowed(lm.eos_token_ids[0]) and not parallel.is_finished()
     with pytest.raises(ValueError, match=r"not allowed here by the text or tool calls \(add\)"):
         fresh = c.fork()
         walk(fresh, lm, "<tool_call>")

@@ -11,7 +11,7 @@ the valid columns [R, C] (bool), each layer's keys and values [R, kv_heads, C, h
 column; and what the device rule reads of the queries (:class:`..accel.step_tensors.StepTensors`:
 each role's row per query slot, the RAG row's retrieved-token columns and ids...).
 
-:func:`static_step` is the step: the model's forward on one token per row (the key/value
+:func:`.static_step.static_step` is the step: the model's forward on one token per row (the key/value
 column written in place; the probes recorded on the way: every layer's residual at the
 position and, where a rule or a citation reads them, every layer's attention probabilities
 over the C columns, from the rotated queries and the static keys), the policy's device rule
@@ -56,7 +56,7 @@ from ..speed import Speed
 from .packed import _PackedBatch
 from .static_buffers import POOL_SIZE, StaticBuffers, new_buffers, pool_of, reset_buffers
 from .static_forward import ATTN_STATIC, register_attention
-from .static_step import _COMPILED, _compiled, static_step  # noqa: F401 - _COMPILED: the tests swap it
+from .static_step import _compiled, static_step
 from .step_tensors import MAX_PASSAGES, DecodedStep, device_rule_for
 
 __all__ = [
@@ -65,7 +65,6 @@ __all__ = [
     "static_asked",
     "static_decode_for",
     "static_off_reason",
-    "static_step",
 ]
 
 #: Architectures whose forward :func:`static_forward` reproduces (the decoder layers of

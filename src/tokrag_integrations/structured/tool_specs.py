@@ -2,17 +2,19 @@
 
 A call is written ``<tool_call>{"name": "...", "arguments": {...}}</tool_call>`` (the Hermes /
 Qwen2.5 convention, which many open chat models are trained on; the fallback system block of
-:func:`.tool_messages.render_tools` teaches it to the rest). :func:`tool_call_constraint` compiles the
-tools' parameter schemas into one llguidance grammar over that shape:
+:func:`.tool_messages.render_tools` teaches it to the rest). :func:`tool_call_constraint`
+compiles the tools' parameter schemas into one llguidance grammar over that shape:
 
-* ``"required"`` / ``"any"``: one or more calls, nothing else;
-* a tool's name: calls to that tool only;
+* ``"required"`` / ``"any"``: a call to one of the tools, nothing else;
+* a tool's name: a call to that tool;
 * ``"auto"``: free text, in which ``<tool_call>`` opens a call that must then follow the
-  schemas. This is llguidance's *lazy lexeme* pattern (docs/syntax.md, "Tool calling"): the
-  free text is a terminal that ends at the first ``<tool_call>``, so the grammar is one Earley
-  parse with no trigger machinery of ours; see docs/structured.md for why not a second
-  constraint switched on by the engine;
+  schemas. This is llguidance's *lazy lexeme* pattern (its docs/syntax.md, "Tool calling"):
+  the free text is a terminal that ends at the first ``<tool_call>``, so the grammar is one
+  Earley parse with no trigger machinery of ours (docs/structured.md says why not a second
+  constraint switched on by the engine);
 * ``"none"``: no constraint (None).
+
+One call ends the answer unless ``parallel=True`` (then calls may follow one another).
 """
 
 from __future__ import annotations
@@ -216,33 +218,41 @@ def _marker(bridge: Any, text: str) -> str:
     return json.dumps(text)
 
 
-def call_grammar(specs: Sequence[Mapping[str, Any]], choice: str, open_tag: str, close_tag: str) -> str:
-    """The Lark grammar (llguidance's dialect) of the model's output under ``choice``."""
+def call_grammar(
+    specs: Sequence[Mapping[str, Any]], choice: str, open_tag: str, close_tag: str, parallel: bool = False
+) -> str:
+    """The Lark grammar (llguidance's dialect) of the model's output under ``choice``: one
+    call, or with ``parallel`` one or more separated by newlines; under ``"auto"`` free text
+    first (and, with ``parallel``, between and after the calls)."""
     body = json.dumps(call_schema(specs))
-    if choice == "auto":
-        # Free text until the first "<tool_call>" (a lazy terminal ends at its first match),
-        # then a call, then free text again, which may open further calls. A special-token
-        # marker needs no lazy head: free text cannot contain it.
-        head = f"TEXT {open_tag}" if open_tag.startswith("<[") else "head"
-        return (
-            "%llguidance {}\n"
-            "start: call* TEXT\n"
-            "TEXT: /(.|\\n)*/\n"
-            + ("" if head != "head" else f"head[lazy]: TEXT {open_tag}\n")
-            + f'call: {head} "\\n"? body "\\n"? {close_tag}\n'
-            f"body: %json {body}\n"
-        )
+    rules = f'body: %json {body}\n'
+    if choice != "auto":
+        start = 'start: call ("\\n" call)*\n' if parallel else "start: call\n"
+        return f'%llguidance {{}}\n{start}call: {open_tag} "\\n"? body "\\n"? {close_tag}\n{rules}'
+    # Free text until the first "<tool_call>" (a lazy terminal ends at its first match), then
+    # the call. A special-token marker needs no lazy head: free text cannot contain it.
+    if open_tag.startswith("<["):
+        head, head_rule = f"TEXT {open_tag}", ""
+    else:
+        head, head_rule = "head", f"head[lazy]: TEXT {open_tag}\n"
+    start = "start: call* TEXT\n" if parallel else "start: TEXT | call\n"
     return (
-        "%llguidance {}\n"
-        'start: call ("\\n" call)*\n'
-        f'call: {open_tag} "\\n"? body "\\n"? {close_tag}\n'
-        f"body: %json {body}\n"
+        f"%llguidance {{}}\n{start}TEXT: /(.|\\n)*/\n{head_rule}"
+        f'call: {head} "\\n"? body "\\n"? {close_tag}\n{rules}'
     )
 
 
-def tool_call_constraint(tools: Sequence[Any], tool_choice: Any, lm: Any) -> GrammarConstraint | None:
+def tool_call_constraint(
+    tools: Sequence[Any], tool_choice: Any, lm: Any, *, parallel: bool = False
+) -> GrammarConstraint | None:
     """The constraint on the model's output when ``tools`` are offered under ``tool_choice``
-    (see the module docstring); None for ``"none"``."""
+    (see the module docstring); None for ``"none"``.
+
+    ``parallel=False`` (the default): at most one call, and the answer ends with it (the
+    constraint is finished at ``</tool_call>``): a small model offered "another call?" after
+    each one tends to repeat the same call until the token limit. ``parallel=True`` (OpenAI's
+    ``parallel_tool_calls``) lets calls follow one another.
+    """
     specs = tool_specs(tools)
     choice = choice_of(tool_choice, specs)
     if choice == "none":
@@ -250,7 +260,7 @@ def tool_call_constraint(tools: Sequence[Any], tool_choice: Any, lm: Any) -> Gra
     if choice not in ("auto", "required"):
         specs = [s for s in specs if s["function"]["name"] == choice]
     bridge = bridge_for(lm)
-    lark = call_grammar(specs, choice, _marker(bridge, CALL_OPEN), _marker(bridge, CALL_CLOSE))
+    lark = call_grammar(specs, choice, _marker(bridge, CALL_OPEN), _marker(bridge, CALL_CLOSE), parallel)
     grammar = llguidance_module().LLMatcher.grammar_from_lark(lark)
     names = ", ".join(s["function"]["name"] for s in specs)
     what = "tool calls" if choice == "required" else "text or tool calls" if choice == "auto" else "a call"
