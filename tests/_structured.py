@@ -3,6 +3,10 @@ constraint stepped through text."""
 
 from __future__ import annotations
 
+import json
+import re
+from importlib import resources
+
 
 class TokenizerOnly:
     """What constraint_for reads of a loaded model: its tokenizer, vocabulary size, EOS ids
@@ -45,3 +49,15 @@ def walk(constraint, lm, text):
     for token in ids_of(lm, text):
         assert constraint.allowed(token), f"{lm.tokenizer.decode([token])!r} refused in {text!r}"
         constraint.accept(token)
+
+
+def sample_questions(n: int) -> list[tuple[str, list[str]]]:
+    """The first ``n`` packaged sample questions, each with the paragraph of its source
+    document that holds the answer as the one passage."""
+    root = resources.files("tokrag_integrations")
+    out = []
+    for q in json.loads((root / "sample_questions.json").read_text())[:n]:
+        text = (root / "sample_docs" / q["source"]).read_text()
+        paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if q["answer"] in p]
+        out.append((q["question"], paragraphs[:1] or [text[:800]]))
+    return out

@@ -12,8 +12,10 @@ pytest.importorskip("llguidance")
 
 from _structured import TokenizerOnly, ids_of, packaged_tokenizer, walk  # noqa: E402
 
+from tokrag_integrations.sampling import TokenConstraint  # noqa: E402
 from tokrag_integrations.structured import (  # noqa: E402
     constraint_for,
+    fill_bitmasks,
     json_schema_of,
     parse_structured,
     response_format_of,
@@ -156,3 +158,18 @@ def test_json_schema_of_each_kind_and_parse_structured():
         parse_structured('{"a": ', None)
     with pytest.raises(TypeError, match="pydantic model class, a TypedDict class or a JSON-schema dict"):
         json_schema_of(42)
+
+
+def test_a_grammar_constraint_is_the_engines_token_constraint_and_fills_rows_in_parallel(lm):
+    specs = [{"type": "json_object"}, {"type": "regex", "regex": "[0-9]+"}, response_format_of(PERSON)]
+    constraints = [constraint_for(spec, lm) for spec in specs]
+    assert all(isinstance(c, TokenConstraint) for c in constraints)
+    walk(constraints[2], lm, '{"name": "A')
+    words = (lm.vocab_size + 31) // 32
+    one_by_one = torch.zeros((4, words), dtype=torch.int32)
+    for row, c in zip((3, 0, 1), constraints, strict=True):
+        c.fill_bitmask(one_by_one, row)
+    together = torch.zeros((4, words), dtype=torch.int32)
+    fill_bitmasks(list(zip(constraints, (3, 0, 1), strict=True)), together)
+    assert torch.equal(together, one_by_one) and together[2].eq(0).all()
+    assert len({tuple(together[r].tolist()) for r in (0, 1, 3)}) == 3  # three different masks

@@ -6,13 +6,14 @@ of the query with them, and tells it the token chosen. Needs the ``structured`` 
 (``pip install 'tokrag-integrations[structured]'``); importing this package does not import
 llguidance, the first constraint does.
 
-* :func:`constraint_for` (``generate(..., constraint=spec)`` calls it);
+* :func:`constraint_for` (``generate(..., constraint=spec)`` calls it), :func:`fill_bitmasks`
+  (several queries' masks at once);
 * :func:`json_schema_of`, :func:`response_format_of`, :func:`parse_structured`;
 * :func:`tool_spec`, :func:`render_tools`, :func:`tool_call_constraint`,
   :func:`parse_tool_calls`, :func:`tool_result_message`.
 """
 
-from .grammar import SPEC_TYPES, GrammarConstraint, constraint_for
+from .grammar import SPEC_TYPES, GrammarConstraint, constraint_for, fill_bitmasks
 from .json_schemas import json_schema_of, parse_structured, response_format_of
 from .tool_calls import find_tool_calls, new_call_id, parse_tool_calls, tool_result_message
 from .tool_messages import render_tools, template_tools_text, text_messages
@@ -23,6 +24,7 @@ __all__ = [
     "GrammarConstraint",
     "choice_of",
     "constraint_for",
+    "fill_bitmasks",
     "find_tool_calls",
     "json_schema_of",
     "new_call_id",

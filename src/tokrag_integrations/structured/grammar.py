@@ -21,7 +21,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .json_schemas import json_grammar, schema_from_response_format
@@ -161,6 +161,36 @@ def _first_line(message: str) -> str:
     # a regex error's first line only says where; its reason is on the line starting "error:"
     reason = next((line for line in lines[1:] if line.startswith("error:")), None)
     return f"{text.rstrip(':')} ({reason})" if reason else text.rstrip(":")
+
+
+_EXECUTOR: list[Any] = []
+
+
+def fill_bitmasks(rows: Sequence[tuple[Any, int]], bitmask: Any) -> None:
+    """Fill several rows of ``bitmask`` at once: ``rows`` is ``(constraint, row index)``
+    pairs. The :class:`GrammarConstraint` rows are computed in parallel by llguidance's
+    executor (threads, the GIL released); any other constraint fills its row itself.
+    Gives the rows :meth:`GrammarConstraint.fill_bitmask` gives one by one."""
+    import torch
+
+    grammar = [(c, i) for c, i in rows if isinstance(c, GrammarConstraint)]
+    for c, i in rows:
+        if not isinstance(c, GrammarConstraint):
+            c.fill_bitmask(bitmask, i)
+    if not grammar:
+        return
+    vocab = grammar[0][0].vocab_size
+    words = (vocab + 31) // 32
+    if (not isinstance(bitmask, torch.Tensor) or bitmask.dtype != torch.int32 or bitmask.dim() != 2
+            or bitmask.device.type != "cpu" or bitmask.shape[1] != words or not bitmask.is_contiguous()):
+        raise ValueError(f"bitmask must be a contiguous int32 CPU tensor [N, {words}]")
+    if any(c.vocab_size != vocab for c, _ in grammar):
+        raise ValueError("fill_bitmasks takes the constraints of one model (one vocabulary) at a time")
+    if not _EXECUTOR:
+        _EXECUTOR.append(llguidance_module().LLExecutor())
+    _EXECUTOR[0].unsafe_compute_mask_ptr(
+        [(c._matcher, int(i)) for c, i in grammar], bitmask.data_ptr(), words * 4, bitmask.shape[0]
+    )
 
 
 def bridge_for(lm: Any) -> _Bridge:

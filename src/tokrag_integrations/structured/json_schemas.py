@@ -5,9 +5,9 @@ Two choices shape the grammar (both documented in docs/structured.md):
 
 * **Closed objects.** An object schema that lists ``properties`` and says nothing about
   ``additionalProperties`` is closed (``additionalProperties: false``) before it is compiled,
-  as xgrammar's ``strict_mode`` (its default, and vLLM's) does: a small model given room for
-  keys the schema never named tends to invent them for ever. The output still validates
-  against the schema as written: closing only narrows it.
+  as xgrammar's ``strict_mode`` (on by default in its ``Grammar.from_json_schema``) does: a
+  small model given room for keys the schema never named tends to invent them for ever. The
+  output still validates against the schema as written: closing only narrows it.
 * **Compact, fixed whitespace.** ``{"a": 1, "b": [2, 3]}``: items separated by ``", "``, keys by
   ``": "``, no other whitespace (llguidance's default lets any run of whitespace in, where a
   small model can loop on newlines). A schema's own ``"x-guidance"`` options override this.
