@@ -481,8 +481,7 @@ def test_llama_index_openai_like_against_the_server(server, lm):
 
 
 def test_server_default_options_apply_to_its_own_policy_only(lm):
-    from tokrag_integrations.server import ChatService, ServeConfig
-    from tokrag_integrations.server import Limits, parse_chat_request
+    from tokrag_integrations.server import ChatService, Limits, ServeConfig, parse_chat_request
 
     svc = ChatService(lm, ServeConfig(policy="tokrag", policy_options={"pr_norm": "softmax"}))
     body = {"messages": [{"role": "user", "content": QUESTION}]}

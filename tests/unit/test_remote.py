@@ -16,7 +16,6 @@ from tokrag_integrations.langchain import ChatTokRAG  # noqa: E402
 from tokrag_integrations.llama_index import TokRAGLLM  # noqa: E402
 from tokrag_integrations.prompts import Passage, RenderedPrompt  # noqa: E402
 from tokrag_integrations.server import Limits, RequestError, parse_chat_request  # noqa: E402
-from tokrag_integrations.server.client import RemoteModel  # noqa: E402
 from tokrag_integrations.server.remote_wire import request_body  # noqa: E402
 
 URL = "http://127.0.0.1:9/v1"
