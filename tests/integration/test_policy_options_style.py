@@ -67,7 +67,7 @@ def test_chat_model_call_options(lm) -> None:
 
 
 def test_server_config_and_request_spellings() -> None:
-    from tokrag_integrations.server.schemas import Limits, RequestError, parse_chat_request
+    from tokrag_integrations.server import Limits, RequestError, parse_chat_request
     from tokrag_integrations.server.service import ServeConfig
 
     assert _no_deprecation(lambda: ServeConfig(policy_options={"pr_norm": "softmax"})).policy_options == {

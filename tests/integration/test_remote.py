@@ -281,6 +281,62 @@ def test_remote_citations_equal_a_local_decode(server, lm):
     assert off.trace.steps and all(c.passage is None for c in off.trace.citations())
 
 
+# ------------------------------------------------------------------ issue 57 on the command's server
+def test_seeded_sampling_and_logprobs_through_the_served_command_equal_a_local_decode(server, lm):
+    """The ``tokrag serve`` process draws what an in-process ``generate`` draws with the same
+    seed, through the ``openai`` client and ``RemoteModel``; ``n`` choices are ``seed + i``."""
+    import openai
+
+    from tokrag_integrations import generate
+    from tokrag_integrations.server.client import RemoteModel
+
+    kw = {"temperature": 0.9, "top_p": 0.95, "seed": 4242}
+    local = [generate(lm, QUESTION, DOCS, max_new_tokens=N, stop=[], top_logprobs=2,
+                      **{**kw, "seed": 4242 + i}) for i in range(2)]
+    client = openai.OpenAI(base_url=server, api_key=KEY, max_retries=0, timeout=300)
+    r = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": QUESTION}], max_tokens=N,
+        stop=[], n=2, logprobs=True, top_logprobs=2, extra_body={"documents": DOCS}, **kw)
+    assert [c.message.content for c in r.choices] == [w.text for w in local]
+    got = [(e.token, [a.token for a in e.top_logprobs]) for e in r.choices[0].logprobs.content]
+    assert got == [(e["token"], [a["token"] for a in e["top_logprobs"]]) for e in local[0].logprobs]
+    assert [e.logprob for e in r.choices[0].logprobs.content] == pytest.approx(
+        [e["logprob"] for e in local[0].logprobs], rel=1e-4, abs=1e-6)
+    remote = RemoteModel(server, api_key=KEY)
+    again = remote.generate(QUESTION, DOCS, max_new_tokens=N, stop=[], top_logprobs=2, **kw)
+    assert again.token_ids == local[0].token_ids and again.trace.sampling == local[0].trace.sampling
+
+
+def test_openai_clients_with_their_defaults_against_the_served_command(server):
+    """What issue 57 found failing: LlamaIndex's OpenAILike (default temperature 0.1: a 400
+    before), and LangChain's ChatOpenAI with bind_tools and with_structured_output."""
+    from pydantic import BaseModel, Field
+
+    openai_like = pytest.importorskip("llama_index.llms.openai_like")
+    lc = pytest.importorskip("langchain_openai")
+    llm = openai_like.OpenAILike(api_base=server, api_key=KEY, model="default",
+                                 is_chat_model=True, max_tokens=N, max_retries=0,
+                                 additional_kwargs={"extra_body": {"documents": DOCS}})
+    r = llm.chat([ChatMessage(role="user", content=QUESTION)])
+    assert r.message.content and r.raw.model_extra["tokrag"]["sampling"]["temperature"] == 0.1
+
+    class Founder(BaseModel):
+        name: str = Field(max_length=32)
+        year: int = Field(ge=1800, le=2100)
+
+    def company_founder(company: str) -> str:
+        """Who founded a company."""
+        return "Mara Ellison"
+
+    chat = lc.ChatOpenAI(base_url=server, api_key=KEY, model="default", max_tokens=48,
+                         max_retries=0)
+    msg = chat.bind_tools([company_founder], tool_choice="required").invoke(QUESTION)
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "company_founder"
+    assert isinstance(msg.tool_calls[0]["args"].get("company"), str)
+    founder = chat.with_structured_output(Founder).invoke(f"{DOCS[0]}\n\n{QUESTION} When?")
+    assert isinstance(founder, Founder)
+
+
 # ------------------------------------------------------------------ retries and errors
 class _RefuseOnce(BaseHTTPRequestHandler):
     """Answers the first completion with ``status`` and ``Retry-After: 2``, then proxies

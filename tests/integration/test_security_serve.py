@@ -56,13 +56,16 @@ def _refused(r, param, *words, status=400):
     return err
 
 
-def test_13_tool_calls_error_names_the_message_index(server):
+def test_13_a_malformed_tool_call_is_refused_naming_its_path(server):
+    """Tool calls in the history are taken since issue 57; one without its function is
+    refused with its full path, every placeholder filled."""
     body = _body(messages=[
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
         {"role": "user", "content": QUESTION},
     ])
-    err = _refused(_post(server, body), "messages[1]", "messages[1] holds tool_calls")
+    err = _refused(_post(server, body), "messages[1].tool_calls[0].function",
+                   "'messages[1].tool_calls[0].function' is required")
     assert "{" not in err["message"]
 
 

@@ -275,14 +275,19 @@ def _raw(server, body, headers=None, content=None):
         ({"messages": "hello"}, "messages"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"max_tokens": "ten"}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 100_000}, "max_tokens"),
-        ({"temperature": 0.7}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}}, "response_format"),
         ({"temperature": "0"}, "temperature"),
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),
         ({"stream": "yes"}, "stream"),
         ({"stop": 3}, "stop"),
         ({"documents": "one passage"}, "documents"),
@@ -311,7 +316,7 @@ def test_bad_requests_get_a_400_json_error(server, change, param):
 def test_bad_requests_through_the_openai_client(server):
     client = server.client()
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        _ask(client, temperature=0.7)
+        _ask(client, temperature=2.5)
     with pytest.raises(openai.BadRequestError, match="unknown policy 'nope'"):
         _ask(client, extra_body={"tokrag": {"policy": "nope"}})
     with pytest.raises(openai.BadRequestError, match="limit of 512"):
@@ -476,8 +481,7 @@ def test_llama_index_openai_like_against_the_server(server, lm):
 
 
 def test_server_default_options_apply_to_its_own_policy_only(lm):
-    from tokrag_integrations.server import ChatService, ServeConfig
-    from tokrag_integrations.server.schemas import Limits, parse_chat_request
+    from tokrag_integrations.server import ChatService, Limits, ServeConfig, parse_chat_request
 
     svc = ChatService(lm, ServeConfig(policy="tokrag", policy_options={"pr_norm": "softmax"}))
     body = {"messages": [{"role": "user", "content": QUESTION}]}

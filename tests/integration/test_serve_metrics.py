@@ -152,7 +152,7 @@ def test_metrics_move_under_load(server, lm, monkeypatch, caplog):
 def test_refusals_are_counted_with_their_status_and_carry_a_request_id(server, caplog):
     caplog.set_level(logging.INFO, logger="tokrag.serve")
     before = scrape(server)
-    r = chat(server, "bad-1", temperature=0.7)
+    r = chat(server, "bad-1", temperature=2.5)
     assert r.status_code == 400 and r.headers["x-request-id"] == "bad-1"
     r = httpx.post(f"{server.url}{CHAT}", json={}, timeout=60)  # no key
     assert r.status_code == 401 and re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])

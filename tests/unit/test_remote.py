@@ -16,7 +16,7 @@ from tokrag_integrations.langchain import ChatTokRAG  # noqa: E402
 from tokrag_integrations.llama_index import TokRAGLLM  # noqa: E402
 from tokrag_integrations.prompts import Passage, RenderedPrompt  # noqa: E402
 from tokrag_integrations.server import Limits, RequestError, parse_chat_request  # noqa: E402
-from tokrag_integrations.server.client import RemoteModel  # noqa: E402
+from tokrag_integrations.server.remote_wire import request_body  # noqa: E402
 
 URL = "http://127.0.0.1:9/v1"
 KEY = "unit-key-7731"
@@ -30,7 +30,7 @@ def _closed_port_url() -> str:
 
 def test_a_core_call_becomes_one_request_and_back():
     rendered = RenderedPrompt("CTX", messages=[{"role": "user", "content": "Notes: CTX Q?"}])
-    body = RemoteModel._body(
+    body = request_body(
         "Q?",
         [],
         {
@@ -60,17 +60,17 @@ def test_a_core_call_becomes_one_request_and_back():
     assert req.rendered == rendered and req.query == "Q?" and req.system_prompt == "Be brief."
     assert req.history == [{"role": "assistant", "content": "Hi."}]
     assert req.max_context_tokens == 300 and req.options == {"threshold": 0.0}
-    docs = RemoteModel._body("Q?", [("a", 0.5), Passage("b", metadata={"k": 1})], {})
+    docs = request_body("Q?", [("a", 0.5), Passage("b", metadata={"k": 1})], {})
     assert docs["extra_body"]["documents"] == [
         {"text": "a", "score": 0.5, "metadata": {}},
         {"text": "b", "score": None, "metadata": {"k": 1}},
     ]
     with pytest.raises(TypeError, match="cannot take speed"):
-        RemoteModel._body("Q?", None, {"speed": "auto"})
+        request_body("Q?", None, {"speed": "auto"})
     # A rendered context cut into its documents travels with them, and comes back equal.
     parts = [Passage("C", score=0.9, metadata={"id": "d1"}), Passage("TX", metadata={"id": "d2"})]
     cut = RenderedPrompt("CTX", text="Notes: CTX Q?", passages=parts)
-    body = RemoteModel._body("Q?", [], {"rendered": cut})
+    body = request_body("Q?", [], {"rendered": cut})
     sent = body["extra_body"]["tokrag"]["rendered"]
     assert [d["metadata"]["id"] for d in sent["passages"]] == ["d1", "d2"]
     req = parse_chat_request(

@@ -15,7 +15,8 @@ require("openai")
 
 from tokrag_integrations.langchain import ChatTokRAG  # noqa: E402
 from tokrag_integrations.llama_index import TokRAGLLM  # noqa: E402
-from tokrag_integrations.server.client import RemoteModel, redacted  # noqa: E402
+from tokrag_integrations.server.client import RemoteModel  # noqa: E402
+from tokrag_integrations.server.remote_guards import redacted  # noqa: E402
 from tokrag_integrations.server.telemetry import MAX_LOGGED_PATH, logged_path  # noqa: E402
 from tokrag_integrations.trace import Citation, PassageRecord, Trace, TraceStep  # noqa: E402
 

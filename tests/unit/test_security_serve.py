@@ -86,11 +86,11 @@ def _strict(text):
 
 
 def test_15_stream_events_never_hold_nan_or_infinity():
-    from tokrag_integrations.server.app import _sse
+    from tokrag_integrations.server.streaming import sse
 
     data = {"score": float("nan"), "steps": [{"gap": float("inf")}, (float("-inf"), 1.5)],
             "text": "é", "n": 3}
-    event = _sse(data).decode()
+    event = sse(data).decode()
     assert event.startswith("data: ") and event.endswith("\n\n")
     assert _strict(event[len("data: "):]) == {
         "score": None, "steps": [{"gap": None}, [None, 1.5]], "text": "é", "n": 3}

@@ -72,7 +72,31 @@ def test_binding_beyond_localhost_without_a_key_warns(monkeypatch):
         ({"stream": 1}, "stream", "'stream' must be true or false, got integer"),
         ({"documents": [{"text": "d", "score": "high"}]}, "documents[0].score", "must be a number"),
         ({"documents": [{"text": "d", "extra": 1}]}, "documents[0]", "unknown key(s) extra"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "got 'tool'"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "got 'function'"),
+            ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]", "without the 'tool_call_id'"),
+            ({"temperature": 2.5}, "temperature", "'temperature' must be at most 2"),
+            ({"top_p": 0}, "top_p", "'top_p' must be above 0"),
+            ({"n": 9}, "n", "more than this server's limit of 8 choices"),
+            ({"top_logprobs": 2}, "top_logprobs", "needs 'logprobs': true"),
+            ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "at most 20"),
+            ({"seed": -1}, "seed", "at least 0"),
+            ({"response_format": {"type": "xml"}}, "response_format.type", "got 'xml'"),
+            ({"response_format": {"type": "json_schema"}}, "response_format", "needs a 'json_schema'"),
+            ({"tool_choice": "auto"}, "tool_choice", "'tool_choice' needs 'tools'"),
+            ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"},
+             "tool_choice", "got 'sometimes'"),
+            ({"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "g"}}},
+             "tool_choice.function.name", "'g', which is not among 'tools' (f)"),
+            ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools", "names f more than once"),
+            ({"tools": [{"type": "function", "function": {"name": "f"}}],
+              "response_format": {"type": "json_object"}}, "response_format", "cannot be combined"),
+            ({"functions": [{"name": "f"}]}, "functions", "this server takes 'tools'"),
+            ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]},
+                {"role": "user", "content": "q"}]},
+             "messages[1].tool_calls[0].function.arguments", "holding an object, got a JSON array"),
+            ({"tokrag": {"constraint": {"type": "regex"}}}, "tokrag.constraint", "non-empty 'regex'"),
         ({"tokrag": {"top_k": 0}}, "tokrag.top_k", "'tokrag.top_k' must be at least 1, got 0"),
         ({"tokrag": {"prompt_format": "xml"}}, "tokrag.prompt_format", "'qa', 'chat' or 'text'"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "holds 5 items; at most 4"),
@@ -80,7 +104,7 @@ def test_binding_beyond_localhost_without_a_key_warns(monkeypatch):
 )
 def test_a_body_the_model_refuses_is_one_sentence_naming_the_field(change, param, words):
     """Issue 55: the body is a pydantic model (ChatBody); its first error is the 400."""
-    from tokrag_integrations.server.schemas import Limits, RequestError, parse_chat_request
+    from tokrag_integrations.server import Limits, RequestError, parse_chat_request
 
     body = {"messages": [{"role": "user", "content": "Who?"}], **change}
     with pytest.raises(RequestError) as info:
@@ -91,7 +115,7 @@ def test_a_body_the_model_refuses_is_one_sentence_naming_the_field(change, param
 
 
 def test_a_body_splits_like_the_adapters_conversations():
-    from tokrag_integrations.server.schemas import Limits, parse_chat_request
+    from tokrag_integrations.server import Limits, parse_chat_request
 
     body = {
         "messages": [
@@ -101,10 +125,10 @@ def test_a_body_splits_like_the_adapters_conversations():
             {"role": "user", "content": [{"type": "text", "text": "part one"}]},
             {"role": "user", "content": "part two"},
         ],
-        "stop": "\n", "seed": 1, "documents": ["d", {"text": "e", "score": 1, "metadata": {"k": 1}}],
+        "stop": "\n", "user": "u1", "documents": ["d", {"text": "e", "score": 1, "metadata": {"k": 1}}],
     }
     req = parse_chat_request(body, Limits(), ["tokrag"])
     assert (req.query, req.system_prompt) == ("part one\n\npart two", "Be brief.")
     assert req.history == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": ""}]
-    assert req.stop == ["\n"] and req.warnings == ["ignored field(s) this server does not use: seed"]
+    assert req.stop == ["\n"] and req.warnings == ["ignored field(s) this server does not use: user"]
     assert [(d.text, d.score, d.metadata) for d in req.documents] == [("d", None, {}), ("e", 1.0, {"k": 1})]

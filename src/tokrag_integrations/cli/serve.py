@@ -57,6 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
                         help="largest max_tokens a request may ask for (default 512)")
     limits.add_argument("--max-documents", type=positive_int, default=32,
                         help="most documents in one request (default 32)")
+    limits.add_argument("--max-n", type=positive_int, default=8,
+                        help="most choices (n) in one request (default 8)")
     limits.add_argument("--max-body-bytes", type=positive_int, default=1_000_000,
                         help="largest request body (default 1000000)")
     limits.add_argument("--max-queue", type=positive_int, default=64,
@@ -120,7 +122,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     """The :class:`~tokrag_integrations.server.ServeConfig` the flags describe."""
     from dataclasses import fields
 
-    from ..server.schemas import Limits
+    from ..server.refusals import Limits
     from ..server.service import ServeConfig
 
     same = {f.name: getattr(args, f.name) for f in fields(ServeConfig) if hasattr(args, f.name)}
@@ -128,7 +130,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         **same,
         policy_options=dict(args.option),
         stop=None if args.no_stop else ANSWER_STOP,
-        limits=Limits(args.max_tokens_limit, args.max_documents, max_body_bytes=args.max_body_bytes),
+        limits=Limits(args.max_tokens_limit, args.max_documents, max_body_bytes=args.max_body_bytes,
+                      max_n=args.max_n),
         batch_wait_s=None if args.batch_wait_ms is None else args.batch_wait_ms / 1000,
     )
 

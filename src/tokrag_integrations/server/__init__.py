@@ -6,7 +6,7 @@ uvicorn and Ray load only when an app is built or served.
 
 * :func:`create_app`, :func:`serve` — the FastAPI app, and uvicorn running it (:mod:`.app`).
 * :class:`ChatService`, :class:`ServeConfig` — the model side and the settings (:mod:`.service`).
-* :class:`Limits`, :class:`RequestError`, :func:`parse_chat_request` — requests (:mod:`.schemas`).
+* :func:`parse_chat_request` — requests (:mod:`.schemas`); :class:`Limits`, :class:`RequestError` — refusals (:mod:`.refusals`).
 * :func:`ray_deployment`, :func:`run_ray` — the app on Ray Serve (:mod:`.ray_app`).
 """
 
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from .app import create_app, serve
 from .ray_app import ray_deployment, run_ray
-from .schemas import Limits, RequestError, parse_chat_request
+from .refusals import Limits, RequestError
+from .schemas import parse_chat_request
 from .service import ChatService, ServeConfig
 
 __all__ = [

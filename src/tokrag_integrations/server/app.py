@@ -4,10 +4,12 @@
     from tokrag_integrations.server import ChatService, ServeConfig, create_app
     app = create_app(ChatService.load(ServeConfig(policy="tokrag")))   # any ASGI server runs it
 
-A chat completion is the standard OpenAI object plus a top-level ``tokrag`` object (policy,
-counts per source, trace, warnings, sources, citations); streamed answers are
-``chat.completion.chunk`` server-sent events, each content chunk with ``tokrag.source``, the
-last with the full ``tokrag`` object. Refusals are OpenAI-style JSON errors: 400 bad body,
+A chat completion is the standard OpenAI object (``n`` choices, each with its ``logprobs``
+when asked and its ``tool_calls`` when the answer calls a tool: :mod:`.responses`) plus a
+top-level ``tokrag`` object (policy, counts per source, sampling, trace, warnings, sources,
+citations; with ``n`` > 1 each choice carries its own too); streamed answers are
+``chat.completion.chunk`` server-sent events (:mod:`.streaming`), each token's chunk with
+``tokrag.source``, the last of each choice with the full ``tokrag`` object. Refusals are OpenAI-style JSON errors: 400 bad body,
 401 no bearer token, 413 body over the limit, 429 ``max_queue`` reached, 503 while the model
 loads. Decoding runs off the event loop, through the model's micro-batcher; a client that
 disconnects cancels its request.
@@ -21,7 +23,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import math
 import threading
 import time
 import uuid
@@ -29,42 +30,19 @@ import warnings
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
-from dataclasses import asdict
 from typing import Any
 
-from ..adapters.translate import FINISH_REASONS, usage
-from .schemas import ChatRequest, RequestError, parse_chat_request, too_deep
+from ..adapters.translate import usage
+from .refusals import RequestError, too_deep
+from .responses import choice, tokrag_object, total_usage
+from .schemas import parse_chat_request
 from .service import API_KEY_ENV, ChatService, ServeConfig
+from .streaming import events
 from .telemetry import METRICS_MODES, RequestLog, Telemetry
 
 __all__ = ["create_app", "serve"]
 
 log = logging.getLogger("tokrag.serve")
-
-_END = object()
-
-
-def tokrag_object(result: Any, req: ChatRequest, extra_warnings: list[str]) -> dict[str, Any]:
-    """The response's ``tokrag`` object for one :class:`~tokrag_integrations.GenerationResult`:
-    ``sources`` by their share of the answer's attention (``contribution``; None: not cited),
-    then in prompt order (``rank``, which a citation's ``passage`` names); ``citations`` the
-    answer's spans (:meth:`~tokrag_integrations.trace.Trace.citations_data`; [] where no token
-    carries one)."""
-    tr = result.trace
-    shares = dict(tr.contributions())
-    return {
-        "policy": tr.policy,
-        "counts": tr.counts(),
-        "stop_reason": tr.stop_reason,
-        "prompt_tokens": dict(tr.prompt_tokens),
-        "warnings": [*tr.warnings, *req.warnings, *extra_warnings],
-        "sources": [
-            {**asdict(tr.passages[i]), "contribution": shares.get(i)} for i in tr.passage_order()
-        ],
-        "citations": tr.citations_data(),
-        "trace": tr.to_dict() if req.trace else None,
-    }
-
 
 def create_app(
     service: ChatService | None = None,
@@ -183,6 +161,7 @@ def create_app(
         svc.active += 1
         handed_over = False
         try:
+            await asyncio.to_thread(svc.render, req)  # the chat template runs off the loop
             passages, notes = await svc.passages(req)
             head = {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -191,30 +170,27 @@ def create_app(
                 "model": svc.model_id,
             }
             if req.stream:
-                token_stream = await svc.open_stream(req, passages)
+                streams = await svc.open_streams(req, passages)
+                # One stream per draw; a greedy n fans one stream out to every choice.
+                fan = [[i] for i in range(req.n)] if len(streams) == req.n else [list(range(req.n))]
                 handed_over = True  # the event generator releases the slot
                 return StreamingResponse(
-                    _events(svc, req, token_stream, head, notes, telemetry, started),
+                    events(svc, req, streams, fan, head, notes, telemetry, started),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 )
-            result = await _unless_disconnected(request, svc.complete(req, passages))
-            if result is None:  # the client left; nobody reads a response
+            results = await _unless_disconnected(request, svc.complete(req, passages))
+            if results is None:  # the client left; nobody reads a response
                 return JSONResponse({}, status_code=499)
-            counted = usage(result)
-            telemetry.answered(result, counted["prompt_tokens"], started)
+            answers = results if len(results) == req.n else results * req.n
+            telemetry.answered(results, usage(results[0])["prompt_tokens"], started)
+            tokrag = [tokrag_object(r, req, notes) for r in answers]
             return {
                 **head,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": result.text},
-                        "finish_reason": FINISH_REASONS.get(result.stop_reason, "stop"),
-                        "logprobs": None,
-                    }
-                ],
-                "usage": counted,
-                "tokrag": tokrag_object(result, req, notes),
+                "choices": [choice(i, r, req, tokrag[i] if req.n > 1 else None)
+                            for i, r in enumerate(answers)],
+                "usage": total_usage(answers),
+                "tokrag": tokrag[0],
             }
         finally:
             if not handed_over:
@@ -287,98 +263,6 @@ async def _unless_disconnected(request: Any, work: Any) -> Any:
     except asyncio.CancelledError:
         task.cancel()
         raise
-
-
-def _finite(data: Any) -> Any:
-    """``data`` with NaN and the infinities as None (JSON has no such numbers; the plain
-    answer's encoder writes them as null too)."""
-    if isinstance(data, float):
-        return data if math.isfinite(data) else None
-    if isinstance(data, dict):
-        return {k: _finite(v) for k, v in data.items()}
-    if isinstance(data, list | tuple):
-        return [_finite(v) for v in data]
-    return data
-
-
-def _sse(data: Any) -> bytes:
-    """One server-sent event of ``data`` as strict JSON (never a bare ``NaN``)."""
-    text = json.dumps(_finite(data), ensure_ascii=False, allow_nan=False)
-    return f"data: {text}\n\n".encode()
-
-
-async def _events(
-    svc: ChatService, req: ChatRequest, token_stream: Any, head: dict[str, Any], notes: list[str],
-    telemetry: Telemetry, started: float,
-) -> AsyncIterator[bytes]:
-    """Server-sent events for one stream. The decode is read by a thread of its own as fast
-    as the model goes and queued here, so the model is released when the answer is done,
-    however slowly the client reads; closing this generator (the client left) stops it.
-    ``telemetry`` gets its first token and its answer (the request arrived at ``started``)."""
-    from ..results import TokenEvent
-
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[Any] = asyncio.Queue()
-
-    def put(item: Any) -> None:
-        with suppress(RuntimeError):  # the loop is gone: nobody listens
-            loop.call_soon_threadsafe(events.put_nowait, item)
-
-    def pump() -> None:
-        try:
-            for ev in token_stream:
-                put(ev)
-            put(token_stream.result)
-        except BaseException as exc:  # noqa: BLE001 - handed to the response
-            put(exc)
-        finally:
-            put(_END)
-
-    def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> bytes:
-        """One ``chat.completion.chunk`` event (no ``delta``: no choice, the usage chunk)."""
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        choices = [] if delta is None else [choice]
-        return _sse({**head, "object": "chat.completion.chunk", "choices": choices, **extra})
-
-    thread = threading.Thread(target=pump, name="tokrag-sse", daemon=True)
-    finished = first = False
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        thread.start()
-        while True:
-            item = await events.get()
-            if item is _END:
-                break
-            if isinstance(item, TokenEvent):  # one chunk per token, some with empty text
-                if not first:
-                    first = True
-                    telemetry.first_token(started)
-                yield chunk({"content": item.text},
-                            tokrag={"source": item.source, "token_id": item.token_id})
-            elif isinstance(item, BaseException):
-                if isinstance(item, (TypeError, ValueError)):
-                    body = RequestError(str(item)).to_dict()
-                else:
-                    log.error("stream failed", exc_info=item)
-                    body = RequestError(f"internal error ({type(item).__name__}); see the "
-                                        "server log", None, 500, "server_error").to_dict()
-                yield _sse(body)
-            else:  # the GenerationResult
-                finished = True
-                telemetry.answered(item, usage(item)["prompt_tokens"], started)
-                finish = FINISH_REASONS.get(item.stop_reason, "stop")
-                yield chunk({}, finish, tokrag=tokrag_object(item, req, notes))
-                if req.include_usage:
-                    yield chunk(None, usage=usage(item))
-        yield b"data: [DONE]\n\n"
-    finally:
-        # No await here: when the client leaves, this runs inside a cancelled scope, where
-        # every await raises again. Closing stops the decode at its next step (its thread
-        # then releases the model and the pump thread ends).
-        token_stream.close()
-        if not finished:
-            svc.streams_cut += 1
-        svc.active -= 1
 
 
 def is_local(host: str) -> bool:

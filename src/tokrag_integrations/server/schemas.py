@@ -2,21 +2,24 @@
 
 The body's shape is a pydantic model (:class:`ChatBody`, strict: a string is not a number);
 :func:`parse_chat_request` validates the decoded JSON against it and turns it into a
-:class:`ChatRequest`, or raises :class:`RequestError` with one sentence naming the field
-(pydantic's first error, worded by :func:`_refusal`), which the app returns as an OpenAI-style
-400 error. Before the model, :func:`check_json_values` refuses what no field takes anywhere in
-the body (nesting past :data:`MAX_JSON_DEPTH`, NaN and out-of-range numbers, lone surrogates).
-The OpenAI fields a greedy local decoder cannot honour (``temperature`` other than 0, ``n`` >
-1, ``top_p`` < 1, penalties, log-probabilities, tools) are refused; fields it has no use for
-(``user``, ``seed``, ``metadata``...) are ignored and named in the response's
-``tokrag.warnings``. The conversation is split by the core's rule
-(:func:`tokrag_integrations.adapters.chat.split_turns`).
+:class:`ChatRequest`, or raises :class:`~.refusals.RequestError` with one sentence naming the
+field (pydantic's first error, worded by :func:`~.refusals.refusal`), which the app returns as
+an OpenAI-style 400 error. Before the model, :func:`~.refusals.check_json_values` refuses what
+no field takes anywhere in the body (nesting past :data:`~.refusals.MAX_JSON_DEPTH`, NaN and
+out-of-range numbers, lone surrogates).
+
+Honoured: sampling (``temperature`` in [0, 2], ``top_p``, vLLM's ``top_k``, ``seed``),
+``logprobs`` / ``top_logprobs``, ``n`` (up to :attr:`~.refusals.Limits.max_n`),
+``response_format`` and ``tools`` / ``tool_choice`` (the shapes of :mod:`.openai_fields`).
+Refused unless off: penalties and the deprecated ``functions`` / ``function_call``. Fields the
+server has no use for (``user``, ``metadata``...) are ignored and named in the response's
+``tokrag.warnings``. A conversation without tools is split here by the core's rule
+(:func:`tokrag_integrations.adapters.chat.split_turns`); one with tools or tool turns is kept
+whole (``conversation``) for the service, which renders it with the model's tokenizer.
 """
 
 from __future__ import annotations
 
-import math
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -30,112 +33,26 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
 
 from ..adapters.chat import split_turns
+from .openai_fields import ConstraintField, Message, ResponseFormat, Tool, checked_tool_choice
+from .refusals import (
+    Limits,
+    RequestError,
+    Strict,
+    at_most,
+    check_json_values,
+    limits_of,
+    refusal,
+    refuse,
+    type_name,
+)
 
-__all__ = [
-    "MAX_JSON_DEPTH", "ChatBody", "ChatRequest", "Limits", "RequestError", "parse_chat_request",
-]
+__all__ = ["ChatBody", "ChatRequest", "parse_chat_request", "split_conversation"]
 
-
-class RequestError(ValueError):
-    """A request the server refuses: ``status`` (400 unless said), ``param`` the field."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
-        self.kind = kind
-
-    def to_dict(self) -> dict[str, Any]:
-        """The OpenAI error body: ``{"error": {message, type, param, code}}``."""
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param,
-                          "code": None}}
-
-
-#: Deepest nesting of arrays and objects in a request body (an OpenAI chat body needs 4).
-MAX_JSON_DEPTH = 32
-
-
-def too_deep(where: str | None = None) -> RequestError:
-    """The 400 of a body (or of its field ``where``) nested deeper than :data:`MAX_JSON_DEPTH`."""
-    return RequestError(
-        f"{where or 'the body'} nests arrays and objects deeper than this server's limit of "
-        f"{MAX_JSON_DEPTH} levels", where
-    )
-
-
-def _path(where: str, key: str | int) -> str:
-    if isinstance(key, int):
-        return f"{where}[{key}]"
-    return f"{where}.{key}" if where else key
-
-
-def _number(value: Any, where: str) -> None:
-    """Refuse NaN, the infinities (Python's JSON decoder reads ``NaN`` and ``Infinity``) and
-    integers a float cannot hold (``10**400``): no field of the server takes them."""
-    if isinstance(value, float) and not math.isfinite(value):
-        got = "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > sys.float_info.max:
-        got = f"an integer of {len(str(abs(value)))} digits"
-    else:
-        return
-    raise RequestError(f"'{where}' must be a finite number of at most "
-                       f"{sys.float_info.max:.1e} in size, got {got}", where)
-
-
-def _unicode(text: str, where: str, what: str = "") -> None:
-    """Refuse a string with a lone surrogate (JSON's ``"\\ud800"`` escape decodes to one): no
-    tokenizer, database or client takes it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        name = f"'{where}'" if where else "the body"
-        raise RequestError(
-            f"{name}{what} is not valid Unicode: it holds the lone surrogate "
-            f"{ascii(text[exc.start])} at position {exc.start}", where or None
-        ) from None
-
-
-def check_json_values(body: Any) -> None:
-    """Refuse (:class:`RequestError` naming the field) a decoded body nested deeper than
-    :data:`MAX_JSON_DEPTH` (deep metadata would fail in the response, after the whole decode),
-    or holding a number out of range (NaN, infinite, too large for a float) or a string that
-    is not valid Unicode."""
-    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
-    while stack:
-        value, where, depth = stack.pop()
-        if isinstance(value, Mapping):
-            items: Any = value.items()
-            for key in value:
-                _unicode(key, where, " has a key that")
-        elif isinstance(value, list):
-            items = enumerate(value)
-        elif isinstance(value, str):
-            _unicode(value, where)
-            continue
-        else:
-            _number(value, where)
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise too_deep(where or None)
-        stack.extend((v, _path(where, k), depth + 1) for k, v in items)
-
-
-@dataclass
-class Limits:
-    """Per-request limits of the server (``tokrag serve`` flags of the same names)."""
-
-    max_tokens: int = 512
-    """Largest ``max_tokens`` a request may ask for."""
-    max_documents: int = 32
-    """Most ``documents`` in one request."""
-    max_messages: int = 64
-    """Most chat messages in one request."""
-    max_body_bytes: int = 1_000_000
-    """Largest request body (checked by the app before the JSON is read)."""
+#: The largest ``seed`` (the engine's noise hashes a signed 64-bit seed; ``n`` choices use
+#: ``seed`` .. ``seed + n - 1``).
+MAX_SEED = 2**63 - 1
 
 
 @dataclass
@@ -143,7 +60,7 @@ class ChatRequest:
     """One chat request, split for :func:`tokrag_integrations.generate`."""
 
     query: str
-    """The content of the final user turn(s)."""
+    """The content of the final user turn(s) (set by the service when tools are rendered)."""
     history: list[dict[str, str]]
     """Earlier user/assistant turns (``messages=`` of the core)."""
     system_prompt: str | None
@@ -161,6 +78,8 @@ class ChatRequest:
     """The policy options (``tokrag.policy_options``)."""
     filters: Any = None
     top_k: int | None = None
+    """``tokrag.top_k``: passages retrieved from the store (sampling's ``top_k`` is in
+    ``sampling``)."""
     trace: bool = True
     """Whether the response carries the full token trace (``tokrag.trace``)."""
     citations: bool | None = None
@@ -171,54 +90,33 @@ class ChatRequest:
     prompt_format: str | None = None
     """``tokrag.prompt_format`` (``qa``, ``chat``, ``text``; None: the core's ``qa``)."""
     max_context_tokens: int | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """The engine's sampling keywords given (``temperature``, ``top_p``, ``top_k``, ``seed``)."""
+    logprobs: bool = False
+    """Whether each choice carries OpenAI ``logprobs``."""
+    top_logprobs: int = 0
+    """Alternatives recorded per token (0..20)."""
+    n: int = 1
+    """Choices to return; choice ``i`` is drawn with ``seed + i`` when a seed is given."""
+    constraint: dict[str, Any] | None = None
+    """The constraint spec of ``response_format`` or ``tokrag.constraint`` (None: free text)."""
+    tools: list[dict[str, Any]] | None = None
+    """``tools`` in OpenAI's shape (None: no tools)."""
+    tool_choice: str = "auto"
+    """``auto``, ``none``, ``required`` or the name of the one tool to call."""
+    parallel_tool_calls: bool = True
+    conversation: list[dict[str, Any]] | None = None
+    """The whole conversation, kept when it has tools or tool turns: the service renders it
+    (:func:`tokrag_integrations.structured.render_tools`) and splits it."""
     warnings: list[str] = field(default_factory=list)
 
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    names = {str: "string", bool: "boolean", int: "integer", float: "number", list: "array"}
-    return names.get(type(value), "object" if type(value) is dict else type(value).__name__)
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may be a tool call (tools given, ``tool_choice`` not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
-def _refuse(sentence: str) -> PydanticCustomError:
-    """A refusal worded by the server; ``{where}`` becomes the field's path."""
-    return PydanticCustomError("refused", sentence)
-
-
-def _limits(info: ValidationInfo) -> Limits:
-    return (info.context or {}).get("limits") or Limits()
-
-
-def _at_most(value: Any, limit: int, what: str) -> Any:
-    if value is not None and len(value) > limit:
-        raise _refuse(
-            f"'{{where}}' holds {len(value)} {what}, more than this server's limit of {limit}"
-        )
-    return value
-
-
-class _Strict(BaseModel):
-    """Strict types (``"4"`` is not an integer, ``1`` is not true), unknown keys refused with
-    the keys the object takes."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-    _what: ClassVar[str] = "it takes"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_keys(cls, value: Any) -> Any:
-        if isinstance(value, Mapping):
-            unknown = sorted(set(value) - set(cls.model_fields))
-            if unknown:
-                raise _refuse(
-                    f"'{{where}}' has unknown key(s) {', '.join(unknown)}; {cls._what} "
-                    f"{', '.join(cls.model_fields)}"
-                )
-        return value
-
-
-class Document(_Strict):
+class Document(Strict):
     """One of ``documents``: a string, or ``{text, metadata, score}``."""
 
     _what: ClassVar[str] = "a document takes"
@@ -232,8 +130,8 @@ class Document(_Strict):
         if isinstance(value, str):
             return {"text": value}
         if not isinstance(value, Mapping):
-            raise _refuse(
-                f"'{{where}}' must be a string or an object with 'text', got {_type_name(value)}"
+            raise refuse(
+                f"'{{where}}' must be a string or an object with 'text', got {type_name(value)}"
             )
         return value
 
@@ -243,12 +141,12 @@ class Document(_Strict):
         return Passage(self.text, score=self.score, metadata=dict(self.metadata or {}))
 
 
-class RenderedTurn(_Strict):
+class RenderedTurn(Strict):
     role: Literal["system", "user", "assistant"]
     content: str
 
 
-class Rendered(_Strict):
+class Rendered(Strict):
     """``tokrag.rendered``: the RAG context as the caller's template formatted it."""
 
     context: str
@@ -263,7 +161,7 @@ class Rendered(_Strict):
             set(value) - set(cls.model_fields) or ("messages" in value) == ("text" in value)
         ):
             unknown = sorted(set(value) - set(cls.model_fields))
-            raise _refuse(
+            raise refuse(
                 "'{where}' takes 'context', one of 'messages' (the template's turns as "
                 "formatted) or 'text' (a finished prompt), and optionally 'passages'"
                 + (f"; unknown key(s) {', '.join(unknown)}" if unknown else "")
@@ -273,20 +171,20 @@ class Rendered(_Strict):
     @field_validator("passages", mode="before")
     @classmethod
     def _few_passages(cls, value: Any, info: ValidationInfo) -> Any:
-        return _at_most(value, _limits(info).max_documents, "documents")
+        return at_most(value, limits_of(info).max_documents, "documents")
 
     @field_validator("messages", mode="before")
     @classmethod
     def _turns(cls, value: Any, info: ValidationInfo) -> Any:
-        most = _limits(info).max_messages
+        most = limits_of(info).max_messages
         if not isinstance(value, list) or not value or len(value) > most:
-            raise _refuse(f"'{{where}}' must be an array of 1 to {most} messages")
+            raise refuse(f"'{{where}}' must be an array of 1 to {most} messages")
         return value
 
     @model_validator(mode="after")
     def _parts_make_up_context(self) -> Rendered:
         if self.passages is not None and "".join(p.text for p in self.passages) != self.context:
-            raise _refuse("'{where}.passages' texts must make up '{where}.context', in order")
+            raise refuse("'{where}.passages' texts must make up '{where}.context', in order")
         return self
 
     def prompt(self) -> Any:
@@ -297,7 +195,7 @@ class Rendered(_Strict):
         return RenderedPrompt(self.context, messages=turns, text=self.text, passages=parts)
 
 
-class TokRAGFields(_Strict):
+class TokRAGFields(Strict):
     """The request's ``tokrag`` object."""
 
     policy: str | None = None
@@ -309,13 +207,14 @@ class TokRAGFields(_Strict):
     rendered: Rendered | None = None
     prompt_format: Literal["qa", "chat", "text"] | None = None
     max_context_tokens: int | None = Field(None, ge=1)
+    constraint: ConstraintField | None = None
 
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, value: str | None, info: ValidationInfo) -> str | None:
         policies = (info.context or {}).get("policies")
         if value is not None and policies is not None and value not in policies:
-            raise _refuse(f"unknown policy {value!r}; available: {', '.join(policies)}")
+            raise refuse(f"unknown policy {value!r}; available: {', '.join(policies)}")
         return value
 
     @field_validator("policy_options")
@@ -323,43 +222,8 @@ class TokRAGFields(_Strict):
     def _not_reserved(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         reserved = sorted(set(value or ()) & {"prompt_format", "rendered"})
         if reserved:
-            raise _refuse(f"'{{where}}' cannot set {', '.join(reserved)}")
+            raise refuse(f"'{{where}}' cannot set {', '.join(reserved)}")
         return value
-
-
-class Message(BaseModel):
-    """One chat message; its content a string or a list of text parts."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Any = Field(None, validate_default=True)
-    tool_calls: Any = None
-
-    @field_validator("content")
-    @classmethod
-    def _text(cls, content: Any, info: ValidationInfo) -> str:
-        if isinstance(content, str):
-            return content
-        if content is None and info.data.get("role") == "assistant":
-            return ""
-        if not isinstance(content, list):
-            raise _refuse(
-                "{where} must be a string or a list of text parts, got " + _type_name(content)
-            )
-        parts = []
-        for j, part in enumerate(content):
-            text = part.get("text") if isinstance(part, Mapping) and part.get("type") == "text" else part
-            if not isinstance(text, str):
-                kind = part.get("type") if isinstance(part, Mapping) else _type_name(part)
-                raise _refuse(f"{{where}}[{j}] is a {kind!r} part; this server reads text parts only")
-            parts.append(text)
-        return "".join(parts)
-
-    @model_validator(mode="after")
-    def _no_tool_calls(self) -> Message:
-        if self.role == "assistant" and self.tool_calls:
-            raise _refuse("this server has no tool calling; {where} holds tool_calls")
-        return self
 
 
 class StreamOptions(BaseModel):
@@ -367,43 +231,39 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = None
 
 
-#: Fields a greedy decoder may take only at one value: (the value, why).
+#: Fields the server takes only at one value: (the value, why).
 _FIXED = {
-    "temperature": (0, "every policy decodes greedily (Tok-RAG compares the greedy choices of "
-                       "two contexts)"),
-    "top_p": (1, "every policy decodes greedily (Tok-RAG compares the greedy choices of two "
-                 "contexts)"),
     "presence_penalty": (0, "penalties are not supported"),
     "frequency_penalty": (0, "penalties are not supported"),
-    "n": (1, "greedy decoding gives one answer"),
 }
 
-#: OpenAI fields a greedy decoder without tools cannot honour (refused unless off).
-_UNSUPPORTED = (
-    "logprobs", "tools", "functions", "tool_choice", "function_call", "response_format",
-    "top_logprobs",
-)
+#: Deprecated OpenAI fields, refused unless off: what replaces them.
+_DEPRECATED = {"functions": "tools", "function_call": "tool_choice"}
 
 
 class ChatBody(BaseModel):
-    """The body of ``POST /v1/chat/completions`` (OpenAI's, with ``documents`` and ``tokrag``);
-    other fields are kept in ``model_extra`` and named in a warning."""
+    """The body of ``POST /v1/chat/completions`` (OpenAI's, with vLLM's ``top_k``,
+    ``documents`` and ``tokrag``); other fields are kept in ``model_extra`` and named in a
+    warning."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
     messages: list[Message]
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     n: int | None = Field(None, ge=1)
-    logprobs: Any = None
-    tools: Any = None
-    functions: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: Any = None
     function_call: Any = None
-    response_format: Any = None
-    top_logprobs: Any = None
+    response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, ge=1)
     stop: list[str] | None = Field(None, max_length=4)
@@ -416,36 +276,55 @@ class ChatBody(BaseModel):
     @classmethod
     def _conversation(cls, value: Any, info: ValidationInfo) -> Any:
         if not isinstance(value, list) or not value:
-            got = "an empty array" if isinstance(value, list) else _type_name(value)
-            raise _refuse(f"'messages' must be a non-empty array of messages, got {got}")
-        return _at_most(value, _limits(info).max_messages, "messages")
+            got = "an empty array" if isinstance(value, list) else type_name(value)
+            raise refuse(f"'messages' must be a non-empty array of messages, got {got}")
+        return at_most(value, limits_of(info).max_messages, "messages")
 
     @field_validator("documents", mode="before")
     @classmethod
     def _few_documents(cls, value: Any, info: ValidationInfo) -> Any:
-        return _at_most(value, _limits(info).max_documents, "documents")
+        return at_most(value, limits_of(info).max_documents, "documents")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _few_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        return at_most(value, limits_of(info).max_tools, "tools")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        return None if value is None else checked_tool_choice(value)
 
     @field_validator(*_FIXED)
     @classmethod
     def _fixed(cls, value: Any, info: ValidationInfo) -> Any:
         allowed, why = _FIXED[info.field_name]
         if value is not None and value != allowed:
-            raise _refuse(f"'{{where}}' must be {allowed:g} or absent, got {value:g}: {why}")
+            raise refuse(f"'{{where}}' must be {allowed:g} or absent, got {value:g}: {why}")
         return value
 
-    @field_validator(*_UNSUPPORTED)
+    @field_validator(*_DEPRECATED)
     @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        if value not in (None, False, [], "none"):
-            raise _refuse(f"'{info.field_name}' is not supported by this server")
+    def _deprecated(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, [], "none"):
+            raise refuse(f"'{info.field_name}' is OpenAI's deprecated form; this server takes "
+                         f"'{_DEPRECATED[info.field_name]}'")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _few_choices(cls, value: int | None, info: ValidationInfo) -> int | None:
+        most = limits_of(info).max_n
+        if value is not None and value > most:
+            raise refuse(f"'{{where}}' is {value}, more than this server's limit of {most} choices")
         return value
 
     @field_validator("max_tokens", "max_completion_tokens")
     @classmethod
     def _within_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
-        high = _limits(info).max_tokens
+        high = limits_of(info).max_tokens
         if value is not None and value > high:
-            raise _refuse(f"'{{where}}' is {value}, more than this server's limit of {high} new tokens")
+            raise refuse(f"'{{where}}' is {value}, more than this server's limit of {high} new tokens")
         return value
 
     @field_validator("stop", mode="before")
@@ -453,65 +332,82 @@ class ChatBody(BaseModel):
     def _one_or_more(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
+    def check_together(self) -> None:
+        """Refuse fields that only make sense together (OpenAI's rules), naming the field
+        (after validation: a RequestError raised inside a validator would lose its field)."""
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if self.seed is not None and self.n is not None and self.seed + self.n - 1 > MAX_SEED:
+            raise RequestError(f"'seed' + 'n' - 1 must be at most {MAX_SEED} (choice i is drawn "
+                               "with seed + i)", "seed")
+        if self.tool_choice is not None and not self.tools:
+            raise RequestError("'tool_choice' needs 'tools'", "tool_choice")
+        names = [t.function.name for t in self.tools or ()]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise RequestError(f"'tools' names {', '.join(twice)} more than once", "tools")
+        named = self.tool_choice
+        if named not in (None, "auto", "none", "required") and named not in names:
+            raise RequestError(f"'tool_choice' names the function {named!r}, which is not among "
+                               f"'tools' ({', '.join(names)})", "tool_choice.function.name")
+        formatted = self.response_format is not None and self.response_format.type != "text"
+        constrained = self.tokrag is not None and self.tokrag.constraint is not None
+        if formatted and constrained:
+            raise RequestError("give 'response_format' or 'tokrag.constraint', not both",
+                               "tokrag.constraint")
+        if (formatted or constrained) and self.tools and self.tool_choice != "none":
+            where = "response_format" if formatted else "tokrag.constraint"
+            raise RequestError(f"'{where}' cannot be combined with 'tools' (the answer is either "
+                               "a tool call or the format); set tool_choice to 'none' or drop "
+                               "one", where)
 
-#: How pydantic's error types read in a refusal: what the field must be.
-_MUST_BE = {
-    "string_type": "a string", "int_type": "an integer", "bool_type": "true or false",
-    "float_type": "a number", "dict_type": "an object", "model_type": "an object",
-    "list_type": "an array",
-}
+    def constraint(self) -> dict[str, Any] | None:
+        """The constraint spec the answer follows (None: free text)."""
+        if self.response_format is not None:
+            spec = self.response_format.spec()
+            if spec is not None:
+                return spec
+        if self.tokrag is not None and self.tokrag.constraint is not None:
+            return self.tokrag.constraint.spec()
+        return None
 
+    def sampling(self) -> dict[str, Any]:
+        """The engine's sampling keywords given (vLLM's ``top_k=-1`` is 0: no cut)."""
+        given = {"temperature": self.temperature, "top_p": self.top_p,
+                 "top_k": None if self.top_k is None else max(self.top_k, 0), "seed": self.seed}
+        return {k: v for k, v in given.items() if v is not None}
 
-def _refusal(error: Mapping[str, Any]) -> RequestError:
-    """One pydantic error as the server's 400: one sentence naming the field."""
-    where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in error["loc"]).lstrip(".")
-    kind, ctx, got = error["type"], error.get("ctx") or {}, error.get("input")
-    if kind == "refused":
-        message = error["msg"].replace("{where}", where)
-    elif kind in _MUST_BE:
-        message = f"'{where}' must be {_MUST_BE[kind]}, got {_type_name(got)}"
-    elif kind == "greater_than_equal":
-        message = f"'{where}' must be at least {ctx['ge']}, got {got}"
-    elif kind == "less_than_equal":
-        message = f"'{where}' must be at most {ctx['le']}, got {got}"
-    elif kind == "literal_error":
-        message = f"{where} must be {ctx['expected']}, got {got!r}"
-    elif kind == "too_long":
-        message = f"'{where}' holds {ctx['actual_length']} items; at most {ctx['max_length']}"
-    elif kind == "missing":
-        message = f"'{where}' is required"
-    else:
-        message = f"'{where}': {error['msg']}"
-    return RequestError(message, where or None)
+    def turns(self) -> tuple[list[dict[str, Any]], bool]:
+        """The conversation as turns, and whether it has tool calls or tool results."""
+        names = {c.id: c.function.name for m in self.messages for c in m.tool_calls or ()}
+        turns = [m.as_dict(names) for m in self.messages]
+        return turns, any(m.role == "tool" or m.tool_calls for m in self.messages)
 
 
 def parse_chat_request(body: Any, limits: Limits, policies: Sequence[str]) -> ChatRequest:
     """Check a decoded ``/v1/chat/completions`` body against ``limits`` (:class:`ChatBody`,
-    after :func:`check_json_values`) and split its conversation.
+    after :func:`~.refusals.check_json_values`) and split its conversation (kept whole for
+    the service when it has tools or tool turns).
 
     Raises:
         RequestError: the first problem found, naming its field.
     """
     if not isinstance(body, Mapping):
-        raise RequestError(f"the body must be a JSON object, got {_type_name(body)}")
+        raise RequestError(f"the body must be a JSON object, got {type_name(body)}")
     check_json_values(body)
     try:
         b = ChatBody.model_validate(body, context={"limits": limits, "policies": policies})
     except ValidationError as exc:
-        raise _refusal(exc.errors()[0]) from None
-    try:
-        turns = split_turns([m.model_dump(include={"role", "content"}) for m in b.messages])
-    except ValueError as exc:
-        raise RequestError(str(exc), "messages") from None
-    if not turns.query.strip():
-        raise RequestError("the last user message is empty; ask a question", "messages")
+        raise refusal(exc.errors()[0]) from None
+    b.check_together()
     t = b.tokrag or TokRAGFields()
     if t.rendered is not None and b.documents is not None:
         raise RequestError("give 'documents' or 'tokrag.rendered', not both", "tokrag.rendered")
+    turns, tool_turns = b.turns()
     req = ChatRequest(
-        query=turns.query,
-        history=turns.history,
-        system_prompt=turns.system_prompt,
+        query="",
+        history=[],
+        system_prompt=None,
         documents=None if b.documents is None else [d.passage() for d in b.documents],
         max_tokens=b.max_completion_tokens or b.max_tokens,
         stop=b.stop,
@@ -527,9 +423,41 @@ def parse_chat_request(body: Any, limits: Limits, policies: Sequence[str]) -> Ch
         rendered=None if t.rendered is None else t.rendered.prompt(),
         prompt_format=t.prompt_format,
         max_context_tokens=t.max_context_tokens,
+        sampling=b.sampling(),
+        logprobs=bool(b.logprobs),
+        top_logprobs=b.top_logprobs or 0,
+        n=b.n or 1,
+        constraint=b.constraint(),
+        tools=[tool.as_dict() for tool in b.tools] if b.tools else None,
+        tool_choice=b.tool_choice or "auto",
+        parallel_tool_calls=b.parallel_tool_calls is not False,
     )
+    if req.tools or tool_turns:
+        if t.rendered is not None:
+            raise RequestError("'tokrag.rendered' cannot be combined with tools or tool turns: "
+                               "the server renders those", "tokrag.rendered")
+        req.conversation = turns
+    else:
+        split_conversation(req, turns)
     if b.model_extra:
         req.warnings.append(
             f"ignored field(s) this server does not use: {', '.join(sorted(b.model_extra))}"
         )
     return req
+
+
+def split_conversation(req: ChatRequest, turns: list[dict[str, Any]]) -> None:
+    """Fill ``req``'s query, history and system prompt from plain ``turns`` (roles system,
+    developer, user, assistant; string contents) by the core's rule.
+
+    Raises:
+        RequestError: (``messages``) the conversation does not end with a user message, or
+            its last user message is empty.
+    """
+    try:
+        parts = split_turns(turns)
+    except ValueError as exc:
+        raise RequestError(str(exc), "messages") from None
+    if not parts.query.strip():
+        raise RequestError("the last user message is empty; ask a question", "messages")
+    req.query, req.history, req.system_prompt = parts.query, parts.history, parts.system_prompt

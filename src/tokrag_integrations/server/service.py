@@ -1,7 +1,15 @@
 """The model side of the server: one loaded model, its micro-batcher and optional Postgres
 store. :class:`ChatService` answers a checked :class:`~.schemas.ChatRequest` through the
-micro-batcher (concurrent requests decode as one batch); no FastAPI here (:mod:`.app` maps
+micro-batcher (concurrent requests decode as one batch; the ``n`` sampled choices of one
+request are concurrent calls, so they share a decode too); no FastAPI here (:mod:`.app` maps
 HTTP onto it, :mod:`.ray_app` builds one per replica).
+
+A request with tools or tool turns is rendered here with the model's tokenizer
+(:func:`tokrag_integrations.structured.render_tools`); its ``response_format``,
+``tokrag.constraint`` or tool call is compiled to a token constraint before the decode starts
+(:func:`~tokrag_integrations.structured.constraint_for`,
+:func:`~tokrag_integrations.structured.tool_call_constraint`), so a schema the library cannot
+compile is a 400 before a stream sends its first byte.
 """
 
 from __future__ import annotations
@@ -14,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import config
 from ..defaults import ANSWER_STOP, TOP_K
-from .schemas import ChatRequest, Limits, RequestError
+from .refusals import Limits, RequestError
+from .schemas import ChatRequest, split_conversation
 
 if TYPE_CHECKING:
     from ..policies.base import Policy
@@ -171,6 +180,24 @@ class ChatService:
         return str(self.lm.name)
 
     # ------------------------------------------------------------------ requests
+    def render(self, req: ChatRequest) -> None:
+        """Render a conversation with tools or tool turns by the model's chat template (or the
+        structured package's fallback block) and split it into ``req``'s query, history and
+        system prompt; a request without them was split when it was parsed.
+
+        Raises:
+            RequestError: the structured extra is missing, or the rendered conversation does
+                not end with a turn to answer.
+        """
+        if req.conversation is None:
+            return
+        render_tools = _structured("render_tools", "tools" if req.tools else "messages")
+        try:
+            turns = render_tools(self.lm.tokenizer, req.conversation, req.tools or [])
+        except (TypeError, ValueError) as exc:
+            raise RequestError(str(exc), "tools" if req.tools else "messages") from None
+        split_conversation(req, turns)
+
     def settings(self, req: ChatRequest) -> dict[str, Any]:
         """The keyword arguments of :func:`~tokrag_integrations.generate` for ``req``
         (RequestError: the policy refuses the options)."""
@@ -188,13 +215,20 @@ class ChatService:
         except (TypeError, ValueError) as exc:
             raise RequestError(str(exc), "tokrag.policy_options") from None
         stop = req.stop if req.stop is not None else list(self.config.stop or ())
+        if req.calls_tools and not req.parallel_tool_calls:
+            from ..structured.tool_specs import CALL_CLOSE
+
+            stop = [*stop, CALL_CLOSE]  # one call: the decode ends where the first one does
         kw: dict[str, Any] = {
             "policy": policy,
             "max_new_tokens": req.max_tokens or self.config.max_new_tokens,
             "stop": stop,
             "messages": req.history or None,
             "policy_options": options,
+            **req.sampling,
         }
+        if req.logprobs and req.top_logprobs:
+            kw["top_logprobs"] = req.top_logprobs
         if req.system_prompt is not None:
             kw["system_prompt"] = req.system_prompt
         for key in ("rendered", "prompt_format", "max_context_tokens", "citations"):
@@ -212,6 +246,52 @@ class ChatService:
         except (TypeError, ValueError) as exc:
             raise RequestError(str(exc), "tokrag.policy_options") from None
         return kw
+
+    def draws(self, req: ChatRequest) -> int:
+        """Decodes ``req`` needs: one per choice when sampled, one for all when greedy (every
+        greedy choice is the same answer)."""
+        return req.n if req.sampling.get("temperature") else 1
+
+    async def per_draw(self, req: ChatRequest) -> list[dict[str, Any]]:
+        """The decode keywords of each of ``req``'s :meth:`draws`: the settings, draw ``i``'s
+        seed (``seed + i``) and its own compiled constraint (RequestError: the constraint
+        does not compile)."""
+        kw = await self.checked_settings(req)
+        draws = self.draws(req)
+        if req.n > 1 and draws == 1:
+            req.warnings.append(f"n={req.n} with greedy decoding (temperature 0 or absent): the "
+                                "choices are one answer, decoded once")
+        constraint = await asyncio.to_thread(self._constraint, req)
+        out = []
+        for i in range(draws):
+            each = dict(kw)
+            if "seed" in kw:
+                each["seed"] = kw["seed"] + i
+            if constraint is not None:
+                each["constraint"] = constraint if i == 0 else constraint.fork()
+            out.append(each)
+        return out
+
+    def _constraint(self, req: ChatRequest) -> Any:
+        """``req``'s token constraint, compiled for the loaded model (None: free text)."""
+        if req.calls_tools:
+            build = _structured("tool_call_constraint", "tools")
+            try:
+                return build(req.tools, req.tool_choice, self.lm)
+            except ImportError as exc:
+                raise RequestError(f"this server cannot honour 'tools': {exc}", "tools") from None
+            except (TypeError, ValueError) as exc:
+                raise RequestError(str(exc), "tools") from None
+        if req.constraint is None:
+            return None
+        where = "response_format" if req.constraint["type"].startswith("json") else "tokrag.constraint"
+        constraint_for = _structured("constraint_for", where)
+        try:
+            return constraint_for(req.constraint, self.lm)
+        except ImportError as exc:
+            raise RequestError(f"this server cannot honour '{where}': {exc}", where) from None
+        except (TypeError, ValueError) as exc:
+            raise RequestError(str(exc), where) from None
 
     async def passages(self, req: ChatRequest) -> tuple[list[Any] | None, list[str]]:
         """``(passages, warnings)``: the request's documents, else the store's top chunks for
@@ -266,25 +346,62 @@ class ChatService:
             for k, v in metadata.items()
         }
 
-    async def complete(self, req: ChatRequest, passages: list[Any] | None) -> Any:
-        """Decode ``req`` through the micro-batcher; cancelling the awaiting task drops the
-        request from its batch (or stops its decode at the next step)."""
+    async def complete(self, req: ChatRequest, passages: list[Any] | None) -> list[Any]:
+        """Decode ``req``'s draws through the micro-batcher, concurrently (so they share a
+        decode): one result per draw. Cancelling the awaiting task drops them from their batch
+        (or stops their decode at the next step)."""
         from ..engine.streams import run_cancellable
 
-        kw = await self.checked_settings(req)
         batcher = self.batcher
-        try:
+
+        async def one(kw: dict[str, Any]) -> Any:
             return await run_cancellable(
                 lambda cancel: batcher.generate(req.query, passages, _cancel=cancel, **kw)
             )
-        except (TypeError, ValueError) as exc:
-            raise RequestError(str(exc)) from None
 
-    async def open_stream(self, req: ChatRequest, passages: list[Any] | None) -> Any:
-        """A started-on-first-read :class:`~tokrag_integrations.api.TokenStream` for ``req``
-        (validation errors are raised here, before any byte of the response is sent)."""
-        kw = await self.checked_settings(req)
+        draws = await self.per_draw(req)  # its RequestError names the field
+        tasks = [asyncio.ensure_future(one(kw)) for kw in draws]
         try:
-            return await asyncio.to_thread(self.batcher.stream, req.query, passages, **kw)
+            return list(await asyncio.gather(*tasks))
         except (TypeError, ValueError) as exc:
-            raise RequestError(str(exc)) from None
+            raise RequestError(str(exc), _field_of(exc)) from None
+        finally:
+            for t in tasks:  # one failed or the client left: the others stop too
+                t.cancel()
+
+    async def open_streams(self, req: ChatRequest, passages: list[Any] | None) -> list[Any]:
+        """Started-on-first-read :class:`~tokrag_integrations.api.TokenStream` objects, one
+        per draw of ``req`` (validation errors are raised here, before any byte of the
+        response is sent)."""
+        draws = await self.per_draw(req)  # its RequestError names the field
+        streams: list[Any] = []
+        try:
+            for kw in draws:
+                streams.append(
+                    await asyncio.to_thread(self.batcher.stream, req.query, passages, **kw))
+        except (TypeError, ValueError) as exc:
+            for s in streams:
+                s.close()
+            raise RequestError(str(exc), _field_of(exc)) from None
+        return streams
+
+
+#: The request fields the engine's sampling keywords come from (its messages name them).
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "top_logprobs")
+
+
+def _field_of(exc: Exception) -> str | None:
+    """The request field an engine ValueError names, when it names a sampling keyword."""
+    text = str(exc)
+    return next((f for f in _SAMPLING_FIELDS if text.startswith(f) or f"'{f}'" in text
+                 or f"{f}=" in text), None)
+
+
+def _structured(name: str, where: str) -> Any:
+    """``tokrag_integrations.structured.<name>``, or a 400 naming ``where`` when the server
+    lacks the structured extra."""
+    try:
+        from .. import structured
+    except ImportError as exc:
+        raise RequestError(f"this server cannot honour '{where}': {exc}", where) from None
+    return getattr(structured, name)

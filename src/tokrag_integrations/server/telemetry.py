@@ -116,15 +116,18 @@ class Telemetry:
             buckets=LATENCY_BUCKETS,
         )
 
-    def answered(self, result: Any, prompt_tokens: int, started: float) -> None:
-        """Count one finished answer (a :class:`~tokrag_integrations.GenerationResult`) of a
-        request that arrived at ``started`` (``time.perf_counter()``)."""
+    def answered(self, results: Any, prompt_tokens: int, started: float) -> None:
+        """Count one request's finished answer: its decodes (one
+        :class:`~tokrag_integrations.GenerationResult` each; several for ``n`` sampled
+        choices), which arrived at ``started`` (``time.perf_counter()``) and read
+        ``prompt_tokens`` prompt tokens."""
         self.latency.observe(time.perf_counter() - started)
         self.prompt_tokens.inc(prompt_tokens)
-        self.generated.inc(len(result.token_ids))
-        policy = result.trace.policy
-        for source, n in result.trace.counts().items():
-            self.by_source.labels(policy, source).inc(n)
+        for result in results:
+            self.generated.inc(len(result.token_ids))
+            policy = result.trace.policy
+            for source, n in result.trace.counts().items():
+                self.by_source.labels(policy, source).inc(n)
 
     def first_token(self, started: float) -> None:
         self.ttft.observe(time.perf_counter() - started)
@@ -173,7 +176,7 @@ class RequestLog:
                 raise
             from starlette.responses import JSONResponse
 
-            from .schemas import RequestError
+            from .refusals import RequestError
 
             log.error("request %s failed", rid, exc_info=exc)
             message = f"internal error ({type(exc).__name__}); see the server log"
