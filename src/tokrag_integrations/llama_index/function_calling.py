@@ -37,8 +37,8 @@ from ..structured import (
     tool_specs,
 )
 from ..structured.tool_specs import CALL_OPEN
+from .llm_responses import as_chat
 from .nodes import messages_to_dicts
-from .responses import as_chat
 
 #: What starts a tool call in the model's answer (the Hermes / Qwen convention that
 #: :mod:`tokrag_integrations.structured` renders, constrains and parses).

@@ -46,8 +46,8 @@ from ..results import GenerationResult
 from ..sampling import sampling_of
 from . import function_calling
 from .function_calling import ToolCalling
+from .llm_responses import result_logprobs, token_response
 from .nodes import messages_to_dicts, messages_to_turns, node_passages
-from .responses import result_logprobs, token_response
 from .structured_output import StructuredOutput
 from .synthesis_events import (
     TemplatedMessages,
