@@ -33,7 +33,7 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_core.runnables.history import RunnableWithMessageHistory
 
 from tokrag_integrations.langchain import ChatTokRAG
-from tokrag_integrations.langchain.chat_models import NO_PASSAGES_WARNING
+from tokrag_integrations.langchain.calls import NO_PASSAGES_WARNING
 from tokrag_integrations.langchain.retrieved import RUN_DOCUMENTS
 from tokrag_integrations.trace import comparable
 

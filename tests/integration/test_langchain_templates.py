@@ -29,7 +29,7 @@ from tokrag_integrations.langchain import (
     create_tokrag_chain,
     create_tokrag_documents_chain,
 )
-from tokrag_integrations.langchain.chat_models import NO_PASSAGES_WARNING
+from tokrag_integrations.langchain.calls import NO_PASSAGES_WARNING
 from tokrag_integrations.langchain.tokrag_chain import format_documents
 from tokrag_integrations.retrieval import chunk_documents, get_sample_docs_path, load_documents
 from tokrag_integrations.trace import comparable

@@ -1,0 +1,213 @@
+"""``ChatTokRAG.bind_tools``: LangChain tools, tool calls and tool results as the
+:mod:`tokrag_integrations.structured` helpers take them, and back.
+
+Tools are rendered into the prompt by :func:`~tokrag_integrations.structured.render_tools`
+(the model's own chat template when it renders tools, else one system block saying how to
+call); the call is constrained by :func:`~tokrag_integrations.structured.tool_call_constraint`
+(``tool_choice``: ``"auto"`` leaves the model free until it starts a call, ``"required"`` /
+``"any"`` / ``True`` force a call of one of the tools, a tool's name that tool, ``"none"`` no
+call); the answer's calls, parsed by :func:`~tokrag_integrations.structured.parse_tool_calls`,
+are ``AIMessage.tool_calls`` (streamed as ``tool_call_chunks`` on the last chunk); earlier
+calls (``AIMessage.tool_calls``) and their results (``ToolMessage``) are turns of the
+conversation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+
+from ..adapters.chat import ChatTurns, split_turns
+from .messages import _role, _text
+
+#: ``tool_choice`` values that are no tool's name, as the structured helpers take them.
+_CHOICES = {"auto": "auto", "none": "none", "required": "required", "any": "required"}
+
+
+def tool_specs(tools: Sequence[Any]) -> list[dict[str, Any]]:
+    """Each tool (a LangChain ``BaseTool``, a pydantic class, a function, an OpenAI tool dict)
+    in OpenAI's function shape (:func:`~tokrag_integrations.structured.tool_spec`).
+
+    Raises:
+        TypeError: ``tools`` is not a list.
+        ValueError: two tools with one name.
+    """
+    from ..structured import tool_spec
+
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise TypeError(f"bind_tools takes a list of tools, not a {type(tools).__name__}")
+    specs = [tool_spec(t) for t in tools]
+    names = [s["function"]["name"] for s in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"bind_tools got two tools named {', '.join(map(repr, twice))}")
+    return specs
+
+
+def checked_tool_choice(tool_choice: Any, specs: list[dict[str, Any]]) -> str:
+    """``tool_choice`` as ``"auto"``, ``"none"``, ``"required"`` or a bound tool's name.
+
+    Accepted: None (``"auto"``), ``"auto"``, ``"none"``, ``"required"`` / ``"any"`` / ``True``,
+    ``False`` (``"none"``), a tool's name, ``{"type": "function", "function": {"name": ...}}``
+    or ``{"name": ...}``.
+
+    Raises:
+        ValueError: a name no bound tool has, or a value of none of those kinds.
+    """
+    names = [s["function"]["name"] for s in specs]
+    if tool_choice is None:
+        return "auto"
+    if tool_choice is True:
+        return "required"
+    if tool_choice is False:
+        return "none"
+    if isinstance(tool_choice, Mapping):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else tool_choice.get("name")
+        if not isinstance(name, str):
+            raise ValueError(
+                "tool_choice as a dict must name a tool: {'type': 'function', 'function': "
+                f"{{'name': ...}}}}, got {dict(tool_choice)!r}"
+            )
+        tool_choice = name
+    if not isinstance(tool_choice, str):
+        raise ValueError(
+            "tool_choice must be 'auto', 'none', 'required', 'any', True, False or a bound "
+            f"tool's name, not {tool_choice!r}"
+        )
+    if tool_choice in names:
+        return tool_choice
+    if tool_choice in _CHOICES:
+        return _CHOICES[tool_choice]
+    raise ValueError(
+        f"tool_choice={tool_choice!r} names no bound tool; the bound tools are: "
+        f"{', '.join(names) or '(none)'}"
+    )
+
+
+def tool_turn(message: BaseMessage, text: str) -> dict[str, Any] | None:
+    """A tool call or a tool result as an OpenAI chat turn (None for other messages):
+    an AIMessage with ``tool_calls`` -> ``assistant`` with ``tool_calls``; a ToolMessage ->
+    ``tool`` (``tool_call_id``, ``name``, ``content``)."""
+    if isinstance(message, ToolMessage):
+        return {
+            "role": "tool",
+            "tool_call_id": message.tool_call_id,
+            "name": message.name or "",
+            "content": text,
+        }
+    if isinstance(message, AIMessage) and message.tool_calls:
+        calls = [
+            {
+                "id": c.get("id") or f"call_{i}",
+                "type": "function",
+                "function": {"name": c["name"], "arguments": json.dumps(c["args"])},
+            }
+            for i, c in enumerate(message.tool_calls)
+        ]
+        return {"role": "assistant", "content": text, "tool_calls": calls}
+    return None
+
+
+def langchain_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Parsed calls (``id``, ``name``, ``arguments``) as ``AIMessage.tool_calls``."""
+    return [
+        {"name": c["name"], "args": dict(c["arguments"]), "id": c["id"], "type": "tool_call"}
+        for c in calls
+    ]
+
+
+def call_chunks(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Parsed calls as ``AIMessageChunk.tool_call_chunks`` (arguments as JSON text; added
+    up they are :func:`langchain_calls`)."""
+    return [
+        {
+            "name": c["name"],
+            "args": json.dumps(c["arguments"]),
+            "id": c["id"],
+            "index": i,
+            "type": "tool_call_chunk",
+        }
+        for i, c in enumerate(calls)
+    ]
+
+
+#: Where a tool call starts in the answer's text (the structured helpers' call format).
+CALL_START = "<tool_call>"
+
+
+def has_tool_turns(messages: Sequence[BaseMessage]) -> bool:
+    """Whether the conversation holds a tool call or a tool result."""
+    return any(
+        isinstance(m, ToolMessage) or (isinstance(m, AIMessage) and m.tool_calls) for m in messages
+    )
+
+
+def tool_prompt(messages: Sequence[BaseMessage], tools: list[dict[str, Any]], lm: Any) -> ChatTurns:
+    """The conversation with its tool calls and results, and the tools shown to the model
+    (:func:`~tokrag_integrations.structured.render_tools` over the model's tokenizer), split
+    as the core takes it.
+
+    Raises:
+        ValueError: a message of a kind ChatTokRAG does not take, or a conversation that
+            ends with neither a human message nor a tool result.
+    """
+    from ..structured import render_tools
+
+    turns = []
+    for m in messages:
+        text = _text(m)
+        turns.append(tool_turn(m, text) or {"role": _role(m), "content": text})
+    tokenizer = getattr(lm, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError(
+            "tools and tool messages need a local model (its chat template renders them); "
+            "ChatTokRAG(base_url=...) does not take them yet"
+        )
+    rendered = render_tools(tokenizer, turns, tools)
+    return split_turns(rendered, "ChatTokRAG", "end the list with a HumanMessage or a ToolMessage")
+
+
+def tool_constraint(tools: list[dict[str, Any]], choice: str, lm: Any) -> Any:
+    """The token constraint of a call under ``choice`` (None: free text)."""
+    from ..structured import tool_call_constraint
+
+    return tool_call_constraint(tools, choice, lm)
+
+
+def parsed_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """(the answer's text without its tool calls, the calls: ``id``, ``name``,
+    ``arguments``)."""
+    from ..structured import parse_tool_calls
+
+    return parse_tool_calls(text)
+
+
+class HeldText:
+    """A stream's answer text, held back from where a tool call starts (or may be starting),
+    so that the token chunks carry the answer's text only; the last chunk carries the rest."""
+
+    def __init__(self, tools: bool) -> None:
+        self.tools = tools
+        self.text = ""
+        self.sent = ""
+
+    def push(self, delta: str) -> str:
+        """The part of the text so far (with ``delta``) that may be sent now."""
+        self.text += delta
+        if not self.tools:
+            self.sent = self.text
+            return delta
+        at = self.text.find(CALL_START)
+        if at < 0:  # hold a tail that may be the start of CALL_START
+            at = len(self.text)
+            for n in range(min(len(CALL_START) - 1, len(self.text)), 0, -1):
+                if CALL_START.startswith(self.text[-n:]):
+                    at = len(self.text) - n
+                    break
+        out = self.text[len(self.sent):at] if at > len(self.sent) else ""
+        self.sent += out
+        return out
