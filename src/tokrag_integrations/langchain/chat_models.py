@@ -295,15 +295,16 @@ class ChatTokRAG(BaseChatModel):
         return prepare_call(self, messages, stop, kwargs, run_manager)
 
     @staticmethod
-    def _answer(result: GenerationResult, call: Call) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
-        """(the answer's text, its tool calls, its metadata but the per-token lists)."""
+    def _answer(result: GenerationResult, call: Call) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        """(the answer's text, its ``tool_calls`` / ``invalid_tool_calls``, its metadata but
+        the per-token lists)."""
         metadata = {**final_metadata(result, call.lm), "retrieval": call.retrieval}
-        content, calls = result.text, []
+        content, calls, invalid = result.text, [], []
         if call.tools is not None:
-            content, calls = parsed_calls(result.text)
+            content, calls, invalid = parsed_calls(result.text)
             if calls:
                 metadata["finish_reason"] = "tool_calls"
-        return content, calls, metadata
+        return content, {"calls": calls, "invalid": invalid}, metadata
 
     @classmethod
     def _result(cls, result: GenerationResult, call: Call) -> ChatResult:
@@ -317,7 +318,8 @@ class ChatTokRAG(BaseChatModel):
             metadata.update(logprobs_metadata(steps))
         message = AIMessage(
             content=content,
-            tool_calls=langchain_calls(calls),
+            tool_calls=langchain_calls(calls["calls"]),
+            invalid_tool_calls=calls["invalid"],
             response_metadata=metadata,
             usage_metadata=usage_metadata(result),
         )
@@ -343,7 +345,8 @@ class ChatTokRAG(BaseChatModel):
         content, calls, metadata = cls._answer(result, call)
         message = AIMessageChunk(
             content=content[len(sent):] if content.startswith(sent) else content,
-            tool_call_chunks=call_chunks(calls),
+            # (a malformed call block stays in the text, as in invoke's content)
+            tool_call_chunks=call_chunks(calls["calls"]),
             response_metadata=metadata,
             usage_metadata=usage_metadata(result),
             chunk_position="last",

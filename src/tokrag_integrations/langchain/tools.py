@@ -23,69 +23,33 @@ from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from ..adapters.chat import ChatTurns, split_turns
 from .messages import _role, _text
 
-#: ``tool_choice`` values that are no tool's name, as the structured helpers take them.
-_CHOICES = {"auto": "auto", "none": "none", "required": "required", "any": "required"}
-
 
 def tool_specs(tools: Sequence[Any]) -> list[dict[str, Any]]:
     """Each tool (a LangChain ``BaseTool``, a pydantic class, a function, an OpenAI tool dict)
     in OpenAI's function shape (:func:`~tokrag_integrations.structured.tool_spec`).
 
     Raises:
-        TypeError: ``tools`` is not a list.
-        ValueError: two tools with one name.
+        TypeError: ``tools`` is not a list, or holds something that is no tool.
+        ValueError: two tools share a name.
     """
-    from ..structured import tool_spec
+    from ..structured.tools import tool_specs as specs_of
 
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
         raise TypeError(f"bind_tools takes a list of tools, not a {type(tools).__name__}")
-    specs = [tool_spec(t) for t in tools]
-    names = [s["function"]["name"] for s in specs]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ValueError(f"bind_tools got two tools named {', '.join(map(repr, twice))}")
-    return specs
+    return specs_of(tools)
 
 
 def checked_tool_choice(tool_choice: Any, specs: list[dict[str, Any]]) -> str:
-    """``tool_choice`` as ``"auto"``, ``"none"``, ``"required"`` or a bound tool's name.
-
-    Accepted: None (``"auto"``), ``"auto"``, ``"none"``, ``"required"`` / ``"any"`` / ``True``,
-    ``False`` (``"none"``), a tool's name, ``{"type": "function", "function": {"name": ...}}``
-    or ``{"name": ...}``.
+    """``tool_choice`` as ``"auto"``, ``"none"``, ``"required"`` or a bound tool's name (None:
+    ``"auto"``; ``"any"`` / ``True``: ``"required"``; ``False``: ``"none"``; OpenAI's
+    ``{"type": "function", "function": {"name": ...}}``).
 
     Raises:
         ValueError: a name no bound tool has, or a value of none of those kinds.
     """
-    names = [s["function"]["name"] for s in specs]
-    if tool_choice is None:
-        return "auto"
-    if tool_choice is True:
-        return "required"
-    if tool_choice is False:
-        return "none"
-    if isinstance(tool_choice, Mapping):
-        fn = tool_choice.get("function")
-        name = fn.get("name") if isinstance(fn, Mapping) else tool_choice.get("name")
-        if not isinstance(name, str):
-            raise ValueError(
-                "tool_choice as a dict must name a tool: {'type': 'function', 'function': "
-                f"{{'name': ...}}}}, got {dict(tool_choice)!r}"
-            )
-        tool_choice = name
-    if not isinstance(tool_choice, str):
-        raise ValueError(
-            "tool_choice must be 'auto', 'none', 'required', 'any', True, False or a bound "
-            f"tool's name, not {tool_choice!r}"
-        )
-    if tool_choice in names:
-        return tool_choice
-    if tool_choice in _CHOICES:
-        return _CHOICES[tool_choice]
-    raise ValueError(
-        f"tool_choice={tool_choice!r} names no bound tool; the bound tools are: "
-        f"{', '.join(names) or '(none)'}"
-    )
+    from ..structured.tools import choice_of
+
+    return "none" if tool_choice is False else choice_of(tool_choice, specs)
 
 
 def tool_turn(message: BaseMessage, text: str) -> dict[str, Any] | None:
@@ -136,7 +100,7 @@ def call_chunks(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 #: Where a tool call starts in the answer's text (the structured helpers' call format).
-CALL_START = "<tool_call>"
+CALL_START = "<tool_call>"  # structured.tools.CALL_OPEN (imported lazily: llguidance)
 
 
 def has_tool_turns(messages: Sequence[BaseMessage]) -> bool:
@@ -178,12 +142,18 @@ def tool_constraint(tools: list[dict[str, Any]], choice: str, lm: Any) -> Any:
     return tool_call_constraint(tools, choice, lm)
 
 
-def parsed_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+def parsed_calls(text: str) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
     """(the answer's text without its tool calls, the calls: ``id``, ``name``,
-    ``arguments``)."""
-    from ..structured import parse_tool_calls
+    ``arguments``; the blocks that are no call, as ``AIMessage.invalid_tool_calls``)."""
+    from ..structured.calls import find_tool_calls
 
-    return parse_tool_calls(text)
+    content, calls, invalid = find_tool_calls(text)
+    bad = [
+        {"name": c["name"], "args": c["args"], "id": c["id"], "error": c["error"],
+         "type": "invalid_tool_call"}
+        for c in invalid
+    ]
+    return content, calls, bad
 
 
 class HeldText:
