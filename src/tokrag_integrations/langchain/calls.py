@@ -19,7 +19,14 @@ from .messages import document_passages, messages_to_prompt, rendered_prompt
 from .retrieved import find_retrieved, given_retrieval, retrieval_metadata
 from .sampling import SAMPLING_FIELDS, sampling_options
 from .structured_output import checked_response_format
-from .tools import checked_tool_choice, has_tool_turns, tool_constraint, tool_prompt, tool_specs
+from .tools import (
+    CALL_END,
+    checked_tool_choice,
+    has_tool_turns,
+    tool_constraint,
+    tool_prompt,
+    tool_specs,
+)
 
 #: Per-call keyword arguments (besides ``stop``).
 _CALL_KWARGS = (
@@ -27,6 +34,7 @@ _CALL_KWARGS = (
     "tools",
     "tool_choice",
     "response_format",
+    "parallel_tool_calls",
     "passages",
     "context",
     "question",
@@ -162,11 +170,14 @@ def prepare_call(
             if warn:
                 warnings.warn(NO_PASSAGES_WARNING, UserWarning, stacklevel=_caller_stacklevel())
     retrieved = bool(passages) or rendered is not None
+    stops = list(stop if stop is not None else (model.stop or []))
+    if tools is not None and not call.get("parallel_tool_calls"):
+        stops.append(CALL_END)  # one call per answer (its closing tag is cut, as a stop is)
     core: dict[str, Any] = {
         **sampling,
         "policy": policy if retrieved else "llm",
         "max_new_tokens": max_tokens,
-        "stop": list(stop if stop is not None else (model.stop or [])),
+        "stop": stops,
         "messages": prompt.history or None,
         "max_context_tokens": call.get("max_context_tokens", model.max_context_tokens),
         "policy_options": options if retrieved else {},

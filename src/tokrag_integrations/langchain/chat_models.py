@@ -429,18 +429,24 @@ class ChatTokRAG(BaseChatModel):
         tools: Sequence[Any],
         *,
         tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (LangChain tools, pydantic classes, functions, OpenAI tool dicts): they
         are shown to the model, its calls are constrained to their schemas and parsed into
         ``AIMessage.tool_calls`` (:mod:`.tools`). ``tool_choice``: ``"auto"`` (None), ``"none"``,
         ``"required"`` / ``"any"`` / ``True`` or a tool's name (a forced call).
+        ``parallel_tool_calls``: ``True`` lets one answer hold several calls; by default (None,
+        ``False``) the answer ends after its first call (a small model repeats a call it was
+        made to start until ``max_tokens``).
 
         Raises:
             ValueError: ``tool_choice`` names no bound tool, or two tools share a name.
         """
         specs = tool_specs(tools)
         choice = checked_tool_choice(tool_choice, specs)
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
         return self.bind(tools=specs, tool_choice=choice, **kwargs)
 
     def with_structured_output(

@@ -101,6 +101,8 @@ def call_chunks(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 #: Where a tool call starts in the answer's text (the structured helpers' call format).
 CALL_START = "<tool_call>"  # structured.tools.CALL_OPEN (imported lazily: llguidance)
+#: Where it ends (structured.tools.CALL_CLOSE).
+CALL_END = "</tool_call>"
 
 
 def has_tool_turns(messages: Sequence[BaseMessage]) -> bool:
