@@ -29,19 +29,19 @@ class _Flags:
 
     @property
     def has_tool_calling(self) -> bool:
-        return False
+        return True
 
     @property
     def has_tool_choice(self) -> bool:
-        return False
+        return True
 
     @property
     def has_structured_output(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_json_mode(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_image_inputs(self) -> bool:

@@ -54,8 +54,11 @@ def test_tool_choice_forms_and_unknown_names() -> None:
         ChatTokRAG().bind_tools([magic_function], tool_choice="nope")
     with pytest.raises(TypeError, match="list of tools"):
         tool_specs(magic_function)  # type: ignore[arg-type]
+    # The same tool twice is one; two different tools with one name are refused.
+    assert len(tool_specs([Weather, Weather.model_json_schema()])) == 1
+    other = {"type": "function", "function": {"name": "Weather", "parameters": {}}}
     with pytest.raises(ValueError, match="share the name"):
-        tool_specs([magic_function, magic_function])
+        tool_specs([Weather, other])
 
 
 def test_held_text_sends_only_what_no_call_holds() -> None:

@@ -25,18 +25,42 @@ from .messages import _role, _text
 
 
 def tool_specs(tools: Sequence[Any]) -> list[dict[str, Any]]:
-    """Each tool (a LangChain ``BaseTool``, a pydantic class, a function, an OpenAI tool dict)
-    in OpenAI's function shape (:func:`~tokrag_integrations.structured.tool_spec`).
+    """Each tool (a LangChain ``BaseTool``, a pydantic class, a TypedDict, a function, a JSON
+    schema, an OpenAI tool dict) in OpenAI's function shape (``convert_to_openai_tool``,
+    checked by :func:`~tokrag_integrations.structured.tool_spec`).
 
     Raises:
         TypeError: ``tools`` is not a list, or holds something that is no tool.
-        ValueError: two tools share a name.
+        ValueError: two different tools share a name.
     """
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
     from ..structured.tools import tool_specs as specs_of
 
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
         raise TypeError(f"bind_tools takes a list of tools, not a {type(tools).__name__}")
-    return specs_of(tools)
+    # LangChain's own conversion first: it also reads JSON-schema dicts, TypedDicts and
+    # pydantic v1 classes (the structured helpers check the result and the names).
+    # The same tool twice (a pydantic class and its JSON schema: titles aside) is one tool.
+    unique: dict[str, dict[str, Any]] = {}
+    for t in tools:
+        spec = convert_to_openai_tool(t)
+        if _untitled(spec) not in unique:
+            unique[_untitled(spec)] = spec
+    return specs_of(list(unique.values()))
+
+
+def _untitled(value: Any) -> str:
+    """A tool spec without its schema titles (documentation only), as a key."""
+
+    def strip(v: Any) -> Any:
+        if isinstance(v, Mapping):
+            return {k: strip(x) for k, x in v.items() if not (k == "title" and isinstance(x, str))}
+        if isinstance(v, list):
+            return [strip(x) for x in v]
+        return v
+
+    return json.dumps(strip(value), sort_keys=True, default=str)
 
 
 def checked_tool_choice(tool_choice: Any, specs: list[dict[str, Any]]) -> str:
