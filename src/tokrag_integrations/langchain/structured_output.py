@@ -27,14 +27,27 @@ from langchain_core.utils.function_calling import convert_to_json_schema
 METHODS = ("json_schema", "json_mode", "function_calling")
 
 
-def response_format(schema: Any, method: str) -> tuple[dict[str, Any], str | None]:
-    """(the ``response_format`` bound for ``schema`` under ``method``, the schema's name)."""
+def _pydantic_v1(schema: Any) -> bool:
+    """Whether ``schema`` is a ``pydantic.v1`` model class (LangChain still takes them)."""
+    try:
+        from pydantic import v1
+    except ImportError:  # pragma: no cover - pydantic 2 ships it
+        return False
+    return isinstance(schema, type) and issubclass(schema, v1.BaseModel)
+
+
+def response_format(schema: Any) -> dict[str, Any]:
+    """The ``response_format`` bound for ``schema`` (None: any JSON object)."""
     from ..structured import json_schema_of
 
     if schema is None:
-        return {"type": "json_object"}, None
-    spec, name = json_schema_of(schema)
-    return {"type": "json_schema", "json_schema": {"name": name, "schema": spec}}, name
+        return {"type": "json_object"}
+    if _pydantic_v1(schema):
+        spec = convert_to_json_schema(schema)
+        name = spec.get("title", schema.__name__)
+    else:
+        spec, name = json_schema_of(schema)
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": spec}}
 
 
 class StructuredParser(BaseOutputParser[Any]):
@@ -50,6 +63,8 @@ class StructuredParser(BaseOutputParser[Any]):
         try:
             if self.schema_ is None:
                 return json.loads(text)
+            if _pydantic_v1(self.schema_):
+                return self.schema_.parse_raw(text)
             return parse_structured(text, self.schema_)
         except Exception as e:  # the parser's own error says what did not parse
             raise OutputParserException(
@@ -84,9 +99,7 @@ class ToolArgsParser(BaseOutputParser[Any]):
             raise OutputParserException(
                 "The answer holds no tool call of the schema.", llm_output=result[0].text
             )
-        from ..structured import parse_structured
-
-        return parse_structured(json.dumps(message.tool_calls[0]["args"]), self.schema_)
+        return StructuredParser(schema_=self.schema_).parse(json.dumps(message.tool_calls[0]["args"]))
 
     def parse(self, text: str) -> Any:  # pragma: no cover - parse_result is what runs
         raise NotImplementedError("ToolArgsParser reads the message's tool calls")
@@ -114,15 +127,15 @@ def structured_runnable(
         "schema": convert_to_json_schema(schema) if schema is not None else None,
     }
     if method == "function_calling":
-        from ..structured import tool_spec
+        from .tools import tool_specs
 
-        name = tool_spec(schema)["function"]["name"]
+        name = tool_specs([schema])[0]["function"]["name"]
         llm = model.bind_tools(
             [schema], tool_choice=name, ls_structured_output_format=ls_format
         )
         parser: Runnable = ToolArgsParser(schema_=schema)
     else:
-        fmt, _ = response_format(schema, "json_schema")
+        fmt = response_format(schema)
         llm = model.bind(response_format=fmt, ls_structured_output_format=ls_format)
         parser = StructuredParser(schema_=schema)
     if not include_raw:
@@ -154,4 +167,4 @@ def checked_response_format(fmt: Any) -> dict[str, Any]:
         raise ValueError(
             f"response_format type must be 'json_object' or 'json_schema', not {fmt['type']!r}"
         )
-    return response_format(fmt, "json_schema")[0]
+    return response_format(fmt)
