@@ -29,6 +29,25 @@ class GenerationResult:
     def counts(self) -> dict[str, int]:
         return self.trace.counts()
 
+    @property
+    def logprobs(self) -> list[dict[str, Any]]:
+        """One entry per generated token in OpenAI's content-logprob shape: ``token``,
+        ``logprob`` (under the distribution the token was taken from; None where the rule
+        gives none), ``bytes`` (the token text's UTF-8) and ``top_logprobs`` (the call's
+        ``top_logprobs`` most likely tokens, each with ``token``, ``logprob``, ``bytes``)."""
+        return [
+            {
+                "token": s.text,
+                "logprob": s.logprob,
+                "bytes": list(s.text.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode("utf-8"))}
+                    for t in s.top_logprobs
+                ],
+            }
+            for s in self.trace.steps
+        ]
+
 
 @dataclass
 class TokenEvent:

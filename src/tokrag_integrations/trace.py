@@ -23,6 +23,7 @@ __all__ = [
     "Candidate",
     "Citation",
     "PassageRecord",
+    "TopLogprob",
     "Trace",
     "TraceStep",
     "by_contribution",
@@ -66,6 +67,15 @@ class Candidate:
 
 
 @dataclass
+class TopLogprob:
+    """One of the most likely tokens of a step's distribution and its log-probability."""
+
+    token_id: int
+    text: str
+    logprob: float
+
+
+@dataclass
 class TraceStep:
     """One decoding step.
 
@@ -78,6 +88,10 @@ class TraceStep:
     confidence metrics of :mod:`..gating.confidence` read. ``citation`` (``citations=True``):
     each kept passage's share of the RAG context's attention at this step, in prompt order
     (:func:`.attention.citations.passage_scores`); empty where nothing was read.
+    ``logprob``: the token's log-probability under the distribution the rule took it from
+    (:attr:`.policies.base.Choice.logits`, after a constraint's mask, before temperature and
+    the top-k / top-p cuts; None where the rule gives none, or the token was given);
+    ``top_logprobs``: that distribution's most likely tokens (``top_logprobs=`` of the call).
     """
 
     index: int
@@ -88,6 +102,8 @@ class TraceStep:
     signals: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, dict[str, float]] = field(default_factory=dict)
     citation: list[float] = field(default_factory=list)
+    logprob: float | None = None
+    top_logprobs: list[TopLogprob] = field(default_factory=list)
 
     @property
     def disagreement(self) -> bool:
@@ -139,7 +155,8 @@ class Trace:
     with its reason) say how fast the answer was made and what this machine measured: they may
     differ between two decodes of one call (another machine, or before and after the process
     measured its speed paths) whose tokens and decisions are equal, and
-    :meth:`comparable` leaves them out.
+    :meth:`comparable` leaves them out. ``sampling``: the call's ``temperature``, ``top_p``,
+    ``top_k`` and ``seed`` (the seed drawn for it where none was given), empty when greedy.
     """
 
     #: The fields that depend on the machine and the moment, not on the call.
@@ -157,6 +174,7 @@ class Trace:
     prompt_tokens: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     speed: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         """Number of generated tokens per source label."""
@@ -286,6 +304,8 @@ class Trace:
                 signals=dict(s.get("signals", {})),
                 stats={k: dict(v) for k, v in s.get("stats", {}).items()},
                 citation=list(s.get("citation", [])),
+                logprob=s.get("logprob"),
+                top_logprobs=[TopLogprob(**t) for t in s.get("top_logprobs", [])],
             )
             for s in d.pop("steps", [])
         ]
@@ -336,7 +356,7 @@ _TRACE_FIELDS = {
     "query": "str!", "policy": "str!", "model": "str", "options": "dict", "passages": "list",
     "warnings": "list", "steps": "list", "text": "str", "stop_reason": "str",
     "prompt_tokens": "dict", "timings": "dict", "speed": "dict", "counts": "dict",
-    "citations": "list",
+    "citations": "list", "sampling": "dict",
 }  # fmt: skip
 _PASSAGE_FIELDS = {
     "rank": "int!", "text": "str!", "score": "num?", "n_tokens": "int", "kept": "bool",
@@ -344,9 +364,11 @@ _PASSAGE_FIELDS = {
 }  # fmt: skip
 _STEP_FIELDS = {
     "index": "int!", "token_id": "int!", "text": "str!", "source": "str!", "candidates": "dict",
-    "signals": "dict", "stats": "dict", "citation": "list",
+    "signals": "dict", "stats": "dict", "citation": "list", "logprob": "num?",
+    "top_logprobs": "list",
 }  # fmt: skip
 _CANDIDATE_FIELDS = {"token_id": "int!", "text": "str!", "prob": "num?!"}
+_TOP_FIELDS = {"token_id": "int!", "text": "str!", "logprob": "num?!"}
 
 
 def _check_record(d: Any, fields: dict[str, str], where: str) -> None:
@@ -382,6 +404,8 @@ def _check_trace(d: Any) -> None:
         _check_record(s, _STEP_FIELDS, where)
         for role, c in s.get("candidates", {}).items():
             _check_record(c, _CANDIDATE_FIELDS, f"{where}.candidates[{str(role)[:40]!r}]")
+        for j, t in enumerate(s.get("top_logprobs", [])):
+            _check_record(t, _TOP_FIELDS, f"{where}.top_logprobs[{j}]")
         for role, row in s.get("stats", {}).items():
             if not isinstance(row, dict) or not all(_is(v, "num?") for v in row.values()):
                 raise ValueError(f"{where}.stats[{str(role)[:40]!r}] is not numbers by name")

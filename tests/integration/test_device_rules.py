@@ -118,7 +118,7 @@ def check_rule(
                 ((views, choices),) = seen
                 with torch.inference_mode():
                     t = step_tensors_from_views(views, [dec._cite[q] for q in active])
-                    ids, record = rule(t)
+                    ids, record, _ = rule(t)
                 assert ids.dtype == torch.long and ids.shape == (len(active),)
                 assert record.dtype == torch.float32
                 assert record.shape == (len(active), rule.record_width)
@@ -279,7 +279,7 @@ def test_each_rule_reads_nothing_on_the_host(stock, two_context_step, passage_st
     rule = device_rule_for(get_policy(name, **options), stock, citations=True)
     t = passage_step if name == "rag_token" else two_context_step
     with torch.inference_mode(), HostReads() as reads:
-        ids, record = rule(t)
+        ids, record, _ = rule(t)
     assert reads.calls == []
     assert ids.shape == (4,) and record.shape == (4, rule.record_width)
 
@@ -292,7 +292,7 @@ def test_the_rag_and_tokrag_rules_trace_without_graph_breaks(stock, two_context_
     torch._dynamo.reset()
     with torch.inference_mode():
         explained = torch._dynamo.explain(rule.__call__)(t)
-        want_ids, want_record = rule(t)
+        want_ids, want_record, _ = rule(t)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
     compiled = torch.compile(rule.__call__, backend="eager", fullgraph=True)

@@ -15,15 +15,18 @@ import threading
 
 import pytest
 import torch
+from _constraints import Digits
 from _helpers import tiny_smollm2
 from _host_reads import HostReads
 
 from tokrag_integrations import generate, generate_batch
 from tokrag_integrations.accel.static_state import static_step
 from tokrag_integrations.engine.decoder import Decoder
+from tokrag_integrations.engine.sampler import QuerySampling
 from tokrag_integrations.engine.scheduler import MicroBatcher
 from tokrag_integrations.policies import get_policy
 from tokrag_integrations.prompts import PromptBuilder
+from tokrag_integrations.sampling import sampling_of
 
 Q = "Who founded Quillfeather Aerospace, and where?"
 PASSAGES = [
@@ -65,6 +68,11 @@ def _same(got, want) -> None:
         for role, stats in w.stats.items():
             assert g.stats[role] == pytest.approx(stats, rel=1e-4, abs=1e-4)
         assert g.citation == pytest.approx(w.citation, abs=1e-4)
+        assert g.logprob == pytest.approx(w.logprob, rel=1e-4, abs=1e-4)
+        assert [t.token_id for t in g.top_logprobs] == [t.token_id for t in w.top_logprobs]
+        assert [t.logprob for t in g.top_logprobs] == pytest.approx(
+            [t.logprob for t in w.top_logprobs], rel=1e-4, abs=1e-4
+        )
 
 
 def test_the_cuda_preset_turns_the_static_state_on(tiny):
@@ -183,11 +191,72 @@ def test_queries_joining_between_steps_get_what_they_get_alone(tiny, policy):
     assert d.rows_in_use() == 0 and d._static.buf is None  # its buffers went back to the pool
 
 
-def _read_counts(tiny, policy: str, speed) -> tuple[int, int, collections.Counter]:
+#: Sampled decoding (issue 57): a seed, the cuts and the alternatives.
+SAMPLED = dict(temperature=1.0, top_p=0.9, top_k=40, top_logprobs=3)
+
+
+@pytest.mark.parametrize("policy", DEVICE_RULES)
+def test_seeded_sampling_alone_and_batched_equals_the_reference(tiny, policy):
+    """The draw and the log-probabilities run inside the step: a seeded query gets the view
+    path's tokens, sources, log-probabilities and alternatives, alone and in a batch."""
+    kw = dict(policy=policy, max_new_tokens=8, **SAMPLED)
+    want = [generate(tiny, q, PASSAGES, speed="reference", seed=s, **kw) for q, s in ((Q, 1), (LONG_Q, 2))]
+    assert want[0].trace.sampling["seed"] == 1
+    for (q, s), w in zip(((Q, 1), (LONG_Q, 2)), want, strict=True):
+        _same(generate(tiny, q, PASSAGES, speed="cuda", seed=s, **kw), w)
+    batch = generate_batch(tiny, [LONG_Q, Q], [PASSAGES, PASSAGES], speed="cuda", seed=[2, 1], **kw)
+    _same(batch[0], want[1])
+    _same(batch[1], want[0])
+    greedy = generate(tiny, Q, PASSAGES, policy=policy, speed="reference", max_new_tokens=8)
+    assert [r.token_ids for r in want] != [greedy.token_ids] * 2  # it did sample
+
+
+@pytest.mark.parametrize("policy", ["rag", "tokrag", "cad", "rag_token"])
+def test_a_constraint_on_the_static_state_equals_the_reference(tiny, policy):
+    """The constraint's bitmask is a device buffer written before the step: every context
+    masked, the tokens allowed, the answer ended when the grammar is complete."""
+    for temperature in (0.0, 1.0):
+        kw = dict(policy=policy, max_new_tokens=8, temperature=temperature, seed=4)
+        want = generate(tiny, Q, PASSAGES, speed="reference", constraint=Digits(tiny), **kw)
+        c = Digits(tiny)
+        got = generate(tiny, Q, PASSAGES, speed="cuda", constraint=c, **kw)
+        _same(got, want)
+        assert got.stop_reason == "stop" and c.taken == got.token_ids
+        assert all(t in c.allowed for t in got.token_ids)
+
+
+def test_sampled_and_constrained_queries_join_a_greedy_decode(tiny):
+    """Queries with other sampling and a constraint share one static decode with greedy
+    ones, joining between steps; each gets what it gets alone."""
+    qs = [
+        QuerySampling(sampling_of()),
+        QuerySampling(sampling_of(temperature=0.7, seed=9, top_logprobs=2)),
+        QuerySampling(sampling_of(temperature=1.2, seed=3), Digits(tiny)),
+    ]
+    plan = _plan(tiny, Q, PASSAGES)
+    alone = []
+    for smp in qs:
+        d = Decoder(tiny, get_policy("tokrag"), max_new_tokens=6, speed="reference")
+        smp_copy = QuerySampling(smp.sampling, smp.constraint.fork() if smp.constraint else None)
+        d.admit([plan], sampling=[smp_copy])
+        got: dict = {}
+        _tokens(d, got, 6)
+        alone.append(got[0])
+    d = Decoder(tiny, get_policy("tokrag"), max_new_tokens=6, speed="cuda")
+    got = {}
+    for i, smp in enumerate(qs):
+        d.admit([plan], sampling=[smp])
+        _tokens(d, got, 1 if i < 2 else 6)
+    assert d._static is not None
+    _tokens(d, got, 6)
+    assert [got[q] for q in range(3)] == alone
+
+
+def _read_counts(tiny, policy: str, speed, **kw) -> tuple[int, int, collections.Counter]:
     eos = tiny.eos_token_ids
-    generate(tiny, Q, PASSAGES, policy=policy, speed=speed, max_new_tokens=2)  # warm
+    generate(tiny, Q, PASSAGES, policy=policy, speed=speed, max_new_tokens=2, **kw)  # warm
     with HostReads() as c:
-        r = generate(tiny, Q, PASSAGES, policy=policy, speed=speed, max_new_tokens=48)
+        r = generate(tiny, Q, PASSAGES, policy=policy, speed=speed, max_new_tokens=48, **kw)
     steps = len(r.trace.steps) + (r.trace.stop_reason == "eos")
     assert not set(r.token_ids) & set(eos)
     return len(c.calls), steps, collections.Counter(c.calls)
@@ -217,16 +286,38 @@ def test_one_host_read_a_step(tiny, policy):
     assert counts["tolist"] <= steps + 1, counts  # one read per step (+ one in the prefill)
 
 
+@pytest.mark.parametrize("policy", ["rag", "tokrag"])
+def test_one_host_read_a_step_sampled_and_constrained(tiny, policy):
+    """Sampling, log-probabilities and a constraint's mask add no host read to the step."""
+    reads, steps, counts = _read_counts(tiny, policy, "cuda", seed=5, **SAMPLED)
+    assert steps == 48
+    assert reads <= 1.5 * steps, counts
+    assert counts["tolist"] <= steps + 1, counts
+    with HostReads() as c:
+        r = generate(
+            tiny, Q, PASSAGES, policy=policy, speed="cuda", max_new_tokens=8,
+            constraint=Digits(tiny, 6), seed=5, **SAMPLED,
+        )  # fmt: skip
+    assert r.stop_reason == "stop" and len(r.token_ids) == 6
+    assert c.calls.count("tolist") <= 7 and len(c.calls) <= 1.5 * 7, collections.Counter(c.calls)
+
+
 @pytest.mark.parametrize(
     "policy",
     ["rag", "tokrag"],
 )  # fmt: skip
 @pytest.mark.parametrize("batch", [1, 4])
-def test_the_step_compiles_without_graph_breaks(shallow, policy, batch):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_step_compiles_without_graph_breaks(shallow, policy, batch, sampled):
     d = Decoder(shallow, get_policy(policy), max_new_tokens=4, speed="cuda")
     if d._static is None:
         pytest.fail(f"no static state for {policy}: {d.static_off}")
-    d.admit([_plan(shallow, Q, PASSAGES)] * batch)
+    smp = None
+    if sampled:  # sampled queries, one constrained: the draw and the masks in the graph
+        drawn = sampling_of(temperature=0.8, seed=1, top_p=0.9)
+        smp = [QuerySampling(drawn, Digits(shallow))] + [QuerySampling(drawn)] * (batch - 1)
+    d.admit([_plan(shallow, Q, PASSAGES)] * batch, sampling=smp)
+    assert d._static.step_args()[5:7] == ((True, True) if sampled else (False, False))
     st = d._static
     torch._dynamo.reset()
     with st.attention(), torch.inference_mode():

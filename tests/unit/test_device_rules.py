@@ -75,7 +75,7 @@ def test_floor_on_hand_made_logits_gives_the_tokens_sources_and_stats():
     t = tensors()
     t.logits[1] = t.logits[0]  # query 0: the contexts agree
     rule = FloorRule(None, ("pure", "rag"), cite=None, passages=4)
-    ids, record = rule(t)
+    ids, record, _ = rule(t)
     assert record.shape == (3, rule.record_width)
     for q in range(3):
         pure, rag = t.logits[2 * q], t.logits[2 * q + 1]
@@ -97,7 +97,7 @@ def test_floor_on_hand_made_logits_gives_the_tokens_sources_and_stats():
 def test_a_role_a_query_lacks_is_left_out_of_its_candidates():
     t = tensors(rows={"pure": [0, 2, 4], "rag": [1, -1, 5]})
     rule = PureLLMRule(None, ("pure", "rag"), cite=None, passages=4)
-    ids, record = rule(t)
+    ids, record, _ = rule(t)
     got = rule.decode(record[1].tolist(), Tok())
     assert set(got.candidates) == {"pure"} and got.source == "llm"
     assert got.token_id == int(t.logits[2].argmax())
@@ -154,7 +154,7 @@ def test_rag_token_on_hand_made_passages_equals_the_policy_formulas():
     t = tensors(q=2, rows={"passage:0": [0, 2], "passage:1": [1, -1], "passage:2": [3, -1]})
     t.weights = torch.tensor([[0.5, 0.3, 0.2], [1.0, 0.0, 0.0]])
     rule = RAGTokenRule(get_policy("rag_token"), None, citations=True, passages=4)
-    ids, record = rule(t)
+    ids, record, _ = rule(t)
     for q, rows in enumerate(([0, 1, 3], [2])):
         probs = torch.softmax(t.logits[rows], dim=-1)
         w = t.weights[q, : len(rows)]
@@ -177,7 +177,7 @@ def test_the_margins_are_the_policy_margins(name):
 
     t = tensors(seed=5)
     rule = MarginRule(get_policy(name), None, citations=False, passages=4)
-    ids, record = rule(t)
+    ids, record, _ = rule(t)
     margin = logprob_margin if name == "logprob" else entropy_margin
     for q in range(3):
         pure = torch.softmax(t.logits[2 * q], -1)
@@ -227,7 +227,7 @@ def test_a_rule_reads_nothing_on_the_host(index):
     rule = _rules_without_a_model()[index]
     t = tensors()
     with HostReads() as reads:
-        ids, record = rule(t)
+        ids, record, _ = rule(t)
     assert reads.calls == []
     assert ids.shape == (3,) and record.shape == (3, rule.record_width)
 

@@ -51,9 +51,13 @@ import torch
 from ..contexts.kv_cache import has_sliding_window
 from ..models import LoadedModel
 from ..policies.base import ContextSpec, Policy
+from ..sampling import Sampling, TokenConstraint, bitmask_words
 from ..speed import Speed
 from .packed import _PackedBatch
-from .step_tensors import MAX_PASSAGES, DecodedStep, StepTensors, device_rule_for
+from .static_buffers import POOL_SIZE, StaticBuffers, new_buffers, pool_of, reset_buffers
+from .static_forward import ATTN_STATIC, register_attention
+from .static_step import _COMPILED, _compiled, static_step  # noqa: F401 - _COMPILED: the tests swap it
+from .step_tensors import MAX_PASSAGES, DecodedStep, device_rule_for
 
 __all__ = [
     "ATTN_STATIC",
@@ -64,9 +68,6 @@ __all__ = [
     "static_step",
 ]
 
-#: The attention implementation the step's layers run (registered with transformers): the
-#: attention of one query position over the static columns, leaving its probabilities.
-ATTN_STATIC = "tokrag_static"
 #: Architectures whose forward :func:`static_forward` reproduces (the decoder layers of
 #: Llama / SmolLM, Mistral, Qwen2 and Qwen3 with full attention: embeddings, rotary
 #: embedding, layers, final norm, head; no multipliers, no soft-capping).
@@ -80,198 +81,6 @@ def _pow2(n: int, least: int = 1) -> int:
     """The smallest power of two >= max(n, least)."""
     n = max(int(n), int(least), 1)
     return 1 << (n - 1).bit_length()
-
-
-# ---------------------------------------------------------------------- attention
-def static_attention(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    tokrag_probs: list[torch.Tensor] | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention of the step's query positions ([B, H, q, hd]) over the static keys and
-    values ([B, kv_heads, C, hd]) where ``attention_mask`` ([B, 1, q, C] bool) is True.
-    With ``tokrag_probs`` (a list) the probabilities are computed in float32 and the last
-    position's [B, H, C] appended to it (grouped-query attention without repeating the
-    keys); without, one fused ``scaled_dot_product_attention``."""
-    bsz, n_heads, q_len, head_dim = query.shape
-    scale = head_dim**-0.5 if scaling is None else scaling
-    if tokrag_probs is None:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=scale, enable_gqa=True
-        )
-        return out.transpose(1, 2).contiguous(), None
-    n_kv = key.shape[1]
-    groups = n_heads // n_kv
-    qg = query.reshape(bsz, n_kv, groups * q_len, head_dim).float()
-    scores = torch.matmul(qg, key.float().transpose(-1, -2)) * scale  # [B, kv, g*q, C]
-    scores = scores.view(bsz, n_heads, q_len, -1)
-    if attention_mask is not None:
-        scores = scores.masked_fill(~attention_mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    tokrag_probs.append(probs[:, :, -1])
-    out = torch.matmul(probs.view(bsz, n_kv, groups * q_len, -1).to(value.dtype), value)
-    return out.view(bsz, n_heads, q_len, head_dim).transpose(1, 2).contiguous(), None
-
-
-_REGISTERED = False
-
-
-def _register_attention() -> None:
-    global _REGISTERED
-    if not _REGISTERED:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(ATTN_STATIC, static_attention)
-        _REGISTERED = True
-
-
-class StaticKV:
-    """The cache the step's layers write: ``update`` puts the new key/value column at the
-    shared column ``col`` (index_copy_, in place) and returns the whole buffers."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], col: torch.Tensor):
-        self.keys, self.values, self.col = keys, values, col
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *a: Any, **k: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        kb, vb = self.keys[layer_idx], self.values[layer_idx]
-        kb.index_copy_(2, self.col, key_states)
-        vb.index_copy_(2, self.col, value_states)
-        return kb, vb
-
-
-def static_forward(
-    model: Any,
-    ids: torch.Tensor,
-    pos: torch.Tensor,
-    valid: torch.Tensor,
-    col: torch.Tensor,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
-    *,
-    resid: bool,
-    attn: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One token per row through ``model`` on the static state: ([R, V] float32 logits,
-    [R, L+1, d] residuals at the position or None, [R, L, H, C] attention probabilities or
-    None). The layers' own forwards run (their attention is :func:`static_attention`, the
-    model's ``_attn_implementation`` while the step runs)."""
-    backbone = model.model
-    x = backbone.embed_tokens(ids[:, None])
-    mask = valid[:, None, None, :]
-    position_ids = pos[:, None]
-    pe = backbone.rotary_emb(x, position_ids=position_ids)
-    cache = StaticKV(keys, values, col.view(1))
-    probs: list[torch.Tensor] | None = [] if attn else None
-    states = [x[:, 0]] if resid else []
-    for layer in backbone.layers:
-        # The class's forward: the probe's taps (an instance attribute) are not needed here.
-        x = type(layer).forward(
-            layer,
-            x,
-            attention_mask=mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=True,
-            position_embeddings=pe,
-            tokrag_probs=probs,
-        )
-        if resid:
-            states.append(x[:, 0])
-    h = backbone.norm(x[:, 0])
-    logits = model.lm_head(h).float()
-    return (
-        logits,
-        torch.stack(states, dim=1) if resid else None,
-        torch.stack(probs, dim=1) if probs is not None else None,
-    )
-
-
-@dataclass
-class StaticBuffers:
-    """The device buffers of one state (R rows, C columns, Q query slots, P retrieved-token
-    slots); every one is updated in place between and during steps."""
-
-    ids: torch.Tensor  # [R] long: the token each row is fed next
-    pos: torch.Tensor  # [R] long: its position id
-    valid: torch.Tensor  # [R, C] bool: the columns each row attends to
-    col: torch.Tensor  # 0-d long: the column the next step writes
-    keys: list[torch.Tensor]  # per layer [R, kv_heads, C, hd]
-    values: list[torch.Tensor]
-    row_q: torch.Tensor  # [R] long: each row's query slot, -1 for a free row
-    rows: dict[str, torch.Tensor]  # role -> [Q] long
-    rt_pos: torch.Tensor  # [Q, P] long
-    rt_ids: torch.Tensor  # [Q, P] long
-    rt_valid: torch.Tensor  # [Q, P] bool
-    rt_passage: torch.Tensor  # [Q, P] long
-    cite: torch.Tensor  # [Q] long: passages cited per slot (0: not cited)
-    weights: torch.Tensor | None = None  # [Q, K] float: p(z|x) of each passage context
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return (int(self.valid.shape[0]), int(self.valid.shape[1]), int(self.rt_pos.shape[1]))
-
-    def all(self) -> list[torch.Tensor]:
-        return [
-            self.ids, self.pos, self.valid, self.col, *self.keys, *self.values, self.row_q,
-            *self.rows.values(), self.rt_pos, self.rt_ids, self.rt_valid, self.rt_passage,
-            self.cite, *([] if self.weights is None else [self.weights]),
-        ]  # fmt: skip
-
-
-def static_step(
-    model: Any,
-    rule: Any,
-    pad_id: int,
-    resid: bool,
-    attn: bool,
-    ids: torch.Tensor,
-    pos: torch.Tensor,
-    valid: torch.Tensor,
-    col: torch.Tensor,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
-    row_q: torch.Tensor,
-    rows: dict[str, torch.Tensor],
-    rt_pos: torch.Tensor,
-    rt_ids: torch.Tensor,
-    rt_valid: torch.Tensor,
-    rt_passage: torch.Tensor,
-    cite_n: torch.Tensor,
-    weights: torch.Tensor | None,
-) -> torch.Tensor:
-    """The captured step: forward + probes + the device rule + the next-step update, on
-    the buffers of a :class:`StaticBuffers` (passed one by one, so a compiler sees plain
-    tensors). Returns [Q, 1 + K] float32: each query slot's chosen id, then its record."""
-    valid.index_fill_(1, col.view(1), True)  # every row sees the column it writes
-    logits, res, probs = static_forward(
-        model, ids, pos, valid, col, keys, values, resid=resid, attn=attn
-    )
-    t = StepTensors(
-        logits=logits,
-        resid=res,
-        attn=probs,
-        rows=rows,
-        rt_pos=rt_pos,
-        rt_ids=rt_ids,
-        rt_valid=rt_valid,
-        rt_passage=rt_passage,
-        weights=weights,
-        cite_passages=cite_n,
-    )
-    chosen, record = rule(t)
-    nxt = chosen.index_select(0, row_q.clamp(min=0))
-    ids.copy_(torch.where(row_q >= 0, nxt, pad_id))
-    pos.add_(1)
-    col.add_(1)
-    return torch.cat([chosen.to(torch.float32)[:, None], record.float()], dim=1)
 
 
 # ---------------------------------------------------------------------- host side
@@ -305,6 +114,10 @@ class _Slot:
     rt_passage: list[int] = field(default_factory=list)
     cite: int = 0
     weights: list[float] = field(default_factory=list)
+    #: How its tokens are taken, its constraint, and its step index (host mirror).
+    sampling: Sampling = field(default_factory=Sampling)
+    constraint: TokenConstraint | None = None
+    step: int = 0
 
 
 class StaticDecode:
@@ -320,7 +133,7 @@ class StaticDecode:
         *,
         max_new_tokens: int,
     ) -> None:
-        _register_attention()
+        register_attention()
         self.lm, self.policy, self.rule, self.speed = lm, policy, rule, speed
         self.max_new_tokens = int(max_new_tokens)
         #: What the step records for the rule: the residuals, the attention rows. A rule may
@@ -338,6 +151,7 @@ class StaticDecode:
         attn0 = model.model.layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        self.vocab = int(model.get_output_embeddings().weight.shape[0])
         self.buf: StaticBuffers | None = None
         self.col = 0  # host mirror of buf.col
         self.row_owner: list[tuple[int, str] | None] = []
@@ -366,44 +180,17 @@ class StaticDecode:
         """Buffers of R rows, C columns and P retrieved-token slots: a free set of the
         model's pool where there is one (the same addresses, so a captured graph is replayed,
         not recorded again, by the next decode), else new ones."""
-        kept = _pool(self.lm).pop(self._key(R, C, P), None)
+        kept = pool_of(self.lm).pop(self._key(R, C, P), None)
         if kept is not None:
-            with torch.inference_mode():
-                kept.valid.zero_()
-                kept.ids.fill_(self.lm.pad_token_id)
-                kept.pos.zero_()
-                kept.col.zero_()
-                kept.row_q.fill_(-1)
-                for t in kept.rows.values():
-                    t.fill_(-1)
-                kept.rt_valid.zero_()
-                kept.cite.zero_()
-                if kept.weights is not None:
-                    kept.weights.zero_()
+            reset_buffers(kept, self.lm.pad_token_id)
             return kept
-        dev, dt = self.dev, self.dtype
-        kv = (R, self.n_kv, C, self.head_dim)
-        b = StaticBuffers(
-            ids=torch.full((R,), self.lm.pad_token_id, dtype=torch.long, device=dev),
-            pos=torch.zeros(R, dtype=torch.long, device=dev),
-            valid=torch.zeros((R, C), dtype=torch.bool, device=dev),
-            col=torch.zeros((), dtype=torch.long, device=dev),
-            keys=[torch.zeros(kv, dtype=dt, device=dev) for _ in range(self.n_layers)],
-            values=[torch.zeros(kv, dtype=dt, device=dev) for _ in range(self.n_layers)],
-            row_q=torch.full((R,), -1, dtype=torch.long, device=dev),
-            rows={r: torch.full((R,), -1, dtype=torch.long, device=dev) for r in self.roles},
-            rt_pos=torch.zeros((R, P), dtype=torch.long, device=dev),
-            rt_ids=torch.zeros((R, P), dtype=torch.long, device=dev),
-            rt_valid=torch.zeros((R, P), dtype=torch.bool, device=dev),
-            rt_passage=torch.zeros((R, P), dtype=torch.long, device=dev),
-            cite=torch.zeros(R, dtype=torch.long, device=dev),
-            weights=(
-                torch.zeros((R, len(self.roles)), dtype=torch.float32, device=dev)
-                if self.passages
-                else None
-            ),
-        )
-        if dev.type == "cuda" and self.compiled:
+        b = new_buffers(
+            R, C, P,
+            roles=self.roles, layers=self.n_layers, kv_shape=(self.n_kv, self.head_dim),
+            vocab=self.vocab, pad_id=self.lm.pad_token_id, passages=self.passages,
+            dtype=self.dtype, device=self.dev,
+        )  # fmt: skip
+        if self.dev.type == "cuda" and self.compiled:
             for t in b.all():  # fixed addresses: the captured graph reads and writes them
                 torch._dynamo.mark_static_address(t)
         return b
@@ -416,10 +203,12 @@ class StaticDecode:
         roles: Sequence[str],
         cite_lengths: Sequence[list[int] | None],
         prefill: Any,
+        sampling: Sequence[tuple[Sampling, TokenConstraint | None]] | None = None,
     ) -> dict[str, float]:
         """Prefill the queries' contexts (each prompt but its last token, with ``prefill``:
         the speed paths' prefill, unprobed) and place their rows in the state; their first
-        token is chosen at the next step."""
+        token is chosen at the next step. ``sampling``: per query, how its tokens are taken
+        and its constraint (default: greedy, unconstrained)."""
         t0 = time.perf_counter()
         extra = sorted({r for c in per_query for r in c} - set(self.roles))
         if extra:
@@ -509,6 +298,8 @@ class StaticDecode:
                 rag = per_query[q].get("rag")
                 lengths = cite_lengths[q]
                 slot = _Slot(query_ids[q], rows)
+                if sampling is not None:
+                    slot.sampling, slot.constraint = sampling[q]
                 if rag is not None:
                     slot.rt_positions = list(rag.rt_positions)
                     slot.rt_ids = [rag.ids[p] for p in rag.rt_positions]
@@ -563,6 +354,13 @@ class StaticDecode:
         buf.rt_passage[s] = torch.tensor(passage, dtype=torch.long, device=dev)
         buf.rt_valid[s] = torch.tensor(ok, dtype=torch.bool, device=dev)
         buf.cite[s] = cite
+        smp = slot.sampling if slot is not None else Sampling()
+        buf.temperature[s] = smp.temperature
+        buf.top_p[s] = smp.top_p
+        buf.top_k[s] = smp.top_k
+        buf.seed[s] = int(smp.seed or 0)
+        buf.step[s] = slot.step if slot is not None else 0
+        buf.constrained[s] = slot is not None and slot.constraint is not None
         if buf.weights is not None:
             w = slot.weights if slot is not None and slot.weights else [0.0] * len(self.roles)
             buf.weights[s] = torch.tensor(w, dtype=torch.float32, device=dev)
@@ -678,12 +476,31 @@ class StaticDecode:
         """The arguments of :func:`static_step` on this state (for a compiler's checks)."""
         buf = self.buf
         assert buf is not None
+        live = [s for s in self.slots if s is not None]
+        sample = any(not s.sampling.greedy for s in live)
+        masked = any(s.constraint is not None for s in live)
         return (
-            self.lm.model, self.rule, self.lm.pad_token_id, self.resid, self.attn,
-            buf.ids, buf.pos, buf.valid, buf.col, buf.keys, buf.values, buf.row_q,
+            self.lm.model, self.rule, self.lm.pad_token_id, self.resid, self.attn, sample,
+            masked, buf.ids, buf.pos, buf.valid, buf.col, buf.keys, buf.values, buf.row_q,
             buf.rows, buf.rt_pos, buf.rt_ids, buf.rt_valid, buf.rt_passage, buf.cite,
-            buf.weights,
+            buf.weights, buf.temperature, buf.top_p, buf.top_k, buf.seed, buf.step, buf.bits,
+            buf.constrained,
         )  # fmt: skip
+
+    def _write_masks(self) -> None:
+        """The constrained slots' allowed tokens into the device bitmask (written from the
+        host before the step: no read)."""
+        buf = self.buf
+        assert buf is not None
+        live = [(s, slot) for s, slot in enumerate(self.slots) if slot is not None and slot.constraint is not None]
+        if not live:
+            return
+        host = torch.zeros((len(live), bitmask_words(self.vocab)), dtype=torch.int32)
+        for j, (_, slot) in enumerate(live):
+            slot.constraint.fill_bitmask(host, j)  # type: ignore[union-attr]
+        at = torch.tensor([s for s, _ in live], dtype=torch.long, device=self.dev)
+        with torch.inference_mode():
+            buf.bits.index_copy_(0, at, host.to(self.dev))
 
     @contextlib.contextmanager
     def attention(self) -> Iterator[None]:
@@ -698,17 +515,24 @@ class StaticDecode:
             cfg._attn_implementation = before
 
     def step(self, queries: Sequence[int], tokenizer: Any) -> list[DecodedStep]:
-        """Run the step on every row; the one host read; each query's decoded record."""
+        """Run the step on every row; the one host read; each query's decoded record (its
+        ``top_logprobs`` cut to the query's count)."""
+        self._write_masks()
         with self.attention(), torch.inference_mode():
             if self.compiled and self.dev.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's output is read
             out = self._fn(*self.step_args())
         self.col += 1
+        for slot in self.slots:
+            if slot is not None:
+                slot.step += 1
         table = out.tolist()  # the one host read of the step
         decoded = []
         for q in queries:
             row = table[self.slot_of[q]]
-            d = self.rule.decode(row[1:], tokenizer)
+            slot = self.slots[self.slot_of[q]]
+            assert slot is not None
+            d = self.rule.decode(row[1:], tokenizer, top_logprobs=slot.sampling.top_logprobs)
             d.token_id = int(row[0])
             decoded.append(d)
         return decoded
@@ -732,6 +556,8 @@ class StaticDecode:
                     buf.rows[role][s] = -1
                 buf.rt_valid[s] = False
                 buf.cite[s] = 0
+                buf.constrained[s] = False
+                buf.temperature[s] = 0.0
         if not self.rows_in_use():  # nothing left: the buffers go back to the pool
             self._release(buf)
             self.buf = None
@@ -739,38 +565,11 @@ class StaticDecode:
             self.col = 0
 
     def _release(self, buf: StaticBuffers) -> None:
-        pool = _pool(self.lm)
+        pool = pool_of(self.lm)
         pool[self._key(*buf.shape)] = buf
         while len(pool) > POOL_SIZE:
             pool.pop(next(iter(pool)))
 
-
-#: Free buffer sets a model keeps (one per shape, the most recently freed).
-POOL_SIZE = 4
-_POOL = "_tokrag_static_pool"
-
-
-def _pool(lm: LoadedModel) -> dict[tuple[Any, ...], StaticBuffers]:
-    """The model's free static buffers by shape (used under the model's lock)."""
-    return lm.__dict__.setdefault(_POOL, {})
-
-
-_COMPILED: dict[str | None, Any] = {}
-#: The compiled step's entries (policies x their flags x static / dynamic shapes).
-RECOMPILE_LIMIT = 64
-
-
-def _compiled(mode: str | None) -> Any:
-    """:func:`static_step` compiled with ``mode`` (one compiled function per mode, so that
-    every decode reuses its graphs)."""
-    if mode not in _COMPILED:
-        # One code object serves every policy (its rule and flags are guarded constants) and
-        # shape (automatic dynamic after the first change): more entries than dynamo's
-        # default of 8 before it would fall back to eager.
-        dyn = torch._dynamo.config
-        dyn.recompile_limit = max(dyn.recompile_limit, RECOMPILE_LIMIT)
-        _COMPILED[mode] = torch.compile(static_step, mode=mode)
-    return _COMPILED[mode]
 
 
 def static_asked(lm: LoadedModel, speed: Speed) -> bool:

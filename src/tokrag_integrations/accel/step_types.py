@@ -11,13 +11,24 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..trace import Candidate
+from ..trace import Candidate, TopLogprob
 
-__all__ = ["MAX_PASSAGES", "DecodedStep", "DeviceRule", "StepTensors"]
+__all__ = ["MAX_PASSAGES", "DecodedStep", "DeviceRule", "SamplingTensors", "StepTensors"]
 
 #: The citation slots of a record by default: a query with more passages than the rule was
 #: built for is not cited on the device (build the rule with ``passages=`` its count).
 MAX_PASSAGES = 16
+
+
+@dataclass
+class SamplingTensors:
+    """How each query slot's token is taken (:func:`...sampling.draw`), [Q] each."""
+
+    temperature: torch.Tensor  # float32, 0: greedy (the rule's own token)
+    top_p: torch.Tensor  # float32
+    top_k: torch.Tensor  # long, 0: no cut
+    seed: torch.Tensor  # long
+    step: torch.Tensor  # long: the query's step index
 
 
 @dataclass
@@ -55,6 +66,11 @@ class StepTensors:
     #: context is probed and holds exactly its passages). RAG-Token's citation (every
     #: context a passage) does not read it.
     cite_passages: torch.Tensor | None = None
+    #: How each query's token is taken; None: greedy everywhere (the rule's tokens).
+    sampling: SamplingTensors | None = None
+    #: [Q, V] bool: the tokens each query's constraint allows (True everywhere for an
+    #: unconstrained query; every row's logits are masked with it already); None: none.
+    allowed: torch.Tensor | None = None
 
     @property
     def num_queries(self) -> int:
@@ -66,7 +82,8 @@ class DecodedStep:
     """What the host rebuilds from one record row: the policy's Choice (``token_id``,
     ``source``, ``signals`` exactly as its ``choose`` writes them), and the trace parts of
     the engine's ``step_event`` (each role's top-1 ``candidates``, ``stats`` of
-    :func:`..engine.stats.distribution_stats_rows`, the ``citation`` scores or None)."""
+    :func:`..engine.stats.distribution_stats_rows`, the ``citation`` scores or None), and
+    the token's ``logprob`` under the rule's distribution with the ``top_logprobs``."""
 
     token_id: int
     source: str
@@ -74,6 +91,8 @@ class DecodedStep:
     candidates: dict[str, Candidate] = field(default_factory=dict)
     stats: dict[str, dict[str, float]] = field(default_factory=dict)
     citation: list[float] = field(default_factory=list)
+    logprob: float | None = None
+    top_logprobs: list[TopLogprob] = field(default_factory=list)
 
 
 @runtime_checkable
@@ -83,11 +102,14 @@ class DeviceRule(Protocol):
     #: Floats per query in the record.
     record_width: int
 
-    def __call__(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (ids [Q] long, record [Q, record_width] float32): the chosen tokens and
+    def __call__(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (ids [Q] long, record [Q, record_width] float32, logits [Q, V] float32): the
+        chosen tokens (drawn from the rule's distribution where ``t.sampling`` says so),
         everything the trace needs (source code, each role's top-1 candidate and its
-        probability, the statistics, the signals, the citation scores), computed on the
-        device without a host read and without a branch on a tensor's value."""
+        probability, the statistics, the signals, the citation scores, the log-probabilities)
+        and the decision logits (the distribution each token was taken from, as
+        ``Choice.logits``), computed on the device without a host read and without a branch
+        on a tensor's value."""
         ...
 
     def decode(self, record_row: Sequence[float], tokenizer: Any) -> DecodedStep:

@@ -21,11 +21,15 @@ from ..policies import get_policy, uses_passages
 from ..policies.base import Policy
 from ..prompts import PromptPlan, RenderedPrompt
 from ..results import GenerationResult, TokenEvent, _stop_list, _TextTracker
+from ..sampling import TokenConstraint, sampling_of
 from ..speed import Speed, speed_of
 from ..trace import Trace
+from .sampler import QuerySampling
 
+#: How a query's tokens are taken (per query: calls that differ in these share a decode).
+_SAMPLING = ("temperature", "top_p", "top_k", "seed", "top_logprobs", "constraint")
 #: Per-call inputs (not settings): calls that differ only in these share a batch.
-_PER_CALL = ("messages", "rendered")
+_PER_CALL = ("messages", "rendered", *_SAMPLING)
 
 
 _SETTINGS = (
@@ -56,6 +60,8 @@ class _Prepared:
     speed: Speed
     max_new_tokens: int
     citations: bool | None = False
+    #: Per query: how its tokens are taken.
+    sampling: list[QuerySampling] = field(default_factory=list)
 
 
 def _prepare(
@@ -74,6 +80,12 @@ def _prepare(
     speed: Speed | str | Mapping[str, Any] | None = None,
     prompt_format: str = "qa",
     citations: bool | None = CITATIONS,
+    temperature: Any = None,
+    top_p: Any = None,
+    top_k: Any = None,
+    seed: Any = None,
+    top_logprobs: Any = None,
+    constraint: Any = None,
 ) -> _Prepared:
     """Validate everything and build the prompts, traces and text trackers of a decode
     (``queries`` may be empty: then ``plans`` is empty too).
@@ -89,6 +101,8 @@ def _prepare(
         raise ValueError(f"got {len(queries)} queries but {len(passages)} passage lists")
     queries = [_check_query(q, i if len(queries) > 1 else None) for i, q in enumerate(queries)]
     _check_inputs(queries, passages, rendered, max_new_tokens, max_context_tokens)
+    seeds = _per_query("seed", seed, len(queries))
+    per_sampling = [sampling_of(temperature, top_p, top_k, s, top_logprobs) for s in seeds]
     if not queries:
         return _Prepared({}, {}, [], [], [], [], speed_of(speed), max_new_tokens)
     if policy_options is not None and not isinstance(policy_options, Mapping):
@@ -137,7 +151,10 @@ def _prepare(
         )
         for i in range(len(queries))
     ]
+    for t, smp in zip(traces, per_sampling, strict=True):
+        t.sampling = smp.record()
     trackers = [_TextTracker(lm.tokenizer, stops) for _ in queries]
+    constraints = _constraints(lm, constraint, len(queries))
 
     return _Prepared(
         {"main": pol, "llm": llm_pol},
@@ -149,7 +166,41 @@ def _prepare(
         chosen_speed,
         max_new_tokens,
         None if citations is None else require_bool(citations, "citations"),
+        [QuerySampling(smp, c) for smp, c in zip(per_sampling, constraints, strict=True)],
     )
+
+
+def _per_query(name: str, value: Any, n: int) -> list[Any]:
+    """A keyword given once for every query, or as a list of one value per query."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} must be one value, or a list of one per query ({n}), got {len(value)}")
+        return list(value)
+    return [value] * n
+
+
+def _constraints(lm: LoadedModel, constraint: Any, n: int) -> list[TokenConstraint | None]:
+    """One constraint per query from ``constraint=``: a :class:`..sampling.TokenConstraint`,
+    a spec (a dict: ``tokrag_integrations.structured.constraint_for``), None, or a list of
+    those (one per query); one object given for several queries is forked for each."""
+    given = _per_query("constraint", constraint, n)
+    shared = not isinstance(constraint, (list, tuple)) and n > 1
+    out: list[TokenConstraint | None] = []
+    for c in given:
+        if c is None:
+            out.append(None)
+        elif isinstance(c, Mapping):
+            from ..structured import constraint_for  # optional: llguidance
+
+            out.append(constraint_for(c, lm))
+        elif isinstance(c, TokenConstraint):
+            out.append(c.fork() if shared else c)
+        else:
+            raise TypeError(
+                "constraint must be a TokenConstraint or a spec dict such as "
+                f"{{'type': 'json_object'}}, got a {type(c).__name__}"
+            )
+    return out
 
 
 @dataclass

@@ -22,6 +22,7 @@ step with one host read, and :meth:`Decoder.advance` only frees finished rows.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,7 @@ from ..policies.rag_token import passage_posterior
 from ..prompts import PromptPlan
 from ..speed import Speed, speed_of
 from ..trace import Candidate, TraceStep
+from .sampler import GREEDY, Picker, QuerySampling, advance_constraint
 from .seam import SpeedPaths, static_decode
 from .stats import distribution_stats_rows
 from .view import ContextView, make_lens
@@ -201,6 +203,9 @@ class Decoder:
         self._chosen: dict[int, int] = {}
         #: Teacher-forced queries: their given tokens.
         self._forced: dict[int, list[int]] = {}
+        #: Per query: how its tokens are taken (greedy / sampled, its constraint).
+        self.sampling: list[QuerySampling] = []
+        self._picker = Picker(lm)
         self.citations, self._cite_layers = citations, []
         if citations is not False:
             try:
@@ -237,14 +242,20 @@ class Decoder:
 
     # ------------------------------------------------------------------ admission
     def admit(
-        self, plans: Sequence[PromptPlan], forced: Sequence[Sequence[int]] | None = None
+        self,
+        plans: Sequence[PromptPlan],
+        forced: Sequence[Sequence[int]] | None = None,
+        sampling: Sequence[QuerySampling] | None = None,
     ) -> list[int]:
         """Prefill ``plans`` and add them to the decode; returns their query ids. Their
         first token is chosen at the next :meth:`choose`. ``forced`` (one non-empty token list
         per plan): teacher forcing, each query's steps give its views and feed these tokens
-        (the query ends after the last)."""
+        (the query ends after the last). ``sampling``: one per plan, how its tokens are
+        taken (default: greedy, unconstrained)."""
         if not plans:
             return []
+        if sampling is not None and len(sampling) != len(plans):
+            raise ValueError("sampling needs one QuerySampling per plan")
         if forced is not None:
             if len(forced) != len(plans) or any(len(t) == 0 for t in forced):
                 raise ValueError("forced needs one non-empty token list per plan")
@@ -272,6 +283,7 @@ class Decoder:
             for b in ready.batches.values():
                 b.query_idx = [base + q for q in b.query_idx]
         self.generated += [[] for _ in plans]
+        self.sampling += list(sampling) if sampling is not None else [GREEDY] * len(plans)
         self.steps += [0] * len(plans)
         self.done += [False] * len(plans)
         for plan, ctx in zip(plans, per_query, strict=True):
@@ -282,7 +294,12 @@ class Decoder:
         if self._static is not None:
             with self.paths.scope():
                 self.timings = self._static.admit(
-                    ids, per_query, roles, self._cite[base:], self._join_prefill
+                    ids,
+                    per_query,
+                    roles,
+                    self._cite[base:],
+                    self._join_prefill,
+                    [(s.sampling, s.constraint) for s in self.sampling[base:]],
                 )
             return ids
         new_rows = {
@@ -345,8 +362,13 @@ class Decoder:
         events = [self._forced_step(q) for q in self.active if q in self._forced]
         active = [q for q in self.active if q not in self._forced]
         all_views = [views_for(self.rows, q) for q in active]
+        qs = [self.sampling[q] for q in active]
+        allowed = self._picker.mask(qs, all_views)  # a constraint masks every context
         choices = self.policy.choose(all_views, self._lens) if active else []
-        for q, views, choice in zip(active, all_views, choices, strict=True):
+        picked = self._picker.pick(qs, choices, allowed, [self.steps[q] for q in active])
+        for q, views, choice, got in zip(active, all_views, choices, picked, strict=True):
+            if got.token_id != choice.token_id:  # drawn from the rule's distribution
+                choice = dataclasses.replace(choice, token_id=got.token_id)
             ev = step_event(
                 self.lm,
                 q,
@@ -357,6 +379,8 @@ class Decoder:
                 self.stop,
                 self.max_new_tokens,
             )
+            ev.step.logprob, ev.step.top_logprobs = got.logprob, got.top
+            self._constrain(q, ev)
             lengths = self._cite[q]
             if lengths is not None:
                 rag = views["rag"]
@@ -383,6 +407,11 @@ class Decoder:
             events.append(ev)
         return events
 
+    def _constrain(self, q: int, ev: StepEvent) -> None:
+        """Feed query ``q``'s constraint the token; a complete grammar ends the query."""
+        if advance_constraint(self.sampling[q], ev.step.token_id, self.lm.eos_token_ids):
+            ev.finished, ev.stop_reason = True, "stop"
+
     def _static_choose(self, active: list[int]) -> list[StepEvent]:
         """The step on the static state (one read), its records turned into trace steps."""
         assert self._static is not None
@@ -398,10 +427,13 @@ class Decoder:
                 candidates=d.candidates,
                 signals=d.signals,
                 stats=d.stats,
+                logprob=d.logprob,
+                top_logprobs=d.top_logprobs,
             )
             if d.citation is not None:
                 step.citation = d.citation
             ev = end_event(self.lm, q, step, self.generated[q], self.stop, self.max_new_tokens)
+            self._constrain(q, ev)
             self.steps[q] += 1
             self.done[q] = ev.finished
             events.append(ev)

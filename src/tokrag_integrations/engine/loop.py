@@ -7,10 +7,17 @@ every distinct candidate scored under every context of ``rule.contexts`` by teac
 (its tokens given, with its EOS where it ended with one), ``rule.log_p`` picks one, which is
 replayed token by token (step 0 of the trace carries every candidate and its log-scores,
 ``signals[rule.name]``).
+
+Sampling (issue 57): each candidate is decoded by ``rule.candidate_policy`` with the query's
+sampling (greedy, or sampled with a seed of its own derived from the query's and the
+candidate's index) and the query's constraint (a fork per candidate); the scoring is teacher
+forced, so unchanged; the answer's tokens carry the log-probabilities of the candidate decode
+that made them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -24,6 +31,7 @@ from ..prompts import PromptPlan
 from ..speed import Speed
 from ..trace import TraceStep
 from .decoder import Decoder, StepEvent
+from .sampler import GREEDY, QuerySampling
 from .view import ContextView
 
 __all__ = ["SequenceDecoder", "decoder_for", "teacher_force"]
@@ -93,11 +101,15 @@ class _Query:
     """One query of a :class:`SequenceDecoder`: its plan, its candidates as they are decoded
     and scored, and once chosen, the replayed answer's events."""
 
-    def __init__(self, plan: PromptPlan, subs: list[PromptPlan], fallback: bool) -> None:
+    def __init__(
+        self, plan: PromptPlan, subs: list[PromptPlan], fallback: bool, sampling: QuerySampling
+    ) -> None:
         self.plan = plan
+        self.sampling = sampling
         self.subs = subs  # candidate prompts; the fallback's plan last where it has one
         self.fallback = fallback
         self.answers: dict[int, tuple[list[int], str]] = {}  # sub -> (ids, stop reason)
+        self.logprobs: dict[int, list[TraceStep]] = {}  # sub -> its steps (log-probabilities)
         self.cands: list[dict[str, Any]] = []
         self.logp: dict[int, dict[str, float]] = {}
         self.scoring = 0  # teacher-forced rows still running
@@ -156,14 +168,17 @@ class SequenceDecoder:
     def width(self) -> int:
         return max((d.width() for d in self._inner.values()), default=0)
 
-    def admit(self, plans: Sequence[PromptPlan]) -> list[int]:
+    def admit(
+        self, plans: Sequence[PromptPlan], sampling: Sequence[QuerySampling] | None = None
+    ) -> list[int]:
         rule = self.rule
         rule.prepare(self.lm)
         ids = list(range(len(self.done), len(self.done) + len(plans)))
-        for q, p in zip(ids, plans, strict=True):
+        smp = list(sampling) if sampling is not None else [GREEDY] * len(plans)
+        for q, p, s in zip(ids, plans, smp, strict=True):
             subs = list(rule.candidate_plans(p))
             fallback = not p.passage_spans
-            self._queries[q] = _Query(p, subs + ([p] if fallback else []), fallback)
+            self._queries[q] = _Query(p, subs + ([p] if fallback else []), fallback, s)
             for j, sub in enumerate(subs):
                 self._waiting.append(("candidates", q, j, sub, None))
             if fallback:
@@ -241,9 +256,19 @@ class SequenceDecoder:
         for name, reqs in take.items():
             d = self._decoder(name)
             forced = [f for *_, f in reqs] if name == "scoring" else None
-            ids = d.admit([p for _, _, p, _ in reqs], forced=forced)  # type: ignore[misc]
+            smp = None if forced else [self._candidate_sampling(q, item) for q, item, _, _ in reqs]
+            ids = d.admit([p for _, _, p, _ in reqs], forced=forced, sampling=smp)  # type: ignore[misc]
             for i, (q, item, _, _) in zip(ids, reqs, strict=True):
                 self._owner[name][i] = (q, item)
+
+    def _candidate_sampling(self, q: int, item: int) -> QuerySampling:
+        """Candidate ``item`` of query ``q``: the query's sampling with a seed of its own
+        (seed + item·2^32, so that two candidates draw apart), a fork of its constraint."""
+        s = self._queries[q].sampling
+        smp = s.sampling
+        if smp.seed is not None:
+            smp = dataclasses.replace(smp, seed=(smp.seed + (item << 32)) & ((1 << 63) - 1))
+        return QuerySampling(smp, s.constraint.fork() if s.constraint is not None else None)
 
     def _take(self, name: str, ev: StepEvent) -> None:
         """One inner event: a candidate's token, or a scoring row's step."""
@@ -260,6 +285,7 @@ class SequenceDecoder:
         ids, _ = query.answers.get(item, ([], ""))
         if ev.step.token_id not in self.lm.eos_token_ids:
             ids.append(ev.step.token_id)
+            query.logprobs.setdefault(item, []).append(ev.step)
         query.answers[item] = (ids, ev.stop_reason if ev.finished else "")
         if len(query.answers) == len(query.subs) and all(r for _, r in query.answers.values()):
             self._candidates_done(q, query)
@@ -273,7 +299,14 @@ class SequenceDecoder:
             passage = None if j >= n_subs else j
             if passage is not None and any(c["ids"] == ids for c in query.cands):
                 continue  # a passage's answer already given by another: one candidate
-            query.cands.append({"ids": ids, "from_passage": passage, "stop_reason": reason})
+            query.cands.append(
+                {
+                    "ids": ids,
+                    "from_passage": passage,
+                    "stop_reason": reason,
+                    "steps": query.logprobs.get(j, []),
+                }
+            )
         for c, cd in enumerate(query.cands):
             cd["target"] = cd["ids"] + ([eos] if cd["stop_reason"] == "eos" else [])
             query.logp[c] = {}
@@ -350,6 +383,9 @@ def _replay(
             source=source,
             signals={rule.name: summary} if i == 0 else {},
         )
+        made = chosen.get("steps", [])
+        if i < len(made):  # the candidate decode's log-probabilities
+            step.logprob, step.top_logprobs = made[i].logprob, made[i].top_logprobs
         token_p = chosen.get("token_p", {}).get(i)
         if weights and token_p:
             step.citation = passage_posterior(list(weights.values()), [token_p[r] for r in weights])

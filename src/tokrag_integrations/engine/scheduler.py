@@ -40,6 +40,7 @@ from ..models import LoadedModel
 from ..policies.base import Policy
 from ..prompts import RenderedPrompt
 from ..results import GenerationResult, TokenEvent
+from ..sampling import TokenConstraint
 from ..speed import Speed
 from .admission import _PER_CALL, _prepare, _Request, _request
 from .step import _alone, _generate, _Loop
@@ -324,6 +325,12 @@ def generate(
     rendered: RenderedPrompt | None = None,
     batching: bool = False,
     citations: bool | None = CITATIONS,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    top_logprobs: int = 0,
+    constraint: TokenConstraint | Mapping[str, Any] | None = None,
 ) -> GenerationResult:
     """Answer ``query`` with ``passages`` (ranked, best first) under a decoding ``policy``.
 
@@ -355,6 +362,22 @@ def generate(
             with a ``rag`` context (it is then probed: ``rag``, ``cad``...), False never.
             Steps without a ``rag`` context (``llm``, ``rag_token``, ``rag_sequence``) carry
             none.
+        temperature / top_p / top_k / seed: how the token is taken from the distribution the
+            rule chose at each step (docs/algorithm.md, "Sampling"): ``temperature`` 0 or None
+            (default) is greedy, exactly the rule's tokens; above 0 the token is drawn from
+            softmax(z / T) cut to the ``top_k`` most likely tokens (0: no cut) and the
+            ``top_p`` nucleus (1: no cut), with noise from ``seed`` (None: one drawn and
+            recorded in ``trace.sampling``): one seed gives the same tokens alone, in any
+            batch and on any speed path. Per call: calls with other values share a decode.
+        top_logprobs: 0..20 most likely tokens recorded at every step with their
+            log-probabilities (``trace.steps[i].top_logprobs``, ``result.logprobs``); every
+            step records its token's log-probability anyway.
+        constraint: structured output: a :class:`.sampling.TokenConstraint`, or a spec
+            (``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {...}}``,
+            ``{"type": "regex", "regex": ...}``, ``{"type": "grammar", "grammar": ...}``;
+            needs ``pip install 'tokrag-integrations[structured]'``): the tokens it forbids
+            are masked in every context of the query before the rule runs, and the answer
+            ends (``stop_reason="stop"``) when the grammar is complete.
 
     Raises:
         TypeError / ValueError: a bad argument (checked before anything is decoded).
@@ -371,6 +394,12 @@ def generate(
         prompt_format=prompt_format,
         rendered=rendered,
         citations=citations,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        top_logprobs=top_logprobs,
+        constraint=constraint,
     )
     if not require_bool(batching, "batching"):
         return _generate(lm, query, passages, **kwargs)
@@ -423,12 +452,20 @@ def generate_batch(
     system_prompt: Any = _DEFAULT,
     prompt_format: str = "qa",
     citations: bool | None = CITATIONS,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | Sequence[int | None] | None = None,
+    top_logprobs: int = 0,
+    constraint: Any = None,
 ) -> list[GenerationResult]:
     """Decode several queries as one batch (one forward pass per context role per step),
     in the calling thread; the arguments are those of :func:`generate`.
 
     ``queries`` is a list of strings and ``passages`` (if given) one list of passages per
-    query; a single string for either is refused.
+    query; a single string for either is refused. ``seed`` and ``constraint`` may be a list
+    (one per query); one seed serves every query (each gets the tokens it gets alone with
+    it), one constraint object is forked for each.
     """
     if isinstance(queries, (str, bytes)) or not isinstance(queries, Sequence):
         raise TypeError(
@@ -455,6 +492,12 @@ def generate_batch(
         max_context_tokens=max_context_tokens,
         prompt_format=prompt_format,
         citations=citations,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        top_logprobs=top_logprobs,
+        constraint=constraint,
     )
     holder: list[GenerationResult] = []
     if p.plans:

@@ -134,7 +134,7 @@ class _Loop:
                 )
                 self.owners[group] = {}
             t0 = time.perf_counter()
-            ids = d.admit([p.plans[i] for i in idx])
+            ids = d.admit([p.plans[i] for i in idx], sampling=[p.sampling[i] for i in idx])
             now = time.perf_counter()
             static_off = getattr(d, "static_off", None)
             for q, i in zip(ids, idx, strict=True):

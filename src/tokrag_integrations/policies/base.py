@@ -132,11 +132,16 @@ def lens_rounds(gens: list[Signals], lens: Lens, final_norm: bool) -> list[dict[
 
 @dataclass
 class Choice:
-    """A policy's decision at one step."""
+    """A policy's decision at one step: its token, the token's source, the signals behind
+    it, and ``logits`` [V], the distribution the rule took its token from (its argmax is
+    ``token_id``). With ``temperature > 0`` the engine draws the token from ``logits``: the
+    rule chooses the source, the sampler the token (docs/algorithm.md, "Sampling"). A rule
+    that leaves it None keeps its own token whatever the temperature."""
 
     token_id: int
     source: str
     signals: dict[str, Any] = field(default_factory=dict)
+    logits: torch.Tensor | None = None
 
 
 class Policy:

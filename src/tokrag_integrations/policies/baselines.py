@@ -15,7 +15,11 @@ class PureLLM(Policy):
     roles = ("pure",)
 
     def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
-        return [Choice(int(torch.argmax(v["pure"].logits).item()), FROM_LLM) for v in views]
+        # The token is argmax z_pure, from the pure context's distribution.
+        return [
+            Choice(int(torch.argmax(v["pure"].logits).item()), FROM_LLM, logits=v["pure"].logits)
+            for v in views
+        ]
 
 
 class StandardRAG(Policy):
@@ -25,7 +29,11 @@ class StandardRAG(Policy):
     roles = ("rag",)
 
     def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
-        return [Choice(int(torch.argmax(v["rag"].logits).item()), FROM_RAG) for v in views]
+        # The token is argmax z_RAG, from the RAG context's distribution.
+        return [
+            Choice(int(torch.argmax(v["rag"].logits).item()), FROM_RAG, logits=v["rag"].logits)
+            for v in views
+        ]
 
 
 class TwoContextFloor(Policy):
@@ -42,5 +50,5 @@ class TwoContextFloor(Policy):
                 int(torch.argmax(v["pure"].logits).item()),
                 int(torch.argmax(v["rag"].logits).item()),
             )
-            out.append(Choice(b, AGREE if a == b else FROM_RAG))
+            out.append(Choice(b, AGREE if a == b else FROM_RAG, logits=v["rag"].logits))
         return out

@@ -75,8 +75,9 @@ class CAD(Policy):
             pure, rag = v["pure"], v["rag"]
             a, b = int(torch.argmax(pure.logits).item()), int(torch.argmax(rag.logits).item())
             alpha = self.step_alpha(pure, rag)
-            tid = int(torch.argmax(contrast_logits(rag.logits, pure.logits, alpha)).item())
-            out.append(Choice(tid, _source(tid, a, b), {"alpha": alpha}))
+            contrast = contrast_logits(rag.logits, pure.logits, alpha)
+            tid = int(torch.argmax(contrast).item())
+            out.append(Choice(tid, _source(tid, a, b), {"alpha": alpha}, logits=contrast))
         return out
 
 

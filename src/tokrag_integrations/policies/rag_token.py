@@ -87,4 +87,5 @@ class RAGToken(Policy):
             tid,
             best,
             {"p_mix": float(mixed[tid].item()), "p_passage": [round(float(x), 4) for x in per]},
+            logits=torch.log(mixed),  # the mixture's log-probabilities
         )

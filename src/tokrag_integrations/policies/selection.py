@@ -40,9 +40,11 @@ class _MarginSelection(Policy):
         a = int(torch.argmax(pure.logits).item())
         b = int(torch.argmax(rag.logits).item())
         if a == b:
-            return Choice(a, AGREE)
+            return Choice(a, AGREE, logits=rag.logits)
         m = self.margin(pure.probs, rag.probs)
-        return Choice(b, FROM_RAG, {"margin": m}) if m >= 0 else Choice(a, FROM_LLM, {"margin": m})
+        if m >= 0:  # the token and its distribution from the context kept
+            return Choice(b, FROM_RAG, {"margin": m}, logits=rag.logits)
+        return Choice(a, FROM_LLM, {"margin": m}, logits=pure.logits)
 
 
 class LogprobSelection(_MarginSelection):

@@ -219,7 +219,9 @@ class TokRAG(Policy):
         )
         for i, sig in zip(todo, sigs, strict=True):
             out[i] = self._decide(views[i]["pure"], views[i]["rag"], sig)
-        return out
+        for c, v in zip(out, views, strict=True):  # the chosen source's distribution
+            c.logits = v["pure" if c.source == FROM_LLM else "rag"].logits  # type: ignore[union-attr]
+        return out  # type: ignore[return-value]
 
     def _decide(self, pure: View, rag: View, sig: dict[str, Any]) -> Choice:
         """Eq. 19 (and the rising gate) on one query's signals."""

@@ -303,7 +303,10 @@ class TokRAGReference(Policy):
         self._tok = tok
 
     def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
-        return [self._one(v["pure"], v["rag"]) for v in views]
+        out = [self._one(v["pure"], v["rag"]) for v in views]
+        for c, v in zip(out, views, strict=True):  # the chosen source's distribution
+            c.logits = v["pure" if c.source == FROM_LLM else "rag"].logits
+        return out
 
     def _one(self, pure: View, rag: View) -> Choice:
         a = int(torch.argmax(pure.logits).item())

@@ -16,26 +16,29 @@ from .common import AGREE_CODE, LLM_CODE, RAG_CODE, RecordRule, attention_cite, 
 class PureLLMRule(RecordRule):
     """``llm``: argmax_v logits_pure."""
 
-    def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        ids = torch.argmax(role_logits(t, "pure"), dim=-1)
-        return ids, code(LLM_CODE, ids), {}
+    def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        z = role_logits(t, "pure")
+        ids = torch.argmax(z, dim=-1)
+        return ids, code(LLM_CODE, ids), {}, z
 
 
 class StandardRAGRule(RecordRule):
     """``rag``: argmax_v logits_RAG."""
 
-    def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        ids = torch.argmax(role_logits(t, "rag"), dim=-1)
-        return ids, code(RAG_CODE, ids), {}
+    def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        z = role_logits(t, "rag")
+        ids = torch.argmax(z, dim=-1)
+        return ids, code(RAG_CODE, ids), {}, z
 
 
 class FloorRule(RecordRule):
     """``floor``: b = argmax logits_RAG, source ``agree`` where a = argmax logits_pure = b."""
 
-    def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         a = torch.argmax(role_logits(t, "pure"), dim=-1)
-        b = torch.argmax(role_logits(t, "rag"), dim=-1)
-        return b, torch.where(a == b, AGREE_CODE, RAG_CODE), {}
+        rag = role_logits(t, "rag")
+        b = torch.argmax(rag, dim=-1)
+        return b, torch.where(a == b, AGREE_CODE, RAG_CODE), {}, rag
 
 
 _RULES: dict[type, type[RecordRule]] = {

@@ -37,7 +37,9 @@ class CADRule(RecordRule):
     def add_signals(self, layout: Layout) -> None:
         layout.add("alpha")
 
-    def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def choose(
+        self, t: StepTensors
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         pure, rag = role_logits(t, "pure"), role_logits(t, "rag")
         a, b = torch.argmax(pure, dim=-1), torch.argmax(rag, dim=-1)
         if self.adaptive:
@@ -52,7 +54,7 @@ class CADRule(RecordRule):
             AGREE_CODE,
             torch.where(tid == b, RAG_CODE, torch.where(tid == a, LLM_CODE, MIX_CODE)),
         )
-        return tid, source, {"alpha": alpha}
+        return tid, source, {"alpha": alpha}, contrast
 
     def signals_of(self, row: Sequence[float], tokenizer: Any) -> dict[str, Any]:
         return {"alpha": self.layout.one(row, "alpha") if self.adaptive else self.p.alpha}

@@ -13,7 +13,8 @@ import torch
 
 from ...attention.citations import citation_layers
 from ...attention.parts import ModelParts, model_parts
-from ...trace import Candidate
+from ...sampling import MAX_TOP_LOGPROBS, draw, logprobs
+from ...trace import Candidate, TopLogprob
 from ..step_types import DecodedStep, StepTensors
 
 #: The statistics of a role, in the order of :func:`...engine.stats.distribution_stats_rows`.
@@ -257,10 +258,15 @@ def source_codes(extra: Sequence[str] = ()) -> tuple[str, ...]:
 
 
 class RecordRule:
-    """A device rule's frame: the record starts with the chosen token and its source code,
-    then the rule's own signal slots (:meth:`add_signals`), then the trace parts; a subclass
-    writes :meth:`choose` (ids [Q], source codes [Q], signal pieces) and
-    :meth:`signals_of` (the signals dict from a record row)."""
+    """A device rule's frame: the record starts with the chosen token, its source code and
+    its log-probabilities, then the rule's own signal slots (:meth:`add_signals`), then the
+    trace parts; a subclass writes :meth:`choose` (ids [Q], source codes [Q], signal pieces,
+    the decision logits [Q, V]: the distribution each token was taken from, as the policy's
+    ``Choice.logits``) and :meth:`signals_of` (the signals dict from a record row).
+
+    Sampling (issue 57): where ``t.sampling`` is given, the token is drawn from the decision
+    logits (masked by ``t.allowed``) by :func:`...sampling.draw`, the rule's own token kept
+    where the temperature is 0; the trace parts are computed for the token drawn."""
 
     #: The source labels the ``source`` slot indexes (a subclass may add its own).
     sources: tuple[str, ...] = source_codes()
@@ -276,6 +282,9 @@ class RecordRule:
         self.layout = Layout()
         self.layout.add("token")
         self.layout.add("source")
+        self.layout.add("logprob")
+        self.layout.add("top_ids", MAX_TOP_LOGPROBS)
+        self.layout.add("top_lp", MAX_TOP_LOGPROBS)
         self.add_signals(self.layout)
         layers = model_parts(lm.model).num_layers if cite == "attention" else 0
         self.parts = TraceParts(layers, roles, self.layout, cite=cite, passages=passages)
@@ -287,18 +296,38 @@ class RecordRule:
     def add_signals(self, layout: Layout) -> None:
         """Add the rule's signal slots (none by default)."""
 
-    def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def choose(
+        self, t: StepTensors
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         raise NotImplementedError
 
     def signals_of(self, row: Sequence[float], tokenizer: Any) -> dict[str, Any]:
         return {}
 
-    def __call__(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, source, pieces = self.choose(t)
-        pieces = {**pieces, "token": ids, "source": source, **self.parts.compute(t, ids)}
-        return ids, self.layout.pack(pieces)
+    def __call__(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids, source, pieces, logits = self.choose(t)
+        logits = logits.float()
+        if t.allowed is not None:
+            logits = logits.masked_fill(~t.allowed, float("-inf"))
+        s = t.sampling
+        if s is not None:
+            drawn = draw(logits, s.temperature, s.top_p, s.top_k, s.seed, s.step)
+            ids = torch.where(s.temperature > 0, drawn, ids)
+        lp, top_ids, top_lp = logprobs(logits, ids, MAX_TOP_LOGPROBS)
+        pieces = {
+            **pieces,
+            "token": ids,
+            "source": source,
+            "logprob": lp,
+            "top_ids": top_ids,
+            "top_lp": top_lp,
+            **self.parts.compute(t, ids),
+        }
+        return ids, self.layout.pack(pieces), logits
 
-    def decode(self, record_row: Sequence[float], tokenizer: Any) -> DecodedStep:
+    def decode(
+        self, record_row: Sequence[float], tokenizer: Any, top_logprobs: int = MAX_TOP_LOGPROBS
+    ) -> DecodedStep:
         row = [float(x) for x in record_row]
         out = DecodedStep(
             int(self.layout.one(row, "token")),
@@ -306,6 +335,15 @@ class RecordRule:
             self.signals_of(row, tokenizer),
         )
         self.parts.decode_into(row, tokenizer, out)
+        out.logprob = self.layout.one(row, "logprob")
+        out.top_logprobs = [
+            TopLogprob(int(i), tokenizer.decode([int(i)]), float(x))
+            for i, x in zip(
+                self.layout.get(row, "top_ids")[:top_logprobs],
+                self.layout.get(row, "top_lp")[:top_logprobs],
+                strict=True,
+            )
+        ]
         return out
 
 

@@ -29,7 +29,9 @@ class RAGTokenRule(RecordRule):
         layout.add("n")
         layout.add("p_passage", self.K)
 
-    def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def choose(
+        self, t: StepTensors
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         Q = t.num_queries
         beyond = [r for r in t.rows if r.startswith("passage:") and int(r.split(":")[1]) >= self.K]
         if beyond:  # the role names are the step's layout, not tensor values
@@ -58,6 +60,7 @@ class RAGTokenRule(RecordRule):
                 "n": there.long().sum(-1),
                 "p_passage": per,
             },
+            torch.log(mixed),  # the mixture's log-probabilities
         )
 
     def signals_of(self, row: Sequence[float], tokenizer: Any) -> dict[str, Any]:

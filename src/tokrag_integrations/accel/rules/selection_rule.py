@@ -41,7 +41,9 @@ class MarginRule(RecordRule):
     def add_signals(self, layout: Layout) -> None:
         layout.add("margin", 2)
 
-    def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def choose(
+        self, t: StepTensors
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         pure, rag = role_logits(t, "pure"), role_logits(t, "rag")
         a, b = torch.argmax(pure, dim=-1), torch.argmax(rag, dim=-1)
         p_pure, p_rag = torch.softmax(pure, dim=-1), torch.softmax(rag, dim=-1)
@@ -53,7 +55,9 @@ class MarginRule(RecordRule):
         keep_rag = agree | (m >= 0)
         ids = torch.where(keep_rag, b, a)
         source = torch.where(agree, AGREE_CODE, torch.where(keep_rag, RAG_CODE, LLM_CODE))
-        return ids, source, {"margin": split_double(m)}
+        # The chosen source's distribution (``agree``: RAG's).
+        logits = torch.where((source == LLM_CODE)[:, None], pure, rag)
+        return ids, source, {"margin": split_double(m)}, logits
 
     def signals_of(self, row: Sequence[float], tokenizer: Any) -> dict[str, Any]:
         if self.sources[int(self.layout.one(row, "source"))] == self.sources[AGREE_CODE]:

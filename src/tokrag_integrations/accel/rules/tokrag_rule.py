@@ -80,7 +80,9 @@ class TokRAGRule(RecordRule):
         layout.add("pr_vals", 3)
 
     # ------------------------------------------------------------------ the rule
-    def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def choose(
+        self, t: StepTensors
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         p = self.p
         logit_pure, logit_rag = role_logits(t, "pure"), role_logits(t, "rag")
         a = torch.argmax(logit_pure, dim=-1)
@@ -114,7 +116,9 @@ class TokRAGRule(RecordRule):
         source = torch.where(note == 0, AGREE_CODE, torch.where(keep_rag, RAG_CODE, LLM_CODE))
         sig["note"] = note
         sig["benefit"] = benefit
-        return ids, source, sig
+        # The chosen source's distribution (``agree``: RAG's).
+        logits = torch.where((source == LLM_CODE)[:, None], logit_pure, logit_rag)
+        return ids, source, sig, logits
 
     def _signals(
         self,
