@@ -20,7 +20,6 @@ from .retrieved import find_retrieved, given_retrieval, retrieval_metadata
 from .sampling import SAMPLING_FIELDS, sampling_options
 from .structured_output import checked_response_format
 from .tools import (
-    CALL_END,
     checked_tool_choice,
     has_tool_turns,
     tool_constraint,
@@ -171,8 +170,6 @@ def prepare_call(
                 warnings.warn(NO_PASSAGES_WARNING, UserWarning, stacklevel=_caller_stacklevel())
     retrieved = bool(passages) or rendered is not None
     stops = list(stop if stop is not None else (model.stop or []))
-    if tools is not None and not call.get("parallel_tool_calls"):
-        stops.append(CALL_END)  # one call per answer (its closing tag is cut, as a stop is)
     core: dict[str, Any] = {
         **sampling,
         "policy": policy if retrieved else "llm",
@@ -195,7 +192,7 @@ def prepare_call(
     if fmt is not None:
         core["constraint"] = checked_response_format(fmt)
     elif tools is not None and choice != "none":
-        constraint = tool_constraint(tools, choice, lm)
+        constraint = tool_constraint(tools, choice, lm, bool(call.get("parallel_tool_calls")))
         if constraint is not None:
             core["constraint"] = constraint
     return Call(

@@ -315,7 +315,7 @@ class ChatTokRAG(BaseChatModel):
             **final,
         }
         if call.logprobs:
-            metadata.update(logprobs_metadata(steps))
+            metadata["logprobs"] = {"content": result.logprobs}
         message = AIMessage(
             content=content,
             tool_calls=langchain_calls(calls["calls"]),

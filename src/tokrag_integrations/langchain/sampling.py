@@ -50,7 +50,9 @@ def sampling_options(values: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def step_logprob(step: TraceStep) -> dict[str, Any]:
-    """One generated token's entry of ``logprobs["content"]`` (OpenAI's shape)."""
+    """One generated token's entry of ``logprobs["content"]`` (OpenAI's shape), as
+    ``GenerationResult.logprobs`` gives each (a stream has its steps, not the result, until
+    its end)."""
 
     def entry(text: str, logprob: float | None) -> dict[str, Any]:
         return {
@@ -66,6 +68,6 @@ def step_logprob(step: TraceStep) -> dict[str, Any]:
 
 
 def logprobs_metadata(steps: list[TraceStep]) -> dict[str, Any]:
-    """``response_metadata["logprobs"]`` of ``steps`` (a whole answer, or one streamed token:
-    the chunks' lists add up to the answer's)."""
+    """``response_metadata["logprobs"]`` of streamed ``steps`` (the chunks' lists add up to
+    the answer's)."""
     return {"logprobs": {"content": [step_logprob(s) for s in steps]}}

@@ -24,6 +24,8 @@ from langchain_core.output_parsers import BaseOutputParser
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema
 
+from ..structured import json_schema_of, parse_structured
+
 METHODS = ("json_schema", "json_mode", "function_calling")
 
 
@@ -38,8 +40,6 @@ def _pydantic_v1(schema: Any) -> bool:
 
 def response_format(schema: Any) -> dict[str, Any]:
     """The ``response_format`` bound for ``schema`` (None: any JSON object)."""
-    from ..structured import json_schema_of
-
     if schema is None:
         return {"type": "json_object"}
     if _pydantic_v1(schema):
@@ -58,8 +58,6 @@ class StructuredParser(BaseOutputParser[Any]):
     """The schema given to ``with_structured_output`` (None: any JSON)."""
 
     def parse(self, text: str) -> Any:
-        from ..structured import parse_structured
-
         try:
             if self.schema_ is None:
                 return json.loads(text)

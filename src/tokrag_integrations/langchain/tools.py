@@ -21,6 +21,14 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 
 from ..adapters.chat import ChatTurns, split_turns
+from ..structured import (
+    choice_of,
+    find_tool_calls,
+    render_tools,
+    tool_call_constraint,
+)
+from ..structured import tool_specs as structured_specs
+from ..structured.tool_specs import CALL_OPEN
 from .messages import _role, _text
 
 
@@ -35,8 +43,6 @@ def tool_specs(tools: Sequence[Any]) -> list[dict[str, Any]]:
     """
     from langchain_core.utils.function_calling import convert_to_openai_tool
 
-    from ..structured.tools import tool_specs as specs_of
-
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
         raise TypeError(f"bind_tools takes a list of tools, not a {type(tools).__name__}")
     # LangChain's own conversion first: it also reads JSON-schema dicts, TypedDicts and
@@ -47,7 +53,7 @@ def tool_specs(tools: Sequence[Any]) -> list[dict[str, Any]]:
         spec = convert_to_openai_tool(t)
         if _untitled(spec) not in unique:
             unique[_untitled(spec)] = spec
-    return specs_of(list(unique.values()))
+    return structured_specs(list(unique.values()))
 
 
 def _untitled(value: Any) -> str:
@@ -71,8 +77,6 @@ def checked_tool_choice(tool_choice: Any, specs: list[dict[str, Any]]) -> str:
     Raises:
         ValueError: a name no bound tool has, or a value of none of those kinds.
     """
-    from ..structured.tools import choice_of
-
     return "none" if tool_choice is False else choice_of(tool_choice, specs)
 
 
@@ -124,9 +128,7 @@ def call_chunks(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 #: Where a tool call starts in the answer's text (the structured helpers' call format).
-CALL_START = "<tool_call>"  # structured.tools.CALL_OPEN (imported lazily: llguidance)
-#: Where it ends (structured.tools.CALL_CLOSE).
-CALL_END = "</tool_call>"
+CALL_START = CALL_OPEN
 
 
 def has_tool_turns(messages: Sequence[BaseMessage]) -> bool:
@@ -145,8 +147,6 @@ def tool_prompt(messages: Sequence[BaseMessage], tools: list[dict[str, Any]], lm
         ValueError: a message of a kind ChatTokRAG does not take, or a conversation that
             ends with neither a human message nor a tool result.
     """
-    from ..structured import render_tools
-
     turns = []
     for m in messages:
         text = _text(m)
@@ -161,18 +161,15 @@ def tool_prompt(messages: Sequence[BaseMessage], tools: list[dict[str, Any]], lm
     return split_turns(rendered, "ChatTokRAG", "end the list with a HumanMessage or a ToolMessage")
 
 
-def tool_constraint(tools: list[dict[str, Any]], choice: str, lm: Any) -> Any:
-    """The token constraint of a call under ``choice`` (None: free text)."""
-    from ..structured import tool_call_constraint
-
-    return tool_call_constraint(tools, choice, lm)
+def tool_constraint(tools: list[dict[str, Any]], choice: str, lm: Any, parallel: bool) -> Any:
+    """The token constraint of an answer under ``choice`` (None: free text); ``parallel``:
+    calls may follow one another (else the answer ends after its first call)."""
+    return tool_call_constraint(tools, choice, lm, parallel=parallel)
 
 
 def parsed_calls(text: str) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
     """(the answer's text without its tool calls, the calls: ``id``, ``name``,
     ``arguments``; the blocks that are no call, as ``AIMessage.invalid_tool_calls``)."""
-    from ..structured.calls import find_tool_calls
-
     content, calls, invalid = find_tool_calls(text)
     bad = [
         {"name": c["name"], "args": c["args"], "id": c["id"], "error": c["error"],
