@@ -49,9 +49,11 @@ _CALL_KWARGS = (
 #: ``response_metadata["retrieval"]["note"]`` says why on every such call.
 NO_PASSAGES_WARNING = (
     "ChatTokRAG got no retrieved text, so it decodes as the plain model (policy 'llm'): no "
-    "retriever ran before it in this LangChain run, or the documents it returned are not in "
-    "the prompt as is (response_metadata['retrieval'] says which, on every call). To decode "
-    "with Tok-RAG, format the retrieved documents into the prompt unchanged (e.g. "
+    "retriever ran before it in this LangChain run and no prompt template's 'context' or "
+    "'documents' variable was filled, or what they returned is not in the prompt as is "
+    "(response_metadata['retrieval'] says which, on every call). To decode with Tok-RAG, put "
+    "the retrieved text in your prompt template's {context} variable, format the retrieved "
+    "documents into the prompt unchanged (e.g. "
     "'\\n\\n'.join(d.page_content for d in docs)), pass them as passages "
     "(ChatTokRAG(...).bind(passages=docs), invoke(..., passages=docs) or the passages= "
     "field), or build the chain with create_tokrag_chain(retriever, model, prompt=your_prompt) "
