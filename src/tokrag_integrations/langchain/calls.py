@@ -22,6 +22,7 @@ from .structured_output import checked_response_format
 from .tools import (
     checked_tool_choice,
     has_tool_turns,
+    remote_tool_turns,
     tool_constraint,
     tool_prompt,
     tool_specs,
@@ -67,7 +68,8 @@ class Call:
     """One call, translated into the arguments of the core API."""
 
     lm: LoadedModel
-    query: str
+    query: str | None
+    """The question (None: a server call whose messages end with a tool result)."""
     passages: list[Any]
     kwargs: dict[str, Any]
     retrieval: dict[str, Any]
@@ -161,6 +163,8 @@ def prepare_call(
             raise ValueError("context= cannot be given with tools or tool messages")
         rendered, prompt = rendered_prompt(messages, context, question, passages)
         passages = []  # the documents context holds, in rendered
+    elif (tools or talk) and not isinstance(lm, LoadedModel):
+        prompt = remote_tool_turns(messages)  # the server renders the tools and the turns
     elif tools or talk:
         prompt = tool_prompt(messages, tools or [], lm)
     else:
@@ -193,6 +197,8 @@ def prepare_call(
         core["prompt_format"] = "chat"
     if fmt is not None:
         core["constraint"] = checked_response_format(fmt)
+    elif tools is not None and not isinstance(lm, LoadedModel):
+        core["tools"], core["tool_choice"] = tools, choice  # the server constrains the call
     elif tools is not None and choice != "none":
         constraint = tool_constraint(tools, choice, lm, bool(call.get("parallel_tool_calls")))
         if constraint is not None:

@@ -151,14 +151,36 @@ def tool_prompt(messages: Sequence[BaseMessage], tools: list[dict[str, Any]], lm
     for m in messages:
         text = _text(m)
         turns.append(tool_turn(m, text) or {"role": _role(m), "content": text})
-    tokenizer = getattr(lm, "tokenizer", None)
-    if tokenizer is None:
-        raise ValueError(
-            "tools and tool messages need a local model (its chat template renders them); "
-            "ChatTokRAG(base_url=...) does not take them yet"
-        )
-    rendered = render_tools(tokenizer, turns, tools)
+    rendered = render_tools(lm.tokenizer, turns, tools)
     return split_turns(rendered, "ChatTokRAG", "end the list with a HumanMessage or a ToolMessage")
+
+
+def remote_tool_turns(messages: Sequence[BaseMessage]) -> ChatTurns:
+    """The conversation as OpenAI turns for a ``tokrag serve`` server, which renders the tools
+    and the tool turns itself: system messages -> the system prompt; a last human message ->
+    the question, the turns before it -> history; a last tool result -> no question (None),
+    every turn history.
+
+    Raises:
+        ValueError: the conversation ends with neither a human message nor a tool result.
+    """
+    turns = []
+    for m in messages:
+        text = _text(m)
+        turns.append(tool_turn(m, text) or {"role": _role(m), "content": text})
+    system = [t["content"] for t in turns if t["role"] == "system" and t["content"].strip()]
+    talk = [t for t in turns if t["role"] != "system"]
+    if not talk or talk[-1]["role"] not in ("user", "tool"):
+        raise ValueError(
+            "The last chat message must be a human message or a tool result: ChatTokRAG "
+            "answers it, so end the list with a HumanMessage or a ToolMessage."
+        )
+    last_user = talk[-1]["role"] == "user"
+    return ChatTurns(
+        query=talk[-1]["content"] if last_user else None,  # type: ignore[arg-type]
+        history=talk[:-1] if last_user else talk,
+        system_prompt="\n\n".join(system) or None,
+    )
 
 
 def tool_constraint(tools: list[dict[str, Any]], choice: str, lm: Any, parallel: bool) -> Any:
