@@ -201,7 +201,8 @@ def test_tool_results_are_fed_back(chat: ChatTokRAG) -> None:
 def test_create_agent_runs_a_retriever_tool(lm: Any) -> None:
     """``langchain.agents.create_agent`` with a retriever tool over the sample documents: the
     first model call is forced to the tool (the 135M model does not pick it under "auto"),
-    the tool runs, its documents are in the state, and the model answers after them."""
+    the tool runs, its documents are in the state, and the model answers after them with
+    Tok-RAG, the tool's documents as the retrieved text."""
     from langchain.agents import create_agent
     from langchain.agents.middleware import wrap_model_call
     from langchain_core.vectorstores import InMemoryVectorStore
@@ -238,3 +239,9 @@ def test_create_agent_runs_a_retriever_tool(lm: Any) -> None:
     assert results and "Bramblewick" in results[0].content  # the tool's documents are in the state
     final = messages[-1]
     assert isinstance(final, AIMessage) and not final.tool_calls and final.content
+    # The tool's retriever ran in the agent's run: its documents, found in the tool result the
+    # model reads, are the retrieved text of the answer (Tok-RAG over the tool's result).
+    meta = final.response_metadata
+    assert meta["policy"] == "tokrag" and meta["retrieval"]["source"] == "retriever"
+    assert meta["retrieval"]["found"] == 2
+    assert "Bramblewick" in "".join(p["text"] for p in meta["trace"]["passages"])

@@ -16,15 +16,15 @@ from ..adapters.translate import options_dict
 from ..models import LoadedModel, unknown_arguments
 from ..policies import get_policy
 from .messages import document_passages, messages_to_prompt, rendered_prompt
-from .retrieved import find_retrieved, given_retrieval, retrieval_metadata
+from .retrieved import find_retrieved, given_retrieval
 from .sampling import SAMPLING_FIELDS, sampling_options
 from .structured_output import checked_response_format
 from .tools import (
     checked_tool_choice,
     has_tool_turns,
+    plain_messages,
     remote_tool_turns,
     tool_constraint,
-    tool_prompt,
     tool_specs,
 )
 
@@ -139,13 +139,24 @@ def prepare_call(
     context, question = call.get("context"), call.get("question")
     if context is None and question is not None:
         raise ValueError("question= is the pure context's question of a context= call")
-    if context is None and given is None and policy != "llm" and (tools or talk):
-        # A tool-calling turn: the tool results are turns of the conversation.
-        retrieval = retrieval_metadata(
-            "none",
-            "a tool-calling turn: the run's retrieved text is not looked up in it (pass "
-            "passages= for Tok-RAG)",
-        )
+    max_tokens = int(call.get("max_tokens", model.max_tokens))
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    lm = model._resolve_model(call.get("model"))
+    remote = (tools or talk) and not isinstance(lm, LoadedModel)
+    if (tools or talk) and not remote:
+        # The tools shown and the tool turns written as text turns (what the model reads):
+        # from here on a conversation like any other, a tool's retrieved text included.
+        messages = plain_messages(messages, tools or [], lm)
+    if remote:
+        if context is not None:
+            raise ValueError("context= cannot be given with tools or tool messages to a server")
+        retrieval = given_retrieval(passages, None, policy)
+        if given is None and policy != "llm":
+            retrieval["note"] = (
+                "the server renders the tool turns: the run's retrieved text is not looked up "
+                "(pass passages= for Tok-RAG)"
+            )
     elif context is None and given is None and policy != "llm":
         # LangChain's own RAG code: the run's retrieved documents, found in the messages.
         found = find_retrieved(messages, run_manager)
@@ -153,20 +164,12 @@ def prepare_call(
         passages = document_passages(found.documents)
     else:
         retrieval = given_retrieval(passages, context, policy)
-    max_tokens = int(call.get("max_tokens", model.max_tokens))
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     rendered = None
-    lm = model._resolve_model(call.get("model"))
     if context is not None:
-        if tools or talk:
-            raise ValueError("context= cannot be given with tools or tool messages")
         rendered, prompt = rendered_prompt(messages, context, question, passages)
         passages = []  # the documents context holds, in rendered
-    elif (tools or talk) and not isinstance(lm, LoadedModel):
+    elif remote:
         prompt = remote_tool_turns(messages)  # the server renders the tools and the turns
-    elif tools or talk:
-        prompt = tool_prompt(messages, tools or [], lm)
     else:
         prompt = messages_to_prompt(messages)
         if given is None and policy != "llm" and retrieval["source"] == "none":
@@ -197,7 +200,7 @@ def prepare_call(
         core["prompt_format"] = "chat"
     if fmt is not None:
         core["constraint"] = checked_response_format(fmt)
-    elif tools is not None and not isinstance(lm, LoadedModel):
+    elif tools is not None and remote:
         core["tools"], core["tool_choice"] = tools, choice  # the server constrains the call
     elif tools is not None and choice != "none":
         constraint = tool_constraint(tools, choice, lm, bool(call.get("parallel_tool_calls")))

@@ -18,9 +18,16 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
 
-from ..adapters.chat import ChatTurns, split_turns
+from ..adapters.chat import ChatTurns
 from ..structured import (
     choice_of,
     find_tool_calls,
@@ -138,21 +145,27 @@ def has_tool_turns(messages: Sequence[BaseMessage]) -> bool:
     )
 
 
-def tool_prompt(messages: Sequence[BaseMessage], tools: list[dict[str, Any]], lm: Any) -> ChatTurns:
+def plain_messages(
+    messages: Sequence[BaseMessage], tools: list[dict[str, Any]], lm: Any
+) -> list[BaseMessage]:
     """The conversation with its tool calls and results, and the tools shown to the model
-    (:func:`~tokrag_integrations.structured.render_tools` over the model's tokenizer), split
-    as the core takes it.
+    (:func:`~tokrag_integrations.structured.render_tools` over the model's tokenizer: the
+    template's own tools text or one system block; calls and results as text), as system,
+    human and AI messages of text.
 
     Raises:
-        ValueError: a message of a kind ChatTokRAG does not take, or a conversation that
-            ends with neither a human message nor a tool result.
+        ValueError: a message of a kind ChatTokRAG does not take.
     """
     turns = []
     for m in messages:
         text = _text(m)
         turns.append(tool_turn(m, text) or {"role": _role(m), "content": text})
-    rendered = render_tools(lm.tokenizer, turns, tools)
-    return split_turns(rendered, "ChatTokRAG", "end the list with a HumanMessage or a ToolMessage")
+    kinds = {"system": SystemMessage, "user": HumanMessage, "assistant": AIMessage}
+    return [
+        kinds[t["role"]](content=t["content"]) if t["role"] in kinds
+        else ChatMessage(role=t["role"], content=t["content"])
+        for t in render_tools(lm.tokenizer, turns, tools)
+    ]
 
 
 def remote_tool_turns(messages: Sequence[BaseMessage]) -> ChatTurns:
