@@ -71,7 +71,8 @@ class ChatTokRAG(BaseChatModel):
     its order (each its own passage: citations name it). Without either (LangChain's own RAG
     chains), the documents the run's retrievers returned before the call are looked up in the
     messages (:mod:`.retrieved`): the span from the first found to the last is ``context=``,
-    the found documents its passages. With no
+    the found documents its passages; with none found (LangGraph's recipe), the text a prompt
+    template's ``context`` / ``documents`` variable received in the run. With no
     retrieved text it is the plain model (policy ``"llm"``, as ``ChatHuggingFace``); unless
     ``policy="llm"`` was asked for, the first such call of an instance warns
     (:data:`NO_PASSAGES_WARNING`). ``response_metadata["retrieval"]`` says on every call where
@@ -84,6 +85,11 @@ class ChatTokRAG(BaseChatModel):
     the passage it is cited to, its score and the document's ``metadata``, ``id`` included).
     Streaming yields one ``AIMessageChunk`` per token (``token_sources == [source]``); the
     last chunk (``chunk_position="last"``) carries usage, the trace and the citations.
+
+    As a chat model (ChatOpenAI's names, fields and per-call keywords): ``temperature``,
+    ``top_p``, ``top_k``, ``seed`` (:mod:`.sampling`), ``logprobs`` / ``top_logprobs``
+    (``response_metadata["logprobs"]``), :meth:`with_structured_output` and
+    ``response_format=`` (:mod:`.structured_output`), :meth:`bind_tools` (:mod:`.tools`).
 
         >>> from langchain_core.documents import Document
         >>> docs = [Document("Quillfeather Aerospace was founded in 1994 by Ottoline Varga.")]
