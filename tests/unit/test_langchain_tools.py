@@ -12,7 +12,7 @@ from langchain_core.tools import tool
 from pydantic import BaseModel
 
 from tokrag_integrations.langchain import ChatTokRAG
-from tokrag_integrations.langchain.sampling import sampling_options
+from tokrag_integrations.langchain.chat_options import sampling_options
 from tokrag_integrations.langchain.structured_output import checked_response_format
 from tokrag_integrations.langchain.tools import (
     HeldText,

@@ -1,5 +1,5 @@
 """One ``ChatTokRAG`` call translated into the core API's arguments: the messages, the
-retrieved text (given, or found by :mod:`.retrieved`), the policy, sampling (:mod:`.sampling`),
+retrieved text (given, or found by :mod:`.retrieved`), the policy, sampling (:mod:`.chat_options`),
 tools (:mod:`.tools`) and the response format (:mod:`.structured_output`)."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from langchain_core.messages import BaseMessage
 from ..adapters.translate import options_dict
 from ..models import LoadedModel, unknown_arguments
 from ..policies import get_policy
+from .chat_options import SAMPLING_FIELDS, sampling_options
 from .messages import document_passages, messages_to_prompt, rendered_prompt
 from .retrieved import find_retrieved, given_retrieval
-from .sampling import SAMPLING_FIELDS, sampling_options
 from .structured_output import checked_response_format
 from .tools import (
     checked_tool_choice,

@@ -28,12 +28,12 @@ from ..defaults import MAX_NEW_TOKENS, REMOTE_MAX_RESPONSE_MB
 from ..models import LOAD_FIELDS, LoadedModel, load_model, unknown_arguments
 from ..results import GenerationResult, TokenEvent
 from .calls import Call, prepare_call
+from .chat_options import SAMPLING_FIELDS, logprobs_metadata, sampling_options
 from .messages import (
     final_metadata,
     token_metadata,
     usage_metadata,
 )
-from .sampling import SAMPLING_FIELDS, logprobs_metadata, sampling_options
 from .structured_output import structured_runnable
 from .tools import (
     HeldText,
@@ -87,7 +87,7 @@ class ChatTokRAG(BaseChatModel):
     last chunk (``chunk_position="last"``) carries usage, the trace and the citations.
 
     As a chat model (ChatOpenAI's names, fields and per-call keywords): ``temperature``,
-    ``top_p``, ``top_k``, ``seed`` (:mod:`.sampling`), ``logprobs`` / ``top_logprobs``
+    ``top_p``, ``top_k``, ``seed`` (:mod:`.chat_options`), ``logprobs`` / ``top_logprobs``
     (``response_metadata["logprobs"]``), :meth:`with_structured_output` and
     ``response_format=`` (:mod:`.structured_output`), :meth:`bind_tools` (:mod:`.tools`).
 
