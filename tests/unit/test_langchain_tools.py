@@ -22,6 +22,7 @@ from tokrag_integrations.langchain.tools import (
     langchain_calls,
     tool_specs,
     tool_turn,
+    unsent,
 )
 
 
@@ -70,6 +71,9 @@ def test_held_text_sends_only_what_no_call_holds() -> None:
     assert [held.push(d) for d in ["a <", "b"]] == ["a ", "<b"]
     plain = HeldText(tools=False)
     assert [plain.push(d) for d in ["<tool_", "call>"]] == ["<tool_", "call>"]
+    # The last chunk adds what the answer's content (stripped) has beyond the sent text.
+    assert unsent("Let me check.", "Let me check. ") == ""
+    assert unsent("ab", "a") == "b" and unsent("", "") == ""
 
 
 def test_calls_as_tool_calls_and_as_chunks_add_up() -> None:

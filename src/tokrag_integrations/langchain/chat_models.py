@@ -42,6 +42,7 @@ from .tools import (
     langchain_calls,
     parsed_calls,
     tool_specs,
+    unsent,
 )
 
 _MODEL_CACHE: dict[tuple[str, str], LoadedModel] = {}
@@ -350,7 +351,7 @@ class ChatTokRAG(BaseChatModel):
         what the token chunks held) and the tool calls."""
         content, calls, metadata = cls._answer(result, call)
         message = AIMessageChunk(
-            content=content[len(sent):] if content.startswith(sent) else content,
+            content=unsent(content, sent),
             # (a malformed call block stays in the text, as in invoke's content)
             tool_call_chunks=call_chunks(calls["calls"]),
             response_metadata=metadata,

@@ -239,3 +239,13 @@ class HeldText:
         out = self.text[len(self.sent):at] if at > len(self.sent) else ""
         self.sent += out
         return out
+
+
+def unsent(content: str, sent: str) -> str:
+    """What the last chunk adds to the ``sent`` text of a stream for the merged text to be the
+    answer's ``content`` (the text outside its calls, stripped), outer whitespace of the sent
+    part aside."""
+    for head in (sent, sent.strip()):
+        if content.startswith(head):
+            return content[len(head):]
+    return content  # pragma: no cover - the sent text is always the content's start
