@@ -25,23 +25,23 @@ class _Flags:
     @property
     def standard_chat_model_params(self) -> dict[str, Any]:
         # Short answers keep the integration suite cheap on CPU (the suite asks for 100).
-        return {**super().standard_chat_model_params, "max_tokens": 4}  # type: ignore[misc]
+        return {**super().standard_chat_model_params, "max_tokens": 32}  # type: ignore[misc]
 
     @property
     def has_tool_calling(self) -> bool:
-        return False
+        return True
 
     @property
     def has_tool_choice(self) -> bool:
-        return False
+        return True
 
     @property
     def has_structured_output(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_json_mode(self) -> bool:
-        return False
+        return True
 
     @property
     def supports_image_inputs(self) -> bool:

@@ -33,7 +33,7 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_core.runnables.history import RunnableWithMessageHistory
 
 from tokrag_integrations.langchain import ChatTokRAG
-from tokrag_integrations.langchain.chat_models import NO_PASSAGES_WARNING
+from tokrag_integrations.langchain.calls import NO_PASSAGES_WARNING
 from tokrag_integrations.langchain.retrieved import RUN_DOCUMENTS
 from tokrag_integrations.trace import comparable
 
@@ -159,6 +159,7 @@ def _check(calls: Calls, questions: list[str], explicit: Any, batched: bool = Fa
             "documents": 2,
             "found": 2,
             "missing": 0,
+            "variable": None,
             "note": None,
         }
         counts = meta["counts"]
@@ -265,9 +266,10 @@ def test_with_message_history(chat: ChatTokRAG, explicit: Any) -> None:
     assert [m.content for m in sessions["s"].messages[::2]] == [Q1, Q2, Q1]
 
 
-def test_rewritten_documents_are_the_plain_model_said_on_every_call(lm: Any) -> None:
-    """format_docs changed the text: nothing is found, the plain model answers, and every
-    call's metadata says why (the Python warning comes once per instance)."""
+def test_rewritten_documents_are_the_prompt_variable_said_on_every_call(lm: Any) -> None:
+    """format_docs changed the text: none of the run's documents is found as returned, but the
+    prompt's ``context`` variable received the rewritten text: that is the retrieved text,
+    and every call's metadata says which rule found it and why the documents were not."""
     chat = ChatTokRAG(model=lm, max_tokens=2)
 
     def shout(docs: list[Document]) -> str:
@@ -281,24 +283,88 @@ def test_rewritten_documents_are_the_plain_model_said_on_every_call(lm: Any) -> 
         messages = [prompt_chat.invoke(Q1), prompt_chat.invoke(Q2)]
         chunks = list(prompt_chat.stream(Q1))
     messages.append(sum(chunks[1:], chunks[0]))
-    for msg in messages:
+    for msg, q in zip(messages, [Q1, Q2, Q1], strict=True):
         meta = msg.response_metadata
-        assert meta["policy"] == "llm" and meta["counts"] == {"llm": 2}
+        assert meta["policy"] == "tokrag" and meta["trace"]["query"] == q
         retrieval = meta["retrieval"]
-        assert {k: retrieval[k] for k in ("source", "documents", "found", "missing")} == {
-            "source": "none",
+        assert {k: retrieval[k] for k in ("source", "variable", "documents", "found")} == {
+            "source": "prompt_variable",
+            "variable": "context",
             "documents": 2,
             "found": 0,
-            "missing": 2,
         }
-        assert "none of the 2 documents" in retrieval["note"] and "formatting" in retrieval["note"]
-    assert len([w for w in caught if str(w.message) == NO_PASSAGES_WARNING]) == 1
+        assert "none of the 2 documents" in retrieval["note"] and "'context'" in retrieval["note"]
+        assert "".join(p["text"] for p in meta["trace"]["passages"]) == shout(Fixed().invoke(q))
+    assert not [w for w in caught if str(w.message) == NO_PASSAGES_WARNING]
 
-    # No retriever at all: said as well.
+    # No retriever at all: the filled variable is the retrieved text, said as such.
     msg = (RAG_PROMPT | chat).invoke({"question": Q1, "context": DOCS[Q1][0]})
-    assert msg.response_metadata["policy"] == "llm"
-    assert msg.response_metadata["retrieval"]["documents"] == 0
-    assert "no retriever ran" in msg.response_metadata["retrieval"]["note"]
+    meta = msg.response_metadata
+    assert meta["policy"] == "tokrag" and meta["retrieval"]["source"] == "prompt_variable"
+    assert meta["retrieval"]["documents"] == 0 and meta["retrieval"]["note"] is None
+
+
+def test_langgraph_rag_tutorial_decodes_with_tokrag(lm: Any) -> None:
+    """LangGraph's RAG tutorial: a retrieve node calls ``vector_store.similarity_search`` (no
+    retriever runnable runs), a generate node fills the RAG prompt's ``context`` and calls the
+    chat model. The filled text is the retrieved text: the answer is the explicit
+    ``context=`` call's, invoked, streamed and async."""
+    from langchain_core.vectorstores import InMemoryVectorStore
+    from langgraph.graph import START, StateGraph
+    from typing_extensions import TypedDict
+
+    from tokrag_integrations.langchain import local_embeddings
+
+    class State(TypedDict):
+        question: str
+        context: list[Document]
+        answer: Any
+
+    store = InMemoryVectorStore(local_embeddings())
+    store.add_texts([t for texts in DOCS.values() for t in texts])
+    chat = ChatTokRAG(model=lm, max_tokens=3)
+
+    def retrieve(state: State) -> dict[str, Any]:
+        return {"context": store.similarity_search(state["question"], k=2)}
+
+    def generate(state: State) -> dict[str, Any]:
+        docs_content = "\n\n".join(doc.page_content for doc in state["context"])
+        messages = RAG_PROMPT.invoke({"question": state["question"], "context": docs_content})
+        return {"answer": chat.invoke(messages)}
+
+    builder = StateGraph(State).add_sequence([retrieve, generate])
+    builder.add_edge(START, "retrieve")
+    graph = builder.compile()
+
+    out = graph.invoke({"question": Q1})
+    msg, docs = out["answer"], out["context"]
+    assert sorted(d.page_content for d in docs) == sorted(DOCS[Q1])
+    meta = msg.response_metadata
+    assert meta["policy"] == "tokrag" and meta["trace"]["query"] == Q1
+    assert {k: meta["retrieval"][k] for k in ("source", "variable", "note")} == {
+        "source": "prompt_variable",
+        "variable": "context",
+        "note": None,
+    }
+    counts = meta["counts"]
+    assert counts.get("agree", 0) + counts.get("rag", 0) > 0
+    context = "\n\n".join(d.page_content for d in docs)
+    messages = RAG_PROMPT.invoke({"question": Q1, "context": context}).to_messages()
+    as_passage = Document(context, metadata={"source": "prompt variable 'context'"})
+    want = chat.invoke(messages, context=context, question=Q1, passages=[as_passage])
+    assert msg.content == want.content
+    assert _stable(meta, False) == _stable(want.response_metadata, False)
+    # The same answer streamed through the graph (LangGraph streams the model's tokens) and
+    # with ainvoke.
+    tokens = [
+        m.content
+        for m, _ in graph.stream({"question": Q1}, stream_mode="messages")
+        if m.content
+    ]
+    assert "".join(tokens) == want.content
+    got = asyncio.run(graph.ainvoke({"question": Q1}))["answer"]
+    assert got.content == want.content and got.response_metadata["retrieval"]["source"] == "prompt_variable"
+    assert RUN_DOCUMENTS.open_runs() == 0
 
 
 def test_explicit_passages_win(chat: ChatTokRAG) -> None:

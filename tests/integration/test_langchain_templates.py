@@ -29,7 +29,7 @@ from tokrag_integrations.langchain import (
     create_tokrag_chain,
     create_tokrag_documents_chain,
 )
-from tokrag_integrations.langchain.chat_models import NO_PASSAGES_WARNING
+from tokrag_integrations.langchain.calls import NO_PASSAGES_WARNING
 from tokrag_integrations.langchain.tokrag_chain import format_documents
 from tokrag_integrations.retrieval import chunk_documents, get_sample_docs_path, load_documents
 from tokrag_integrations.trace import comparable
@@ -218,27 +218,33 @@ def test_prompt_is_validated(chat: ChatTokRAG, bm25: Any) -> None:
 
 # ------------------------------------------------------------------ ChatTokRAG without passages
 def test_lcel_prompt_into_chat_warns_once_and_reports_llm(lm: Any) -> None:
-    """``ChatPromptTemplate | ChatTokRAG | StrOutputParser`` with the context stuffed into the
-    prompt: the plain model, said once per instance; asking for policy="llm" says nothing."""
+    """``ChatPromptTemplate | ChatTokRAG | StrOutputParser`` with the documents written into
+    the prompt by hand (no ``context`` / ``documents`` variable, no retriever): the plain
+    model, said once per instance; asking for policy="llm" says nothing. The same text given
+    to the prompt's ``context`` variable is retrieved text (issue 57, item 5)."""
     import asyncio
 
-    prompt_value = {"context": "Quillfeather was founded by Ottoline Varga.", "input": QUESTION}
+    handmade = ChatPromptTemplate.from_messages(
+        [("system", "Quillfeather was founded by Ottoline Varga."), ("human", "{input}")]
+    )
+    prompt_value = {"input": QUESTION}
     chat = ChatTokRAG(model=lm, max_tokens=2)
-    lcel = PROMPT | chat | StrOutputParser()
+    lcel = handmade | chat | StrOutputParser()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         lcel.invoke(prompt_value)
         "".join(lcel.stream(prompt_value))
         asyncio.run(lcel.ainvoke(prompt_value))
-        msg = (PROMPT | chat).invoke(prompt_value)
+        msg = (handmade | chat).invoke(prompt_value)
         ours = [w for w in caught if str(w.message) == NO_PASSAGES_WARNING]
         assert len(ours) == 1 and issubclass(ours[0].category, UserWarning)
+        assert ours[0].filename == __file__  # the warning points at the user's call
         assert msg.response_metadata["policy"] == "llm"
         assert set(msg.response_metadata["token_sources"]) == {"llm"}
         assert msg.response_metadata["counts"] == {"llm": 2}
         assert msg.response_metadata["retrieval"]["source"] == "none"  # said on every call
 
-        (PROMPT | ChatTokRAG(model=lm, max_tokens=1)).invoke(prompt_value)  # a new instance
+        (handmade | ChatTokRAG(model=lm, max_tokens=1)).invoke(prompt_value)  # a new instance
         ours = [w for w in caught if str(w.message) == NO_PASSAGES_WARNING]
         assert len(ours) == 2
 
@@ -246,6 +252,9 @@ def test_lcel_prompt_into_chat_warns_once_and_reports_llm(lm: Any) -> None:
         ChatTokRAG(model=lm, max_tokens=1).invoke(QUESTION, policy="llm")
         ChatTokRAG(model=lm, max_tokens=1, policy="llm").invoke(QUESTION)
         ChatTokRAG(model=lm, max_tokens=1).invoke(QUESTION, passages=[])  # explicit: empty
+        filled = {"context": "Quillfeather was founded by Ottoline Varga.", "input": QUESTION}
+        meta = (PROMPT | chat).invoke(filled).response_metadata
+        assert meta["policy"] == "tokrag" and meta["retrieval"]["source"] == "prompt_variable"
         assert not [w for w in caught if str(w.message) == NO_PASSAGES_WARNING]
     for needle in (".bind(passages=", "create_tokrag_chain(", "prompt="):
         assert needle in NO_PASSAGES_WARNING

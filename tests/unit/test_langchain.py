@@ -56,7 +56,7 @@ def test_messages_translation() -> None:
     assert messages_to_prompt([HumanMessage("q")]).system_prompt is None
     with pytest.raises(ValueError, match="end the list with a HumanMessage"):
         messages_to_prompt([HumanMessage("q"), AIMessage("a")])
-    with pytest.raises(ValueError, match="no tool calling"):
+    with pytest.raises(ValueError, match="cannot take a ToolMessage here"):
         messages_to_prompt([ToolMessage("x", tool_call_id="1"), HumanMessage("q")])
     image = {"type": "image", "url": "https://example.com/a.png"}
     with pytest.raises(ValueError, match="text only"):
@@ -64,8 +64,9 @@ def test_messages_translation() -> None:
 
 
 def test_constructor_validation() -> None:
-    with pytest.raises(ValueError, match="greedily"):
-        ChatTokRAG(temperature=0.7)
+    assert ChatTokRAG(temperature=0.7).temperature == 0.7  # sampling (issue 57)
+    with pytest.raises(ValueError, match="top_k"):
+        ChatTokRAG(top_k=-1)
     with pytest.raises(ValueError, match="max_tokens"):
         ChatTokRAG(max_tokens=0)
     with pytest.raises(ValueError, match="Extra inputs"):

@@ -15,9 +15,12 @@ from langchain_core.runnables import RunnableLambda, RunnableParallel
 
 from tokrag_integrations.langchain.retrieved import (
     RUN_DOCUMENTS,
+    Filled,
     RunDocuments,
+    filled_variables,
     find_retrieved,
     match_documents,
+    match_variables,
 )
 
 Q = "Who founded Quillfeather?"
@@ -34,6 +37,7 @@ def test_span_from_the_first_found_document_to_the_last() -> None:
         "documents": 2,
         "found": 2,
         "missing": 0,
+        "variable": None,
         "note": None,
     }
     assert [d.page_content for d in found.documents] == [A, B]
@@ -148,3 +152,49 @@ def test_a_context_is_cut_after_each_document_it_holds() -> None:
     ]
     with pytest.warns(UserWarning, match="not in the context"):
         assert split_context("nothing here", docs[:1]) is None
+
+
+# ------------------------------------------------------------------ prompt variables (issue 57, item 5)
+def test_filled_prompt_variables() -> None:
+    doc = Document(A)
+    assert filled_variables({"context": A, "question": Q}) == [Filled("context", A, Q)]
+    assert filled_variables({"documents": [doc], "input": Q}) == [Filled("documents", str([doc]), Q)]
+    # Empty, missing, or of another kind: nothing.
+    assert filled_variables({"context": "  ", "question": Q}) == []
+    assert filled_variables({"context": 3}) == [] and filled_variables("text") == []
+
+
+def test_a_filled_variable_found_in_the_prompt_is_the_context() -> None:
+    human = HumanMessage(f"Question: {Q}\nContext: {A}\nAnswer:")
+    nothing = match_documents([human], [])
+    found = match_variables([human], [Filled("context", f"{A}\n", Q)], nothing)
+    assert found is not None and found.context == A and found.question == Q
+    assert found.metadata["source"] == "prompt_variable"
+    assert found.metadata["variable"] == "context" and found.metadata["note"] is None
+    assert [d.page_content for d in found.documents] == [A]
+    # The run's documents were not in the prompt: said in the note.
+    missed = match_documents([human], [(Q, [B])])
+    found = match_variables([human], [Filled("context", A, Q)], missed)
+    assert found is not None and "none of the 1 documents" in found.metadata["note"]
+    # Not in the prompt, or no question left for the pure context: not the context.
+    assert match_variables([human], [Filled("context", C, Q)], nothing) is None
+    assert match_variables([HumanMessage(A)], [Filled("context", A, None)], nothing) is None
+
+
+def _variables(_: Any, config: Any) -> list[Filled]:
+    """What a chat model called here would find of the prompts formatted before it."""
+    return RUN_DOCUMENTS.prompt_variables(config["callbacks"].parent_run_id)
+
+
+def test_a_prompt_template_run_records_its_variables_on_the_runs_above() -> None:
+    from langchain_core.prompts import ChatPromptTemplate
+
+    prompt = ChatPromptTemplate.from_messages([("human", "Q: {question}\nContext: {context}")])
+
+    def node(state: dict[str, str], config: Any) -> list[Filled]:
+        prompt.invoke(state, config)
+        return _variables(None, config)
+
+    outs = RunnableLambda(node).batch([{"question": f"q{i}", "context": f"c{i}"} for i in range(4)])
+    assert outs == [[Filled("context", f"c{i}", f"q{i}")] for i in range(4)]
+    assert RUN_DOCUMENTS.open_runs() == 0

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import threading
-import warnings
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
 from pydantic import (
     ConfigDict,
     Field,
@@ -25,48 +23,27 @@ from pydantic import (
     model_validator,
 )
 
-from ..adapters.translate import decode_on, given_options, model_label, options_dict
+from ..adapters.translate import decode_on, given_options, model_label
 from ..defaults import MAX_NEW_TOKENS, REMOTE_MAX_RESPONSE_MB
-from ..models import LOAD_FIELDS, LoadedModel, check_greedy, load_model, unknown_arguments
-from ..policies import get_policy
+from ..models import LOAD_FIELDS, LoadedModel, load_model, unknown_arguments
 from ..results import GenerationResult, TokenEvent
+from .calls import Call, prepare_call
+from .chat_options import SAMPLING_FIELDS, logprobs_metadata, sampling_options
 from .messages import (
-    document_passages,
     final_metadata,
-    messages_to_prompt,
-    rendered_prompt,
     token_metadata,
     usage_metadata,
 )
-from .retrieved import find_retrieved, given_retrieval
-
-#: Per-call keyword arguments (besides ``stop`` and ``temperature``).
-_CALL_KWARGS = (
-    "passages",
-    "context",
-    "question",
-    "policy",
-    "policy_options",
-    "max_tokens",
-    "max_context_tokens",
-    "citations",
-    "model",
+from .structured_output import structured_runnable
+from .tools import (
+    HeldText,
+    call_chunks,
+    checked_tool_choice,
+    langchain_calls,
+    parsed_calls,
+    tool_specs,
+    unsent,
 )
-
-#: Said once per instance when a call has no retrieved text (the plain model answers);
-#: ``response_metadata["retrieval"]["note"]`` says why on every such call.
-NO_PASSAGES_WARNING = (
-    "ChatTokRAG got no retrieved text, so it decodes as the plain model (policy 'llm'): no "
-    "retriever ran before it in this LangChain run, or the documents it returned are not in "
-    "the prompt as is (response_metadata['retrieval'] says which, on every call). To decode "
-    "with Tok-RAG, format the retrieved documents into the prompt unchanged (e.g. "
-    "'\\n\\n'.join(d.page_content for d in docs)), pass them as passages "
-    "(ChatTokRAG(...).bind(passages=docs), invoke(..., passages=docs) or the passages= "
-    "field), or build the chain with create_tokrag_chain(retriever, model, prompt=your_prompt) "
-    "(create_tokrag_documents_chain(model, prompt=your_prompt) with your own retrieval step). "
-    "Pass policy='llm' to ask for the plain model without this warning."
-)
-_WARN_LOCK = threading.Lock()
 
 _MODEL_CACHE: dict[tuple[str, str], LoadedModel] = {}
 _MODEL_CACHE_LOCK = threading.Lock()
@@ -82,39 +59,6 @@ def _load_cached(name: str, options: dict[str, Any]) -> LoadedModel:
         return _MODEL_CACHE[key]
 
 
-@dataclass
-class _Call:
-    """One call, translated into the arguments of the core API."""
-
-    lm: LoadedModel
-    query: str
-    passages: list[Any]
-    kwargs: dict[str, Any]
-    retrieval: dict[str, Any]
-
-
-#: Modules between user code and ChatTokRAG's hooks (LangChain's async paths run sync code
-#: in worker threads).
-_FRAMEWORK_MODULES = (
-    "langchain",
-    "tokrag_integrations",
-    "asyncio",
-    "concurrent.futures",
-    "threading",
-)
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame of user code, so a warning points there; 2 when
-    there is none (a call prepared in a worker thread)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None:
-        if not frame.f_globals.get("__name__", "").startswith(_FRAMEWORK_MODULES):
-            return level
-        frame, level = frame.f_back, level + 1
-    return 2
-
-
 class ChatTokRAG(BaseChatModel):
     """Chat model over a local causal LM decoded with a Tok-RAG policy.
 
@@ -128,7 +72,8 @@ class ChatTokRAG(BaseChatModel):
     its order (each its own passage: citations name it). Without either (LangChain's own RAG
     chains), the documents the run's retrievers returned before the call are looked up in the
     messages (:mod:`.retrieved`): the span from the first found to the last is ``context=``,
-    the found documents its passages. With no
+    the found documents its passages; with none found (LangGraph's recipe), the text a prompt
+    template's ``context`` / ``documents`` variable received in the run. With no
     retrieved text it is the plain model (policy ``"llm"``, as ``ChatHuggingFace``); unless
     ``policy="llm"`` was asked for, the first such call of an instance warns
     (:data:`NO_PASSAGES_WARNING`). ``response_metadata["retrieval"]`` says on every call where
@@ -141,6 +86,11 @@ class ChatTokRAG(BaseChatModel):
     the passage it is cited to, its score and the document's ``metadata``, ``id`` included).
     Streaming yields one ``AIMessageChunk`` per token (``token_sources == [source]``); the
     last chunk (``chunk_position="last"``) carries usage, the trace and the citations.
+
+    As a chat model (ChatOpenAI's names, fields and per-call keywords): ``temperature``,
+    ``top_p``, ``top_k``, ``seed`` (:mod:`.chat_options`), ``logprobs`` / ``top_logprobs``
+    (``response_metadata["logprobs"]``), :meth:`with_structured_output` and
+    ``response_format=`` (:mod:`.structured_output`), :meth:`bind_tools` (:mod:`.tools`).
 
         >>> from langchain_core.documents import Document
         >>> docs = [Document("Quillfeather Aerospace was founded in 1994 by Ottoline Varga.")]
@@ -186,7 +136,22 @@ class ChatTokRAG(BaseChatModel):
     """Read which passage each token drew on (``generate(citations=)``): None, the engine's
     default (on for ``tokrag`` / ``tokrag_reference``); ``False``: none."""
     temperature: float | None = None
-    """Only ``None`` or ``0``: decoding is greedy (Tok-RAG compares greedy choices)."""
+    """Sampling temperature; ``None`` or ``0``: greedy, today's tokens. Above 0 the policy still
+    picks the context of each token and the token is drawn from that context's distribution
+    (docs/algorithm.md)."""
+    top_p: float | None = None
+    """Nucleus sampling: the smallest set of tokens whose probability reaches ``top_p``, in
+    (0, 1] (``temperature`` > 0 only)."""
+    top_k: int | None = None
+    """Sample among the ``top_k`` most likely tokens (0 or None: no cut)."""
+    seed: int | None = None
+    """Seed of the sampler: the same seed gives the same answer alone, batched or served."""
+    logprobs: StrictBool | None = None
+    """Put each generated token's log-probability in ``response_metadata["logprobs"]``
+    (``{"content": [...]}``, ChatOpenAI's format)."""
+    top_logprobs: int | None = None
+    """How many most likely alternatives each token's entry lists (0..20; needs
+    ``logprobs=True``)."""
     streaming: StrictBool = False
     """Whether ``invoke`` runs through the token stream (callbacks see every token)."""
     batching: StrictBool = True
@@ -255,11 +220,10 @@ class ChatTokRAG(BaseChatModel):
                 raise ValueError(f"Extra inputs are not permitted: {error}")
         return values
 
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_only(cls, v: float | None) -> float | None:
-        check_greedy(v, "ChatTokRAG")
-        return v
+    @model_validator(mode="after")
+    def _check_sampling(self) -> ChatTokRAG:
+        sampling_options({k: getattr(self, k) for k in SAMPLING_FIELDS})
+        return self
 
     @field_validator("max_tokens")
     @classmethod
@@ -290,7 +254,7 @@ class ChatTokRAG(BaseChatModel):
             ls_provider="tokrag",
             ls_model_name=model.name if isinstance(model, LoadedModel) else str(model),
             ls_model_type="chat",
-            ls_temperature=0.0,
+            ls_temperature=float(kwargs.get("temperature", self.temperature) or 0.0),
             ls_max_tokens=int(kwargs.get("max_tokens", self.max_tokens)),
         )
         stops = stop if stop is not None else self.stop
@@ -333,93 +297,63 @@ class ChatTokRAG(BaseChatModel):
         stop: list[str] | None,
         kwargs: dict[str, Any],
         run_manager: Any = None,
-    ) -> _Call:
+    ) -> Call:
         """Messages and call options -> arguments of the core API (validated here)."""
-        kwargs = {
-            k: v for k, v in kwargs.items() if not k.startswith("ls_") and k not in ("stream",)
-        }
-        self._greedy_only(kwargs.pop("temperature", None))
-        call = {k: kwargs.pop(k) for k in _CALL_KWARGS if k in kwargs}
-        if kwargs:
-            raise unknown_arguments(
-                "ChatTokRAG call", kwargs, (*_CALL_KWARGS, "stop", "temperature")
-            )
-        options = {**self.policy_options, **options_dict(call.get("policy_options"))}
-        policy = call.get("policy", self.policy)
-        get_policy(policy, **options)  # unknown policy or option: fail before loading anything
-        given = call.get("passages", self.passages)
-        passages = document_passages(given)
-        context, question = call.get("context"), call.get("question")
-        if context is None and question is not None:
-            raise ValueError("question= is the pure context's question of a context= call")
-        if context is None and given is None and policy != "llm":
-            # LangChain's own RAG code: the run's retrieved documents, found in the messages.
-            found = find_retrieved(messages, run_manager)
-            context, question, retrieval = found.context, found.question, found.metadata
-            passages = document_passages(found.documents)
-        else:
-            retrieval = given_retrieval(passages, context, policy)
-        max_tokens = self._positive(int(call.get("max_tokens", self.max_tokens)))
-        rendered = None
-        if context is not None:
-            rendered, prompt = rendered_prompt(messages, context, question, passages)
-            passages = []  # the documents context holds, in rendered
-        else:
-            prompt = messages_to_prompt(messages)
-            if given is None and policy != "llm":
-                with _WARN_LOCK:
-                    warn, self._warned_no_passages = not self._warned_no_passages, True
-                if warn:
-                    warnings.warn(NO_PASSAGES_WARNING, UserWarning, stacklevel=_caller_stacklevel())
-        retrieved = bool(passages) or rendered is not None
-        lm = self._resolve_model(call.get("model"))
-        core: dict[str, Any] = {
-            "policy": policy if retrieved else "llm",
-            "max_new_tokens": max_tokens,
-            "stop": list(stop if stop is not None else (self.stop or [])),
-            "messages": prompt.history or None,
-            "max_context_tokens": call.get("max_context_tokens", self.max_context_tokens),
-            "policy_options": options if retrieved else {},
-        }
-        if prompt.system_prompt is not None:
-            core["system_prompt"] = prompt.system_prompt
-        citations = call.get("citations", self.citations)
-        if citations is not None:  # a server call takes no citations= (its default holds)
-            core["citations"] = citations
-        if rendered is not None:
-            core["rendered"] = rendered
-        elif not passages:
-            # Like ChatHuggingFace: the chat template over the messages as given.
-            core["prompt_format"] = "chat"
-        return _Call(lm=lm, query=prompt.query, passages=passages, kwargs=core, retrieval=retrieval)
+        return prepare_call(self, messages, stop, kwargs, run_manager)
 
     @staticmethod
-    def _result(result: GenerationResult, call: _Call) -> ChatResult:
+    def _answer(result: GenerationResult, call: Call) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        """(the answer's text, its ``tool_calls`` / ``invalid_tool_calls``, its metadata but
+        the per-token lists)."""
+        metadata = {**final_metadata(result, call.lm), "retrieval": call.retrieval}
+        content, calls, invalid = result.text, [], []
+        if call.tools is not None:
+            content, calls, invalid = parsed_calls(result.text)
+            if calls:
+                metadata["finish_reason"] = "tool_calls"
+        return content, {"calls": calls, "invalid": invalid}, metadata
+
+    @classmethod
+    def _result(cls, result: GenerationResult, call: Call) -> ChatResult:
         steps = result.trace.steps
+        content, calls, final = cls._answer(result, call)
         metadata = {
             **token_metadata([s.source for s in steps], [s.token_id for s in steps]),
-            **final_metadata(result, call.lm),
-            "retrieval": call.retrieval,
+            **final,
         }
+        if call.logprobs:
+            metadata["logprobs"] = {"content": result.logprobs}
         message = AIMessage(
-            content=result.text, response_metadata=metadata, usage_metadata=usage_metadata(result)
+            content=content,
+            tool_calls=langchain_calls(calls["calls"]),
+            invalid_tool_calls=calls["invalid"],
+            response_metadata=metadata,
+            usage_metadata=usage_metadata(result),
         )
         info = {"finish_reason": metadata["finish_reason"]}
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
 
     @staticmethod
-    def _token_chunk(ev: TokenEvent, eos_ids: set[int]) -> ChatGenerationChunk:
+    def _token_chunk(ev: TokenEvent, eos_ids: set[int], call: Call, text: str) -> ChatGenerationChunk:
+        """A token's chunk, ``text`` the answer text it adds (held back while it may be part
+        of a tool call)."""
         # The EOS step only flushes text held back as a possible start of a stop string.
         if ev.token_id in eos_ids:
-            return ChatGenerationChunk(message=AIMessageChunk(content=ev.text))
+            return ChatGenerationChunk(message=AIMessageChunk(content=text))
         meta = token_metadata([ev.source], [ev.token_id])
-        return ChatGenerationChunk(message=AIMessageChunk(content=ev.text, response_metadata=meta))
+        if call.logprobs:
+            meta.update(logprobs_metadata([ev.step]))
+        return ChatGenerationChunk(message=AIMessageChunk(content=text, response_metadata=meta))
 
-    @staticmethod
-    def _last_chunk(result: GenerationResult, call: _Call) -> ChatGenerationChunk:
-        metadata = {**final_metadata(result, call.lm), "retrieval": call.retrieval}
+    @classmethod
+    def _last_chunk(cls, result: GenerationResult, call: Call, sent: str) -> ChatGenerationChunk:
+        """The last chunk: the metadata of the whole answer, the text not sent yet (``sent``:
+        what the token chunks held) and the tool calls."""
+        content, calls, metadata = cls._answer(result, call)
         message = AIMessageChunk(
-            content="",
+            content=unsent(content, sent),
+            # (a malformed call block stays in the text, as in invoke's content)
+            tool_call_chunks=call_chunks(calls["calls"]),
             response_metadata=metadata,
             usage_metadata=usage_metadata(result),
             chunk_position="last",
@@ -428,7 +362,7 @@ class ChatTokRAG(BaseChatModel):
             message=message, generation_info={"finish_reason": metadata["finish_reason"]}
         )
 
-    def _decode(self, how: str, call: _Call) -> Any:
+    def _decode(self, how: str, call: Call) -> Any:
         """``how`` (generate, stream, agenerate, astream_with_result) on the local model
         through the scheduler, or on the server."""
         return decode_on(
@@ -456,12 +390,13 @@ class ChatTokRAG(BaseChatModel):
         call = self._prepare(messages, stop, kwargs, run_manager)
         tokens = self._decode("stream", call)
         eos = set(call.lm.eos_token_ids)
+        held = HeldText(call.tools is not None)
         for ev in tokens:
-            chunk = self._token_chunk(ev, eos)
+            chunk = self._token_chunk(ev, eos, call, held.push(ev.text))
             if run_manager:
-                run_manager.on_llm_new_token(ev.text, chunk=chunk)
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
-        yield self._last_chunk(tokens.result, call)
+        yield self._last_chunk(tokens.result, call, held.sent)
 
     # ------------------------------------------------------------------ async
     async def _agenerate(
@@ -485,11 +420,55 @@ class ChatTokRAG(BaseChatModel):
         # may load the model
         call = await asyncio.to_thread(self._prepare, messages, stop, kwargs, run_manager)
         eos = set(call.lm.eos_token_ids)
+        held = HeldText(call.tools is not None)
         async for item in self._decode("astream_with_result", call):
             if isinstance(item, GenerationResult):
-                yield self._last_chunk(item, call)
+                yield self._last_chunk(item, call, held.sent)
                 continue
-            chunk = self._token_chunk(item, eos)
+            chunk = self._token_chunk(item, eos, call, held.push(item.text))
             if run_manager:
-                await run_manager.on_llm_new_token(item.text, chunk=chunk)
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
+
+    # ------------------------------------------------------------------ tools, structured output
+    def bind_tools(
+        self,
+        tools: Sequence[Any],
+        *,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (LangChain tools, pydantic classes, functions, OpenAI tool dicts): they
+        are shown to the model, its calls are constrained to their schemas and parsed into
+        ``AIMessage.tool_calls`` (:mod:`.tools`). ``tool_choice``: ``"auto"`` (None), ``"none"``,
+        ``"required"`` / ``"any"`` / ``True`` or a tool's name (a forced call).
+        ``parallel_tool_calls``: ``True`` lets one answer hold several calls; by default (None,
+        ``False``) the answer ends after its first call (a small model repeats a call it was
+        made to start until ``max_tokens``).
+
+        Raises:
+            ValueError: ``tool_choice`` names no bound tool, or two tools share a name.
+        """
+        specs = tool_specs(tools)
+        choice = checked_tool_choice(tool_choice, specs)
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
+        return self.bind(tools=specs, tool_choice=choice, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: Any = None,
+        *,
+        method: str = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, Any]:
+        """A runnable whose answer is ``schema``'s JSON by constrained decoding, parsed (a
+        pydantic instance for a pydantic class, else a dict); ``schema``: a pydantic class, a
+        TypedDict or a JSON-schema dict. ``method``: ``"json_schema"`` (default),
+        ``"json_mode"`` or ``"function_calling"``; ``include_raw=True``: ``{"raw", "parsed",
+        "parsing_error"}``. ``strict`` is accepted for ChatOpenAI's signature: the constraint
+        is always strict. :mod:`.structured_output` says more."""
+        return structured_runnable(self, schema, method, include_raw, kwargs)

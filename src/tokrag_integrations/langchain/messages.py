@@ -77,8 +77,8 @@ def _role(message: BaseMessage) -> str:
     if isinstance(message, ChatMessage):
         return {"human": "user", "ai": "assistant"}.get(message.role, message.role)
     raise ValueError(
-        f"ChatTokRAG has no tool calling and cannot take a {type(message).__name__}; pass "
-        "system, human and AI messages only."
+        f"ChatTokRAG cannot take a {type(message).__name__} here; pass system, human and AI "
+        "messages, and tool calls with their ToolMessage results."
     )
 
 

@@ -13,13 +13,20 @@ where that span lands), with what was found in ``response_metadata["retrieval"]`
 Memory: a run's entry is dropped when the run ends (its documents live on in its ancestors,
 which end later); at most :data:`MAX_RUNS` entries are kept (the oldest dropped first) for runs
 that never end.
+
+The same handler records, on the runs above each prompt template it formats, the values of
+the template's :data:`PROMPT_VARIABLES` (``context``, ``documents``). LangGraph's RAG recipe (a
+retrieve node that calls ``vector_store.similarity_search``, a generate node that fills the RAG
+prompt's ``context`` and calls the chat model) runs no retriever runnable: when none of the
+run's retrieved documents is found, :func:`find_retrieved` takes the filled variable's text,
+found in the messages, as the ``context=`` of the call (``source: "prompt_variable"``).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +43,47 @@ from .messages import _text, messages_to_prompt
 #: Most runs tracked at once (runs that never end would otherwise stay).
 MAX_RUNS = 10_000
 
+#: A prompt template's variables whose text counts as retrieved text (the names LangChain's
+#: and LangGraph's RAG prompts use), in the order they are looked for.
+PROMPT_VARIABLES = ("context", "documents")
+
+#: A prompt template's variables that hold the question (the pure context's query).
+QUESTION_VARIABLES = ("question", "input", "query")
+
+
+@dataclass
+class Filled:
+    """A prompt variable's value in a run: its ``variable`` name, the ``text`` it put in the
+    prompt and the template's question variable (``question``, None when it has none)."""
+
+    variable: str
+    text: str
+    question: str | None
+
+
+def filled_variables(inputs: Any) -> list[Filled]:
+    """The :data:`PROMPT_VARIABLES` a prompt template's ``inputs`` fill with text: a string,
+    or Documents (their text as the template formats a list: ``str(value)``)."""
+    if not isinstance(inputs, Mapping):
+        return []
+    question = next(
+        (inputs[k] for k in QUESTION_VARIABLES if isinstance(inputs.get(k), str)), None
+    )
+    out = []
+    for name in PROMPT_VARIABLES:
+        value = inputs.get(name)
+        if isinstance(value, Document):
+            value = [value]
+        if isinstance(value, str):
+            text = value
+        elif isinstance(value, Sequence) and value and all(isinstance(d, Document) for d in value):
+            text = str(value)
+        else:
+            continue
+        if text.strip():
+            out.append(Filled(name, text, question))
+    return out
+
 
 @dataclass
 class _Run:
@@ -43,6 +91,8 @@ class _Run:
     query: str | None = None
     # (the retriever's query, its documents), every retriever below this run.
     retrieved: list[tuple[str | None, list[Document]]] = field(default_factory=list)
+    # The prompt variables filled below this run, in the order the prompts started.
+    filled: list[Filled] = field(default_factory=list)
 
 
 class RunDocuments(BaseCallbackHandler):
@@ -79,9 +129,21 @@ class RunDocuments(BaseCallbackHandler):
         *,
         run_id: UUID,
         parent_run_id: UUID | None = None,
-        **_: Any,
+        **kwargs: Any,
     ) -> None:
         self._start(run_id, parent_run_id)
+        if kwargs.get("run_type") == "prompt":  # a prompt template formats ``inputs``
+            filled = filled_variables(inputs)
+            if filled:
+                with self._lock:
+                    self._up(parent_run_id, lambda run: run.filled.extend(filled))
+
+    def _up(self, run_id: UUID | None, add: Any) -> None:
+        """``add`` to ``run_id``'s run and every tracked run above it (the lock held)."""
+        while run_id is not None and run_id in self._runs:
+            run = self._runs[run_id]
+            add(run)
+            run_id = run.parent
 
     def on_tool_start(
         self,
@@ -117,11 +179,7 @@ class RunDocuments(BaseCallbackHandler):
         with self._lock:
             run = self._runs.pop(run_id, None)
             entry = (run.query if run else None, docs)
-            parent = run.parent if run else parent_run_id
-            while parent is not None and parent in self._runs:
-                above = self._runs[parent]
-                above.retrieved.append(entry)
-                parent = above.parent
+            self._up(run.parent if run else parent_run_id, lambda r: r.retrieved.append(entry))
 
     on_chain_end = on_chain_error = on_tool_end = on_tool_error = on_retriever_error = _end  # type: ignore[assignment]
 
@@ -134,6 +192,18 @@ class RunDocuments(BaseCallbackHandler):
                 run = self._runs[run_id]
                 if run.retrieved:
                     return list(run.retrieved)
+                run_id = run.parent
+        return []
+
+    def prompt_variables(self, parent_run_id: UUID | None) -> list[Filled]:
+        """The prompt variables filled below the nearest run above a call that holds any,
+        in the order the prompts started."""
+        with self._lock:
+            run_id = parent_run_id
+            while run_id is not None and run_id in self._runs:
+                run = self._runs[run_id]
+                if run.filled:
+                    return list(run.filled)
                 run_id = run.parent
         return []
 
@@ -158,18 +228,25 @@ class Found:
 
 
 def retrieval_metadata(
-    source: str, note: str | None = None, documents: int | None = None, found: int | None = None
+    source: str,
+    note: str | None = None,
+    documents: int | None = None,
+    found: int | None = None,
+    variable: str | None = None,
 ) -> dict[str, Any]:
-    """``response_metadata["retrieval"]``: ``source`` of the retrieved tokens (``"passages"``,
-    ``"context"``, ``"retriever"``, or ``"none"``: the plain model), the run's retrieved
-    ``documents``, how many were ``found`` in the prompt and ``missing`` (``None``: not looked
-    up), and a ``note`` saying why when the plain model answers or documents are missing."""
+    """``response_metadata["retrieval"]``: ``source``, the rule that found the retrieved
+    tokens (``"passages"``, ``"context"``: ``context=``, ``"retriever"``: the run's retrieved
+    documents found in the prompt, ``"prompt_variable"``: a prompt template's ``variable``
+    filled in the run, or ``"none"``: the plain model), the run's retrieved ``documents``, how
+    many were ``found`` in the prompt and ``missing`` (``None``: not looked up), and a
+    ``note`` saying why when the plain model answers or documents are missing."""
     missing = None if documents is None or found is None else documents - found
     return {
         "source": source,
         "documents": documents,
         "found": found,
         "missing": missing,
+        "variable": variable,
         "note": note,
     }
 
@@ -197,7 +274,46 @@ def find_retrieved(messages: Sequence[BaseMessage], run_manager: Any) -> Found:
     else:
         callbacks = (var_child_runnable_config.get() or {}).get("callbacks")
         parent = getattr(callbacks, "parent_run_id", None)
-    return match_documents(messages, RUN_DOCUMENTS.documents(parent))
+    found = match_documents(messages, RUN_DOCUMENTS.documents(parent))
+    if found.context is None:
+        return match_variables(messages, RUN_DOCUMENTS.prompt_variables(parent), found) or found
+    return found
+
+
+def match_variables(
+    messages: Sequence[BaseMessage], filled: list[Filled], documents: Found
+) -> Found | None:
+    """The last filled prompt variable whose text (outer whitespace aside) is in
+    ``messages``, as the context; ``documents`` is what :func:`match_documents` found (none:
+    its counts are kept). The question is the template's question variable when it is in the
+    last human turn outside the text, else ``rendered_prompt``'s default. None when no
+    variable's text is in the messages."""
+    texts = [_text(m) for m in messages]
+    last_human = messages_to_prompt(messages).query
+    for f in reversed(filled):
+        span = f.text.strip()
+        if not any(span in t for t in texts):
+            continue
+        rest = last_human.replace(span, " ").strip()
+        question = f.question.strip() if isinstance(f.question, str) else ""
+        if question and (question in rest or not rest):
+            pure_question: str | None = question
+        elif rest:
+            pure_question = None
+        else:
+            continue  # no question for the pure context
+        n = documents.metadata["documents"]
+        note = None
+        if n:
+            note = (
+                f"none of the {n} documents this run's retrievers returned is in the prompt as "
+                f"is; the text the prompt's {f.variable!r} variable received is the retrieved text"
+            )
+        meta = retrieval_metadata("prompt_variable", note, n, 0, f.variable)
+        # One passage: the variable's text (citations name the variable).
+        doc = Document(page_content=span, metadata={"source": f"prompt variable {f.variable!r}"})
+        return Found(span, pure_question, meta, [doc])
+    return None
 
 
 def match_documents(
