@@ -48,7 +48,7 @@ from . import function_calling
 from .function_calling import ToolCalling
 from .llm_responses import result_logprobs, token_response
 from .nodes import messages_to_dicts, messages_to_turns, node_passages
-from .structured_output import StructuredOutput
+from .structured_predict import StructuredOutput
 from .synthesis_events import (
     TemplatedMessages,
     TemplatedText,
@@ -101,7 +101,7 @@ class TokRAGLLM(ToolCalling, StructuredOutput, FunctionCallingLLM):
     with the model's chat template and constrain a call to their schemas; a turn answering
     tool results decodes under ``policy`` with the last result as retrieved text
     (:mod:`.function_calling`). ``structured_predict`` / ``as_structured_llm`` decode under
-    the output class's JSON schema (:mod:`.structured_output`).
+    the output class's JSON schema (:mod:`.structured_predict`).
 
     Example:
         >>> from llama_index.core import Settings
