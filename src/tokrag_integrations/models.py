@@ -153,16 +153,6 @@ LOAD_FIELDS = (
 LOAD_OPTIONS = (*LOAD_FIELDS, "local_files_only", "require_signals", "cpu_kernels")
 
 
-def check_greedy(temperature: Any, owner: str) -> None:
-    """Refuse a sampling temperature: every policy decodes greedily."""
-    if temperature is None or (isinstance(temperature, (int, float)) and temperature == 0):
-        return
-    raise ValueError(
-        f"{owner} decodes greedily, so temperature must be 0 or None (got {temperature!r}); "
-        "Tok-RAG compares the greedy choices of the pure and the RAG context."
-    )
-
-
 def unknown_arguments(owner: str, unknown: Any, accepted: Any) -> TypeError:
     """The error for keyword arguments an adapter does not take, naming the ones it does."""
     names = ", ".join(repr(k) for k in sorted(unknown))

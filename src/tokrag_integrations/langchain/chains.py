@@ -16,7 +16,8 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
 from ..adapters.translate import checked_policy, options_dict
 from ..config import require_bool
 from ..defaults import ANSWER_STOP
-from ..models import LOAD_FIELDS, LoadedModel, check_greedy, unknown_arguments
+from ..models import LOAD_FIELDS, LoadedModel, unknown_arguments
+from ..sampling import sampling_of
 from .chat_models import ChatTokRAG
 from .tokrag_chain import (
     DEFAULT_DOCUMENT_SEPARATOR,
@@ -45,7 +46,7 @@ def _chat_model(
     decoded. ``options`` are the load options of a model spec."""
     name = where.__name__
     accepted = [*inspect.signature(where).parameters][:-1] + list(LOAD_FIELDS)
-    check_greedy(temperature, name)
+    sampling_of(temperature=temperature)  # checked before anything loads
     options = dict(options or {})
     unknown = set(options) - set(LOAD_FIELDS)
     if unknown:
@@ -82,6 +83,8 @@ def _chat_model(
         model_kwargs["policy_options"] = policy_options
     if citations is not None:
         model_kwargs["citations"] = require_bool(citations, "citations")
+    if temperature is not None:
+        model_kwargs["temperature"] = temperature
     return model, model_kwargs
 
 
@@ -119,7 +122,8 @@ def create_tokrag_chain(
         prompt: a prompt template taking ``{context}``; None: the package's prompt.
         document_prompt: formats each document (default ``"{page_content}"``).
         document_separator: joins the formatted documents in ``{context}`` (default ``"\n\n"``).
-        temperature: only None or 0 (greedy decoding).
+        temperature: the chat model's sampling temperature for the chain's calls (None: the
+            model's; 0: greedy). Set ``top_p`` / ``seed`` on the ``ChatTokRAG``.
         policy: decoding policy; None keeps the model's (``"tokrag"`` for a LoadedModel).
         system_prompt: a system message before the question; only without ``prompt``.
         max_tokens / stop / max_context_tokens: override the model's settings; without

@@ -43,9 +43,10 @@ from ..adapters.translate import checked_policy, options_dict
 from ..config import require_bool
 from ..defaults import ANSWER_STOP, MAX_NEW_TOKENS
 from ..engine import scheduler
-from ..models import LOAD_OPTIONS, LoadedModel, check_greedy, unknown_arguments
+from ..models import LOAD_OPTIONS, LoadedModel, unknown_arguments
 from ..policies.base import Policy
 from ..results import GenerationResult
+from ..sampling import sampling_of
 from ..trace import json_data
 from .call_events import LLMEvent
 from .llm import TokRAGLLM
@@ -176,7 +177,8 @@ class TokRAGSynthesizer(BaseSynthesizer):
         lm: a LoadedModel, a :class:`TokRAGLLM` to share, or None to load ``model``.
         model: what :func:`~tokrag_integrations.load_model` takes, with its keyword options
             (``tokenizer``, ``device``, ``device_map``, ``dtype``, ``model_kwargs``...).
-        temperature: only None or 0 (greedy decoding).
+        temperature / seed: how each answer's tokens are drawn (None or 0: greedy; a seed
+            makes a sampled answer repeatable), as for ``TokRAGLLM``.
         policy: decoding policy name or instance (``"tokrag"``, ``"rag"``, ``"llm"``...).
         policy_options: the policy's options as a dict (e.g. ``{"pr_norm": "softmax"}``).
         max_new_tokens: answer budget per call (default ``defaults.MAX_NEW_TOKENS``).
@@ -202,6 +204,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
         *,
         model: Any = None,
         temperature: float | None = None,
+        seed: int | None = None,
         policy: str | Policy = "tokrag",
         policy_options: Mapping[str, Any] | None = None,
         max_new_tokens: int = MAX_NEW_TOKENS,
@@ -227,7 +230,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
             if (t := _template(k, v)) is not None
         }
         _check_arguments(max_new_tokens, max_context_tokens, gate)
-        check_greedy(temperature, "TokRAGSynthesizer")
+        drawn = sampling_of(temperature=temperature, seed=seed)
         require_bool(streaming, "streaming")
         require_bool(batching, "batching")
         if citations is not None:
@@ -255,6 +258,8 @@ class TokRAGSynthesizer(BaseSynthesizer):
             "policy_options": dict(opts),
             "citations": citations,
         }
+        if not drawn.greedy:
+            self._gen_kwargs.update(temperature=temperature, seed=seed)
         if system_prompt is not ...:
             self._gen_kwargs["system_prompt"] = system_prompt
 
