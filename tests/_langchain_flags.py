@@ -25,7 +25,7 @@ class _Flags:
     @property
     def standard_chat_model_params(self) -> dict[str, Any]:
         # Short answers keep the integration suite cheap on CPU (the suite asks for 100).
-        return {**super().standard_chat_model_params, "max_tokens": 32}  # type: ignore[misc]
+        return {**super().standard_chat_model_params, "max_tokens": 64}  # type: ignore[misc]
 
     @property
     def has_tool_calling(self) -> bool:
