@@ -412,3 +412,48 @@ def test_errors_are_sentences_and_the_key_is_never_shown(server, caplog):
     shown = [repr(chat), str(chat), repr(wrong), str(e401.value), str(e400.value), caplog.text]
     shown += [json.dumps(chat.model_dump(), default=str), wrong.to_json()]
     assert caplog.text and not any(KEY in s for s in shown)
+
+
+def test_framework_classes_call_tools_and_decode_schemas_through_the_served_command(server, lm):
+    """``ChatTokRAG(base_url=)`` and ``TokRAGLLM(base_url=)`` send tools, the tool choice and
+    the schema; the server renders, constrains and returns the call, which each class parses
+    as its local twin does (issue 57)."""
+    from langchain_core.tools import tool
+    from llama_index.core.tools import FunctionTool
+    from pydantic import BaseModel
+
+    @tool
+    def search_docs(query: str) -> str:
+        """Search the company documents."""
+        return query
+
+    chats = (ChatTokRAG(base_url=server, api_key=KEY, max_tokens=64), ChatTokRAG(model=lm, max_tokens=64))
+    llms = (TokRAGLLM(base_url=server, api_key=KEY, max_new_tokens=64), TokRAGLLM(lm, max_new_tokens=64))
+    for chat in chats:
+        msg = chat.bind_tools([search_docs], tool_choice="search_docs").invoke(QUESTION)
+        assert [c["name"] for c in msg.tool_calls] == ["search_docs"]
+        assert isinstance(msg.tool_calls[0]["args"].get("query"), str)
+    calls = [
+        c.bind_tools([search_docs], tool_choice="search_docs").invoke(QUESTION).tool_calls
+        for c in chats
+    ]
+    assert calls[0][0]["args"] == calls[1][0]["args"]
+
+    class Founder(BaseModel):
+        founded_by: str
+
+    shaped = [c.with_structured_output(Founder).invoke(QUESTION) for c in chats]
+    assert all(isinstance(s, Founder) for s in shaped) and shaped[0] == shaped[1]
+
+    def search(query: str) -> str:
+        """Search the company documents."""
+        return query
+
+    fn = FunctionTool.from_defaults(fn=search)
+    selections = []
+    for llm in llms:
+        r = llm.chat_with_tools([fn], user_msg=QUESTION, tool_required=True)
+        picked = llm.get_tool_calls_from_response(r, error_on_no_tool_call=True)
+        assert [s.tool_name for s in picked] == ["search"]
+        selections.append(picked[0].tool_kwargs)
+    assert selections[0] == selections[1]
