@@ -476,7 +476,7 @@ def load_model(
         local_files_only: never contact the hub (the default); False lets transformers
             download a hub id that is not cached.
         require_signals: check that Tok-RAG's signals can read the architecture (False loads
-            any causal LM for the policies that need no signals, e.g. ``rag``, ``llm``, ``cad``).
+            any causal LM for the policies that need no signals, e.g. ``rag``, ``no_rag``, ``cad``).
         cpu_kernels: ``"auto"`` (measured few-row plans), ``"on"`` or ``"off"`` (a stock
             model for every decode): how the CPU speed paths are installed on this model,
             before its first decode that uses them (default None: as that decode's

@@ -7,7 +7,7 @@ downloaded. For Llama, Mistral (sliding window), Qwen2, Qwen3 (per-head q/k norm
 [Q | K | V] projection), OLMo 2 (post-norm layers, q/k norms over all heads) and Granite
 (embedding / residual / attention multipliers, logits scaling), in float32 and bfloat16:
 
-* ``rag`` and ``llm`` equal ``model.generate(do_sample=False)`` token for token;
+* ``rag`` and ``no_rag`` equal ``model.generate(do_sample=False)`` token for token;
 * ``tokrag`` runs with finite signals and a consistent trace;
 * every fast path (packed prefill, fused contexts, CPU kernels on
   and off) gives the step-by-step decoder's tokens and sources (on Llama, Gemma 3 and Phi-3
@@ -159,7 +159,7 @@ def _hf_generate(tiny, reference, ids: list[int]) -> list[int]:
 def test_baselines_equal_model_generate(models, arch, dtype):
     tiny, reference = models(arch, dtype)
     plan = _plan(tiny)
-    for policy, ids in (("llm", plan.pure_ids), ("rag", plan.rag_ids)):
+    for policy, ids in (("no_rag", plan.pure_ids), ("rag", plan.rag_ids)):
         want = _hf_generate(tiny, reference, ids)
         assert want, "the reference answer is empty: the matrix would test nothing"
         assert generate(tiny, Q, P, policy=policy, max_new_tokens=NEW_TOKENS).token_ids == want, policy
@@ -177,7 +177,7 @@ def test_tokrag_runs_with_finite_signals_and_a_consistent_trace(models, arch, dt
     assert steps and [s.token_id for s in steps] == r.token_ids
     assert r.text == tiny.tokenizer.decode(r.token_ids, skip_special_tokens=True)
     assert sum(r.counts.values()) == len(steps)
-    assert {s.source for s in steps} <= {"agree", "rag", "llm"}
+    assert {s.source for s in steps} <= {"agree", "rag", "pure"}
     disagreements = [s for s in steps if s.source != "agree"]
     for s in disagreements:
         if str((s.signals or {}).get("note", "")).startswith("gated:"):  # kept without comparing
