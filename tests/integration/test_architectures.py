@@ -28,7 +28,7 @@ import math
 
 import pytest
 import torch
-import transformers
+from _helpers import tiny_model
 
 from tokrag_integrations import generate, load_model
 from tokrag_integrations.prompts import PromptBuilder
@@ -89,28 +89,9 @@ SPEED_CASES = [
 ]
 
 
-def _config(cls_name: str, tok, vocab_size: int, **extra):
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    return getattr(transformers, cls_name)(**{**common, **extra})
-
-
 def _build(arch: str, tok, vocab_size: int, dtype: torch.dtype):
     cfg_name, cls_name, extra = ARCHS[arch]
-    torch.manual_seed(0)
-    return getattr(transformers, cls_name)(_config(cfg_name, tok, vocab_size, **extra)).eval().to(dtype)
+    return tiny_model(tok, config=cfg_name, model=cls_name, vocab_size=vocab_size, **extra).to(dtype)
 
 
 @pytest.fixture(scope="module")
@@ -249,9 +230,7 @@ _KEPT = {"llama", "qwen2", "qwen3", "phi3", "olmo2", "granite"}
 @pytest.mark.parametrize("arch", list(REFUSED))
 def test_fused_interleaved_qkv_is_refused_with_the_fix(lm, arch):
     cfg_name, cls_name = REFUSED[arch]
-    cfg = _config(cfg_name, lm.tokenizer, lm.vocab_size)
-    torch.manual_seed(0)
-    model = getattr(transformers, cls_name)(cfg).eval()
+    model = tiny_model(lm.tokenizer, config=cfg_name, model=cls_name, vocab_size=lm.vocab_size)
     reference = copy.deepcopy(model)
     why = "fused query/key/value" if arch == "gpt_neox" else "final norm"
     with pytest.raises(ValueError, match=f"signals cannot read this architecture.*{why}.*require_signals=False"):
