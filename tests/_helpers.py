@@ -323,6 +323,26 @@ def tiny_model(
     return getattr(transformers, model)(cfg).eval()
 
 
+def greedy_generate(model: Any, ids: list[int], n: int, pad_token_id: int) -> list[int]:
+    """``n`` new token ids of transformers' own greedy ``model.generate`` after the prompt
+    ``ids`` (sampling options unset, so a model's generation config cannot turn sampling on):
+    what the engine's greedy decode is compared with."""
+    import torch
+
+    x = torch.tensor([ids])
+    out = model.generate(
+        input_ids=x,
+        attention_mask=torch.ones_like(x),
+        do_sample=False,
+        max_new_tokens=n,
+        pad_token_id=pad_token_id,
+        top_p=None,
+        top_k=None,
+        temperature=None,
+    )
+    return out[0, len(ids) :].tolist()
+
+
 def tiny_smollm2(tokenizer: Any, *, layers: int = 30, hidden: int = 72, cpu_kernels: str = "off") -> Any:
     """A random-weight model with SmolLM2-135M's shape where it sets the launch count (30
     Llama layers, 9 query / 3 key-value heads, SmolLM2's tokenizer and vocabulary) and a small

@@ -28,7 +28,7 @@ import math
 
 import pytest
 import torch
-from _helpers import tiny_model
+from _helpers import greedy_generate, tiny_model
 
 from tokrag_integrations import generate, load_model
 from tokrag_integrations.prompts import PromptBuilder
@@ -117,19 +117,8 @@ def _plan(tiny, passages=P):
 
 
 def _hf_generate(tiny, reference, ids: list[int]) -> list[int]:
-    x = torch.tensor([ids])
-    out = reference.generate(
-        input_ids=x,
-        attention_mask=torch.ones_like(x),
-        do_sample=False,
-        max_new_tokens=NEW_TOKENS,
-        pad_token_id=tiny.pad_token_id,
-        top_p=None,
-        top_k=None,
-        temperature=None,
-    )
     kept = []
-    for i in out[0, len(ids) :].tolist():
+    for i in greedy_generate(reference, ids, NEW_TOKENS, tiny.pad_token_id):
         if i in tiny.eos_token_ids:
             break
         kept.append(i)

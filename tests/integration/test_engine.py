@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from _helpers import greedy_generate
 
 from tokrag_integrations import Passage, generate, generate_batch, stream
 from tokrag_integrations.attention.parts import model_parts
@@ -28,18 +29,7 @@ def _plan(lm, q, ps, **kw):
 
 
 def _hf_generate(lm, ids, n):
-    x = torch.tensor([ids])
-    out = lm.model.generate(
-        input_ids=x,
-        attention_mask=torch.ones_like(x),
-        do_sample=False,
-        max_new_tokens=n,
-        pad_token_id=lm.pad_token_id,
-        top_p=None,
-        top_k=None,
-        temperature=None,
-    )
-    return out[0, len(ids) :].tolist()
+    return greedy_generate(lm.model, ids, n, lm.pad_token_id)
 
 
 def _strip_eos(lm, ids):
