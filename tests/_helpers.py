@@ -352,3 +352,22 @@ def tiny_smollm2(tokenizer: Any, *, layers: int = 30, hidden: int = 72, cpu_kern
 
     model = tiny_model(tokenizer, layers=layers, hidden=hidden, heads=9, kv_heads=3, max_positions=8192)
     return load_model(model, tokenizer=tokenizer, cpu_kernels=cpu_kernels)
+
+
+def slow_except(values: Any, *keep: Any) -> list[Any]:
+    """``values`` for ``pytest.mark.parametrize`` with every case but those in ``keep`` marked
+    ``slow``: the default run (``make test``) checks one or a few cases of a matrix, and
+    ``make test-all`` (or ``pytest -m slow``) the rest. A ``pytest.param`` is matched by its id."""
+    out = []
+    for v in values:
+        if isinstance(v, type(pytest.param(None))):
+            key, args, marks, id_ = v.id, v.values, list(v.marks), v.id
+        else:
+            key, args, marks, id_ = v, (v,), [], None
+        if key not in keep:
+            marks.append(pytest.mark.slow)
+        out.append(pytest.param(*args, marks=marks, id=id_))
+    missing = set(keep) - {p.id if p.id is not None else p.values[0] for p in out}
+    if missing:
+        raise ValueError(f"slow_except: {sorted(missing)} are not among the cases")
+    return out

@@ -4,6 +4,7 @@ one passage that holds it, whichever place it has in the prompt; citations off r
 from __future__ import annotations
 
 import pytest
+from _helpers import slow_except
 
 from tokrag_integrations import Passage, generate
 
@@ -34,7 +35,7 @@ def _fact_steps(trace) -> tuple[int, int]:
     return hit[0], hit[-1] + 1
 
 
-@pytest.mark.parametrize("policy", ["tokrag", "rag"])
+@pytest.mark.parametrize("policy", slow_except(["tokrag", "rag"], "tokrag"))
 def test_the_fact_is_cited_to_the_passage_holding_it_in_either_order(lm, policy):
     for passages, holder in (([ON_TOPIC, WITH_FACT], 1), ([WITH_FACT, ON_TOPIC], 0)):
         r = generate(lm, QUESTION, passages, policy=policy, max_new_tokens=22, citations=True)
@@ -66,7 +67,7 @@ def test_citations_by_default_off_and_without_a_rag_context(lm):
         generate(lm, QUESTION, [WITH_FACT], citations="yes")
 
 
-@pytest.mark.parametrize("policy", ["rag_token", "rag_sequence"])
+@pytest.mark.parametrize("policy", slow_except(["rag_token", "rag_sequence"], "rag_token"))
 def test_one_context_per_passage_cites_by_the_posterior(lm, policy):
     """RAG-Token and RAG-Sequence cite each token to p(z|x, y_i) ∝ p(z|x)·p(y_i|x, z, y<i)
     (on by default: it costs nothing); ``citations=False`` records none."""

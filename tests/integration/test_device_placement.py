@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _device_check import DeviceCheck
+from _helpers import slow_except
 
 from tokrag_integrations import generate, generate_batch
 from tokrag_integrations.policies import available_policies
@@ -30,7 +31,7 @@ def test_the_check_fails_where_a_gpu_would(lm):
         weight[:2] * torch.tensor(2.0)
 
 
-@pytest.mark.parametrize("policy", available_policies())
+@pytest.mark.parametrize("policy", slow_except(available_policies(), "tokrag", "rag_sequence"))
 def test_every_policy_decodes_on_the_models_device(lm, prompts, policy):
     q, ps = prompts[1]
     with DeviceCheck(lm.model):
@@ -38,7 +39,7 @@ def test_every_policy_decodes_on_the_models_device(lm, prompts, policy):
     assert r.token_ids
 
 
-@pytest.mark.parametrize("policy", available_policies())
+@pytest.mark.parametrize("policy", slow_except(available_policies(), "tokrag", "rag_token"))
 def test_every_policy_decodes_on_the_models_device_with_the_static_state(lm, prompts, policy):
     """``speed="cuda"``: the static state's buffers and every tensor of its step (or, for a
     policy without a device rule, the view path it falls back to)."""

@@ -15,6 +15,7 @@ each keep the module cheap."""
 from __future__ import annotations
 
 import pytest
+from _helpers import slow_except
 
 from tokrag_integrations import generate, generate_batch, load_model
 from tokrag_integrations.accel.install import speed_paths
@@ -167,7 +168,7 @@ def _citations(r) -> list:
     return [s.citation for s in r.trace.steps]
 
 
-@pytest.mark.parametrize("policy", CUDA_POLICIES)
+@pytest.mark.parametrize("policy", slow_except(CUDA_POLICIES, "tokrag", "rag", "cad"))
 def test_the_cuda_path_equals_the_stock_path(lm, prompts, policy_reference, policy):
     """``speed="cuda"`` (the static state and the device rule where the policy has one):
     tokens, sources, each step's top-1 candidates and the citations of the reference, one

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
+from _helpers import slow_except  # noqa: E402
 from _structured import sample_questions  # noqa: E402
 
 from tokrag_integrations import generate, generate_batch  # noqa: E402
@@ -50,7 +51,7 @@ def check_answer(result, schema=ANSWER) -> dict:
     return value
 
 
-@pytest.mark.parametrize("policy", ["rag", "tokrag", "no_rag"])
+@pytest.mark.parametrize("policy", slow_except(["rag", "tokrag", "no_rag"], "tokrag"))
 def test_json_schema_answers_parse_and_validate(lm, policy):
     for question, passages in QUESTIONS:
         result = generate(lm, question, passages, policy=policy, max_new_tokens=MAX_TOKENS, constraint=SPEC)
