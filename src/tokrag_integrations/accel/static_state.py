@@ -11,24 +11,23 @@ the valid columns [R, C] (bool), each layer's keys and values [R, kv_heads, C, h
 column; and what the device rule reads of the queries (:class:`..accel.step_tensors.StepTensors`:
 each role's row per query slot, the RAG row's retrieved-token columns and ids...).
 
-:func:`.static_step.static_step` is the step: the model's forward on one token per row (the key/value
-column written in place; the probes recorded on the way: every layer's residual at the
-position and, where a rule or a citation reads them, every layer's attention probabilities
-over the C columns, from the rotated queries and the static keys), the policy's device rule
-(:func:`..accel.step_tensors.device_rule_for`), then the next-step update (the chosen token
-of each row's query into the token buffer, positions and column advanced). No host read and
+:func:`.static_step.static_step` is the step: the model's forward on one token per row (the
+key/value column written in place; the probes on the way: every layer's residual and, where
+a rule or a citation reads them, every layer's attention probabilities over the C columns),
+the policy's device rule (:func:`..accel.step_tensors.device_rule_for`) on the query slots
+that can hold a query (:meth:`StaticDecode.query_slots`), then the next-step update (each
+row's query's token into the token buffer, positions and column advanced). No host read and
 no branch on a tensor's value: ``torch.compile(mode="reduce-overhead")`` captures it on CUDA
 (a graph per bucket), ``torch.compile`` or eager elsewhere (``Speed.graphs``). It returns
-one tensor [Q, 1 + K] (each query slot's chosen id, then its record): the host reads it
-once (:meth:`StaticDecode.step`) and rebuilds the trace from it (the rule's ``decode``).
+one tensor [Q, 1 + K] (each slot's chosen id, then its record): the host reads it once
+(:meth:`StaticDecode.step`) and rebuilds the trace from it (the rule's ``decode``).
 
-:class:`StaticDecode` is the host side: admission between steps (the existing prefill paths
-run each context's prompt but its last token, whose keys and values are copied into free
-rows; the last token is the row's first fed token, so every choice, the first included, is
-made by the step), retirement (rows freed), growth (a bigger bucket or capacity is a new
-state, the live rows copied, and a new graph). A decode's buffers go back to the model's
-pool when its last query leaves, and the next decode of that shape takes them: the same
-addresses, so a captured graph is replayed rather than recorded again.
+:class:`StaticDecode` is the host side: admission between steps (the prefill paths run each
+context's prompt but its last token, whose keys and values are copied into free rows; the
+last token is the row's first fed token, so the step makes every choice), retirement, growth
+(a bigger bucket or capacity is a new state, the live rows copied, and a new graph). A
+decode's buffers go back to the model's pool when its last query leaves, and the next decode
+of that shape takes them (the same addresses: a captured graph is replayed, not recorded).
 :class:`..engine.decoder.Decoder` delegates to it where ``Speed.static`` is on
 (:func:`static_decode_for`, through ``engine/seam.py``).
 
@@ -59,13 +58,7 @@ from .static_forward import ATTN_STATIC, register_attention
 from .static_step import _compiled, static_step
 from .step_tensors import MAX_PASSAGES, DecodedStep, device_rule_for
 
-__all__ = [
-    "ATTN_STATIC",
-    "StaticDecode",
-    "static_asked",
-    "static_decode_for",
-    "static_off_reason",
-]
+__all__ = ["ATTN_STATIC", "StaticDecode", "static_asked", "static_decode_for", "static_off_reason"]
 
 #: Architectures whose forward :func:`static_forward` reproduces (the decoder layers of
 #: Llama / SmolLM, Mistral, Qwen2 and Qwen3 with full attention: embeddings, rotary
@@ -144,6 +137,8 @@ class StaticDecode:
         #: RAG-Token's contexts are one per passage (``passage:j``, up to MAX_PASSAGES).
         self.passages = not policy.roles
         self.roles = tuple(policy.roles) or tuple(f"passage:{j}" for j in range(MAX_PASSAGES))
+        #: The fewest rows of a query here: slots, taken lowest first, stay < R // min_rows.
+        self.min_rows = 1 if self.passages else len(self.roles)
         self.dev, self.dtype = model.device, model.dtype
         cfg = model.config
         self.n_layers = int(cfg.num_hidden_layers)
@@ -245,6 +240,7 @@ class StaticDecode:
             if isinstance(b, _PackedBatch):  # one query's two contexts in one row: unpack
                 batches[key] = b.unpacked()
         placed = [(q, role, batches.get(id(b)), r) for q, role, b, r in placed]
+        self.min_rows = min([self.min_rows, *(len(c) for c in per_query)])
         width = max((int(b.mask.shape[1]) for b in batches.values()), default=0)
         self._make_room(len(placed), len(query_ids), width, per_query)
         buf = self.buf
@@ -294,6 +290,7 @@ class StaticDecode:
             buf.pos.index_copy_(0, rows_t, torch.tensor(positions, dtype=torch.long, device=self.dev))
             for q, rows in slot_rows.items():
                 s = free_slots.pop(0)
+                assert s < self.query_slots(), "a query slot past R // min_rows"
                 rag = per_query[q].get("rag")
                 lengths = cite_lengths[q]
                 slot = _Slot(query_ids[q], rows)
@@ -471,6 +468,10 @@ class StaticDecode:
                 self._write_slot(s)
 
     # ------------------------------------------------------------------ one step
+    def query_slots(self) -> int:
+        """The query slots the step computes: the first R // min_rows (no query is in another)."""
+        return max(1, self.buf.valid.shape[0] // self.min_rows)  # type: ignore[union-attr]
+
     def step_args(self) -> tuple[Any, ...]:
         """The arguments of :func:`static_step` on this state (for a compiler's checks)."""
         buf = self.buf
@@ -483,7 +484,7 @@ class StaticDecode:
             masked, buf.ids, buf.pos, buf.valid, buf.col, buf.keys, buf.values, buf.row_q,
             buf.rows, buf.rt_pos, buf.rt_ids, buf.rt_valid, buf.rt_passage, buf.cite,
             buf.weights, buf.temperature, buf.top_p, buf.top_k, buf.seed, buf.step, buf.bits,
-            buf.constrained,
+            buf.constrained, self.query_slots(),
         )  # fmt: skip
 
     def _write_masks(self) -> None:
@@ -568,7 +569,6 @@ class StaticDecode:
         pool[self._key(*buf.shape)] = buf
         while len(pool) > POOL_SIZE:
             pool.pop(next(iter(pool)))
-
 
 
 def static_asked(lm: LoadedModel, speed: Speed) -> bool:

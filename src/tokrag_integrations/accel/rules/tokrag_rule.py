@@ -164,7 +164,7 @@ class TokRAGRule(RecordRule):
             rows_h = torch.cat([h_rag[:, lo - 1 :], h_pure[:, lo - 1 :]], dim=1)  # [Q, 2n, d]
             logp = torch.log_softmax(lens(self.parts_, rows_h, p.lens_norm), dim=-1)
             logp = logp.reshape(Q, 2, n, -1)
-            shift = S.layer_shift_jsd_logp(logp)  # [Q, 2, n-1]
+            shift = layer_shifts(logp)  # [Q, 2, n-1]
             g = S.distribution_change_gap(shift[:, 0], shift[:, 1]).float()  # layers lo..L
             cross = g > p.jsd_threshold * self.V
             g_layer = torch.where(
@@ -261,6 +261,29 @@ class TokRAGRule(RecordRule):
         if note == RISING:
             out = {**out, "benefit": True, "note": NOTES[RISING]}
         return out
+
+
+def layer_shifts(logp: torch.Tensor) -> torch.Tensor:
+    """:func:`...policies.signals.layer_shift_jsd_logp` ([..., n, V] float32 -> [..., n-1]),
+    one pair of consecutive layers at a time, the same arithmetic on each entry
+    (:func:`...policies.signals.jsd_logp`, so the same bits), into four buffers of one
+    layer's rows reused across the layers (in cache, and no allocation per operation)."""
+    n = logp.shape[-2]
+    shape = (*logp.shape[:-2], logp.shape[-1])
+    probs = [logp.new_empty(shape), logp.new_empty(shape)]  # p of the previous / this layer
+    logm, term = logp.new_empty(shape), logp.new_empty(shape)
+    tiny = torch.finfo(torch.float32).tiny
+    torch.exp(logp[..., 0, :], out=probs[0])
+    out = []
+    for i in range(1, n):
+        logp_a, logp_b = logp[..., i - 1, :], logp[..., i, :]
+        p_a, p_b = probs[(i - 1) % 2], probs[i % 2]
+        torch.exp(logp_b, out=p_b)
+        torch.add(p_a, p_b, out=logm).mul_(0.5).clamp_min_(tiny).log_()  # log m, m = (p+q)/2
+        kl_a = torch.sub(logp_a, logm, out=term).mul_(p_a).sum(-1)  # KL(p_a‖m)
+        kl_b = torch.sub(logp_b, logm, out=term).mul_(p_b).sum(-1)
+        out.append((0.5 * (kl_a + kl_b)).clamp_min(0.0))
+    return torch.stack(out, dim=-1)
 
 
 def a_dev(t: StepTensors) -> torch.device:
