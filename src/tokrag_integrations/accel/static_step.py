@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..sampling import MASKED_LOGIT, allowed_from_bitmask
+from ..sampling import MASKED_LOGIT, MAX_TOP_LOGPROBS, allowed_from_bitmask
 from .static_forward import static_forward
 from .step_types import SamplingTensors, StepTensors
 
@@ -26,6 +26,8 @@ def static_step(
     attn: bool,
     sample: bool,
     masked: bool,
+    tops: bool,
+    direct: bool,
     ids: torch.Tensor,
     pos: torch.Tensor,
     valid: torch.Tensor,
@@ -50,13 +52,15 @@ def static_step(
 ) -> torch.Tensor:
     """The captured step: forward + probes + the constraint masks (``masked``: every row's
     logits masked by its query's allowed tokens before the rule) + the device rule (its
-    token drawn from its distribution where ``sample``; the log-probabilities) + the
+    token drawn from its distribution where ``sample``; the log-probabilities, and the most
+    likely tokens' where ``tops``: some query asks for ``top_logprobs``; ``direct``: the
+    layers written out, :func:`.static_forward.direct_off_reason`) + the
     next-step update, on the buffers of a :class:`StaticBuffers` (passed one by one, so a
     compiler sees plain tensors). Returns [Q, 1 + K] float32: each query slot's chosen id,
     then its record."""
     valid.index_fill_(1, col.view(1), True)  # every row sees the column it writes
     logits, res, probs = static_forward(
-        model, ids, pos, valid, col, keys, values, resid=resid, attn=attn
+        model, ids, pos, valid, col, keys, values, resid=resid, attn=attn, direct=direct
     )
     allowed = None
     if masked:
@@ -76,6 +80,7 @@ def static_step(
         cite_passages=cite_n,
         sampling=SamplingTensors(temperature, top_p, top_k, seed, step) if sample else None,
         allowed=allowed,
+        top_logprobs=MAX_TOP_LOGPROBS if tops else 0,
     )
     chosen, record, _ = rule(t)
     nxt = chosen.index_select(0, row_q.clamp(min=0))
