@@ -158,8 +158,9 @@ class StaticDecode:
         self._fn: Any = _compiled("reduce-overhead" if on_cuda else None) if self.compiled else static_step
         #: What the last admission cost.
         self.timings: dict[str, float] = {}
-        #: Whether the step writes the layers out (:func:`.static_forward.direct_off_reason`).
-        self.direct = direct_off_reason(model) is None
+        #: Whether the step writes the layers out (:func:`.static_forward.direct_off_reason`,
+        #: checked at each admission: a hook may have come since).
+        self.direct = False
 
     # ------------------------------------------------------------------ bookkeeping
     def rows_in_use(self) -> int:
@@ -205,7 +206,7 @@ class StaticDecode:
         token is chosen at the next step. ``sampling``: per query, how its tokens are taken
         and its constraint (default: greedy, unconstrained)."""
         t0 = time.perf_counter()
-        self.direct = direct_off_reason(self.lm.model) is None  # a hook may have come since
+        self.direct = direct_off_reason(self.lm.model) is None
         extra = sorted({r for c in per_query for r in c} - set(self.roles))
         if extra:
             raise ValueError(
@@ -502,7 +503,10 @@ class StaticDecode:
     @contextlib.contextmanager
     def attention(self) -> Iterator[None]:
         """While open, the model's attention layers run :func:`static_attention` (the step's;
-        the prefill keeps the model's own)."""
+        the prefill keeps the model's own); written-out layers call it directly."""
+        if self.direct:
+            yield
+            return
         cfg = self.lm.model.config
         before = cfg._attn_implementation
         cfg._attn_implementation = ATTN_STATIC

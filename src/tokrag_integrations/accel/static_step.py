@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..sampling import MASKED_LOGIT, MAX_TOP_LOGPROBS, allowed_from_bitmask
+from ..sampling import MASKED_LOGIT, allowed_from_bitmask
 from .static_forward import static_forward
 from .step_types import SamplingTensors, StepTensors
 
@@ -80,7 +80,7 @@ def static_step(
         cite_passages=cite_n,
         sampling=SamplingTensors(temperature, top_p, top_k, seed, step) if sample else None,
         allowed=allowed,
-        top_logprobs=MAX_TOP_LOGPROBS if tops else 0,
+        tops=tops,
     )
     chosen, record, _ = rule(t)
     nxt = chosen.index_select(0, row_q.clamp(min=0))

@@ -11,7 +11,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..sampling import MAX_TOP_LOGPROBS
 from ..trace import Candidate, TopLogprob
 
 __all__ = ["MAX_PASSAGES", "DecodedStep", "DeviceRule", "SamplingTensors", "StepTensors"]
@@ -72,9 +71,10 @@ class StepTensors:
     #: [Q, V] bool: the tokens each query's constraint allows (True everywhere for an
     #: unconstrained query; every row's logits are masked with it already); None: none.
     allowed: torch.Tensor | None = None
-    #: How many most likely tokens the record holds with their log-probabilities (0..
-    #: ``MAX_TOP_LOGPROBS``; the step asks for none where no query wants them: zeros).
-    top_logprobs: int = MAX_TOP_LOGPROBS
+    #: Whether the record holds the ``MAX_TOP_LOGPROBS`` most likely tokens with their
+    #: log-probabilities (the step asks for them where a query wants ``top_logprobs``;
+    #: else their slots are zeros).
+    tops: bool = True
     #: What the rule and the trace parts derive from the logits once a step (a role's
     #: logits, their log-softmax: :func:`.rules.common.role_logits`), shared by both.
     derived: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)

@@ -336,11 +336,12 @@ class RecordRule:
         # The decision logits are often a role's own (rag, floor...): their log_softmax is
         # then the trace parts' too, computed once. The top tokens only where asked.
         shared = known_logp(t, logits) if t.allowed is None else None
-        lp, top_ids, top_lp = logprobs(logits, ids, t.top_logprobs, lp=shared)
-        if t.top_logprobs < MAX_TOP_LOGPROBS:  # the record's fixed width: zeros past them
-            pad = MAX_TOP_LOGPROBS - t.top_logprobs
-            top_ids = torch.nn.functional.pad(top_ids, (0, pad))
-            top_lp = torch.nn.functional.pad(top_lp, (0, pad))
+        if t.tops:
+            lp, top_ids, top_lp = logprobs(logits, ids, MAX_TOP_LOGPROBS, lp=shared)
+        else:  # the chosen token's only; the top slots of the record stay zeros
+            full = torch.log_softmax(logits, dim=-1) if shared is None else shared
+            lp = full.gather(1, ids[:, None])[:, 0]
+            top_ids = top_lp = lp.new_zeros((lp.shape[0], MAX_TOP_LOGPROBS))
         pieces = {
             **pieces,
             "token": ids,
