@@ -54,7 +54,7 @@ from ..sampling import Sampling, TokenConstraint, bitmask_words
 from ..speed import Speed
 from .packed import _PackedBatch
 from .static_buffers import POOL_SIZE, StaticBuffers, new_buffers, pool_of, reset_buffers
-from .static_forward import ATTN_STATIC, register_attention
+from .static_forward import ATTN_STATIC, direct_off_reason, register_attention
 from .static_step import _compiled, static_step
 from .step_tensors import MAX_PASSAGES, DecodedStep, device_rule_for
 
@@ -159,6 +159,9 @@ class StaticDecode:
         self._fn: Any = _compiled("reduce-overhead" if on_cuda else None) if self.compiled else static_step
         #: What the last admission cost.
         self.timings: dict[str, float] = {}
+        #: Whether the step writes the layers out (:func:`.static_forward.direct_off_reason`,
+        #: checked at each admission: a hook may have come since).
+        self.direct = False
 
     # ------------------------------------------------------------------ bookkeeping
     def rows_in_use(self) -> int:
@@ -204,6 +207,7 @@ class StaticDecode:
         token is chosen at the next step. ``sampling``: per query, how its tokens are taken
         and its constraint (default: greedy, unconstrained)."""
         t0 = time.perf_counter()
+        self.direct = direct_off_reason(self.lm.model) is None
         extra = sorted({r for c in per_query for r in c} - set(self.roles))
         if extra:
             raise ValueError(
@@ -479,9 +483,10 @@ class StaticDecode:
         live = [s for s in self.slots if s is not None]
         sample = any(not s.sampling.greedy for s in live)
         masked = any(s.constraint is not None for s in live)
+        tops = any(s.sampling.top_logprobs for s in live)
         return (
             self.lm.model, self.rule, self.lm.pad_token_id, self.resid, self.attn, sample,
-            masked, buf.ids, buf.pos, buf.valid, buf.col, buf.keys, buf.values, buf.row_q,
+            masked, tops, self.direct, buf.ids, buf.pos, buf.valid, buf.col, buf.keys, buf.values, buf.row_q,
             buf.rows, buf.rt_pos, buf.rt_ids, buf.rt_valid, buf.rt_passage, buf.cite,
             buf.weights, buf.temperature, buf.top_p, buf.top_k, buf.seed, buf.step, buf.bits,
             buf.constrained, self.query_slots(),
@@ -505,7 +510,10 @@ class StaticDecode:
     @contextlib.contextmanager
     def attention(self) -> Iterator[None]:
         """While open, the model's attention layers run :func:`static_attention` (the step's;
-        the prefill keeps the model's own)."""
+        the prefill keeps the model's own); written-out layers call it directly."""
+        if self.direct:
+            yield
+            return
         cfg = self.lm.model.config
         before = cfg._attn_implementation
         cfg._attn_implementation = ATTN_STATIC
@@ -560,9 +568,8 @@ class StaticDecode:
                 buf.temperature[s] = 0.0
         if not self.rows_in_use():  # nothing left: the buffers go back to the pool
             self._release(buf)
-            self.buf = None
+            self.buf, self.col = None, 0
             self.row_owner, self.row_start, self.slots, self.slot_of = [], [], [], {}
-            self.col = 0
 
     def _release(self, buf: StaticBuffers) -> None:
         pool = pool_of(self.lm)

@@ -26,6 +26,8 @@ def static_step(
     attn: bool,
     sample: bool,
     masked: bool,
+    tops: bool,
+    direct: bool,
     ids: torch.Tensor,
     pos: torch.Tensor,
     valid: torch.Tensor,
@@ -51,7 +53,9 @@ def static_step(
 ) -> torch.Tensor:
     """The captured step: forward + probes + the constraint masks (``masked``: every row's
     logits masked by its query's allowed tokens before the rule) + the device rule (its
-    token drawn from its distribution where ``sample``; the log-probabilities) + the
+    token drawn from its distribution where ``sample``; the log-probabilities, and the most
+    likely tokens' where ``tops``: some query asks for ``top_logprobs``; ``direct``: the
+    layers written out, :func:`.static_forward.direct_off_reason`) + the
     next-step update, on the buffers of a :class:`StaticBuffers` (passed one by one, so a
     compiler sees plain tensors). ``slots``: how many query slots can hold a query (the
     first ``slots``; None: all), the only ones the rule computes. Returns [slots, 1 + K]
@@ -66,7 +70,7 @@ def static_step(
     step_q = step if slots is None else step[:slots]
     valid.index_fill_(1, col.view(1), True)  # every row sees the column it writes
     logits, res, probs = static_forward(
-        model, ids, pos, valid, col, keys, values, resid=resid, attn=attn
+        model, ids, pos, valid, col, keys, values, resid=resid, attn=attn, direct=direct
     )
     allowed = None
     if masked:
@@ -86,6 +90,7 @@ def static_step(
         cite_passages=cite_n,
         sampling=SamplingTensors(temperature, top_p, top_k, seed, step_q) if sample else None,
         allowed=allowed,
+        tops=tops,
     )
     chosen, record, _ = rule(t)
     nxt = chosen.index_select(0, row_q.clamp(min=0))
