@@ -131,7 +131,7 @@ def test_the_step_computes_the_slots_a_query_can_take(tiny, policy, queries, row
     d = Decoder(tiny, get_policy(policy), max_new_tokens=2, speed="cuda")
     d.admit([_plan(tiny, Q, PASSAGES)] * queries)
     st = d._static
-    assert st.buf.valid.shape[0] == rows and st.query_slots() == slots
+    assert st.buf.valid.shape[0] == rows and st.step_args()[-1] == slots
     assert sorted(st.slot_of.values()) == list(range(queries))
     with st.attention(), torch.inference_mode():
         out = static_step(*st.step_args())

@@ -1,6 +1,5 @@
 """The static decode state of ``speed="cuda"`` (issue 56): one step function per token over
-buffers of fixed shape, updated in place, so that the step can be captured (CUDA graphs) and
-the host reads one tensor per step.
+buffers of fixed shape, updated in place (capturable as CUDA graphs); one host read a step.
 
 The state holds R rows (a bucket: 1, 2, 4, 8... rows; every context of every query is one
 row) and C cache columns. Every row writes the same column ``col`` at a step (a 0-d device
@@ -14,13 +13,13 @@ each role's row per query slot, the RAG row's retrieved-token columns and ids...
 :func:`.static_step.static_step` is the step: the model's forward on one token per row (the
 key/value column written in place; the probes on the way: every layer's residual and, where
 a rule or a citation reads them, every layer's attention probabilities over the C columns),
-the policy's device rule (:func:`..accel.step_tensors.device_rule_for`) on the query slots
-that can hold a query (:meth:`StaticDecode.query_slots`), then the next-step update (each
-row's query's token into the token buffer, positions and column advanced). No host read and
-no branch on a tensor's value: ``torch.compile(mode="reduce-overhead")`` captures it on CUDA
-(a graph per bucket), ``torch.compile`` or eager elsewhere (``Speed.graphs``). It returns
-one tensor [Q, 1 + K] (each slot's chosen id, then its record): the host reads it once
-(:meth:`StaticDecode.step`) and rebuilds the trace from it (the rule's ``decode``).
+the device rule (:func:`..accel.step_tensors.device_rule_for`) on the slots that can hold a
+query (taken lowest first: the first R // the fewest rows of a query), then the next-step
+update (tokens into the token buffer, positions and column advanced). No host read and no
+branch on a tensor's value: ``torch.compile(mode="reduce-overhead")`` captures it on CUDA (a
+graph per bucket), ``torch.compile`` or eager elsewhere (``Speed.graphs``). It returns one
+tensor [Q, 1 + K] (each slot's chosen id, then its record), read once a step
+(:meth:`StaticDecode.step`); the trace is rebuilt from it (the rule's ``decode``).
 
 :class:`StaticDecode` is the host side: admission between steps (the prefill paths run each
 context's prompt but its last token, whose keys and values are copied into free rows; the
@@ -137,8 +136,7 @@ class StaticDecode:
         #: RAG-Token's contexts are one per passage (``passage:j``, up to MAX_PASSAGES).
         self.passages = not policy.roles
         self.roles = tuple(policy.roles) or tuple(f"passage:{j}" for j in range(MAX_PASSAGES))
-        #: The fewest rows of a query here: slots, taken lowest first, stay < R // min_rows.
-        self.min_rows = 1 if self.passages else len(self.roles)
+        self.min_rows = 1 if self.passages else len(self.roles)  # the fewest rows of a query
         self.dev, self.dtype = model.device, model.dtype
         cfg = model.config
         self.n_layers = int(cfg.num_hidden_layers)
@@ -294,7 +292,7 @@ class StaticDecode:
             buf.pos.index_copy_(0, rows_t, torch.tensor(positions, dtype=torch.long, device=self.dev))
             for q, rows in slot_rows.items():
                 s = free_slots.pop(0)
-                assert s < self.query_slots(), "a query slot past R // min_rows"
+                assert s < max(1, buf.valid.shape[0] // self.min_rows), "a slot past R // min_rows"
                 rag = per_query[q].get("rag")
                 lengths = cite_lengths[q]
                 slot = _Slot(query_ids[q], rows)
@@ -472,10 +470,6 @@ class StaticDecode:
                 self._write_slot(s)
 
     # ------------------------------------------------------------------ one step
-    def query_slots(self) -> int:
-        """The query slots the step computes: the first R // min_rows (no query is in another)."""
-        return max(1, self.buf.valid.shape[0] // self.min_rows)  # type: ignore[union-attr]
-
     def step_args(self) -> tuple[Any, ...]:
         """The arguments of :func:`static_step` on this state (for a compiler's checks)."""
         buf = self.buf
@@ -489,7 +483,7 @@ class StaticDecode:
             masked, tops, self.direct, buf.ids, buf.pos, buf.valid, buf.col, buf.keys, buf.values, buf.row_q,
             buf.rows, buf.rt_pos, buf.rt_ids, buf.rt_valid, buf.rt_passage, buf.cite,
             buf.weights, buf.temperature, buf.top_p, buf.top_k, buf.seed, buf.step, buf.bits,
-            buf.constrained, self.query_slots(),
+            buf.constrained, max(1, buf.valid.shape[0] // self.min_rows),
         )  # fmt: skip
 
     def _write_masks(self) -> None:

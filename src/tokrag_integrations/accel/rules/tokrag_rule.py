@@ -32,6 +32,7 @@ from .common import (
     attention_cite,
     lens,
     role_logits,
+    role_logp,
     role_rows,
 )
 
@@ -87,7 +88,7 @@ class TokRAGRule(RecordRule):
         logit_pure, logit_rag = role_logits(t, "pure"), role_logits(t, "rag")
         a = torch.argmax(logit_pure, dim=-1)
         b = torch.argmax(logit_rag, dim=-1)
-        rag_final = torch.log_softmax(logit_rag, dim=-1)  # the model's own output, log
+        rag_final = role_logp(t, "rag")  # the model's own output, log (the trace's too)
         # The gates, in the order of TokRAG._gated: the first that holds decides.
         gates = [a == b, ~t.rt_valid.any(-1)]
         false = torch.zeros_like(gates[0])
