@@ -76,8 +76,9 @@ class StepTensors:
     #: else their slots are zeros).
     tops: bool = True
     #: What the rule and the trace parts derive from the logits once a step (a role's
-    #: logits, their log-softmax: :func:`.rules.common.role_logits`), shared by both.
-    derived: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    #: logits, their log-softmax: :func:`.rules.common.role_logits`), shared by both; not an
+    #: argument, so that ``dataclasses.replace`` (another step's tensors) starts it empty.
+    derived: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, init=False)
 
     @property
     def num_queries(self) -> int:

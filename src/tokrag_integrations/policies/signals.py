@@ -48,14 +48,7 @@ def layer_shift_jsd_logp(lens_logp: torch.Tensor) -> torch.Tensor:
     _check_dist(lens_logp, "lens_logp")
     logp = lens_logp.float()
     probs = logp.exp()
-    return jsd_logp(logp[..., :-1, :], logp[..., 1:, :], probs[..., :-1, :], probs[..., 1:, :])
-
-
-def jsd_logp(
-    logp: torch.Tensor, logq: torch.Tensor, p: torch.Tensor, q: torch.Tensor
-) -> torch.Tensor:
-    """JSD(p, q) in nats from both distributions and their logarithms (float32), with one
-    logarithm per entry, of the mixture m: KL(p‖m) = Σ p·(log p − log m). [..., V] -> [...]."""
+    logp, logq, p, q = logp[..., :-1, :], logp[..., 1:, :], probs[..., :-1, :], probs[..., 1:, :]
     # m > 0 wherever p or q is; the clamp only keeps 0·log 0 from becoming NaN.
     logm = (0.5 * (p + q)).clamp_min_(torch.finfo(torch.float32).tiny).log_()
     kl = (p * (logp - logm)).sum(-1) + (q * (logq - logm)).sum(-1)
