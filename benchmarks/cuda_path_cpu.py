@@ -77,9 +77,18 @@ def main() -> None:
     compiled = {**cuda, "graphs": "on"}
     n = args.tokens
 
+    #: tokrag's steps on the static path: all, where the contexts disagree, where the signals
+    #: (Eq. 13-19) decided (no gate did): what a rule skipping agree / gated steps would save.
+    kinds = {"steps": 0, "disagree": 0, "signals": 0}
+
     def ours(policy: str, speed):
         def run(q: str, ps: list[str]) -> tuple[int, dict]:
             r = generate(tiny, q, ps, policy=policy, speed=speed, max_new_tokens=n, citations=None)
+            if policy == "tokrag" and speed is cuda:
+                for s in r.trace.steps:
+                    kinds["steps"] += 1
+                    kinds["disagree"] += s.source != "agree"
+                    kinds["signals"] += "l_star" in s.signals
             return len(r.trace.steps), r.trace.timings
 
         return run
@@ -125,8 +134,13 @@ def main() -> None:
         ratios["rag (compiled) / HF generate"] = med["rag (compiled)"] / med["HF generate"]
     for k, v in ratios.items():
         print(f"  {k:34s} {v:6.2f}x")
+    steps = max(kinds["steps"], 1)
+    shares = {k: kinds[k] / steps for k in ("disagree", "signals")}
+    print(f"  tokrag (cuda) steps: {kinds['steps']}, contexts disagree {shares['disagree']:.0%}, "
+          f"signals decided {shares['signals']:.0%}")  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps({"ms_per_token": med, "ratios": ratios}, indent=2))
+        out = {"ms_per_token": med, "ratios": ratios, "tokrag_steps": kinds}
+        args.json.write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -124,6 +124,20 @@ def test_decodes_reuse_the_buffers_of_the_model(tiny):
     assert before and {k: id(b) for k, b in pool.items()} == before
 
 
+@pytest.mark.parametrize(("policy", "queries", "rows", "slots"), [("tokrag", 3, 8, 4), ("rag", 3, 4, 4)])
+def test_the_step_computes_the_slots_a_query_can_take(tiny, policy, queries, rows, slots):
+    """With R rows and queries of two contexts, only the first R // 2 slots can hold a query:
+    the step's rule runs on those (its record has that many rows); one context a query: all."""
+    d = Decoder(tiny, get_policy(policy), max_new_tokens=2, speed="cuda")
+    d.admit([_plan(tiny, Q, PASSAGES)] * queries)
+    st = d._static
+    assert st.buf.valid.shape[0] == rows and st.step_args()[-1] == slots
+    assert sorted(st.slot_of.values()) == list(range(queries))
+    with st.attention(), torch.inference_mode():
+        out = static_step(*st.step_args())
+    assert out.shape == (slots, 1 + st.rule.record_width)
+
+
 def test_a_one_token_prompt(tiny):
     """A prompt of one token has nothing to prefill: its row starts empty."""
     assert len(tiny.tokenizer("Hi")["input_ids"]) == 1

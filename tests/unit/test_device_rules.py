@@ -22,7 +22,7 @@ from tokrag_integrations.accel.rules.common import (
 )
 from tokrag_integrations.accel.rules.rag_token_rule import RAGTokenRule
 from tokrag_integrations.accel.rules.selection_rule import MarginRule
-from tokrag_integrations.accel.rules.tokrag_rule import distribution_scores_rows
+from tokrag_integrations.accel.rules.tokrag_rule import distribution_scores_rows, layer_shifts
 from tokrag_integrations.accel.step_tensors import StepTensors, device_rule_for
 from tokrag_integrations.attention.citations import citation_layers, passage_scores
 from tokrag_integrations.engine.stats import distribution_stats_rows
@@ -273,3 +273,19 @@ def test_rag_token_refuses_a_step_with_more_passages_than_its_slots():
     rule = RAGTokenRule(get_policy("rag_token"), None, citations=True, passages=2)
     with pytest.raises(ValueError, match="2 passage slots.*'passage:2'"):
         rule(t)
+
+
+def test_layer_shifts_equal_the_policys_bit_for_bit():
+    """The rule's layer-at-a-time JSD chain gives the bits of Eq. 13's
+    :func:`...signals.layer_shift_jsd_logp` (queries x contexts x layers at once), on flat
+    and peaked rows, an entry of probability 0 included."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 2, 6, V, generator=g) * torch.tensor([0.1, 1.0, 8.0])[:, None, None, None]
+    logits[0, 1, 2, 7] = -300.0  # exp underflows: p = 0 there
+    logp = torch.log_softmax(logits, dim=-1)
+    want = S.layer_shift_jsd_logp(logp)
+    got = layer_shifts(logp)
+    assert got.shape == (3, 2, 5)
+    assert torch.equal(got, want)
+    assert bool((got > 0).all()) and bool(torch.isfinite(got).all())
+    assert float(S.layer_shift_jsd_logp(logp[0, 1])[1]) == float(got[0, 1, 1])

@@ -1,16 +1,43 @@
 """The model's forward on the static decode state (:mod:`.static_state`): one token per row
-through the layers' own forwards, the keys and values written in place at the shared column
+through the layers, the keys and values written in place at the shared column
 (:class:`StaticKV`), the attention of the position over the static columns
 (:func:`static_attention`, registered with transformers as :data:`ATTN_STATIC`) leaving its
-probabilities where a rule or a citation reads them."""
+probabilities where a rule or a citation reads them.
+
+Two ways through a layer, the same operations in the same order (bit-equal outputs): the
+layer's own forward (its modules called as modules), or, for the decoder layers of
+:data:`DIRECT_LAYERS` (:func:`direct_off_reason`), :func:`_direct_layer`: the same block
+written out, each leaf module's own ``forward`` called directly. A token's step is some 400
+small module calls on a small model, and the host time of the call machinery (hooks,
+keyword plumbing, deprecation wrappers, the attention lookup) is about a fifth of the step
+on CPU: Hugging Face ``generate`` pays it, the static step need not."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
-__all__ = ["ATTN_STATIC", "StaticKV", "register_attention", "static_attention", "static_forward"]
+__all__ = [
+    "ATTN_STATIC",
+    "DIRECT_LAYERS",
+    "StaticKV",
+    "direct_off_reason",
+    "register_attention",
+    "static_attention",
+    "static_forward",
+]
+
+#: Decoder layers :func:`_direct_layer` reproduces: the pre-norm block of Llama, Mistral,
+#: Qwen2 and Qwen3 (q_proj / k_proj / v_proj / o_proj, rotary, RMSNorms, gated MLP; Qwen3's
+#: per-head q_norm / k_norm), with the MLPs of :data:`DIRECT_MLPS`.
+DIRECT_LAYERS = frozenset(
+    {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
+)
+DIRECT_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
 #: The attention implementation the step's layers run (registered with transformers): the
@@ -30,7 +57,9 @@ def static_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention of the step's query positions ([B, H, q, hd]) over the static keys and
-    values ([B, kv_heads, C, hd]) where ``attention_mask`` ([B, 1, q, C] bool) is True.
+    values ([B, kv_heads, C, hd]); ``attention_mask`` ([B, 1, q, C]) is additive (0 where a
+    column is seen, -inf where not, in the query's dtype: :func:`static_forward` builds it
+    once a step, so no layer converts a boolean mask) or bool (True where seen).
     With ``tokrag_probs`` (a list) the probabilities are computed in float32 and the last
     position's [B, H, C] appended to it (grouped-query attention without repeating the
     keys); without, one fused ``scaled_dot_product_attention``."""
@@ -46,8 +75,10 @@ def static_attention(
     qg = query.reshape(bsz, n_kv, groups * q_len, head_dim).float()
     scores = torch.matmul(qg, key.float().transpose(-1, -2)) * scale  # [B, kv, g*q, C]
     scores = scores.view(bsz, n_heads, q_len, -1)
-    if attention_mask is not None:
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attention_mask, float("-inf"))
+    elif attention_mask is not None:  # + 0 keeps a score exactly, + -inf masks it
+        scores = scores + attention_mask
     probs = torch.softmax(scores, dim=-1)
     tokrag_probs.append(probs[:, :, -1])
     out = torch.matmul(probs.view(bsz, n_kv, groups * q_len, -1).to(value.dtype), value)
@@ -82,6 +113,88 @@ class StaticKV:
         return kb, vb
 
 
+def _hooked(module: Any) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or getattr(module, "_forward_hooks_with_kwargs", None)
+        or getattr(module, "_forward_pre_hooks_with_kwargs", None)
+    )
+
+
+def direct_off_reason(model: Any) -> str | None:
+    """Why :func:`static_forward` must call ``model``'s layers as modules (None: it may write
+    them out, :func:`_direct_layer`): a layer or MLP class outside :data:`DIRECT_LAYERS` /
+    :data:`DIRECT_MLPS`, a part missing, a forward hook (a module call would run it), or the
+    kernels hub loaded (its layers may replace the stock forwards)."""
+    if "kernels" in sys.modules:
+        return "the kernels hub is loaded"
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return "a global forward hook"
+    for layer in model.model.layers:
+        kind = type(layer).__name__
+        if kind not in DIRECT_LAYERS:
+            return f"decoder layer {kind}"
+        a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if a is None or not all(hasattr(a, n) for n in _ATTN_PARTS):
+            return f"{kind}: attention without {', '.join(_ATTN_PARTS)}"
+        if type(mlp).__name__ not in DIRECT_MLPS or not all(hasattr(mlp, n) for n in _MLP_PARTS):
+            return f"{kind}: MLP {type(mlp).__name__}"
+        if not all(hasattr(layer, n) for n in ("input_layernorm", "post_attention_layernorm")):
+            return f"{kind}: no input / post-attention norm"
+    if any(_hooked(m) for m in model.modules()):
+        return "a forward hook on the model"
+    return None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``rotate_half``: (-x2, x1)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _direct_layer(
+    layer: Any,
+    i: int,
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: StaticKV,
+    probs: list[torch.Tensor] | None,
+) -> torch.Tensor:
+    """One decoder layer of :data:`DIRECT_LAYERS` on ``x`` [B, 1, d], as its forward computes
+    it (norm, q/k/v projections with Qwen3's per-head norms, the rotary embedding ``(q * cos)
+    + (rotate_half(q) * sin)`` with ``cos`` / ``sin`` [B, 1, 1, hd], the key / value column
+    written, :func:`static_attention`, o_proj, residual; norm, ``down(act(gate(h)) * up(h))``,
+    residual), each leaf module's ``forward`` called directly (an installed CPU kernel, an
+    instance attribute, still runs)."""
+    a, mlp = layer.self_attn, layer.mlp
+    bsz = x.shape[0]
+    shape = (bsz, x.shape[1], -1, a.head_dim)
+    residual = x
+    h = layer.input_layernorm.forward(x)
+    q = a.q_proj.forward(h).view(shape)
+    k = a.k_proj.forward(h).view(shape)
+    v = a.v_proj.forward(h).view(shape).transpose(1, 2)
+    q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+    if q_norm is not None and k_norm is not None:  # Qwen3
+        q, k = q_norm.forward(q), k_norm.forward(k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    q = (q * cos) + (_rotate_half(q) * sin)
+    k = (k * cos) + (_rotate_half(k) * sin)
+    kb, vb = cache.update(k, v, i)
+    out, _ = static_attention(a, q, kb, vb, mask, scaling=a.scaling, tokrag_probs=probs)
+    out = a.o_proj.forward(out.reshape(bsz, x.shape[1], -1).contiguous())
+    x = residual + out
+    residual = x
+    h = layer.post_attention_layernorm.forward(x)
+    h = mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(h)) * mlp.up_proj.forward(h))
+    return residual + h
+
+
 def static_forward(
     model: Any,
     ids: torch.Tensor,
@@ -93,31 +206,39 @@ def static_forward(
     *,
     resid: bool,
     attn: bool,
+    direct: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One token per row through ``model`` on the static state: ([R, V] float32 logits,
     [R, L+1, d] residuals at the position or None, [R, L, H, C] attention probabilities or
-    None). The layers' own forwards run (their attention is :func:`static_attention`, the
-    model's ``_attn_implementation`` while the step runs)."""
+    None). ``direct`` (where :func:`direct_off_reason` is None): every layer written out
+    (:func:`_direct_layer`); else the layers' own forwards run (their attention is
+    :func:`static_attention`, the model's ``_attn_implementation`` while the step runs)."""
     backbone = model.model
     x = backbone.embed_tokens(ids[:, None])
-    mask = valid[:, None, None, :]
+    # The additive mask every layer's attention reads (0 / -inf): built once here, where a
+    # boolean one would be converted again by each layer's scaled_dot_product_attention.
+    mask = torch.where(valid, 0.0, float("-inf")).to(x.dtype)[:, None, None, :]
     position_ids = pos[:, None]
     pe = backbone.rotary_emb(x, position_ids=position_ids)
+    cos, sin = pe[0].unsqueeze(1), pe[1].unsqueeze(1)
     cache = StaticKV(keys, values, col.view(1))
     probs: list[torch.Tensor] | None = [] if attn else None
     states = [x[:, 0]] if resid else []
-    for layer in backbone.layers:
-        # The class's forward: the probe's taps (an instance attribute) are not needed here.
-        x = type(layer).forward(
-            layer,
-            x,
-            attention_mask=mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=True,
-            position_embeddings=pe,
-            tokrag_probs=probs,
-        )
+    for i, layer in enumerate(backbone.layers):
+        if direct:
+            x = _direct_layer(layer, i, x, mask, cos, sin, cache, probs)
+        else:
+            # The class's forward: the probe's taps (an instance attribute) are not needed.
+            x = type(layer).forward(
+                layer,
+                x,
+                attention_mask=mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+                position_embeddings=pe,
+                tokrag_probs=probs,
+            )
         if resid:
             states.append(x[:, 0])
     h = backbone.norm(x[:, 0])

@@ -1,6 +1,5 @@
 """The static decode state of ``speed="cuda"`` (issue 56): one step function per token over
-buffers of fixed shape, updated in place, so that the step can be captured (CUDA graphs) and
-the host reads one tensor per step.
+buffers of fixed shape, updated in place (capturable as CUDA graphs); one host read a step.
 
 The state holds R rows (a bucket: 1, 2, 4, 8... rows; every context of every query is one
 row) and C cache columns. Every row writes the same column ``col`` at a step (a 0-d device
@@ -11,24 +10,23 @@ the valid columns [R, C] (bool), each layer's keys and values [R, kv_heads, C, h
 column; and what the device rule reads of the queries (:class:`..accel.step_tensors.StepTensors`:
 each role's row per query slot, the RAG row's retrieved-token columns and ids...).
 
-:func:`.static_step.static_step` is the step: the model's forward on one token per row (the key/value
-column written in place; the probes recorded on the way: every layer's residual at the
-position and, where a rule or a citation reads them, every layer's attention probabilities
-over the C columns, from the rotated queries and the static keys), the policy's device rule
-(:func:`..accel.step_tensors.device_rule_for`), then the next-step update (the chosen token
-of each row's query into the token buffer, positions and column advanced). No host read and
-no branch on a tensor's value: ``torch.compile(mode="reduce-overhead")`` captures it on CUDA
-(a graph per bucket), ``torch.compile`` or eager elsewhere (``Speed.graphs``). It returns
-one tensor [Q, 1 + K] (each query slot's chosen id, then its record): the host reads it
-once (:meth:`StaticDecode.step`) and rebuilds the trace from it (the rule's ``decode``).
+:func:`.static_step.static_step` is the step: the model's forward on one token per row (the
+key/value column written in place; the probes on the way: every layer's residual and, where
+a rule or a citation reads them, every layer's attention probabilities over the C columns),
+the device rule (:func:`..accel.step_tensors.device_rule_for`) on the slots that can hold a
+query (taken lowest first: the first R // the fewest rows of a query), then the next-step
+update (tokens into the token buffer, positions and column advanced). No host read and no
+branch on a tensor's value: ``torch.compile(mode="reduce-overhead")`` captures it on CUDA (a
+graph per bucket), ``torch.compile`` or eager elsewhere (``Speed.graphs``). It returns one
+tensor [Q, 1 + K] (each slot's chosen id, then its record), read once a step
+(:meth:`StaticDecode.step`); the trace is rebuilt from it (the rule's ``decode``).
 
-:class:`StaticDecode` is the host side: admission between steps (the existing prefill paths
-run each context's prompt but its last token, whose keys and values are copied into free
-rows; the last token is the row's first fed token, so every choice, the first included, is
-made by the step), retirement (rows freed), growth (a bigger bucket or capacity is a new
-state, the live rows copied, and a new graph). A decode's buffers go back to the model's
-pool when its last query leaves, and the next decode of that shape takes them: the same
-addresses, so a captured graph is replayed rather than recorded again.
+:class:`StaticDecode` is the host side: admission between steps (the prefill paths run each
+context's prompt but its last token, whose keys and values are copied into free rows; the
+last token is the row's first fed token, so the step makes every choice), retirement, growth
+(a bigger bucket or capacity is a new state, the live rows copied, and a new graph). A
+decode's buffers go back to the model's pool when its last query leaves, and the next decode
+of that shape takes them (the same addresses: a captured graph is replayed, not recorded).
 :class:`..engine.decoder.Decoder` delegates to it where ``Speed.static`` is on
 (:func:`static_decode_for`, through ``engine/seam.py``).
 
@@ -55,17 +53,11 @@ from ..sampling import Sampling, TokenConstraint, bitmask_words
 from ..speed import Speed
 from .packed import _PackedBatch
 from .static_buffers import POOL_SIZE, StaticBuffers, new_buffers, pool_of, reset_buffers
-from .static_forward import ATTN_STATIC, register_attention
+from .static_forward import ATTN_STATIC, direct_off_reason, register_attention
 from .static_step import _compiled, static_step
 from .step_tensors import MAX_PASSAGES, DecodedStep, device_rule_for
 
-__all__ = [
-    "ATTN_STATIC",
-    "StaticDecode",
-    "static_asked",
-    "static_decode_for",
-    "static_off_reason",
-]
+__all__ = ["ATTN_STATIC", "StaticDecode", "static_asked", "static_decode_for", "static_off_reason"]
 
 #: Architectures whose forward :func:`static_forward` reproduces (the decoder layers of
 #: Llama / SmolLM, Mistral, Qwen2 and Qwen3 with full attention: embeddings, rotary
@@ -144,6 +136,7 @@ class StaticDecode:
         #: RAG-Token's contexts are one per passage (``passage:j``, up to MAX_PASSAGES).
         self.passages = not policy.roles
         self.roles = tuple(policy.roles) or tuple(f"passage:{j}" for j in range(MAX_PASSAGES))
+        self.min_rows = 1 if self.passages else len(self.roles)  # the fewest rows of a query
         self.dev, self.dtype = model.device, model.dtype
         cfg = model.config
         self.n_layers = int(cfg.num_hidden_layers)
@@ -164,6 +157,9 @@ class StaticDecode:
         self._fn: Any = _compiled("reduce-overhead" if on_cuda else None) if self.compiled else static_step
         #: What the last admission cost.
         self.timings: dict[str, float] = {}
+        #: Whether the step writes the layers out (:func:`.static_forward.direct_off_reason`,
+        #: checked at each admission: a hook may have come since).
+        self.direct = False
 
     # ------------------------------------------------------------------ bookkeeping
     def rows_in_use(self) -> int:
@@ -209,6 +205,7 @@ class StaticDecode:
         token is chosen at the next step. ``sampling``: per query, how its tokens are taken
         and its constraint (default: greedy, unconstrained)."""
         t0 = time.perf_counter()
+        self.direct = direct_off_reason(self.lm.model) is None
         extra = sorted({r for c in per_query for r in c} - set(self.roles))
         if extra:
             raise ValueError(
@@ -245,6 +242,7 @@ class StaticDecode:
             if isinstance(b, _PackedBatch):  # one query's two contexts in one row: unpack
                 batches[key] = b.unpacked()
         placed = [(q, role, batches.get(id(b)), r) for q, role, b, r in placed]
+        self.min_rows = min([self.min_rows, *(len(c) for c in per_query)])
         width = max((int(b.mask.shape[1]) for b in batches.values()), default=0)
         self._make_room(len(placed), len(query_ids), width, per_query)
         buf = self.buf
@@ -294,6 +292,7 @@ class StaticDecode:
             buf.pos.index_copy_(0, rows_t, torch.tensor(positions, dtype=torch.long, device=self.dev))
             for q, rows in slot_rows.items():
                 s = free_slots.pop(0)
+                assert s < max(1, buf.valid.shape[0] // self.min_rows), "a slot past R // min_rows"
                 rag = per_query[q].get("rag")
                 lengths = cite_lengths[q]
                 slot = _Slot(query_ids[q], rows)
@@ -478,12 +477,13 @@ class StaticDecode:
         live = [s for s in self.slots if s is not None]
         sample = any(not s.sampling.greedy for s in live)
         masked = any(s.constraint is not None for s in live)
+        tops = any(s.sampling.top_logprobs for s in live)
         return (
             self.lm.model, self.rule, self.lm.pad_token_id, self.resid, self.attn, sample,
-            masked, buf.ids, buf.pos, buf.valid, buf.col, buf.keys, buf.values, buf.row_q,
+            masked, tops, self.direct, buf.ids, buf.pos, buf.valid, buf.col, buf.keys, buf.values, buf.row_q,
             buf.rows, buf.rt_pos, buf.rt_ids, buf.rt_valid, buf.rt_passage, buf.cite,
             buf.weights, buf.temperature, buf.top_p, buf.top_k, buf.seed, buf.step, buf.bits,
-            buf.constrained,
+            buf.constrained, max(1, buf.valid.shape[0] // self.min_rows),
         )  # fmt: skip
 
     def _write_masks(self) -> None:
@@ -504,7 +504,10 @@ class StaticDecode:
     @contextlib.contextmanager
     def attention(self) -> Iterator[None]:
         """While open, the model's attention layers run :func:`static_attention` (the step's;
-        the prefill keeps the model's own)."""
+        the prefill keeps the model's own); written-out layers call it directly."""
+        if self.direct:
+            yield
+            return
         cfg = self.lm.model.config
         before = cfg._attn_implementation
         cfg._attn_implementation = ATTN_STATIC
@@ -559,16 +562,14 @@ class StaticDecode:
                 buf.temperature[s] = 0.0
         if not self.rows_in_use():  # nothing left: the buffers go back to the pool
             self._release(buf)
-            self.buf = None
+            self.buf, self.col = None, 0
             self.row_owner, self.row_start, self.slots, self.slot_of = [], [], [], {}
-            self.col = 0
 
     def _release(self, buf: StaticBuffers) -> None:
         pool = pool_of(self.lm)
         pool[self._key(*buf.shape)] = buf
         while len(pool) > POOL_SIZE:
             pool.pop(next(iter(pool)))
-
 
 
 def static_asked(lm: LoadedModel, speed: Speed) -> bool:

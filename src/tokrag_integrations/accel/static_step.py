@@ -26,6 +26,8 @@ def static_step(
     attn: bool,
     sample: bool,
     masked: bool,
+    tops: bool,
+    direct: bool,
     ids: torch.Tensor,
     pos: torch.Tensor,
     valid: torch.Tensor,
@@ -47,16 +49,28 @@ def static_step(
     step: torch.Tensor,
     bits: torch.Tensor,
     constrained: torch.Tensor,
+    slots: int | None = None,
 ) -> torch.Tensor:
     """The captured step: forward + probes + the constraint masks (``masked``: every row's
     logits masked by its query's allowed tokens before the rule) + the device rule (its
-    token drawn from its distribution where ``sample``; the log-probabilities) + the
+    token drawn from its distribution where ``sample``; the log-probabilities, and the most
+    likely tokens' where ``tops``: some query asks for ``top_logprobs``; ``direct``: the
+    layers written out, :func:`.static_forward.direct_off_reason`) + the
     next-step update, on the buffers of a :class:`StaticBuffers` (passed one by one, so a
-    compiler sees plain tensors). Returns [Q, 1 + K] float32: each query slot's chosen id,
-    then its record."""
+    compiler sees plain tensors). ``slots``: how many query slots can hold a query (the
+    first ``slots``; None: all), the only ones the rule computes. Returns [slots, 1 + K]
+    float32: each query slot's chosen id, then its record."""
+    if slots is not None:  # the slots no query can take cost the rule nothing
+        rows = {r: x[:slots] for r, x in rows.items()}
+        rt_pos, rt_ids = rt_pos[:slots], rt_ids[:slots]
+        rt_valid, rt_passage, cite_n = rt_valid[:slots], rt_passage[:slots], cite_n[:slots]
+        weights = None if weights is None else weights[:slots]
+        temperature, top_p, top_k = temperature[:slots], top_p[:slots], top_k[:slots]
+        seed, bits, constrained = seed[:slots], bits[:slots], constrained[:slots]
+    step_q = step if slots is None else step[:slots]
     valid.index_fill_(1, col.view(1), True)  # every row sees the column it writes
     logits, res, probs = static_forward(
-        model, ids, pos, valid, col, keys, values, resid=resid, attn=attn
+        model, ids, pos, valid, col, keys, values, resid=resid, attn=attn, direct=direct
     )
     allowed = None
     if masked:
@@ -74,8 +88,9 @@ def static_step(
         rt_passage=rt_passage,
         weights=weights,
         cite_passages=cite_n,
-        sampling=SamplingTensors(temperature, top_p, top_k, seed, step) if sample else None,
+        sampling=SamplingTensors(temperature, top_p, top_k, seed, step_q) if sample else None,
         allowed=allowed,
+        tops=tops,
     )
     chosen, record, _ = rule(t)
     nxt = chosen.index_select(0, row_q.clamp(min=0))

@@ -71,6 +71,14 @@ class StepTensors:
     #: [Q, V] bool: the tokens each query's constraint allows (True everywhere for an
     #: unconstrained query; every row's logits are masked with it already); None: none.
     allowed: torch.Tensor | None = None
+    #: Whether the record holds the ``MAX_TOP_LOGPROBS`` most likely tokens with their
+    #: log-probabilities (the step asks for them where a query wants ``top_logprobs``;
+    #: else their slots are zeros).
+    tops: bool = True
+    #: What the rule and the trace parts derive from the logits once a step (a role's
+    #: logits, their log-softmax: :func:`.rules.common.role_logits`), shared by both; not an
+    #: argument, so that ``dataclasses.replace`` (another step's tensors) starts it empty.
+    derived: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, init=False)
 
     @property
     def num_queries(self) -> int:

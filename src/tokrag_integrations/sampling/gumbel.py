@@ -87,11 +87,13 @@ def draw(
 
 
 def logprobs(
-    logits: torch.Tensor, ids: torch.Tensor, k: int
+    logits: torch.Tensor, ids: torch.Tensor, k: int, lp: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """log_softmax of ``logits`` [Q, V] at ``ids`` [Q] (-> [Q] float32) and its ``k`` most
-    likely tokens (-> ids [Q, k] long, log-probabilities [Q, k] float32)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    likely tokens (-> ids [Q, k] long, log-probabilities [Q, k] float32); ``lp``: that
+    log_softmax where the caller has it already."""
+    if lp is None:
+        lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, ids.long()[:, None])[:, 0]
     top = torch.topk(lp, k=min(int(k), lp.shape[-1]), dim=-1)
     return chosen, top.indices, top.values

@@ -75,9 +75,29 @@ def role_rows(t: StepTensors, role: str, q: int) -> tuple[torch.Tensor, torch.Te
 
 def role_logits(t: StepTensors, role: str) -> torch.Tensor:
     """[Q, V] float32 next-token logits of each query's ``role`` context (row 0's where the
-    query has none: read :func:`role_rows`' mask)."""
-    rows, _ = role_rows(t, role, t.num_queries)
-    return t.logits.index_select(0, rows).float()
+    query has none: read :func:`role_rows`' mask); selected once a step (``t.derived``)."""
+    key = f"logits:{role}"
+    if key not in t.derived:
+        rows, _ = role_rows(t, role, t.num_queries)
+        t.derived[key] = t.logits.index_select(0, rows).float()
+    return t.derived[key]
+
+
+def role_logp(t: StepTensors, role: str) -> torch.Tensor:
+    """log_softmax of :func:`role_logits`, computed once a step (``t.derived``)."""
+    key = f"logp:{role}"
+    if key not in t.derived:
+        t.derived[key] = torch.log_softmax(role_logits(t, role), dim=-1)
+    return t.derived[key]
+
+
+def known_logp(t: StepTensors, logits: torch.Tensor) -> torch.Tensor | None:
+    """The log_softmax of ``logits`` where they are a role's logits as
+    :func:`role_logits` selected them (the same tensor), else None."""
+    for role in t.rows:
+        if t.derived.get(f"logits:{role}") is logits:
+            return role_logp(t, role)
+    return None
 
 
 def lens(parts: ModelParts, h: torch.Tensor, final_norm: bool) -> torch.Tensor:
@@ -136,8 +156,8 @@ class TraceParts:
         Q = t.num_queries
         out: dict[str, torch.Tensor] = {}
         for role in self.roles:
-            rows, present = role_rows(t, role, Q)
-            logp = torch.log_softmax(t.logits.index_select(0, rows).float(), dim=-1)
+            _, present = role_rows(t, role, Q)
+            logp = role_logp(t, role)
             p = logp.exp()
             clamped = logp.clamp(min=-1e4)
             top = first_argmax(p)
@@ -313,7 +333,15 @@ class RecordRule:
         if s is not None:
             drawn = draw(logits, s.temperature, s.top_p, s.top_k, s.seed, s.step)
             ids = torch.where(s.temperature > 0, drawn, ids)
-        lp, top_ids, top_lp = logprobs(logits, ids, MAX_TOP_LOGPROBS)
+        # The decision logits are often a role's own (rag, floor...): their log_softmax is
+        # then the trace parts' too, computed once. The top tokens only where asked.
+        shared = known_logp(t, logits) if t.allowed is None else None
+        if t.tops:
+            lp, top_ids, top_lp = logprobs(logits, ids, MAX_TOP_LOGPROBS, lp=shared)
+        else:  # the chosen token's only; the top slots of the record stay zeros
+            full = torch.log_softmax(logits, dim=-1) if shared is None else shared
+            lp = full.gather(1, ids[:, None])[:, 0]
+            top_ids = top_lp = lp.new_zeros((lp.shape[0], MAX_TOP_LOGPROBS))
         pieces = {
             **pieces,
             "token": ids,

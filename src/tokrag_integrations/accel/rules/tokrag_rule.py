@@ -32,6 +32,7 @@ from .common import (
     attention_cite,
     lens,
     role_logits,
+    role_logp,
     role_rows,
 )
 
@@ -87,7 +88,7 @@ class TokRAGRule(RecordRule):
         logit_pure, logit_rag = role_logits(t, "pure"), role_logits(t, "rag")
         a = torch.argmax(logit_pure, dim=-1)
         b = torch.argmax(logit_rag, dim=-1)
-        rag_final = torch.log_softmax(logit_rag, dim=-1)  # the model's own output, log
+        rag_final = role_logp(t, "rag")  # the model's own output, log (the trace's too)
         # The gates, in the order of TokRAG._gated: the first that holds decides.
         gates = [a == b, ~t.rt_valid.any(-1)]
         false = torch.zeros_like(gates[0])
@@ -164,7 +165,7 @@ class TokRAGRule(RecordRule):
             rows_h = torch.cat([h_rag[:, lo - 1 :], h_pure[:, lo - 1 :]], dim=1)  # [Q, 2n, d]
             logp = torch.log_softmax(lens(self.parts_, rows_h, p.lens_norm), dim=-1)
             logp = logp.reshape(Q, 2, n, -1)
-            shift = S.layer_shift_jsd_logp(logp)  # [Q, 2, n-1]
+            shift = layer_shifts(logp)  # [Q, 2, n-1], Eq. 13's JSD of consecutive layers
             g = S.distribution_change_gap(shift[:, 0], shift[:, 1]).float()  # layers lo..L
             cross = g > p.jsd_threshold * self.V
             g_layer = torch.where(
@@ -261,6 +262,34 @@ class TokRAGRule(RecordRule):
         if note == RISING:
             out = {**out, "benefit": True, "note": NOTES[RISING]}
         return out
+
+
+def layer_shifts(logp: torch.Tensor) -> torch.Tensor:
+    """:func:`...policies.signals.layer_shift_jsd_logp` ([..., n, V] float32 -> [..., n-1]).
+    On a CPU, one pair of consecutive layers at a time with the same arithmetic on each entry
+    (the same bits: ``tests/unit/test_device_rules.py``), into four buffers of one layer's
+    rows reused across the layers: in cache, where every layer at once streams temporaries
+    of n x V floats a row through memory. Elsewhere (few large kernels suit a GPU) the
+    policy's function itself."""
+    if logp.device.type != "cpu":
+        return S.layer_shift_jsd_logp(logp)
+    n = logp.shape[-2]
+    shape = (*logp.shape[:-2], logp.shape[-1])
+    probs = [logp.new_empty(shape), logp.new_empty(shape)]  # p of the previous / this layer
+    logm, term = logp.new_empty(shape), logp.new_empty(shape)
+    tiny = torch.finfo(torch.float32).tiny
+    torch.exp(logp[..., 0, :], out=probs[0])
+    out = []
+    for i in range(1, n):
+        logp_a, logp_b = logp[..., i - 1, :], logp[..., i, :]
+        p_a, p_b = probs[(i - 1) % 2], probs[i % 2]
+        torch.exp(logp_b, out=p_b)
+        # m = (p_a + p_b) / 2; KL(p‖m) = Σ p·(log p − log m), as the policy's function.
+        torch.add(p_a, p_b, out=logm).mul_(0.5).clamp_min_(tiny).log_()
+        kl_a = torch.sub(logp_a, logm, out=term).mul_(p_a).sum(-1)
+        kl_b = torch.sub(logp_b, logm, out=term).mul_(p_b).sum(-1)
+        out.append((0.5 * (kl_a + kl_b)).clamp_min(0.0))
+    return torch.stack(out, dim=-1)
 
 
 def a_dev(t: StepTensors) -> torch.device:
