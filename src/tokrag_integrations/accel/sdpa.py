@@ -116,8 +116,9 @@ def few_query_attention(
 #: (a flash call on a few rows of SmolLM2's shape, measured on the 2-core EPYC VM: ~0.13 us a
 #: pair, ~20 us a call); a run of rows is split off only where it saves more.
 RUN_CALL_COST = 256
-#: Rows of the last mask seen by :func:`_key_runs` in this thread, and its runs: every layer of
-#: one forward pass gets the same mask object, so the runs are found once per step.
+#: The last mask seen by :func:`_key_runs` in this thread, and its runs: every layer of one
+#: forward pass gets the same mask object (transformers builds it per pass from the batch's 2D
+#: mask), so the runs are found once per step.
 _RUNS = threading.local()
 
 
@@ -132,12 +133,13 @@ def _key_runs(mask: torch.Tensor, t: int) -> list[tuple[int, int, int]] | None:
     if mask.shape[-1] != t or mask.shape[0] < 2:
         return None
     seen = getattr(_RUNS, "last", None)
-    if seen is not None and seen[0] is mask and seen[1] == mask._version:
+    version = None if mask.is_inference() else mask._version  # inference tensors keep none
+    if seen is not None and seen[0] is mask and seen[1] == version:
         return seen[2]
     # Each row's first visible key (argmax: the first True; a row with none gives 0).
     starts = mask[:, 0, 0].to(torch.uint8).argmax(-1).tolist()
     runs = _cheapest_runs(starts, t)
-    _RUNS.last = (mask, mask._version, runs)
+    _RUNS.last = (mask, version, runs)
     return runs
 
 
