@@ -2,7 +2,7 @@
 
 PopQA (no passages), stratified by popularity quintile: per query, one greedy pure draft
 through ``ConfidenceGate`` gives the answer and the five confidence metrics (from the
-decoder's own distributions); GECE (``self`` and/or ``reference`` mode) on a stratified
+decoder's own distributions); GECE (``self`` and/or ``gold`` mode) on a stratified
 subset; CtrlA optionally (``--ctrla``). Reported: AUROC (with a 95 % bootstrap interval) of
 each score for predicting that the pure model is wrong (cover-EM), the retrieval rate per
 popularity quintile at the calibrated percentile threshold, and a plot.
@@ -203,7 +203,7 @@ def popqa(lm, args, out: dict) -> None:
     for mode in args.gece_modes.split(",") if args.gece_limit else []:
         g = GECEGate(lm, mode, n_samples=args.gece_samples, max_new_tokens=args.max_new_tokens)
         q = [items[i]["question"] for i in gsub]
-        refs = [items[i]["answers"] for i in gsub] if mode == "reference" else None
+        refs = [items[i]["answers"] for i in gsub] if mode == "gold" else None
         t = time.perf_counter()
         scores = g.calibrate(q, percentile=args.percentile, references=refs)
         out[f"gece_{mode}_s_per_query"] = (time.perf_counter() - t) / max(1, len(q))
@@ -230,10 +230,10 @@ def popqa(lm, args, out: dict) -> None:
             for k in risks
             if not k.startswith("gece_")
         }
-    if "gece_self" in risks and "gece_reference" in risks and len(gsub) > 2:
+    if "gece_self" in risks and "gece_gold" in risks and len(gsub) > 2:
         a = np.argsort(np.argsort(risks["gece_self"]))
-        b = np.argsort(np.argsort(risks["gece_reference"]))
-        res["gece_self_vs_reference_spearman"] = float(np.corrcoef(a, b)[0, 1])
+        b = np.argsort(np.argsort(risks["gece_gold"]))
+        res["gece_self_vs_gold_spearman"] = float(np.corrcoef(a, b)[0, 1])
     res["percentile"] = args.percentile
     res["thresholds"] = thresholds
     res["retrieval_rate_by_quintile"] = rates
@@ -575,7 +575,7 @@ def main() -> None:
     g = ap.add_argument_group("popqa")
     g.add_argument("--popqa-limit", type=int, default=100, help="PopQA items (1/5 per quintile)")
     g.add_argument("--gece-limit", type=int, default=30, help="GECE subset (0: skip GECE)")
-    g.add_argument("--gece-modes", default="self", help="comma list of self,reference")
+    g.add_argument("--gece-modes", default="self", help="comma list of self,gold")
     g.add_argument("--gece-samples", type=int, default=2, help="GECE self mode: sampled refs")
     g.add_argument("--ctrla", action="store_true", help="also score CtrlA (second decode)")
     g = ap.add_argument_group("qa (sets with passages)")

@@ -34,7 +34,7 @@ CASES = [
 
 #: column label -> (policy, options)
 COLUMNS = {
-    "`llm`": ("llm", {}),
+    "`no_rag`": ("no_rag", {}),
     "`rag`": ("rag", {}),
     "`tokrag` (default)": ("tokrag", {}),
     "`tokrag` paper rule (`function_word_gate=False, verdict_gate=None, rising_gate=False, punctuation_gate=False, threshold=0, plausibility_alpha=0.1, "
@@ -47,7 +47,7 @@ COLUMNS = {
         {"function_word_gate": False, "verdict_gate": None, "rising_gate": False, "punctuation_gate": False, "threshold": 0.0, "pr_skip": None, "min_fusion_layer": 0,
          "plausibility_alpha": None, "lens_norm": False},
     ),
-    '`tokrag_reference`': ("tokrag_reference", {}),
+    '`tokrag_authors`': ("tokrag_authors", {}),
 }
 
 

@@ -1,14 +1,14 @@
 """How far can a rule that chooses between the pure model and RAG get above ``rag``?
 
 Reads the per-item records of a ``tokrag eval noise`` / ``tokrag eval misleading`` run that
-holds ``llm`` and ``rag`` (and any other policies) and prints, per condition and as the mean
+holds ``no_rag`` and ``rag`` (and any other policies) and prints, per condition and as the mean
 over conditions:
 
-* the **selection ceiling**: an item counts as correct when ``rag`` or ``llm`` answers it
+* the **selection ceiling**: an item counts as correct when ``rag`` or ``no_rag`` answers it
   correctly (an oracle that picks the better of the two whole answers). A token-level rule
   can also compose an answer that neither context gives alone, so this is not a strict bound
   for Tok-RAG, but it says how much of the pure model's own knowledge there is to recover:
-  the items that only ``llm`` answers;
+  the items that only ``no_rag`` answers;
 * for every other policy: its accuracy, the items it answers that ``rag`` misses (wins) and
   the items ``rag`` answers that it misses (losses), and the paired difference to ``rag``
   with its 95 % bootstrap interval over items (the harness's own resampling).
@@ -40,8 +40,8 @@ def load(path: Path) -> list[dict[str, Any]]:
 def matrices(
     records: list[dict[str, Any]], key: str, best: Any = max
 ) -> tuple[list[str], list[str], dict[str, list[list[float]]]]:
-    """Items × conditions matrices (100 / 0) per policy, over the items ``llm`` and ``rag``
-    have in every condition (``llm``, decoded once as condition ``none``, fills every
+    """Items × conditions matrices (100 / 0) per policy, over the items ``no_rag`` and ``rag``
+    have in every condition (``no_rag``, decoded once as condition ``none``, fills every
     condition); a policy without a record for each of those is left out, and named."""
     cell: dict[str, dict[tuple[str, str], bool | None]] = defaultdict(dict)
     for r in records:
@@ -51,9 +51,9 @@ def matrices(
     conditions = list(
         dict.fromkeys(r["condition"] for r in records if r["condition"] != NO_PASSAGES)
     )
-    if "llm" not in cell or "rag" not in cell:
+    if "no_rag" not in cell or "rag" not in cell:
         raise SystemExit(
-            "the records need both 'llm' and 'rag' (run the eval with --policies llm,rag,...)"
+            "the records need both 'no_rag' and 'rag' (run the eval with --policies no_rag,rag,...)"
         )
 
     def value(policy: str, item: str, cond: str) -> bool | None:
@@ -64,7 +64,7 @@ def matrices(
     items = [
         i
         for i in dict.fromkeys(r["item"] for r in records)
-        if all(value(p, i, c) is not None for p in ("llm", "rag") for c in conditions)
+        if all(value(p, i, c) is not None for p in ("no_rag", "rag") for c in conditions)
     ]
     # A policy still running (or missing items) is left out rather than shrinking the items.
     complete = [
@@ -73,11 +73,11 @@ def matrices(
     for p in sorted(set(cell) - set(complete)):
         print(f"left out: {p} (no record for every item and condition yet)")
     if not items:
-        raise SystemExit("no item has llm and rag records in every condition")
+        raise SystemExit("no item has no_rag and rag records in every condition")
     out = {p: [[100.0 * bool(value(p, i, c)) for c in conditions] for i in items] for p in complete}
-    out["ceiling (rag or llm)"] = [
+    out["ceiling (rag or no_rag)"] = [
         [best(a, b) for a, b in zip(ra, rl, strict=True)]
-        for ra, rl in zip(out["rag"], out["llm"], strict=True)
+        for ra, rl in zip(out["rag"], out["no_rag"], strict=True)
     ]
     return items, conditions, out
 
@@ -90,7 +90,7 @@ def main() -> None:
         "--lower-is-better",
         action="store_true",
         help="the field counts failures (cf_repeat: the answer repeats the counterfactual): the "
-        "ceiling takes the better, lower of rag and llm, and a win is a lower value than rag's",
+        "ceiling takes the better, lower of rag and no_rag, and a win is a lower value than rag's",
     )
     args = ap.parse_args()
     lower = args.lower_is_better
@@ -106,8 +106,8 @@ def main() -> None:
     )
     print(head)
     print("|" + " --- |" * (head.count("|") - 1))
-    order = ["rag", "ceiling (rag or llm)", "llm"] + sorted(
-        p for p in m if p not in ("rag", "llm", "ceiling (rag or llm)")
+    order = ["rag", "ceiling (rag or no_rag)", "no_rag"] + sorted(
+        p for p in m if p not in ("rag", "no_rag", "ceiling (rag or no_rag)")
     )
     for p in order:
         rows = m[p]
@@ -135,7 +135,7 @@ def main() -> None:
         print(f"| {p} | {cells} | {mean:.1f}{ci} | {diff} | {wl} |")
     only_llm = sum(
         ((a < b) if lower else (a > b))
-        for ra, rb in zip(m["llm"], m["rag"], strict=True)
+        for ra, rb in zip(m["no_rag"], m["rag"], strict=True)
         for a, b in zip(ra, rb, strict=True)
     )
     print(

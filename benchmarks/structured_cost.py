@@ -21,14 +21,17 @@ constraint (``fill_bitmask`` + ``accept``) per token.
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
+import sys
 import time
-from importlib import resources
+from pathlib import Path
 
-from tokrag_integrations import generate, load_model
-from tokrag_integrations.structured import constraint_for, response_format_of, tool_call_constraint
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from _structured import sample_questions  # noqa: E402
+
+from tokrag_integrations import generate, load_model  # noqa: E402
+from tokrag_integrations.structured import constraint_for, response_format_of, tool_call_constraint  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -69,16 +72,6 @@ class Timed:
         return Timed(self.inner.fork(), self.clock)
 
 
-def questions(n: int) -> list[tuple[str, list[str]]]:
-    root = resources.files("tokrag_integrations")
-    out = []
-    for q in json.loads((root / "sample_questions.json").read_text())[:n]:
-        text = (root / "sample_docs" / q["source"]).read_text()
-        paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if q["answer"] in p]
-        out.append((q["question"], paragraphs[:1] or [text[:800]]))
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -87,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
 
     lm = load_model("default", device="cpu")
-    qs = questions(args.questions)
+    qs = sample_questions(args.questions)  # the prompts of tests/integration/test_structured.py
     arms = {
         "plain": lambda: None,
         "free": lambda: constraint_for({"type": "regex", "regex": r"(.|\n)*"}, lm),

@@ -23,7 +23,7 @@ CONFIGS = {
     "top_k=3,lens_norm=False (default)": {"top_k": 3, "lens_norm": False},
     "top_k=2,lens_norm=False": {"top_k": 2, "lens_norm": False},
     "top_k=3,lens_norm=False,min_fusion_layer=9": {"top_k": 3, "lens_norm": False, "min_fusion_layer": 9},
-    "reference": {"policy": "tokrag_reference"},
+    "authors": {"policy": "tokrag_authors"},
 }
 
 

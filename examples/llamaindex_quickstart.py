@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", default=str(get_sample_docs_path()), help="folder of documents")
     ap.add_argument("--question", default=DEFAULT_QUESTION)
-    ap.add_argument("--policy", default="tokrag", help="tokrag, rag, llm, ...")
+    ap.add_argument("--policy", default="tokrag", help="tokrag, rag, no_rag, ...")
     ap.add_argument("--top-k", type=int, default=TOP_K, help="chunks retrieved per question")
     ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     ap.add_argument(

@@ -23,7 +23,7 @@ def main() -> None:
     )
     parser.add_argument("--dsn", help="postgresql://USER:PASSWORD@HOST:5432/DB (default: embedded)")
     parser.add_argument("--table", default="handbook")
-    parser.add_argument("--policy", default="tokrag", help="tokrag, rag, llm, ...")
+    parser.add_argument("--policy", default="tokrag", help="tokrag, rag, no_rag, ...")
     parser.add_argument("--filter", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--search", choices=("vector", "text", "hybrid"), default="vector")
     args = parser.parse_args()

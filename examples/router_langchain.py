@@ -49,7 +49,7 @@ def main() -> None:
     n = args.max_new_tokens
     router = gated_router(
         gate,
-        direct=ChatTokRAG(model=lm, policy="llm", max_tokens=n),
+        direct=ChatTokRAG(model=lm, policy="no_rag", max_tokens=n),
         rag=create_tokrag_chain(retriever, lm, policy="tokrag", max_tokens=n),
     )
     out = router.invoke({"question": question})

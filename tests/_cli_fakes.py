@@ -66,7 +66,7 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     def stream(lm: Any, query: str, passages: Any, **kw: Any) -> _FakeStream:
         seen["stream"] = {"lm": lm, "query": query, "passages": passages, **kw}
         if kw.get("policy") == "nope":
-            raise ValueError("Unknown policy 'nope'. Available policies: llm, rag, tokrag.")
+            raise ValueError("Unknown policy 'nope'. Available policies: no_rag, rag, tokrag.")
         steps = [
             TraceStep(0, 1, "Ottoline", "agree", {"rag": Candidate(1, "Ottoline", 0.9)}),
             TraceStep(

@@ -283,30 +283,72 @@ def assert_sigterm_stops_postmaster(proc: Any, folder: Any, log_path: Any) -> No
             postmaster.terminate()
 
 
-def tiny_smollm2(tokenizer: Any, *, layers: int = 30, hidden: int = 72, cpu_kernels: str = "off") -> Any:
-    """A random-weight model with SmolLM2-135M's shape where it sets the launch count (30
-    Llama layers, 9 query / 3 key-value heads, SmolLM2's tokenizer and vocabulary) and a small
-    hidden size, so that arithmetic is negligible and a step costs what its operations and
-    host reads cost (issue 56's "tiny random 30-layer model"): a LoadedModel."""
+def tiny_model(
+    tokenizer: Any,
+    *,
+    config: str = "LlamaConfig",
+    model: str = "LlamaForCausalLM",
+    vocab_size: int | None = None,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int = 4096,
+    **extra: Any,
+) -> Any:
+    """A random-weight transformers causal LM (not loaded: a ``PreTrainedModel`` in eval mode)
+    of any architecture, built the same way everywhere: ``transformers.<model>(<config>(...))``
+    with tied embeddings, the tokenizer's special ids, a feed-forward twice the hidden size,
+    weights drawn with ``initializer_range=0.3`` (distinct logits) after ``torch.manual_seed(0)``.
+    ``extra``: further config fields, overriding these."""
     import torch
     import transformers
 
-    from tokrag_integrations import load_model
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
+    fields = dict(
+        vocab_size=len(tokenizer) if vocab_size is None else vocab_size,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=8192,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         initializer_range=0.3,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    cfg = getattr(transformers, config)(**{**fields, **extra})
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    return getattr(transformers, model)(cfg).eval()
+
+
+def greedy_generate(model: Any, ids: list[int], n: int, pad_token_id: int) -> list[int]:
+    """``n`` new token ids of transformers' own greedy ``model.generate`` after the prompt
+    ``ids`` (sampling options unset, so a model's generation config cannot turn sampling on):
+    what the engine's greedy decode is compared with."""
+    import torch
+
+    x = torch.tensor([ids])
+    out = model.generate(
+        input_ids=x,
+        attention_mask=torch.ones_like(x),
+        do_sample=False,
+        max_new_tokens=n,
+        pad_token_id=pad_token_id,
+        top_p=None,
+        top_k=None,
+        temperature=None,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def tiny_smollm2(tokenizer: Any, *, layers: int = 30, hidden: int = 72, cpu_kernels: str = "off") -> Any:
+    """A random-weight model with SmolLM2-135M's shape where it sets the launch count (30
+    Llama layers, 9 query / 3 key-value heads, SmolLM2's tokenizer and vocabulary) and a small
+    hidden size, so that arithmetic is negligible and a step costs what its operations and
+    host reads cost (issue 56's "tiny random 30-layer model"): a LoadedModel."""
+    from tokrag_integrations import load_model
+
+    model = tiny_model(tokenizer, layers=layers, hidden=hidden, heads=9, kv_heads=3, max_positions=8192)
     return load_model(model, tokenizer=tokenizer, cpu_kernels=cpu_kernels)

@@ -31,12 +31,13 @@ def packaged_tokenizer():
     GGUF file without its weights."""
     from transformers import AutoTokenizer
 
-    from tokrag_integrations import models
+    from tokrag_integrations.config import cache_dir
+    from tokrag_integrations.models import files
 
-    folder = models.cache_dir() / "models" / "smollm2-135m-instruct"
-    if models._converted(folder):
+    folder = cache_dir() / "models" / "smollm2-135m-instruct"
+    if files._converted(folder):
         return AutoTokenizer.from_pretrained(str(folder))
-    gguf = models._smollm2_folder() / models._SMOLLM2_GGUF  # the tokenizer only, read from the GGUF
+    gguf = files._smollm2_folder() / files._SMOLLM2_GGUF  # the tokenizer only, read from the GGUF
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 

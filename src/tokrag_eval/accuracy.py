@@ -30,7 +30,7 @@ def _index(records: Iterable[dict[str, Any]], ids: set[str]) -> Index:
 
 
 def _record(index: Index, policy: str, condition: str, item_id: str) -> dict[str, Any] | None:
-    """The record of ``policy`` on ``item_id`` under ``condition``; ``llm`` records (condition
+    """The record of ``policy`` on ``item_id`` under ``condition``; ``no_rag`` records (condition
     ``none``) stand for every condition."""
     return index.get((policy, condition, item_id)) or index.get((policy, NO_PASSAGES, item_id))
 
@@ -43,7 +43,7 @@ def item_matrix(
     key: str = "correct",
 ) -> list[list[float]]:
     """Rows = items, columns = conditions: 100 if the record's ``key`` is true, 0 if false,
-    NaN where there is no record or the value is None. ``llm`` records (condition ``none``)
+    NaN where there is no record or the value is None. ``no_rag`` records (condition ``none``)
     fill every condition."""
 
     def cell(it: EvalItem, c: str) -> float:
@@ -110,7 +110,7 @@ def summarize_accuracy(
 ) -> dict[str, Any]:
     """Accuracy / counterfactual-repeat rate / time per policy and condition (percent), with
     95 % bootstrap intervals (items resampled) per condition and for the mean over conditions,
-    and the paired difference of every policy to ``baseline`` (when it was run). ``llm``
+    and the paired difference of every policy to ``baseline`` (when it was run). ``no_rag``
     records count for every condition; only the given items enter the figures.
     """
     records = list(records)

@@ -137,7 +137,7 @@ def rag_prompt_ids(
     lm: Any, queries: Sequence[str], passages: Sequence[Sequence[Any]], max_new_tokens: int
 ) -> list[list[int]]:
     """The prompt ids the ``rag`` policy decodes for each query: its RAG context, or its pure
-    context where no passage is usable (``rag`` then answers as ``llm``)."""
+    context where no passage is usable (``rag`` then answers as ``no_rag``)."""
     from tokrag_integrations.inputs import _DEFAULT, _plans
 
     plans = _plans(
@@ -546,7 +546,7 @@ def _memory_child(
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() / 2**20
     else:
-        generate(lm, items[0][0], items[0][1], policy="llm", max_new_tokens=2)
+        generate(lm, items[0][0], items[0][1], policy="no_rag", max_new_tokens=2)
         try:  # reset the peak-RSS mark (VmHWM) so loading the model does not count
             Path("/proc/self/clear_refs").write_text("5")
             reset = True

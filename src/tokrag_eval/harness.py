@@ -8,7 +8,7 @@ normalised spec is the record's ``policy`` and the table label, its options go t
 
 Shared between policies: the seeded passage mix of an (item, condition); the prefill of an
 item batch's contexts (:func:`..contexts.prefill.shared_prefill`), charged to every policy that
-reuses it in ``time_s``; and the ``llm`` answer, decoded once per item for every condition.
+reuses it in ``time_s``; and the ``no_rag`` answer, decoded once per item for every condition.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .metrics import cover_em
 from .records import NO_PASSAGES, RecordStore, progress_bar
 from .specs import parse_specs
 
-DEFAULT_POLICIES = ("llm", "rag", "tokrag", "cad", "adacad", "logprob", "entropy", "rag_token")
+DEFAULT_POLICIES = ("no_rag", "rag", "tokrag", "cad", "adacad", "logprob", "entropy", "rag_token")
 DEFAULT_CF_RATIOS = (0.0, 0.5, 1.0)
 
 

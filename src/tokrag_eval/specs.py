@@ -2,8 +2,8 @@
 
 A spec list is split on the commas outside brackets::
 
-    >>> parse_specs("llm,tokrag[lens_norm=false,min_fusion_layer=0],adacad")
-    [PolicySpec(name='llm', options={}), PolicySpec(name='tokrag', options={'lens_norm': False, 'min_fusion_layer': 0}), PolicySpec(name='adacad', options={})]
+    >>> parse_specs("no_rag,tokrag[lens_norm=false,min_fusion_layer=0],adacad")
+    [PolicySpec(name='no_rag', options={}), PolicySpec(name='tokrag', options={'lens_norm': False, 'min_fusion_layer': 0}), PolicySpec(name='adacad', options={})]
     >>> str(parse_spec("tokrag[min_fusion_layer=0, lens_norm=false]"))
     'tokrag[lens_norm=False,min_fusion_layer=0]'
 

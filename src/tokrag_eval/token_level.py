@@ -33,8 +33,8 @@ from .records import RecordStore, progress_bar
 from .specs import PolicySpec, parse_specs, validate_specs
 
 __all__ = [
+    "DEFAULT_SCORER_CONFIGS",
     "TARGETS",
-    "TOKRAG_CONFIGS",
     "evidence_sentence",
     "gold_target",
     "pool_token_records",
@@ -56,12 +56,12 @@ def _configs(specs: Iterable[PolicySpec]) -> dict[str, dict[str, Any]]:
 #: Tok-RAG scorers measured at token level when ``--scorers`` is not given (docs/algorithm.md):
 #: the defaults, each corrected reading undone alone and all together, DoLa's α = 0.1, the
 #: search start 10/32 of the depth, a fixed l*, the Theorem-3 scorer and the authors' rule.
-TOKRAG_CONFIGS = _configs(
+DEFAULT_SCORER_CONFIGS = _configs(
     parse_specs(
         "tokrag,tokrag[lens_norm=False,min_fusion_layer=0,plausibility_alpha=None],"
         "tokrag[min_fusion_layer=0],tokrag[plausibility_alpha=None],tokrag[plausibility_alpha=0.1],"
         "tokrag[pr_skip=None],tokrag[min_fusion_layer=0.3125],tokrag[fixed_layer=15],"
-        "tokrag[scorer=distribution],tokrag_reference"
+        "tokrag[scorer=distribution],tokrag_authors"
     )
 )
 
@@ -118,15 +118,15 @@ def gold_target(
 
 def scorer_configs(specs: str | Sequence[str] | None) -> dict[str, dict[str, Any]]:
     """Token scorers from specs (``"tokrag,tokrag[min_fusion_layer=0,lens_norm=false]"``):
-    label -> ``TokRAG`` options (``"policy": "tokrag_reference"`` for the authors' rule). None:
-    :data:`TOKRAG_CONFIGS`. Each spec must name ``tokrag`` or ``tokrag_reference`` with options
+    label -> ``TokRAG`` options (``"policy": "tokrag_authors"`` for the authors' rule). None:
+    :data:`DEFAULT_SCORER_CONFIGS`. Each spec must name ``tokrag`` or ``tokrag_authors`` with options
     its policy takes; else ValueError (one sentence)."""
     if specs is None:
-        return dict(TOKRAG_CONFIGS)
+        return dict(DEFAULT_SCORER_CONFIGS)
     from tokrag_integrations.policies import get_policy
 
     parsed = parse_specs(specs)
-    validate_specs(parsed, ["tokrag", "tokrag_reference"], get_policy)
+    validate_specs(parsed, ["tokrag", "tokrag_authors"], get_policy)
     return _configs(parsed)
 
 
@@ -191,14 +191,14 @@ def run_token_level(
     Where exactly one of them predicts the gold next token there is a sample: label 1 if RAG
     is the one (benefit outweighs detriment), 0 if the pure LLM is. Each scorer gives a number
     > 0 when it would keep the RAG token: Tok-RAG's cos(w_RAG, w_IR) − cos(w_RAG, w_LLM) per
-    option set in ``tokrag_configs`` (default :data:`TOKRAG_CONFIGS`), the top-1 log-prob
+    option set in ``tokrag_configs`` (default :data:`DEFAULT_SCORER_CONFIGS`), the top-1 log-prob
     margin and the entropy margin. Records carry the item's ``source``.
     """
     from tokrag_integrations.policies import get_policy
     from tokrag_integrations.policies.tokrag import TokRAG
 
     require_bool(progress, "progress")
-    configs = dict(TOKRAG_CONFIGS if tokrag_configs is None else tokrag_configs)
+    configs = dict(DEFAULT_SCORER_CONFIGS if tokrag_configs is None else tokrag_configs)
     scorers = {name: get_policy(**{"name": "tokrag", **opts}) for name, opts in configs.items()}
     for sc in scorers.values():
         sc.prepare(lm)

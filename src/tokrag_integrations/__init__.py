@@ -8,7 +8,7 @@ Importing the package is cheap; torch and transformers load on first use.
     ...              max_new_tokens=16)
     >>> r.text
     '...Ottoline Varga...'
-    >>> r.trace.counts()                      # how many tokens each source gave: agree / rag / llm
+    >>> r.trace.counts()                      # how many tokens each source gave: agree / rag / pure
     {...}
 """
 

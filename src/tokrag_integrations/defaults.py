@@ -35,7 +35,7 @@ ANSWER_STOP: tuple[str, ...] = ("\n\n", "\n#")
 
 #: Whether a decode records citations (each passage's share of the RAG context's attention at
 #: every generated step): None = where the policy already probes the RAG context (``tokrag``,
-#: ``tokrag_reference``: +4 % per token), True = for every policy with a RAG context (others
+#: ``tokrag_authors``: +4 % per token), True = for every policy with a RAG context (others
 #: then probe it: +9 % per token for ``rag``), False = never (docs/results.md, "Citations").
 CITATIONS: bool | None = None
 

@@ -15,12 +15,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from .labels import AGREE, FROM_LLM, FROM_RAG
+from .labels import AGREE, FROM_PURE, FROM_RAG
 
 __all__ = [
     "AGREE",
-    "FROM_LLM",
+    "FROM_PURE",
     "FROM_RAG",
+    "TRACE_VERSION",
     "Candidate",
     "Citation",
     "PassageRecord",
@@ -33,6 +34,14 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+#: The ``version`` of the JSON :meth:`Trace.to_dict` writes. 2: the token source of the pure
+#: context is ``pure`` (version 1: ``llm``), policies ``no_rag`` and ``tokrag_authors``
+#: (version 1: ``llm`` and ``tokrag_reference``). A dict without ``version`` is version 1.
+TRACE_VERSION = 2
+#: Version 1's names -> today's: token sources, then policy names.
+_V1_SOURCES = {"llm": FROM_PURE}
+_V1_POLICIES = {"llm": "no_rag", "tokrag_reference": "tokrag_authors"}
 
 
 def by_contribution(
@@ -266,7 +275,7 @@ class Trace:
         gives it back equal (tensors and numpy values become numbers or nested lists, sets
         and tuples lists, dictionary keys strings, other objects their ``str``; non-finite
         floats stay floats, written ``NaN`` / ``Infinity`` as ``json`` does by default)."""
-        d = json_data(asdict(self))
+        d = {"version": TRACE_VERSION, **json_data(asdict(self))}
         d["counts"] = self.counts()
         d["citations"] = json_data([asdict(c) for c in self.citations()])
         return d
@@ -290,9 +299,16 @@ class Trace:
         """The trace :meth:`to_dict` wrote (or a server sent), checked: a field of the wrong
         type, an unknown field, or a ``citation`` row that is not one share per kept passage
         is a ``ValueError`` naming it (``trace.steps[3].citation``), here rather than an
-        ``IndexError`` later in :meth:`cite` or :meth:`to_html`."""
+        ``IndexError`` later in :meth:`cite` or :meth:`to_html`. A version 1 dict (no
+        ``version``) is read with today's names (:data:`TRACE_VERSION`)."""
         _check_trace(d)
         d = dict(d)
+        if d.pop("version", 1) == 1:
+            d["policy"] = _V1_POLICIES.get(d["policy"], d["policy"])
+            d["steps"] = [
+                {**s, "source": _V1_SOURCES.get(s["source"], s["source"])}
+                for s in d.get("steps", [])
+            ]
         d.pop("counts", None)
         d.pop("citations", None)
         steps = [
@@ -354,7 +370,7 @@ def _is(value: Any, kind: str) -> bool:
 
 #: Each record's fields and their kinds (:func:`_is`); the required ones are marked ``!``.
 _TRACE_FIELDS = {
-    "query": "str!", "policy": "str!", "model": "str", "options": "dict", "passages": "list",
+    "version": "int", "query": "str!", "policy": "str!", "model": "str", "options": "dict", "passages": "list",
     "warnings": "list", "steps": "list", "text": "str", "stop_reason": "str",
     "prompt_tokens": "dict", "timings": "dict", "speed": "dict", "counts": "dict",
     "citations": "list", "sampling": "dict",
@@ -391,6 +407,10 @@ def _check_trace(d: Any) -> None:
     """Raise a ``ValueError`` naming the first field of ``d`` (a :meth:`Trace.to_dict`) that
     a :class:`Trace` could not hold or its methods could not read."""
     _check_record(d, _TRACE_FIELDS, "trace")
+    if d.get("version", 1) not in (1, TRACE_VERSION):
+        raise ValueError(
+            f"trace.version is {d['version']}: this library reads versions 1 and {TRACE_VERSION}"
+        )
     for key, kind in (("warnings", "str"), ("prompt_tokens", "int"), ("timings", "num?")):
         values = d.get(key, [])
         for i, v in enumerate(values.values() if isinstance(values, dict) else values):

@@ -7,7 +7,7 @@ downloaded. For Llama, Mistral (sliding window), Qwen2, Qwen3 (per-head q/k norm
 [Q | K | V] projection), OLMo 2 (post-norm layers, q/k norms over all heads) and Granite
 (embedding / residual / attention multipliers, logits scaling), in float32 and bfloat16:
 
-* ``rag`` and ``llm`` equal ``model.generate(do_sample=False)`` token for token;
+* ``rag`` and ``no_rag`` equal ``model.generate(do_sample=False)`` token for token;
 * ``tokrag`` runs with finite signals and a consistent trace;
 * every fast path (packed prefill, fused contexts, CPU kernels on
   and off) gives the step-by-step decoder's tokens and sources (on Llama, Gemma 3 and Phi-3
@@ -28,7 +28,7 @@ import math
 
 import pytest
 import torch
-import transformers
+from _helpers import greedy_generate, tiny_model
 
 from tokrag_integrations import generate, load_model
 from tokrag_integrations.prompts import PromptBuilder
@@ -89,28 +89,9 @@ SPEED_CASES = [
 ]
 
 
-def _config(cls_name: str, tok, vocab_size: int, **extra):
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    return getattr(transformers, cls_name)(**{**common, **extra})
-
-
 def _build(arch: str, tok, vocab_size: int, dtype: torch.dtype):
     cfg_name, cls_name, extra = ARCHS[arch]
-    torch.manual_seed(0)
-    return getattr(transformers, cls_name)(_config(cfg_name, tok, vocab_size, **extra)).eval().to(dtype)
+    return tiny_model(tok, config=cfg_name, model=cls_name, vocab_size=vocab_size, **extra).to(dtype)
 
 
 @pytest.fixture(scope="module")
@@ -136,19 +117,8 @@ def _plan(tiny, passages=P):
 
 
 def _hf_generate(tiny, reference, ids: list[int]) -> list[int]:
-    x = torch.tensor([ids])
-    out = reference.generate(
-        input_ids=x,
-        attention_mask=torch.ones_like(x),
-        do_sample=False,
-        max_new_tokens=NEW_TOKENS,
-        pad_token_id=tiny.pad_token_id,
-        top_p=None,
-        top_k=None,
-        temperature=None,
-    )
     kept = []
-    for i in out[0, len(ids) :].tolist():
+    for i in greedy_generate(reference, ids, NEW_TOKENS, tiny.pad_token_id):
         if i in tiny.eos_token_ids:
             break
         kept.append(i)
@@ -159,7 +129,7 @@ def _hf_generate(tiny, reference, ids: list[int]) -> list[int]:
 def test_baselines_equal_model_generate(models, arch, dtype):
     tiny, reference = models(arch, dtype)
     plan = _plan(tiny)
-    for policy, ids in (("llm", plan.pure_ids), ("rag", plan.rag_ids)):
+    for policy, ids in (("no_rag", plan.pure_ids), ("rag", plan.rag_ids)):
         want = _hf_generate(tiny, reference, ids)
         assert want, "the reference answer is empty: the matrix would test nothing"
         assert generate(tiny, Q, P, policy=policy, max_new_tokens=NEW_TOKENS).token_ids == want, policy
@@ -177,7 +147,7 @@ def test_tokrag_runs_with_finite_signals_and_a_consistent_trace(models, arch, dt
     assert steps and [s.token_id for s in steps] == r.token_ids
     assert r.text == tiny.tokenizer.decode(r.token_ids, skip_special_tokens=True)
     assert sum(r.counts.values()) == len(steps)
-    assert {s.source for s in steps} <= {"agree", "rag", "llm"}
+    assert {s.source for s in steps} <= {"agree", "rag", "pure"}
     disagreements = [s for s in steps if s.source != "agree"]
     for s in disagreements:
         if str((s.signals or {}).get("note", "")).startswith("gated:"):  # kept without comparing
@@ -249,9 +219,7 @@ _KEPT = {"llama", "qwen2", "qwen3", "phi3", "olmo2", "granite"}
 @pytest.mark.parametrize("arch", list(REFUSED))
 def test_fused_interleaved_qkv_is_refused_with_the_fix(lm, arch):
     cfg_name, cls_name = REFUSED[arch]
-    cfg = _config(cfg_name, lm.tokenizer, lm.vocab_size)
-    torch.manual_seed(0)
-    model = getattr(transformers, cls_name)(cfg).eval()
+    model = tiny_model(lm.tokenizer, config=cfg_name, model=cls_name, vocab_size=lm.vocab_size)
     reference = copy.deepcopy(model)
     why = "fused query/key/value" if arch == "gpt_neox" else "final norm"
     with pytest.raises(ValueError, match=f"signals cannot read this architecture.*{why}.*require_signals=False"):

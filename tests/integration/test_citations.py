@@ -58,7 +58,7 @@ def test_citations_by_default_off_and_without_a_rag_context(lm):
     assert forced.token_ids == rag.token_ids  # reading the attention changes no token
     assert all(len(s.citation) == 2 for s in forced.trace.steps)
     off = generate(lm, QUESTION, passages, max_new_tokens=4, citations=False)
-    llm = generate(lm, QUESTION, passages, policy="llm", max_new_tokens=4, citations=True)
+    llm = generate(lm, QUESTION, passages, policy="no_rag", max_new_tokens=4, citations=True)
     for r in (rag, off, llm):
         assert all(not s.citation for s in r.trace.steps)
         assert all(c.passage is None for c in r.trace.citations())

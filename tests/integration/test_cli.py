@@ -187,14 +187,14 @@ def test_real_ask_policy_llm_retrieves_nothing(tmp_path: Path, cli_shares_model)
     js = tmp_path / "trace.json"
     code, out, err = run_cli(
         [
-            "ask", "Name a colour.", "--docs", str(docs), "--policy", "llm",
+            "ask", "Name a colour.", "--docs", str(docs), "--policy", "no_rag",
             "--max-new-tokens", "4", "--device", "cpu", "--json", str(js),
         ]
     )  # fmt: skip
     assert code == 0, err
     assert "reads no passages: nothing is retrieved" in err
     data = json.loads(js.read_text(encoding="utf-8"))
-    assert data["policy"] == "llm" and data["passages"] == []
+    assert data["policy"] == "no_rag" and data["passages"] == []
     assert "a.md" not in err  # no retrieved chunk listed
 
 

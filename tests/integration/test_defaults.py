@@ -105,10 +105,10 @@ def test_answer_stop_ends_the_answer_at_its_first_blank_line(lm) -> None:
     """Without stops the model writes on past a blank line; with the default stops the
     answer is the same text up to it, and the trace says a stop string ended it."""
     question = "Write a short Markdown document with a title and two sections."
-    free = generate(lm, question, None, policy="llm", max_new_tokens=MAX_NEW_TOKENS, stop=[])
+    free = generate(lm, question, None, policy="no_rag", max_new_tokens=MAX_NEW_TOKENS, stop=[])
     assert "\n\n" in free.text.strip(), free.text  # the premise: it runs past a paragraph
     stopped = generate(
-        lm, question, None, policy="llm", max_new_tokens=MAX_NEW_TOKENS, stop=ANSWER_STOP
+        lm, question, None, policy="no_rag", max_new_tokens=MAX_NEW_TOKENS, stop=ANSWER_STOP
     )
     assert stopped.text == free.text[: free.text.index("\n\n")]
     assert stopped.stop_reason == "stop"

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from _helpers import greedy_generate
 
 from tokrag_integrations import Passage, generate, generate_batch, stream
 from tokrag_integrations.attention.parts import model_parts
@@ -28,18 +29,7 @@ def _plan(lm, q, ps, **kw):
 
 
 def _hf_generate(lm, ids, n):
-    x = torch.tensor([ids])
-    out = lm.model.generate(
-        input_ids=x,
-        attention_mask=torch.ones_like(x),
-        do_sample=False,
-        max_new_tokens=n,
-        pad_token_id=lm.pad_token_id,
-        top_p=None,
-        top_k=None,
-        temperature=None,
-    )
-    return out[0, len(ids) :].tolist()
+    return greedy_generate(lm.model, ids, n, lm.pad_token_id)
 
 
 def _strip_eos(lm, ids):
@@ -51,7 +41,7 @@ def _strip_eos(lm, ids):
     return out
 
 
-@pytest.mark.parametrize("policy,ctx", [("llm", "pure_ids"), ("rag", "rag_ids")])
+@pytest.mark.parametrize("policy,ctx", [("no_rag", "pure_ids"), ("rag", "rag_ids")])
 def test_baselines_equal_model_generate(lm, policy, ctx):
     for q, ps in [(FICTION_Q, FICTION_P), (CONTRA_Q, CONTRA_P)]:
         plan = _plan(lm, q, ps, max_new_tokens=24)
@@ -149,7 +139,7 @@ def _check_trace(r):
                 continue
             assert s.signals["benefit"] is True
             assert _margin(r, s) >= 0
-        elif s.source == "llm":
+        elif s.source == "pure":
             assert cands["pure"].token_id == s.token_id != cands["rag"].token_id
             assert s.signals["benefit"] is False
             assert _margin(r, s) < 0
@@ -203,7 +193,7 @@ def test_tokrag_keeps_the_known_fact_against_a_contradicting_passage(lm, options
     assert "Marseille" in generate(lm, CONTRA_Q, CONTRA_P, policy="rag", max_new_tokens=12).text
     r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag", max_new_tokens=12, policy_options=options)
     assert "Paris" in r.text and "Marseille" not in r.text, r.text
-    paris = [s for s in r.trace.disagreement_steps if s.source == "llm"]
+    paris = [s for s in r.trace.disagreement_steps if s.source == "pure"]
     assert paris and paris[0].signals["benefit"] is False
 
 
@@ -279,7 +269,7 @@ def test_punctuation_gate_keeps_rags_token_where_the_pure_model_offers_punctuati
     (i,) = [s.index for s in gated.trace.steps if s.signals.get("note") == "gated: pure punctuation"]
     before, after = plain.trace.steps[i], gated.trace.steps[i]
     assert before.candidates["pure"].text == after.candidates["pure"].text == "."
-    assert before.source == "llm" and before.signals["benefit"] is False
+    assert before.source == "pure" and before.signals["benefit"] is False
     assert after.source == "rag" and after.token_id == after.candidates["rag"].token_id != before.token_id
     assert [s.token_id for s in plain.trace.steps[:i]] == [s.token_id for s in gated.trace.steps[:i]]
     _check_trace(plain), _check_trace(gated)
@@ -321,7 +311,7 @@ def test_literal_reading_stays_reachable_and_misses_the_passage_fact(lm):
         {"fixed_layer": 15},
         {"function_word_gate": True},
         {"pr_skip": None},
-        {"pr_skip": "reference"},
+        {"pr_skip": "authors"},
         {"verdict_gate": "either"},
         {"punctuation_gate": False},
         {"verdict_gate": "rag"},
@@ -347,15 +337,15 @@ def test_tokrag_options_run_and_are_recorded(lm, options):
 
 
 def test_reference_variant_compares_at_every_step(lm):
-    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag_reference", max_new_tokens=12)
-    assert r.trace.policy == "tokrag_reference"
+    r = generate(lm, CONTRA_Q, CONTRA_P, policy="tokrag_authors", max_new_tokens=12)
+    assert r.trace.policy == "tokrag_authors"
     gated = [s for s in r.trace.steps if s.signals.get("note") == "gated: function word"]
     compared = [s for s in r.trace.steps if "cos_ir" in s.signals]
     assert len(gated) + len(compared) == len(r.trace.steps)  # also at agreeing steps
     assert any(s.source == "agree" for s in compared)
     # Their 0-based layer 20 of 32, scaled to 30 layers: 0-based 19, l* = 20.
     assert all(s.signals["l_star"] == 20 for s in compared)
-    assert all(s.source != "llm" for s in gated)
+    assert all(s.source != "pure" for s in gated)
 
 
 def test_tokrag_equals_rag_when_contexts_agree_everywhere(lm):
@@ -365,7 +355,7 @@ def test_tokrag_equals_rag_when_contexts_agree_everywhere(lm):
     assert t.token_ids == generate(lm, q, ps, policy="rag", max_new_tokens=10).token_ids
 
 
-@pytest.mark.parametrize("policy", ["llm", "rag", "tokrag"])
+@pytest.mark.parametrize("policy", ["no_rag", "rag", "tokrag"])
 def test_streaming_equals_non_streaming(lm, policy):
     r = generate(lm, CONTRA_Q, CONTRA_P, policy=policy, max_new_tokens=20)
     s = stream(lm, CONTRA_Q, CONTRA_P, policy=policy, max_new_tokens=20)
@@ -386,7 +376,7 @@ def test_stop_strings_stop_and_stream_without_the_stop(lm):
 
 @pytest.mark.parametrize(
     # llm's batch takes the same rows path as rag's: slow (make test-all).
-    "policy", [pytest.param("llm", marks=pytest.mark.slow), "rag", "tokrag"]
+    "policy", [pytest.param("no_rag", marks=pytest.mark.slow), "rag", "tokrag"]
 )
 def test_batch_equals_one_at_a_time(lm, policy):
     qs = [FICTION_Q, CONTRA_Q, "Who wrote Romeo and Juliet?"]
@@ -404,7 +394,7 @@ def test_batch_equals_one_at_a_time(lm, policy):
 def test_empty_passages_fall_back_to_pure_context(lm):
     r = generate(lm, CONTRA_Q, [], policy="tokrag", max_new_tokens=8)
     assert any("pure context" in w for w in r.trace.warnings)
-    assert r.token_ids == generate(lm, CONTRA_Q, None, policy="llm", max_new_tokens=8).token_ids
+    assert r.token_ids == generate(lm, CONTRA_Q, None, policy="no_rag", max_new_tokens=8).token_ids
     # A blank passage is skipped with a warning, and so is the RAG context it leaves empty
     # (each expected warning captured here, so none reaches the test run's summary).
     with pytest.warns(UserWarning) as record:
@@ -513,7 +503,7 @@ def test_punctuation_mask_marks_tokens_without_letters_or_digits(lm):
         assert not mask[one(t)], t
 
 
-@pytest.mark.parametrize("pr_skip", ["punctuation", "reference"])
+@pytest.mark.parametrize("pr_skip", ["punctuation", "authors"])
 def test_pr_skip_leaves_skipped_tokens_out_of_p_r(lm, pr_skip):
     """p_R (Eq. 16) holds no skipped retrieved token, and skipping changes it where the
     passage's punctuation drew attention; f of Eq. 14 is left as it was (same l* inputs)."""
@@ -544,7 +534,7 @@ def test_rising_gate_keeps_rags_token_where_it_is_the_rising_token(lm):
     p = ["The Venetians took full control of Cyprus in 1489 after Queen Catherine Cornaro abdicated."]
     off = generate(lm, q, p, policy="tokrag", max_new_tokens=12, policy_options={"rising_gate": False})
     on = generate(lm, q, p, policy="tokrag", max_new_tokens=12)  # the default
-    lost = next(s for s in off.trace.steps if s.source == "llm")
+    lost = next(s for s in off.trace.steps if s.source == "pure")
     assert lost.candidates["rag"].text == " total" == lost.signals["rising_token"]
     assert lost.signals["benefit"] is False and "note" not in lost.signals
     kept = on.trace.steps[lost.index]

@@ -56,12 +56,12 @@ def test_tiny_end_to_end_cli_and_resume(tmp_path, capsys, eval_data, cli_shares_
         return tokrag(["eval", *argv])
 
 
-    argv = ["noise", "--data", str(eval_data("rgb_en_fact_dev.jsonl")), "--limit", "2", "--policies", "llm,rag,tokrag", "--ratios", "0,1",
+    argv = ["noise", "--data", str(eval_data("rgb_en_fact_dev.jsonl")), "--limit", "2", "--policies", "no_rag,rag,tokrag", "--ratios", "0,1",
             "--k", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "res"), "--records", str(tmp_path / "runs"),
             "--no-progress"]
     assert main(argv) == 0
     res = json.loads((tmp_path / "res" / "noise_rgb_en_fact_dev.json").read_text())
-    assert res["n"]["tokrag"] == {"0": 2, "1": 2} and res["n"]["llm"] == {"0": 2, "1": 2}
+    assert res["n"]["tokrag"] == {"0": 2, "1": 2} and res["n"]["no_rag"] == {"0": 2, "1": 2}
     assert (tmp_path / "res" / "noise_rgb_en_fact_dev.png").stat().st_size > 1000
     assert "| tokrag |" in (tmp_path / "res" / "noise_rgb_en_fact_dev.md").read_text()
     recs = [json.loads(x) for x in (tmp_path / "runs" / "noise_rgb_en_fact_dev.jsonl").read_text().splitlines()]

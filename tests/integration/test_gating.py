@@ -55,7 +55,7 @@ def test_langchain_router_routes_both_ways(lm, threshold, route):
         lambda q: [Document(page_content=h.text) for h in ret.retrieve(q, top_k=2)]
     )
     gate = ConfidenceGate(lm, "self_certainty", max_new_tokens=3, threshold=threshold)
-    chat = ChatTokRAG(model=lm, policy="llm", max_tokens=6)
+    chat = ChatTokRAG(model=lm, policy="no_rag", max_tokens=6)
     rag = create_tokrag_chain(lc_ret, lm, policy="rag", max_tokens=6, citations=True)
     router = gated_router(gate, chat, rag)
     out = router.invoke({"question": "Who founded Quillfeather Aerospace?"})
@@ -85,7 +85,7 @@ def test_langchain_router_streams_and_awaits_the_chosen_branch(lm, threshold, ro
         lambda q: [Document(page_content=h.text) for h in ret.retrieve(q, top_k=2)]
     )
     gate = ConfidenceGate(lm, "self_certainty", max_new_tokens=3, threshold=threshold)
-    chat = ChatTokRAG(model=lm, policy="llm", max_tokens=8)
+    chat = ChatTokRAG(model=lm, policy="no_rag", max_tokens=8)
     router = gated_router(gate, chat, create_tokrag_chain(lc_ret, lm, policy="rag", max_tokens=8))
     q = {"question": "Who founded Quillfeather Aerospace?"}
     with collect_runs() as cb:

@@ -179,7 +179,7 @@ def test_two_threads_advance_one_stream(lm):
 
 def test_cancelled_agenerate_stops_decoding(lm):
     async def scenario(calls: list[int]) -> int:
-        task = asyncio.create_task(agenerate(lm, LONG_Q, policy="llm", max_new_tokens=200))
+        task = asyncio.create_task(agenerate(lm, LONG_Q, policy="no_rag", max_new_tokens=200))
         for _ in range(int(WAIT_S * 20)):
             if calls[0] >= 3:
                 break
@@ -231,7 +231,7 @@ def test_agenerate_cancelled_while_waiting_for_the_model_never_decodes(lm):
         holder = stream(lm, SHORT_Q, [PASSAGE], policy="rag", max_new_tokens=20, idle_timeout=600)
         await asyncio.to_thread(next, holder)  # the model is now taken by this stream
         before = calls[0]
-        task = asyncio.create_task(agenerate(lm, LONG_Q, policy="llm", max_new_tokens=200))
+        task = asyncio.create_task(agenerate(lm, LONG_Q, policy="no_rag", max_new_tokens=200))
         await asyncio.sleep(0.3)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

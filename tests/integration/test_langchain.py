@@ -181,7 +181,7 @@ def test_tokrag_trace_shows_retrieval_tokens(reference: dict[str, dict[str, Any]
     assert trace["policy"] == "tokrag"
     assert trace["prompt_tokens"]["rag"] > trace["prompt_tokens"]["pure"]
     assert trace["passages"][0]["kept"] and trace["passages"][0]["metadata"]["source"] == "fixture"
-    assert set(out["sources"]) <= {"agree", "rag", "llm"}
+    assert set(out["sources"]) <= {"agree", "rag", "pure"}
     step = trace["steps"][0]
     assert set(step["candidates"]) == {"pure", "rag"}
 
@@ -268,8 +268,8 @@ def test_chat_stop_and_max_tokens(chat: ChatTokRAG) -> None:
 
 def test_chat_pure_without_passages(chat: ChatTokRAG) -> None:
     msg = chat.invoke([SystemMessage("Answer briefly."), HumanMessage(QUESTION)], max_tokens=12)
-    assert msg.response_metadata["policy"] == "llm"
-    assert set(msg.response_metadata["token_sources"]) == {"llm"}
+    assert msg.response_metadata["policy"] == "no_rag"
+    assert set(msg.response_metadata["token_sources"]) == {"pure"}
     assert ANSWER not in msg.content  # the fact is only in the documents
 
 
@@ -280,7 +280,7 @@ def test_empty_retrieval_answers_from_pure_context(chat: ChatTokRAG) -> None:
         out = chain.invoke(QUESTION)
     assert out["retrieval_empty"] is True and out["context"] == []
     assert any("pure context" in w for w in out["warnings"])
-    assert set(out["sources"]) == {"llm"}
+    assert set(out["sources"]) == {"pure"}
     assert out["answer"] == chat.invoke(QUESTION).content
 
 

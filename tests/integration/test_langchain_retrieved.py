@@ -167,7 +167,7 @@ def _check(calls: Calls, questions: list[str], explicit: Any, batched: bool = Fa
         assert counts.get("agree", 0) + counts.get("rag", 0) > 0 and set(counts) <= {
             "agree",
             "rag",
-            "llm",
+            "pure",
         }
         # The retrieved span: the documents, exactly, each a passage with its metadata (the
         # span cut after each document's text).

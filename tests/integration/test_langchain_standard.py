@@ -4,7 +4,7 @@ The model under test is the real packaged default model, constructed from keywor
 (``ChatTokRAG(model="default", ...)``, loaded once per process). Answers are capped at
 ``max_tokens=64`` (``standard_chat_model_params``): enough for the suite's tool calls (the
 forced call with a Chinese name takes 50 tokens), cheap on CPU. The suite forbids overriding
-its tests, so the cap is the suite's one setting for every test. Without passages the chat model is the pure model (policy ``"llm"``), which is what these
+its tests, so the cap is the suite's one setting for every test. Without passages the chat model is the pure model (policy ``"no_rag"``), which is what these
 generic chat tests exercise.
 
 Feature flags on (issue 57): ``has_tool_calling``, ``has_tool_choice``, ``has_structured_output``,

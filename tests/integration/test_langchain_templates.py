@@ -220,7 +220,7 @@ def test_prompt_is_validated(chat: ChatTokRAG, bm25: Any) -> None:
 def test_lcel_prompt_into_chat_warns_once_and_reports_llm(lm: Any) -> None:
     """``ChatPromptTemplate | ChatTokRAG | StrOutputParser`` with the documents written into
     the prompt by hand (no ``context`` / ``documents`` variable, no retriever): the plain
-    model, said once per instance; asking for policy="llm" says nothing. The same text given
+    model, said once per instance; asking for policy="no_rag" says nothing. The same text given
     to the prompt's ``context`` variable is retrieved text (issue 57, item 5)."""
     import asyncio
 
@@ -239,9 +239,9 @@ def test_lcel_prompt_into_chat_warns_once_and_reports_llm(lm: Any) -> None:
         ours = [w for w in caught if str(w.message) == NO_PASSAGES_WARNING]
         assert len(ours) == 1 and issubclass(ours[0].category, UserWarning)
         assert ours[0].filename == __file__  # the warning points at the user's call
-        assert msg.response_metadata["policy"] == "llm"
-        assert set(msg.response_metadata["token_sources"]) == {"llm"}
-        assert msg.response_metadata["counts"] == {"llm": 2}
+        assert msg.response_metadata["policy"] == "no_rag"
+        assert set(msg.response_metadata["token_sources"]) == {"pure"}
+        assert msg.response_metadata["counts"] == {"pure": 2}
         assert msg.response_metadata["retrieval"]["source"] == "none"  # said on every call
 
         (handmade | ChatTokRAG(model=lm, max_tokens=1)).invoke(prompt_value)  # a new instance
@@ -249,8 +249,8 @@ def test_lcel_prompt_into_chat_warns_once_and_reports_llm(lm: Any) -> None:
         assert len(ours) == 2
 
         caught.clear()
-        ChatTokRAG(model=lm, max_tokens=1).invoke(QUESTION, policy="llm")
-        ChatTokRAG(model=lm, max_tokens=1, policy="llm").invoke(QUESTION)
+        ChatTokRAG(model=lm, max_tokens=1).invoke(QUESTION, policy="no_rag")
+        ChatTokRAG(model=lm, max_tokens=1, policy="no_rag").invoke(QUESTION)
         ChatTokRAG(model=lm, max_tokens=1).invoke(QUESTION, passages=[])  # explicit: empty
         filled = {"context": "Quillfeather was founded by Ottoline Varga.", "input": QUESTION}
         meta = (PROMPT | chat).invoke(filled).response_metadata

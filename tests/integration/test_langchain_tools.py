@@ -74,7 +74,7 @@ def test_temperature_zero_is_the_greedy_answer(chat: ChatTokRAG) -> None:
 
 
 def test_seeded_sampling_is_the_same_alone_batched_and_streamed(lm: Any) -> None:
-    chat = ChatTokRAG(model=lm, max_tokens=12, temperature=0.9, top_p=0.95, policy="llm")
+    chat = ChatTokRAG(model=lm, max_tokens=12, temperature=0.9, top_p=0.95, policy="no_rag")
     q = "Write a short line about the sea."
     alone = chat.invoke(q, seed=11)
     assert chat.invoke(q, seed=11).content == alone.content
@@ -143,7 +143,7 @@ def test_structured_output_under_tokrag_keeps_the_sources(lm: Any) -> None:
     assert raw["parsing_error"] is None and isinstance(raw["parsed"], Company)
     meta = raw["raw"].response_metadata
     assert meta["policy"] == "tokrag" and meta["retrieval"]["source"] == "passages"
-    assert set(meta["token_sources"]) <= {"agree", "rag", "llm"} and "rag" in meta["counts"]
+    assert set(meta["token_sources"]) <= {"agree", "rag", "pure"} and "rag" in meta["counts"]
     assert Company.model_validate_json(raw["raw"].content) == raw["parsed"]
     assert raw["parsed"].founder == "Ottoline Varga"  # the year the 135M model gets wrong
 

@@ -158,7 +158,7 @@ def test_bm25_retriever_answer_and_tokrag_trace(lm, nodes):
     assert any(TOKRAG_FACT in n.node.get_content() for n in r.source_nodes)
     steps = md["trace"]["steps"]
     assert r.response == md["trace"]["text"] and len(steps) == sum(md["counts"].values()) > 0
-    assert set(md["counts"]) <= {"agree", "rag", "llm"} and md["counts"].get("agree", 0) > 0
+    assert set(md["counts"]) <= {"agree", "rag", "pure"} and md["counts"].get("agree", 0) > 0
     assert all(set(st["candidates"]) == {"pure", "rag"} for st in steps)
     split = [st for st in steps if st["source"] != "agree"]
     assert split and all(st["signals"] for st in split)  # disagreements carry Eq. 19 signals
@@ -237,9 +237,9 @@ def test_no_nodes_answers_from_pure_context(lm, index):
     md = r.metadata
     assert r.response and r.response != "Empty Response"
     assert r.source_nodes == []
-    assert md["answered_from"] == "pure_context" and md["policy_used"] == "llm"
+    assert md["answered_from"] == "pure_context" and md["policy_used"] == "no_rag"
     assert md["pure_context_reason"] == "no nodes were retrieved"
-    assert set(md["counts"]) == {"llm"}
+    assert set(md["counts"]) == {"pure"}
     assert any("pure context" in w for w in md["warnings"])
 
 
@@ -289,7 +289,7 @@ def test_gate_saying_no_answers_from_pure_context(lm):
     )
     md = r.metadata
     assert md["gate"] == {"retrieve": False, "score": 0.1, "reason": "test"}
-    assert md["answered_from"] == "pure_context" and set(md["counts"]) == {"llm"}
+    assert md["answered_from"] == "pure_context" and set(md["counts"]) == {"pure"}
 
 
 def test_bad_arguments_fail_early(lm):
@@ -317,8 +317,8 @@ async def test_llm_complete_chat_stream_async_agree(lm, events):
     llm = TokRAGLLM(lm, max_new_tokens=6)
     prompt = "Name a colour."
     ref = llm.complete(prompt)
-    assert ref.text and ref.additional_kwargs["policy"] == "llm"
-    assert set(ref.additional_kwargs["counts"]) == {"llm"}
+    assert ref.text and ref.additional_kwargs["policy"] == "no_rag"
+    assert set(ref.additional_kwargs["counts"]) == {"pure"}
     parts = list(llm.stream_complete(prompt))
     assert "".join(p.delta for p in parts) == ref.text and len(parts) > 2
     assert parts[-1].raw["text"] == ref.text  # the final item carries the trace
@@ -328,7 +328,7 @@ async def test_llm_complete_chat_stream_async_agree(lm, events):
 
     msgs = [ChatMessage(role="user", content=prompt)]
     chat = llm.chat(msgs)  # the chat template (complete() sends the text as given)
-    assert chat.message.content and chat.raw["policy"] == "llm"
+    assert chat.message.content and chat.raw["policy"] == "no_rag"
     assert "".join(p.delta for p in llm.stream_chat(msgs)) == chat.message.content
     assert (await llm.achat(msgs)).message.content == chat.message.content
     parts = [p async for p in await llm.astream_chat(msgs)]

@@ -98,7 +98,7 @@ async def test_synthesizer_streams_and_awaits_the_same_citations(lm, synth):
 
 def test_citations_off_and_policy_without_rag_context_give_none(lm):
     nodes = _nodes(ON_TOPIC, WITH_FACT)
-    for kw in ({"citations": False}, {"policy": "llm"}):
+    for kw in ({"citations": False}, {"policy": "no_rag"}):
         r = TokRAGSynthesizer(lm, max_new_tokens=3, **kw).synthesize(QUESTION, nodes)
         assert r.metadata["citations"] == [] and r.metadata["contributions"] == []
         assert [n.node.node_id for n in r.source_nodes] == ["factory", "history"]

@@ -114,7 +114,7 @@ def test_retrieving_chat_engines_decode_with_tokrag(index, settings_llm, calls, 
     # The answering call carries the retrieved context; condense_plus_context first
     # condenses the question with the plain model (no retrieved context in that call).
     assert policies[-1] == "tokrag"
-    assert policies[:-1] == (["llm"] if chat_mode == "condense_plus_context" else [])
+    assert policies[:-1] == (["no_rag"] if chat_mode == "condense_plus_context" else [])
 
 
 def test_custom_template_reaches_the_decoder(lm, index, calls):
@@ -185,7 +185,7 @@ def test_calls_without_retrieved_context_are_the_plain_model(lm):
     out = llm.predict(PromptTemplate("Rewrite as a question: {question}"), question="the founder")
     assert isinstance(out, str)
     r = llm.complete("Say hi.")
-    assert r.raw["policy"] == r.additional_kwargs["policy"] == "llm"
+    assert r.raw["policy"] == r.additional_kwargs["policy"] == "no_rag"
 
 
 async def test_settings_llm_path_streams_and_awaits_the_same_tokens(index, settings_llm, calls):

@@ -39,9 +39,9 @@ REQUESTS: list[tuple[str, str, dict[str, Any] | None, int, bool]] = [
     (QUESTION, "tokrag", None, N_TOKENS - 3, False),
     (QUESTION, "rag", None, N_TOKENS, False),
     (OTHER, "rag", None, N_TOKENS, False),
-    (QUESTION, "llm", None, N_TOKENS, False),
+    (QUESTION, "no_rag", None, N_TOKENS, False),
     (QUESTION, "cad", None, N_TOKENS, False),
-    (QUESTION, "llm", None, N_TOKENS, True),
+    (QUESTION, "no_rag", None, N_TOKENS, True),
     (OTHER, "tokrag", {"threshold": 0.5}, N_TOKENS, True),
 ]
 

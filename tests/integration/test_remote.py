@@ -137,7 +137,7 @@ def test_llm_complete_chat_and_stream_equal_the_local_class(llms):
     _same_trace(c.raw, cw.raw)
     streamed = list(remote.stream_complete(QUESTION, passages=DOCS))
     assert "".join(s.delta for s in streamed) == want.text
-    assert all(s.additional_kwargs["source"] in ("agree", "rag", "llm") for s in streamed[:-1])
+    assert all(s.additional_kwargs["source"] in ("agree", "rag", "pure") for s in streamed[:-1])
     _same_trace(streamed[-1].raw, want.raw)
 
 

@@ -89,14 +89,14 @@ def test_different_seeds_differ_somewhere(lm):
     assert [r.token_ids for r in again] == [r.token_ids for r in a]
 
 
-@pytest.mark.parametrize("policy", ["rag", "tokrag", "logprob", "llm"])
+@pytest.mark.parametrize("policy", ["rag", "tokrag", "logprob", "no_rag"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_logprob_is_the_sources_log_softmax_at_the_token(lm, policy, temperature):
     r = generate(
         lm, Q, PASSAGES, policy=policy, max_new_tokens=N, temperature=temperature, seed=5, top_logprobs=3
     )
     for s in r.trace.steps:
-        role = "pure" if s.source == "llm" else "rag"
+        role = "pure" if s.source == "pure" else "rag"
         # stats[role]["logp"]: log_softmax of that context's logits at the chosen token.
         assert s.logprob == pytest.approx(s.stats[role]["logp"], abs=1e-5)
         assert len(s.top_logprobs) == 3
@@ -115,7 +115,7 @@ def test_the_logprob_of_llm_equals_the_models_own_forward(lm):
     """Independently of the engine's views: the model run on the prompt and the answer."""
     from tokrag_integrations.prompts import PromptBuilder
 
-    r = generate(lm, Q, None, policy="llm", max_new_tokens=N, temperature=1.0, seed=8)
+    r = generate(lm, Q, None, policy="no_rag", max_new_tokens=N, temperature=1.0, seed=8)
     plan = PromptBuilder(lm.tokenizer, context_window=lm.context_window).build(Q, [])
     ids = torch.tensor([plan.pure_ids + r.token_ids])
     with torch.inference_mode():
@@ -227,7 +227,7 @@ def test_a_json_schema_constraint_gives_valid_json_on_the_view_and_static_paths(
     assert set(data) == {"name", "year", "kind"} and isinstance(data["year"], int)
     assert data["kind"] in ("person", "company") and 1900 <= data["year"] <= 2100
     assert view.stop_reason == "stop"
-    assert {s.source for s in view.trace.steps} <= {"agree", "rag", "llm", "mix"}
+    assert {s.source for s in view.trace.steps} <= {"agree", "rag", "pure", "mix"}
 
 
 def test_stream_and_agenerate_take_the_keywords(lm):

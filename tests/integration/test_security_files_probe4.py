@@ -127,7 +127,7 @@ def test_cache_folder_open_to_others_is_not_used(tmp_path, monkeypatch):
 # ============================================================================ model files
 
 def _packaged_gguf() -> Path:
-    from tokrag_integrations.models import _SMOLLM2_GGUF, _smollm2_folder
+    from tokrag_integrations.models.files import _SMOLLM2_GGUF, _smollm2_folder
 
     return _smollm2_folder() / _SMOLLM2_GGUF
 

@@ -90,7 +90,7 @@ def test_ordinary_text_encodes_as_before(lm, minilm_tokenizer, text):
 def test_a_turn_holding_the_builders_sentinel_does_not_split_the_frame(lm):
     """Issue 29.4: the builder's own placeholder written in an earlier turn stays text of that
     turn; the question still comes last, after the template's markers."""
-    from tokrag_integrations.prompts import _SENTINEL
+    from tokrag_integrations.prompts.builder import _SENTINEL
 
     tok = lm.tokenizer
     builder = PromptBuilder(tok, context_window=lm.context_window)

@@ -149,7 +149,7 @@ def test_stream_equals_the_plain_answer(server):
     assert text == plain.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
     content = [c for c in chunks if c.choices and c.choices[0].delta.content]
-    assert content and all(c.model_extra["tokrag"]["source"] in ("agree", "rag", "llm")
+    assert content and all(c.model_extra["tokrag"]["source"] in ("agree", "rag", "pure")
                            for c in content)
     last = [c for c in chunks if c.choices][-1]
     assert last.choices[0].finish_reason == plain.choices[0].finish_reason
@@ -160,7 +160,7 @@ def test_stream_equals_the_plain_answer(server):
 def test_client_that_disconnects_mid_stream_frees_its_slot(server, lm):
     body = {"model": "default", "messages": [{"role": "user", "content": QUESTION}],
             "documents": DOCS, "stream": True, "max_tokens": 400, "stop": [],
-            "tokrag": {"policy": "llm"}}
+            "tokrag": {"policy": "no_rag"}}
     cut_before = server.health()["streams_cut"]
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200

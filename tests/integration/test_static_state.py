@@ -39,7 +39,7 @@ LONG_Q = (
 )
 #: Policies with a device rule, compared here on the tiny model (every policy is compared on
 #: the packaged model in test_stock_exactness.py).
-DEVICE_RULES = ("llm", "rag", "floor", "tokrag", "cad", "rag_token")
+DEVICE_RULES = ("no_rag", "rag", "floor", "tokrag", "cad", "rag_token")
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_decodes_reuse_the_buffers_of_the_model(tiny):
 def test_a_one_token_prompt(tiny):
     """A prompt of one token has nothing to prefill: its row starts empty."""
     assert len(tiny.tokenizer("Hi")["input_ids"]) == 1
-    kw = dict(policy="llm", prompt_format="text", max_new_tokens=5)
+    kw = dict(policy="no_rag", prompt_format="text", max_new_tokens=5)
     want = generate(tiny, "Hi", None, speed="reference", **kw)
     got = generate(tiny, "Hi", None, speed="cuda", **kw)
     assert got.trace.timings["static"] == 1.0

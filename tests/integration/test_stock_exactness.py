@@ -109,7 +109,7 @@ def test_the_prompts_make_the_rule_decide(reference):
     made = reference(*SIZES[0].values)
     steps = [s for r in made for s in r.trace.steps]
     assert sum(s.disagreement for s in steps) >= 10
-    assert {s.source for s in steps if s.disagreement} >= {"rag", "llm"}
+    assert {s.source for s in steps if s.disagreement} >= {"rag", "pure"}
     assert sum(not r.trace.passages for r in made) >= 3  # some answer without passages
 
 
@@ -132,7 +132,7 @@ def test_a_batch_equals_the_stock_path(lm, prompts, reference, count, n):
 
 #: The policies of the ``speed="cuda"`` comparison: with a device rule, each is decoded on
 #: the static state; without one, on the view path, and the trace says so.
-CUDA_POLICIES = ("tokrag", "rag", "llm", "floor", "cad", "rag_token", "tokrag_reference")
+CUDA_POLICIES = ("tokrag", "rag", "no_rag", "floor", "cad", "rag_token", "tokrag_authors")
 #: Prompts and new tokens of that comparison (per policy: a reference decode each).
 CUDA_COUNT, CUDA_TOKENS = 8, 6
 
@@ -182,7 +182,7 @@ def test_the_cuda_path_equals_the_stock_path(lm, prompts, policy_reference, poli
                            citations=True)  # fmt: skip
     for got in (alone, batch):
         for q, g, w in zip(qs, got, want, strict=True):
-            _static_used(g)  # (a query without passages is decoded by "llm"'s rule)
+            _static_used(g)  # (a query without passages is decoded by "no_rag"'s rule)
             assert g.token_ids == w.token_ids, (policy, q)
             assert _decisions(g) == _decisions(w), (policy, q)
             for a, b in zip(_citations(g), _citations(w), strict=True):

@@ -1,6 +1,6 @@
 """Structured output and tool calls on the packaged model (the ``lm`` fixture), through the
 engine's ``constraint=``: every answer parses and validates against its schema, under ``rag``,
-``tokrag`` and ``llm``, alone and batched; a tool call under ``tool_choice="required"`` is a
+``tokrag`` and ``no_rag``, alone and batched; a tool call under ``tool_choice="required"`` is a
 well-formed call to one of the tools; bad specs are refused before decoding."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def check_answer(result, schema=ANSWER) -> dict:
     return value
 
 
-@pytest.mark.parametrize("policy", ["rag", "tokrag", "llm"])
+@pytest.mark.parametrize("policy", ["rag", "tokrag", "no_rag"])
 def test_json_schema_answers_parse_and_validate(lm, policy):
     for question, passages in QUESTIONS:
         result = generate(lm, question, passages, policy=policy, max_new_tokens=MAX_TOKENS, constraint=SPEC)
@@ -109,7 +109,7 @@ def test_json_object_regex_and_grammar_constraints(lm):
     yes_no = generate(lm, "Is Quillfeather an aerospace company?", passages, policy="tokrag", max_new_tokens=8,
                       constraint={"type": "grammar", "grammar": 'start: "yes" | "no"'})
     assert yes_no.text in ("yes", "no") and yes_no.stop_reason == "stop"
-    code = generate(lm, question, passages, policy="llm", max_new_tokens=12,
+    code = generate(lm, question, passages, policy="no_rag", max_new_tokens=12,
                     constraint={"type": "regex", "regex": r"[A-Z][a-z]{2,12}"})
     assert re.fullmatch(r"[A-Z][a-z]{2,12}", code.text), code.text
 
@@ -152,13 +152,13 @@ def tool_prompt(lm, messages):
     return turns[-1]["content"], {"system_prompt": turns[0]["content"], "messages": turns[1:-1], "prompt_format": "chat"}
 
 
-@pytest.mark.parametrize("policy", ["llm", "tokrag"])
+@pytest.mark.parametrize("policy", ["no_rag", "tokrag"])
 def test_required_tool_choice_gives_one_parseable_call(lm, policy):
     specs = {s["function"]["name"]: s["function"]["parameters"] for s in map(tool_spec, TOOLS)}
     for question, passages in QUESTIONS[:2]:
         query, kw = tool_prompt(lm, [{"role": "user", "content": question}])
         c = tool_call_constraint(TOOLS, "required", lm)
-        result = generate(lm, query, passages if policy != "llm" else None, policy=policy,
+        result = generate(lm, query, passages if policy != "no_rag" else None, policy=policy,
                           max_new_tokens=96, constraint=c, **kw)
         assert result.stop_reason == "stop", result.text
         content, calls, invalid = find_tool_calls(result.text)
@@ -170,7 +170,7 @@ def test_required_tool_choice_gives_one_parseable_call(lm, policy):
 def test_named_tool_choice_and_a_result_fed_back(lm):
     question = "How many offices does Quillfeather have in Norway?"
     query, kw = tool_prompt(lm, [{"role": "user", "content": question}])
-    first = generate(lm, query, None, policy="llm", max_new_tokens=64,
+    first = generate(lm, query, None, policy="no_rag", max_new_tokens=64,
                      constraint=tool_call_constraint(TOOLS, "office_count", lm), **kw)
     _, calls = find_tool_calls(first.text)[:2]
     assert [c["name"] for c in calls] == ["office_count"]
@@ -183,7 +183,7 @@ def test_named_tool_choice_and_a_result_fed_back(lm):
     ]
     query, kw = tool_prompt(lm, history)
     assert query == "<tool_response>\n2\n</tool_response>"
-    answer = generate(lm, query, None, policy="llm", max_new_tokens=24,
+    answer = generate(lm, query, None, policy="no_rag", max_new_tokens=24,
                       constraint=tool_call_constraint(TOOLS, "auto", lm), **kw)
     content, calls, invalid = find_tool_calls(answer.text)
     assert invalid == [] and (content or calls)  # text, or a well-formed further call

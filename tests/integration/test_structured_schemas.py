@@ -52,7 +52,7 @@ SCHEMAS = [
 QUESTIONS = sample_questions(10)
 CASES = [(QUESTIONS[i % len(QUESTIONS)], {**schema, "title": f"S{i}"}) for i, schema in enumerate(SCHEMAS)]
 MAX_TOKENS = 96
-SOURCES = {"rag": {"rag"}, "tokrag": {"rag", "llm", "agree"}}
+SOURCES = {"rag": {"rag"}, "tokrag": {"rag", "pure", "agree"}}
 
 
 def test_there_are_twenty_distinct_schemas():

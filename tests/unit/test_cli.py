@@ -152,12 +152,12 @@ def test_cut_answer_gets_a_one_line_hint(fake_engine: dict[str, Any]) -> None:
 def test_verbose_flag_turns_loading_progress_on(
     fake_engine: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tokrag_integrations import models
+    from tokrag_integrations.models import files
 
-    monkeypatch.setattr(models, "_show_loading_progress", False)  # restored after the test
+    monkeypatch.setattr(files, "_show_loading_progress", False)  # restored after the test
     env = dict(os.environ)
-    assert run_cli(["ask", "q"])[0] == 0 and not models._show_loading_progress
-    assert run_cli(["ask", "q", "-v"])[0] == 0 and models._show_loading_progress
+    assert run_cli(["ask", "q"])[0] == 0 and not files._show_loading_progress
+    assert run_cli(["ask", "q", "-v"])[0] == 0 and files._show_loading_progress
     assert dict(os.environ) == env, "the CLI must not set environment variables"
 
 

@@ -12,7 +12,7 @@ import torch
 from _host_reads import HostReads
 
 from tokrag_integrations.accel.rules import rule_for
-from tokrag_integrations.accel.rules.baselines_rule import FloorRule, PureLLMRule, StandardRAGRule
+from tokrag_integrations.accel.rules.baselines_rule import FloorRule, NoRAGRule, StandardRAGRule
 from tokrag_integrations.accel.rules.cad_rule import CADRule
 from tokrag_integrations.accel.rules.common import (
     Layout,
@@ -96,10 +96,10 @@ def test_floor_on_hand_made_logits_gives_the_tokens_sources_and_stats():
 
 def test_a_role_a_query_lacks_is_left_out_of_its_candidates():
     t = tensors(rows={"pure": [0, 2, 4], "rag": [1, -1, 5]})
-    rule = PureLLMRule(None, ("pure", "rag"), cite=None, passages=4)
+    rule = NoRAGRule(None, ("pure", "rag"), cite=None, passages=4)
     ids, record, _ = rule(t)
     got = rule.decode(record[1].tolist(), Tok())
-    assert set(got.candidates) == {"pure"} and got.source == "llm"
+    assert set(got.candidates) == {"pure"} and got.source == "pure"
     assert got.token_id == int(t.logits[2].argmax())
 
 
@@ -185,7 +185,7 @@ def test_the_margins_are_the_policy_margins(name):
         m = margin(pure, rag)
         got = rule.decode(record[q].tolist(), Tok())
         assert got.signals["margin"] == pytest.approx(m, rel=1e-12)
-        assert got.source == ("rag" if m >= 0 else "llm")
+        assert got.source == ("rag" if m >= 0 else "pure")
 
 
 def test_split_double_keeps_a_float64_to_48_bits():
@@ -212,7 +212,7 @@ def test_plausible_tokens_over_rows_is_the_one_row_result_per_row():
 
 def _rules_without_a_model():
     return [
-        PureLLMRule(None, ("pure", "rag"), cite=None, passages=4),
+        NoRAGRule(None, ("pure", "rag"), cite=None, passages=4),
         StandardRAGRule(None, ("rag",), cite=None, passages=4),
         FloorRule(None, ("pure", "rag"), cite=None, passages=4),
         CADRule(get_policy("cad"), None, citations=False, passages=4),
@@ -259,7 +259,7 @@ def test_the_counter_counts_host_reads():
 
 def test_policies_without_a_rule_get_none():
     assert device_rule_for(get_policy("rag_sequence"), None, citations=False) is None
-    assert device_rule_for(get_policy("tokrag_reference"), None, citations=False) is None
+    assert device_rule_for(get_policy("tokrag_authors"), None, citations=False) is None
 
     class Mine(TokRAG):  # a subclass may change the rule: no device rule for it
         pass

@@ -13,7 +13,7 @@ Which inline code spans (single backticks; fenced code blocks are skipped) are c
 * **A dotted name**: after dropping a ``:mod:`` / ``:func:`` / ``:class:`` / ``:meth:``
   role and a trailing call ``(...)``, the span is identifiers joined by dots, at least two,
   and its first part is ``tokrag_integrations``, the name of a module or package anywhere in
-  the package (``signals``, ``engine``, ``tokrag_reference``), or the name of a class
+  the package (``signals``, ``engine``, ``tokrag_authors``), or the name of a class
   defined at the top level of some module (``TokRAG``, ``PromptBuilder``). Anything else
   (``lm.lock``, ``r.text``: a variable of an example) is not a name of the package.
 * **A name qualified by a file**: on a line, the spans after ``` `path.py`: ``` up to the
@@ -21,8 +21,8 @@ Which inline code spans (single backticks; fenced code blocks are skipped) are c
   means ``policies.vocab.verdict_mask``).
 
 How a dotted name resolves: the longest leading part that names a module (its dotted path
-from the package root, or the tail of one: ``tokrag_reference`` matches
-``policies.tokrag_reference``; several modules may match) is the module; the next part must
+from the package root, or the tail of one: ``tokrag_authors`` matches
+``policies.tokrag_authors``; several modules may match) is the module; the next part must
 be bound at the module's top level, and any further part a member of that class. Bound
 means defined: ``def``, ``class``, an assignment or annotation; an ``import`` binds a name
 only in a package's ``__init__.py`` (its public surface), so a doc that cites a re-export
@@ -238,7 +238,7 @@ def test_every_name_the_architecture_and_algorithm_docs_cite_exists():
 
 def test_the_rule_finds_stale_names_and_accepts_real_ones():
     text = (
-        "`TokRAG._choice_without_signals` and `tokrag_reference.punctuation_mask`;\n"
+        "`TokRAG._choice_without_signals` and `tokrag_authors.punctuation_mask`;\n"
         "| `policies/base.py`: `ContextView.rt_positions` |\n"
         "`signals.fusion_layer`, `TokRAG.choose`, `policies/vocab.py`: `punctuation_mask`\n"
         "`lm.lock`, `r.trace.to_dict()`, `no_such_dir/thing.py`\n"
@@ -247,6 +247,6 @@ def test_the_rule_finds_stale_names_and_accepts_real_ones():
     assert missing(text) == [
         "TokRAG._choice_without_signals",
         "policies.base.ContextView.rt_positions",
-        "tokrag_reference.punctuation_mask",
+        "tokrag_authors.punctuation_mask",
         "no_such_dir/thing.py (no such file)",
     ]

@@ -166,23 +166,23 @@ class FakeDecode:
 LM = SimpleNamespace(name="fake")
 
 
-def test_noise_sweep_passages_identical_across_policies_and_llm_decoded_once(tmp_path):
+def test_noise_sweep_passages_identical_across_policies_and_no_rag_decoded_once(tmp_path):
     items = [_item(i) for i in range(3)]
     dec = FakeDecode()
-    s = run_noise_sweep(LM, items, records_path=tmp_path / "r.jsonl", policies=["llm", "rag", "tokrag"],
+    s = run_noise_sweep(LM, items, records_path=tmp_path / "r.jsonl", policies=["no_rag", "rag", "tokrag"],
                         ratios=[0.0, 0.6, 1.0], progress=False, decode=dec)
     seen: dict[tuple[str, str], list[str]] = {}
     for policy, qs, ps in dec.calls:
-        if policy == "llm":
+        if policy == "no_rag":
             assert ps == [[]]
             continue
         for q, p in zip(qs, ps, strict=True):
             seen.setdefault((q, policy), []).append(tuple(p))
     for it in items:
         assert seen[(it.question, "rag")] == seen[(it.question, "tokrag")]
-    assert sum(1 for c in dec.calls if c[0] == "llm") == 3
+    assert sum(1 for c in dec.calls if c[0] == "no_rag") == 3
     assert s["accuracy"]["rag"] == {"0": 100.0, "0.6": 100.0, "1": 0.0}
-    assert s["accuracy"]["llm"]["0.6"] == 0.0 and s["n"]["llm"]["1"] == 3
+    assert s["accuracy"]["no_rag"]["0.6"] == 0.0 and s["n"]["no_rag"]["1"] == 3
 
 
 def test_resume_after_interruption(tmp_path):
@@ -236,8 +236,8 @@ def test_spec_parsing_and_normalisation():
         split_specs,
     )
 
-    assert split_specs("llm, rag,tokrag[min_fusion_layer=0,lens_norm=false],adacad") == [
-        "llm", "rag", "tokrag[min_fusion_layer=0,lens_norm=false]", "adacad"]
+    assert split_specs("no_rag, rag,tokrag[min_fusion_layer=0,lens_norm=false],adacad") == [
+        "no_rag", "rag", "tokrag[min_fusion_layer=0,lens_norm=false]", "adacad"]
     s = parse_spec("tokrag[min_fusion_layer=0, lens_norm=FALSE, rise=logit, alpha=0.1, top_k=None, x='1']")
     assert s.name == "tokrag"
     assert s.options == {"min_fusion_layer": 0, "lens_norm": False, "rise": "logit", "alpha": 0.1, "top_k": None, "x": "1"}
@@ -280,14 +280,14 @@ def test_cli_validates_specs_before_loading_a_model(monkeypatch, tmp_path, capsy
 def test_specs_in_the_runner_share_the_prefill_and_pass_options(tmp_path):
     items = [_item(i) for i in range(3)]
     dec = FakeDecode()
-    specs = ["cad", "tokrag[min_fusion_layer=0,lens_norm=false]", "tokrag", "llm"]
+    specs = ["cad", "tokrag[min_fusion_layer=0,lens_norm=false]", "tokrag", "no_rag"]
     s = run_noise_sweep(LM, items, records_path=tmp_path / "r.jsonl", policies=specs, ratios=[0.0, 1.0],
                         batch_size=3, progress=False, decode=dec, policy_options={"cad": {"alpha": 0.3}})
     label = "tokrag[lens_norm=False,min_fusion_layer=0]"
-    assert s["policies"] == ["cad", label, "tokrag", "llm"]
+    assert s["policies"] == ["cad", label, "tokrag", "no_rag"]
     assert set(s["accuracy"]) == set(s["policies"]) and s["accuracy"][label] == {"0": 100.0, "1": 0.0}
     assert {r["policy"] for r in RecordStore(tmp_path / "r.jsonl").values()} == set(s["policies"])
-    with_passages = [(c[0], o, pf) for c, o, pf in zip(dec.calls, dec.options, dec.prefill, strict=True) if c[0] != "llm"]
+    with_passages = [(c[0], o, pf) for c, o, pf in zip(dec.calls, dec.options, dec.prefill, strict=True) if c[0] != "no_rag"]
     # Per (batch, condition): both tokrag specs (probing) first, then rag, all in one shared prefill.
     for cond in range(2):
         group = with_passages[3 * cond : 3 * cond + 3]
@@ -297,7 +297,7 @@ def test_specs_in_the_runner_share_the_prefill_and_pass_options(tmp_path):
     # Resume keys on the normalised label: the same specs written differently decode nothing.
     dec2 = FakeDecode()
     run_noise_sweep(LM, items, records_path=tmp_path / "r.jsonl", ratios=[0.0, 1.0], progress=False, decode=dec2,
-                    policies=["cad", "tokrag[lens_norm=false, min_fusion_layer=0]", "tokrag", "llm"])
+                    policies=["cad", "tokrag[lens_norm=false, min_fusion_layer=0]", "tokrag", "no_rag"])
     assert dec2.calls == []
 
 
@@ -352,7 +352,7 @@ def test_summary_has_intervals_and_paired_table(tmp_path):
                     r.text = r.text if int(q.split()[1][:-1]) % 2 == 0 else "Lyon"
             return out
 
-    s = run_misleading(LM, items, records_path=tmp_path / "m.jsonl", policies=["rag", "cad", "llm"],
+    s = run_misleading(LM, items, records_path=tmp_path / "m.jsonl", policies=["rag", "cad", "no_rag"],
                        cf_ratios=[0.0, 1.0], progress=False, decode=Half())
     assert s["accuracy_mean"]["rag"] == 50.0 and s["accuracy_ci"]["rag"]["cf=0"] == [100.0, 100.0]
     lo, hi = s["accuracy_mean_ci"]["cad"]
@@ -360,7 +360,7 @@ def test_summary_has_intervals_and_paired_table(tmp_path):
     assert s["cf_repeat_mean_ci"]["rag"] == [50.0, 50.0]
     d = s["paired"]["cad"]["accuracy"]
     assert d["diff"] == -25.0 and d["ci"][1] < 0
-    assert s["paired"]["llm"]["accuracy"]["diff"] == -50.0 and "rag" not in s["paired"]
+    assert s["paired"]["no_rag"]["accuracy"]["diff"] == -50.0 and "rag" not in s["paired"]
     table = accuracy_table(s)
     assert "| cad | 50.0 [" in table and "| 25.0 [" in table
     assert "| cad | -25.0 [" in paired_table(s) and "below rag" in paired_table(s)
@@ -532,11 +532,11 @@ def test_auc_interval_groups_samples_by_item():
 
 
 def test_scorer_configs():
-    from tokrag_eval.token_level import TOKRAG_CONFIGS, scorer_configs
+    from tokrag_eval.token_level import DEFAULT_SCORER_CONFIGS, scorer_configs
 
-    assert scorer_configs(None) == TOKRAG_CONFIGS
+    assert scorer_configs(None) == DEFAULT_SCORER_CONFIGS
     # The built-in labels are the specs that reproduce them.
-    assert scorer_configs(list(TOKRAG_CONFIGS)) == TOKRAG_CONFIGS
+    assert scorer_configs(list(DEFAULT_SCORER_CONFIGS)) == DEFAULT_SCORER_CONFIGS
     cfg = scorer_configs("tokrag,tokrag[min_fusion_layer=0,lens_norm=false]")
     assert cfg == {"tokrag": {}, "tokrag[lens_norm=False,min_fusion_layer=0]": {"min_fusion_layer": 0, "lens_norm": False}}
     with pytest.raises(ValueError, match="Bad options"):

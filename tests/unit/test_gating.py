@@ -82,9 +82,9 @@ def test_meteor_exact_and_stem_stages():
     assert meteor("dog", "cat") == 0.0
 
 
-def test_gece_reference_mode_matches_hand_computation():
+def test_gece_gold_mode_matches_hand_computation():
     g = GECEGate.__new__(GECEGate)
-    g.mode = "reference"
+    g.mode = "gold"
     g.mean_grad = torch.tensor([1.0, 2.0, 0.0])
     terms = {
         "pred": "Paris",

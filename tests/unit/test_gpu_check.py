@@ -27,14 +27,14 @@ def _result(steps: list[tuple[int, str, int]]):
 
 
 def test_compare_counts_identical_answers_and_the_equal_steps():
-    ref = [_result([(1, "rag", 1), (2, "llm", 3)]), _result([(5, "rag", 5)])]
-    same = [_result([(1, "rag", 1), (2, "llm", 3)]), _result([(5, "rag", 5)])]
+    ref = [_result([(1, "rag", 1), (2, "pure", 3)]), _result([(5, "rag", 5)])]
+    same = [_result([(1, "rag", 1), (2, "pure", 3)]), _result([(5, "rag", 5)])]
     assert gpu_check.compare(same, ref) | {"different_prompts": None} == {
         "identical": 2, "of": 2, "different_prompts": None, "tokens_equal": 1.0,
         "sources_equal": 1.0, "candidates_equal": 1.0, "steps": 3,
     }
     # The second answer: same token from another source and candidate; the first: one step short.
-    got = [_result([(1, "rag", 1)]), _result([(5, "llm", 4)])]
+    got = [_result([(1, "rag", 1)]), _result([(5, "pure", 4)])]
     out = gpu_check.compare(got, ref)
     assert (out["identical"], out["different_prompts"]) == (0, [0, 1])
     assert (out["tokens_equal"], out["sources_equal"], out["candidates_equal"]) == (2 / 3, 1 / 3, 1 / 3)

@@ -119,4 +119,4 @@ def test_cli_help_lists_the_policy_names():
     code, out, _ = _run_cli(["ask", "--help"])
     assert code == 0
     text = " ".join(out.split())
-    assert "one of adacad, cad, entropy, floor, llm, logprob, rag, rag_sequence, rag_token, tokrag" in text
+    assert "one of adacad, cad, entropy, floor, logprob, no_rag, rag, rag_sequence, rag_token, tokrag" in text

@@ -112,3 +112,14 @@ def test_no_module_of_the_engine_over_600_lines():
         if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600
     }
     assert not big, f"engine modules over 600 lines: {big}"
+
+
+def test_no_module_of_the_runtime_package_over_600_lines():
+    """Rooms of a readable size (issue 55, item 6): no module of the runtime package over 600
+    lines (``models`` and ``prompts`` are packages of three rooms each)."""
+    big = {
+        str(p.relative_to(ROOT)): n
+        for p in SOURCES
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600
+    }
+    assert not big, f"modules over 600 lines: {big}"

@@ -125,15 +125,15 @@ def test_visible_text_holds_back_a_possible_call_start():
 def test_a_server_gets_the_turns_tools_and_choice_as_openai_shapes():
     spec = fc.specs_of([TOOL])
     messages = [ChatMessage(role="user", content="Who founded it?")]
-    query, kw = fc.tool_turn(object(), messages, spec, "required", {"policy": "llm"}, policy="tokrag", passages=None)
+    query, kw = fc.tool_turn(object(), messages, spec, "required", {"policy": "no_rag"}, policy="tokrag", passages=None)
     assert query == "Who founded it?"
-    assert kw == {"policy": "llm", "messages": [], "tools": spec, "tool_choice": "required"}
+    assert kw == {"policy": "no_rag", "messages": [], "tools": spec, "tool_choice": "required"}
     answered = [
         *messages,
         _call(query="founder"),
         ChatMessage(role="tool", content="Ottoline Varga.", additional_kwargs={"tool_call_id": "call_1"}),
     ]
-    query, kw = fc.tool_turn(object(), answered, spec, "auto", {"policy": "llm"}, policy="tokrag", passages=None)
+    query, kw = fc.tool_turn(object(), answered, spec, "auto", {"policy": "no_rag"}, policy="tokrag", passages=None)
     assert query is None and kw["policy"] == "tokrag"  # the results end the turns
     assert [t["role"] for t in kw["messages"]] == ["user", "assistant", "tool"]
 

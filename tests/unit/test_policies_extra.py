@@ -48,7 +48,7 @@ def test_logprob_selection_prefers_the_more_confident_top1():
     rag = FakeView([0.1, 0.5, 0.4])
     pol = get_policy("logprob")
     c = _one(pol, {"pure": pure, "rag": rag})
-    assert (c.token_id, c.source) == (0, "llm")
+    assert (c.token_id, c.source) == (0, "pure")
     assert c.signals["margin"] == pytest.approx(math.log(0.5) - math.log(0.6), abs=1e-6)
     c = _one(pol, {"pure": FakeView([0.4, 0.35, 0.25]), "rag": rag})
     assert (c.token_id, c.source) == (1, "rag")
@@ -131,6 +131,17 @@ def test_policy_contract_has_six_members_and_no_side_channel():
     members = {n for n in vars(base.Policy) if not n.startswith("_")}
     assert members == {"name", "roles", "contexts", "prepare", "choose", "options"}
     p = base.Policy()
-    assert p.options() == {} and uses_passages(p) and not uses_passages(get_policy("llm"))
+    assert p.options() == {} and uses_passages(p) and not uses_passages(get_policy("no_rag"))
     assert isinstance(get_policy("rag_sequence"), base.SequencePolicy)
     assert not isinstance(get_policy("rag_token"), base.SequencePolicy)
+
+
+@pytest.mark.parametrize("old,new", [("llm", "no_rag"), ("tokrag_reference", "tokrag_authors")])
+def test_a_renamed_policy_is_refused_naming_its_new_name(old, new):
+    """The package was never released, so an old name is no alias (house style 11): the error
+    names the new one, and the list of names holds only today's."""
+    assert new in available_policies() and old not in available_policies()
+    with pytest.raises(ValueError, match=rf"Unknown policy '{old}': it is renamed '{new}'\. Available policies: "):
+        get_policy(old)
+    with pytest.raises(ValueError, match=r"^Unknown policy 'nope'\. Available policies: adacad, "):
+        get_policy("nope")

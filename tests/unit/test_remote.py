@@ -136,7 +136,7 @@ def test_a_server_that_is_down_is_one_sentence_naming_it_and_never_the_key():
         with pytest.raises(
             ConnectionError, match=f"cannot connect to the tokrag server at {url}"
         ) as e:
-            model.invoke("Q?", policy="llm") if isinstance(model, ChatTokRAG) else model.complete(
+            model.invoke("Q?", policy="no_rag") if isinstance(model, ChatTokRAG) else model.complete(
                 "Q?"
             )
         assert KEY not in str(e.value)

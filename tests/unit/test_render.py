@@ -22,7 +22,7 @@ def _step(
     signals: dict | None = None,
 ) -> TraceStep:
     cands = {"rag": Candidate(*rag), "pure": Candidate(*pure)}
-    chosen = cands["pure"] if source == "llm" else cands["rag"]
+    chosen = cands["pure"] if source == "pure" else cands["rag"]
     return TraceStep(index, chosen.token_id, text, source, cands, signals or {})
 
 
@@ -41,7 +41,7 @@ def trace() -> Trace:
         _step(
             2,
             " <b>&",
-            "llm",
+            "pure",
             (13, " the", 0.31),
             (14, " <b>&", 0.44),
             {"l_star": 16, "cos_ir": 0.21, "cos_llm": 0.443321},
@@ -126,9 +126,9 @@ def test_html_escapes_every_trace_string(trace: Trace) -> None:
 
 def test_html_token_spans_coloured_by_source(trace: Trace) -> None:
     tokens = _tokens(trace_to_html(trace))
-    assert [t["source"] for t in tokens] == ["agree", "rag", "llm", "agree", "mix", "passage:0"]
+    assert [t["source"] for t in tokens] == ["agree", "rag", "pure", "agree", "mix", "passage:0"]
     classes = [t["class"].split()[1] for t in tokens]
-    assert classes == ["src-agree", "src-rag", "src-llm", "src-agree", "src-other", "src-other"]
+    assert classes == ["src-agree", "src-rag", "src-pure", "src-agree", "src-other", "src-other"]
     # disagreement steps are marked, agreement steps are not
     assert ["dis" in t["class"].split() for t in tokens] == [
         False, True, True, False, True, False,
@@ -141,7 +141,7 @@ def test_html_token_spans_coloured_by_source(trace: Trace) -> None:
 def test_html_colours_and_legend(trace: Trace) -> None:
     page = trace_to_html(trace)
     css = page[page.index("<style>") : page.index("</style>")]
-    for cls in ("src-agree", "src-rag", "src-llm", "src-other"):
+    for cls in ("src-agree", "src-rag", "src-pure", "src-other"):
         assert f".tok.{cls}" in css
     assert "from retrieval" in page and "from the model" in page
     assert re.search(r'class="legend".*passage:0', page)
@@ -149,7 +149,7 @@ def test_html_colours_and_legend(trace: Trace) -> None:
 
 def test_html_tooltip_shows_candidates_and_signals(trace: Trace) -> None:
     tip = _tokens(trace_to_html(trace))[1]["tip"]
-    assert "RAG context" in tip and "LLM context" in tip
+    assert "RAG context" in tip and "pure context" in tip
     assert "␣Varga" in tip and "p=0.8300" in tip
     assert "␣Smith" in tip and "p=0.0800" in tip
     assert "l_star" in tip and "17" in tip
@@ -178,7 +178,7 @@ def test_html_summary_passages_and_disagreements(trace: Trace) -> None:
 
 
 def test_html_handles_empty_trace() -> None:
-    page = trace_to_html(Trace(query="q?", policy="llm", text="plain"))
+    page = trace_to_html(Trace(query="q?", policy="no_rag", text="plain"))
     assert "plain" in page
     assert "No passages" in page
     assert "agreed on every token" in page
@@ -200,7 +200,7 @@ def test_rich_render(trace: Trace) -> None:
     assert "Who founded <Quillfeather> & when?" in out
     assert "Ottoline Varga <b>&" in out  # the answer, token by token (no markup parsing)
     assert "Disagreement steps (3)" in out
-    for header in ("step", "rag candidate", "llm candidate", "chosen", "l*", "cos_ir", "cos_llm"):
+    for header in ("step", "rag candidate", "pure candidate", "chosen", "l*", "cos_ir", "cos_llm"):
         assert header in out
     assert "␣Varga (0.8300)" in out and "␣Smith (0.0800)" in out
     assert "0.6123" in out and "0.4433" in out
@@ -287,7 +287,7 @@ def test_comparable_leaves_out_what_the_machine_measured(trace: Trace) -> None:
     assert set(trace.to_dict()) - set(trace.comparable()) == {"timings", "speed"}
     for change in (
         lambda t: t.options.update(threshold=0.2),
-        lambda t: setattr(t.steps[1], "source", "llm"),
+        lambda t: setattr(t.steps[1], "source", "pure"),
         lambda t: t.steps[1].signals.update(cos_ir=0.7),
     ):
         other = Trace.from_dict(trace.to_dict())
@@ -362,3 +362,27 @@ def test_rich_render_shows_the_margin_and_the_threshold_that_allowed_it(trace: T
     console = Console(record=True, width=200)
     render_trace(trace, console=console)
     assert "margin" not in console.export_text()
+
+
+def test_trace_json_is_version_2_and_version_1_reads_with_todays_names(trace: Trace) -> None:
+    """Version 2 (issue 55: one word for one thing) writes the pure context's token source
+    ``pure`` and the policy names ``no_rag`` / ``tokrag_authors``; a dict with no ``version``
+    is version 1, whose ``llm`` source and ``llm`` / ``tokrag_reference`` policies read as
+    today's names. A version this library does not know is refused, naming the field."""
+    d = trace.to_dict()
+    assert d["version"] == 2 and Trace.from_dict(d).to_dict() == d
+    old = {k: v for k, v in d.items() if k != "version"}
+    old["steps"] = [{**s, "source": "llm" if s["source"] == "pure" else s["source"]} for s in d["steps"]]
+    assert [s["source"] for s in old["steps"]][:3] == ["agree", "rag", "llm"]
+    for was, now in (("llm", "no_rag"), ("tokrag_reference", "tokrag_authors"), ("tokrag", "tokrag")):
+        back = Trace.from_dict({**old, "policy": was})
+        assert back.policy == now
+        assert [s.source for s in back.steps] == [s.source for s in trace.steps]
+        assert back.counts() == trace.counts() and back.counts()["pure"] == 1
+    # In version 2 the names are read as written (a rule's own label stays its own).
+    v2 = Trace.from_dict({**d, "policy": "llm", "steps": old["steps"]})
+    assert v2.policy == "llm" and v2.steps[2].source == "llm"
+    with pytest.raises(ValueError, match=r"trace\.version is 3: this library reads versions 1 and 2"):
+        Trace.from_dict({**d, "version": 3})
+    with pytest.raises(ValueError, match=r"trace\.version is a str, not a int"):
+        Trace.from_dict({**d, "version": "2"})

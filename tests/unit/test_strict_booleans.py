@@ -145,7 +145,7 @@ def _switch_readers() -> dict[str, object]:
         "TOKRAG_FUSE_CONTEXTS": lambda: Speed().fuse,
         "TOKRAG_PACKED_PREFILL": lambda: Speed().packed_prefill,
         "TOKRAG_KERNEL_PLAN_CACHE": lambda: Speed().kernel_plan_cache,
-        "TOKRAG_VERBOSE": lambda: env_switch("TOKRAG_VERBOSE", False),  # models._loading_quietly
+        "TOKRAG_VERBOSE": lambda: env_switch("TOKRAG_VERBOSE", False),  # models.files._loading_quietly
     }
 
 
@@ -173,6 +173,6 @@ def test_verbose_false_keeps_loading_quiet(monkeypatch):
 
     monkeypatch.setenv("TOKRAG_VERBOSE", "false")
     hf_logging.enable_progress_bar()
-    with models._loading_quietly():
+    with models.files._loading_quietly():
         assert not hf_logging.is_progress_bar_enabled()
     assert hf_logging.is_progress_bar_enabled()

@@ -367,11 +367,11 @@ def _answer_fields(
     dropped = [r["node_id"] for r in records if not r["kept"] and not r["empty"]]
     if reason is None and not used:
         reason = no_text
-    if reason is None and policy == "llm":
-        reason = "policy 'llm' ignores retrieval"
+    if reason is None and policy == "no_rag":
+        reason = "policy 'no_rag' ignores retrieval"
     return {
         "policy": policy,
-        "policy_used": "llm" if reason else policy,
+        "policy_used": "no_rag" if reason else policy,
         "answered_from": "pure_context" if reason else "retrieval",
         "pure_context_reason": reason,
         "counts": result.counts,

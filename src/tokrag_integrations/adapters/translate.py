@@ -27,7 +27,7 @@ def usage(result: Any, roles: Sequence[str] | None = None) -> dict[str, Any]:
     ``usage``, LangChain ``usage_metadata``, LlamaIndex ``raw["usage"]``): ``prompt_tokens``
     counts the prompt of every context the policy decoded (by its context ``roles``, looked up
     by the trace's policy name if None): both the pure and the RAG prompt for Tok-RAG and CAD,
-    the RAG prompt for ``rag`` (it stands in for per-passage rules), the pure one for ``llm``
+    the RAG prompt for ``rag`` (it stands in for per-passage rules), the pure one for ``no_rag``
     and when no passage was usable; ``completion_tokens`` one per step; with ``total_tokens``
     and ``prompt_tokens_by_context`` (the trace's ``prompt_tokens``).
     """

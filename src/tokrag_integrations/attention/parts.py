@@ -118,7 +118,7 @@ def model_parts(model: Any) -> ModelParts:
             f"{type(model).__name__}: the Tok-RAG signals cannot read this architecture ({why}). "
             "Use a decoder the matrix covers (Llama, SmolLM, Mistral, Qwen2/3, Gemma 2/3, Phi-3, "
             "OLMo 2, Granite), or load it "
-            "with load_model(..., require_signals=False) for the 'rag'/'llm' policies, which "
+            "with load_model(..., require_signals=False) for the 'rag'/'no_rag' policies, which "
             "need no signals."
         )
     cfg = getattr(model, "config", None)

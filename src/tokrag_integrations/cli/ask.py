@@ -183,7 +183,7 @@ def _add_output_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="read which passage each token attended to, for --explain, --html and --sources "
         "(default: with the policies that read the attention anyway, tokrag and "
-        "tokrag_reference; --citations for every policy, --no-citations for none)",
+        "tokrag_authors; --citations for every policy, --no-citations for none)",
     )
     p.add_argument("--html", metavar="FILE", help="write the trace as a standalone HTML page")
     p.add_argument("--json", metavar="FILE", help="write the trace as JSON")

@@ -23,7 +23,7 @@ EXIT_USAGE = 2
 SAMPLE_DOCS = "sample"
 
 #: Styles for streamed tokens by source (unknown labels: amber), matching :mod:`.render`.
-_STREAM_STYLES = {"agree": "", "rag": "green", "llm": "blue"}
+_STREAM_STYLES = {"agree": "", "rag": "green", "pure": "blue"}
 
 AddParser = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
@@ -72,12 +72,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def check_policy(name: str, options: dict[str, Any]) -> Any:
     """The policy ``name`` built with ``options``, so that a bad name or option fails
     before anything loads."""
-    from ..policies import available_policies, get_policy
+    from ..policies import available_policies, get_policy, unknown_policy
 
     if name not in available_policies():  # before get_policy, which imports torch
-        raise ValueError(
-            f"Unknown policy {name!r}. Available policies: {', '.join(available_policies())}."
-        )
+        raise ValueError(unknown_policy(name))
     return get_policy(name, **options)
 
 

@@ -47,7 +47,7 @@ _SETTINGS = (
 
 @dataclass
 class _Prepared:
-    """A decode ready to run: the policies by group (``main``, and ``llm`` for queries
+    """A decode ready to run: the policies by group (``main``, and ``no_rag`` for queries
     without usable passages), the groups' query indices, and per query its prompt plan,
     trace and text tracker."""
 
@@ -125,15 +125,15 @@ def _prepare(
     )
     # Queries without usable passages are answered from the pure context (and say so).
     groups: dict[str, list[int]] = {}
-    llm_pol = get_policy("llm")
+    no_rag_pol = get_policy("no_rag")
     for i, p in enumerate(plans):
         fallback = uses_passages(pol) and not p.has_passages
         if fallback:
-            msg = f"query {i}: no usable passages, answered from the pure context (policy 'llm' instead of {pol.name!r})"
+            msg = f"query {i}: no usable passages, answered from the pure context (policy 'no_rag' instead of {pol.name!r})"
             p.warnings.append(msg)
             if passages[i]:
                 warnings.warn(msg, stacklevel=5)
-        groups.setdefault("llm" if fallback else "main", []).append(i)
+        groups.setdefault("no_rag" if fallback else "main", []).append(i)
 
     traces = [
         Trace(
@@ -157,7 +157,7 @@ def _prepare(
     constraints = _constraints(lm, constraint, len(queries))
 
     return _Prepared(
-        {"main": pol, "llm": llm_pol},
+        {"main": pol, "no_rag": no_rag_pol},
         groups,
         plans,
         traces,

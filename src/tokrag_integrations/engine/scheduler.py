@@ -339,7 +339,7 @@ def generate(
         query: the question (the content of the final user turn).
         passages: a list of strings, :class:`Passage` objects or (text, score) pairs; empty
             or None answers from the pure context and records that in the trace.
-        policy: ``"tokrag"`` (default), ``"rag"``, ``"llm"``... or a Policy instance.
+        policy: ``"tokrag"`` (default), ``"rag"``, ``"no_rag"``... or a Policy instance.
         policy_options: the policy's options (e.g. ``{"pr_norm": "softmax"}``), checked by
             :func:`.policies.get_policy`.
         speed: how fast, never what is decided: a :class:`.speed.Speed`, a preset
@@ -358,9 +358,9 @@ def generate(
             docstring); False (default): alone, in the calling thread, holding ``lm.lock``.
         citations: record at every step each passage's share of the RAG context's attention
             (:meth:`.trace.Trace.citations`): None (default) where the policy reads that
-            context's layers anyway (``tokrag``, ``tokrag_reference``), True for every policy
+            context's layers anyway (``tokrag``, ``tokrag_authors``), True for every policy
             with a ``rag`` context (it is then probed: ``rag``, ``cad``...), False never.
-            Steps without a ``rag`` context (``llm``, ``rag_token``, ``rag_sequence``) carry
+            Steps without a ``rag`` context (``no_rag``, ``rag_token``, ``rag_sequence``) carry
             none.
         temperature / top_p / top_k / seed: how the token is taken from the distribution the
             rule chose at each step (docs/algorithm.md, "Sampling"): ``temperature`` 0 or None

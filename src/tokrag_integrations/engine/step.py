@@ -26,7 +26,7 @@ from .streams import (
 
 class _Loop:
     """The one step loop of the scheduler: queued calls are admitted at step boundaries,
-    every group's decoder (``main``; ``llm`` for queries without usable passages) chooses and
+    every group's decoder (``main``; ``no_rag`` for queries without usable passages) chooses and
     advances one step, and a call whose queries are all finished gets its results.
 
     With a ``batcher``, calls are admitted while they fit its bounds (``max_rows`` /

@@ -5,7 +5,7 @@ Gates (all framework-free; the routers are in the framework packages:
 :mod:`~tokrag_integrations.langchain.gated_router`):
 
 * :class:`ConfidenceGate` - the five Confident-RAG metrics of a pure draft (seed 003);
-* :class:`GECEGate` - long-tail detection, Eq. 2 of seed 004 (``reference`` / ``self``);
+* :class:`GECEGate` - long-tail detection, Eq. 2 of seed 004 (``gold`` / ``self``);
 * :class:`CtrlAGate` - representation-based confidence monitoring (seed 002);
 * :func:`confident_rag` - several retrievers, one answer each, keep the most confident.
 """

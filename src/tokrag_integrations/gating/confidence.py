@@ -138,7 +138,7 @@ def draft_answer(lm: Any, query: str, *, max_new_tokens: int = 16) -> Any:
     """One greedy answer of the pure context (a ``GenerationResult``)."""
     from ..engine.scheduler import generate
 
-    return generate(lm, query, None, policy="llm", max_new_tokens=max_new_tokens, stop=["\n"])
+    return generate(lm, query, None, policy="no_rag", max_new_tokens=max_new_tokens, stop=["\n"])
 
 
 class ConfidenceGate(Gate):

@@ -37,7 +37,7 @@ from ..engine.passes import last_token_states
 from ..models import LoadedModel
 from ..policies.base import Choice, ContextSpec, Lens, Policy, View
 from ..prompts import render_chat_template
-from ..trace import FROM_LLM
+from ..trace import FROM_PURE
 from .gate_base import Gate
 from .statements import INSTRUCTION, PERSONAS, STATEMENTS
 
@@ -231,8 +231,8 @@ class CtrlAMonitorPolicy(Policy):
             and z < self.tau
         ):
             self.triggered_at = len(self.tokens) - 1
-            return Choice(self.eos_id, FROM_LLM, {**sig, "ctrla_trigger": True})
-        return Choice(tid, FROM_LLM, sig)
+            return Choice(self.eos_id, FROM_PURE, {**sig, "ctrla_trigger": True})
+        return Choice(tid, FROM_PURE, sig)
 
 
 def masked_query(query: str, tokens: Sequence[dict[str, Any]], tau: float) -> str:

@@ -126,7 +126,7 @@ class Gate:
 
         Args:
             queries: representative user queries (no gold answers needed, except for GECE
-                ``reference`` mode, which takes ``references=`` through ``kwargs``).
+                ``gold`` mode, which takes ``references=`` through ``kwargs``).
             percentile: share (%) of calibration queries answered without retrieval
                 (default: the gate's ``default_percentile``).
         """

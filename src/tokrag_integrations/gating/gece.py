@@ -13,7 +13,7 @@
   (|a|^2 |b|^2 + <a, b>^2) / k; ``sketch_dim=None`` uses exact gradients. The denominator
   uses ``max(dot, 1e-3 * |E(grad)|^2)``, so a dot product <= 0 scores as the most long-tail.
 
-Modes: ``reference`` is Eq. 2 with gold answers (``score(query, reference=[...])``); ``self``
+Modes: ``gold`` is Eq. 2 with gold answers (``score(query, reference=[...])``); ``self``
 (inference, no gold answer) takes ref = ``n_samples`` sampled answers (temperature 0.6,
 top-p 0.9), pred = the greedy answer, M = mean METEOR of pred against the samples. Larger
 GECE = more long-tail = retrieve; the default threshold is the 80th percentile.
@@ -34,7 +34,7 @@ import torch
 
 from ..policies.base import Choice, ContextSpec, Lens, Policy, View
 from ..prompts import PromptPlan
-from ..trace import FROM_LLM
+from ..trace import FROM_PURE
 from .confidence import draft_answer
 from .gate_base import Gate
 
@@ -212,7 +212,7 @@ class SampledAnswers(Policy):
             scores[v["pure"].spec.row] = v["pure"].logits.float()  # type: ignore[attr-defined]
         probs = torch.softmax(self._warp(None, scores), dim=-1)
         tokens = torch.multinomial(probs, num_samples=1).squeeze(1).tolist()
-        return [Choice(int(tokens[v["pure"].spec.row]), FROM_LLM) for v in views]  # type: ignore[attr-defined]
+        return [Choice(int(tokens[v["pure"].spec.row]), FROM_PURE) for v in views]  # type: ignore[attr-defined]
 
     def options(self) -> dict[str, Any]:
         return {"n": self.n, "temperature": self.temperature, "top_p": self.top_p}
@@ -223,7 +223,7 @@ class GECEGate(Gate):
 
     Args:
         lm: a ``LoadedModel``.
-        mode: ``"self"`` (inference; sampled answers as reference) or ``"reference"``
+        mode: ``"self"`` (inference; sampled answers as reference) or ``"gold"``
             (gold answers passed to :meth:`score` / :meth:`calibrate`).
         n_samples: self mode: number of sampled reference answers.
         max_new_tokens: length of the greedy and sampled answers.
@@ -261,8 +261,8 @@ class GECEGate(Gate):
         threshold: float | None = None,
     ):
         super().__init__(threshold)
-        if mode not in ("self", "reference"):
-            raise ValueError(f"mode must be 'self' or 'reference', got {mode!r}")
+        if mode not in ("self", "gold"):
+            raise ValueError(f"mode must be 'self' or 'gold', got {mode!r}")
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
         self.lm = lm
@@ -308,10 +308,10 @@ class GECEGate(Gate):
         pred = r.text.strip()
         probs = [math.exp(s.stats["pure"]["logp"]) for s in r.trace.steps if s.stats]
         mean_p = sum(probs) / len(probs) if probs else 0.0
-        if self.mode == "reference":
+        if self.mode == "gold":
             if reference is None:
                 raise ValueError(
-                    "GECE 'reference' mode needs the gold answers: score(query, reference=[...]); "
+                    "GECE 'gold' mode needs the gold answers: score(query, reference=[...]); "
                     "use mode='self' at inference."
                 )
             refs = [reference] if isinstance(reference, str) else list(reference)
@@ -368,9 +368,9 @@ class GECEGate(Gate):
     def calibration_scores(
         self, queries: list[str], references: Sequence[Any] | None = None, **kwargs: Any
     ) -> list[float]:
-        if self.mode == "reference" and references is None:
+        if self.mode == "gold" and references is None:
             raise ValueError(
-                "GECE 'reference' mode calibrates with references=[gold answers per query]."
+                "GECE 'gold' mode calibrates with references=[gold answers per query]."
             )
         return [self.gece(t)[0] for t in self.fit_mean_gradient(queries, references)]
 

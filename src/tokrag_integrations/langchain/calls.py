@@ -49,7 +49,7 @@ _CALL_KWARGS = (
 #: Said once per instance when a call has no retrieved text (the plain model answers);
 #: ``response_metadata["retrieval"]["note"]`` says why on every such call.
 NO_PASSAGES_WARNING = (
-    "ChatTokRAG got no retrieved text, so it decodes as the plain model (policy 'llm'): no "
+    "ChatTokRAG got no retrieved text, so it decodes as the plain model (policy 'no_rag'): no "
     "retriever ran before it in this LangChain run and no prompt template's 'context' or "
     "'documents' variable was filled, or what they returned is not in the prompt as is "
     "(response_metadata['retrieval'] says which, on every call). To decode with Tok-RAG, put "
@@ -59,7 +59,7 @@ NO_PASSAGES_WARNING = (
     "(ChatTokRAG(...).bind(passages=docs), invoke(..., passages=docs) or the passages= "
     "field), or build the chain with create_tokrag_chain(retriever, model, prompt=your_prompt) "
     "(create_tokrag_documents_chain(model, prompt=your_prompt) with your own retrieval step). "
-    "Pass policy='llm' to ask for the plain model without this warning."
+    "Pass policy='no_rag' to ask for the plain model without this warning."
 )
 _WARN_LOCK = threading.Lock()
 
@@ -152,12 +152,12 @@ def prepare_call(
         if context is not None:
             raise ValueError("context= cannot be given with tools or tool messages to a server")
         retrieval = given_retrieval(passages, None, policy)
-        if given is None and policy != "llm":
+        if given is None and policy != "no_rag":
             retrieval["note"] = (
                 "the server renders the tool turns: the run's retrieved text is not looked up "
                 "(pass passages= for Tok-RAG)"
             )
-    elif context is None and given is None and policy != "llm":
+    elif context is None and given is None and policy != "no_rag":
         # LangChain's own RAG code: the run's retrieved documents, found in the messages.
         found = find_retrieved(messages, run_manager)
         context, question, retrieval = found.context, found.question, found.metadata
@@ -172,7 +172,7 @@ def prepare_call(
         prompt = remote_tool_turns(messages)  # the server renders the tools and the turns
     else:
         prompt = messages_to_prompt(messages)
-        if given is None and policy != "llm" and retrieval["source"] == "none":
+        if given is None and policy != "no_rag" and retrieval["source"] == "none":
             with _WARN_LOCK:
                 warn, model._warned_no_passages = not model._warned_no_passages, True
             if warn:
@@ -181,7 +181,7 @@ def prepare_call(
     stops = list(stop if stop is not None else (model.stop or []))
     core: dict[str, Any] = {
         **sampling,
-        "policy": policy if retrieved else "llm",
+        "policy": policy if retrieved else "no_rag",
         "max_new_tokens": max_tokens,
         "stop": stops,
         "messages": prompt.history or None,

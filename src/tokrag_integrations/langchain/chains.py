@@ -137,7 +137,7 @@ def create_tokrag_chain(
     ``"chat_history"`` and other keys (returned unchanged; with ``prompt``, its variables).
     Output: the input's keys plus ``answer``, ``context`` (the documents, by their share of
     the answer's attention, the others after them in retrieval order), ``sources`` (per token:
-    ``agree`` / ``rag`` / ``llm``), ``trace``, ``citations`` (``Trace.citations_data``: spans
+    ``agree`` / ``rag`` / ``pure``), ``trace``, ``citations`` (``Trace.citations_data``: spans
     of the answer, each with its document's ``metadata`` and ``id``; ``[]`` without
     citations), ``warnings`` and ``retrieval_empty``; ``stream`` chunks (the input's keys,
     ``context`` in retrieval order, once the first token is chosen, then per token

@@ -74,14 +74,14 @@ class ChatTokRAG(BaseChatModel):
     messages (:mod:`.retrieved`): the span from the first found to the last is ``context=``,
     the found documents its passages; with none found (LangGraph's recipe), the text a prompt
     template's ``context`` / ``documents`` variable received in the run. With no
-    retrieved text it is the plain model (policy ``"llm"``, as ``ChatHuggingFace``); unless
-    ``policy="llm"`` was asked for, the first such call of an instance warns
+    retrieved text it is the plain model (policy ``"no_rag"``, as ``ChatHuggingFace``); unless
+    ``policy="no_rag"`` was asked for, the first such call of an instance warns
     (:data:`NO_PASSAGES_WARNING`). ``response_metadata["retrieval"]`` says on every call where
     the retrieved text came from (``source``) and, for a run's documents, how many were
     ``found`` in the prompt, how many are ``missing`` and why (``note``).
 
     ``response_metadata`` holds ``token_sources`` (per generated token: ``"agree"``,
-    ``"rag"``, ``"llm"``...), ``token_ids``, the ``trace`` as a dict and ``citations``
+    ``"rag"``, ``"no_rag"``...), ``token_ids``, the ``trace`` as a dict and ``citations``
     (:meth:`~tokrag_integrations.trace.Trace.citations_data`: the answer's spans, each with
     the passage it is cited to, its score and the document's ``metadata``, ``id`` included).
     Streaming yields one ``AIMessageChunk`` per token (``token_sources == [source]``); the
@@ -134,7 +134,7 @@ class ChatTokRAG(BaseChatModel):
     """A context budget tighter than the model's window (lowest-ranked passages drop first)."""
     citations: StrictBool | None = None
     """Read which passage each token drew on (``generate(citations=)``): None, the engine's
-    default (on for ``tokrag`` / ``tokrag_reference``); ``False``: none."""
+    default (on for ``tokrag`` / ``tokrag_authors``); ``False``: none."""
     temperature: float | None = None
     """Sampling temperature; ``None`` or ``0``: greedy, today's tokens. Above 0 the policy still
     picks the context of each token and the token is drawn from that context's distribution
@@ -211,7 +211,7 @@ class ChatTokRAG(BaseChatModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_remote_params(cls, values: Any) -> Any:
+    def _refuse_unknown_arguments(cls, values: Any) -> Any:
         if isinstance(values, dict):
             known = {a for n, f in cls.model_fields.items() for a in (n, f.alias) if a}
             unknown = set(values) - known

@@ -119,7 +119,7 @@ def gated_router(gate: Any, direct: Any, rag: Any) -> GatedRouter:
     Args:
         gate: a :class:`~tokrag_integrations.gating.Gate`.
         direct: a Runnable answering without retrieval (e.g. a ``ChatTokRAG`` with
-            ``policy="llm"``); it receives the question string.
+            ``policy="no_rag"``); it receives the question string.
         rag: a Runnable answering with retrieval (e.g. ``create_tokrag_chain(...)``); it
             receives the original input.
     """

@@ -258,8 +258,8 @@ def given_retrieval(passages: list[Any], context: str | None, policy: str) -> di
         return retrieval_metadata("context")
     if passages:
         return retrieval_metadata("passages")
-    if policy == "llm":
-        return retrieval_metadata("none", "policy 'llm' was asked for")
+    if policy == "no_rag":
+        return retrieval_metadata("none", "policy 'no_rag' was asked for")
     return retrieval_metadata("none", "passages=[] was given")
 
 

@@ -87,7 +87,7 @@ class TokRAGLLM(ToolCalling, StructuredOutput, FunctionCallingLLM):
     Every call that formats a prompt template with retrieved context (``context_str`` /
     ``context_msg``) decodes under ``policy``: the RAG context is the template as formatted,
     the retrieved tokens are where the context landed, the pure context is the question.
-    Other calls are the plain model (``policy="llm"``). ``passages=[...]`` (nodes, strings,
+    Other calls are the plain model (``policy="no_rag"``). ``passages=[...]`` (nodes, strings,
     :class:`~tokrag_integrations.Passage` objects or (text, score) pairs, best first) decodes
     under ``policy`` with the package's own prompt. Per-call ``policy=``,
     ``max_new_tokens=``, ``stop=``, ``max_context_tokens=``, ``policy_options=`` and the
@@ -367,7 +367,7 @@ class TokRAGLLM(ToolCalling, StructuredOutput, FunctionCallingLLM):
         opts = {**self.policy_options, **dict(kwargs.get("policy_options") or {})}
         sampling, logprobs = self._sampling(kwargs)
         gen_kw: dict[str, Any] = {
-            "policy": kwargs.get("policy") or (self.policy if passages is not None else "llm"),
+            "policy": kwargs.get("policy") or (self.policy if passages is not None else "no_rag"),
             "max_new_tokens": int(kwargs.get("max_new_tokens") or self.max_new_tokens),
             "stop": kwargs["stop"] if kwargs.get("stop") is not None else self.stop,
             "max_context_tokens": kwargs.get("max_context_tokens", self.max_context_tokens),

@@ -179,7 +179,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
             (``tokenizer``, ``device``, ``device_map``, ``dtype``, ``model_kwargs``...).
         temperature / seed: how each answer's tokens are drawn (None or 0: greedy; a seed
             makes a sampled answer repeatable), as for ``TokRAGLLM``.
-        policy: decoding policy name or instance (``"tokrag"``, ``"rag"``, ``"llm"``...).
+        policy: decoding policy name or instance (``"tokrag"``, ``"rag"``, ``"no_rag"``...).
         policy_options: the policy's options as a dict (e.g. ``{"pr_norm": "softmax"}``).
         max_new_tokens: answer budget per call (default ``defaults.MAX_NEW_TOKENS``).
         stop: stop strings (default ``defaults.ANSWER_STOP``; None or ``[]``: none).
@@ -424,7 +424,7 @@ class TokRAGSynthesizer(BaseSynthesizer):
             "templates": sorted(self._templates),
             "policy": self._policy_name,
             "policy_used": policy_used,
-            "answered_from": "retrieval" if policy_used not in (None, "llm") else "pure_context",
+            "answered_from": "retrieval" if policy_used not in (None, "no_rag") else "pure_context",
             "counts": final.counts if final is not None else {},
             "counts_all_calls": counts,
             "model": self._lm.name,

@@ -24,6 +24,7 @@ __all__ = [
     "get_policy",
     "policy_options",
     "register_policy",
+    "unknown_policy",
     "uses_passages",
 ]
 
@@ -31,11 +32,11 @@ __all__ = [
 _P = "tokrag_integrations.policies"
 #: name -> "module:Class" (full dotted module names).
 _REGISTRY: dict[str, str] = {
-    "llm": f"{_P}.baselines:PureLLM",
+    "no_rag": f"{_P}.baselines:NoRAG",
     "rag": f"{_P}.baselines:StandardRAG",
     "floor": f"{_P}.baselines:TwoContextFloor",
     "tokrag": f"{_P}.tokrag:TokRAG",
-    "tokrag_reference": f"{_P}.tokrag_reference:TokRAGReference",
+    "tokrag_authors": f"{_P}.tokrag_authors:TokRAGAuthors",
     "logprob": f"{_P}.selection:LogprobSelection",
     "entropy": f"{_P}.selection:EntropySelection",
     "cad": f"{_P}.cad:CAD",
@@ -43,6 +44,8 @@ _REGISTRY: dict[str, str] = {
     "rag_token": f"{_P}.rag_token:RAGToken",
     "rag_sequence": f"{_P}.rag_sequence:RAGSequence",
 }
+#: Old names of renamed policies -> today's, for the error an old name gets (CHANGELOG).
+_RENAMED = {"llm": "no_rag", "tokrag_reference": "tokrag_authors"}
 
 
 def register_policy(name: str, target: str) -> None:
@@ -51,7 +54,7 @@ def register_policy(name: str, target: str) -> None:
 
 
 def uses_passages(policy: Policy) -> bool:
-    """Whether ``policy`` reads passages at all (``llm`` does not: its only role is pure)."""
+    """Whether ``policy`` reads passages at all (``no_rag`` does not: its only role is pure)."""
     return tuple(policy.roles) != ("pure",)
 
 
@@ -72,9 +75,7 @@ def get_policy(name: str | Policy, **options: Any) -> Policy:
             raise ValueError("options cannot be given together with a Policy instance")
         return name
     if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(
-            f"Unknown policy {name!r}. Available policies: {', '.join(available_policies())}."
-        )
+        raise ValueError(unknown_policy(name))
     mod_name, cls_name = _REGISTRY[name].split(":")
     cls = getattr(importlib.import_module(mod_name), cls_name)
     options = _checked_options(name, cls, options)
@@ -82,6 +83,15 @@ def get_policy(name: str | Policy, **options: Any) -> Policy:
         return cls(**options)
     except TypeError as e:
         raise ValueError(f"Bad options for policy {name!r}: {e}") from e
+
+
+def unknown_policy(name: Any) -> str:
+    """The error for a name that is no policy: the known names, and the new name of a renamed
+    one."""
+    listed = f"Available policies: {', '.join(available_policies())}."
+    if isinstance(name, str) and name in _RENAMED:
+        return f"Unknown policy {name!r}: it is renamed {_RENAMED[name]!r}. {listed}"
+    return f"Unknown policy {name!r}. {listed}"
 
 
 def policy_options(cls: type) -> dict[str, inspect.Parameter] | None:

@@ -18,12 +18,12 @@ context) and a :data:`Lens`; the rule returns one :class:`Choice` per query::
             out = []
             for v in views:
                 side = "pure" if v["pure"].probs.max() > v["rag"].probs.max() else "rag"
-                out.append(Choice(int(v[side].probs.argmax()), "llm" if side == "pure" else "rag"))
+                out.append(Choice(int(v[side].probs.argmax()), "pure" if side == "pure" else "rag"))
             return out
 
     r = generate(load_model(), "Who founded Quillfeather?", ["Ottoline Varga founded Quillfeather."],
                  policy=Confident(), max_new_tokens=8)
-    assert r.trace.policy == "confident" and set(r.trace.counts()) <= {"agree", "rag", "llm"}
+    assert r.trace.policy == "confident" and set(r.trace.counts()) <= {"agree", "rag", "pure"}
 
 ``tokrag_integrations.policies.register_policy("confident", "my_package.rules:Confident")``
 then names it for ``policy="confident"`` everywhere (a full dotted module name, imported on

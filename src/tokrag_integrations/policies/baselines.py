@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from ..trace import AGREE, FROM_LLM, FROM_RAG
+from ..trace import AGREE, FROM_PURE, FROM_RAG
 from .base import Choice, Lens, Policy, View
 
 
-class PureLLM(Policy):
+class NoRAG(Policy):
     """Retrieval ignored: greedy decoding of the pure context (``model.generate`` equivalent)."""
 
-    name = "llm"
+    name = "no_rag"
     roles = ("pure",)
 
     def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
         # The token is argmax z_pure, from the pure context's distribution.
         return [
-            Choice(int(torch.argmax(v["pure"].logits).item()), FROM_LLM, logits=v["pure"].logits)
+            Choice(int(torch.argmax(v["pure"].logits).item()), FROM_PURE, logits=v["pure"].logits)
             for v in views
         ]
 

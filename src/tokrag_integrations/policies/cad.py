@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..trace import AGREE, FROM_LLM, FROM_RAG
+from ..trace import AGREE, FROM_PURE, FROM_RAG
 from . import signals as S
 from .base import Choice, Lens, Policy, View
 
@@ -33,7 +33,7 @@ def _source(tid: int, a: int, b: int) -> str:
     if tid == b:
         return FROM_RAG
     if tid == a:
-        return FROM_LLM
+        return FROM_PURE
     return MIX
 
 

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from ..prompts import PromptPlan
+from ..trace import FROM_PURE
 from .base import ContextSpec, Policy, SequencePolicy
-from .baselines import PureLLM, StandardRAG
+from .baselines import NoRAG, StandardRAG
 from .rag_token import RAGToken, passage_role
 
 
@@ -53,7 +54,7 @@ class RAGSequence(SequencePolicy):
     roles = ()
     #: Step 1's rule for the single-passage candidates, and for a query without passages.
     candidate_policy: Policy = StandardRAG()
-    fallback_policy: Policy = PureLLM()
+    fallback_policy: Policy = NoRAG()
 
     def __init__(self, temperature: float = 1.0):
         self._scorer = RAGToken(temperature=temperature)
@@ -77,5 +78,5 @@ class RAGSequence(SequencePolicy):
         return torch.logsumexp(torch.tensor(terms), 0).item() if terms else 0.0
 
     def candidate_source(self, passage: int | None) -> str:
-        """The trace source of a candidate's tokens: its passage's role, ``llm`` without."""
-        return "llm" if passage is None else passage_role(passage)
+        """The trace source of a candidate's tokens: its passage's role, ``pure`` without."""
+        return FROM_PURE if passage is None else passage_role(passage)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..trace import AGREE, FROM_LLM, FROM_RAG
+from ..trace import AGREE, FROM_PURE, FROM_RAG
 from . import signals as S
 from .base import Choice, Lens, Policy, View
 
@@ -44,7 +44,7 @@ class _MarginSelection(Policy):
         m = self.margin(pure.probs, rag.probs)
         if m >= 0:  # the token and its distribution from the context kept
             return Choice(b, FROM_RAG, {"margin": m}, logits=rag.logits)
-        return Choice(a, FROM_LLM, {"margin": m}, logits=pure.logits)
+        return Choice(a, FROM_PURE, {"margin": m}, logits=pure.logits)
 
 
 class LogprobSelection(_MarginSelection):

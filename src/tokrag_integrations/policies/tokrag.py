@@ -9,7 +9,7 @@ The defaults (:class:`TokRAG`'s Args) were chosen on the dev sets (docs/results.
 the defaults"). The paper's rule as written is ``function_word_gate=False, verdict_gate=None,
 rising_gate=False, punctuation_gate=False, threshold=0, plausibility_alpha=0.1, pr_skip=None``;
 the literal reading of Eq. 14-15 adds ``min_fusion_layer=0, plausibility_alpha=None,
-lens_norm=False``. The authors' released rule is the policy ``tokrag_reference``.
+lens_norm=False``. The authors' released rule is the policy ``tokrag_authors``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from ..attention.parts import model_parts
 from ..models import LoadedModel
-from ..trace import AGREE, FROM_LLM, FROM_RAG
+from ..trace import AGREE, FROM_PURE, FROM_RAG
 from . import signals as S
 from . import vocab
 from .base import Choice, ContextSpec, Lens, Policy, Signals, View, lens_rounds
@@ -60,7 +60,7 @@ class TokRAG(Policy):
         pr_norm: ``"sum"`` (Att⊙WordSim divided by its sum) or ``"softmax"`` (Eq. 16 literal).
         pr_skip: which retrieved positions Eq. 15-16 leave out of p_R (f of Eq. 14 still
             counts them all): ``"punctuation"`` = the tokens with no letter or digit
-            (:func:`.vocab.punctuation_mask`), None = none (the paper), ``"reference"`` = the
+            (:func:`.vocab.punctuation_mask`), None = none (the paper), ``"authors"`` = the
             authors' skip list (:func:`.vocab.skip_mask`). Where every retrieved token is
             skipped, none is.
         top_k: truncate w_RAG / w_LLM to the top-k tokens (None = full vocabulary).
@@ -107,8 +107,8 @@ class TokRAG(Policy):
     ):
         if pr_norm not in ("sum", "softmax"):
             raise ValueError(f"pr_norm must be 'sum' or 'softmax', got {pr_norm!r}")
-        if pr_skip not in (None, "punctuation", "reference"):
-            raise ValueError(f"pr_skip must be None, 'punctuation' or 'reference', got {pr_skip!r}")
+        if pr_skip not in (None, "punctuation", "authors"):
+            raise ValueError(f"pr_skip must be None, 'punctuation' or 'authors', got {pr_skip!r}")
         if scorer not in ("cosine", "distribution"):
             raise ValueError(f"scorer must be 'cosine' or 'distribution', got {scorer!r}")
         if verdict_gate not in (None, "rag", "either"):
@@ -195,7 +195,7 @@ class TokRAG(Policy):
             self._punct = mask("pr_skip:punctuation", vocab.punctuation_mask)
         # p_R's skip mask is indexed by the retrieved tokens' ids, which live on the model's
         # device; the gates' masks are read one token at a time and stay on the CPU.
-        if self.pr_skip == "reference":
+        if self.pr_skip == "authors":
             skip = lm.memo(
                 ("skip_mask", id(tok), len(tok), V), lambda: vocab.skip_mask(tok, vocab_size=V)
             )
@@ -220,7 +220,7 @@ class TokRAG(Policy):
         for i, sig in zip(todo, sigs, strict=True):
             out[i] = self._decide(views[i]["pure"], views[i]["rag"], sig)
         for c, v in zip(out, views, strict=True):  # the chosen source's distribution
-            c.logits = v["pure" if c.source == FROM_LLM else "rag"].logits  # type: ignore[union-attr]
+            c.logits = v["pure" if c.source == FROM_PURE else "rag"].logits  # type: ignore[union-attr]
         return out  # type: ignore[return-value]
 
     def _decide(self, pure: View, rag: View, sig: dict[str, Any]) -> Choice:
@@ -230,7 +230,7 @@ class TokRAG(Policy):
         rising = sig.pop("rising_id", None)
         if self.rising_gate and not sig["benefit"] and rising == b:
             sig = {**sig, "benefit": True, "note": "gated: RAG's rising token"}
-        return Choice(b if sig["benefit"] else a, FROM_RAG if sig["benefit"] else FROM_LLM, sig)
+        return Choice(b if sig["benefit"] else a, FROM_RAG if sig["benefit"] else FROM_PURE, sig)
 
     def _gated(self, pure: View, rag: View) -> Choice | None:
         """The choice made without the signals (the contexts agree, no retrieved tokens, a
@@ -240,7 +240,7 @@ class TokRAG(Policy):
         if a == b:
             return Choice(a, AGREE)
         if not rag.spec.rt_positions:
-            return Choice(a, FROM_LLM, {"note": "no retrieved tokens"})
+            return Choice(a, FROM_PURE, {"note": "no retrieved tokens"})
         if self.function_word_gate and bool(self._gate[b]):  # the authors' function-word gate
             return Choice(b, FROM_RAG, {"note": "gated: function word"})
         if self.verdict_gate is not None and (

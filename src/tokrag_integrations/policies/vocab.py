@@ -3,7 +3,7 @@
 Each mask is a [V] bool tensor over the embedding rows (ids beyond the tokenizer, extra
 embedding rows, are False; ``vocab_size``: the number of rows). :func:`skip_mask` and
 :func:`gate_mask` follow the word lists of the authors' released code (citations in
-:mod:`.tokrag_reference`); :func:`punctuation_mask` widens the skip list to any tokenizer;
+:mod:`.tokrag_authors`); :func:`punctuation_mask` widens the skip list to any tokenizer;
 :func:`verdict_mask` holds the words that state an answer's polarity. ``texts``:
 :func:`vocab_texts` of the tokenizer, when already at hand.
 """

@@ -2,7 +2,7 @@
 (:mod:`._html`, styles in :mod:`._assets`) and a terminal view (:mod:`._terminal`, rich).
 
 Both colour every generated token by its source: ``agree`` grey, ``rag`` (from the retrieval
-context) green, ``llm`` (from the passage-free context) blue, any other label amber. Hovering
+context) green, ``pure`` (from the passage-free context) blue, any other label amber. Hovering
 a token in the page shows each context's top-1 candidate and the signals behind the decision
 (Tok-RAG paper, Fig. 5). They read a trace through the protocols of :mod:`._view`.
 """

@@ -5,7 +5,7 @@ CSS = """
   --fg: #1f2937; --muted: #6b7280; --line: #e5e7eb; --bg: #f6f7f9; --card: #ffffff;
   --agree-bg: #eceff3; --agree-bd: #c3c9d2;
   --rag-bg: #dcf5e3; --rag-bd: #16a34a; --rag-fg: #14532d;
-  --llm-bg: #dde9fd; --llm-bd: #2563eb; --llm-fg: #1e3a8a;
+  --pure-bg: #dde9fd; --pure-bd: #2563eb; --pure-fg: #1e3a8a;
   --other-bg: #fdf0d2; --other-bd: #d97706; --other-fg: #78350f;
 }
 * { box-sizing: border-box; }
@@ -27,7 +27,7 @@ h2 { font-size: 12px; text-transform: uppercase; letter-spacing: 0.06em; color: 
   border-bottom: 2px solid transparent; outline: none; }
 .tok.src-agree { background: var(--agree-bg); }
 .tok.src-rag { background: var(--rag-bg); border-bottom-color: var(--rag-bd); color: var(--rag-fg); }
-.tok.src-llm { background: var(--llm-bg); border-bottom-color: var(--llm-bd); color: var(--llm-fg); }
+.tok.src-pure { background: var(--pure-bg); border-bottom-color: var(--pure-bd); color: var(--pure-fg); }
 .tok.src-other { background: var(--other-bg); border-bottom-color: var(--other-bd);
   color: var(--other-fg); }
 .tok.dis { box-shadow: inset 0 -4px 0 -2px rgba(0, 0, 0, 0.25); }
@@ -51,7 +51,7 @@ h2 { font-size: 12px; text-transform: uppercase; letter-spacing: 0.06em; color: 
   vertical-align: -2px; margin-right: 6px; border-bottom: 2px solid transparent; }
 .sw.src-agree { background: var(--agree-bg); border-color: var(--agree-bd); }
 .sw.src-rag { background: var(--rag-bg); border-color: var(--rag-bd); }
-.sw.src-llm { background: var(--llm-bg); border-color: var(--llm-bd); }
+.sw.src-pure { background: var(--pure-bg); border-color: var(--pure-bd); }
 .sw.src-other { background: var(--other-bg); border-color: var(--other-bd); }
 .stats { display: grid; grid-template-columns: repeat(auto-fit, minmax(150px, 1fr)); gap: 12px; }
 .stat { border: 1px solid var(--line); border-radius: 8px; padding: 10px 12px; }
@@ -61,11 +61,11 @@ h2 { font-size: 12px; text-transform: uppercase; letter-spacing: 0.06em; color: 
   background: var(--line); }
 .bar span { display: block; height: 100%; }
 .bar .src-agree { background: #b6bec9; } .bar .src-rag { background: var(--rag-bd); }
-.bar .src-llm { background: var(--llm-bd); } .bar .src-other { background: var(--other-bd); }
+.bar .src-pure { background: var(--pure-bd); } .bar .src-other { background: var(--other-bd); }
 .chips { display: flex; flex-wrap: wrap; gap: 8px; font-size: 13px; }
 .chip { border-radius: 999px; padding: 2px 10px; border: 1px solid var(--line); }
 .chip.src-agree { background: var(--agree-bg); } .chip.src-rag { background: var(--rag-bg); }
-.chip.src-llm { background: var(--llm-bg); } .chip.src-other { background: var(--other-bg); }
+.chip.src-pure { background: var(--pure-bg); } .chip.src-other { background: var(--other-bg); }
 .warnings { background: #fffbeb; border-color: #fcd34d; }
 .warnings ul { margin: 0; padding-left: 20px; }
 .warnings li { color: #78350f; margin: 2px 0; white-space: pre-wrap; }
@@ -87,7 +87,7 @@ code.ctext.win { border-color: #111827; }
 .badge { display: inline-block; border-radius: 4px; padding: 0 6px; font-size: 12px;
   font-weight: 600; border: 1px solid var(--line); white-space: nowrap; }
 .badge.src-agree { background: var(--agree-bg); } .badge.src-rag { background: var(--rag-bg);
-  color: var(--rag-fg); } .badge.src-llm { background: var(--llm-bg); color: var(--llm-fg); }
+  color: var(--rag-fg); } .badge.src-pure { background: var(--pure-bg); color: var(--pure-fg); }
 .badge.src-other { background: var(--other-bg); color: var(--other-fg); }
 .badge.kept { background: #dcfce7; color: #166534; } .badge.cut { background: #fef3c7;
   color: #92400e; } .badge.dropped { background: #fee2e2; color: #991b1b; }

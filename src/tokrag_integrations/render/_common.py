@@ -6,17 +6,17 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..labels import AGREE, FROM_LLM, FROM_RAG
+from ..labels import AGREE, FROM_PURE, FROM_RAG
 from ._view import PassageView, StepView, TraceView
 
 #: Human-readable meaning of the two-context source labels.
 SOURCE_LABELS: dict[str, str] = {
     AGREE: "both contexts agree",
     FROM_RAG: "from retrieval",
-    FROM_LLM: "from the model",
+    FROM_PURE: "from the model",
 }
 #: Display names of the context roles found in ``StepView.candidates``.
-ROLE_LABELS: dict[str, str] = {"rag": "RAG context", "pure": "LLM context", "llm": "LLM context"}
+ROLE_LABELS: dict[str, str] = {"rag": "RAG context", "pure": "pure context"}
 #: Signals shown first (in this order) wherever signals are listed; others follow sorted.
 _SIGNAL_ORDER = ("l_star", "cos_ir", "cos_llm", "fusion_attn_layer", "fusion_jsd_layer")
 
@@ -90,9 +90,9 @@ def signal_keys(steps: Iterable[StepView]) -> list[str]:
 
 
 def roles_of(steps: Iterable[StepView]) -> list[str]:
-    """CandidateView roles in a stable order: rag, pure/llm, then the rest as first seen."""
+    """CandidateView roles in a stable order: rag, pure, then the rest as first seen."""
     seen = list(dict.fromkeys(role for s in steps for role in s.candidates))
-    first = [r for r in ("rag", "pure", "llm") if r in seen]
+    first = [r for r in ("rag", "pure") if r in seen]
     return first + [r for r in seen if r not in first]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..labels import AGREE, FROM_LLM, FROM_RAG
+from ..labels import AGREE, FROM_PURE, FROM_RAG
 from ._common import cited_spans, format_value, legend, roles_of, stop_text, visible
 from ._view import CandidateView, StepView, TraceView
 
@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from rich.table import Table
 
 #: Terminal styles per source; other labels are dark orange.
-_RICH_STYLES = {AGREE: "", FROM_RAG: "bold green", FROM_LLM: "bold blue"}
+_RICH_STYLES = {AGREE: "", FROM_RAG: "bold green", FROM_PURE: "bold blue"}
 
 
 def _rich_style(source: str) -> str:
@@ -52,7 +52,7 @@ def _disagreement_table(trace: TraceView, steps: Sequence[StepView]) -> Table:
     from rich.text import Text
 
     roles = roles_of(steps)
-    other_roles = [r for r in roles if r not in ("rag", "pure", "llm")]
+    other_roles = [r for r in roles if r not in ("rag", "pure")]
     threshold = _margin_threshold(trace, steps)
     title = f"Disagreement steps ({len(steps)})"
     if threshold is not None:
@@ -62,7 +62,7 @@ def _disagreement_table(trace: TraceView, steps: Sequence[StepView]) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column("step", justify="right")
     table.add_column("rag candidate")
-    table.add_column("llm candidate")
+    table.add_column("pure candidate")
     if other_roles:
         table.add_column("other candidates")
     table.add_column("chosen")
@@ -79,11 +79,10 @@ def _disagreement_table(trace: TraceView, steps: Sequence[StepView]) -> Table:
         return "—" if cand is None else f"{visible(cand.text)} ({format_value(cand.prob)})"
 
     for s in steps:
-        llm_cand = s.candidates.get("pure") or s.candidates.get("llm")
         row: list[str | Text] = [
             str(s.index),
             Text(cand_text(s.candidates.get("rag"))),
-            Text(cand_text(llm_cand)),
+            Text(cand_text(s.candidates.get("pure"))),
         ]
         if other_roles:
             row.append(

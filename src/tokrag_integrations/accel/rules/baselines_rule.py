@@ -1,4 +1,4 @@
-"""Device rules of :mod:`...policies.baselines`: ``llm`` (argmax of the pure context),
+"""Device rules of :mod:`...policies.baselines`: ``no_rag`` (argmax of the pure context),
 ``rag`` (argmax of the RAG context) and ``floor`` (RAG's token; ``agree`` where the pure
 context's argmax is the same)."""
 
@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from ...policies.baselines import PureLLM, StandardRAG, TwoContextFloor
+from ...policies.baselines import NoRAG, StandardRAG, TwoContextFloor
 from ..step_types import StepTensors
 from .common import AGREE_CODE, LLM_CODE, RAG_CODE, RecordRule, attention_cite, code, role_logits
 
 
-class PureLLMRule(RecordRule):
-    """``llm``: argmax_v logits_pure."""
+class NoRAGRule(RecordRule):
+    """``no_rag``: argmax_v logits_pure."""
 
     def choose(self, t: StepTensors) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         z = role_logits(t, "pure")
@@ -42,7 +42,7 @@ class FloorRule(RecordRule):
 
 
 _RULES: dict[type, type[RecordRule]] = {
-    PureLLM: PureLLMRule,
+    NoRAG: NoRAGRule,
     StandardRAG: StandardRAGRule,
     TwoContextFloor: FloorRule,
 }

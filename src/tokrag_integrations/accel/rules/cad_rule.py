@@ -1,6 +1,6 @@
 """Device rules of :mod:`...policies.cad`: ``cad`` (argmax of (1 + α)·logits_RAG −
 α·logits_LLM with a fixed α) and ``adacad`` (α = JSD(p_RAG, p_LLM) per query, Eq. of
-:func:`...policies.signals.jsd`); the source is ``agree`` / ``rag`` / ``llm`` / ``mix`` as
+:func:`...policies.signals.jsd`); the source is ``agree`` / ``rag`` / ``pure`` / ``mix`` as
 :func:`...policies.cad._source` gives it."""
 
 from __future__ import annotations

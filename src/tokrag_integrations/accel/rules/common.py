@@ -252,9 +252,9 @@ def passage_priors(t: StepTensors, K: int) -> torch.Tensor:
 def source_codes(extra: Sequence[str] = ()) -> tuple[str, ...]:
     """The source labels a record's ``source`` slot indexes."""
     from ...policies.cad import MIX
-    from ...trace import AGREE, FROM_LLM, FROM_RAG
+    from ...trace import AGREE, FROM_PURE, FROM_RAG
 
-    return (AGREE, FROM_RAG, FROM_LLM, MIX, *extra)
+    return (AGREE, FROM_RAG, FROM_PURE, MIX, *extra)
 
 
 class RecordRule:

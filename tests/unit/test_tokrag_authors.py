@@ -1,8 +1,8 @@
-"""The authors' released rule (policies/tokrag_reference.py) on hand-made tensors, and its
+"""The authors' released rule (policies/tokrag_authors.py) on hand-made tensors, and its
 skip / gate masks on the real default tokenizer.
 
 This file holds the cases that need a model, a database or a server are in
-``tests/integration/test_reference_variant.py``."""
+``tests/integration/test_tokrag_authors.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tokrag_integrations.policies import tokrag_reference as R
+from tokrag_integrations.policies import tokrag_authors as R
 
 V = 16
 
@@ -39,7 +39,7 @@ def attention(m_or_values, *, heads: int = 2, extra: int = 0) -> torch.Tensor:
 def run(attn, rt_ids, rag, pure, *, emb=None, positions=None, **kw):
     rt_ids = torch.as_tensor(rt_ids, dtype=torch.long)
     pos = torch.arange(rt_ids.numel()) if positions is None else torch.as_tensor(positions)
-    return R.reference_signals(attn, pos, rt_ids, rag, pure, eye() if emb is None else emb, **kw)
+    return R.authors_signals(attn, pos, rt_ids, rag, pure, eye() if emb is None else emb, **kw)
 
 
 # ---------------------------------------------------------------- cos_ir: single tokens, max
@@ -222,8 +222,8 @@ def test_decision_is_strict_and_uses_rate():
     assert math.isclose(sig["margin"], sig["cos_ir"] - sig["cos_llm"], abs_tol=1e-9)
 
 
-def test_reference_layer():
-    assert R.reference_layer(32) == 20  # outputs.attentions[20]
-    assert R.reference_layer(32, "token_level") == 16
-    assert R.reference_layer(30) == 19  # round(18.75), 0-based
-    assert R.reference_layer(1) == 0
+def test_authors_layer():
+    assert R.authors_layer(32) == 20  # outputs.attentions[20]
+    assert R.authors_layer(32, "token_level") == 16
+    assert R.authors_layer(30) == 19  # round(18.75), 0-based
+    assert R.authors_layer(1) == 0

@@ -56,7 +56,7 @@ import torch
 from ..attention.parts import model_parts
 from ..models import LoadedModel
 from ..prompts import PromptPlan
-from ..trace import AGREE, FROM_LLM, FROM_RAG
+from ..trace import AGREE, FROM_PURE, FROM_RAG
 from .base import Choice, ContextSpec, Lens, Policy, View
 from .vocab import gate_mask, skip_mask
 
@@ -94,19 +94,19 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset_kwargs(preset: str = "generation") -> dict[str, Any]:
-    """The :func:`reference_signals` keyword arguments of a preset: all its settings but the
+    """The :func:`authors_signals` keyword arguments of a preset: all its settings but the
     layer, the skip list and the gate, which the caller applies (pass :func:`skip_mask` as
     ``skip`` where ``PRESETS[preset]["use_skip"]``)."""
     caller = ("layer_fraction", "use_skip", "gate")
     return {k: v for k, v in PRESETS[preset].items() if k not in caller}
 
 
-def reference_layer(num_layers: int, preset: str = "generation") -> int:
+def authors_layer(num_layers: int, preset: str = "generation") -> int:
     """0-based decoder layer whose attention the rule reads: their layer 20 of 32 (utils.py
     3083; 16 of 32 in the token-level script, 701) scaled to ``num_layers`` and clipped.
 
     ``outputs.attentions[20]`` is the 21st decoder layer (one entry per layer,
-    modeling_llama.py 831-832): pass ``ContextView.attention(reference_layer(L))``, not
+    modeling_llama.py 831-832): pass ``ContextView.attention(authors_layer(L))``, not
     ``attention(round(20/32·L) - 1)``.
     """
     if num_layers < 1:
@@ -165,7 +165,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
 
 
-def reference_signals(
+def authors_signals(
     attn_layer: torch.Tensor,
     rt_positions: torch.Tensor,
     rt_token_ids: torch.Tensor,
@@ -189,7 +189,7 @@ def reference_signals(
 
     Args:
         attn_layer: [H, T] post-softmax attention of the *current* (last) query position at
-            the layer :func:`reference_layer` names (not row 0 at the first step: their bug).
+            the layer :func:`authors_layer` names (not row 0 at the first step: their bug).
         rt_positions: [m] long, positions of the retrieved tokens in ``attn_layer``'s key
             axis, in text order (windows run over this order).
         rt_token_ids: [m] long, their token ids.
@@ -258,7 +258,7 @@ def reference_signals(
     }
 
 
-class TokRAGReference(Policy):
+class TokRAGAuthors(Policy):
     """The authors' released rule as a decoder (the ``"generation"`` preset): RAG's token
     taken at once where it is a function word (step 1), else steps 2-9 at every step,
     whether or not the candidates differ (docs/algorithm.md, "The authors' released rule").
@@ -266,10 +266,10 @@ class TokRAGReference(Policy):
 
     Args:
         fixed_layer: the 1-based layer whose attention the rule reads (default: their
-            0-based layer 20 of 32 scaled to L, plus one; :func:`reference_layer`).
+            0-based layer 20 of 32 scaled to L, plus one; :func:`authors_layer`).
     """
 
-    name = "tokrag_reference"
+    name = "tokrag_authors"
     roles = ("pure", "rag")
 
     def __init__(self, fixed_layer: int | None = None):
@@ -293,7 +293,7 @@ class TokRAGReference(Policy):
         parts = model_parts(lm.model)
         self._A = parts.embedding_matrix.detach()
         L = parts.num_layers
-        self._fixed = self.fixed_layer if self.fixed_layer is not None else reference_layer(L) + 1
+        self._fixed = self.fixed_layer if self.fixed_layer is not None else authors_layer(L) + 1
         if not 1 <= self._fixed <= L:
             raise ValueError(f"fixed_layer must be in [1, {L}], got {self._fixed}")
         tok, V = lm.tokenizer, self._A.shape[0]
@@ -305,28 +305,28 @@ class TokRAGReference(Policy):
     def choose(self, views: list[dict[str, View]], lens: Lens) -> list[Choice]:
         out = [self._one(v["pure"], v["rag"]) for v in views]
         for c, v in zip(out, views, strict=True):  # the chosen source's distribution
-            c.logits = v["pure" if c.source == FROM_LLM else "rag"].logits
+            c.logits = v["pure" if c.source == FROM_PURE else "rag"].logits
         return out
 
     def _one(self, pure: View, rag: View) -> Choice:
         a = int(torch.argmax(pure.logits).item())
         b = int(torch.argmax(rag.logits).item())
         if not rag.spec.rt_positions:
-            return Choice(a, AGREE if a == b else FROM_LLM, {"note": "no retrieved tokens"})
+            return Choice(a, AGREE if a == b else FROM_PURE, {"note": "no retrieved tokens"})
         if bool(self._gate[b]):  # step 1: the function-word gate
             return Choice(b, AGREE if a == b else FROM_RAG, {"note": "gated: function word"})
         sig = self.signals(pure, rag)
         if a == b:
             return Choice(a, AGREE, sig)
-        return Choice(b if sig["benefit"] else a, FROM_RAG if sig["benefit"] else FROM_LLM, sig)
+        return Choice(b if sig["benefit"] else a, FROM_RAG if sig["benefit"] else FROM_PURE, sig)
 
     def score(self, pure: View, rag: View, lens: Lens) -> float:
         """``rate * cos_IR - cos_LLM`` (> 0 where benefit wins; token-level AUC)."""
         return self.signals(pure, rag)["margin"]
 
     def signals(self, pure: View, rag: View) -> dict[str, Any]:
-        """Steps 2-9 at one step (:func:`reference_signals`, the "generation" preset)."""
-        sig = reference_signals(
+        """Steps 2-9 at one step (:func:`authors_signals`, the "generation" preset)."""
+        sig = authors_signals(
             rag.attention(self._fixed - 1),
             rag.rt_positions,
             rag.rt_token_ids,

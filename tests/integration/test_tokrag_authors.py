@@ -1,15 +1,15 @@
-"""The authors' released rule (policies/tokrag_reference.py) on hand-made tensors, and its
+"""The authors' released rule (policies/tokrag_authors.py) on hand-made tensors, and its
 skip / gate masks on the real default tokenizer.
 
 This file holds the cases that need the real model, a database, a server or a subprocess; the others are in
-``tests/unit/test_reference_variant.py``."""
+``tests/unit/test_tokrag_authors.py``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tokrag_integrations.policies import tokrag_reference as R
+from tokrag_integrations.policies import tokrag_authors as R
 from tokrag_integrations.policies import vocab as V
 
 
@@ -73,7 +73,7 @@ def test_end_to_end_with_real_embeddings(lm, tok):
     pure[_id(tok, " London")] = 0.3
     pure[_id(tok, " Rome")] = 0.1
     att = attention([0.0, 0.0, 0.05, 0.05, 0.3, 0.6])  # '.' most attended
-    sig = R.reference_signals(att, torch.arange(6), torch.tensor(ids), rag, pure, A, skip=skip)
+    sig = R.authors_signals(att, torch.arange(6), torch.tensor(ids), rag, pure, A, skip=skip)
     assert _id(tok, ".") not in sig["attended"]
     assert sig["attended"][0] == _id(tok, " Paris")
     assert sig["best_token"] == _id(tok, " Paris")
@@ -90,7 +90,7 @@ def test_vocab_masks_built_once_per_model(lm, tok):
     second.prepare(lm)
     assert second._gate is first._gate
     assert torch.equal(first._gate, V.gate_mask(tok, vocab_size=lm.vocab_size))
-    ref1, ref2 = R.TokRAGReference(), R.TokRAGReference()
+    ref1, ref2 = R.TokRAGAuthors(), R.TokRAGAuthors()
     ref1.prepare(lm)
     ref2.prepare(lm)
     assert ref2._skip is ref1._skip
