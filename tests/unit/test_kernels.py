@@ -185,6 +185,36 @@ def test_left_padded_rows_attend_as_the_masked_product():
         assert torch.allclose(got, _sdpa_reference(q, k, v, m, 0.25), atol=1e-5)
 
 
+def test_rows_of_different_lengths_attend_in_runs():
+    """A fused step's short rows (pure contexts) beside long ones (RAG contexts), left-padded
+    to the longest: each run of rows attends from its first visible key, and every row gets
+    the product under the whole mask."""
+    from tokrag_integrations.accel import sdpa as S
+
+    torch.manual_seed(5)
+    b, h, hkv, t, hd = 6, 9, 3, 700, 16
+    starts = [640, 655, 600, 0, 30, 12]  # three short rows, then three long ones
+    q = torch.randn(b, h, 1, hd)
+    k = torch.randn(b, hkv, t, hd)
+    v = torch.randn(b, hkv, t, hd)
+    mask = torch.zeros(b, 1, 1, t, dtype=torch.bool)
+    for r, s in enumerate(starts):
+        mask[r, ..., s:] = True
+    mask[4, ..., 100] = False  # a hole inside a row is kept as a hole
+    assert S._key_runs(mask, t) == [(0, 3, 600), (3, 6, 0)]
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    got, _ = few_query_attention(module, q, k, v, mask, scaling=0.25)
+    assert torch.allclose(got, _sdpa_reference(q, k, v, mask, 0.25), atol=1e-5)
+    # Rows of similar lengths: one call over every key; a mask changed in place is read again.
+    even = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    even[:, ..., :5] = False
+    assert S._key_runs(even, t) is None
+    even[:3, ..., :650] = False
+    assert S._key_runs(even, t) == [(0, 3, 650), (3, 6, 5)]
+    assert S._cheapest_runs([0, 900, 0, 900], 950) == [(0, 1, 0), (1, 2, 900), (2, 3, 0), (3, 4, 900)]
+
+
 def test_left_padded_layer_holds_what_cat_gives():
     a_k, a_v = torch.randn(1, 3, 5, 4), torch.randn(1, 3, 5, 4)
     b_k, b_v = torch.randn(2, 3, 9, 4), torch.randn(2, 3, 9, 4)
