@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokrag_eval.cost import hf_generate, measure_throughput, run_bench
+from tokrag_eval.cost import measure_throughput, run_bench
+from tokrag_eval.hf_baseline import hf_generate
 from tokrag_eval.report import bench_table
 from tokrag_integrations import generate, load_model
 from tokrag_integrations.accel import cpu_kernels as K
