@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "src" / "tokrag_integrations"
@@ -114,3 +115,20 @@ def test_no_module_over_600_lines():
         if (n := len(p.read_text(encoding="utf-8").splitlines())) > 600
     }
     assert not big, f"modules over 600 lines: {big}"
+
+
+def test_the_architecture_diagram_names_every_room():
+    """docs/architecture.md's "Layers, as folders" is drawn from the code as it is (issue 55,
+    item 4): every folder of the package holding Python and every module at its root is in
+    the diagram, and every folder or root module the diagram names exists."""
+    doc = (ROOT.parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = doc.split("## Layers, as folders", 1)[1]
+    diagram = section.split("```", 2)[1]
+    rooms = {p.name + "/" for p in ROOT.iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    rooms |= {p.name for p in ROOT.glob("*.py") if p.name != "__init__.py"}
+    named = set(re.findall(r"(?<![\w/.])([a-z_]+/|[a-z_]+\.py)", diagram))
+    top = {n for n in named if n.endswith("/") or n in rooms}
+    assert rooms <= named, f"rooms missing from the diagram: {sorted(rooms - named)}"
+    folders = {p.name + "/" for p in ROOT.rglob("*") if p.is_dir() and any(p.glob("*.py"))}
+    ghosts = {n for n in top if n.endswith("/") and n not in folders}
+    assert not ghosts, f"the diagram names folders the package lacks: {sorted(ghosts)}"
