@@ -99,6 +99,16 @@ def test_tools_tool_choice_and_tool_turns_travel_in_openais_shape():
     assert request_body("Q?", None, {"tools": [TOOL], "tool_choice": "any"})["tool_choice"] == "required"
 
 
+def test_parallel_tool_calls_travel_as_the_local_call_has_it():
+    """The remote clients send ``parallel_tool_calls`` so that a served call ends where the
+    local one does (LangChain's default: one call; LlamaIndex's and OpenAI's: several)."""
+    one = request_body("Q?", None, {"tools": [TOOL], "parallel_tool_calls": False})
+    assert one["parallel_tool_calls"] is False and not _read_back(one).parallel_tool_calls
+    many = request_body("Q?", None, {"tools": [TOOL], "parallel_tool_calls": True})
+    assert many["parallel_tool_calls"] is True and _read_back(many).parallel_tool_calls
+    assert "parallel_tool_calls" not in request_body("Q?", None, {"tools": [TOOL]})
+
+
 def test_a_conversation_without_tools_is_split_at_once():
     req = _read_back(request_body("Q?", None, {"system_prompt": "Be brief."}))
     assert req.conversation is None and (req.query, req.system_prompt) == ("Q?", "Be brief.")

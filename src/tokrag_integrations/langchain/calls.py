@@ -202,6 +202,7 @@ def prepare_call(
         core["constraint"] = checked_response_format(fmt)
     elif tools is not None and remote:
         core["tools"], core["tool_choice"] = tools, choice  # the server constrains the call
+        core["parallel_tool_calls"] = bool(call.get("parallel_tool_calls"))  # as a local call
     elif tools is not None and choice != "none":
         constraint = tool_constraint(tools, choice, lm, bool(call.get("parallel_tool_calls")))
         if constraint is not None:

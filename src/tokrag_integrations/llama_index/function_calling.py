@@ -177,7 +177,7 @@ def tool_turn(
     if not isinstance(lm, LoadedModel):
         if results and passages is None:
             gen_kw["policy"] = policy  # the server finds the results in the turns
-        return _remote_turn(messages, specs, choice, gen_kw)
+        return _remote_turn(messages, specs, choice, gen_kw, parallel)
     turns = render_tools(lm.tokenizer, openai_messages(messages), specs)
     if choice != "none" and "constraint" not in gen_kw:
         constraint = tool_call_constraint(specs, choice, lm, parallel=parallel)
@@ -221,15 +221,18 @@ def _remote_turn(
     specs: list[dict[str, Any]],
     choice: str,
     gen_kw: dict[str, Any],
+    parallel: bool,
 ) -> tuple[str | None, dict[str, Any]]:
     """A tool turn for a ``tokrag serve`` server (``base_url=``): the OpenAI-shaped turns,
-    tools and choice travel, the server renders and constrains (the question is None when
+    tools, choice and ``parallel_tool_calls`` travel, the server renders and constrains (the question is None when
     the conversation ends with tool results)."""
     turns = openai_messages(messages)
     query = None
     if turns and turns[-1]["role"] == "user":
         query = turns.pop()["content"]
-    gen_kw.update(messages=turns, tools=specs, tool_choice=choice)
+    gen_kw.update(
+        messages=turns, tools=specs, tool_choice=choice, parallel_tool_calls=parallel
+    )
     return query, gen_kw
 
 

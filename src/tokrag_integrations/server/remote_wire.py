@@ -46,6 +46,7 @@ CALL_KEYS = (
     "constraint",
     "tools",
     "tool_choice",
+    "parallel_tool_calls",
 )
 
 #: Constraint specs a server takes, and the field each travels in.
@@ -164,6 +165,8 @@ def request_body(query: str | None, passages: Any, kw: dict[str, Any]) -> dict[s
         body["tools"] = _tools(kw["tools"])
         if kw.get("tool_choice") is not None:
             body["tool_choice"] = _tool_choice(kw["tool_choice"])
+        if kw.get("parallel_tool_calls") is not None:  # the server's default: OpenAI's (True)
+            body["parallel_tool_calls"] = bool(kw["parallel_tool_calls"])
     body["extra_body"] = extra
     return body
 
