@@ -78,6 +78,19 @@ def test_cut_logits_of_top_k_and_top_p_together():
     assert torch.isfinite(out).tolist() == [[True, True, True, False, False]]
 
 
+def test_without_a_cut_the_draw_skips_the_sort_and_draws_the_same_tokens():
+    """``draw(..., cut=False)`` (the view path where no query asks for top-k or top-p) gives
+    the tokens of the full cut: z / T is what the cut keeps when it keeps every token."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 300, generator=g) * 3
+    logits[1, 7] = float("-inf")  # a masked token
+    t = torch.tensor([0.0, 0.7, 1.0, 1.5, 0.3])
+    p, k = torch.ones(5), torch.zeros(5, dtype=torch.long)
+    for step in range(20):
+        args = (t, p, k, torch.arange(5) + 11, torch.full((5,), step))
+        assert torch.equal(draw(logits, *args), draw(logits, *args, cut=False))
+
+
 def test_top_k_1_is_greedy_and_masked_tokens_are_never_drawn():
     g = torch.Generator().manual_seed(1)
     z = torch.randn(8, 500, generator=g)

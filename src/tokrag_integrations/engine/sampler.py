@@ -126,6 +126,7 @@ class Picker:
                 torch.tensor([s.top_k for s in ss], dtype=torch.long, device=dev),
                 torch.tensor([int(s.seed or 0) for s in ss], dtype=torch.long, device=dev),
                 torch.tensor([steps[need[j]] for j in sampled], dtype=torch.long, device=dev),
+                cut=any(s.top_k > 0 or s.top_p < 1.0 for s in ss),
             )
             ids = ids.index_copy(0, sel, got)
         k = max(qs[i].sampling.top_logprobs for i in need)

@@ -75,13 +75,19 @@ def draw(
     top_k: torch.Tensor,
     seed: torch.Tensor,
     step: torch.Tensor,
+    cut: bool = True,
 ) -> torch.Tensor:
     """The token of every row ([Q] long) from ``logits`` [Q, V] (the rule's distribution,
     after the constraint mask): the argmax where ``temperature`` [Q] is 0 (bit-exact), else
     Gumbel-max over :func:`cut_logits` with the noise of (``seed`` [Q], ``step`` [Q], v).
-    Branch-free; a row's token depends on that row's inputs only."""
+    Branch-free; a row's token depends on that row's inputs only. ``cut=False``, for a caller
+    that knows no row has a top-k or top-p cut: z / T alone (the same values: the cut then
+    keeps every token)."""
     greedy = torch.argmax(logits, dim=-1)
-    z = cut_logits(logits, temperature, top_p, top_k)
+    if cut:
+        z = cut_logits(logits, temperature, top_p, top_k)
+    else:
+        z = logits.float() / torch.where(temperature > 0, temperature.float(), 1.0)[:, None]
     sampled = torch.argmax(z + gumbel_noise(seed, step, z.shape[-1]), dim=-1)
     return torch.where(temperature > 0, sampled, greedy)
 
