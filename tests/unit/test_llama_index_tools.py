@@ -127,7 +127,11 @@ def test_a_server_gets_the_turns_tools_and_choice_as_openai_shapes():
     messages = [ChatMessage(role="user", content="Who founded it?")]
     query, kw = fc.tool_turn(object(), messages, spec, "required", {"policy": "no_rag"}, policy="tokrag", passages=None)
     assert query == "Who founded it?"
-    assert kw == {"policy": "no_rag", "messages": [], "tools": spec, "tool_choice": "required"}
+    assert kw == {"policy": "no_rag", "messages": [], "tools": spec, "tool_choice": "required",
+                  "parallel_tool_calls": True}  # LlamaIndex's default: several calls an answer
+    one = fc.tool_turn(object(), messages, spec, "required", {}, policy="tokrag", passages=None,
+                       parallel=False)[1]
+    assert one["parallel_tool_calls"] is False
     answered = [
         *messages,
         _call(query="founder"),
