@@ -85,7 +85,7 @@ POLICIES = ("rag", "floor", "tokrag")
 # ---------------------------------------------------------------------- shared helpers
 def _prompts(count: int) -> list[tuple[str, list[str]]]:
     """The first ``count`` (question, passages) pairs of ``test_stock_exactness``."""
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the test module imports tests/_helpers
     from tests.integration.test_stock_exactness import exactness_prompts
 
     return exactness_prompts()[:count]
