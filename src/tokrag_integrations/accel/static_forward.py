@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 import torch
+from transformers.models.llama.modeling_llama import rotate_half
 
 __all__ = [
     "ATTN_STATIC",
@@ -149,12 +150,6 @@ def direct_off_reason(model: Any) -> str | None:
     return None
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """transformers' ``rotate_half``: (-x2, x1)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _direct_layer(
     layer: Any,
     i: int,
@@ -167,8 +162,8 @@ def _direct_layer(
 ) -> torch.Tensor:
     """One decoder layer of :data:`DIRECT_LAYERS` on ``x`` [B, 1, d], as its forward computes
     it (norm, q/k/v projections with Qwen3's per-head norms, the rotary embedding ``(q * cos)
-    + (rotate_half(q) * sin)`` with ``cos`` / ``sin`` [B, 1, 1, hd], the key / value column
-    written, :func:`static_attention`, o_proj, residual; norm, ``down(act(gate(h)) * up(h))``,
+    + (rotate_half(q) * sin)`` with transformers' ``rotate_half`` and ``cos`` / ``sin``
+    [B, 1, 1, hd], the key / value column written, :func:`static_attention`, o_proj, residual; norm, ``down(act(gate(h)) * up(h))``,
     residual), each leaf module's ``forward`` called directly (an installed CPU kernel, an
     instance attribute, still runs)."""
     a, mlp = layer.self_attn, layer.mlp
@@ -183,8 +178,8 @@ def _direct_layer(
     if q_norm is not None and k_norm is not None:  # Qwen3
         q, k = q_norm.forward(q), k_norm.forward(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
-    q = (q * cos) + (_rotate_half(q) * sin)
-    k = (k * cos) + (_rotate_half(k) * sin)
+    q = (q * cos) + (rotate_half(q) * sin)  # transformers' apply_rotary_pos_emb, cos
+    k = (k * cos) + (rotate_half(k) * sin)  # / sin unsqueezed once a step, not per layer
     kb, vb = cache.update(k, v, i)
     out, _ = static_attention(a, q, kb, vb, mask, scaling=a.scaling, tokrag_probs=probs)
     out = a.o_proj.forward(out.reshape(bsz, x.shape[1], -1).contiguous())
