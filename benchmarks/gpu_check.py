@@ -109,7 +109,9 @@ def cuda_preset() -> tuple[bool, str]:
 def paths() -> dict[str, Any]:
     """Label -> ``speed=`` of the paths compared: ``default`` (the view path, as before
     ``speed="cuda"``: where ``Speed`` has a ``static`` field it is turned off, since on CUDA the
-    default may be the static path) and ``cuda`` where that preset exists."""
+    default may be the static path), ``cuda`` where that preset exists, and ``graph`` (the
+    static step recorded as CUDA graphs without a compiler) where ``Speed.graphs`` takes
+    ``"capture"``."""
     try:
         from tokrag_integrations.speed import Speed
     except ImportError:
@@ -123,26 +125,30 @@ def paths() -> dict[str, Any]:
         # '{"fuse": true, "static": "on", "graphs": "off"}': the static path uncompiled.
         given = os.environ.get("GPU_CHECK_CUDA_SPEED")
         out["cuda"] = json.loads(given) if given else "cuda"
+        graph = {"fuse": True, "static": "on", "graphs": "capture"}
+        try:
+            Speed(**graph)
+            out["graph"] = graph
+        except (TypeError, ValueError):
+            pass
     return out
 
 
 def register_arms() -> list[str]:
-    """The package arms of the speed parts (``rag``, ``rag@cuda``, ...), registered in
-    ``cost.ARMS`` where the default path needs a ``speed=`` of its own."""
+    """The package arms of the speed parts (``rag``, ``rag@cuda``, ``rag@graph``...),
+    registered in ``cost.ARMS`` where a path needs a ``speed=`` of its own."""
     from tokrag_eval import cost
 
     names = []
     for label, speed in paths().items():
         for pol in POLICIES:
-            if label == "cuda":
-                if not isinstance(speed, str):  # a dict of fields: an arm of its own
-                    cost.ARMS[f"{pol}@cuda"] = (pol, {"speed": speed})
-                names.append(f"{pol}@cuda")
-            elif speed is None:
+            if speed is None:
                 names.append(pol)
-            else:
-                cost.ARMS[f"{pol}@view"] = (pol, {"speed": speed})
-                names.append(f"{pol}@view")
+                continue
+            name = f"{pol}@{'view' if label == 'default' else label}"
+            if not isinstance(speed, str):  # a preset name is read by cost.arm itself
+                cost.ARMS[name] = (pol, {"speed": speed})
+            names.append(name)
     return names
 
 

@@ -30,6 +30,8 @@ __all__ = ["PRESETS", "Speed", "speed_of"]
 
 _MODES = ("auto", "on", "off")
 _MODE_FIELDS = ("cpu_kernels", "packed_head", "static", "graphs")
+#: ``graphs`` has a fourth mode: the eager step recorded as CUDA graphs, no compiler.
+_GRAPH_MODES = (*_MODES, "capture")
 
 
 @dataclass(frozen=True)
@@ -57,11 +59,13 @@ class Speed:
             probes, the policy's device rule, the next-step update) and one host read per
             step. A policy without a device rule is decoded as without it (the trace's
             ``speed_paths_off`` says why).
-        graphs: ``"on"`` (compiled: on CUDA ``torch.compile(mode="reduce-overhead")``, i.e.
-            CUDA graphs per row bucket; ``torch.compile`` on CPU), ``"off"`` (eager) or
-            ``"auto"`` (eager for now: the first compile of the Tok-RAG step ran past 100 s on
-            the H200 and its speed is not measured yet, docs/results.md "On a GPU"): how the
-            static step runs.
+        graphs: how the static step runs: ``"capture"`` (on CUDA the eager step recorded as
+            a CUDA graph per row bucket and flags, no compiler: :mod:`..accel.static_graphs`;
+            elsewhere eager, ``speed_paths_off["cuda_graphs"]`` says why), ``"on"``
+            (compiled: on CUDA ``torch.compile(mode="reduce-overhead")``, i.e. Inductor then
+            CUDA graphs; ``torch.compile`` on CPU), ``"off"`` (eager) or ``"auto"`` (eager for
+            now: neither graph path has been measured on a device yet, and the first compile
+            of the Tok-RAG step ran past 100 s on the H200, docs/results.md "On a GPU").
     """
 
     fuse: bool = field(default_factory=config.fuse_contexts)
@@ -77,7 +81,12 @@ class Speed:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in _MODE_FIELDS:
+            if f.name == "graphs":
+                if value not in _GRAPH_MODES:
+                    raise ValueError(
+                        f"graphs must be 'auto', 'on', 'off' or 'capture', got {value!r}"
+                    )
+            elif f.name in _MODE_FIELDS:
                 if value not in _MODES:
                     raise ValueError(f"{f.name} must be 'auto', 'on' or 'off', got {value!r}")
             elif not isinstance(value, bool):

@@ -59,7 +59,7 @@ def test_each_speed_variable_is_the_default_of_one_field(monkeypatch):
     [
         ("fast", ValueError, "unknown speed preset 'fast'; presets: auto, reference, cuda"),
         ({"static": "yes"}, ValueError, "static must be 'auto', 'on' or 'off'"),
-        ({"graphs": True}, ValueError, "graphs must be 'auto', 'on' or 'off'"),
+        ({"graphs": True}, ValueError, "graphs must be 'auto', 'on', 'off' or 'capture'"),
         ({"fsue": False}, ValueError, "unknown speed option 'fsue'"),
         ({"speculative": True}, ValueError, "unknown speed option 'speculative'"),
         ({"cpu_kernels": "sometimes"}, ValueError, "cpu_kernels must be 'auto', 'on' or 'off'"),

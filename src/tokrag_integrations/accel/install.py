@@ -19,6 +19,7 @@ from .cpu_kernels import (
 )
 from .packed_head import HEAD_MIN_ROWS
 from .sdpa import ATTN_IMPLEMENTATION, install_attention
+from .static_graphs import capture_off_reason
 
 #: ``config.model_type`` of the architectures the speed paths are measured correct on: the
 #: matrix of ``tests/integration/test_architectures.py`` (tiny random models, float32 and bfloat16) and
@@ -100,7 +101,8 @@ def speed_paths(model: Any, speed: Speed | None = None) -> dict[str, str]:
     """Each speed path of ``model`` (``cpu_kernels``, ``packed_prefill``, ``packed_head``,
     ``fused_contexts``): ``"on"`` (with what was measured here) or ``"off: <reason>"``; with
     ``speed``, as a decode with that :class:`..speed.Speed` gets them (a field set off turns
-    its path off: ``"off: speed cpu_kernels='off'"``)."""
+    its path off: ``"off: speed cpu_kernels='off'"``; ``graphs="capture"`` adds
+    ``cuda_graphs``)."""
     off = getattr(model, _SPEED_OFF, None)
     attention = getattr(model.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
     kernels = installed(model)
@@ -142,6 +144,9 @@ def speed_paths(model: Any, speed: Speed | None = None) -> dict[str, str]:
         if off_here and paths[path].startswith("on"):
             value = getattr(speed, field)
             paths[path] = f"off: speed {field}={value!r}"
+    if speed.graphs == "capture":  # reported where asked for
+        why = capture_off_reason(model.device)
+        paths["cuda_graphs"] = "on" if why is None else f"off: {why}"
     return paths
 
 

@@ -20,15 +20,24 @@ from typing import Any
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
 
+from ..contexts.kv_cache import has_sliding_window
+
 __all__ = [
     "ATTN_STATIC",
     "DIRECT_LAYERS",
+    "STATIC_ARCHITECTURES",
     "StaticKV",
     "direct_off_reason",
     "register_attention",
     "static_attention",
     "static_forward",
+    "static_off_reason",
 ]
+
+#: Architectures whose forward :func:`static_forward` reproduces (the decoder layers of
+#: Llama / SmolLM, Mistral, Qwen2 and Qwen3 with full attention: embeddings, rotary
+#: embedding, layers, final norm, head; no multipliers, no soft-capping).
+STATIC_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 #: Decoder layers :func:`_direct_layer` reproduces: the pre-norm block of Llama, Mistral,
 #: Qwen2 and Qwen3 (q_proj / k_proj / v_proj / o_proj, rotary, RMSNorms, gated MLP; Qwen3's
@@ -121,6 +130,25 @@ def _hooked(module: Any) -> bool:
         or getattr(module, "_forward_hooks_with_kwargs", None)
         or getattr(module, "_forward_pre_hooks_with_kwargs", None)
     )
+
+
+def static_off_reason(lm: Any, policy: Any) -> str | None:
+    """Why ``policy`` (a :class:`...policies.base.Policy`) on ``lm`` (a loaded model) cannot be
+    decoded on the static state, or None."""
+    model = lm.model
+    kind = getattr(model.config, "model_type", None)
+    if kind not in STATIC_ARCHITECTURES:
+        return f"architecture {kind!r}: the static step covers {', '.join(sorted(STATIC_ARCHITECTURES))}"
+    if has_sliding_window(model):
+        return "sliding-window attention: the static step covers full attention only"
+    backbone = getattr(model, "model", None)
+    if not all(hasattr(backbone, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "no embed_tokens / layers / norm / rotary_emb on model.model"
+    if getattr(model.config, "final_logit_softcapping", None):
+        return "final logit soft-capping"
+    if any(r not in ("pure", "rag") for r in policy.roles):
+        return f"policy {policy.name!r} decodes contexts other than pure / rag / passage:j"
+    return None
 
 
 def direct_off_reason(model: Any) -> str | None:

@@ -16,8 +16,9 @@ a rule or a citation reads them, every layer's attention probabilities over the 
 the device rule (:func:`..accel.step_tensors.device_rule_for`) on the slots that can hold a
 query (taken lowest first: the first R // the fewest rows of a query), then the next-step
 update (tokens into the token buffer, positions and column advanced). No host read and no
-branch on a tensor's value: ``torch.compile(mode="reduce-overhead")`` captures it on CUDA (a
-graph per bucket), ``torch.compile`` or eager elsewhere (``Speed.graphs``). It returns one
+branch on a tensor's value: on CUDA it is recorded as CUDA graphs (a graph per bucket), either
+as it runs (``Speed.graphs="capture"``, :mod:`.static_graphs`) or after ``torch.compile(mode=
+"reduce-overhead")`` (``"on"``); ``torch.compile`` or eager elsewhere. It returns one
 tensor [Q, 1 + K] (each slot's chosen id, then its record), read once a step
 (:meth:`StaticDecode.step`); the trace is rebuilt from it (the rule's ``decode``).
 
@@ -46,23 +47,19 @@ from typing import Any
 
 import torch
 
-from ..contexts.kv_cache import has_sliding_window
 from ..models import LoadedModel
 from ..policies.base import ContextSpec, Policy
 from ..sampling import Sampling, TokenConstraint, bitmask_words
 from ..speed import Speed
 from .packed import _PackedBatch
 from .static_buffers import POOL_SIZE, StaticBuffers, new_buffers, pool_of, reset_buffers
-from .static_forward import ATTN_STATIC, direct_off_reason, register_attention
+from .static_forward import ATTN_STATIC, direct_off_reason, register_attention, static_off_reason
+from .static_graphs import CudaGraphs, StepGraphs, capture_off_reason
 from .static_step import _compiled, static_step
 from .step_tensors import MAX_PASSAGES, DecodedStep, device_rule_for
 
-__all__ = ["ATTN_STATIC", "StaticDecode", "static_asked", "static_decode_for", "static_off_reason"]
+__all__ = ["ATTN_STATIC", "StaticDecode", "static_asked", "static_decode_for"]
 
-#: Architectures whose forward :func:`static_forward` reproduces (the decoder layers of
-#: Llama / SmolLM, Mistral, Qwen2 and Qwen3 with full attention: embeddings, rotary
-#: embedding, layers, final norm, head; no multipliers, no soft-capping).
-STATIC_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 #: The smallest capacity (columns) and retrieved-token slots of a state.
 MIN_COLUMNS = 64
 MIN_RT_SLOTS = 16
@@ -75,24 +72,6 @@ def _pow2(n: int, least: int = 1) -> int:
 
 
 # ---------------------------------------------------------------------- host side
-def static_off_reason(lm: LoadedModel, policy: Policy) -> str | None:
-    """Why ``policy`` on ``lm`` cannot be decoded on the static state, or None."""
-    model = lm.model
-    kind = getattr(model.config, "model_type", None)
-    if kind not in STATIC_ARCHITECTURES:
-        return f"architecture {kind!r}: the static step covers {', '.join(sorted(STATIC_ARCHITECTURES))}"
-    if has_sliding_window(model):
-        return "sliding-window attention: the static step covers full attention only"
-    backbone = getattr(model, "model", None)
-    if not all(hasattr(backbone, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return "no embed_tokens / layers / norm / rotary_emb on model.model"
-    if getattr(model.config, "final_logit_softcapping", None):
-        return "final logit soft-capping"
-    if any(r not in ("pure", "rag") for r in policy.roles):
-        return f"policy {policy.name!r} decodes contexts other than pure / rag / passage:j"
-    return None
-
-
 @dataclass
 class _Slot:
     """A query in the state: its rows by role, and its RAG row's retrieved tokens (prompt
@@ -152,9 +131,15 @@ class StaticDecode:
         self.slot_of: dict[int, int] = {}
         graphs = speed.graphs
         on_cuda = self.dev.type == "cuda"
-        # "auto" runs eagerly until the compiled step is measured on a device (docs/results.md).
+        # "auto" runs eagerly until a graph path is measured on a device (docs/results.md).
         self.compiled = graphs == "on"
-        self._fn: Any = _compiled("reduce-overhead" if on_cuda else None) if self.compiled else static_step
+        #: The eager step recorded as CUDA graphs (``graphs="capture"`` on a CUDA device).
+        self.graphs: StepGraphs | None = None
+        self._fn: Any = static_step
+        if self.compiled:
+            self._fn = _compiled("reduce-overhead" if on_cuda else None)
+        elif graphs == "capture" and capture_off_reason(self.dev) is None:
+            self.graphs = self._fn = StepGraphs(static_step, CudaGraphs(self.dev))
         #: What the last admission cost.
         self.timings: dict[str, float] = {}
         #: Whether the step writes the layers out (:func:`.static_forward.direct_off_reason`,
@@ -318,12 +303,10 @@ class StaticDecode:
                     buf.row_q[row] = s
                     buf.rows[role][s] = row
                 self._write_slot(s)
-        self.timings = {
-            "prefill_s": time.perf_counter() - t0,
-            "fused": fused,
-            "packed": packed,
-            "static": 1.0,
-        }
+        self.timings = {"prefill_s": time.perf_counter() - t0, "fused": fused, "packed": packed}
+        self.timings["static"] = 1.0
+        if self.graphs is not None:
+            self.timings["cuda_graphs"] = 1.0
         return self.timings
 
     def _write_slot(self, s: int) -> None:
