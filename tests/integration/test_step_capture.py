@@ -114,28 +114,54 @@ class StandIn:
 
 
 @pytest.fixture
-def stand_in(monkeypatch):
+def stand_in(monkeypatch, tiny):
+    """The stand-in for the CUDA side; the model's graphs and cached rules dropped before and
+    after (they outlive a decode)."""
     StandIn.made = []
     monkeypatch.setattr(static_state, "CudaGraphs", StandIn)
     monkeypatch.setattr(static_state, "capture_off_reason", lambda device: None)
-    return StandIn
+    kept = ("_tokrag_step_graphs", "_tokrag_device_rules")
+    for name in kept:
+        tiny.__dict__.pop(name, None)
+    yield StandIn
+    for name in kept:
+        tiny.__dict__.pop(name, None)
+
+
+def _decode(lm, policy: str, n: int) -> Decoder:
+    d = Decoder(lm, get_policy(policy), max_new_tokens=n, speed=CAPTURE)
+    d.admit([_plan(lm)])
+    for _ in range(n):
+        if not d.active:
+            break
+        d.choose()
+        d.advance()
+    return d
 
 
 @pytest.mark.parametrize("policy", ["rag", "tokrag"])
 def test_one_bucket_is_one_eager_step_one_recording_and_replays(tiny, stand_in, policy):
-    d = Decoder(tiny, get_policy(policy), max_new_tokens=12, speed=CAPTURE)
-    d.admit([_plan(tiny)])
-    steps = 0
-    while d.active and steps < 12:
-        d.choose()
-        d.advance()
-        steps += 1
+    d = _decode(tiny, policy, 12)
+    steps = len(d.generated[0])
     graphs = d._static.graphs
     assert graphs.counts == {"eager": 1, "recorded": 1, "replayed": steps - 1}
+    # The next decode of the same shape (pooled buffers, cached rule): replays from its first step.
+    again = _decode(tiny, policy, 12)
+    assert again._static.graphs is graphs and again._static.rule is d._static.rule
+    assert graphs.counts == {"eager": 1, "recorded": 1, "replayed": 2 * steps - 1}
     want = generate(tiny, Q, PASSAGES, policy=policy, speed=EAGER, max_new_tokens=12)
     got = generate(tiny, Q, PASSAGES, policy=policy, speed=CAPTURE, max_new_tokens=12)
-    assert got.token_ids == want.token_ids and d.generated[0] == want.token_ids
+    assert got.token_ids == want.token_ids == d.generated[0] == again.generated[0]
     assert got.trace.timings["cuda_graphs"] == 1.0
+
+
+def test_another_option_is_another_rule_and_graph(tiny, stand_in):
+    first = _decode(tiny, "tokrag", 4)
+    other = Decoder(tiny, get_policy("tokrag", rising_gate=False), max_new_tokens=4, speed=CAPTURE)
+    assert other._static.rule is not first._static.rule
+    other.admit([_plan(tiny)])
+    other.choose()
+    assert first._static.graphs.counts["eager"] == 2  # a new signature: eager first
 
 
 def test_batched_queries_with_different_lengths_and_sampling(tiny, stand_in):

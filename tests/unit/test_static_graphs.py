@@ -46,6 +46,8 @@ def test_first_step_eager_second_recorded_then_replayed_with_the_eager_results()
     assert torch.equal(ids, want_ids) and torch.equal(pos, want_pos)
     assert graphs.counts == {"eager": 1, "recorded": 1, "replayed": 5}
     assert len(backend.recorded) == 1 and backend.recorded[0][0] is ids
+    (entry,) = graphs.graphs.values()
+    assert entry is not None and entry[1][0] is ids  # the graph keeps its arguments alive
 
 
 def test_a_new_flag_or_new_buffers_are_a_new_graph_never_a_replay_of_the_old_one():

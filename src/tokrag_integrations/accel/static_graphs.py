@@ -14,9 +14,14 @@ and dtype. The first step of a signature runs eagerly (the warm-up a capture nee
 initialisations, workspace allocations; it is that step's real result), the second is
 recorded and replayed, later ones are replayed. A new bucket, new buffers, a flag that
 changes (a sampled or constrained query joins) give a new signature, hence a new graph; a
-graph is never replayed on arguments other than those it was recorded on. The graphs of one
-decode share one memory pool (they run one at a time, and each step's output is read before
-the next replay)."""
+graph is never replayed on arguments other than those it was recorded on, and it keeps them
+alive (no other tensor can take their addresses while it exists).
+
+A loaded model keeps its graphs across decodes (:func:`graphs_of`), as Hugging Face keeps a
+compiled static-cache step: the next decode of the same shape takes the same pooled buffers
+and (``graphs="capture"``) the same cached device rule, so its steps are replays from the
+first. The graphs share one memory pool (they run one at a time under the model's lock, and
+each step's output is read before the next replay)."""
 
 from __future__ import annotations
 
@@ -26,10 +31,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepGraphs", "capture_off_reason"]
+__all__ = ["StepGraphs", "capture_off_reason", "graphs_of"]
 
-#: Graphs kept per decode (the least recently replayed goes first beyond this).
-MAX_GRAPHS = 16
+#: Graphs kept per model (the least recently replayed goes first beyond this): each keeps the
+#: buffers it was recorded on.
+MAX_GRAPHS = 8
+_GRAPHS = "_tokrag_step_graphs"
+
+
+def graphs_of(lm: Any, make: Callable[[], StepGraphs]) -> StepGraphs:
+    """The recorded steps of the loaded model ``lm`` (``make()`` on first use), kept across
+    its decodes."""
+    graphs = lm.__dict__.get(_GRAPHS)
+    if graphs is None:
+        graphs = lm.__dict__[_GRAPHS] = make()
+    return graphs
 
 
 def capture_off_reason(device: torch.device) -> str | None:
@@ -93,8 +109,11 @@ class StepGraphs:
         self, fn: Callable[..., torch.Tensor], backend: Any, *, max_graphs: int = MAX_GRAPHS
     ) -> None:
         self.fn, self.backend, self.max_graphs = fn, backend, max_graphs
-        #: signature -> None (seen once: eager) or the graph's replay.
-        self.graphs: OrderedDict[Any, Callable[[], torch.Tensor] | None] = OrderedDict()
+        #: signature -> None (seen once: eager) or the graph's replay and the arguments it was
+        #: recorded on (kept alive).
+        self.graphs: OrderedDict[Any, tuple[Callable[[], torch.Tensor], tuple] | None] = (
+            OrderedDict()
+        )
         #: Steps run eagerly, graphs recorded, replays (what the trace and the check report).
         self.counts = {"eager": 0, "recorded": 0, "replayed": 0}
 
@@ -104,17 +123,17 @@ class StepGraphs:
             self._keep(key, None)
             self.counts["eager"] += 1
             return self.backend.eager(self.fn, args)
-        replay = self.graphs[key]
-        if replay is None:
-            replay = self.backend.record(self.fn, args)
-            self._keep(key, replay)
+        entry = self.graphs[key]
+        if entry is None:
+            entry = (self.backend.record(self.fn, args), args)
+            self._keep(key, entry)
             self.counts["recorded"] += 1
         self.graphs.move_to_end(key)
         self.counts["replayed"] += 1
-        return replay()
+        return entry[0]()
 
-    def _keep(self, key: Any, replay: Callable[[], torch.Tensor] | None) -> None:
-        self.graphs[key] = replay
+    def _keep(self, key: Any, entry: tuple[Callable[[], torch.Tensor], tuple] | None) -> None:
+        self.graphs[key] = entry
         self.graphs.move_to_end(key)
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)

@@ -54,7 +54,7 @@ from ..speed import Speed
 from .packed import _PackedBatch
 from .static_buffers import POOL_SIZE, StaticBuffers, new_buffers, pool_of, reset_buffers
 from .static_forward import ATTN_STATIC, direct_off_reason, register_attention, static_off_reason
-from .static_graphs import CudaGraphs, StepGraphs, capture_off_reason
+from .static_graphs import CudaGraphs, StepGraphs, capture_off_reason, graphs_of
 from .static_step import _compiled, static_step
 from .step_tensors import MAX_PASSAGES, DecodedStep, device_rule_for
 
@@ -139,7 +139,8 @@ class StaticDecode:
         if self.compiled:
             self._fn = _compiled("reduce-overhead" if on_cuda else None)
         elif graphs == "capture" and capture_off_reason(self.dev) is None:
-            self.graphs = self._fn = StepGraphs(static_step, CudaGraphs(self.dev))
+            dev = self.dev
+            self.graphs = self._fn = graphs_of(lm, lambda: StepGraphs(static_step, CudaGraphs(dev)))
         #: What the last admission cost.
         self.timings: dict[str, float] = {}
         #: Whether the step writes the layers out (:func:`.static_forward.direct_off_reason`,
@@ -577,7 +578,22 @@ def static_decode_for(
     why = static_off_reason(lm, policy)
     if why is not None:
         return None, why
-    rule = device_rule_for(policy, lm, citations=citations, passages=MAX_PASSAGES)
+    if speed.graphs == "capture":  # the same rule object, so a later decode replays the graphs
+        rule = _cached_rule(lm, policy, citations)
+    else:
+        rule = device_rule_for(policy, lm, citations=citations, passages=MAX_PASSAGES)
     if rule is None:
         return None, f"policy {policy.name!r} has no device rule"
     return StaticDecode(lm, policy, rule, speed, max_new_tokens=max_new_tokens), None
+
+
+def _cached_rule(lm: LoadedModel, policy: Policy, citations: bool | None) -> Any:
+    """The device rule of ``policy`` on ``lm``, one per policy class, options and citation
+    setting (a rule keeps no state between steps: only its options and constants)."""
+    cache: dict[tuple[Any, ...], Any] = lm.__dict__.setdefault("_tokrag_device_rules", {})
+    kind = type(policy)
+    key = (kind.__module__, kind.__qualname__, repr(policy.options()), citations)
+    if key not in cache:
+        cache[key] = device_rule_for(policy, lm, citations=citations, passages=MAX_PASSAGES)
+    policy.prepare(lm)
+    return cache[key]
