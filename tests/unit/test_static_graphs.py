@@ -4,6 +4,7 @@ step, as on CUDA; a replay runs it on the arguments it was recorded on)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tokrag_integrations.accel.static_graphs import StepGraphs, capture_off_reason, signature
@@ -79,3 +80,24 @@ def test_capture_needs_a_cuda_device():
     assert capture_off_reason(torch.device("cuda", 0)) is None
     why = capture_off_reason(torch.device("cpu"))
     assert why is not None and "CUDA device" in why and "eagerly" in why
+
+
+class Refusing(StandIn):
+    def record(self, fn, args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_recording_warns_and_that_signature_runs_eagerly():
+    ids, pos, bufs = fresh()
+    want_ids, want_pos, want_bufs = fresh()
+    graphs = StepGraphs(step, Refusing())
+    graphs(ids, pos, 2, bufs)
+    with pytest.warns(RuntimeWarning, match="runs eagerly"):
+        got = graphs(ids, pos, 2, bufs)
+    for _ in range(3):
+        got = graphs(ids, pos, 2, bufs)
+    for _ in range(5):
+        want = step(want_ids, want_pos, 2, want_bufs)
+    assert torch.equal(got, want) and torch.equal(ids, want_ids)
+    assert graphs.counts == {"eager": 5, "recorded": 0, "replayed": 0}
+    assert graphs.failed == ["RuntimeError: operation not permitted when stream is capturing"]

@@ -15,7 +15,9 @@ initialisations, workspace allocations; it is that step's real result), the seco
 recorded and replayed, later ones are replayed. A new bucket, new buffers, a flag that
 changes (a sampled or constrained query joins) give a new signature, hence a new graph; a
 graph is never replayed on arguments other than those it was recorded on, and it keeps them
-alive (no other tensor can take their addresses while it exists).
+alive (no other tensor can take their addresses while it exists). A recording that fails
+(an operation CUDA cannot record) warns once and leaves that signature eager: the step's
+tokens do not depend on it.
 
 A loaded model keeps its graphs across decodes (:func:`graphs_of`), as Hugging Face keeps a
 compiled static-cache step: the next decode of the same shape takes the same pooled buffers
@@ -25,6 +27,7 @@ each step's output is read before the next replay)."""
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +36,8 @@ import torch
 
 __all__ = ["StepGraphs", "capture_off_reason", "graphs_of"]
 
+#: The entry of a signature whose recording failed: its steps run eagerly.
+EAGER = "eager"
 #: Graphs kept per model (the least recently replayed goes first beyond this): each keeps the
 #: buffers it was recorded on.
 MAX_GRAPHS = 8
@@ -116,6 +121,8 @@ class StepGraphs:
         )
         #: Steps run eagerly, graphs recorded, replays (what the trace and the check report).
         self.counts = {"eager": 0, "recorded": 0, "replayed": 0}
+        #: Why recordings failed (their signatures then run eagerly).
+        self.failed: list[str] = []
 
     def __call__(self, *args: Any) -> torch.Tensor:
         key = signature(args)
@@ -124,15 +131,30 @@ class StepGraphs:
             self.counts["eager"] += 1
             return self.backend.eager(self.fn, args)
         entry = self.graphs[key]
+        if entry is EAGER:
+            self.counts["eager"] += 1
+            return self.backend.eager(self.fn, args)
         if entry is None:
-            entry = (self.backend.record(self.fn, args), args)
+            try:
+                entry = (self.backend.record(self.fn, args), args)
+            except Exception as e:  # recording runs nothing: the step is still to be made
+                self._keep(key, EAGER)
+                self.failed.append(f"{type(e).__name__}: {e}")
+                warnings.warn(
+                    f"recording the decode step as a CUDA graph failed ({type(e).__name__}: "
+                    f"{e}); this step shape runs eagerly (speed graphs='capture')",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                self.counts["eager"] += 1
+                return self.backend.eager(self.fn, args)
             self._keep(key, entry)
             self.counts["recorded"] += 1
         self.graphs.move_to_end(key)
         self.counts["replayed"] += 1
         return entry[0]()
 
-    def _keep(self, key: Any, entry: tuple[Callable[[], torch.Tensor], tuple] | None) -> None:
+    def _keep(self, key: Any, entry: Any) -> None:
         self.graphs[key] = entry
         self.graphs.move_to_end(key)
         while len(self.graphs) > self.max_graphs:
