@@ -196,6 +196,15 @@ def _decode(model_of: Callable[[str], Any], name: str, items: list[Any], new_tok
     return sum(len(r.trace.steps) for r in rs)
 
 
+def graph_report(lm: Any) -> dict[str, Any] | None:
+    """What ``graphs="capture"`` did on ``lm`` (steps eager / recorded / replayed, failed
+    recordings), or None where it kept no graphs."""
+    graphs = getattr(lm, "__dict__", {}).get("_tokrag_step_graphs")
+    if graphs is None:
+        return None
+    return {**graphs.counts, "kept": len(graphs.graphs), "failed": list(graphs.failed)}
+
+
 def _sync(device: str) -> None:
     import torch
 
@@ -297,6 +306,8 @@ def part_exactness(args: argparse.Namespace, save: _Saver) -> None:
                         except Exception:
                             res[key] = {"error": traceback.format_exc()}
                         save[dtype] = res
+            res["cuda_graphs"] = graph_report(lm)
+            save[dtype] = res
             del lm
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -344,6 +355,7 @@ def part_speed(args: argparse.Namespace, save: _Saver) -> None:
                 per["ms_per_token_batch1"] = 1000 / per["1"]["tokens_per_s"]
                 per["decode_ms_per_token_batch1"] = 1000 / per["1"]["decode_tokens_per_s"]
         save["table"] = table
+        save["cuda_graphs"] = graph_report(model_of("rag"))
 
 
 # ---------------------------------------------------------------------- 3. syncs
@@ -401,6 +413,13 @@ def part_syncs(args: argparse.Namespace, save: _Saver) -> None:
                         torch.cuda.set_sync_debug_mode(0)
                 syncs = [w for w in caught if "synchroniz" in str(w.message)]
                 out.update(syncs=len(syncs), steps=steps, syncs_per_step=len(syncs) / max(1, steps))
+                # Where they come from (the Python line each warning names): the syncs beyond
+                # the step's one read were not traced on the H200 in session 13.
+                sites: dict[str, int] = {}
+                for w in syncs:
+                    site = f"{Path(w.filename).name}:{w.lineno}"
+                    sites[site] = sites.get(site, 0) + 1
+                out["sync_sites"] = dict(sorted(sites.items(), key=lambda kv: -kv[1])[:8])
             else:
                 out["syncs"] = "not measured: no CUDA device"
             if name == "hf-generate-static":
@@ -576,6 +595,12 @@ def summary(res: dict[str, Any]) -> str:
             cells = [_f(per.get(str(n), {}).get("tokens_per_s")) for n in sizes]
             lines.append(f"| {name} | {_f(per.get('ms_per_token_batch1'))} | "
                          f"{_f(per.get('decode_ms_per_token_batch1'))} | " + " | ".join(cells) + " |")
+    for part in ("exactness", "speed"):
+        reports = [res.get(part, {}).get("cuda_graphs")]
+        reports += [d.get("cuda_graphs") for d in res.get(part, {}).values() if isinstance(d, dict)]
+        for g in (g for g in reports if g):
+            lines.append(f"- {part}, graphs='capture': {g['eager']} steps eager, {g['recorded']} recorded, "
+                         f"{g['replayed']} replayed, {g['kept']} kept; failed: {g['failed'] or 'none'}")
     sy = {k: v for k, v in res.get("syncs", {}).items() if isinstance(v, dict) and "error" not in v}
     if sy:
         lines += ["", "## Host syncs and host reads per step (batch 1)", "",
