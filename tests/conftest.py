@@ -88,6 +88,23 @@ def lm():
     return model
 
 
+@pytest.fixture(scope="module")
+def tiny(lm):
+    """A tiny random 30-layer model shaped like SmolLM2 (``_helpers.tiny_smollm2``), one per
+    test module (its pooled buffers and recorded steps stay in the module)."""
+    from _helpers import tiny_smollm2
+
+    return tiny_smollm2(lm.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def shallow(lm):
+    """The same with four layers: enough for the compiler's checks, cheap to trace."""
+    from _helpers import tiny_smollm2
+
+    return tiny_smollm2(lm.tokenizer, layers=4)
+
+
 @pytest.fixture
 def cli_shares_model(lm):
     """In-process CLI runs of this test use the session's model instead of loading the

@@ -16,7 +16,6 @@ import threading
 import pytest
 import torch
 from _constraints import Digits
-from _helpers import tiny_smollm2
 from _host_reads import HostReads
 
 from tokrag_integrations import generate, generate_batch
@@ -40,17 +39,6 @@ LONG_Q = (
 #: Policies with a device rule, compared here on the tiny model (every policy is compared on
 #: the packaged model in test_stock_exactness.py).
 DEVICE_RULES = ("no_rag", "rag", "floor", "tokrag", "cad", "rag_token")
-
-
-@pytest.fixture(scope="module")
-def tiny(lm):
-    return tiny_smollm2(lm.tokenizer)
-
-
-@pytest.fixture(scope="module")
-def shallow(lm):
-    """Four layers: enough for the compiler's checks, cheap to trace."""
-    return tiny_smollm2(lm.tokenizer, layers=4)
 
 
 def _decisions(r) -> list[tuple]:

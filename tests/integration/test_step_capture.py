@@ -20,7 +20,6 @@ import collections
 import pytest
 import torch
 from _constraints import Digits
-from _helpers import tiny_smollm2
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tokrag_integrations import generate, generate_batch
@@ -41,16 +40,6 @@ CAPTURE = {"static": "on", "fuse": True, "graphs": "capture"}
 EAGER = {"static": "on", "fuse": True, "graphs": "off"}
 #: What a recorded step must not do: make a tensor from host data, or read one on the host.
 FROM_HOST = ("lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "nonzero", "item")
-
-
-@pytest.fixture(scope="module")
-def tiny(lm):
-    return tiny_smollm2(lm.tokenizer)
-
-
-@pytest.fixture(scope="module")
-def shallow(lm):
-    return tiny_smollm2(lm.tokenizer, layers=4)
 
 
 class HostData(TorchDispatchMode):
