@@ -3,7 +3,8 @@
 Parts, in this order, each in a child process with its own time limit (a part that fails or
 runs out of time is recorded and the others still run; the whole run keeps to ``--budget``):
 
-1. ``exactness``: ``speed="cuda"`` and the default path against ``speed="reference"``, in
+1. ``exactness``: ``speed="cuda"`` (its step eager, and recorded as CUDA graphs:
+   ``graphs="capture"``) and the default path against ``speed="reference"``, in
    float32 and bfloat16, one query at a time and all prompts as one batch: per arm the answers
    identical (tokens and each step's source and top-1 candidates) and the fraction of the
    reference's steps whose token, source and candidates are equal. The prompts are those of
@@ -11,16 +12,18 @@ runs out of time is recorded and the others still run; the whole run keeps to ``
 2. ``speed``: tokens/s at batch 1 / 4 / 16 / 64 (``--throughput``) and ms a token at batch 1
    for Hugging Face ``model.generate`` (greedy; dynamic cache, and static cache with the step
    compiled as transformers does for ``generate``), ``rag``, ``floor`` and ``tokrag``, each with
-   ``speed="cuda"`` and with the default path, on SQuAD dev questions
-   (:func:`tokrag_eval.cost.measure_throughput`: arms interleaved).
+   ``speed="cuda"`` eager (``@cuda``) and as CUDA graphs (``@graph``; ``--speed-paths`` adds
+   the default path, ``default``), on SQuAD dev questions
+   (:func:`tokrag_eval.cost.measure_throughput`: arms interleaved); what the graphs did
+   (steps recorded, replayed, failed recordings).
 3. ``syncs``: host-device synchronisations a step over one decode (``torch.cuda.
    set_sync_debug_mode("warn")``, the warnings counted, divided by the steps), and host reads
    a step counted with a ``TorchFunctionMode`` (``.item()``, ``.tolist()``, ``bool``/``int``/
    ``float`` of a tensor, ``.cpu()``, ``.numpy()``, ``nonzero``, boolean-mask indexing; on any
-   device).
+   device), every path; where the syncs come from (the Python lines the warnings name).
 4. ``busy``: the GPU's busy fraction during a decode: CUDA kernel time summed by
    ``torch.profiler`` over the wall time of the profiled span (the profiler slows the host a
-   little, so this is a lower bound).
+   little, so this is a lower bound); the graph path first (``--busy-paths``).
 5. ``bench``: ``tokrag bench`` at batch 1 (a smoke of the command on the device).
 6. ``serve``: start ``tokrag serve``, one chat completion with documents, stop it.
 
@@ -134,13 +137,17 @@ def paths() -> dict[str, Any]:
     return out
 
 
-def register_arms() -> list[str]:
+def register_arms(labels: str | None = None) -> list[str]:
     """The package arms of the speed parts (``rag``, ``rag@cuda``, ``rag@graph``...),
-    registered in ``cost.ARMS`` where a path needs a ``speed=`` of its own."""
+    registered in ``cost.ARMS`` where a path needs a ``speed=`` of its own; ``labels``: a
+    comma list of the paths wanted, in that order (None: every path)."""
     from tokrag_eval import cost
 
     names = []
-    for label, speed in paths().items():
+    known = paths()
+    order = list(known) if labels is None else [x for x in labels.split(",") if x in known]
+    for label in order:
+        speed = known[label]
         for pol in POLICIES:
             if speed is None:
                 names.append(pol)
@@ -328,7 +335,7 @@ def part_speed(args: argparse.Namespace, save: _Saver) -> None:
     model_of = _model_of(args.device)
     sizes = [int(s) for s in args.throughput.split(",") if s]
     items = _items(args, max(max(sizes), args.questions))
-    arms = [*_hf(args), *register_arms()]
+    arms = [*_hf(args), *register_arms(args.speed_paths)]
     usable = []
     for name in arms:  # each arm once, short: a failing arm is recorded, the others are timed
         try:
@@ -447,7 +454,7 @@ def part_busy(args: argparse.Namespace, save: _Saver) -> None:
     sizes = [int(s) for s in args.busy_sizes.split(",") if s]
     items = _items(args, max(sizes))
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    for name in [*_hf(args), *register_arms()]:
+    for name in [*_hf(args), *register_arms(args.busy_paths)]:
         for n in sizes:
             def one(name: str = name, n: int = n) -> dict[str, Any]:
                 from tokrag_eval.cost import _warm_up
@@ -672,6 +679,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="rounds of the throughput measurement")
     ap.add_argument("--profile-new-tokens", type=int, default=32, help="max_new_tokens of syncs and busy")
     ap.add_argument("--busy-sizes", default="1,16", help="batch sizes of the busy fraction")
+    ap.add_argument("--speed-paths", default="cuda,graph",
+                    help="package paths of the speed part (default, cuda, graph; the view path "
+                         "'default' was measured on the H200 in session 13)")
+    ap.add_argument("--busy-paths", default="graph,cuda", help="package paths of the busy part")
     ap.add_argument("--hf-arms", default="hf-generate,hf-generate-static",
                     help="Hugging Face generate arms of the speed, syncs and busy parts (hf-generate-static "
                          "compiles: minutes on a CPU)")
