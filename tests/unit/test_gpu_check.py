@@ -84,3 +84,26 @@ def test_the_summary_has_a_table_per_part_and_says_what_failed():
     assert "| rag@cuda batch 1 | 0.610 |" in md
     assert "- bench: skipped: no time left in the 460 s budget" in md
     assert "  - error: stopped at its time limit (60 s)" in md
+
+
+def test_the_summary_says_what_the_cuda_graphs_did():
+    report = {"eager": 2, "recorded": 2, "replayed": 60, "kept": 2, "failed": []}
+    res = {
+        "device": "cuda", "torch": "2.11",
+        "exactness": {"ok": True, "float32": {"dtype": "float32", "cuda_graphs": report}},
+        "speed": {"ok": True, "cuda_graphs": {**report, "failed": ["RuntimeError: x"]}},
+    }  # fmt: skip
+    md = gpu_check.summary(res)
+    assert "- exactness, graphs='capture': 2 steps eager, 2 recorded, 60 replayed, 2 kept; failed: none" in md
+    assert "- speed, graphs='capture': 2 steps eager, 2 recorded, 60 replayed, 2 kept; failed: ['RuntimeError: x']" in md
+
+
+def test_the_arms_of_the_paths_asked_for_in_their_order():
+    from tokrag_eval import cost
+
+    arms = gpu_check.register_arms("graph,cuda")
+    assert arms == [f"{p}@{x}" for x in ("graph", "cuda") for p in gpu_check.POLICIES]
+    assert cost.arm("tokrag@graph") == ("tokrag", {"speed": {"fuse": True, "static": "on", "graphs": "capture"}})
+    assert cost.arm("rag@cuda") == ("rag", {"speed": "cuda"})
+    assert gpu_check.register_arms()[:3] == [f"{p}@view" for p in gpu_check.POLICIES]
+    assert gpu_check.graph_report(SimpleNamespace()) is None
