@@ -5,10 +5,11 @@ the tiny 30-layer model: what can be checked without a GPU.
   ``torch.tensor(list)``, a list used as an index), no host read, in any policy's step,
   sampled and constrained included. On CUDA either would fail the recording (a copy from
   pageable memory, a synchronisation) or bake one step's values into the graph.
-- Through the engine, with a stand-in for the CUDA side (recording runs nothing, a replay
-  runs the step on the arguments it was recorded on, as on CUDA): the decode's arguments keep
+- Through the engine, with a stand-in for the CUDA side that has a CUDA graph's semantics
+  (recording changes no state and fixes every Python value the step computes; a replay runs
+  the recorded operations on the buffers they were recorded on): the decode's arguments keep
   their signature from step to step, so one bucket is one eager step, one recording and
-  replays; the tokens equal the eager step's.
+  replays, also in the next decode; the tokens equal the eager step's.
 - On a CPU the step runs eagerly and the trace says why.
 The recording itself on CUDA is the prepared device check's (``benchmarks/gpu_check.py``).
 """
@@ -20,6 +21,8 @@ import collections
 import pytest
 import torch
 from _constraints import Digits
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tokrag_integrations import generate, generate_batch
@@ -85,8 +88,11 @@ def test_the_counter_sees_host_data():
 
 
 class StandIn:
-    """The CUDA side of ``StepGraphs`` on CPU: recording runs nothing; a replay runs the step
-    on the recorded arguments."""
+    """The CUDA side of ``StepGraphs`` on CPU, with a CUDA graph's semantics: recording traces
+    the step into a graph of aten operations (``make_fx``) on copies of its arguments, so
+    nothing of the decode's state changes and every Python value the step computes is fixed
+    at that moment, as in a recorded CUDA graph; a replay runs that graph, and only it, on
+    the real arguments (the buffers the graph was recorded on)."""
 
     made: list[StandIn] = []
 
@@ -98,8 +104,19 @@ class StandIn:
         return fn(*args)
 
     def record(self, fn, args):
+        leaves, spec = pytree.tree_flatten(args)
+        at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+
+        def flat(*tensors):
+            given = list(leaves)
+            for i, t in zip(at, tensors, strict=True):
+                given[i] = t
+            return fn(*pytree.tree_unflatten(given, spec))
+
+        graph = make_fx(flat)(*[leaves[i].clone() for i in at])
+        tensors = [leaves[i] for i in at]
         self.recorded += 1
-        return lambda: fn(*args)
+        return lambda: graph(*tensors)
 
 
 @pytest.fixture
@@ -130,27 +147,27 @@ def _decode(lm, policy: str, n: int) -> Decoder:
 
 @pytest.mark.parametrize("policy", ["rag", "tokrag"])
 def test_one_bucket_is_one_eager_step_one_recording_and_replays(tiny, stand_in, policy):
-    d = _decode(tiny, policy, 12)
+    d = _decode(tiny, policy, 8)
     steps = len(d.generated[0])
     graphs = d._static.graphs
     assert graphs.counts == {"eager": 1, "recorded": 1, "replayed": steps - 1}
     # The next decode of the same shape (pooled buffers, cached rule): replays from its first step.
-    again = _decode(tiny, policy, 12)
+    again = _decode(tiny, policy, 8)
     assert again._static.graphs is graphs and again._static.rule is d._static.rule
     assert graphs.counts == {"eager": 1, "recorded": 1, "replayed": 2 * steps - 1}
-    want = generate(tiny, Q, PASSAGES, policy=policy, speed=EAGER, max_new_tokens=12)
-    got = generate(tiny, Q, PASSAGES, policy=policy, speed=CAPTURE, max_new_tokens=12)
+    want = generate(tiny, Q, PASSAGES, policy=policy, speed=EAGER, max_new_tokens=8)
+    got = generate(tiny, Q, PASSAGES, policy=policy, speed=CAPTURE, max_new_tokens=8)
     assert got.token_ids == want.token_ids == d.generated[0] == again.generated[0]
     assert got.trace.timings["cuda_graphs"] == 1.0
 
 
 def test_another_option_is_another_rule_and_graph(tiny, stand_in):
-    first = _decode(tiny, "tokrag", 4)
+    first = _decode(tiny, "tokrag", 1)  # one step: eager, nothing recorded
     other = Decoder(tiny, get_policy("tokrag", rising_gate=False), max_new_tokens=4, speed=CAPTURE)
     assert other._static.rule is not first._static.rule
     other.admit([_plan(tiny)])
     other.choose()
-    assert first._static.graphs.counts["eager"] == 2  # a new signature: eager first
+    assert first._static.graphs.counts == {"eager": 2, "recorded": 0, "replayed": 0}
 
 
 def test_batched_queries_with_different_lengths_and_sampling(tiny, stand_in):
