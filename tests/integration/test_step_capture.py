@@ -20,13 +20,11 @@ import collections
 
 import pytest
 import torch
+from _capture import recorded_on_cpu
 from _constraints import Digits
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tokrag_integrations import generate, generate_batch
-from tokrag_integrations.accel import static_state
 from tokrag_integrations.accel.static_step import static_step
 from tokrag_integrations.engine.decoder import Decoder
 from tokrag_integrations.engine.sampler import QuerySampling
@@ -87,51 +85,10 @@ def test_the_counter_sees_host_data():
     assert counter.ops == {"lift_fresh": 1, "_local_scalar_dense": 1}
 
 
-class StandIn:
-    """The CUDA side of ``StepGraphs`` on CPU, with a CUDA graph's semantics: recording traces
-    the step into a graph of aten operations (``make_fx``) on copies of its arguments, so
-    nothing of the decode's state changes and every Python value the step computes is fixed
-    at that moment, as in a recorded CUDA graph; a replay runs that graph, and only it, on
-    the real arguments (the buffers the graph was recorded on)."""
-
-    made: list[StandIn] = []
-
-    def __init__(self, device) -> None:
-        self.recorded = 0
-        StandIn.made.append(self)
-
-    def eager(self, fn, args):
-        return fn(*args)
-
-    def record(self, fn, args):
-        leaves, spec = pytree.tree_flatten(args)
-        at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-
-        def flat(*tensors):
-            given = list(leaves)
-            for i, t in zip(at, tensors, strict=True):
-                given[i] = t
-            return fn(*pytree.tree_unflatten(given, spec))
-
-        graph = make_fx(flat)(*[leaves[i].clone() for i in at])
-        tensors = [leaves[i] for i in at]
-        self.recorded += 1
-        return lambda: graph(*tensors)
-
-
 @pytest.fixture
 def stand_in(monkeypatch, tiny):
-    """The stand-in for the CUDA side; the model's graphs and cached rules dropped before and
-    after (they outlive a decode)."""
-    StandIn.made = []
-    monkeypatch.setattr(static_state, "CudaGraphs", StandIn)
-    monkeypatch.setattr(static_state, "capture_off_reason", lambda device: None)
-    kept = ("_tokrag_step_graphs", "_tokrag_device_rules")
-    for name in kept:
-        tiny.__dict__.pop(name, None)
-    yield StandIn
-    for name in kept:
-        tiny.__dict__.pop(name, None)
+    with recorded_on_cpu(monkeypatch, tiny) as graphs:
+        yield graphs
 
 
 def _decode(lm, policy: str, n: int) -> Decoder:
@@ -178,7 +135,7 @@ def test_batched_queries_with_different_lengths_and_sampling(tiny, stand_in):
     want = generate_batch(tiny, qs, [PASSAGES] * 3, speed=EAGER, **kw)
     got = generate_batch(tiny, qs, [PASSAGES] * 3, speed=CAPTURE, **kw)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    assert sum(s.recorded for s in StandIn.made) >= 1
+    assert sum(s.recorded for s in stand_in.made) >= 1
 
 
 def test_on_a_cpu_the_step_runs_eagerly_and_the_trace_says_why(tiny):

@@ -15,6 +15,7 @@ each keep the module cheap."""
 from __future__ import annotations
 
 import pytest
+from _capture import recorded_on_cpu
 from _helpers import slow_except
 
 from tokrag_integrations import generate, generate_batch, load_model
@@ -184,6 +185,31 @@ def test_the_cuda_path_equals_the_stock_path(lm, prompts, policy_reference, poli
     for got in (alone, batch):
         for q, g, w in zip(qs, got, want, strict=True):
             _static_used(g)  # (a query without passages is decoded by "no_rag"'s rule)
+            assert g.token_ids == w.token_ids, (policy, q)
+            assert _decisions(g) == _decisions(w), (policy, q)
+            for a, b in zip(_citations(g), _citations(w), strict=True):
+                assert a == pytest.approx(b, abs=1e-3), (policy, q)
+
+
+@pytest.mark.parametrize("policy", slow_except(("tokrag", "rag", "cad"), "tokrag"))
+def test_the_recorded_step_equals_the_stock_path(lm, prompts, policy_reference, policy, monkeypatch):
+    """``graphs="capture"``, its step recorded once per shape and replayed (on a CPU, traced
+    with a CUDA graph's semantics: ``tests/_capture.py``): the reference's tokens, decisions
+    and citations, one query at a time (later queries replay the graphs of earlier ones) and
+    as a batch."""
+    want = policy_reference(policy)[:4]  # four prompts: the recording is traced on a CPU
+    qs, pss = [q for q, _ in prompts[:4]], [ps for _, ps in prompts[:4]]
+    speed = {"static": "on", "fuse": True, "graphs": "capture"}
+    kw = dict(policy=policy, speed=speed, max_new_tokens=CUDA_TOKENS, citations=True)
+    with recorded_on_cpu(monkeypatch, lm) as recorder:
+        alone = [generate(lm, q, ps, **kw) for q, ps in zip(qs, pss, strict=True)]
+        batch = generate_batch(lm, qs, pss, **kw)
+        counts = dict(lm.__dict__["_tokrag_step_graphs"].counts)
+    assert sum(g.recorded for g in recorder.made) >= 2 and counts["replayed"] > counts["eager"]
+    for got in (alone, batch):
+        for q, g, w in zip(qs, got, want, strict=True):
+            if _static_used(g):
+                assert g.trace.timings.get("cuda_graphs") == 1.0
             assert g.token_ids == w.token_ids, (policy, q)
             assert _decisions(g) == _decisions(w), (policy, q)
             for a, b in zip(_citations(g), _citations(w), strict=True):
