@@ -47,15 +47,18 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Te
     return -torch.log(-torch.log(u))
 
 
+def _tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """z / T ([Q, V] float32; a row with T = 0 is divided by 1)."""
+    return logits.float() / torch.where(temperature > 0, temperature.float(), 1.0)[:, None]
+
+
 def cut_logits(
     logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
 ) -> torch.Tensor:
     """z / T with the tokens outside the top-k and the top-p nucleus at -inf ([Q, V] float32;
     a row with T = 0 is divided by 1). Ties at the cut keep every tied token."""
-    z = logits.float()
-    Q, V = z.shape
-    t = torch.where(temperature > 0, temperature.float(), 1.0)
-    z = z / t[:, None]
+    z = _tempered(logits, temperature)
+    V = z.shape[-1]
     srt, _ = torch.sort(z, dim=-1, descending=True)
     ranks = torch.arange(V, device=z.device)
     k = torch.where(top_k > 0, top_k.clamp(max=V), V).long()
@@ -84,10 +87,7 @@ def draw(
     that knows no row has a top-k or top-p cut: z / T alone (the same values: the cut then
     keeps every token)."""
     greedy = torch.argmax(logits, dim=-1)
-    if cut:
-        z = cut_logits(logits, temperature, top_p, top_k)
-    else:
-        z = logits.float() / torch.where(temperature > 0, temperature.float(), 1.0)[:, None]
+    z = cut_logits(logits, temperature, top_p, top_k) if cut else _tempered(logits, temperature)
     sampled = torch.argmax(z + gumbel_noise(seed, step, z.shape[-1]), dim=-1)
     return torch.where(temperature > 0, sampled, greedy)
 
