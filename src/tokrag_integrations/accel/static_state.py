@@ -129,18 +129,16 @@ class StaticDecode:
         self.row_start: list[int] = []  # column of each live row's first prompt token
         self.slots: list[_Slot | None] = []
         self.slot_of: dict[int, int] = {}
-        graphs = speed.graphs
         on_cuda = self.dev.type == "cuda"
         # "auto" runs eagerly until a graph path is measured on a device (docs/results.md).
-        self.compiled = graphs == "on"
+        self.compiled = speed.graphs == "on"
         #: The eager step recorded as CUDA graphs (``graphs="capture"`` on a CUDA device).
         self.graphs: StepGraphs | None = None
         self._fn: Any = static_step
         if self.compiled:
             self._fn = _compiled("reduce-overhead" if on_cuda else None)
-        elif graphs == "capture" and capture_off_reason(self.dev) is None:
-            dev = self.dev
-            self.graphs = self._fn = graphs_of(lm, lambda: StepGraphs(static_step, CudaGraphs(dev)))
+        elif _records(lm, speed):
+            self.graphs = self._fn = graphs_of(lm, lambda: StepGraphs(static_step, CudaGraphs(self.dev)))
         #: What the last admission cost.
         self.timings: dict[str, float] = {}
         #: Whether the step writes the layers out (:func:`.static_forward.direct_off_reason`,
@@ -578,7 +576,7 @@ def static_decode_for(
     why = static_off_reason(lm, policy)
     if why is not None:
         return None, why
-    if speed.graphs == "capture":  # the same rule object, so a later decode replays the graphs
+    if _records(lm, speed):  # the same rule object, so a later decode replays the graphs
         rule = _cached_rule(lm, policy, citations)
     else:
         rule = device_rule_for(policy, lm, citations=citations, passages=MAX_PASSAGES)
@@ -588,12 +586,15 @@ def static_decode_for(
 
 
 def _cached_rule(lm: LoadedModel, policy: Policy, citations: bool | None) -> Any:
-    """The device rule of ``policy`` on ``lm``, one per policy class, options and citation
-    setting (a rule keeps no state between steps: only its options and constants)."""
+    """The device rule of ``policy`` on ``lm``, one per policy class, options and citations
+    (a rule keeps no state between steps); this call's policy is prepared at admission."""
     cache: dict[tuple[Any, ...], Any] = lm.__dict__.setdefault("_tokrag_device_rules", {})
-    kind = type(policy)
-    key = (kind.__module__, kind.__qualname__, repr(policy.options()), citations)
+    key = (type(policy).__module__, type(policy).__qualname__, repr(policy.options()), citations)
     if key not in cache:
         cache[key] = device_rule_for(policy, lm, citations=citations, passages=MAX_PASSAGES)
-    policy.prepare(lm)
     return cache[key]
+
+
+def _records(lm: LoadedModel, speed: Speed) -> bool:
+    """Whether the static step of ``lm`` under ``speed`` is recorded as CUDA graphs."""
+    return speed.graphs == "capture" and capture_off_reason(lm.model.device) is None
