@@ -206,7 +206,11 @@ def _decode(model_of: Callable[[str], Any], name: str, items: list[Any], new_tok
 def graph_report(lm: Any) -> dict[str, Any] | None:
     """What ``graphs="capture"`` did on ``lm`` (steps eager / recorded / replayed, failed
     recordings), or None where it kept no graphs."""
-    graphs = getattr(lm, "__dict__", {}).get("_tokrag_step_graphs")
+    try:
+        from tokrag_integrations.accel.static_graphs import kept_graphs
+    except ImportError:  # a package from before graphs="capture"
+        return None
+    graphs = kept_graphs(lm) if hasattr(lm, "__dict__") else None
     if graphs is None:
         return None
     return {**graphs.counts, "kept": len(graphs.graphs), "failed": list(graphs.failed)}

@@ -20,6 +20,7 @@ from _helpers import slow_except
 
 from tokrag_integrations import generate, generate_batch, load_model
 from tokrag_integrations.accel.install import speed_paths
+from tokrag_integrations.accel.static_graphs import kept_graphs
 from tokrag_integrations.retrieval import (
     BM25Retriever,
     chunk_documents,
@@ -204,7 +205,7 @@ def test_the_recorded_step_equals_the_stock_path(lm, prompts, policy_reference, 
     with recorded_on_cpu(monkeypatch, lm) as recorder:
         alone = [generate(lm, q, ps, **kw) for q, ps in zip(qs, pss, strict=True)]
         batch = generate_batch(lm, qs, pss, **kw)
-        counts = dict(lm.__dict__["_tokrag_step_graphs"].counts)
+        counts = dict(kept_graphs(lm).counts)
     assert sum(g.recorded for g in recorder.made) >= 2 and counts["replayed"] > counts["eager"]
     for got in (alone, batch):
         for q, g, w in zip(qs, got, want, strict=True):

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepGraphs", "capture_off_reason", "graphs_of"]
+__all__ = ["StepGraphs", "capture_off_reason", "graphs_of", "kept_graphs"]
 
 #: The entry of a signature whose recording failed: its steps run eagerly.
 EAGER = "eager"
@@ -44,10 +44,14 @@ MAX_GRAPHS = 8
 _GRAPHS = "_tokrag_step_graphs"
 
 
+def kept_graphs(lm: Any) -> StepGraphs | None:
+    """The recorded steps the loaded model ``lm`` keeps across its decodes (None: none yet)."""
+    return lm.__dict__.get(_GRAPHS)
+
+
 def graphs_of(lm: Any, make: Callable[[], StepGraphs]) -> StepGraphs:
-    """The recorded steps of the loaded model ``lm`` (``make()`` on first use), kept across
-    its decodes."""
-    graphs = lm.__dict__.get(_GRAPHS)
+    """:func:`kept_graphs`, made by ``make()`` on first use."""
+    graphs = kept_graphs(lm)
     if graphs is None:
         graphs = lm.__dict__[_GRAPHS] = make()
     return graphs
